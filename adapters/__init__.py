@@ -1,0 +1,1 @@
+"""Connection adapters: one module per driver."""

@@ -1,0 +1,1 @@
+"""Store backends: one module or package per store."""

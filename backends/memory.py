@@ -1,0 +1,306 @@
+"""An in-process backend for tests and single-process applications.
+
+It implements the whole contract of :class:`lease_core.abc.Backend` with plain Python
+structures. Its clock is injectable, so time-dependent behaviour can be tested without
+waiting. Schedulers in one process (even on different event loops) may share one instance.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio.lowlevel
+
+from lease_core._structures import (
+    Attempt,
+    CheckResult,
+    ClaimRequest,
+    ClaimResult,
+    ClaimStatus,
+    HeartbeatResult,
+    JobInfo,
+    Lease,
+    Outcome,
+    Reason,
+    RunState,
+    RunStatus,
+    ms_to_datetime,
+)
+from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
+
+__all__ = ["MemoryBackend"]
+
+
+@dataclass
+class _Run:
+    status: RunStatus
+    attempt: int
+    token: str | None
+    instance_id: str | None
+    expires_ms: int | None
+    checkpoint: str | None = None
+
+
+@dataclass
+class _Job:
+    first_seen_ms: int
+    last_slot: int | None = None
+
+
+class MemoryBackend(Backend):
+    """Keep runs, attempts and checkpoints in this process's memory.
+
+    ``clock`` returns the store's time in seconds since the epoch; it defaults to the
+    system clock and is meant to be replaced in tests. Nothing survives the process.
+    """
+
+    schemes = ("memory",)
+
+    def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
+        super().__init__()
+        self._clock = clock or time.time
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._runs: dict[tuple[str, int], _Run] = {}
+        self._attempts: dict[str, list[Attempt]] = {}
+
+    async def _open(self) -> None:
+        pass
+
+    async def _close(self) -> None:
+        pass
+
+    def _now(self) -> int:
+        return int(self._clock() * 1000)
+
+    async def now_ms(self) -> int:
+        """Return the injected clock's time in epoch milliseconds."""
+        await anyio.lowlevel.checkpoint()
+        return self._now()
+
+    async def register_jobs(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+        """Record the jobs as seen and list their open runs."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            out: dict[str, JobInfo] = {}
+            for name in jobs:
+                job = self._jobs.get(name)
+                new = job is None
+                if job is None:
+                    job = self._jobs[name] = _Job(first_seen_ms=now)
+                open_slots = tuple(
+                    sorted(
+                        slot
+                        for (j, slot), run in self._runs.items()
+                        if j == name and not run.status.finished
+                    )
+                )
+                out[name] = JobInfo(name, job.first_seen_ms, job.last_slot, open_slots, new)
+            return out
+
+    async def claim(self, request: ClaimRequest) -> ClaimResult:
+        """Win, take over or inspect the run, atomically under one lock."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return self._claim(request)
+
+    def _claim(self, req: ClaimRequest) -> ClaimResult:
+        now = self._now()
+        key = (req.job, req.slot)
+        job = self._jobs.setdefault(req.job, _Job(first_seen_ms=now))
+        job.last_slot = req.slot if job.last_slot is None else max(job.last_slot, req.slot)
+        run = self._runs.get(key)
+        history = self._attempts.setdefault(req.job, [])
+
+        def result(status: ClaimStatus, run: _Run, reason: Reason | None = None) -> ClaimResult:
+            return ClaimResult(
+                status, req.job, req.slot, now, run.attempt, reason, run.expires_ms,
+                run.status, run.instance_id,
+            )
+
+        if run is None:
+            if req.overlap_skip and any(
+                j == req.job and s < req.slot and r.status is RunStatus.RUNNING
+                and r.expires_ms is not None and r.expires_ms > now
+                for (j, s), r in self._runs.items()
+            ):
+                run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
+                at = ms_to_datetime(now)
+                history.append(
+                    Attempt(req.job, req.slot, 1, req.instance_id, req.reason, at, at,
+                            Outcome.SKIPPED, "an earlier run of the job still holds its lease")
+                )
+                self._trim(req, now)
+                return result(ClaimStatus.SKIPPED, run)
+            run = self._runs[key] = _Run(
+                RunStatus.RUNNING, 1, req.token, req.instance_id, now + req.lease_ms
+            )
+            history.append(
+                Attempt(req.job, req.slot, 1, req.instance_id, req.reason, ms_to_datetime(now))
+            )
+            self._trim(req, now)
+            return result(ClaimStatus.WON, run, req.reason)
+        if run.status.finished:
+            return result(ClaimStatus.FINISHED, run)
+        if run.status is RunStatus.RUNNING and run.expires_ms is not None and run.expires_ms > now:
+            return result(ClaimStatus.RUNNING, run)
+        if run.status is RunStatus.HANDED_OVER:
+            reason = Reason.HAND_OVER
+        else:
+            if req.max_attempts is not None and run.attempt >= req.max_attempts:
+                self._end_attempt(req.job, req.slot, run.attempt, now, Outcome.ESCALATED,
+                                  f"lease lost on attempt {run.attempt} of "
+                                  f"max_attempts={req.max_attempts}; escalated")
+                run.status = RunStatus.ESCALATED
+                run.token = None
+                run.expires_ms = None
+                return result(ClaimStatus.ESCALATED, run)
+            self._end_attempt(req.job, req.slot, run.attempt, now, Outcome.LOST,
+                              "lease expired without renewal")
+            reason = Reason.TAKEOVER
+        run.status = RunStatus.RUNNING
+        run.attempt += 1
+        run.token = req.token
+        run.instance_id = req.instance_id
+        run.expires_ms = now + req.lease_ms
+        history.append(
+            Attempt(req.job, req.slot, run.attempt, req.instance_id, reason, ms_to_datetime(now))
+        )
+        self._trim(req, now)
+        return result(ClaimStatus.WON, run, reason)
+
+    def _end_attempt(
+        self, job: str, slot: int, attempt: int, now: int, outcome: Outcome, error: str | None
+    ) -> None:
+        history = self._attempts.get(job, [])
+        for i in range(len(history) - 1, -1, -1):
+            a = history[i]
+            if a.slot == slot and a.attempt == attempt:
+                if a.outcome is None:
+                    history[i] = replace(
+                        a, outcome=outcome, error=error, finished_at=ms_to_datetime(now)
+                    )
+                return
+
+    def _trim(self, req: ClaimRequest, now: int) -> None:
+        history = self._attempts[req.job]
+        keep = history[-req.history_size:] if req.history_size > 0 else []
+        if req.history_ttl_ms is not None:
+            cutoff = ms_to_datetime(now - req.history_ttl_ms)
+            keep = [a for a in keep if a.finished_at is None or a.finished_at >= cutoff]
+        if len(keep) != len(history):
+            self._attempts[req.job] = keep
+            slots = {a.slot for a in keep}
+            for key in [
+                k for k, r in self._runs.items()
+                if k[0] == req.job and r.status.finished and k[1] not in slots
+            ]:
+                del self._runs[key]
+
+    def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:
+        run = self._runs.get((lease.job, lease.slot))
+        if run is None or run.token != lease.token or run.status is not RunStatus.RUNNING:
+            return None
+        if live and (run.expires_ms is None or run.expires_ms <= now):
+            return None
+        return run
+
+    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
+        """Renew every live lease in ``leases`` to ``now + lease_ms``."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            held = set()
+            for lease in leases:
+                run = self._held(lease, now, live=True)
+                if run is not None:
+                    run.expires_ms = now + lease.lease_ms
+                    held.add(lease.token)
+            return HeartbeatResult(now, frozenset(held))
+
+    async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
+        """End the attempt if ``lease`` still holds the run."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            run = self._held(lease, now)
+            if run is None:
+                return False
+            run.status = RunStatus(outcome.value)
+            run.token = None
+            run.expires_ms = None
+            self._end_attempt(lease.job, lease.slot, run.attempt, now, outcome, error)
+            return True
+
+    async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
+        """Mark each held run ``handed_over`` so a backup claims it at once."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            done = set()
+            for lease in leases:
+                run = self._held(lease, now)
+                if run is not None:
+                    run.status = RunStatus.HANDED_OVER
+                    run.token = None
+                    run.expires_ms = now
+                    self._end_attempt(lease.job, lease.slot, run.attempt, now,
+                                      Outcome.HANDED_OVER, None)
+                    done.add(lease.token)
+            return frozenset(done)
+
+    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
+        """Read the watched runs."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            found = {}
+            for key in runs:
+                run = self._runs.get(key)
+                if run is not None:
+                    found[key] = RunState(key[0], key[1], run.status, run.attempt,
+                                          run.expires_ms, run.instance_id)
+            return CheckResult(self._now(), found)
+
+    async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
+        """Return attempts newest first."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            if job is None:
+                items = [a for h in self._attempts.values() for a in h]
+            else:
+                items = list(self._attempts.get(job, []))
+        items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
+        return items[:limit]
+
+    async def get_checkpoint(self, job: str, slot: int) -> Any:
+        """Return the run's checkpoint."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            run = self._runs.get((job, slot))
+            return decode_checkpoint(run.checkpoint if run else None)
+
+    async def set_checkpoint(self, lease: Lease, value: Any) -> bool:
+        """Store the checkpoint, fenced by the lease's token."""
+        text = encode_checkpoint(value)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            run = self._held(lease, self._now())
+            if run is None:
+                return False
+            run.checkpoint = text
+            return True
+
+    async def delete_checkpoint(self, lease: Lease) -> bool:
+        """Remove the checkpoint, fenced by the lease's token."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            run = self._held(lease, self._now())
+            if run is None:
+                return False
+            run.checkpoint = None
+            return True

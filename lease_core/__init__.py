@@ -1,0 +1,89 @@
+"""anarchon: lease coordination for scheduled jobs.
+
+Many instances of a service run the same scheduled jobs; for every scheduled run exactly
+one instance wins and executes it, and the others stand by as backups. The public API is
+imported from here; backends are loaded lazily, so a missing optional driver fails only
+when its backend is used, with a message naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._structures import Attempt, Outcome, Reason, RunStatus
+from .errors import (
+    AnarchonError,
+    BackendUnavailable,
+    ConfigurationError,
+    LeaseLost,
+    StopRequested,
+    StoreFormatError,
+)
+
+if TYPE_CHECKING:
+    from backends.memory import MemoryBackend
+    from backends.postgres import PostgresBackend
+    from backends.redis import RedisBackend
+
+    from ._registry import backend_from_url
+    from .abc import Backend
+    from .context import Checkpoint, RunContext
+    from .scheduler import Scheduler
+
+__all__ = [
+    "AnarchonError",
+    "Attempt",
+    "Backend",
+    "BackendUnavailable",
+    "Checkpoint",
+    "ConfigurationError",
+    "LeaseLost",
+    "MemoryBackend",
+    "Outcome",
+    "PostgresBackend",
+    "Reason",
+    "RedisBackend",
+    "RunContext",
+    "RunStatus",
+    "Scheduler",
+    "StopRequested",
+    "StoreFormatError",
+    "backend_from_url",
+]
+
+__version__ = "0.1.0"
+
+_LAZY: dict[str, tuple[str, str]] = {
+    "Scheduler": ("lease_core.scheduler", ""),
+    "RunContext": ("lease_core.context", ""),
+    "Checkpoint": ("lease_core.context", ""),
+    "Backend": ("lease_core.abc", ""),
+    "backend_from_url": ("lease_core._registry", ""),
+    "MemoryBackend": ("backends.memory", ""),
+    "PostgresBackend": ("backends.postgres", "postgres"),
+    "RedisBackend": ("backends.redis", "redis"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, extra = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'lease_core' has no attribute {name!r}") from None
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if extra and not (exc.name or "").startswith(("backends", "lease_core", "adapters")):
+            raise ConfigurationError(
+                f"{name} needs the driver {exc.name!r}; install it with: "
+                f"pip install 'anarchon[{extra}]'"
+            ) from None
+        raise
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

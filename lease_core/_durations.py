@@ -1,0 +1,62 @@
+"""Parsing of durations given as strings, ``timedelta`` or numbers of seconds."""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import timedelta
+
+from .errors import ConfigurationError
+
+__all__ = ["Duration", "parse_duration", "to_ms"]
+
+Duration = str | timedelta | int | float
+
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_ACCEPTED = (
+    "a string such as '500ms', '30s', '5m', '1h30m' or '2d', a timedelta, or a number of seconds"
+)
+
+
+def parse_duration(value: object, *, what: str = "duration", allow_zero: bool = False) -> float:
+    """Return ``value`` as a number of seconds, or raise :class:`ConfigurationError`.
+
+    ``what`` names the option in the error message.
+    """
+    seconds: float
+    if isinstance(value, bool):
+        raise ConfigurationError(f"{what}={value!r} is not a duration; use {_ACCEPTED}")
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        pos = 0
+        total = 0.0
+        for match in _PART.finditer(text):
+            if match.start() != pos:
+                break
+            total += float(match.group(1)) * _UNITS_MS[match.group(2)] / 1000
+            pos = match.end()
+        if not text or pos != len(text):
+            raise ConfigurationError(
+                f"{what}={value!r} is not a duration; use {_ACCEPTED} "
+                f"(units: {', '.join(_UNITS_MS)})"
+            )
+        seconds = total
+    else:
+        raise ConfigurationError(
+            f"{what}={value!r} has type {type(value).__name__}; use {_ACCEPTED}"
+        )
+    if math.isnan(seconds) or math.isinf(seconds):
+        raise ConfigurationError(f"{what}={value!r} must be a finite duration")
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ConfigurationError(f"{what}={value!r} must be greater than zero")
+    return seconds
+
+
+def to_ms(seconds: float) -> int:
+    """Round a number of seconds to whole milliseconds, at least 1."""
+    return max(1, round(seconds * 1000))

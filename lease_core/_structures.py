@@ -1,0 +1,201 @@
+"""The values that travel between the scheduler and a backend: runs, attempts and claims."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+
+__all__ = [
+    "Attempt",
+    "CheckResult",
+    "ClaimRequest",
+    "ClaimResult",
+    "ClaimStatus",
+    "HeartbeatResult",
+    "JobInfo",
+    "Lease",
+    "Outcome",
+    "Reason",
+    "RunState",
+    "RunStatus",
+    "ms_to_datetime",
+]
+
+
+def ms_to_datetime(ms: int) -> datetime:
+    """Return epoch milliseconds as a tz-aware UTC datetime."""
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+class Reason(StrEnum):
+    """Why an attempt claimed its run."""
+
+    SCHEDULED = "scheduled"
+    TAKEOVER = "takeover"
+    HAND_OVER = "hand-over"
+    CATCH_UP = "catch-up"
+
+
+class Outcome(StrEnum):
+    """How an attempt ended. ``None`` stands for an attempt that is still running."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    LOST = "lost"
+    HANDED_OVER = "handed_over"
+    ESCALATED = "escalated"
+    SKIPPED = "skipped"
+
+
+class RunStatus(StrEnum):
+    """The state of a run (job, slot) in the store."""
+
+    RUNNING = "running"
+    HANDED_OVER = "handed_over"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    ESCALATED = "escalated"
+    SKIPPED = "skipped"
+
+    @property
+    def finished(self) -> bool:
+        """True for the statuses a run never leaves."""
+        return self not in (RunStatus.RUNNING, RunStatus.HANDED_OVER)
+
+
+class ClaimStatus(StrEnum):
+    """What a claim of a run found."""
+
+    WON = "won"
+    """The caller holds the run now, with the token it sent."""
+    RUNNING = "running"
+    """Another attempt holds a live lease; the caller should stand by as a backup."""
+    FINISHED = "finished"
+    """The run already ended (see :attr:`ClaimResult.run_status`)."""
+    SKIPPED = "skipped"
+    """An earlier slot of the job still holds a live lease; the run was recorded as skipped."""
+    ESCALATED = "escalated"
+    """The lease expired on the last allowed attempt; the run is now escalated."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What identifies one attempt's hold on a run: enough for every fenced call."""
+
+    job: str
+    slot: int
+    token: str
+    lease_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """A request to win, or take over, the run (job, slot)."""
+
+    job: str
+    slot: int
+    instance_id: str
+    token: str
+    """A token unique to this attempt, made by the caller; it fences every later call."""
+    lease_ms: int
+    reason: Reason = Reason.SCHEDULED
+    """``scheduled`` or ``catch-up`` for a new run; a takeover gets ``takeover`` or
+    ``hand-over`` from the backend, whatever is sent here."""
+    overlap_skip: bool = True
+    max_attempts: int | None = None
+    history_size: int = 100
+    history_ttl_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What a claim found or did."""
+
+    status: ClaimStatus
+    job: str
+    slot: int
+    now_ms: int
+    """The store's clock when the claim ran."""
+    attempt: int = 0
+    """The run's current attempt number (0 when the run was never attempted)."""
+    reason: Reason | None = None
+    """Why the caller's attempt claimed, when it won."""
+    expires_ms: int | None = None
+    """When the current lease expires, by the store's clock."""
+    run_status: RunStatus | None = None
+    instance_id: str | None = None
+    """The instance holding the run."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunState:
+    """One run as a backup sees it."""
+
+    job: str
+    slot: int
+    status: RunStatus
+    attempt: int
+    expires_ms: int | None
+    instance_id: str | None
+
+    def claimable(self, now_ms: int) -> bool:
+        """True when a backup may take the run over at store time ``now_ms``."""
+        if self.status is RunStatus.HANDED_OVER:
+            return True
+        return self.status is RunStatus.RUNNING and (
+            self.expires_ms is None or self.expires_ms <= now_ms
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """The answer to a batched check of watched runs; missing runs were deleted."""
+
+    now_ms: int
+    runs: dict[tuple[str, int], RunState] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    """The answer to a batched heartbeat: the tokens whose leases were renewed."""
+
+    now_ms: int
+    held: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    """What the store knows of a job when a scheduler starts."""
+
+    job: str
+    first_seen_ms: int
+    """When the store first saw the job; slots before it are never caught up."""
+    last_slot: int | None
+    """The newest slot ever claimed for the job."""
+    open_slots: tuple[int, ...] = ()
+    """Slots of runs still running or handed over, which backups must watch."""
+    new: bool = False
+    """True when this registration was the first the store saw of the job."""
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One attempt of a run, as recorded in the history."""
+
+    job: str
+    slot: int
+    attempt: int
+    instance_id: str
+    reason: Reason
+    claimed_at: datetime
+    finished_at: datetime | None = None
+    outcome: Outcome | None = None
+    error: str | None = None
+
+    @property
+    def scheduled_at(self) -> datetime:
+        """The slot as a tz-aware UTC datetime."""
+        return ms_to_datetime(self.slot)

@@ -1,0 +1,195 @@
+"""The backend contract: what every store (PostgreSQL, Redis, memory) implements.
+
+A backend stores runs, attempts, jobs and checkpoints, and does all lease arithmetic on
+**its own clock**. The scheduler never compares a lease with a local clock of its own.
+
+The contract, which the conformance suite in ``tests/`` checks on every backend:
+
+*Runs.* A run is identified by (job, slot). Its status is one of :class:`RunStatus`.
+Exactly one attempt holds a run at a time; that attempt's ``token`` fences every write.
+
+*Claim* (:meth:`Backend.claim`), atomically and serialised per job (claims of different
+jobs never wait for each other):
+
+1. Register the job if it is new (``first_seen`` = now) and raise its ``last_slot`` to
+   the slot.
+2. If the run does not exist:
+
+   - with ``overlap_skip``, when another run of the job with a smaller slot is
+     ``running`` with ``expires > now``, insert the run as ``skipped`` with one attempt
+     whose outcome is ``skipped`` and return ``SKIPPED``;
+   - otherwise insert it as ``running``, attempt 1, the request's token and reason,
+     ``expires = now + lease``, and return ``WON``.
+
+3. If the run is finished, return ``FINISHED`` with its status.
+4. If it is ``running`` with ``expires > now``, return ``RUNNING`` (stand by as backup).
+5. If it is ``handed_over``: the next attempt takes it with reason ``hand-over``
+   (hand-overs never count against ``max_attempts``); return ``WON``.
+6. If it is ``running`` with ``expires <= now``: when ``max_attempts`` is set and the run's
+   attempt is already ``>= max_attempts``, the run becomes ``escalated``, its last attempt's
+   outcome becomes ``escalated`` (if it had none) and ``ESCALATED`` is returned.
+   Otherwise the last attempt's outcome becomes ``lost`` (if it had none), and the next
+   attempt takes the run with reason ``takeover``; return ``WON``.
+7. After a claim that wrote an attempt, trim the job's history (bounded work per call):
+   keep the newest ``history_size`` attempts, drop attempts that finished more than
+   ``history_ttl`` ago, and delete finished runs that no longer have any attempt.
+
+*Fencing.* :meth:`heartbeat`, :meth:`finish`, :meth:`hand_over` and
+:meth:`set_checkpoint` act only where the run's current token equals the caller's token
+and the run is ``running``; otherwise they change nothing. A heartbeat also requires
+``expires > now``: an expired lease is never revived, so a backup's takeover is never
+raced by the old holder.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import anyio
+
+from ._structures import (
+    Attempt,
+    CheckResult,
+    ClaimRequest,
+    ClaimResult,
+    HeartbeatResult,
+    JobInfo,
+    Lease,
+    Outcome,
+)
+from .errors import ConfigurationError
+
+__all__ = ["Backend", "decode_checkpoint", "encode_checkpoint"]
+
+
+def encode_checkpoint(value: object) -> str:
+    """Serialise a checkpoint value to JSON text, or raise :class:`ConfigurationError`."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"checkpoint value {value!r:.80} is not JSON-serialisable ({exc}); "
+            "store dicts, lists, strings, numbers, booleans or None"
+        ) from None
+
+
+def decode_checkpoint(text: str | None) -> Any:
+    """Parse checkpoint JSON text; ``None`` (no checkpoint) stays ``None``."""
+    return None if text is None else json.loads(text)
+
+
+class Backend(ABC):
+    """The store a :class:`~lease_core.Scheduler` coordinates through.
+
+    A backend may be shared by several schedulers in one process. :meth:`start` and
+    :meth:`close` are counted: resources the backend opened itself (a pool made from a
+    DSN, a client made from a URL) are closed when the last user closes it. Resources the
+    user passed in are never closed.
+    """
+
+    #: The URL schemes :func:`~lease_core.backend_from_url` maps to this backend.
+    schemes: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._start_lock = anyio.Lock()
+
+    async def start(self) -> None:
+        """Open connections and create the store's structures when missing.
+
+        Safe to call from many schedulers and many processes at once.
+        """
+        async with self._start_lock:
+            if self._users == 0:
+                await self._open()
+            self._users += 1
+
+    async def close(self) -> None:
+        """Release this user's hold; the last one closes what the backend opened."""
+        async with self._start_lock:
+            if self._users == 0:
+                return
+            self._users -= 1
+            if self._users == 0:
+                await self._close()
+
+    @abstractmethod
+    async def _open(self) -> None:
+        """Open the backend's resources (first :meth:`start`)."""
+
+    @abstractmethod
+    async def _close(self) -> None:
+        """Close the resources the backend opened itself (last :meth:`close`)."""
+
+    @abstractmethod
+    async def now_ms(self) -> int:
+        """Return the store's clock, in epoch milliseconds."""
+
+    @abstractmethod
+    async def register_jobs(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+        """Record the jobs as seen (keeping an earlier ``first_seen``) and describe each.
+
+        Each :class:`JobInfo` lists the slots of runs still ``running`` or ``handed_over``
+        so that a starting scheduler can watch them.
+        """
+
+    @abstractmethod
+    async def claim(self, request: ClaimRequest) -> ClaimResult:
+        """Win, take over, or find the state of a run, atomically (see module docs)."""
+
+    @abstractmethod
+    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
+        """Renew every lease in one round trip; return the tokens still held.
+
+        Each renewal sets ``expires = now + lease_ms`` (an absolute expiry on the store's
+        clock, never an addition to the remaining time), and only where the token still
+        holds a ``running`` run whose lease has not expired.
+        """
+
+    @abstractmethod
+    async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
+        """End the attempt with ``outcome`` (completed, failed or timed_out).
+
+        Returns False, changing nothing, when the token no longer holds the run.
+        """
+
+    @abstractmethod
+    async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
+        """Release runs so a backup claims them at its next check; return tokens released.
+
+        Each run becomes ``handed_over`` and its attempt's outcome ``handed_over``.
+        """
+
+    @abstractmethod
+    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
+        """Read the state of many runs in one round trip, for backups."""
+
+    @abstractmethod
+    async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
+        """Return attempts, newest claim first, of one job or of all jobs."""
+
+    @abstractmethod
+    async def get_checkpoint(self, job: str, slot: int) -> Any:
+        """Return the run's checkpoint, or ``None`` when it has none."""
+
+    @abstractmethod
+    async def set_checkpoint(self, lease: Lease, value: Any) -> bool:
+        """Store the run's checkpoint if ``lease`` still holds the run; return success."""
+
+    @abstractmethod
+    async def delete_checkpoint(self, lease: Lease) -> bool:
+        """Remove the run's checkpoint if ``lease`` still holds the run; return success."""
+
+    def transaction(self, lease: Lease) -> AbstractAsyncContextManager[Any]:
+        """Open a fenced transaction that completes the run when it commits.
+
+        Only SQL backends support it; others raise :class:`ConfigurationError`.
+        """
+        raise ConfigurationError(
+            f"{type(self).__name__} has no fenced transactions; "
+            "use PostgresBackend for ctx.transaction()"
+        )

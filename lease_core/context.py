@@ -1,0 +1,147 @@
+"""The handler context: what a running job knows about its run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.from_thread
+
+from ._structures import Lease, Reason, ms_to_datetime
+from .errors import LeaseLost, StopRequested
+
+if TYPE_CHECKING:
+    from .abc import Backend
+
+__all__ = ["Checkpoint", "RunContext"]
+
+
+class Checkpoint:
+    """The run's checkpoint: one JSON value scoped to (job, slot), fenced by the token.
+
+    A later attempt of the same run (after a takeover or hand-over) reads what an earlier
+    one stored, so a long job resumes where it stopped. A write from an attempt that no
+    longer holds the run raises :class:`~lease_core.LeaseLost` and changes nothing, so a
+    checkpoint never goes backwards. The ``*_sync`` variants are for sync handlers, which
+    run in worker threads.
+    """
+
+    def __init__(self, backend: Backend, lease: Lease) -> None:
+        self._backend = backend
+        self._lease = lease
+
+    async def get(self) -> Any:
+        """Return the stored value, or ``None`` when there is none."""
+        return await self._backend.get_checkpoint(self._lease.job, self._lease.slot)
+
+    async def set(self, value: Any) -> None:
+        """Store ``value`` (JSON-serialisable); raise LeaseLost if this attempt lost the run."""
+        if not await self._backend.set_checkpoint(self._lease, value):
+            raise LeaseLost(
+                f"attempt of {self._lease.job!r} slot {self._lease.slot} no longer holds the run; "
+                "checkpoint not written"
+            )
+
+    async def delete(self) -> None:
+        """Remove the stored value; raise LeaseLost if this attempt lost the run."""
+        if not await self._backend.delete_checkpoint(self._lease):
+            raise LeaseLost(
+                f"attempt of {self._lease.job!r} slot {self._lease.slot} no longer holds the run; "
+                "checkpoint not deleted"
+            )
+
+    def get_sync(self) -> Any:
+        """:meth:`get` for a sync handler running in a worker thread."""
+        return anyio.from_thread.run(self.get)
+
+    def set_sync(self, value: Any) -> None:
+        """:meth:`set` for a sync handler running in a worker thread."""
+        anyio.from_thread.run(self.set, value)
+
+    def delete_sync(self) -> None:
+        """:meth:`delete` for a sync handler running in a worker thread."""
+        anyio.from_thread.run(self.delete)
+
+
+class RunContext:
+    """Passed to every handler: which run this is, cancellation, checkpoint and logging.
+
+    The handler is cancelled (anyio cancellation) when its timeout passes, when the lease
+    is lost, or when ``stop()``'s grace period ends. Before that, ``stop()`` sets
+    :attr:`stopping`, which a handler can poll between items with :meth:`raise_if_stopping`.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        lease: Lease,
+        attempt: int,
+        reason: Reason,
+        instance_id: str,
+        logger: logging.Logger,
+    ) -> None:
+        self.job: str = lease.job
+        """The job's name."""
+        self.slot: int = lease.slot
+        """The run's slot: its scheduled time in epoch milliseconds (UTC)."""
+        self.scheduled_at: datetime = ms_to_datetime(lease.slot)
+        """The slot as a tz-aware UTC datetime."""
+        self.attempt: int = attempt
+        """1, 2, 3 ...: increases on every takeover or hand-over of the run."""
+        self.token: str = lease.token
+        """This attempt's fencing token."""
+        self.reason: Reason = reason
+        """Why this attempt claimed the run."""
+        self.instance_id: str = instance_id
+        """The instance running this attempt."""
+        self.stopping: anyio.Event = anyio.Event()
+        """Set when the scheduler is stopping or the run must end soon."""
+        self.checkpoint: Checkpoint = Checkpoint(backend, lease)
+        """The run's fenced checkpoint."""
+        self.log: logging.LoggerAdapter[logging.Logger] = logging.LoggerAdapter(
+            logger,
+            {"job": lease.job, "slot": lease.slot, "attempt": attempt, "instance": instance_id},
+        )
+        """A logger bound to the job, slot and attempt."""
+        self._backend = backend
+        self._lease = lease
+        self._stop_reason: str | None = None
+        self.completed_by_transaction = False
+
+    def _request_stop(self, reason: str) -> None:
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        self.stopping.set()
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run was asked to stop (``"stopping"``, ``"lease lost"``...), if it was."""
+        return self._stop_reason
+
+    def raise_if_stopping(self) -> None:
+        """Raise :class:`~lease_core.StopRequested` if the run was asked to stop.
+
+        Call it between items of a batch. Safe to call from a sync handler's thread.
+        """
+        if self._stop_reason is not None:
+            raise StopRequested(
+                f"run {self.job!r} slot {self.slot} asked to stop: {self._stop_reason}"
+            )
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Any]:
+        """Run the handler's own SQL in a transaction that also completes the run.
+
+        The run row is locked first where this attempt's token is still current
+        (:class:`~lease_core.LeaseLost` otherwise). The effects written through the
+        yielded object and the run's completion commit together, or not at all. Only SQL
+        backends support it.
+        """
+        async with self._backend.transaction(self._lease) as tx:
+            yield tx
+        self.completed_by_transaction = True

@@ -1,0 +1,44 @@
+"""The exceptions raised by anarchon.
+
+Every exception derives from :class:`AnarchonError`, so one ``except`` clause catches them
+all. Driver exceptions are translated at the backend edge into these types.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AnarchonError",
+    "BackendUnavailable",
+    "ConfigurationError",
+    "LeaseLost",
+    "StopRequested",
+    "StoreFormatError",
+]
+
+
+class AnarchonError(Exception):
+    """Raised for every error of anarchon's own; the root of its exception tree."""
+
+
+class ConfigurationError(AnarchonError, ValueError):
+    """Raised when a value given to anarchon is invalid; the message names the value."""
+
+
+class LeaseLost(AnarchonError):
+    """Raised when a fenced operation finds that its token no longer holds the run."""
+
+
+class StoreFormatError(AnarchonError):
+    """Raised when the store was written by a newer format than this anarchon understands."""
+
+
+class BackendUnavailable(AnarchonError):
+    """Raised when the store cannot be reached or refuses the connection."""
+
+
+class StopRequested(AnarchonError):
+    """Raised by :meth:`RunContext.raise_if_stopping` when the run should end now.
+
+    The scheduler treats it as a request to stop: the run is handed over to a backup when
+    the scheduler is stopping, and is not recorded as failed.
+    """

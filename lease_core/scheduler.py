@@ -1,0 +1,649 @@
+"""The scheduler: declares jobs, claims their slots, runs handlers, backs up other instances."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import re
+import socket
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import anyio
+import anyio.to_thread
+from anyio.abc import TaskGroup
+
+from ._durations import Duration, parse_duration, to_ms
+from ._structures import (
+    Attempt,
+    ClaimRequest,
+    ClaimResult,
+    ClaimStatus,
+    JobInfo,
+    Lease,
+    Outcome,
+    Reason,
+)
+from .abc import Backend
+from .context import RunContext
+from .errors import AnarchonError, ConfigurationError, LeaseLost, StopRequested
+from .schedules import CronSchedule, IntervalSchedule, Schedule
+
+__all__ = ["CATCH_UP_LIMIT", "CATCH_UP_WINDOW_MS", "Job", "Scheduler"]
+
+logger = logging.getLogger("anarchon")
+
+Handler = Callable[[RunContext], Any]
+H = TypeVar("H", bound=Handler)
+
+#: Catch-up never looks further back than this (milliseconds).
+CATCH_UP_WINDOW_MS = 24 * 3_600_000
+#: ``catch_up="all"`` runs at most this many missed slots per job.
+CATCH_UP_LIMIT = 100
+
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,199}$")
+_OVERLAP = ("skip", "allow")
+_CATCH_UP = ("latest", "all", "none")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A declared job: its schedule, handler and options."""
+
+    name: str
+    schedule: Schedule
+    handler: Handler
+    timeout: float | None
+    overlap: Literal["skip", "allow"]
+    catch_up: Literal["latest", "all", "none"]
+    max_attempts: int | None
+    lease_ms: int
+    is_async: bool
+
+
+@dataclass
+class _Held:
+    """A run this instance holds and is executing."""
+
+    job: Job
+    lease: Lease
+    ctx: RunContext
+    scope: anyio.CancelScope
+    cancel_reason: str | None = None
+    lost: bool = False
+
+
+@dataclass
+class _Watched:
+    """A run this instance backs up, or a claim it must retry."""
+
+    job: Job
+    retry_reason: Reason | None = None
+
+
+@dataclass
+class _ClockSamples:
+    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=8))
+    last_sample: float = -math.inf
+
+
+def _is_async(handler: Handler) -> bool:
+    if inspect.iscoroutinefunction(handler):
+        return True
+    call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects too
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+def _default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Scheduler:
+    """Runs each scheduled slot of each job once across every instance sharing ``backend``.
+
+    For every slot, the first instance whose claim succeeds runs the handler; the others
+    watch the run and take it over when its lease expires (reason ``takeover``) or when
+    the holder hands it over on :meth:`stop` (reason ``hand-over``).
+
+    ``lease`` is the default lease of every job; heartbeats renew held leases every
+    ``heartbeat``, and each instance checks the runs it backs up at the same interval. The
+    lease must be at least three heartbeats long. ``clock`` is the local monotonic clock in
+    seconds (injectable for tests); lease arithmetic always uses the store's clock, and the
+    scheduler estimates its offset to it, so a skewed local clock shifts nothing.
+
+    .. note:: The scheduler calls ``backend.start()`` and ``backend.close()``; a backend
+       closes only what it opened itself, never a pool or client the user passed in.
+
+    :meth:`start` and :meth:`stop` must be awaited from the same task (``async with
+    scheduler:`` does that), because the scheduler's tasks live in a task group entered by
+    :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        instance_id: str | None = None,
+        lease: Duration = "30s",
+        heartbeat: Duration = "5s",
+        history_size: int = 100,
+        history_ttl: Duration | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not isinstance(backend, Backend):
+            raise ConfigurationError(
+                f"backend={backend!r} is not an anarchon backend; pass MemoryBackend(), "
+                "PostgresBackend(...), RedisBackend(...) or backend_from_url(url)"
+            )
+        if instance_id is not None and (
+            not isinstance(instance_id, str) or not instance_id.strip()
+        ):
+            raise ConfigurationError(f"instance_id={instance_id!r} must be a non-empty string")
+        if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
+            raise ConfigurationError(f"history_size={history_size!r} must be an integer >= 1")
+        self.backend = backend
+        self.instance_id: str = instance_id or _default_instance_id()
+        self.heartbeat: float = parse_duration(heartbeat, what="heartbeat")
+        self.lease: float = parse_duration(lease, what="lease")
+        self._check_lease(self.lease, "lease", lease)
+        self.history_size = history_size
+        self.history_ttl_ms = (
+            None if history_ttl is None else to_ms(parse_duration(history_ttl, what="history_ttl"))
+        )
+        self._clock = clock or time.monotonic
+        self._jobs: dict[str, Job] = {}
+        self._held: dict[str, _Held] = {}
+        self._watch: dict[tuple[str, int], _Watched] = {}
+        self._to_hand_over: dict[str, Lease] = {}
+        self._clock_samples = _ClockSamples()
+        self._offset_ms = 0.0
+        self._tg: TaskGroup | None = None
+        self._loops = anyio.CancelScope()
+        self._ticker_scope = anyio.CancelScope()
+        self._idle = anyio.Event()
+        self._started = False
+        self._stopping = False
+        self._crashed = False
+
+    # ----------------------------------------------------------------- declaring jobs
+
+    def _check_lease(self, seconds: float, what: str, given: object) -> None:
+        if seconds < 3 * self.heartbeat:
+            raise ConfigurationError(
+                f"{what}={given!r} is shorter than 3 heartbeats ({self.heartbeat:g}s each); "
+                f"use a {what} of at least {3 * self.heartbeat:g}s or a shorter heartbeat"
+            )
+
+    def every(
+        self,
+        name: str,
+        interval: Duration,
+        handler: H | None = None,
+        *,
+        timeout: Duration | None = None,
+        overlap: str = "skip",
+        catch_up: str = "latest",
+        max_attempts: int | None = None,
+        lease: Duration | None = None,
+        offset: Duration | None = None,
+    ) -> Any:
+        """Declare a job that runs every ``interval``; slots are aligned to the epoch.
+
+        ``offset`` shifts the slots (e.g. ``every("x", "1h", offset="5m")`` runs at :05).
+        Without ``handler`` this returns a decorator.
+        """
+        schedule = IntervalSchedule(interval, offset or 0)
+        return self._declare(name, schedule, handler, timeout, overlap, catch_up,
+                             max_attempts, lease)
+
+    def cron(
+        self,
+        name: str,
+        expression: str,
+        handler: H | None = None,
+        *,
+        tz: str = "UTC",
+        timeout: Duration | None = None,
+        overlap: str = "skip",
+        catch_up: str = "latest",
+        max_attempts: int | None = None,
+        lease: Duration | None = None,
+    ) -> Any:
+        """Declare a job that runs at the fire times of a cron ``expression`` in ``tz``.
+
+        Without ``handler`` this returns a decorator.
+        """
+        schedule = CronSchedule(expression, tz)
+        return self._declare(name, schedule, handler, timeout, overlap, catch_up,
+                             max_attempts, lease)
+
+    def _declare(
+        self,
+        name: str,
+        schedule: Schedule,
+        handler: H | None,
+        timeout: Duration | None,
+        overlap: str,
+        catch_up: str,
+        max_attempts: int | None,
+        lease: Duration | None,
+    ) -> Any:
+        if not isinstance(name, str) or not _JOB_NAME.match(name):
+            raise ConfigurationError(
+                f"job name {name!r} is invalid; use 1-200 characters: letters, digits and "
+                "_ - . : / @, starting with a letter or digit"
+            )
+        if name in self._jobs:
+            raise ConfigurationError(f"job {name!r} is already declared; job names must be unique")
+        if self._started:
+            raise ConfigurationError(f"job {name!r} declared after start(); declare jobs first")
+        if overlap not in _OVERLAP:
+            raise ConfigurationError(f"overlap={overlap!r} is unknown; use one of {_OVERLAP}")
+        if catch_up not in _CATCH_UP:
+            raise ConfigurationError(f"catch_up={catch_up!r} is unknown; use one of {_CATCH_UP}")
+        if max_attempts is not None and (
+            isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1
+        ):
+            raise ConfigurationError(
+                f"max_attempts={max_attempts!r} must be an integer >= 1, or None for no limit"
+            )
+        timeout_s = None if timeout is None else parse_duration(timeout, what="timeout")
+        lease_s = self.lease if lease is None else parse_duration(lease, what="lease")
+        self._check_lease(lease_s, "lease", lease)
+
+        def register(fn: H) -> H:
+            if not callable(fn):
+                raise ConfigurationError(f"handler {fn!r} of job {name!r} is not callable")
+            if name in self._jobs:
+                raise ConfigurationError(f"job {name!r} is already declared")
+            self._jobs[name] = Job(
+                name, schedule, fn, timeout_s, overlap, catch_up, max_attempts,  # type: ignore[arg-type]
+                to_ms(lease_s), _is_async(fn),
+            )
+            return fn
+
+        if handler is None:
+            return register
+        return register(handler)
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        """The declared jobs, by name."""
+        return dict(self._jobs)
+
+    @property
+    def running(self) -> list[tuple[str, int]]:
+        """The runs (job, slot) this instance is executing now."""
+        return [(h.lease.job, h.lease.slot) for h in self._held.values()]
+
+    @property
+    def watching(self) -> list[tuple[str, int]]:
+        """The runs (job, slot) this instance backs up."""
+        return list(self._watch)
+
+    # ----------------------------------------------------------------- store clock
+
+    def store_now_ms(self) -> int:
+        """The store's clock as this instance estimates it, in epoch milliseconds."""
+        return int(self._clock() * 1000 + self._offset_ms)
+
+    def _note_clock(self, store_ms: int, sent: float, received: float) -> None:
+        rtt = received - sent
+        offset = store_ms - (sent + received) * 500
+        s = self._clock_samples
+        s.samples.append((rtt, offset))
+        s.last_sample = received
+        self._offset_ms = min(s.samples)[1]
+
+    async def _sample_clock(self) -> None:
+        sent = self._clock()
+        now = await self.backend.now_ms()
+        self._note_clock(now, sent, self._clock())
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Start the backend, register the jobs, and begin claiming and backing up."""
+        if self._started:
+            raise AnarchonError("scheduler already started")
+        await self.backend.start()
+        try:
+            for _ in range(3):
+                await self._sample_clock()
+            infos = await self.backend.register_jobs(list(self._jobs))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.backend.close()
+            raise
+        self._started = True
+        self._stopping = False
+        self._crashed = False
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        for name, job in self._jobs.items():
+            info = infos[name]
+            for slot in info.open_slots:
+                self._watch[(name, slot)] = _Watched(job)
+            self._tg.start_soon(self._job_loop, job, info)
+        self._tg.start_soon(self._ticker)
+        logger.info("instance %s started with %d jobs", self.instance_id, len(self._jobs))
+
+    async def stop(self, grace: Duration = "10s") -> None:
+        """Stop claiming, let handlers finish for ``grace``, hand over the rest.
+
+        Running handlers see :attr:`RunContext.stopping` at once and are cancelled when
+        ``grace`` ends. Every run still held is handed over, so a backup claims it at its
+        next check without waiting for the lease to expire. Heartbeats stop last.
+        """
+        if not self._started or self._tg is None:
+            return
+        grace_s = parse_duration(grace, what="grace", allow_zero=True)
+        self._stopping = True
+        self._loops.cancel()
+        try:
+            for held in list(self._held.values()):
+                held.ctx._request_stop("stopping")
+            with anyio.move_on_after(grace_s):
+                while self._held:
+                    self._idle = anyio.Event()
+                    await self._idle.wait()
+            for held in list(self._held.values()):
+                held.cancel_reason = "stopped"
+                held.scope.cancel()
+            with anyio.move_on_after(max(self.heartbeat, 1.0)):
+                while self._held:
+                    self._idle = anyio.Event()
+                    await self._idle.wait()
+            leases = list(self._to_hand_over.values()) + [h.lease for h in self._held.values()]
+            if leases:
+                with anyio.move_on_after(10, shield=True):
+                    try:
+                        done = await self.backend.hand_over(leases)
+                        logger.info("instance %s handed over %d runs", self.instance_id, len(done))
+                    except AnarchonError as exc:
+                        logger.warning("hand-over failed: %s", exc)
+            self._to_hand_over.clear()
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(
+        self,
+        exc_info: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
+        = (None, None, None),
+    ) -> None:
+        tg, self._tg = self._tg, None
+        self._ticker_scope.cancel()
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            try:
+                await tg.__aexit__(*exc_info)
+            except anyio.get_cancelled_exc_class():
+                if exc_info[0] is None:
+                    raise
+        self._held.clear()
+        self._watch.clear()
+        self._started = False
+        self._loops = anyio.CancelScope()
+        self._ticker_scope = anyio.CancelScope()
+        with anyio.move_on_after(10, shield=True):
+            await self.backend.close()
+
+    async def __aenter__(self) -> Scheduler:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None and issubclass(exc_type, anyio.get_cancelled_exc_class()):
+            # Cancelled from outside: behave like a crash (no hand-over, no finish), so
+            # backups take over when the leases expire.
+            self._crashed = True
+            await self._shutdown((exc_type, exc, tb))
+        else:
+            await self.stop()
+
+    async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
+        """Return the recorded attempts, newest first, of ``job`` or of every job."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigurationError(f"limit={limit!r} must be an integer >= 1")
+        await self.backend.start()
+        try:
+            return await self.backend.history(job, limit)
+        finally:
+            await self.backend.close()
+
+    # ----------------------------------------------------------------- job loops
+
+    async def _sleep_until(self, slot_ms: int) -> None:
+        while True:
+            delta = slot_ms - self.store_now_ms()
+            if delta <= 0:
+                return
+            await anyio.sleep(min(delta / 1000, self.heartbeat))
+
+    async def _job_loop(self, job: Job, info: JobInfo) -> None:
+        with self._loops:
+            now = self.store_now_ms()
+            if not info.new and job.catch_up != "none":
+                watermark = max(info.first_seen_ms, info.last_slot or info.first_seen_ms)
+                await self._catch_up(job, watermark, now, final_reason=Reason.CATCH_UP)
+            last = now
+            while True:
+                slot = job.schedule.next_after(last)
+                await self._sleep_until(slot)
+                now = self.store_now_ms()
+                due = job.schedule.previous_at_or_before(now) or slot
+                if due > slot:
+                    # The loop fell behind (a suspended process): apply the catch-up policy.
+                    await self._catch_up(job, slot - 1, due, final_reason=Reason.SCHEDULED)
+                else:
+                    await self._claim(job, slot, Reason.SCHEDULED)
+                last = max(due, slot)
+
+    async def _catch_up(self, job: Job, after: int, until: int, *, final_reason: Reason) -> None:
+        limit = CATCH_UP_LIMIT if job.catch_up == "all" else 1
+        if job.catch_up == "none":
+            limit = 1 if final_reason is Reason.SCHEDULED else 0
+        if limit == 0:
+            return
+        after = max(after, until - CATCH_UP_WINDOW_MS)
+        missed = job.schedule.slots_between(after, until, limit)
+        for i, slot in enumerate(missed):
+            last = i == len(missed) - 1
+            await self._claim(job, slot, final_reason if last else Reason.CATCH_UP)
+
+    async def _claim(self, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
+        if self._stopping or self._tg is None:
+            return None
+        token = uuid.uuid4().hex
+        request = ClaimRequest(
+            job.name, slot, self.instance_id, token, job.lease_ms, reason,
+            job.overlap == "skip", job.max_attempts, self.history_size, self.history_ttl_ms,
+        )
+        sent = self._clock()
+        try:
+            result = await self.backend.claim(request)
+        except AnarchonError as exc:
+            logger.warning("claim of %s slot %d failed, will retry: %s", job.name, slot, exc)
+            self._watch[(job.name, slot)] = _Watched(job, retry_reason=reason)
+            return None
+        self._note_clock(result.now_ms, sent, self._clock())
+        key = (job.name, slot)
+        if result.status is ClaimStatus.WON:
+            self._watch.pop(key, None)
+            self._launch(job, Lease(job.name, slot, token, job.lease_ms), result)
+        elif result.status is ClaimStatus.RUNNING:
+            self._watch[key] = _Watched(job)
+        else:
+            self._watch.pop(key, None)
+            if result.status is ClaimStatus.SKIPPED:
+                logger.info("%s slot %d skipped: an earlier run still holds its lease",
+                            job.name, slot)
+            elif result.status is ClaimStatus.ESCALATED:
+                logger.error("%s slot %d escalated after %d attempts", job.name, slot,
+                             result.attempt)
+        return result
+
+    # ----------------------------------------------------------------- running handlers
+
+    def _launch(self, job: Job, lease: Lease, result: ClaimResult) -> None:
+        assert self._tg is not None
+        reason = result.reason or Reason.SCHEDULED
+        ctx = RunContext(
+            backend=self.backend, lease=lease, attempt=result.attempt, reason=reason,
+            instance_id=self.instance_id, logger=logger,
+        )
+        scope = anyio.CancelScope()
+        self._arm_deadline(scope, job)
+        held = self._held[lease.token] = _Held(job, lease, ctx, scope)
+        logger.info("%s slot %d: %s won attempt %d (%s)", job.name, lease.slot,
+                    self.instance_id, result.attempt, reason)
+        self._tg.start_soon(self._execute, held)
+
+    def _arm_deadline(self, scope: anyio.CancelScope, job: Job) -> None:
+        # Stop the handler locally before the store could consider the lease expired,
+        # even if heartbeats cannot reach the store.
+        scope.deadline = anyio.current_time() + job.lease_ms / 1000 - self.heartbeat / 2
+
+    async def _execute(self, held: _Held) -> None:
+        job, ctx = held.job, held.ctx
+        outcome: Outcome | None = None
+        error: str | None = None
+        hand_over = False
+        try:
+            with held.scope:
+                try:
+                    with anyio.move_on_after(job.timeout or math.inf) as timeout_scope:
+                        if job.is_async:
+                            await job.handler(ctx)
+                        else:
+                            await anyio.to_thread.run_sync(
+                                job.handler, ctx, abandon_on_cancel=True
+                            )
+                    if timeout_scope.cancelled_caught:
+                        outcome = Outcome.TIMED_OUT
+                        error = f"timed out after {job.timeout:g}s"
+                        ctx._request_stop("timed out")
+                    else:
+                        outcome = Outcome.COMPLETED
+                except StopRequested:
+                    hand_over = self._stopping and not held.lost
+                except LeaseLost as exc:
+                    held.lost = True
+                    logger.warning("%s slot %d: lease lost: %s", job.name, held.lease.slot, exc)
+                except Exception as exc:
+                    outcome = Outcome.FAILED
+                    error = "".join(traceback.format_exception_only(exc)).strip()
+                    logger.warning("%s slot %d failed: %s", job.name, held.lease.slot, error)
+            if held.scope.cancelled_caught:
+                if held.cancel_reason == "stopped":
+                    hand_over = not held.lost
+                elif held.cancel_reason is None:
+                    held.lost = True
+                    logger.warning("%s slot %d: lease not renewed in time; handler cancelled",
+                                   job.name, held.lease.slot)
+        finally:
+            self._held.pop(held.lease.token, None)
+            if not self._held:
+                self._idle.set()
+        if self._crashed:
+            return
+        if held.lost:
+            self._watch[(job.name, held.lease.slot)] = _Watched(job)
+            return
+        if hand_over:
+            self._to_hand_over[held.lease.token] = held.lease
+            return
+        if outcome is Outcome.COMPLETED and ctx.completed_by_transaction:
+            return
+        if outcome is not None:
+            with anyio.move_on_after(10, shield=True):
+                try:
+                    if not await self.backend.finish(held.lease, outcome, error):
+                        logger.warning("%s slot %d: lease lost before finishing (%s)",
+                                       job.name, held.lease.slot, outcome)
+                except AnarchonError as exc:
+                    logger.warning("%s slot %d: finish failed: %s", job.name,
+                                   held.lease.slot, exc)
+                    self._watch[(job.name, held.lease.slot)] = _Watched(job)
+
+    def _lose(self, held: _Held, why: str) -> None:
+        held.lost = True
+        held.cancel_reason = why
+        held.ctx._request_stop(why)
+        held.scope.cancel()
+        logger.warning("%s slot %d: %s; handler cancelled", held.job.name, held.lease.slot, why)
+
+    # ----------------------------------------------------------------- heartbeats, backups
+
+    async def _ticker(self) -> None:
+        with self._ticker_scope:
+            while True:
+                await anyio.sleep(self.heartbeat)
+                try:
+                    await self._tick()
+                except AnarchonError as exc:
+                    logger.warning("tick failed: %s", exc)
+
+    async def _tick(self) -> None:
+        await self._renew()
+        await self._check_watched()
+        if self._clock() - self._clock_samples.last_sample > 60:
+            await self._sample_clock()
+
+    async def _renew(self) -> None:
+        helds = [h for h in self._held.values() if not h.lost]
+        if not helds:
+            return
+        sent = self._clock()
+        sent_loop = anyio.current_time()
+        result = await self.backend.heartbeat([h.lease for h in helds])
+        self._note_clock(result.now_ms, sent, self._clock())
+        for held in helds:
+            if held.lease.token in result.held:
+                held.scope.deadline = (
+                    sent_loop + held.job.lease_ms / 1000 - self.heartbeat / 2
+                )
+            elif held.lease.token in self._held:
+                self._lose(held, "lease lost")
+
+    async def _check_watched(self) -> None:
+        if not self._watch or self._stopping:
+            return
+        retries = [(k, w) for k, w in self._watch.items() if w.retry_reason is not None]
+        for key, retry in retries:
+            assert retry.retry_reason is not None
+            self._watch.pop(key, None)
+            await self._claim(retry.job, key[1], retry.retry_reason)
+        keys = [k for k, w in self._watch.items() if w.retry_reason is None]
+        if not keys:
+            return
+        sent = self._clock()
+        result = await self.backend.check(keys)
+        self._note_clock(result.now_ms, sent, self._clock())
+        for key in keys:
+            watched = self._watch.get(key)
+            if watched is None:
+                continue
+            state = result.runs.get(key)
+            if state is None or state.status.finished:
+                self._watch.pop(key, None)
+            elif state.claimable(result.now_ms):
+                await self._claim(watched.job, key[1], Reason.TAKEOVER)
+
+
+def run_sync(fn: Callable[[], Awaitable[Any]]) -> Any:
+    """Run an async callable to completion on a fresh event loop (for the CLI)."""
+    return anyio.run(fn)

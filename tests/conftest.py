@@ -1,0 +1,52 @@
+"""Fixtures shared by the whole suite: the store matrix and the anyio event loops."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.stores import Store, StoreSpec, all_specs
+
+# Session-scoped server fixtures of each backend family (each module lists them in __all__).
+try:
+    from tests.stores.postgres import *  # noqa: F403
+except ModuleNotFoundError as exc:  # pragma: no cover - module not written yet
+    if not (exc.name or "").startswith("tests.stores"):
+        raise
+try:
+    from tests.stores.redis import *  # noqa: F403
+except ModuleNotFoundError as exc:  # pragma: no cover - module not written yet
+    if not (exc.name or "").startswith("tests.stores"):
+        raise
+
+SPECS = {spec.id: spec for spec in all_specs()}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run tests using ``store`` on every (store, event loop) pair the store supports."""
+    if "store" not in metafunc.fixturenames:
+        return
+    combos = [
+        pytest.param(loop, spec.id, id=f"{spec.id}-{loop}")
+        for spec in SPECS.values()
+        for loop in spec.anyio_backends
+    ]
+    metafunc.parametrize(("anyio_backend", "store_id"), combos)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Core tests run on both asyncio and trio."""
+    return str(request.param)
+
+
+@pytest.fixture
+async def store(request: pytest.FixtureRequest, store_id: str) -> AsyncIterator[Store]:
+    """An isolated store of the kind named by ``store_id``."""
+    spec: StoreSpec = SPECS[store_id]
+    made = await spec.make(request)
+    try:
+        yield made
+    finally:
+        await made.cleanup()
