@@ -26,18 +26,22 @@ SPECS = {spec.id: spec for spec in all_specs()}
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Run tests using ``store`` on every (store, event loop) pair the store supports."""
     if "store" not in metafunc.fixturenames:
+        if "anyio_backend" in metafunc.fixturenames:
+            metafunc.parametrize("anyio_backend", ["asyncio", "trio"])
         return
+    scenario_module = metafunc.module.__name__.endswith("test_scenarios")
     combos = [
         pytest.param(loop, spec.id, id=f"{spec.id}-{loop}")
         for spec in SPECS.values()
         for loop in spec.anyio_backends
+        if spec.scenarios or not scenario_module
     ]
     metafunc.parametrize(("anyio_backend", "store_id"), combos)
 
 
-@pytest.fixture(params=["asyncio", "trio"])
+@pytest.fixture
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Core tests run on both asyncio and trio."""
+    """The event loop of an async test: asyncio and trio (see pytest_generate_tests)."""
     return str(request.param)
 
 

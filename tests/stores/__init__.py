@@ -38,6 +38,12 @@ class StoreSpec:
     make: Callable[[pytest.FixtureRequest], Awaitable[Store]]
     anyio_backends: tuple[str, ...] = ("asyncio",)
     """Event loops the backend supports; trio only where its driver does."""
+    scenarios: bool = True
+    """Whether the (slower) scheduler scenarios run on this store too, not only the contract.
+
+    Adapter variants of one server set this to False: the contract tests exercise the
+    adapter, and one variant per server runs the scenarios.
+    """
 
 
 def missing_service(what: str) -> None:

@@ -1,0 +1,96 @@
+"""Helpers for tests: waiting for a state with a deadline, and instances run in tasks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from lease_core import Attempt, Scheduler
+
+
+async def wait_for(
+    predicate: Callable[[], Any] | Callable[[], Awaitable[Any]],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    what: str = "condition",
+) -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if isinstance(value, Awaitable):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await anyio.sleep(interval)
+
+
+async def wait_history(
+    scheduler: Scheduler,
+    predicate: Callable[[list[Attempt]], Any],
+    *,
+    job: str | None = None,
+    timeout: float = 10.0,
+    what: str = "history",
+) -> list[Attempt]:
+    """Wait until the store's history satisfies ``predicate``; return it."""
+    found: list[Attempt] = []
+
+    async def check() -> bool:
+        nonlocal found
+        found = await scheduler.backend.history(job, 1000)
+        return bool(predicate(found))
+
+    await wait_for(check, timeout=timeout, what=what)
+    return found
+
+
+class Instance:
+    """A scheduler running in its own task, as one process of a fleet would.
+
+    ``crash()`` cancels the task (no hand-over, no finish: like SIGKILL for the store);
+    ``stop(grace)`` stops it gracefully.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._scope = anyio.CancelScope()
+        self._stop = anyio.Event()
+        self._done = anyio.Event()
+        self._grace = 0.0
+
+    async def start(self, tg: TaskGroup) -> Instance:
+        """Start the scheduler in a new task of ``tg``; return once it has started."""
+        await tg.start(self._run)
+        return self
+
+    async def _run(self, *, task_status: TaskStatus[None]) -> None:
+        try:
+            with self._scope:
+                async with self.scheduler:
+                    task_status.started()
+                    await self._stop.wait()
+                    await self.scheduler.stop(grace=self._grace)
+        finally:
+            self._done.set()
+
+    def crash(self) -> None:
+        """Cancel the instance's task: nothing is handed over or finished."""
+        self._scope.cancel()
+
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop the scheduler gracefully and wait for it."""
+        self._grace = grace
+        self._stop.set()
+        await self._done.wait()
+
+    async def wait_done(self) -> None:
+        """Wait until the instance's task ended."""
+        await self._done.wait()

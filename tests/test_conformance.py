@@ -1,0 +1,321 @@
+"""The backend contract, exercised on every store (see lease_core/abc.py).
+
+Every backend must pass this module unchanged. Lease expiry is real store time, so the
+leases here are short and every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from lease_core import Outcome, Reason, RunStatus
+from lease_core._structures import ClaimRequest, ClaimStatus, Lease
+from lease_core.abc import Backend
+from tests.helpers import wait_for
+from tests.stores import Store
+
+pytestmark = pytest.mark.anyio
+
+SLOT = 1_700_000_000_000
+SHORT = 300  # ms: a lease we wait out
+
+
+def req(job: str, slot: int = SLOT, instance: str = "a", lease_ms: int = 10_000,
+        **kw: object) -> ClaimRequest:
+    return ClaimRequest(job, slot, instance, uuid.uuid4().hex, lease_ms, **kw)  # type: ignore[arg-type]
+
+
+def lease_of(r: ClaimRequest) -> Lease:
+    return Lease(r.job, r.slot, r.token, r.lease_ms)
+
+
+async def started(store: Store) -> Backend:
+    backend = store.backend()
+    await backend.start()
+    return backend
+
+
+async def wait_expired(backend: Backend, job: str, slot: int = SLOT) -> None:
+    async def expired() -> bool:
+        result = await backend.check([(job, slot)])
+        state = result.runs.get((job, slot))
+        return state is not None and state.claimable(result.now_ms)
+
+    await wait_for(expired, timeout=5, what="lease expiry")
+
+
+async def test_first_claim_wins_and_second_stands_by(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        ra, rb = req("j", instance="a"), req("j", instance="b")
+        won = await a.claim(ra)
+        assert won.status is ClaimStatus.WON
+        assert won.attempt == 1 and won.reason is Reason.SCHEDULED
+        assert won.expires_ms is not None and won.expires_ms - won.now_ms == ra.lease_ms
+        other = await b.claim(rb)
+        assert other.status is ClaimStatus.RUNNING
+        assert other.attempt == 1 and other.instance_id == "a"
+        history = await b.history("j")
+        assert [(h.attempt, h.instance_id, h.reason, h.outcome) for h in history] == [
+            (1, "a", Reason.SCHEDULED, None)
+        ]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_finish_records_outcome_and_later_claims_see_finished(store: Store) -> None:
+    a = await started(store)
+    try:
+        r = req("j")
+        await a.claim(r)
+        assert await a.finish(lease_of(r), Outcome.FAILED, "boom")
+        again = await a.claim(req("j", instance="b"))
+        assert again.status is ClaimStatus.FINISHED
+        assert again.run_status is RunStatus.FAILED
+        (attempt,) = await a.history("j")
+        assert attempt.outcome == "failed" and attempt.error == "boom"
+        assert attempt.finished_at is not None and attempt.finished_at >= attempt.claimed_at
+    finally:
+        await a.close()
+
+
+async def test_stale_token_is_refused_everywhere(store: Store) -> None:
+    a = await started(store)
+    try:
+        r = req("j", lease_ms=SHORT)
+        await a.claim(r)
+        old = lease_of(r)
+        assert await a.set_checkpoint(old, {"done": 1})
+        await wait_expired(a, "j")
+        r2 = req("j", instance="b")
+        took = await a.claim(r2)
+        assert took.status is ClaimStatus.WON and took.attempt == 2
+        assert took.reason is Reason.TAKEOVER
+        beat = await a.heartbeat([old])
+        assert old.token not in beat.held
+        assert not await a.finish(old, Outcome.COMPLETED)
+        assert not await a.set_checkpoint(old, {"done": 0})
+        assert not await a.delete_checkpoint(old)
+        assert await a.hand_over([old]) == frozenset()
+        assert await a.get_checkpoint("j", SLOT) == {"done": 1}
+        assert await a.set_checkpoint(lease_of(r2), {"done": 2})
+        assert await a.get_checkpoint("j", SLOT) == {"done": 2}
+        history = await a.history("j")
+        assert [(h.attempt, h.reason, h.outcome) for h in history] == [
+            (2, Reason.TAKEOVER, None),
+            (1, Reason.SCHEDULED, Outcome.LOST),
+        ]
+    finally:
+        await a.close()
+
+
+async def test_heartbeat_renews_many_leases_to_an_absolute_expiry(store: Store) -> None:
+    a = await started(store)
+    try:
+        reqs = [req(f"job{i}", lease_ms=5_000) for i in range(5)]
+        for r in reqs:
+            assert (await a.claim(r)).status is ClaimStatus.WON
+        for _ in range(3):
+            beat = await a.heartbeat([lease_of(r) for r in reqs])
+            assert beat.held == {r.token for r in reqs}
+        result = await a.check([(r.job, r.slot) for r in reqs])
+        for r in reqs:
+            state = result.runs[(r.job, r.slot)]
+            assert state.status is RunStatus.RUNNING
+            assert state.expires_ms is not None
+            # Renewal sets now + lease; adding to the remaining time would exceed it.
+            assert state.expires_ms - result.now_ms <= 5_000
+        assert (await a.heartbeat([])).held == frozenset()
+    finally:
+        await a.close()
+
+
+async def test_expired_lease_is_not_revived_by_heartbeat(store: Store) -> None:
+    a = await started(store)
+    try:
+        r = req("j", lease_ms=SHORT)
+        await a.claim(r)
+        await wait_expired(a, "j")
+        assert r.token not in (await a.heartbeat([lease_of(r)])).held
+    finally:
+        await a.close()
+
+
+async def test_hand_over_lets_a_backup_claim_at_once(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        r = req("j", lease_ms=60_000)
+        await a.claim(r)
+        assert await a.set_checkpoint(lease_of(r), [1, 2])
+        assert await a.hand_over([lease_of(r)]) == {r.token}
+        state = (await b.check([("j", SLOT)])).runs[("j", SLOT)]
+        assert state.status is RunStatus.HANDED_OVER
+        took = await b.claim(req("j", instance="b"))
+        assert took.status is ClaimStatus.WON
+        assert (took.attempt, took.reason) == (2, Reason.HAND_OVER)
+        assert await b.get_checkpoint("j", SLOT) == [1, 2]
+        history = await b.history("j")
+        assert [(h.attempt, h.instance_id, h.reason, h.outcome) for h in history] == [
+            (2, "b", Reason.HAND_OVER, None),
+            (1, "a", Reason.SCHEDULED, Outcome.HANDED_OVER),
+        ]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_escalation_after_max_attempts(store: Store) -> None:
+    a = await started(store)
+    try:
+        for attempt in (1, 2):
+            r = req("j", lease_ms=SHORT, max_attempts=2)
+            got = await a.claim(r)
+            assert got.status is ClaimStatus.WON and got.attempt == attempt
+            await wait_expired(a, "j")
+        last = await a.claim(req("j", max_attempts=2))
+        assert last.status is ClaimStatus.ESCALATED
+        assert (await a.claim(req("j", max_attempts=2))).status is ClaimStatus.FINISHED
+        state = (await a.check([("j", SLOT)])).runs[("j", SLOT)]
+        assert state.status is RunStatus.ESCALATED
+        outcomes = [(h.attempt, h.outcome) for h in await a.history("j")]
+        assert outcomes == [(2, Outcome.ESCALATED), (1, Outcome.LOST)]
+    finally:
+        await a.close()
+
+
+async def test_overlap_skip_is_recorded_and_allow_runs_both(store: Store) -> None:
+    a = await started(store)
+    try:
+        await a.claim(req("j", slot=SLOT))
+        skipped = await a.claim(req("j", slot=SLOT + 1000))
+        assert skipped.status is ClaimStatus.SKIPPED
+        assert (await a.claim(req("j", slot=SLOT + 1000))).run_status is RunStatus.SKIPPED
+        newest = (await a.history("j"))[0]
+        assert (newest.slot, newest.outcome) == (SLOT + 1000, Outcome.SKIPPED)
+        allowed = await a.claim(req("j", slot=SLOT + 2000, overlap_skip=False))
+        assert allowed.status is ClaimStatus.WON
+        # A finished earlier run does not cause a skip.
+        await a.claim(req("k", slot=SLOT))
+        r = req("k", slot=SLOT)
+        assert (await a.claim(r)).status is ClaimStatus.RUNNING
+    finally:
+        await a.close()
+
+
+async def test_register_jobs_reports_first_seen_last_slot_and_open_runs(store: Store) -> None:
+    a = await started(store)
+    try:
+        first = await a.register_jobs(["x", "y"])
+        assert first["x"].new and first["x"].last_slot is None
+        now = await a.now_ms()
+        assert abs(first["x"].first_seen_ms - now) < 5_000
+        await a.claim(req("x", slot=SLOT))
+        r = req("x", slot=SLOT + 5)
+        await a.claim(req("x", slot=SLOT + 5, overlap_skip=False))
+        del r
+        done = req("y", slot=SLOT)
+        await a.claim(done)
+        await a.finish(lease_of(done), Outcome.COMPLETED)
+        again = await a.register_jobs(["x", "y"])
+        assert not again["x"].new
+        assert again["x"].first_seen_ms == first["x"].first_seen_ms
+        assert again["x"].last_slot == SLOT + 5
+        assert again["x"].open_slots == (SLOT, SLOT + 5)
+        assert again["y"].open_slots == ()
+    finally:
+        await a.close()
+
+
+async def test_check_reads_many_runs_and_omits_missing(store: Store) -> None:
+    a = await started(store)
+    try:
+        await a.claim(req("p", instance="i1"))
+        await a.claim(req("q", instance="i2"))
+        result = await a.check([("p", SLOT), ("q", SLOT), ("nope", SLOT)])
+        assert set(result.runs) == {("p", SLOT), ("q", SLOT)}
+        assert result.runs[("q", SLOT)].instance_id == "i2"
+        assert abs(result.now_ms - await a.now_ms()) < 5_000
+    finally:
+        await a.close()
+
+
+async def test_history_is_trimmed_by_size(store: Store) -> None:
+    a = await started(store)
+    try:
+        for i in range(8):
+            r = req("h", slot=SLOT + i, history_size=3)
+            await a.claim(r)
+            await a.finish(lease_of(r), Outcome.COMPLETED)
+        r = req("h", slot=SLOT + 8, history_size=3)
+        await a.claim(r)
+        history = await a.history("h")
+        assert len(history) <= 4
+        assert history[0].slot == SLOT + 8
+        assert {h.slot for h in history} >= {SLOT + 8, SLOT + 7}
+        # Trimmed runs are gone from the store too.
+        result = await a.check([("h", SLOT), ("h", SLOT + 8)])
+        assert ("h", SLOT) not in result.runs and ("h", SLOT + 8) in result.runs
+        assert len(await a.history(None, limit=2)) == 2
+    finally:
+        await a.close()
+
+
+async def test_history_is_trimmed_by_ttl(store: Store) -> None:
+    a = await started(store)
+    try:
+        old = req("t", slot=SLOT, history_ttl_ms=200)
+        await a.claim(old)
+        await a.finish(lease_of(old), Outcome.COMPLETED)
+        now = await a.now_ms()
+        await wait_for(lambda: a.now_ms(), what="clock")  # one round trip
+        await wait_for(_later_than(a, now + 400), timeout=5, what="ttl to pass")
+        new = req("t", slot=SLOT + 1000, history_ttl_ms=200)
+        await a.claim(new)
+        slots = [h.slot for h in await a.history("t")]
+        assert slots == [SLOT + 1000]
+    finally:
+        await a.close()
+
+
+def _later_than(backend: Backend, ms: int):  # type: ignore[no-untyped-def]
+    async def check() -> bool:
+        return await backend.now_ms() > ms
+
+    return check
+
+
+async def test_checkpoint_round_trips_json_and_rejects_other_values(store: Store) -> None:
+    from lease_core import ConfigurationError
+
+    a = await started(store)
+    try:
+        r = req("c")
+        await a.claim(r)
+        assert await a.get_checkpoint("c", SLOT) is None
+        value = {"cursor": 41, "names": ["α", "b"], "ok": True, "none": None}
+        assert await a.set_checkpoint(lease_of(r), value)
+        assert await a.get_checkpoint("c", SLOT) == value
+        with pytest.raises(ConfigurationError, match="JSON"):
+            await a.set_checkpoint(lease_of(r), {"bad": object()})
+        assert await a.get_checkpoint("c", SLOT) == value
+        assert await a.delete_checkpoint(lease_of(r))
+        assert await a.get_checkpoint("c", SLOT) is None
+    finally:
+        await a.close()
+
+
+async def test_job_names_and_many_claims_are_isolated(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        names = ["a.b", "a/b", "a:b", "a@b", "a-b", "A_b"]
+        for name in names:
+            assert (await a.claim(req(name, instance="a"))).status is ClaimStatus.WON
+        for name in names:
+            assert (await b.claim(req(name, instance="b"))).status is ClaimStatus.RUNNING
+        assert {h.job for h in await a.history(None, 100)} == set(names)
+    finally:
+        await a.close()
+        await b.close()

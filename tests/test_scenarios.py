@@ -1,0 +1,478 @@
+"""Scheduler scenarios through the public API, on every store that runs scenarios.
+
+Instances are schedulers running in their own tasks (see tests/helpers.py); slots are one
+second apart, leases short, and every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import anyio
+import pytest
+
+from lease_core import Outcome, Reason, RunContext, Scheduler
+from lease_core._structures import Lease
+from tests.helpers import Instance, wait_for, wait_history
+from tests.stores import Store
+
+pytestmark = pytest.mark.anyio
+
+FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
+
+
+def make(store: Store, name: str, **kw: Any) -> Scheduler:
+    options = {**FAST, **kw}
+    return Scheduler(store.backend(), instance_id=name, **options)
+
+
+async def test_three_instances_run_each_slot_exactly_once(store: Store) -> None:
+    ran: list[tuple[int, str]] = []
+    schedulers = []
+    for name in ("a", "b", "c"):
+        s = make(store, name)
+
+        async def tick(ctx: RunContext, name: str = name) -> None:
+            assert ctx.scheduled_at.tzinfo is not None
+            assert ctx.scheduled_at.timestamp() * 1000 == ctx.slot
+            ran.append((ctx.slot, name))
+
+        s.every("tick", "1s", tick)
+        schedulers.append(s)
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in schedulers]
+        await wait_for(lambda: len({slot for slot, _ in ran}) >= 3, timeout=10, what="3 slots")
+        for i in instances:
+            await i.stop()
+    counts = Counter(slot for slot, _ in ran)
+    assert counts and max(counts.values()) == 1, counts
+    history = await schedulers[0].history("tick")
+    assert {h.slot for h in history} == set(counts)
+    assert all(h.attempt == 1 and h.reason == "scheduled" for h in history)
+    assert all(h.outcome == "completed" for h in history)
+    assert all(h.claimed_at >= h.scheduled_at for h in history)
+
+
+async def test_crashed_instance_is_taken_over_with_attempt_2(store: Store) -> None:
+    started: list[tuple[str, int, int]] = []
+    release = anyio.Event()
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+
+        @s.every("long", "1h")
+        async def long(ctx: RunContext) -> None:
+            started.append((name, ctx.attempt, ctx.slot))
+            await ctx.checkpoint.set({"by": name, "attempt": ctx.attempt})
+            await release.wait()
+
+        return s
+
+    a, b = build("a"), build("b")
+    # Seed the store so the job's next slot runs: the first slot of an unseen job is
+    # the next one, which is up to an hour away. Claim the current slot directly.
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        slot = a.jobs["long"].schedule.previous_at_or_before(a.store_now_ms())
+        assert slot is not None
+        await a._claim(a.jobs["long"], slot, Reason.SCHEDULED)
+        ib = await Instance(b).start(tg)
+        await b._claim(b.jobs["long"], slot, Reason.SCHEDULED)
+        assert b.watching == [("long", slot)]
+        await wait_for(lambda: started, what="first attempt")
+        ia.crash()
+        await ia.wait_done()
+        await wait_for(lambda: len(started) == 2, timeout=10, what="takeover")
+        assert started[1][:2] == ("b", 2)
+        assert await b.backend.get_checkpoint("long", slot) == {"by": "b", "attempt": 2}
+        release.set()
+        history = await wait_history(b, lambda h: h and h[0].outcome == "completed", job="long")
+        await ib.stop()
+    assert [(h.attempt, h.instance_id, h.reason, h.outcome) for h in history] == [
+        (2, "b", Reason.TAKEOVER, Outcome.COMPLETED),
+        (1, "a", Reason.SCHEDULED, Outcome.LOST),
+    ]
+
+
+async def test_stop_hands_over_well_before_the_lease_expires(store: Store) -> None:
+    progress: list[tuple[str, int, Any]] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name, lease="20s")
+
+        @s.every("batch", "1h")
+        async def batch(ctx: RunContext) -> None:
+            done = await ctx.checkpoint.get() or 0
+            progress.append((name, ctx.attempt, done))
+            for item in range(done, 1000):
+                ctx.raise_if_stopping()
+                await ctx.checkpoint.set(item + 1)
+                await anyio.sleep(0.01 if name == "b" else 0.05)
+
+        return s
+
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        slot = a.jobs["batch"].schedule.previous_at_or_before(a.store_now_ms())
+        assert slot is not None
+        await a._claim(a.jobs["batch"], slot, Reason.SCHEDULED)
+        ib = await Instance(b).start(tg)
+        await b._claim(b.jobs["batch"], slot, Reason.SCHEDULED)
+        await wait_for(lambda: progress, what="a running")
+        await wait_for(lambda: b.backend.get_checkpoint("batch", slot), what="some progress")
+        stopped_at = time.monotonic()
+        await ia.stop(grace=5)
+        await wait_for(lambda: len(progress) == 2, timeout=5, what="hand-over")
+        took = time.monotonic() - stopped_at
+        assert took < 5, f"hand-over took {took:.1f}s; the lease is 20s"
+        history = await wait_history(b, lambda h: h[0].outcome == "completed", job="batch",
+                                     timeout=30)
+        await ib.stop()
+    name, attempt, resumed_from = progress[1]
+    assert (name, attempt) == ("b", 2)
+    assert resumed_from > 0  # the checkpoint carried over
+    assert await b.backend.get_checkpoint("batch", slot) == 1000
+    assert [(h.attempt, h.reason, h.outcome) for h in history] == [
+        (2, Reason.HAND_OVER, Outcome.COMPLETED),
+        (1, Reason.SCHEDULED, Outcome.HANDED_OVER),
+    ]
+
+
+async def test_stop_grace_cancels_a_stubborn_handler_and_hands_it_over(store: Store) -> None:
+    cancelled = anyio.Event()
+    a = make(store, "a")
+
+    @a.every("stubborn", "1h")
+    async def stubborn(ctx: RunContext) -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        slot = a.jobs["stubborn"].schedule.previous_at_or_before(a.store_now_ms())
+        assert slot is not None
+        await a._claim(a.jobs["stubborn"], slot, Reason.SCHEDULED)
+        await wait_for(lambda: a.running, what="running")
+        await ia.stop(grace=0.2)
+    assert cancelled.is_set()
+    history = await a.history("stubborn")
+    assert [(h.attempt, h.outcome) for h in history] == [(1, Outcome.HANDED_OVER)]
+
+
+async def test_overlap_skip_records_the_skipped_slot(store: Store) -> None:
+    a = make(store, "a")
+
+    @a.every("slow", "1s")
+    async def slow(ctx: RunContext) -> None:
+        await anyio.sleep(2.5)
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        history = await wait_history(
+            a, lambda h: any(x.outcome == "skipped" for x in h), job="slow", timeout=10
+        )
+        await ia.stop()
+    skipped = [h for h in history if h.outcome == "skipped"]
+    ran = [h for h in history if h.outcome != "skipped"]
+    assert skipped and ran
+    assert min(h.slot for h in ran) < min(h.slot for h in skipped)
+
+
+async def test_overlap_allow_runs_slots_concurrently(store: Store) -> None:
+    a = make(store, "a")
+    live = 0
+    peak = 0
+
+    @a.every("wide", "1s", overlap="allow")
+    async def wide(ctx: RunContext) -> None:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        try:
+            await anyio.sleep(2.2)
+        finally:
+            live -= 1
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        await wait_for(lambda: peak >= 2, timeout=10, what="two concurrent runs")
+        await ia.stop(grace=5)
+    history = await a.history("wide")
+    assert not [h for h in history if h.outcome == "skipped"]
+
+
+async def test_timeout_cancels_and_records_timed_out(store: Store) -> None:
+    a = make(store, "a")
+    cancelled = anyio.Event()
+
+    @a.every("hang", "1s", timeout="0.3s")
+    async def hang(ctx: RunContext) -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        history = await wait_history(a, lambda h: any(x.outcome for x in h), job="hang")
+        await ia.stop()
+    assert cancelled.is_set()
+    done = [h for h in history if h.outcome]
+    assert done[-1].outcome == Outcome.TIMED_OUT
+    assert done[-1].error is not None and "timed out" in done[-1].error
+
+
+async def test_failed_handler_records_the_error(store: Store) -> None:
+    a = make(store, "a")
+
+    @a.every("bad", "1s")
+    async def bad(ctx: RunContext) -> None:
+        raise RuntimeError("disk full")
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        history = await wait_history(a, lambda h: any(x.outcome for x in h), job="bad")
+        await ia.stop()
+    failed = [h for h in history if h.outcome][-1]
+    assert failed.outcome == Outcome.FAILED
+    assert failed.error is not None and "RuntimeError: disk full" in failed.error
+
+
+async def test_escalation_after_max_attempts_stops_takeovers(store: Store) -> None:
+    attempts: list[int] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+
+        @s.every("fragile", "1h", max_attempts=2)
+        async def fragile(ctx: RunContext) -> None:
+            attempts.append(ctx.attempt)
+            await anyio.sleep_forever()
+
+        return s
+
+    a, b, c = build("a"), build("b"), build("c")
+    async with anyio.create_task_group() as tg:
+        instances = {}
+        slot = None
+        for s in (a, b, c):
+            instances[s.instance_id] = await Instance(s).start(tg)
+            slot = slot or s.jobs["fragile"].schedule.previous_at_or_before(s.store_now_ms())
+            assert slot is not None
+            await s._claim(s.jobs["fragile"], slot, Reason.SCHEDULED)
+        await wait_for(lambda: attempts == [1], what="attempt 1")
+        instances["a"].crash()
+        await wait_for(lambda: attempts == [1, 2], timeout=10, what="attempt 2")
+        holder = next(s for s in (b, c) if s.running)
+        instances[holder.instance_id].crash()
+        history = await wait_history(
+            a, lambda h: any(x.outcome == "escalated" for x in h), job="fragile", timeout=10
+        )
+        for i in instances.values():
+            await i.stop()
+    assert attempts == [1, 2]
+    assert [(h.attempt, h.outcome) for h in history] == [
+        (2, Outcome.ESCALATED), (1, Outcome.LOST)
+    ]
+
+
+async def test_catch_up_after_downtime(store: Store) -> None:
+    def build(name: str, catch_up: str) -> Scheduler:
+        s = make(store, name)
+        s.every("daily", "1s", lambda ctx: None, catch_up=catch_up)
+        return s
+
+    first = build("first", "latest")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(first).start(tg)
+        await wait_history(first, lambda h: h, job="daily", what="one run")
+        await i.stop()
+    last_run = max(h.slot for h in await first.history("daily"))
+    # Downtime: three slots pass with no instance up.
+    await wait_for(lambda: first.store_now_ms() > last_run + 3500, timeout=10, what="downtime")
+    late = build("late", "latest")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(late).start(tg)
+        history = await wait_history(
+            late, lambda h: any(x.reason == "catch-up" for x in h), job="daily"
+        )
+        await i.stop()
+    caught = [h for h in history if h.reason == "catch-up"]
+    assert len(caught) == 1
+    assert caught[0].slot > last_run + 2000  # the latest missed slot, not the oldest
+
+
+async def test_catch_up_all_and_none(store: Store) -> None:
+    results: dict[str, list[int]] = {}
+    for policy in ("all", "none"):
+        job = f"c-{policy}"
+        s = Scheduler(store.backend(), instance_id="one", **FAST)
+        s.every(job, "1s", lambda ctx: None, catch_up=policy)
+        async with anyio.create_task_group() as tg:
+            i = await Instance(s).start(tg)
+            await wait_history(s, lambda h: h, job=job)
+            await i.stop()
+        last_run = max(h.slot for h in await s.history(job))
+        await wait_for(lambda s=s, last_run=last_run: s.store_now_ms() > last_run + 3500,
+                       timeout=10, what="downtime")
+        s2 = Scheduler(store.backend(), instance_id="two", **FAST)
+        s2.every(job, "1s", lambda ctx: None, catch_up=policy)
+        async with anyio.create_task_group() as tg:
+            i = await Instance(s2).start(tg)
+            # Wait for one regular slot so catch-up (if any) has happened.
+            await wait_history(s2, lambda h: any(x.reason == "scheduled" and x.instance_id == "two"
+                                                 for x in h), job=job)
+            await i.stop()
+        results[policy] = [h.slot for h in await s2.history(job) if h.reason == "catch-up"]
+    assert len(results["all"]) >= 3
+    assert results["none"] == []
+
+
+async def test_a_job_the_store_never_saw_starts_at_its_next_slot(store: Store) -> None:
+    s = make(store, "fresh")
+    s.every("brand-new", "1s", lambda ctx: None, catch_up="all")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        history = await wait_history(s, lambda h: h, job="brand-new")
+        await i.stop()
+    assert all(h.reason == "scheduled" for h in await s.history("brand-new"))
+    assert history[-1].claimed_at >= history[-1].scheduled_at
+
+
+@pytest.mark.parametrize("skew", [3600.0, -3600.0])
+async def test_local_clock_skew_changes_nothing(store: Store, skew: float) -> None:
+    ran: list[tuple[int, str, float]] = []
+
+    def build(name: str, clock_skew: float) -> Scheduler:
+        s = Scheduler(
+            store.backend(), instance_id=name, clock=lambda: time.monotonic() + clock_skew,
+            **FAST,
+        )
+
+        @s.every("skewed", "1s")
+        async def skewed(ctx: RunContext) -> None:
+            ran.append((ctx.slot, name, await s.backend.now_ms()))
+
+        return s
+
+    a, b = build("honest", 0.0), build("skewed", skew)
+    async with anyio.create_task_group() as tg:
+        ia, ib = await Instance(a).start(tg), await Instance(b).start(tg)
+        await wait_for(lambda: len({r[0] for r in ran}) >= 3, timeout=10, what="3 slots")
+        await ia.stop()
+        await ib.stop()
+    counts = Counter(slot for slot, _, _ in ran)
+    assert max(counts.values()) == 1
+    # No slot fired early by the store's clock, nor more than a second late.
+    for slot, _, store_now in ran:
+        assert slot <= store_now < slot + 1000, (slot, store_now)
+    assert abs(a.store_now_ms() - b.store_now_ms()) < 1000
+
+
+async def test_sync_handler_runs_in_a_thread_without_blocking_heartbeats(store: Store) -> None:
+    threads: list[int] = []
+    a, b = make(store, "a"), make(store, "b")
+
+    def blocking(ctx: RunContext) -> None:
+        threads.append(threading.get_ident())
+        # Longer than the lease: heartbeats must keep it alive meanwhile.
+        time.sleep(2.0)
+        ctx.checkpoint.set_sync({"thread": True})
+
+    a.every("sync", "1h", blocking)
+    b.every("sync", "1h", blocking)
+    async with anyio.create_task_group() as tg:
+        ia, ib = await Instance(a).start(tg), await Instance(b).start(tg)
+        slot = a.jobs["sync"].schedule.previous_at_or_before(a.store_now_ms())
+        assert slot is not None
+        await a._claim(a.jobs["sync"], slot, Reason.SCHEDULED)
+        await b._claim(b.jobs["sync"], slot, Reason.SCHEDULED)
+        history = await wait_history(a, lambda h: h and h[0].outcome, job="sync", timeout=10)
+        await ia.stop()
+        await ib.stop()
+    assert threads and threads[0] != threading.get_ident()
+    assert [(h.attempt, h.outcome) for h in history] == [(1, Outcome.COMPLETED)]
+    other = store.backend()
+    await other.start()
+    try:
+        assert await other.get_checkpoint("sync", slot) == {"thread": True}
+    finally:
+        await other.close()
+
+
+async def test_lease_loss_cancels_the_handler_at_once(store: Store) -> None:
+    a = make(store, "a", lease="20s")
+    tokens: list[Lease] = []
+    cancelled = anyio.Event()
+
+    @a.every("victim", "1h")
+    async def victim(ctx: RunContext) -> None:
+        tokens.append(Lease(ctx.job, ctx.slot, ctx.token, 20_000))
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    other = store.backend()
+    await other.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            ia = await Instance(a).start(tg)
+            slot = a.jobs["victim"].schedule.previous_at_or_before(a.store_now_ms())
+            assert slot is not None
+            await a._claim(a.jobs["victim"], slot, Reason.SCHEDULED)
+            await wait_for(lambda: tokens, what="running")
+            # Someone else (an operator, a takeover) ends the lease in the store.
+            assert await other.hand_over(tokens)
+            t0 = time.monotonic()
+            await wait_for(cancelled.is_set, timeout=3, what="cancellation")
+            assert time.monotonic() - t0 < 1.5
+            # The instance itself picks the handed-over run up again as its own backup.
+            history = await wait_history(a, lambda h: len(h) == 2, job="victim")
+            await ia.stop()
+    finally:
+        await other.close()
+    assert history[0].reason == Reason.HAND_OVER and history[0].attempt == 2
+
+
+async def test_cron_job_fires_on_its_seconds_field(store: Store) -> None:
+    a = make(store, "a")
+    seen: list[int] = []
+
+    @a.cron("every-second", "* * * * * *", tz="Europe/Lisbon")
+    async def tick(ctx: RunContext) -> None:
+        seen.append(ctx.slot)
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        await wait_for(lambda: len(seen) >= 2, timeout=10, what="two cron slots")
+        await ia.stop()
+    assert all(s % 1000 == 0 for s in seen)
+    assert seen[1] - seen[0] == 1000
+
+
+async def test_history_size_and_ttl_are_applied(store: Store) -> None:
+    a = Scheduler(store.backend(), instance_id="a", history_size=2, **FAST)
+    a.every("short-memory", "1s", lambda ctx: None)
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        await wait_for(
+            lambda: _count_distinct(a, "short-memory", 4), timeout=10, what="4 runs"
+        )
+        await ia.stop()
+    history = await a.history("short-memory")
+    assert 1 <= len(history) <= 3
+
+
+async def _count_distinct(s: Scheduler, job: str, n: int) -> bool:
+    # The job's last_slot advances with every claim even when history is trimmed.
+    info = await s.backend.register_jobs([job])
+    first = info[job].first_seen_ms
+    last = info[job].last_slot
+    return last is not None and last - first >= n * 1000
