@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import anyio
 import anyio.to_thread
@@ -166,9 +166,10 @@ class Scheduler:
         self._clock_samples = _ClockSamples()
         self._offset_ms = 0.0
         self._tg: TaskGroup | None = None
-        self._loops = anyio.CancelScope()
-        self._ticker_scope = anyio.CancelScope()
-        self._idle = anyio.Event()
+        # Made in start(): anyio objects need a running event loop.
+        self._loop_scopes: list[anyio.CancelScope] = []
+        self._ticker_scope: anyio.CancelScope
+        self._idle: anyio.Event
         self._started = False
         self._stopping = False
         self._crashed = False
@@ -181,6 +182,22 @@ class Scheduler:
                 f"{what}={given!r} is shorter than 3 heartbeats ({self.heartbeat:g}s each); "
                 f"use a {what} of at least {3 * self.heartbeat:g}s or a shorter heartbeat"
             )
+
+    @overload
+    def every(
+        self, name: str, interval: Duration, handler: None = None, *,
+        timeout: Duration | None = ..., overlap: str = ..., catch_up: str = ...,
+        max_attempts: int | None = ..., lease: Duration | None = ...,
+        offset: Duration | None = ...,
+    ) -> Callable[[H], H]: ...
+
+    @overload
+    def every(
+        self, name: str, interval: Duration, handler: H, *,
+        timeout: Duration | None = ..., overlap: str = ..., catch_up: str = ...,
+        max_attempts: int | None = ..., lease: Duration | None = ...,
+        offset: Duration | None = ...,
+    ) -> H: ...
 
     def every(
         self,
@@ -203,6 +220,20 @@ class Scheduler:
         schedule = IntervalSchedule(interval, offset or 0)
         return self._declare(name, schedule, handler, timeout, overlap, catch_up,
                              max_attempts, lease)
+
+    @overload
+    def cron(
+        self, name: str, expression: str, handler: None = None, *, tz: str = ...,
+        timeout: Duration | None = ..., overlap: str = ..., catch_up: str = ...,
+        max_attempts: int | None = ..., lease: Duration | None = ...,
+    ) -> Callable[[H], H]: ...
+
+    @overload
+    def cron(
+        self, name: str, expression: str, handler: H, *, tz: str = ...,
+        timeout: Duration | None = ..., overlap: str = ..., catch_up: str = ...,
+        max_attempts: int | None = ..., lease: Duration | None = ...,
+    ) -> H: ...
 
     def cron(
         self,
@@ -326,6 +357,9 @@ class Scheduler:
         self._started = True
         self._stopping = False
         self._crashed = False
+        self._loop_scopes = []
+        self._ticker_scope = anyio.CancelScope()
+        self._idle = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         for name, job in self._jobs.items():
@@ -347,7 +381,8 @@ class Scheduler:
             return
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
         self._stopping = True
-        self._loops.cancel()
+        for scope in self._loop_scopes:
+            scope.cancel()
         try:
             for held in list(self._held.values()):
                 held.ctx._request_stop("stopping")
@@ -391,8 +426,6 @@ class Scheduler:
         self._held.clear()
         self._watch.clear()
         self._started = False
-        self._loops = anyio.CancelScope()
-        self._ticker_scope = anyio.CancelScope()
         with anyio.move_on_after(10, shield=True):
             await self.backend.close()
 
@@ -434,7 +467,9 @@ class Scheduler:
             await anyio.sleep(min(delta / 1000, self.heartbeat))
 
     async def _job_loop(self, job: Job, info: JobInfo) -> None:
-        with self._loops:
+        scope = anyio.CancelScope()
+        self._loop_scopes.append(scope)
+        with scope:
             now = self.store_now_ms()
             if not info.new and job.catch_up != "none":
                 watermark = max(info.first_seen_ms, info.last_slot or info.first_seen_ms)

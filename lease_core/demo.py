@@ -1,0 +1,429 @@
+"""``anarchon demo``: a small fleet showing winner, backups, takeover and hand-over.
+
+Three instances (A, B, C) share one store and run two jobs:
+
+- ``report`` every 2 s, a short job: one instance wins each slot, the others stand by;
+- ``export`` every 10 s, a long job in twelve steps that checkpoints after each step.
+
+The demo kills the instance running an ``export`` mid-run (SIGKILL for processes), so a
+backup takes the run over with attempt 2 and resumes from the checkpoint. Then it stops
+the instance running the next ``export`` gracefully, so the run is handed over at once.
+It prints a timeline, the history table, and a verdict checked in the store: every slot
+completed exactly once.
+
+With PostgreSQL or Redis the instances are separate OS processes; with the memory
+backend they are tasks in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from ._registry import backend_from_url
+from ._structures import Attempt
+from .abc import Backend
+from .context import RunContext
+from .scheduler import Scheduler
+
+__all__ = ["run_demo", "worker_main"]
+
+NAMES = ("A", "B", "C")
+LEASE = "3s"
+HEARTBEAT = "0.5s"
+STEPS = 12
+STEP_S = 0.4
+
+
+def build_scheduler(backend: Backend, name: str) -> Scheduler:
+    """The scheduler every demo instance runs."""
+    scheduler = Scheduler(backend, instance_id=name, lease=LEASE, heartbeat=HEARTBEAT)
+
+    @scheduler.every("report", "2s")
+    async def report(ctx: RunContext) -> None:
+        await anyio.sleep(0.2)
+
+    @scheduler.every("export", "10s", timeout="30s")
+    async def export(ctx: RunContext) -> None:
+        done = await ctx.checkpoint.get() or 0
+        for _step in range(done, STEPS):
+            ctx.raise_if_stopping()
+            await anyio.sleep(STEP_S)
+            await ctx.checkpoint.set(_step + 1)
+
+    return scheduler
+
+
+def _options(url: str) -> dict[str, Any]:
+    if url.startswith(("redis", "rediss", "unix")):
+        return {"prefix": "anarchon_demo"}
+    if url.startswith("postgres"):
+        return {"table": "anarchon_demo"}
+    return {}
+
+
+# --------------------------------------------------------------------------- fleets
+
+
+class Fleet(ABC):
+    """Runs the demo's instances and can kill or stop each one."""
+
+    @abstractmethod
+    async def start(self, name: str) -> None:
+        """Start instance ``name``."""
+
+    @abstractmethod
+    async def kill(self, name: str) -> None:
+        """End instance ``name`` abruptly: no hand-over, no finish."""
+
+    @abstractmethod
+    async def stop(self, name: str) -> None:
+        """Stop instance ``name`` gracefully (hand-over) and wait for it."""
+
+    async def stop_all(self) -> None:
+        """Stop every instance still running."""
+        for name in list(self.alive):
+            await self.stop(name)
+
+    @property
+    @abstractmethod
+    def alive(self) -> list[str]:
+        """Instances still running."""
+
+
+class ProcessFleet(Fleet):
+    """Each instance is a separate OS process running :func:`worker_main`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    async def start(self, name: str) -> None:
+        """Start a worker process; return once its scheduler has started."""
+        proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
+            [sys.executable, "-m", "lease_core.demo", "worker", self.url, name],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+        self.procs[name] = proc
+        assert proc.stdout is not None
+        line = await anyio.to_thread.run_sync(proc.stdout.readline)
+        if line.strip() != b"started":
+            raise RuntimeError(f"demo instance {name} failed to start")
+
+    async def kill(self, name: str) -> None:
+        """SIGKILL the process."""
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGKILL)
+        await anyio.to_thread.run_sync(proc.wait)
+
+    async def stop(self, name: str) -> None:
+        """SIGTERM the process, which stops its scheduler gracefully."""
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        await anyio.to_thread.run_sync(proc.wait)
+
+    @property
+    def alive(self) -> list[str]:
+        """Processes still running."""
+        return list(self.procs)
+
+    def close(self) -> None:
+        """Kill any process left (after an error)."""
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
+
+
+class TaskFleet(Fleet):
+    """Each instance is a scheduler in a task of this process (memory backend)."""
+
+    def __init__(self, tg: TaskGroup, backend: Backend) -> None:
+        self.tg = tg
+        self.backend = backend
+        self.scopes: dict[str, anyio.CancelScope] = {}
+        self.stops: dict[str, anyio.Event] = {}
+        self.done: dict[str, anyio.Event] = {}
+
+    async def start(self, name: str) -> None:
+        """Start a scheduler task."""
+        await self.tg.start(self._run, name)
+
+    async def _run(self, name: str, *, task_status: TaskStatus[None]) -> None:
+        self.scopes[name] = scope = anyio.CancelScope()
+        self.stops[name] = stop = anyio.Event()
+        self.done[name] = done = anyio.Event()
+        try:
+            with scope:
+                async with build_scheduler(self.backend, name) as scheduler:
+                    task_status.started()
+                    await stop.wait()
+                    await scheduler.stop(grace="2s")
+        finally:
+            done.set()
+
+    async def kill(self, name: str) -> None:
+        """Cancel the task: like a crash, nothing is handed over."""
+        self.scopes.pop(name).cancel()
+        await self.done[name].wait()
+
+    async def stop(self, name: str) -> None:
+        """Stop the scheduler gracefully."""
+        self.scopes.pop(name)
+        self.stops[name].set()
+        await self.done[name].wait()
+
+    @property
+    def alive(self) -> list[str]:
+        """Tasks still running."""
+        return list(self.scopes)
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def worker_main(url: str, name: str) -> None:
+    """Run one demo instance until SIGTERM (then stop gracefully) or SIGKILL."""
+
+    async def main() -> None:
+        backend = backend_from_url(url, **_options(url))
+        async with build_scheduler(backend, name) as scheduler:
+            print("started", flush=True)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            await scheduler.stop(grace="2s")
+
+    anyio.run(main)
+
+
+# --------------------------------------------------------------------------- timeline
+
+
+class Timeline:
+    """Prints each attempt as it is claimed and as it ends, read from the store."""
+
+    def __init__(self, backend: Backend, since_ms: int, out: Any, fleet: Fleet) -> None:
+        self.backend = backend
+        self.fleet = fleet
+        self.since_ms = since_ms
+        self.t0 = time.monotonic()
+        self.seen: dict[tuple[str, int, int], Any] = {}
+        self.out = out
+
+    def say(self, text: str) -> None:
+        """Print one timeline line."""
+        print(f"  {time.monotonic() - self.t0:6.1f}s  {text}", file=self.out, flush=True)
+
+    async def poll(self) -> list[Attempt]:
+        """Read the history and print what changed."""
+        attempts = [a for a in await self.backend.history(None, 1000) if a.slot >= self.since_ms]
+        for a in sorted(attempts, key=lambda a: (a.claimed_at, a.attempt)):
+            key = (a.job, a.slot, a.attempt)
+            old = self.seen.get(key, "new")
+            if old == "new":
+                backups = [n for n in self.fleet.alive if n != a.instance_id]
+                standby = f"; {', '.join(backups)} stand by" if backups and not a.outcome else ""
+                self.say(f"{a.instance_id} wins {a.job:<6} slot {_hms(a.slot)}  "
+                         f"attempt {a.attempt} ({a.reason})"
+                         + (f" -> {a.outcome}" if a.outcome else standby))
+            elif a.outcome is not None and old is None:
+                detail = f": {a.error}" if a.error and a.outcome != "completed" else ""
+                self.say(f"{a.instance_id} {a.job:<6} slot {_hms(a.slot)}  attempt {a.attempt} "
+                         f"-> {a.outcome}{detail}")
+            self.seen[key] = a.outcome
+        return attempts
+
+    async def until(self, predicate: Any, limit: float, what: str) -> Any:
+        """Poll until ``predicate(attempts)`` returns something truthy."""
+        deadline = time.monotonic() + limit
+        while True:
+            attempts = await self.poll()
+            found = await predicate(attempts)
+            if found:
+                return found
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"demo: timed out waiting for {what}")
+            await anyio.sleep(0.2)
+
+
+def _hms(ms: int) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(ms / 1000))
+
+
+# --------------------------------------------------------------------------- scenario
+
+
+async def _scenario(fleet: Fleet, backend: Backend, out: Any) -> bool:
+    since = await backend.now_ms()
+    timeline = Timeline(backend, since, out, fleet)
+    for name in NAMES:
+        await fleet.start(name)
+    timeline.say(f"instances {', '.join(NAMES)} started (lease {LEASE}, heartbeat {HEARTBEAT})")
+
+    async def export_in_progress(attempts: list[Attempt], attempt: int = 1) -> Any:
+        for a in attempts:
+            if a.job == "export" and a.outcome is None and a.attempt == attempt:
+                progress = await backend.get_checkpoint("export", a.slot) or 0
+                if progress >= 3:
+                    return a
+        return None
+
+    victim = await timeline.until(export_in_progress, 30, "an export run")
+    progress = await backend.get_checkpoint("export", victim.slot)
+    timeline.say(f"*** killing {victim.instance_id} mid-export "
+                 f"(step {progress}/{STEPS}); no hand-over, the lease must expire")
+    await fleet.kill(victim.instance_id)
+
+    async def taken_over(attempts: list[Attempt]) -> Any:
+        return next((a for a in attempts if a.job == "export" and a.slot == victim.slot
+                     and a.attempt == 2 and a.outcome == "completed"), None)
+
+    await timeline.until(taken_over, 30, "the takeover to complete")
+
+    async def next_export(attempts: list[Attempt]) -> Any:
+        found = await export_in_progress(attempts)
+        return found if found and found.slot > victim.slot else None
+
+    second = await timeline.until(next_export, 30, "the next export run")
+    timeline.say(f"*** stopping {second.instance_id} gracefully: its run is handed over")
+    stop_started = time.monotonic()
+    await fleet.stop(second.instance_id)
+
+    async def handed_over(attempts: list[Attempt]) -> Any:
+        return next((a for a in attempts if a.job == "export" and a.slot == second.slot
+                     and a.reason == "hand-over"), None)
+
+    await timeline.until(handed_over, 10, "the hand-over")
+    timeline.say(f"hand-over picked up {time.monotonic() - stop_started:.1f}s after stop "
+                 f"(the lease is {LEASE})")
+
+    async def hand_over_done(attempts: list[Attempt]) -> Any:
+        return next((a for a in attempts if a.job == "export" and a.slot == second.slot
+                     and a.reason == "hand-over" and a.outcome == "completed"), None)
+
+    await timeline.until(hand_over_done, 30, "the handed-over run to complete")
+    await fleet.stop_all()
+    attempts = await timeline.poll()
+    return _report(attempts, victim.slot, second.slot, out)
+
+
+def _report(attempts: list[Attempt], killed: int, handed: int, out: Any) -> bool:
+    print("\nHistory (from the store, oldest first):", file=out)
+    print(f"  {'job':<7}{'slot':<10}{'att':>4}  {'instance':<9}{'reason':<10}{'outcome'}",
+          file=out)
+    for a in sorted(attempts, key=lambda a: (a.slot, a.job, a.attempt)):
+        print(f"  {a.job:<7}{_hms(a.slot):<10}{a.attempt:>4}  {a.instance_id:<9}"
+              f"{a.reason!s:<10}{a.outcome or 'running'}", file=out)
+    by_run: dict[tuple[str, int], list[Attempt]] = {}
+    for a in attempts:
+        by_run.setdefault((a.job, a.slot), []).append(a)
+    problems = []
+    for (job, slot), runs in sorted(by_run.items()):
+        completed = [a for a in runs if a.outcome == "completed"]
+        skipped = [a for a in runs if a.outcome == "skipped"]
+        open_ = [a for a in runs if a.outcome is None]
+        if open_ and not completed and slot > handed:
+            continue  # claimed just before the last instance stopped
+        if len(completed) > 1:
+            problems.append(f"{job} {_hms(slot)} completed {len(completed)} times")
+        elif not completed and not skipped and not _trailing(runs, handed):
+            problems.append(f"{job} {_hms(slot)} never completed")
+    killed_runs = by_run.get(("export", killed), [])
+    if not any(a.reason == "takeover" and a.attempt == 2 and a.outcome == "completed"
+               for a in killed_runs):
+        problems.append("the killed export was not taken over")
+    if not any(a.reason == "hand-over" and a.outcome == "completed"
+               for a in by_run.get(("export", handed), [])):
+        problems.append("the stopped export was not handed over")
+    slots = len(by_run)
+    if problems:
+        print(f"\nVERDICT: FAILED - {'; '.join(problems)}", file=out)
+        return False
+    print(f"\nVERDICT: OK - {slots} runs checked in the store: each completed exactly once; "
+          "the killed run was taken over (attempt 2) and the stopped one handed over.",
+          file=out)
+    return True
+
+
+def _trailing(runs: list[Attempt], handed: int) -> bool:
+    # Runs still handed over when the whole fleet stopped: a later instance continues them.
+    return all(a.outcome == "handed_over" for a in runs) and runs[0].slot > handed
+
+
+@contextlib.contextmanager
+def _embedded(kind: str) -> Iterator[str]:
+    if kind == "postgres":
+        from backends._embedded_postgres import embedded_postgres
+
+        with embedded_postgres() as dsn:
+            yield dsn
+    else:
+        from backends._embedded_redis import embedded_redis
+
+        with embedded_redis() as url:
+            yield url
+
+
+def run_demo(backend: str = "postgres", url: str | None = None, out: Any = None) -> bool:
+    """Run the demo; return True when the verdict checked in the store is OK."""
+    out = out or sys.stdout
+    if backend == "memory" and url is None:
+        return anyio.run(_memory_demo, out)
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            print(f"Starting embedded {backend} ...", file=out, flush=True)
+            url = stack.enter_context(_embedded(backend))
+        print(f"Store: {_safe(url)}\n\nTimeline:", file=out, flush=True)
+        result: bool = anyio.run(_process_demo, url, out)
+        return result
+
+
+def _safe(url: str) -> str:
+    from ._registry import _redact
+
+    return _redact(url)
+
+
+async def _memory_demo(out: Any) -> bool:
+    from backends.memory import MemoryBackend
+
+    print("Store: memory (three schedulers as tasks in this process)\n\nTimeline:", file=out)
+    backend = MemoryBackend()
+    await backend.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            fleet = TaskFleet(tg, backend)
+            ok = await _scenario(fleet, backend, out)
+            tg.cancel_scope.cancel()
+        return ok
+    finally:
+        await backend.close()
+
+
+async def _process_demo(url: str, out: Any) -> bool:
+    backend = backend_from_url(url, **_options(url))
+    await backend.start()
+    fleet = ProcessFleet(url)
+    try:
+        return await _scenario(fleet, backend, out)
+    finally:
+        fleet.close()
+        await backend.close()
+
+
+if __name__ == "__main__":  # pragma: no cover - worker processes
+    if len(sys.argv) == 4 and sys.argv[1] == "worker":
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        worker_main(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: python -m lease_core.demo worker URL NAME")
