@@ -1,0 +1,137 @@
+"""Bad input gets a clear ConfigurationError naming the value, at declaration time."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lease_core import AnarchonError, ConfigurationError, MemoryBackend, Scheduler
+from lease_core._durations import parse_duration
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("30s", 30), ("5m", 300), ("1h30m", 5400), ("2d", 172800),
+     ("1.5s", 1.5), (" 1H ", 3600), (timedelta(minutes=2), 120), (7, 7.0), (0.25, 0.25)],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["10x", "5 minutes", "", "m", "1h30", "-5s", "s5", "1e3s"])
+def test_bad_duration_names_the_value_and_the_units(bad: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        parse_duration(bad, what="interval")
+    assert repr(bad) in str(info.value)
+    assert "'30s'" in str(info.value) or "greater than zero" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "0s", timedelta(0), timedelta(seconds=-3),
+                                 float("nan"), True, None, [1]])
+def test_zero_negative_and_wrong_types_are_refused(bad: object) -> None:
+    with pytest.raises(ConfigurationError, match="interval"):
+        parse_duration(bad, what="interval")
+
+
+@given(st.lists(st.tuples(st.integers(1, 999), st.sampled_from(["ms", "s", "m", "h", "d"])),
+                min_size=1, max_size=4))
+def test_duration_strings_add_up(parts: list[tuple[int, str]]) -> None:
+    unit = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = "".join(f"{n}{u}" for n, u in parts)
+    assert parse_duration(text) == pytest.approx(sum(n * unit[u] for n, u in parts))
+
+
+def sched(**kw: object) -> Scheduler:
+    return Scheduler(MemoryBackend(), **kw)  # type: ignore[arg-type]
+
+
+def noop(ctx: object) -> None:
+    pass
+
+
+def test_errors_are_anarchon_errors_and_value_errors() -> None:
+    assert issubclass(ConfigurationError, AnarchonError)
+    assert issubclass(ConfigurationError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"lease": "10s", "heartbeat": "5s"}, "lease='10s' is shorter than 3 heartbeats"),
+        ({"lease": "-30s"}, "'-30s'"),
+        ({"heartbeat": "0s"}, "heartbeat='0s'"),
+        ({"history_size": 0}, "history_size=0"),
+        ({"history_ttl": "forever"}, "history_ttl='forever'"),
+        ({"instance_id": ""}, "instance_id=''"),
+    ],
+)
+def test_bad_scheduler_options(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        sched(**kwargs)
+    assert needle in str(info.value)
+
+
+def test_backend_must_be_a_backend() -> None:
+    with pytest.raises(ConfigurationError, match="not an anarchon backend"):
+        Scheduler("postgresql://x")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda s: s.every("j", "10x", noop), "interval='10x'"),
+        (lambda s: s.every("j", "0s", noop), "interval='0s'"),
+        (lambda s: s.every("j", "1m", noop, overlap="queue"), "overlap='queue'"),
+        (lambda s: s.every("j", "1m", noop, catch_up="some"), "catch_up='some'"),
+        (lambda s: s.every("j", "1m", noop, max_attempts=0), "max_attempts=0"),
+        (lambda s: s.every("j", "1m", noop, timeout="-1s"), "timeout='-1s'"),
+        (lambda s: s.every("j", "1m", noop, lease="6s"), "lease='6s' is shorter"),
+        (lambda s: s.every("j", "1m", noop, offset="2m"), "offset='2m'"),
+        (lambda s: s.every("", "1m", noop), "job name ''"),
+        (lambda s: s.every("has space", "1m", noop), "job name 'has space'"),
+        (lambda s: s.every("quote'd", "1m", noop), "job name"),
+        (lambda s: s.every("x" * 201, "1m", noop), "job name"),
+        (lambda s: s.every("j", "1m", 42), "not callable"),
+        (lambda s: s.cron("j", "61 * * * *", noop), "'61 * * * *'"),
+        (lambda s: s.cron("j", "every day", noop), "'every day'"),
+        (lambda s: s.cron("j", "* * *", noop), "'* * *'"),
+        (lambda s: s.cron("j", "0 3 * * *", noop, tz="Mars/Olympus"), "'Mars/Olympus'"),
+    ],
+)
+def test_bad_job_declarations(call: object, needle: str) -> None:
+    s = sched()
+    with pytest.raises(ConfigurationError) as info:
+        call(s)  # type: ignore[operator]
+    assert needle in str(info.value)
+    assert not s.jobs
+
+
+def test_duplicate_job_name() -> None:
+    s = sched()
+    s.every("dup", "1m", noop)
+    with pytest.raises(ConfigurationError, match="'dup' is already declared"):
+        s.cron("dup", "* * * * *", noop)
+
+
+def test_decorator_and_plain_forms() -> None:
+    s = sched()
+
+    @s.every("deco", "1m", timeout="30s", overlap="allow", max_attempts=3, lease="1m")
+    async def deco(ctx: object) -> None:
+        pass
+
+    s.cron("plain", "0 3 * * *", noop, tz="Europe/Athens")
+    assert deco.__name__ == "deco"
+    job = s.jobs["deco"]
+    assert (job.timeout, job.overlap, job.max_attempts, job.lease_ms, job.is_async) == (
+        30.0, "allow", 3, 60_000, True
+    )
+    assert not s.jobs["plain"].is_async
+
+
+def test_instance_ids_are_unique_per_scheduler() -> None:
+    assert sched().instance_id != sched().instance_id
+    assert sched(instance_id="web-1").instance_id == "web-1"

@@ -1,0 +1,75 @@
+"""The memory backend with an injected clock: lease arithmetic without waiting."""
+
+from __future__ import annotations
+
+import pytest
+
+from lease_core import MemoryBackend, Outcome, Reason, Scheduler
+from lease_core._structures import ClaimRequest, ClaimStatus, Lease
+from tests.helpers import Instance, wait_history
+
+pytestmark = pytest.mark.anyio
+
+
+class FakeClock:
+    """A store clock that only moves when told to."""
+
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def request(token: str, **kw: object) -> ClaimRequest:
+    return ClaimRequest("job", 1000, f"i-{token}", token, 30_000, **kw)  # type: ignore[arg-type]
+
+
+async def test_expiry_follows_the_injected_clock_exactly() -> None:
+    clock = FakeClock()
+    backend = MemoryBackend(clock=clock)
+    assert (await backend.claim(request("t1"))).status is ClaimStatus.WON
+    clock.advance(29.999)
+    assert (await backend.claim(request("t2"))).status is ClaimStatus.RUNNING
+    beat = await backend.heartbeat([Lease("job", 1000, "t1", 30_000)])
+    assert beat.held == {"t1"} and beat.now_ms == int(clock.now * 1000)
+    clock.advance(29.999)
+    assert (await backend.claim(request("t2"))).status is ClaimStatus.RUNNING
+    clock.advance(0.001)
+    took = await backend.claim(request("t2"))
+    assert (took.status, took.attempt, took.reason) == (ClaimStatus.WON, 2, Reason.TAKEOVER)
+
+
+async def test_history_ttl_with_an_injected_clock() -> None:
+    clock = FakeClock()
+    backend = MemoryBackend(clock=clock)
+    for i in range(3):
+        r = ClaimRequest("j", i, "a", f"t{i}", 1000, history_ttl_ms=60_000)
+        await backend.claim(r)
+        await backend.finish(Lease("j", i, f"t{i}", 1000), Outcome.COMPLETED)
+        clock.advance(50)
+    # t0 finished 150 s ago, t1 100 s ago, t2 50 s ago: only t2 survives the next claim.
+    await backend.claim(ClaimRequest("j", 9, "a", "t9", 1000, history_ttl_ms=60_000))
+    assert [h.slot for h in await backend.history("j")] == [9, 2]
+
+
+async def test_scheduler_follows_the_store_clock_not_the_local_one() -> None:
+    """A store clock ten days ahead of this machine: slots are the store's slots."""
+    import time
+
+    offset = 10 * 86_400.0
+    backend = MemoryBackend(clock=lambda: time.time() + offset)
+    s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
+    s.every("far", "1s", lambda ctx: None)
+    import anyio
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        history = await wait_history(s, lambda h: h and h[0].outcome, job="far")
+        await i.stop()
+    slot = history[0].slot
+    assert slot / 1000 > time.time() + offset - 30
+    assert history[0].claimed_at.timestamp() >= slot / 1000

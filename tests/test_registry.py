@@ -1,0 +1,97 @@
+"""Choosing a backend by URL, third-party backends through entry points, lazy imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lease_core import ConfigurationError, MemoryBackend, backend_from_url
+from lease_core._registry import known_schemes
+
+
+def test_memory_url() -> None:
+    assert isinstance(backend_from_url("memory://"), MemoryBackend)
+
+
+def test_unknown_scheme_lists_known_ones() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        backend_from_url("mongodb://user:secret@host/db")
+    message = str(info.value)
+    assert "'mongodb'" in message and "memory://" in message and "redis://" in message
+    assert "secret" not in message
+
+
+def test_url_without_scheme() -> None:
+    with pytest.raises(ConfigurationError, match="has no scheme"):
+        backend_from_url("localhost:5432")
+
+
+def test_builtin_schemes_are_known() -> None:
+    assert {"memory", "postgresql", "postgres", "redis", "rediss", "unix"} <= set(known_schemes())
+
+
+def test_third_party_backend_through_an_installed_entry_point(tmp_path: Path) -> None:
+    """A distribution on sys.path declares scheme 'toy' in group anarchon.backends."""
+    pkg = tmp_path / "toy_backend.py"
+    pkg.write_text(textwrap.dedent("""
+        from backends.memory import MemoryBackend
+
+        class ToyBackend(MemoryBackend):
+            schemes = ("toy",)
+
+            @classmethod
+            def from_url(cls, url, **options):
+                made = cls()
+                made.url = url
+                made.options = options
+                return made
+    """))
+    dist = tmp_path / "toy_backend-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[anarchon.backends]\ntoy = toy_backend:ToyBackend\n"
+    )
+    code = textwrap.dedent("""
+        import sys
+        from lease_core import backend_from_url
+        from lease_core._registry import known_schemes
+        b = backend_from_url("toy://here", flavour="x")
+        print(type(b).__name__, b.url, b.options, "toy" in known_schemes())
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.stdout.strip() == "ToyBackend toy://here {'flavour': 'x'} True"
+
+
+def test_importing_lease_core_needs_no_driver() -> None:
+    """With the drivers hidden, the core imports, and a backend names its extra."""
+    code = textwrap.dedent("""
+        import sys
+        for name in ("psycopg", "psycopg_pool", "pg8000", "redis"):
+            sys.modules[name] = None
+        import lease_core
+        from lease_core import Scheduler, MemoryBackend, ConfigurationError
+        assert "psycopg" not in sys.modules or sys.modules["psycopg"] is None
+        import anyio
+        cases = (("PostgresBackend", "postgresql://127.0.0.1:1/x", "postgres"),
+                 ("RedisBackend", "redis://127.0.0.1:1/0", "redis"))
+        for name, url, extra in cases:
+            for make in (lambda: getattr(lease_core, name)(url),
+                         lambda: lease_core.backend_from_url(url)):
+                try:
+                    anyio.run(make().start)
+                except ConfigurationError as exc:
+                    assert f"anarchon[{extra}]" in str(exc), exc
+                else:
+                    raise SystemExit(f"{name} started without its driver")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
