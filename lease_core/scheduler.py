@@ -495,9 +495,12 @@ class Scheduler:
             return
         after = max(after, until - CATCH_UP_WINDOW_MS)
         missed = job.schedule.slots_between(after, until, limit)
+        on_time = until - self.heartbeat * 1000
         for i, slot in enumerate(missed):
             last = i == len(missed) - 1
-            await self._claim(job, slot, final_reason if last else Reason.CATCH_UP)
+            # A slot that is due right now is simply scheduled, even at start-up.
+            reason = final_reason if last else Reason.CATCH_UP
+            await self._claim(job, slot, Reason.SCHEDULED if slot >= on_time else reason)
 
     async def _claim(self, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
         if self._stopping or self._tg is None:
@@ -508,17 +511,25 @@ class Scheduler:
             job.overlap == "skip", job.max_attempts, self.history_size, self.history_ttl_ms,
         )
         sent = self._clock()
-        try:
-            result = await self.backend.claim(request)
-        except AnarchonError as exc:
-            logger.warning("claim of %s slot %d failed, will retry: %s", job.name, slot, exc)
+        result: ClaimResult | None = None
+        # Shielded: a claim cancelled mid-flight could win in the store without the
+        # instance knowing, leaving the run unattended until its lease expires.
+        with anyio.move_on_after(job.lease_ms / 2000, shield=True):
+            try:
+                result = await self.backend.claim(request)
+            except AnarchonError as exc:
+                logger.warning("claim of %s slot %d failed, will retry: %s", job.name, slot, exc)
+        if result is None:
             self._watch[(job.name, slot)] = _Watched(job, retry_reason=reason)
             return None
         self._note_clock(result.now_ms, sent, self._clock())
         key = (job.name, slot)
-        if result.status is ClaimStatus.WON:
+        lease = Lease(job.name, slot, token, job.lease_ms)
+        if result.status is ClaimStatus.WON and (self._stopping or self._tg is None):
+            self._to_hand_over[token] = lease
+        elif result.status is ClaimStatus.WON:
             self._watch.pop(key, None)
-            self._launch(job, Lease(job.name, slot, token, job.lease_ms), result)
+            self._launch(job, lease, result)
         elif result.status is ClaimStatus.RUNNING:
             self._watch[key] = _Watched(job)
         else:
@@ -627,10 +638,15 @@ class Scheduler:
         with self._ticker_scope:
             while True:
                 await anyio.sleep(self.heartbeat)
-                try:
-                    await self._tick()
-                except AnarchonError as exc:
-                    logger.warning("tick failed: %s", exc)
+                # A hung store must not stall later ticks; the handlers' own deadlines
+                # cancel them before their leases could expire.
+                with anyio.move_on_after(self.lease / 2) as scope:
+                    try:
+                        await self._tick()
+                    except AnarchonError as exc:
+                        logger.warning("tick failed: %s", exc)
+                if scope.cancelled_caught:
+                    logger.warning("tick took longer than %gs; the store is slow", self.lease / 2)
 
     async def _tick(self) -> None:
         await self._renew()
