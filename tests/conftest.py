@@ -26,8 +26,10 @@ SPECS = {spec.id: spec for spec in all_specs()}
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Run tests using ``store`` on every (store, event loop) pair the store supports."""
     if "store" not in metafunc.fixturenames:
-        if "anyio_backend" in metafunc.fixturenames:
-            metafunc.parametrize("anyio_backend", ["asyncio", "trio"])
+        if "anyio_backend" in metafunc.fixturenames and not _parametrizes_loop(metafunc):
+            asyncio_only = metafunc.definition.get_closest_marker("asyncio_only")
+            loops = ["asyncio"] if asyncio_only else ["asyncio", "trio"]
+            metafunc.parametrize("anyio_backend", loops)
         return
     scenario_module = metafunc.module.__name__.endswith("test_scenarios")
     combos = [
@@ -37,6 +39,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if spec.scenarios or not scenario_module
     ]
     metafunc.parametrize(("anyio_backend", "store_id"), combos)
+
+
+def _parametrizes_loop(metafunc: pytest.Metafunc) -> bool:
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0]
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if "anyio_backend" in names:
+            return True
+    return False
 
 
 @pytest.fixture

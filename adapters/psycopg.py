@@ -1,0 +1,363 @@
+"""psycopg 3 adapters: a pool from a DSN, a user's pool (async or sync), a user's connection.
+
+Statements are sent with ``prepare=False``: server-side prepared statements do not survive
+PgBouncer in transaction mode before version 1.21, and a user's default-configured pool
+would otherwise prepare them after five executions.
+
+Sync pools and connections run their blocking calls in anyio worker threads, so they work
+under asyncio and trio; psycopg's async objects need asyncio.
+
+.. note:: Pools and connections passed in are never closed. The pool opened from a DSN
+   is closed by :meth:`PsycopgDsnAdapter.close`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, LiteralString, cast
+
+import anyio
+import anyio.to_thread
+import psycopg
+import psycopg.conninfo
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from lease_core.errors import BackendUnavailable, ConfigurationError
+
+from .sql import Executor, Row, SqlAdapter, TransientError, conninfo_params, redact
+
+__all__ = [
+    "PsycopgConnectionAdapter",
+    "PsycopgDsnAdapter",
+    "PsycopgPoolAdapter",
+    "PsycopgSyncConnectionAdapter",
+    "PsycopgSyncPoolAdapter",
+    "translate_error",
+]
+
+_UNAVAILABLE_CLASSES = ("08", "53", "57", "58", "28")
+_CONFIG_STATES = {"42501", "42P01", "3F000", "3D000", "42P07"}
+
+
+def _query(sql: str) -> LiteralString:
+    # Statements are the backend's constants (or a fenced transaction's own SQL).
+    return cast(LiteralString, sql)  # type: ignore[redundant-cast]
+
+
+def _where(conninfo: object) -> str:
+    if not isinstance(conninfo, str):
+        return ""
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError:
+        params = {}
+    host = params.get("host") or os.environ.get("PGHOST") or "localhost"
+    port = params.get("port") or os.environ.get("PGPORT") or "5432"
+    return f"{host}:{port}"
+
+
+def translate_error(
+    exc: psycopg.Error, *, where: str = "", secret: str | None = None
+) -> Exception:
+    """Map a psycopg error to anarchon's error types (the driver error stays the cause).
+
+    Connection failures, authentication failures and server shutdowns become
+    :class:`BackendUnavailable`; deadlocks and serialization failures
+    :class:`~adapters.sql.TransientError`; missing privileges or objects
+    :class:`ConfigurationError`. Other errors (bugs in SQL) are returned unchanged.
+    """
+    state = exc.sqlstate or ""
+    text = redact(str(exc).strip(), secret)
+    at = f" at {where}" if where else ""
+    if state in ("40001", "40P01"):
+        return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
+    if state in _CONFIG_STATES:
+        return ConfigurationError(f"PostgreSQL refused the statement{at}: {text}")
+    if (
+        isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+        or state[:2] in _UNAVAILABLE_CLASSES
+    ):
+        if state in ("28P01", "28000"):
+            return BackendUnavailable(
+                f"PostgreSQL{at} refused the login: {text} (check the user and password)"
+            )
+        return BackendUnavailable(f"cannot reach PostgreSQL{at}: {text}")
+    return exc
+
+
+@contextmanager
+def _mapped(where: str, secret: str | None = None) -> Iterator[None]:
+    try:
+        yield
+    except psycopg.Error as exc:
+        mapped = translate_error(exc, where=where, secret=secret)
+        if mapped is exc:
+            raise
+        raise mapped from exc
+
+
+def _secret_of(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> str | None:
+    try:
+        return conn.info.password or None
+    except psycopg.Error:  # pragma: no cover - closed connection
+        return None
+
+
+def _where_of(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> str:
+    try:
+        return f"{conn.info.host}:{conn.info.port}"
+    except psycopg.Error:  # pragma: no cover - closed connection
+        return ""
+
+
+class _AsyncTx:
+    """Executor over one psycopg async connection inside a transaction."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], where: str) -> None:
+        self._conn = conn
+        self._where = where
+
+    @property
+    def connection(self) -> psycopg.AsyncConnection[Any]:
+        return self._conn
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        with _mapped(self._where):
+            return await _async_all(self._conn, sql, params)
+
+
+class _SyncTx:
+    """Executor over one sync psycopg connection; each statement runs in a worker thread."""
+
+    def __init__(self, conn: psycopg.Connection[Any], where: str) -> None:
+        self._conn = conn
+        self._where = where
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        return self._conn
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        with _mapped(self._where):
+            return await anyio.to_thread.run_sync(_sync_all, self._conn, sql, params)
+
+
+async def _async_all(
+    conn: psycopg.AsyncConnection[Any], sql: str, params: Sequence[Any]
+) -> list[Row]:
+    cur = await conn.execute(_query(sql), tuple(params) or None, prepare=False)
+    if cur.description is None:
+        return []
+    return [tuple(row) for row in await cur.fetchall()]
+
+
+def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any]) -> list[Row]:
+    cur = conn.execute(_query(sql), tuple(params) or None, prepare=False)
+    if cur.description is None:
+        return []
+    return [tuple(row) for row in cur.fetchall()]
+
+
+async def _async_single(
+    conn: psycopg.AsyncConnection[Any], sql: str, params: Sequence[Any]
+) -> list[Row]:
+    if conn.autocommit:
+        return await _async_all(conn, sql, params)
+    async with conn.transaction():
+        return await _async_all(conn, sql, params)
+
+
+def _sync_single(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any]) -> list[Row]:
+    if conn.autocommit:
+        return _sync_all(conn, sql, params)
+    with conn.transaction():
+        return _sync_all(conn, sql, params)
+
+
+@asynccontextmanager
+async def _async_transaction(
+    conn: psycopg.AsyncConnection[Any], where: str
+) -> AsyncIterator[Executor]:
+    with _mapped(where):
+        async with conn.transaction():
+            yield _AsyncTx(conn, where)
+
+
+@asynccontextmanager
+async def _sync_transaction(conn: psycopg.Connection[Any], where: str) -> AsyncIterator[Executor]:
+    with _mapped(where):
+        tx = conn.transaction()
+        await anyio.to_thread.run_sync(tx.__enter__)
+        try:
+            yield _SyncTx(conn, where)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(tx.__exit__, type(exc), exc, exc.__traceback__)
+            raise
+        else:
+            await anyio.to_thread.run_sync(tx.__exit__, None, None, None)
+
+
+class PsycopgPoolAdapter(SqlAdapter):
+    """Run statements on connections borrowed from a psycopg ``AsyncConnectionPool``.
+
+    .. note:: A pool passed in is never opened or closed here; open it before use.
+    """
+
+    def __init__(self, pool: AsyncConnectionPool[Any], *, owned: bool = False,
+                 where: str | None = None, secret: str | None = None) -> None:
+        super().__init__(owned=owned)
+        self.pool = pool
+        self._where = where if where is not None else _where(pool.conninfo)
+        self._secret = secret
+
+    async def close(self) -> None:
+        """Close the pool if this adapter opened it."""
+        if self.owned:
+            await self.pool.close()
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on a pooled connection."""
+        with _mapped(self._where, self._secret):
+            async with self.pool.connection() as conn:
+                return await _async_single(conn, sql, params)
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Executor]:
+        with _mapped(self._where, self._secret):
+            async with self.pool.connection() as conn, _async_transaction(conn, self._where) as tx:
+                yield tx
+
+    def transaction(self) -> Any:
+        """Open a transaction on a pooled connection."""
+        return self._transaction()
+
+
+class PsycopgDsnAdapter(PsycopgPoolAdapter):
+    """Open a small ``AsyncConnectionPool`` from a DSN (``None``: localhost and ``PG*``).
+
+    The first connection is made directly, so a wrong password or an unreachable server is
+    reported at once, with a clear message. The pool is closed by :meth:`close`.
+    """
+
+    def __init__(self, dsn: str | None, *, min_size: int = 1, max_size: int = 4,
+                 timeout: float = 10.0) -> None:
+        if dsn is None:
+            params = conninfo_params(None)
+            conninfo = psycopg.conninfo.make_conninfo(
+                "", host=params["host"], port=str(params["port"]), dbname=params["database"]
+            )
+        else:
+            try:
+                conninfo = psycopg.conninfo.make_conninfo(dsn)
+            except psycopg.ProgrammingError as exc:
+                raise ConfigurationError(
+                    f"invalid PostgreSQL DSN {redact(dsn)!r}: {redact(str(exc))}"
+                ) from None
+        secret = psycopg.conninfo.conninfo_to_dict(conninfo).get("password")
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            conninfo, min_size=min_size, max_size=max_size, open=False, timeout=timeout,
+            kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon",
+        )
+        super().__init__(pool, owned=True, where=_where(conninfo),
+                         secret=str(secret) if secret else None)
+        self._conninfo = conninfo
+
+    async def open(self) -> None:
+        """Check that a login works, then open the pool without waiting for it to fill."""
+        with _mapped(self._where, self._secret):
+            conn = await psycopg.AsyncConnection.connect(self._conninfo, connect_timeout=10)
+            await conn.close()
+            await self.pool.open(wait=False)
+
+
+class PsycopgSyncPoolAdapter(SqlAdapter):
+    """Run statements on a sync psycopg ``ConnectionPool``, in worker threads; never closed."""
+
+    anyio_backends = ("asyncio", "trio")
+
+    def __init__(self, pool: ConnectionPool[Any]) -> None:
+        super().__init__(owned=False)
+        self.pool = pool
+        self._where = _where(pool.conninfo)
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on a pooled connection in a worker thread."""
+
+        def run() -> list[Row]:
+            with self.pool.connection() as conn:
+                return _sync_single(conn, sql, params)
+
+        with _mapped(self._where):
+            return await anyio.to_thread.run_sync(run)
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Executor]:
+        with _mapped(self._where):
+            conn = await anyio.to_thread.run_sync(self.pool.getconn)
+            try:
+                async with _sync_transaction(conn, self._where) as tx:
+                    yield tx
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.pool.putconn, conn)
+
+    def transaction(self) -> Any:
+        """Open a transaction on a pooled connection."""
+        return self._transaction()
+
+
+class PsycopgConnectionAdapter(SqlAdapter):
+    """Queue statements, one at a time, on one psycopg ``AsyncConnection``; never closed."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        super().__init__(owned=False)
+        self.conn = conn
+        self._lock = anyio.Lock()
+        self._where = _where_of(conn)
+        self._secret = _secret_of(conn)
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement when the connection is free."""
+        async with self._lock:
+            with _mapped(self._where, self._secret):
+                return await _async_single(self.conn, sql, params)
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Executor]:
+        async with self._lock, _async_transaction(self.conn, self._where) as tx:
+            yield tx
+
+    def transaction(self) -> Any:
+        """Open a transaction when the connection is free."""
+        return self._transaction()
+
+
+class PsycopgSyncConnectionAdapter(SqlAdapter):
+    """Queue statements on one sync psycopg ``Connection``, in worker threads; never closed."""
+
+    anyio_backends = ("asyncio", "trio")
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        super().__init__(owned=False)
+        self.conn = conn
+        self._lock = anyio.Lock()
+        self._where = _where_of(conn)
+        self._secret = _secret_of(conn)
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement in a worker thread when the connection is free."""
+        async with self._lock:
+            with _mapped(self._where, self._secret):
+                return await anyio.to_thread.run_sync(_sync_single, self.conn, sql, params)
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Executor]:
+        async with self._lock, _sync_transaction(self.conn, self._where) as tx:
+            yield tx
+
+    def transaction(self) -> Any:
+        """Open a transaction when the connection is free."""
+        return self._transaction()

@@ -1,0 +1,188 @@
+"""Start a throwaway PostgreSQL server in a temporary directory (for demos and tests).
+
+The server binaries come from the ``pgserver`` wheel (PostgreSQL 16) unless ``bindir``
+names another installation, such as ``/usr/lib/postgresql/15/bin``. The server listens on
+``127.0.0.1`` at a free port, with password (SCRAM) authentication over TCP, and is
+waited on with ``pg_ctl -w`` plus a connection check, never with a fixed sleep.
+
+PostgreSQL refuses to run as root. When this process is root, the server runs as the
+``postgres`` system user if it exists, otherwise as ``pgserver`` (created with ``useradd``
+when missing, which is what pgserver itself does).
+
+Example::
+
+    from backends._embedded_postgres import embedded_postgres
+
+    with embedded_postgres() as dsn:
+        backend = PostgresBackend(dsn)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pwd
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["EmbeddedPostgres", "embedded_postgres", "find_free_port", "service_user"]
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def service_user() -> str | None:
+    """Return the OS user servers must run as: ``None`` unless this process is root."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "pgserver"):
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            return name
+    subprocess.run(["useradd", "-s", "/bin/false", "pgserver"], check=True, capture_output=True)
+    return "pgserver"
+
+
+def _pgserver_bindir() -> Path:
+    # find_spec does not import pgserver, whose import warns when XDG_RUNTIME_DIR is unset.
+    spec = importlib.util.find_spec("pgserver")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("pgserver is not installed (pip install 'anarchon[embedded]')")
+    return Path(spec.origin).parent / "pginstall" / "bin"
+
+
+class EmbeddedPostgres:
+    """A PostgreSQL server owned by this object: :meth:`start`, :meth:`restart`, :meth:`stop`.
+
+    The data directory is a fresh temporary directory, deleted by :meth:`stop`. The
+    superuser is ``postgres`` with a random password; :attr:`dsn` includes it.
+    """
+
+    def __init__(self, bindir: str | Path | None = None, *, host: str = "127.0.0.1") -> None:
+        self.bindir = Path(bindir) if bindir is not None else _pgserver_bindir()
+        if not (self.bindir / "postgres").exists():
+            raise FileNotFoundError(f"no PostgreSQL server binaries in {self.bindir}")
+        self.host = host
+        self.port = 0
+        self.password = secrets.token_hex(12)
+        self.os_user = service_user()
+        self.root: Path | None = None
+
+    @property
+    def datadir(self) -> Path:
+        """The server's data directory (inside the temporary root)."""
+        assert self.root is not None, "server not started"
+        return self.root / "data"
+
+    @property
+    def dsn(self) -> str:
+        """A superuser DSN for the ``postgres`` database."""
+        return self.dsn_for("postgres", self.password)
+
+    def dsn_for(self, user: str, password: str, database: str = "postgres") -> str:
+        """Return a DSN for ``user`` on this server."""
+        return f"postgresql://{user}:{password}@{self.host}:{self.port}/{database}"
+
+    def _run(self, *args: str, timeout: float = 60) -> None:
+        subprocess.run(
+            [str(self.bindir / args[0]), *args[1:]],
+            check=True, capture_output=True, timeout=timeout, user=self.os_user,
+            cwd=self.root,
+        )
+
+    def version(self) -> str:
+        """Return the server binaries' version line (``postgres (PostgreSQL) 16.2``)."""
+        out = subprocess.run([str(self.bindir / "postgres"), "--version"],
+                             check=True, capture_output=True, text=True)
+        return out.stdout.strip()
+
+    def start(self) -> str:
+        """Create the cluster if needed, start the server and wait until it accepts logins."""
+        if self.root is None:
+            self.root = Path(tempfile.mkdtemp(prefix="anarchon-pg-"))
+            self.root.chmod(0o755)
+            if self.os_user is not None:
+                entry = pwd.getpwnam(self.os_user)
+                os.chown(self.root, entry.pw_uid, entry.pw_gid)
+            pwfile = self.root / "pwfile"
+            pwfile.write_text(self.password + "\n")
+            if self.os_user is not None:
+                os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+            self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--pwfile", str(pwfile),
+                      "--auth-local=trust", "--auth-host=scram-sha-256", "--encoding=UTF8",
+                      "--no-sync")
+            pwfile.unlink()
+            self.port = find_free_port(self.host)
+        self._pg_ctl_start()
+        return self.dsn
+
+    def _pg_ctl_start(self) -> None:
+        assert self.root is not None
+        options = (
+            f"-c listen_addresses={self.host} -c port={self.port} "
+            f"-c unix_socket_directories={self.root} -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300 "
+            "-c password_encryption=scram-sha-256"
+        )
+        self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-o", options,
+                  "-l", str(self.root / "server.log"), "start", timeout=90)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        """Block until a superuser login succeeds, or raise ``TimeoutError``."""
+        import psycopg
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with psycopg.connect(self.dsn, connect_timeout=2, autocommit=True) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"PostgreSQL at {self.host}:{self.port} never became "
+                                       "ready") from None
+                time.sleep(0.05)
+
+    def stop(self, *, remove: bool = True) -> None:
+        """Stop the server (fast shutdown); with ``remove``, delete its directory too."""
+        if self.root is None:
+            return
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self._run("pg_ctl", "-D", str(self.datadir), "-w", "-m", "fast", "stop")
+        if remove:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+
+    def restart(self) -> None:
+        """Stop the server and start it again on the same port and data."""
+        self.stop(remove=False)
+        self._pg_ctl_start()
+
+    def psql_superuser(self, sql: str) -> None:
+        """Run ``sql`` as the superuser in autocommit mode."""
+        import psycopg
+
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(sql)
+
+
+@contextlib.contextmanager
+def embedded_postgres(bindir: str | Path | None = None) -> Iterator[str]:
+    """Run a temporary PostgreSQL server for the ``with`` block; yield its superuser DSN."""
+    server = EmbeddedPostgres(bindir)
+    try:
+        yield server.start()
+    finally:
+        server.stop()

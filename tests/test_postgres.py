@@ -1,0 +1,408 @@
+"""PostgreSQL-specific behaviour: creation races, format, privileges, names, errors, fencing."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+from psycopg_pool import ConnectionPool
+
+from backends._embedded_postgres import EmbeddedPostgres, find_free_port
+from backends.postgres import FORMAT_VERSION, PostgresBackend, migrate
+from lease_core._structures import (
+    ClaimRequest,
+    ClaimStatus,
+    Lease,
+    Outcome,
+    Reason,
+    RunStatus,
+)
+from lease_core.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    LeaseLost,
+    StoreFormatError,
+)
+from tests.helpers import wait_for
+from tests.stores.postgres import STORES, PgServer, drop_tables, unique_table
+
+pytestmark = pytest.mark.anyio
+
+# psycopg's async API needs asyncio; pg8000 runs in worker threads, so on trio too.
+LOOP_SCHEMES = [("asyncio", "postgresql://"), ("asyncio", "postgresql+pg8000://"),
+                ("trio", "postgresql+pg8000://")]
+LOOP_DRIVERS = [("asyncio", "psycopg"), ("asyncio", "pg8000"), ("trio", "pg8000")]
+
+
+
+@pytest.fixture
+async def table(pg16_server: PgServer) -> AsyncIterator[str]:
+    """A fresh table name on PostgreSQL 16, dropped afterwards."""
+    name = unique_table()
+    yield name
+    await drop_tables(pg16_server.admin_dsn, name)
+
+
+def request_for(job: str, slot: int, token: str, lease_ms: int = 60_000, **kw: Any) -> ClaimRequest:
+    """A claim request from instance ``i-<token>``."""
+    return ClaimRequest(job, slot, f"i-{token}", token, lease_ms, **kw)
+
+
+async def wait_until_expired(backend: PostgresBackend, expires_ms: int) -> None:
+    """Wait, with a deadline, until the store's clock passes ``expires_ms``."""
+
+    async def passed() -> bool:
+        return await backend.now_ms() > expires_ms
+
+    await wait_for(passed, what=f"store clock past {expires_ms}")
+
+
+def admin(server: PgServer, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    """Run ``sql`` as the superuser, straight on the server."""
+    with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
+        cur = conn.execute(sql, params)
+        return cur.fetchall() if cur.description else []
+
+
+@pytest.mark.parametrize(
+    ("anyio_backend", "spec"),
+    [(loop, spec) for spec in STORES for loop in spec.anyio_backends],
+    ids=[f"{spec.id}-{loop}" for spec in STORES for loop in spec.anyio_backends],
+)
+async def test_contract_round_trip_on_every_store(
+    request: pytest.FixtureRequest, spec: Any, anyio_backend: str
+) -> None:
+    store = await spec.make(request)
+    try:
+        a, b = store.backend(), store.backend()
+        await a.start()
+        await b.start()
+        job = "job"
+        # More than psycopg's prepare_threshold (5) of the same statements: PgBouncer safe.
+        for slot in range(1, 8):
+            won = await a.claim(request_for(job, slot, f"a{slot}", overlap_skip=False))
+            assert won.status is ClaimStatus.WON and won.attempt == 1
+            backup = await b.claim(request_for(job, slot, f"b{slot}", overlap_skip=False))
+            assert backup.status is ClaimStatus.RUNNING and backup.instance_id == f"i-a{slot}"
+            lease = Lease(job, slot, f"a{slot}", 60_000)
+            beat = await a.heartbeat([lease, Lease(job, slot, "stale", 1000)])
+            assert beat.held == {f"a{slot}"}
+            assert await a.set_checkpoint(lease, {"n": slot})
+            assert await b.get_checkpoint(job, slot) == {"n": slot}
+            assert await a.finish(lease, Outcome.COMPLETED)
+            assert not await a.finish(lease, Outcome.COMPLETED)
+        handed = await a.claim(request_for(job, 100, "h1"))
+        assert await a.hand_over([Lease(job, 100, "h1", 60_000)]) == {"h1"}
+        taken = await b.claim(request_for(job, 100, "h2"))
+        assert (taken.status, taken.reason, taken.attempt) == (
+            ClaimStatus.WON, Reason.HAND_OVER, handed.attempt + 1)
+        async with b.transaction(Lease(job, 100, "h2", 60_000)) as tx:
+            assert await tx.execute("SELECT %s::int * 2", (21,)) == [(42,)]
+            assert tx.connection is not None
+        state = await a.check([(job, 100), (job, 99)])
+        assert state.runs[(job, 100)].status is RunStatus.COMPLETED
+        assert (job, 99) not in state.runs
+        history = await b.history(job, limit=3)
+        assert [(h.slot, h.attempt, h.outcome) for h in history] == [
+            (100, 2, Outcome.COMPLETED), (100, 1, Outcome.HANDED_OVER), (7, 1, Outcome.COMPLETED)
+        ]
+        await a.close()
+        await b.close()
+    finally:
+        await store.cleanup()
+
+
+@pytest.mark.asyncio_only
+async def test_eight_backends_create_the_tables_concurrently(
+    pg16_server: PgServer, table: str
+) -> None:
+    backends = [PostgresBackend(pg16_server.dsn, table=table) for _ in range(8)]
+    async with anyio.create_task_group() as tg:
+        for backend in backends:
+            tg.start_soon(backend.start)
+    results = [await b.claim(request_for("j", 1, f"t{i}")) for i, b in enumerate(backends)]
+    assert [r.status for r in results].count(ClaimStatus.WON) == 1
+    assert admin(pg16_server, f"SELECT key, value FROM {table}_meta") == [
+        ("format", str(FORMAT_VERSION))
+    ]
+    for backend in backends:
+        await backend.close()
+
+
+@pytest.mark.asyncio_only
+async def test_newer_format_is_refused_and_nothing_is_written(
+    pg16_server: PgServer, table: str
+) -> None:
+    admin(pg16_server, f"CREATE TABLE {table}_meta (key text PRIMARY KEY, value text NOT NULL)")
+    admin(pg16_server, f"INSERT INTO {table}_meta VALUES ('format', '{FORMAT_VERSION + 1}')")
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    with pytest.raises(StoreFormatError, match=f"format '{FORMAT_VERSION + 1}'"):
+        await backend.start()
+    tables = admin(pg16_server, "SELECT relname FROM pg_class WHERE relname LIKE %s",
+                   (table + "%",))
+    assert {name for (name,) in tables} >= {f"{table}_meta"}
+    assert f"{table}_jobs" not in {name for (name,) in tables}
+    # A complete store with a newer format is refused too, and left untouched.
+    admin(pg16_server, f"DROP TABLE {table}_meta")
+    await migrate(pg16_server.dsn, table=table)
+    admin(pg16_server, f"UPDATE {table}_meta SET value = '{FORMAT_VERSION + 1}'")
+    with pytest.raises(StoreFormatError):
+        await PostgresBackend(pg16_server.dsn, table=table).start()
+    assert admin(pg16_server, f"SELECT count(*) FROM {table}_jobs") == [(0,)]
+
+
+@pytest.mark.asyncio_only
+async def test_least_privilege_role_after_migrate(pg16_server: PgServer, table: str) -> None:
+    role = f"app_{uuid.uuid4().hex[:8]}"
+    password = uuid.uuid4().hex
+    admin(pg16_server, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+    role_dsn = pg16_server.server.dsn_for(role, password)
+    try:
+        missing = PostgresBackend(role_dsn, table=table)
+        with pytest.raises(ConfigurationError, match="anarchon migrate") as info:
+            await missing.start()
+        assert table in str(info.value)
+        await migrate(pg16_server.dsn, table=table)
+        tables = ", ".join(f"{table}{s}" for s in ("", "_attempts", "_jobs", "_meta"))
+        admin(pg16_server, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {role}")
+        backend = PostgresBackend(role_dsn, table=table)
+        await backend.start()
+        assert (await backend.register_jobs(["j"]))["j"].new
+        won = await backend.claim(request_for("j", 1, "t1", history_size=1))
+        assert won.status is ClaimStatus.WON
+        assert await backend.finish(Lease("j", 1, "t1", 1000), Outcome.COMPLETED)
+        await backend.claim(request_for("j", 2, "t2", history_size=1))  # trims with DELETE
+        assert [a.slot for a in await backend.history("j")] == [2]
+        await backend.close()
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
+        admin(pg16_server, f"DROP ROLE {role}")
+
+
+@pytest.mark.asyncio_only
+async def test_schema_qualified_table_and_missing_schema(pg16_server: PgServer) -> None:
+    schema = f"s_{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ConfigurationError, match=f"schema '{schema}'.*does not exist"):
+        await PostgresBackend(pg16_server.dsn, table=f"{schema}.runs").start()
+    admin(pg16_server, f"CREATE SCHEMA {schema}")
+    try:
+        backend = PostgresBackend(pg16_server.dsn, table=f"{schema}.runs")
+        await backend.start()
+        assert (await backend.claim(request_for("j", 1, "t"))).status is ClaimStatus.WON
+        await backend.close()
+        found = admin(pg16_server, "SELECT tablename FROM pg_tables WHERE schemaname = %s",
+                      (schema,))
+        assert {n for (n,) in found} == {"runs", "runs_attempts", "runs_jobs", "runs_meta"}
+    finally:
+        admin(pg16_server, f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.mark.parametrize(
+    "name", ['runs"; DROP TABLE x; --', "bad name", "a.b.c", "x" * 60, "", "1runs", "s.", 42]
+)
+def test_bad_table_names_are_refused(name: Any) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        PostgresBackend("postgresql://localhost/postgres", table=name)
+    assert repr(name)[:40] in str(info.value) or "x" * 40 in str(info.value)
+
+
+@pytest.mark.parametrize(("anyio_backend", "scheme"), LOOP_SCHEMES)
+async def test_unreachable_server_is_reported_clearly(scheme: str, anyio_backend: str) -> None:
+    port = find_free_port()
+    backend = PostgresBackend(f"{scheme}postgres:pw@127.0.0.1:{port}/postgres", table="t")
+    with pytest.raises(BackendUnavailable, match=f"127.0.0.1:{port}"):
+        await backend.start()
+
+
+@pytest.mark.parametrize(("anyio_backend", "scheme"), LOOP_SCHEMES)
+async def test_wrong_password_is_reported_without_the_password(
+    pg16_server: PgServer, scheme: str, anyio_backend: str
+) -> None:
+    secret = "wrong-" + uuid.uuid4().hex
+    s = pg16_server.server
+    backend = PostgresBackend(f"{scheme}postgres:{secret}@{s.host}:{s.port}/postgres", table="t")
+    with pytest.raises(BackendUnavailable, match="password") as info:
+        await backend.start()
+    assert secret not in str(info.value)
+    assert secret not in repr(info.value.args)
+
+
+@pytest.mark.asyncio_only
+async def test_stale_attempt_cannot_commit_its_fenced_effect(
+    pg16_server: PgServer, table: str
+) -> None:
+    effects = f"{table}_effects"
+    admin(pg16_server, f"CREATE TABLE {effects} (job text, slot bigint, PRIMARY KEY (job, slot))")
+    old = PostgresBackend(pg16_server.dsn, table=table)
+    new = PostgresBackend(pg16_server.dsn, table=table)
+    await old.start()
+    await new.start()
+    try:
+        first = await old.claim(request_for("close", 1, "old", lease_ms=200))
+        assert first.status is ClaimStatus.WON and first.expires_ms is not None
+        await wait_until_expired(new, first.expires_ms)  # the old holder stalls past its lease
+        taken = await new.claim(request_for("close", 1, "new"))
+        assert (taken.status, taken.reason, taken.attempt) == (
+            ClaimStatus.WON, Reason.TAKEOVER, 2)
+        insert = f"INSERT INTO {effects} VALUES (%s, %s)"
+        with pytest.raises(LeaseLost):
+            async with old.transaction(Lease("close", 1, "old", 200)) as tx:
+                await tx.execute(insert, ("close", 1))
+        # An effect written before an error is rolled back with it.
+        with pytest.raises(RuntimeError):
+            async with new.transaction(Lease("close", 1, "new", 60_000)) as tx:
+                await tx.execute(insert, ("close", 1))
+                raise RuntimeError("handler failed")
+        assert admin(pg16_server, f"SELECT count(*) FROM {effects}") == [(0,)]
+        async with new.transaction(Lease("close", 1, "new", 60_000)) as tx:
+            await tx.execute(insert, ("close", 1))
+        assert admin(pg16_server, f"SELECT count(*) FROM {effects}") == [(1,)]
+        assert not await old.finish(Lease("close", 1, "old", 200), Outcome.COMPLETED)
+        with pytest.raises(LeaseLost):
+            async with new.transaction(Lease("close", 1, "new", 60_000)):
+                pass
+        outcomes = [(a.attempt, a.outcome) for a in await new.history("close")]
+        assert outcomes == [(2, Outcome.COMPLETED), (1, Outcome.LOST)]
+    finally:
+        await old.close()
+        await new.close()
+        admin(pg16_server, f"DROP TABLE {effects}")
+
+
+@pytest.mark.asyncio_only
+async def test_claims_of_different_jobs_do_not_wait_for_each_other(
+    pg16_server: PgServer, table: str
+) -> None:
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    await backend.register_jobs(["busy", "free"])
+    with psycopg.connect(pg16_server.admin_dsn) as holder:
+        # Hold the job row lock of "busy", as an in-flight claim would.
+        holder.execute(f"UPDATE {table}_jobs SET seq = seq + 1 WHERE job = 'busy'")
+        with anyio.fail_after(5):
+            free = await backend.claim(request_for("free", 1, "f"))
+        assert free.status is ClaimStatus.WON
+        blocked: list[Any] = []
+        done = anyio.Event()
+
+        async def claim_busy() -> None:
+            blocked.append(await backend.claim(request_for("busy", 1, "b")))
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(claim_busy)
+            with anyio.move_on_after(0.5):
+                await done.wait()
+            assert blocked == [], "a claim of the locked job must wait for the lock"
+            holder.commit()
+        assert blocked[0].status is ClaimStatus.WON
+    await backend.close()
+
+
+@pytest.mark.asyncio_only
+async def test_history_is_trimmed_by_size_and_ttl(pg16_server: PgServer, table: str) -> None:
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    for slot in range(1, 7):
+        await backend.claim(request_for("j", slot, f"t{slot}", overlap_skip=False,
+                                        history_size=3))
+        await backend.finish(Lease("j", slot, f"t{slot}", 1000), Outcome.COMPLETED)
+    assert [a.slot for a in await backend.history("j")] == [6, 5, 4]
+    assert set((await backend.check([("j", s) for s in range(1, 7)])).runs) == {
+        ("j", 4), ("j", 5), ("j", 6)}
+    now = await backend.now_ms()
+    await wait_until_expired(backend, now + 5)
+    await backend.claim(request_for("j", 7, "t7", overlap_skip=False, history_ttl_ms=1))
+    assert [a.slot for a in await backend.history("j")] == [7]
+    await backend.close()
+
+
+@pytest.mark.asyncio_only
+async def test_single_async_connection_is_queued_and_never_closed(
+    pg16_server: PgServer, table: str
+) -> None:
+    conn = await psycopg.AsyncConnection.connect(pg16_server.dsn)  # autocommit off
+    backend = PostgresBackend(conn, table=table)
+    await backend.start()
+    results = []
+
+    async def claim(i: int) -> None:
+        results.append(await backend.claim(request_for("j", 1, f"t{i}")))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(5):
+            tg.start_soon(claim, i)
+    assert sorted(r.status for r in results).count(ClaimStatus.WON) == 1
+    await backend.close()
+    assert not conn.closed
+    await conn.close()
+
+
+async def test_sync_pool_works_on_both_event_loops(pg16_server: PgServer, table: str) -> None:
+    with ConnectionPool(pg16_server.dsn, min_size=1, max_size=2) as pool:
+        backend = PostgresBackend(pool, table=table)
+        await backend.start()
+        assert (await backend.claim(request_for("j", 1, "t"))).status is ClaimStatus.WON
+        async with backend.transaction(Lease("j", 1, "t", 1000)) as tx:
+            assert await tx.execute("SELECT 1") == [(1,)]
+        assert (await backend.check([("j", 1)])).runs[("j", 1)].status is RunStatus.COMPLETED
+        await backend.close()
+        assert not pool.closed
+
+
+@pytest.mark.parametrize(("anyio_backend", "scheme"), LOOP_SCHEMES)
+async def test_server_restart_mid_lease(scheme: str, anyio_backend: str) -> None:
+    server = EmbeddedPostgres()
+    server.start()
+    try:
+        backend = PostgresBackend(server.dsn.replace("postgresql://", scheme, 1),
+                                  table="restart_runs")
+        await backend.start()
+        lease = Lease("j", 1, "t", 120_000)
+        assert (await backend.claim(request_for("j", 1, "t", 120_000))).status is ClaimStatus.WON
+        await anyio.to_thread.run_sync(lambda: server.stop(remove=False))
+        with pytest.raises(BackendUnavailable):
+            await backend.heartbeat([lease])
+        await anyio.to_thread.run_sync(server.start)
+        with anyio.fail_after(30):
+            while True:
+                try:
+                    beat = await backend.heartbeat([lease])
+                    break
+                except BackendUnavailable:
+                    await anyio.sleep(0.05)
+        assert beat.held == {"t"}
+        assert await backend.finish(lease, Outcome.COMPLETED)
+        await backend.close()
+    finally:
+        server.stop()
+
+
+def test_dsn_options_are_validated() -> None:
+    with pytest.raises(ConfigurationError, match="driver"):
+        PostgresBackend("postgresql://localhost/postgres", driver="asyncpg")
+    with pytest.raises(ConfigurationError, match="cannot use"):
+        PostgresBackend(object())
+    with pytest.raises(ConfigurationError, match="postgresql"):
+        PostgresBackend("mysql://localhost/db", driver="pg8000")
+    assert PostgresBackend.from_url("postgresql://u:p@h/db").table == "anarchon_runs"
+
+
+@pytest.mark.parametrize(("anyio_backend", "driver"), LOOP_DRIVERS)
+async def test_nothing_means_localhost_with_pg_variables(
+    pg16_server: PgServer, table: str, driver: str, anyio_backend: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = pg16_server.server
+    for name, value in {"PGHOST": s.host, "PGPORT": str(s.port), "PGUSER": "postgres",
+                        "PGPASSWORD": s.password}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("PGDATABASE", raising=False)
+    backend = PostgresBackend(table=table, driver=driver)
+    await backend.start()
+    assert (await backend.claim(request_for("j", 1, "t"))).status is ClaimStatus.WON
+    await backend.close()
