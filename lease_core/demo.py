@@ -125,12 +125,14 @@ class ProcessFleet(Fleet):
         proc = self.procs.pop(name)
         proc.send_signal(signal.SIGKILL)
         await anyio.to_thread.run_sync(proc.wait)
+        _close_pipe(proc)
 
     async def stop(self, name: str) -> None:
         """SIGTERM the process, which stops its scheduler gracefully."""
         proc = self.procs.pop(name)
         proc.send_signal(signal.SIGTERM)
         await anyio.to_thread.run_sync(proc.wait)
+        _close_pipe(proc)
 
     @property
     def alive(self) -> list[str]:
@@ -142,6 +144,13 @@ class ProcessFleet(Fleet):
         for proc in self.procs.values():
             proc.kill()
             proc.wait()
+            _close_pipe(proc)
+        self.procs.clear()
+
+
+def _close_pipe(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 class TaskFleet(Fleet):
