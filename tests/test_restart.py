@@ -1,0 +1,77 @@
+"""The store restarting mid-lease, seen through the scheduler (PostgreSQL).
+
+While the server is down heartbeats fail: the handler must be cancelled before its lease
+could expire in the store. When the server returns, the run is taken over (attempt 2) and
+completes once; nothing is lost and nothing runs twice at the same time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from backends._embedded_postgres import EmbeddedPostgres
+from lease_core import Outcome, PostgresBackend, Reason, RunContext, Scheduler
+from tests.helpers import Instance, wait_for, wait_history
+
+pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only]
+
+
+@pytest.mark.parametrize("scheme", ["postgresql://", "postgresql+pg8000://"])
+async def test_handler_stops_before_its_lease_and_resumes_after_restart(scheme: str) -> None:
+    server = EmbeddedPostgres()
+    await anyio.to_thread.run_sync(server.start)
+    try:
+        url = server.dsn.replace("postgresql://", scheme, 1)
+        s = Scheduler(PostgresBackend(url, table="restart_runs"), instance_id="a",
+                      lease="1.5s", heartbeat="0.25s")
+        live: list[int] = []
+        overlaps: list[int] = []
+        attempts: list[tuple[int, float, float | None]] = []
+        release = anyio.Event()
+
+        @s.every("long", "1h")
+        async def long(ctx: RunContext) -> None:
+            if live:
+                overlaps.append(ctx.attempt)
+            live.append(ctx.attempt)
+            attempts.append((ctx.attempt, time.monotonic(), None))
+            try:
+                if ctx.attempt >= 2:
+                    await release.wait()
+                else:
+                    await anyio.sleep_forever()
+            finally:
+                live.remove(ctx.attempt)
+                attempts[-1] = (ctx.attempt, attempts[-1][1], time.monotonic())
+
+        async with anyio.create_task_group() as tg:
+            instance = await Instance(s).start(tg)
+            slot = s.jobs["long"].schedule.previous_at_or_before(s.store_now_ms())
+            assert slot is not None
+            await s._claim(s.jobs["long"], slot, Reason.SCHEDULED)
+            await wait_for(lambda: attempts, what="attempt 1")
+            # Let one heartbeat succeed, then take the server away.
+            await anyio.sleep(0.3)
+            down_at = time.monotonic()
+            await anyio.to_thread.run_sync(lambda: server.stop(remove=False))
+            await wait_for(lambda: attempts[0][2] is not None, timeout=5,
+                           what="attempt 1 cancelled")
+            cancelled_after = attempts[0][2] - down_at  # type: ignore[operator]
+            assert cancelled_after < 1.5, f"handler ran {cancelled_after:.2f}s into the outage"
+            await anyio.sleep(1.0)  # the lease has surely expired by the store's clock
+            await anyio.to_thread.run_sync(server._pg_ctl_start)
+            await wait_for(lambda: len(attempts) == 2, timeout=20, what="takeover after restart")
+            release.set()
+            history = await wait_history(s, lambda h: h and h[0].outcome == "completed",
+                                         job="long", timeout=20)
+            await instance.stop()
+        assert overlaps == []
+        assert [(h.attempt, h.reason, h.outcome) for h in history] == [
+            (2, Reason.TAKEOVER, Outcome.COMPLETED),
+            (1, Reason.SCHEDULED, Outcome.LOST),
+        ]
+    finally:
+        await anyio.to_thread.run_sync(server.stop)
