@@ -1,4 +1,4 @@
-"""PostgreSQL stores: embedded PostgreSQL 16 (pgserver), system PostgreSQL 15, PgBouncer.
+"""PostgreSQL stores: embedded PostgreSQL 16 (pgserver), the system's PostgreSQL, PgBouncer.
 
 Servers are session-scoped fixtures started by the harness itself on 127.0.0.1 at free
 ports, waited on with readiness checks, and stopped at the end of the session. Every store
@@ -29,9 +29,33 @@ from lease_core.abc import Backend
 
 from . import Store, StoreSpec, missing_service
 
-__all__ = ["PgServer", "pg15_server", "pg16_server", "pgbouncer_server"]
+__all__ = ["PgServer", "docker_pg_server", "pg16_server", "pgbouncer_server", "pgsys_server"]
 
-PG15_BINDIR = Path("/usr/lib/postgresql/15/bin")
+
+def _system_bindir() -> tuple[Path, str]:
+    """The newest system PostgreSQL (Debian layout), or a placeholder when none is found."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"),
+                   key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit()
+                   else 0)
+    if not found:
+        return Path("/usr/lib/postgresql/NONE/bin"), "system"
+    return found[-1].parent, found[-1].parent.parent.name
+
+
+SYSTEM_BINDIR, SYSTEM_VERSION = _system_bindir()
+
+
+def _docker_reachable() -> bool:
+    """True when a Docker engine answers (then testcontainers adds a server)."""
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+DOCKER = _docker_reachable()
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
 
@@ -68,11 +92,24 @@ def pg16_server() -> Iterator[PgServer]:
 
 
 @pytest.fixture(scope="session")
-def pg15_server() -> Iterator[PgServer]:
-    """The system's PostgreSQL 15 binaries, in a temporary directory."""
-    if not (PG15_BINDIR / "postgres").exists():
-        missing_service(f"PostgreSQL 15 in {PG15_BINDIR}")
-    yield from _start(PG15_BINDIR, f"PostgreSQL 15 in {PG15_BINDIR}")
+def pgsys_server() -> Iterator[PgServer]:
+    """The system's PostgreSQL binaries (``make test`` installs them), in a temp directory."""
+    if not (SYSTEM_BINDIR / "postgres").exists():
+        missing_service("a system PostgreSQL in /usr/lib/postgresql (apt-get install postgresql)")
+    yield from _start(SYSTEM_BINDIR, f"PostgreSQL in {SYSTEM_BINDIR}")
+
+
+@pytest.fixture(scope="session")
+def docker_pg_server() -> Iterator[PgServer]:
+    """PostgreSQL in a container through testcontainers; only used when Docker answers."""
+    try:
+        from testcontainers.postgres import PostgresContainer
+    except ImportError:
+        missing_service("testcontainers (pip install testcontainers) with a Docker engine")
+        raise  # pragma: no cover - missing_service raises
+    with PostgresContainer("postgres:16-alpine", driver=None) as container:
+        dsn = container.get_connection_url()
+        yield PgServer(dsn, dsn, None, "docker postgres:16-alpine")  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
@@ -270,8 +307,11 @@ STORES = [
               ("asyncio", "trio"), scenarios=False),
     StoreSpec("pg16-dsn", _dsn_store("pg16_server"), scenarios=False),
     StoreSpec("pg16-custom-adapter", _custom_store("pg16_server"), scenarios=False),
-    StoreSpec("pg15-psycopg-pool", _pool_store("pg15_server")),
+    StoreSpec(f"pg{SYSTEM_VERSION}-psycopg-pool", _pool_store("pgsys_server")),
     StoreSpec("pgbouncer-psycopg-pool", _pool_store("pgbouncer_server")),
     StoreSpec("pgbouncer-pg8000", _dsn_store("pgbouncer_server", "postgresql+pg8000://"),
               scenarios=False),
 ]
+
+if DOCKER:
+    STORES.append(StoreSpec("docker-pg16-psycopg-pool", _pool_store("docker_pg_server")))
