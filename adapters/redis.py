@@ -1,0 +1,256 @@
+"""Connection adapters for the Redis backend: redis-py and valkey-py, async or sync.
+
+:func:`redis_adapter` turns whatever the user passed as ``connection`` into a
+:class:`RedisAdapter`, whose only job is to send a batch of commands in **one
+non-transactional pipeline** (one round trip) and to translate driver errors into
+:class:`~lease_core.errors.BackendUnavailable`.
+
+=====================================  ====================================================
+passed                                 what happens
+=====================================  ====================================================
+nothing                                ``redis://localhost:6379/0``, opened and closed by us
+a URL (``redis://``, ``rediss://``,    a client opened by us and closed on the last
+``unix://``)                           ``close()``; an asyncio client under asyncio, a sync
+                                       client in worker threads under trio
+an asyncio client (redis or valkey)    used as is, never closed
+a sync client (redis or valkey)        blocking calls run in worker threads; never closed
+a connection pool (async or sync)      a client is made on the pool; the pool is never
+                                       closed
+=====================================  ====================================================
+
+The asyncio clients of redis-py and valkey-py work only under asyncio. Sync clients run in
+``anyio.to_thread`` worker threads and so work under trio as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import anyio.to_thread
+
+from lease_core.errors import AnarchonError, BackendUnavailable, ConfigurationError
+
+__all__ = ["DEFAULT_URL", "RedisAdapter", "redis_adapter"]
+
+#: Where the backend connects when it is given nothing.
+DEFAULT_URL = "redis://localhost:6379/0"
+
+Command = tuple[str | int | bytes, ...]
+
+# Server replies that mean "the store is not usable now", as opposed to a bad command.
+_UNAVAILABLE_REPLIES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "OOM")
+_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
+
+
+def _describe(client: Any) -> tuple[str, str | None]:
+    """Return where ``client`` connects (never with the password) and the password."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs: dict[str, Any] = dict(getattr(pool, "connection_kwargs", None) or {})
+    password = kwargs.get("password")
+    if kwargs.get("path"):
+        where = f"unix socket {kwargs['path']}"
+    elif "host" in kwargs:
+        where = f"{kwargs.get('host')}:{kwargs.get('port', 6379)}"
+    else:
+        where = type(client).__name__
+    return where, password if isinstance(password, str) and password else None
+
+
+class RedisAdapter(ABC):
+    """Sends batches of Redis commands for :class:`~backends.redis.RedisBackend`.
+
+    ``owned`` says whether the adapter opened the client itself; only then does
+    :meth:`aclose` close it.
+    """
+
+    def __init__(self, client: Any, *, owned: bool) -> None:
+        self.client = client
+        self.owned = owned
+        self.where, self._password = _describe(client)
+
+    @abstractmethod
+    async def _execute(self, commands: Sequence[Command]) -> list[Any]:
+        """Run the batch on the driver and return its raw replies."""
+
+    async def execute(self, commands: Sequence[Command]) -> list[Any]:
+        """Send ``commands`` in one pipelined round trip; return one reply each.
+
+        A command the server rejected gives its exception object as its reply (the
+        caller decides, for instance to load a missing script). A failure of the whole
+        batch (unreachable server, refused credentials) raises
+        :class:`~lease_core.errors.BackendUnavailable`.
+        """
+        try:
+            return await self._execute(commands)
+        except AnarchonError:
+            raise
+        except Exception as exc:
+            translated = self.translate(exc)
+            if translated is None:
+                raise
+            raise translated from None
+
+    async def load_scripts(self, sources: Sequence[str]) -> None:
+        """Load Lua scripts into the server's script cache (every primary of a Cluster)."""
+        try:
+            await self._load_scripts(sources)
+        except AnarchonError:
+            raise
+        except Exception as exc:
+            translated = self.translate(exc)
+            if translated is None:
+                raise
+            raise translated from None
+
+    @abstractmethod
+    async def _load_scripts(self, sources: Sequence[str]) -> None:
+        """Run SCRIPT LOAD through the client, which knows every node of a Cluster."""
+
+    def translate(self, exc: BaseException) -> AnarchonError | None:
+        """Map a driver exception to anarchon's own error; ``None`` when it is not one."""
+        names = {cls.__name__ for cls in type(exc).__mro__}
+        root = type(exc).__module__.split(".")[0]
+        text = str(exc)
+        if self._password:
+            text = text.replace(self._password, "***")
+        upper = text.upper()
+        if "AuthenticationError" in names or upper.startswith(_AUTH_REPLIES) or (
+            "invalid username-password" in text
+        ):
+            return BackendUnavailable(
+                f"Redis at {self.where} refused the credentials ({text}); "
+                "check the username and password given in the URL or to the client"
+            )
+        if names & {"ConnectionError", "TimeoutError", "BusyLoadingError"} or isinstance(
+            exc, OSError
+        ):
+            return BackendUnavailable(
+                f"cannot reach Redis at {self.where} ({text}); "
+                "check that the server is running and the address is right"
+            )
+        if root in ("redis", "valkey"):
+            if upper.startswith(_UNAVAILABLE_REPLIES):
+                return BackendUnavailable(f"Redis at {self.where} is not usable now: {text}")
+            return BackendUnavailable(f"Redis at {self.where} failed a command: {text}")
+        return None
+
+    async def aclose(self) -> None:
+        """Close the client if the adapter opened it; a client passed in is left open."""
+        if self.owned:
+            await self._close()
+
+    @abstractmethod
+    async def _close(self) -> None:
+        """Close the owned client."""
+
+
+class AsyncClientAdapter(RedisAdapter):
+    """Drive an asyncio client (``redis.asyncio.Redis``, ``valkey.asyncio.Valkey``)."""
+
+    async def _execute(self, commands: Sequence[Command]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(await pipe.execute(raise_on_error=False))
+
+    async def _load_scripts(self, sources: Sequence[str]) -> None:
+        for source in sources:
+            await self.client.script_load(source)
+
+    async def _close(self) -> None:
+        close = getattr(self.client, "aclose", None) or self.client.close
+        await close()
+
+
+class SyncClientAdapter(RedisAdapter):
+    """Drive a blocking client (``redis.Redis``, ``valkey.Valkey``) in worker threads."""
+
+    def _execute_blocking(self, commands: Sequence[Command]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
+
+    async def _execute(self, commands: Sequence[Command]) -> list[Any]:
+        return await anyio.to_thread.run_sync(partial(self._execute_blocking, commands))
+
+    def _load_blocking(self, sources: Sequence[str]) -> None:
+        for source in sources:
+            self.client.script_load(source)
+
+    async def _load_scripts(self, sources: Sequence[str]) -> None:
+        await anyio.to_thread.run_sync(partial(self._load_blocking, sources))
+
+    async def _close(self) -> None:
+        await anyio.to_thread.run_sync(self.client.close)
+
+
+def _under_asyncio() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _from_url(url: str) -> RedisAdapter:
+    try:
+        if _under_asyncio():
+            import redis.asyncio
+
+            return AsyncClientAdapter(redis.asyncio.Redis.from_url(url), owned=True)
+        import redis
+
+        return SyncClientAdapter(redis.Redis.from_url(url), owned=True)
+    except ModuleNotFoundError as exc:
+        raise ConfigurationError(
+            "the Redis backend needs redis-py; install it with 'pip install anarchon[redis]'"
+        ) from exc
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"connection URL is not a Redis URL ({exc}); use redis://host:port/db, "
+            "rediss://host:port/db or unix:///path/to/socket"
+        ) from None
+
+
+def _client_for_pool(pool: Any) -> Any:
+    module = type(pool).__module__
+    root = module.split(".")[0]
+    is_async = ".asyncio" in module or inspect.iscoroutinefunction(
+        getattr(pool, "get_connection", None)
+    )
+    client_module = importlib.import_module(f"{root}.asyncio" if is_async else root)
+    client_class = getattr(client_module, "Redis", None) or client_module.Valkey
+    return client_class(connection_pool=pool)
+
+
+def redis_adapter(connection: object) -> RedisAdapter:
+    """Return an adapter for what the user passed as ``connection`` (see module docs).
+
+    Raises :class:`~lease_core.errors.ConfigurationError` for an object it cannot use.
+    """
+    if connection is None:
+        return _from_url(DEFAULT_URL)
+    if isinstance(connection, str):
+        return _from_url(connection)
+    if isinstance(connection, RedisAdapter):
+        return connection
+    client: Any = connection
+    if not hasattr(client, "pipeline") and hasattr(client, "get_connection"):
+        client = _client_for_pool(client)
+    execute = getattr(client, "execute_command", None)
+    if execute is None or not hasattr(client, "pipeline"):
+        raise ConfigurationError(
+            f"connection={connection!r:.80} is not a Redis URL, client or pool; pass "
+            "'redis://host:port/db', a redis-py or valkey-py client (async or sync) or "
+            "a connection pool"
+        )
+    if inspect.iscoroutinefunction(execute):
+        return AsyncClientAdapter(client, owned=False)
+    return SyncClientAdapter(client, owned=False)

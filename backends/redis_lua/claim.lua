@@ -1,0 +1,148 @@
+-- Win, take over, or find the state of one run (the claim algorithm of lease_core.abc).
+-- KEYS[1] job hash      {p/job}:job    first_seen, last_slot, seq
+-- KEYS[2] run hash      {p/job}:run:<slot>  st, att, tok, inst, exp, cp, n
+-- KEYS[3] open zset     {p/job}:open   slots of running / handed_over runs
+-- KEYS[4] history zset  {p/job}:hist   attempt id -> insertion sequence
+-- KEYS[5] attempts hash {p/job}:att    attempt id -> JSON record
+-- KEYS[6] done zset     {p/job}:done   finished attempt id -> finish time
+-- KEYS[7] orphan set    {p/job}:orphan slots whose attempts were all trimmed
+-- ARGV: slot, instance, token, lease_ms, reason, overlap_skip (1/0),
+--       max_attempts ('' = none), history_size, history_ttl_ms ('' = none),
+--       run key prefix ({p/job}:run:)
+-- Returns {status, now, attempt, reason, expires, run_status, instance} ('' = none).
+local job, run, open, hist, att, done, orphan = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
+  KEYS[6], KEYS[7]
+local slot, inst, token, lease_ms, reason = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local overlap_skip = ARGV[6] == '1'
+local max_attempts = tonumber(ARGV[7])
+local history_size, history_ttl, run_prefix = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
+local slot_n = tonumber(slot)
+
+local FINISHED = {completed = true, failed = true, timed_out = true, escalated = true,
+  skipped = true}
+
+local function record(attempt, why, outcome, err)
+  local id = slot .. ':' .. attempt
+  local seq = redis.call('HINCRBY', job, 'seq', 1)
+  local rec = {s = slot, a = attempt, i = inst, r = why, c = now}
+  if outcome then
+    rec.o = outcome
+    rec.e = err
+    rec.f = now
+    redis.call('ZADD', done, now, id)
+  end
+  redis.call('ZADD', hist, seq, id)
+  redis.call('HSET', att, id, cjson.encode(rec))
+  redis.call('HINCRBY', run, 'n', 1)
+end
+
+local function trim()
+  local removed = {}
+  local excess = redis.call('ZCARD', hist) - history_size
+  if excess > 0 then
+    -- bounded work per call; later claims finish the job
+    for _, id in ipairs(redis.call('ZRANGE', hist, 0, math.min(excess, 1000) - 1)) do
+      removed[#removed + 1] = id
+    end
+  end
+  if history_ttl then
+    local old = redis.call('ZRANGEBYSCORE', done, '-inf', '(' .. (now - history_ttl),
+      'LIMIT', 0, 1000)
+    for _, id in ipairs(old) do
+      removed[#removed + 1] = id
+    end
+  end
+  if #removed == 0 then
+    return
+  end
+  for _, id in ipairs(removed) do
+    if redis.call('ZREM', hist, id) == 1 then
+      redis.call('HDEL', att, id)
+      redis.call('ZREM', done, id)
+      local s = string.match(id, '^(.*):%d+$')
+      local rk = run_prefix .. s
+      if redis.call('EXISTS', rk) == 1 and redis.call('HINCRBY', rk, 'n', -1) <= 0 then
+        redis.call('SADD', orphan, s)
+      end
+    end
+  end
+  -- finished runs that no longer have any attempt are deleted
+  for _, s in ipairs(redis.call('SMEMBERS', orphan)) do
+    local rk = run_prefix .. s
+    local st, n = unpack(redis.call('HMGET', rk, 'st', 'n'))
+    if not st or tonumber(n or '0') > 0 then
+      redis.call('SREM', orphan, s)
+    elseif FINISHED[st] then
+      redis.call('DEL', rk)
+      redis.call('SREM', orphan, s)
+    end
+  end
+end
+
+-- 1. register the job and raise its last slot
+redis.call('HSETNX', job, 'first_seen', now)
+local last = redis.call('HGET', job, 'last_slot')
+if not last or tonumber(last) < slot_n then
+  redis.call('HSET', job, 'last_slot', slot)
+end
+
+local st, attempt, exp, holder = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst'))
+
+local function result(status, why)
+  local s, a, e, i = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst'))
+  return {status, now, a or 0, why or '', e or '', s or '', i or ''}
+end
+
+-- 2. a new run: skipped behind a live earlier run, or won
+if not st then
+  if overlap_skip then
+    for _, other in ipairs(redis.call('ZRANGEBYSCORE', open, '-inf', '(' .. slot)) do
+      local ost, oexp = unpack(redis.call('HMGET', run_prefix .. other, 'st', 'exp'))
+      if ost == 'running' and oexp and tonumber(oexp) > now then
+        redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst)
+        record(1, reason, 'skipped', 'an earlier run of the job still holds its lease')
+        trim()
+        return result('skipped')
+      end
+    end
+  end
+  redis.call('HSET', run, 'st', 'running', 'att', 1, 'tok', token, 'inst', inst,
+    'exp', now + lease_ms)
+  redis.call('ZADD', open, slot, slot)
+  record(1, reason)
+  trim()
+  return result('won', reason)
+end
+
+-- 3. finished; 4. live lease held by another attempt
+if FINISHED[st] then
+  return result('finished')
+end
+attempt = tonumber(attempt)
+if st == 'running' and exp and tonumber(exp) > now then
+  return result('running')
+end
+
+-- 5. handed over; 6. expired (escalate on the last allowed attempt, else take over)
+local why
+local last_id = slot .. ':' .. attempt
+if st == 'handed_over' then
+  why = 'hand-over'
+else
+  if max_attempts and attempt >= max_attempts then
+    end_attempt(att, done, last_id, 'escalated', 'lease lost on attempt ' .. attempt
+      .. ' of max_attempts=' .. max_attempts .. '; escalated')
+    redis.call('HSET', run, 'st', 'escalated')
+    redis.call('HDEL', run, 'tok', 'exp')
+    redis.call('ZREM', open, slot)
+    return result('escalated')
+  end
+  end_attempt(att, done, last_id, 'lost', 'lease expired without renewal')
+  why = 'takeover'
+end
+redis.call('HSET', run, 'st', 'running', 'att', attempt + 1, 'tok', token, 'inst', inst,
+  'exp', now + lease_ms)
+redis.call('ZADD', open, slot, slot)
+record(attempt + 1, why)
+trim()
+return result('won', why)

@@ -1,0 +1,567 @@
+"""Redis-specific behaviour of RedisBackend, checked against real servers.
+
+The conformance suite checks the contract on every store; these tests check what only
+Redis has: server time in Lua, key layout and hash slots, scripts, adapters, errors,
+replication acknowledgement and server restarts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+import redis
+import redis.asyncio
+from redis.crc import key_slot
+
+from backends._embedded_redis import EmbeddedRedis, _free_port, find_server
+from backends.memory import MemoryBackend
+from backends.redis import STORE_FORMAT, RedisBackend
+from lease_core._structures import (
+    ClaimRequest,
+    ClaimStatus,
+    Lease,
+    Outcome,
+    Reason,
+    RunStatus,
+)
+from lease_core.abc import Backend
+from lease_core.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    StoreFormatError,
+)
+from tests.helpers import wait_for
+from tests.stores.redis import delete_prefix
+
+pytestmark = pytest.mark.anyio
+
+ODD_JOBS = ["plain", "a{b}", "}x{", "with/slash", "col:on", "üñí 空", "%7B", ""]
+
+
+def _prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+def _request(job: str, slot: int, token: str, lease_ms: int = 30_000, **kw: Any) -> ClaimRequest:
+    return ClaimRequest(job, slot, f"inst-{token}", token, lease_ms, **kw)
+
+
+def _server_ms(raw: redis.Redis) -> int:
+    seconds, micros = raw.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def _wait_server_past(raw: redis.Redis, ms: int) -> None:
+    """Wait until the server clock is past ``ms`` (a state, with a deadline)."""
+    await wait_for(lambda: _server_ms(raw) > ms, interval=0.01, what=f"server time past {ms}")
+
+
+@pytest.fixture
+def url(valkey8_server: EmbeddedRedis) -> str:
+    """The URL of the shared Valkey 8 test server."""
+    return valkey8_server.url
+
+
+@pytest.fixture
+def raw(url: str) -> Iterator[redis.Redis]:
+    """A plain sync client, for looking behind the backend's back."""
+    client = redis.Redis.from_url(url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def backend(url: str) -> AsyncIterator[RedisBackend]:
+    """A started backend on a fresh prefix (its keys are deleted afterwards)."""
+    made = RedisBackend(url, prefix=_prefix())
+    await made.start()
+    try:
+        yield made
+    finally:
+        await made.close()
+        delete_prefix(url, made.prefix)
+
+
+def _keys(raw: redis.Redis, prefix: str) -> list[str]:
+    found = [*raw.scan_iter(match="{" + prefix + "}*"), *raw.scan_iter(match="{" + prefix + "/*")]
+    return sorted(k.decode() for k in found)
+
+
+# -- time ------------------------------------------------------------------------------
+
+
+async def test_lease_time_comes_from_the_server(
+    backend: RedisBackend, raw: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(time, "time", lambda: 946_684_800.0)  # a client clock in 2000
+    before = _server_ms(raw)
+    result = await backend.claim(_request("job", 1, "a", lease_ms=7_000))
+    after = _server_ms(raw)
+    assert result.status is ClaimStatus.WON
+    assert before <= result.now_ms <= after
+    assert result.expires_ms == result.now_ms + 7_000
+    assert before <= await backend.now_ms() >= result.now_ms
+
+
+async def test_renewal_sets_an_absolute_expiry(backend: RedisBackend) -> None:
+    won = await backend.claim(_request("job", 1, "a", lease_ms=60_000))
+    lease = Lease("job", 1, "a", 1_000)
+    beat = await backend.heartbeat([lease])
+    assert beat.held == {"a"}
+    state = (await backend.check([("job", 1)])).runs[("job", 1)]
+    # additive renewal would give about won.expires + 1 s; absolute gives now + 1 s
+    assert state.expires_ms == beat.now_ms + 1_000
+    assert state.expires_ms is not None and won.expires_ms is not None
+    assert state.expires_ms < won.expires_ms
+
+
+async def test_expired_lease_is_never_revived(backend: RedisBackend, raw: redis.Redis) -> None:
+    won = await backend.claim(_request("job", 1, "old", lease_ms=50))
+    assert won.expires_ms is not None
+    await _wait_server_past(raw, won.expires_ms)
+    old = Lease("job", 1, "old", 60_000)
+    assert (await backend.heartbeat([old])).held == frozenset()
+    taken = await backend.claim(_request("job", 1, "new"))
+    assert (taken.status, taken.attempt, taken.reason) == (ClaimStatus.WON, 2, Reason.TAKEOVER)
+    assert not await backend.finish(old, Outcome.COMPLETED)
+    assert not await backend.set_checkpoint(old, 1)
+    assert await backend.hand_over([old]) == frozenset()
+    history = await backend.history("job")
+    assert [(a.attempt, a.outcome) for a in history] == [(2, None), (1, Outcome.LOST)]
+
+
+async def test_stale_token_changes_nothing(backend: RedisBackend) -> None:
+    await backend.claim(_request("job", 1, "real"))
+    good = Lease("job", 1, "real", 30_000)
+    stale = Lease("job", 1, "stale", 30_000)
+    assert await backend.set_checkpoint(good, {"step": 1})
+    assert not await backend.set_checkpoint(stale, {"step": 0})
+    assert not await backend.delete_checkpoint(stale)
+    assert not await backend.finish(stale, Outcome.FAILED, "boom")
+    assert (await backend.heartbeat([stale])).held == frozenset()
+    assert await backend.hand_over([stale]) == frozenset()
+    assert await backend.get_checkpoint("job", 1) == {"step": 1}
+    state = (await backend.check([("job", 1)])).runs[("job", 1)]
+    assert (state.status, state.attempt) == (RunStatus.RUNNING, 1)
+    assert await backend.finish(good, Outcome.COMPLETED)
+
+
+# -- key layout ------------------------------------------------------------------------
+
+
+async def test_every_script_touches_one_slot(backend: RedisBackend, raw: redis.Redis) -> None:
+    assert backend._adapter is not None
+    adapter = backend._adapter
+    sent: list[tuple[Any, ...]] = []
+    execute = adapter.execute
+
+    async def spy(commands: Any) -> list[Any]:
+        sent.extend(commands)
+        return await execute(commands)
+
+    adapter.execute = spy  # type: ignore[method-assign]
+    await backend.register_jobs(ODD_JOBS)
+    for job in ODD_JOBS:
+        await backend.claim(_request(job, 1, f"{job}-1", history_size=2))
+        await backend.claim(_request(job, 2, f"{job}-2", history_size=2))  # skipped
+        await backend.set_checkpoint(Lease(job, 1, f"{job}-1", 30_000), [job])
+        await backend.heartbeat([Lease(job, 1, f"{job}-1", 30_000)])
+        await backend.finish(Lease(job, 1, f"{job}-1", 30_000), Outcome.COMPLETED)
+        await backend.claim(_request(job, 3, f"{job}-3", history_size=2))  # trims slot 1
+        await backend.hand_over([Lease(job, 3, f"{job}-3", 30_000)])
+    await backend.history()
+    scripts = [c for c in sent if c[0] == "EVALSHA"]
+    assert len(scripts) > 6 * len(ODD_JOBS)
+    for command in scripts:
+        keys = command[3:3 + int(command[2])]
+        assert len({key_slot(k.encode()) for k in keys}) == 1, command
+    # every stored key of a job carries that job's tag, so sits in the job's slot
+    tags = {"{" + backend.prefix + "/" + quote(j, safe="") + "}": j for j in ODD_JOBS}
+    keys = _keys(raw, backend.prefix)
+    assert keys
+    for key in keys:
+        tag = key[: key.index("}") + 1]
+        assert tag in tags or tag == "{" + backend.prefix + "}", key
+        assert key_slot(key.encode()) == key_slot(tag.encode())
+    assert {a.job for a in await backend.history(limit=1000)} == set(ODD_JOBS)
+
+
+@pytest.mark.parametrize("prefix", ["", "a{b", "a}b", "a b", "a/b", "x\n", "*", 5])
+def test_bad_prefix_is_refused(prefix: Any) -> None:
+    with pytest.raises(ConfigurationError, match="prefix=") as info:
+        RedisBackend(prefix=prefix)
+    assert repr(prefix) in str(info.value)
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match="wait_replicas=0"):
+        RedisBackend(wait_replicas=0)
+    with pytest.raises(ConfigurationError, match="wait_timeout"):
+        RedisBackend(wait_timeout="soon")
+
+
+async def test_bad_connection_object_is_refused() -> None:
+    backend = RedisBackend(42)
+    with pytest.raises(ConfigurationError, match="connection=42"):
+        await backend.start()
+
+
+# -- history and trimming ------------------------------------------------------------
+
+
+async def test_history_is_capped_and_finished_runs_deleted(
+    backend: RedisBackend, raw: redis.Redis
+) -> None:
+    for slot in range(1, 11):
+        await backend.claim(_request("job", slot, f"t{slot}", history_size=3))
+        assert await backend.finish(Lease("job", slot, f"t{slot}", 30_000), Outcome.COMPLETED)
+    history = await backend.history("job")
+    # the claim of slot 10 trimmed before slot 10 finished: 8, 9, 10 are left
+    assert [a.slot for a in history] == [10, 9, 8]
+    runs = [k for k in _keys(raw, backend.prefix) if ":run:" in k]
+    assert len(runs) == 3
+    assert (await backend.check([("job", 1)])).runs == {}
+
+
+async def test_history_ttl_drops_old_finished_attempts(
+    backend: RedisBackend, raw: redis.Redis
+) -> None:
+    await backend.claim(_request("job", 1, "a"))
+    await backend.finish(Lease("job", 1, "a", 30_000), Outcome.FAILED, "boom")
+    finished = (await backend.history("job"))[0].finished_at
+    assert finished is not None and (await backend.history("job"))[0].error == "boom"
+    await _wait_server_past(raw, int(finished.timestamp() * 1000) + 20)
+    await backend.claim(_request("job", 2, "b", history_ttl_ms=10))
+    assert [a.slot for a in await backend.history("job")] == [2]
+    assert (await backend.check([("job", 1)])).runs == {}
+
+
+# -- scripts and round trips ---------------------------------------------------------
+
+
+async def test_scripts_reload_after_script_flush(
+    backend: RedisBackend, raw: redis.Redis
+) -> None:
+    raw.script_flush()
+    won = await backend.claim(_request("job", 1, "a"))
+    assert won.status is ClaimStatus.WON
+    raw.script_flush()
+    beat = await backend.heartbeat([Lease("job", 1, "a", 30_000), Lease("job", 2, "x", 1)])
+    assert beat.held == {"a"}
+    raw.script_flush()
+    assert await backend.finish(Lease("job", 1, "a", 30_000), Outcome.COMPLETED)
+
+
+async def test_batched_calls_take_one_round_trip(backend: RedisBackend) -> None:
+    leases = [Lease(f"job{i}", 1, f"t{i}", 30_000) for i in range(5)]
+    for lease in leases:
+        await backend.claim(_request(lease.job, 1, lease.token))
+    assert backend._adapter is not None
+    adapter = backend._adapter
+    calls = 0
+    execute = adapter.execute
+
+    async def counting(commands: Any) -> list[Any]:
+        nonlocal calls
+        calls += 1
+        return await execute(commands)
+
+    adapter.execute = counting  # type: ignore[method-assign]
+    assert (await backend.heartbeat(leases)).held == {lease.token for lease in leases}
+    assert calls == 1
+    assert len((await backend.check([(lease.job, 1) for lease in leases])).runs) == 5
+    assert calls == 2
+    assert (await backend.claim(_request("job0", 1, "other"))).status is ClaimStatus.RUNNING
+    assert calls == 3
+    assert await backend.hand_over(leases) == {lease.token for lease in leases}
+    assert calls == 4
+
+
+# -- store format ----------------------------------------------------------------------
+
+
+async def test_store_format_is_recorded_and_a_newer_one_refused(
+    url: str, raw: redis.Redis
+) -> None:
+    prefix = _prefix()
+    backend = RedisBackend(url, prefix=prefix)
+    await backend.start()
+    await backend.close()
+    assert raw.hget("{" + prefix + "}:meta", "format") == str(STORE_FORMAT).encode()
+
+    newer = _prefix()
+    raw.hset("{" + newer + "}:meta", "format", STORE_FORMAT + 1)
+    refused = RedisBackend(url, prefix=newer)
+    try:
+        with pytest.raises(StoreFormatError, match=f"format {STORE_FORMAT + 1}"):
+            await refused.start()
+        assert _keys(raw, newer) == ["{" + newer + "}:meta"]
+        assert raw.hgetall("{" + newer + "}:meta") == {b"format": str(STORE_FORMAT + 1).encode()}
+        assert refused._adapter is None
+    finally:
+        delete_prefix(url, prefix)
+        delete_prefix(url, newer)
+
+
+# -- adapters --------------------------------------------------------------------------
+
+
+async def test_passed_sync_client_is_never_closed(url: str) -> None:
+    client = redis.Redis.from_url(url)
+    backend = RedisBackend(client, prefix=_prefix())
+    await backend.start()
+    assert (await backend.claim(_request("job", 1, "a"))).status is ClaimStatus.WON
+    await backend.close()
+    try:
+        assert client.ping()
+    finally:
+        delete_prefix(url, backend.prefix)
+        client.close()
+
+
+@pytest.mark.asyncio_only
+async def test_passed_asyncio_client_is_never_closed(url: str) -> None:
+    client = redis.asyncio.Redis.from_url(url)
+    backend = RedisBackend(client, prefix=_prefix())
+    await backend.start()
+    assert (await backend.claim(_request("job", 1, "a"))).status is ClaimStatus.WON
+    await backend.close()
+    try:
+        assert await client.ping()
+    finally:
+        delete_prefix(url, backend.prefix)
+        await client.aclose()
+
+
+async def test_from_url_and_unix_socket() -> None:
+    binary = find_server("valkey")
+    assert binary is not None
+    with EmbeddedRedis(binary, unix_socket=True) as server:
+        assert server.url.startswith("unix://")
+        backend = RedisBackend.from_url(server.url, prefix="unix_test")
+        assert "unix" in RedisBackend.schemes
+        await backend.start()
+        try:
+            assert (await backend.claim(_request("job", 1, "a"))).status is ClaimStatus.WON
+            assert "unix socket" in repr(backend)
+        finally:
+            await backend.close()
+        assert backend._adapter is None
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+async def test_unreachable_server_names_the_address() -> None:
+    port = _free_port()
+    backend = RedisBackend(f"redis://127.0.0.1:{port}/0")
+    with pytest.raises(BackendUnavailable, match=f"127.0.0.1:{port}"):
+        await backend.start()
+    assert backend._adapter is None
+
+
+@pytest.fixture(scope="module")
+def password_server() -> Iterator[EmbeddedRedis]:
+    """A Valkey server that requires the password ``right-pw-77``."""
+    binary = find_server("valkey")
+    assert binary is not None
+    with EmbeddedRedis(binary, password="right-pw-77") as server:
+        yield server
+
+
+@pytest.mark.parametrize("password", ["wrong-pw-123", None])
+async def test_bad_password_is_refused_without_showing_it(
+    password_server: EmbeddedRedis, password: str | None
+) -> None:
+    auth = f":{password}@" if password else ""
+    backend = RedisBackend(f"redis://{auth}127.0.0.1:{password_server.port}/0")
+    with pytest.raises(BackendUnavailable) as info:
+        await backend.start()
+    message = str(info.value)
+    assert f"127.0.0.1:{password_server.port}" in message
+    assert "wrong-pw-123" not in message and "right-pw-77" not in message
+    good = RedisBackend(password_server.url, prefix=_prefix())
+    await good.start()
+    try:
+        assert (await good.claim(_request("job", 1, "a"))).status is ClaimStatus.WON
+    finally:
+        await good.close()
+
+
+@pytest.mark.parametrize("appendonly", [True, False])
+async def test_server_restart_mid_lease(appendonly: bool) -> None:
+    binary = find_server("valkey")
+    assert binary is not None
+    extra = ("--appendfsync", "always") if appendonly else ()
+    with EmbeddedRedis(binary, appendonly=appendonly, extra_args=extra) as server:
+        backend = RedisBackend(server.url, prefix="restart")
+        await backend.start()
+        try:
+            lease = Lease("job", 1, "a", 30_000)
+            assert (await backend.claim(_request("job", 1, "a"))).status is ClaimStatus.WON
+            assert await backend.set_checkpoint(lease, {"done": 3})
+            server.stop()
+            with pytest.raises(BackendUnavailable, match=f"127.0.0.1:{server.port}"):
+                await backend.heartbeat([lease])
+            server.start()
+            beat = await backend.heartbeat([lease])
+            if appendonly:
+                # persisted: the lease and checkpoint survive, the holder carries on
+                assert beat.held == {"a"}
+                assert await backend.get_checkpoint("job", 1) == {"done": 3}
+                assert await backend.finish(lease, Outcome.COMPLETED)
+            else:
+                # lost: the holder learns it holds nothing; the slot starts afresh
+                assert beat.held == frozenset()
+                again = await backend.claim(_request("job", 1, "b"))
+                assert (again.status, again.attempt) == (ClaimStatus.WON, 1)
+        finally:
+            await backend.close()
+
+
+# -- replication acknowledgement -------------------------------------------------------
+
+
+async def test_wait_replicas_without_replicas_fails_the_claim(
+    url: str, raw: redis.Redis
+) -> None:
+    backend = RedisBackend(url, prefix=_prefix(), wait_replicas=1, wait_timeout="50ms")
+    await backend.start()
+    try:
+        with pytest.raises(BackendUnavailable, match="0 of wait_replicas=1"):
+            await backend.claim(_request("job", 1, "a"))
+        # not won: the write stays on the primary, unheld, until its lease expires
+        with pytest.raises(BackendUnavailable, match="0 of wait_replicas=1"):
+            await backend.heartbeat([Lease("job", 1, "a", 30_000)])
+        state = (await backend.check([("job", 1)])).runs[("job", 1)]
+        assert state.status is RunStatus.RUNNING
+    finally:
+        await backend.close()
+        delete_prefix(url, backend.prefix)
+
+
+async def test_wait_replicas_with_a_replica_wins() -> None:
+    binary = find_server("valkey")
+    assert binary is not None
+    # no diskless-sync delay: the replica is in sync in milliseconds, not 5 s
+    with EmbeddedRedis(binary, extra_args=("--repl-diskless-sync-delay", "0")) as primary:
+        replica_args = ("--replicaof", "127.0.0.1", str(primary.port))
+        with EmbeddedRedis(binary, extra_args=replica_args):
+            probe = redis.Redis.from_url(primary.url)
+            try:
+                await wait_for(
+                    lambda: probe.info("replication").get("slave0", {}).get("state") == "online",
+                    timeout=15, what="the replica to be in sync",
+                )
+            finally:
+                probe.close()
+            backend = RedisBackend(primary.url, prefix="wait", wait_replicas=1)
+            await backend.start()
+            try:
+                won = await backend.claim(_request("job", 1, "a"))
+                assert won.status is ClaimStatus.WON
+                assert (await backend.heartbeat([Lease("job", 1, "a", 30_000)])).held == {"a"}
+            finally:
+                await backend.close()
+
+
+# -- same story as the reference backend -----------------------------------------------
+
+
+async def _story(backend: Backend, expire: Any) -> list[tuple[Any, ...]]:
+    """Drive a backend through skip, hand-over, takeover and escalation; record results."""
+    out: list[tuple[Any, ...]] = []
+
+    async def claim(slot: int, token: str, **kw: Any) -> None:
+        r = await backend.claim(_request("job", slot, token, lease_ms=200, **kw))
+        out.append(("claim", slot, r.status, r.attempt, r.reason, r.run_status))
+
+    await backend.register_jobs(["job"])
+    await claim(10, "a")
+    await claim(10, "b")
+    await claim(20, "c")  # skipped: slot 10 is live
+    out.append(("handover", await backend.hand_over([Lease("job", 10, "a", 200)])))
+    await claim(10, "d", max_attempts=3)  # hand-over, not counted
+    await expire()
+    await claim(10, "e", max_attempts=3)  # takeover: attempt 3
+    await expire()
+    await claim(10, "f", max_attempts=3)  # escalated
+    await claim(30, "g", overlap_skip=False)
+    out.append(("finish", await backend.finish(Lease("job", 30, "g", 200), Outcome.TIMED_OUT)))
+    info = (await backend.register_jobs(["job"]))["job"]
+    out.append(("job", info.last_slot, info.open_slots, info.new))
+    for a in await backend.history("job"):
+        out.append(("attempt", a.slot, a.attempt, a.reason, a.outcome, a.error))
+    return out
+
+
+async def test_behaves_like_the_memory_backend(backend: RedisBackend, raw: redis.Redis) -> None:
+    clock = [1_000_000.0]
+
+    def ticking() -> float:  # store time moves on between calls, as Redis's does
+        clock[0] += 0.001
+        return clock[0]
+
+    memory = MemoryBackend(clock=ticking)
+
+    async def memory_expire() -> None:
+        clock[0] += 1.0
+
+    async def redis_expire() -> None:
+        await _wait_server_past(raw, _server_ms(raw) + 250)
+
+    expected = await _story(memory, memory_expire)
+    assert await _story(backend, redis_expire) == expected
+
+
+# -- Cluster ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster_node() -> Iterator[EmbeddedRedis]:
+    """A one-node Valkey Cluster owning every slot: it enforces one slot per script."""
+    binary = find_server("valkey")
+    assert binary is not None
+    args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+    with EmbeddedRedis(binary, extra_args=args) as server:
+        client = redis.Redis.from_url(server.url)
+        try:
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            deadline = time.monotonic() + 15
+            while client.cluster("info")["cluster_state"] != "ok":
+                assert time.monotonic() < deadline, "the cluster did not become ok"
+                time.sleep(0.02)
+        finally:
+            client.close()
+        yield server
+
+
+@pytest.mark.asyncio_only
+async def test_works_on_a_cluster(cluster_node: EmbeddedRedis) -> None:
+    from redis.asyncio.cluster import RedisCluster
+
+    client = RedisCluster.from_url(cluster_node.url)
+    backend = RedisBackend(client, prefix="cluster")
+    await backend.start()
+    try:
+        await backend.register_jobs(ODD_JOBS)
+        leases = []
+        for job in ODD_JOBS:
+            won = await backend.claim(_request(job, 1, f"{job}-1", history_size=1))
+            skipped = await backend.claim(_request(job, 2, f"{job}-2", history_size=1))
+            assert (won.status, skipped.status) == (ClaimStatus.WON, ClaimStatus.SKIPPED)
+            leases.append(Lease(job, 1, f"{job}-1", 30_000))
+        tokens = {lease.token for lease in leases}
+        assert (await backend.heartbeat(leases)).held == tokens
+        assert len((await backend.check([(j, 1) for j in ODD_JOBS])).runs) == len(ODD_JOBS)
+        assert await backend.hand_over(leases) == tokens
+        # history_size=1 trimmed each job to its newest attempt (the skipped slot 2)
+        assert sorted(a.slot for a in await backend.history()) == [2] * len(ODD_JOBS)
+    finally:
+        await backend.close()
+        await client.aclose()
