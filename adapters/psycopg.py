@@ -13,6 +13,7 @@ under asyncio and trio; psycopg's async objects need asyncio.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -160,11 +161,23 @@ def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any]) ->
     return [tuple(row) for row in cur.fetchall()]
 
 
+# A single statement runs in autocommit mode: one round trip, where BEGIN ... COMMIT
+# around it would take three. The connection's own setting is restored afterwards; the
+# switch is a client-side flag and costs no round trip while the connection is idle.
+
+
 async def _async_single(
     conn: psycopg.AsyncConnection[Any], sql: str, params: Sequence[Any]
 ) -> list[Row]:
     if conn.autocommit:
         return await _async_all(conn, sql, params)
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        await conn.set_autocommit(True)
+        try:
+            return await _async_all(conn, sql, params)
+        finally:
+            with contextlib.suppress(psycopg.Error):  # a broken connection stays broken
+                await conn.set_autocommit(False)
     async with conn.transaction():
         return await _async_all(conn, sql, params)
 
@@ -172,6 +185,13 @@ async def _async_single(
 def _sync_single(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any]) -> list[Row]:
     if conn.autocommit:
         return _sync_all(conn, sql, params)
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        conn.autocommit = True
+        try:
+            return _sync_all(conn, sql, params)
+        finally:
+            with contextlib.suppress(psycopg.Error):  # a broken connection stays broken
+                conn.autocommit = False
     with conn.transaction():
         return _sync_all(conn, sql, params)
 

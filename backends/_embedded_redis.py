@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -58,9 +59,16 @@ def find_server(kind: str = "redis") -> Path | None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    # At most 55535: a Cluster node also listens on its port + 10000.
+    for _ in range(100):
+        port = random.randint(20_000, 55_000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free TCP port found on 127.0.0.1 between 20000 and 55000")
 
 
 class EmbeddedRedis:
@@ -121,7 +129,7 @@ class EmbeddedRedis:
             args += ["--requirepass", self.password]
         args += list(self.extra_args)
         self.process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         self._wait_ready()
 
