@@ -25,6 +25,20 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check lease_core backends adapters tests benchmarks
 	$(VENV)/bin/mypy
 
+BENCH_STAMP := $(VENV)/.bench-stamp
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	touch $(BENCH_STAMP)
+
+## Every benchmark (under 15 minutes): benchmarks/out/full.{json,md} and PNG plots.
+bench: $(BENCH_STAMP)
+	$(PY) -m benchmarks.run
+
+## A short subset (under 3 minutes): benchmarks/out/quick.{json,md}.
+bench-quick: $(BENCH_STAMP)
+	$(PY) -m benchmarks.run --quick
+
 ## System binaries the tests need (PgBouncer), installed with apt-get when missing.
 system-deps:
 	@sh .ci/system-deps.sh

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Compare the ratios of two benchmark runs: ``compare.py OLD.json NEW.json [--threshold 0.2]``.
+
+Only ratios are compared (library/raw, raw/library speed, reduction against the model),
+never absolute times, so a busier machine does not fail the comparison. Every ratio is
+oriented so that higher is better; a ratio regressed when ``new < old * (1 - threshold)``.
+Exits 1 when any ratio regressed, 2 on unusable input, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def load_ratios(path: Path) -> dict[str, float]:
+    """The ``ratios`` table of a results JSON."""
+    data: dict[str, Any] = json.loads(path.read_text())
+    ratios = data.get("ratios")
+    if not isinstance(ratios, dict):
+        raise ValueError(f"{path} has no 'ratios' table; is it a benchmarks/run.py output?")
+    return {str(k): float(v) for k, v in ratios.items() if v is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table; return the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("old", type=Path)
+    parser.add_argument("new", type=Path)
+    parser.add_argument("--threshold", type=float, default=0.2,
+                        help="allowed relative drop of a ratio (default 0.2 = 20%%)")
+    args = parser.parse_args(argv)
+    try:
+        old, new = load_ratios(args.old), load_ratios(args.new)
+    except (OSError, ValueError) as exc:
+        print(f"compare: {exc}", file=sys.stderr)
+        return 2
+    width = max((len(k) for k in old.keys() | new.keys()), default=10)
+    print(f"{'ratio (higher is better)':<{width}}  {'old':>8}  {'new':>8}  {'change':>8}")
+    regressed = []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if a is None or b is None:
+            status = "only in old" if b is None else "new"
+            print(f"{key:<{width}}  {a if a is not None else '-':>8}  "
+                  f"{b if b is not None else '-':>8}  {status:>8}")
+            continue
+        change = (b - a) / a if a else 0.0
+        flag = ""
+        if b < a * (1 - args.threshold):
+            flag = "  REGRESSED"
+            regressed.append(key)
+        print(f"{key:<{width}}  {a:>8.3f}  {b:>8.3f}  {change:>+7.0%}{flag}")
+    common = old.keys() & new.keys()
+    if not common:
+        print("compare: the two runs share no ratio", file=sys.stderr)
+        return 2
+    if regressed:
+        print(f"\n{len(regressed)} of {len(common)} ratios regressed by more than "
+              f"{args.threshold:.0%}: {', '.join(regressed)}")
+        return 1
+    print(f"\nno ratio regressed by more than {args.threshold:.0%} ({len(common)} compared)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

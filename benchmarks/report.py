@@ -1,0 +1,257 @@
+"""The Markdown report and the PNG plots, made from a results JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plots", "ratios", "targets", "write_markdown"]
+
+PG_TARGET = 0.7
+REDIS_TARGET = 0.8
+REDUCTION_TARGET = 10.0
+
+
+def ratios(results: dict[str, Any]) -> dict[str, float]:
+    """Every figure compare.py tracks, each oriented so that higher is better."""
+    out: dict[str, float] = {}
+    for cell in results.get("throughput", {}).get("cells", []):
+        out[cell["key"]] = cell["ratio"]
+    for row in results.get("heartbeat", []):
+        if row.get("ratio"):
+            out[row["key"] + ".speed_vs_raw"] = row["ratio"]
+    for row in results.get("load", []):
+        factor = row.get("reduction") or row.get("reduction_round_trips")
+        if factor:
+            out[row["key"] + ".reduction_vs_model"] = factor
+    return out
+
+
+def targets(results: dict[str, Any]) -> dict[str, Any]:
+    """Each target of issue 5: met or not, with the figure it was judged on."""
+    out: dict[str, Any] = {}
+    cells = results.get("throughput", {}).get("cells", [])
+    pg = [c for c in cells if c["driver"] in ("psycopg_pool", "psycopg_conn")]
+    rd = [c for c in cells if c["store"] == "redis"]
+    if pg:
+        worst = min(pg, key=lambda c: c["ratio"])
+        out["pg_claim_vs_raw_psycopg"] = {"target": PG_TARGET, "worst": worst["ratio"],
+                                          "worst_cell": worst["key"],
+                                          "met": worst["ratio"] >= PG_TARGET}
+    if rd:
+        worst = min(rd, key=lambda c: c["ratio"])
+        out["redis_claim_vs_raw_redis_py"] = {"target": REDIS_TARGET, "worst": worst["ratio"],
+                                              "worst_cell": worst["key"],
+                                              "met": worst["ratio"] >= REDIS_TARGET}
+    double = sum(c.get("double_wins", 0) for c in cells)
+    if cells:
+        out["exactly_one_winner"] = {"double_wins": double, "met": double == 0}
+    hb = results.get("heartbeat", [])
+    pg_hb = [r for r in hb if r["store"] == "pg" and r.get("statements_per_tick") is not None]
+    if pg_hb:
+        out["pg_one_statement_per_tick"] = {
+            "per_size": {r["leases"]: r["statements_per_tick"] for r in pg_hb},
+            "met": all(r["statements_per_tick"] == 1 for r in pg_hb)}
+    rd_hb = [r for r in hb if r["store"] == "redis"]
+    if rd_hb:
+        out["redis_one_round_trip_per_tick"] = {
+            "per_size": {r["leases"]: r["round_trips_per_tick"] for r in rd_hb},
+            "met": all(r["round_trips_per_tick"] == 1 for r in rd_hb)}
+    load = [r for r in results.get("load", []) if r["store"] == "pg" and r.get("reduction")]
+    if load:
+        biggest = max(load, key=lambda r: r["jobs"])
+        out["store_load_10x_below_model"] = {
+            "jobs": biggest["jobs"], "reduction": biggest["reduction"],
+            "target": REDUCTION_TARGET, "met": biggest["reduction"] >= REDUCTION_TARGET}
+    return out
+
+
+def plots(results: dict[str, Any], out_dir: Path, stem: str) -> list[str]:
+    """Throughput vs claimers, statements per second vs jobs; returns the file names."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    cells = results.get("throughput", {}).get("cells", [])
+    if cells:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, mode in zip(axes, ("uncontended", "contended"), strict=True):
+            for driver in sorted({c["driver"] for c in cells}):
+                rows = sorted((c for c in cells if c["driver"] == driver and c["mode"] == mode),
+                              key=lambda c: c["claimers"])
+                if not rows:
+                    continue
+                xs = [c["claimers"] for c in rows]
+                line = ax.plot(xs, [c["library_ops_s"] for c in rows], marker="o",
+                               label=f"{driver} library")[0]
+                ax.plot(xs, [c["raw_ops_s"] for c in rows], marker="x", linestyle="--",
+                        color=line.get_color(), label=f"{driver} raw")
+            for b in results.get("throughput", {}).get("pgbench", []):
+                if mode == "uncontended" and "tps" in b:
+                    ax.scatter([b["clients"]], [b["tps"]], marker="*", s=120, color="black",
+                               zorder=5, label="pgbench (claim SQL)" if b is results[
+                                   "throughput"]["pgbench"][0] else None)
+            ax.set_title(f"claims per second, {mode}")
+            ax.set_xlabel("concurrent claimers")
+            ax.set_ylabel("claims / s")
+            ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        name = f"{stem}-throughput.png"
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        made.append(name)
+    load = [r for r in results.get("load", []) if r["store"] == "pg"]
+    if load:
+        load.sort(key=lambda r: r["jobs"])
+        xs = [r["jobs"] for r in load]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.plot(xs, [r["statements_s"] for r in load], marker="o", label="anarchon, all statements")
+        ax.plot(xs, [r["claim_statements_s"] for r in load], marker=".", linestyle=":",
+                label="anarchon, claims and finishes")
+        ax.plot(xs, [r["upkeep_statements_s"] for r in load], marker="o",
+                label="anarchon, heartbeats + checks")
+        ax.plot(xs, [r["model_upkeep_s"]["low"] for r in load], marker="x", linestyle="--",
+                label="reference model, upkeep (low)")
+        ax.plot(xs, [r["model_upkeep_s"]["high"] for r in load], marker="x", linestyle="--",
+                label="reference model, upkeep (high)")
+        rd = sorted((r for r in results.get("load", []) if r["store"] == "redis"),
+                    key=lambda r: r["jobs"])
+        if rd:
+            ax.plot([r["jobs"] for r in rd], [r["round_trips_s"] for r in rd], marker="s",
+                    label="anarchon on Redis, round trips")
+        ax.set_xlabel("jobs (3 instances, heartbeat 1 s)")
+        ax.set_ylabel("per second")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = f"{stem}-statements.png"
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def write_markdown(results: dict[str, Any], path: Path, images: list[str]) -> None:
+    """The human report beside the JSON."""
+    env = results["environment"]
+    lines = [f"# anarchon benchmarks ({results['mode']})", ""]
+    lines += [f"- Python {env['python']}, {env['cpu_count']} CPUs, load at start "
+              f"{env['load_average_at_start']}",
+              f"- PostgreSQL {env['servers'].get('postgresql')} "
+              f"(pg_stat_statements: {env['pg_stat_statements']}), "
+              f"{env['servers'].get('redis')}",
+              "- drivers: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v),
+              f"- wall time {results.get('elapsed_s')} s", ""]
+    lines += ["## Targets", "", "| target | figure | met |", "| --- | --- | --- |"]
+    for name, t in results.get("targets", {}).items():
+        figure = {k: v for k, v in t.items() if k != "met"}
+        lines.append(f"| {name} | `{json.dumps(figure)}` | {'yes' if t['met'] else '**no**'} |")
+    tp = results.get("throughput")
+    if tp:
+        lines += ["", "## Claim throughput (claims/s, best of the repetitions)", "",
+                  "| store | driver | mode | claimers | library | raw | library/raw |",
+                  "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+        for c in tp["cells"]:
+            lines.append(f"| {c['store']} | {c['driver']} | {c['mode']} | {c['claimers']} | "
+                         f"{c['library_ops_s']} | {c['raw_ops_s']} | {c['ratio']:.2f} |")
+        for b in tp.get("pgbench", []):
+            lines.append(f"\npgbench, claim SQL (uncontended path, extended protocol), "
+                         f"{b['clients']} clients: {b.get('tps', b.get('error'))} tps")
+    hb = results.get("heartbeat")
+    if hb:
+        lines += ["", "## Heartbeat cost per tick", "",
+                  "| store | leases | statements or round trips / tick | script calls / tick "
+                  "| library ms | raw ms | raw/library speed |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in hb:
+            per = r.get("statements_per_tick", r.get("round_trips_per_tick"))
+            lines.append(f"| {r['store']} | {r['leases']} | {_fmt(per)} | "
+                         f"{_fmt(r.get('evalsha_per_tick'))} | {r['library_ms']} | "
+                         f"{r['raw_ms']} | {_fmt(r['ratio'])} |")
+        pg = [r for r in hb if r["store"] == "pg"]
+        if pg:
+            lines.append(f"\nWith a user's pool left at psycopg's default (autocommit off) "
+                         f"the PostgreSQL heartbeat costs "
+                         f"{pg[0].get('statements_per_tick_default_pool')} statements per tick "
+                         f"({pg[0].get('by_kind_default_pool')}).")
+    load = results.get("load")
+    if load:
+        lines += ["", "## Store load, 3 instances in steady state (heartbeat 1 s, lease 5 s)",
+                  "", "| store | jobs | all /s | claims+finishes /s | upkeep /s | held | watched "
+                  "| model upkeep /s (low-high) | model/ours |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+        for r in load:
+            if r["store"] == "pg":
+                lines.append(f"| pg statements | {r['jobs']} | {r['statements_s']} | "
+                             f"{r['claim_statements_s']} | {r['upkeep_statements_s']} | "
+                             f"{r['held_avg']} | {r['watched_avg']} | "
+                             f"{r['model_upkeep_s']['low']}-{r['model_upkeep_s']['high']} | "
+                             f"{r['reduction']} |")
+            else:
+                lines.append(f"| redis round trips (commands incl. scripts) | {r['jobs']} | "
+                             f"{r['round_trips_s']} ({r['commands_s_incl_scripts']}) | - | "
+                             f"<= {r['upkeep_round_trips_s_bound']} | {r['held_avg']} | "
+                             f"{r['watched_avg']} | {r['model_upkeep_s']['low']}-"
+                             f"{r['model_upkeep_s']['high']} | {r['reduction_round_trips']} |")
+        for r in load:
+            if r["store"] == "pg" and r.get("by_kind_s"):
+                lines.append(f"\n{r['jobs']} jobs, statements/s by kind: `{r['by_kind_s']}`")
+    rss = results.get("rss")
+    if rss:
+        lines += ["", "## Memory", "",
+                  f"One instance holding {rss['held']} leases: RSS {rss['rss_mb_holding']} MB "
+                  f"(after start {rss['rss_mb_started']} MB; {rss['kb_per_lease']} KB per "
+                  "lease, handler tasks included)."]
+    fo = results.get("failover")
+    if fo:
+        lines += ["", f"## Failover and hand-over (lease {fo['lease_ms']} ms, heartbeat and "
+                  f"check every {fo['check_interval_ms']} ms; store timestamps)", "",
+                  "| store | figure | median ms | p95 ms | trials |",
+                  "| --- | --- | ---: | ---: | ---: |"]
+        for store in ("pg", "redis"):
+            if store not in fo:
+                continue
+            for fig in ("kill_after_kill", "kill_after_last_heartbeat", "kill_after_expiry",
+                        "stop_after_stop", "stop_after_hand_over"):
+                s = fo[store][fig]
+                lines.append(f"| {store} | {fig} | {_fmt(s['median_ms'])} | "
+                             f"{_fmt(s['p95_ms'])} | {s['n']} |")
+    peers = results.get("peers")
+    if peers:
+        lines += ["", "## Peers (one sequential client, operations/s)", "",
+                  "| store | contender | ops/s | vs anarchon claim+finish |",
+                  "| --- | --- | ---: | ---: |"]
+        for store, section in peers.items():
+            ours = section["ops_s"]["anarchon_claim_finish"]
+            for name, ops in section["ops_s"].items():
+                lines.append(f"| {store} | {name} | {ops} | {ops / ours:.2f}x |")
+            for name, note in section.get("notes", {}).items():
+                lines.append(f"\n{name}: {note}")
+    if images:
+        lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in images]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    data = json.loads(Path(sys.argv[1]).read_text())
+    target = Path(sys.argv[1]).with_suffix(".md")
+    write_markdown(data, target, plots(data, target.parent, target.stem))
+    print(target)

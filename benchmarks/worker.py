@@ -1,0 +1,192 @@
+"""Scheduler processes the benchmarks start: ``python -m benchmarks.worker MODE URL ...``.
+
+Modes (each prints JSON lines on stdout, ends on SIGTERM with a graceful stop, or is
+SIGKILLed by the parent):
+
+``load URL JOBS NAME``
+    A scheduler with JOBS jobs (every 10, 20, 30 or 60 s, offsets spread over the
+    interval, handlers of 2-4 s), heartbeat 1 s, lease 5 s. Prints its held and watched
+    runs (and Redis round trips) every second.
+``rss URL LEASES``
+    A scheduler whose LEASES jobs all fire within a few seconds and never finish; prints
+    its RSS and held runs every second.
+``failover URL NAME FIRE_AT_MS LEASE HEARTBEAT``
+    One job ``fo`` firing at FIRE_AT_MS (store time); the handler runs until cancelled.
+    On SIGTERM it prints the store time at which ``stop()`` was called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import anyio
+
+from lease_core._registry import backend_from_url
+from lease_core.abc import Backend
+from lease_core.context import RunContext
+from lease_core.scheduler import Scheduler
+
+HOUR_MS = 3_600_000
+
+
+class CountingRedis:
+    """An asyncio redis-py client that counts round trips (pipelines and single commands)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.connection_pool = client.connection_pool
+        self.round_trips = 0
+        self.commands = 0
+
+    def pipeline(self, transaction: bool = True) -> Any:
+        """A pipeline whose ``execute`` counts one round trip."""
+        pipe = self._client.pipeline(transaction=transaction)
+        run = pipe.execute
+
+        async def execute(raise_on_error: bool = True) -> Any:
+            self.round_trips += 1
+            self.commands += len(pipe.command_stack)
+            return await run(raise_on_error=raise_on_error)
+
+        pipe.execute = execute
+        return pipe
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        """One command, one round trip."""
+        self.round_trips += 1
+        self.commands += 1
+        return await self._client.execute_command(*args, **options)
+
+    async def aclose(self) -> None:
+        """Close the wrapped client."""
+        await self._client.aclose()
+
+    def __getattr__(self, name: str) -> Any:
+        # anything else (script_load, ...) goes to the client, uncounted
+        return getattr(self._client, name)
+
+
+def make_backend(url: str, prefix: str, **pg_options: Any) -> tuple[Backend, CountingRedis | None]:
+    """A backend for ``url``; Redis gets a round-trip counting client."""
+    if url.startswith("redis"):
+        import redis.asyncio
+
+        from backends.redis import RedisBackend
+
+        client = CountingRedis(redis.asyncio.Redis.from_url(url))
+        return RedisBackend(client, prefix=prefix), client
+    return backend_from_url(url, table=prefix, **pg_options), None
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, from /proc."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def emit(**values: Any) -> None:
+    """Print one JSON status line."""
+    print(json.dumps(values), flush=True)
+
+
+async def _until_sigterm(scheduler: Scheduler, report: Any) -> None:
+    async with anyio.create_task_group() as tg:
+
+        async def reporter() -> None:
+            while True:
+                report()
+                await anyio.sleep(1)
+
+        tg.start_soon(reporter)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        emit(event="stopping", store_ms=scheduler.store_now_ms())
+        tg.cancel_scope.cancel()
+    await scheduler.stop(grace=0)
+    emit(event="stopped")
+
+
+async def load(url: str, jobs: int, name: str, prefix: str) -> None:
+    """Steady-state fleet member (see module docs)."""
+    backend, counter = make_backend(url, prefix)
+    scheduler = Scheduler(backend, instance_id=name, lease="5s", heartbeat="1s")
+
+    async def handler(ctx: RunContext) -> None:
+        await anyio.sleep(2 + int(ctx.job[1:]) % 3)
+
+    intervals = (10, 20, 30, 60)
+    for i in range(jobs):
+        interval = intervals[i % 4]
+        offset_ms = (i * 7919) % (interval * 1000)
+        scheduler.every(f"j{i}", f"{interval}s", handler, offset=f"{offset_ms}ms",
+                        catch_up="none")
+    async with scheduler:
+        emit(event="started")
+
+        def report() -> None:
+            emit(event="status", held=len(scheduler.running), watch=len(scheduler.watching),
+                 round_trips=counter.round_trips if counter else None,
+                 commands=counter.commands if counter else None, t=time.monotonic())
+
+        await _until_sigterm(scheduler, report)
+
+
+async def rss(url: str, leases: int, prefix: str) -> None:
+    """Hold ``leases`` runs at once (see module docs)."""
+    backend, _ = make_backend(url, prefix, max_size=4)
+    scheduler = Scheduler(backend, instance_id="rss", lease="60s", heartbeat="5s")
+
+    async def handler(ctx: RunContext) -> None:
+        await anyio.sleep(3600)
+
+    first = int(time.time() * 1000) + 4000
+    for i in range(leases):
+        fire = first + (i * 4000) // max(leases, 1)
+        scheduler.every(f"r{i}", "1h", handler, offset=f"{fire % HOUR_MS}ms", catch_up="none")
+    emit(event="declared", rss=rss_bytes())
+    async with scheduler:
+        emit(event="started", rss=rss_bytes())
+
+        def report() -> None:
+            emit(event="status", held=len(scheduler.running), rss=rss_bytes())
+
+        await _until_sigterm(scheduler, report)
+
+
+async def failover(url: str, name: str, fire_at_ms: int, lease: str, heartbeat: str,
+                   prefix: str) -> None:
+    """One job, one slot (see module docs)."""
+    backend, _ = make_backend(url, prefix)
+    scheduler = Scheduler(backend, instance_id=name, lease=lease, heartbeat=heartbeat)
+
+    async def handler(ctx: RunContext) -> None:
+        emit(event="won", attempt=ctx.attempt, reason=str(ctx.reason))
+        await anyio.sleep(3600)
+
+    scheduler.every("fo", "1h", handler, offset=f"{fire_at_ms % HOUR_MS}ms", catch_up="none")
+    async with scheduler:
+        emit(event="started")
+        await _until_sigterm(scheduler, lambda: None)
+
+
+def main(argv: list[str]) -> None:
+    """Dispatch on the mode."""
+    mode, url, *rest = argv
+    if mode == "load":
+        anyio.run(load, url, int(rest[0]), rest[1], rest[2])
+    elif mode == "rss":
+        anyio.run(rss, url, int(rest[0]), rest[1])
+    elif mode == "failover":
+        anyio.run(failover, url, rest[0], int(rest[1]), rest[2], rest[3], rest[4])
+    else:
+        sys.exit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
