@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint system-deps bench bench-quick clean
+.PHONY: demo test lint system-deps bench bench-quick bench-ci clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ bench: $(BENCH_STAMP)
 ## A short subset (under 3 minutes): benchmarks/out/quick.{json,md}.
 bench-quick: $(BENCH_STAMP)
 	$(PY) -m benchmarks.run --quick
+
+## The quick benchmark compared with benchmarks/baseline-quick.json (run by CI).
+bench-ci: $(BENCH_STAMP)
+	PY=$(PY) sh benchmarks/ci.sh
 
 ## System binaries the tests need (PgBouncer), installed with apt-get when missing.
 system-deps:

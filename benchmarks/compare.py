@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""Compare the ratios of two benchmark runs: ``compare.py OLD.json NEW.json [--threshold 0.2]``.
+"""Compare the ratios of benchmark runs: ``compare.py OLD.json NEW.json [NEW2.json ...]``.
 
 Only ratios are compared (library/raw, raw/library speed, reduction against the model),
 never absolute times, so a busier machine does not fail the comparison. Every ratio is
 oriented so that higher is better; a ratio regressed when ``new < old * (1 - threshold)``.
 Exits 1 when any ratio regressed, 2 on unusable input, else 0.
+
+Given several NEW files (repeated measurements of the same code), each ratio takes its
+best value among them: a ratio counts as regressed only when every measurement regressed,
+which keeps a noisy, shared machine from failing the comparison by chance.
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("old", type=Path)
-    parser.add_argument("new", type=Path)
+    parser.add_argument("new", type=Path, nargs="+")
     parser.add_argument("--threshold", type=float, default=0.2,
                         help="allowed relative drop of a ratio (default 0.2 = 20%%)")
     args = parser.parse_args(argv)
     try:
-        old, new = load_ratios(args.old), load_ratios(args.new)
+        old = load_ratios(args.old)
+        new: dict[str, float] = {}
+        for path in args.new:
+            for key, value in load_ratios(path).items():
+                new[key] = max(value, new.get(key, value))
     except (OSError, ValueError) as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
