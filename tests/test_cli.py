@@ -10,6 +10,7 @@ import anyio
 import psycopg
 import pytest
 
+from backends._embedded_redis import EmbeddedRedis
 from lease_core.cli import main
 from lease_core.demo import run_demo
 from tests.stores.postgres import PgServer, drop_tables, unique_table
@@ -69,3 +70,10 @@ def test_migrate_reports_a_bad_table_name(capsys: pytest.CaptureFixture[str]) ->
     assert main(["migrate", "--dsn", "postgresql://127.0.0.1:1/x", "--table", 'bad"name']) == 2
     err = capsys.readouterr().err
     assert 'bad"name' in err and "Traceback" not in err
+
+
+def test_redis_demo_with_processes(valkey8_server: EmbeddedRedis) -> None:
+    """`anarchon demo --backend redis --url URL`: the same fleet on Redis."""
+    out = io.StringIO()
+    assert run_demo("redis", url=valkey8_server.url, out=out), out.getvalue()
+    assert "attempt 2 (takeover)" in out.getvalue()

@@ -480,3 +480,57 @@ async def _count_distinct(s: Scheduler, job: str, n: int) -> bool:
     first = info[job].first_seen_ms
     last = info[job].last_slot
     return last is not None and last - first >= n * 1000
+
+
+async def test_one_heartbeat_and_one_check_per_tick_whatever_the_number_of_jobs(
+    store: Store,
+) -> None:
+    """Twenty held runs and twenty watched runs cost one call of each per tick."""
+    calls: Counter[str] = Counter()
+
+    class Counting:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            attr = getattr(self.inner, name)
+            if name in ("heartbeat", "check"):
+                async def counted(*args: Any) -> Any:
+                    calls[name] += 1
+                    calls[f"{name}-items"] += len(args[0])
+                    return await attr(*args)
+                return counted
+            return attr
+
+    release = anyio.Event()
+
+    async def wait(ctx: RunContext) -> None:
+        await release.wait()
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name, lease="2s", heartbeat="0.25s")
+        for i in range(20):
+            s.every(f"job{i}", "1h", wait)
+        return s
+
+    holder, backup = build("holder"), build("backup")
+    async with anyio.create_task_group() as tg:
+        ih = await Instance(holder).start(tg)
+        ib = await Instance(backup).start(tg)
+        for s in (holder, backup):
+            for job in s.jobs.values():
+                slot = job.schedule.previous_at_or_before(s.store_now_ms())
+                assert slot is not None
+                await s._claim(job, slot, Reason.SCHEDULED)
+        assert len(holder.running) == 20 and len(backup.watching) == 20
+        # Count calls made by each instance over a few ticks.
+        backup.backend = Counting(backup.backend)  # type: ignore[assignment]
+        holder.backend = Counting(holder.backend)  # type: ignore[assignment]
+        await wait_for(lambda: calls["heartbeat"] >= 4 and calls["check"] >= 4,
+                       what="four ticks of each instance")
+        release.set()
+        await ih.stop()
+        await ib.stop()
+    # Every call carried all twenty runs: one call per tick, never one per job.
+    assert calls["heartbeat-items"] == 20 * calls["heartbeat"], calls
+    assert calls["check-items"] == 20 * calls["check"], calls
