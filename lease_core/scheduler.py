@@ -598,6 +598,7 @@ class Scheduler:
                     hand_over = not held.lost
                 elif held.cancel_reason is None:
                     held.lost = True
+                    ctx._request_stop("lease not renewed in time")
                     logger.warning("%s slot %d: lease not renewed in time; handler cancelled",
                                    job.name, held.lease.slot)
         finally:
