@@ -95,6 +95,15 @@ class _ClockSamples:
     last_sample: float = -math.inf
 
 
+def _log_failure(what: str, exc: Exception) -> None:
+    # Store errors are expected (outages) and logged briefly; anything else is a bug
+    # worth a traceback. Neither may end the scheduler's tasks.
+    if isinstance(exc, AnarchonError):
+        logger.warning("%s failed: %s", what, exc)
+    else:
+        logger.error("%s failed unexpectedly", what, exc_info=exc)
+
+
 def _is_async(handler: Handler) -> bool:
     if inspect.iscoroutinefunction(handler):
         return True
@@ -403,8 +412,8 @@ class Scheduler:
                     try:
                         done = await self.backend.hand_over(leases)
                         logger.info("instance %s handed over %d runs", self.instance_id, len(done))
-                    except AnarchonError as exc:
-                        logger.warning("hand-over failed: %s", exc)
+                    except Exception as exc:
+                        _log_failure("hand-over", exc)
             self._to_hand_over.clear()
         finally:
             await self._shutdown()
@@ -500,7 +509,25 @@ class Scheduler:
             last = i == len(missed) - 1
             # A slot that is due right now is simply scheduled, even at start-up.
             reason = final_reason if last else Reason.CATCH_UP
-            await self._claim(job, slot, Reason.SCHEDULED if slot >= on_time else reason)
+            result = await self._claim(job, slot, Reason.SCHEDULED if slot >= on_time else reason)
+            if (not last and job.overlap == "skip" and result is not None
+                    and result.status in (ClaimStatus.WON, ClaimStatus.RUNNING)):
+                # Missed slots of a job that must not overlap run one after another;
+                # claiming the next one now would only record it as skipped.
+                await self._wait_run_ended(job.name, slot)
+
+    async def _wait_run_ended(self, job: str, slot: int) -> None:
+        key = (job, slot)
+        while not self._stopping:
+            await anyio.sleep(self.heartbeat)
+            try:
+                result = await self.backend.check([key])
+            except Exception as exc:
+                _log_failure(f"check of {job} slot {slot}", exc)
+                continue
+            state = result.runs.get(key)
+            if state is None or state.status.finished:
+                return
 
     async def _claim(self, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
         if self._stopping or self._tg is None:
@@ -517,8 +544,8 @@ class Scheduler:
         with anyio.move_on_after(job.lease_ms / 2000, shield=True):
             try:
                 result = await self.backend.claim(request)
-            except AnarchonError as exc:
-                logger.warning("claim of %s slot %d failed, will retry: %s", job.name, slot, exc)
+            except Exception as exc:
+                _log_failure(f"claim of {job.name} slot {slot} (will retry)", exc)
         if result is None:
             self._watch[(job.name, slot)] = _Watched(job, retry_reason=reason)
             return None
@@ -621,9 +648,8 @@ class Scheduler:
                     if not await self.backend.finish(held.lease, outcome, error):
                         logger.warning("%s slot %d: lease lost before finishing (%s)",
                                        job.name, held.lease.slot, outcome)
-                except AnarchonError as exc:
-                    logger.warning("%s slot %d: finish failed: %s", job.name,
-                                   held.lease.slot, exc)
+                except Exception as exc:
+                    _log_failure(f"finish of {job.name} slot {held.lease.slot}", exc)
                     self._watch[(job.name, held.lease.slot)] = _Watched(job)
 
     def _lose(self, held: _Held, why: str) -> None:
@@ -644,8 +670,8 @@ class Scheduler:
                 with anyio.move_on_after(self.lease / 2) as scope:
                     try:
                         await self._tick()
-                    except AnarchonError as exc:
-                        logger.warning("tick failed: %s", exc)
+                    except Exception as exc:
+                        _log_failure("heartbeat and backup check", exc)
                 if scope.cancelled_caught:
                     logger.warning("tick took longer than %gs; the store is slow", self.lease / 2)
 
@@ -675,7 +701,18 @@ class Scheduler:
         if not self._watch or self._stopping:
             return
         retries = [(k, w) for k, w in self._watch.items() if w.retry_reason is not None]
+        newest: dict[str, int] = {}
+        for (name, slot), _ in retries:
+            newest[name] = max(slot, newest.get(name, slot))
         for key, retry in retries:
+            if key[1] < newest[key[0]] and retry.job.catch_up != "all":
+                # The store was unreachable for several slots: as with catch-up, only
+                # the newest missed slot runs unless the job asked for all of them.
+                self._watch.pop(key, None)
+                logger.warning("%s slot %d not claimed while the store was unreachable; "
+                               "skipping it for a newer slot (catch_up=%r)",
+                               key[0], key[1], retry.job.catch_up)
+                continue
             assert retry.retry_reason is not None
             self._watch.pop(key, None)
             await self._claim(retry.job, key[1], retry.retry_reason)
