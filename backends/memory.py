@@ -68,6 +68,16 @@ class MemoryBackend(Backend):
         self._runs: dict[tuple[str, int], _Run] = {}
         self._attempts: dict[str, list[Attempt]] = {}
 
+    async def start(self) -> None:
+        """Count a user; there is nothing to open (safe from any event loop or thread)."""
+        with self._lock:
+            self._users += 1
+
+    async def close(self) -> None:
+        """Release a user; nothing is closed."""
+        with self._lock:
+            self._users = max(0, self._users - 1)
+
     async def _open(self) -> None:
         pass
 

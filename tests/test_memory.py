@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import anyio
 import pytest
 
 from lease_core import MemoryBackend, Outcome, Reason, Scheduler
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease
-from tests.helpers import Instance, wait_history
+from tests.helpers import Instance, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
 
@@ -58,13 +62,10 @@ async def test_history_ttl_with_an_injected_clock() -> None:
 
 async def test_scheduler_follows_the_store_clock_not_the_local_one() -> None:
     """A store clock ten days ahead of this machine: slots are the store's slots."""
-    import time
-
     offset = 10 * 86_400.0
     backend = MemoryBackend(clock=lambda: time.time() + offset)
     s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
     s.every("far", "1s", lambda ctx: None)
-    import anyio
 
     async with anyio.create_task_group() as tg:
         i = await Instance(s).start(tg)
@@ -73,3 +74,37 @@ async def test_scheduler_follows_the_store_clock_not_the_local_one() -> None:
     slot = history[0].slot
     assert slot / 1000 > time.time() + offset - 30
     assert history[0].claimed_at.timestamp() >= slot / 1000
+
+
+def test_schedulers_on_two_event_loops_share_one_memory_backend() -> None:
+    """One process, two threads, asyncio and trio: each slot still runs once."""
+    backend = MemoryBackend()
+    ran: list[tuple[int, str]] = []
+    errors: list[BaseException] = []
+
+    def run(name: str, loop: str) -> None:
+        async def main() -> None:
+            s = Scheduler(backend, instance_id=name, lease="1.2s", heartbeat="0.2s")
+
+            @s.every("shared", "1s")
+            async def shared(ctx: object) -> None:
+                ran.append((ctx.slot, name))  # type: ignore[attr-defined]
+
+            async with s:
+                await wait_for(lambda: len({slot for slot, _ in ran}) >= 3, timeout=10,
+                               what="three slots")
+
+        try:
+            anyio.run(main, backend=loop)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n, loop))
+               for n, loop in (("a", "asyncio"), ("b", "trio"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    slots = [slot for slot, _ in ran]
+    assert len(set(slots)) >= 3 and len(slots) == len(set(slots)), ran
