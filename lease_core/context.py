@@ -67,6 +67,15 @@ class Checkpoint:
         anyio.from_thread.run(self.delete)
 
 
+class _RunLog(logging.LoggerAdapter[logging.Logger]):
+    """Prefixes each message with the run, and adds job, slot and attempt as record fields."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        extra = self.extra or {}
+        kwargs["extra"] = {**extra, **kwargs.get("extra", {})}
+        return f"[{extra['job']} slot {extra['slot']} attempt {extra['attempt']}] {msg}", kwargs
+
+
 class RunContext:
     """Passed to every handler: which run this is, cancellation, checkpoint and logging.
 
@@ -103,7 +112,7 @@ class RunContext:
         """Set when the scheduler is stopping or the run must end soon."""
         self.checkpoint: Checkpoint = Checkpoint(backend, lease)
         """The run's fenced checkpoint."""
-        self.log: logging.LoggerAdapter[logging.Logger] = logging.LoggerAdapter(
+        self.log: logging.LoggerAdapter[logging.Logger] = _RunLog(
             logger,
             {"job": lease.job, "slot": lease.slot, "attempt": attempt, "instance": instance_id},
         )

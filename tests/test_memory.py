@@ -108,3 +108,22 @@ def test_schedulers_on_two_event_loops_share_one_memory_backend() -> None:
     assert not errors, errors
     slots = [slot for slot, _ in ran]
     assert len(set(slots)) >= 3 and len(slots) == len(set(slots)), ran
+
+
+async def test_ctx_log_names_the_run(caplog: pytest.LogCaptureFixture) -> None:
+    s = Scheduler(MemoryBackend(), instance_id="a", lease="1.2s", heartbeat="0.2s")
+
+    @s.every("logged", "1s")
+    async def logged(ctx: object) -> None:
+        ctx.log.info("hello %s", "there")  # type: ignore[attr-defined]
+
+    caplog.set_level("INFO", logger="anarchon")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        await wait_for(lambda: any("hello there" in r.getMessage() for r in caplog.records),
+                       what="a log line")
+        await i.stop()
+    record = next(r for r in caplog.records if "hello there" in r.getMessage())
+    assert record.getMessage().startswith("[logged slot ")
+    assert "attempt 1]" in record.getMessage()
+    assert record.job == "logged" and record.attempt == 1  # type: ignore[attr-defined]
