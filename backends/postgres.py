@@ -1,15 +1,28 @@
 """The PostgreSQL backend: runs, attempts, jobs and the format version in four tables.
 
-Where a claim happens: :meth:`PostgresBackend.claim` runs one short transaction,
+Where a claim happens: :meth:`PostgresBackend.claim` is **one statement**, a call of the
+PL/pgSQL function ``<table>_claim`` (``CREATE_CLAIM_FUNCTION``) in autocommit, so it takes
+one round trip on every adapter. The function runs the claim of ``lease_core.abc`` in the
+statement's own transaction:
 
-1. ``UPSERT_JOB`` upserts the job's row in ``<table>_jobs``; the row lock serialises the
-   claims of one job, and the second claimer always sees the winner's row;
-2. ``READ_RUN`` reads the run ``FOR UPDATE`` (so a fenced transaction or a finish in
-   flight completes first) and whether an earlier slot still holds a live lease;
-3. ``INSERT_RUN``, ``TAKE_OVER`` or ``ESCALATE`` writes the run and its attempt;
-4. ``TRIM_HISTORY`` deletes a bounded number of old attempts and finished runs.
+1. a run that is finished, or held by a live lease, is reported from a plain read, with
+   no lock and no write (backups standing by write nothing);
+2. otherwise the job's row in ``<table>_jobs`` is locked (``SELECT … FOR UPDATE``,
+   inserted when missing); the lock serialises the claims of one job, and since each
+   statement of a VOLATILE function in READ COMMITTED takes a new snapshot, the second
+   claimer always sees the winner's run;
+3. the run is read ``FOR UPDATE`` (a fenced transaction or a finish in flight completes
+   first), then inserted, skipped, taken over or escalated with its attempt rows;
+4. the job row gets a new version only when ``last_slot`` grows or an attempt is written
+   (taking the next ``seq``, the order trimming keeps);
+5. after writing an attempt, a bounded number of old attempts and finished runs are
+   deleted through the indexes.
 
-Every other call is one statement: heartbeats and hand-overs of many leases, a finish,
+The function is created with the tables (``start()`` by a privileged user, or
+``anarchon migrate``), under the same advisory lock; it is ``SECURITY INVOKER``, so the
+application's user needs only EXECUTE (granted to PUBLIC) and its table privileges.
+
+Every other call is one statement too: heartbeats and hand-overs of many leases, a finish,
 a batched check. All lease arithmetic uses the server's ``clock_timestamp()``; times are
 stored as ``bigint`` epoch milliseconds. Nothing keeps session state (only
 transaction-scoped advisory locks, at creation), so PgBouncer in transaction mode works.
@@ -23,10 +36,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from adapters.sql import Executor, Row, SqlAdapter, TransientError, adapter_for
 from lease_core._structures import (
@@ -49,8 +62,6 @@ from lease_core.errors import ConfigurationError, LeaseLost, StoreFormatError
 
 __all__ = ["FORMAT_VERSION", "FencedTransaction", "PostgresBackend", "migrate", "quote_ident"]
 
-T = TypeVar("T")
-
 #: The store format this code writes; a store with a newer one is refused.
 FORMAT_VERSION = 1
 #: The most old attempts one claim deletes (trimming is incremental).
@@ -60,7 +71,7 @@ _CLAIM_RETRIES = 5
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Suffixes of the names derived from ``table`` (tables and indexes).
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
-             "_a_fin")
+             "_a_fin", "_claim")
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
@@ -69,7 +80,9 @@ NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 FIND_TABLES = """
 SELECT n.nspname::text,
        ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c
-             WHERE c.relnamespace = n.oid AND c.relname = ANY(%s::text[]))
+             WHERE c.relnamespace = n.oid AND c.relname = ANY(%s::text[])),
+       EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
+               WHERE p.pronamespace = n.oid AND p.proname = %s::text)
 FROM pg_catalog.pg_namespace n
 WHERE n.nspname = COALESCE(%s::text, current_schema())
 """
@@ -132,72 +145,180 @@ DDL = (CREATE_META, CREATE_JOBS, CREATE_RUNS, CREATE_RUNS_OPEN, CREATE_ATTEMPTS,
 
 # --- claims -----------------------------------------------------------------------------
 
-UPSERT_JOB = """
-INSERT INTO {jobs} AS j (job, first_seen_ms, last_slot, seq)
-VALUES (%s::text, {now}, %s::bigint, 1)
-ON CONFLICT (job) DO UPDATE
-    SET last_slot = GREATEST(j.last_slot, EXCLUDED.last_slot), seq = j.seq + 1
-RETURNING {now}, j.seq"""
-READ_RUN = """
-SELECT b.blocked, r.status, r.attempt, r.token, r.instance_id, r.expires_ms
-FROM (SELECT EXISTS (
-        SELECT 1 FROM {runs} o
-        WHERE o.job = %s::text AND o.slot < %s::bigint AND o.status = 'running'
-          AND o.expires_ms > %s::bigint) AS blocked) AS b
-LEFT JOIN LATERAL (
-    SELECT status, attempt, token, instance_id, expires_ms FROM {runs}
-    WHERE job = %s::text AND slot = %s::bigint
-    FOR UPDATE) AS r ON true"""
-INSERT_RUN = """
-WITH run AS (
-    INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms)
-    VALUES (%s::text, %s::bigint, %s::text, 1, %s::text, %s::text, %s::bigint)
-    RETURNING job, slot)
-INSERT INTO {attempts}
-    (job, slot, attempt, seq, instance_id, reason, claimed_ms, finished_ms, outcome, error)
-SELECT run.job, run.slot, 1, %s::bigint, %s::text, %s::text, %s::bigint, %s::bigint, %s::text,
-       %s::text
-FROM run"""
-TAKE_OVER = """
-WITH prev AS (
-    UPDATE {attempts} SET outcome = %s::text, error = %s::text, finished_ms = %s::bigint
-    WHERE job = %s::text AND slot = %s::bigint AND attempt = %s::integer AND outcome IS NULL
-    RETURNING 1),
-run AS (
-    UPDATE {runs}
-    SET status = 'running', attempt = attempt + 1, token = %s::text, instance_id = %s::text,
-        expires_ms = %s::bigint
-    WHERE job = %s::text AND slot = %s::bigint
-    RETURNING job, slot, attempt)
-INSERT INTO {attempts}
-    (job, slot, attempt, seq, instance_id, reason, claimed_ms)
-SELECT run.job, run.slot, run.attempt, %s::bigint, %s::text, %s::text, %s::bigint
-FROM run"""
-ESCALATE = """
-WITH prev AS (
-    UPDATE {attempts} SET outcome = 'escalated', error = %s::text, finished_ms = %s::bigint
-    WHERE job = %s::text AND slot = %s::bigint AND attempt = %s::integer AND outcome IS NULL
-    RETURNING 1)
-UPDATE {runs} SET status = 'escalated', token = NULL, expires_ms = NULL
-WHERE job = %s::text AND slot = %s::bigint"""
-TRIM_HISTORY = """
-WITH doomed AS (
-    (SELECT slot, attempt FROM {attempts} WHERE job = %s::text
-     ORDER BY seq DESC OFFSET %s::bigint LIMIT %s::bigint)
-    UNION
-    (SELECT slot, attempt FROM {attempts}
-     WHERE job = %s::text AND finished_ms < %s::bigint LIMIT %s::bigint)),
-gone AS (
-    DELETE FROM {attempts} a USING doomed d
-    WHERE a.job = %s::text AND a.slot = d.slot AND a.attempt = d.attempt
-    RETURNING a.slot, a.attempt)
-DELETE FROM {runs} r
-WHERE r.job = %s::text AND r.slot IN (SELECT slot FROM gone)
-  AND r.status NOT IN ('running', 'handed_over')
-  AND NOT EXISTS (
-      SELECT 1 FROM {attempts} a
-      WHERE a.job = r.job AND a.slot = r.slot
-        AND (a.slot, a.attempt) NOT IN (SELECT slot, attempt FROM gone))"""
+#: The claim function's parameters, in order (also its signature for GRANT).
+CLAIM_ARGS = ("p_job text, p_slot bigint, p_instance text, p_token text, p_lease_ms bigint, "
+              "p_reason text, p_overlap_skip boolean, p_max_attempts bigint, "
+              "p_history_size bigint, p_history_ttl_ms bigint, p_trim_batch bigint")
+CLAIM_ARG_TYPES = ("text, bigint, text, text, bigint, text, boolean, bigint, bigint, bigint, "
+                   "bigint")
+# The whole claim (abc module docs) as one PL/pgSQL function, so that a claim is one
+# statement: one round trip in autocommit on every adapter. It is VOLATILE and runs in
+# READ COMMITTED, so every statement takes a fresh snapshot: after waiting for the job
+# row's lock, the read of the run sees what the previous claimer committed.
+#
+# - Fast path: a run that is finished, or running with a live lease, is reported from a
+#   plain read, without any lock or write (backups standing by write nothing).
+# - Otherwise the job row is locked (``SELECT ... FOR UPDATE``; inserted when missing,
+#   race-safe through ``ON CONFLICT DO NOTHING``), which serialises the claims of one job;
+#   the run is read ``FOR UPDATE`` (a fenced transaction or a finish in flight completes
+#   first), then won, skipped, taken over or escalated.
+# - The job row gets a new version only when ``last_slot`` grows or an attempt is written
+#   (which takes the next ``seq``, the order trimming keeps), in one UPDATE at most.
+# - After writing an attempt, a bounded, index-backed trim (TRIM_BATCH rows per query).
+#
+# The body has no ``%`` and no braces (it goes through str.format and placeholder
+# rewriting). A change of its parameters or meaning needs a new function name: a store is
+# only checked for the function's presence.
+CREATE_CLAIM_FUNCTION = """
+CREATE OR REPLACE FUNCTION {claim_fn}(
+    {claim_args},
+    OUT c_status text, OUT c_now bigint, OUT c_attempt integer, OUT c_reason text,
+    OUT c_expires bigint, OUT c_run_status text, OUT c_instance text)
+LANGUAGE plpgsql VOLATILE SECURITY INVOKER
+AS $anarchon$
+DECLARE
+    v_now bigint;
+    v_found boolean;
+    v_status text;
+    v_attempt integer;
+    v_instance text;
+    v_expires bigint;
+    v_last bigint;
+    v_seq bigint;
+    v_row_seq bigint;
+    v_reason text;
+    v_wrote boolean := false;
+BEGIN
+    SELECT r.status, r.attempt, r.instance_id, r.expires_ms
+      INTO v_status, v_attempt, v_instance, v_expires
+      FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
+    v_found := FOUND;
+    v_now := {now};
+    IF v_found AND (v_status NOT IN ('running', 'handed_over')
+                    OR (v_status = 'running' AND v_expires > v_now)) THEN
+        c_status := CASE WHEN v_status = 'running' THEN 'running' ELSE 'finished' END;
+        c_now := v_now; c_attempt := v_attempt; c_expires := v_expires;
+        c_run_status := v_status; c_instance := v_instance;
+        RETURN;
+    END IF;
+
+    SELECT j.last_slot, j.seq INTO v_last, v_seq
+      FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
+    IF FOUND THEN
+        v_row_seq := v_seq;
+    ELSE
+        INSERT INTO {jobs} AS j (job, first_seen_ms, last_slot, seq)
+        VALUES (p_job, {now}, p_slot, 1)
+        ON CONFLICT (job) DO NOTHING;
+        IF FOUND THEN
+            v_last := p_slot; v_seq := 0; v_row_seq := 1;
+        ELSE
+            SELECT j.last_slot, j.seq INTO v_last, v_seq
+              FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
+            v_row_seq := v_seq;
+        END IF;
+    END IF;
+
+    v_now := {now};
+    SELECT r.status, r.attempt, r.instance_id, r.expires_ms
+      INTO v_status, v_attempt, v_instance, v_expires
+      FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot FOR UPDATE;
+    c_now := v_now;
+    IF NOT FOUND THEN
+        v_seq := v_seq + 1;
+        v_wrote := true;
+        IF p_overlap_skip AND EXISTS (
+                SELECT 1 FROM {runs} o
+                WHERE o.job = p_job AND o.slot < p_slot AND o.status = 'running'
+                  AND o.expires_ms > v_now) THEN
+            INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms)
+            VALUES (p_job, p_slot, 'skipped', 1, NULL, p_instance, NULL);
+            INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
+                                    finished_ms, outcome, error)
+            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now, v_now, 'skipped',
+                    'an earlier run of the job still holds its lease');
+            c_status := 'skipped'; c_attempt := 1; c_run_status := 'skipped';
+            c_instance := p_instance;
+        ELSE
+            c_expires := v_now + p_lease_ms;
+            INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms)
+            VALUES (p_job, p_slot, 'running', 1, p_token, p_instance, c_expires);
+            INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms)
+            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now);
+            c_status := 'won'; c_attempt := 1; c_reason := p_reason;
+            c_run_status := 'running'; c_instance := p_instance;
+        END IF;
+    ELSIF v_status NOT IN ('running', 'handed_over') THEN
+        c_status := 'finished'; c_attempt := v_attempt; c_expires := v_expires;
+        c_run_status := v_status; c_instance := v_instance;
+    ELSIF v_status = 'running' AND v_expires > v_now THEN
+        c_status := 'running'; c_attempt := v_attempt; c_expires := v_expires;
+        c_run_status := v_status; c_instance := v_instance;
+    ELSIF v_status = 'running' AND p_max_attempts IS NOT NULL
+          AND v_attempt >= p_max_attempts THEN
+        UPDATE {attempts}
+        SET outcome = 'escalated', finished_ms = v_now,
+            error = 'lease lost on attempt ' || v_attempt || ' of max_attempts='
+                    || p_max_attempts || '; escalated'
+        WHERE job = p_job AND slot = p_slot AND attempt = v_attempt AND outcome IS NULL;
+        UPDATE {runs} SET status = 'escalated', token = NULL, expires_ms = NULL
+        WHERE job = p_job AND slot = p_slot;
+        c_status := 'escalated'; c_attempt := v_attempt; c_run_status := 'escalated';
+        c_instance := v_instance;
+    ELSE
+        IF v_status = 'handed_over' THEN
+            v_reason := 'hand-over';
+        ELSE
+            v_reason := 'takeover';
+            UPDATE {attempts}
+            SET outcome = 'lost', error = 'lease expired without renewal', finished_ms = v_now
+            WHERE job = p_job AND slot = p_slot AND attempt = v_attempt AND outcome IS NULL;
+        END IF;
+        v_seq := v_seq + 1;
+        v_wrote := true;
+        c_expires := v_now + p_lease_ms;
+        UPDATE {runs}
+        SET status = 'running', attempt = v_attempt + 1, token = p_token,
+            instance_id = p_instance, expires_ms = c_expires
+        WHERE job = p_job AND slot = p_slot;
+        INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms)
+        VALUES (p_job, p_slot, v_attempt + 1, v_seq, p_instance, v_reason, v_now);
+        c_status := 'won'; c_attempt := v_attempt + 1; c_reason := v_reason;
+        c_run_status := 'running'; c_instance := p_instance;
+    END IF;
+
+    IF v_seq > v_row_seq OR v_last IS NULL OR p_slot > v_last THEN
+        UPDATE {jobs} SET last_slot = GREATEST(last_slot, p_slot), seq = GREATEST(seq, v_seq)
+        WHERE job = p_job;
+    END IF;
+
+    IF v_wrote THEN
+        WITH doomed AS (
+            (SELECT a.slot, a.attempt FROM {attempts} a WHERE a.job = p_job
+             ORDER BY a.seq DESC OFFSET GREATEST(p_history_size, 0) LIMIT p_trim_batch)
+            UNION
+            (SELECT a.slot, a.attempt FROM {attempts} a
+             WHERE a.job = p_job AND a.finished_ms < v_now - p_history_ttl_ms
+             LIMIT p_trim_batch)),
+        gone AS (
+            DELETE FROM {attempts} a USING doomed d
+            WHERE a.job = p_job AND a.slot = d.slot AND a.attempt = d.attempt
+            RETURNING a.slot, a.attempt)
+        DELETE FROM {runs} r
+        WHERE r.job = p_job AND r.slot IN (SELECT g.slot FROM gone g)
+          AND r.status NOT IN ('running', 'handed_over')
+          AND NOT EXISTS (
+              SELECT 1 FROM {attempts} a
+              WHERE a.job = r.job AND a.slot = r.slot
+                AND (a.slot, a.attempt) NOT IN (SELECT g.slot, g.attempt FROM gone g));
+    END IF;
+END
+$anarchon$"""
+GRANT_CLAIM_FUNCTION = "GRANT EXECUTE ON FUNCTION {claim_fn}({claim_arg_types}) TO PUBLIC"
+CLAIM = """
+SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+FROM {claim_fn}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text, %s::boolean,
+                %s::bigint, %s::bigint, %s::bigint, %s::bigint)"""
 
 # --- single statements ------------------------------------------------------------------
 
@@ -313,6 +434,9 @@ class _Statements:
             "claimed_idx": quote_ident(name + "_a_claimed"),
             "job_idx": quote_ident(name + "_a_job"),
             "fin_idx": quote_ident(name + "_a_fin"),
+            "claim_fn": prefix + quote_ident(name + "_claim"),
+            "claim_args": CLAIM_ARGS,
+            "claim_arg_types": CLAIM_ARG_TYPES,
             "now": NOW,
         }
 
@@ -322,12 +446,9 @@ class _Statements:
         self.read_format = fill(READ_FORMAT)
         self.ddl = tuple(fill(statement) for statement in DDL)
         self.write_format = fill(WRITE_FORMAT)
-        self.upsert_job = fill(UPSERT_JOB)
-        self.read_run = fill(READ_RUN)
-        self.insert_run = fill(INSERT_RUN)
-        self.take_over = fill(TAKE_OVER)
-        self.escalate = fill(ESCALATE)
-        self.trim_history = fill(TRIM_HISTORY)
+        self.create_claim_function = fill(CREATE_CLAIM_FUNCTION)
+        self.grant_claim_function = fill(GRANT_CLAIM_FUNCTION)
+        self.claim = fill(CLAIM)
         self.select_now = fill(SELECT_NOW)
         self.register_jobs = fill(REGISTER_JOBS)
         self.heartbeat = fill(HEARTBEAT)
@@ -429,8 +550,10 @@ class PostgresBackend(Backend):
     def _table_names(self) -> list[str]:
         return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
 
-    async def _existing(self, tx: Executor | SqlAdapter) -> set[str]:
-        rows = await tx.all(FIND_TABLES, (self._table_names(), self._schema))
+    async def _existing(self, tx: Executor | SqlAdapter) -> tuple[set[str], bool]:
+        """The store's tables that exist, and whether its claim function exists."""
+        rows = await tx.all(FIND_TABLES, (self._table_names(), self._name + "_claim",
+                                          self._schema))
         if not rows:
             if self._schema is None:
                 raise ConfigurationError(
@@ -441,7 +564,7 @@ class PostgresBackend(Backend):
                 f"schema {self._schema!r} of table {self.table!r} does not exist; create it "
                 f"first (CREATE SCHEMA {self._schema}) or choose another table"
             )
-        return set(rows[0][1])
+        return set(rows[0][1]), bool(rows[0][2])
 
     async def _check_format(self, tx: Executor | SqlAdapter) -> bool:
         rows = await tx.all(self._sql.read_format)
@@ -459,19 +582,28 @@ class PostgresBackend(Backend):
         return True
 
     async def _ensure_tables(self, adapter: SqlAdapter) -> None:
-        if len(await self._existing(adapter)) == 4 and await self._check_format(adapter):
+        tables, function = await self._existing(adapter)
+        if len(tables) == 4 and function and await self._check_format(adapter):
             return
         try:
             await adapter.run_transaction(self._create)
         except ConfigurationError as exc:
             if "permission denied" not in str(exc) and "42501" not in str(exc):
                 raise
+            what = (f"the claim function {self._function_name()} of the anarchon tables for "
+                    f"{self.table!r} is missing and this user may not create it"
+                    if len(tables) == 4 else
+                    f"the anarchon tables for {self.table!r} are missing and this user may not "
+                    "create them")
             raise ConfigurationError(
-                f"the anarchon tables for {self.table!r} are missing and this user may not "
-                "create them; run `anarchon migrate --dsn <privileged DSN> --table "
-                f"{self.table}` once with a privileged user, then grant SELECT, INSERT, UPDATE, "
-                f"DELETE on {', '.join(self._table_names())} ({exc})"
+                f"{what}; run `anarchon migrate --dsn "
+                f"<privileged DSN> --table {self.table}` once with a privileged user, then "
+                f"grant SELECT, INSERT, UPDATE, DELETE on {', '.join(self._table_names())} "
+                f"({exc})"
             ) from exc
+
+    def _function_name(self) -> str:
+        return (f"{self._schema}." if self._schema else "") + self._name + "_claim"
 
     async def _create(self, tx: Executor) -> None:
         key = int.from_bytes(
@@ -479,12 +611,17 @@ class PostgresBackend(Backend):
             "big", signed=True,
         )
         await tx.all(LOCK_CREATION, (key,))
-        existing = await self._existing(tx)
+        existing, function = await self._existing(tx)
         if self._name + "_meta" in existing:
             await self._check_format(tx)
         if len(existing) < 4:
             for statement in self._sql.ddl:
                 await tx.all(statement)
+        if not function:
+            # SECURITY INVOKER: the caller's table privileges apply. EXECUTE is PUBLIC by
+            # default; granted explicitly in case default privileges revoke it.
+            await tx.all(self._sql.create_claim_function)
+            await tx.all(self._sql.grant_claim_function)
         await tx.all(self._sql.write_format, (str(FORMAT_VERSION),))
 
     # --- contract -----------------------------------------------------------------------
@@ -494,12 +631,13 @@ class PostgresBackend(Backend):
         rows = await self._adapter.all(self._sql.select_now)
         return int(rows[0][0])
 
-    async def _retry(self, fn: Callable[[Executor], Awaitable[T]]) -> T:
-        for attempt in range(_CLAIM_RETRIES):
+    async def _all_retrying(self, sql: str, params: Sequence[Any]) -> list[Row]:
+        """Run one statement (its own transaction), again when PostgreSQL aborted it."""
+        for retry in range(_CLAIM_RETRIES):
             try:
-                return await self._adapter.run_transaction(fn)
+                return await self._adapter.all(sql, params)
             except TransientError:
-                if attempt == _CLAIM_RETRIES - 1:
+                if retry == _CLAIM_RETRIES - 1:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -509,10 +647,7 @@ class PostgresBackend(Backend):
         if not names:
             return {}
 
-        async def run(tx: Executor) -> list[Row]:
-            return await tx.all(self._sql.register_jobs, (names,))
-
-        rows = await self._retry(run)
+        rows = await self._all_retrying(self._sql.register_jobs, (names,))
         found = {
             str(job): JobInfo(str(job), int(first), None if last is None else int(last),
                               tuple(int(s) for s in (slots or ())), bool(new))
@@ -521,82 +656,19 @@ class PostgresBackend(Backend):
         return {name: found[name] for name in jobs}
 
     async def claim(self, request: ClaimRequest) -> ClaimResult:
-        """Win, take over or inspect the run in one transaction (see the module docs)."""
-
-        async def run(tx: Executor) -> ClaimResult:
-            return await self._claim(tx, request)
-
-        return await self._retry(run)
-
-    async def _claim(self, tx: Executor, req: ClaimRequest) -> ClaimResult:
-        sql = self._sql
-        [(now_raw, seq_raw)] = await tx.all(sql.upsert_job, (req.job, req.slot))
-        now, seq = int(now_raw), int(seq_raw)
-        [(blocked, status_raw, attempt_raw, _token, holder, expires_raw)] = await tx.all(
-            sql.read_run, (req.job, req.slot, now, req.job, req.slot)
+        """Win, take over or inspect the run with one statement (see the module docs)."""
+        req = request
+        params = (req.job, req.slot, req.instance_id, req.token, req.lease_ms,
+                  Reason(req.reason).value, bool(req.overlap_skip), req.max_attempts,
+                  req.history_size, req.history_ttl_ms, TRIM_BATCH)
+        [(status, now, attempt, reason, expires, run_status, instance)] = (
+            await self._all_retrying(self._sql.claim, params))
+        return ClaimResult(
+            ClaimStatus(status), req.job, req.slot, int(now), int(attempt),
+            None if reason is None else Reason(reason),
+            None if expires is None else int(expires), RunStatus(run_status),
+            None if instance is None else str(instance),
         )
-
-        def result(status: ClaimStatus, run_status: RunStatus, attempt: int,
-                   expires: int | None, instance: str | None,
-                   reason: Reason | None = None) -> ClaimResult:
-            return ClaimResult(status, req.job, req.slot, now, attempt, reason, expires,
-                               run_status, instance)
-
-        if status_raw is None:
-            if req.overlap_skip and blocked:
-                await tx.all(sql.insert_run, (
-                    req.job, req.slot, RunStatus.SKIPPED.value, None, req.instance_id, None,
-                    seq, req.instance_id, req.reason.value, now, now, Outcome.SKIPPED.value,
-                    "an earlier run of the job still holds its lease",
-                ))
-                await self._trim(tx, req, now)
-                return result(ClaimStatus.SKIPPED, RunStatus.SKIPPED, 1, None, req.instance_id)
-            expires = now + req.lease_ms
-            await tx.all(sql.insert_run, (
-                req.job, req.slot, RunStatus.RUNNING.value, req.token, req.instance_id, expires,
-                seq, req.instance_id, req.reason.value, now, None, None, None,
-            ))
-            await self._trim(tx, req, now)
-            return result(ClaimStatus.WON, RunStatus.RUNNING, 1, expires, req.instance_id,
-                          req.reason)
-        status = RunStatus(status_raw)
-        attempt = int(attempt_raw)
-        expires_ms = None if expires_raw is None else int(expires_raw)
-        holder = None if holder is None else str(holder)
-        if status.finished:
-            return result(ClaimStatus.FINISHED, status, attempt, expires_ms, holder)
-        if status is RunStatus.RUNNING and expires_ms is not None and expires_ms > now:
-            return result(ClaimStatus.RUNNING, status, attempt, expires_ms, holder)
-        if status is RunStatus.HANDED_OVER:
-            reason = Reason.HAND_OVER
-            ended: tuple[str | None, str | None] = (None, None)
-        else:
-            if req.max_attempts is not None and attempt >= req.max_attempts:
-                await tx.all(sql.escalate, (
-                    f"lease lost on attempt {attempt} of max_attempts={req.max_attempts}; "
-                    "escalated", now, req.job, req.slot, attempt, req.job, req.slot,
-                ))
-                return result(ClaimStatus.ESCALATED, RunStatus.ESCALATED, attempt, None, holder)
-            reason = Reason.TAKEOVER
-            ended = (Outcome.LOST.value, "lease expired without renewal")
-        expires = now + req.lease_ms
-        await tx.all(sql.take_over, (
-            ended[0] or Outcome.LOST.value, ended[1], now, req.job, req.slot,
-            attempt if ended[0] else -1,
-            req.token, req.instance_id, expires, req.job, req.slot,
-            seq, req.instance_id, reason.value, now,
-        ))
-        await self._trim(tx, req, now)
-        return result(ClaimStatus.WON, RunStatus.RUNNING, attempt + 1, expires,
-                      req.instance_id, reason)
-
-    async def _trim(self, tx: Executor, req: ClaimRequest, now: int) -> None:
-        cutoff = None if req.history_ttl_ms is None else now - req.history_ttl_ms
-        await tx.all(self._sql.trim_history, (
-            req.job, max(req.history_size, 0), TRIM_BATCH,
-            req.job, cutoff, TRIM_BATCH,
-            req.job, req.job,
-        ))
 
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
         """Renew every lease in one ``UPDATE … FROM unnest(…)`` statement."""
@@ -705,10 +777,12 @@ class PostgresBackend(Backend):
 
 
 async def migrate(connection: Any = None, *, table: str = "anarchon_runs") -> None:
-    """Create the four tables (run with a privileged user), then release the connection.
+    """Create the four tables and the claim function (run with a privileged user).
 
-    Afterwards the application's user needs only SELECT, INSERT, UPDATE and DELETE on
-    them. Safe to run again, and concurrently; a store of a newer format is refused.
+    Afterwards the application's user needs only SELECT, INSERT, UPDATE and DELETE on the
+    tables (EXECUTE on the function is granted to PUBLIC; it runs with the caller's
+    rights). Adds the function to a store created before it existed. Safe to run again,
+    and concurrently; a store of a newer format is refused.
     """
     backend = PostgresBackend(connection, table=table)
     await backend.start()

@@ -70,6 +70,7 @@ def classify(query: str) -> str:
     if upper in ("BEGIN", "COMMIT", "ROLLBACK"):
         return upper.lower()
     checks = (
+        ("_claim(", "claim"),
         ("renewed AS", "heartbeat"),
         ("AS n LEFT JOIN", "check"),
         ("first_seen_ms, last_slot, seq) VALUES", "claim.upsert_job"),

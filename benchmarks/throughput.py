@@ -26,7 +26,7 @@ import psycopg
 import redis.asyncio
 from psycopg_pool import AsyncConnectionPool
 
-from backends.postgres import PostgresBackend, _Statements
+from backends.postgres import TRIM_BATCH, PostgresBackend, _Statements
 from backends.redis import _LUA, RedisBackend
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome
 from lease_core.abc import Backend
@@ -97,30 +97,19 @@ class Variant:
         raise NotImplementedError
 
 
-def _pg_insert_params(job: str, slot: int, token: str, now: int, seq: int) -> tuple[Any, ...]:
-    return (job, slot, "running", token, INSTANCE, now + LEASE_MS, seq, INSTANCE, "scheduled",
-            now, None, None, None)
-
-
-def _pg_trim_params(job: str) -> tuple[Any, ...]:
-    return (job, HISTORY, 100, job, None, 100, job, job)
+def _pg_claim_params(job: str, slot: int, token: str) -> tuple[Any, ...]:
+    """The claim function's arguments, as the library sends them for the library's request."""
+    return (job, slot, INSTANCE, token, LEASE_MS, "scheduled", True, None, HISTORY, None,
+            TRIM_BATCH)
 
 
 async def raw_psycopg_claim(conn: psycopg.AsyncConnection[Any], s: _Statements, job: str,
                             slot: int) -> bool:
-    """The claim's statements, in one transaction, by hand (uncontended and raced paths)."""
-    token = uuid.uuid4().hex
-    async with conn.transaction():
-        cur = await conn.execute(s.upsert_job, (job, slot), prepare=False)  # type: ignore[arg-type]
-        now, seq = await cur.fetchone()  # type: ignore[misc]
-        cur = await conn.execute(s.read_run, (job, slot, now, job, slot), prepare=False)  # type: ignore[arg-type]
-        row = await cur.fetchone()
-        if row is None or row[1] is not None:
-            return False
-        await conn.execute(s.insert_run, _pg_insert_params(job, slot, token, now, seq),  # type: ignore[arg-type]
-                           prepare=False)
-        await conn.execute(s.trim_history, _pg_trim_params(job), prepare=False)  # type: ignore[arg-type]
-        return True
+    """The claim's one statement (the library's claim function), in autocommit, by hand."""
+    cur = await conn.execute(s.claim, _pg_claim_params(job, slot, uuid.uuid4().hex),  # type: ignore[arg-type]
+                             prepare=False)
+    row = await cur.fetchone()
+    return row is not None and row[0] == "won"
 
 
 class PsycopgPool(Variant):
@@ -197,8 +186,7 @@ class Pg8000(Variant):
             min_size=claimers, max_size=claimers)
         await self.backend.start()
         s = _Statements(None, table)
-        self.sql = {name: _numbered(getattr(s, name))
-                    for name in ("upsert_job", "read_run", "insert_run", "trim_history")}
+        self.sql = _numbered(s.claim)
         self.idle = [
             await anyio.to_thread.run_sync(lambda: pg8000.native.Connection(
                 "postgres", host=pg.host, port=pg.port, password=pg.password))
@@ -213,22 +201,9 @@ class Pg8000(Variant):
             conn.close()
 
     def _claim_blocking(self, conn: Any, job: str, slot: int) -> bool:
-        sql = self.sql
-        token = uuid.uuid4().hex
-        conn.execute_unnamed("BEGIN")
-        try:
-            ((now, seq),) = conn.execute_unnamed(sql["upsert_job"], vals=(job, slot)).rows
-            (row,) = conn.execute_unnamed(sql["read_run"], vals=(job, slot, now, job, slot)).rows
-            won = row[1] is None
-            if won:
-                conn.execute_unnamed(sql["insert_run"],
-                                     vals=_pg_insert_params(job, slot, token, now, seq))
-                conn.execute_unnamed(sql["trim_history"], vals=_pg_trim_params(job))
-        except BaseException:
-            conn.execute_unnamed("ROLLBACK")
-            raise
-        conn.execute_unnamed("COMMIT")
-        return won
+        vals = _pg_claim_params(job, slot, uuid.uuid4().hex)
+        ((status, *_),) = conn.execute_unnamed(self.sql, vals=vals).rows
+        return bool(status == "won")
 
     async def raw(self, job: str, slot: int) -> bool:
         """Claim in a worker thread on a free raw connection."""
@@ -326,30 +301,18 @@ def _fill(sql: str, values: list[str]) -> str:
 
 
 def pgbench_script(table: str) -> str:
-    """The uncontended claim (UPSERT_JOB, READ_RUN, INSERT_RUN, TRIM_HISTORY) for pgbench.
+    """The uncontended claim (the library's one statement, CLAIM) for pgbench.
 
-    Only the ``%s`` placeholders change: they become pgbench variables; the first
-    statement is wrapped in a CTE so that ``\\gset`` gets named columns.
+    Only the ``%s`` placeholders change: they become pgbench expressions.
     """
     s = _Statements(None, table)
     job = "('pgb' || :client_id || '-' || :r)"
-    slot = str(SLOT)
-    now = "(:now_ms::bigint)"
-    upsert = _fill(s.upsert_job, [job, slot])
-    read = _fill(s.read_run, [job, slot, now, job, slot])
-    insert = _fill(s.insert_run, [
-        job, slot, "'running'", "md5(:r::text)", f"'{INSTANCE}'",
-        f"(:now_ms::bigint + {LEASE_MS})", "(:seq::bigint)", f"'{INSTANCE}'", "'scheduled'",
-        now, "NULL", "NULL", "NULL"])
-    trim = _fill(s.trim_history, [job, str(HISTORY), "100", job, "NULL", "100", job, job])
+    claim = _fill(s.claim, [
+        job, str(SLOT), f"'{INSTANCE}'", "md5(:r::text)", str(LEASE_MS), "'scheduled'", "true",
+        "NULL", str(HISTORY), "NULL", str(TRIM_BATCH)])
     return "\n".join([
         "\\set r random(1, 1000000000000)",
-        "BEGIN;",
-        f"WITH x(now_ms, seq) AS ({upsert}) SELECT now_ms, seq FROM x \\gset",
-        read + ";",
-        insert + ";",
-        trim + ";",
-        "COMMIT;",
+        claim + ";",
         "",
     ])
 

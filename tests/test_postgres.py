@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import psycopg
 import pytest
-from psycopg_pool import ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from backends._embedded_postgres import EmbeddedPostgres, find_free_port
 from backends.postgres import FORMAT_VERSION, PostgresBackend, migrate
@@ -28,7 +28,13 @@ from lease_core.errors import (
     StoreFormatError,
 )
 from tests.helpers import wait_for
-from tests.stores.postgres import STORES, PgServer, drop_tables, unique_table
+from tests.stores.postgres import (
+    STORES,
+    CustomPoolAdapter,
+    PgServer,
+    drop_tables,
+    unique_table,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -406,3 +412,163 @@ async def test_nothing_means_localhost_with_pg_variables(
     await backend.start()
     assert (await backend.claim(request_for("j", 1, "t"))).status is ClaimStatus.WON
     await backend.close()
+
+
+class CountingAdapter(CustomPoolAdapter):
+    """A user adapter (documented protocol) that counts statements and transactions."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+        super().__init__(pool)
+        self.statements: list[str] = []
+        self.transactions = 0
+
+    async def all(self, sql: str, params: Any) -> list[tuple[Any, ...]]:
+        self.statements.append(sql)
+        return await super().all(sql, params)
+
+    async def transaction(self, fn: Any) -> Any:
+        self.transactions += 1
+        return await super().transaction(fn)
+
+
+@pytest.mark.asyncio_only
+async def test_every_claim_outcome_is_one_statement_without_a_transaction(
+    pg16_server: PgServer, table: str
+) -> None:
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        pg16_server.dsn, min_size=1, max_size=2, open=False)
+    await pool.open(wait=True)
+    counting = CountingAdapter(pool)
+    backend = PostgresBackend(counting, table=table)
+    await backend.start()
+    try:
+        async def claim(request: ClaimRequest) -> Any:
+            counting.statements.clear()
+            counting.transactions = 0
+            result = await backend.claim(request)
+            assert (len(counting.statements), counting.transactions) == (1, 0), (
+                result.status, counting.statements)
+            return result.status, result.reason
+
+        assert await claim(request_for("j", 1, "a", lease_ms=1500)) == (ClaimStatus.WON,
+                                                                        Reason.SCHEDULED)
+        assert await claim(request_for("j", 1, "b")) == (ClaimStatus.RUNNING, None)
+        assert await claim(request_for("j", 2, "s")) == (ClaimStatus.SKIPPED, None)
+        await wait_until_expired(backend, (await backend.check([("j", 1)])).runs[
+            ("j", 1)].expires_ms or 0)
+        assert await claim(request_for("j", 1, "c", max_attempts=3)) == (
+            ClaimStatus.WON, Reason.TAKEOVER)
+        assert await backend.hand_over([Lease("j", 1, "c", 60_000)]) == {"c"}
+        assert await claim(request_for("j", 1, "d", lease_ms=150, max_attempts=3)) == (
+            ClaimStatus.WON, Reason.HAND_OVER)
+        expires = (await backend.check([("j", 1)])).runs[("j", 1)].expires_ms or 0
+        await wait_until_expired(backend, expires)
+        assert await claim(request_for("j", 1, "e", max_attempts=3)) == (
+            ClaimStatus.ESCALATED, None)
+        assert await claim(request_for("j", 1, "f")) == (ClaimStatus.FINISHED, None)
+        history = [(a.attempt, a.reason, a.outcome) for a in await backend.history("j")
+                   if a.slot == 1]
+        assert history == [(3, Reason.HAND_OVER, Outcome.ESCALATED),
+                           (2, Reason.TAKEOVER, Outcome.HANDED_OVER),
+                           (1, Reason.SCHEDULED, Outcome.LOST)]
+    finally:
+        await backend.close()
+        await pool.close()
+
+
+@pytest.mark.asyncio_only
+async def test_claims_that_write_no_attempt_leave_the_job_row_alone(
+    pg16_server: PgServer, table: str
+) -> None:
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    # A new row version changes xmin and ctid; a row lock (SELECT ... FOR UPDATE) xmax.
+    job_row = f"SELECT xmin::text, ctid::text, xmax::text, last_slot, seq FROM {table}_jobs"
+    try:
+        assert (await backend.claim(request_for("j", 5, "a"))).status is ClaimStatus.WON
+        [won] = admin(pg16_server, job_row)
+        assert won[3:] == (5, 1)
+        assert (await backend.claim(request_for("j", 5, "b"))).status is ClaimStatus.RUNNING
+        assert (await backend.claim(request_for("j", 4, "c", overlap_skip=False))).status \
+            is ClaimStatus.WON  # an older slot: last_slot stays, seq grows
+        [older] = admin(pg16_server, job_row)
+        assert older[3:] == (5, 2) and older[0] != won[0]
+        assert (await backend.claim(request_for("j", 4, "d"))).status is ClaimStatus.RUNNING
+        assert await backend.finish(Lease("j", 4, "c", 60_000), Outcome.COMPLETED)
+        assert (await backend.claim(request_for("j", 4, "e"))).status is ClaimStatus.FINISHED
+        assert admin(pg16_server, job_row) == [older]  # not even locked
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize(("anyio_backend", "scheme"), LOOP_SCHEMES[:2])
+async def test_racing_claimers_elect_one_winner_per_run_and_takeover(
+    pg16_server: PgServer, table: str, scheme: str, anyio_backend: str
+) -> None:
+    dsn = pg16_server.dsn.replace("postgresql://", scheme, 1)
+    backends = [PostgresBackend(dsn, table=table, min_size=1, max_size=1) for _ in range(6)]
+    for backend in backends:
+        await backend.start()
+    try:
+        results: list[Any] = []
+        for slot in (1, 2, 3):
+            results.clear()
+
+            async def claim(i: int, slot: int = slot) -> None:
+                results.append(await backends[i].claim(
+                    request_for("race", slot, f"s{slot}-{i}", lease_ms=3000, overlap_skip=False)))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(backends)):
+                    tg.start_soon(claim, i)
+            statuses = sorted(r.status.value for r in results)
+            assert statuses == ["running"] * 5 + ["won"], statuses
+        expires = max((await backends[0].check([("race", 3)])).runs[("race", 3)].expires_ms or 0,
+                      0)
+        await wait_until_expired(backends[0], expires)
+        results.clear()
+
+        async def take(i: int) -> None:
+            results.append(await backends[i].claim(request_for("race", 3, f"t{i}")))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(backends)):
+                tg.start_soon(take, i)
+        won = [r for r in results if r.status is ClaimStatus.WON]
+        assert len(won) == 1 and (won[0].reason, won[0].attempt) == (Reason.TAKEOVER, 2)
+        assert {r.status for r in results} == {ClaimStatus.WON, ClaimStatus.RUNNING}
+        assert admin(pg16_server, f"SELECT seq FROM {table}_jobs") == [(4,)]
+        assert len(await backends[0].history("race")) == 4
+    finally:
+        for backend in backends:
+            await backend.close()
+
+
+@pytest.mark.asyncio_only
+async def test_missing_claim_function_is_created_or_migrate_is_asked(
+    pg16_server: PgServer, table: str
+) -> None:
+    role = f"app_{uuid.uuid4().hex[:8]}"
+    password = uuid.uuid4().hex
+    admin(pg16_server, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+    role_dsn = pg16_server.server.dsn_for(role, password)
+    try:
+        await migrate(pg16_server.dsn, table=table)
+        tables = ", ".join(f"{table}{s}" for s in ("", "_attempts", "_jobs", "_meta"))
+        admin(pg16_server, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {role}")
+        # A store made before the claim function existed: the four tables only.
+        admin(pg16_server, f"DROP FUNCTION {table}_claim")
+        with pytest.raises(ConfigurationError, match="anarchon migrate") as info:
+            await PostgresBackend(role_dsn, table=table).start()
+        assert f"{table}_claim" in str(info.value)
+        privileged = PostgresBackend(pg16_server.dsn, table=table)
+        await privileged.start()  # creates the missing function
+        await privileged.close()
+        backend = PostgresBackend(role_dsn, table=table)
+        await backend.start()
+        assert (await backend.claim(request_for("j", 1, "t"))).status is ClaimStatus.WON
+        await backend.close()
+    finally:
+        admin(pg16_server, f"DROP FUNCTION IF EXISTS {table}_claim")
+        await drop_tables(pg16_server.admin_dsn, table)
+        admin(pg16_server, f"DROP ROLE {role}")
