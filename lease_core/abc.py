@@ -24,10 +24,11 @@ jobs never wait for each other):
 3. If the run is finished, return ``FINISHED`` with its status.
 4. If it is ``running`` with ``expires > now``, return ``RUNNING`` (stand by as backup).
 5. If it is ``handed_over``: the next attempt takes it with reason ``hand-over``
-   (hand-overs never count against ``max_attempts``); return ``WON``.
+   (a hand-over never escalates, whatever the attempt number); return ``WON``.
 6. If it is ``running`` with ``expires <= now``: when ``max_attempts`` is set and the run's
    attempt is already ``>= max_attempts``, the run becomes ``escalated``, its last attempt's
-   outcome becomes ``escalated`` (if it had none) and ``ESCALATED`` is returned.
+   outcome becomes ``escalated`` (if it had none) and ``ESCALATED`` is returned. The
+   attempt number counts hand-overs too.
    Otherwise the last attempt's outcome becomes ``lost`` (if it had none), and the next
    attempt takes the run with reason ``takeover``; return ``WON``.
 7. After a claim that wrote an attempt, trim the job's history (bounded work per call):

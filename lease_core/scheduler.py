@@ -104,6 +104,18 @@ def _log_failure(what: str, exc: Exception) -> None:
         logger.error("%s failed unexpectedly", what, exc_info=exc)
 
 
+def _classify(exc: BaseException) -> type[Exception] | None:
+    """StopRequested or LeaseLost when ``exc`` is one, or a group of only those."""
+    for kind in (StopRequested, LeaseLost):
+        if isinstance(exc, kind):
+            return kind
+        if isinstance(exc, BaseExceptionGroup):
+            match, rest = exc.split(kind)
+            if match is not None and rest is None:
+                return kind
+    return None
+
+
 def _is_async(handler: Handler) -> bool:
     if inspect.iscoroutinefunction(handler):
         return True
@@ -175,6 +187,7 @@ class Scheduler:
         self._clock_samples = _ClockSamples()
         self._offset_ms = 0.0
         self._tg: TaskGroup | None = None
+        self._claims_in_flight = 0
         # Made in start(): anyio objects need a running event loop.
         self._loop_scopes: list[anyio.CancelScope] = []
         self._ticker_scope: anyio.CancelScope
@@ -186,7 +199,7 @@ class Scheduler:
     # ----------------------------------------------------------------- declaring jobs
 
     def _check_lease(self, seconds: float, what: str, given: object) -> None:
-        if seconds < 3 * self.heartbeat:
+        if to_ms(seconds) < 3 * to_ms(self.heartbeat):
             raise ConfigurationError(
                 f"{what}={given!r} is shorter than 3 heartbeats ({self.heartbeat:g}s each); "
                 f"use a {what} of at least {3 * self.heartbeat:g}s or a shorter heartbeat"
@@ -369,6 +382,8 @@ class Scheduler:
         self._loop_scopes = []
         self._ticker_scope = anyio.CancelScope()
         self._idle = anyio.Event()
+        self._claims_in_flight = 0
+        self._claims_idle = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         for name, job in self._jobs.items():
@@ -406,6 +421,11 @@ class Scheduler:
                 while self._held:
                     self._idle = anyio.Event()
                     await self._idle.wait()
+            with anyio.move_on_after(max(j.lease_ms for j in self._jobs.values()) / 2000
+                                     if self._jobs else 0):
+                while self._claims_in_flight:
+                    self._claims_idle = anyio.Event()
+                    await self._claims_idle.wait()
             leases = list(self._to_hand_over.values()) + [h.lease for h in self._held.values()]
             if leases:
                 with anyio.move_on_after(10, shield=True):
@@ -425,18 +445,21 @@ class Scheduler:
     ) -> None:
         tg, self._tg = self._tg, None
         self._ticker_scope.cancel()
-        if tg is not None:
-            tg.cancel_scope.cancel()
-            try:
-                await tg.__aexit__(*exc_info)
-            except anyio.get_cancelled_exc_class():
-                if exc_info[0] is None:
-                    raise
-        self._held.clear()
-        self._watch.clear()
-        self._started = False
-        with anyio.move_on_after(10, shield=True):
-            await self.backend.close()
+        try:
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                try:
+                    await tg.__aexit__(*exc_info)
+                except anyio.get_cancelled_exc_class():
+                    if exc_info[0] is None:
+                        raise
+        finally:
+            self._held.clear()
+            self._watch.clear()
+            self._to_hand_over.clear()
+            self._started = False
+            with anyio.move_on_after(10, shield=True):
+                await self.backend.close()
 
     async def __aenter__(self) -> Scheduler:
         await self.start()
@@ -538,15 +561,24 @@ class Scheduler:
             job.overlap == "skip", job.max_attempts, self.history_size, self.history_ttl_ms,
         )
         sent = self._clock()
+        sent_loop = anyio.current_time()
         result: ClaimResult | None = None
         # Shielded: a claim cancelled mid-flight could win in the store without the
-        # instance knowing, leaving the run unattended until its lease expires.
-        with anyio.move_on_after(job.lease_ms / 2000, shield=True):
-            try:
-                result = await self.backend.claim(request)
-            except Exception as exc:
-                _log_failure(f"claim of {job.name} slot {slot} (will retry)", exc)
+        # instance knowing, leaving the run unattended until its lease expires. stop()
+        # waits for claims in flight before it hands over.
+        self._claims_in_flight += 1
+        try:
+            with anyio.move_on_after(job.lease_ms / 2000, shield=True):
+                try:
+                    result = await self.backend.claim(request)
+                except Exception as exc:
+                    _log_failure(f"claim of {job.name} slot {slot} (will retry)", exc)
+        finally:
+            self._claims_in_flight -= 1
+            if not self._claims_in_flight:
+                self._claims_idle.set()
         if result is None:
+            # Unknown outcome (error or too slow): retry, or take it over if it was won.
             self._watch[(job.name, slot)] = _Watched(job, retry_reason=reason)
             return None
         self._note_clock(result.now_ms, sent, self._clock())
@@ -556,7 +588,7 @@ class Scheduler:
             self._to_hand_over[token] = lease
         elif result.status is ClaimStatus.WON:
             self._watch.pop(key, None)
-            self._launch(job, lease, result)
+            self._launch(job, lease, result, sent_loop)
         elif result.status is ClaimStatus.RUNNING:
             self._watch[key] = _Watched(job)
         else:
@@ -571,7 +603,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- running handlers
 
-    def _launch(self, job: Job, lease: Lease, result: ClaimResult) -> None:
+    def _launch(self, job: Job, lease: Lease, result: ClaimResult, sent_loop: float) -> None:
         assert self._tg is not None
         reason = result.reason or Reason.SCHEDULED
         ctx = RunContext(
@@ -579,16 +611,18 @@ class Scheduler:
             instance_id=self.instance_id, logger=logger,
         )
         scope = anyio.CancelScope()
-        self._arm_deadline(scope, job)
+        # The store's lease started no earlier than the claim was sent.
+        scope.deadline = self._deadline(sent_loop, job)
         held = self._held[lease.token] = _Held(job, lease, ctx, scope)
         logger.info("%s slot %d: %s won attempt %d (%s)", job.name, lease.slot,
                     self.instance_id, result.attempt, reason)
         self._tg.start_soon(self._execute, held)
 
-    def _arm_deadline(self, scope: anyio.CancelScope, job: Job) -> None:
+    def _deadline(self, sent_loop: float, job: Job) -> float:
         # Stop the handler locally before the store could consider the lease expired,
-        # even if heartbeats cannot reach the store.
-        scope.deadline = anyio.current_time() + job.lease_ms / 1000 - self.heartbeat / 2
+        # even if heartbeats cannot reach the store: counted from when the claim or the
+        # renewal was sent, which is no later than when the store started the lease.
+        return sent_loop + job.lease_ms / 1000 - self.heartbeat / 2
 
     async def _execute(self, held: _Held) -> None:
         job, ctx = held.job, held.ctx
@@ -611,15 +645,19 @@ class Scheduler:
                         ctx._request_stop("timed out")
                     else:
                         outcome = Outcome.COMPLETED
-                except StopRequested:
-                    hand_over = self._stopping and not held.lost
-                except LeaseLost as exc:
-                    held.lost = True
-                    logger.warning("%s slot %d: lease lost: %s", job.name, held.lease.slot, exc)
                 except Exception as exc:
-                    outcome = Outcome.FAILED
-                    error = "".join(traceback.format_exception_only(exc)).strip()
-                    logger.warning("%s slot %d failed: %s", job.name, held.lease.slot, error)
+                    kind = _classify(exc)
+                    if kind is StopRequested and (self._stopping or held.lost):
+                        hand_over = self._stopping and not held.lost
+                    elif kind is LeaseLost or (kind is StopRequested and held.lost):
+                        held.lost = True
+                        logger.warning("%s slot %d: lease lost: %s", job.name,
+                                       held.lease.slot, exc)
+                    else:
+                        outcome = Outcome.FAILED
+                        error = "".join(traceback.format_exception_only(exc)).strip()
+                        logger.warning("%s slot %d failed: %s", job.name, held.lease.slot,
+                                       error)
             if held.scope.cancelled_caught:
                 if held.cancel_reason == "stopped":
                     hand_over = not held.lost
@@ -643,7 +681,7 @@ class Scheduler:
         if outcome is Outcome.COMPLETED and ctx.completed_by_transaction:
             return
         if outcome is not None:
-            with anyio.move_on_after(10, shield=True):
+            with anyio.move_on_after(10, shield=True) as finish_scope:
                 try:
                     if not await self.backend.finish(held.lease, outcome, error):
                         logger.warning("%s slot %d: lease lost before finishing (%s)",
@@ -651,6 +689,9 @@ class Scheduler:
                 except Exception as exc:
                     _log_failure(f"finish of {job.name} slot {held.lease.slot}", exc)
                     self._watch[(job.name, held.lease.slot)] = _Watched(job)
+            if finish_scope.cancelled_caught:
+                # Unknown whether it finished: watch it, so it is taken over if not.
+                self._watch[(job.name, held.lease.slot)] = _Watched(job)
 
     def _lose(self, held: _Held, why: str) -> None:
         held.lost = True
@@ -667,13 +708,18 @@ class Scheduler:
                 await anyio.sleep(self.heartbeat)
                 # A hung store must not stall later ticks; the handlers' own deadlines
                 # cancel them before their leases could expire.
-                with anyio.move_on_after(self.lease / 2) as scope:
+                with anyio.move_on_after(self._tick_limit()) as scope:
                     try:
                         await self._tick()
                     except Exception as exc:
                         _log_failure("heartbeat and backup check", exc)
                 if scope.cancelled_caught:
-                    logger.warning("tick took longer than %gs; the store is slow", self.lease / 2)
+                    logger.warning("tick took longer than %gs; the store is slow",
+                                   self._tick_limit())
+
+    def _tick_limit(self) -> float:
+        shortest = min((j.lease_ms for j in self._jobs.values()), default=to_ms(self.lease))
+        return max(self.heartbeat, shortest / 1000 - self.heartbeat)
 
     async def _tick(self) -> None:
         await self._renew()
@@ -691,9 +737,7 @@ class Scheduler:
         self._note_clock(result.now_ms, sent, self._clock())
         for held in helds:
             if held.lease.token in result.held:
-                held.scope.deadline = (
-                    sent_loop + held.job.lease_ms / 1000 - self.heartbeat / 2
-                )
+                held.scope.deadline = self._deadline(sent_loop, held.job)
             elif held.lease.token in self._held:
                 self._lose(held, "lease lost")
 
@@ -705,13 +749,16 @@ class Scheduler:
         for (name, slot), _ in retries:
             newest[name] = max(slot, newest.get(name, slot))
         for key, retry in retries:
-            if key[1] < newest[key[0]] and retry.job.catch_up != "all":
+            older = key[1] < newest[key[0]]
+            if (older and retry.retry_reason is not Reason.TAKEOVER
+                    and (retry.job.catch_up != "all" or retry.job.overlap == "skip")):
                 # The store was unreachable for several slots: as with catch-up, only
-                # the newest missed slot runs unless the job asked for all of them.
-                self._watch.pop(key, None)
+                # the newest missed slot is claimed (all of them only for a job with
+                # catch_up="all" whose runs may overlap). The older run is still watched,
+                # in case an unanswered claim won it.
+                self._watch[key] = _Watched(retry.job)
                 logger.warning("%s slot %d not claimed while the store was unreachable; "
-                               "skipping it for a newer slot (catch_up=%r)",
-                               key[0], key[1], retry.job.catch_up)
+                               "claiming the newer slot instead", key[0], key[1])
                 continue
             assert retry.retry_reason is not None
             self._watch.pop(key, None)

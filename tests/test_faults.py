@@ -136,3 +136,134 @@ async def test_scheduler_survives_unexpected_errors_without_cancelling_its_host(
         await wait_for(lambda: done, timeout=5, what="a run after the errors")
         await i.stop()
     assert done
+
+
+class SlowAnswer(MemoryBackend):
+    """Claims win at once in the store, but their answer arrives ``delay`` later."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.claimed = anyio.Event()
+        self.partitioned = False
+
+    async def claim(self, request: ClaimRequest) -> ClaimResult:
+        result = await super().claim(request)
+        self.claimed.set()
+        await anyio.sleep(self.delay)
+        return result
+
+    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
+        if self.partitioned:
+            raise BackendUnavailable("partitioned (test)")
+        return await super().heartbeat(leases)
+
+
+async def test_local_deadline_counts_from_when_the_claim_was_sent() -> None:
+    """A slow claim answer, then a partition: the handler stops before the store's expiry."""
+    backend = SlowAnswer(delay=0.6)
+    backend.partitioned = True
+    s = Scheduler(backend, instance_id="a", lease="1.5s", heartbeat="0.5s")
+    stopped_at: list[int] = []
+
+    @s.every("j", "1h")
+    async def j(ctx: RunContext) -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            stopped_at.append(backend._now())
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await s._claim(s.jobs["j"], slot, Reason.SCHEDULED)
+        await wait_for(lambda: stopped_at, timeout=5, what="local deadline")
+        await i.stop()
+    claimed = (await backend.history("j"))[-1].claimed_at.timestamp() * 1000
+    assert stopped_at[0] < claimed + 1500, (stopped_at[0] - claimed)
+
+
+async def test_stop_with_a_claim_in_flight_hands_the_run_over() -> None:
+    backend = SlowAnswer(delay=0.5)
+    s = Scheduler(backend, instance_id="a", lease="3s", heartbeat="0.2s")
+
+    @s.every("j", "1s", catch_up="none")
+    async def j(ctx: RunContext) -> None:
+        await anyio.sleep(10)
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        await backend.claimed.wait()
+        await i.stop(grace=0)
+    states = await backend.check(list(backend._runs))
+    assert states.runs and all(r.status == "handed_over" for r in states.runs.values())
+    assert s._to_hand_over == {}
+
+
+async def test_stop_requested_inside_a_task_group_is_a_hand_over() -> None:
+    backend = MemoryBackend()
+    s = Scheduler(backend, instance_id="a", lease="3s", heartbeat="0.2s")
+    started = anyio.Event()
+
+    @s.every("j", "1s", catch_up="none")
+    async def j(ctx: RunContext) -> None:
+        started.set()
+
+        async def worker() -> None:
+            while True:
+                ctx.raise_if_stopping()
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker)
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        await started.wait()
+        await i.stop(grace=2)
+    assert [(a.attempt, a.outcome) for a in await backend.history("j")] == [
+        (1, Outcome.HANDED_OVER)
+    ]
+
+
+async def test_a_cancelled_stop_still_cleans_up() -> None:
+    backend = MemoryBackend()
+    s = Scheduler(backend, instance_id="a", lease="3s", heartbeat="0.5s")
+    started = anyio.Event()
+
+    @s.every("j", "1s", catch_up="none")
+    async def j(ctx: RunContext) -> None:
+        started.set()
+        await anyio.sleep(100)
+
+    with anyio.move_on_after(2):  # an overall shutdown deadline
+        await s.start()
+        await started.wait()
+        await s.stop(grace="5s")
+    assert not s._started and backend._users == 0 and not s.running
+    await s.start()  # and it can start again
+    await s.stop(grace=0)
+
+
+async def test_a_takeover_that_failed_during_an_outage_is_not_forgotten() -> None:
+    backend = FlakyBackend()
+    now = await backend.now_ms()
+    first = now - now % 1000
+    # A dead instance holds slot `first`; its lease expires in half a second.
+    await backend.claim(ClaimRequest("j", first, "dead", "tok-dead", 500))
+    s = Scheduler(backend, instance_id="b", lease="0.7s", heartbeat="0.2s")
+    s.every("j", "1s", lambda ctx: None, catch_up="none", overlap="allow")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        backend.down = BackendUnavailable
+        await wait_for(lambda: len(set(backend.failed_claims)) >= 2, timeout=10,
+                       what="a failed takeover and a failed new slot")
+        backend.down = None
+
+        async def first_finished() -> bool:
+            state = (await backend.check([("j", first)])).runs.get(("j", first))
+            return state is not None and state.status.finished
+
+        await wait_for(first_finished, timeout=10, what="the dead holder's run to end")
+        await i.stop()
