@@ -337,13 +337,20 @@ HEARTBEAT = """
 WITH u AS (
     SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bigint[])
         AS u(job, slot, token, lease_ms)),
+live AS (
+    SELECT r.job, r.slot, r.token, u.lease_ms
+    FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
+    WHERE r.status = 'running' AND r.expires_ms > {now}),
+lockable AS (
+    SELECT r.job, r.slot
+    FROM {runs} r JOIN live l ON r.job = l.job AND r.slot = l.slot AND r.token = l.token
+    FOR NO KEY UPDATE OF r SKIP LOCKED),
 renewed AS (
-    UPDATE {runs} r SET expires_ms = {now} + u.lease_ms
-    FROM u
-    WHERE r.job = u.job AND r.slot = u.slot AND r.token = u.token AND r.status = 'running'
-      AND r.expires_ms > {now}
+    UPDATE {runs} r SET expires_ms = {now} + l.lease_ms
+    FROM live l JOIN lockable k ON k.job = l.job AND k.slot = l.slot
+    WHERE r.job = l.job AND r.slot = l.slot AND r.token = l.token AND r.status = 'running'
     RETURNING r.token)
-SELECT {now}, ARRAY(SELECT token FROM renewed)"""
+SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)"""
 FINISH = """
 WITH run AS (
     UPDATE {runs} SET status = %s::text, token = NULL, expires_ms = NULL
@@ -671,15 +678,21 @@ class PostgresBackend(Backend):
         )
 
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
-        """Renew every lease in one ``UPDATE … FROM unnest(…)`` statement."""
+        """Renew every lease in one ``UPDATE … FROM unnest(…)`` statement.
+
+        A run locked by a fenced transaction is skipped (``SKIP LOCKED``), not waited for:
+        it stays held, since the lock itself keeps every backup out, and the other leases
+        are renewed at once.
+        """
         if not leases:
             return HeartbeatResult(await self.now_ms())
         rows = await self._adapter.all(self._sql.heartbeat, (
             [lease.job for lease in leases], [lease.slot for lease in leases],
             [lease.token for lease in leases], [lease.lease_ms for lease in leases],
         ))
-        now, held = rows[0]
-        return HeartbeatResult(int(now), frozenset(str(t) for t in held or ()))
+        now, held, renewed = rows[0]
+        return HeartbeatResult(int(now), frozenset(str(t) for t in held or ()),
+                               frozenset(str(t) for t in renewed or ()))
 
     async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
         """End the attempt in one fenced ``UPDATE`` (the attempt row in the same statement)."""

@@ -160,10 +160,15 @@ class CheckResult:
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatResult:
-    """The answer to a batched heartbeat: the tokens whose leases were renewed."""
+    """The answer to a batched heartbeat: the tokens still held, and those renewed."""
 
     now_ms: int
     held: frozenset[str] = frozenset()
+    """Tokens that still hold a live lease; any other token lost its run."""
+    renewed: frozenset[str] | None = None
+    """Tokens whose lease was renewed now; ``None`` means all of :attr:`held`. A backend
+    may skip renewing a run that a transaction has locked (a fenced transaction), which
+    stays held."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,7 +144,7 @@ class Backend(ABC):
 
     @abstractmethod
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
-        """Renew every lease in one round trip; return the tokens still held.
+        """Renew every lease in one round trip; return the tokens still held (and renewed).
 
         Each renewal sets ``expires = now + lease_ms`` (an absolute expiry on the store's
         clock, never an addition to the remaining time), and only where the token still

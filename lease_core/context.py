@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -120,6 +120,7 @@ class RunContext:
         self._backend = backend
         self._lease = lease
         self._stop_reason: str | None = None
+        self._transaction_hook: Callable[[bool], None] | None = None
         self.completed_by_transaction = False
 
     def _request_stop(self, reason: str) -> None:
@@ -148,9 +149,17 @@ class RunContext:
 
         The run row is locked first where this attempt's token is still current
         (:class:`~lease_core.LeaseLost` otherwise). The effects written through the
-        yielded object and the run's completion commit together, or not at all. Only SQL
+        yielded object and the run's completion commit together, or not at all. While it
+        is open, the lock keeps every backup out, so the lease needs no renewal and the
+        local lease deadline is suspended (the job's ``timeout`` still applies). Only SQL
         backends support it.
         """
-        async with self._backend.transaction(self._lease) as tx:
-            yield tx
-        self.completed_by_transaction = True
+        if self._transaction_hook is not None:
+            self._transaction_hook(True)
+        try:
+            async with self._backend.transaction(self._lease) as tx:
+                yield tx
+            self.completed_by_transaction = True
+        finally:
+            if self._transaction_hook is not None:
+                self._transaction_hook(False)

@@ -79,6 +79,20 @@ class _Held:
     scope: anyio.CancelScope
     cancel_reason: str | None = None
     lost: bool = False
+    deadline: float = math.inf
+    """The local lease deadline; the scope's, except while a fenced transaction is open."""
+    in_transaction: bool = False
+
+    def set_deadline(self, deadline: float) -> None:
+        self.deadline = deadline
+        if not self.in_transaction:
+            self.scope.deadline = deadline
+
+    def transaction_hook(self, active: bool) -> None:
+        # An open fenced transaction locks the run: no backup can take it over, so the
+        # local deadline waits until the transaction ends.
+        self.in_transaction = active
+        self.scope.deadline = math.inf if active else self.deadline
 
 
 @dataclass
@@ -611,9 +625,10 @@ class Scheduler:
             instance_id=self.instance_id, logger=logger,
         )
         scope = anyio.CancelScope()
-        # The store's lease started no earlier than the claim was sent.
-        scope.deadline = self._deadline(sent_loop, job)
         held = self._held[lease.token] = _Held(job, lease, ctx, scope)
+        # The store's lease started no earlier than the claim was sent.
+        held.set_deadline(self._deadline(sent_loop, job))
+        ctx._transaction_hook = held.transaction_hook
         logger.info("%s slot %d: %s won attempt %d (%s)", job.name, lease.slot,
                     self.instance_id, result.attempt, reason)
         self._tg.start_soon(self._execute, held)
@@ -728,17 +743,22 @@ class Scheduler:
             await self._sample_clock()
 
     async def _renew(self) -> None:
-        helds = [h for h in self._held.values() if not h.lost]
+        # A run inside its fenced transaction is locked by it: no backup can take it over,
+        # whatever its expiry, so it needs no renewal and is never reported lost here.
+        helds = [h for h in self._held.values() if not h.lost and not h.in_transaction]
         if not helds:
             return
         sent = self._clock()
         sent_loop = anyio.current_time()
         result = await self.backend.heartbeat([h.lease for h in helds])
         self._note_clock(result.now_ms, sent, self._clock())
+        renewed = result.held if result.renewed is None else result.renewed
         for held in helds:
-            if held.lease.token in result.held:
-                held.scope.deadline = self._deadline(sent_loop, held.job)
-            elif held.lease.token in self._held:
+            if held.lease.token in renewed:
+                held.set_deadline(self._deadline(sent_loop, held.job))
+            elif held.lease.token in result.held:
+                pass  # held but locked by its fenced transaction; renewed next time
+            elif held.lease.token in self._held and not held.in_transaction:
                 self._lose(held, "lease lost")
 
     async def _check_watched(self) -> None:

@@ -1,0 +1,75 @@
+"""Fenced transactions through the scheduler, on PostgreSQL.
+
+A transaction longer than the lease must neither lose its own run nor stall the
+instance's other leases: it holds the run's row lock, which keeps backups out, and the
+batched heartbeat skips that row instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from lease_core import Outcome, PostgresBackend, Reason, RunContext, Scheduler
+from tests.helpers import Instance, wait_history
+from tests.stores.postgres import PgServer, drop_tables, unique_table
+
+pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only]
+
+
+@pytest.fixture
+async def table(pg16_server: PgServer) -> AsyncIterator[str]:
+    name = unique_table()
+    yield name
+    await drop_tables(pg16_server.admin_dsn, name)
+
+
+async def test_a_long_fenced_transaction_keeps_every_lease(
+    pg16_server: PgServer, table: str
+) -> None:
+    a = Scheduler(PostgresBackend(pg16_server.dsn, table=table), instance_id="a",
+                  lease="1.5s", heartbeat="0.25s")
+    b = Scheduler(PostgresBackend(pg16_server.dsn, table=table), instance_id="b",
+                  lease="1.5s", heartbeat="0.25s")
+    ends: dict[str, float] = {}
+    release_other = anyio.Event()
+
+    for s in (a, b):
+        @s.every("tx", "1h")
+        async def tx(ctx: RunContext) -> None:
+            async with ctx.transaction() as t:
+                await t.execute("SELECT pg_sleep(3)")  # twice the lease
+            ends["tx"] = time.monotonic()
+
+        @s.every("other", "1h")
+        async def other(ctx: RunContext) -> None:
+            await release_other.wait()
+            ends["other"] = time.monotonic()
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        for job in ("tx", "other"):
+            slot = a.jobs[job].schedule.previous_at_or_before(a.store_now_ms())
+            assert slot is not None
+            await a._claim(a.jobs[job], slot, Reason.SCHEDULED)
+        ib = await Instance(b).start(tg)  # a backup, ready to take over anything lost
+        for job in ("tx", "other"):
+            slot = b.jobs[job].schedule.previous_at_or_before(b.store_now_ms())
+            assert slot is not None
+            await b._claim(b.jobs[job], slot, Reason.SCHEDULED)
+        history = await wait_history(
+            a, lambda h: any(x.job == "tx" and x.outcome for x in h), timeout=15
+        )
+        release_other.set()
+        history = await wait_history(
+            a, lambda h: all(x.outcome for x in h) and len(h) >= 2, timeout=10
+        )
+        await ia.stop()
+        await ib.stop()
+    assert sorted((h.job, h.attempt, h.instance_id, h.outcome) for h in history) == [
+        ("other", 1, "a", Outcome.COMPLETED),
+        ("tx", 1, "a", Outcome.COMPLETED),
+    ]
