@@ -398,6 +398,7 @@ class Scheduler:
         self._idle = anyio.Event()
         self._claims_in_flight = 0
         self._claims_idle = anyio.Event()
+        self._caught_up: dict[str, int] = {}
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         for name, job in self._jobs.items():
@@ -530,6 +531,7 @@ class Scheduler:
                     # The loop fell behind (a suspended process): apply the catch-up policy.
                     await self._catch_up(job, slot - 1, due, final_reason=Reason.SCHEDULED)
                 else:
+                    self._caught_up.pop(job.name, None)
                     await self._claim(job, slot, Reason.SCHEDULED)
                 last = max(due, slot)
 
@@ -542,16 +544,24 @@ class Scheduler:
         after = max(after, until - CATCH_UP_WINDOW_MS)
         missed = job.schedule.slots_between(after, until, limit)
         on_time = until - self.heartbeat * 1000
+        previous = self._caught_up.pop(job.name, None)
+        if previous is not None and missed and job.overlap == "skip":
+            # The run an earlier catch-up claimed last may still be going.
+            await self._wait_run_ended(job.name, previous)
         for i, slot in enumerate(missed):
             last = i == len(missed) - 1
             # A slot that is due right now is simply scheduled, even at start-up.
             reason = final_reason if last else Reason.CATCH_UP
             result = await self._claim(job, slot, Reason.SCHEDULED if slot >= on_time else reason)
-            if (not last and job.overlap == "skip" and result is not None
-                    and result.status in (ClaimStatus.WON, ClaimStatus.RUNNING)):
-                # Missed slots of a job that must not overlap run one after another;
-                # claiming the next one now would only record it as skipped.
-                await self._wait_run_ended(job.name, slot)
+            active = result is not None and result.status in (ClaimStatus.WON,
+                                                               ClaimStatus.RUNNING)
+            if active and job.overlap == "skip":
+                if last:
+                    self._caught_up[job.name] = slot
+                else:
+                    # Missed slots of a job that must not overlap run one after another;
+                    # claiming the next one now would only record it as skipped.
+                    await self._wait_run_ended(job.name, slot)
 
     async def _wait_run_ended(self, job: str, slot: int) -> None:
         key = (job, slot)
