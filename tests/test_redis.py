@@ -495,8 +495,12 @@ async def _story(backend: Backend, expire: Any) -> list[tuple[Any, ...]]:
     out.append(("finish", await backend.finish(Lease("job", 30, "g", 200), Outcome.TIMED_OUT)))
     info = (await backend.register_jobs(["job"]))["job"]
     out.append(("job", info.last_slot, info.open_slots, info.new))
-    for a in await backend.history("job"):
-        out.append(("attempt", a.slot, a.attempt, a.reason, a.outcome, a.error))
+    # Attempts claimed in the same millisecond have no defined order: compare them sorted.
+    out.extend(sorted(
+        (("attempt", a.slot, a.attempt, a.reason, a.outcome, a.error)
+         for a in await backend.history("job")),
+        key=lambda t: (t[1], t[2]),
+    ))
     return out
 
 
