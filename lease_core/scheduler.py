@@ -519,6 +519,11 @@ class Scheduler:
         with scope:
             now = self.store_now_ms()
             if not info.new and job.catch_up != "none":
+                if job.overlap == "skip":
+                    # Runs left open by stopped or dead instances are taken over first
+                    # (by the ticker); caught-up slots would only be skipped meanwhile.
+                    for slot in info.open_slots:
+                        await self._wait_run_ended(job.name, slot)
                 watermark = max(info.first_seen_ms, info.last_slot or info.first_seen_ms)
                 await self._catch_up(job, watermark, now, final_reason=Reason.CATCH_UP)
             last = now
