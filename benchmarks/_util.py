@@ -15,8 +15,8 @@ from typing import Any
 
 import psycopg
 
-from backends._embedded_postgres import EmbeddedPostgres
-from backends._embedded_redis import EmbeddedRedis, find_server
+from backends.embedded.postgres import EmbeddedPostgres
+from backends.embedded.redis import EmbeddedRedis, find_server
 
 __all__ = [
     "PG15_BINDIR",

@@ -10,7 +10,7 @@ import anyio
 import psycopg
 import pytest
 
-from backends._embedded_redis import EmbeddedRedis
+from backends.embedded.redis import EmbeddedRedis
 from lease_core.cli import main
 from lease_core.demo import run_demo
 from tests.stores.postgres import PgServer, drop_tables, unique_table

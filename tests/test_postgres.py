@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from backends._embedded_postgres import EmbeddedPostgres, find_free_port
+from backends.embedded.postgres import EmbeddedPostgres, find_free_port
 from backends.postgres import FORMAT_VERSION, PostgresBackend, migrate
 from lease_core._structures import (
     ClaimRequest,

@@ -18,7 +18,7 @@ import redis
 import redis.asyncio
 from redis.crc import key_slot
 
-from backends._embedded_redis import EmbeddedRedis, _free_port, find_server
+from backends.embedded.redis import EmbeddedRedis, _free_port, find_server
 from backends.memory import MemoryBackend
 from backends.redis import STORE_FORMAT, RedisBackend
 from lease_core._structures import (

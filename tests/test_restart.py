@@ -12,7 +12,7 @@ import time
 import anyio
 import pytest
 
-from backends._embedded_postgres import EmbeddedPostgres
+from backends.embedded.postgres import EmbeddedPostgres
 from lease_core import Outcome, PostgresBackend, Reason, RunContext, Scheduler
 from tests.helpers import Instance, wait_for, wait_history
 

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from backends._embedded_postgres import EmbeddedPostgres, find_free_port, service_user
+from backends.embedded.postgres import EmbeddedPostgres, find_free_port, service_user
 from backends.postgres import PostgresBackend
 from lease_core.abc import Backend
 

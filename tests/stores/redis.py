@@ -20,7 +20,7 @@ import redis.asyncio
 import valkey
 import valkey.asyncio
 
-from backends._embedded_redis import EmbeddedRedis, find_server
+from backends.embedded.redis import EmbeddedRedis, find_server
 from backends.redis import RedisBackend
 from lease_core.abc import Backend
 from lease_core.errors import BackendUnavailable

@@ -11,7 +11,7 @@ when missing, which is what pgserver itself does).
 
 Example::
 
-    from backends._embedded_postgres import embedded_postgres
+    from backends.embedded.postgres import embedded_postgres
 
     with embedded_postgres() as dsn:
         backend = PostgresBackend(dsn)

@@ -1,4 +1,4 @@
-"""``anarchon demo``: a small fleet showing winner, backups, takeover and hand-over.
+"""The fleet demo: a small fleet showing winner, backups, takeover and hand-over.
 
 Three instances (A, B, C) share one store and run two jobs:
 
@@ -18,7 +18,6 @@ backend they are tasks in this process.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -30,11 +29,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from ._registry import backend_from_url
-from ._structures import Attempt
-from .abc import Backend
-from .context import RunContext
-from .scheduler import Scheduler
+from lease_core import Attempt, Backend, RunContext, Scheduler, backend_from_url
 
 __all__ = ["run_demo", "worker_main"]
 
@@ -372,12 +367,12 @@ def _trailing(runs: list[Attempt], handed: int) -> bool:
 @contextlib.contextmanager
 def _embedded(kind: str) -> Iterator[str]:
     if kind == "postgres":
-        from backends._embedded_postgres import embedded_postgres
+        from backends.embedded.postgres import embedded_postgres
 
         with embedded_postgres() as dsn:
             yield dsn
     else:
-        from backends._embedded_redis import embedded_redis
+        from backends.embedded.redis import embedded_redis
 
         with embedded_redis() as url:
             yield url
@@ -398,7 +393,7 @@ def run_demo(backend: str = "postgres", url: str | None = None, out: Any = None)
 
 
 def _safe(url: str) -> str:
-    from ._registry import _redact
+    from lease_core._registry import _redact
 
     return _redact(url)
 
@@ -428,11 +423,3 @@ async def _process_demo(url: str, out: Any) -> bool:
     finally:
         fleet.close()
         await backend.close()
-
-
-if __name__ == "__main__":  # pragma: no cover - worker processes
-    if len(sys.argv) == 4 and sys.argv[1] == "worker":
-        os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        worker_main(sys.argv[2], sys.argv[3])
-    else:
-        sys.exit("usage: python -m lease_core.demo worker URL NAME")
