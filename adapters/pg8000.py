@@ -20,7 +20,7 @@ import anyio.to_thread
 import pg8000.exceptions
 import pg8000.native
 
-from lease_core.errors import BackendUnavailable, ConfigurationError
+from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
 from .sql import Executor, Row, SqlAdapter, TransientError, numbered_placeholders, redact
 
@@ -41,7 +41,7 @@ def translate_error(exc: Exception, *, where: str = "", secret: str | None = Non
         if state in _CONFIG_STATES:
             return ConfigurationError(f"PostgreSQL refused the statement{at}: {text}")
         if state in ("28P01", "28000"):
-            return BackendUnavailable(
+            return AuthenticationFailed(
                 f"PostgreSQL{at} refused the login: {text} (check the user and password)"
             )
         if state[:2] in ("08", "53", "57", "58"):

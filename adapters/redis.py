@@ -34,7 +34,13 @@ from typing import Any
 
 import anyio.to_thread
 
-from lease_core.errors import AnarchonError, BackendUnavailable, ConfigurationError
+from lease_core._redact import redact
+from lease_core.errors import (
+    AnarchonError,
+    AuthenticationFailed,
+    BackendUnavailable,
+    ConfigurationError,
+)
 
 __all__ = ["DEFAULT_URL", "RedisAdapter", "redis_adapter"]
 
@@ -116,15 +122,13 @@ class RedisAdapter(ABC):
         """Map a driver exception to anarchon's own error; ``None`` when it is not one."""
         names = {cls.__name__ for cls in type(exc).__mro__}
         root = type(exc).__module__.split(".")[0]
-        text = str(exc)
-        if self._password:
-            text = text.replace(self._password, "***")
+        text = redact(str(exc), self._password)
         upper = text.upper()
         if "AuthenticationError" in names or upper.startswith(_AUTH_REPLIES) or (
             "invalid username-password" in text
         ):
-            return BackendUnavailable(
-                f"Redis at {self.where} refused the credentials ({text}); "
+            return AuthenticationFailed(
+                f"Redis at {self.where} refused the login ({text}); "
                 "check the username and password given in the URL or to the client"
             )
         if names & {"ConnectionError", "TimeoutError", "BusyLoadingError"} or isinstance(

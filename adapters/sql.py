@@ -29,6 +29,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
+from lease_core._redact import redact
 from lease_core.errors import BackendUnavailable, ConfigurationError
 
 __all__ = [
@@ -92,19 +93,6 @@ class SqlAdapter(ABC):
         """Run ``await fn(tx)`` inside one transaction and return its result."""
         async with self.transaction() as tx:
             return await fn(tx)
-
-
-_PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
-_PASSWORD_IN_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-
-
-def redact(text: str, *secrets: str | None) -> str:
-    """Return ``text`` with passwords (in URLs, ``password=`` pairs or ``secrets``) masked."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    text = _PASSWORD_IN_URL.sub(r"\1***\3", text)
-    return _PASSWORD_IN_KV.sub(r"\1***", text)
 
 
 _PLACEHOLDER = re.compile(r"%s|%%")

@@ -12,9 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import anyio.lowlevel
 
+from lease_core._registry import merge_options, split_url_options
 from lease_core._structures import (
     Attempt,
     CheckResult,
@@ -31,6 +33,7 @@ from lease_core._structures import (
     ms_to_datetime,
 )
 from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
+from lease_core.errors import ConfigurationError
 
 __all__ = ["MemoryBackend"]
 
@@ -67,6 +70,25 @@ class MemoryBackend(Backend):
         self._jobs: dict[str, _Job] = {}
         self._runs: dict[tuple[str, int], _Run] = {}
         self._attempts: dict[str, list[Attempt]] = {}
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> MemoryBackend:
+        """Make a new, empty store for ``memory://``.
+
+        ``namespace`` (keyword or ``?namespace=`` in the URL) is accepted so that code
+        written for any backend runs unchanged, and ignored: each object is its own store.
+        ``clock`` is passed on. Any other option raises
+        :class:`~lease_core.errors.ConfigurationError`.
+        """
+        left, from_url = split_url_options(url, ("namespace",))
+        rest = [key for key, _ in parse_qsl(urlsplit(left).query, keep_blank_values=True)]
+        if rest:
+            raise ConfigurationError(
+                f"memory:// does not accept the query parameter {', '.join(map(repr, rest))}; "
+                "it accepts: namespace"
+            )
+        merged = merge_options("MemoryBackend", options, from_url, ("namespace", "clock"))
+        return cls(clock=merged.get("clock"))
 
     async def start(self) -> None:
         """Count a user; there is nothing to open (safe from any event loop or thread)."""

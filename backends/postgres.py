@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from adapters.sql import Executor, Row, SqlAdapter, TransientError, adapter_for
+from lease_core._durations import parse_duration
+from lease_core._redact import redact
+from lease_core._registry import merge_options, split_url_options
 from lease_core._structures import (
     Attempt,
     CheckResult,
@@ -406,6 +409,30 @@ def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def _count(name: str, value: object) -> int:
+    try:
+        number = int(str(value)) if isinstance(value, str) else value
+    except ValueError:
+        number = None
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        raise ConfigurationError(f"{name}={value!r} must be a whole number, at least 1")
+    return number
+
+
+def _seconds(name: str, value: object) -> float:
+    return parse_duration(value, what=name)
+
+
+#: Options of the pool the backend opens from a DSN, and how their values are read.
+_POOL_OPTIONS: dict[str, Callable[[str, object], Any]] = {
+    "min_size": _count, "max_size": _count, "timeout": _seconds,
+}
+#: Query parameters the backend takes out of a URL (the others go to the driver).
+_URL_OPTIONS = ("table", "namespace", *_POOL_OPTIONS)
+#: Every keyword option the backend accepts.
+_OPTIONS = (*_URL_OPTIONS, "driver")
+
+
 def _split_table(table: object) -> tuple[str | None, str]:
     if not isinstance(table, str):
         raise ConfigurationError(f"table must be a string such as 'anarchon_runs', not {table!r}")
@@ -496,7 +523,10 @@ class PostgresBackend(Backend):
     a psycopg pool or connection, a pg8000 connection, or your own adapter. ``table`` names
     the runs table, optionally schema-qualified (``jobs.cron_runs``; the schema must exist);
     the others are ``<table>_attempts``, ``<table>_jobs`` and ``<table>_meta``.
-    ``options`` (``driver="pg8000"``, ``min_size``, ``max_size``) apply to a DSN.
+    ``namespace`` is another name for ``table`` (the keyword every backend accepts).
+    ``options`` (``driver="pg8000"``, ``min_size``, ``max_size``, ``timeout``) apply to a
+    DSN; a DSN may carry them, and the table, as query parameters (``?table=jobs``). An
+    unknown option raises :class:`~lease_core.errors.ConfigurationError`.
 
     .. note:: A pool or connection passed in is never closed; a pool opened from a DSN is
        closed when the last user calls :meth:`close`.
@@ -504,11 +534,24 @@ class PostgresBackend(Backend):
 
     schemes = ("postgresql", "postgres", "postgresql+psycopg", "postgresql+pg8000")
 
-    def __init__(self, connection: Any = None, *, table: str = "anarchon_runs",
-                 **options: Any) -> None:
+    def __init__(self, connection: Any = None, *, table: str | None = None,
+                 namespace: str | None = None, **options: Any) -> None:
         super().__init__()
-        self.table = table
-        self._schema, self._name = _split_table(table)
+        from_url: dict[str, str] = {}
+        if isinstance(connection, str):
+            connection, from_url = split_url_options(connection, _URL_OPTIONS)
+        keywords = {"table": table, "namespace": namespace, **options}
+        merged = merge_options("PostgresBackend", keywords, from_url, _OPTIONS)
+        names = [merged.pop(k) for k in ("table", "namespace") if merged.get(k) is not None]
+        if len(names) > 1 and names[0] != names[1]:
+            raise ConfigurationError(
+                f"PostgresBackend got table={names[0]!r} and namespace={names[1]!r}; "
+                "give one of them"
+            )
+        options = {k: _POOL_OPTIONS[k](k, v) if k in _POOL_OPTIONS else v
+                   for k, v in merged.items()}
+        self.table = names[0] if names else "anarchon_runs"
+        self._schema, self._name = _split_table(self.table)
         self._sql = _Statements(self._schema, self._name)
         self._connection = connection
         self._options = options
@@ -521,8 +564,18 @@ class PostgresBackend(Backend):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresBackend:
-        """Build a backend from a ``postgresql://`` (or ``postgresql+pg8000://``) URL."""
+        """Build a backend from a ``postgresql://`` URL or a libpq key/value DSN.
+
+        The table and the pool's options may be given in the URL's query (``?table=jobs``,
+        ``min_size``, ``max_size``, ``timeout``) as well as keywords; other query
+        parameters (``sslmode``, ``connect_timeout``, ...) go to the driver.
+        """
         return cls(url, **options)
+
+    def __repr__(self) -> str:
+        where = (redact(self._connection) if isinstance(self._connection, str)
+                 else type(self._given).__name__ if self._given else "PG* defaults")
+        return f"{type(self).__name__}(table={self.table!r}, {where!r})"
 
     @property
     def anyio_backends(self) -> tuple[str, ...]:

@@ -51,10 +51,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote, urlsplit
 
 from adapters.redis import Command, RedisAdapter, redis_adapter
 from lease_core._durations import Duration, parse_duration, to_ms
+from lease_core._redact import redact
+from lease_core._registry import merge_options, split_url_options
 from lease_core._structures import (
     Attempt,
     CheckResult,
@@ -122,6 +124,30 @@ def _time_ms(reply: Any) -> int:
     return int(_text(seconds)) * 1000 + int(_text(micros)) // 1000
 
 
+#: Options the backend takes, as keywords or from a URL's query.
+_OPTIONS = ("prefix", "namespace", "wait_replicas", "wait_timeout")
+#: Query parameters redis-py reads from a URL as strings (besides its typed ones).
+_DRIVER_PARAMS = ("username", "password", "client_name", "lib_name", "lib_version",
+                  "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data",
+                  "ssl_certfile", "ssl_keyfile", "ssl_password")
+
+
+def _check_driver_params(url: str) -> None:
+    """Refuse a query parameter that neither the backend nor redis-py knows."""
+    try:
+        from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+    except ImportError:  # the driver's absence is reported when connecting
+        return
+    query = urlsplit(url).query
+    known = (*_OPTIONS, *_DRIVER_PARAMS, *URL_QUERY_ARGUMENT_PARSERS)
+    unknown = [key for key, _ in parse_qsl(query, keep_blank_values=True) if key not in known]
+    if unknown:
+        raise ConfigurationError(
+            f"the Redis URL {redact(url)!r} has the unknown query parameter "
+            f"{', '.join(map(repr, unknown))}; it accepts: {', '.join(sorted(known))}"
+        )
+
+
 def _validate_prefix(prefix: object) -> str:
     if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
         raise ConfigurationError(
@@ -140,7 +166,8 @@ class RedisBackend(Backend):
     .. note:: A client or pool passed in is never closed; a client the backend made from
        a URL is closed by the last :meth:`close`.
 
-    ``prefix`` starts every key (see the module docs for the layout). ``wait_replicas``
+    ``prefix`` starts every key (see the module docs for the layout); ``namespace`` is
+    another name for it (the keyword every backend accepts). ``wait_replicas``
     makes claims and heartbeats wait, up to ``wait_timeout``, for that many replicas to
     acknowledge them; a short count raises
     :class:`~lease_core.errors.BackendUnavailable` instead of winning or renewing.
@@ -155,12 +182,30 @@ class RedisBackend(Backend):
         self,
         connection: object = None,
         *,
-        prefix: str = "anarchon_runs",
-        wait_replicas: int | None = None,
-        wait_timeout: Duration = "1s",
+        prefix: str | None = None,
+        namespace: str | None = None,
+        wait_replicas: int | str | None = None,
+        wait_timeout: Duration | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
-        self.prefix = _validate_prefix(prefix)
+        from_url: dict[str, str] = {}
+        if isinstance(connection, str):
+            connection, from_url = split_url_options(connection, _OPTIONS)
+            _check_driver_params(connection)
+        keywords = {"prefix": prefix, "namespace": namespace, "wait_replicas": wait_replicas,
+                    "wait_timeout": wait_timeout, **options}
+        merged = merge_options("RedisBackend", keywords, from_url, _OPTIONS)
+        names = [merged[k] for k in ("prefix", "namespace") if merged.get(k) is not None]
+        if len(names) > 1 and names[0] != names[1]:
+            raise ConfigurationError(
+                f"RedisBackend got prefix={names[0]!r} and namespace={names[1]!r}; "
+                "give one of them"
+            )
+        self.prefix = _validate_prefix(names[0] if names else "anarchon_runs")
+        wait_replicas = merged.get("wait_replicas")
+        if isinstance(wait_replicas, str) and wait_replicas.isdigit():
+            wait_replicas = int(wait_replicas)
         if wait_replicas is not None and (
             isinstance(wait_replicas, bool)
             or not isinstance(wait_replicas, int)
@@ -171,13 +216,21 @@ class RedisBackend(Backend):
                 "least 1, or None to not wait"
             )
         self.wait_replicas = wait_replicas
-        self._wait_timeout_ms = to_ms(parse_duration(wait_timeout, what="wait_timeout"))
+        self._wait_timeout_ms = to_ms(
+            parse_duration(merged.get("wait_timeout", "1s"), what="wait_timeout")
+        )
         self._connection = connection
         self._adapter: RedisAdapter | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
-        """Make a backend on the server at ``url`` (``redis://``, ``rediss://``, ``unix://``)."""
+        """Make a backend on the server at ``url`` (``redis://``, ``rediss://``, ``unix://``).
+
+        ``prefix`` (or ``namespace``), ``wait_replicas`` and ``wait_timeout`` may be given
+        in the URL's query as well as keywords; the driver's own query parameters
+        (``socket_timeout``, ``socket_connect_timeout``, ``max_connections``, ...) pass
+        through to redis-py.
+        """
         return cls(url, **options)
 
     def __repr__(self) -> str:

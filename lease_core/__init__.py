@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ._structures import Attempt, Outcome, Reason, RunStatus
 from .errors import (
     AnarchonError,
+    AuthenticationFailed,
     BackendUnavailable,
     ConfigurationError,
     LeaseLost,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AnarchonError",
     "Attempt",
+    "AuthenticationFailed",
     "Backend",
     "BackendUnavailable",
     "Checkpoint",
