@@ -539,6 +539,13 @@ class PostgresBackend(Backend):
         super().__init__()
         from_url: dict[str, str] = {}
         if isinstance(connection, str):
+            scheme = connection.split("://", 1)[0].lower() if "://" in connection else None
+            if scheme is not None and scheme not in (*self.schemes, "postgres+psycopg",
+                                                     "postgres+pg8000"):
+                raise ConfigurationError(
+                    f"{redact(connection)!r} is not a PostgreSQL URL; use "
+                    "postgresql://user:password@host:5432/db or a key/value DSN"
+                )
             connection, from_url = split_url_options(connection, _URL_OPTIONS)
         keywords = {"table": table, "namespace": namespace, **options}
         merged = merge_options("PostgresBackend", keywords, from_url, _OPTIONS)
