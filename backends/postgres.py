@@ -41,6 +41,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from lease_core._packages import require_own
+
+require_own("adapters")  # before importing from it: a foreign one may shadow it
+
 from adapters.sql import Executor, Row, SqlAdapter, TransientError, adapter_for
 from lease_core._durations import parse_duration
 from lease_core._redact import redact

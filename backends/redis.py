@@ -53,6 +53,10 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
 
+from lease_core._packages import require_own
+
+require_own("adapters")  # before importing from it: a foreign one may shadow it
+
 from adapters.redis import Command, RedisAdapter, redis_adapter
 from lease_core._durations import Duration, parse_duration, to_ms
 from lease_core._redact import redact

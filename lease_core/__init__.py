@@ -73,6 +73,12 @@ def __getattr__(name: str) -> Any:
         module_name, extra = _LAZY[name]
     except KeyError:
         raise AttributeError(f"module 'lease_core' has no attribute {name!r}") from None
+    if module_name.startswith("backends."):
+        from ._packages import require_own
+
+        require_own("backends")
+        if extra:
+            require_own("adapters")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -9,6 +9,7 @@ from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from ._packages import require_own
 from ._redact import redact
 from .abc import Backend
 from .errors import ConfigurationError
@@ -49,6 +50,9 @@ def known_schemes() -> list[str]:
 
 def _load_builtin(scheme: str) -> type[Backend]:
     module_name, class_name, extra = _BUILTIN[scheme]
+    require_own("backends")
+    if extra:
+        require_own("adapters")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
