@@ -251,7 +251,7 @@ def redis_adapter(connection: object) -> RedisAdapter:
     execute = getattr(client, "execute_command", None)
     if execute is None or not hasattr(client, "pipeline"):
         raise ConfigurationError(
-            f"connection={connection!r:.80} is not a Redis URL, client or pool; pass "
+            f"connection={redact(repr(connection))[:80]} is not a Redis URL, client or pool; pass "
             "'redis://host:port/db', a redis-py or valkey-py client (async or sync) or "
             "a connection pool"
         )

@@ -853,8 +853,11 @@ class PostgresBackend(Backend):
                 raise LeaseLost(f"run {lease.job!r} slot {lease.slot} was lost mid-transaction")
 
 
-async def migrate(connection: Any = None, *, table: str = "anarchon_runs") -> None:
+async def migrate(connection: Any = None, *, table: str | None = None) -> str:
     """Create the four tables and the claim function (run with a privileged user).
+
+    ``table`` defaults to the one a DSN names (``?table=``), else ``anarchon_runs``;
+    returns the table's name.
 
     Afterwards the application's user needs only SELECT, INSERT, UPDATE and DELETE on the
     tables (EXECUTE on the function is granted to PUBLIC; it runs with the caller's
@@ -864,3 +867,4 @@ async def migrate(connection: Any = None, *, table: str = "anarchon_runs") -> No
     backend = PostgresBackend(connection, table=table)
     await backend.start()
     await backend.close()
+    return backend.table

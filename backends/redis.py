@@ -188,7 +188,7 @@ class RedisBackend(Backend):
         *,
         prefix: str | None = None,
         namespace: str | None = None,
-        wait_replicas: int | str | None = None,
+        wait_replicas: int | None = None,
         wait_timeout: Duration | None = None,
         **options: Any,
     ) -> None:
@@ -208,7 +208,7 @@ class RedisBackend(Backend):
             )
         self.prefix = _validate_prefix(names[0] if names else "anarchon_runs")
         wait_replicas = merged.get("wait_replicas")
-        if isinstance(wait_replicas, str) and wait_replicas.isdigit():
+        if isinstance(wait_replicas, str) and wait_replicas.isdigit():  # from the URL
             wait_replicas = int(wait_replicas)
         if wait_replicas is not None and (
             isinstance(wait_replicas, bool)

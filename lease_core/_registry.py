@@ -87,9 +87,8 @@ def backend_from_url(url: str, **options: Any) -> Backend:
     if isinstance(url, str) and "://" not in url and _KEY_VALUE.match(url):
         scheme = "postgresql"
     elif not isinstance(url, str) or "://" not in url:
-        shown = redact(url) if isinstance(url, str) else url
         raise ConfigurationError(
-            f"backend URL {shown!r} has no scheme; use one of: "
+            f"backend URL {redact(repr(url))} has no scheme; use one of: "
             + ", ".join(f"{s}://" for s in known_schemes())
             + " (or a PostgreSQL key/value DSN such as 'host=db dbname=app')"
         )

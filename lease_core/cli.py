@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     migrate = sub.add_parser("migrate", help="create the PostgreSQL tables (privileged user)")
     migrate.add_argument("--url", "--dsn", dest="url", default=None,
                          help="PostgreSQL URL or key/value DSN (default: PG* variables)")
-    migrate.add_argument("--table", default="anarchon_runs", help="table name, may be schema.name")
+    migrate.add_argument("--table", default=None,
+                         help="table name, may be schema.name (default anarchon_runs)")
     history = sub.add_parser("history", help="print the recorded attempts, newest first")
     history.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
     history.add_argument("--job", default=None, help="only this job (default: every job)")
@@ -133,8 +134,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "migrate":
         from backends.postgres import migrate
 
-        anyio.run(lambda: migrate(args.url, table=args.table))
-        print(f"anarchon: tables for {args.table!r} are ready")
+        table = anyio.run(lambda: migrate(args.url, table=args.table))
+        print(f"anarchon migrate: the tables for {table!r} are ready")
         return 0
     result: int = anyio.run(_history, args)
     return result

@@ -67,10 +67,16 @@ def test_postgres_demo_with_processes(pg16_server: PgServer) -> None:
     assert pg16_server.server.password not in text
 
 
-def test_migrate_command_creates_the_tables(pg16_server: PgServer) -> None:
+@pytest.mark.parametrize("spelling", ["--dsn", "--url", "query"])
+def test_migrate_command_creates_the_tables(
+    pg16_server: PgServer, spelling: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     table = unique_table()
+    argv = (["migrate", "--url", f"{pg16_server.admin_dsn}?table={table}"] if spelling == "query"
+            else ["migrate", spelling, pg16_server.admin_dsn, "--table", table])
     try:
-        assert main(["migrate", "--dsn", pg16_server.admin_dsn, "--table", table]) == 0
+        assert main(argv) == 0
+        assert f"the tables for {table!r} are ready" in capsys.readouterr().out
         with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT count(*) FROM pg_tables WHERE tablename LIKE %s", (table + "%",)
