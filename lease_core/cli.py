@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as exc:
         if debug:
-            traceback.print_exception(exc)
+            sys.stderr.write(redact("".join(traceback.format_exception(exc))))
         text = _line(exc, first_only=True)
         hint = "" if debug else " (run with --debug for the traceback)"
         print(f"{prog}: unexpected error: {type(exc).__name__}: {text}{hint}", file=sys.stderr)

@@ -176,7 +176,7 @@ def test_unexpected_error_is_one_line_and_the_traceback_needs_debug(
     assert "unexpected error: RuntimeError: boom" in err and "--debug" in err
     assert main(["--debug", "history", "--url", "memory://"]) == 1
     err = capsys.readouterr().err
-    assert "Traceback" in err and "RuntimeError" in err
+    assert "Traceback" in err and "RuntimeError" in err and SECRET not in err
     monkeypatch.setenv("ANARCHON_DEBUG", "1")
     assert main(["history", "--url", "memory://"]) == 1
     assert "Traceback" in capsys.readouterr().err
