@@ -23,7 +23,7 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from backends.embedded.postgres import EmbeddedPostgres, find_free_port, service_user
+from backends.embedded.postgres import EmbeddedPostgres, find_free_port, service_user, shared_dir
 from backends.postgres import PostgresBackend
 from lease_core.abc import Backend
 
@@ -118,7 +118,7 @@ def pgbouncer_server(pg16_server: PgServer) -> Iterator[PgServer]:
     if not os.path.exists(PGBOUNCER):
         missing_service("pgbouncer")
     server = pg16_server.server
-    root = Path(tempfile.mkdtemp(prefix="anarchon-pgbouncer-"))
+    root = Path(tempfile.mkdtemp(prefix="anarchon-pgbouncer-", dir=shared_dir(service_user())))
     root.chmod(0o755)
     port = find_free_port()
     (root / "userlist.txt").write_text(f'"postgres" "{server.password}"\n')
