@@ -60,7 +60,15 @@ from lease_core._structures import (
 from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
 from lease_core.errors import ConfigurationError, LeaseLost, StoreFormatError
 
-__all__ = ["FORMAT_VERSION", "FencedTransaction", "PostgresBackend", "migrate", "quote_ident"]
+__all__ = [
+    "FORMAT_VERSION",
+    "TRIM_BATCH",
+    "FencedTransaction",
+    "PostgresBackend",
+    "Statements",
+    "migrate",
+    "quote_ident",
+]
 
 #: The store format this code writes; a store with a newer one is refused.
 FORMAT_VERSION = 1
@@ -426,8 +434,12 @@ def _split_table(table: object) -> tuple[str | None, str]:
     return schema, name
 
 
-class _Statements:
-    """The module's SQL templates, filled with one store's quoted table names."""
+class Statements:
+    """The SQL this backend sends, filled with one store's quoted table names.
+
+    Public for tools that run the very same statements through a raw driver (the
+    benchmarks compare the library with that); the statements' text is not a stable API.
+    """
 
     def __init__(self, schema: str | None, name: str) -> None:
         prefix = quote_ident(schema) + "." if schema else ""
@@ -509,7 +521,7 @@ class PostgresBackend(Backend):
         super().__init__()
         self.table = table
         self._schema, self._name = _split_table(table)
-        self._sql = _Statements(self._schema, self._name)
+        self._sql = Statements(self._schema, self._name)
         self._connection = connection
         self._options = options
         self._given: SqlAdapter | None = None

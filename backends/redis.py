@@ -73,7 +73,7 @@ from lease_core._structures import (
 from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
-__all__ = ["STORE_FORMAT", "RedisBackend"]
+__all__ = ["SCRIPTS", "STORE_FORMAT", "RedisBackend", "Script"]
 
 #: The store format this version writes; a store with a newer one is refused.
 STORE_FORMAT = 1
@@ -84,24 +84,30 @@ _SCRIPTS = ("open_store", "claim", "heartbeat", "finish", "hand_over", "checkpoi
 
 
 @dataclass(frozen=True)
-class _Script:
+class Script:
+    """One Lua script of this backend: its name, full source (prelude included) and SHA-1.
+
+    Public for tools that send the very same scripts through a raw client (the benchmarks
+    compare the library with that); the scripts' text is not a stable API.
+    """
+
     name: str
     source: str
     sha: str
 
 
-def _load_scripts() -> dict[str, _Script]:
+def _load_scripts() -> dict[str, Script]:
     folder = resources.files("backends") / "redis_lua"
     prelude = (folder / "_prelude.lua").read_text(encoding="utf-8")
     scripts = {}
     for name in _SCRIPTS:
         source = prelude + "\n" + (folder / f"{name}.lua").read_text(encoding="utf-8")
         sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
-        scripts[name] = _Script(name, source, sha)
+        scripts[name] = Script(name, source, sha)
     return scripts
 
 
-_LUA = _load_scripts()
+SCRIPTS = _load_scripts()
 
 
 def _text(value: Any) -> str:
@@ -210,7 +216,7 @@ class RedisBackend(Backend):
     async def _open(self) -> None:
         adapter = redis_adapter(self._connection)
         try:
-            await adapter.load_scripts([s.source for s in _LUA.values()])
+            await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
             (found,) = await self._run([self._eval("open_store", [self._meta_key],
                                                    [STORE_FORMAT])])
@@ -241,7 +247,7 @@ class RedisBackend(Backend):
 
     @staticmethod
     def _eval(name: str, keys: Sequence[str], args: Sequence[str | int]) -> Command:
-        return ("EVALSHA", _LUA[name].sha, len(keys), *keys, *args)
+        return ("EVALSHA", SCRIPTS[name].sha, len(keys), *keys, *args)
 
     async def _run(self, commands: Sequence[Command]) -> list[Any]:
         """Send ``commands`` in one round trip; load missing scripts and resend those."""
@@ -250,7 +256,7 @@ class RedisBackend(Backend):
         missing = [i for i, r in enumerate(replies) if _is_noscript(r)]
         if missing:
             shas = {str(commands[i][1]) for i in missing}
-            await adapter.load_scripts([s.source for s in _LUA.values() if s.sha in shas])
+            await adapter.load_scripts([s.source for s in SCRIPTS.values() if s.sha in shas])
             again = [i for i, c in enumerate(commands) if i in missing or c[0] != "EVALSHA"]
             for i, reply in zip(again, await adapter.execute([commands[i] for i in again]),
                                 strict=True):

@@ -57,14 +57,35 @@ from ._structures import (
     CheckResult,
     ClaimRequest,
     ClaimResult,
+    ClaimStatus,
     HeartbeatResult,
     JobInfo,
     Lease,
     Outcome,
+    Reason,
+    RunState,
+    RunStatus,
 )
 from .errors import ConfigurationError
 
-__all__ = ["Backend", "decode_checkpoint", "encode_checkpoint"]
+# The contract's data types are re-exported here: a backend is written against this module.
+__all__ = [
+    "Attempt",
+    "Backend",
+    "CheckResult",
+    "ClaimRequest",
+    "ClaimResult",
+    "ClaimStatus",
+    "HeartbeatResult",
+    "JobInfo",
+    "Lease",
+    "Outcome",
+    "Reason",
+    "RunState",
+    "RunStatus",
+    "decode_checkpoint",
+    "encode_checkpoint",
+]
 
 
 def encode_checkpoint(value: object) -> str:
