@@ -8,6 +8,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("lease_core", "backends", "adapters")
 TOOLING = ("lease_core.demo", "backends.embedded")
@@ -91,3 +93,12 @@ def test_benchmarks_use_public_names_only() -> None:
             if any(part.startswith("_") for part in target.split(".")):
                 private.append(f"{path.name}: {target}")
     assert private == []
+
+
+def test_no_tracked_file_is_ignored() -> None:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an sdist, say)")
+    out = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == []
