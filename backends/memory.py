@@ -26,11 +26,13 @@ from lease_core._structures import (
     Lease,
     Outcome,
     Reason,
+    RunInfo,
     RunState,
     RunStatus,
     ms_to_datetime,
 )
 from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
+from lease_core.errors import ConfigurationError
 
 __all__ = ["MemoryBackend"]
 
@@ -286,6 +288,28 @@ class MemoryBackend(Backend):
                 items = list(self._attempts.get(job, []))
         items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
         return items[:limit]
+
+    async def jobs(self) -> list[str]:
+        """Return every job the store has seen, sorted."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return sorted(self._jobs)
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first (see :meth:`Backend.runs`)."""
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            found = [
+                RunInfo(j, slot, run.status, run.attempt, run.instance_id,
+                        run.expires_ms if run.status is RunStatus.RUNNING else None)
+                for (j, slot), run in self._runs.items()
+                if (job is None or j == job) and not (open_only and run.status.finished)
+            ]
+        found.sort(key=lambda r: (-r.slot, r.job))
+        return found[:limit]
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:
         """Return the run's checkpoint."""

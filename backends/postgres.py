@@ -53,6 +53,7 @@ from lease_core._structures import (
     Lease,
     Outcome,
     Reason,
+    RunInfo,
     RunState,
     RunStatus,
     ms_to_datetime,
@@ -398,6 +399,12 @@ HISTORY_OF_JOB = _HISTORY_COLUMNS + """
 WHERE job = %s::text ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint"""
 HISTORY_ALL = _HISTORY_COLUMNS + """
 ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint"""
+LIST_JOBS = "SELECT job FROM {jobs} ORDER BY job"
+LIST_RUNS = """
+SELECT job, slot, status, attempt, instance_id, expires_ms FROM {runs}
+WHERE (%s::text IS NULL OR job = %s::text)
+  AND (NOT %s::boolean OR status IN ('running', 'handed_over'))
+ORDER BY slot DESC, job LIMIT %s::bigint"""
 GET_CHECKPOINT = "SELECT checkpoint FROM {runs} WHERE job = %s::text AND slot = %s::bigint"
 SET_CHECKPOINT = """
 UPDATE {runs} SET checkpoint = %s::text
@@ -476,6 +483,8 @@ class Statements:
         self.check = fill(CHECK)
         self.history_of_job = fill(HISTORY_OF_JOB)
         self.history_all = fill(HISTORY_ALL)
+        self.list_jobs = fill(LIST_JOBS)
+        self.list_runs = fill(LIST_RUNS)
         self.get_checkpoint = fill(GET_CHECKPOINT)
         self.set_checkpoint = fill(SET_CHECKPOINT)
         self.lock_held_run = fill(LOCK_HELD_RUN)
@@ -753,6 +762,23 @@ class PostgresBackend(Backend):
                     None if outcome is None else Outcome(outcome),
                     None if error is None else str(error))
             for j, slot, attempt, instance, reason, claimed, finished, outcome, error in rows
+        ]
+
+    async def jobs(self) -> list[str]:
+        """Return every job in ``<table>_jobs``, sorted."""
+        return [str(row[0]) for row in await self._adapter.all(self._sql.list_jobs)]
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first, with one plain ``SELECT``."""
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        rows = await self._adapter.all(self._sql.list_runs, (job, job, open_only, limit))
+        return [
+            RunInfo(str(j), int(slot), RunStatus(status), int(attempt),
+                    None if instance is None else str(instance),
+                    None if expires is None or status != "running" else int(expires))
+            for j, slot, status, attempt, instance, expires in rows
         ]
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:

@@ -66,6 +66,7 @@ from lease_core._structures import (
     Lease,
     Outcome,
     Reason,
+    RunInfo,
     RunState,
     RunStatus,
     ms_to_datetime,
@@ -419,6 +420,50 @@ class RedisBackend(Backend):
             items += [self._attempt(name, _text(raw)) for raw in records]
         items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
         return items[:limit]
+
+    async def jobs(self) -> list[str]:
+        """Return every job under the prefix, sorted."""
+        (members,) = await self._run([("SMEMBERS", self._jobs_key)])
+        return sorted(_text(m) for m in members)
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first: open runs and those of the latest attempts.
+
+        Three pipelined round trips at most: the jobs, their open and recent slots, the
+        runs themselves.
+        """
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        names = await self.jobs() if job is None else [job]
+        if not names or limit == 0:
+            return []
+        commands: list[Command] = []
+        for name in names:
+            keys = self._job_keys(name)
+            commands.append(("ZRANGE", keys["open"], 0, -1))
+            if not open_only:
+                commands.append(("ZREVRANGE", keys["hist"], 0, limit - 1))
+        replies = iter(await self._run(commands))
+        wanted: list[tuple[str, int]] = []
+        for name in names:
+            slots = {int(_text(s)) for s in next(replies)}
+            if not open_only:
+                slots |= {int(_text(i).split(":")[0]) for i in next(replies)}
+            wanted += [(name, slot) for slot in sorted(slots, reverse=True)[:limit]]
+        if not wanted:
+            return []
+        rows = await self._run([("HMGET", self._run_key(name, slot), "st", "att", "inst", "exp")
+                                for name, slot in wanted])
+        found = []
+        for (name, slot), row in zip(wanted, rows, strict=True):
+            st, att, inst, exp = (None if v is None else _text(v) for v in row)
+            if st is None or (open_only and RunStatus(st).finished):
+                continue
+            found.append(RunInfo(name, slot, RunStatus(st), int(att or 0), inst,
+                                 int(exp) if exp and st == "running" else None))
+        found.sort(key=lambda r: (-r.slot, r.job))
+        return found[:limit]
 
     @staticmethod
     def _attempt(job: str, raw: str) -> Attempt:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._structures import Attempt, Outcome, Reason, RunStatus
+from ._structures import Attempt, Outcome, Reason, RunInfo, RunStatus
 from .errors import (
     AnarchonError,
     BackendUnavailable,
@@ -45,6 +45,7 @@ __all__ = [
     "Reason",
     "RedisBackend",
     "RunContext",
+    "RunInfo",
     "RunStatus",
     "Scheduler",
     "StopRequested",
