@@ -21,6 +21,8 @@ A ``postgresql+pg8000://`` URL may carry the query parameters in :data:`PG8000_P
 does not apply to a Unix socket (``host`` naming a directory). ``sslcert`` and ``sslkey``
 present a client certificate. ``PGSSLMODE``, ``PGSSLROOTCERT``, ``PGSSLCERT``, ``PGSSLKEY``,
 ``PGCONNECT_TIMEOUT`` and ``PGAPPNAME`` fill gaps, as ``PGHOST`` and the others do.
+``connect_timeout`` (seconds, ``0`` for none) replaces the pool's ``timeout`` as pg8000's
+socket timeout, which pg8000 applies to every read and write, not only to connecting.
 
 .. note:: A connection passed in is never closed. Connections the pool opened from a DSN
    are closed by :meth:`Pg8000PoolAdapter.close`.
@@ -146,11 +148,11 @@ def pg8000_params(dsn: str | None) -> dict[str, Any]:
     mode, mode_source = setting("sslmode")
     mode = mode or "prefer"
     params["sslmode"] = mode
-    if params["unix_sock"] is not None:
-        mode = "disable"  # libpq ignores sslmode on Unix sockets too
     params["ssl_context"] = _ssl_context(
         mode, mode_source, setting("sslrootcert"), setting("sslcert"), setting("sslkey")
     )
+    if params["unix_sock"] is not None:
+        params["ssl_context"] = False  # libpq ignores sslmode on Unix sockets too
     return params
 
 

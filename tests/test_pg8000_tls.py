@@ -130,6 +130,7 @@ def test_unknown_and_bad_parameters_are_refused_by_name(tmp_path: Path) -> None:
         "?sslmode=require&table=x&foo=1": "'foo', 'table'",
         "?sslmode=verify": "unknown sslmode 'verify'; use one of disable, prefer, require",
         "?sslmode=allow": "sslmode 'allow' is not supported .* use 'prefer'",
+        "?host=/run/postgresql&sslmode=verify": "unknown sslmode 'verify'",
         "?port=54x": "port '54x'",
         "?host=a,b": "one host",
         "?connect_timeout=soon": "connect_timeout 'soon'",
