@@ -25,13 +25,14 @@ import importlib.util
 import os
 import pwd
 import secrets
+import shlex
 import shutil
 import socket
 import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from . import EmbeddedServerError
@@ -171,9 +172,12 @@ class EmbeddedPostgres:
 
     The data directory is a fresh temporary directory, deleted by :meth:`stop`. The
     superuser is ``postgres`` with a random password; :attr:`dsn` includes it.
+    ``settings`` are extra server settings, passed as ``-c name=value``
+    (``{"ssl": "on", "ssl_cert_file": ...}``).
     """
 
-    def __init__(self, bindir: str | Path | None = None, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, bindir: str | Path | None = None, *, host: str = "127.0.0.1",
+                 settings: Mapping[str, str] | None = None) -> None:
         bindir = Path(bindir) if bindir is not None else _pgserver_bindir()
         if not (bindir / "postgres").exists():
             raise EmbeddedServerError(f"no PostgreSQL server binaries in {bindir}")
@@ -182,6 +186,7 @@ class EmbeddedPostgres:
         self.password = secrets.token_hex(12)
         self.os_user = service_user()
         self.bindir = reachable_bindir(bindir, self.os_user)
+        self.settings = dict(settings or {})
         self.root: Path | None = None
 
     @property
@@ -241,6 +246,8 @@ class EmbeddedPostgres:
             "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300 "
             "-c password_encryption=scram-sha-256"
         )
+        for name, value in self.settings.items():
+            options += f" -c {shlex.quote(f'{name}={value}')}"
         self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-o", options,
                   "-l", str(self.root / "server.log"), "start", timeout=90)
         self.wait_ready()
