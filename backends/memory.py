@@ -157,6 +157,11 @@ class MemoryBackend(Backend):
             )
             self._trim(req, now)
             return result(ClaimStatus.WON, run, req.reason)
+        if run.status is RunStatus.RUNNING and run.token == req.token:
+            # the same request again (a retry after a lost reply) answers as it did
+            first = next((a.reason for a in history
+                          if a.slot == req.slot and a.attempt == run.attempt), req.reason)
+            return result(ClaimStatus.WON, run, first)
         if run.status.finished:
             return result(ClaimStatus.FINISHED, run)
         if run.status is RunStatus.RUNNING and run.expires_ms is not None and run.expires_ms > now:
