@@ -54,7 +54,9 @@ class SyncScheduler:
     configuration) in the caller's thread, leaving nothing running. :meth:`stop` blocks
     until every run still held is handed over; ``with SyncScheduler(...) as s:`` does both.
     At interpreter exit a running SyncScheduler stops with a hand-over (grace
-    ``exit_grace``).
+    ``exit_grace``); a process killed by a signal's default action (SIGTERM without a
+    handler, SIGKILL) exits without it, and backups take its runs over when their leases
+    expire.
 
     .. warning:: **Fork safety.** The background thread does not survive ``fork()``. Start
        a SyncScheduler in the process that uses it, *after* the server forks its workers:
@@ -84,6 +86,7 @@ class SyncScheduler:
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._host: Future[None] | None = None
         self._stop_requested: anyio.Event | None = None
+        self._loop_thread: threading.Thread | None = None
         self._grace = 0.0
 
     @property
@@ -122,6 +125,13 @@ class SyncScheduler:
                 "post_worker_init hook; uwsgi: lazy-apps = true)"
             )
 
+    def _check_thread(self, what: str) -> None:
+        if threading.current_thread() is self._loop_thread:
+            raise AnarchonError(
+                f"SyncScheduler.{what}() would block the scheduler's own event loop; from an "
+                f"async handler, use 'await sync_scheduler.scheduler.{what}(...)' instead"
+            )
+
     def start(self) -> None:
         """Start the scheduler in a background thread; return once it runs.
 
@@ -154,6 +164,7 @@ class SyncScheduler:
     async def _run_host(self, *, task_status: TaskStatus[None]) -> None:
         # start() and stop() of the async scheduler run in this one task.
         stop_requested = self._stop_requested = anyio.Event()
+        self._loop_thread = threading.current_thread()
         async with self.scheduler:
             task_status.started()
             await stop_requested.wait()
@@ -172,6 +183,7 @@ class SyncScheduler:
         """
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
         self._check_process()
+        self._check_thread("stop")
         with self._lock:
             if self._state is not _State.RUNNING:
                 return
@@ -188,7 +200,7 @@ class SyncScheduler:
                 error = exc
             finally:
                 self._portal = self._portal_cm = self._host = None
-                self._stop_requested = None
+                self._stop_requested = self._loop_thread = None
                 self._pid = None
                 self._state = _State.STOPPED
                 cm.__exit__(None, None, None)
@@ -223,6 +235,7 @@ class SyncScheduler:
         Works before :meth:`start` and after :meth:`stop` too (on a short-lived event loop).
         """
         self._check_process()
+        self._check_thread("history")
         with self._lock:
             portal = self._portal if self._state is _State.RUNNING else None
         if portal is not None:

@@ -204,6 +204,24 @@ def test_lifecycle_misuse() -> None:
     assert not s.started
 
 
+def test_blocking_calls_from_an_async_handler_raise() -> None:
+    s = SyncScheduler(MemoryBackend(), **FAST)
+    errors: list[str] = []
+
+    @s.every("tick", "1s")
+    async def tick(ctx: RunContext) -> None:
+        for call in (s.history, s.stop):
+            try:
+                call()
+            except AnarchonError as exc:
+                errors.append(str(exc))
+
+    with s:
+        wait_until(lambda: len(errors) >= 2, what="the handler's calls")
+        assert s.started
+    assert "history() would block" in errors[0] and "stop() would block" in errors[1]
+
+
 def _threads() -> set[threading.Thread]:
     return set(threading.enumerate())
 
