@@ -107,12 +107,22 @@ class SyncScheduler:
     @property
     def running(self) -> list[tuple[str, int]]:
         """The runs (job, slot) this instance is executing now."""
+        self._check_process()
+        portal = self._portal
+        if portal is not None and threading.current_thread() is not self._loop_thread:
+            # Read on the loop's thread, which changes the set of held runs.
+            try:
+                return portal.call(lambda: self.scheduler.running)
+            except RuntimeError:
+                if self._portal is portal:
+                    raise
+                # stopped meanwhile
         return self.scheduler.running
 
     @property
     def started(self) -> bool:
-        """Whether the scheduler runs (between :meth:`start` and :meth:`stop`)."""
-        return self._state is _State.RUNNING
+        """Whether the scheduler runs in this process (between :meth:`start` and :meth:`stop`)."""
+        return self._state is _State.RUNNING and self._pid == os.getpid()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -239,5 +249,10 @@ class SyncScheduler:
         with self._lock:
             portal = self._portal if self._state is _State.RUNNING else None
         if portal is not None:
-            return portal.call(self.scheduler.history, job, limit)
+            try:
+                return portal.call(self.scheduler.history, job, limit)
+            except RuntimeError:
+                if self._portal is portal:
+                    raise
+                # stopped meanwhile: read on a short-lived loop
         return anyio.run(self.scheduler.history, job, limit)

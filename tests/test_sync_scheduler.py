@@ -164,6 +164,7 @@ def test_stop_hands_over_a_held_run_and_a_backup_takes_it(sync_store: SyncStore)
     a.start()
     wait_until(lambda: blocker.held, what="a run held")
     slot = blocker.held[0]
+    assert a.running == [("hold", slot)]
     stopped_at = time.monotonic()
     a.stop(grace="2s")
     assert time.monotonic() - stopped_at < 10
@@ -302,13 +303,14 @@ def test_use_in_a_forked_child_raises_instead_of_hanging() -> None:
         s.start()
         pid = os.fork()
         if pid == 0:
-            for call in (s.history, s.stop, s.start):
+            assert not s.started
+            for call in (s.history, s.stop, s.start, lambda: s.running):
                 try:
                     call()
                 except AnarchonError as exc:
                     assert "fork" in str(exc) and "post_fork" in str(exc), exc
                 else:
-                    sys.exit(f"{call.__name__} did not raise in the forked child")
+                    sys.exit(f"{call} did not raise in the forked child")
             sys.exit(0)  # a normal exit: the atexit hook must not hang here
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, status
