@@ -65,9 +65,9 @@ class SyncScheduler:
        is fine. Using a scheduler started before a fork in the forked child raises
        :class:`AnarchonError` instead of hanging.
 
-    .. note:: The inner scheduler starts and closes ``backend`` in the background thread's
-       event loop; a pool or client passed in must work on that loop (a DSN or URL
-       always does), and is never closed.
+    .. note:: The inner scheduler starts and closes ``backend`` on the background thread's
+       event loop, so an async pool or client passed in must not be bound to another loop
+       (a DSN, a URL or a blocking driver object always works); it is never closed.
     """
 
     def __init__(self, backend: Backend, *, exit_grace: Duration = "10s", **options: Any) -> None:
