@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .abc import Backend
     from .context import Checkpoint, RunContext
     from .scheduler import Scheduler
+    from .sync import SyncScheduler
 
 __all__ = [
     "AnarchonError",
@@ -50,6 +51,7 @@ __all__ = [
     "Scheduler",
     "StopRequested",
     "StoreFormatError",
+    "SyncScheduler",
     "backend_from_url",
 ]
 
@@ -57,6 +59,7 @@ __version__ = "0.1.0"
 
 _LAZY: dict[str, tuple[str, str]] = {
     "Scheduler": ("lease_core.scheduler", ""),
+    "SyncScheduler": ("lease_core.sync", ""),
     "RunContext": ("lease_core.context", ""),
     "Checkpoint": ("lease_core.context", ""),
     "Backend": ("lease_core.abc", ""),

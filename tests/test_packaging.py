@@ -46,6 +46,8 @@ def test_sdist_holds_the_whole_test_suite(dist: tuple[Path, Path, str]) -> None:
     tests = _source_files("tests", (".py",))
     assert {"tests/conftest.py", "tests/helpers.py", "tests/stores/postgres.py"} <= tests
     assert tests <= names, sorted(tests - names)
+    examples = _source_files("docs/examples", (".py",))  # run by tests/test_examples.py
+    assert "docs/examples/flask_app.py" in examples and examples <= names
     assert {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml"} <= names
     assert not any(n.startswith(("benchmarks/", ".venv/", ".ci/")) for n in names)
 
