@@ -20,6 +20,13 @@ a connection pool (async or sync)      a client is made on the pool; the pool is
 
 The asyncio clients of redis-py and valkey-py work only under asyncio. Sync clients run in
 ``anyio.to_thread`` worker threads and so work under trio as well.
+
+A batch that fails because its pooled connection was closed under it (after a server
+restart, or the server's idle ``timeout``) is sent once more on a fresh connection; this
+applies to clients passed in too. Every script is safe to send again: the fenced ones
+change nothing for a token that no longer holds its run, and a claim sent again with the
+token that now holds the run answers ``WON`` as the first try would have. Timeouts are
+never retried.
 """
 
 from __future__ import annotations
@@ -52,6 +59,18 @@ Command = tuple[str | int | bytes, ...]
 # Server replies that mean "the store is not usable now", as opposed to a bad command.
 _UNAVAILABLE_REPLIES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "OOM")
 _AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
+
+
+def _stale(exc: BaseException) -> bool:
+    """Whether ``exc`` says the connection was closed before the reply: worth one retry.
+
+    Timeouts are not (the command may have run), nor refused credentials or a server
+    still loading its data (a retry at once would fail the same way).
+    """
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"TimeoutError", "AuthenticationError", "BusyLoadingError"}:
+        return False
+    return "ConnectionError" in names
 
 
 def _describe(client: Any) -> tuple[str, str | None]:
@@ -93,6 +112,13 @@ class RedisAdapter(ABC):
         :class:`~lease_core.errors.BackendUnavailable`.
         """
         try:
+            try:
+                return await self._execute(commands)
+            except Exception as exc:
+                if not _stale(exc):
+                    raise
+            # The connection was closed under us (the server restarted, or closed an idle
+            # connection): the batch never ran, so it is sent once more on a fresh one.
             return await self._execute(commands)
         except AnarchonError:
             raise

@@ -28,6 +28,7 @@ from lease_core._structures import (
     Lease,
     Outcome,
     Reason,
+    RunInfo,
     RunState,
     RunStatus,
     ms_to_datetime,
@@ -177,6 +178,11 @@ class MemoryBackend(Backend):
             )
             self._trim(req, now)
             return result(ClaimStatus.WON, run, req.reason)
+        if run.status is RunStatus.RUNNING and run.token == req.token:
+            # the same request again (a retry after a lost reply) answers as it did
+            first = next((a.reason for a in history
+                          if a.slot == req.slot and a.attempt == run.attempt), req.reason)
+            return result(ClaimStatus.WON, run, first)
         if run.status.finished:
             return result(ClaimStatus.FINISHED, run)
         if run.status is RunStatus.RUNNING and run.expires_ms is not None and run.expires_ms > now:
@@ -308,6 +314,28 @@ class MemoryBackend(Backend):
                 items = list(self._attempts.get(job, []))
         items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
         return items[:limit]
+
+    async def jobs(self) -> list[str]:
+        """Return every job the store has seen, sorted."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return sorted(self._jobs)
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first (see :meth:`Backend.runs`)."""
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            found = [
+                RunInfo(j, slot, run.status, run.attempt, run.instance_id,
+                        run.expires_ms if run.status is RunStatus.RUNNING else None)
+                for (j, slot), run in self._runs.items()
+                if (job is None or j == job) and not (open_only and run.status.finished)
+            ]
+        found.sort(key=lambda r: (-r.slot, r.job))
+        return found[:limit]
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:
         """Return the run's checkpoint."""

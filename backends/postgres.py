@@ -26,7 +26,7 @@ Every other call is one statement too: heartbeats and hand-overs of many leases,
 a batched check. All lease arithmetic uses the server's ``clock_timestamp()``; times are
 stored as ``bigint`` epoch milliseconds. Nothing keeps session state (only
 transaction-scoped advisory locks, at creation), so PgBouncer in transaction mode works.
-The SQL stays within PostgreSQL 9.5.
+The SQL keeps to PostgreSQL 9.5 syntax; PostgreSQL 15, 16 and 18 are tested.
 
 Table names are validated, then quoted by :func:`quote_ident`, the one quoting helper;
 statements are named module-level templates filled only with quoted identifiers.
@@ -60,6 +60,7 @@ from lease_core._structures import (
     Lease,
     Outcome,
     Reason,
+    RunInfo,
     RunState,
     RunStatus,
     ms_to_datetime,
@@ -67,7 +68,15 @@ from lease_core._structures import (
 from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
 from lease_core.errors import ConfigurationError, LeaseLost, StoreFormatError
 
-__all__ = ["FORMAT_VERSION", "FencedTransaction", "PostgresBackend", "migrate", "quote_ident"]
+__all__ = [
+    "FORMAT_VERSION",
+    "TRIM_BATCH",
+    "FencedTransaction",
+    "PostgresBackend",
+    "Statements",
+    "migrate",
+    "quote_ident",
+]
 
 #: The store format this code writes; a store with a newer one is refused.
 FORMAT_VERSION = 1
@@ -397,6 +406,12 @@ HISTORY_OF_JOB = _HISTORY_COLUMNS + """
 WHERE job = %s::text ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint"""
 HISTORY_ALL = _HISTORY_COLUMNS + """
 ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint"""
+LIST_JOBS = "SELECT job FROM {jobs} ORDER BY job"
+LIST_RUNS = """
+SELECT job, slot, status, attempt, instance_id, expires_ms FROM {runs}
+WHERE (%s::text IS NULL OR job = %s::text)
+  AND (NOT %s::boolean OR status IN ('running', 'handed_over'))
+ORDER BY slot DESC, job LIMIT %s::bigint"""
 GET_CHECKPOINT = "SELECT checkpoint FROM {runs} WHERE job = %s::text AND slot = %s::bigint"
 SET_CHECKPOINT = """
 UPDATE {runs} SET checkpoint = %s::text
@@ -457,8 +472,12 @@ def _split_table(table: object) -> tuple[str | None, str]:
     return schema, name
 
 
-class _Statements:
-    """The module's SQL templates, filled with one store's quoted table names."""
+class Statements:
+    """The SQL this backend sends, filled with one store's quoted table names.
+
+    Public for tools that run the very same statements through a raw driver (the
+    benchmarks compare the library with that); the statements' text is not a stable API.
+    """
 
     def __init__(self, schema: str | None, name: str) -> None:
         prefix = quote_ident(schema) + "." if schema else ""
@@ -495,6 +514,8 @@ class _Statements:
         self.check = fill(CHECK)
         self.history_of_job = fill(HISTORY_OF_JOB)
         self.history_all = fill(HISTORY_ALL)
+        self.list_jobs = fill(LIST_JOBS)
+        self.list_runs = fill(LIST_RUNS)
         self.get_checkpoint = fill(GET_CHECKPOINT)
         self.set_checkpoint = fill(SET_CHECKPOINT)
         self.lock_held_run = fill(LOCK_HELD_RUN)
@@ -520,7 +541,7 @@ class FencedTransaction:
 
 
 class PostgresBackend(Backend):
-    """Coordinate through PostgreSQL 9.5 or newer (see the module docs for the statements).
+    """Coordinate through PostgreSQL (tested: 15, 16, 18; see the module docs for the SQL).
 
     ``connection`` is anything :func:`adapters.sql.adapter_for` accepts: ``None``
     (``postgresql://localhost:5432/postgres`` with ``PG*`` variables filling gaps), a DSN,
@@ -563,7 +584,7 @@ class PostgresBackend(Backend):
                    for k, v in merged.items()}
         self.table = names[0] if names else "anarchon_runs"
         self._schema, self._name = _split_table(self.table)
-        self._sql = _Statements(self._schema, self._name)
+        self._sql = Statements(self._schema, self._name)
         self._connection = connection
         self._options = options
         self._given: SqlAdapter | None = None
@@ -805,6 +826,23 @@ class PostgresBackend(Backend):
                     None if outcome is None else Outcome(outcome),
                     None if error is None else str(error))
             for j, slot, attempt, instance, reason, claimed, finished, outcome, error in rows
+        ]
+
+    async def jobs(self) -> list[str]:
+        """Return every job in ``<table>_jobs``, sorted."""
+        return [str(row[0]) for row in await self._adapter.all(self._sql.list_jobs)]
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first, with one plain ``SELECT``."""
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        rows = await self._adapter.all(self._sql.list_runs, (job, job, open_only, limit))
+        return [
+            RunInfo(str(j), int(slot), RunStatus(status), int(attempt),
+                    None if instance is None else str(instance),
+                    None if expires is None or status != "running" else int(expires))
+            for j, slot, status, attempt, instance, expires in rows
         ]
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:

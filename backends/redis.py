@@ -72,6 +72,7 @@ from lease_core._structures import (
     Lease,
     Outcome,
     Reason,
+    RunInfo,
     RunState,
     RunStatus,
     ms_to_datetime,
@@ -79,7 +80,7 @@ from lease_core._structures import (
 from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
-__all__ = ["STORE_FORMAT", "RedisBackend"]
+__all__ = ["SCRIPTS", "STORE_FORMAT", "RedisBackend", "Script"]
 
 #: The store format this version writes; a store with a newer one is refused.
 STORE_FORMAT = 1
@@ -90,24 +91,30 @@ _SCRIPTS = ("open_store", "claim", "heartbeat", "finish", "hand_over", "checkpoi
 
 
 @dataclass(frozen=True)
-class _Script:
+class Script:
+    """One Lua script of this backend: its name, full source (prelude included) and SHA-1.
+
+    Public for tools that send the very same scripts through a raw client (the benchmarks
+    compare the library with that); the scripts' text is not a stable API.
+    """
+
     name: str
     source: str
     sha: str
 
 
-def _load_scripts() -> dict[str, _Script]:
+def _load_scripts() -> dict[str, Script]:
     folder = resources.files("backends") / "redis_lua"
     prelude = (folder / "_prelude.lua").read_text(encoding="utf-8")
     scripts = {}
     for name in _SCRIPTS:
         source = prelude + "\n" + (folder / f"{name}.lua").read_text(encoding="utf-8")
         sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
-        scripts[name] = _Script(name, source, sha)
+        scripts[name] = Script(name, source, sha)
     return scripts
 
 
-_LUA = _load_scripts()
+SCRIPTS = _load_scripts()
 
 
 def _text(value: Any) -> str:
@@ -267,7 +274,7 @@ class RedisBackend(Backend):
     async def _open(self) -> None:
         adapter = redis_adapter(self._connection)
         try:
-            await adapter.load_scripts([s.source for s in _LUA.values()])
+            await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
             (found,) = await self._run([self._eval("open_store", [self._meta_key],
                                                    [STORE_FORMAT])])
@@ -298,7 +305,7 @@ class RedisBackend(Backend):
 
     @staticmethod
     def _eval(name: str, keys: Sequence[str], args: Sequence[str | int]) -> Command:
-        return ("EVALSHA", _LUA[name].sha, len(keys), *keys, *args)
+        return ("EVALSHA", SCRIPTS[name].sha, len(keys), *keys, *args)
 
     async def _run(self, commands: Sequence[Command]) -> list[Any]:
         """Send ``commands`` in one round trip; load missing scripts and resend those."""
@@ -307,7 +314,7 @@ class RedisBackend(Backend):
         missing = [i for i, r in enumerate(replies) if _is_noscript(r)]
         if missing:
             shas = {str(commands[i][1]) for i in missing}
-            await adapter.load_scripts([s.source for s in _LUA.values() if s.sha in shas])
+            await adapter.load_scripts([s.source for s in SCRIPTS.values() if s.sha in shas])
             again = [i for i, c in enumerate(commands) if i in missing or c[0] != "EVALSHA"]
             for i, reply in zip(again, await adapter.execute([commands[i] for i in again]),
                                 strict=True):
@@ -470,6 +477,50 @@ class RedisBackend(Backend):
             items += [self._attempt(name, _text(raw)) for raw in records]
         items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
         return items[:limit]
+
+    async def jobs(self) -> list[str]:
+        """Return every job under the prefix, sorted."""
+        (members,) = await self._run([("SMEMBERS", self._jobs_key)])
+        return sorted(_text(m) for m in members)
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first: open runs and those of the latest attempts.
+
+        Three pipelined round trips at most: the jobs, their open and recent slots, the
+        runs themselves.
+        """
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        names = await self.jobs() if job is None else [job]
+        if not names or limit == 0:
+            return []
+        commands: list[Command] = []
+        for name in names:
+            keys = self._job_keys(name)
+            commands.append(("ZRANGE", keys["open"], 0, -1))
+            if not open_only:
+                commands.append(("ZREVRANGE", keys["hist"], 0, limit - 1))
+        replies = iter(await self._run(commands))
+        wanted: list[tuple[str, int]] = []
+        for name in names:
+            slots = {int(_text(s)) for s in next(replies)}
+            if not open_only:
+                slots |= {int(_text(i).split(":")[0]) for i in next(replies)}
+            wanted += [(name, slot) for slot in sorted(slots, reverse=True)[:limit]]
+        if not wanted:
+            return []
+        rows = await self._run([("HMGET", self._run_key(name, slot), "st", "att", "inst", "exp")
+                                for name, slot in wanted])
+        found = []
+        for (name, slot), row in zip(wanted, rows, strict=True):
+            st, att, inst, exp = (None if v is None else _text(v) for v in row)
+            if st is None or (open_only and RunStatus(st).finished):
+                continue
+            found.append(RunInfo(name, slot, RunStatus(st), int(att or 0), inst,
+                                 int(exp) if exp and st == "running" else None))
+        found.sort(key=lambda r: (-r.slot, r.job))
+        return found[:limit]
 
     @staticmethod
     def _attempt(job: str, raw: str) -> Attempt:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._structures import Attempt, Outcome, Reason, RunStatus
+from ._structures import Attempt, Outcome, Reason, RunInfo, RunStatus
 from .errors import (
     AnarchonError,
     AuthenticationFailed,
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .abc import Backend
     from .context import Checkpoint, RunContext
     from .scheduler import Scheduler
+    from .sync import SyncScheduler
 
 __all__ = [
     "AnarchonError",
@@ -47,10 +48,12 @@ __all__ = [
     "Reason",
     "RedisBackend",
     "RunContext",
+    "RunInfo",
     "RunStatus",
     "Scheduler",
     "StopRequested",
     "StoreFormatError",
+    "SyncScheduler",
     "backend_from_url",
 ]
 
@@ -58,6 +61,7 @@ __version__ = "0.1.0"
 
 _LAZY: dict[str, tuple[str, str]] = {
     "Scheduler": ("lease_core.scheduler", ""),
+    "SyncScheduler": ("lease_core.sync", ""),
     "RunContext": ("lease_core.context", ""),
     "Checkpoint": ("lease_core.context", ""),
     "Backend": ("lease_core.abc", ""),

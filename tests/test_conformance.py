@@ -319,3 +319,38 @@ async def test_job_names_and_many_claims_are_isolated(store: Store) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_jobs_and_runs_describe_the_store_now(store: Store) -> None:
+    a = await started(store)
+    try:
+        done, handed = req("alpha", SLOT), req("beta", SLOT)
+        held = req("alpha", SLOT + 1000, overlap_skip=False)
+        for r in (done, held, handed):
+            assert (await a.claim(r)).status is ClaimStatus.WON
+        assert await a.finish(lease_of(done), Outcome.COMPLETED)
+        assert await a.hand_over([lease_of(handed)]) == {handed.token}
+        now = await a.now_ms()
+
+        assert await a.jobs() == ["alpha", "beta"]
+        runs = await a.runs()
+        assert [(r.job, r.slot, r.status) for r in runs] == [
+            ("alpha", SLOT + 1000, RunStatus.RUNNING),
+            ("alpha", SLOT, RunStatus.COMPLETED),
+            ("beta", SLOT, RunStatus.HANDED_OVER),
+        ]
+        running = runs[0]
+        assert running.instance_id == "a" and running.attempt == 1
+        assert running.expires_ms is not None and running.expires_ms > now
+        assert running.expires_at is not None and running.scheduled_at.year == 2023
+        assert runs[1].expires_ms is None and runs[2].expires_ms is None
+
+        open_runs = await a.runs(open_only=True)
+        assert {(r.job, r.slot) for r in open_runs} == {("alpha", SLOT + 1000), ("beta", SLOT)}
+        assert [r.slot for r in await a.runs("alpha")] == [SLOT + 1000, SLOT]
+        assert [r.slot for r in await a.runs("alpha", limit=1)] == [SLOT + 1000]
+        assert await a.runs("nobody") == []
+        with pytest.raises(ValueError, match="limit=-1"):
+            await a.runs(limit=-1)
+    finally:
+        await a.close()

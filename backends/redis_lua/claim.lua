@@ -86,7 +86,8 @@ if not last or tonumber(last) < slot_n then
   redis.call('HSET', job, 'last_slot', slot)
 end
 
-local st, attempt, exp, holder = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst'))
+local st, attempt, exp, holder, tok = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst',
+  'tok'))
 
 local function result(status, why)
   local s, a, e, i = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst'))
@@ -112,6 +113,13 @@ if not st then
   record(1, reason)
   trim()
   return result('won', reason)
+end
+
+-- A claim sent again with the token that holds the run (its first try took effect and
+-- the reply was lost with the connection) answers as the first try did.
+if st == 'running' and tok == token then
+  local rec = redis.call('HGET', att, slot .. ':' .. attempt)
+  return result('won', rec and cjson.decode(rec).r or reason)
 end
 
 -- 3. finished; 4. live lease held by another attempt
