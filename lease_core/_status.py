@@ -20,10 +20,10 @@ _RECENT = 20
 
 
 def iso(moment: datetime | None) -> str | None:
-    """ISO-8601 UTC with a ``Z`` and milliseconds, or ``None``."""
+    """ISO-8601 with milliseconds (``2026-11-30T02:00:00.000+00:00``), or ``None``."""
     if moment is None:
         return None
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return moment.isoformat(timespec="milliseconds")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The ``anarchon`` command line: ``demo``, ``migrate`` and ``history``.
+"""The ``anarchon`` command line: ``demo``, ``migrate``, ``history`` and ``status``.
 
 A mistake of the user's (a bad flag, URL, option or password, a missing extra) is reported
 in one line on stderr, never as a traceback. Exit codes: 0 success, 1 the command failed
@@ -16,13 +16,13 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any, NoReturn
 
 import anyio
 
 from . import __version__
 from ._redact import redact
+from ._status import iso as _iso
 from .errors import AnarchonError, ConfigurationError
 
 __all__ = ["main"]
@@ -73,12 +73,22 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--job", default=None, help="only this job (default: every job)")
     history.add_argument("--limit", type=_positive, default=20,
                          help="at most this many attempts (default 20)")
-    history.add_argument("--table", default=None, help="PostgreSQL table (default anarchon_runs)")
-    history.add_argument("--prefix", default=None, help="Redis key prefix (default anarchon_runs)")
-    history.add_argument("--namespace", default=None,
-                         help="the table or key prefix, whatever the store")
+    _namespace_options(history)
     history.add_argument("--json", action="store_true", help="print a JSON array")
+    status = sub.add_parser(
+        "status", help="the jobs the store knows, runs in progress, each job's last outcome")
+    status.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
+    status.add_argument("--job", default=None, help="only this job (default: every job)")
+    _namespace_options(status)
+    status.add_argument("--json", action="store_true", help="print a JSON object")
     return parser
+
+
+def _namespace_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--table", default=None, help="PostgreSQL table (default anarchon_runs)")
+    command.add_argument("--prefix", default=None, help="Redis key prefix (default anarchon_runs)")
+    command.add_argument("--namespace", default=None,
+                         help="the table or key prefix, whatever the store")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,7 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         table = anyio.run(lambda: migrate(args.url, table=args.table))
         print(f"anarchon migrate: the tables for {table!r} are ready")
         return 0
-    result: int = anyio.run(_history, args)
+    result: int = anyio.run(_status if args.command == "status" else _history, args)
     return result
 
 
@@ -156,15 +166,31 @@ _COLUMNS = ("job", "scheduled_at", "attempt", "instance_id", "reason", "outcome"
             "claimed_at", "finished_at", "error")
 
 
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat(timespec="milliseconds") if value is not None else None
-
-
-async def _history(args: argparse.Namespace) -> int:
+def _backend(args: argparse.Namespace) -> Any:
     from ._registry import backend_from_url
 
     options = {k: v for k in ("table", "prefix", "namespace") if (v := getattr(args, k))}
-    backend = backend_from_url(args.url, **options)
+    return backend_from_url(args.url, **options)
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from ._status import read_status, render_status
+
+    backend = _backend(args)
+    await backend.start()
+    try:
+        status = await read_status(backend, args.job)
+    finally:
+        await backend.close()
+    if args.json:
+        print(json.dumps(status.as_json(), indent=2))
+    else:
+        sys.stdout.write(render_status(status))
+    return 0
+
+
+async def _history(args: argparse.Namespace) -> int:
+    backend = _backend(args)
     await backend.start()
     try:
         attempts = await backend.history(args.job, args.limit)

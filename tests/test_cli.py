@@ -309,3 +309,54 @@ def test_history_of_a_redis_store(
         check_history_output(capsys, valkey8_server.url, ["--namespace", prefix])
     finally:
         delete_prefix(valkey8_server.url, prefix)
+
+
+def check_status_output(capsys: pytest.CaptureFixture[str], url: str, flag: list[str]) -> None:
+    assert main(["status", "--url", url, *flag]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("store time ")
+    assert lines[2].split()[:2] == ["JOB", "LAST"]
+    nightly = lines[3].split()
+    assert nightly[:3] == ["nightly", "failed", "2023-11-14T22:13:20.000+00:00"]
+    assert "slot 2023-11-14T22:14:20.000+00:00 attempt 1 held by host-a" in lines[3]
+    assert "lease" in lines[3]
+
+    assert main(["status", "--url", url, *flag, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (job,) = data["jobs"]
+    assert job["name"] == "nightly" and job["last"]["status"] == "failed"
+    assert [(r["slot"], r["instance_id"], r["status"]) for r in job["running"]] == [
+        (1_700_000_060_000, "host-a", "running")]
+    assert datetime.fromisoformat(job["running"][0]["lease_expires_at"]) > \
+        datetime.fromisoformat(data["now"])
+
+
+def test_status_of_a_postgres_store(
+    capsys: pytest.CaptureFixture[str], pg16_server: PgServer
+) -> None:
+    table = unique_table()
+    try:
+        assert main(["status", "--url", pg16_server.dsn, "--table", table]) == 0
+        assert "no jobs recorded yet" in capsys.readouterr().out
+        anyio.run(lambda: _seed(pg16_server.dsn, table=table))
+        check_status_output(capsys, pg16_server.dsn, ["--table", table])
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+def test_status_of_a_redis_store(
+    capsys: pytest.CaptureFixture[str], valkey8_server: EmbeddedRedis
+) -> None:
+    prefix = "cli_" + uuid.uuid4().hex[:8]
+    try:
+        anyio.run(lambda: _seed(valkey8_server.url, namespace=prefix))
+        check_status_output(capsys, valkey8_server.url, ["--namespace", prefix])
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+
+
+def test_status_needs_a_url(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["status"])
+    assert info.value.code == 2
+    assert "--url" in capsys.readouterr().err

@@ -40,10 +40,10 @@ async def test_status_shows_jobs_runs_in_progress_and_last_outcomes(store: Store
         assert [j["name"] for j in data["jobs"]] == ["export", "report"]
         export, report = data["jobs"]
         assert export["last"]["status"] == "completed"
-        assert export["last"]["scheduled_at"] == "2025-11-30T00:00:00.000Z"
+        assert export["last"]["scheduled_at"] == "2025-11-30T00:00:00.000+00:00"
         assert [r["instance_id"] for r in export["running"]] == ["c"]
         assert export["running"][0]["slot"] == SLOT + 60_000
-        assert export["running"][0]["lease_expires_at"].endswith("Z")
+        assert export["running"][0]["lease_expires_at"].endswith("+00:00")
         assert report["last"]["status"] == "failed" and report["running"] == []
         json.dumps(data)  # JSON-ready
 
