@@ -47,7 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -81,6 +81,9 @@ from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
 __all__ = ["SCRIPTS", "STORE_FORMAT", "RedisBackend", "Script"]
+
+#: Field prefix of a workflow's steps in the ``{P}:meta`` hash.
+_WORKFLOW_FIELD = "workflow:"
 
 #: The store format this version writes; a store with a newer one is refused.
 STORE_FORMAT = 1
@@ -477,6 +480,26 @@ class RedisBackend(Backend):
             items += [self._attempt(name, _text(raw)) for raw in records]
         items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
         return items[:limit]
+
+    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
+        """Record each workflow's steps in the ``{P}:meta`` hash (``workflow:<name>``)."""
+        if not workflows:
+            return
+        fields: list[str] = []
+        for name, steps in workflows.items():
+            fields += [_WORKFLOW_FIELD + name, json.dumps(list(steps))]
+        await self._run([("HSET", self._meta_key, *fields)])
+
+    async def workflows(self) -> dict[str, list[str]]:
+        """Return every recorded workflow's steps, in order."""
+        (raw,) = await self._run([("HGETALL", self._meta_key)])
+        pairs = raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2], strict=True)
+        found = {}
+        for key, value in pairs:
+            name = _text(key)
+            if name.startswith(_WORKFLOW_FIELD):
+                found[name[len(_WORKFLOW_FIELD):]] = [str(s) for s in json.loads(_text(value))]
+        return found
 
     async def jobs(self) -> list[str]:
         """Return every job under the prefix, sorted."""

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -210,6 +210,21 @@ class Backend(ABC):
     @abstractmethod
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return attempts, newest claim first, of one job or of all jobs."""
+
+    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
+        """Record each workflow's steps, in order, so readers of the store can show them.
+
+        A workflow's steps run as jobs ``<workflow>/<step>`` (see :mod:`lease_core.recovery`);
+        this records which jobs those are and their order, for status pages that have no
+        declarations. A newer registration replaces an older one. The default keeps them in
+        this object only; the built-in backends keep them in the store.
+        """
+        known = self.__dict__.setdefault("_workflows_here", {})
+        known.update({name: list(steps) for name, steps in workflows.items()})
+
+    async def workflows(self) -> dict[str, list[str]]:
+        """Return every recorded workflow's steps, in order (see :meth:`register_workflows`)."""
+        return dict(self.__dict__.get("_workflows_here", {}))
 
     async def jobs(self) -> list[str]:
         """Return the name of every job the store knows, sorted.
