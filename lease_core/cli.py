@@ -23,8 +23,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="which embedded store to start (default: postgres)")
     demo.add_argument("--dsn", "--url", dest="url", default=None,
                       help="run against this existing server instead of an embedded one")
-    migrate = sub.add_parser("migrate", help="create the PostgreSQL tables (privileged user)")
-    migrate.add_argument("--dsn", default=None, help="PostgreSQL DSN (default: PG* variables)")
+    migrate = sub.add_parser(
+        "migrate", help="create or upgrade the PostgreSQL store (privileged user)")
+    migrate.add_argument("--dsn", "--url", dest="dsn", default=None,
+                         help="PostgreSQL URL or DSN (default: PG* variables)")
     migrate.add_argument("--table", default="anarchon_runs", help="table name, may be schema.name")
     history = sub.add_parser("history", help="print the recorded attempts")
     history.add_argument("--url", required=True, help="backend URL, e.g. postgresql://...")
