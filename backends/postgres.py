@@ -16,7 +16,7 @@ transaction:
 1. a run that is finished, or held by a live lease, is reported from a plain read, with
    no lock and no write (backups standing by write nothing);
 2. otherwise every later lock wait is bounded on the server (``lock_timeout``, an eighth
-   of the lease, at most 5 s), so a claim its client gave up on never takes effect;
+   of the lease, at most 4 s), so a claim its client gave up on never takes effect;
 3. the job's row in ``<table>_jobs`` is locked (``SELECT … FOR UPDATE``, inserted when
    missing); the lock serialises the claims of one job, and since each statement of a
    VOLATILE function in READ COMMITTED takes a new snapshot, the second claimer always

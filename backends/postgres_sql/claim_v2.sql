@@ -10,8 +10,10 @@
 -- - Fast path: a run that is finished, or running with a live lease, is reported from a
 --   plain read, without any lock or write (backups standing by write nothing).
 -- - Every later lock wait is bounded on the server (lock_timeout, transaction-local, an
---   eighth of the lease and at most 5 s: well within the half lease a scheduler waits for
---   a claim), so a claim its client gave up on fails on the server too, writing nothing.
+--   eighth of the lease and at most 4 s), so a claim its client gave up on fails on the
+--   server too, writing nothing. A claim waits for two locks at most (the job row, or
+--   its insertion then the row): a quarter of the lease, within the half lease a
+--   scheduler waits for a claim, and 8 s, within pg8000's default 10 s socket timeout.
 -- - The job row is locked (SELECT ... FOR UPDATE; inserted when missing, race-safe
 --   through ON CONFLICT DO NOTHING), which serialises the claims of one job.
 -- - The run row is locked with SKIP LOCKED: a run locked by a fenced transaction (or a
@@ -59,7 +61,7 @@ BEGIN
         RETURN;
     END IF;
 
-    PERFORM set_config('lock_timeout', GREATEST(LEAST(p_lease_ms / 8, 5000), 10)::text, true);
+    PERFORM set_config('lock_timeout', GREATEST(LEAST(p_lease_ms / 8, 4000), 10)::text, true);
 
     SELECT j.last_slot, j.seq INTO v_last, v_seq
       FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
