@@ -46,10 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return 0 if run_demo(args.backend, args.url) else 1
         if args.command == "migrate":
-            from backends.postgres import migrate
+            from backends.postgres import CODE_VERSION, migrate
 
             anyio.run(lambda: migrate(args.dsn, table=args.table))
-            print(f"anarchon: tables for {args.table!r} are ready")
+            print(f"anarchon: tables for {args.table!r} are ready (store code v{CODE_VERSION})")
             return 0
         if args.command == "history":
             return anyio.run(_history, args)

@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import psycopg
 import pytest
 
 from backends.postgres import CODE_VERSION, PostgresBackend, migrate, quote_ident
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason
+from lease_core.cli import main
 from lease_core.errors import ConfigurationError
 from tests.helpers import wait_for
 from tests.stores.postgres import PgServer, drop_tables, unique_table
@@ -231,3 +233,21 @@ async def test_privileged_start_upgrades_a_v1_store(
             await backend.close()
     finally:
         await drop_tables(pg16_server.admin_dsn, table)
+
+
+def test_the_migrate_command_named_by_the_error_upgrades(
+    pg16_server: PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = unique_table()
+    sql(pg16_server.admin_dsn, FIXTURE.read_text().format(**names(table)))
+    try:
+        old = OldRelease(pg16_server.dsn, table)
+        assert old.claim(1, "held", 60_000)[0] == "won"
+        assert main(["migrate", "--url", pg16_server.admin_dsn, "--table", table]) == 0
+        assert f"store code v{CODE_VERSION}" in capsys.readouterr().out
+        assert set(functions(pg16_server, table)) == {f"{table}_claim",
+                                                      f"{table}_claim_v{CODE_VERSION}"}
+        assert sql(pg16_server.admin_dsn, f"SELECT status, token, takeovers FROM {table}") == [
+            ("running", "held", None)]
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
