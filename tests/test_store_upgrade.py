@@ -20,10 +20,11 @@ import anyio
 import psycopg
 import pytest
 
+from backends import postgres
 from backends.postgres import CODE_VERSION, PostgresBackend, migrate, quote_ident
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason
 from lease_core.cli import main
-from lease_core.errors import ConfigurationError
+from lease_core.errors import BackendUnavailable, ConfigurationError
 from tests.helpers import wait_for
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 
@@ -251,3 +252,26 @@ def test_the_migrate_command_named_by_the_error_upgrades(
             ("running", "held", None)]
     finally:
         anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+async def test_an_upgrade_blocked_by_a_long_transaction_gives_up_and_changes_nothing(
+    pg16_server: PgServer, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(postgres, "MIGRATION_LOCK_TIMEOUT_MS", 100)
+    table = unique_table()
+    sql(pg16_server.admin_dsn, FIXTURE.read_text().format(**names(table)))
+    try:
+        old = OldRelease(pg16_server.dsn, table)
+        assert old.claim(1, "held", 60_000)[0] == "won"
+        with psycopg.connect(pg16_server.admin_dsn) as fenced:  # a long transaction
+            fenced.execute(f"SELECT 1 FROM {table} WHERE slot = 1 FOR UPDATE")
+            with pytest.raises(BackendUnavailable, match="run `anarchon migrate` again"):
+                with anyio.fail_after(30):
+                    await migrate(pg16_server.dsn, table=table)
+            assert set(functions(pg16_server, table)) == {f"{table}_claim"}
+            fenced.rollback()
+        await migrate(pg16_server.dsn, table=table)
+        assert set(functions(pg16_server, table)) == {f"{table}_claim",
+                                                      f"{table}_claim_v{CODE_VERSION}"}
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
