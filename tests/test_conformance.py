@@ -186,6 +186,31 @@ async def test_escalation_after_max_attempts(store: Store) -> None:
         await a.close()
 
 
+async def test_max_attempts_counts_takeovers_not_hand_overs(store: Store) -> None:
+    """A run handed over on a deploy and then crashed is taken over, not escalated."""
+    a = await started(store)
+    try:
+        first = req("j", max_attempts=2)
+        assert (await a.claim(first)).attempt == 1
+        assert await a.hand_over([lease_of(first)]) == {first.token}
+        handed = await a.claim(req("j", instance="b", lease_ms=SHORT, max_attempts=2))
+        assert (handed.status, handed.attempt, handed.reason) == (
+            ClaimStatus.WON, 2, Reason.HAND_OVER)
+        await wait_expired(a, "j")  # the attempt that started by hand-over crashed
+        taken = await a.claim(req("j", instance="c", lease_ms=SHORT, max_attempts=2))
+        assert (taken.status, taken.attempt, taken.reason) == (
+            ClaimStatus.WON, 3, Reason.TAKEOVER)
+        await wait_expired(a, "j")  # the first attempt and one takeover: max_attempts=2
+        last = await a.claim(req("j", instance="d", max_attempts=2))
+        assert (last.status, last.attempt) == (ClaimStatus.ESCALATED, 3)
+        outcomes = [(h.attempt, h.reason, h.outcome) for h in await a.history("j")]
+        assert outcomes == [(3, Reason.TAKEOVER, Outcome.ESCALATED),
+                            (2, Reason.HAND_OVER, Outcome.LOST),
+                            (1, Reason.SCHEDULED, Outcome.HANDED_OVER)]
+    finally:
+        await a.close()
+
+
 async def test_overlap_skip_is_recorded_and_allow_runs_both(store: Store) -> None:
     a = await started(store)
     try:
