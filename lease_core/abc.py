@@ -23,8 +23,8 @@ jobs never wait for each other):
 
 3. If the run is finished, return ``FINISHED`` with its status.
 4. If it is ``running`` with ``expires > now``, return ``RUNNING`` (stand by as backup).
-   A backend that may send a claim again after losing its reply (Redis) answers ``WON``,
-   changing nothing, when the request's token is the one holding the run.
+   But when the request's token is the one holding the run (the same claim sent again
+   after its reply was lost), return ``WON`` as the first answer did, changing nothing.
 5. If it is ``handed_over``: the next attempt takes it with reason ``hand-over``
    (a hand-over never escalates, whatever the attempt number); return ``WON``.
 6. If it is ``running`` with ``expires <= now``: when ``max_attempts`` is set and the run's

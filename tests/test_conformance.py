@@ -379,3 +379,18 @@ async def test_jobs_and_runs_describe_the_store_now(store: Store) -> None:
             await a.runs(limit=-1)
     finally:
         await a.close()
+
+
+async def test_a_claim_sent_again_with_its_token_answers_won(store: Store) -> None:
+    a = await started(store)
+    try:
+        r = req("j")
+        first = await a.claim(r)
+        again = await a.claim(r)
+        assert (again.status, again.attempt, again.reason) == (
+            ClaimStatus.WON, 1, Reason.SCHEDULED)
+        assert again.expires_ms == first.expires_ms
+        assert len(await a.history("j")) == 1
+        assert (await a.claim(req("j", instance="b"))).status is ClaimStatus.RUNNING
+    finally:
+        await a.close()

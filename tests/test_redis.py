@@ -493,15 +493,6 @@ async def test_calls_after_a_restart_do_not_fail_on_stale_connections(
                 await close() if close is not None else connection.close()
 
 
-async def test_a_claim_sent_again_with_its_token_answers_won(backend: RedisBackend) -> None:
-    first = await backend.claim(_request("job", 1, "a"))
-    again = await backend.claim(_request("job", 1, "a"))
-    assert (again.status, again.attempt, again.reason) == (ClaimStatus.WON, 1, Reason.SCHEDULED)
-    assert again.expires_ms == first.expires_ms
-    assert len(await backend.history("job")) == 1
-    other = await backend.claim(_request("job", 1, "b"))
-    assert other.status is ClaimStatus.RUNNING
-
 
 # -- replication acknowledgement -------------------------------------------------------
 

@@ -8,7 +8,8 @@
 -- claimer committed.
 --
 -- - Fast path: a run that is finished, or running with a live lease, is reported from a
---   plain read, without any lock or write (backups standing by write nothing).
+--   plain read, without any lock or write (backups standing by write nothing). A claim
+--   whose token already holds the run (sent again after a lost reply) answers 'won'.
 -- - Every later lock wait is bounded on the server (lock_timeout, transaction-local, an
 --   eighth of the lease and at most 4 s), so a claim its client gave up on fails on the
 --   server too, writing nothing. A claim waits for two locks at most (the job row, or
@@ -41,6 +42,7 @@ DECLARE
     v_attempt integer;
     v_instance text;
     v_expires bigint;
+    v_token text;
     v_takeovers integer;
     v_last bigint;
     v_seq bigint;
@@ -48,11 +50,20 @@ DECLARE
     v_reason text;
     v_wrote boolean := false;
 BEGIN
-    SELECT r.status, r.attempt, r.instance_id, r.expires_ms
-      INTO v_status, v_attempt, v_instance, v_expires
+    SELECT r.status, r.attempt, r.instance_id, r.expires_ms, r.token
+      INTO v_status, v_attempt, v_instance, v_expires, v_token
       FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
     v_found := FOUND;
     v_now := {now};
+    IF v_found AND v_status = 'running' AND v_token = p_token THEN
+        -- the same claim sent again after its reply was lost: answer as the first did
+        SELECT a.reason INTO c_reason FROM {attempts} a
+        WHERE a.job = p_job AND a.slot = p_slot AND a.attempt = v_attempt;
+        c_status := 'won'; c_now := v_now; c_attempt := v_attempt; c_expires := v_expires;
+        c_run_status := v_status; c_instance := v_instance;
+        c_reason := COALESCE(c_reason, p_reason);
+        RETURN;
+    END IF;
     IF v_found AND (v_status NOT IN ('running', 'handed_over')
                     OR (v_status = 'running' AND v_expires > v_now)) THEN
         c_status := CASE WHEN v_status = 'running' THEN 'running' ELSE 'finished' END;
