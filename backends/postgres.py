@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import json
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -644,6 +645,20 @@ class PostgresBackend(Backend):
                     None if error is None else str(error))
             for j, slot, attempt, instance, reason, claimed, finished, outcome, error in rows
         ]
+
+    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
+        """Record each workflow's steps in ``<table>_meta`` (one statement; rewrites only
+        what changed)."""
+        if not workflows:
+            return
+        names = sorted(workflows)
+        await self._adapter.all(self._sql.write_workflows, (
+            names, [json.dumps(list(workflows[name])) for name in names]))
+
+    async def workflows(self) -> dict[str, list[str]]:
+        """Return every recorded workflow's steps, in order."""
+        rows = await self._adapter.all(self._sql.read_workflows)
+        return {str(name): [str(s) for s in json.loads(value)] for name, value in rows}
 
     async def jobs(self) -> list[str]:
         """Return every job in ``<table>_jobs``, sorted."""

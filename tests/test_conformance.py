@@ -394,3 +394,19 @@ async def test_a_claim_sent_again_with_its_token_answers_won(store: Store) -> No
         assert (await a.claim(req("j", instance="b"))).status is ClaimStatus.RUNNING
     finally:
         await a.close()
+
+
+async def test_workflow_steps_are_recorded_in_the_store(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        assert await b.workflows() == {}
+        await a.register_workflows({"close": ["snapshot", "interest", "publish"],
+                                    "sync": ["pull"]})
+        await a.register_workflows({"sync": ["pull", "push"]})  # a newer declaration wins
+        assert await b.workflows() == {"close": ["snapshot", "interest", "publish"],
+                                       "sync": ["pull", "push"]}
+        await a.register_workflows({})
+        assert len(await b.workflows()) == 2
+    finally:
+        await a.close()
+        await b.close()

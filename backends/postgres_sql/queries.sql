@@ -203,6 +203,16 @@ ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint
 -- name: list_jobs
 SELECT job FROM {jobs} ORDER BY job
 
+-- name: write_workflows
+-- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.
+INSERT INTO {meta} (key, value)
+SELECT 'workflow:' || w.name, w.steps FROM unnest(%s::text[], %s::text[]) AS w(name, steps)
+ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
+WHERE {meta}.value IS DISTINCT FROM EXCLUDED.value
+
+-- name: read_workflows
+SELECT substr(key, 10), value FROM {meta} WHERE left(key, 9) = 'workflow:' ORDER BY key
+
 -- name: list_runs
 SELECT job, slot, status, attempt, instance_id, expires_ms FROM {runs}
 WHERE (%s::text IS NULL OR job = %s::text)
