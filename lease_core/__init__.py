@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ._registry import backend_from_url
     from .abc import Backend
     from .context import Checkpoint, RunContext
-    from .scheduler import Scheduler
+    from .scheduler import Scheduler, SchedulerState
 
 __all__ = [
     "AnarchonError",
@@ -47,6 +47,7 @@ __all__ = [
     "RunContext",
     "RunStatus",
     "Scheduler",
+    "SchedulerState",
     "StopRequested",
     "StoreFormatError",
     "backend_from_url",
@@ -56,6 +57,7 @@ __version__ = "0.1.0"
 
 _LAZY: dict[str, tuple[str, str]] = {
     "Scheduler": ("lease_core.scheduler", ""),
+    "SchedulerState": ("lease_core.scheduler", ""),
     "RunContext": ("lease_core.context", ""),
     "Checkpoint": ("lease_core.context", ""),
     "Backend": ("lease_core.abc", ""),
