@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ._registry import backend_from_url
     from .abc import Backend
     from .context import Checkpoint, RunContext
-    from .scheduler import Scheduler, SchedulerState
+    from .scheduler import Health, Scheduler, SchedulerState
 
 __all__ = [
     "AnarchonError",
@@ -38,6 +38,7 @@ __all__ = [
     "BackendUnavailable",
     "Checkpoint",
     "ConfigurationError",
+    "Health",
     "LeaseLost",
     "MemoryBackend",
     "Outcome",
@@ -58,6 +59,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, tuple[str, str]] = {
     "Scheduler": ("lease_core.scheduler", ""),
     "SchedulerState": ("lease_core.scheduler", ""),
+    "Health": ("lease_core.scheduler", ""),
     "RunContext": ("lease_core.context", ""),
     "Checkpoint": ("lease_core.context", ""),
     "Backend": ("lease_core.abc", ""),

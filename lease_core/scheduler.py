@@ -40,7 +40,7 @@ from .context import RunContext
 from .errors import AnarchonError, ConfigurationError
 from .schedules import CronSchedule, IntervalSchedule, Schedule
 
-__all__ = ["CATCH_UP_LIMIT", "CATCH_UP_WINDOW_MS", "Job", "Scheduler", "SchedulerState"]
+__all__ = ["CATCH_UP_LIMIT", "CATCH_UP_WINDOW_MS", "Health", "Job", "Scheduler", "SchedulerState"]
 
 logger = logging.getLogger("anarchon")
 
@@ -68,6 +68,26 @@ class SchedulerState(StrEnum):
     """Claiming slots, running handlers, renewing leases and backing up other instances."""
     STOPPING = "stopping"
     """No new claims; handlers finish or are cancelled, held runs are handed over."""
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """What :meth:`Scheduler.health` reports, for liveness and readiness probes."""
+
+    state: SchedulerState
+    store_reachable: bool
+    """True when the store answered within the last ``lease`` (the scheduler's default)."""
+    since_store_answer: float | None
+    """Seconds since the store last answered, or ``None`` when it has not since start."""
+    runs_held: int
+    """Runs this instance is executing."""
+    runs_watched: int
+    """Runs this instance backs up (or must claim again)."""
+
+    @property
+    def ready(self) -> bool:
+        """True when the scheduler is running and its store answers."""
+        return self.state is SchedulerState.RUNNING and self.store_reachable
 
 
 # Set inside the scheduler's handler tasks, so stop() called by a handler does not wait
@@ -225,6 +245,8 @@ class Scheduler:
         self._to_hand_over: dict[str, Lease] = {}
         self._clock_samples = _ClockSamples()
         self._offset_ms = 0.0
+        self._last_answer: float | None = None
+        """When the store last answered (local monotonic clock), for health()."""
         self._state = SchedulerState.STOPPED
         self._tg: TaskGroup | None = None
         self._claims_in_flight = 0
@@ -387,6 +409,23 @@ class Scheduler:
         """The runs (job, slot) this instance backs up."""
         return list(self._watch)
 
+    def health(self) -> Health:
+        """Whether the store answered within the last lease, and what this instance holds.
+
+        An idle running instance asks the store once per heartbeat, so ``store_reachable``
+        turns false within a lease of the store becoming unreachable, and true again at
+        the first heartbeat it answers.
+        """
+        since = None if self._last_answer is None else max(0.0, self._clock() - self._last_answer)
+        return Health(
+            state=self._state,
+            store_reachable=(self._state is not SchedulerState.STOPPED and since is not None
+                             and since <= self.lease),
+            since_store_answer=since,
+            runs_held=len(self._held),
+            runs_watched=len(self._watch),
+        )
+
     # ----------------------------------------------------------------- store clock
 
     def store_now_ms(self) -> int:
@@ -399,6 +438,7 @@ class Scheduler:
         s = self._clock_samples
         s.samples.append((rtt, offset))
         s.last_sample = received
+        self._last_answer = received
         self._offset_ms = min(s.samples)[1]
 
     async def _sample_clock(self) -> None:
@@ -426,6 +466,7 @@ class Scheduler:
             )
         self._state = SchedulerState.STARTING
         self._crashed = False
+        self._last_answer = None
         self._grace = 0.0
         self._loop_scopes = []
         self._run_scope = anyio.CancelScope()
@@ -908,7 +949,9 @@ class Scheduler:
     async def _tick(self) -> None:
         await self._renew()
         await self._check_watched()
-        if self._clock() - self._clock_samples.last_sample > 60:
+        # An idle instance still asks the store once per heartbeat, so health() knows it
+        # answers; the clock is sampled at least every minute.
+        if self._clock() - self._clock_samples.last_sample > min(60.0, self.heartbeat / 2):
             await self._sample_clock()
 
     async def _renew(self) -> None:
