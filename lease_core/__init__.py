@@ -9,6 +9,7 @@ when its backend is used, with a message naming the extra to install.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ._structures import Attempt, Outcome, Reason, RunStatus
@@ -55,6 +56,9 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# The library logs to "anarchon"; the application decides where that goes.
+logging.getLogger("anarchon").addHandler(logging.NullHandler())
 
 _LAZY: dict[str, tuple[str, str]] = {
     "Scheduler": ("lease_core.scheduler", ""),

@@ -34,6 +34,7 @@ from ._structures import (
     Lease,
     Outcome,
     Reason,
+    format_slot,
 )
 from .abc import Backend
 from .context import RunContext
@@ -777,7 +778,7 @@ class Scheduler:
             try:
                 result = await self.backend.check([key])
             except Exception as exc:
-                _log_failure(f"check of {job} slot {slot}", exc)
+                _log_failure(f"check of {job} slot {format_slot(slot)}", exc)
                 continue
             state = result.runs.get(key)
             if state is None or state.status.finished:
@@ -803,7 +804,7 @@ class Scheduler:
                 try:
                     result = await self.backend.claim(request)
                 except Exception as exc:
-                    _log_failure(f"claim of {job.name} slot {slot} (will retry)", exc)
+                    _log_failure(f"claim of {job.name} slot {format_slot(slot)} (will retry)", exc)
         finally:
             self._claims_in_flight -= 1
             if not self._claims_in_flight and self._claims_idle is not None:
@@ -825,11 +826,11 @@ class Scheduler:
         else:
             self._watch.pop(key, None)
             if result.status is ClaimStatus.SKIPPED:
-                logger.info("%s slot %d skipped: an earlier run still holds its lease",
-                            job.name, slot)
+                logger.info("%s slot %s skipped: an earlier run still holds its lease",
+                            job.name, format_slot(slot))
             elif result.status is ClaimStatus.ESCALATED:
-                logger.error("%s slot %d escalated after %d attempts", job.name, slot,
-                             result.attempt)
+                logger.error("%s slot %s escalated after %d attempts", job.name,
+                             format_slot(slot), result.attempt)
         return result
 
     # ----------------------------------------------------------------- running handlers
@@ -846,8 +847,9 @@ class Scheduler:
         # The store's lease started no earlier than the claim was sent.
         held.set_deadline(self._deadline(sent_loop, job))
         ctx._transaction_hook = held.transaction_hook
-        logger.info("%s slot %d: %s won attempt %d (%s)", job.name, lease.slot,
-                    self.instance_id, result.attempt, reason)
+        logger.info("%s slot %s (%d): %s won attempt %d (%s)", job.name,
+                    format_slot(lease.slot), lease.slot, self.instance_id, result.attempt,
+                    reason)
         self._tg.start_soon(self._execute, held)
 
     def _deadline(self, sent_loop: float, job: Job) -> float:
@@ -893,9 +895,11 @@ class Scheduler:
                 held.lost = True
                 ctx._request_stop(error or "lease lost")
                 if interrupted is Interruption.DEADLINE:
-                    logger.warning("%s slot %d: %s; handler cancelled", job.name, slot, error)
+                    logger.warning("%s slot %s: %s; handler cancelled", job.name,
+                                   format_slot(slot), error)
                 else:
-                    logger.warning("%s slot %d: lease lost: %s", job.name, slot, error)
+                    logger.warning("%s slot %s: lease lost: %s", job.name, format_slot(slot),
+                                   error)
             self._watch[(job.name, slot)] = _Watched(job)
             return
         if outcome is Outcome.HANDED_OVER:
@@ -904,16 +908,17 @@ class Scheduler:
         if outcome is Outcome.TIMED_OUT:
             ctx._request_stop("timed out")
         elif outcome is Outcome.FAILED:
-            logger.warning("%s slot %d failed: %s", job.name, slot, error)
+            logger.warning("%s slot %s (%d) attempt %d failed: %s", job.name,
+                           format_slot(slot), slot, ctx.attempt, error, exc_info=raised)
         if outcome is Outcome.COMPLETED and ctx.completed_by_transaction:
             return
         with anyio.move_on_after(10, shield=True) as finish_scope:
             try:
                 if not await self.backend.finish(held.lease, outcome, error):
-                    logger.warning("%s slot %d: lease lost before finishing (%s)",
-                                   job.name, slot, outcome)
+                    logger.warning("%s slot %s: lease lost before finishing (%s)",
+                                   job.name, format_slot(slot), outcome)
             except Exception as exc:
-                _log_failure(f"finish of {job.name} slot {slot}", exc)
+                _log_failure(f"finish of {job.name} slot {format_slot(slot)}", exc)
                 self._watch[(job.name, slot)] = _Watched(job)
         if finish_scope.cancelled_caught:
             # Unknown whether it finished: watch it, so it is taken over if not.
@@ -924,7 +929,8 @@ class Scheduler:
         held.cancel_reason = why
         held.ctx._request_stop(str(why))
         held.scope.cancel()
-        logger.warning("%s slot %d: %s; handler cancelled", held.job.name, held.lease.slot, why)
+        logger.warning("%s slot %s: %s; handler cancelled", held.job.name,
+                       format_slot(held.lease.slot), why)
 
     # ----------------------------------------------------------------- heartbeats, backups
 
@@ -989,8 +995,8 @@ class Scheduler:
                 # catch_up="all" whose runs may overlap). The older run is still watched,
                 # in case an unanswered claim won it.
                 self._watch[key] = _Watched(retry.job)
-                logger.warning("%s slot %d not claimed while the store was unreachable; "
-                               "claiming the newer slot instead", key[0], key[1])
+                logger.warning("%s slot %s not claimed while the store was unreachable; "
+                               "claiming the newer slot instead", key[0], format_slot(key[1]))
                 continue
             assert retry.retry_reason is not None
             self._watch.pop(key, None)
