@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -22,7 +23,9 @@ import anyio
 import anyio.to_thread
 import sniffio
 from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from . import events as ev
 from ._durations import Duration, parse_duration, to_ms
 from ._outcome import Interruption, decide_outcome
 from ._structures import (
@@ -41,13 +44,23 @@ from .context import RunContext
 from .errors import AnarchonError, ConfigurationError
 from .schedules import CronSchedule, IntervalSchedule, Schedule
 
-__all__ = ["CATCH_UP_LIMIT", "CATCH_UP_WINDOW_MS", "Health", "Job", "Scheduler", "SchedulerState"]
+__all__ = [
+    "CATCH_UP_LIMIT",
+    "CATCH_UP_WINDOW_MS",
+    "EVENT_BUFFER",
+    "Health",
+    "Job",
+    "Scheduler",
+    "SchedulerState",
+]
 
 logger = logging.getLogger("anarchon")
 
 Handler = Callable[[RunContext], Any]
 H = TypeVar("H", bound=Handler)
 
+#: Events a subscriber may fall behind by; later ones are dropped (and counted).
+EVENT_BUFFER = 1000
 #: Catch-up never looks further back than this (milliseconds).
 CATCH_UP_WINDOW_MS = 24 * 3_600_000
 #: ``catch_up="all"`` runs at most this many missed slots per job.
@@ -158,6 +171,24 @@ class _Watched:
     retry_reason: Reason | None = None
 
 
+@dataclass(eq=False)
+class _Subscriber:
+    """A callback subscribed to events, and its stream while the scheduler runs."""
+
+    callback: Callable[[ev.Event], Any]
+    is_async: bool
+    send: MemoryObjectSendStream[ev.Event] | None = None
+    dropped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _AttemptInfo:
+    attempt: int
+    reason: Reason
+    started: float
+    """When the claim was sent (anyio clock)."""
+
+
 @dataclass
 class _ClockSamples:
     samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=8))
@@ -174,7 +205,7 @@ def _log_failure(what: str, exc: Exception) -> None:
 
 
 
-def _is_async(handler: Handler) -> bool:
+def _is_async(handler: Callable[..., Any]) -> bool:
     if inspect.iscoroutinefunction(handler):
         return True
     call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects too
@@ -248,6 +279,12 @@ class Scheduler:
         self._offset_ms = 0.0
         self._last_answer: float | None = None
         """When the store last answered (local monotonic clock), for health()."""
+        self._store_down_since: float | None = None
+        self._subscribers: list[_Subscriber] = []
+        self._events_tg: TaskGroup | None = None
+        self._events_dropped = 0
+        self._receivers: list[MemoryObjectReceiveStream[ev.Event]] = []
+        self._attempts: dict[str, _AttemptInfo] = {}
         self._state = SchedulerState.STOPPED
         self._tg: TaskGroup | None = None
         self._claims_in_flight = 0
@@ -440,6 +477,10 @@ class Scheduler:
         s.samples.append((rtt, offset))
         s.last_sample = received
         self._last_answer = received
+        if self._store_down_since is not None:
+            downtime, self._store_down_since = received - self._store_down_since, None
+            logger.info("the store answers again after %.1fs", downtime)
+            self._emit(ev.StoreBack(instance_id=self.instance_id, downtime=downtime))
         self._offset_ms = min(s.samples)[1]
 
     async def _sample_clock(self) -> None:
@@ -556,33 +597,27 @@ class Scheduler:
                 infos = await self._open()
                 opened = True
                 try:
-                    async with anyio.create_task_group() as tg:
-                        self._tg = tg
-                        for name, job in self._jobs.items():
-                            info = infos[name]
-                            for slot in info.open_slots:
-                                self._watch[(name, slot)] = _Watched(job)
-                            tg.start_soon(self._job_loop, job, info)
-                        tg.start_soon(self._ticker)
-                        if self._state is SchedulerState.STARTING:
-                            self._state = SchedulerState.RUNNING
-                        logger.info("instance %s started with %d jobs", self.instance_id,
-                                    len(self._jobs))
-                        task_status.started()
-                        assert self._stop_requested is not None
-                        await self._stop_requested.wait()
-                        await self._stop_gracefully()
-                        tg.cancel_scope.cancel()
+                    async with anyio.create_task_group() as events_tg:
+                        self._events_tg = events_tg
+                        for sub in self._subscribers:
+                            self._open_subscriber(sub)
+                        await self._run_jobs(infos, task_status)
+                        # Deliver what is left, for a moment at most.
+                        self._close_subscribers(senders_only=True)
+                        events_tg.cancel_scope.deadline = (
+                            anyio.current_time() + max(1.0, self.heartbeat))
                 except anyio.get_cancelled_exc_class():
                     # Cancelled from outside (or aborted): behave like a crash.
                     self._crashed = True
                     raise
         finally:
             self._state = SchedulerState.STOPPING
-            self._tg = None
+            self._tg = self._events_tg = None
+            self._close_subscribers()
             self._held.clear()
             self._watch.clear()
             self._to_hand_over.clear()
+            self._attempts.clear()
             try:
                 if opened:
                     with anyio.move_on_after(10, shield=True):
@@ -591,6 +626,100 @@ class Scheduler:
                 self._state = SchedulerState.STOPPED
                 self._done.set()
                 logger.info("instance %s stopped", self.instance_id)
+
+    async def _run_jobs(self, infos: dict[str, JobInfo], task_status: TaskStatus[None]) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            for name, job in self._jobs.items():
+                info = infos[name]
+                for slot in info.open_slots:
+                    self._watch[(name, slot)] = _Watched(job)
+                tg.start_soon(self._job_loop, job, info)
+            tg.start_soon(self._ticker)
+            if self._state is SchedulerState.STARTING:
+                self._state = SchedulerState.RUNNING
+            logger.info("instance %s started with %d jobs", self.instance_id, len(self._jobs))
+            task_status.started()
+            assert self._stop_requested is not None
+            await self._stop_requested.wait()
+            await self._stop_gracefully()
+            tg.cancel_scope.cancel()
+
+    # ----------------------------------------------------------------- events
+
+    def subscribe(self, callback: Callable[[ev.Event], Any]) -> Callable[[], None]:
+        """Call ``callback`` with every event (see :mod:`lease_core.events`); return a
+        function that unsubscribes it.
+
+        ``callback`` may be a coroutine function (awaited in a task of the scheduler) or
+        a plain function (called in a worker thread). Each subscriber gets the events in
+        order through its own buffer of :data:`EVENT_BUFFER` events: a slow subscriber
+        never delays heartbeats or claims; when its buffer is full, newer events are
+        dropped and counted (:attr:`events_dropped`). An exception raised by ``callback``
+        is logged, and the subscriber stays subscribed. May be called before or after
+        :meth:`start`, from the event loop's thread.
+        """
+        if not callable(callback):
+            raise ConfigurationError(f"subscribe({callback!r}): the callback must be callable")
+        sub = _Subscriber(callback, _is_async(callback))
+        self._subscribers.append(sub)
+        if self._events_tg is not None:
+            self._open_subscriber(sub)
+
+        def unsubscribe() -> None:
+            if sub in self._subscribers:
+                self._subscribers.remove(sub)
+            if sub.send is not None:
+                sub.send.close()
+
+        return unsubscribe
+
+    @property
+    def events_dropped(self) -> int:
+        """Events dropped because a subscriber's buffer was full (since creation)."""
+        return self._events_dropped
+
+    def _open_subscriber(self, sub: _Subscriber) -> None:
+        assert self._events_tg is not None
+        sub.send, receive = anyio.create_memory_object_stream[ev.Event](EVENT_BUFFER)
+        self._receivers.append(receive)
+        self._events_tg.start_soon(self._dispatch, sub, receive)
+
+    def _close_subscribers(self, *, senders_only: bool = False) -> None:
+        for sub in self._subscribers:
+            if sub.send is not None:
+                sub.send.close()
+                sub.send = None
+        if not senders_only:
+            for receive in self._receivers:
+                receive.close()
+            self._receivers.clear()
+
+    def _emit(self, event: ev.Event) -> None:
+        for sub in self._subscribers:
+            if sub.send is None:
+                continue
+            try:
+                sub.send.send_nowait(event)
+            except anyio.WouldBlock:
+                sub.dropped += 1
+                self._events_dropped += 1
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+
+    async def _dispatch(self, sub: _Subscriber,
+                        receive: MemoryObjectReceiveStream[ev.Event]) -> None:
+        with receive, contextlib.suppress(anyio.ClosedResourceError):
+            async for event in receive:
+                try:
+                    if sub.is_async:
+                        await sub.callback(event)
+                    else:
+                        await anyio.to_thread.run_sync(sub.callback, event,
+                                                       abandon_on_cancel=True)
+                except Exception as exc:
+                    logger.error("event subscriber %r failed on %s", sub.callback,
+                                 type(event).__name__, exc_info=exc)
 
     async def _open(self) -> dict[str, JobInfo]:
         await self.backend.start()
@@ -673,11 +802,17 @@ class Scheduler:
         leases = list(self._to_hand_over.values()) + [h.lease for h in self._held.values()]
         if leases:
             with anyio.move_on_after(10, shield=True):
+                done: frozenset[str] = frozenset()
                 try:
                     done = await self.backend.hand_over(leases)
                     logger.info("instance %s handed over %d runs", self.instance_id, len(done))
                 except Exception as exc:
-                    _log_failure("hand-over", exc)
+                    self._store_failed("hand-over", exc)
+            for lease in leases:
+                if lease.token in done:
+                    self._ended(ev.HandedOver, lease)
+                else:
+                    self._ended(ev.Lost, lease, why="not handed over")
         self._to_hand_over.clear()
 
     async def __aenter__(self) -> Scheduler:
@@ -778,7 +913,7 @@ class Scheduler:
             try:
                 result = await self.backend.check([key])
             except Exception as exc:
-                _log_failure(f"check of {job} slot {format_slot(slot)}", exc)
+                self._store_failed(f"check of {job} slot {format_slot(slot)}", exc)
                 continue
             state = result.runs.get(key)
             if state is None or state.status.finished:
@@ -804,7 +939,8 @@ class Scheduler:
                 try:
                     result = await self.backend.claim(request)
                 except Exception as exc:
-                    _log_failure(f"claim of {job.name} slot {format_slot(slot)} (will retry)", exc)
+                    self._store_failed(
+                        f"claim of {job.name} slot {format_slot(slot)} (will retry)", exc)
         finally:
             self._claims_in_flight -= 1
             if not self._claims_in_flight and self._claims_idle is not None:
@@ -813,9 +949,18 @@ class Scheduler:
             # Unknown outcome (error or too slow): retry, or take it over if it was won.
             self._watch[(job.name, slot)] = _Watched(job, retry_reason=reason)
             return None
-        self._note_clock(result.now_ms, sent, self._clock())
+        received = self._clock()
+        self._note_clock(result.now_ms, sent, received)
+        took = received - sent
         key = (job.name, slot)
         lease = Lease(job.name, slot, token, job.lease_ms)
+        run: dict[str, Any] = {"instance_id": self.instance_id, "job": job.name, "slot": slot}
+        if result.status is ClaimStatus.WON:
+            won = result.reason or Reason.SCHEDULED
+            self._attempts[token] = _AttemptInfo(result.attempt, won, sent_loop)
+            self._emit(ev.Claimed(**run, attempt=result.attempt, reason=won, claim_duration=took))
+            if won in (Reason.TAKEOVER, Reason.HAND_OVER):
+                self._emit(ev.TakenOver(**run, attempt=result.attempt, reason=won))
         if result.status is ClaimStatus.WON and (self._stopping or self._tg is None):
             self._to_hand_over[token] = lease
         elif result.status is ClaimStatus.WON:
@@ -823,14 +968,18 @@ class Scheduler:
             self._launch(job, lease, result, sent_loop)
         elif result.status is ClaimStatus.RUNNING:
             self._watch[key] = _Watched(job)
+            self._emit(ev.StandingBy(**run, holder=result.instance_id, claim_duration=took))
         else:
             self._watch.pop(key, None)
             if result.status is ClaimStatus.SKIPPED:
                 logger.info("%s slot %s skipped: an earlier run still holds its lease",
                             job.name, format_slot(slot))
+                self._emit(ev.Skipped(**run, reason=reason, claim_duration=took))
             elif result.status is ClaimStatus.ESCALATED:
                 logger.error("%s slot %s escalated after %d attempts", job.name,
                              format_slot(slot), result.attempt)
+                self._emit(ev.Escalated(**run, attempt=result.attempt, reason=reason,
+                                        claim_duration=took))
         return result
 
     # ----------------------------------------------------------------- running handlers
@@ -891,6 +1040,7 @@ class Scheduler:
         if outcome is None:
             return
         if outcome is Outcome.LOST:
+            self._ended(ev.Lost, held.lease, why=error or "lease lost")
             if not held.lost:
                 held.lost = True
                 ctx._request_stop(error or "lease lost")
@@ -907,7 +1057,12 @@ class Scheduler:
             return
         if outcome is Outcome.TIMED_OUT:
             ctx._request_stop("timed out")
+            self._ended(ev.TimedOut, held.lease)
+        elif outcome is Outcome.COMPLETED:
+            self._ended(ev.Completed, held.lease)
         elif outcome is Outcome.FAILED:
+            assert raised is not None
+            self._ended(ev.Failed, held.lease, error=raised)
             logger.warning("%s slot %s (%d) attempt %d failed: %s", job.name,
                            format_slot(slot), slot, ctx.attempt, error, exc_info=raised)
         if outcome is Outcome.COMPLETED and ctx.completed_by_transaction:
@@ -918,11 +1073,20 @@ class Scheduler:
                     logger.warning("%s slot %s: lease lost before finishing (%s)",
                                    job.name, format_slot(slot), outcome)
             except Exception as exc:
-                _log_failure(f"finish of {job.name} slot {format_slot(slot)}", exc)
+                self._store_failed(f"finish of {job.name} slot {format_slot(slot)}", exc)
                 self._watch[(job.name, slot)] = _Watched(job)
         if finish_scope.cancelled_caught:
             # Unknown whether it finished: watch it, so it is taken over if not.
             self._watch[(job.name, slot)] = _Watched(job)
+
+    def _ended(self, kind: type[ev.AttemptEnded], lease: Lease, **extra: Any) -> None:
+        info = self._attempts.pop(lease.token, None)
+        if info is None:
+            return
+        self._emit(kind(
+            instance_id=self.instance_id, job=lease.job, slot=lease.slot, attempt=info.attempt,
+            reason=info.reason, duration=anyio.current_time() - info.started, **extra,
+        ))
 
     def _lose(self, held: _Held, why: Interruption) -> None:
         held.lost = True
@@ -943,14 +1107,23 @@ class Scheduler:
                 try:
                     await self._tick()
                 except Exception as exc:
-                    _log_failure("heartbeat and backup check", exc)
+                    self._store_failed("heartbeat and backup check", exc)
             if scope.cancelled_caught:
                 logger.warning("tick took longer than %gs; the store is slow",
                                self._tick_limit())
+                self._store_failed("tick", TimeoutError(
+                    f"the store did not answer within {self._tick_limit():g}s"), log=False)
 
     def _tick_limit(self) -> float:
         shortest = min((j.lease_ms for j in self._jobs.values()), default=to_ms(self.lease))
         return max(self.heartbeat, shortest / 1000 - self.heartbeat)
+
+    def _store_failed(self, what: str, exc: Exception, *, log: bool = True) -> None:
+        if log:
+            _log_failure(what, exc)
+        if self._store_down_since is None:
+            self._store_down_since = self._clock()
+            self._emit(ev.StoreUnreachable(instance_id=self.instance_id, error=exc))
 
     async def _tick(self) -> None:
         await self._renew()
