@@ -737,8 +737,9 @@ class Scheduler:
 
         Running handlers see :attr:`RunContext.stopping` at once and are cancelled when
         ``grace`` ends. Every run still held is handed over, so a backup claims it at its
-        next check without waiting for the lease to expire. Heartbeats stop last. Returns
-        once the scheduler is stopped and the store closed; a no-op when it is stopped.
+        next check without waiting for the lease to expire. Heartbeats stop last. Events
+        still buffered are delivered for at most ``max(1s, heartbeat)`` more. Returns once
+        the scheduler is stopped and the store closed; a no-op when it is stopped.
 
         May be awaited from any task of the event loop the scheduler runs on (called by
         one of the scheduler's own handlers, it only requests the stop). If the caller is
