@@ -5,12 +5,33 @@ and trio. Statements use pg8000's unnamed prepared statements (``execute_unnamed
 PgBouncer in transaction mode accepts, and run on the connection's core protocol, so the
 DB-API ``autocommit`` setting of a user's connection does not matter.
 
+A ``postgresql+pg8000://`` URL may carry the query parameters in :data:`PG8000_PARAMS`
+(``?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem``); any other parameter raises
+:class:`~lease_core.errors.ConfigurationError`. ``sslmode`` follows libpq:
+
+- ``disable``: no TLS;
+- ``prefer`` (the default): TLS when the server offers it, without verification;
+- ``require``: TLS or no connection, without verification (with ``sslrootcert``, the chain
+  is verified as for ``verify-ca``, like libpq);
+- ``verify-ca``: TLS with the server's chain verified against ``sslrootcert`` (the system's
+  trusted CAs when absent or ``system``), whatever the host name;
+- ``verify-full``: as ``verify-ca``, and the certificate must name the host.
+
+``allow`` (plain first, TLS only when refused) is not supported. As in libpq, ``sslmode``
+does not apply to a Unix socket (``host`` naming a directory). ``sslcert`` and ``sslkey``
+present a client certificate. ``PGSSLMODE``, ``PGSSLROOTCERT``, ``PGSSLCERT``, ``PGSSLKEY``,
+``PGCONNECT_TIMEOUT`` and ``PGAPPNAME`` fill gaps, as ``PGHOST`` and the others do.
+``connect_timeout`` (seconds, ``0`` for none) replaces the pool's ``timeout`` as pg8000's
+socket timeout, which pg8000 applies to every read and write, not only to connecting.
+
 .. note:: A connection passed in is never closed. Connections the pool opened from a DSN
    are closed by :meth:`Pg8000PoolAdapter.close`.
 """
 
 from __future__ import annotations
 
+import os
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
@@ -20,11 +41,167 @@ import anyio.to_thread
 import pg8000.exceptions
 import pg8000.native
 
-from lease_core.errors import BackendUnavailable, ConfigurationError
+from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
-from .sql import Executor, Row, SqlAdapter, TransientError, numbered_placeholders, redact
+from .sql import (
+    Executor,
+    Row,
+    SqlAdapter,
+    TransientError,
+    conninfo_params,
+    dsn_query,
+    numbered_placeholders,
+    redact,
+)
 
-__all__ = ["Pg8000ConnectionAdapter", "Pg8000PoolAdapter", "translate_error"]
+__all__ = [
+    "PG8000_PARAMS",
+    "SSL_MODES",
+    "Pg8000ConnectionAdapter",
+    "Pg8000PoolAdapter",
+    "pg8000_params",
+    "translate_error",
+]
+
+#: URL query parameters the pg8000 pool understands, each with the environment variable
+#: that fills it when the URL leaves it out (``None``: no variable).
+PG8000_PARAMS: dict[str, str | None] = {
+    "host": "PGHOST",
+    "port": "PGPORT",
+    "user": "PGUSER",
+    "password": "PGPASSWORD",
+    "dbname": "PGDATABASE",
+    "database": None,
+    "sslmode": "PGSSLMODE",
+    "sslrootcert": "PGSSLROOTCERT",
+    "sslcert": "PGSSLCERT",
+    "sslkey": "PGSSLKEY",
+    "connect_timeout": "PGCONNECT_TIMEOUT",
+    "application_name": "PGAPPNAME",
+}
+
+#: The ``sslmode`` values the pg8000 pool accepts.
+SSL_MODES = ("disable", "prefer", "require", "verify-ca", "verify-full")
+
+
+def pg8000_params(dsn: str | None) -> dict[str, Any]:
+    """Return the pg8000 connection parameters of a ``postgresql+pg8000://`` URL (or ``None``).
+
+    Query parameters override the URL's parts; :data:`PG8000_PARAMS` lists the accepted
+    ones and the ``PG*`` variables that fill gaps. The result holds ``host``, ``port``,
+    ``user``, ``password``, ``database``, ``unix_sock``, ``ssl_context`` (``False`` for no
+    TLS, ``None`` for pg8000's opportunistic TLS, or an :class:`ssl.SSLContext`),
+    ``sslmode``, ``connect_timeout`` and ``application_name``. Raises
+    :class:`~lease_core.errors.ConfigurationError` on an unknown parameter or a bad value.
+    """
+    params = conninfo_params(dsn)
+    query = dsn_query(dsn) if dsn else {}
+    unknown = sorted(set(query) - PG8000_PARAMS.keys())
+    if unknown:
+        raise ConfigurationError(
+            f"the pg8000 driver does not understand the URL parameter "
+            f"{', '.join(repr(name) for name in unknown)}; it accepts "
+            f"{', '.join(PG8000_PARAMS)}"
+        )
+
+    def setting(name: str) -> tuple[str | None, str]:
+        if query.get(name):
+            return query[name], name
+        var = PG8000_PARAMS[name]
+        return (os.environ.get(var) or None, var) if var else (None, name)
+
+    for name, key in (("host", "host"), ("user", "user"), ("dbname", "database"),
+                      ("database", "database")):
+        if query.get(name):
+            params[key] = query[name]
+    if "password" in query:
+        params["password"] = query["password"]
+    if query.get("port"):
+        try:
+            params["port"] = int(query["port"])
+        except ValueError:
+            raise ConfigurationError(
+                f"port {query['port']!r} in the PostgreSQL URL is not a number"
+            ) from None
+    host = str(params["host"])
+    if "," in host:
+        raise ConfigurationError(
+            f"host {host!r}: the pg8000 driver connects to one host; name only one"
+        )
+    params["unix_sock"] = f"{host.rstrip('/')}/.s.PGSQL.{params['port']}" if host.startswith(
+        "/") else None
+
+    timeout, source = setting("connect_timeout")
+    params["connect_timeout"] = None
+    if timeout is not None:
+        try:
+            seconds = float(timeout)
+        except ValueError:
+            seconds = -1.0
+        if seconds < 0:
+            raise ConfigurationError(
+                f"{source} {timeout!r} is not a number of seconds (0 waits forever)"
+            )
+        params["connect_timeout"] = seconds
+    params["application_name"] = setting("application_name")[0]
+
+    mode, mode_source = setting("sslmode")
+    mode = mode or "prefer"
+    params["sslmode"] = mode
+    params["ssl_context"] = _ssl_context(
+        mode, mode_source, setting("sslrootcert"), setting("sslcert"), setting("sslkey")
+    )
+    if params["unix_sock"] is not None:
+        params["ssl_context"] = False  # libpq ignores sslmode on Unix sockets too
+    return params
+
+
+def _ssl_context(mode: str, mode_source: str, rootcert: tuple[str | None, str],
+                 cert: tuple[str | None, str],
+                 key: tuple[str | None, str]) -> ssl.SSLContext | bool | None:
+    if mode == "allow":
+        raise ConfigurationError(
+            f"{mode_source} 'allow' is not supported by the pg8000 driver (it cannot retry with "
+            "TLS after a refused plain login); use 'prefer' (TLS when the server offers it), "
+            "'require' or 'disable'"
+        )
+    if mode not in SSL_MODES:
+        raise ConfigurationError(
+            f"unknown {mode_source} {mode!r}; use one of {', '.join(SSL_MODES)}"
+        )
+    if mode == "disable":
+        return False
+    if key[0] and not cert[0]:
+        raise ConfigurationError(
+            f"{key[1]} names a client key but no client certificate; set sslcert too"
+        )
+    if mode == "prefer" and not cert[0]:
+        return None  # pg8000's own: TLS when the server offers it, no verification
+    if mode == "require" and rootcert[0]:
+        mode = "verify-ca"  # as libpq does when a root certificate is given
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if mode in ("prefer", "require"):
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        context.check_hostname = mode == "verify-full"
+        if rootcert[0] and rootcert[0] != "system":
+            _load(rootcert, lambda: context.load_verify_locations(cafile=rootcert[0]))
+        else:
+            context.load_default_certs()
+    if cert[0]:
+        _load(cert, lambda: context.load_cert_chain(str(cert[0]), key[0]))
+    return context
+
+
+def _load(setting: tuple[str | None, str], load: Any) -> None:
+    try:
+        load()
+    except (OSError, ssl.SSLError) as exc:
+        reason = str(exc) if isinstance(exc, ssl.SSLError) else exc.strerror or str(exc)
+        raise ConfigurationError(
+            f"cannot load {setting[1]} {setting[0]!r}: {reason}; give a readable PEM file"
+        ) from None
 
 _CONFIG_STATES = {"42501", "42P01", "3F000", "3D000", "42P07"}
 def translate_error(exc: Exception, *, where: str = "", secret: str | None = None) -> Exception:
@@ -41,7 +218,7 @@ def translate_error(exc: Exception, *, where: str = "", secret: str | None = Non
         if state in _CONFIG_STATES:
             return ConfigurationError(f"PostgreSQL refused the statement{at}: {text}")
         if state in ("28P01", "28000"):
-            return BackendUnavailable(
+            return AuthenticationFailed(
                 f"PostgreSQL{at} refused the login: {text} (check the user and password)"
             )
         if state[:2] in ("08", "53", "57", "58"):
@@ -65,6 +242,10 @@ def _execute(conn: Any, sql: str, params: Sequence[Any]) -> list[Row]:
     context = conn.execute_unnamed(numbered_placeholders(sql), vals=tuple(params))
     rows = context.rows
     return [] if rows is None else [tuple(row) for row in rows]
+
+
+def _refuses_tls(exc: BaseException) -> bool:
+    return bool(exc.args) and exc.args[0] == "Server refuses SSL"
 
 
 def _in_transaction(conn: Any) -> bool:
@@ -159,9 +340,11 @@ class Pg8000PoolAdapter(SqlAdapter):
                  timeout: float = 10.0) -> None:
         super().__init__(owned=True)
         self.params = params
-        self._where = f"{params['host']}:{params['port']}"
+        self._where = params.get("unix_sock") or f"{params['host']}:{params['port']}"
         self._secret: str | None = params.get("password")
-        self._timeout = timeout
+        self._timeout: float | None = timeout
+        if params.get("connect_timeout") is not None:
+            self._timeout = params["connect_timeout"] or None
         self._min_size = min_size
         self._idle: list[Any] = []
         self._slots = anyio.Semaphore(max_size)
@@ -169,10 +352,43 @@ class Pg8000PoolAdapter(SqlAdapter):
 
     def _connect(self) -> Any:
         p = self.params
+        ssl_context = p.get("ssl_context")
+        try:
+            return self._open(ssl_context)
+        except pg8000.exceptions.InterfaceError as exc:
+            # An SSLContext of our own makes pg8000 insist on TLS; "prefer" falls back.
+            if p.get("sslmode") != "prefer" or not _refuses_tls(exc):
+                raise
+        return self._open(False)
+
+    def _open(self, ssl_context: Any) -> Any:
+        p = self.params
         return pg8000.native.Connection(
             p["user"], host=p["host"], port=p["port"], database=p["database"],
-            password=p["password"], timeout=self._timeout,
+            password=p["password"], timeout=self._timeout, unix_sock=p.get("unix_sock"),
+            ssl_context=ssl_context, application_name=p.get("application_name"),
         )
+
+    def _tls_error(self, exc: Exception) -> Exception | None:
+        mode = self.params.get("sslmode")
+        if isinstance(exc, pg8000.exceptions.InterfaceError) and _refuses_tls(exc):
+            return BackendUnavailable(
+                f"PostgreSQL at {self._where} does not accept TLS, which sslmode={mode} "
+                "requires; turn ssl on in the server, or use sslmode=prefer or disable"
+            )
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return BackendUnavailable(
+                f"the TLS certificate of PostgreSQL at {self._where} failed verification "
+                f"(sslmode={mode}): {exc.verify_message}; check sslrootcert names the CA "
+                "that signed the server's certificate, and for verify-full that the "
+                "certificate names the host"
+            )
+        if isinstance(exc, ssl.SSLError):
+            return BackendUnavailable(
+                f"TLS with PostgreSQL at {self._where} failed (sslmode={mode}): "
+                f"{redact(str(exc), self._secret)}"
+            )
+        return None
 
     async def _acquire(self) -> Any:
         if self._idle:
@@ -180,7 +396,9 @@ class Pg8000PoolAdapter(SqlAdapter):
         try:
             return await anyio.to_thread.run_sync(self._connect)
         except (pg8000.exceptions.Error, OSError) as exc:
-            mapped = translate_error(exc, where=self._where, secret=self._secret)
+            mapped = self._tls_error(exc) or translate_error(
+                exc, where=self._where, secret=self._secret
+            )
             if mapped is exc:
                 raise
             raise mapped from None

@@ -25,7 +25,7 @@ import psycopg
 import psycopg.conninfo
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from lease_core.errors import BackendUnavailable, ConfigurationError
+from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
 from .sql import Executor, Row, SqlAdapter, TransientError, conninfo_params, redact
 
@@ -80,8 +80,11 @@ def translate_error(
         isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
         or state[:2] in _UNAVAILABLE_CLASSES
     ):
-        if state in ("28P01", "28000"):
-            return BackendUnavailable(
+        # At connect time libpq gives no SQLSTATE, only the server's message.
+        if state in ("28P01", "28000") or "authentication failed" in text or (
+            "no password supplied" in text
+        ):
+            return AuthenticationFailed(
                 f"PostgreSQL{at} refused the login: {text} (check the user and password)"
             )
         return BackendUnavailable(f"cannot reach PostgreSQL{at}: {text}")

@@ -20,6 +20,13 @@ a connection pool (async or sync)      a client is made on the pool; the pool is
 
 The asyncio clients of redis-py and valkey-py work only under asyncio. Sync clients run in
 ``anyio.to_thread`` worker threads and so work under trio as well.
+
+A batch that fails because its pooled connection was closed under it (after a server
+restart, or the server's idle ``timeout``) is sent once more on a fresh connection; this
+applies to clients passed in too. Every script is safe to send again: the fenced ones
+change nothing for a token that no longer holds its run, and a claim sent again with the
+token that now holds the run answers ``WON`` as the first try would have. Timeouts are
+never retried.
 """
 
 from __future__ import annotations
@@ -34,7 +41,13 @@ from typing import Any
 
 import anyio.to_thread
 
-from lease_core.errors import AnarchonError, BackendUnavailable, ConfigurationError
+from lease_core._redact import redact
+from lease_core.errors import (
+    AnarchonError,
+    AuthenticationFailed,
+    BackendUnavailable,
+    ConfigurationError,
+)
 
 __all__ = ["DEFAULT_URL", "RedisAdapter", "redis_adapter"]
 
@@ -46,6 +59,18 @@ Command = tuple[str | int | bytes, ...]
 # Server replies that mean "the store is not usable now", as opposed to a bad command.
 _UNAVAILABLE_REPLIES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "OOM")
 _AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
+
+
+def _stale(exc: BaseException) -> bool:
+    """Whether ``exc`` says the connection was closed before the reply: worth one retry.
+
+    Timeouts are not (the command may have run), nor refused credentials or a server
+    still loading its data (a retry at once would fail the same way).
+    """
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"TimeoutError", "AuthenticationError", "BusyLoadingError"}:
+        return False
+    return "ConnectionError" in names
 
 
 def _describe(client: Any) -> tuple[str, str | None]:
@@ -87,6 +112,13 @@ class RedisAdapter(ABC):
         :class:`~lease_core.errors.BackendUnavailable`.
         """
         try:
+            try:
+                return await self._execute(commands)
+            except Exception as exc:
+                if not _stale(exc):
+                    raise
+            # The connection was closed under us (the server restarted, or closed an idle
+            # connection): the batch never ran, so it is sent once more on a fresh one.
             return await self._execute(commands)
         except AnarchonError:
             raise
@@ -116,15 +148,13 @@ class RedisAdapter(ABC):
         """Map a driver exception to anarchon's own error; ``None`` when it is not one."""
         names = {cls.__name__ for cls in type(exc).__mro__}
         root = type(exc).__module__.split(".")[0]
-        text = str(exc)
-        if self._password:
-            text = text.replace(self._password, "***")
+        text = redact(str(exc), self._password)
         upper = text.upper()
         if "AuthenticationError" in names or upper.startswith(_AUTH_REPLIES) or (
             "invalid username-password" in text
         ):
-            return BackendUnavailable(
-                f"Redis at {self.where} refused the credentials ({text}); "
+            return AuthenticationFailed(
+                f"Redis at {self.where} refused the login ({text}); "
                 "check the username and password given in the URL or to the client"
             )
         if names & {"ConnectionError", "TimeoutError", "BusyLoadingError"} or isinstance(
@@ -247,7 +277,7 @@ def redis_adapter(connection: object) -> RedisAdapter:
     execute = getattr(client, "execute_command", None)
     if execute is None or not hasattr(client, "pipeline"):
         raise ConfigurationError(
-            f"connection={connection!r:.80} is not a Redis URL, client or pool; pass "
+            f"connection={redact(repr(connection))[:80]} is not a Redis URL, client or pool; pass "
             "'redis://host:port/db', a redis-py or valkey-py client (async or sync) or "
             "a connection pool"
         )

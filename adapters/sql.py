@@ -29,6 +29,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
+from lease_core._redact import redact
 from lease_core.errors import BackendUnavailable, ConfigurationError
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "TransientError",
     "adapter_for",
     "conninfo_params",
+    "dsn_query",
     "numbered_placeholders",
     "redact",
 ]
@@ -94,19 +96,6 @@ class SqlAdapter(ABC):
             return await fn(tx)
 
 
-_PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
-_PASSWORD_IN_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-
-
-def redact(text: str, *secrets: str | None) -> str:
-    """Return ``text`` with passwords (in URLs, ``password=`` pairs or ``secrets``) masked."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    text = _PASSWORD_IN_URL.sub(r"\1***\3", text)
-    return _PASSWORD_IN_KV.sub(r"\1***", text)
-
-
 _PLACEHOLDER = re.compile(r"%s|%%")
 _numbered: dict[str, str] = {}
 
@@ -158,6 +147,25 @@ def conninfo_params(dsn: str | None) -> dict[str, Any]:
     }
 
 
+def dsn_query(dsn: str) -> dict[str, str]:
+    """Return the query parameters of a ``postgresql://`` URL, percent-decoded.
+
+    A parameter given twice keeps its last value, as in libpq; ``+`` stays a plus sign.
+    """
+    params: dict[str, str] = {}
+    for pair in urlsplit(dsn).query.split("&"):
+        if not pair:
+            continue
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigurationError(
+                f"invalid parameter {unquote(name)!r} in the PostgreSQL URL {redact(dsn)!r}: "
+                "write it as name=value"
+            )
+        params[unquote(name)] = unquote(value)
+    return params
+
+
 def _os_user() -> str:
     import getpass
 
@@ -195,9 +203,9 @@ def adapter_for(connection: Any, *, driver: str | None = None, **options: Any) -
             )
         try:
             if driver == "pg8000":
-                from .pg8000 import Pg8000PoolAdapter
+                from .pg8000 import Pg8000PoolAdapter, pg8000_params
 
-                return Pg8000PoolAdapter(conninfo_params(connection), **options)
+                return Pg8000PoolAdapter(pg8000_params(connection), **options)
             from .psycopg import PsycopgDsnAdapter
         except ModuleNotFoundError as exc:
             extra = "pg8000" if driver == "pg8000" else "postgres"

@@ -12,9 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import anyio.lowlevel
 
+from lease_core._registry import merge_options, split_url_options
 from lease_core._structures import (
     Attempt,
     CheckResult,
@@ -26,11 +28,13 @@ from lease_core._structures import (
     Lease,
     Outcome,
     Reason,
+    RunInfo,
     RunState,
     RunStatus,
     ms_to_datetime,
 )
 from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
+from lease_core.errors import ConfigurationError
 
 __all__ = ["MemoryBackend"]
 
@@ -43,6 +47,9 @@ class _Run:
     instance_id: str | None
     expires_ms: int | None
     checkpoint: str | None = None
+    #: Attempts that started by taking over an expired lease (max_attempts counts them
+    #: and the first attempt, never hand-overs).
+    takeovers: int = 0
 
 
 @dataclass
@@ -67,6 +74,25 @@ class MemoryBackend(Backend):
         self._jobs: dict[str, _Job] = {}
         self._runs: dict[tuple[str, int], _Run] = {}
         self._attempts: dict[str, list[Attempt]] = {}
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> MemoryBackend:
+        """Make a new, empty store for ``memory://``.
+
+        ``namespace`` (keyword or ``?namespace=`` in the URL) is accepted so that code
+        written for any backend runs unchanged, and ignored: each object is its own store.
+        ``clock`` is passed on. Any other option raises
+        :class:`~lease_core.errors.ConfigurationError`.
+        """
+        left, from_url = split_url_options(url, ("namespace",))
+        rest = [key for key, _ in parse_qsl(urlsplit(left).query, keep_blank_values=True)]
+        if rest:
+            raise ConfigurationError(
+                f"memory:// does not accept the query parameter {', '.join(map(repr, rest))}; "
+                "it accepts: namespace"
+            )
+        merged = merge_options("MemoryBackend", options, from_url, ("namespace", "clock"))
+        return cls(clock=merged.get("clock"))
 
     async def start(self) -> None:
         """Count a user; there is nothing to open (safe from any event loop or thread)."""
@@ -155,6 +181,11 @@ class MemoryBackend(Backend):
             )
             self._trim(req, now)
             return result(ClaimStatus.WON, run, req.reason)
+        if run.status is RunStatus.RUNNING and run.token == req.token:
+            # the same request again (a retry after a lost reply) answers as it did
+            first = next((a.reason for a in history
+                          if a.slot == req.slot and a.attempt == run.attempt), req.reason)
+            return result(ClaimStatus.WON, run, first)
         if run.status.finished:
             return result(ClaimStatus.FINISHED, run)
         if run.status is RunStatus.RUNNING and run.expires_ms is not None and run.expires_ms > now:
@@ -162,10 +193,11 @@ class MemoryBackend(Backend):
         if run.status is RunStatus.HANDED_OVER:
             reason = Reason.HAND_OVER
         else:
-            if req.max_attempts is not None and run.attempt >= req.max_attempts:
+            if req.max_attempts is not None and 1 + run.takeovers >= req.max_attempts:
                 self._end_attempt(req.job, req.slot, run.attempt, now, Outcome.ESCALATED,
                                   f"lease lost on attempt {run.attempt} of "
-                                  f"max_attempts={req.max_attempts}; escalated")
+                                  f"max_attempts={req.max_attempts} (hand-overs not "
+                                  "counted); escalated")
                 run.status = RunStatus.ESCALATED
                 run.token = None
                 run.expires_ms = None
@@ -173,6 +205,7 @@ class MemoryBackend(Backend):
             self._end_attempt(req.job, req.slot, run.attempt, now, Outcome.LOST,
                               "lease expired without renewal")
             reason = Reason.TAKEOVER
+            run.takeovers += 1
         run.status = RunStatus.RUNNING
         run.attempt += 1
         run.token = req.token
@@ -286,6 +319,28 @@ class MemoryBackend(Backend):
                 items = list(self._attempts.get(job, []))
         items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
         return items[:limit]
+
+    async def jobs(self) -> list[str]:
+        """Return every job the store has seen, sorted."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return sorted(self._jobs)
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first (see :meth:`Backend.runs`)."""
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            found = [
+                RunInfo(j, slot, run.status, run.attempt, run.instance_id,
+                        run.expires_ms if run.status is RunStatus.RUNNING else None)
+                for (j, slot), run in self._runs.items()
+                if (job is None or j == job) and not (open_only and run.status.finished)
+            ]
+        found.sort(key=lambda r: (-r.slot, r.job))
+        return found[:limit]
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:
         """Return the run's checkpoint."""

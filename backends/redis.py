@@ -47,14 +47,20 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote, urlsplit
+
+from lease_core._packages import require_own
+
+require_own("adapters")  # before importing from it: a foreign one may shadow it
 
 from adapters.redis import Command, RedisAdapter, redis_adapter
 from lease_core._durations import Duration, parse_duration, to_ms
+from lease_core._redact import redact
+from lease_core._registry import merge_options, split_url_options
 from lease_core._structures import (
     Attempt,
     CheckResult,
@@ -66,6 +72,7 @@ from lease_core._structures import (
     Lease,
     Outcome,
     Reason,
+    RunInfo,
     RunState,
     RunStatus,
     ms_to_datetime,
@@ -73,7 +80,10 @@ from lease_core._structures import (
 from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
-__all__ = ["STORE_FORMAT", "RedisBackend"]
+__all__ = ["SCRIPTS", "STORE_FORMAT", "RedisBackend", "Script"]
+
+#: Field prefix of a workflow's steps in the ``{P}:meta`` hash.
+_WORKFLOW_FIELD = "workflow:"
 
 #: The store format this version writes; a store with a newer one is refused.
 STORE_FORMAT = 1
@@ -84,24 +94,30 @@ _SCRIPTS = ("open_store", "claim", "heartbeat", "finish", "hand_over", "checkpoi
 
 
 @dataclass(frozen=True)
-class _Script:
+class Script:
+    """One Lua script of this backend: its name, full source (prelude included) and SHA-1.
+
+    Public for tools that send the very same scripts through a raw client (the benchmarks
+    compare the library with that); the scripts' text is not a stable API.
+    """
+
     name: str
     source: str
     sha: str
 
 
-def _load_scripts() -> dict[str, _Script]:
+def _load_scripts() -> dict[str, Script]:
     folder = resources.files("backends") / "redis_lua"
     prelude = (folder / "_prelude.lua").read_text(encoding="utf-8")
     scripts = {}
     for name in _SCRIPTS:
         source = prelude + "\n" + (folder / f"{name}.lua").read_text(encoding="utf-8")
         sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
-        scripts[name] = _Script(name, source, sha)
+        scripts[name] = Script(name, source, sha)
     return scripts
 
 
-_LUA = _load_scripts()
+SCRIPTS = _load_scripts()
 
 
 def _text(value: Any) -> str:
@@ -122,6 +138,30 @@ def _time_ms(reply: Any) -> int:
     return int(_text(seconds)) * 1000 + int(_text(micros)) // 1000
 
 
+#: Options the backend takes, as keywords or from a URL's query.
+_OPTIONS = ("prefix", "namespace", "wait_replicas", "wait_timeout")
+#: Query parameters redis-py reads from a URL as strings (besides its typed ones).
+_DRIVER_PARAMS = ("username", "password", "client_name", "lib_name", "lib_version",
+                  "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data",
+                  "ssl_certfile", "ssl_keyfile", "ssl_password")
+
+
+def _check_driver_params(url: str) -> None:
+    """Refuse a query parameter that neither the backend nor redis-py knows."""
+    try:
+        from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+    except ImportError:  # the driver's absence is reported when connecting
+        return
+    query = urlsplit(url).query
+    known = (*_OPTIONS, *_DRIVER_PARAMS, *URL_QUERY_ARGUMENT_PARSERS)
+    unknown = [key for key, _ in parse_qsl(query, keep_blank_values=True) if key not in known]
+    if unknown:
+        raise ConfigurationError(
+            f"the Redis URL {redact(url)!r} has the unknown query parameter "
+            f"{', '.join(map(repr, unknown))}; it accepts: {', '.join(sorted(known))}"
+        )
+
+
 def _validate_prefix(prefix: object) -> str:
     if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
         raise ConfigurationError(
@@ -140,7 +180,8 @@ class RedisBackend(Backend):
     .. note:: A client or pool passed in is never closed; a client the backend made from
        a URL is closed by the last :meth:`close`.
 
-    ``prefix`` starts every key (see the module docs for the layout). ``wait_replicas``
+    ``prefix`` starts every key (see the module docs for the layout); ``namespace`` is
+    another name for it (the keyword every backend accepts). ``wait_replicas``
     makes claims and heartbeats wait, up to ``wait_timeout``, for that many replicas to
     acknowledge them; a short count raises
     :class:`~lease_core.errors.BackendUnavailable` instead of winning or renewing.
@@ -155,12 +196,30 @@ class RedisBackend(Backend):
         self,
         connection: object = None,
         *,
-        prefix: str = "anarchon_runs",
+        prefix: str | None = None,
+        namespace: str | None = None,
         wait_replicas: int | None = None,
-        wait_timeout: Duration = "1s",
+        wait_timeout: Duration | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
-        self.prefix = _validate_prefix(prefix)
+        from_url: dict[str, str] = {}
+        if isinstance(connection, str):
+            connection, from_url = split_url_options(connection, _OPTIONS)
+            _check_driver_params(connection)
+        keywords = {"prefix": prefix, "namespace": namespace, "wait_replicas": wait_replicas,
+                    "wait_timeout": wait_timeout, **options}
+        merged = merge_options("RedisBackend", keywords, from_url, _OPTIONS)
+        names = [merged[k] for k in ("prefix", "namespace") if merged.get(k) is not None]
+        if len(names) > 1 and names[0] != names[1]:
+            raise ConfigurationError(
+                f"RedisBackend got prefix={names[0]!r} and namespace={names[1]!r}; "
+                "give one of them"
+            )
+        self.prefix = _validate_prefix(names[0] if names else "anarchon_runs")
+        wait_replicas = merged.get("wait_replicas")
+        if isinstance(wait_replicas, str) and wait_replicas.isdigit():  # from the URL
+            wait_replicas = int(wait_replicas)
         if wait_replicas is not None and (
             isinstance(wait_replicas, bool)
             or not isinstance(wait_replicas, int)
@@ -171,13 +230,21 @@ class RedisBackend(Backend):
                 "least 1, or None to not wait"
             )
         self.wait_replicas = wait_replicas
-        self._wait_timeout_ms = to_ms(parse_duration(wait_timeout, what="wait_timeout"))
+        self._wait_timeout_ms = to_ms(
+            parse_duration(merged.get("wait_timeout", "1s"), what="wait_timeout")
+        )
         self._connection = connection
         self._adapter: RedisAdapter | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
-        """Make a backend on the server at ``url`` (``redis://``, ``rediss://``, ``unix://``)."""
+        """Make a backend on the server at ``url`` (``redis://``, ``rediss://``, ``unix://``).
+
+        ``prefix`` (or ``namespace``), ``wait_replicas`` and ``wait_timeout`` may be given
+        in the URL's query as well as keywords; the driver's own query parameters
+        (``socket_timeout``, ``socket_connect_timeout``, ``max_connections``, ...) pass
+        through to redis-py.
+        """
         return cls(url, **options)
 
     def __repr__(self) -> str:
@@ -210,7 +277,7 @@ class RedisBackend(Backend):
     async def _open(self) -> None:
         adapter = redis_adapter(self._connection)
         try:
-            await adapter.load_scripts([s.source for s in _LUA.values()])
+            await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
             (found,) = await self._run([self._eval("open_store", [self._meta_key],
                                                    [STORE_FORMAT])])
@@ -241,7 +308,7 @@ class RedisBackend(Backend):
 
     @staticmethod
     def _eval(name: str, keys: Sequence[str], args: Sequence[str | int]) -> Command:
-        return ("EVALSHA", _LUA[name].sha, len(keys), *keys, *args)
+        return ("EVALSHA", SCRIPTS[name].sha, len(keys), *keys, *args)
 
     async def _run(self, commands: Sequence[Command]) -> list[Any]:
         """Send ``commands`` in one round trip; load missing scripts and resend those."""
@@ -250,7 +317,7 @@ class RedisBackend(Backend):
         missing = [i for i, r in enumerate(replies) if _is_noscript(r)]
         if missing:
             shas = {str(commands[i][1]) for i in missing}
-            await adapter.load_scripts([s.source for s in _LUA.values() if s.sha in shas])
+            await adapter.load_scripts([s.source for s in SCRIPTS.values() if s.sha in shas])
             again = [i for i, c in enumerate(commands) if i in missing or c[0] != "EVALSHA"]
             for i, reply in zip(again, await adapter.execute([commands[i] for i in again]),
                                 strict=True):
@@ -413,6 +480,70 @@ class RedisBackend(Backend):
             items += [self._attempt(name, _text(raw)) for raw in records]
         items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
         return items[:limit]
+
+    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
+        """Record each workflow's steps in the ``{P}:meta`` hash (``workflow:<name>``)."""
+        if not workflows:
+            return
+        fields: list[str] = []
+        for name, steps in workflows.items():
+            fields += [_WORKFLOW_FIELD + name, json.dumps(list(steps))]
+        await self._run([("HSET", self._meta_key, *fields)])
+
+    async def workflows(self) -> dict[str, list[str]]:
+        """Return every recorded workflow's steps, in order."""
+        (raw,) = await self._run([("HGETALL", self._meta_key)])
+        pairs = raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2], strict=True)
+        found = {}
+        for key, value in pairs:
+            name = _text(key)
+            if name.startswith(_WORKFLOW_FIELD):
+                found[name[len(_WORKFLOW_FIELD):]] = [str(s) for s in json.loads(_text(value))]
+        return found
+
+    async def jobs(self) -> list[str]:
+        """Return every job under the prefix, sorted."""
+        (members,) = await self._run([("SMEMBERS", self._jobs_key)])
+        return sorted(_text(m) for m in members)
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first: open runs and those of the latest attempts.
+
+        Three pipelined round trips at most: the jobs, their open and recent slots, the
+        runs themselves.
+        """
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        names = await self.jobs() if job is None else [job]
+        if not names or limit == 0:
+            return []
+        commands: list[Command] = []
+        for name in names:
+            keys = self._job_keys(name)
+            commands.append(("ZRANGE", keys["open"], 0, -1))
+            if not open_only:
+                commands.append(("ZREVRANGE", keys["hist"], 0, limit - 1))
+        replies = iter(await self._run(commands))
+        wanted: list[tuple[str, int]] = []
+        for name in names:
+            slots = {int(_text(s)) for s in next(replies)}
+            if not open_only:
+                slots |= {int(_text(i).split(":")[0]) for i in next(replies)}
+            wanted += [(name, slot) for slot in sorted(slots, reverse=True)[:limit]]
+        if not wanted:
+            return []
+        rows = await self._run([("HMGET", self._run_key(name, slot), "st", "att", "inst", "exp")
+                                for name, slot in wanted])
+        found = []
+        for (name, slot), row in zip(wanted, rows, strict=True):
+            st, att, inst, exp = (None if v is None else _text(v) for v in row)
+            if st is None or (open_only and RunStatus(st).finished):
+                continue
+            found.append(RunInfo(name, slot, RunStatus(st), int(att or 0), inst,
+                                 int(exp) if exp and st == "running" else None))
+        found.sort(key=lambda r: (-r.slot, r.job))
+        return found[:limit]
 
     @staticmethod
     def _attempt(job: str, raw: str) -> Attempt:

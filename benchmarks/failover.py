@@ -30,13 +30,8 @@ LEASE_MS = 3000
 
 
 async def _expiry(backend: Backend, table: str, slot: int) -> int | None:
-    if isinstance(backend, PostgresBackend):
-        rows = await backend._adapter.all(
-            f'SELECT expires_ms FROM "{table}" WHERE job = %s AND slot = %s', ("fo", slot))
-        return int(rows[0][0]) if rows and rows[0][0] is not None else None
-    assert isinstance(backend, RedisBackend)
-    (raw,) = await backend._run([("HGET", f"{{{table}/fo}}:run:{slot}", "exp")])
-    return int(raw) if raw is not None else None
+    state = (await backend.check([("fo", slot)])).runs.get(("fo", slot))
+    return state.expires_ms if state is not None else None
 
 
 async def _trial(store: str, url: str, kind: str, n: int) -> dict[str, Any]:

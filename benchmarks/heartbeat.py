@@ -16,9 +16,9 @@ import psycopg
 import redis.asyncio
 from psycopg_pool import AsyncConnectionPool
 
-from backends.postgres import PostgresBackend, _Statements
-from backends.redis import _LUA, RedisBackend
-from lease_core._structures import Lease
+from backends.postgres import PostgresBackend, Statements
+from backends.redis import SCRIPTS, RedisBackend
+from lease_core.abc import Lease
 
 from ._stats import PgCounter, redis_commandstats, redis_reset_stats
 from ._util import Servers, median
@@ -66,7 +66,7 @@ async def _pg(servers: Servers, sizes: tuple[int, ...], budget: float,
     default_pool_backend = PostgresBackend(plain, table=TABLE)
     await backend.start()
     await default_pool_backend.start()
-    s = _Statements(None, TABLE)
+    s = Statements(None, TABLE)
     counter = PgCounter(servers.dsn, "postgres", servers.pg_stat_statements)
     rows = []
     try:
@@ -143,7 +143,7 @@ async def _redis(servers: Servers, sizes: tuple[int, ...], budget: float,
     counting = CountingRedis(client)
     backend = RedisBackend(counting, prefix=TABLE)
     await backend.start()
-    sha = _LUA["heartbeat"].sha
+    sha = SCRIPTS["heartbeat"].sha
     rows = []
     try:
         for n in sizes:

@@ -26,10 +26,9 @@ import psycopg
 import redis.asyncio
 from psycopg_pool import AsyncConnectionPool
 
-from backends.postgres import TRIM_BATCH, PostgresBackend, _Statements
-from backends.redis import _LUA, RedisBackend
-from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome
-from lease_core.abc import Backend
+from backends.postgres import TRIM_BATCH, PostgresBackend, Statements
+from backends.redis import SCRIPTS, RedisBackend
+from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease, Outcome
 
 from ._util import Servers, timed_ops
 
@@ -103,7 +102,7 @@ def _pg_claim_params(job: str, slot: int, token: str) -> tuple[Any, ...]:
             TRIM_BATCH)
 
 
-async def raw_psycopg_claim(conn: psycopg.AsyncConnection[Any], s: _Statements, job: str,
+async def raw_psycopg_claim(conn: psycopg.AsyncConnection[Any], s: Statements, job: str,
                             slot: int) -> bool:
     """The claim's one statement (the library's claim function), in autocommit, by hand."""
     cur = await conn.execute(s.claim, _pg_claim_params(job, slot, uuid.uuid4().hex),  # type: ignore[arg-type]
@@ -126,7 +125,7 @@ class PsycopgPool(Variant):
         await self.pool.open(wait=True)
         self.backend = PostgresBackend(self.pool, table=table)
         await self.backend.start()
-        self.s = _Statements(None, table)
+        self.s = Statements(None, table)
 
     async def close(self) -> None:
         """Close the backend and the pool."""
@@ -151,7 +150,7 @@ class PsycopgConnection(Variant):
         self.lock = anyio.Lock()
         self.backend = PostgresBackend(self.conn, table=table)
         await self.backend.start()
-        self.s = _Statements(None, table)
+        self.s = Statements(None, table)
 
     async def close(self) -> None:
         """Close the backend and the connection."""
@@ -185,7 +184,7 @@ class Pg8000(Variant):
             pg.dsn.replace("postgresql://", "postgresql+pg8000://"), table=table,
             min_size=claimers, max_size=claimers)
         await self.backend.start()
-        s = _Statements(None, table)
+        s = Statements(None, table)
         self.sql = _numbered(s.claim)
         self.idle = [
             await anyio.to_thread.run_sync(lambda: pg8000.native.Connection(
@@ -225,7 +224,7 @@ class RedisAsyncio(Variant):
         self.prefix = table
         self.backend = RedisBackend(self.client, prefix=table)
         await self.backend.start()
-        self.sha = _LUA["claim"].sha
+        self.sha = SCRIPTS["claim"].sha
 
     async def close(self) -> None:
         """Close the backend and the client."""
@@ -305,7 +304,7 @@ def pgbench_script(table: str) -> str:
 
     Only the ``%s`` placeholders change: they become pgbench expressions.
     """
-    s = _Statements(None, table)
+    s = Statements(None, table)
     job = "('pgb' || :client_id || '-' || :r)"
     claim = _fill(s.claim, [
         job, str(SLOT), f"'{INSTANCE}'", "md5(:r::text)", str(LEASE_MS), "'scheduled'", "true",

@@ -26,10 +26,8 @@ from typing import Any
 
 import anyio
 
-from lease_core._registry import backend_from_url
+from lease_core import RunContext, Scheduler, backend_from_url
 from lease_core.abc import Backend
-from lease_core.context import RunContext
-from lease_core.scheduler import Scheduler
 
 HOUR_MS = 3_600_000
 

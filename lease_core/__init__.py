@@ -12,9 +12,10 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ._structures import Attempt, Outcome, Reason, RunStatus
+from ._structures import Attempt, Outcome, Reason, RunInfo, RunStatus
 from .errors import (
     AnarchonError,
+    AuthenticationFailed,
     BackendUnavailable,
     ConfigurationError,
     LeaseLost,
@@ -48,11 +49,13 @@ if TYPE_CHECKING:
     from .abc import Backend
     from .context import Checkpoint, RunContext
     from .scheduler import Health, Scheduler, SchedulerState
+    from .sync import SyncScheduler
 
 __all__ = [
     "AnarchonError",
     "Attempt",
     "AttemptEnded",
+    "AuthenticationFailed",
     "Backend",
     "BackendUnavailable",
     "Checkpoint",
@@ -73,6 +76,7 @@ __all__ = [
     "RedisBackend",
     "RunContext",
     "RunEvent",
+    "RunInfo",
     "RunStatus",
     "Scheduler",
     "SchedulerState",
@@ -82,6 +86,7 @@ __all__ = [
     "StoreBack",
     "StoreFormatError",
     "StoreUnreachable",
+    "SyncScheduler",
     "TakenOver",
     "TimedOut",
     "backend_from_url",
@@ -96,6 +101,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Scheduler": ("lease_core.scheduler", ""),
     "SchedulerState": ("lease_core.scheduler", ""),
     "Health": ("lease_core.scheduler", ""),
+    "SyncScheduler": ("lease_core.sync", ""),
     "RunContext": ("lease_core.context", ""),
     "Checkpoint": ("lease_core.context", ""),
     "Backend": ("lease_core.abc", ""),
@@ -111,6 +117,12 @@ def __getattr__(name: str) -> Any:
         module_name, extra = _LAZY[name]
     except KeyError:
         raise AttributeError(f"module 'lease_core' has no attribute {name!r}") from None
+    if module_name.startswith("backends."):
+        from ._packages import require_own
+
+        require_own("backends")
+        if extra:
+            require_own("adapters")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Collection
 from importlib.metadata import entry_points
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from ._packages import require_own
+from ._redact import redact
 from .abc import Backend
 from .errors import ConfigurationError
 
-__all__ = ["ENTRY_POINT_GROUP", "backend_from_url", "known_schemes"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "backend_from_url",
+    "check_options",
+    "known_schemes",
+    "merge_options",
+    "split_url_options",
+]
 
 #: Third-party backends register here: ``scheme = "package.module:BackendClass"``.
 ENTRY_POINT_GROUP = "anarchon.backends"
@@ -39,6 +50,9 @@ def known_schemes() -> list[str]:
 
 def _load_builtin(scheme: str) -> type[Backend]:
     module_name, class_name, extra = _BUILTIN[scheme]
+    require_own("backends")
+    if extra:
+        require_own("adapters")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -58,17 +72,28 @@ def backend_from_url(url: str, **options: Any) -> Backend:
     """Make a backend from a URL; the scheme selects it.
 
     Built in: ``memory://``, ``postgresql://`` and ``postgres://`` (also
-    ``postgresql+pg8000://``), ``redis://``, ``rediss://`` and ``unix://``. Other packages
+    ``postgresql+pg8000://``), ``redis://``, ``rediss://`` and ``unix://``; a libpq
+    key/value DSN (``host=db user=app password=...``) selects PostgreSQL. Other packages
     add schemes through the entry-point group ``anarchon.backends``; the entry point names
     the scheme and loads the backend class, which is built with ``cls.from_url(url,
     **options)`` when it has that classmethod, else ``cls(url, **options)``.
+
+    ``options`` are the backend's keyword arguments; ``namespace=`` is accepted by every
+    built-in backend (the table on PostgreSQL, the key prefix on Redis, ignored in memory),
+    and the built-in backends also read their options from the URL's query
+    (``?table=jobs``). An option the backend does not know raises
+    :class:`ConfigurationError`, which names it and lists the accepted ones.
     """
-    if not isinstance(url, str) or "://" not in url:
+    if isinstance(url, str) and "://" not in url and _KEY_VALUE.match(url):
+        scheme = "postgresql"
+    elif not isinstance(url, str) or "://" not in url:
         raise ConfigurationError(
-            f"backend URL {url!r} has no scheme; use one of: "
+            f"backend URL {redact(repr(url))} has no scheme; use one of: "
             + ", ".join(f"{s}://" for s in known_schemes())
+            + " (or a PostgreSQL key/value DSN such as 'host=db dbname=app')"
         )
-    scheme = urlsplit(url).scheme.lower()
+    else:
+        scheme = url.split("://", 1)[0].lower()
     cls: type[Backend]
     if scheme in _BUILTIN:
         cls = _load_builtin(scheme)
@@ -76,7 +101,7 @@ def backend_from_url(url: str, **options: Any) -> Backend:
         plugin = _plugins().get(scheme)
         if plugin is None:
             raise ConfigurationError(
-                f"backend URL scheme {scheme!r} (in {_redact(url)!r}) is unknown; known schemes: "
+                f"backend URL scheme {scheme!r} (in {redact(url)!r}) is unknown; known schemes: "
                 + ", ".join(f"{s}://" for s in known_schemes())
             )
         cls = plugin.load()
@@ -87,16 +112,90 @@ def backend_from_url(url: str, **options: Any) -> Backend:
     factory = getattr(cls, "from_url", None)
     if factory is not None:
         backend: Backend = factory(url, **options)
-    elif cls.__name__ == "MemoryBackend":
-        backend = cls(**options)
     else:
         backend = cls(url, **options)  # type: ignore[call-arg]
     return backend
 
 
-def _redact(url: str) -> str:
+# --- options given in a URL or as keywords ----------------------------------------------
+
+_KEY_VALUE = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*=")
+_PAIR = re.compile(r"""([A-Za-z_][A-Za-z0-9_]*)\s*=\s*('(?:[^'\\]|\\.)*'|[^\s']*)\s*""")
+
+
+def split_url_options(url: str, names: Collection[str]) -> tuple[str, dict[str, str]]:
+    """Take the parameters in ``names`` out of ``url``; return what is left and their values.
+
+    ``url`` is a URL (its query is searched) or a libpq key/value DSN (its pairs are). The
+    rest of the URL is returned as given, for the driver.
+    """
+    taken: dict[str, str] = {}
+    if "://" not in url:
+        if not _KEY_VALUE.match(url):
+            return url, taken
+        kept = []
+        for match in _PAIR.finditer(url):
+            key, value = match.group(1), match.group(2)
+            if key in names:
+                if value.startswith("'"):
+                    value = re.sub(r"\\(.)", r"\1", value[1:-1])
+                _take(taken, key, value, url)
+            else:
+                kept.append(match.group(0).strip())
+        return " ".join(kept), taken
     parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return parts._replace(netloc=netloc).geturl()
-    return url
+    if not parts.query:
+        return url, taken
+    kept_pairs = []
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key in names:
+            _take(taken, key, value, url)
+        else:
+            kept_pairs.append((key, value))
+    if not taken:
+        return url, taken
+    return urlunsplit(parts._replace(query=urlencode(kept_pairs))), taken
+
+
+def _take(taken: dict[str, str], key: str, value: str, url: str) -> None:
+    if key in taken and taken[key] != value:
+        raise ConfigurationError(
+            f"the backend URL {redact(url)!r} gives {key!r} twice, as {taken[key]!r} and "
+            f"{value!r}; give it once"
+        )
+    taken[key] = value
+
+
+def merge_options(
+    owner: str,
+    keywords: dict[str, Any],
+    from_url: dict[str, str],
+    accepted: Collection[str],
+) -> dict[str, Any]:
+    """Combine keyword options with the same options read from a URL.
+
+    Raises :class:`ConfigurationError` for an option ``owner`` does not accept, and for
+    one given both ways with different values.
+    """
+    check_options(owner, keywords, accepted)
+    merged: dict[str, Any] = dict(from_url)
+    for key, value in keywords.items():
+        if value is None:
+            continue
+        if key in from_url and str(value) != from_url[key]:
+            raise ConfigurationError(
+                f"{owner} got {key}={value!r} and {key}={from_url[key]!r} in the URL; "
+                "give it once, or the same value both ways"
+            )
+        merged[key] = value
+    return merged
+
+
+def check_options(owner: str, options: Collection[str], accepted: Collection[str]) -> None:
+    """Raise :class:`ConfigurationError` naming any of ``options`` not in ``accepted``."""
+    unknown = [name for name in options if name not in accepted]
+    if unknown:
+        raise ConfigurationError(
+            f"{owner} does not accept the option {', '.join(map(repr, unknown))}; it accepts: "
+            + ", ".join(sorted(accepted))
+        )

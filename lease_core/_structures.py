@@ -17,6 +17,7 @@ __all__ = [
     "Lease",
     "Outcome",
     "Reason",
+    "RunInfo",
     "RunState",
     "RunStatus",
     "format_slot",
@@ -213,3 +214,29 @@ class Attempt:
     def scheduled_at(self) -> datetime:
         """The slot as a tz-aware UTC datetime."""
         return ms_to_datetime(self.slot)
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """One run as the store holds it now, for status pages and ``anarchon status``."""
+
+    job: str
+    slot: int
+    status: RunStatus
+    attempt: int
+    """The current (or last) attempt number."""
+    instance_id: str | None
+    """The instance holding the run (``running``), or the one that held it last."""
+    expires_ms: int | None = None
+    """The lease's expiry on the store's clock, while ``running``; else ``None``."""
+
+    @property
+    def scheduled_at(self) -> datetime:
+        """The slot as a tz-aware UTC datetime."""
+        return ms_to_datetime(self.slot)
+
+    @property
+    def expires_at(self) -> datetime | None:
+        """:attr:`expires_ms` as a tz-aware UTC datetime."""
+        return None if self.expires_ms is None else ms_to_datetime(self.expires_ms)
+

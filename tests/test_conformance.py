@@ -186,6 +186,31 @@ async def test_escalation_after_max_attempts(store: Store) -> None:
         await a.close()
 
 
+async def test_max_attempts_counts_takeovers_not_hand_overs(store: Store) -> None:
+    """A run handed over on a deploy and then crashed is taken over, not escalated."""
+    a = await started(store)
+    try:
+        first = req("j", max_attempts=2)
+        assert (await a.claim(first)).attempt == 1
+        assert await a.hand_over([lease_of(first)]) == {first.token}
+        handed = await a.claim(req("j", instance="b", lease_ms=SHORT, max_attempts=2))
+        assert (handed.status, handed.attempt, handed.reason) == (
+            ClaimStatus.WON, 2, Reason.HAND_OVER)
+        await wait_expired(a, "j")  # the attempt that started by hand-over crashed
+        taken = await a.claim(req("j", instance="c", lease_ms=SHORT, max_attempts=2))
+        assert (taken.status, taken.attempt, taken.reason) == (
+            ClaimStatus.WON, 3, Reason.TAKEOVER)
+        await wait_expired(a, "j")  # the first attempt and one takeover: max_attempts=2
+        last = await a.claim(req("j", instance="d", max_attempts=2))
+        assert (last.status, last.attempt) == (ClaimStatus.ESCALATED, 3)
+        outcomes = [(h.attempt, h.reason, h.outcome) for h in await a.history("j")]
+        assert outcomes == [(3, Reason.TAKEOVER, Outcome.ESCALATED),
+                            (2, Reason.HAND_OVER, Outcome.LOST),
+                            (1, Reason.SCHEDULED, Outcome.HANDED_OVER)]
+    finally:
+        await a.close()
+
+
 async def test_overlap_skip_is_recorded_and_allow_runs_both(store: Store) -> None:
     a = await started(store)
     try:
@@ -319,3 +344,38 @@ async def test_job_names_and_many_claims_are_isolated(store: Store) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_jobs_and_runs_describe_the_store_now(store: Store) -> None:
+    a = await started(store)
+    try:
+        done, handed = req("alpha", SLOT), req("beta", SLOT)
+        held = req("alpha", SLOT + 1000, overlap_skip=False)
+        for r in (done, held, handed):
+            assert (await a.claim(r)).status is ClaimStatus.WON
+        assert await a.finish(lease_of(done), Outcome.COMPLETED)
+        assert await a.hand_over([lease_of(handed)]) == {handed.token}
+        now = await a.now_ms()
+
+        assert await a.jobs() == ["alpha", "beta"]
+        runs = await a.runs()
+        assert [(r.job, r.slot, r.status) for r in runs] == [
+            ("alpha", SLOT + 1000, RunStatus.RUNNING),
+            ("alpha", SLOT, RunStatus.COMPLETED),
+            ("beta", SLOT, RunStatus.HANDED_OVER),
+        ]
+        running = runs[0]
+        assert running.instance_id == "a" and running.attempt == 1
+        assert running.expires_ms is not None and running.expires_ms > now
+        assert running.expires_at is not None and running.scheduled_at.year == 2023
+        assert runs[1].expires_ms is None and runs[2].expires_ms is None
+
+        open_runs = await a.runs(open_only=True)
+        assert {(r.job, r.slot) for r in open_runs} == {("alpha", SLOT + 1000), ("beta", SLOT)}
+        assert [r.slot for r in await a.runs("alpha")] == [SLOT + 1000, SLOT]
+        assert [r.slot for r in await a.runs("alpha", limit=1)] == [SLOT + 1000]
+        assert await a.runs("nobody") == []
+        with pytest.raises(ValueError, match="limit=-1"):
+            await a.runs(limit=-1)
+    finally:
+        await a.close()

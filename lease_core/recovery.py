@@ -1,0 +1,98 @@
+"""The recovery log of a run: what happened to it, attempt by attempt, oldest first.
+
+It is derived from the attempts the store records (:class:`~lease_core.Attempt`), so every
+backend has it and nothing extra is written while runs execute. For a workflow run, the
+attempts of all its steps (jobs ``<workflow>/<step>`` at the same slot) make one log.
+
+Each attempt gives one entry when it starts and one when it ends:
+
+=====================  ==============================================================
+entry                  when
+=====================  ==============================================================
+``started``            an attempt claimed the run (reason scheduled, catch-up or
+                       hand-over: the detail says which)
+``taken_over``         an attempt claimed the run after the previous one's lease
+                       expired (reason takeover)
+``completed``,         the attempt ended so (``lost``: its lease expired unrenewed;
+``failed``,            ``handed_over``: its instance stopped and released the run;
+``timed_out``,         ``escalated``: it was the last attempt ``max_attempts`` allows)
+``lost``,
+``handed_over``,
+``escalated``,
+``skipped``
+=====================  ==============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ._structures import Attempt, Outcome, Reason
+
+__all__ = ["STEP_SEPARATOR", "RecoveryEntry", "recovery_log", "step_job"]
+
+#: Separates a workflow's name from a step's in the job name of the step's runs.
+STEP_SEPARATOR = "/"
+
+
+def step_job(workflow: str, step: str) -> str:
+    """The job name of a workflow step's runs: ``<workflow>/<step>``."""
+    return f"{workflow}{STEP_SEPARATOR}{step}"
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryEntry:
+    """One event of a run's recovery log."""
+
+    at: datetime
+    step: str | None
+    """The workflow step the event concerns; ``None`` for a plain job's run."""
+    attempt: int
+    event: str
+    """``started``, ``completed``, ``failed``, ``timed_out``, ``lost``, ``taken_over``,
+    ``handed_over``, ``escalated`` or ``skipped``."""
+    instance_id: str
+    detail: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``at`` as ISO-8601 UTC)."""
+        return {
+            "at": self.at.isoformat(timespec="milliseconds"),
+            "step": self.step,
+            "attempt": self.attempt,
+            "event": self.event,
+            "instance_id": self.instance_id,
+            "detail": self.detail,
+        }
+
+
+def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
+                 ) -> list[RecoveryEntry]:
+    """The recovery log of the run these attempts belong to, oldest entry first.
+
+    With ``workflow``, attempts of jobs ``<workflow>/<step>`` are entries of that step.
+    """
+    entries: list[tuple[datetime, int, int, RecoveryEntry]] = []
+    prefix = None if workflow is None else workflow + STEP_SEPARATOR
+    for a in attempts:
+        step = a.job[len(prefix):] if prefix and a.job.startswith(prefix) else None
+        if a.outcome is Outcome.SKIPPED:
+            entries.append((a.claimed_at, a.attempt, 1, RecoveryEntry(
+                a.claimed_at, step, a.attempt, "skipped", a.instance_id, a.error)))
+            continue
+        if a.reason is Reason.TAKEOVER:
+            start, detail = "taken_over", "the previous attempt's lease expired"
+        else:
+            start, detail = "started", str(a.reason)
+        entries.append((a.claimed_at, a.attempt, 0,
+                        RecoveryEntry(a.claimed_at, step, a.attempt, start, a.instance_id,
+                                      detail)))
+        if a.outcome is not None:
+            at = a.finished_at or a.claimed_at
+            entries.append((at, a.attempt, 1, RecoveryEntry(
+                at, step, a.attempt, str(a.outcome), a.instance_id, a.error)))
+    entries.sort(key=lambda e: (e[0], e[1], e[2]))
+    return [e[3] for e in entries]

@@ -1,0 +1,258 @@
+"""A blocking front end to the scheduler, for sync code (Django, Flask, scripts, workers).
+
+:class:`SyncScheduler` declares jobs on an inner :class:`~lease_core.Scheduler` and runs it
+in a background thread with its own event loop (anyio's blocking portal); every call from
+the caller's thread goes through that portal, so the sync API never duplicates the async
+engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.from_thread
+from anyio.abc import TaskStatus
+
+from ._durations import Duration, parse_duration
+from ._structures import Attempt
+from .abc import Backend
+from .errors import AnarchonError
+from .scheduler import Job, Scheduler
+
+__all__ = ["SyncScheduler"]
+
+logger = logging.getLogger("anarchon")
+
+
+class _State(enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+
+
+class SyncScheduler:
+    """A :class:`~lease_core.Scheduler` for sync code, running in a background thread.
+
+    ``SyncScheduler(backend, **options)`` takes the options of :class:`Scheduler`
+    (``instance_id``, ``lease``, ``heartbeat``, ``history_size``, ``history_ttl``,
+    ``clock``). Jobs are declared with the same :meth:`every` and :meth:`cron`, directly or
+    as decorators; handlers may be sync (run in worker threads) or async (run on the
+    background thread's event loop).
+
+    :meth:`start` returns once the scheduler runs in a background thread with its own
+    asyncio event loop, and raises the scheduler's start error (store unreachable, bad
+    configuration) in the caller's thread, leaving nothing running. :meth:`stop` blocks
+    until every run still held is handed over; ``with SyncScheduler(...) as s:`` does both.
+    At interpreter exit a running SyncScheduler stops with a hand-over (grace
+    ``exit_grace``); a process killed by a signal's default action (SIGTERM without a
+    handler, SIGKILL) exits without it, and backups take its runs over when their leases
+    expire.
+
+    .. warning:: **Fork safety.** The background thread does not survive ``fork()``. Start
+       a SyncScheduler in the process that uses it, *after* the server forks its workers:
+       gunicorn's ``post_fork`` or ``post_worker_init`` hook, uwsgi with ``lazy-apps =
+       true``, or the app factory of each worker process. Declaring jobs before the fork
+       is fine. Using a scheduler started before a fork in the forked child raises
+       :class:`AnarchonError` instead of hanging.
+
+    .. note:: The inner scheduler starts and closes ``backend`` on the background thread's
+       event loop, so an async pool or client passed in must not be bound to another loop
+       (a DSN, a URL or a blocking driver object always works); it is never closed.
+    """
+
+    def __init__(self, backend: Backend, *, exit_grace: Duration = "10s", **options: Any) -> None:
+        self.exit_grace: float = parse_duration(exit_grace, what="exit_grace", allow_zero=True)
+        """Grace of the :meth:`stop` made at interpreter exit, in seconds."""
+        self.scheduler = Scheduler(backend, **options)
+        """The async scheduler this one drives; its jobs, options and state."""
+        self.every = self.scheduler.every
+        """Declare a job that runs every ``interval``: see :meth:`Scheduler.every`."""
+        self.cron = self.scheduler.cron
+        """Declare a job that runs on a cron expression: see :meth:`Scheduler.cron`."""
+        self._lock = threading.RLock()
+        self._state = _State.STOPPED
+        self._pid: int | None = None
+        self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._host: Future[None] | None = None
+        self._stop_requested: anyio.Event | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._grace = 0.0
+
+    @property
+    def backend(self) -> Backend:
+        """The backend the scheduler claims runs in."""
+        return self.scheduler.backend
+
+    @property
+    def instance_id(self) -> str:
+        """This instance's id, recorded in every attempt it makes."""
+        return self.scheduler.instance_id
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        """The declared jobs, by name."""
+        return self.scheduler.jobs
+
+    @property
+    def running(self) -> list[tuple[str, int]]:
+        """The runs (job, slot) this instance is executing now."""
+        self._check_process()
+        portal = self._portal
+        if portal is not None and threading.current_thread() is not self._loop_thread:
+            # Read on the loop's thread, which changes the set of held runs.
+            try:
+                return portal.call(lambda: self.scheduler.running)
+            except RuntimeError:
+                if self._portal is portal:
+                    raise
+                # stopped meanwhile
+        return self.scheduler.running
+
+    @property
+    def started(self) -> bool:
+        """Whether the scheduler runs in this process (between :meth:`start` and :meth:`stop`)."""
+        return self._state is _State.RUNNING and self._pid == os.getpid()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _check_process(self) -> None:
+        if self._pid is not None and self._pid != os.getpid():
+            raise AnarchonError(
+                f"this SyncScheduler was started in process {self._pid}, and process "
+                f"{os.getpid()} is a fork of it, where its background thread does not exist; "
+                "start the SyncScheduler after the server forks (gunicorn: post_fork or "
+                "post_worker_init hook; uwsgi: lazy-apps = true)"
+            )
+
+    def _check_thread(self, what: str) -> None:
+        if threading.current_thread() is self._loop_thread:
+            raise AnarchonError(
+                f"SyncScheduler.{what}() would block the scheduler's own event loop; from an "
+                f"async handler, use 'await sync_scheduler.scheduler.{what}(...)' instead"
+            )
+
+    def start(self) -> None:
+        """Start the scheduler in a background thread; return once it runs.
+
+        Raises the scheduler's start error (e.g. :class:`BackendUnavailable`,
+        :class:`ConfigurationError`) here, with nothing left running, and
+        :class:`AnarchonError` if it is already started.
+        """
+        self._check_process()
+        with self._lock:
+            if self._state is not _State.STOPPED:
+                raise AnarchonError(
+                    f"SyncScheduler {self.instance_id!r} is already started; call stop() first"
+                )
+            self._state = _State.STARTING
+            cm = anyio.from_thread.start_blocking_portal(
+                "asyncio", name=f"anarchon-{self.instance_id}"
+            )
+            portal = cm.__enter__()
+            try:
+                self._host, _ = portal.start_task(self._run_host, name="anarchon-sync-host")
+            except BaseException as exc:
+                self._state = _State.STOPPED
+                cm.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            self._portal_cm, self._portal = cm, portal
+            self._pid = os.getpid()
+            self._state = _State.RUNNING
+            atexit.register(self._stop_at_exit)
+
+    async def _run_host(self, *, task_status: TaskStatus[None]) -> None:
+        # start() and stop() of the async scheduler run in this one task.
+        stop_requested = self._stop_requested = anyio.Event()
+        self._loop_thread = threading.current_thread()
+        async with self.scheduler:
+            task_status.started()
+            await stop_requested.wait()
+            await self.scheduler.stop(self._grace)
+
+    def _request_stop(self, grace: float) -> None:
+        self._grace = grace
+        assert self._stop_requested is not None
+        self._stop_requested.set()
+
+    def stop(self, grace: Duration = "10s") -> None:
+        """Stop claiming, let handlers finish for ``grace``, hand over the rest; block.
+
+        Returns once every run still held is handed over and the background thread has
+        ended. A no-op when not started, so it may be called more than once.
+        """
+        grace_s = parse_duration(grace, what="grace", allow_zero=True)
+        self._check_process()
+        self._check_thread("stop")
+        with self._lock:
+            if self._state is not _State.RUNNING:
+                return
+            self._state = _State.STOPPING
+            portal, cm, host = self._portal, self._portal_cm, self._host
+            assert portal is not None and cm is not None and host is not None
+            atexit.unregister(self._stop_at_exit)
+            error: BaseException | None = None
+            try:
+                if not host.done():
+                    portal.call(self._request_stop, grace_s)
+                host.result()
+            except BaseException as exc:
+                error = exc
+            finally:
+                self._portal = self._portal_cm = self._host = None
+                self._stop_requested = self._loop_thread = None
+                self._pid = None
+                self._state = _State.STOPPED
+                cm.__exit__(None, None, None)
+            if error is not None:
+                raise error
+
+    def _stop_at_exit(self) -> None:
+        if self._pid != os.getpid():
+            return  # a forked child: the scheduler runs in the parent, not here
+        try:
+            self.stop(self.exit_grace)
+        except Exception:
+            logger.exception("SyncScheduler %s failed to stop at exit", self.instance_id)
+
+    def __enter__(self) -> SyncScheduler:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------- history
+
+    def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
+        """Return the recorded attempts, newest first, of ``job`` or of every job.
+
+        Works before :meth:`start` and after :meth:`stop` too (on a short-lived event loop).
+        """
+        self._check_process()
+        self._check_thread("history")
+        with self._lock:
+            portal = self._portal if self._state is _State.RUNNING else None
+        if portal is not None:
+            try:
+                return portal.call(self.scheduler.history, job, limit)
+            except RuntimeError:
+                if self._portal is portal:
+                    raise
+                # stopped meanwhile: read on a short-lived loop
+        return anyio.run(self.scheduler.history, job, limit)

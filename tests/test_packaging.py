@@ -1,0 +1,77 @@
+"""The distribution: what the sdist and the wheel hold, its metadata, a clean build."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """Build the sdist and the wheel once (no network: the build backend is installed)."""
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    return sdist, wheel, proc.stdout + proc.stderr
+
+
+def _source_files(folder: str, suffixes: tuple[str, ...]) -> set[str]:
+    return {
+        p.relative_to(ROOT).as_posix() for p in (ROOT / folder).rglob("*")
+        if p.is_file() and p.suffix in suffixes and "__pycache__" not in p.parts
+    }
+
+
+def test_build_is_clean(dist: tuple[Path, Path, str]) -> None:
+    log = dist[2].lower()
+    assert "warning" not in log, dist[2]
+
+
+def test_sdist_holds_the_whole_test_suite(dist: tuple[Path, Path, str]) -> None:
+    with tarfile.open(dist[0]) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    tests = _source_files("tests", (".py",))
+    assert {"tests/conftest.py", "tests/helpers.py", "tests/stores/postgres.py"} <= tests
+    assert tests <= names, sorted(tests - names)
+    examples = _source_files("docs/examples", (".py",))  # run by tests/test_examples.py
+    assert "docs/examples/flask_app.py" in examples and examples <= names
+    assert {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml"} <= names
+    assert not any(n.startswith(("benchmarks/", ".venv/", ".ci/")) for n in names)
+
+
+def test_wheel_holds_the_library_and_its_data(dist: tuple[Path, Path, str]) -> None:
+    with zipfile.ZipFile(dist[1]) as whl:
+        names = set(whl.namelist())
+        meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = Parser().parsestr(whl.read(meta_name).decode())
+    library = set()
+    for package in ("lease_core", "backends", "adapters"):
+        library |= _source_files(package, (".py", ".lua", ".sql", ".typed"))
+    assert library <= names, sorted(library - names)
+    assert {"lease_core/py.typed", "backends/redis_lua/claim.lua"} <= names
+    assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert metadata["License-Expression"] == "MIT"
+    classifiers = metadata.get_all("Classifier") or []
+    for wanted in ("Typing :: Typed", "Framework :: AnyIO",
+                   "Programming Language :: Python :: 3.11"):
+        assert wanted in classifiers
+
+
+def test_license_file_matches_the_declared_licence() -> None:
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License")
+    assert 'license = "MIT"' in (ROOT / "pyproject.toml").read_text()

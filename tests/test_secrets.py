@@ -1,0 +1,185 @@
+"""A password given in a URL or DSN never shows in an error, its cause chain, a repr or a log."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import traceback
+from collections.abc import Iterator
+
+import pytest
+
+from backends.embedded.postgres import find_free_port
+from backends.embedded.redis import EmbeddedRedis, find_server
+from lease_core import (
+    AuthenticationFailed,
+    BackendUnavailable,
+    ConfigurationError,
+    backend_from_url,
+)
+from lease_core._redact import redact
+from tests.stores.postgres import PgServer
+
+SECRET = "Pw-7c3e9f-SeCrEt"
+
+
+def assert_hidden(exc: BaseException, caplog: pytest.LogCaptureFixture | None = None) -> None:
+    """The secret is in no exception of the chain (text, repr, args), nor in the logs."""
+    shown = "".join(traceback.format_exception(exc))
+    assert SECRET not in shown
+    seen: BaseException | None = exc
+    while seen is not None:
+        assert SECRET not in str(seen) and SECRET not in repr(seen)
+        assert SECRET not in repr(seen.args)
+        seen = seen.__cause__ or seen.__context__
+    if caplog is not None:
+        assert SECRET not in caplog.text
+        assert all(SECRET not in repr(r.args) for r in caplog.records)
+
+
+@pytest.fixture(autouse=True)
+def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (f"postgresql://app:{SECRET}@db:5432/jobs", "postgresql://app:***@db:5432/jobs"),
+        (f"redis://:{SECRET}@cache/0", "redis://:***@cache/0"),
+        (f"postgresql://app:{SECRET}@x@db/jobs", "postgresql://app:***@db/jobs"),
+        (f"unix:///run/redis.sock?db=0&password={SECRET}&x=1",
+         "unix:///run/redis.sock?db=0&password=***&x=1"),
+        (f"host=db password={SECRET} dbname=jobs", "host=db password=*** dbname=jobs"),
+        (f"host=db password = '{SECRET} \\' x' dbname=jobs", "host=db password = *** dbname=jobs"),
+        (f"url 'host=db password={SECRET}' is bad", "url 'host=db password=***' is bad"),
+        (f"app:{SECRET}@db:5432", "app:***@db:5432"),
+        ("cannot reach 127.0.0.1:6379 (check the user and password)",
+         "cannot reach 127.0.0.1:6379 (check the user and password)"),
+    ],
+)
+def test_redact_masks_passwords_in_urls_and_dsns(text: str, shown: str) -> None:
+    assert redact(text) == shown
+
+
+def test_redact_masks_a_known_secret_anywhere() -> None:
+    assert redact(f"failed for {SECRET}.", SECRET) == "failed for ***."
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "error"),
+    [
+        (f"db.example:5432 password={SECRET}", {}, "has no scheme"),
+        (f"app:{SECRET}@db.example:5432", {}, "has no scheme"),
+        (f"mongodb://app:{SECRET}@db/x", {}, "'mongodb'"),
+        (f"mongodb://db/x?password={SECRET}", {}, "'mongodb'"),
+        (f"postgresql://app:{SECRET}@db/x", {"bogus": 1}, "'bogus'"),
+        (f"host=db password={SECRET} nosuchoption=1", {}, "nosuchoption"),
+        (f"postgresql://app:{SECRET}@db/x?table=a&table=b", {}, "twice"),
+        (f"postgresql+nosuch://app:{SECRET}@db/x", {}, "nosuch"),
+        (f"redis://:{SECRET}@cache/0?nosuch=1", {}, "'nosuch'"),
+        (f"redis://:{SECRET}@cache/0", {"table": "x"}, "'table'"),
+        (f"memory://?password={SECRET}", {}, "namespace"),
+    ],
+)
+def test_configuration_errors_hide_the_password(
+    url: str, options: dict[str, object], error: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(ConfigurationError, match=error) as info:
+        backend_from_url(url, **options)
+    assert_hidden(info.value, caplog)
+
+
+def test_repr_of_a_backend_hides_the_password() -> None:
+    for url in (f"postgresql://app:{SECRET}@db/x", f"host=db password={SECRET}",
+                f"redis://:{SECRET}@cache/0"):
+        backend = backend_from_url(url)
+        assert SECRET not in repr(backend) and SECRET not in str(backend)
+
+
+def _pg_urls(host: str, port: int, password: str) -> list[str]:
+    return [f"postgresql://postgres:{password}@{host}:{port}/postgres",
+            f"postgresql+pg8000://postgres:{password}@{host}:{port}/postgres",
+            f"host={host} port={port} user=postgres password='{password}' dbname=postgres"]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_unreachable_servers_hide_the_password(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = find_free_port()
+    for url in [*_pg_urls("127.0.0.1", port, SECRET), f"redis://:{SECRET}@127.0.0.1:{port}/0",
+                f"redis://127.0.0.1:{port}/0?password={SECRET}"]:
+        backend = backend_from_url(url)
+        with pytest.raises(BackendUnavailable) as info:
+            await backend.start()
+        assert not isinstance(info.value, AuthenticationFailed), url
+        assert f"{port}" in str(info.value), url
+        assert_hidden(info.value, caplog)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_wrong_postgres_password_is_a_refused_login_without_the_password(
+    anyio_backend: str, pg16_server: PgServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = pg16_server.server
+    for url in _pg_urls(s.host, s.port, SECRET):
+        backend = backend_from_url(url, table="secret_test")
+        with pytest.raises(AuthenticationFailed, match="refused the login") as info:
+            await backend.start()
+        assert "cannot reach" not in str(info.value)
+        assert_hidden(info.value, caplog)
+
+
+@pytest.fixture(scope="module")
+def password_redis() -> Iterator[EmbeddedRedis]:
+    """A Valkey server that wants a password other than the test's secret."""
+    binary = find_server("valkey")
+    assert binary is not None
+    with EmbeddedRedis(binary, password="the-right-one") as server:
+        yield server
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_wrong_redis_password_is_a_refused_login_without_the_password(
+    anyio_backend: str, password_redis: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = password_redis.port
+    for url in (f"redis://:{SECRET}@127.0.0.1:{port}/0",
+                f"redis://127.0.0.1:{port}/0?password={SECRET}"):
+        backend = backend_from_url(url)
+        with pytest.raises(AuthenticationFailed, match="refused the login") as info:
+            await backend.start()
+        assert_hidden(info.value, caplog)
+        assert SECRET not in repr(backend)
+
+
+@pytest.mark.parametrize(
+    ("blocked", "url", "extra"),
+    [
+        ("psycopg", f"postgresql://app:{SECRET}@127.0.0.1:1/x", "postgres"),
+        ("psycopg", f"host=127.0.0.1 port=1 password={SECRET}", "postgres"),
+        ("pg8000", f"postgresql+pg8000://app:{SECRET}@127.0.0.1:1/x", "pg8000"),
+        ("redis", f"redis://:{SECRET}@127.0.0.1:1/0", "redis"),
+    ],
+)
+def test_missing_driver_hides_the_password(blocked: str, url: str, extra: str) -> None:
+    code = textwrap.dedent(f"""
+        import logging, sys, traceback
+        sys.modules[{blocked!r}] = None
+        logging.basicConfig(level=logging.DEBUG)
+        import anyio
+        from lease_core import ConfigurationError, backend_from_url
+        try:
+            anyio.run(backend_from_url({url!r}).start)
+        except ConfigurationError as exc:
+            traceback.print_exception(exc)
+            print(repr(exc))
+            print("needs", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert f"anarchon[{extra}]" in out.stdout, out.stdout + out.stderr
+    assert SECRET not in out.stdout + out.stderr

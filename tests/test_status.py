@@ -1,0 +1,58 @@
+"""``anarchon status``'s reading and rendering, on every store."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from lease_core._status import read_status, render_status
+from lease_core.abc import ClaimRequest, Lease, Outcome
+from tests.stores import Store
+
+pytestmark = pytest.mark.anyio
+
+SLOT = 1_764_460_800_000  # 2025-11-30T00:00:00Z
+
+
+def _req(job: str, slot: int, instance: str) -> ClaimRequest:
+    return ClaimRequest(job, slot, instance, uuid.uuid4().hex, 60_000, overlap_skip=False)
+
+
+async def test_status_shows_jobs_runs_in_progress_and_last_outcomes(store: Store) -> None:
+    backend = store.backend()
+    await backend.start()
+    try:
+        empty = await read_status(backend)
+        assert empty.jobs == [] and "no jobs recorded yet" in render_status(empty)
+
+        done, failed, held = (_req("export", SLOT, "a"), _req("report", SLOT, "b"),
+                              _req("export", SLOT + 60_000, "c"))
+        for r in (done, failed, held):
+            await backend.claim(r)
+        await backend.finish(Lease(done.job, done.slot, done.token, 60_000), Outcome.COMPLETED)
+        await backend.finish(Lease(failed.job, failed.slot, failed.token, 60_000),
+                             Outcome.FAILED, "boom")
+
+        status = await read_status(backend)
+        data = status.as_json()
+        assert [j["name"] for j in data["jobs"]] == ["export", "report"]
+        export, report = data["jobs"]
+        assert export["last"]["status"] == "completed"
+        assert export["last"]["scheduled_at"] == "2025-11-30T00:00:00.000+00:00"
+        assert [r["instance_id"] for r in export["running"]] == ["c"]
+        assert export["running"][0]["slot"] == SLOT + 60_000
+        assert export["running"][0]["lease_expires_at"].endswith("+00:00")
+        assert report["last"]["status"] == "failed" and report["running"] == []
+        json.dumps(data)  # JSON-ready
+
+        text = render_status(status)
+        lines = text.splitlines()
+        assert lines[2].split()[:4] == ["JOB", "LAST", "OUTCOME", "LAST"]
+        export_line = next(line for line in lines if line.startswith("export"))
+        assert "completed" in export_line and "held by c" in export_line
+        assert "lease" in export_line and "left" in export_line
+        assert next(line for line in lines if line.startswith("report")).rstrip().endswith("-")
+    finally:
+        await backend.close()

@@ -1,0 +1,217 @@
+"""Options through ``backend_from_url``: keywords, URL query parameters, ``namespace``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from backends.embedded.redis import EmbeddedRedis
+from backends.memory import MemoryBackend
+from backends.postgres import PostgresBackend
+from backends.redis import RedisBackend
+from lease_core import ConfigurationError, backend_from_url
+from lease_core._structures import ClaimRequest, ClaimStatus
+from tests.stores.postgres import PgServer, drop_tables, unique_table
+from tests.stores.redis import delete_prefix
+
+# --- no server needed ---------------------------------------------------------------------
+
+
+def test_table_and_prefix_from_the_query_the_keyword_or_namespace() -> None:
+    pg = "postgresql://app@db/app"
+    for url, options in ((f"{pg}?table=jobs", {}), (pg, {"table": "jobs"}),
+                         (pg, {"namespace": "jobs"}), (f"{pg}?namespace=jobs", {}),
+                         (f"{pg}?table=jobs", {"namespace": "jobs"}),
+                         ("host=db user=app table=jobs", {})):
+        backend = backend_from_url(url, **options)
+        assert isinstance(backend, PostgresBackend) and backend.table == "jobs", url
+    for url, options in (("redis://db/0?prefix=p1", {}), ("redis://db/0", {"prefix": "p1"}),
+                         ("redis://db/0", {"namespace": "p1"}),
+                         ("redis://db/0?namespace=p1", {"prefix": "p1"})):
+        backend = backend_from_url(url, **options)
+        assert isinstance(backend, RedisBackend) and backend.prefix == "p1", url
+    assert isinstance(backend_from_url("memory://", namespace="x"), MemoryBackend)
+    assert isinstance(backend_from_url("memory://?namespace=x"), MemoryBackend)
+
+
+def test_backend_level_parameters_are_taken_out_of_the_url() -> None:
+    backend = backend_from_url("postgresql://app@db/app?table=jobs&sslmode=disable"
+                               "&min_size=2&max_size=3&timeout=2s&application_name=x")
+    assert isinstance(backend, PostgresBackend)
+    assert backend._connection == "postgresql://app@db/app?sslmode=disable&application_name=x"
+    assert backend._options == {"min_size": 2, "max_size": 3, "timeout": 2.0}
+    redis = backend_from_url("redis://db/0?prefix=p&wait_replicas=1&wait_timeout=2s"
+                             "&socket_timeout=5")
+    assert isinstance(redis, RedisBackend)
+    assert redis._connection == "redis://db/0?socket_timeout=5"
+    assert (redis.prefix, redis.wait_replicas, redis._wait_timeout_ms) == ("p", 1, 2000)
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "named", "accepted"),
+    [
+        ("memory://", {"table": "x"}, "'table'", "namespace"),
+        ("memory://?table=x", {}, "'table'", "namespace"),
+        ("postgresql://db/app", {"prefix": "x"}, "'prefix'", "table"),
+        ("postgresql://db/app", {"pool_size": 3}, "'pool_size'", "max_size"),
+        ("redis://db/0", {"table": "x"}, "'table'", "prefix"),
+        ("redis://db/0?table=x", {}, "'table'", "socket_timeout"),
+        ("redis://db/0?max_size=3", {}, "'max_size'", "max_connections"),
+    ],
+)
+def test_an_unknown_option_is_named_with_the_accepted_ones(
+    url: str, options: dict[str, object], named: str, accepted: str
+) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        backend_from_url(url, **options)
+    assert named in str(info.value) and accepted in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        ("postgresql://db/app?table=a", {"table": "b"}),
+        ("postgresql://db/app?table=a&namespace=b", {}),
+        ("postgresql://db/app", {"table": "a", "namespace": "b"}),
+        ("postgresql://db/app?timeout=a", {"timeout": "b"}),
+        ("redis://db/0?prefix=a", {"namespace": "b"}),
+        ("redis://db/0?prefix=a", {"prefix": "b"}),
+        ("redis://db/0?prefix=a&prefix=b", {}),
+    ],
+)
+def test_one_option_given_two_different_values_is_refused(
+    url: str, options: dict[str, object]
+) -> None:
+    with pytest.raises(ConfigurationError, match=r"'a'.*'b'|'b'.*'a'"):
+        backend_from_url(url, **options)
+
+
+def test_the_same_value_given_both_ways_is_accepted() -> None:
+    backend = backend_from_url("postgresql://db/app?table=a&max_size=2", table="a", max_size=2)
+    assert isinstance(backend, PostgresBackend) and backend.table == "a"
+
+
+@pytest.mark.parametrize("bad", ["min_size=0", "max_size=x", "timeout=soon"])
+def test_a_bad_pool_value_in_the_query_is_named(bad: str) -> None:
+    with pytest.raises(ConfigurationError, match=bad.split("=")[0]):
+        backend_from_url(f"postgresql://db/app?{bad}")
+
+
+# --- on real servers ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_postgres_url_options_reach_the_backend_and_the_driver(
+    anyio_backend: str, pg16_server: PgServer
+) -> None:
+    table = unique_table()
+    app = "anarchon_" + uuid.uuid4().hex[:8]
+    backend = backend_from_url(f"{pg16_server.dsn}?table={table}&application_name={app}"
+                               "&connect_timeout=5&max_size=2&timeout=5s")
+    try:
+        await backend.start()
+        won = await backend.claim(ClaimRequest("job", 1, "i", "t", 60_000))
+        assert won.status is ClaimStatus.WON
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            rows = conn.execute(f"SELECT job FROM {table}").fetchall()
+            apps = conn.execute("SELECT count(*) FROM pg_stat_activity "
+                                "WHERE application_name = %s", (app,)).fetchone()
+        assert rows == [("job",)]
+        assert apps is not None and apps[0] >= 1
+        assert backend._adapter.pool.max_size == 2  # type: ignore[attr-defined]
+    finally:
+        await backend.close()
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_redis_url_options_reach_the_backend_and_the_driver(
+    anyio_backend: str, valkey8_server: EmbeddedRedis
+) -> None:
+    prefix = "opt_" + uuid.uuid4().hex[:8]
+    backend = backend_from_url(f"{valkey8_server.url}?namespace={prefix}&socket_timeout=7")
+    try:
+        await backend.start()
+        won = await backend.claim(ClaimRequest("job", 1, "i", "t", 60_000))
+        assert won.status is ClaimStatus.WON
+        adapter = backend._adapter  # type: ignore[attr-defined]
+        assert adapter.client.connection_pool.connection_kwargs["socket_timeout"] == 7.0
+        await backend.close()
+        assert delete_prefix(valkey8_server.url, prefix) > 0
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+
+
+# --- a third-party backend through the entry point ------------------------------------------
+
+TOY_BACKEND = '''
+"""A third-party backend: a memory store per namespace, reached as myscheme://NAME."""
+
+from urllib.parse import urlsplit
+
+from backends.memory import MemoryBackend
+from lease_core import ConfigurationError
+
+_STORES = {}
+
+
+class ToyBackend(MemoryBackend):
+    schemes = ("myscheme",)
+
+    @classmethod
+    def from_url(cls, url, *, namespace=None, **options):
+        if options:
+            raise ConfigurationError(f"ToyBackend does not accept {sorted(options)}")
+        name = namespace or urlsplit(url).netloc
+        store = _STORES.setdefault(name, cls())
+        store.name = name
+        return store
+'''
+
+RUN_A_JOB = '''
+import anyio
+from lease_core import Scheduler, backend_from_url
+from lease_core._registry import known_schemes
+
+async def main():
+    backend = backend_from_url("myscheme://shop", namespace="ns1")
+    ran = anyio.Event()
+    scheduler = Scheduler(backend, instance_id="one", lease="3s", heartbeat="1s")
+
+    @scheduler.every("tick", "1s")
+    async def tick(ctx):
+        ran.set()
+
+    async with scheduler:
+        with anyio.fail_after(30):
+            await ran.wait()
+    history = await scheduler.history("tick")
+    print(type(backend).__name__, backend.name, "myscheme" in known_schemes(),
+          history[-1].outcome, history[-1].instance_id)
+
+anyio.run(main)
+'''
+
+
+def test_third_party_backend_installed_as_a_distribution_runs_a_job(tmp_path: Path) -> None:
+    """A distribution on sys.path declares scheme 'myscheme' in group anarchon.backends."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "toy_backend.py").write_text(textwrap.dedent(TOY_BACKEND))
+    dist = site / "toy_backend-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[anarchon.backends]\nmyscheme = toy_backend:ToyBackend\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(site)!r})\n" + RUN_A_JOB],
+        capture_output=True, text=True, timeout=90,
+    )
+    assert out.stdout.strip() == "ToyBackend ns1 True completed one", out.stderr
