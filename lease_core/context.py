@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -17,7 +17,7 @@ from .errors import LeaseLost, StopRequested
 if TYPE_CHECKING:
     from .abc import Backend
 
-__all__ = ["Checkpoint", "RunContext"]
+__all__ = ["Checkpoint", "RunContext", "StepCheckpoint"]
 
 
 class Checkpoint:
@@ -67,6 +67,24 @@ class Checkpoint:
         anyio.from_thread.run(self.delete)
 
 
+class StepCheckpoint(Checkpoint):
+    """A workflow step's progress: the step run's checkpoint holds ``{"progress": value}``.
+
+    Once the step completes, its checkpoint holds ``{"result": value}`` instead (read by
+    later steps as ``ctx.results``); :meth:`get` returns only the progress, ``None``
+    when there is none.
+    """
+
+    async def get(self) -> Any:
+        """Return the step's stored progress, or ``None`` when there is none."""
+        payload = await super().get()
+        return payload.get("progress") if isinstance(payload, dict) else None
+
+    async def set(self, value: Any) -> None:
+        """Store the step's progress; raise LeaseLost if this attempt lost the run."""
+        await super().set({"progress": value})
+
+
 class _RunLog(logging.LoggerAdapter[logging.Logger]):
     """Prefixes each message with the run, and adds job, slot and attempt as record fields."""
 
@@ -95,6 +113,8 @@ class RunContext:
         reason: Reason,
         instance_id: str,
         logger: logging.Logger,
+        workflow: str | None = None,
+        step: str | None = None,
     ) -> None:
         self.job: str = lease.job
         """The job's name."""
@@ -112,8 +132,18 @@ class RunContext:
         """The instance running this attempt."""
         self.stopping: anyio.Event = anyio.Event()
         """Set when the scheduler is stopping or the run must end soon."""
-        self.checkpoint: Checkpoint = Checkpoint(backend, lease)
-        """The run's fenced checkpoint."""
+        self.workflow: str | None = workflow
+        """The workflow this step belongs to; ``None`` for a job's run."""
+        self.step: str | None = step
+        """The workflow step this run executes; ``None`` for a job's run."""
+        self.results: dict[str, Any] = {}
+        """For a workflow step: the results of the steps before it, by step name."""
+        self.result: Any = None
+        """For a workflow step: its result when the handler returns ``None`` (set it with
+        :meth:`set_result`, needed when the step completes through :meth:`transaction`)."""
+        self.checkpoint: Checkpoint = (
+            Checkpoint(backend, lease) if step is None else StepCheckpoint(backend, lease))
+        """The run's fenced checkpoint (for a step: its progress, see :class:`StepCheckpoint`)."""
         self.log: logging.LoggerAdapter[logging.Logger] = _RunLog(
             logger,
             {"job": lease.job, "slot": lease.slot, "attempt": attempt, "instance": instance_id},
@@ -123,7 +153,17 @@ class RunContext:
         self._lease = lease
         self._stop_reason: str | None = None
         self._transaction_hook: Callable[[bool], None] | None = None
+        self._before_commit: Callable[[RunContext, Any], Awaitable[None]] | None = None
         self.completed_by_transaction = False
+
+    def set_result(self, value: Any) -> None:
+        """Set a workflow step's result (a JSON value), read later as ``ctx.results[step]``.
+
+        A step's result is normally the value its handler returns. A step that completes
+        through :meth:`transaction` must set it before the transaction's block ends: the
+        result commits in that same transaction.
+        """
+        self.result = value
 
     def _request_stop(self, reason: str) -> None:
         if self._stop_reason is None:
@@ -154,13 +194,16 @@ class RunContext:
         yielded object and the run's completion commit together, or not at all. While it
         is open, the lock keeps every backup out, so the lease needs no renewal and the
         local lease deadline is suspended (the job's ``timeout`` still applies). Only SQL
-        backends support it.
+        backends support it. In a workflow step, the step's result (:meth:`set_result`)
+        commits in the same transaction.
         """
         if self._transaction_hook is not None:
             self._transaction_hook(True)
         try:
             async with self._backend.transaction(self._lease) as tx:
                 yield tx
+                if self._before_commit is not None:
+                    await self._before_commit(self, tx)
             self.completed_by_transaction = True
         finally:
             if self._transaction_hook is not None:

@@ -15,9 +15,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from types import TracebackType
-from typing import Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import anyio
 import anyio.to_thread
@@ -37,12 +38,17 @@ from ._structures import (
     Lease,
     Outcome,
     Reason,
+    RunStatus,
     format_slot,
 )
-from .abc import Backend
+from .abc import Backend, encode_checkpoint
 from .context import RunContext
 from .errors import AnarchonError, ConfigurationError
+from .recovery import RecoveryEntry, recovery_log, step_job
 from .schedules import CronSchedule, IntervalSchedule, Schedule
+
+if TYPE_CHECKING:
+    from .workflows import Workflow
 
 __all__ = [
     "CATCH_UP_LIMIT",
@@ -135,6 +141,20 @@ class Job:
     max_attempts: int | None
     lease_ms: int
     is_async: bool
+    workflow: Workflow | None = field(default=None, compare=False, repr=False)
+    """For a workflow step's job (``<workflow>/<step>``): its workflow."""
+    step: str | None = None
+    """For a workflow step's job: the step's name."""
+
+    @property
+    def next_step(self) -> Job | None:
+        """The job of the workflow step after this one, if any."""
+        return None if self.workflow is None else self.workflow.next_job(self)
+
+    @property
+    def scheduled(self) -> bool:
+        """True when the job's own schedule claims its slots (all but later steps)."""
+        return self.workflow is None or self.workflow.jobs[0] is self
 
 
 @dataclass
@@ -272,6 +292,7 @@ class Scheduler:
         )
         self._clock = clock or time.monotonic
         self._jobs: dict[str, Job] = {}
+        self._workflows: dict[str, Workflow] = {}
         self._held: dict[str, _Held] = {}
         self._watch: dict[tuple[str, int], _Watched] = {}
         self._to_hand_over: dict[str, Lease] = {}
@@ -432,9 +453,117 @@ class Scheduler:
             return register
         return register(handler)
 
+    # ----------------------------------------------------------------- workflows
+
+    def workflow(
+        self,
+        name: str,
+        *,
+        every: Duration | None = None,
+        cron: str | None = None,
+        tz: str = "UTC",
+        offset: Duration | None = None,
+        max_attempts: int | None = None,
+        timeout: Duration | None = None,
+        lease: Duration | None = None,
+        catch_up: str = "latest",
+    ) -> Workflow:
+        """Declare a workflow that runs ``every`` interval or on a ``cron`` expression.
+
+        Exactly one of ``every`` and ``cron`` is required (``tz`` applies to ``cron``,
+        ``offset`` to ``every``). ``max_attempts``, ``timeout`` and ``lease`` are the
+        defaults of its steps; ``catch_up`` applies to workflow runs missed while no
+        instance was up, as for jobs. Add steps with :meth:`Workflow.step
+        <lease_core.workflows.Workflow.step>`, in order; see :mod:`lease_core.workflows`.
+        """
+        from .workflows import Workflow, check_name
+
+        check_name("workflow", name)
+        self._check_declarable(f"workflow {name!r}")
+        if name in self._workflows or any(j.startswith(name + "/") for j in self._jobs):
+            raise ConfigurationError(f"workflow {name!r} is already declared; "
+                                     "workflow names must be unique")
+        if (every is None) == (cron is None):
+            raise ConfigurationError(
+                f"workflow {name!r}: give exactly one of every=... (an interval) or "
+                f"cron=... (an expression); got every={every!r}, cron={cron!r}"
+            )
+        if offset is not None and every is None:
+            raise ConfigurationError(f"workflow {name!r}: offset={offset!r} needs every=...")
+        schedule: Schedule = (
+            IntervalSchedule(every, offset or 0) if every is not None
+            else CronSchedule(cron or "", tz)
+        )
+        if catch_up not in _CATCH_UP:
+            raise ConfigurationError(f"catch_up={catch_up!r} is unknown; use one of {_CATCH_UP}")
+        self._check_max_attempts(max_attempts)
+        timeout_s = None if timeout is None else parse_duration(timeout, what="timeout")
+        if lease is not None:
+            self._check_lease(parse_duration(lease, what="lease"), "lease", lease)
+        wf = Workflow(self, name, schedule, timeout=timeout_s, max_attempts=max_attempts,
+                      lease=lease, catch_up=catch_up)
+        self._workflows[name] = wf
+        return wf
+
+    def _check_declarable(self, what: str) -> None:
+        if self._state is not SchedulerState.STOPPED:
+            raise ConfigurationError(f"{what} declared after start(); declare it first")
+
+    def _check_max_attempts(self, max_attempts: object) -> None:
+        if max_attempts is not None and (
+            isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1
+        ):
+            raise ConfigurationError(
+                f"max_attempts={max_attempts!r} must be an integer >= 1, or None for no limit"
+            )
+
+    def _declare_step(
+        self,
+        workflow: Workflow,
+        step: str,
+        handler: Handler,
+        *,
+        timeout: Duration | None,
+        max_attempts: int | None,
+        lease: Duration | None,
+        first: bool,
+    ) -> Job:
+        name = step_job(workflow.name, step)
+        if not callable(handler):
+            raise ConfigurationError(f"handler {handler!r} of step {name!r} is not callable")
+        if name in self._jobs:
+            raise ConfigurationError(f"job {name!r} is already declared; job names must be unique")
+        self._check_max_attempts(max_attempts)
+        timeout_s = None if timeout is None else parse_duration(timeout, what="timeout")
+        lease_s = self.lease if lease is None else parse_duration(lease, what="lease")
+        self._check_lease(lease_s, "lease", lease)
+        job = Job(
+            name, workflow.schedule, handler, timeout_s,
+            # One workflow run at a time: a new run is skipped while the first step of an
+            # earlier one holds its lease. Later steps are never skipped.
+            "skip" if first else "allow",
+            workflow.catch_up,  # type: ignore[arg-type]
+            max_attempts, to_ms(lease_s), _is_async(handler), workflow=workflow, step=step,
+        )
+        self._jobs[name] = job
+        return job
+
+    @property
+    def workflows(self) -> dict[str, Workflow]:
+        """The declared workflows, by name."""
+        return dict(self._workflows)
+
+    def _check_workflows(self) -> None:
+        for wf in self._workflows.values():
+            if not wf.steps:
+                raise ConfigurationError(
+                    f"workflow {wf.name!r} has no steps; add them with @workflow.step(name) "
+                    "before start()"
+                )
+
     @property
     def jobs(self) -> dict[str, Job]:
-        """The declared jobs, by name."""
+        """The declared jobs, by name (a workflow's steps are jobs ``<workflow>/<step>``)."""
         return dict(self._jobs)
 
     @property
@@ -506,6 +635,7 @@ class Scheduler:
                 f"scheduler {self.instance_id!r} is already {self._state}; call stop() and "
                 "wait for it to return before starting it again"
             )
+        self._check_workflows()
         self._state = SchedulerState.STARTING
         self._crashed = False
         self._last_answer = None
@@ -634,7 +764,10 @@ class Scheduler:
                 info = infos[name]
                 for slot in info.open_slots:
                     self._watch[(name, slot)] = _Watched(job)
-                tg.start_soon(self._job_loop, job, info)
+                if job.scheduled:
+                    tg.start_soon(self._job_loop, job, info)
+            for wf in self._workflows.values():
+                tg.start_soon(self._resume_workflow, wf, infos[wf.jobs[0].name])
             tg.start_soon(self._ticker)
             if self._state is SchedulerState.STARTING:
                 self._state = SchedulerState.RUNNING
@@ -726,7 +859,11 @@ class Scheduler:
         try:
             for _ in range(3):
                 await self._sample_clock()
-            return await self.backend.register_jobs(list(self._jobs))
+            infos = await self.backend.register_jobs(list(self._jobs))
+            if self._workflows:
+                await self.backend.register_workflows(
+                    {name: wf.steps for name, wf in self._workflows.items()})
+            return infos
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.backend.close()
@@ -840,6 +977,38 @@ class Scheduler:
         await self.backend.start()
         try:
             return await self.backend.history(job, limit)
+        finally:
+            await self.backend.close()
+
+    async def recovery_log(self, run: str | tuple[str, int | str]) -> list[RecoveryEntry]:
+        """Return the recovery log of one run, oldest entry first.
+
+        ``run`` is ``"<name>@<slot>"`` or ``(name, slot)``, the slot in epoch milliseconds
+        or ISO-8601 UTC (``2026-11-30T02:00:00Z``). For a workflow (declared here, or
+        recorded in the store), the log gathers the attempts of every step at that slot;
+        for a job, the attempts of that run. A run the store has no attempt of (never run,
+        or trimmed like history) gives an empty list; a malformed ``run`` raises
+        :class:`ConfigurationError`. See :mod:`lease_core.recovery`.
+        """
+        name, slot = parse_run_id(run)
+        await self.backend.start()
+        try:
+            steps = (self._workflows[name].steps if name in self._workflows
+                     else (await self.backend.workflows()).get(name))
+            limit = max(self.history_size, 100) * 10
+            if steps is None:
+                attempts = [a for a in await self.backend.history(name, limit)
+                            if a.slot == slot]
+                return recovery_log(attempts)
+            attempts = []
+            for step in steps:
+                attempts += [a for a in await self.backend.history(step_job(name, step), limit)
+                             if a.slot == slot]
+            order = {step: i for i, step in enumerate(steps)}
+            # Within one instant, earlier steps first: a step's completion and its
+            # successor's start often share a store timestamp.
+            return sorted(recovery_log(attempts, workflow=name),
+                          key=lambda e: (e.at, order.get(e.step or "", len(order))))
         finally:
             await self.backend.close()
 
@@ -981,6 +1150,11 @@ class Scheduler:
                              format_slot(slot), result.attempt)
                 self._emit(ev.Escalated(**run, attempt=result.attempt, reason=reason,
                                         claim_duration=took))
+            next_step = job.next_step
+            if (result.status is ClaimStatus.FINISHED and next_step is not None
+                    and result.run_status is RunStatus.COMPLETED):
+                # The step completed before this instance saw it run: back up its successor.
+                await self._claim(next_step, slot, Reason.SCHEDULED)
         return result
 
     # ----------------------------------------------------------------- running handlers
@@ -991,7 +1165,10 @@ class Scheduler:
         ctx = RunContext(
             backend=self.backend, lease=lease, attempt=result.attempt, reason=reason,
             instance_id=self.instance_id, logger=logger,
+            workflow=None if job.workflow is None else job.workflow.name, step=job.step,
         )
+        if job.workflow is not None:
+            ctx._before_commit = self._result_in_transaction
         scope = anyio.CancelScope()
         held = self._held[lease.token] = _Held(job, lease, ctx, scope)
         # The store's lease started no earlier than the claim was sent.
@@ -1013,15 +1190,18 @@ class Scheduler:
         raised: Exception | None = None
         timed_out = False
         interrupted: Interruption | None = None
+        value: Any = None
         _INSIDE.set(self)
         try:
             with held.scope:
                 try:
                     with anyio.move_on_after(job.timeout or math.inf) as timeout_scope:
+                        if job.workflow is not None:
+                            ctx.results = await self._load_results(job, held.lease.slot)
                         if job.is_async:
-                            await job.handler(ctx)
+                            value = await job.handler(ctx)
                         else:
-                            await anyio.to_thread.run_sync(
+                            value = await anyio.to_thread.run_sync(
                                 job.handler, ctx, abandon_on_cancel=True
                             )
                     timed_out = timeout_scope.cancelled_caught
@@ -1056,6 +1236,32 @@ class Scheduler:
         if outcome is Outcome.HANDED_OVER:
             self._to_hand_over[held.lease.token] = held.lease
             return
+        if (outcome is Outcome.COMPLETED and job.workflow is not None
+                and not ctx.completed_by_transaction):
+            # The step's result is durable before its completion, so the next step,
+            # wherever it runs, reads it.
+            stored: bool | None = None
+            with anyio.move_on_after(10, shield=True):
+                try:
+                    stored = await self.backend.set_checkpoint(
+                        held.lease, {"result": ctx.result if value is None else value})
+                except ConfigurationError as exc:
+                    raised = exc
+                    outcome, error = Outcome.FAILED, f"the step's result: {exc}"
+                except Exception as exc:
+                    self._store_failed(f"result of {job.name} slot {format_slot(slot)}", exc)
+            if stored is None and raised is None:
+                # Unknown whether the result was stored: finishing could complete the
+                # step without it. Its lease runs out and a backup runs it again.
+                self._ended(ev.Lost, held.lease, why="result not stored")
+                self._watch[(job.name, slot)] = _Watched(job)
+                return
+            if stored is False:
+                self._ended(ev.Lost, held.lease, why="lease lost before the result was stored")
+                logger.warning("%s slot %s: lease lost before its result was stored",
+                               job.name, format_slot(slot))
+                self._watch[(job.name, slot)] = _Watched(job)
+                return
         if outcome is Outcome.TIMED_OUT:
             ctx._request_stop("timed out")
             self._ended(ev.TimedOut, held.lease)
@@ -1066,19 +1272,63 @@ class Scheduler:
             self._ended(ev.Failed, held.lease, error=raised)
             logger.warning("%s slot %s (%d) attempt %d failed: %s", job.name,
                            format_slot(slot), slot, ctx.attempt, error, exc_info=raised)
-        if outcome is Outcome.COMPLETED and ctx.completed_by_transaction:
-            return
-        with anyio.move_on_after(10, shield=True) as finish_scope:
-            try:
-                if not await self.backend.finish(held.lease, outcome, error):
-                    logger.warning("%s slot %s: lease lost before finishing (%s)",
-                                   job.name, format_slot(slot), outcome)
-            except Exception as exc:
-                self._store_failed(f"finish of {job.name} slot {format_slot(slot)}", exc)
+        finished = outcome is Outcome.COMPLETED and ctx.completed_by_transaction
+        if not finished:
+            with anyio.move_on_after(10, shield=True) as finish_scope:
+                try:
+                    finished = await self.backend.finish(held.lease, outcome, error)
+                    if not finished:
+                        logger.warning("%s slot %s: lease lost before finishing (%s)",
+                                       job.name, format_slot(slot), outcome)
+                except Exception as exc:
+                    self._store_failed(f"finish of {job.name} slot {format_slot(slot)}", exc)
+                    self._watch[(job.name, slot)] = _Watched(job)
+            if finish_scope.cancelled_caught:
+                # Unknown whether it finished: watch it, so it is taken over if not.
                 self._watch[(job.name, slot)] = _Watched(job)
-        if finish_scope.cancelled_caught:
-            # Unknown whether it finished: watch it, so it is taken over if not.
-            self._watch[(job.name, slot)] = _Watched(job)
+        next_step = job.next_step
+        if finished and outcome is Outcome.COMPLETED and next_step is not None:
+            # The completion is durable: dispatch the next step now, without a tick.
+            await self._claim(next_step, slot, Reason.SCHEDULED)
+
+    async def _load_results(self, job: Job, slot: int) -> dict[str, Any]:
+        assert job.workflow is not None
+        results: dict[str, Any] = {}
+        for step in job.workflow.previous_steps(job):
+            payload = await self.backend.get_checkpoint(step_job(job.workflow.name, step), slot)
+            results[step] = payload.get("result") if isinstance(payload, dict) else None
+        return results
+
+    async def _result_in_transaction(self, ctx: RunContext, tx: Any) -> None:
+        # A step completed by its fenced transaction stores its result in that same
+        # transaction, through the SQL backend's own checkpoint statement.
+        sql = getattr(getattr(self.backend, "_sql", None), "set_checkpoint", None)
+        if sql is None:
+            raise ConfigurationError(
+                f"{type(self.backend).__name__} cannot store a step's result inside its "
+                "fenced transaction")
+        await tx.execute(sql, (encode_checkpoint({"result": ctx.result}), ctx.job, ctx.slot,
+                               ctx.token))
+
+    async def _resume_workflow(self, wf: Workflow, info: JobInfo) -> None:
+        # A workflow run whose step completed but whose next step was never claimed (its
+        # agent died in between) is continued by the first instance that starts.
+        if info.last_slot is None:
+            return
+        keys = [(job.name, info.last_slot) for job in wf.jobs]
+        try:
+            result = await self.backend.check(keys)
+        except Exception as exc:
+            self._store_failed(f"check of workflow {wf.name}", exc)
+            return
+        for job, key in zip(wf.jobs[:-1], keys[1:], strict=True):
+            state = result.runs.get((job.name, key[1]))
+            if (state is not None and state.status is RunStatus.COMPLETED
+                    and key not in result.runs):
+                next_step = job.next_step
+                assert next_step is not None
+                await self._claim(next_step, key[1], Reason.SCHEDULED)
+                return
 
     def _ended(self, kind: type[ev.AttemptEnded], lease: Lease, **extra: Any) -> None:
         info = self._attempts.pop(lease.token, None)
@@ -1188,8 +1438,45 @@ class Scheduler:
             state = result.runs.get(key)
             if state is None or state.status.finished:
                 self._watch.pop(key, None)
+                next_step = watched.job.next_step
+                if (state is not None and state.status is RunStatus.COMPLETED
+                        and next_step is not None):
+                    # Supervisor: the step completed; make sure its successor is claimed
+                    # (by its agent, or by this instance if the agent died before).
+                    await self._claim(next_step, key[1], Reason.SCHEDULED)
             elif state.claimable(result.now_ms):
                 await self._claim(watched.job, key[1], Reason.TAKEOVER)
+
+
+def parse_run_id(run: str | tuple[str, int | str]) -> tuple[str, int]:
+    """Split a run id, ``"<name>@<slot>"`` or ``(name, slot)``, into (name, slot in ms).
+
+    The slot is epoch milliseconds or an ISO-8601 time (UTC unless it names an offset).
+    """
+    if isinstance(run, tuple) and len(run) == 2:
+        name, slot_text = run
+    elif isinstance(run, str) and "@" in run:
+        name, _, slot_text = run.rpartition("@")
+    else:
+        raise ConfigurationError(
+            f"run id {run!r} is malformed; use '<name>@<slot>' (slot in epoch milliseconds "
+            "or ISO-8601 UTC) or a (name, slot) tuple")
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"run id {run!r} has no name; use '<name>@<slot>'")
+    if isinstance(slot_text, int) and not isinstance(slot_text, bool):
+        return name, slot_text
+    text = str(slot_text).strip()
+    if re.fullmatch(r"-?\d+", text):
+        return name, int(text)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigurationError(
+            f"run id {run!r}: slot {text!r} is neither epoch milliseconds nor an ISO-8601 "
+            "time (e.g. 2026-11-30T02:00:00Z)") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return name, round(when.timestamp() * 1000)
 
 
 def run_sync(fn: Callable[[], Awaitable[Any]]) -> Any:

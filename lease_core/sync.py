@@ -26,6 +26,7 @@ from ._durations import Duration, parse_duration
 from ._structures import Attempt
 from .abc import Backend
 from .errors import AnarchonError
+from .recovery import RecoveryEntry
 from .scheduler import Job, Scheduler
 
 __all__ = ["SyncScheduler"]
@@ -79,6 +80,8 @@ class SyncScheduler:
         """Declare a job that runs every ``interval``: see :meth:`Scheduler.every`."""
         self.cron = self.scheduler.cron
         """Declare a job that runs on a cron expression: see :meth:`Scheduler.cron`."""
+        self.workflow = self.scheduler.workflow
+        """Declare a workflow and its steps: see :meth:`Scheduler.workflow`."""
         self._lock = threading.RLock()
         self._state = _State.STOPPED
         self._pid: int | None = None
@@ -256,3 +259,20 @@ class SyncScheduler:
                     raise
                 # stopped meanwhile: read on a short-lived loop
         return anyio.run(self.scheduler.history, job, limit)
+
+    def recovery_log(self, run: str | tuple[str, int | str]) -> list[RecoveryEntry]:
+        """Return the recovery log of one run, oldest first: see :meth:`Scheduler.recovery_log`.
+
+        Works before :meth:`start` and after :meth:`stop` too (on a short-lived event loop).
+        """
+        self._check_process()
+        self._check_thread("recovery_log")
+        with self._lock:
+            portal = self._portal if self._state is _State.RUNNING else None
+        if portal is not None:
+            try:
+                return portal.call(self.scheduler.recovery_log, run)
+            except RuntimeError:
+                if self._portal is portal:
+                    raise
+        return anyio.run(self.scheduler.recovery_log, run)

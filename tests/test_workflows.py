@@ -1,0 +1,467 @@
+"""Workflows through the public API, on every store that runs scenarios.
+
+Workflow runs are hourly (far from "now"); each test starts a run by claiming its first
+step at the current slot, as the schedule would, so nothing waits for a clock. Instances
+are schedulers in tasks (tests/helpers.py); every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from lease_core import ConfigurationError, LeaseLost, Outcome, Reason, RunContext, Scheduler
+from lease_core._structures import ClaimRequest, Lease, RunStatus
+from lease_core.context import Checkpoint
+from lease_core.recovery import step_job
+from lease_core.scheduler import parse_run_id
+from lease_core.workflows import Workflow, workflow_status
+from tests.helpers import Instance, wait_for, wait_history
+from tests.stores import Store
+
+pytestmark = pytest.mark.anyio
+
+FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
+STEPS = ("snapshot", "interest", "publish")
+
+
+def make(store: Store, name: str, **kw: Any) -> Scheduler:
+    return Scheduler(store.backend(), instance_id=name, **{**FAST, **kw})
+
+
+def current_slot(s: Scheduler, wf: str = "close") -> int:
+    slot = s.workflows[wf].schedule.previous_at_or_before(s.store_now_ms())
+    assert slot is not None
+    return slot
+
+
+async def begin(s: Scheduler, slot: int, wf: str = "close") -> None:
+    """Claim the workflow run's first step, as the schedule does at the slot."""
+    await s._claim(s.workflows[wf].jobs[0], slot, Reason.SCHEDULED)
+
+
+async def statuses(s: Scheduler, slot: int, wf: str = "close") -> list[RunStatus | None]:
+    keys = [(job.name, slot) for job in s.workflows[wf].jobs]
+    found = (await s.backend.check(keys)).runs
+    return [found[k].status if k in found else None for k in keys]
+
+
+async def wait_workflow(s: Scheduler, slot: int, want: str, *, timeout: float = 10) -> None:
+    async def done() -> bool:
+        return workflow_status(await statuses(s, slot)) == want
+
+    await wait_for(done, timeout=timeout, what=f"workflow run {want}")
+
+
+async def test_steps_run_in_order_and_read_earlier_results(store: Store) -> None:
+    seen: list[tuple[str, str | None, dict[str, Any], str]] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h")
+
+        @close.step("snapshot")
+        async def snapshot(ctx: RunContext) -> Any:
+            seen.append((name, ctx.step, dict(ctx.results), ctx.job))
+            return {"accounts": 3}
+
+        @close.step("interest")
+        def interest(ctx: RunContext) -> Any:  # sync steps run in a worker thread
+            seen.append((name, ctx.step, dict(ctx.results), ctx.job))
+            return ctx.results["snapshot"]["accounts"] * 2
+
+        @close.step("publish")
+        async def publish(ctx: RunContext) -> None:
+            seen.append((name, ctx.step, dict(ctx.results), ctx.job))
+
+        return s
+
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = current_slot(a)
+        await begin(a, slot)
+        await begin(b, slot)
+        await wait_workflow(a, slot, "completed")
+        await ia.stop()
+        await ib.stop()
+    assert [(step, results, job) for _, step, results, job in seen] == [
+        ("snapshot", {}, "close/snapshot"),
+        ("interest", {"snapshot": {"accounts": 3}}, "close/interest"),
+        ("publish", {"snapshot": {"accounts": 3}, "interest": 6}, "close/publish"),
+    ]
+    assert await a.backend.workflows() == {"close": list(STEPS)}
+    log = await a.recovery_log(f"close@{slot}")
+    assert [(e.step, e.attempt, e.event) for e in log] == [
+        (step, 1, event) for step in STEPS for event in ("started", "completed")
+    ]
+    # The next step started without waiting for a tick: on the instance that finished.
+    history = await a.history()
+    by_step = {h.job: h for h in history}
+    assert by_step["close/interest"].instance_id == by_step["close/snapshot"].instance_id
+
+
+async def test_a_crashed_agent_s_step_is_taken_over_with_attempt_2(store: Store) -> None:
+    runs: list[tuple[str, str | None, int, Any]] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h", max_attempts=3)
+
+        @close.step("snapshot")
+        async def snapshot(ctx: RunContext) -> Any:
+            runs.append((name, ctx.step, ctx.attempt, None))
+            return [1, 2, 3]
+
+        @close.step("interest")
+        async def interest(ctx: RunContext) -> Any:
+            done = await ctx.checkpoint.get() or 0
+            runs.append((name, ctx.step, ctx.attempt, done))
+            for i in range(done, 4):
+                await ctx.checkpoint.set(i + 1)
+                if name == "a" and i == 1:
+                    await anyio.sleep_forever()  # the agent dies here
+            return "credited"
+
+        @close.step("publish")
+        async def publish(ctx: RunContext) -> None:
+            runs.append((name, ctx.step, ctx.attempt, ctx.results["interest"]))
+
+        return s
+
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        slot = current_slot(a)
+        await begin(a, slot)
+        ib = await Instance(b).start(tg)
+        await begin(b, slot)
+        await wait_for(lambda: ("a", "interest", 1, 0) in runs, what="a in interest")
+
+        async def two_done() -> bool:
+            return await b.backend.get_checkpoint("close/interest", slot) == {"progress": 2}
+
+        await wait_for(two_done, what="a's progress")
+        ia.crash()
+        await wait_workflow(b, slot, "completed")
+        await ib.stop()
+    assert ("b", "interest", 2, 2) in runs  # attempt 2 resumed from a's progress
+    assert ("b", "publish", 1, "credited") in runs
+    assert [r for r in runs if r[1] == "snapshot"] == [("a", "snapshot", 1, None)]
+    log = await b.recovery_log(("close", slot))
+    interest = [(e.attempt, e.event, e.instance_id) for e in log if e.step == "interest"]
+    assert interest == [(1, "started", "a"), (1, "lost", "a"), (2, "taken_over", "b"),
+                        (2, "completed", "b")]
+
+
+async def test_stop_hands_a_step_over_mid_step(store: Store) -> None:
+    started: list[tuple[str, int, Reason]] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name, lease="20s")
+        close = s.workflow("close", every="1h")
+        close.step("snapshot", lambda ctx: None)
+
+        @close.step("interest")
+        async def interest(ctx: RunContext) -> None:
+            started.append((name, ctx.attempt, ctx.reason))
+            if name == "a":
+                await anyio.sleep_forever()
+
+        return s
+
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        slot = current_slot(a)
+        await begin(a, slot)
+        await wait_for(lambda: started, what="a in interest")
+        ib = await Instance(b).start(tg)
+        await begin(b, slot)  # finds the snapshot completed: backs up the next step
+        assert b.watching == [("close/interest", slot)]
+        t0 = time.monotonic()
+        await ia.stop(grace=0.1)
+        await wait_workflow(b, slot, "completed", timeout=5)
+        assert time.monotonic() - t0 < 5  # the lease is 20 s
+        await ib.stop()
+    assert started == [("a", 1, Reason.SCHEDULED), ("b", 2, Reason.HAND_OVER)]
+    log = await b.recovery_log(f"close@{slot}")
+    assert [(e.step, e.event) for e in log if e.step == "interest"] == [
+        ("interest", "started"), ("interest", "handed_over"),
+        ("interest", "started"), ("interest", "completed")]
+
+
+async def test_a_zombie_agent_is_refused_everything(store: Store) -> None:
+    zombie: list[RunContext] = []
+    finished: list[str] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h")
+        close.step("snapshot", lambda ctx: None)
+
+        @close.step("interest")
+        async def interest(ctx: RunContext) -> str:
+            if name == "a":
+                zombie.append(ctx)
+                await anyio.sleep_forever()
+            return "by b"
+
+        @close.step("publish")
+        async def publish(ctx: RunContext) -> None:
+            finished.append(ctx.results["interest"])
+
+        return s
+
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = current_slot(a)
+        await begin(a, slot)
+        await begin(b, slot)
+        await wait_for(lambda: zombie, what="a in interest")
+        ia.crash()  # a stalls: its lease expires, b takes the step over
+        await wait_workflow(b, slot, "completed")
+        await ib.stop()
+    old = zombie[0]._lease
+    backend = b.backend
+    await backend.start()
+    try:
+        # The late agent can neither store a result, checkpoint, nor complete the step.
+        assert not await backend.set_checkpoint(old, {"result": "by a"})
+        with pytest.raises(LeaseLost):
+            await Checkpoint(backend, old).set({"progress": 9})
+        assert not await backend.finish(old, Outcome.COMPLETED)
+        assert await backend.get_checkpoint("close/interest", slot) == {"result": "by b"}
+    finally:
+        await backend.close()
+    assert finished == ["by b"]
+
+
+async def test_escalation_fails_the_workflow_and_stops_later_steps(store: Store) -> None:
+    ran: list[tuple[str, str | None, int]] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h", max_attempts=5)
+        close.step("snapshot", lambda ctx: None)
+
+        @close.step("interest", max_attempts=1)  # the step's limit overrides the workflow's
+        async def interest(ctx: RunContext) -> None:
+            ran.append((name, ctx.step, ctx.attempt))
+            await anyio.sleep_forever()
+
+        @close.step("publish")
+        async def publish(ctx: RunContext) -> None:
+            ran.append((name, ctx.step, ctx.attempt))
+
+        return s
+
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = current_slot(a)
+        await begin(a, slot)
+        await begin(b, slot)
+        await wait_for(lambda: ran, what="interest running")
+        holder = ia if ran[0][0] == "a" else ib
+        holder.crash()
+        await wait_workflow(b if holder is ia else a, slot, "failed")
+        survivor = b if holder is ia else a
+        await anyio.sleep(0.6)  # three more ticks: nothing may start publish
+        assert await statuses(survivor, slot) == [RunStatus.COMPLETED, RunStatus.ESCALATED,
+                                                  None]
+        await (ib if holder is ia else ia).stop()
+    assert [r[1:] for r in ran] == [("interest", 1)]
+    log = await survivor.recovery_log(f"close@{slot}")
+    assert log[-1].step == "interest" and log[-1].event == "escalated"
+
+
+async def test_a_failed_step_fails_the_workflow_at_once(store: Store) -> None:
+    ran: list[str] = []
+    s = make(store, "a")
+    close = s.workflow("close", every="1h")
+
+    @close.step("snapshot")
+    async def snapshot(ctx: RunContext) -> None:
+        ran.append("snapshot")
+        raise RuntimeError("no positions")
+
+    close.step("interest", lambda ctx: ran.append("interest"))
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = current_slot(s)
+        await begin(s, slot)
+        await wait_workflow(s, slot, "failed")
+        await i.stop()
+    assert ran == ["snapshot"]
+    log = await s.recovery_log(f"close@{slot}")
+    assert [(e.step, e.event) for e in log] == [("snapshot", "started"), ("snapshot", "failed")]
+    assert log[-1].detail is not None and "no positions" in log[-1].detail
+
+
+async def test_a_backup_dispatches_the_next_step_when_the_agent_dies_after_finishing(
+    store: Store,
+) -> None:
+    ran: list[tuple[str, str | None]] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h")
+        close.step("snapshot", lambda ctx: ran.append((name, ctx.step)))
+        close.step("interest", lambda ctx: ran.append((name, ctx.step)))
+        return s
+
+    b = build("b")
+    dead = store.backend()  # an agent that completes the first step and dies at once
+    await dead.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            ib = await Instance(b).start(tg)
+            slot = current_slot(b)
+            won = await dead.claim(ClaimRequest("close/snapshot", slot, "dead", "t1", 60_000))
+            assert won.status == "won"
+            await begin(b, slot)
+            assert b.watching == [("close/snapshot", slot)]
+            lease = Lease("close/snapshot", slot, "t1", 60_000)
+            assert await dead.set_checkpoint(lease, {"result": 1})
+            assert await dead.finish(lease, Outcome.COMPLETED)
+            await wait_workflow(b, slot, "completed")
+            await ib.stop()
+        assert ran == [("b", "interest")]
+        # On start, an instance finds a workflow run left between two steps.
+        won = await dead.claim(ClaimRequest("close/snapshot", slot + 3_600_000, "dead", "t2",
+                                            60_000))
+        lease = Lease("close/snapshot", slot + 3_600_000, "t2", 60_000)
+        assert await dead.set_checkpoint(lease, {"result": 2})
+        assert await dead.finish(lease, Outcome.COMPLETED)
+        c = build("c")
+        async with anyio.create_task_group() as tg:
+            ic = await Instance(c).start(tg)
+            await wait_workflow(c, slot + 3_600_000, "completed")
+            await ic.stop()
+        assert ran == [("b", "interest"), ("c", "interest")]
+    finally:
+        await dead.close()
+
+
+async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:
+    def build(name: str) -> tuple[Scheduler, list[tuple[int, str | None, Any]]]:
+        ran: list[tuple[int, str | None, Any]] = []
+        s = make(store, name)
+        close = s.workflow("close", every="1s")
+        close.step("snapshot", lambda ctx: ctx.slot)
+        close.step("publish", lambda ctx: ran.append((ctx.slot, ctx.step,
+                                                      ctx.results["snapshot"])))
+        return s, ran
+
+    first, _ = build("first")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(first).start(tg)
+        await wait_history(first, lambda h: any(x.outcome == "completed" for x in h),
+                           job="close/publish", what="one workflow run")
+        await i.stop()
+    last = max(h.slot for h in await first.history("close/snapshot"))
+    await wait_for(lambda: first.store_now_ms() > last + 3500, timeout=10, what="downtime")
+    late, ran = build("late")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(late).start(tg)
+        history = await wait_history(
+            late, lambda h: any(x.reason == "catch-up" for x in h), job="close/snapshot")
+        caught = next(x.slot for x in history if x.reason == "catch-up")
+        await wait_for(lambda: any(r[0] == caught for r in ran), what="caught-up run done")
+        await i.stop()
+    assert caught > last + 2000  # the latest missed run, not the oldest
+    assert (caught, "publish", caught) in ran
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def test_bad_declarations_are_configuration_errors() -> None:
+    from backends.memory import MemoryBackend
+
+    s = Scheduler(MemoryBackend(), **FAST)
+    with pytest.raises(ConfigurationError, match="exactly one of every"):
+        s.workflow("w", every="1h", cron="0 2 * * *")
+    with pytest.raises(ConfigurationError, match="exactly one of every"):
+        s.workflow("w")
+    with pytest.raises(ConfigurationError, match="'a/b'"):
+        s.workflow("a/b", every="1h")
+    w = s.workflow("w", cron="0 2 * * *", tz="Europe/Lisbon", max_attempts=3)
+    assert isinstance(w, Workflow)
+    with pytest.raises(ConfigurationError, match="already declared"):
+        s.workflow("w", every="1h")
+    w.step("one", lambda ctx: None)
+    with pytest.raises(ConfigurationError, match="step 'one' is already declared"):
+        w.step("one", lambda ctx: None)
+    with pytest.raises(ConfigurationError, match="max_attempts=0"):
+        w.step("two", lambda ctx: None, max_attempts=0)
+    with pytest.raises(ConfigurationError, match="shorter than 3 heartbeats"):
+        w.step("two", lambda ctx: None, lease="0.3s")
+    assert w.steps == ["one"]
+    s.workflow("empty", every="1h")
+    with pytest.raises(ConfigurationError, match="'empty' has no steps"):
+        anyio.run(s.start)
+
+
+async def test_a_step_added_after_start_is_refused() -> None:
+    from backends.memory import MemoryBackend
+
+    s = Scheduler(MemoryBackend(), **FAST)
+    w = s.workflow("w", every="1h")
+    w.step("one", lambda ctx: None)
+    async with s:
+        with pytest.raises(ConfigurationError, match="after start"):
+            w.step("two", lambda ctx: None)
+        with pytest.raises(ConfigurationError, match="after start"):
+            s.workflow("v", every="1h")
+
+
+def test_run_ids() -> None:
+    assert parse_run_id("close@1764468000000") == ("close", 1764468000000)
+    assert parse_run_id("a@b@2025-11-30T02:00:00Z") == ("a@b", 1764468000000)
+    assert parse_run_id(("close", "2025-11-30T02:00:00")) == ("close", 1764468000000)
+    assert parse_run_id(("close", 5)) == ("close", 5)
+    for bad in ("close", "close@yesterday", "@5"):
+        with pytest.raises(ConfigurationError):
+            parse_run_id(bad)
+
+
+def test_workflow_status() -> None:
+    done, run = RunStatus.COMPLETED, RunStatus.RUNNING
+    assert workflow_status([None, None]) == "pending"
+    assert workflow_status([done, run]) == "running"
+    assert workflow_status([done, None]) == "running"
+    assert workflow_status([done, done]) == "completed"
+    assert workflow_status([done, RunStatus.ESCALATED, None]) == "failed"
+    assert workflow_status([RunStatus.TIMED_OUT, None]) == "failed"
+    assert workflow_status([RunStatus.SKIPPED, None]) == "skipped"
+
+
+def test_sync_scheduler_declares_workflows_and_reads_recovery_logs() -> None:
+    from backends.memory import MemoryBackend
+    from lease_core import SyncScheduler
+
+    s = SyncScheduler(MemoryBackend(), instance_id="sync", **FAST)
+    w = s.workflow("w", every="1h")
+    w.step("one", lambda ctx: 41)
+    w.step("two", lambda ctx: ctx.results["one"] + 1)
+    with s:
+        slot = current_slot(s.scheduler, "w")
+        assert s._portal is not None
+        s._portal.call(begin, s.scheduler, slot, "w")
+        deadline = time.monotonic() + 10
+        while len(s.recovery_log(("w", slot))) < 4:
+            assert time.monotonic() < deadline, "workflow run did not complete"
+            time.sleep(0.05)
+        log = s.recovery_log(f"w@{slot}")
+    assert [(e.step, e.event) for e in log] == [
+        ("one", "started"), ("one", "completed"), ("two", "started"), ("two", "completed")]
+    assert step_job("w", "two") in s.jobs
