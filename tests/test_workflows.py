@@ -274,7 +274,7 @@ async def test_escalation_fails_the_workflow_and_stops_later_steps(store: Store)
         holder.crash()
         await wait_workflow(b if holder is ia else a, slot, "failed")
         survivor = b if holder is ia else a
-        await anyio.sleep(0.6)  # three more ticks: nothing may start publish
+        await anyio.sleep(0.5)  # two more ticks: nothing may start publish
         assert await statuses(survivor, slot) == [RunStatus.COMPLETED, RunStatus.ESCALATED,
                                                   None]
         await (ib if holder is ia else ia).stop()
@@ -368,7 +368,8 @@ async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:
                            job="close/publish", what="one workflow run")
         await i.stop()
     last = max(h.slot for h in await first.history("close/snapshot"))
-    await wait_for(lambda: first.store_now_ms() > last + 3500, timeout=10, what="downtime")
+    # Downtime: two workflow runs are missed.
+    await wait_for(lambda: first.store_now_ms() > last + 2300, timeout=10, what="downtime")
     late, ran = build("late")
     async with anyio.create_task_group() as tg:
         i = await Instance(late).start(tg)
@@ -377,7 +378,7 @@ async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:
         caught = next(x.slot for x in history if x.reason == "catch-up")
         await wait_for(lambda: any(r[0] == caught for r in ran), what="caught-up run done")
         await i.stop()
-    assert caught > last + 2000  # the latest missed run, not the oldest
+    assert caught >= last + 2000  # the latest missed run, not the oldest
     assert (caught, "publish", caught) in ran
 
 

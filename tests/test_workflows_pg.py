@@ -1,0 +1,113 @@
+"""Workflow steps with fenced transactions, on PostgreSQL: effect, result and completion
+commit together, and a late agent's transaction is refused."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+
+from lease_core import LeaseLost, PostgresBackend, Reason, RunContext, Scheduler
+from tests.helpers import Instance, wait_for
+from tests.stores.postgres import PgServer, drop_tables, unique_table
+
+pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only]
+
+FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
+
+
+@pytest.fixture
+async def table(pg16_server: PgServer) -> AsyncIterator[str]:
+    name = unique_table()
+
+    def create() -> None:
+        with psycopg.connect(pg16_server.dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE TABLE {name}_fx (slot bigint, account int, by text, "
+                         "PRIMARY KEY (slot, account))")
+
+    await anyio.to_thread.run_sync(create)
+    yield name
+
+    def drop() -> None:
+        with psycopg.connect(pg16_server.dsn, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {name}_fx")
+
+    await anyio.to_thread.run_sync(drop)
+    await drop_tables(pg16_server.admin_dsn, name)
+
+
+def build(server: PgServer, table: str, name: str, seen: list[Any]) -> Scheduler:
+    s = Scheduler(PostgresBackend(server.dsn, table=table), instance_id=name, **FAST)
+    close = s.workflow("close", every="1h")
+    close.step("snapshot", lambda ctx: [1, 2, 3])
+
+    @close.step("interest")
+    async def interest(ctx: RunContext) -> None:
+        seen.append((name, "interest", ctx.attempt, ctx))
+        if name == "a":
+            await anyio.sleep_forever()  # a stalls before its transaction
+        async with ctx.transaction() as tx:
+            for account in ctx.results["snapshot"]:
+                await tx.execute(f"INSERT INTO {table}_fx VALUES (%s, %s, %s)",
+                                 (ctx.slot, account, name))
+            ctx.set_result({"credited": len(ctx.results["snapshot"])})
+
+    @close.step("publish")
+    async def publish(ctx: RunContext) -> None:
+        seen.append((name, "publish", ctx.attempt, ctx.results["interest"]))
+
+    return s
+
+
+async def effects(server: PgServer, table: str) -> list[tuple[Any, ...]]:
+    def read() -> list[tuple[Any, ...]]:
+        with psycopg.connect(server.dsn) as conn:
+            return conn.execute(f"SELECT account, by FROM {table}_fx ORDER BY 1").fetchall()
+
+    return await anyio.to_thread.run_sync(read)
+
+
+async def test_a_step_s_effect_result_and_completion_commit_together_and_a_zombie_is_refused(
+    pg16_server: PgServer, table: str,
+) -> None:
+    seen: list[Any] = []
+    a, b = build(pg16_server, table, "a", seen), build(pg16_server, table, "b", seen)
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        slot = a.workflows["close"].schedule.previous_at_or_before(a.store_now_ms())
+        assert slot is not None
+        await a._claim(a.workflows["close"].jobs[0], slot, Reason.SCHEDULED)
+        await wait_for(lambda: seen, what="a in interest")
+        ib = await Instance(b).start(tg)
+        await b._claim(b.workflows["close"].jobs[0], slot, Reason.SCHEDULED)
+        assert b.watching == [("close/interest", slot)]
+        ia.crash()
+        await wait_for(lambda: any(x[1] == "publish" for x in seen), what="publish")
+        await ib.stop()
+    assert [x[:3] for x in seen] == [("a", "interest", 1), ("b", "interest", 2),
+                                    ("b", "publish", 1)]
+    assert seen[-1][3] == {"credited": 3}
+    assert await effects(pg16_server, table) == [(1, "b"), (2, "b"), (3, "b")]
+    # The late agent wakes up: its fenced transaction is refused, its effect rolled back.
+    zombie: RunContext = seen[0][3]
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    try:
+        late = RunContext(backend=backend, lease=zombie._lease, attempt=1,
+                          reason=Reason.SCHEDULED, instance_id="a",
+                          logger=logging.getLogger("test"), workflow="close", step="interest")
+        with pytest.raises(LeaseLost):
+            async with late.transaction() as tx:
+                await tx.execute(f"INSERT INTO {table}_fx VALUES (%s, 99, 'a')", (slot,))
+        assert await backend.get_checkpoint("close/interest", slot) == {
+            "result": {"credited": 3}}
+    finally:
+        await backend.close()
+    assert await effects(pg16_server, table) == [(1, "b"), (2, "b"), (3, "b")]
+    history = {(h.job, h.attempt): h.outcome for h in await a.history()}
+    assert history[("close/interest", 1)] == "lost"
+    assert history[("close/interest", 2)] == "completed"
