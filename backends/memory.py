@@ -47,6 +47,9 @@ class _Run:
     instance_id: str | None
     expires_ms: int | None
     checkpoint: str | None = None
+    #: Attempts that started by taking over an expired lease (max_attempts counts them
+    #: and the first attempt, never hand-overs).
+    takeovers: int = 0
 
 
 @dataclass
@@ -190,10 +193,11 @@ class MemoryBackend(Backend):
         if run.status is RunStatus.HANDED_OVER:
             reason = Reason.HAND_OVER
         else:
-            if req.max_attempts is not None and run.attempt >= req.max_attempts:
+            if req.max_attempts is not None and 1 + run.takeovers >= req.max_attempts:
                 self._end_attempt(req.job, req.slot, run.attempt, now, Outcome.ESCALATED,
                                   f"lease lost on attempt {run.attempt} of "
-                                  f"max_attempts={req.max_attempts}; escalated")
+                                  f"max_attempts={req.max_attempts} (hand-overs not "
+                                  "counted); escalated")
                 run.status = RunStatus.ESCALATED
                 run.token = None
                 run.expires_ms = None
@@ -201,6 +205,7 @@ class MemoryBackend(Backend):
             self._end_attempt(req.job, req.slot, run.attempt, now, Outcome.LOST,
                               "lease expired without renewal")
             reason = Reason.TAKEOVER
+            run.takeovers += 1
         run.status = RunStatus.RUNNING
         run.attempt += 1
         run.token = req.token

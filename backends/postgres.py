@@ -1,21 +1,34 @@
 """The PostgreSQL backend: runs, attempts, jobs and the format version in four tables.
 
+Where the SQL lives: ``backends/postgres_sql/``. ``queries.sql`` holds every statement
+under a ``-- name: <name>`` header, loaded once through :mod:`importlib.resources`; the
+claim function has its own file, ``claim_v<N>.sql``, and its version in its name
+(``<table>_claim_v2``). The store records its code version in ``<table>_meta``
+(``code``). ``start()`` finds an older store and upgrades it in place when its user may
+(as it creates a missing store), or refuses it with a one-line error naming
+``anarchon migrate``; :func:`migrate` is that upgrade, with runs in flight.
+
 Where a claim happens: :meth:`PostgresBackend.claim` is **one statement**, a call of the
-PL/pgSQL function ``<table>_claim`` (``CREATE_CLAIM_FUNCTION``) in autocommit, so it takes
-one round trip on every adapter. The function runs the claim of ``lease_core.abc`` in the
-statement's own transaction:
+PL/pgSQL function ``<table>_claim_v2`` in autocommit, so it takes one round trip on every
+adapter. The function runs the claim of ``lease_core.abc`` in the statement's own
+transaction:
 
 1. a run that is finished, or held by a live lease, is reported from a plain read, with
    no lock and no write (backups standing by write nothing);
-2. otherwise the job's row in ``<table>_jobs`` is locked (``SELECT … FOR UPDATE``,
-   inserted when missing); the lock serialises the claims of one job, and since each
-   statement of a VOLATILE function in READ COMMITTED takes a new snapshot, the second
-   claimer always sees the winner's run;
-3. the run is read ``FOR UPDATE`` (a fenced transaction or a finish in flight completes
-   first), then inserted, skipped, taken over or escalated with its attempt rows;
-4. the job row gets a new version only when ``last_slot`` grows or an attempt is written
+2. otherwise every later lock wait is bounded on the server (``lock_timeout``, an eighth
+   of the lease, at most 4 s), so a claim its client gave up on never takes effect;
+3. the job's row in ``<table>_jobs`` is locked (``SELECT … FOR UPDATE``, inserted when
+   missing); the lock serialises the claims of one job, and since each statement of a
+   VOLATILE function in READ COMMITTED takes a new snapshot, the second claimer always
+   sees the winner's run;
+4. the run is read ``FOR UPDATE SKIP LOCKED``: a run locked by a fenced transaction (or a
+   write in flight) is answered ``running`` at once, never waited for, so a frozen
+   ``ctx.transaction()`` blocks no other claim of its job; otherwise the run is inserted,
+   skipped, taken over or escalated with its attempt rows (``max_attempts`` counts the
+   first attempt and the takeovers, kept in ``runs.takeovers``, never hand-overs);
+5. the job row gets a new version only when ``last_slot`` grows or an attempt is written
    (taking the next ``seq``, the order trimming keeps);
-5. after writing an attempt, a bounded number of old attempts and finished runs are
+6. after writing an attempt, a bounded number of old attempts and finished runs are
    deleted through the indexes.
 
 The function is created with the tables (``start()`` by a privileged user, or
@@ -25,18 +38,20 @@ application's user needs only EXECUTE (granted to PUBLIC) and its table privileg
 Every other call is one statement too: heartbeats and hand-overs of many leases, a finish,
 a batched check. All lease arithmetic uses the server's ``clock_timestamp()``; times are
 stored as ``bigint`` epoch milliseconds. Nothing keeps session state (only
-transaction-scoped advisory locks, at creation), so PgBouncer in transaction mode works.
+transaction-scoped advisory locks and settings), so PgBouncer in transaction mode works.
 The SQL keeps to PostgreSQL 9.5 syntax; PostgreSQL 15, 16 and 18 are tested.
 
 Table names are validated, then quoted by :func:`quote_ident`, the one quoting helper;
-statements are named module-level templates filled only with quoted identifiers.
+statements are templates filled only with quoted identifiers by ``str.format``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
+import json
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -66,9 +81,15 @@ from lease_core._structures import (
     ms_to_datetime,
 )
 from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
-from lease_core.errors import ConfigurationError, LeaseLost, StoreFormatError
+from lease_core.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    LeaseLost,
+    StoreFormatError,
+)
 
 __all__ = [
+    "CODE_VERSION",
     "FORMAT_VERSION",
     "TRIM_BATCH",
     "FencedTransaction",
@@ -78,88 +99,28 @@ __all__ = [
     "quote_ident",
 ]
 
-#: The store format this code writes; a store with a newer one is refused.
+#: The store format this code writes (the tables' layout, which an older release can still
+#: use); a store with a newer one is refused.
 FORMAT_VERSION = 1
+#: The store code version: the claim function ``<table>_claim_v<N>`` of this release and
+#: the columns it keeps. ``start()`` upgrades an older store (privileged user) or refuses
+#: it with an error naming ``anarchon migrate``.
+CODE_VERSION = 2
 #: The most old attempts one claim deletes (trimming is incremental).
 TRIM_BATCH = 100
+#: How long (ms) creation and upgrades wait for a table lock held by work in flight.
+MIGRATION_LOCK_TIMEOUT_MS = 5000
 _CLAIM_RETRIES = 5
+_MIGRATE_TRIES = 5
+#: SQLSTATE of a lock wait that ran out (``lock_timeout``) or a NOWAIT lock refused.
+_LOCK_NOT_AVAILABLE = "55P03"
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: Suffixes of the names derived from ``table`` (tables and indexes).
+#: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
-             "_a_fin", "_claim")
+             "_a_fin", "_claim", f"_claim_v{CODE_VERSION}")
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
-
-# --- creation ---------------------------------------------------------------------------
-
-FIND_TABLES = """
-SELECT n.nspname::text,
-       ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c
-             WHERE c.relnamespace = n.oid AND c.relname = ANY(%s::text[])),
-       EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
-               WHERE p.pronamespace = n.oid AND p.proname = %s::text)
-FROM pg_catalog.pg_namespace n
-WHERE n.nspname = COALESCE(%s::text, current_schema())
-"""
-READ_FORMAT = "SELECT value FROM {meta} WHERE key = 'format'"
-LOCK_CREATION = "SELECT pg_advisory_xact_lock(%s::bigint)"
-CREATE_RUNS = """
-CREATE TABLE IF NOT EXISTS {runs} (
-    job text NOT NULL,
-    slot bigint NOT NULL,
-    status text NOT NULL,
-    attempt integer NOT NULL,
-    token text,
-    instance_id text,
-    expires_ms bigint,
-    checkpoint text,
-    PRIMARY KEY (job, slot)
-)"""
-CREATE_RUNS_OPEN = """
-CREATE INDEX IF NOT EXISTS {open_idx} ON {runs} (job, slot)
-WHERE status IN ('running', 'handed_over')"""
-CREATE_ATTEMPTS = """
-CREATE TABLE IF NOT EXISTS {attempts} (
-    job text NOT NULL,
-    slot bigint NOT NULL,
-    attempt integer NOT NULL,
-    seq bigint NOT NULL,
-    instance_id text NOT NULL,
-    reason text NOT NULL,
-    claimed_ms bigint NOT NULL,
-    finished_ms bigint,
-    outcome text,
-    error text,
-    PRIMARY KEY (job, slot, attempt)
-)"""
-CREATE_ATTEMPTS_SEQ = "CREATE INDEX IF NOT EXISTS {seq_idx} ON {attempts} (job, seq)"
-CREATE_ATTEMPTS_CLAIMED = """
-CREATE INDEX IF NOT EXISTS {claimed_idx} ON {attempts} (claimed_ms, slot, attempt)"""
-CREATE_ATTEMPTS_JOB = """
-CREATE INDEX IF NOT EXISTS {job_idx} ON {attempts} (job, claimed_ms, slot, attempt)"""
-CREATE_ATTEMPTS_FINISHED = """
-CREATE INDEX IF NOT EXISTS {fin_idx} ON {attempts} (job, finished_ms)
-WHERE finished_ms IS NOT NULL"""
-CREATE_JOBS = """
-CREATE TABLE IF NOT EXISTS {jobs} (
-    job text PRIMARY KEY,
-    first_seen_ms bigint NOT NULL,
-    last_slot bigint,
-    seq bigint NOT NULL DEFAULT 0
-)"""
-CREATE_META = """
-CREATE TABLE IF NOT EXISTS {meta} (
-    key text PRIMARY KEY,
-    value text NOT NULL
-)"""
-WRITE_FORMAT = """
-INSERT INTO {meta} (key, value) VALUES ('format', %s::text) ON CONFLICT (key) DO NOTHING"""
-DDL = (CREATE_META, CREATE_JOBS, CREATE_RUNS, CREATE_RUNS_OPEN, CREATE_ATTEMPTS,
-       CREATE_ATTEMPTS_SEQ, CREATE_ATTEMPTS_CLAIMED, CREATE_ATTEMPTS_JOB,
-       CREATE_ATTEMPTS_FINISHED)
-
-# --- claims -----------------------------------------------------------------------------
 
 #: The claim function's parameters, in order (also its signature for GRANT).
 CLAIM_ARGS = ("p_job text, p_slot bigint, p_instance text, p_token text, p_lease_ms bigint, "
@@ -167,261 +128,41 @@ CLAIM_ARGS = ("p_job text, p_slot bigint, p_instance text, p_token text, p_lease
               "p_history_size bigint, p_history_ttl_ms bigint, p_trim_batch bigint")
 CLAIM_ARG_TYPES = ("text, bigint, text, text, bigint, text, boolean, bigint, bigint, bigint, "
                    "bigint")
-# The whole claim (abc module docs) as one PL/pgSQL function, so that a claim is one
-# statement: one round trip in autocommit on every adapter. It is VOLATILE and runs in
-# READ COMMITTED, so every statement takes a fresh snapshot: after waiting for the job
-# row's lock, the read of the run sees what the previous claimer committed.
-#
-# - Fast path: a run that is finished, or running with a live lease, is reported from a
-#   plain read, without any lock or write (backups standing by write nothing).
-# - Otherwise the job row is locked (``SELECT ... FOR UPDATE``; inserted when missing,
-#   race-safe through ``ON CONFLICT DO NOTHING``), which serialises the claims of one job;
-#   the run is read ``FOR UPDATE`` (a fenced transaction or a finish in flight completes
-#   first), then won, skipped, taken over or escalated.
-# - The job row gets a new version only when ``last_slot`` grows or an attempt is written
-#   (which takes the next ``seq``, the order trimming keeps), in one UPDATE at most.
-# - After writing an attempt, a bounded, index-backed trim (TRIM_BATCH rows per query).
-#
-# The body has no ``%`` and no braces (it goes through str.format and placeholder
-# rewriting). A change of its parameters or meaning needs a new function name: a store is
-# only checked for the function's presence.
-CREATE_CLAIM_FUNCTION = """
-CREATE OR REPLACE FUNCTION {claim_fn}(
-    {claim_args},
-    OUT c_status text, OUT c_now bigint, OUT c_attempt integer, OUT c_reason text,
-    OUT c_expires bigint, OUT c_run_status text, OUT c_instance text)
-LANGUAGE plpgsql VOLATILE SECURITY INVOKER
-AS $anarchon$
-DECLARE
-    v_now bigint;
-    v_found boolean;
-    v_status text;
-    v_attempt integer;
-    v_instance text;
-    v_expires bigint;
-    v_last bigint;
-    v_seq bigint;
-    v_row_seq bigint;
-    v_reason text;
-    v_wrote boolean := false;
-BEGIN
-    SELECT r.status, r.attempt, r.instance_id, r.expires_ms
-      INTO v_status, v_attempt, v_instance, v_expires
-      FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
-    v_found := FOUND;
-    v_now := {now};
-    IF v_found AND (v_status NOT IN ('running', 'handed_over')
-                    OR (v_status = 'running' AND v_expires > v_now)) THEN
-        c_status := CASE WHEN v_status = 'running' THEN 'running' ELSE 'finished' END;
-        c_now := v_now; c_attempt := v_attempt; c_expires := v_expires;
-        c_run_status := v_status; c_instance := v_instance;
-        RETURN;
-    END IF;
 
-    SELECT j.last_slot, j.seq INTO v_last, v_seq
-      FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
-    IF FOUND THEN
-        v_row_seq := v_seq;
-    ELSE
-        INSERT INTO {jobs} AS j (job, first_seen_ms, last_slot, seq)
-        VALUES (p_job, {now}, p_slot, 1)
-        ON CONFLICT (job) DO NOTHING;
-        IF FOUND THEN
-            v_last := p_slot; v_seq := 0; v_row_seq := 1;
-        ELSE
-            SELECT j.last_slot, j.seq INTO v_last, v_seq
-              FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
-            v_row_seq := v_seq;
-        END IF;
-    END IF;
+# --- the SQL files ----------------------------------------------------------------------
 
-    v_now := {now};
-    SELECT r.status, r.attempt, r.instance_id, r.expires_ms
-      INTO v_status, v_attempt, v_instance, v_expires
-      FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot FOR UPDATE;
-    c_now := v_now;
-    IF NOT FOUND THEN
-        v_seq := v_seq + 1;
-        v_wrote := true;
-        IF p_overlap_skip AND EXISTS (
-                SELECT 1 FROM {runs} o
-                WHERE o.job = p_job AND o.slot < p_slot AND o.status = 'running'
-                  AND o.expires_ms > v_now) THEN
-            INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms)
-            VALUES (p_job, p_slot, 'skipped', 1, NULL, p_instance, NULL);
-            INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
-                                    finished_ms, outcome, error)
-            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now, v_now, 'skipped',
-                    'an earlier run of the job still holds its lease');
-            c_status := 'skipped'; c_attempt := 1; c_run_status := 'skipped';
-            c_instance := p_instance;
-        ELSE
-            c_expires := v_now + p_lease_ms;
-            INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms)
-            VALUES (p_job, p_slot, 'running', 1, p_token, p_instance, c_expires);
-            INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms)
-            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now);
-            c_status := 'won'; c_attempt := 1; c_reason := p_reason;
-            c_run_status := 'running'; c_instance := p_instance;
-        END IF;
-    ELSIF v_status NOT IN ('running', 'handed_over') THEN
-        c_status := 'finished'; c_attempt := v_attempt; c_expires := v_expires;
-        c_run_status := v_status; c_instance := v_instance;
-    ELSIF v_status = 'running' AND v_expires > v_now THEN
-        c_status := 'running'; c_attempt := v_attempt; c_expires := v_expires;
-        c_run_status := v_status; c_instance := v_instance;
-    ELSIF v_status = 'running' AND p_max_attempts IS NOT NULL
-          AND v_attempt >= p_max_attempts THEN
-        UPDATE {attempts}
-        SET outcome = 'escalated', finished_ms = v_now,
-            error = 'lease lost on attempt ' || v_attempt || ' of max_attempts='
-                    || p_max_attempts || '; escalated'
-        WHERE job = p_job AND slot = p_slot AND attempt = v_attempt AND outcome IS NULL;
-        UPDATE {runs} SET status = 'escalated', token = NULL, expires_ms = NULL
-        WHERE job = p_job AND slot = p_slot;
-        c_status := 'escalated'; c_attempt := v_attempt; c_run_status := 'escalated';
-        c_instance := v_instance;
-    ELSE
-        IF v_status = 'handed_over' THEN
-            v_reason := 'hand-over';
-        ELSE
-            v_reason := 'takeover';
-            UPDATE {attempts}
-            SET outcome = 'lost', error = 'lease expired without renewal', finished_ms = v_now
-            WHERE job = p_job AND slot = p_slot AND attempt = v_attempt AND outcome IS NULL;
-        END IF;
-        v_seq := v_seq + 1;
-        v_wrote := true;
-        c_expires := v_now + p_lease_ms;
-        UPDATE {runs}
-        SET status = 'running', attempt = v_attempt + 1, token = p_token,
-            instance_id = p_instance, expires_ms = c_expires
-        WHERE job = p_job AND slot = p_slot;
-        INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms)
-        VALUES (p_job, p_slot, v_attempt + 1, v_seq, p_instance, v_reason, v_now);
-        c_status := 'won'; c_attempt := v_attempt + 1; c_reason := v_reason;
-        c_run_status := 'running'; c_instance := p_instance;
-    END IF;
+_SQL_PACKAGE = "postgres_sql"
+_HEADER = re.compile(r"^-- name: ([a-z0-9_]+)[ \t]*$", re.MULTILINE)
 
-    IF v_seq > v_row_seq OR v_last IS NULL OR p_slot > v_last THEN
-        UPDATE {jobs} SET last_slot = GREATEST(last_slot, p_slot), seq = GREATEST(seq, v_seq)
-        WHERE job = p_job;
-    END IF;
 
-    IF v_wrote THEN
-        WITH doomed AS (
-            (SELECT a.slot, a.attempt FROM {attempts} a WHERE a.job = p_job
-             ORDER BY a.seq DESC OFFSET GREATEST(p_history_size, 0) LIMIT p_trim_batch)
-            UNION
-            (SELECT a.slot, a.attempt FROM {attempts} a
-             WHERE a.job = p_job AND a.finished_ms < v_now - p_history_ttl_ms
-             LIMIT p_trim_batch)),
-        gone AS (
-            DELETE FROM {attempts} a USING doomed d
-            WHERE a.job = p_job AND a.slot = d.slot AND a.attempt = d.attempt
-            RETURNING a.slot, a.attempt)
-        DELETE FROM {runs} r
-        WHERE r.job = p_job AND r.slot IN (SELECT g.slot FROM gone g)
-          AND r.status NOT IN ('running', 'handed_over')
-          AND NOT EXISTS (
-              SELECT 1 FROM {attempts} a
-              WHERE a.job = r.job AND a.slot = r.slot
-                AND (a.slot, a.attempt) NOT IN (SELECT g.slot, g.attempt FROM gone g));
-    END IF;
-END
-$anarchon$"""
-GRANT_CLAIM_FUNCTION = "GRANT EXECUTE ON FUNCTION {claim_fn}({claim_arg_types}) TO PUBLIC"
-CLAIM = """
-SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
-FROM {claim_fn}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text, %s::boolean,
-                %s::bigint, %s::bigint, %s::bigint, %s::bigint)"""
+def _sql_file(name: str) -> str:
+    """The text of one file of ``backends/postgres_sql/`` (shipped in the wheel)."""
+    return (importlib.resources.files("backends") / _SQL_PACKAGE / name).read_text("utf-8")
 
-# --- single statements ------------------------------------------------------------------
 
-SELECT_NOW = "SELECT {now}"
-REGISTER_JOBS = """
-WITH j AS (
-    INSERT INTO {jobs} AS j (job, first_seen_ms, seq)
-    SELECT x.job, {now}, 0 FROM unnest(%s::text[]) AS x(job) ORDER BY x.job
-    ON CONFLICT (job) DO UPDATE SET job = EXCLUDED.job
-    RETURNING j.job, j.first_seen_ms, j.last_slot, (j.xmax = 0) AS new)
-SELECT j.job, j.first_seen_ms, j.last_slot, j.new,
-       ARRAY(SELECT r.slot FROM {runs} r
-             WHERE r.job = j.job AND r.status IN ('running', 'handed_over') ORDER BY r.slot)
-FROM j"""
-HEARTBEAT = """
-WITH u AS (
-    SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bigint[])
-        AS u(job, slot, token, lease_ms)),
-live AS (
-    SELECT r.job, r.slot, r.token, u.lease_ms
-    FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
-    WHERE r.status = 'running' AND r.expires_ms > {now}),
-lockable AS (
-    SELECT r.job, r.slot
-    FROM {runs} r JOIN live l ON r.job = l.job AND r.slot = l.slot AND r.token = l.token
-    FOR NO KEY UPDATE OF r SKIP LOCKED),
-renewed AS (
-    UPDATE {runs} r SET expires_ms = {now} + l.lease_ms
-    FROM live l JOIN lockable k ON k.job = l.job AND k.slot = l.slot
-    WHERE r.job = l.job AND r.slot = l.slot AND r.token = l.token AND r.status = 'running'
-    RETURNING r.token)
-SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)"""
-FINISH = """
-WITH run AS (
-    UPDATE {runs} SET status = %s::text, token = NULL, expires_ms = NULL
-    WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
-    RETURNING job, slot, attempt),
-att AS (
-    UPDATE {attempts} a SET outcome = %s::text, error = %s::text, finished_ms = {now}
-    FROM run
-    WHERE a.job = run.job AND a.slot = run.slot AND a.attempt = run.attempt
-      AND a.outcome IS NULL
-    RETURNING 1)
-SELECT count(*) FROM run"""
-HAND_OVER = """
-WITH u AS (
-    SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[]) AS u(job, slot, token)),
-run AS (
-    UPDATE {runs} r SET status = 'handed_over', token = NULL, expires_ms = {now}
-    FROM u
-    WHERE r.job = u.job AND r.slot = u.slot AND r.token = u.token AND r.status = 'running'
-    RETURNING u.token, r.job, r.slot, r.attempt),
-att AS (
-    UPDATE {attempts} a SET outcome = 'handed_over', finished_ms = {now}
-    FROM run
-    WHERE a.job = run.job AND a.slot = run.slot AND a.attempt = run.attempt
-      AND a.outcome IS NULL
-    RETURNING 1)
-SELECT token FROM run"""
-CHECK = """
-SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id
-FROM (SELECT {now} AS now) AS n
-LEFT JOIN ({runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
-           ON r.job = u.job AND r.slot = u.slot) ON true"""
-_HISTORY_COLUMNS = """
-SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error
-FROM {attempts}"""
-HISTORY_OF_JOB = _HISTORY_COLUMNS + """
-WHERE job = %s::text ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint"""
-HISTORY_ALL = _HISTORY_COLUMNS + """
-ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint"""
-LIST_JOBS = "SELECT job FROM {jobs} ORDER BY job"
-LIST_RUNS = """
-SELECT job, slot, status, attempt, instance_id, expires_ms FROM {runs}
-WHERE (%s::text IS NULL OR job = %s::text)
-  AND (NOT %s::boolean OR status IN ('running', 'handed_over'))
-ORDER BY slot DESC, job LIMIT %s::bigint"""
-GET_CHECKPOINT = "SELECT checkpoint FROM {runs} WHERE job = %s::text AND slot = %s::bigint"
-SET_CHECKPOINT = """
-UPDATE {runs} SET checkpoint = %s::text
-WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
-RETURNING 1"""
-LOCK_HELD_RUN = """
-SELECT attempt FROM {runs}
-WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
-FOR UPDATE"""
+def parse_queries(text: str) -> dict[str, str]:
+    """Split ``-- name: <name>`` sections into statements, dropping whole-line comments."""
+    parts = _HEADER.split(text)
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in queries:
+            raise ValueError(f"statement {name!r} is defined twice")
+        kept = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        queries[name] = "\n".join(kept).strip()
+    return queries
 
+
+#: Every statement of ``postgres_sql/queries.sql``, by name, as templates.
+QUERIES = parse_queries(_sql_file("queries.sql"))
+#: The claim function of this release (``postgres_sql/claim_v2.sql``), as a template.
+CLAIM_FUNCTION = _sql_file(f"claim_v{CODE_VERSION}.sql")
+#: The v1 name of the claim function, redefined as a call of the current one.
+CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
+#: The tables and indexes, in creation order.
+DDL = tuple(QUERIES[name] for name in (
+    "create_meta", "create_jobs", "create_runs", "create_runs_open", "create_attempts",
+    "create_attempts_seq", "create_attempts_claimed", "create_attempts_job",
+    "create_attempts_finished"))
 
 def quote_ident(name: str) -> str:
     """Quote one SQL identifier (the only place identifiers are turned into SQL text)."""
@@ -472,11 +213,26 @@ def _split_table(table: object) -> tuple[str | None, str]:
     return schema, name
 
 
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error (psycopg or pg8000), or of the error that caused it."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        state = getattr(seen, "sqlstate", None)
+        if isinstance(state, str):
+            return state
+        args = getattr(seen, "args", ())
+        if args and isinstance(args[0], dict) and isinstance(args[0].get("C"), str):
+            return str(args[0]["C"])
+        seen = seen.__cause__
+    return None
+
+
 class Statements:
     """The SQL this backend sends, filled with one store's quoted table names.
 
     Public for tools that run the very same statements through a raw driver (the
     benchmarks compare the library with that); the statements' text is not a stable API.
+    Every statement of ``postgres_sql/queries.sql`` is an attribute of the same name.
     """
 
     def __init__(self, schema: str | None, name: str) -> None:
@@ -491,7 +247,8 @@ class Statements:
             "claimed_idx": quote_ident(name + "_a_claimed"),
             "job_idx": quote_ident(name + "_a_job"),
             "fin_idx": quote_ident(name + "_a_fin"),
-            "claim_fn": prefix + quote_ident(name + "_claim"),
+            "claim_v1": prefix + quote_ident(name + "_claim"),
+            f"claim_v{CODE_VERSION}": prefix + quote_ident(name + f"_claim_v{CODE_VERSION}"),
             "claim_args": CLAIM_ARGS,
             "claim_arg_types": CLAIM_ARG_TYPES,
             "now": NOW,
@@ -500,25 +257,16 @@ class Statements:
         def fill(template: str) -> str:
             return template.format(**names).strip()
 
-        self.read_format = fill(READ_FORMAT)
+        for key, template in QUERIES.items():
+            setattr(self, key, fill(template))
         self.ddl = tuple(fill(statement) for statement in DDL)
-        self.write_format = fill(WRITE_FORMAT)
-        self.create_claim_function = fill(CREATE_CLAIM_FUNCTION)
-        self.grant_claim_function = fill(GRANT_CLAIM_FUNCTION)
-        self.claim = fill(CLAIM)
-        self.select_now = fill(SELECT_NOW)
-        self.register_jobs = fill(REGISTER_JOBS)
-        self.heartbeat = fill(HEARTBEAT)
-        self.finish = fill(FINISH)
-        self.hand_over = fill(HAND_OVER)
-        self.check = fill(CHECK)
-        self.history_of_job = fill(HISTORY_OF_JOB)
-        self.history_all = fill(HISTORY_ALL)
-        self.list_jobs = fill(LIST_JOBS)
-        self.list_runs = fill(LIST_RUNS)
-        self.get_checkpoint = fill(GET_CHECKPOINT)
-        self.set_checkpoint = fill(SET_CHECKPOINT)
-        self.lock_held_run = fill(LOCK_HELD_RUN)
+        self.create_claim_function = fill(CLAIM_FUNCTION)
+        self.create_claim_v1 = fill(CLAIM_FUNCTION_V1)
+        self.runs_table = names["runs"]
+
+    def __getattr__(self, name: str) -> str:
+        """Typed access to the statements set from ``queries.sql`` (unknown: AttributeError)."""
+        raise AttributeError(f"no statement named {name!r} in postgres_sql/queries.sql")
 
 
 @dataclass
@@ -643,9 +391,9 @@ class PostgresBackend(Backend):
         return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
 
     async def _existing(self, tx: Executor | SqlAdapter) -> tuple[set[str], bool]:
-        """The store's tables that exist, and whether its claim function exists."""
-        rows = await tx.all(FIND_TABLES, (self._table_names(), self._name + "_claim",
-                                          self._schema))
+        """The store's tables that exist, and whether this release's claim function exists."""
+        rows = await tx.all(self._sql.find_tables, (
+            self._table_names(), self._name + f"_claim_v{CODE_VERSION}", self._schema))
         if not rows:
             if self._schema is None:
                 raise ConfigurationError(
@@ -658,63 +406,122 @@ class PostgresBackend(Backend):
             )
         return set(rows[0][1]), bool(rows[0][2])
 
-    async def _check_format(self, tx: Executor | SqlAdapter) -> bool:
-        rows = await tx.all(self._sql.read_format)
-        if not rows:
-            return False
+    async def _read_meta(self, tx: Executor | SqlAdapter) -> tuple[bool, int]:
+        """Whether the store has a format, and its store code version (1 before v2).
+
+        Raises :class:`StoreFormatError` for a format newer than this release's.
+        """
+        meta = {str(key): str(value) for key, value in await tx.all(self._sql.read_meta)}
+        if "format" in meta:
+            try:
+                found = int(meta["format"])
+            except ValueError:
+                found = FORMAT_VERSION + 1
+            if found > FORMAT_VERSION:
+                raise StoreFormatError(
+                    f"table {self.table!r} was written by store format {meta['format']!r}, "
+                    f"newer than format {FORMAT_VERSION} this anarchon understands; upgrade "
+                    "anarchon"
+                )
         try:
-            found = int(rows[0][0])
+            code = int(meta.get("code", "1"))
         except ValueError:
-            found = FORMAT_VERSION + 1
-        if found > FORMAT_VERSION:
-            raise StoreFormatError(
-                f"table {self.table!r} was written by store format {rows[0][0]!r}, newer than "
-                f"format {FORMAT_VERSION} this anarchon understands; upgrade anarchon"
-            )
-        return True
+            code = 1
+        return "format" in meta, code
 
     async def _ensure_tables(self, adapter: SqlAdapter) -> None:
+        """Use the store as it is, or create or upgrade it (see :func:`migrate`).
+
+        A user without the privileges to create or upgrade gets a one-line
+        :class:`ConfigurationError` naming ``anarchon migrate``.
+        """
         tables, function = await self._existing(adapter)
-        if len(tables) == 4 and function and await self._check_format(adapter):
-            return
+        complete, code = False, 1
+        if len(tables) == 4:
+            complete, code = await self._read_meta(adapter)
+            if complete and function and code >= CODE_VERSION:
+                return
         try:
-            await adapter.run_transaction(self._create)
+            await self._upgrade(adapter)
         except ConfigurationError as exc:
-            if "permission denied" not in str(exc) and "42501" not in str(exc):
+            if _sqlstate(exc) != "42501" and not any(
+                    text in str(exc) for text in ("permission denied", "must be owner", "42501")):
                 raise
+            command = (f"run `anarchon migrate --url <privileged URL> --table {self.table}` "
+                       "once with a privileged user")
+            reason = str(exc).strip().splitlines()[0]
+            if complete and code < CODE_VERSION:
+                raise ConfigurationError(
+                    f"the anarchon store for table {self.table!r} has store code v{code}, "
+                    f"older than v{CODE_VERSION} this anarchon needs, and this user may not "
+                    f"upgrade it; {command} ({reason})"
+                ) from exc
             what = (f"the claim function {self._function_name()} of the anarchon tables for "
                     f"{self.table!r} is missing and this user may not create it"
                     if len(tables) == 4 else
                     f"the anarchon tables for {self.table!r} are missing and this user may not "
                     "create them")
             raise ConfigurationError(
-                f"{what}; run `anarchon migrate --dsn "
-                f"<privileged DSN> --table {self.table}` once with a privileged user, then "
-                f"grant SELECT, INSERT, UPDATE, DELETE on {', '.join(self._table_names())} "
-                f"({exc})"
+                f"{what}; {command}, then grant SELECT, INSERT, UPDATE, DELETE on "
+                f"{', '.join(self._table_names())} ({reason})"
             ) from exc
 
     def _function_name(self) -> str:
-        return (f"{self._schema}." if self._schema else "") + self._name + "_claim"
+        return ((f"{self._schema}." if self._schema else "") + self._name
+                + f"_claim_v{CODE_VERSION}")
+
+    async def _upgrade(self, adapter: SqlAdapter) -> None:
+        """Run :meth:`_create` in a transaction, again while a table lock timed out."""
+        for attempt in range(_MIGRATE_TRIES):
+            try:
+                await adapter.run_transaction(self._create)
+                return
+            except Exception as exc:
+                if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
+                    raise
+                if attempt == _MIGRATE_TRIES - 1:
+                    raise BackendUnavailable(
+                        f"could not create or upgrade the anarchon store for table "
+                        f"{self.table!r}: transactions in flight held its tables for over "
+                        f"{MIGRATION_LOCK_TIMEOUT_MS} ms {_MIGRATE_TRIES} times (a long "
+                        "ctx.transaction()?); run `anarchon migrate` again"
+                    ) from exc
 
     async def _create(self, tx: Executor) -> None:
+        """Create the store, or upgrade it to store code ``CODE_VERSION``, in place.
+
+        Under a transaction-scoped advisory lock (concurrent starts and migrates wait for
+        each other) and a lock timeout (a lock held by work in flight fails this try
+        instead of stalling every claim behind it). Runs in flight are kept: the upgrade
+        adds a nullable column (catalog only), creates the new claim function beside the
+        old one and points the old name at it, all in one commit.
+        """
         key = int.from_bytes(
             hashlib.sha256(f"anarchon:{self._schema}.{self._name}".encode()).digest()[:8],
             "big", signed=True,
         )
-        await tx.all(LOCK_CREATION, (key,))
+        await tx.all(self._sql.lock_creation, (key,))
+        await tx.all(self._sql.bound_lock_waits, (str(MIGRATION_LOCK_TIMEOUT_MS),))
         existing, function = await self._existing(tx)
+        code = 0
         if self._name + "_meta" in existing:
-            await self._check_format(tx)
+            _, code = await self._read_meta(tx)
         if len(existing) < 4:
             for statement in self._sql.ddl:
                 await tx.all(statement)
+        [(has_takeovers,)] = await tx.all(self._sql.has_takeovers, (self._sql.runs_table,))
+        if not has_takeovers:
+            await tx.all(self._sql.add_takeovers)
+        # SECURITY INVOKER: the caller's table privileges apply. EXECUTE is PUBLIC by
+        # default; granted explicitly in case default privileges revoke it.
         if not function:
-            # SECURITY INVOKER: the caller's table privileges apply. EXECUTE is PUBLIC by
-            # default; granted explicitly in case default privileges revoke it.
             await tx.all(self._sql.create_claim_function)
-            await tx.all(self._sql.grant_claim_function)
+            await tx.all(self._sql.grant_claim_v2)
+        if code <= CODE_VERSION:
+            await tx.all(self._sql.create_claim_v1)
+            await tx.all(self._sql.grant_claim_v1)
         await tx.all(self._sql.write_format, (str(FORMAT_VERSION),))
+        await tx.all(self._sql.write_code, (str(CODE_VERSION),))
 
     # --- contract -----------------------------------------------------------------------
 
@@ -753,8 +560,19 @@ class PostgresBackend(Backend):
         params = (req.job, req.slot, req.instance_id, req.token, req.lease_ms,
                   Reason(req.reason).value, bool(req.overlap_skip), req.max_attempts,
                   req.history_size, req.history_ttl_ms, TRIM_BATCH)
-        [(status, now, attempt, reason, expires, run_status, instance)] = (
-            await self._all_retrying(self._sql.claim, params))
+        try:
+            [(status, now, attempt, reason, expires, run_status, instance)] = (
+                await self._all_retrying(self._sql.claim, params))
+        except Exception as exc:
+            if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
+                raise
+            # The server gave up a lock wait (lock_timeout in the claim function): the
+            # statement rolled back, nothing was written. Not retried here, so the whole
+            # claim stays within the half lease a scheduler waits for it.
+            raise TransientError(
+                f"claim of {req.job!r} slot {req.slot} waited too long for a lock on the "
+                "server and wrote nothing; retry later"
+            ) from exc
         return ClaimResult(
             ClaimStatus(status), req.job, req.slot, int(now), int(attempt),
             None if reason is None else Reason(reason),
@@ -828,6 +646,20 @@ class PostgresBackend(Backend):
             for j, slot, attempt, instance, reason, claimed, finished, outcome, error in rows
         ]
 
+    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
+        """Record each workflow's steps in ``<table>_meta`` (one statement; rewrites only
+        what changed)."""
+        if not workflows:
+            return
+        names = sorted(workflows)
+        await self._adapter.all(self._sql.write_workflows, (
+            names, [json.dumps(list(workflows[name])) for name in names]))
+
+    async def workflows(self) -> dict[str, list[str]]:
+        """Return every recorded workflow's steps, in order."""
+        rows = await self._adapter.all(self._sql.read_workflows)
+        return {str(name): [str(s) for s in json.loads(value)] for name, value in rows}
+
     async def jobs(self) -> list[str]:
         """Return every job in ``<table>_jobs``, sorted."""
         return [str(row[0]) for row in await self._adapter.all(self._sql.list_jobs)]
@@ -892,15 +724,21 @@ class PostgresBackend(Backend):
 
 
 async def migrate(connection: Any = None, *, table: str | None = None) -> str:
-    """Create the four tables and the claim function (run with a privileged user).
+    """Create the store, or upgrade it in place to store code ``CODE_VERSION``.
 
     ``table`` defaults to the one a DSN names (``?table=``), else ``anarchon_runs``;
     returns the table's name.
 
-    Afterwards the application's user needs only SELECT, INSERT, UPDATE and DELETE on the
-    tables (EXECUTE on the function is granted to PUBLIC; it runs with the caller's
-    rights). Adds the function to a store created before it existed. Safe to run again,
-    and concurrently; a store of a newer format is refused.
+    Run it with a privileged user (owner of the tables). Afterwards the application's user
+    needs only SELECT, INSERT, UPDATE and DELETE on the tables (EXECUTE on the claim
+    functions is granted to PUBLIC; they run with the caller's rights).
+
+    An older store is upgraded with runs in flight: held leases, hand-overs and history
+    are kept, the claim function of this release is created beside the old one, and the
+    old function's name becomes a call of the new one, so instances of the previous
+    release still running claim with the current logic. A table lock held by a long
+    transaction is waited for at most ``MIGRATION_LOCK_TIMEOUT_MS`` per try. Safe to run
+    again, and concurrently; a store of a newer format is refused.
     """
     backend = PostgresBackend(connection, table=table)
     await backend.start()

@@ -9,6 +9,7 @@ when its backend is used, with a message naming the extra to install.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ._structures import Attempt, Outcome, Reason, RunInfo, RunStatus
@@ -21,6 +22,23 @@ from .errors import (
     StopRequested,
     StoreFormatError,
 )
+from .events import (
+    AttemptEnded,
+    Claimed,
+    Completed,
+    Escalated,
+    Event,
+    Failed,
+    HandedOver,
+    Lost,
+    RunEvent,
+    Skipped,
+    StandingBy,
+    StoreBack,
+    StoreUnreachable,
+    TakenOver,
+    TimedOut,
+)
 
 if TYPE_CHECKING:
     from backends.memory import MemoryBackend
@@ -30,37 +48,59 @@ if TYPE_CHECKING:
     from ._registry import backend_from_url
     from .abc import Backend
     from .context import Checkpoint, RunContext
-    from .scheduler import Scheduler
+    from .scheduler import Health, Scheduler, SchedulerState
     from .sync import SyncScheduler
 
 __all__ = [
     "AnarchonError",
     "Attempt",
+    "AttemptEnded",
     "AuthenticationFailed",
     "Backend",
     "BackendUnavailable",
     "Checkpoint",
+    "Claimed",
+    "Completed",
     "ConfigurationError",
+    "Escalated",
+    "Event",
+    "Failed",
+    "HandedOver",
+    "Health",
     "LeaseLost",
+    "Lost",
     "MemoryBackend",
     "Outcome",
     "PostgresBackend",
     "Reason",
     "RedisBackend",
     "RunContext",
+    "RunEvent",
     "RunInfo",
     "RunStatus",
     "Scheduler",
+    "SchedulerState",
+    "Skipped",
+    "StandingBy",
     "StopRequested",
+    "StoreBack",
     "StoreFormatError",
+    "StoreUnreachable",
     "SyncScheduler",
+    "TakenOver",
+    "TimedOut",
     "backend_from_url",
 ]
 
 __version__ = "0.1.0"
 
+# The library logs to "anarchon"; the application decides where that goes.
+logging.getLogger("anarchon").addHandler(logging.NullHandler())
+
 _LAZY: dict[str, tuple[str, str]] = {
     "Scheduler": ("lease_core.scheduler", ""),
+    "SchedulerState": ("lease_core.scheduler", ""),
+    "Health": ("lease_core.scheduler", ""),
     "SyncScheduler": ("lease_core.sync", ""),
     "RunContext": ("lease_core.context", ""),
     "Checkpoint": ("lease_core.context", ""),

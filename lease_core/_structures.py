@@ -20,6 +20,7 @@ __all__ = [
     "RunInfo",
     "RunState",
     "RunStatus",
+    "format_slot",
     "ms_to_datetime",
 ]
 
@@ -27,6 +28,14 @@ __all__ = [
 def ms_to_datetime(ms: int) -> datetime:
     """Return epoch milliseconds as a tz-aware UTC datetime."""
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+def format_slot(ms: int) -> str:
+    """Return a slot for logs: ISO-8601 UTC, e.g. ``2026-11-30T01:00:00Z``."""
+    text = ms_to_datetime(ms).strftime("%Y-%m-%dT%H:%M:%S")
+    if ms % 1000:
+        text += f".{ms % 1000:03d}"
+    return text + "Z"
 
 
 class Reason(StrEnum):

@@ -23,14 +23,16 @@ jobs never wait for each other):
 
 3. If the run is finished, return ``FINISHED`` with its status.
 4. If it is ``running`` with ``expires > now``, return ``RUNNING`` (stand by as backup).
-   A backend that may send a claim again after losing its reply (Redis) answers ``WON``,
-   changing nothing, when the request's token is the one holding the run.
+   But when the request's token is the one holding the run (the same claim sent again
+   after its reply was lost), return ``WON`` as the first answer did, changing nothing.
 5. If it is ``handed_over``: the next attempt takes it with reason ``hand-over``
    (a hand-over never escalates, whatever the attempt number); return ``WON``.
 6. If it is ``running`` with ``expires <= now``: when ``max_attempts`` is set and the run's
-   attempt is already ``>= max_attempts``, the run becomes ``escalated``, its last attempt's
-   outcome becomes ``escalated`` (if it had none) and ``ESCALATED`` is returned. The
-   attempt number counts hand-overs too.
+   counted attempts, the first attempt plus every attempt that started by takeover, are
+   already ``>= max_attempts``, the run becomes ``escalated``, its last attempt's outcome
+   becomes ``escalated`` (if it had none) and ``ESCALATED`` is returned. Attempts that
+   started by hand-over are not counted: a run handed over on every rolling deploy is
+   never escalated for it. (The attempt number still counts every attempt.)
    Otherwise the last attempt's outcome becomes ``lost`` (if it had none), and the next
    attempt takes the run with reason ``takeover``; return ``WON``.
 7. After a claim that wrote an attempt, trim the job's history (bounded work per call):

@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="which embedded store to start (default: postgres)")
     demo.add_argument("--url", "--dsn", dest="url", default=None,
                       help=url_help + "; runs against it instead of an embedded server")
-    migrate = sub.add_parser("migrate", help="create the PostgreSQL tables (privileged user)")
+    migrate = sub.add_parser(
+        "migrate", help="create or upgrade the PostgreSQL store (privileged user)")
     migrate.add_argument("--url", "--dsn", dest="url", default=None,
                          help="PostgreSQL URL or key/value DSN (default: PG* variables)")
     migrate.add_argument("--table", default=None,
@@ -162,10 +163,11 @@ def _run(args: argparse.Namespace) -> int:
 
         return 0 if run_demo(args.backend, args.url) else EXIT_FAILED
     if args.command == "migrate":
-        from backends.postgres import migrate
+        from backends.postgres import CODE_VERSION, migrate
 
         table = anyio.run(lambda: migrate(args.url, table=args.table))
-        print(f"anarchon migrate: the tables for {table!r} are ready")
+        print(f"anarchon migrate: the tables for {table!r} are ready "
+              f"(store code v{CODE_VERSION})")
         return 0
     if args.command == "serve":
         return _serve(args)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.from_thread
 
-from ._structures import Lease, Reason, ms_to_datetime
+from ._structures import Lease, Reason, format_slot, ms_to_datetime
 from .errors import LeaseLost, StopRequested
 
 if TYPE_CHECKING:
@@ -73,7 +73,9 @@ class _RunLog(logging.LoggerAdapter[logging.Logger]):
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         extra = self.extra or {}
         kwargs["extra"] = {**extra, **kwargs.get("extra", {})}
-        return f"[{extra['job']} slot {extra['slot']} attempt {extra['attempt']}] {msg}", kwargs
+        slot = extra["slot"]
+        slot = format_slot(slot) if isinstance(slot, int) else slot
+        return f"[{extra['job']} slot {slot} attempt {extra['attempt']}] {msg}", kwargs
 
 
 class RunContext:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -9,19 +10,24 @@ import os
 import re
 import socket
 import time
-import traceback
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
 
 import anyio
 import anyio.to_thread
-from anyio.abc import TaskGroup
+import sniffio
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from . import events as ev
 from ._durations import Duration, parse_duration, to_ms
+from ._outcome import Interruption, decide_outcome
 from ._structures import (
     Attempt,
     ClaimRequest,
@@ -31,19 +37,30 @@ from ._structures import (
     Lease,
     Outcome,
     Reason,
+    format_slot,
 )
 from .abc import Backend
 from .context import RunContext
-from .errors import AnarchonError, ConfigurationError, LeaseLost, StopRequested
+from .errors import AnarchonError, ConfigurationError
 from .schedules import CronSchedule, IntervalSchedule, Schedule
 
-__all__ = ["CATCH_UP_LIMIT", "CATCH_UP_WINDOW_MS", "Job", "Scheduler"]
+__all__ = [
+    "CATCH_UP_LIMIT",
+    "CATCH_UP_WINDOW_MS",
+    "EVENT_BUFFER",
+    "Health",
+    "Job",
+    "Scheduler",
+    "SchedulerState",
+]
 
 logger = logging.getLogger("anarchon")
 
 Handler = Callable[[RunContext], Any]
 H = TypeVar("H", bound=Handler)
 
+#: Events a subscriber may fall behind by; later ones are dropped (and counted).
+EVENT_BUFFER = 1000
 #: Catch-up never looks further back than this (milliseconds).
 CATCH_UP_WINDOW_MS = 24 * 3_600_000
 #: ``catch_up="all"`` runs at most this many missed slots per job.
@@ -52,6 +69,57 @@ CATCH_UP_LIMIT = 100
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,199}$")
 _OVERLAP = ("skip", "allow")
 _CATCH_UP = ("latest", "all", "none")
+
+
+class SchedulerState(StrEnum):
+    """Where a scheduler is in its lifecycle."""
+
+    STOPPED = "stopped"
+    """Not started, or stopped: jobs may be declared, :meth:`Scheduler.start` may be called."""
+    STARTING = "starting"
+    """Opening the store and registering the jobs."""
+    RUNNING = "running"
+    """Claiming slots, running handlers, renewing leases and backing up other instances."""
+    STOPPING = "stopping"
+    """No new claims; handlers finish or are cancelled, held runs are handed over."""
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """What :meth:`Scheduler.health` reports, for liveness and readiness probes."""
+
+    state: SchedulerState
+    store_reachable: bool
+    """True when the store answered within the last ``lease`` (the scheduler's default)."""
+    since_store_answer: float | None
+    """Seconds since the store last answered, or ``None`` when it has not since start."""
+    runs_held: int
+    """Runs this instance is executing."""
+    runs_watched: int
+    """Runs this instance backs up (or must claim again)."""
+
+    @property
+    def ready(self) -> bool:
+        """True when the scheduler is running and its store answers."""
+        return self.state is SchedulerState.RUNNING and self.store_reachable
+
+
+# Set inside the scheduler's handler tasks, so stop() called by a handler does not wait
+# for itself.
+_INSIDE: ContextVar[Scheduler | None] = ContextVar("anarchon_scheduler", default=None)
+
+
+class _StartStatus:
+    """The task status :meth:`Scheduler.start` gives :meth:`Scheduler.run` in its host task."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.is_started = False
+        self.error: BaseException | None = None
+
+    def started(self, value: None = None) -> None:
+        self.is_started = True
+        self.event.set()
 
 
 @dataclass(frozen=True)
@@ -77,7 +145,7 @@ class _Held:
     lease: Lease
     ctx: RunContext
     scope: anyio.CancelScope
-    cancel_reason: str | None = None
+    cancel_reason: Interruption | None = None
     lost: bool = False
     deadline: float = math.inf
     """The local lease deadline; the scope's, except while a fenced transaction is open."""
@@ -103,6 +171,24 @@ class _Watched:
     retry_reason: Reason | None = None
 
 
+@dataclass(eq=False)
+class _Subscriber:
+    """A callback subscribed to events, and its stream while the scheduler runs."""
+
+    callback: Callable[[ev.Event], Any]
+    is_async: bool
+    send: MemoryObjectSendStream[ev.Event] | None = None
+    dropped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _AttemptInfo:
+    attempt: int
+    reason: Reason
+    started: float
+    """When the claim was sent (anyio clock)."""
+
+
 @dataclass
 class _ClockSamples:
     samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=8))
@@ -118,19 +204,8 @@ def _log_failure(what: str, exc: Exception) -> None:
         logger.error("%s failed unexpectedly", what, exc_info=exc)
 
 
-def _classify(exc: BaseException) -> type[Exception] | None:
-    """StopRequested or LeaseLost when ``exc`` is one, or a group of only those."""
-    for kind in (StopRequested, LeaseLost):
-        if isinstance(exc, kind):
-            return kind
-        if isinstance(exc, BaseExceptionGroup):
-            match, rest = exc.split(kind)
-            if match is not None and rest is None:
-                return kind
-    return None
 
-
-def _is_async(handler: Handler) -> bool:
+def _is_async(handler: Callable[..., Any]) -> bool:
     if inspect.iscoroutinefunction(handler):
         return True
     call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects too
@@ -157,9 +232,11 @@ class Scheduler:
     .. note:: The scheduler calls ``backend.start()`` and ``backend.close()``; a backend
        closes only what it opened itself, never a pool or client the user passed in.
 
-    :meth:`start` and :meth:`stop` must be awaited from the same task (``async with
-    scheduler:`` does that), because the scheduler's tasks live in a task group entered by
-    :meth:`start`.
+    Run it with ``async with scheduler:``, with :meth:`start` and :meth:`stop` (any number of
+    schedulers, in any order, from any task of one event loop), or with
+    ``await tg.start(scheduler.run)`` in a task group of your own. Its lifecycle is
+    :attr:`state`. Cancellation from outside (of the ``async with`` body, or of the task
+    group running :meth:`run`) and :meth:`abort` behave like a crash: nothing is handed over.
     """
 
     def __init__(
@@ -200,15 +277,29 @@ class Scheduler:
         self._to_hand_over: dict[str, Lease] = {}
         self._clock_samples = _ClockSamples()
         self._offset_ms = 0.0
+        self._last_answer: float | None = None
+        """When the store last answered (local monotonic clock), for health()."""
+        self._store_down_since: float | None = None
+        self._subscribers: list[_Subscriber] = []
+        self._events_tg: TaskGroup | None = None
+        self._events_dropped = 0
+        self._receivers: list[MemoryObjectReceiveStream[ev.Event]] = []
+        self._attempts: dict[str, _AttemptInfo] = {}
+        self._state = SchedulerState.STOPPED
         self._tg: TaskGroup | None = None
         self._claims_in_flight = 0
-        # Made in start(): anyio objects need a running event loop.
-        self._loop_scopes: list[anyio.CancelScope] = []
-        self._ticker_scope: anyio.CancelScope
-        self._idle: anyio.Event
-        self._started = False
-        self._stopping = False
+        self._caught_up: dict[str, int] = {}
+        self._grace = 0.0
         self._crashed = False
+        self._host_task: object | None = None
+        """The asyncio task hosting a scheduler started by start() (kept from the GC)."""
+        # Made when a run begins: anyio objects need a running event loop.
+        self._loop_scopes: list[anyio.CancelScope] = []
+        self._run_scope: anyio.CancelScope | None = None
+        self._stop_requested: anyio.Event | None = None
+        self._done: anyio.Event | None = None
+        self._idle: anyio.Event | None = None
+        self._claims_idle: anyio.Event | None = None
 
     # ----------------------------------------------------------------- declaring jobs
 
@@ -310,7 +401,7 @@ class Scheduler:
             )
         if name in self._jobs:
             raise ConfigurationError(f"job {name!r} is already declared; job names must be unique")
-        if self._started:
+        if self._state is not SchedulerState.STOPPED:
             raise ConfigurationError(f"job {name!r} declared after start(); declare jobs first")
         if overlap not in _OVERLAP:
             raise ConfigurationError(f"overlap={overlap!r} is unknown; use one of {_OVERLAP}")
@@ -356,6 +447,23 @@ class Scheduler:
         """The runs (job, slot) this instance backs up."""
         return list(self._watch)
 
+    def health(self) -> Health:
+        """Whether the store answered within the last lease, and what this instance holds.
+
+        An idle running instance asks the store once per heartbeat, so ``store_reachable``
+        turns false within a lease of the store becoming unreachable, and true again at
+        the first heartbeat it answers.
+        """
+        since = None if self._last_answer is None else max(0.0, self._clock() - self._last_answer)
+        return Health(
+            state=self._state,
+            store_reachable=(self._state is not SchedulerState.STOPPED and since is not None
+                             and since <= self.lease),
+            since_store_answer=since,
+            runs_held=len(self._held),
+            runs_watched=len(self._watch),
+        )
+
     # ----------------------------------------------------------------- store clock
 
     def store_now_ms(self) -> int:
@@ -368,6 +476,11 @@ class Scheduler:
         s = self._clock_samples
         s.samples.append((rtt, offset))
         s.last_sample = received
+        self._last_answer = received
+        if self._store_down_since is not None:
+            downtime, self._store_down_since = received - self._store_down_since, None
+            logger.info("the store answers again after %.1fs", downtime)
+            self._emit(ev.StoreBack(instance_id=self.instance_id, downtime=downtime))
         self._offset_ms = min(s.samples)[1]
 
     async def _sample_clock(self) -> None:
@@ -377,104 +490,331 @@ class Scheduler:
 
     # ----------------------------------------------------------------- lifecycle
 
+    @property
+    def state(self) -> SchedulerState:
+        """The scheduler's lifecycle state."""
+        return self._state
+
+    @property
+    def _stopping(self) -> bool:
+        # No new claims once a stop (or an abort) began, nor when not running at all.
+        return self._state in (SchedulerState.STOPPING, SchedulerState.STOPPED)
+
+    def _begin(self) -> None:
+        if self._state is not SchedulerState.STOPPED:
+            raise AnarchonError(
+                f"scheduler {self.instance_id!r} is already {self._state}; call stop() and "
+                "wait for it to return before starting it again"
+            )
+        self._state = SchedulerState.STARTING
+        self._crashed = False
+        self._last_answer = None
+        self._grace = 0.0
+        self._loop_scopes = []
+        self._run_scope = anyio.CancelScope()
+        self._stop_requested = anyio.Event()
+        self._done = anyio.Event()
+        self._idle = anyio.Event()
+        self._claims_in_flight = 0
+        self._claims_idle = anyio.Event()
+        self._caught_up = {}
+
     async def start(self) -> None:
-        """Start the backend, register the jobs, and begin claiming and backing up."""
-        if self._started:
-            raise AnarchonError("scheduler already started")
+        """Start the backend, register the jobs, and begin claiming and backing up.
+
+        Returns once the scheduler runs, in a background task of its own on the current
+        event loop (a system task on trio), so any number of schedulers can be started and
+        stopped in any order, and :meth:`stop` may be awaited from any task of this event
+        loop, or through a blocking portal. Raises :class:`AnarchonError` when the scheduler
+        is not stopped, and the store's error when it cannot be reached.
+
+        A scheduler started this way ends like a crashed instance (nothing handed over,
+        backups take over when the leases expire) when :meth:`abort` is awaited, or when
+        its event loop ends without :meth:`stop`.
+        """
+        self._begin()
+        status = _StartStatus()
+        self._spawn_host(status)
+        try:
+            await status.event.wait()
+        except BaseException:
+            # Cancelled while starting: nothing may keep running behind the caller's back.
+            await self.abort()
+            raise
+        if status.error is not None:
+            raise status.error
+        if not status.is_started:
+            raise AnarchonError(
+                f"scheduler {self.instance_id!r} was cancelled while starting: its event "
+                "loop is closing"
+            )
+
+    def _spawn_host(self, status: _StartStatus) -> None:
+        # anyio has no detached tasks; the scheduler's host task must outlive the caller's.
+        name = f"anarchon scheduler {self.instance_id}"
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            trio.lowlevel.spawn_system_task(self._host, status, name=name)
+        else:
+            import asyncio
+
+            self._host_task = asyncio.get_running_loop().create_task(
+                self._host(status), name=name
+            )
+
+    async def _host(self, status: _StartStatus) -> None:
+        try:
+            await self._run(status)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            # Nothing may escape a host task (on trio it would end the whole event loop).
+            if not status.is_started:
+                status.error = exc
+            else:
+                logger.error("scheduler %s ended unexpectedly", self.instance_id, exc_info=exc)
+        finally:
+            status.event.set()
+            self._host_task = None
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the scheduler in the calling task until :meth:`stop` returns.
+
+        For code that owns a task group: ``await tg.start(scheduler.run)`` returns once the
+        scheduler runs. Cancelling the task group (or any scope around ``run()``) behaves
+        like a crash: nothing is handed over or finished, and backups take the held runs
+        over when their leases expire.
+        """
+        self._begin()
+        await self._run(task_status)
+
+    async def _run(self, task_status: TaskStatus[None]) -> None:
+        assert self._run_scope is not None and self._done is not None
+        opened = False
+        try:
+            with self._run_scope:
+                infos = await self._open()
+                opened = True
+                try:
+                    async with anyio.create_task_group() as events_tg:
+                        self._events_tg = events_tg
+                        for sub in self._subscribers:
+                            self._open_subscriber(sub)
+                        await self._run_jobs(infos, task_status)
+                        # Deliver what is left, for a moment at most.
+                        self._close_subscribers(senders_only=True)
+                        events_tg.cancel_scope.deadline = (
+                            anyio.current_time() + max(1.0, self.heartbeat))
+                except anyio.get_cancelled_exc_class():
+                    # Cancelled from outside (or aborted): behave like a crash.
+                    self._crashed = True
+                    raise
+        finally:
+            self._state = SchedulerState.STOPPING
+            self._tg = self._events_tg = None
+            self._close_subscribers()
+            self._held.clear()
+            self._watch.clear()
+            self._to_hand_over.clear()
+            self._attempts.clear()
+            try:
+                if opened:
+                    with anyio.move_on_after(10, shield=True):
+                        await self.backend.close()
+            finally:
+                self._state = SchedulerState.STOPPED
+                self._done.set()
+                logger.info("instance %s stopped", self.instance_id)
+
+    async def _run_jobs(self, infos: dict[str, JobInfo], task_status: TaskStatus[None]) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            for name, job in self._jobs.items():
+                info = infos[name]
+                for slot in info.open_slots:
+                    self._watch[(name, slot)] = _Watched(job)
+                tg.start_soon(self._job_loop, job, info)
+            tg.start_soon(self._ticker)
+            if self._state is SchedulerState.STARTING:
+                self._state = SchedulerState.RUNNING
+            logger.info("instance %s started with %d jobs", self.instance_id, len(self._jobs))
+            task_status.started()
+            assert self._stop_requested is not None
+            await self._stop_requested.wait()
+            await self._stop_gracefully()
+            tg.cancel_scope.cancel()
+
+    # ----------------------------------------------------------------- events
+
+    def subscribe(self, callback: Callable[[ev.Event], Any]) -> Callable[[], None]:
+        """Call ``callback`` with every event (see :mod:`lease_core.events`); return a
+        function that unsubscribes it.
+
+        ``callback`` may be a coroutine function (awaited in a task of the scheduler) or
+        a plain function (called in a worker thread). Each subscriber gets the events in
+        order through its own buffer of :data:`EVENT_BUFFER` events: a slow subscriber
+        never delays heartbeats or claims; when its buffer is full, newer events are
+        dropped and counted (:attr:`events_dropped`). An exception raised by ``callback``
+        is logged, and the subscriber stays subscribed. May be called before or after
+        :meth:`start`, from the event loop's thread.
+        """
+        if not callable(callback):
+            raise ConfigurationError(f"subscribe({callback!r}): the callback must be callable")
+        sub = _Subscriber(callback, _is_async(callback))
+        self._subscribers.append(sub)
+        if self._events_tg is not None:
+            self._open_subscriber(sub)
+
+        def unsubscribe() -> None:
+            if sub in self._subscribers:
+                self._subscribers.remove(sub)
+            if sub.send is not None:
+                sub.send.close()
+
+        return unsubscribe
+
+    @property
+    def events_dropped(self) -> int:
+        """Events dropped because a subscriber's buffer was full (since creation)."""
+        return self._events_dropped
+
+    def _open_subscriber(self, sub: _Subscriber) -> None:
+        assert self._events_tg is not None
+        sub.send, receive = anyio.create_memory_object_stream[ev.Event](EVENT_BUFFER)
+        self._receivers.append(receive)
+        self._events_tg.start_soon(self._dispatch, sub, receive)
+
+    def _close_subscribers(self, *, senders_only: bool = False) -> None:
+        for sub in self._subscribers:
+            if sub.send is not None:
+                sub.send.close()
+                sub.send = None
+        if not senders_only:
+            for receive in self._receivers:
+                receive.close()
+            self._receivers.clear()
+
+    def _emit(self, event: ev.Event) -> None:
+        for sub in self._subscribers:
+            if sub.send is None:
+                continue
+            try:
+                sub.send.send_nowait(event)
+            except anyio.WouldBlock:
+                sub.dropped += 1
+                self._events_dropped += 1
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+
+    async def _dispatch(self, sub: _Subscriber,
+                        receive: MemoryObjectReceiveStream[ev.Event]) -> None:
+        with receive, contextlib.suppress(anyio.ClosedResourceError):
+            async for event in receive:
+                try:
+                    if sub.is_async:
+                        await sub.callback(event)
+                    else:
+                        await anyio.to_thread.run_sync(sub.callback, event,
+                                                       abandon_on_cancel=True)
+                except Exception as exc:
+                    logger.error("event subscriber %r failed on %s", sub.callback,
+                                 type(event).__name__, exc_info=exc)
+
+    async def _open(self) -> dict[str, JobInfo]:
         await self.backend.start()
         try:
             for _ in range(3):
                 await self._sample_clock()
-            infos = await self.backend.register_jobs(list(self._jobs))
+            return await self.backend.register_jobs(list(self._jobs))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.backend.close()
             raise
-        self._started = True
-        self._stopping = False
-        self._crashed = False
-        self._loop_scopes = []
-        self._ticker_scope = anyio.CancelScope()
-        self._idle = anyio.Event()
-        self._claims_in_flight = 0
-        self._claims_idle = anyio.Event()
-        self._caught_up: dict[str, int] = {}
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        for name, job in self._jobs.items():
-            info = infos[name]
-            for slot in info.open_slots:
-                self._watch[(name, slot)] = _Watched(job)
-            self._tg.start_soon(self._job_loop, job, info)
-        self._tg.start_soon(self._ticker)
-        logger.info("instance %s started with %d jobs", self.instance_id, len(self._jobs))
 
     async def stop(self, grace: Duration = "10s") -> None:
         """Stop claiming, let handlers finish for ``grace``, hand over the rest.
 
         Running handlers see :attr:`RunContext.stopping` at once and are cancelled when
         ``grace`` ends. Every run still held is handed over, so a backup claims it at its
-        next check without waiting for the lease to expire. Heartbeats stop last.
+        next check without waiting for the lease to expire. Heartbeats stop last. Events
+        still buffered are delivered for at most ``max(1s, heartbeat)`` more. Returns once
+        the scheduler is stopped and the store closed; a no-op when it is stopped.
+
+        May be awaited from any task of the event loop the scheduler runs on (called by
+        one of the scheduler's own handlers, it only requests the stop). If the caller is
+        cancelled while waiting, the scheduler is aborted (see :meth:`abort`).
         """
-        if not self._started or self._tg is None:
-            return
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
-        self._stopping = True
+        if self._state is SchedulerState.STOPPED:
+            return
+        assert self._stop_requested is not None and self._done is not None
+        if not self._stop_requested.is_set():
+            self._grace = grace_s
+            self._stop_requested.set()
+        if _INSIDE.get() is self:
+            return
+        try:
+            await self._done.wait()
+        except BaseException:
+            await self.abort()
+            raise
+
+    async def abort(self) -> None:
+        """Stop at once, as a crashed instance would; return when the store is closed.
+
+        Handlers are cancelled, nothing is finished or handed over: backups take the held
+        runs over when their leases expire. A no-op when the scheduler is stopped.
+        """
+        if self._state is SchedulerState.STOPPED:
+            return
+        assert self._run_scope is not None and self._done is not None
+        self._crashed = True
+        self._state = SchedulerState.STOPPING
+        self._run_scope.cancel()
+        if _INSIDE.get() is self:
+            return
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+
+    async def _stop_gracefully(self) -> None:
+        assert self._idle is not None and self._claims_idle is not None
+        self._state = SchedulerState.STOPPING
         for scope in self._loop_scopes:
             scope.cancel()
-        try:
-            for held in list(self._held.values()):
-                held.ctx._request_stop("stopping")
-            with anyio.move_on_after(grace_s):
-                while self._held:
-                    self._idle = anyio.Event()
-                    await self._idle.wait()
-            for held in list(self._held.values()):
-                held.cancel_reason = "stopped"
-                held.scope.cancel()
-            with anyio.move_on_after(max(self.heartbeat, 1.0)):
-                while self._held:
-                    self._idle = anyio.Event()
-                    await self._idle.wait()
-            with anyio.move_on_after(max(j.lease_ms for j in self._jobs.values()) / 2000
-                                     if self._jobs else 0):
-                while self._claims_in_flight:
-                    self._claims_idle = anyio.Event()
-                    await self._claims_idle.wait()
-            leases = list(self._to_hand_over.values()) + [h.lease for h in self._held.values()]
-            if leases:
-                with anyio.move_on_after(10, shield=True):
-                    try:
-                        done = await self.backend.hand_over(leases)
-                        logger.info("instance %s handed over %d runs", self.instance_id, len(done))
-                    except Exception as exc:
-                        _log_failure("hand-over", exc)
-            self._to_hand_over.clear()
-        finally:
-            await self._shutdown()
-
-    async def _shutdown(
-        self,
-        exc_info: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
-        = (None, None, None),
-    ) -> None:
-        tg, self._tg = self._tg, None
-        self._ticker_scope.cancel()
-        try:
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                try:
-                    await tg.__aexit__(*exc_info)
-                except anyio.get_cancelled_exc_class():
-                    if exc_info[0] is None:
-                        raise
-        finally:
-            self._held.clear()
-            self._watch.clear()
-            self._to_hand_over.clear()
-            self._started = False
+        for held in list(self._held.values()):
+            held.ctx._request_stop("stopping")
+        with anyio.move_on_after(self._grace):
+            while self._held:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        for held in list(self._held.values()):
+            held.cancel_reason = Interruption.STOPPED
+            held.scope.cancel()
+        with anyio.move_on_after(max(self.heartbeat, 1.0)):
+            while self._held:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        with anyio.move_on_after(max(j.lease_ms for j in self._jobs.values()) / 2000
+                                 if self._jobs else 0):
+            while self._claims_in_flight:
+                self._claims_idle = anyio.Event()
+                await self._claims_idle.wait()
+        leases = list(self._to_hand_over.values()) + [h.lease for h in self._held.values()]
+        if leases:
             with anyio.move_on_after(10, shield=True):
-                await self.backend.close()
+                done: frozenset[str] = frozenset()
+                try:
+                    done = await self.backend.hand_over(leases)
+                    logger.info("instance %s handed over %d runs", self.instance_id, len(done))
+                except Exception as exc:
+                    self._store_failed("hand-over", exc)
+            for lease in leases:
+                if lease.token in done:
+                    self._ended(ev.HandedOver, lease)
+                else:
+                    self._ended(ev.Lost, lease, why="not handed over")
+        self._to_hand_over.clear()
 
     async def __aenter__(self) -> Scheduler:
         await self.start()
@@ -489,8 +829,7 @@ class Scheduler:
         if exc_type is not None and issubclass(exc_type, anyio.get_cancelled_exc_class()):
             # Cancelled from outside: behave like a crash (no hand-over, no finish), so
             # backups take over when the leases expire.
-            self._crashed = True
-            await self._shutdown((exc_type, exc, tb))
+            await self.abort()
         else:
             await self.stop()
 
@@ -575,7 +914,7 @@ class Scheduler:
             try:
                 result = await self.backend.check([key])
             except Exception as exc:
-                _log_failure(f"check of {job} slot {slot}", exc)
+                self._store_failed(f"check of {job} slot {format_slot(slot)}", exc)
                 continue
             state = result.runs.get(key)
             if state is None or state.status.finished:
@@ -601,18 +940,28 @@ class Scheduler:
                 try:
                     result = await self.backend.claim(request)
                 except Exception as exc:
-                    _log_failure(f"claim of {job.name} slot {slot} (will retry)", exc)
+                    self._store_failed(
+                        f"claim of {job.name} slot {format_slot(slot)} (will retry)", exc)
         finally:
             self._claims_in_flight -= 1
-            if not self._claims_in_flight:
+            if not self._claims_in_flight and self._claims_idle is not None:
                 self._claims_idle.set()
         if result is None:
             # Unknown outcome (error or too slow): retry, or take it over if it was won.
             self._watch[(job.name, slot)] = _Watched(job, retry_reason=reason)
             return None
-        self._note_clock(result.now_ms, sent, self._clock())
+        received = self._clock()
+        self._note_clock(result.now_ms, sent, received)
+        took = received - sent
         key = (job.name, slot)
         lease = Lease(job.name, slot, token, job.lease_ms)
+        run: dict[str, Any] = {"instance_id": self.instance_id, "job": job.name, "slot": slot}
+        if result.status is ClaimStatus.WON:
+            won = result.reason or Reason.SCHEDULED
+            self._attempts[token] = _AttemptInfo(result.attempt, won, sent_loop)
+            self._emit(ev.Claimed(**run, attempt=result.attempt, reason=won, claim_duration=took))
+            if won in (Reason.TAKEOVER, Reason.HAND_OVER):
+                self._emit(ev.TakenOver(**run, attempt=result.attempt, reason=won))
         if result.status is ClaimStatus.WON and (self._stopping or self._tg is None):
             self._to_hand_over[token] = lease
         elif result.status is ClaimStatus.WON:
@@ -620,14 +969,18 @@ class Scheduler:
             self._launch(job, lease, result, sent_loop)
         elif result.status is ClaimStatus.RUNNING:
             self._watch[key] = _Watched(job)
+            self._emit(ev.StandingBy(**run, holder=result.instance_id, claim_duration=took))
         else:
             self._watch.pop(key, None)
             if result.status is ClaimStatus.SKIPPED:
-                logger.info("%s slot %d skipped: an earlier run still holds its lease",
-                            job.name, slot)
+                logger.info("%s slot %s skipped: an earlier run still holds its lease",
+                            job.name, format_slot(slot))
+                self._emit(ev.Skipped(**run, reason=reason, claim_duration=took))
             elif result.status is ClaimStatus.ESCALATED:
-                logger.error("%s slot %d escalated after %d attempts", job.name, slot,
-                             result.attempt)
+                logger.error("%s slot %s escalated after %d attempts", job.name,
+                             format_slot(slot), result.attempt)
+                self._emit(ev.Escalated(**run, attempt=result.attempt, reason=reason,
+                                        claim_duration=took))
         return result
 
     # ----------------------------------------------------------------- running handlers
@@ -644,8 +997,9 @@ class Scheduler:
         # The store's lease started no earlier than the claim was sent.
         held.set_deadline(self._deadline(sent_loop, job))
         ctx._transaction_hook = held.transaction_hook
-        logger.info("%s slot %d: %s won attempt %d (%s)", job.name, lease.slot,
-                    self.instance_id, result.attempt, reason)
+        logger.info("%s slot %s (%d): %s won attempt %d (%s)", job.name,
+                    format_slot(lease.slot), lease.slot, self.instance_id, result.attempt,
+                    reason)
         self._tg.start_soon(self._execute, held)
 
     def _deadline(self, sent_loop: float, job: Job) -> float:
@@ -656,9 +1010,10 @@ class Scheduler:
 
     async def _execute(self, held: _Held) -> None:
         job, ctx = held.job, held.ctx
-        outcome: Outcome | None = None
-        error: str | None = None
-        hand_over = False
+        raised: Exception | None = None
+        timed_out = False
+        interrupted: Interruption | None = None
+        _INSIDE.set(self)
         try:
             with held.scope:
                 try:
@@ -669,92 +1024,114 @@ class Scheduler:
                             await anyio.to_thread.run_sync(
                                 job.handler, ctx, abandon_on_cancel=True
                             )
-                    if timeout_scope.cancelled_caught:
-                        outcome = Outcome.TIMED_OUT
-                        error = f"timed out after {job.timeout:g}s"
-                        ctx._request_stop("timed out")
-                    else:
-                        outcome = Outcome.COMPLETED
+                    timed_out = timeout_scope.cancelled_caught
                 except Exception as exc:
-                    kind = _classify(exc)
-                    if kind is StopRequested and (self._stopping or held.lost):
-                        hand_over = self._stopping and not held.lost
-                    elif kind is LeaseLost or (kind is StopRequested and held.lost):
-                        held.lost = True
-                        logger.warning("%s slot %d: lease lost: %s", job.name,
-                                       held.lease.slot, exc)
-                    else:
-                        outcome = Outcome.FAILED
-                        error = "".join(traceback.format_exception_only(exc)).strip()
-                        logger.warning("%s slot %d failed: %s", job.name, held.lease.slot,
-                                       error)
+                    raised = exc
             if held.scope.cancelled_caught:
-                if held.cancel_reason == "stopped":
-                    hand_over = not held.lost
-                elif held.cancel_reason is None:
-                    held.lost = True
-                    ctx._request_stop("lease not renewed in time")
-                    logger.warning("%s slot %d: lease not renewed in time; handler cancelled",
-                                   job.name, held.lease.slot)
+                interrupted = held.cancel_reason or Interruption.DEADLINE
         finally:
             self._held.pop(held.lease.token, None)
-            if not self._held:
+            if not self._held and self._idle is not None:
                 self._idle.set()
-        if self._crashed:
+        ending = decide_outcome(
+            raised=raised, timed_out=timed_out, timeout=job.timeout, interrupted=interrupted,
+            lost=held.lost, stopping=self._stopping, crashed=self._crashed,
+        )
+        outcome, error, slot = ending.outcome, ending.error, held.lease.slot
+        if outcome is None:
             return
-        if held.lost:
-            self._watch[(job.name, held.lease.slot)] = _Watched(job)
+        if outcome is Outcome.LOST:
+            self._ended(ev.Lost, held.lease, why=error or "lease lost")
+            if not held.lost:
+                held.lost = True
+                ctx._request_stop(error or "lease lost")
+                if interrupted is Interruption.DEADLINE:
+                    logger.warning("%s slot %s: %s; handler cancelled", job.name,
+                                   format_slot(slot), error)
+                else:
+                    logger.warning("%s slot %s: lease lost: %s", job.name, format_slot(slot),
+                                   error)
+            self._watch[(job.name, slot)] = _Watched(job)
             return
-        if hand_over:
+        if outcome is Outcome.HANDED_OVER:
             self._to_hand_over[held.lease.token] = held.lease
             return
+        if outcome is Outcome.TIMED_OUT:
+            ctx._request_stop("timed out")
+            self._ended(ev.TimedOut, held.lease)
+        elif outcome is Outcome.COMPLETED:
+            self._ended(ev.Completed, held.lease)
+        elif outcome is Outcome.FAILED:
+            assert raised is not None
+            self._ended(ev.Failed, held.lease, error=raised)
+            logger.warning("%s slot %s (%d) attempt %d failed: %s", job.name,
+                           format_slot(slot), slot, ctx.attempt, error, exc_info=raised)
         if outcome is Outcome.COMPLETED and ctx.completed_by_transaction:
             return
-        if outcome is not None:
-            with anyio.move_on_after(10, shield=True) as finish_scope:
-                try:
-                    if not await self.backend.finish(held.lease, outcome, error):
-                        logger.warning("%s slot %d: lease lost before finishing (%s)",
-                                       job.name, held.lease.slot, outcome)
-                except Exception as exc:
-                    _log_failure(f"finish of {job.name} slot {held.lease.slot}", exc)
-                    self._watch[(job.name, held.lease.slot)] = _Watched(job)
-            if finish_scope.cancelled_caught:
-                # Unknown whether it finished: watch it, so it is taken over if not.
-                self._watch[(job.name, held.lease.slot)] = _Watched(job)
+        with anyio.move_on_after(10, shield=True) as finish_scope:
+            try:
+                if not await self.backend.finish(held.lease, outcome, error):
+                    logger.warning("%s slot %s: lease lost before finishing (%s)",
+                                   job.name, format_slot(slot), outcome)
+            except Exception as exc:
+                self._store_failed(f"finish of {job.name} slot {format_slot(slot)}", exc)
+                self._watch[(job.name, slot)] = _Watched(job)
+        if finish_scope.cancelled_caught:
+            # Unknown whether it finished: watch it, so it is taken over if not.
+            self._watch[(job.name, slot)] = _Watched(job)
 
-    def _lose(self, held: _Held, why: str) -> None:
+    def _ended(self, kind: type[ev.AttemptEnded], lease: Lease, **extra: Any) -> None:
+        info = self._attempts.pop(lease.token, None)
+        if info is None:
+            return
+        self._emit(kind(
+            instance_id=self.instance_id, job=lease.job, slot=lease.slot, attempt=info.attempt,
+            reason=info.reason, duration=anyio.current_time() - info.started, **extra,
+        ))
+
+    def _lose(self, held: _Held, why: Interruption) -> None:
         held.lost = True
         held.cancel_reason = why
-        held.ctx._request_stop(why)
+        held.ctx._request_stop(str(why))
         held.scope.cancel()
-        logger.warning("%s slot %d: %s; handler cancelled", held.job.name, held.lease.slot, why)
+        logger.warning("%s slot %s: %s; handler cancelled", held.job.name,
+                       format_slot(held.lease.slot), why)
 
     # ----------------------------------------------------------------- heartbeats, backups
 
     async def _ticker(self) -> None:
-        with self._ticker_scope:
-            while True:
-                await anyio.sleep(self.heartbeat)
-                # A hung store must not stall later ticks; the handlers' own deadlines
-                # cancel them before their leases could expire.
-                with anyio.move_on_after(self._tick_limit()) as scope:
-                    try:
-                        await self._tick()
-                    except Exception as exc:
-                        _log_failure("heartbeat and backup check", exc)
-                if scope.cancelled_caught:
-                    logger.warning("tick took longer than %gs; the store is slow",
-                                   self._tick_limit())
+        while True:
+            await anyio.sleep(self.heartbeat)
+            # A hung store must not stall later ticks; the handlers' own deadlines
+            # cancel them before their leases could expire.
+            with anyio.move_on_after(self._tick_limit()) as scope:
+                try:
+                    await self._tick()
+                except Exception as exc:
+                    self._store_failed("heartbeat and backup check", exc)
+            if scope.cancelled_caught:
+                logger.warning("tick took longer than %gs; the store is slow",
+                               self._tick_limit())
+                self._store_failed("tick", TimeoutError(
+                    f"the store did not answer within {self._tick_limit():g}s"), log=False)
 
     def _tick_limit(self) -> float:
         shortest = min((j.lease_ms for j in self._jobs.values()), default=to_ms(self.lease))
         return max(self.heartbeat, shortest / 1000 - self.heartbeat)
 
+    def _store_failed(self, what: str, exc: Exception, *, log: bool = True) -> None:
+        if log:
+            _log_failure(what, exc)
+        if self._store_down_since is None:
+            self._store_down_since = self._clock()
+            self._emit(ev.StoreUnreachable(instance_id=self.instance_id, error=exc))
+
     async def _tick(self) -> None:
         await self._renew()
         await self._check_watched()
-        if self._clock() - self._clock_samples.last_sample > 60:
+        # An idle instance still asks the store once per heartbeat, so health() knows it
+        # answers; the clock is sampled at least every minute.
+        if self._clock() - self._clock_samples.last_sample > min(60.0, self.heartbeat / 2):
             await self._sample_clock()
 
     async def _renew(self) -> None:
@@ -774,7 +1151,7 @@ class Scheduler:
             elif held.lease.token in result.held:
                 pass  # held but locked by its fenced transaction; renewed next time
             elif held.lease.token in self._held and not held.in_transaction:
-                self._lose(held, "lease lost")
+                self._lose(held, Interruption.LEASE_LOST)
 
     async def _check_watched(self) -> None:
         if not self._watch or self._stopping:
@@ -792,8 +1169,8 @@ class Scheduler:
                 # catch_up="all" whose runs may overlap). The older run is still watched,
                 # in case an unanswered claim won it.
                 self._watch[key] = _Watched(retry.job)
-                logger.warning("%s slot %d not claimed while the store was unreachable; "
-                               "claiming the newer slot instead", key[0], key[1])
+                logger.warning("%s slot %s not claimed while the store was unreachable; "
+                               "claiming the newer slot instead", key[0], format_slot(key[1]))
                 continue
             assert retry.retry_reason is not None
             self._watch.pop(key, None)

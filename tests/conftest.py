@@ -21,6 +21,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - module not written yet
         raise
 
 SPECS = {spec.id: spec for spec in all_specs()}
+# Modules that run whole schedulers: only on stores with ``scenarios=True``.
+SCENARIO_MODULES = ("test_scenarios", "test_lifecycle", "test_events")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -31,7 +33,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             loops = ["asyncio"] if asyncio_only else ["asyncio", "trio"]
             metafunc.parametrize("anyio_backend", loops)
         return
-    scenario_module = metafunc.module.__name__.endswith("test_scenarios")
+    scenario_module = metafunc.module.__name__.endswith(SCENARIO_MODULES)
     combos = [
         pytest.param(loop, spec.id, id=f"{spec.id}-{loop}")
         for spec in SPECS.values()

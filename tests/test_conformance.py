@@ -186,6 +186,31 @@ async def test_escalation_after_max_attempts(store: Store) -> None:
         await a.close()
 
 
+async def test_max_attempts_counts_takeovers_not_hand_overs(store: Store) -> None:
+    """A run handed over on a deploy and then crashed is taken over, not escalated."""
+    a = await started(store)
+    try:
+        first = req("j", max_attempts=2)
+        assert (await a.claim(first)).attempt == 1
+        assert await a.hand_over([lease_of(first)]) == {first.token}
+        handed = await a.claim(req("j", instance="b", lease_ms=SHORT, max_attempts=2))
+        assert (handed.status, handed.attempt, handed.reason) == (
+            ClaimStatus.WON, 2, Reason.HAND_OVER)
+        await wait_expired(a, "j")  # the attempt that started by hand-over crashed
+        taken = await a.claim(req("j", instance="c", lease_ms=SHORT, max_attempts=2))
+        assert (taken.status, taken.attempt, taken.reason) == (
+            ClaimStatus.WON, 3, Reason.TAKEOVER)
+        await wait_expired(a, "j")  # the first attempt and one takeover: max_attempts=2
+        last = await a.claim(req("j", instance="d", max_attempts=2))
+        assert (last.status, last.attempt) == (ClaimStatus.ESCALATED, 3)
+        outcomes = [(h.attempt, h.reason, h.outcome) for h in await a.history("j")]
+        assert outcomes == [(3, Reason.TAKEOVER, Outcome.ESCALATED),
+                            (2, Reason.HAND_OVER, Outcome.LOST),
+                            (1, Reason.SCHEDULED, Outcome.HANDED_OVER)]
+    finally:
+        await a.close()
+
+
 async def test_overlap_skip_is_recorded_and_allow_runs_both(store: Store) -> None:
     a = await started(store)
     try:
@@ -354,3 +379,34 @@ async def test_jobs_and_runs_describe_the_store_now(store: Store) -> None:
             await a.runs(limit=-1)
     finally:
         await a.close()
+
+
+async def test_a_claim_sent_again_with_its_token_answers_won(store: Store) -> None:
+    a = await started(store)
+    try:
+        r = req("j")
+        first = await a.claim(r)
+        again = await a.claim(r)
+        assert (again.status, again.attempt, again.reason) == (
+            ClaimStatus.WON, 1, Reason.SCHEDULED)
+        assert again.expires_ms == first.expires_ms
+        assert len(await a.history("j")) == 1
+        assert (await a.claim(req("j", instance="b"))).status is ClaimStatus.RUNNING
+    finally:
+        await a.close()
+
+
+async def test_workflow_steps_are_recorded_in_the_store(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        assert await b.workflows() == {}
+        await a.register_workflows({"close": ["snapshot", "interest", "publish"],
+                                    "sync": ["pull"]})
+        await a.register_workflows({"sync": ["pull", "push"]})  # a newer declaration wins
+        assert await b.workflows() == {"close": ["snapshot", "interest", "publish"],
+                                       "sync": ["pull", "push"]}
+        await a.register_workflows({})
+        assert len(await b.workflows()) == 2
+    finally:
+        await a.close()
+        await b.close()

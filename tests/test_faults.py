@@ -19,6 +19,7 @@ from lease_core import (
     Reason,
     RunContext,
     Scheduler,
+    SchedulerState,
 )
 from lease_core._structures import ClaimRequest, ClaimResult, HeartbeatResult, Lease
 from tests.helpers import Instance, wait_for, wait_history
@@ -241,7 +242,7 @@ async def test_a_cancelled_stop_still_cleans_up() -> None:
         await s.start()
         await started.wait()
         await s.stop(grace="5s")
-    assert not s._started and backend._users == 0 and not s.running
+    assert s.state is SchedulerState.STOPPED and backend._users == 0 and not s.running
     await s.start()  # and it can start again
     await s.stop(grace=0)
 

@@ -157,13 +157,3 @@ async def test_default_jobs_and_runs_derive_from_history() -> None:
     assert await backend.runs("alpha", limit=1) == runs[:1]
     with pytest.raises(ConfigurationError, match="limit=-2"):
         await backend.runs(limit=-2)
-
-
-async def test_a_claim_sent_again_with_its_token_answers_won() -> None:
-    backend = MemoryBackend(clock=FakeClock())
-    first = await backend.claim(request("t1"))
-    again = await backend.claim(request("t1"))
-    assert (again.status, again.attempt, again.reason) == (ClaimStatus.WON, 1, Reason.SCHEDULED)
-    assert again.expires_ms == first.expires_ms
-    assert len(await backend.history("job")) == 1
-    assert (await backend.claim(request("t2"))).status is ClaimStatus.RUNNING

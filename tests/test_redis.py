@@ -136,6 +136,32 @@ async def test_expired_lease_is_never_revived(backend: RedisBackend, raw: redis.
     assert [(a.attempt, a.outcome) for a in history] == [(2, None), (1, Outcome.LOST)]
 
 
+async def test_max_attempts_on_runs_written_before_takeovers_were_kept(
+    backend: RedisBackend, raw: redis.Redis
+) -> None:
+    """A run hash without ``tk`` (the previous claim script) counts its recorded takeovers."""
+    for slot, lease_ms in ((1, 50), (2, 60_000)):
+        won = await backend.claim(_request("job", slot, f"a{slot}", lease_ms=lease_ms,
+                                           overlap_skip=False))
+        assert won.status is ClaimStatus.WON
+    await _wait_server_past(raw, (await backend.check([("job", 1)])).runs[
+        ("job", 1)].expires_ms or 0)
+    taken = await backend.claim(_request("job", 1, "b1", lease_ms=50))
+    assert (taken.attempt, taken.reason) == (2, Reason.TAKEOVER)
+    assert await backend.hand_over([Lease("job", 2, "a2", 60_000)]) == {"a2"}
+    handed = await backend.claim(_request("job", 2, "b2", lease_ms=50))
+    assert (handed.attempt, handed.reason) == (2, Reason.HAND_OVER)
+    for slot in (1, 2):
+        assert raw.hdel(backend._run_key("job", slot), "tk") == 1
+        state = (await backend.check([("job", slot)])).runs[("job", slot)]
+        await _wait_server_past(raw, state.expires_ms or 0)
+    escalated = await backend.claim(_request("job", 1, "c1", max_attempts=2))
+    assert (escalated.status, escalated.attempt) == (ClaimStatus.ESCALATED, 2)
+    again = await backend.claim(_request("job", 2, "c2", max_attempts=2))
+    assert (again.status, again.attempt, again.reason) == (ClaimStatus.WON, 3, Reason.TAKEOVER)
+    assert raw.hget(backend._run_key("job", 2), "tk") == b"1"
+
+
 async def test_stale_token_changes_nothing(backend: RedisBackend) -> None:
     await backend.claim(_request("job", 1, "real"))
     good = Lease("job", 1, "real", 30_000)
@@ -466,15 +492,6 @@ async def test_calls_after_a_restart_do_not_fail_on_stale_connections(
                 close = getattr(connection, "aclose", None)
                 await close() if close is not None else connection.close()
 
-
-async def test_a_claim_sent_again_with_its_token_answers_won(backend: RedisBackend) -> None:
-    first = await backend.claim(_request("job", 1, "a"))
-    again = await backend.claim(_request("job", 1, "a"))
-    assert (again.status, again.attempt, again.reason) == (ClaimStatus.WON, 1, Reason.SCHEDULED)
-    assert again.expires_ms == first.expires_ms
-    assert len(await backend.history("job")) == 1
-    other = await backend.claim(_request("job", 1, "b"))
-    assert other.status is ClaimStatus.RUNNING
 
 
 # -- replication acknowledgement -------------------------------------------------------

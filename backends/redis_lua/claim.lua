@@ -1,6 +1,8 @@
 -- Win, take over, or find the state of one run (the claim algorithm of lease_core.abc).
 -- KEYS[1] job hash      {p/job}:job    first_seen, last_slot, seq
--- KEYS[2] run hash      {p/job}:run:<slot>  st, att, tok, inst, exp, cp, n
+-- KEYS[2] run hash      {p/job}:run:<slot>  st, att, tok, inst, exp, cp, n, tk
+--                       (tk: takeovers, the attempts max_attempts counts besides the
+--                       first; absent on runs written before it was kept)
 -- KEYS[3] open zset     {p/job}:open   slots of running / handed_over runs
 -- KEYS[4] history zset  {p/job}:hist   attempt id -> insertion sequence
 -- KEYS[5] attempts hash {p/job}:att    attempt id -> JSON record
@@ -108,7 +110,7 @@ if not st then
     end
   end
   redis.call('HSET', run, 'st', 'running', 'att', 1, 'tok', token, 'inst', inst,
-    'exp', now + lease_ms)
+    'exp', now + lease_ms, 'tk', 0)
   redis.call('ZADD', open, slot, slot)
   record(1, reason)
   trim()
@@ -131,15 +133,28 @@ if st == 'running' and exp and tonumber(exp) > now then
   return result('running')
 end
 
--- 5. handed over; 6. expired (escalate on the last allowed attempt, else take over)
+-- 5. handed over; 6. expired (escalate when the first attempt and the takeovers reach
+-- max_attempts, hand-overs not counted; else take over)
 local why
 local last_id = slot .. ':' .. attempt
+local takeovers = tonumber(redis.call('HGET', run, 'tk') or '')
+if not takeovers then
+  -- a run written before 'tk' was kept: count the takeovers its history recorded
+  takeovers = 0
+  for a = 2, attempt do
+    local raw = redis.call('HGET', att, slot .. ':' .. a)
+    if raw and cjson.decode(raw).r == 'takeover' then
+      takeovers = takeovers + 1
+    end
+  end
+end
 if st == 'handed_over' then
   why = 'hand-over'
 else
-  if max_attempts and attempt >= max_attempts then
+  if max_attempts and 1 + takeovers >= max_attempts then
+    redis.call('HSET', run, 'tk', takeovers)
     end_attempt(att, done, last_id, 'escalated', 'lease lost on attempt ' .. attempt
-      .. ' of max_attempts=' .. max_attempts .. '; escalated')
+      .. ' of max_attempts=' .. max_attempts .. ' (hand-overs not counted); escalated')
     redis.call('HSET', run, 'st', 'escalated')
     redis.call('HDEL', run, 'tok', 'exp')
     redis.call('ZREM', open, slot)
@@ -147,9 +162,10 @@ else
   end
   end_attempt(att, done, last_id, 'lost', 'lease expired without renewal')
   why = 'takeover'
+  takeovers = takeovers + 1
 end
 redis.call('HSET', run, 'st', 'running', 'att', attempt + 1, 'tok', token, 'inst', inst,
-  'exp', now + lease_ms)
+  'exp', now + lease_ms, 'tk', takeovers)
 redis.call('ZADD', open, slot, slot)
 record(attempt + 1, why)
 trim()

@@ -202,8 +202,9 @@ async def drop_tables(admin_dsn: str, table: str) -> None:
                 ident = psycopg.sql.Identifier(*(p for p in (schema, name + suffix) if p))
                 conn.execute(psycopg.sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(ident))
             schema, _, name = table.rpartition(".")
-            claim = psycopg.sql.Identifier(*(p for p in (schema, name + "_claim") if p))
-            conn.execute(psycopg.sql.SQL("DROP FUNCTION IF EXISTS {} CASCADE").format(claim))
+            for suffix in ("_claim", "_claim_v2"):  # the v1 name calls v2: dropped first
+                claim = psycopg.sql.Identifier(*(p for p in (schema, name + suffix) if p))
+                conn.execute(psycopg.sql.SQL("DROP FUNCTION IF EXISTS {} CASCADE").format(claim))
 
     await anyio.to_thread.run_sync(drop)
 

@@ -1,0 +1,233 @@
+-- The statements of backends/postgres.py, each under a `-- name: <name>` header.
+--
+-- Loaded once (importlib.resources) and filled per store by str.format with quoted
+-- identifiers only: {runs}, {attempts}, {jobs}, {meta}, the index names, the claim
+-- functions {claim_v1} and {claim_v2}, and {now}, the server's clock in epoch
+-- milliseconds. Parameters are %s placeholders. Comment lines are dropped on loading.
+-- The claim function lives in its own file, claim_v<N>.sql, its version in its name.
+
+-- name: find_tables
+-- The schema, which of the four tables exist in it, and whether the claim function of
+-- this release exists.
+SELECT n.nspname::text,
+       ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c
+             WHERE c.relnamespace = n.oid AND c.relname = ANY(%s::text[])),
+       EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
+               WHERE p.pronamespace = n.oid AND p.proname = %s::text)
+FROM pg_catalog.pg_namespace n
+WHERE n.nspname = COALESCE(%s::text, current_schema())
+
+-- name: read_meta
+-- The table format and the store code version (absent before store code v2).
+SELECT key, value FROM {meta} WHERE key IN ('format', 'code')
+
+-- name: lock_creation
+SELECT pg_advisory_xact_lock(%s::bigint)
+
+-- name: bound_lock_waits
+-- Creation and upgrades wait at most this long (ms) for a table lock held by a
+-- transaction in flight, instead of queueing every claim behind their own lock request.
+SELECT set_config('lock_timeout', %s::text, true)
+
+-- name: create_meta
+CREATE TABLE IF NOT EXISTS {meta} (
+    key text PRIMARY KEY,
+    value text NOT NULL
+)
+
+-- name: create_jobs
+CREATE TABLE IF NOT EXISTS {jobs} (
+    job text PRIMARY KEY,
+    first_seen_ms bigint NOT NULL,
+    last_slot bigint,
+    seq bigint NOT NULL DEFAULT 0
+)
+
+-- name: create_runs
+-- takeovers: how many attempts of the run started by taking over an expired lease
+-- (max_attempts counts them and the first attempt, never hand-overs). NULL on runs
+-- written by store code v1, whose claim function did not keep it.
+CREATE TABLE IF NOT EXISTS {runs} (
+    job text NOT NULL,
+    slot bigint NOT NULL,
+    status text NOT NULL,
+    attempt integer NOT NULL,
+    token text,
+    instance_id text,
+    expires_ms bigint,
+    checkpoint text,
+    takeovers integer,
+    PRIMARY KEY (job, slot)
+)
+
+-- name: create_runs_open
+CREATE INDEX IF NOT EXISTS {open_idx} ON {runs} (job, slot)
+WHERE status IN ('running', 'handed_over')
+
+-- name: create_attempts
+CREATE TABLE IF NOT EXISTS {attempts} (
+    job text NOT NULL,
+    slot bigint NOT NULL,
+    attempt integer NOT NULL,
+    seq bigint NOT NULL,
+    instance_id text NOT NULL,
+    reason text NOT NULL,
+    claimed_ms bigint NOT NULL,
+    finished_ms bigint,
+    outcome text,
+    error text,
+    PRIMARY KEY (job, slot, attempt)
+)
+
+-- name: create_attempts_seq
+CREATE INDEX IF NOT EXISTS {seq_idx} ON {attempts} (job, seq)
+
+-- name: create_attempts_claimed
+CREATE INDEX IF NOT EXISTS {claimed_idx} ON {attempts} (claimed_ms, slot, attempt)
+
+-- name: create_attempts_job
+CREATE INDEX IF NOT EXISTS {job_idx} ON {attempts} (job, claimed_ms, slot, attempt)
+
+-- name: create_attempts_finished
+CREATE INDEX IF NOT EXISTS {fin_idx} ON {attempts} (job, finished_ms)
+WHERE finished_ms IS NOT NULL
+
+-- name: has_takeovers
+-- Whether the runs table has the takeovers column (store code v2).
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+               WHERE attrelid = %s::regclass AND attname = 'takeovers' AND NOT attisdropped)
+
+-- name: add_takeovers
+-- Store code v1 to v2: a nullable column without default changes only the catalog.
+ALTER TABLE {runs} ADD COLUMN takeovers integer
+
+-- name: write_format
+INSERT INTO {meta} (key, value) VALUES ('format', %s::text) ON CONFLICT (key) DO NOTHING
+
+-- name: write_code
+-- The store code version, never lowered (an older release may run migrate again).
+INSERT INTO {meta} AS m (key, value) VALUES ('code', %s::text)
+ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
+WHERE m.value !~ '^[0-9]+$' OR m.value::integer < EXCLUDED.value::integer
+
+-- name: grant_claim_v2
+GRANT EXECUTE ON FUNCTION {claim_v2}({claim_arg_types}) TO PUBLIC
+
+-- name: grant_claim_v1
+GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types}) TO PUBLIC
+
+-- name: claim
+SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+FROM {claim_v2}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
+                %s::boolean, %s::bigint, %s::bigint, %s::bigint, %s::bigint)
+
+-- name: select_now
+SELECT {now}
+
+-- name: register_jobs
+WITH j AS (
+    INSERT INTO {jobs} AS j (job, first_seen_ms, seq)
+    SELECT x.job, {now}, 0 FROM unnest(%s::text[]) AS x(job) ORDER BY x.job
+    ON CONFLICT (job) DO UPDATE SET job = EXCLUDED.job
+    RETURNING j.job, j.first_seen_ms, j.last_slot, (j.xmax = 0) AS new)
+SELECT j.job, j.first_seen_ms, j.last_slot, j.new,
+       ARRAY(SELECT r.slot FROM {runs} r
+             WHERE r.job = j.job AND r.status IN ('running', 'handed_over') ORDER BY r.slot)
+FROM j
+
+-- name: heartbeat
+-- A run locked by a fenced transaction is skipped, not waited for.
+WITH u AS (
+    SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bigint[])
+        AS u(job, slot, token, lease_ms)),
+live AS (
+    SELECT r.job, r.slot, r.token, u.lease_ms
+    FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
+    WHERE r.status = 'running' AND r.expires_ms > {now}),
+lockable AS (
+    SELECT r.job, r.slot
+    FROM {runs} r JOIN live l ON r.job = l.job AND r.slot = l.slot AND r.token = l.token
+    FOR NO KEY UPDATE OF r SKIP LOCKED),
+renewed AS (
+    UPDATE {runs} r SET expires_ms = {now} + l.lease_ms
+    FROM live l JOIN lockable k ON k.job = l.job AND k.slot = l.slot
+    WHERE r.job = l.job AND r.slot = l.slot AND r.token = l.token AND r.status = 'running'
+    RETURNING r.token)
+SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
+
+-- name: finish
+WITH run AS (
+    UPDATE {runs} SET status = %s::text, token = NULL, expires_ms = NULL
+    WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
+    RETURNING job, slot, attempt),
+att AS (
+    UPDATE {attempts} a SET outcome = %s::text, error = %s::text, finished_ms = {now}
+    FROM run
+    WHERE a.job = run.job AND a.slot = run.slot AND a.attempt = run.attempt
+      AND a.outcome IS NULL
+    RETURNING 1)
+SELECT count(*) FROM run
+
+-- name: hand_over
+WITH u AS (
+    SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[]) AS u(job, slot, token)),
+run AS (
+    UPDATE {runs} r SET status = 'handed_over', token = NULL, expires_ms = {now}
+    FROM u
+    WHERE r.job = u.job AND r.slot = u.slot AND r.token = u.token AND r.status = 'running'
+    RETURNING u.token, r.job, r.slot, r.attempt),
+att AS (
+    UPDATE {attempts} a SET outcome = 'handed_over', finished_ms = {now}
+    FROM run
+    WHERE a.job = run.job AND a.slot = run.slot AND a.attempt = run.attempt
+      AND a.outcome IS NULL
+    RETURNING 1)
+SELECT token FROM run
+
+-- name: check
+SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id
+FROM (SELECT {now} AS now) AS n
+LEFT JOIN ({runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
+           ON r.job = u.job AND r.slot = u.slot) ON true
+
+-- name: history_of_job
+SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error
+FROM {attempts}
+WHERE job = %s::text ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint
+
+-- name: history_all
+SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error
+FROM {attempts}
+ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint
+
+-- name: list_jobs
+SELECT job FROM {jobs} ORDER BY job
+
+-- name: write_workflows
+-- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.
+INSERT INTO {meta} (key, value)
+SELECT 'workflow:' || w.name, w.steps FROM unnest(%s::text[], %s::text[]) AS w(name, steps)
+ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
+WHERE {meta}.value IS DISTINCT FROM EXCLUDED.value
+
+-- name: read_workflows
+SELECT substr(key, 10), value FROM {meta} WHERE left(key, 9) = 'workflow:' ORDER BY key
+
+-- name: list_runs
+SELECT job, slot, status, attempt, instance_id, expires_ms FROM {runs}
+WHERE (%s::text IS NULL OR job = %s::text)
+  AND (NOT %s::boolean OR status IN ('running', 'handed_over'))
+ORDER BY slot DESC, job LIMIT %s::bigint
+
+-- name: get_checkpoint
+SELECT checkpoint FROM {runs} WHERE job = %s::text AND slot = %s::bigint
+
+-- name: set_checkpoint
+UPDATE {runs} SET checkpoint = %s::text
+WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
+RETURNING 1
+
+-- name: lock_held_run
+SELECT attempt FROM {runs}
+WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
+FOR UPDATE

@@ -1,0 +1,84 @@
+"""How an attempt ended, decided in one pure function from what happened to its handler."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ._structures import Outcome
+from .errors import LeaseLost, StopRequested
+
+__all__ = ["Ending", "Interruption", "classify", "decide_outcome"]
+
+
+class Interruption(StrEnum):
+    """Why the scheduler cancelled a running handler."""
+
+    STOPPED = "stopped"
+    """The grace period of :meth:`Scheduler.stop` ended."""
+    LEASE_LOST = "lease lost"
+    """A heartbeat found that another attempt holds the run."""
+    DEADLINE = "lease not renewed in time"
+    """The lease could not be renewed before it would expire in the store."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """The decision for one attempt: its outcome and error text.
+
+    ``outcome`` is ``None`` when nothing may be recorded (the scheduler crashed or was
+    aborted: a backup takes the run over once its lease expires). ``LOST`` means another
+    attempt holds, or may soon hold, the run: the instance only watches it. ``HANDED_OVER``
+    means the run goes to a backup at once. Any other outcome is recorded with ``finish``.
+    """
+
+    outcome: Outcome | None
+    error: str | None = None
+
+
+def classify(exc: BaseException) -> type[Exception] | None:
+    """StopRequested or LeaseLost when ``exc`` is one, or a group of only those."""
+    for kind in (StopRequested, LeaseLost):
+        if isinstance(exc, kind):
+            return kind
+        if isinstance(exc, BaseExceptionGroup):
+            match, rest = exc.split(kind)
+            if match is not None and rest is None:
+                return kind
+    return None
+
+
+def decide_outcome(
+    *,
+    raised: BaseException | None = None,
+    timed_out: bool = False,
+    timeout: float | None = None,
+    interrupted: Interruption | None = None,
+    lost: bool = False,
+    stopping: bool = False,
+    crashed: bool = False,
+) -> Ending:
+    """Decide how an attempt ended.
+
+    ``raised`` is the exception the handler raised, if any; ``timed_out`` is true when the
+    job's ``timeout`` cancelled it; ``interrupted`` says why the scheduler cancelled it;
+    ``lost`` is true when a heartbeat already found the lease lost; ``stopping`` when the
+    scheduler is stopping gracefully; ``crashed`` when it was cancelled from outside or
+    aborted. The checks run in that order of precedence: crash, lost lease, hand-over,
+    failure, time-out, completion.
+    """
+    if crashed:
+        return Ending(None)
+    kind = None if raised is None else classify(raised)
+    if interrupted in (Interruption.LEASE_LOST, Interruption.DEADLINE):
+        return Ending(Outcome.LOST, str(interrupted))
+    if lost or kind is LeaseLost:
+        return Ending(Outcome.LOST, str(raised) if kind is LeaseLost else "lease lost")
+    if interrupted is Interruption.STOPPED or (kind is StopRequested and stopping):
+        return Ending(Outcome.HANDED_OVER)
+    if raised is not None:
+        return Ending(Outcome.FAILED, "".join(traceback.format_exception_only(raised)).strip())
+    if timed_out:
+        return Ending(Outcome.TIMED_OUT, f"timed out after {timeout or 0:g}s")
+    return Ending(Outcome.COMPLETED)

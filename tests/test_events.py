@@ -1,0 +1,235 @@
+"""scheduler.subscribe(): typed events from real scenarios; slow subscribers delay nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+import lease_core.scheduler
+from lease_core import (
+    BackendUnavailable,
+    Claimed,
+    Completed,
+    Escalated,
+    Event,
+    Failed,
+    HandedOver,
+    Lost,
+    MemoryBackend,
+    Outcome,
+    Reason,
+    RunContext,
+    Scheduler,
+    Skipped,
+    StandingBy,
+    StoreBack,
+    StoreUnreachable,
+    TakenOver,
+    TimedOut,
+)
+from lease_core._structures import CheckResult, ClaimRequest, ClaimResult, HeartbeatResult, Lease
+from tests.helpers import wait_for, wait_history
+from tests.stores import Store
+
+pytestmark = pytest.mark.anyio
+
+FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
+
+
+class Recorder:
+    """An async subscriber that keeps every event."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    async def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type[Event]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def current_slot(s: Scheduler, job: str) -> int:
+    slot = s.jobs[job].schedule.previous_at_or_before(s.store_now_ms())
+    assert slot is not None
+    return slot
+
+
+async def test_claim_stand_by_hand_over_take_over_and_complete(store: Store) -> None:
+    seen = {"a": Recorder(), "b": Recorder()}
+    schedulers = {}
+    for name in ("a", "b"):
+        s = Scheduler(store.backend(), instance_id=name, **FAST)
+
+        @s.every("long", "1h", catch_up="none")
+        async def long(ctx: RunContext) -> None:
+            if ctx.attempt == 1:
+                await anyio.sleep_forever()
+
+        s.subscribe(seen[name])
+        schedulers[name] = s
+    a, b = schedulers["a"], schedulers["b"]
+    await a.start()
+    await b.start()
+    try:
+        slot = current_slot(a, "long")
+        await a._claim(a.jobs["long"], slot, Reason.SCHEDULED)
+        await b._claim(b.jobs["long"], slot, Reason.SCHEDULED)
+        await a.stop(grace=0)
+        await wait_for(lambda: seen["b"].of(Completed), what="b completes the run")
+    finally:
+        await b.stop(grace=0)
+    [claimed_a] = seen["a"].of(Claimed)
+    assert (claimed_a.instance_id, claimed_a.job, claimed_a.slot, claimed_a.attempt,
+            claimed_a.reason) == ("a", "long", slot, 1, Reason.SCHEDULED)
+    assert claimed_a.claim_duration >= 0 and claimed_a.scheduled_at.timestamp() * 1000 == slot
+    [standing] = seen["b"].of(StandingBy)
+    assert (standing.slot, standing.holder) == (slot, "a")
+    [handed] = seen["a"].of(HandedOver)
+    assert (handed.slot, handed.attempt, handed.outcome) == (slot, 1, Outcome.HANDED_OVER)
+    assert [(e.attempt, e.reason) for e in seen["b"].of(Claimed)] == [(2, Reason.HAND_OVER)]
+    assert [(e.attempt, e.reason) for e in seen["b"].of(TakenOver)] == [(2, Reason.HAND_OVER)]
+    [done] = seen["b"].of(Completed)
+    assert (done.slot, done.attempt, done.reason, done.outcome) == (
+        slot, 2, Reason.HAND_OVER, Outcome.COMPLETED)
+    assert done.duration >= 0
+
+
+async def test_failed_timed_out_and_skipped() -> None:
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    seen = Recorder()
+    s.subscribe(seen)
+
+    @s.every("boom", "1h", catch_up="none")
+    async def boom(ctx: RunContext) -> None:
+        raise ValueError("boom")
+
+    @s.every("slow", "1h", catch_up="none", timeout="0.3s")
+    async def slow(ctx: RunContext) -> None:
+        await anyio.sleep_forever()
+
+    async with s:
+        for job in ("boom", "slow"):
+            await s._claim(s.jobs[job], current_slot(s, job), Reason.SCHEDULED)
+        # The next slot of "slow" while the current one still holds its lease.
+        skipped_slot = current_slot(s, "slow") + 3_600_000
+        await s._claim(s.jobs["slow"], skipped_slot, Reason.SCHEDULED)
+        await wait_for(lambda: seen.of(Failed) and seen.of(TimedOut), what="both ends")
+    [failed] = seen.of(Failed)
+    assert failed.job == "boom" and isinstance(failed.error, ValueError)
+    assert failed.outcome == Outcome.FAILED
+    [timed_out] = seen.of(TimedOut)
+    assert timed_out.job == "slow" and timed_out.duration >= 0.3
+    assert [(e.job, e.slot) for e in seen.of(Skipped)] == [("slow", skipped_slot)]
+
+
+class Unplugged(MemoryBackend):
+    """A memory backend whose calls fail while ``down`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def _fail(self) -> None:
+        if self.down:
+            raise BackendUnavailable("store unreachable (test)")
+
+    async def now_ms(self) -> int:
+        self._fail()
+        return await super().now_ms()
+
+    async def claim(self, request: ClaimRequest) -> ClaimResult:
+        self._fail()
+        return await super().claim(request)
+
+    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
+        self._fail()
+        return await super().check(runs)
+
+    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
+        self._fail()
+        return await super().heartbeat(leases)
+
+
+async def test_store_unreachable_lost_store_back_and_escalated() -> None:
+    backend = Unplugged()
+    s = Scheduler(backend, instance_id="a", **FAST)
+    seen = Recorder()
+    s.subscribe(seen)
+
+    @s.every("long", "1h", catch_up="none", max_attempts=1)
+    async def long(ctx: RunContext) -> None:
+        await anyio.sleep_forever()
+
+    async with s:
+        slot = current_slot(s, "long")
+        await s._claim(s.jobs["long"], slot, Reason.SCHEDULED)
+        await wait_for(lambda: s.running, what="the handler")
+        backend.down = True
+        await wait_for(lambda: seen.of(Lost), timeout=5, what="the lease lost")
+        backend.down = False
+        await wait_for(lambda: seen.of(Escalated), timeout=10, what="the run escalated")
+    [unreachable] = seen.of(StoreUnreachable)
+    assert isinstance(unreachable.error, BackendUnavailable)
+    [lost] = seen.of(Lost)
+    assert (lost.slot, lost.attempt, lost.why) == (slot, 1, "lease not renewed in time")
+    [back] = seen.of(StoreBack)
+    assert back.downtime > 0
+    assert seen.events.index(unreachable) < seen.events.index(back)
+    [escalated] = seen.of(Escalated)
+    assert (escalated.slot, escalated.attempt) == (slot, 1)
+    history = await backend.history("long")
+    assert [h.outcome for h in history] == [Outcome.ESCALATED]
+
+
+async def test_slow_and_failing_subscribers_delay_no_heartbeat(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lease_core.scheduler, "EVENT_BUFFER", 1)
+    backend = MemoryBackend()
+    s = Scheduler(backend, instance_id="a", **FAST)
+    release = threading.Event()
+    failures: list[Event] = []
+
+    async def stuck(event: Event) -> None:
+        await anyio.sleep(3600)
+
+    def slow(event: Event) -> None:
+        release.wait(30)
+
+    def failing(event: Event) -> None:
+        failures.append(event)
+        time.sleep(0.05)
+        raise RuntimeError("subscriber bug (test)")
+
+    for callback in (stuck, slow, failing):
+        s.subscribe(callback)
+    seen = Recorder()
+    unsubscribe = s.subscribe(seen)
+
+    @s.every("long", "1h", catch_up="none")
+    async def long(ctx: RunContext) -> None:
+        # Several leases long: each must be renewed in time.
+        await anyio.sleep(3.0)
+
+    async with s:
+        slot = current_slot(s, "long")
+        await s._claim(s.jobs["long"], slot, Reason.SCHEDULED)
+        await s._claim(s.jobs["long"], slot + 3_600_000, Reason.SCHEDULED)  # skipped
+        history = await wait_history(
+            s, lambda h: any(a.slot == slot and a.outcome for a in h), job="long")
+        await wait_for(lambda: len(failures) >= 2, what="the failing subscriber called again")
+        unsubscribe()
+        release.set()
+    assert [(h.attempt, h.outcome) for h in history if h.slot == slot] == [
+        (1, Outcome.COMPLETED)
+    ]
+    assert s.events_dropped > 0
+    assert [type(e) for e in seen.events] == [Claimed, Skipped, Completed]
+    errors = [r for r in caplog.records if "event subscriber" in r.getMessage()]
+    assert errors and errors[0].exc_info is not None

@@ -1,0 +1,65 @@
+"""What the scheduler logs: failures with their traceback, slots as ISO-8601 UTC."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import lease_core
+from lease_core import MemoryBackend, Outcome, Reason, RunContext, Scheduler
+from lease_core._structures import format_slot
+from tests.helpers import wait_for, wait_history
+
+
+def test_the_library_logger_has_a_null_handler() -> None:
+    assert lease_core.Scheduler  # importing the library sets it up
+    handlers = logging.getLogger("anarchon").handlers
+    assert any(isinstance(h, logging.NullHandler) for h in handlers)
+
+
+def test_slots_format_as_iso_8601_utc() -> None:
+    assert format_slot(0) == "1970-01-01T00:00:00Z"
+    assert format_slot(1_700_000_000_250) == "2023-11-14T22:13:20.250Z"
+
+
+class Boom(Exception):
+    pass
+
+
+def _explode(n: int) -> None:
+    raise Boom(f"broken after {n}")
+
+
+@pytest.mark.anyio
+async def test_a_failing_handler_is_logged_with_its_traceback_and_iso_slot(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend = MemoryBackend()
+    s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
+
+    @s.every("broken", "1h", catch_up="none")
+    async def broken(ctx: RunContext) -> None:
+        ctx.log.info("about to fail")
+        _explode(3)
+
+    caplog.set_level("INFO", logger="anarchon")
+    async with s:
+        job = s.jobs["broken"]
+        slot = job.schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await s._claim(job, slot, Reason.SCHEDULED)
+        await wait_history(s, lambda h: h and h[0].outcome == Outcome.FAILED, job="broken")
+        await wait_for(lambda: [r for r in caplog.records if "failed" in r.getMessage()],
+                       what="the failure's log line")
+    failure = next(r for r in caplog.records if "failed" in r.getMessage())
+    assert failure.levelno == logging.WARNING
+    assert failure.exc_info is not None and isinstance(failure.exc_info[1], Boom)
+    message = failure.getMessage()
+    assert f"slot {format_slot(slot)} ({slot})" in message and "Boom: broken after 3" in message
+    assert "_explode" in caplog.text and "Traceback" in caplog.text
+    handler_line = next(r for r in caplog.records if "about to fail" in r.getMessage())
+    assert handler_line.getMessage().startswith(f"[broken slot {format_slot(slot)} attempt 1]")
+    assert handler_line.slot == slot  # type: ignore[attr-defined]
+    won = next(r for r in caplog.records if "won attempt" in r.getMessage())
+    assert format_slot(slot) in won.getMessage()

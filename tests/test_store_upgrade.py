@@ -1,0 +1,277 @@
+"""Versioned store code: a store made by the previous release's SQL, upgraded in place.
+
+``tests/fixtures/store_v1.sql`` is the SQL anarchon 0.1.0 ran to create a store (store
+code v1: the four tables and the unversioned ``<table>_claim``). The tests create a store
+with it, put runs in flight through that old function (a held lease, a handed-over run,
+history, runs taken over and handed over), and upgrade it: ``start()`` by a user who may
+not upgrade is refused with a one-line error naming ``anarchon migrate``; ``migrate``
+upgrades with every run kept, and the new function (``<table>_claim_v2``) is the one in
+use, also by instances of the old release still calling ``<table>_claim``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+
+from backends import postgres
+from backends.postgres import CODE_VERSION, PostgresBackend, migrate, quote_ident
+from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason
+from lease_core.cli import main
+from lease_core.errors import BackendUnavailable, ConfigurationError
+from tests.helpers import wait_for
+from tests.stores.postgres import PgServer, drop_tables, unique_table
+
+pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only]
+
+FIXTURE = Path(__file__).parent / "fixtures" / "store_v1.sql"
+SERVERS = ["pg16_server", "pgsys_server", "pgbouncer_server"]
+V1_CLAIM = """
+SELECT c_status, c_attempt, c_reason, c_expires
+FROM {fn}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text, false,
+          %s::bigint, 100, 86400000, 100)"""
+CLOCK = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+NOW = f"SELECT {CLOCK}"
+
+
+def names(table: str) -> dict[str, str]:
+    """The quoted identifiers the fixture's placeholders stand for."""
+    return {
+        "runs": quote_ident(table), "attempts": quote_ident(table + "_attempts"),
+        "jobs": quote_ident(table + "_jobs"), "meta": quote_ident(table + "_meta"),
+        "open_idx": quote_ident(table + "_open"), "seq_idx": quote_ident(table + "_a_seq"),
+        "claimed_idx": quote_ident(table + "_a_claimed"),
+        "job_idx": quote_ident(table + "_a_job"), "fin_idx": quote_ident(table + "_a_fin"),
+        "claim_fn": quote_ident(table + "_claim"),
+    }
+
+
+def sql(dsn: str, text: str, params: Any = None) -> list[tuple[Any, ...]]:
+    """Run one statement (or, without parameters, a script) in autocommit."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(text, params, prepare=False)
+        return cur.fetchall() if cur.description else []
+
+
+class OldRelease:
+    """What an instance of anarchon 0.1.0 sends: the v1 claim function, same statements."""
+
+    def __init__(self, dsn: str, table: str) -> None:
+        self.dsn, self.table = dsn, table
+        self.claim_sql = V1_CLAIM.format(fn=quote_ident(table + "_claim"))
+
+    def claim(self, slot: int, token: str, lease_ms: int,
+              max_attempts: int | None = None) -> tuple[Any, ...]:
+        [row] = sql(self.dsn, self.claim_sql, ("j", slot, f"old-{token}", token, lease_ms,
+                                               "scheduled", max_attempts))
+        return row
+
+    def hand_over(self, slot: int, token: str) -> None:
+        assert sql(self.dsn, f"""
+            WITH run AS (
+                UPDATE {quote_ident(self.table)} SET status = 'handed_over', token = NULL,
+                       expires_ms = {CLOCK}
+                WHERE job = 'j' AND slot = %s AND token = %s RETURNING attempt)
+            UPDATE {quote_ident(self.table + '_attempts')} a
+            SET outcome = 'handed_over', finished_ms = {CLOCK}
+            FROM run WHERE a.job = 'j' AND a.slot = %s AND a.attempt = run.attempt
+            RETURNING 1""", (slot, token, slot))
+
+    def finish(self, slot: int, token: str) -> None:
+        assert sql(self.dsn, f"""
+            WITH run AS (
+                UPDATE {quote_ident(self.table)} SET status = 'completed', token = NULL,
+                       expires_ms = NULL
+                WHERE job = 'j' AND slot = %s AND token = %s RETURNING attempt)
+            UPDATE {quote_ident(self.table + '_attempts')} a
+            SET outcome = 'completed', finished_ms = {CLOCK}
+            FROM run WHERE a.job = 'j' AND a.slot = %s AND a.attempt = run.attempt
+            RETURNING 1""", (slot, token, slot))
+
+    def wait_expired(self, expires: int) -> Any:
+        return wait_for(lambda: sql(self.dsn, NOW)[0][0] > expires, what="lease expiry")
+
+
+@pytest.fixture(params=SERVERS)
+def server(request: pytest.FixtureRequest) -> PgServer:
+    """PostgreSQL 16, the system's PostgreSQL (15) and PgBouncer in front of 16."""
+    found: PgServer = request.getfixturevalue(request.param)
+    return found
+
+
+@pytest.fixture
+async def v1_table(server: PgServer) -> AsyncIterator[str]:
+    """A store created by the previous release's SQL (the fixture), dropped afterwards."""
+    table = unique_table()
+    sql(server.admin_dsn, FIXTURE.read_text().format(**names(table)))
+    yield table
+    await drop_tables(server.admin_dsn, table)
+
+
+@pytest.fixture
+async def app_role(server: PgServer, v1_table: str) -> AsyncIterator[str]:
+    """A login role with the table privileges the application user has (no CREATE)."""
+    role, password = f"app_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    sql(server.admin_dsn, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+    tables = ", ".join(f"{v1_table}{s}" for s in ("", "_attempts", "_jobs", "_meta"))
+    sql(server.admin_dsn, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {role}")
+    yield server.server.dsn_for(role, password)
+    sql(server.admin_dsn, f"DROP OWNED BY {role}")
+    sql(server.admin_dsn, f"DROP ROLE {role}")
+
+
+def functions(server: PgServer, table: str) -> dict[str, str]:
+    """The store's claim functions: name -> body."""
+    return {str(name): str(body) for name, body in sql(
+        server.admin_dsn, "SELECT proname, prosrc FROM pg_proc WHERE proname LIKE %s",
+        (table + "_claim%",))}
+
+
+async def test_migrate_upgrades_a_v1_store_with_runs_in_flight(
+    server: PgServer, v1_table: str, app_role: str, anyio_backend: str
+) -> None:
+    table = v1_table
+    old = OldRelease(server.dsn, table)
+    # History: a completed run. In flight: a held lease, a handed-over run, a run taken
+    # over once (attempt 2, short lease) and one handed over then re-claimed (attempt 2).
+    assert old.claim(1, "done", 60_000)[0] == "won"
+    old.finish(1, "done")
+    assert old.claim(2, "held", 60_000)[0] == "won"
+    assert old.claim(3, "leaving", 60_000)[0] == "won"
+    old.hand_over(3, "leaving")
+    first = old.claim(4, "crashed", 300)
+    await old.wait_expired(first[3])
+    assert old.claim(4, "taker", 300)[:3] == ("won", 2, "takeover")
+    assert old.claim(5, "deploy", 60_000)[0] == "won"
+    old.hand_over(5, "deploy")
+    assert old.claim(5, "new-pod", 300)[:3] == ("won", 2, "hand-over")
+    before = sql(server.admin_dsn, f"SELECT slot, attempt, reason, outcome FROM "
+                                   f"{table}_attempts ORDER BY slot, attempt")
+
+    # The application's user may not upgrade: a one-line error naming the command.
+    with pytest.raises(ConfigurationError, match="anarchon migrate --url") as info:
+        await PostgresBackend(app_role, table=table).start()
+    message = str(info.value)
+    assert "\n" not in message and "store code v1" in message and f"--table {table}" in message
+    assert set(functions(server, table)) == {f"{table}_claim"}
+
+    await migrate(server.dsn, table=table)
+    await migrate(server.dsn, table=table)  # again: nothing to do
+    assert sql(server.admin_dsn, f"SELECT value FROM {table}_meta WHERE key = 'code'") == [
+        (str(CODE_VERSION),)]
+    bodies = functions(server, table)
+    assert set(bodies) == {f"{table}_claim", f"{table}_claim_v{CODE_VERSION}"}
+    assert f"{table}_claim_v{CODE_VERSION}" in bodies[f"{table}_claim"]  # the old name calls v2
+    assert sql(server.admin_dsn, f"SELECT slot, attempt, reason, outcome FROM "
+                                 f"{table}_attempts ORDER BY slot, attempt") == before
+
+    backend = PostgresBackend(app_role if server.dsn == server.admin_dsn else server.dsn,
+                              table=table)
+    await backend.start()  # the application's user now starts without a privilege
+    try:
+        held = Lease("j", 2, "held", 60_000)
+        beat = await backend.heartbeat([held])
+        assert beat.held == {"held"} and beat.renewed == {"held"}
+        other = await backend.claim(ClaimRequest("j", 2, "new", "t2", 60_000))
+        assert (other.status, other.instance_id) == (ClaimStatus.RUNNING, "old-held")
+        assert await backend.finish(held, Outcome.COMPLETED)
+
+        handed = await backend.claim(ClaimRequest("j", 3, "new", "t3", 60_000))
+        assert (handed.status, handed.attempt, handed.reason) == (
+            ClaimStatus.WON, 2, Reason.HAND_OVER)
+
+        # max_attempts=2 counts the first attempt and takeovers, on runs written by v1 too
+        # (from their recorded takeovers): slot 4 (one takeover) escalates, slot 5 (one
+        # hand-over) is taken over. The v1 function escalated both.
+        for slot in (4, 5):
+            state = (await backend.check([("j", slot)])).runs[("j", slot)]
+            await old.wait_expired(state.expires_ms or 0)
+        escalated = await backend.claim(ClaimRequest("j", 4, "new", "t4", 60_000,
+                                                     max_attempts=2))
+        assert (escalated.status, escalated.attempt) == (ClaimStatus.ESCALATED, 2)
+        taken = await backend.claim(ClaimRequest("j", 5, "new", "t5", 60_000, max_attempts=2))
+        assert (taken.status, taken.attempt, taken.reason) == (
+            ClaimStatus.WON, 3, Reason.TAKEOVER)
+
+        # An instance of the old release still running claims through the new logic.
+        assert old.claim(6, "late", 60_000)[:2] == ("won", 1)
+        assert sql(server.admin_dsn, f"SELECT takeovers FROM {table} WHERE slot IN (5, 6) "
+                                     "ORDER BY slot") == [(1,), (0,)]
+        history = {(a.slot, a.attempt): (a.reason, a.outcome) for a in await backend.history("j")}
+        assert history[(1, 1)] == (Reason.SCHEDULED, Outcome.COMPLETED)
+        assert history[(2, 1)] == (Reason.SCHEDULED, Outcome.COMPLETED)
+        assert history[(3, 1)] == (Reason.SCHEDULED, Outcome.HANDED_OVER)
+        assert history[(4, 2)] == (Reason.TAKEOVER, Outcome.ESCALATED)
+        assert history[(5, 3)] == (Reason.TAKEOVER, None)
+        assert len(history) == 10
+    finally:
+        await backend.close()
+
+
+async def test_privileged_start_upgrades_a_v1_store(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    table = unique_table()
+    sql(pg16_server.admin_dsn, FIXTURE.read_text().format(**names(table)))
+    try:
+        old = OldRelease(pg16_server.dsn, table)
+        assert old.claim(1, "held", 60_000)[0] == "won"
+        backend = PostgresBackend(pg16_server.dsn, table=table)
+        await backend.start()
+        try:
+            assert set(functions(pg16_server, table)) == {f"{table}_claim",
+                                                          f"{table}_claim_v{CODE_VERSION}"}
+            assert await backend.heartbeat([Lease("j", 1, "held", 60_000)])
+            assert (await backend.claim(ClaimRequest("j", 1, "b", "t", 60_000))).status \
+                is ClaimStatus.RUNNING
+        finally:
+            await backend.close()
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
+def test_the_migrate_command_named_by_the_error_upgrades(
+    pg16_server: PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = unique_table()
+    sql(pg16_server.admin_dsn, FIXTURE.read_text().format(**names(table)))
+    try:
+        old = OldRelease(pg16_server.dsn, table)
+        assert old.claim(1, "held", 60_000)[0] == "won"
+        assert main(["migrate", "--url", pg16_server.admin_dsn, "--table", table]) == 0
+        assert f"store code v{CODE_VERSION}" in capsys.readouterr().out
+        assert set(functions(pg16_server, table)) == {f"{table}_claim",
+                                                      f"{table}_claim_v{CODE_VERSION}"}
+        assert sql(pg16_server.admin_dsn, f"SELECT status, token, takeovers FROM {table}") == [
+            ("running", "held", None)]
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+async def test_an_upgrade_blocked_by_a_long_transaction_gives_up_and_changes_nothing(
+    pg16_server: PgServer, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(postgres, "MIGRATION_LOCK_TIMEOUT_MS", 100)
+    table = unique_table()
+    sql(pg16_server.admin_dsn, FIXTURE.read_text().format(**names(table)))
+    try:
+        old = OldRelease(pg16_server.dsn, table)
+        assert old.claim(1, "held", 60_000)[0] == "won"
+        with psycopg.connect(pg16_server.admin_dsn) as fenced:  # a long transaction
+            fenced.execute(f"SELECT 1 FROM {table} WHERE slot = 1 FOR UPDATE")
+            with pytest.raises(BackendUnavailable, match="run `anarchon migrate` again"):
+                with anyio.fail_after(30):
+                    await migrate(pg16_server.dsn, table=table)
+            assert set(functions(pg16_server, table)) == {f"{table}_claim"}
+            fenced.rollback()
+        await migrate(pg16_server.dsn, table=table)
+        assert set(functions(pg16_server, table)) == {f"{table}_claim",
+                                                      f"{table}_claim_v{CODE_VERSION}"}
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
