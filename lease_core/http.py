@@ -170,7 +170,7 @@ class _Page:
         self.headers = {
             "Content-Security-Policy": (
                 f"default-src 'none'; script-src '{_sha256(script)}'; "
-                f"style-src '{_sha256(style)}'; connect-src 'self'; img-src 'self'; "
+                f"style-src '{_sha256(style)}'; connect-src 'self'; img-src data:; "
                 "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
             "X-Content-Type-Options": "nosniff",
             "Referrer-Policy": "no-referrer",

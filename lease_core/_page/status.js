@@ -4,12 +4,16 @@
 
 const REFRESH_MS = 3000;
 const RUNS_PER_JOB = 3;
+let timer = null;
+
 // A bearer token, when the server needs one, is given in the fragment: /#token=...
 // The fragment never leaves the browser; the token is sent as the Authorization header.
-const token = new URLSearchParams(location.hash.slice(1)).get("token");
+function token() {
+  return new URLSearchParams(location.hash.slice(1)).get("token");
+}
 
 async function getJson(path) {
-  const headers = token ? { Authorization: "Bearer " + token } : {};
+  const headers = token() ? { Authorization: "Bearer " + token() } : {};
   const response = await fetch(path, { headers, cache: "no-store" });
   const body = await response.json().catch(() => ({}));
   if (!response.ok) {
@@ -35,8 +39,12 @@ function status(text) {
   return el("span", { class: "status " + text }, text);
 }
 
+function shortTime(iso) {
+  return iso.replace("T", " ").replace(".000+", "+").replace("+00:00", "Z");
+}
+
 function time(iso) {
-  return iso ? el("time", { datetime: iso }, iso.replace("T", " ").replace(".000+00:00", "Z")) : "-";
+  return iso ? el("time", { datetime: iso }, shortTime(iso)) : "-";
 }
 
 function table(headings, rows) {
@@ -68,13 +76,15 @@ function runCard(run, log) {
   if (run.kind === "workflow") {
     card.append(stepsTable(run));
   } else {
-    card.append(el("p", { class: "muted" }, `attempt ${run.attempt} by ${run.instance_id}`));
+    const stored = run.store_status === run.status ? "" : ` (${run.store_status.replace("_", " ")})`;
+    card.append(el("p", { class: "muted" }, `attempt ${run.attempt} by ${run.instance_id}${stored}`));
   }
   card.append(el("h3", {}, "recovery log"), logTable(log));
   return card;
 }
 
 async function refresh() {
+  clearTimeout(timer);
   const state = document.getElementById("state");
   try {
     const data = await getJson("jobs?limit=" + RUNS_PER_JOB);
@@ -89,13 +99,15 @@ async function refresh() {
     document.getElementById("jobs").replaceChildren(
       ...(sections.length ? sections : [el("p", { class: "empty" }, "no jobs recorded yet")]));
     state.className = "";
-    state.textContent = `store time ${data.now}, refreshed every ${REFRESH_MS / 1000} s`;
+    state.textContent = `store time ${shortTime(data.now)}, refreshed every ${REFRESH_MS / 1000} s`;
   } catch (error) {
     state.className = "error";
     state.textContent = "cannot read the status: " + error.message;
   } finally {
-    setTimeout(refresh, REFRESH_MS);
+    clearTimeout(timer);
+    timer = setTimeout(refresh, REFRESH_MS);
   }
 }
 
+window.addEventListener("hashchange", refresh);
 refresh();
