@@ -207,6 +207,7 @@ def test_recovery_log_oldest_first(client: TestClient) -> None:
     ("/jobs/close@", 400, "malformed"),
     (f"/jobs/@{SLOT}", 400, "malformed"),
     ("/jobs/close@yesterday", 400, "malformed slot 'yesterday'"),
+    ("/jobs/close@99999999999999999999", 400, "malformed slot"),
     ("/jobs/close@2025-13-01T00:00:00Z/recovery-log", 400, "malformed slot"),
     ("/jobs?limit=0", 400, "limit='0'"),
     ("/jobs?limit=many", 400, "limit='many'"),
