@@ -30,7 +30,9 @@ socket timeout, which pg8000 applies to every read and write, not only to connec
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -244,6 +246,67 @@ def _execute(conn: Any, sql: str, params: Sequence[Any]) -> list[Row]:
     return [] if rows is None else [tuple(row) for row in rows]
 
 
+def _execute_alone(conn: Any, sql: str, params: Sequence[Any]) -> list[Row]:
+    """Run one statement outside a transaction in one message (the simple protocol).
+
+    pg8000's extended protocol syncs between parsing and binding, and PgBouncer in
+    transaction mode may give those messages to different server connections, so a
+    statement outside a transaction must travel whole: the parameters are written as
+    literals (every statement of the library casts each one). A value with no literal
+    form falls back to the extended protocol.
+    """
+    try:
+        text = inline_parameters(sql, params)
+    except TypeError:
+        return _execute(conn, sql, params)
+    context = conn.execute_simple(text)
+    rows = context.rows
+    return [] if rows is None else [tuple(row) for row in rows]
+
+
+_PLACEHOLDER = re.compile(r"%s|%%")
+
+
+def sql_literal(value: Any) -> str:
+    """``value`` as a PostgreSQL literal; ``TypeError`` for a type with no literal here.
+
+    Strings use the escape form (``E'...'``), so the result is the same whatever
+    ``standard_conforming_strings`` says; a NUL character cannot be stored and is refused.
+    """
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else f"'{value}'"
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ConfigurationError("a text value holds a NUL character, which PostgreSQL "
+                                     "cannot store; remove it")
+        return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+    if isinstance(value, list | tuple):
+        return "ARRAY[" + ",".join(sql_literal(v) for v in value) + "]"
+    raise TypeError(f"no SQL literal for {type(value).__name__}")
+
+
+def inline_parameters(sql: str, params: Sequence[Any]) -> str:
+    """Replace the ``%s`` placeholders of ``sql`` by literals (``%%`` becomes ``%``)."""
+    values = iter(params)
+
+    def sub(match: re.Match[str]) -> str:
+        return "%" if match.group() == "%%" else sql_literal(next(values))
+
+    text = _PLACEHOLDER.sub(sub, sql)
+    if next(values, _END) is not _END:
+        raise ConfigurationError(f"more parameters than placeholders in {sql[:60]!r}")
+    return text
+
+
+_END = object()
+
+
 def _refuses_tls(exc: BaseException) -> bool:
     return bool(exc.args) and exc.args[0] == "Server refuses SSL"
 
@@ -253,11 +316,12 @@ def _in_transaction(conn: Any) -> bool:
 
 
 class _Tx:
-    """Executor over one pg8000 connection inside a transaction."""
+    """Executor over one pg8000 connection: in a transaction, or one statement alone."""
 
-    def __init__(self, conn: Any, where: str) -> None:
+    def __init__(self, conn: Any, where: str, *, alone: bool = False) -> None:
         self._conn = conn
         self._where = where
+        self._run = _execute_alone if alone else _execute
 
     @property
     def connection(self) -> Any:
@@ -265,7 +329,7 @@ class _Tx:
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         try:
-            return await anyio.to_thread.run_sync(_execute, self._conn, sql, params)
+            return await anyio.to_thread.run_sync(self._run, self._conn, sql, params)
         except (pg8000.exceptions.Error, OSError) as exc:
             mapped = translate_error(exc, where=self._where)
             if mapped is exc:
@@ -315,7 +379,7 @@ class Pg8000ConnectionAdapter(SqlAdapter):
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """Run one statement in a worker thread when the connection is free."""
         async with self._lock:
-            return await _Tx(self.conn, self._where).all(sql, params)
+            return await _Tx(self.conn, self._where, alone=True).all(sql, params)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
@@ -428,7 +492,7 @@ class Pg8000PoolAdapter(SqlAdapter):
         async with self._slots:
             conn = await self._acquire()
             try:
-                rows = await _Tx(conn, self._where).all(sql, params)
+                rows = await _Tx(conn, self._where, alone=True).all(sql, params)
             except BaseException as exc:
                 await self._release(conn, exc)
                 raise

@@ -1,0 +1,85 @@
+"""pg8000 through PgBouncer in transaction mode, under concurrency; literals it sends."""
+
+from __future__ import annotations
+
+import uuid
+
+import anyio
+import pg8000.native
+import pytest
+
+from adapters.pg8000 import inline_parameters, sql_literal
+from backends.postgres import PostgresBackend
+from lease_core.abc import ClaimRequest, ClaimStatus, Lease, Outcome
+from lease_core.errors import ConfigurationError
+from tests.stores.postgres import PgServer, drop_tables, unique_table
+
+SLOT = 1_700_000_000_000
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_concurrent_statements_through_pgbouncer_keep_their_rows(
+    pgbouncer_server: PgServer, anyio_backend: str
+) -> None:
+    """Many tasks on one pool: each gets the answer to its own statement."""
+    table = unique_table()
+    url = pgbouncer_server.dsn.replace("postgresql://", "postgresql+pg8000://", 1)
+    backend = PostgresBackend(f"{url}?max_size=8", table=table)
+    await backend.start()
+    errors: list[BaseException] = []
+    try:
+        async def worker(n: int) -> None:
+            try:
+                for i in range(15):
+                    job = f"job-{n}"
+                    token = uuid.uuid4().hex
+                    won = await backend.claim(
+                        ClaimRequest(job, SLOT + i, f"i{n}", token, 60_000, overlap_skip=False))
+                    assert (won.status, won.job, won.slot) == (ClaimStatus.WON, job, SLOT + i)
+                    assert await backend.set_checkpoint(Lease(job, SLOT + i, token, 60_000),
+                                                        {"n": n, "i": i})
+                    assert await backend.get_checkpoint(job, SLOT + i) == {"n": n, "i": i}
+                    state = (await backend.check([(job, SLOT + i)])).runs[(job, SLOT + i)]
+                    assert (state.instance_id, state.attempt) == (f"i{n}", 1)
+                    assert await backend.finish(Lease(job, SLOT + i, token, 60_000),
+                                                Outcome.COMPLETED)
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+
+        async with anyio.create_task_group() as tg:
+            for n in range(12):
+                tg.start_soon(worker, n)
+        assert errors == []
+        assert len(await backend.history(None, 1000)) == 12 * 15
+    finally:
+        await backend.close()
+        await drop_tables(pgbouncer_server.admin_dsn, table)
+
+
+def test_literals_round_trip_through_the_server(pg16_server: PgServer) -> None:
+    srv = pg16_server.server
+    conn = pg8000.native.Connection("postgres", host=srv.host, port=srv.port,
+                                    password=srv.password, database="postgres")
+    try:
+        for setting in ("on", "off"):
+            conn.run(f"SET standard_conforming_strings = {setting}")
+            nasty = "it's a \\ back'slash\\'; DROP TABLE x; --\n\tü 空"
+            sql = ("SELECT %s::text, %s::bigint, %s::boolean, %s::text[], %s::bigint[], "
+                   "%s::text, %s::float8, '100%%'")
+            params = (nasty, -42, True, ["a'b", None, "c\\d"], [], None, 1.5)
+            row = conn.execute_simple(inline_parameters(sql, params)).rows[0]
+            assert row == [nasty, -42, True, ["a'b", None, "c\\d"], [], None, 1.5, "100%"]
+    finally:
+        conn.close()
+
+
+def test_values_without_a_literal_are_refused() -> None:
+    with pytest.raises(TypeError):
+        sql_literal(object())
+    with pytest.raises(ConfigurationError, match="NUL"):
+        sql_literal("a\x00b")
+    with pytest.raises(ConfigurationError, match="more parameters"):
+        inline_parameters("SELECT %s", (1, 2))
+    assert sql_literal(float("nan")) == "'nan'"
