@@ -1,6 +1,7 @@
 #!/bin/sh
 # Install the system binaries the tests need when they are missing (Debian):
-# PgBouncer, a system PostgreSQL and Redis beside the embedded ones, and openssl.
+# PgBouncer, a system PostgreSQL and Redis beside the embedded ones, openssl, and chromium
+# with its WebDriver for the status page's browser test.
 set -e
 missing=""
 command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing="$missing pgbouncer"
@@ -10,6 +11,9 @@ ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || missing="$missing postg
 [ -x /usr/bin/redis-server ] || missing="$missing redis-server"
 # The TLS tests make their certificates with the openssl command.
 command -v openssl >/dev/null 2>&1 || missing="$missing openssl"
+# tests/test_page.py drives Debian's chromium headless through chromium-driver.
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
 [ -z "$missing" ] && exit 0
 if [ "$(id -u)" != "0" ] || ! command -v apt-get >/dev/null 2>&1; then
     echo "system-deps: missing:$missing (install with your package manager; tests needing it skip, or fail under CI=true)" >&2

@@ -1,19 +1,42 @@
-"""What ``anarchon status`` shows: the jobs a store knows, runs in progress, last outcomes.
+"""What ``anarchon status`` and the status API show: jobs, workflows, runs, recovery logs.
 
 Read only, through the backend's public reads (:meth:`~lease_core.abc.Backend.jobs`,
-:meth:`~lease_core.abc.Backend.runs`), so it works on every backend.
+:meth:`~lease_core.abc.Backend.runs`, :meth:`~lease_core.abc.Backend.check`,
+:meth:`~lease_core.abc.Backend.history`, :meth:`~lease_core.abc.Backend.workflows`), so it
+works on every backend.
+
+A workflow run is (workflow, slot); each of its steps is a run of job ``<workflow>/<step>``
+at the same slot, and the steps and their order are those the store recorded
+(:meth:`~lease_core.abc.Backend.register_workflows`).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ._structures import RunInfo, ms_to_datetime
+from ._structures import Attempt, RunInfo, RunState, RunStatus, ms_to_datetime
 from .abc import Backend
+from .errors import ConfigurationError
+from .recovery import recovery_log, step_job
 
-__all__ = ["JobStatus", "StoreStatus", "iso", "read_status", "render_status"]
+__all__ = [
+    "JobStatus",
+    "StoreStatus",
+    "iso",
+    "list_jobs",
+    "parse_run_id",
+    "read_recovery_log",
+    "read_run",
+    "read_status",
+    "render_status",
+    "run_id",
+    "run_status",
+    "workflow_status",
+]
 
 #: How many recent runs of one job are read to find its last finished one.
 _RECENT = 20
@@ -109,3 +132,231 @@ def _describe_open(run: RunInfo, now_ms: int) -> str:
     state = f"lease {left:.1f}s left" if left > 0 else f"lease expired {-left:.1f}s ago"
     return (f"slot {slot} attempt {run.attempt} held by {run.instance_id}, "
             f"{state} (until {iso(run.expires_at)})")
+
+
+# The status API's reads (lease_core.http): one JSON shape for a run, in lists and alone.
+
+#: How many attempts of one job are read to find those of its runs (the store keeps
+#: ``history_size`` attempts per job, 100 by default).
+_HISTORY = 1_000
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MS = timedelta(milliseconds=1)
+#: The last millisecond of year 9999, the latest slot an id may name.
+_LAST_SLOT = 253_402_300_799_999
+
+
+def run_id(name: str, slot: int) -> str:
+    """The id of a run in the status API: ``<name>@<slot in epoch milliseconds>``."""
+    return f"{name}@{slot}"
+
+
+def parse_run_id(text: str) -> tuple[str, int]:
+    """Split ``<name>@<slot>`` into the name and the slot in epoch milliseconds.
+
+    The slot is epoch milliseconds (``1764460800000``) or an ISO-8601 time
+    (``2025-11-30T00:00:00Z``; without an offset it is read as UTC). Raises
+    :class:`~lease_core.errors.ConfigurationError` when ``text`` is not such an id.
+    """
+    name, at, slot = text.rpartition("@")
+    if not at or not name or not slot:
+        raise ConfigurationError(
+            f"run id {text!r} is malformed: expected <name>@<slot>, the slot in epoch "
+            "milliseconds or ISO-8601 UTC (export@1764460800000, export@2025-11-30T00:00:00Z)")
+    if slot.isdigit() and int(slot) <= _LAST_SLOT:
+        return name, int(slot)
+    try:
+        moment = datetime.fromisoformat(slot)
+    except ValueError:
+        raise ConfigurationError(
+            f"run id {text!r} has a malformed slot {slot!r}: give epoch milliseconds (up to "
+            f"{_LAST_SLOT}) or an ISO-8601 time such as 2025-11-30T00:00:00Z") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return name, (moment - _EPOCH) // _MS
+
+
+def run_status(status: RunStatus | None) -> str:
+    """A run's (or a step's) status in the API: ``None`` (no run yet) is ``pending``.
+
+    ``running`` and ``handed_over`` are ``running``; ``timed_out`` is ``failed``; the others
+    keep their name (``completed``, ``failed``, ``skipped``, ``escalated``).
+    """
+    if status is None:
+        return "pending"
+    if not status.finished:
+        return "running"
+    if status is RunStatus.TIMED_OUT:
+        return "failed"
+    return str(status)
+
+
+def workflow_status(steps: Sequence[RunStatus | None]) -> str:
+    """A workflow run's status from its steps' run statuses, in step order.
+
+    ``failed`` when a step failed, timed out or escalated; ``completed`` when every step
+    completed; ``pending`` when no step has a run; ``skipped`` when a step was skipped
+    and none is running; ``running`` otherwise.
+    """
+    failed = (RunStatus.FAILED, RunStatus.TIMED_OUT, RunStatus.ESCALATED)
+    if any(s in failed for s in steps):
+        return "failed"
+    if steps and all(s is RunStatus.COMPLETED for s in steps):
+        return "completed"
+    if all(s is None for s in steps):
+        return "pending"
+    if any(s is RunStatus.SKIPPED for s in steps) and all(
+            s is None or s.finished for s in steps):
+        return "skipped"
+    return "running"
+
+
+async def list_jobs(backend: Backend, limit: int = 5) -> dict[str, Any]:
+    """``GET /jobs``: every job and workflow the store knows with its ``limit`` latest runs.
+
+    The steps of a registered workflow are shown in their workflow's runs, not as jobs.
+    """
+    now = await backend.now_ms()
+    workflows = await backend.workflows()
+    steps_jobs = {step_job(w, s) for w, steps in workflows.items() for s in steps}
+    entries: list[dict[str, Any]] = []
+    for name in await backend.jobs():
+        if name in steps_jobs:
+            continue
+        runs = await backend.runs(name, limit=limit)
+        attempts = await _attempts(backend, name) if runs else {}
+        entries.append({"name": name, "kind": "job", "runs": [
+            _job_run_json(name, r, attempts.get(r.slot, [])) for r in runs]})
+    for name, steps in workflows.items():
+        by_step = {s: {r.slot: r for r in await backend.runs(step_job(name, s), limit=limit)}
+                   for s in steps}
+        slots = sorted({slot for runs in by_step.values() for slot in runs}, reverse=True)
+        attempts_by_step = {s: await _attempts(backend, step_job(name, s)) if by_step[s] else {}
+                            for s in steps}
+        entries.append({"name": name, "kind": "workflow", "steps": list(steps), "runs": [
+            _workflow_run_json(name, steps, slot, {s: by_step[s].get(slot) for s in steps},
+                               {s: attempts_by_step[s].get(slot, []) for s in steps})
+            for slot in slots[:limit]]})
+    entries.sort(key=lambda e: (e["name"], e["kind"]))
+    return {"now": iso(ms_to_datetime(now)), "jobs": entries}
+
+
+async def read_run(backend: Backend, name: str, slot: int) -> dict[str, Any] | None:
+    """``GET /jobs/{id}``: the run of job or workflow ``name`` at ``slot``, or ``None``."""
+    found = await _read(backend, name, slot)
+    return None if found is None else found[0]
+
+
+async def read_recovery_log(backend: Backend, name: str, slot: int,
+                            ) -> list[dict[str, Any]] | None:
+    """``GET /jobs/{id}/recovery-log``: the run's recovery log oldest first, or ``None``."""
+    found = await _read(backend, name, slot)
+    if found is None:
+        return None
+    run, attempts = found
+    workflow = name if run["kind"] == "workflow" else None
+    return [e.as_json() for e in recovery_log(attempts, workflow=workflow)]
+
+
+async def _read(backend: Backend, name: str, slot: int,
+                ) -> tuple[dict[str, Any], list[Attempt]] | None:
+    """The run's JSON and its attempts (every step's, for a workflow), or ``None``."""
+    workflows = await backend.workflows()
+    if name in workflows:
+        steps = workflows[name]
+        jobs = [step_job(name, s) for s in steps]
+        found = (await backend.check([(job, slot) for job in jobs])).runs
+        states = {s: _info(found.get((job, slot))) for s, job in zip(steps, jobs, strict=True)}
+        if all(state is None for state in states.values()):
+            return None
+        attempts = {s: (await _attempts(backend, job)).get(slot, [])
+                    for s, job in zip(steps, jobs, strict=True)}
+        run = _workflow_run_json(name, steps, slot, states, attempts)
+        return run, [a for s in steps for a in attempts[s]]
+    state = _info((await backend.check([(name, slot)])).runs.get((name, slot)))
+    if state is None:
+        return None
+    job_attempts = (await _attempts(backend, name)).get(slot, [])
+    return _job_run_json(name, state, job_attempts), job_attempts
+
+
+def _info(state: RunState | None) -> RunInfo | None:
+    """A :class:`RunState` read by ``check`` as a :class:`RunInfo`."""
+    if state is None:
+        return None
+    return RunInfo(state.job, state.slot, state.status, state.attempt, state.instance_id,
+                   state.expires_ms)
+
+
+async def _attempts(backend: Backend, job: str) -> dict[int, list[Attempt]]:
+    """The job's recorded attempts by slot, oldest first."""
+    by_slot: defaultdict[int, list[Attempt]] = defaultdict(list)
+    for a in await backend.history(job, _HISTORY):
+        by_slot[a.slot].append(a)
+    for attempts in by_slot.values():
+        attempts.sort(key=lambda a: (a.attempt, a.claimed_at))
+    return by_slot
+
+
+def _run_fields(run: RunInfo | None, attempts: list[Attempt]) -> dict[str, Any]:
+    """What a job's run and a workflow's step show alike.
+
+    ``heartbeat_at`` is always ``None``: the store keeps a run's lease expiry, not its
+    last heartbeat; ``lease_expires_at`` is shown instead (a live holder renews it).
+    """
+    open_run = run is not None and not run.status.finished
+    return {
+        "status": run_status(None if run is None else run.status),
+        "store_status": None if run is None else str(run.status),
+        "attempt": None if run is None else run.attempt,
+        "instance_id": None if run is None else run.instance_id,
+        "started_at": iso(attempts[0].claimed_at) if attempts else None,
+        "finished_at": None if open_run or not attempts else iso(attempts[-1].finished_at),
+        "heartbeat_at": None,
+        "lease_expires_at": iso(run.expires_at) if open_run and run is not None else None,
+    }
+
+
+def _attempt_json(a: Attempt, step: str | None) -> dict[str, Any]:
+    return {
+        "step": step,
+        "attempt": a.attempt,
+        "instance_id": a.instance_id,
+        "reason": str(a.reason),
+        "claimed_at": iso(a.claimed_at),
+        "finished_at": iso(a.finished_at),
+        "outcome": None if a.outcome is None else str(a.outcome),
+        "error": a.error,
+    }
+
+
+def _job_run_json(name: str, run: RunInfo, attempts: list[Attempt]) -> dict[str, Any]:
+    fields = _run_fields(run, attempts)
+    return {
+        "id": run_id(name, run.slot),
+        "name": name,
+        "kind": "job",
+        "slot": run.slot,
+        "scheduled_at": iso(run.scheduled_at),
+        "status": fields.pop("status"),
+        **fields,
+        "attempts": [_attempt_json(a, None) for a in attempts],
+    }
+
+
+def _workflow_run_json(name: str, steps: Sequence[str], slot: int,
+                       runs: dict[str, RunInfo | None], attempts: dict[str, list[Attempt]],
+                       ) -> dict[str, Any]:
+    ordered = sorted(((a, s) for s in steps for a in attempts[s]),
+                     key=lambda pair: (pair[0].claimed_at, pair[0].attempt))
+    return {
+        "id": run_id(name, slot),
+        "name": name,
+        "kind": "workflow",
+        "slot": slot,
+        "scheduled_at": iso(ms_to_datetime(slot)),
+        "status": workflow_status([None if (r := runs[s]) is None else r.status
+                                   for s in steps]),
+        "attempts": [_attempt_json(a, s) for a, s in ordered],
+        "steps": [{"name": s, "job": step_job(name, s), **_run_fields(runs[s], attempts[s])}
+                  for s in steps],
+    }

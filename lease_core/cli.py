@@ -1,4 +1,4 @@
-"""The ``anarchon`` command line: ``demo``, ``migrate``, ``history`` and ``status``.
+"""The ``anarchon`` command line: ``demo``, ``migrate``, ``history``, ``status`` and ``serve``.
 
 A mistake of the user's (a bad flag, URL, option or password, a missing extra) is reported
 in one line on stderr, never as a traceback. Exit codes: 0 success, 1 the command failed
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import json
 import os
 import sys
@@ -31,6 +32,9 @@ __all__ = ["main"]
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+#: The environment variable ``anarchon serve`` reads its bearer token from.
+TOKEN_ENV = "ANARCHON_TOKEN"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,7 +86,23 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--job", default=None, help="only this job (default: every job)")
     _namespace_options(status)
     status.add_argument("--json", action="store_true", help="print a JSON object")
+    serve = sub.add_parser(
+        "serve", help="serve the read-only status API and page over HTTP (extra 'http')")
+    serve.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; any other needs a token)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
+    serve.add_argument("--token", default=None,
+                       help=f"bearer token every request must send (default: ${TOKEN_ENV}, "
+                            "which unlike this flag does not show in ps)")
+    _namespace_options(serve)
     return parser
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number from 1 to 65535")
+    return int(text)
 
 
 def _namespace_options(command: argparse.ArgumentParser) -> None:
@@ -149,8 +169,51 @@ def _run(args: argparse.Namespace) -> int:
         print(f"anarchon migrate: the tables for {table!r} are ready "
               f"(store code v{CODE_VERSION})")
         return 0
+    if args.command == "serve":
+        return _serve(args)
     result: int = anyio.run(_status if args.command == "status" else _history, args)
     return result
+
+
+def _serve(args: argparse.Namespace) -> int:
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    if token is None and not _loopback(args.host):
+        raise ConfigurationError(
+            f"--host {args.host!r} is not a loopback address: give a bearer token "
+            f"(${TOKEN_ENV} or --token), or listen on 127.0.0.1")
+    if any(importlib.util.find_spec(name) is None for name in ("starlette", "uvicorn")):
+        raise ConfigurationError("anarchon serve needs the extra 'http': "
+                                 "pip install 'anarchon[http]'")
+    result: int = anyio.run(_serve_app, args, token)
+    return result
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
+    import uvicorn
+
+    from .http import create_app
+
+    backend = _backend(args)
+    app = create_app(backend, token=token)
+    # Started here, so a store that cannot be reached is one line on stderr; the
+    # application's lifespan holds it too, and the last close closes it.
+    await backend.start()
+    try:
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, access_log=False, lifespan="on"))
+        await server.serve()
+    finally:
+        await backend.close()
+    return 0 if server.started else EXIT_FAILED
 
 
 def _check_demo_extra(backend: str, url: str | None) -> None:

@@ -25,7 +25,7 @@ entry                  when
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -70,29 +70,34 @@ class RecoveryEntry:
 
 
 def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
-                 ) -> list[RecoveryEntry]:
+                 steps: Sequence[str] = ()) -> list[RecoveryEntry]:
     """The recovery log of the run these attempts belong to, oldest entry first.
 
     With ``workflow``, attempts of jobs ``<workflow>/<step>`` are entries of that step.
+    Entries of one millisecond keep the order they happened in: an attempt's start before
+    its end, before the next attempt; a step's entries before the next step's, in the
+    order of ``steps`` (the workflow's declaration).
     """
-    entries: list[tuple[datetime, int, int, RecoveryEntry]] = []
+    entries: list[tuple[datetime, int, int, int, RecoveryEntry]] = []
     prefix = None if workflow is None else workflow + STEP_SEPARATOR
+    order = {name: i for i, name in enumerate(steps)}
     for a in attempts:
         step = a.job[len(prefix):] if prefix and a.job.startswith(prefix) else None
+        rank = order.get(step, len(order)) if step is not None else 0
         if a.outcome is Outcome.SKIPPED:
-            entries.append((a.claimed_at, a.attempt, 1, RecoveryEntry(
+            entries.append((a.claimed_at, rank, a.attempt, 1, RecoveryEntry(
                 a.claimed_at, step, a.attempt, "skipped", a.instance_id, a.error)))
             continue
         if a.reason is Reason.TAKEOVER:
             start, detail = "taken_over", "the previous attempt's lease expired"
         else:
             start, detail = "started", str(a.reason)
-        entries.append((a.claimed_at, a.attempt, 0,
+        entries.append((a.claimed_at, rank, a.attempt, 0,
                         RecoveryEntry(a.claimed_at, step, a.attempt, start, a.instance_id,
                                       detail)))
         if a.outcome is not None:
             at = a.finished_at or a.claimed_at
-            entries.append((at, a.attempt, 1, RecoveryEntry(
+            entries.append((at, rank, a.attempt, 1, RecoveryEntry(
                 at, step, a.attempt, str(a.outcome), a.instance_id, a.error)))
-    entries.sort(key=lambda e: (e[0], e[1], e[2]))
-    return [e[3] for e in entries]
+    entries.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
+    return [e[4] for e in entries]

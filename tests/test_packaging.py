@@ -59,9 +59,11 @@ def test_wheel_holds_the_library_and_its_data(dist: tuple[Path, Path, str]) -> N
         metadata = Parser().parsestr(whl.read(meta_name).decode())
     library = set()
     for package in ("lease_core", "backends", "adapters"):
-        library |= _source_files(package, (".py", ".lua", ".sql", ".typed"))
+        library |= _source_files(package, (".py", ".lua", ".sql", ".typed", ".html", ".js",
+                                           ".css"))
     assert library <= names, sorted(library - names)
-    assert {"lease_core/py.typed", "backends/redis_lua/claim.lua"} <= names
+    assert {"lease_core/py.typed", "backends/redis_lua/claim.lua",
+            "lease_core/_page/index.html", "lease_core/_page/status.js"} <= names
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert metadata["License-Expression"] == "MIT"

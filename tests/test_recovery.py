@@ -79,3 +79,18 @@ def test_skipped_and_running_attempts() -> None:
     running = recovery_log([attempt("tick", 1, "a", Reason.CATCH_UP, 5)])
     assert events(running) == [(None, 1, "started", "a")]
     assert running[0].detail == "catch-up"
+
+
+def test_entries_of_one_millisecond_keep_their_order() -> None:
+    wf = "close"
+    same = 30.0
+    history = [
+        attempt(step_job(wf, "publish"), 1, "a", Reason.SCHEDULED, same),
+        attempt(step_job(wf, "interest"), 1, "a", Reason.SCHEDULED, 10, same, Outcome.COMPLETED),
+    ]
+    log = recovery_log(history, workflow=wf, steps=["snapshot", "interest", "publish"])
+    assert events(log) == [
+        ("interest", 1, "started", "a"),
+        ("interest", 1, "completed", "a"),
+        ("publish", 1, "started", "a"),
+    ]

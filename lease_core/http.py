@@ -1,0 +1,217 @@
+"""The status API: a read-only HTTP view of the jobs, workflows and recovery logs of a store.
+
+:func:`create_app` returns an ASGI application built on Starlette (extra ``http``:
+``pip install 'anarchon[http]'``); ``anarchon serve --url URL`` runs it with uvicorn.
+
+=================================  ===========================================================
+``GET /jobs``                      every job and workflow the store knows, each with its latest
+                                   runs (``?limit=N``, 1 to 100, default 5); a workflow's steps
+                                   are shown in its runs, not as jobs
+``GET /jobs/{id}``                 one run; ``id`` is ``<name>@<slot>``, the slot in epoch
+                                   milliseconds or ISO-8601 UTC (``export@2026-11-30T02:00Z``)
+``GET /jobs/{id}/recovery-log``    the run's recovery log, oldest entry first
+``GET /``                          a page showing the same, refreshing itself, with no assets
+                                   from elsewhere
+=================================  ===========================================================
+
+An unknown id answers 404 and a malformed one 400; every error is JSON ``{"error": ...}``
+(503 when the store cannot be read). A run is JSON with ``id``, ``name``, ``kind`` (``job``
+or ``workflow``), ``slot``, ``scheduled_at``, ``status`` (``pending``, ``running``,
+``completed``, ``failed``, ``skipped``, ``escalated``), ``attempts`` (every attempt, oldest
+first), and for a workflow ``steps``, each with ``name``, ``status``, ``attempt``,
+``instance_id`` (the holder, or the last one), ``started_at``, ``finished_at``,
+``heartbeat_at`` and ``lease_expires_at``. A job's run has those step fields itself.
+``heartbeat_at`` is always ``null``: stores keep a run's lease expiry, not its last
+heartbeat, and a holder renews the lease at each heartbeat, so ``lease_expires_at`` tells
+whether it is alive. ``store_status`` is the run's status as stored (``handed_over``,
+``timed_out``, ...).
+
+With a ``token``, every request needs the header ``Authorization: Bearer <token>`` and
+gets 401 without it. The page asked without it answers 401 too, with the page itself,
+which then reads the token from the address's fragment (``http://host:8000/#token=...``,
+never sent to the server) and sends it as that header.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+from string import Template
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ._redact import redact
+from ._status import list_jobs, parse_run_id, read_recovery_log, read_run
+from .abc import Backend
+from .errors import AnarchonError, ConfigurationError
+
+__all__ = ["create_app"]
+
+#: Most runs per job ``GET /jobs?limit=`` accepts.
+MAX_RUNS = 100
+
+
+def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
+    """Return the status API and page over ``backend`` as a Starlette (ASGI) application.
+
+    The application holds ``backend`` while it runs: its lifespan calls
+    :meth:`~lease_core.abc.Backend.start` at startup and :meth:`~lease_core.abc.Backend.close`
+    at shutdown. Both are counted, so a backend the caller started stays open, and only
+    what the application opened is closed. Resources passed to the backend are never
+    closed.
+
+    .. note:: Starlette and FastAPI do not run the lifespan of a mounted application
+       (``app.mount("/status", create_app(backend))``): start the backend in the host
+       application's lifespan, since a backend must be started to be read.
+
+    With ``token``, every request must carry ``Authorization: Bearer <token>`` (compared in
+    constant time) or gets 401.
+    """
+    if token is not None and not token.strip():
+        raise ConfigurationError("the status API token is empty: give a non-empty token, or "
+                                 "None to serve without one (only on 127.0.0.1)")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    async def jobs(request: Request) -> Response:
+        text = request.query_params.get("limit", "5")
+        if not text.isdigit() or not 1 <= int(text) <= MAX_RUNS:
+            return _error(400, f"limit={text!r} is not a whole number from 1 to {MAX_RUNS}")
+        return _json(await list_jobs(backend, int(text)))
+
+    async def run(request: Request) -> Response:
+        name, slot = _run_key(request)
+        found = await read_run(backend, name, slot)
+        return _json(found) if found is not None else await _unknown(backend, name, slot)
+
+    async def log(request: Request) -> Response:
+        name, slot = _run_key(request)
+        found = await read_recovery_log(backend, name, slot)
+        return _json(found) if found is not None else await _unknown(backend, name, slot)
+
+    page = _Page()
+
+    async def index(request: Request) -> Response:
+        return page.response(200)
+
+    middleware = [] if token is None else [Middleware(_BearerAuth, token=token, page=page)]
+    return Starlette(
+        routes=[
+            Route("/", index, methods=["GET"]),
+            Route("/jobs", jobs, methods=["GET"]),
+            # Names may hold "/" (a workflow step's job is <workflow>/<step>).
+            Route("/jobs/{id:path}/recovery-log", log, methods=["GET"]),
+            Route("/jobs/{id:path}", run, methods=["GET"]),
+        ],
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error, AnarchonError: _store_error},
+        lifespan=lifespan,
+    )
+
+
+def _run_key(request: Request) -> tuple[str, int]:
+    try:
+        return parse_run_id(request.path_params["id"])
+    except ConfigurationError as exc:
+        raise HTTPException(400, str(exc)) from None
+
+
+async def _unknown(backend: Backend, name: str, slot: int) -> Response:
+    known = name in await backend.jobs() or name in await backend.workflows()
+    if not known:
+        return _error(404, f"no job or workflow {name!r} in the store")
+    return _error(404, f"no run of {name!r} at slot {slot} in the store")
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse(body, status, {"Cache-Control": "no-store", **(headers or {})})
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return _json({"error": message}, status, headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _error(exc.status_code, exc.detail, dict(exc.headers or {}))
+
+
+async def _store_error(request: Request, exc: Exception) -> Response:
+    return _error(503, f"cannot read the store: {redact(str(exc))}")
+
+
+class _Page:
+    """The page: one HTML file with its script and style inlined, all package data."""
+
+    def __init__(self) -> None:
+        folder = resources.files(__package__ or "lease_core") / "_page"
+        script = (folder / "status.js").read_text("utf-8")
+        style = (folder / "status.css").read_text("utf-8")
+        html = Template((folder / "index.html").read_text("utf-8"))
+        self.body = html.substitute(script=script, style=style)
+        # Only this script and style may run, and the page may talk to its own server only.
+        self.headers = {
+            "Content-Security-Policy": (
+                f"default-src 'none'; script-src '{_sha256(script)}'; "
+                f"style-src '{_sha256(style)}'; connect-src 'self'; img-src data:; "
+                "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "Cache-Control": "no-store",
+        }
+
+    def response(self, status: int, headers: dict[str, str] | None = None) -> Response:
+        """The page with this HTTP status."""
+        return HTMLResponse(self.body, status, {**self.headers, **(headers or {})})
+
+
+def _sha256(text: str) -> str:
+    return "sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
+
+
+class _BearerAuth:
+    """Answers 401 to every request without ``Authorization: Bearer <token>``."""
+
+    def __init__(self, app: ASGIApp, *, token: str, page: _Page) -> None:
+        self.app = app
+        self.token = token.encode()
+        self.page = page
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        challenge = {"WWW-Authenticate": 'Bearer realm="anarchon"'}
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path in ("", "/") and scope["method"] in ("GET", "HEAD"):
+            # The page holds no data: served with the 401, it asks for #token=...
+            response = self.page.response(401, challenge)
+        else:
+            response = _error(401, "this server needs a bearer token: send the header "
+                                   "'Authorization: Bearer <token>'", challenge)
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, given = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    given.strip(), self.token)
+        return False

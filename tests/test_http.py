@@ -1,0 +1,359 @@
+"""The status API (lease_core.http) through Starlette's test client, on real stores.
+
+Each store's backend is made unstarted, so the application's lifespan starts it on the test
+client's event loop (asyncio or trio); the runs are seeded on that loop too.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+from starlette.testclient import TestClient
+
+from backends.memory import MemoryBackend
+from backends.postgres import PostgresBackend
+from backends.redis import RedisBackend
+from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease, Outcome
+from lease_core.cli import main
+from lease_core.errors import ConfigurationError
+from lease_core.http import create_app
+from tests.helpers import wait_for
+from tests.stores.postgres import drop_tables, unique_table
+from tests.stores.redis import delete_prefix
+
+SLOT = 1_764_460_800_000  # 2025-11-30T00:00:00Z
+NEXT = SLOT + 86_400_000  # the day after
+LEASE = 60_000
+STEP_FIELDS = {"name", "job", "status", "store_status", "attempt", "instance_id", "started_at",
+               "finished_at", "heartbeat_at", "lease_expires_at"}
+
+STORES = [
+    pytest.param(("memory", "asyncio"), id="memory-asyncio"),
+    pytest.param(("memory", "trio"), id="memory-trio"),
+    pytest.param(("pg16-psycopg", "asyncio"), id="pg16-psycopg-asyncio"),
+    pytest.param(("pg16-pg8000", "trio"), id="pg16-pg8000-trio"),
+    pytest.param(("redis62", "asyncio"), id="redis62-asyncio"),
+    pytest.param(("redis62", "trio"), id="redis62-trio"),
+]
+
+
+def _token() -> str:
+    return uuid.uuid4().hex
+
+
+def _claim(job: str, slot: int, instance: str, lease_ms: int = LEASE,
+           max_attempts: int | None = None) -> ClaimRequest:
+    return ClaimRequest(job, slot, instance, _token(), lease_ms, overlap_skip=False,
+                        max_attempts=max_attempts)
+
+
+async def _complete(backend: Backend, job: str, slot: int, instance: str) -> None:
+    request = _claim(job, slot, instance)
+    assert (await backend.claim(request)).status is ClaimStatus.WON
+    assert await backend.finish(Lease(job, slot, request.token, LEASE), Outcome.COMPLETED)
+    # What comes next happens later on the store's clock, as a workflow's next step does.
+    finished = await backend.now_ms()
+
+    async def later() -> bool:
+        return await backend.now_ms() > finished
+
+    await wait_for(later, interval=0.001, what="the store's clock to move on")
+
+
+async def seed(backend: Backend) -> None:
+    """A workflow run that failed (a step escalated), one running, and a plain job."""
+    await backend.register_workflows({"close": ["snapshot", "interest", "publish"]})
+    # close@SLOT: snapshot completed; interest's only allowed attempt let its lease run out
+    # (escalated); publish never ran.
+    await _complete(backend, "close/snapshot", SLOT, "a")
+    first = _claim("close/interest", SLOT, "a", lease_ms=1, max_attempts=1)
+    assert (await backend.claim(first)).status is ClaimStatus.WON
+
+    async def escalated() -> bool:
+        again = _claim("close/interest", SLOT, "b", max_attempts=1)
+        return (await backend.claim(again)).status is ClaimStatus.ESCALATED
+
+    await wait_for(escalated, interval=0.005, what="the expired lease to escalate")
+    # close@NEXT: snapshot completed, interest held by b, publish not started.
+    await _complete(backend, "close/snapshot", NEXT, "a")
+    assert (await backend.claim(_claim("close/interest", NEXT, "b"))).status is ClaimStatus.WON
+    # export@SLOT: handed over by a, completed by b; export@NEXT: handed over, unclaimed.
+    for slot in (SLOT, NEXT):
+        held = _claim("export", slot, "a")
+        await backend.claim(held)
+        assert await backend.hand_over([Lease("export", slot, held.token, LEASE)])
+    await _complete(backend, "export", SLOT, "b")
+
+
+@pytest.fixture(params=STORES)
+def backend_and_loop(request: pytest.FixtureRequest) -> Iterator[tuple[Backend, str]]:
+    """An unstarted backend on a fresh table or prefix of a real store, and an event loop."""
+    kind, loop = request.param
+    if kind == "memory":
+        yield MemoryBackend(), loop
+    elif kind.startswith("pg16"):
+        server = request.getfixturevalue("pg16_server")
+        table = unique_table()
+        dsn = server.dsn
+        if kind == "pg16-pg8000":
+            dsn = dsn.replace("postgresql://", "postgresql+pg8000://", 1)
+        try:
+            yield PostgresBackend(dsn, table=table), loop
+        finally:
+            anyio.run(drop_tables, server.admin_dsn, table)
+    else:
+        url = request.getfixturevalue("redis62_server").url
+        prefix = f"anarchon_t_{uuid.uuid4().hex[:12]}"
+        try:
+            yield RedisBackend(url, prefix=prefix), loop
+        finally:
+            delete_prefix(url, prefix)
+
+
+@pytest.fixture
+def client(backend_and_loop: tuple[Backend, str]) -> Iterator[TestClient]:
+    """The status API over the seeded store."""
+    backend, loop = backend_and_loop
+    with TestClient(create_app(backend), backend=loop) as client:
+        assert client.portal is not None
+        client.portal.call(seed, backend)
+        yield client
+
+
+def _ok(client: TestClient, path: str) -> Any:
+    response = client.get(path)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    return response.json()
+
+
+def _steps(run: dict[str, Any], field: str) -> list[Any]:
+    return [step[field] for step in run["steps"]]
+
+
+def test_jobs_lists_workflows_with_their_steps_and_plain_jobs(client: TestClient) -> None:
+    data = _ok(client, "/jobs")
+    assert data["now"].endswith("+00:00")
+    assert [(j["name"], j["kind"]) for j in data["jobs"]] == [("close", "workflow"),
+                                                              ("export", "job")]
+    close, export = data["jobs"]
+    assert close["steps"] == ["snapshot", "interest", "publish"]
+    assert [(r["id"], r["status"]) for r in close["runs"]] == [
+        (f"close@{NEXT}", "running"), (f"close@{SLOT}", "failed")]
+    running, failed = close["runs"]
+    assert _steps(failed, "status") == ["completed", "escalated", "pending"]
+    assert _steps(failed, "attempt") == [1, 1, None]
+    assert _steps(failed, "instance_id") == ["a", "a", None]
+    assert _steps(running, "status") == ["completed", "running", "pending"]
+    assert _steps(running, "instance_id") == ["a", "b", None]
+    assert running["steps"][1]["lease_expires_at"] is not None
+    assert running["steps"][1]["finished_at"] is None
+    assert all(set(step) == STEP_FIELDS for step in running["steps"])
+
+    assert [(r["slot"], r["status"], r["store_status"], r["attempt"], r["instance_id"])
+            for r in export["runs"]] == [(NEXT, "running", "handed_over", 1, "a"),
+                                         (SLOT, "completed", "completed", 2, "b")]
+
+    assert [len(j["runs"]) for j in _ok(client, "/jobs?limit=1")["jobs"]] == [1, 1]
+
+
+def test_one_run_by_epoch_or_iso_slot(client: TestClient) -> None:
+    run = _ok(client, f"/jobs/close@{SLOT}")
+    for slot in ("2025-11-30T00:00:00Z", "2025-11-30T00:00:00.000+00:00",
+                 "2025-11-30T01:00:00+01:00", "2025-11-30T00:00:00"):
+        assert _ok(client, f"/jobs/close@{slot}") == run
+    assert {k: run[k] for k in ("id", "name", "kind", "slot", "scheduled_at", "status")} == {
+        "id": f"close@{SLOT}", "name": "close", "kind": "workflow", "slot": SLOT,
+        "scheduled_at": "2025-11-30T00:00:00.000+00:00", "status": "failed"}
+    assert [(a["step"], a["attempt"], a["outcome"]) for a in run["attempts"]] == [
+        ("snapshot", 1, "completed"), ("interest", 1, "escalated")]
+    snapshot, interest, publish = run["steps"]
+    assert snapshot["started_at"] <= snapshot["finished_at"]
+    assert interest["finished_at"] is not None and interest["heartbeat_at"] is None
+    assert publish == {"name": "publish", "job": "close/publish", "status": "pending",
+                       **dict.fromkeys(STEP_FIELDS - {"name", "job", "status"})}
+
+    export = _ok(client, f"/jobs/export@{SLOT}")
+    assert (export["kind"], export["status"], export["attempt"]) == ("job", "completed", 2)
+    assert [(a["attempt"], a["instance_id"], a["reason"], a["outcome"])
+            for a in export["attempts"]] == [(1, "a", "scheduled", "handed_over"),
+                                             (2, "b", "hand-over", "completed")]
+
+
+def test_recovery_log_oldest_first(client: TestClient) -> None:
+    log = _ok(client, f"/jobs/close@{SLOT}/recovery-log")
+    assert [(e["step"], e["attempt"], e["event"], e["instance_id"]) for e in log] == [
+        ("snapshot", 1, "started", "a"), ("snapshot", 1, "completed", "a"),
+        ("interest", 1, "started", "a"), ("interest", 1, "escalated", "a")]
+    assert [e["at"] for e in log] == sorted(e["at"] for e in log)
+    assert _ok(client, "/jobs/close@2025-11-30T00:00:00Z/recovery-log") == log
+
+    export = _ok(client, f"/jobs/export@{SLOT}/recovery-log")
+    assert [(e["step"], e["event"], e["detail"]) for e in export] == [
+        (None, "started", "scheduled"), (None, "handed_over", None),
+        (None, "started", "hand-over"), (None, "completed", None)]
+
+
+@pytest.mark.parametrize(("path", "status", "says"), [
+    ("/jobs/nosuch@1764460800000", 404, "no job or workflow 'nosuch'"),
+    (f"/jobs/close@{SLOT + 1}", 404, f"no run of 'close' at slot {SLOT + 1}"),
+    (f"/jobs/export@{SLOT + 1}/recovery-log", 404, "no run of 'export'"),
+    ("/jobs/close", 400, "malformed"),
+    ("/jobs/close@", 400, "malformed"),
+    (f"/jobs/@{SLOT}", 400, "malformed"),
+    ("/jobs/close@yesterday", 400, "malformed slot 'yesterday'"),
+    ("/jobs/close@99999999999999999999", 400, "malformed slot"),
+    ("/jobs/close@2025-13-01T00:00:00Z/recovery-log", 400, "malformed slot"),
+    ("/jobs?limit=0", 400, "limit='0'"),
+    ("/jobs?limit=many", 400, "limit='many'"),
+    ("/nosuch", 404, "Not Found"),
+])
+@pytest.mark.parametrize("backend_and_loop", [STORES[0]], indirect=True)
+def test_errors_are_json(client: TestClient, path: str, status: int, says: str) -> None:
+    response = client.get(path)
+    assert response.status_code == status
+    assert set(response.json()) == {"error"} and says in response.json()["error"]
+
+
+@pytest.mark.parametrize("backend_and_loop", [STORES[0]], indirect=True)
+def test_read_only(client: TestClient) -> None:
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        response = client.request(method, f"/jobs/close@{SLOT}")
+        assert response.status_code == 405 and "error" in response.json()
+
+
+def test_page_is_self_contained() -> None:
+    with TestClient(create_app(MemoryBackend())) as client:
+        response = client.get("/")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    page = response.text
+    assert 'id="jobs"' in page and "fetch(" in page and "$script" not in page
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # nothing from elsewhere
+    assert " src=" not in page  # the script is inline: the page needs no other request
+    policy = response.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "script-src 'sha256-" in policy
+
+
+TOKEN = "s3cret-Token"
+WRONG = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {TOKEN}x"},
+         {"Authorization": f"Basic {TOKEN}"}, {"Authorization": TOKEN}]
+
+
+@pytest.mark.parametrize("headers", WRONG, ids=["none", "wrong", "longer", "basic", "bare"])
+def test_every_request_without_the_token_gets_401(headers: dict[str, str]) -> None:
+    with TestClient(create_app(MemoryBackend(), token=TOKEN), headers=headers) as client:
+        for path in ("/jobs", f"/jobs/export@{SLOT}", f"/jobs/export@{SLOT}/recovery-log",
+                     "/jobs/malformed", "/nosuch"):
+            response = client.get(path)
+            assert response.status_code == 401, path
+            assert response.headers["www-authenticate"].startswith("Bearer")
+            assert "bearer token" in response.json()["error"]
+        assert client.post("/jobs").status_code == 401
+        # The page answers 401 with itself (it holds no data), and asks for #token=.
+        page = client.get("/")
+        assert page.status_code == 401 and page.headers["content-type"].startswith("text/html")
+        assert "#token=" in page.text
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer"])
+def test_the_token_opens_every_route(scheme: str) -> None:
+    headers = {"Authorization": f"{scheme} {TOKEN}"}
+    with TestClient(create_app(MemoryBackend(), token=TOKEN), headers=headers) as client:
+        assert client.get("/jobs").json()["jobs"] == []
+        assert client.get(f"/jobs/export@{SLOT}").status_code == 404
+        assert client.get("/jobs/malformed").status_code == 400
+        assert client.get("/").status_code == 200
+
+
+def test_empty_token_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="token is empty"):
+        create_app(MemoryBackend(), token=" ")
+
+
+class _CountingBackend(MemoryBackend):
+    """A memory store with the counted start and close of other backends, counting how
+    often its resources are opened and closed."""
+
+    start = Backend.start
+    close = Backend.close
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = self.closed = 0
+
+    async def _open(self) -> None:
+        self.opened += 1
+        await super()._open()
+
+    async def _close(self) -> None:
+        self.closed += 1
+        await super()._close()
+
+
+def test_the_app_starts_an_unstarted_backend_and_closes_only_that() -> None:
+    backend = _CountingBackend()
+    with TestClient(create_app(backend)) as client:
+        assert client.get("/jobs").status_code == 200
+        assert (backend.opened, backend.closed) == (1, 0)
+    assert (backend.opened, backend.closed) == (1, 1)
+
+    started = _CountingBackend()
+    anyio.run(started.start)
+    with TestClient(create_app(started)) as client:
+        assert client.get("/jobs").status_code == 200
+    assert (started.opened, started.closed) == (1, 0)  # the caller's hold stays
+    anyio.run(started.close)
+    assert started.closed == 1
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--host", "0.0.0.0"], "'0.0.0.0' is not a loopback address"),
+    (["--host", "192.0.2.1", "--port", "8123"], "give a bearer token"),
+    (["--token", ""], "token is empty"),
+    (["--port", "70000"], "not a port number"),
+])
+def test_serve_refuses_bad_options(argv: list[str], says: str,
+                                   capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ANARCHON_TOKEN", raising=False)
+    try:
+        code = main(["serve", "--url", "memory://", *argv])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_mounted_in_fastapi_under_a_prefix() -> None:
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+
+    backend = MemoryBackend()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        await backend.start()
+        await seed(backend)
+        yield
+        await backend.close()
+
+    app = FastAPI(lifespan=lifespan)
+    app.mount("/status", create_app(backend, token=TOKEN))
+    with TestClient(app) as client:
+        page = client.get("/status/")
+        assert page.status_code == 401 and "#token=" in page.text
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        assert client.get("/status/", headers=headers).status_code == 200
+        assert client.get("/status/jobs").status_code == 401
+        jobs = client.get("/status/jobs", headers=headers).json()["jobs"]
+        assert [j["name"] for j in jobs] == ["close", "export"]
+        log = client.get(f"/status/jobs/close@{SLOT}/recovery-log", headers=headers).json()
+        assert log[-1]["event"] == "escalated"
