@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from enum import StrEnum
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -1004,11 +1003,7 @@ class Scheduler:
             for step in steps:
                 attempts += [a for a in await self.backend.history(step_job(name, step), limit)
                              if a.slot == slot]
-            order = {step: i for i, step in enumerate(steps)}
-            # Within one instant, earlier steps first: a step's completion and its
-            # successor's start often share a store timestamp.
-            return sorted(recovery_log(attempts, workflow=name),
-                          key=lambda e: (e.at, order.get(e.step or "", len(order))))
+            return recovery_log(attempts, workflow=name, steps=steps)
         finally:
             await self.backend.close()
 
@@ -1451,32 +1446,21 @@ class Scheduler:
 def parse_run_id(run: str | tuple[str, int | str]) -> tuple[str, int]:
     """Split a run id, ``"<name>@<slot>"`` or ``(name, slot)``, into (name, slot in ms).
 
-    The slot is epoch milliseconds or an ISO-8601 time (UTC unless it names an offset).
+    The slot is epoch milliseconds or an ISO-8601 time (UTC unless it names an offset);
+    anything else raises :class:`ConfigurationError`.
     """
-    if isinstance(run, tuple) and len(run) == 2:
-        name, slot_text = run
-    elif isinstance(run, str) and "@" in run:
-        name, _, slot_text = run.rpartition("@")
-    else:
-        raise ConfigurationError(
-            f"run id {run!r} is malformed; use '<name>@<slot>' (slot in epoch milliseconds "
-            "or ISO-8601 UTC) or a (name, slot) tuple")
-    if not isinstance(name, str) or not name:
-        raise ConfigurationError(f"run id {run!r} has no name; use '<name>@<slot>'")
-    if isinstance(slot_text, int) and not isinstance(slot_text, bool):
-        return name, slot_text
-    text = str(slot_text).strip()
-    if re.fullmatch(r"-?\d+", text):
-        return name, int(text)
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
-        raise ConfigurationError(
-            f"run id {run!r}: slot {text!r} is neither epoch milliseconds nor an ISO-8601 "
-            "time (e.g. 2026-11-30T02:00:00Z)") from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return name, round(when.timestamp() * 1000)
+    from ._status import parse_run_id as parse_text
+
+    if isinstance(run, str):
+        return parse_text(run)
+    if isinstance(run, tuple) and len(run) == 2 and isinstance(run[0], str):
+        name, slot = run
+        if isinstance(slot, int) and not isinstance(slot, bool) and run[0]:
+            return name, slot
+        return parse_text(f"{name}@{slot}")
+    raise ConfigurationError(
+        f"run id {run!r} is malformed; use '<name>@<slot>' (slot in epoch milliseconds "
+        "or ISO-8601 UTC) or a (name, slot) tuple")
 
 
 def run_sync(fn: Callable[[], Awaitable[Any]]) -> Any:

@@ -26,18 +26,16 @@ progress as ``{"progress": value}``; once it completes, the payload is
 **Failures.** A step whose handler raises or times out is recorded ``failed`` /
 ``timed_out``: the workflow run is then failed at once, and later steps never run. Past a
 step's ``max_attempts`` (the step's own, else the workflow's), the step is ``escalated``,
-with the same consequence. A workflow run's status is derived from its steps' runs (see
-:func:`workflow_status`).
+with the same consequence. A workflow run's status is derived from its steps' runs.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from ._durations import Duration
-from ._structures import RunStatus
 from .errors import ConfigurationError
 from .recovery import step_job
 from .schedules import Schedule
@@ -46,7 +44,7 @@ if TYPE_CHECKING:
     from .context import RunContext
     from .scheduler import Job, Scheduler
 
-__all__ = ["Workflow", "workflow_status"]
+__all__ = ["Workflow"]
 
 Handler = Callable[["RunContext"], Any]
 H = TypeVar("H", bound=Handler)
@@ -179,23 +177,3 @@ class Workflow:
 
     def __repr__(self) -> str:
         return f"Workflow({self.name!r}, steps={self.steps!r})"
-
-
-def workflow_status(step_statuses: Sequence[RunStatus | None]) -> str:
-    """A workflow run's status from its steps' run statuses, in step order.
-
-    ``None`` stands for a step with no run yet. The result is ``failed`` when a step
-    failed, timed out or was escalated, ``completed`` when every step completed,
-    ``skipped`` when the first step was skipped, ``pending`` when no step has a run, else
-    ``running``.
-    """
-    if not step_statuses or all(s is None for s in step_statuses):
-        return "pending"
-    for status in step_statuses:
-        if status in (RunStatus.FAILED, RunStatus.TIMED_OUT, RunStatus.ESCALATED):
-            return "failed"
-    if step_statuses[0] is RunStatus.SKIPPED:
-        return "skipped"
-    if all(s is RunStatus.COMPLETED for s in step_statuses):
-        return "completed"
-    return "running"
