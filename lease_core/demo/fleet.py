@@ -102,11 +102,14 @@ class ProcessFleet(Fleet):
     def __init__(self, url: str) -> None:
         self.url = url
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.command = ["-m", "lease_core.demo", "worker", url, "{name}"]
+        """The worker's arguments after the interpreter; ``{name}`` is the instance."""
 
     async def start(self, name: str) -> None:
         """Start a worker process; return once its scheduler has started."""
+        args = [name if arg == "{name}" else arg for arg in self.command]
         proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
-            [sys.executable, "-m", "lease_core.demo", "worker", self.url, name],
+            [sys.executable, *args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )
         self.procs[name] = proc
