@@ -12,9 +12,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-## Run the fleet demo on an embedded PostgreSQL (no server to install).
+## Run the fleet demo, then the bank-close workflow demo, on an embedded PostgreSQL.
 demo: $(STAMP)
 	$(VENV)/bin/anarchon demo
+	$(VENV)/bin/anarchon demo --workflow bank-close
 
 ## Run the whole test suite against servers the harness starts itself.
 test: $(STAMP) system-deps

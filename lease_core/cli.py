@@ -67,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="which embedded store to start (default: postgres)")
     demo.add_argument("--url", "--dsn", dest="url", default=None,
                       help=url_help + "; runs against it instead of an embedded server")
+    demo.add_argument("--workflow", choices=("bank-close",), default=None,
+                      help="run a workflow demo instead of the fleet demo: bank-close "
+                           "(PostgreSQL only)")
+    demo.add_argument("--serve", action="store_true",
+                      help="serve the status page on 127.0.0.1 during the demo and print its "
+                           "URL (with --workflow; extra 'http')")
     migrate = sub.add_parser(
         "migrate", help="create or upgrade the PostgreSQL store (privileged user)")
     migrate.add_argument("--url", "--dsn", dest="url", default=None,
@@ -159,6 +165,11 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         _check_demo_extra(args.backend, args.url)
+        if args.workflow is not None:
+            return _workflow_demo(args)
+        if args.serve:
+            raise ConfigurationError("--serve is for the workflow demo; add --workflow "
+                                     "bank-close")
         from .demo import run_demo
 
         return 0 if run_demo(args.backend, args.url) else EXIT_FAILED
@@ -214,6 +225,22 @@ async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
     finally:
         await backend.close()
     return 0 if server.started else EXIT_FAILED
+
+
+def _workflow_demo(args: argparse.Namespace) -> int:
+    if args.backend != "postgres" or (
+            args.url is not None and not args.url.startswith(("postgres", "host=", "dbname="))):
+        raise ConfigurationError(
+            f"--workflow {args.workflow} runs on PostgreSQL only (its steps commit in fenced "
+            "transactions); drop --backend, or give --url of a PostgreSQL server")
+    if importlib.util.find_spec("psycopg") is None:
+        raise ConfigurationError("the bank-close demo needs psycopg: "
+                                 "pip install 'anarchon[postgres]'")
+    from .demo.bank_close import run_bank_close, serve_available
+
+    if args.serve and not serve_available():
+        raise ConfigurationError("--serve needs the extra 'http': pip install 'anarchon[http]'")
+    return 0 if run_bank_close(args.url, serve=args.serve) else EXIT_FAILED
 
 
 def _check_demo_extra(backend: str, url: str | None) -> None:

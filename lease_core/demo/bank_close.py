@@ -354,9 +354,13 @@ async def _serve(backend: Backend, out: Any, servers: list[Any], *, task_status:
     server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port,
                                            access_log=False, log_level="warning"))
     servers.append(server)
-    print(f"Status page: http://127.0.0.1:{port}/", file=out, flush=True)
-    task_status.started()
-    await server.serve()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve)
+        with anyio.fail_after(10):
+            while not server.started:  # noqa: ASYNC110 - uvicorn sets a plain flag
+                await anyio.sleep(0.02)
+        print(f"Status page: http://127.0.0.1:{port}/", file=out, flush=True)
+        task_status.started()
 
 
 def serve_available() -> bool:
