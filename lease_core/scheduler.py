@@ -1290,7 +1290,18 @@ class Scheduler:
         assert job.workflow is not None
         results: dict[str, Any] = {}
         for step in job.workflow.previous_steps(job):
-            payload = await self.backend.get_checkpoint(step_job(job.workflow.name, step), slot)
+            name = step_job(job.workflow.name, step)
+            for tries_left in (2, 1, 0):
+                # A brief store outage must not fail the workflow run: try again within
+                # the step's lease before giving up.
+                try:
+                    payload = await self.backend.get_checkpoint(name, slot)
+                    break
+                except AnarchonError as exc:
+                    if not tries_left:
+                        raise
+                    self._store_failed(f"reading the result of {name}", exc)
+                    await anyio.sleep(self.heartbeat)
             results[step] = payload.get("result") if isinstance(payload, dict) else None
         return results
 

@@ -410,3 +410,31 @@ async def test_workflow_steps_are_recorded_in_the_store(store: Store) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_workflow_step_s_run_keeps_its_result_and_fences_a_zombie(store: Store) -> None:
+    # Steps run as jobs "<workflow>/<step>"; their checkpoint holds progress, then result.
+    a, b = await started(store), await started(store)
+    try:
+        job = "bank-close/interest"
+        first = req(job, lease_ms=300)
+        assert (await a.claim(first)).status is ClaimStatus.WON
+        assert await a.set_checkpoint(lease_of(first), {"progress": {"after": 100}})
+        await wait_expired(b, job)
+        second = req(job, instance="b")
+        won = await b.claim(second)
+        assert (won.status, won.attempt, won.reason) == (ClaimStatus.WON, 2, Reason.TAKEOVER)
+        assert await b.get_checkpoint(job, SLOT) == {"progress": {"after": 100}}
+        # The zombie can neither store its result nor complete the step.
+        assert not await a.set_checkpoint(lease_of(first), {"result": "zombie"})
+        assert not await a.finish(lease_of(first), Outcome.COMPLETED)
+        assert await b.set_checkpoint(lease_of(second), {"result": {"credited": 7}})
+        assert await b.finish(lease_of(second), Outcome.COMPLETED)
+        assert await a.get_checkpoint(job, SLOT) == {"result": {"credited": 7}}
+        assert not await b.set_checkpoint(lease_of(second), {"result": "late"})
+        result = await a.check([(job, SLOT), ("bank-close/publish", SLOT)])
+        assert result.runs[(job, SLOT)].status is RunStatus.COMPLETED
+        assert ("bank-close/publish", SLOT) not in result.runs
+    finally:
+        await a.close()
+        await b.close()

@@ -456,3 +456,20 @@ def test_sync_scheduler_declares_workflows_and_reads_recovery_logs() -> None:
     assert [(e.step, e.event) for e in log] == [
         ("one", "started"), ("one", "completed"), ("two", "started"), ("two", "completed")]
     assert step_job("w", "two") in s.jobs
+
+
+async def test_a_result_that_is_not_json_fails_the_step(store: Store) -> None:
+    s = make(store, "a")
+    close = s.workflow("close", every="1h")
+    close.step("snapshot", lambda ctx: {1, 2})  # a set: not JSON
+    close.step("interest", lambda ctx: None)
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = current_slot(s)
+        await begin(s, slot)
+        await wait_workflow(s, slot, "failed")
+        await i.stop()
+    (attempt,) = await s.history("close/snapshot")
+    assert attempt.outcome == Outcome.FAILED
+    assert attempt.error is not None and "not JSON-serialisable" in attempt.error
+    assert await s.history("close/interest") == []
