@@ -25,7 +25,7 @@ from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
 
-FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
+FAST = {"lease": "0.9s", "heartbeat": "0.2s"}
 STEPS = ("snapshot", "interest", "publish")
 
 
