@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/anarchon demo
 
-## Run the whole test suite against servers the harness starts itself.
+## Run the whole test suite against servers the harness starts itself (two workers: most
+## tests wait on leases and timers, not on the CPU).
 test: $(STAMP) system-deps
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 ## ruff and mypy --strict on the library.
 lint: $(STAMP)
