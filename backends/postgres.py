@@ -702,11 +702,20 @@ class PostgresBackend(Backend):
         raising :class:`LeaseLost` otherwise; the block writes its effects through
         :meth:`FencedTransaction.execute`; on a normal exit the run and its attempt are
         marked ``completed`` in the same commit. An exception rolls everything back.
+
+        A backend built on one connection refuses it (:class:`ConfigurationError`): the
+        heartbeats of the instance's other runs would wait behind the transaction.
         """
         return self._fenced(lease)
 
     @asynccontextmanager
     async def _fenced(self, lease: Lease) -> AsyncIterator[FencedTransaction]:
+        if not self._adapter.concurrent:
+            raise ConfigurationError(
+                "ctx.transaction() needs a PostgresBackend built on a pool or a DSN: on one "
+                "connection, the instance's heartbeats wait for the transaction to end, so "
+                "its other runs could be taken over; pass a DSN or a psycopg pool"
+            )
         async with self._adapter.transaction() as tx:
             held = await tx.all(self._sql.lock_held_run, (lease.job, lease.slot, lease.token))
             if not held:
