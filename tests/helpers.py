@@ -1,4 +1,5 @@
-"""Helpers for tests: waiting for a state with a deadline, and instances run in tasks."""
+"""Helpers for tests: waiting for a state with a deadline, instances run in tasks, and
+schedules that cannot fire while a test runs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from lease_core import Attempt, Scheduler
+from lease_core.abc import Backend
+
+HOUR_MS = 3_600_000
 
 
 async def wait_for(
@@ -50,6 +54,32 @@ async def wait_history(
 
     await wait_for(check, timeout=timeout, what=what)
     return found
+
+
+async def store_now_ms(backend: Backend) -> int:
+    """Read the store's clock through ``backend``, which is started and closed here.
+
+    Pass a backend object of its own (``store.backend()``): the one a scheduler will
+    use is started by the scheduler.
+    """
+    await backend.start()
+    try:
+        return await backend.now_ms()
+    finally:
+        await backend.close()
+
+
+def quiet_offset(now_ms: int, interval_ms: int = HOUR_MS) -> float:
+    """An ``offset`` (seconds) that puts ``now_ms`` half an interval from any slot.
+
+    ``every(name, "1h", offset=quiet_offset(now))`` declares a job whose current slot began
+    half an hour before ``now`` and whose next slot is half an hour after it: its job
+    loop claims nothing while a test runs, whatever the wall-clock time (a plain ``"1h"``
+    job fires at the top of every hour, midnight included). Tests that mean a run to
+    happen claim the current slot explicitly. ``now_ms`` is the store's clock (see
+    :func:`store_now_ms`), which is the clock slots follow.
+    """
+    return ((now_ms - interval_ms // 2) % interval_ms) / 1000
 
 
 class Instance:

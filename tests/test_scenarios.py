@@ -1,7 +1,9 @@
 """Scheduler scenarios through the public API, on every store that runs scenarios.
 
 Instances are schedulers running in their own tasks (see tests/helpers.py); slots are one
-second apart, leases short, and every wait has a deadline.
+second apart, leases short, and every wait has a deadline. Tests about one run declare an
+hourly job whose next slot is half an hour away (``quiet``) and claim its current slot
+themselves, so no slot of the schedule fires while they run.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 
 from lease_core import Outcome, Reason, RunContext, Scheduler
 from lease_core._structures import Lease
-from tests.helpers import Instance, wait_for, wait_history
+from tests.helpers import Instance, quiet_offset, store_now_ms, wait_for, wait_history
 from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
@@ -27,6 +29,11 @@ FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
 def make(store: Store, name: str, **kw: Any) -> Scheduler:
     options = {**FAST, **kw}
     return Scheduler(store.backend(), instance_id=name, **options)
+
+
+async def quiet(store: Store) -> float:
+    """The offset of an hourly job whose next slot is half an hour from the store's now."""
+    return quiet_offset(await store_now_ms(store.backend()))
 
 
 async def test_three_instances_run_each_slot_exactly_once(store: Store) -> None:
@@ -57,13 +64,14 @@ async def test_three_instances_run_each_slot_exactly_once(store: Store) -> None:
 
 
 async def test_crashed_instance_is_taken_over_with_attempt_2(store: Store) -> None:
+    offset = await quiet(store)
     started: list[tuple[str, int, int]] = []
     release = anyio.Event()
 
     def build(name: str) -> Scheduler:
         s = make(store, name)
 
-        @s.every("long", "1h")
+        @s.every("long", "1h", offset=offset)
         async def long(ctx: RunContext) -> None:
             started.append((name, ctx.attempt, ctx.slot))
             await ctx.checkpoint.set({"by": name, "attempt": ctx.attempt})
@@ -72,8 +80,7 @@ async def test_crashed_instance_is_taken_over_with_attempt_2(store: Store) -> No
         return s
 
     a, b = build("a"), build("b")
-    # Seed the store so the job's next slot runs: the first slot of an unseen job is
-    # the next one, which is up to an hour away. Claim the current slot directly.
+    # The job's next slot is half an hour away: claim the current slot directly.
     async with anyio.create_task_group() as tg:
         ia = await Instance(a).start(tg)
         slot = a.jobs["long"].schedule.previous_at_or_before(a.store_now_ms())
@@ -102,12 +109,13 @@ async def test_crashed_instance_is_taken_over_with_attempt_2(store: Store) -> No
 
 
 async def test_stop_hands_over_well_before_the_lease_expires(store: Store) -> None:
+    offset = await quiet(store)
     progress: list[tuple[str, int, Any]] = []
 
     def build(name: str) -> Scheduler:
         s = make(store, name, lease="20s")
 
-        @s.every("batch", "1h")
+        @s.every("batch", "1h", offset=offset)
         async def batch(ctx: RunContext) -> None:
             done = await ctx.checkpoint.get() or 0
             progress.append((name, ctx.attempt, done))
@@ -147,10 +155,11 @@ async def test_stop_hands_over_well_before_the_lease_expires(store: Store) -> No
 
 
 async def test_stop_grace_cancels_a_stubborn_handler_and_hands_it_over(store: Store) -> None:
+    offset = await quiet(store)
     cancelled = anyio.Event()
     a = make(store, "a")
 
-    @a.every("stubborn", "1h")
+    @a.every("stubborn", "1h", offset=offset)
     async def stubborn(ctx: RunContext) -> None:
         try:
             await anyio.sleep_forever()
@@ -249,12 +258,13 @@ async def test_failed_handler_records_the_error(store: Store) -> None:
 
 
 async def test_escalation_after_max_attempts_stops_takeovers(store: Store) -> None:
+    offset = await quiet(store)
     attempts: list[int] = []
 
     def build(name: str) -> Scheduler:
         s = make(store, name)
 
-        @s.every("fragile", "1h", max_attempts=2)
+        @s.every("fragile", "1h", max_attempts=2, offset=offset)
         async def fragile(ctx: RunContext) -> None:
             attempts.append(ctx.attempt)
             await anyio.sleep_forever()
@@ -389,6 +399,7 @@ async def test_local_clock_skew_changes_nothing(store: Store, skew: float) -> No
 
 
 async def test_sync_handler_runs_in_a_thread_without_blocking_heartbeats(store: Store) -> None:
+    offset = await quiet(store)
     threads: list[int] = []
     a, b = make(store, "a"), make(store, "b")
 
@@ -398,8 +409,8 @@ async def test_sync_handler_runs_in_a_thread_without_blocking_heartbeats(store: 
         time.sleep(2.0)
         ctx.checkpoint.set_sync({"thread": True})
 
-    a.every("sync", "1h", blocking)
-    b.every("sync", "1h", blocking)
+    a.every("sync", "1h", blocking, offset=offset)
+    b.every("sync", "1h", blocking, offset=offset)
     async with anyio.create_task_group() as tg:
         ia, ib = await Instance(a).start(tg), await Instance(b).start(tg)
         slot = a.jobs["sync"].schedule.previous_at_or_before(a.store_now_ms())
@@ -420,11 +431,12 @@ async def test_sync_handler_runs_in_a_thread_without_blocking_heartbeats(store: 
 
 
 async def test_lease_loss_cancels_the_handler_at_once(store: Store) -> None:
+    offset = await quiet(store)
     a = make(store, "a", lease="20s")
     tokens: list[Lease] = []
     cancelled = anyio.Event()
 
-    @a.every("victim", "1h")
+    @a.every("victim", "1h", offset=offset)
     async def victim(ctx: RunContext) -> None:
         tokens.append(Lease(ctx.job, ctx.slot, ctx.token, 20_000))
         try:
@@ -495,6 +507,7 @@ async def test_one_heartbeat_and_one_check_per_tick_whatever_the_number_of_jobs(
     store: Store,
 ) -> None:
     """Twenty held runs and twenty watched runs cost one call of each per tick."""
+    offset = await quiet(store)
     calls: Counter[str] = Counter()
 
     class Counting:
@@ -519,7 +532,7 @@ async def test_one_heartbeat_and_one_check_per_tick_whatever_the_number_of_jobs(
     def build(name: str) -> Scheduler:
         s = make(store, name, lease="2s", heartbeat="0.25s")
         for i in range(20):
-            s.every(f"job{i}", "1h", wait)
+            s.every(f"job{i}", "1h", wait, offset=offset)
         return s
 
     holder, backup = build("holder"), build("backup")
