@@ -82,6 +82,25 @@ def quiet_offset(now_ms: int, interval_ms: int = HOUR_MS) -> float:
     return ((now_ms - interval_ms // 2) % interval_ms) / 1000
 
 
+async def wait_mid_slot(scheduler: Scheduler, interval_ms: int = 1000) -> None:
+    """Wait until the store's clock is in the middle of an ``interval_ms`` slot.
+
+    Stopping instances of a job that fires every ``interval_ms`` then races no claim:
+    a claim still in flight when an instance stops is handed over unrun, and would show
+    up in the history as a run nobody executed.
+    """
+    low, high = interval_ms * 3 // 10, interval_ms * 6 // 10
+    await wait_for(lambda: low <= scheduler.store_now_ms() % interval_ms < high,
+                   interval=0.005, what="the middle of a slot")
+
+
+async def stop_all(instances: list[Instance], grace: float = 0.0) -> None:
+    """Stop ``instances`` together (so quickly, and none outlives the others' stop)."""
+    async with anyio.create_task_group() as tg:
+        for instance in instances:
+            tg.start_soon(instance.stop, grace)
+
+
 class Instance:
     """A scheduler running in its own task, as one process of a fleet would.
 

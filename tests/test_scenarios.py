@@ -20,7 +20,15 @@ import pytest
 
 from lease_core import Outcome, Reason, RunContext, Scheduler
 from lease_core._structures import HeartbeatResult, Lease
-from tests.helpers import Instance, quiet_offset, store_now_ms, wait_for, wait_history
+from tests.helpers import (
+    Instance,
+    quiet_offset,
+    stop_all,
+    store_now_ms,
+    wait_for,
+    wait_history,
+    wait_mid_slot,
+)
 from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
@@ -54,8 +62,9 @@ async def test_three_instances_run_each_slot_exactly_once(store: Store) -> None:
     async with anyio.create_task_group() as tg:
         instances = [await Instance(s).start(tg) for s in schedulers]
         await wait_for(lambda: len({slot for slot, _ in ran}) >= 3, timeout=10, what="3 slots")
-        for i in instances:
-            await i.stop()
+        # Stop between two slots: a claim in flight would be handed over, not run.
+        await wait_mid_slot(schedulers[0])
+        await stop_all(instances)
     counts = Counter(slot for slot, _ in ran)
     assert counts and max(counts.values()) == 1, counts
     history = await schedulers[0].history("tick")
@@ -391,8 +400,9 @@ async def test_local_clock_skew_changes_nothing(store: Store, skew: float) -> No
     async with anyio.create_task_group() as tg:
         ia, ib = await Instance(a).start(tg), await Instance(b).start(tg)
         await wait_for(lambda: len({r[0] for r in ran}) >= 3, timeout=10, what="3 slots")
-        await ia.stop()
-        await ib.stop()
+        # Stop between two slots: a run cancelled mid-handler would run again elsewhere.
+        await wait_mid_slot(a)
+        await stop_all([ia, ib])
     counts = Counter(slot for slot, _, _ in ran)
     assert max(counts.values()) == 1
     # No slot fired early by the store's clock, nor was claimed more than a second late
