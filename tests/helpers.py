@@ -82,6 +82,15 @@ def quiet_offset(now_ms: int, interval_ms: int = HOUR_MS) -> float:
     return ((now_ms - interval_ms // 2) % interval_ms) / 1000
 
 
+def quiet_cron(now_ms: int) -> str:
+    """A daily cron expression (UTC) whose fire times are 11 to 12 hours from ``now_ms``.
+
+    A fixed time such as ``"0 3 * * *"`` fires mid-test when the suite runs across 03:00.
+    """
+    hour = (now_ms // HOUR_MS + 12) % 24
+    return f"0 {hour} * * *"
+
+
 async def wait_mid_slot(scheduler: Scheduler, interval_ms: int = 1000) -> None:
     """Wait until the store's clock is in the middle of an ``interval_ms`` slot.
 

@@ -19,7 +19,7 @@ from lease_core import (
     Scheduler,
 )
 from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease
-from tests.helpers import HOUR_MS, Instance, quiet_offset, wait_for, wait_history
+from tests.helpers import HOUR_MS, Instance, quiet_cron, quiet_offset, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
 
@@ -176,6 +176,16 @@ def test_quiet_offset_puts_now_half_an_hour_from_any_slot(now_ms: int) -> None:
     schedule = s.jobs["j"].schedule
     assert schedule.previous_at_or_before(now_ms) == now_ms - HOUR_MS // 2
     assert schedule.next_after(now_ms) == now_ms + HOUR_MS // 2
+
+
+@pytest.mark.parametrize("now_ms", [0, HOUR_MS - 1, 3 * HOUR_MS, 1_800_000_000_000 + 1_234_567])
+def test_quiet_cron_fires_11_to_12_hours_from_now(now_ms: int) -> None:
+    s = Scheduler(MemoryBackend(), instance_id="a")
+    s.cron("j", quiet_cron(now_ms), lambda ctx: None)
+    schedule = s.jobs["j"].schedule
+    assert 11 * HOUR_MS < schedule.next_after(now_ms) - now_ms <= 12 * HOUR_MS
+    previous = schedule.previous_at_or_before(now_ms)
+    assert previous is not None and 12 * HOUR_MS <= now_ms - previous < 13 * HOUR_MS
 
 
 async def test_a_quiet_hourly_job_does_not_fire_when_the_store_clock_crosses_midnight() -> None:
