@@ -15,7 +15,7 @@ import pytest
 
 from backends.embedded.postgres import EmbeddedPostgres
 from lease_core import Outcome, PostgresBackend, Reason, RunContext, Scheduler
-from lease_core._structures import HeartbeatResult, Lease
+from lease_core.abc import HeartbeatResult, Lease
 from tests.helpers import Instance, quiet_offset, store_now_ms, wait_for, wait_history
 
 pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only]

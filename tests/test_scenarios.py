@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 from lease_core import Outcome, Reason, RunContext, Scheduler
-from lease_core._structures import HeartbeatResult, Lease
+from lease_core.abc import HeartbeatResult, Lease
 from tests.helpers import (
     Instance,
     quiet_offset,
