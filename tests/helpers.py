@@ -82,6 +82,19 @@ def quiet_offset(now_ms: int, interval_ms: int = HOUR_MS) -> float:
     return ((now_ms - interval_ms // 2) % interval_ms) / 1000
 
 
+def quiet_offset_now() -> float:
+    """An hourly ``offset`` (seconds) whose slots are at least 15 minutes from now.
+
+    Slots are at :00 when this machine's clock is between :15 and :45 past the hour, at
+    :30 otherwise. Unlike :func:`quiet_offset`, the answer only changes at :15 and :45,
+    so schedulers of one test that each call it declare the same slots. For stores that
+    follow this machine's clock: the servers the suite starts, and a memory backend
+    without an injected clock.
+    """
+    minute = int(time.time()) % 3600 // 60
+    return 0.0 if 15 <= minute < 45 else 1800.0
+
+
 def quiet_cron(now_ms: int) -> str:
     """A daily cron expression (UTC) whose fire times are 11 to 12 hours from ``now_ms``.
 

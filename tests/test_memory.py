@@ -19,7 +19,15 @@ from lease_core import (
     Scheduler,
 )
 from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease
-from tests.helpers import HOUR_MS, Instance, quiet_cron, quiet_offset, wait_for, wait_history
+from tests.helpers import (
+    HOUR_MS,
+    Instance,
+    quiet_cron,
+    quiet_offset,
+    quiet_offset_now,
+    wait_for,
+    wait_history,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -176,6 +184,23 @@ def test_quiet_offset_puts_now_half_an_hour_from_any_slot(now_ms: int) -> None:
     schedule = s.jobs["j"].schedule
     assert schedule.previous_at_or_before(now_ms) == now_ms - HOUR_MS // 2
     assert schedule.next_after(now_ms) == now_ms + HOUR_MS // 2
+
+
+def test_quiet_offset_now_keeps_slots_15_minutes_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = 1_800_000_000 - 1_800_000_000 % 3600  # the top of an hour
+    offsets = set()
+    for second in range(0, 3600, 7):
+        now = base + second + 0.5
+        monkeypatch.setattr(time, "time", lambda now=now: now)
+        offset = quiet_offset_now()
+        offsets.add(offset)
+        s = Scheduler(MemoryBackend(), instance_id="a")
+        s.every("j", "1h", lambda ctx: None, offset=offset)
+        schedule, now_ms = s.jobs["j"].schedule, int(now * 1000)
+        assert schedule.next_after(now_ms) - now_ms >= 15 * 60_000
+        previous = schedule.previous_at_or_before(now_ms)
+        assert previous is not None and now_ms - previous >= 15 * 60_000
+    assert offsets == {0.0, 1800.0}
 
 
 @pytest.mark.parametrize("now_ms", [0, HOUR_MS - 1, 3 * HOUR_MS, 1_800_000_000_000 + 1_234_567])
