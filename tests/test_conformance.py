@@ -85,10 +85,15 @@ async def test_finish_records_outcome_and_later_claims_see_finished(store: Store
 async def test_stale_token_is_refused_everywhere(store: Store) -> None:
     a = await started(store)
     try:
-        r = req("j", lease_ms=SHORT)
+        r = req("j")
         await a.claim(r)
         old = lease_of(r)
         assert await a.set_checkpoint(old, {"done": 1})
+        # The holder's last renewal asks for a short lease (renewals set an absolute
+        # expiry), then it stalls past it: the lease is live for as long as the test
+        # needs it, however slow the machine, and expires when the test means it to.
+        renewal = Lease(r.job, r.slot, r.token, SHORT)
+        assert r.token in (await a.heartbeat([renewal])).held
         await wait_expired(a, "j")
         r2 = req("j", instance="b")
         took = await a.claim(r2)
