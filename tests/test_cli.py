@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
