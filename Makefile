@@ -17,9 +17,10 @@ demo: $(STAMP)
 	$(VENV)/bin/anarchon demo
 	$(VENV)/bin/anarchon demo --workflow bank-close
 
-## Run the whole test suite against servers the harness starts itself.
+## Run the whole test suite against servers the harness starts itself (two workers: most
+## tests wait on leases and timers, not on the CPU).
 test: $(STAMP) system-deps
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 ## ruff and mypy --strict on the library.
 lint: $(STAMP)

@@ -364,6 +364,8 @@ async def _transaction(conn: Any, where: str) -> AsyncIterator[Executor]:
 class Pg8000ConnectionAdapter(SqlAdapter):
     """Queue statements, one at a time, on one pg8000 connection; never closed."""
 
+    concurrent = False
+
     anyio_backends = ("asyncio", "trio")
 
     def __init__(self, conn: Any) -> None:

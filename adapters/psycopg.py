@@ -335,6 +335,8 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
 class PsycopgConnectionAdapter(SqlAdapter):
     """Queue statements, one at a time, on one psycopg ``AsyncConnection``; never closed."""
 
+    concurrent = False
+
     def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
         super().__init__(owned=False)
         self.conn = conn
@@ -360,6 +362,8 @@ class PsycopgConnectionAdapter(SqlAdapter):
 
 class PsycopgSyncConnectionAdapter(SqlAdapter):
     """Queue statements on one sync psycopg ``Connection``, in worker threads; never closed."""
+
+    concurrent = False
 
     anyio_backends = ("asyncio", "trio")
 

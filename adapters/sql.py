@@ -72,6 +72,9 @@ class SqlAdapter(ABC):
 
     #: Event loops this adapter works on.
     anyio_backends: tuple[str, ...] = ("asyncio",)
+    #: Whether a statement can run while a transaction is open (False for one connection,
+    #: where the statement waits for the transaction to end).
+    concurrent: bool = True
 
     def __init__(self, *, owned: bool) -> None:
         self.owned = owned

@@ -33,7 +33,7 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
+from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
 from lease_core.errors import ConfigurationError
 
 __all__ = ["MemoryBackend"]
@@ -231,19 +231,37 @@ class MemoryBackend(Backend):
                 return
 
     def _trim(self, req: ClaimRequest, now: int) -> None:
-        history = self._attempts[req.job]
-        keep = history[-req.history_size:] if req.history_size > 0 else []
-        if req.history_ttl_ms is not None:
-            cutoff = ms_to_datetime(now - req.history_ttl_ms)
-            keep = [a for a in keep if a.finished_at is None or a.finished_at >= cutoff]
-        if len(keep) != len(history):
-            self._attempts[req.job] = keep
+        self._trim_job(req.job, req.history_size, req.history_ttl_ms, now)
+
+    def _trim_job(self, job: str, size: int | None, ttl_ms: int | None, now: int,
+                  batch: int = 1000) -> int:
+        history = self._attempts.get(job, [])
+        doomed: set[int] = set()
+        if size is not None and len(history) > size:
+            doomed.update(range(min(len(history) - size, batch)))
+        if ttl_ms is not None:
+            cutoff = ms_to_datetime(now - ttl_ms)
+            old = [i for i, a in enumerate(history)
+                   if a.finished_at is not None and a.finished_at < cutoff]
+            doomed.update(old[:batch])
+        if doomed:
+            keep = [a for i, a in enumerate(history) if i not in doomed]
+            self._attempts[job] = keep
             slots = {a.slot for a in keep}
             for key in [
                 k for k, r in self._runs.items()
-                if k[0] == req.job and r.status.finished and k[1] not in slots
+                if k[0] == job and r.status.finished and k[1] not in slots
             ]:
                 del self._runs[key]
+        return len(doomed)
+
+    async def prune(self, job: str, *, keep: int | None = None,
+                    older_than_ms: int | None = None, batch: int = 1000) -> int:
+        """Trim ``job``'s history (see :meth:`Backend.prune`)."""
+        check_prune(keep, older_than_ms, batch)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return self._trim_job(job, keep, older_than_ms, self._now(), batch)
 
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:
         run = self._runs.get((lease.job, lease.slot))

@@ -80,7 +80,7 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
+from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
 from lease_core.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -106,6 +106,8 @@ FORMAT_VERSION = 1
 #: the columns it keeps. ``start()`` upgrades an older store (privileged user) or refuses
 #: it with an error naming ``anarchon migrate``.
 CODE_VERSION = 2
+#: OFFSET for "keep every attempt" (a NULL offset would keep none).
+_NO_LIMIT = 2**62
 #: The most old attempts one claim deletes (trimming is incremental).
 TRIM_BATCH = 100
 #: How long (ms) creation and upgrades wait for a table lock held by work in flight.
@@ -660,6 +662,14 @@ class PostgresBackend(Backend):
         rows = await self._adapter.all(self._sql.read_workflows)
         return {str(name): [str(s) for s in json.loads(value)] for name, value in rows}
 
+    async def prune(self, job: str, *, keep: int | None = None,
+                    older_than_ms: int | None = None, batch: int = 1000) -> int:
+        """Trim ``job``'s history with one statement (see :meth:`Backend.prune`)."""
+        check_prune(keep, older_than_ms, batch)
+        rows = await self._adapter.all(self._sql.trim_job, (
+            job, _NO_LIMIT if keep is None else keep, batch, job, older_than_ms, batch, job, job))
+        return int(rows[0][0])
+
     async def jobs(self) -> list[str]:
         """Return every job in ``<table>_jobs``, sorted."""
         return [str(row[0]) for row in await self._adapter.all(self._sql.list_jobs)]
@@ -702,11 +712,20 @@ class PostgresBackend(Backend):
         raising :class:`LeaseLost` otherwise; the block writes its effects through
         :meth:`FencedTransaction.execute`; on a normal exit the run and its attempt are
         marked ``completed`` in the same commit. An exception rolls everything back.
+
+        A backend built on one connection refuses it (:class:`ConfigurationError`): the
+        heartbeats of the instance's other runs would wait behind the transaction.
         """
         return self._fenced(lease)
 
     @asynccontextmanager
     async def _fenced(self, lease: Lease) -> AsyncIterator[FencedTransaction]:
+        if not self._adapter.concurrent:
+            raise ConfigurationError(
+                "ctx.transaction() needs a PostgresBackend built on a pool or a DSN: on one "
+                "connection, the instance's heartbeats wait for the transaction to end, so "
+                "its other runs could be taken over; pass a DSN or a psycopg pool"
+            )
         async with self._adapter.transaction() as tx:
             held = await tx.all(self._sql.lock_held_run, (lease.job, lease.slot, lease.token))
             if not held:

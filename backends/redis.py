@@ -77,7 +77,7 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, decode_checkpoint, encode_checkpoint
+from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
 __all__ = ["SCRIPTS", "STORE_FORMAT", "RedisBackend", "Script"]
@@ -90,7 +90,7 @@ STORE_FORMAT = 1
 
 _PREFIX = re.compile(r"[A-Za-z0-9_.:\-]{1,200}")
 _SCRIPTS = ("open_store", "claim", "heartbeat", "finish", "hand_over", "checkpoint",
-            "register", "history")
+            "register", "history", "trim")
 
 
 @dataclass(frozen=True)
@@ -500,6 +500,18 @@ class RedisBackend(Backend):
             if name.startswith(_WORKFLOW_FIELD):
                 found[name[len(_WORKFLOW_FIELD):]] = [str(s) for s in json.loads(_text(value))]
         return found
+
+    async def prune(self, job: str, *, keep: int | None = None,
+                    older_than_ms: int | None = None, batch: int = 1000) -> int:
+        """Trim ``job``'s history with one script (see :meth:`Backend.prune`)."""
+        check_prune(keep, older_than_ms, batch)
+        keys = self._job_keys(job)
+        (count,) = await self._run([self._eval(
+            "trim", [keys["hist"], keys["att"], keys["done"], keys["orphan"]],
+            ["" if keep is None else keep, "" if older_than_ms is None else older_than_ms,
+             f"{self._tag(job)}:run:", batch],
+        )])
+        return int(count)
 
     async def jobs(self) -> list[str]:
         """Return every job under the prefix, sorted."""

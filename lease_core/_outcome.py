@@ -38,14 +38,21 @@ class Ending:
 
 
 def classify(exc: BaseException) -> type[Exception] | None:
-    """StopRequested or LeaseLost when ``exc`` is one, or a group of only those."""
+    """StopRequested or LeaseLost when ``exc`` is one, or a group of only those.
+
+    A group holding both is LeaseLost: the run is no longer this attempt's to hand over.
+    """
     for kind in (StopRequested, LeaseLost):
         if isinstance(exc, kind):
             return kind
-        if isinstance(exc, BaseExceptionGroup):
-            match, rest = exc.split(kind)
-            if match is not None and rest is None:
-                return kind
+    if isinstance(exc, BaseExceptionGroup):
+        lost, rest = exc.split(LeaseLost)
+        if rest is not None:
+            _stop, rest = rest.split(StopRequested)
+            if rest is not None:
+                return None
+            return LeaseLost if lost is not None else StopRequested
+        return LeaseLost
     return None
 
 

@@ -253,8 +253,10 @@ async def read_recovery_log(backend: Backend, name: str, slot: int,
     if found is None:
         return None
     run, attempts = found
-    workflow = name if run["kind"] == "workflow" else None
-    return [e.as_json() for e in recovery_log(attempts, workflow=workflow)]
+    if run["kind"] != "workflow":
+        return [e.as_json() for e in recovery_log(attempts)]
+    steps = [step["name"] for step in run["steps"]]
+    return [e.as_json() for e in recovery_log(attempts, workflow=name, steps=steps)]
 
 
 async def _read(backend: Backend, name: str, slot: int,

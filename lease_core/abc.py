@@ -92,6 +92,7 @@ __all__ = [
     "RunInfo",
     "RunState",
     "RunStatus",
+    "check_prune",
     "decode_checkpoint",
     "encode_checkpoint",
 ]
@@ -111,6 +112,15 @@ def encode_checkpoint(value: object) -> str:
 def decode_checkpoint(text: str | None) -> Any:
     """Parse checkpoint JSON text; ``None`` (no checkpoint) stays ``None``."""
     return None if text is None else json.loads(text)
+
+
+def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None:
+    """Validate the arguments of :meth:`Backend.prune` (``ConfigurationError`` naming them)."""
+    for name, value in (("keep", keep), ("older_than_ms", older_than_ms)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ConfigurationError(f"{name}={value!r} must be a whole number, 0 or more")
+    if not isinstance(batch, int) or batch < 1:
+        raise ConfigurationError(f"batch={batch!r} must be a whole number, 1 or more")
 
 
 def _run_status(attempt: Attempt) -> RunStatus:
@@ -227,6 +237,20 @@ class Backend(ABC):
     async def workflows(self) -> dict[str, list[str]]:
         """Return every recorded workflow's steps, in order (see :meth:`register_workflows`)."""
         return dict(self.__dict__.get("_workflows_here", {}))
+
+    async def prune(self, job: str, *, keep: int | None = None,
+                    older_than_ms: int | None = None, batch: int = 1000) -> int:
+        """Trim ``job``'s history now, as a claim does, without claiming anything.
+
+        Deletes the attempts beyond the newest ``keep`` (``None``: no limit) and those that
+        finished more than ``older_than_ms`` ago on the store's clock (``None``: none), at
+        most ``batch`` of each kind per call, then the finished runs (and checkpoints) left
+        with no attempt. Open runs are never deleted. Returns how many attempts were
+        deleted: call again while it returns a full batch. The default deletes nothing;
+        every built-in backend implements it.
+        """
+        check_prune(keep, older_than_ms, batch)
+        return 0
 
     async def jobs(self) -> list[str]:
         """Return the name of every job the store knows, sorted.

@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--job", default=None, help="only this job (default: every job)")
     _namespace_options(status)
     status.add_argument("--json", action="store_true", help="print a JSON object")
+    prune = sub.add_parser(
+        "prune", help="delete history older than a duration (finished runs and attempts)")
+    prune.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
+    prune.add_argument("--older-than", required=True,
+                       help="delete attempts that finished longer ago than this ('30d', '12h')")
+    prune.add_argument("--job", default=None, help="only this job (default: every job)")
+    _namespace_options(prune)
     serve = sub.add_parser(
         "serve", help="serve the read-only status API and page over HTTP (extra 'http')")
     serve.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
@@ -182,8 +189,30 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "serve":
         return _serve(args)
-    result: int = anyio.run(_status if args.command == "status" else _history, args)
+    command = {"status": _status, "prune": _prune}.get(args.command, _history)
+    result: int = anyio.run(command, args)
     return result
+
+
+async def _prune(args: argparse.Namespace) -> int:
+    from ._durations import parse_duration, to_ms
+
+    older_than = to_ms(parse_duration(args.older_than, what="--older-than"))
+    backend = _backend(args)
+    await backend.start()
+    try:
+        jobs = [args.job] if args.job else await backend.jobs()
+        total = 0
+        for job in jobs:
+            deleted = batch = 1000
+            while deleted == batch:
+                deleted = await backend.prune(job, older_than_ms=older_than, batch=batch)
+                total += deleted
+    finally:
+        await backend.close()
+    print(f"anarchon prune: deleted {total} attempts that finished more than "
+          f"{args.older_than} ago, from {len(jobs)} jobs")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -66,6 +66,11 @@ H = TypeVar("H", bound=Handler)
 
 #: Events a subscriber may fall behind by; later ones are dropped (and counted).
 EVENT_BUFFER = 1000
+#: Worker threads for sync handlers (beyond them, handlers wait to start). They are not
+#: anyio's default threads, which the store's blocking drivers use for heartbeats.
+HANDLER_THREADS = 256
+#: Worker threads for sync event subscribers, all of a scheduler's together.
+SUBSCRIBER_THREADS = 8
 #: Catch-up never looks further back than this (milliseconds).
 CATCH_UP_WINDOW_MS = 24 * 3_600_000
 #: ``catch_up="all"`` runs at most this many missed slots per job.
@@ -304,6 +309,11 @@ class Scheduler:
         self._events_tg: TaskGroup | None = None
         self._events_dropped = 0
         self._receivers: list[MemoryObjectReceiveStream[ev.Event]] = []
+        self._failure: BaseException | None = None
+        """What ended a scheduler started with :meth:`start` unexpectedly; :meth:`stop`
+        raises it."""
+        self._handler_threads: anyio.CapacityLimiter | None = None
+        self._subscriber_threads: anyio.CapacityLimiter | None = None
         self._attempts: dict[str, _AttemptInfo] = {}
         self._state = SchedulerState.STOPPED
         self._tg: TaskGroup | None = None
@@ -647,6 +657,13 @@ class Scheduler:
         self._claims_in_flight = 0
         self._claims_idle = anyio.Event()
         self._caught_up = {}
+        self._failure = None
+        self._store_down_since = None
+        self._clock_samples = _ClockSamples()
+        # Sync handlers and subscribers get worker threads of their own, so that however
+        # many of them block, the store's blocking drivers keep anyio's default threads.
+        self._handler_threads = anyio.CapacityLimiter(HANDLER_THREADS)
+        self._subscriber_threads = anyio.CapacityLimiter(SUBSCRIBER_THREADS)
 
     async def start(self) -> None:
         """Start the backend, register the jobs, and begin claiming and backing up.
@@ -703,6 +720,7 @@ class Scheduler:
                 status.error = exc
             else:
                 logger.error("scheduler %s ended unexpectedly", self.instance_id, exc_info=exc)
+                self._failure = exc
         finally:
             status.event.set()
             self._host_task = None
@@ -794,9 +812,9 @@ class Scheduler:
         if not callable(callback):
             raise ConfigurationError(f"subscribe({callback!r}): the callback must be callable")
         sub = _Subscriber(callback, _is_async(callback))
-        self._subscribers.append(sub)
         if self._events_tg is not None:
-            self._open_subscriber(sub)
+            self._open_subscriber(sub)  # raises, registering nothing, off the loop's thread
+        self._subscribers.append(sub)
 
         def unsubscribe() -> None:
             if sub in self._subscribers:
@@ -813,9 +831,17 @@ class Scheduler:
 
     def _open_subscriber(self, sub: _Subscriber) -> None:
         assert self._events_tg is not None
-        sub.send, receive = anyio.create_memory_object_stream[ev.Event](EVENT_BUFFER)
+        send, receive = anyio.create_memory_object_stream[ev.Event](EVENT_BUFFER)
+        dispatch = self._dispatch(sub, receive)
+        try:
+            self._events_tg.start_soon(lambda: dispatch)
+        except BaseException:
+            dispatch.close()
+            send.close()
+            receive.close()
+            raise
+        sub.send = send
         self._receivers.append(receive)
-        self._events_tg.start_soon(self._dispatch, sub, receive)
 
     def _close_subscribers(self, *, senders_only: bool = False) -> None:
         for sub in self._subscribers:
@@ -841,6 +867,7 @@ class Scheduler:
 
     async def _dispatch(self, sub: _Subscriber,
                         receive: MemoryObjectReceiveStream[ev.Event]) -> None:
+        _INSIDE.set(self)  # stop() or abort() from a subscriber only requests it
         with receive, contextlib.suppress(anyio.ClosedResourceError):
             async for event in receive:
                 try:
@@ -848,7 +875,8 @@ class Scheduler:
                         await sub.callback(event)
                     else:
                         await anyio.to_thread.run_sync(sub.callback, event,
-                                                       abandon_on_cancel=True)
+                                                       abandon_on_cancel=True,
+                                                       limiter=self._subscriber_threads)
                 except Exception as exc:
                     logger.error("event subscriber %r failed on %s", sub.callback,
                                  type(event).__name__, exc_info=exc)
@@ -878,11 +906,19 @@ class Scheduler:
         the scheduler is stopped and the store closed; a no-op when it is stopped.
 
         May be awaited from any task of the event loop the scheduler runs on (called by
-        one of the scheduler's own handlers, it only requests the stop). If the caller is
-        cancelled while waiting, the scheduler is aborted (see :meth:`abort`).
+        one of the scheduler's own handlers or event subscribers, it only requests the
+        stop). If the caller is cancelled while waiting, the scheduler is aborted (see
+        :meth:`abort`). When a scheduler started with :meth:`start` had ended unexpectedly
+        (a bug, logged when it happened), ``stop()`` raises :class:`AnarchonError` from
+        its cause.
         """
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
         if self._state is SchedulerState.STOPPED:
+            failure, self._failure = self._failure, None
+            if failure is not None:
+                raise AnarchonError(
+                    f"scheduler {self.instance_id!r} had ended unexpectedly: {failure!r}"
+                ) from failure
             return
         assert self._stop_requested is not None and self._done is not None
         if not self._stop_requested.is_set():
@@ -1197,7 +1233,8 @@ class Scheduler:
                             value = await job.handler(ctx)
                         else:
                             value = await anyio.to_thread.run_sync(
-                                job.handler, ctx, abandon_on_cancel=True
+                                job.handler, ctx, abandon_on_cancel=True,
+                                limiter=self._handler_threads,
                             )
                     timed_out = timeout_scope.cancelled_caught
                 except Exception as exc:

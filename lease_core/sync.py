@@ -13,6 +13,7 @@ import enum
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -22,12 +23,13 @@ import anyio
 import anyio.from_thread
 from anyio.abc import TaskStatus
 
+from . import events as ev
 from ._durations import Duration, parse_duration
 from ._structures import Attempt
 from .abc import Backend
 from .errors import AnarchonError
 from .recovery import RecoveryEntry
-from .scheduler import Job, Scheduler
+from .scheduler import _INSIDE, Job, Scheduler
 
 __all__ = ["SyncScheduler"]
 
@@ -192,11 +194,20 @@ class SyncScheduler:
         """Stop claiming, let handlers finish for ``grace``, hand over the rest; block.
 
         Returns once every run still held is handed over and the background thread has
-        ended. A no-op when not started, so it may be called more than once.
+        ended. A no-op when not started, so it may be called more than once. Called by one
+        of the scheduler's own sync handlers, it only requests the stop and returns (the
+        handler's run can then complete); a later ``stop()`` from outside, or the
+        interpreter's exit, waits for the thread.
         """
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
         self._check_process()
         self._check_thread("stop")
+        if _INSIDE.get() is self.scheduler:
+            # Called by one of its own sync handlers: waiting would wait for the caller.
+            portal = self._portal
+            if portal is not None and self._stop_requested is not None:
+                portal.call(self._request_stop, grace_s)
+            return
         with self._lock:
             if self._state is not _State.RUNNING:
                 return
@@ -239,6 +250,28 @@ class SyncScheduler:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+    def subscribe(self, callback: Callable[[ev.Event], Any]) -> Callable[[], None]:
+        """Call ``callback`` with every event; return a function that unsubscribes it.
+
+        As :meth:`Scheduler.subscribe`, from any thread, before or after :meth:`start`
+        (while running, the subscription is made on the scheduler's own thread).
+        """
+        self._check_process()
+        with self._lock:
+            portal = self._portal if self._state is _State.RUNNING else None
+        if portal is None or threading.current_thread() is self._loop_thread:
+            return self.scheduler.subscribe(callback)
+        unsubscribe: Callable[[], None] = portal.call(self.scheduler.subscribe, callback)
+
+        def off() -> None:
+            now = self._portal
+            if now is not None and threading.current_thread() is not self._loop_thread:
+                now.call(unsubscribe)
+            else:
+                unsubscribe()
+
+        return off
 
     # ----------------------------------------------------------------- history
 

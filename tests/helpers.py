@@ -1,4 +1,5 @@
-"""Helpers for tests: waiting for a state with a deadline, and instances run in tasks."""
+"""Helpers for tests: waiting for a state with a deadline, instances run in tasks, and
+schedules that cannot fire while a test runs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from lease_core import Attempt, Scheduler
+from lease_core.abc import Backend
+
+HOUR_MS = 3_600_000
 
 
 async def wait_for(
@@ -50,6 +54,73 @@ async def wait_history(
 
     await wait_for(check, timeout=timeout, what=what)
     return found
+
+
+async def store_now_ms(backend: Backend) -> int:
+    """Read the store's clock through ``backend``, which is started and closed here.
+
+    Pass a backend object of its own (``store.backend()``): the one a scheduler will
+    use is started by the scheduler.
+    """
+    await backend.start()
+    try:
+        return await backend.now_ms()
+    finally:
+        await backend.close()
+
+
+def quiet_offset(now_ms: int, interval_ms: int = HOUR_MS) -> float:
+    """An ``offset`` (seconds) that puts ``now_ms`` half an interval from any slot.
+
+    ``every(name, "1h", offset=quiet_offset(now))`` declares a job whose current slot began
+    half an hour before ``now`` and whose next slot is half an hour after it: its job
+    loop claims nothing while a test runs, whatever the wall-clock time (a plain ``"1h"``
+    job fires at the top of every hour, midnight included). Tests that mean a run to
+    happen claim the current slot explicitly. ``now_ms`` is the store's clock (see
+    :func:`store_now_ms`), which is the clock slots follow.
+    """
+    return ((now_ms - interval_ms // 2) % interval_ms) / 1000
+
+
+def quiet_offset_now() -> float:
+    """An hourly ``offset`` (seconds) whose slots are at least 15 minutes from now.
+
+    Slots are at :00 when this machine's clock is between :15 and :45 past the hour, at
+    :30 otherwise. Unlike :func:`quiet_offset`, the answer only changes at :15 and :45,
+    so schedulers of one test that each call it declare the same slots. For stores that
+    follow this machine's clock: the servers the suite starts, and a memory backend
+    without an injected clock.
+    """
+    minute = int(time.time()) % 3600 // 60
+    return 0.0 if 15 <= minute < 45 else 1800.0
+
+
+def quiet_cron(now_ms: int) -> str:
+    """A daily cron expression (UTC) whose fire times are 11 to 12 hours from ``now_ms``.
+
+    A fixed time such as ``"0 3 * * *"`` fires mid-test when the suite runs across 03:00.
+    """
+    hour = (now_ms // HOUR_MS + 12) % 24
+    return f"0 {hour} * * *"
+
+
+async def wait_mid_slot(scheduler: Scheduler, interval_ms: int = 1000) -> None:
+    """Wait until the store's clock is in the middle of an ``interval_ms`` slot.
+
+    Stopping instances of a job that fires every ``interval_ms`` then races no claim:
+    a claim still in flight when an instance stops is handed over unrun, and would show
+    up in the history as a run nobody executed.
+    """
+    low, high = interval_ms * 3 // 10, interval_ms * 6 // 10
+    await wait_for(lambda: low <= scheduler.store_now_ms() % interval_ms < high,
+                   interval=0.005, what="the middle of a slot")
+
+
+async def stop_all(instances: list[Instance], grace: float = 0.0) -> None:
+    """Stop ``instances`` together (so quickly, and none outlives the others' stop)."""
+    async with anyio.create_task_group() as tg:
+        for instance in instances:
+            tg.start_soon(instance.stop, grace)
 
 
 class Instance:

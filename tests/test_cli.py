@@ -360,3 +360,36 @@ def test_status_needs_a_url(capsys: pytest.CaptureFixture[str]) -> None:
         main(["status"])
     assert info.value.code == 2
     assert "--url" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["postgres", "redis"])
+def test_prune_deletes_finished_history_older_than_a_duration(
+    capsys: pytest.CaptureFixture[str], kind: str, pg16_server: PgServer,
+    valkey8_server: EmbeddedRedis,
+) -> None:
+    name = "cli_" + uuid.uuid4().hex[:8]
+    if kind == "postgres":
+        url, flag = pg16_server.dsn, ["--table", name]
+        options = {"table": name}
+    else:
+        url, flag = valkey8_server.url, ["--prefix", name]
+        options = {"namespace": name}
+    try:
+        anyio.run(lambda: _seed(url, **options))
+        assert main(["prune", "--url", url, *flag, "--older-than", "1h"]) == 0
+        assert "deleted 0 attempts" in capsys.readouterr().out
+        # the failed attempt finished before the first prune began: more than 1 ms ago
+        assert main(["prune", "--url", url, *flag, "--older-than", "1ms"]) == 0
+        assert "deleted 1 attempts that finished more than 1ms ago, from 1 jobs" in \
+            capsys.readouterr().out
+        assert main(["history", "--url", url, *flag, "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert [(r["scheduled_at"], r["outcome"]) for r in rows] == [
+            ("2023-11-14T22:14:20.000+00:00", None)]  # the running attempt stays
+        assert main(["prune", "--url", url, *flag, "--older-than", "soon"]) == 2
+        assert "--older-than" in capsys.readouterr().err
+    finally:
+        if kind == "postgres":
+            anyio.run(drop_tables, pg16_server.admin_dsn, name)
+        else:
+            delete_prefix(url, name)

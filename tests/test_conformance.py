@@ -85,10 +85,15 @@ async def test_finish_records_outcome_and_later_claims_see_finished(store: Store
 async def test_stale_token_is_refused_everywhere(store: Store) -> None:
     a = await started(store)
     try:
-        r = req("j", lease_ms=SHORT)
+        r = req("j")
         await a.claim(r)
         old = lease_of(r)
         assert await a.set_checkpoint(old, {"done": 1})
+        # The holder's last renewal asks for a short lease (renewals set an absolute
+        # expiry), then it stalls past it: the lease is live for as long as the test
+        # needs it, however slow the machine, and expires when the test means it to.
+        renewal = Lease(r.job, r.slot, r.token, SHORT)
+        assert r.token in (await a.heartbeat([renewal])).held
         await wait_expired(a, "j")
         r2 = req("j", instance="b")
         took = await a.claim(r2)
@@ -410,6 +415,40 @@ async def test_workflow_steps_are_recorded_in_the_store(store: Store) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_prune_trims_a_job_without_claiming(store: Store) -> None:
+    a = await started(store)
+    try:
+        for slot in range(5):  # five finished runs, then one open
+            r = req("old", slot=SLOT + slot, overlap_skip=False)
+            await a.claim(r)
+            assert await a.finish(lease_of(r), Outcome.COMPLETED)
+        held = req("old", slot=SLOT + 10, overlap_skip=False)
+        await a.claim(held)
+        with pytest.raises(ValueError, match="keep=-1"):
+            await a.prune("old", keep=-1)
+        assert await a.prune("old", keep=10) == 0
+        assert await a.prune("old", keep=4, batch=1) == 1  # bounded work per call
+        assert await a.prune("old", keep=3) == 2
+        left = await a.history("old")
+        assert [h.slot for h in left] == [SLOT + 10, SLOT + 4, SLOT + 3]
+        # runs with no attempt left are deleted, the open run stays
+        assert {r.slot for r in await a.runs("old")} == {SLOT + 10, SLOT + 4, SLOT + 3}
+        assert await a.get_checkpoint("old", SLOT) is None
+        # by age: every finished attempt is older than 0 ms once the clock moved on
+        now = await a.now_ms()
+        await wait_for(lambda: _later(a, now), timeout=5, what="the store clock to move")
+        assert await a.prune("old", older_than_ms=0) == 2
+        assert [h.slot for h in await a.history("old")] == [SLOT + 10]
+        assert (await a.check([("old", SLOT + 10)])).runs[("old", SLOT + 10)].status is \
+            RunStatus.RUNNING
+    finally:
+        await a.close()
+
+
+async def _later(backend: Backend, ms: int) -> bool:
+    return await backend.now_ms() > ms
 
 
 async def test_a_workflow_step_s_run_keeps_its_result_and_fences_a_zombie(store: Store) -> None:

@@ -33,7 +33,7 @@ from lease_core import (
     TimedOut,
 )
 from lease_core._structures import CheckResult, ClaimRequest, ClaimResult, HeartbeatResult, Lease
-from tests.helpers import wait_for, wait_history
+from tests.helpers import quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
@@ -66,7 +66,7 @@ async def test_claim_stand_by_hand_over_take_over_and_complete(store: Store) -> 
     for name in ("a", "b"):
         s = Scheduler(store.backend(), instance_id=name, **FAST)
 
-        @s.every("long", "1h", catch_up="none")
+        @s.every("long", "1h", catch_up="none", offset=quiet_offset_now())
         async def long(ctx: RunContext) -> None:
             if ctx.attempt == 1:
                 await anyio.sleep_forever()
@@ -105,11 +105,11 @@ async def test_failed_timed_out_and_skipped() -> None:
     seen = Recorder()
     s.subscribe(seen)
 
-    @s.every("boom", "1h", catch_up="none")
+    @s.every("boom", "1h", catch_up="none", offset=quiet_offset_now())
     async def boom(ctx: RunContext) -> None:
         raise ValueError("boom")
 
-    @s.every("slow", "1h", catch_up="none", timeout="0.3s")
+    @s.every("slow", "1h", catch_up="none", offset=quiet_offset_now(), timeout="0.3s")
     async def slow(ctx: RunContext) -> None:
         await anyio.sleep_forever()
 
@@ -162,7 +162,7 @@ async def test_store_unreachable_lost_store_back_and_escalated() -> None:
     seen = Recorder()
     s.subscribe(seen)
 
-    @s.every("long", "1h", catch_up="none", max_attempts=1)
+    @s.every("long", "1h", catch_up="none", offset=quiet_offset_now(), max_attempts=1)
     async def long(ctx: RunContext) -> None:
         await anyio.sleep_forever()
 
@@ -212,7 +212,7 @@ async def test_slow_and_failing_subscribers_delay_no_heartbeat(
     seen = Recorder()
     unsubscribe = s.subscribe(seen)
 
-    @s.every("long", "1h", catch_up="none")
+    @s.every("long", "1h", catch_up="none", offset=quiet_offset_now())
     async def long(ctx: RunContext) -> None:
         # Several leases long: each must be renewed in time.
         await anyio.sleep(3.0)

@@ -22,7 +22,7 @@ from lease_core import (
     SchedulerState,
 )
 from lease_core._structures import ClaimRequest, ClaimResult, HeartbeatResult, Lease
-from tests.helpers import Instance, wait_for, wait_history
+from tests.helpers import Instance, quiet_offset, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
 
@@ -61,7 +61,8 @@ async def test_an_outage_longer_than_the_lease_cancels_and_recovers(
     cancelled = anyio.Event()
     runs: list[int] = []
 
-    @s.every("work", "1h")
+    # The next slot is half an hour away: the test claims the current one itself.
+    @s.every("work", "1h", offset=quiet_offset(await backend.now_ms()))
     async def work(ctx: RunContext) -> None:
         runs.append(ctx.attempt)
         if ctx.attempt == 1:
@@ -167,7 +168,7 @@ async def test_local_deadline_counts_from_when_the_claim_was_sent() -> None:
     s = Scheduler(backend, instance_id="a", lease="1.5s", heartbeat="0.5s")
     stopped_at: list[int] = []
 
-    @s.every("j", "1h")
+    @s.every("j", "1h", offset=quiet_offset(await backend.now_ms()))
     async def j(ctx: RunContext) -> None:
         try:
             await anyio.sleep_forever()
@@ -207,7 +208,9 @@ async def test_stop_requested_inside_a_task_group_is_a_hand_over() -> None:
     s = Scheduler(backend, instance_id="a", lease="3s", heartbeat="0.2s")
     started = anyio.Event()
 
-    @s.every("j", "1s", catch_up="none")
+    # One run, claimed below: the job's next slot is half an hour away, so no later slot
+    # can be recorded as skipped, however long the stop takes to begin.
+    @s.every("j", "1h", offset=quiet_offset(await backend.now_ms()))
     async def j(ctx: RunContext) -> None:
         started.set()
 
@@ -221,6 +224,9 @@ async def test_stop_requested_inside_a_task_group_is_a_hand_over() -> None:
 
     async with anyio.create_task_group() as tg:
         i = await Instance(s).start(tg)
+        slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await s._claim(s.jobs["j"], slot, Reason.SCHEDULED)
         await started.wait()
         await i.stop(grace=2)
     assert [(a.attempt, a.outcome) for a in await backend.history("j")] == [
@@ -238,10 +244,14 @@ async def test_a_cancelled_stop_still_cleans_up() -> None:
         started.set()
         await anyio.sleep(100)
 
-    with anyio.move_on_after(2):  # an overall shutdown deadline
+    with anyio.CancelScope() as shutdown:
         await s.start()
         await started.wait()
+        # An overall shutdown deadline, shorter than the grace: it cancels stop() itself,
+        # however long the start and the first slot took.
+        shutdown.deadline = anyio.current_time() + 0.5
         await s.stop(grace="5s")
+    assert shutdown.cancelled_caught
     assert s.state is SchedulerState.STOPPED and backend._users == 0 and not s.running
     await s.start()  # and it can start again
     await s.stop(grace=0)

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from lease_core import Outcome, PostgresBackend, Reason, RunContext, Scheduler
-from tests.helpers import Instance, wait_history
+from tests.helpers import Instance, quiet_offset, store_now_ms, wait_history
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 
 pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only]
@@ -36,15 +36,17 @@ async def test_a_long_fenced_transaction_keeps_every_lease(
                   lease="1.5s", heartbeat="0.25s")
     ends: dict[str, float] = {}
     release_other = anyio.Event()
+    # Hourly jobs whose next slot is half an hour away: only the claims below run.
+    offset = quiet_offset(await store_now_ms(PostgresBackend(pg16_server.dsn, table=table)))
 
     for s in (a, b):
-        @s.every("tx", "1h")
+        @s.every("tx", "1h", offset=offset)
         async def tx(ctx: RunContext) -> None:
             async with ctx.transaction() as t:
                 await t.execute("SELECT pg_sleep(3)")  # twice the lease
             ends["tx"] = time.monotonic()
 
-        @s.every("other", "1h")
+        @s.every("other", "1h", offset=offset)
         async def other(ctx: RunContext) -> None:
             await release_other.wait()
             ends["other"] = time.monotonic()

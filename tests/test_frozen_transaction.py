@@ -83,7 +83,9 @@ async def test_a_frozen_fenced_transaction_blocks_no_claim(
     await backend.start()
     proc: Process | None = None
     try:
-        won = await backend.claim(ClaimRequest("j", 1, "a", "held", 1500))
+        # Long enough for the frozen process to start and open its transaction on a
+        # loaded machine (its fencing needs a live lease); the test waits it out below.
+        won = await backend.claim(ClaimRequest("j", 1, "a", "held", 5000))
         assert won.status is ClaimStatus.WON
         proc = await anyio.open_process(
             [sys.executable, "-c", FROZEN, server.dsn, table, "1", "held"],
@@ -100,7 +102,7 @@ async def test_a_frozen_fenced_transaction_blocks_no_claim(
         async def expired() -> bool:
             return await backend.now_ms() > (won.expires_ms or 0)
 
-        await wait_for(expired, what="the frozen run's lease expiry")
+        await wait_for(expired, timeout=15, what="the frozen run's lease expiry")
 
         # The run's lease expired but its row is locked: running elsewhere, at once.
         same, took = await timed_claim(backend, ClaimRequest("j", 1, "b", "b1", 1500))

@@ -19,7 +19,7 @@ from lease_core import (
     SchedulerState,
 )
 from lease_core._structures import CheckResult, HeartbeatResult, Lease
-from tests.helpers import wait_for
+from tests.helpers import quiet_offset_now, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -55,7 +55,7 @@ async def test_health_follows_the_store_and_counts_held_and_watched_runs() -> No
     a = Scheduler(backend, instance_id="a", **FAST)
     b = Scheduler(backend, instance_id="b", **FAST)
     for s in (a, b):
-        s.every("long", "1h", catch_up="none")(_forever)
+        s.every("long", "1h", catch_up="none", offset=quiet_offset_now())(_forever)
     stopped = a.health()
     assert stopped == Health(SchedulerState.STOPPED, False, None, 0, 0) and not stopped.ready
     await a.start()
@@ -92,7 +92,7 @@ async def test_health_of_an_idle_scheduler_when_postgresql_stops_and_returns() -
     try:
         s = Scheduler(PostgresBackend(server.dsn, table="health_runs"), instance_id="a",
                       lease="1.5s", heartbeat="0.25s")
-        s.every("idle", "1h", _forever, catch_up="none")
+        s.every("idle", "1h", _forever, catch_up="none", offset=quiet_offset_now())
         await s.start()
         try:
             await wait_for(lambda: s.health().ready, what="ready")

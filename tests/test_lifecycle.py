@@ -21,7 +21,7 @@ from lease_core import (
     StopRequested,
 )
 from lease_core._outcome import Ending, Interruption, decide_outcome
-from tests.helpers import wait_for, wait_history
+from tests.helpers import quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
 
 FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
@@ -34,7 +34,7 @@ def make(backend: Any, name: str) -> Scheduler:
 def long_job(s: Scheduler, started: list[str] | None = None) -> None:
     """Declare the hourly job ``long`` whose handler runs until cancelled."""
 
-    @s.every("long", "1h", catch_up="none")
+    @s.every("long", "1h", catch_up="none", offset=quiet_offset_now())
     async def long(ctx: RunContext) -> None:
         if started is not None:
             started.append(s.instance_id)
@@ -106,7 +106,7 @@ async def test_stop_called_by_a_handler_does_not_wait_for_itself() -> None:
     backend = MemoryBackend()
     s = make(backend, "a")
 
-    @s.every("long", "1h", catch_up="none")
+    @s.every("long", "1h", catch_up="none", offset=quiet_offset_now())
     async def long(ctx: RunContext) -> None:
         await s.stop(grace=5)
 
@@ -139,7 +139,7 @@ async def test_state_goes_through_starting_running_stopping_stopped() -> None:
     s = make(backend, "a")
     release = anyio.Event()
 
-    @s.every("long", "1h", catch_up="none")
+    @s.every("long", "1h", catch_up="none", offset=quiet_offset_now())
     async def long(ctx: RunContext) -> None:
         await ctx.stopping.wait()
         await release.wait()

@@ -9,7 +9,7 @@ import pytest
 import lease_core
 from lease_core import MemoryBackend, Outcome, Reason, RunContext, Scheduler
 from lease_core._structures import format_slot
-from tests.helpers import wait_for, wait_history
+from tests.helpers import quiet_offset_now, wait_for, wait_history
 
 
 def test_the_library_logger_has_a_null_handler() -> None:
@@ -38,7 +38,7 @@ async def test_a_failing_handler_is_logged_with_its_traceback_and_iso_slot(
     backend = MemoryBackend()
     s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
 
-    @s.every("broken", "1h", catch_up="none")
+    @s.every("broken", "1h", catch_up="none", offset=quiet_offset_now())
     async def broken(ctx: RunContext) -> None:
         ctx.log.info("about to fail")
         _explode(3)

@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import UTC, datetime
 
 import anyio
 import pytest
 
-from lease_core import ConfigurationError, MemoryBackend, Outcome, Reason, RunStatus, Scheduler
+from lease_core import (
+    ConfigurationError,
+    MemoryBackend,
+    Outcome,
+    Reason,
+    RunContext,
+    RunStatus,
+    Scheduler,
+)
 from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease
-from tests.helpers import Instance, wait_for, wait_history
+from tests.helpers import (
+    HOUR_MS,
+    Instance,
+    quiet_cron,
+    quiet_offset,
+    quiet_offset_now,
+    wait_for,
+    wait_history,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -157,3 +174,79 @@ async def test_default_jobs_and_runs_derive_from_history() -> None:
     assert await backend.runs("alpha", limit=1) == runs[:1]
     with pytest.raises(ConfigurationError, match="limit=-2"):
         await backend.runs(limit=-2)
+
+
+@pytest.mark.parametrize("now_ms", [0, 1, HOUR_MS // 2, HOUR_MS - 1, 1_800_000_000_000,
+                                    1_800_000_000_000 + 1_234_567])
+def test_quiet_offset_puts_now_half_an_hour_from_any_slot(now_ms: int) -> None:
+    s = Scheduler(MemoryBackend(), instance_id="a")
+    s.every("j", "1h", lambda ctx: None, offset=quiet_offset(now_ms))
+    schedule = s.jobs["j"].schedule
+    assert schedule.previous_at_or_before(now_ms) == now_ms - HOUR_MS // 2
+    assert schedule.next_after(now_ms) == now_ms + HOUR_MS // 2
+
+
+def test_quiet_offset_now_keeps_slots_15_minutes_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = 1_800_000_000 - 1_800_000_000 % 3600  # the top of an hour
+    offsets = set()
+    for second in range(0, 3600, 7):
+        now = base + second + 0.5
+        monkeypatch.setattr(time, "time", lambda now=now: now)
+        offset = quiet_offset_now()
+        offsets.add(offset)
+        s = Scheduler(MemoryBackend(), instance_id="a")
+        s.every("j", "1h", lambda ctx: None, offset=offset)
+        schedule, now_ms = s.jobs["j"].schedule, int(now * 1000)
+        assert schedule.next_after(now_ms) - now_ms >= 15 * 60_000
+        previous = schedule.previous_at_or_before(now_ms)
+        assert previous is not None and now_ms - previous >= 15 * 60_000
+    assert offsets == {0.0, 1800.0}
+
+
+@pytest.mark.parametrize("now_ms", [0, HOUR_MS - 1, 3 * HOUR_MS, 1_800_000_000_000 + 1_234_567])
+def test_quiet_cron_fires_11_to_12_hours_from_now(now_ms: int) -> None:
+    s = Scheduler(MemoryBackend(), instance_id="a")
+    s.cron("j", quiet_cron(now_ms), lambda ctx: None)
+    schedule = s.jobs["j"].schedule
+    assert 11 * HOUR_MS < schedule.next_after(now_ms) - now_ms <= 12 * HOUR_MS
+    previous = schedule.previous_at_or_before(now_ms)
+    assert previous is not None and 12 * HOUR_MS <= now_ms - previous < 13 * HOUR_MS
+
+
+async def test_a_quiet_hourly_job_does_not_fire_when_the_store_clock_crosses_midnight() -> None:
+    """The store's clock two seconds before 00:00 UTC while two runs hold their leases.
+
+    A plain ``"1h"`` job fires at midnight mid-test (its slot is recorded as skipped, as in
+    a scenario that once ran across midnight); one declared with ``quiet_offset`` does not.
+    """
+    midnight_ms = int(datetime(2031, 1, 1, tzinfo=UTC).timestamp() * 1000)
+    shift = midnight_ms / 1000 - 2.0 - time.time()
+    backend = MemoryBackend(clock=lambda: time.time() + shift)
+    s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
+    release = anyio.Event()
+
+    async def hold(ctx: RunContext) -> None:
+        await release.wait()
+
+    s.every("plain", "1h", hold)
+    s.every("quiet", "1h", hold, offset=quiet_offset(await backend.now_ms()))
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slots = {}
+        for name, job in s.jobs.items():
+            slot = job.schedule.previous_at_or_before(s.store_now_ms())
+            assert slot is not None
+            slots[name] = slot
+            await s._claim(job, slot, Reason.SCHEDULED)
+        assert slots["plain"] == midnight_ms - HOUR_MS  # claimed before midnight
+        plain = await wait_history(s, lambda h: len(h) == 2, job="plain", timeout=10,
+                                   what="the plain job's midnight slot")
+        # Midnight has passed by the store's clock; the quiet job only has its own run.
+        assert await backend.now_ms() > midnight_ms
+        quiet = await backend.history("quiet", 10)
+        release.set()
+        await i.stop()
+    assert [(h.slot, h.outcome) for h in plain] == [
+        (midnight_ms, Outcome.SKIPPED), (midnight_ms - HOUR_MS, None)
+    ]
+    assert [(h.slot, h.outcome) for h in quiet] == [(slots["quiet"], None)]

@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from lease_core import MemoryBackend, Outcome, Reason, RunContext, Scheduler
 from lease_core.otel import instrument
-from tests.helpers import wait_for, wait_history
+from tests.helpers import quiet_offset_now, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
 
@@ -43,11 +43,11 @@ async def test_attempts_durations_and_leases_held() -> None:
     s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
     release = anyio.Event()
 
-    @s.every("ok", "1h", catch_up="none")
+    @s.every("ok", "1h", catch_up="none", offset=quiet_offset_now())
     async def ok(ctx: RunContext) -> None:
         await release.wait()
 
-    @s.every("boom", "1h", catch_up="none")
+    @s.every("boom", "1h", catch_up="none", offset=quiet_offset_now())
     async def boom(ctx: RunContext) -> None:
         raise ValueError("boom")
 
@@ -87,7 +87,7 @@ async def test_the_readme_prometheus_example_serves_the_metrics() -> None:
 
     s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
 
-    @s.every("ok", "1h", catch_up="none")
+    @s.every("ok", "1h", catch_up="none", offset=quiet_offset_now())
     async def ok(ctx: RunContext) -> None:
         pass
 

@@ -543,26 +543,32 @@ async def test_wait_replicas_with_a_replica_wins() -> None:
 # -- same story as the reference backend -----------------------------------------------
 
 
+#: The story's lease: long enough that no step meant to see it live can outlast it on a
+#: loaded machine (the story waits it out where it means it to expire).
+STORY_LEASE_MS = 1_000
+
+
 async def _story(backend: Backend, expire: Any) -> list[tuple[Any, ...]]:
     """Drive a backend through skip, hand-over, takeover and escalation; record results."""
     out: list[tuple[Any, ...]] = []
 
     async def claim(slot: int, token: str, **kw: Any) -> None:
-        r = await backend.claim(_request("job", slot, token, lease_ms=200, **kw))
+        r = await backend.claim(_request("job", slot, token, lease_ms=STORY_LEASE_MS, **kw))
         out.append(("claim", slot, r.status, r.attempt, r.reason, r.run_status))
 
     await backend.register_jobs(["job"])
     await claim(10, "a")
     await claim(10, "b")
     await claim(20, "c")  # skipped: slot 10 is live
-    out.append(("handover", await backend.hand_over([Lease("job", 10, "a", 200)])))
+    out.append(("handover", await backend.hand_over([Lease("job", 10, "a", STORY_LEASE_MS)])))
     await claim(10, "d", max_attempts=3)  # hand-over, not counted
     await expire()
     await claim(10, "e", max_attempts=3)  # takeover: attempt 3
     await expire()
     await claim(10, "f", max_attempts=3)  # escalated
     await claim(30, "g", overlap_skip=False)
-    out.append(("finish", await backend.finish(Lease("job", 30, "g", 200), Outcome.TIMED_OUT)))
+    out.append(("finish", await backend.finish(Lease("job", 30, "g", STORY_LEASE_MS),
+                                               Outcome.TIMED_OUT)))
     info = (await backend.register_jobs(["job"]))["job"]
     out.append(("job", info.last_slot, info.open_slots, info.new))
     # Attempts claimed in the same millisecond have no defined order: compare them sorted.
@@ -584,10 +590,10 @@ async def test_behaves_like_the_memory_backend(backend: RedisBackend, raw: redis
     memory = MemoryBackend(clock=ticking)
 
     async def memory_expire() -> None:
-        clock[0] += 1.0
+        clock[0] += STORY_LEASE_MS / 1000 + 0.05
 
     async def redis_expire() -> None:
-        await _wait_server_past(raw, _server_ms(raw) + 250)
+        await _wait_server_past(raw, _server_ms(raw) + STORY_LEASE_MS + 50)
 
     expected = await _story(memory, memory_expire)
     assert await _story(backend, redis_expire) == expected

@@ -20,7 +20,7 @@ from lease_core.context import Checkpoint
 from lease_core.recovery import step_job
 from lease_core.scheduler import parse_run_id
 from lease_core.workflows import Workflow
-from tests.helpers import Instance, wait_for, wait_history
+from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
@@ -62,7 +62,7 @@ async def test_steps_run_in_order_and_read_earlier_results(store: Store) -> None
 
     def build(name: str) -> Scheduler:
         s = make(store, name)
-        close = s.workflow("close", every="1h")
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
 
         @close.step("snapshot")
         async def snapshot(ctx: RunContext) -> Any:
@@ -105,7 +105,7 @@ async def test_steps_run_in_order_and_read_earlier_results(store: Store) -> None
 
 async def test_the_next_step_starts_without_waiting_for_a_tick(store: Store) -> None:
     s = make(store, "a", lease="9s", heartbeat="3s")
-    close = s.workflow("close", every="1h")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
     for step in STEPS:
         close.step(step, lambda ctx: ctx.step)
     async with anyio.create_task_group() as tg:
@@ -124,7 +124,7 @@ async def test_a_crashed_agent_s_step_is_taken_over_with_attempt_2(store: Store)
 
     def build(name: str) -> Scheduler:
         s = make(store, name)
-        close = s.workflow("close", every="1h", max_attempts=3)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now(), max_attempts=3)
 
         @close.step("snapshot")
         async def snapshot(ctx: RunContext) -> Any:
@@ -178,7 +178,7 @@ async def test_stop_hands_a_step_over_mid_step(store: Store) -> None:
 
     def build(name: str) -> Scheduler:
         s = make(store, name, lease="20s")
-        close = s.workflow("close", every="1h")
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
         close.step("snapshot", lambda ctx: None)
 
         @close.step("interest")
@@ -216,7 +216,7 @@ async def test_a_zombie_agent_is_refused_everything(store: Store) -> None:
 
     def build(name: str) -> Scheduler:
         s = make(store, name)
-        close = s.workflow("close", every="1h")
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
         close.step("snapshot", lambda ctx: None)
 
         @close.step("interest")
@@ -264,7 +264,7 @@ async def test_escalation_fails_the_workflow_and_stops_later_steps(store: Store)
 
     def build(name: str) -> Scheduler:
         s = make(store, name)
-        close = s.workflow("close", every="1h", max_attempts=5)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now(), max_attempts=5)
         close.step("snapshot", lambda ctx: None)
 
         @close.step("interest", max_attempts=1)  # the step's limit overrides the workflow's
@@ -302,7 +302,7 @@ async def test_escalation_fails_the_workflow_and_stops_later_steps(store: Store)
 async def test_a_failed_step_fails_the_workflow_at_once(store: Store) -> None:
     ran: list[str] = []
     s = make(store, "a")
-    close = s.workflow("close", every="1h")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
 
     @close.step("snapshot")
     async def snapshot(ctx: RunContext) -> None:
@@ -329,7 +329,7 @@ async def test_a_backup_dispatches_the_next_step_when_the_agent_dies_after_finis
 
     def build(name: str) -> Scheduler:
         s = make(store, name)
-        close = s.workflow("close", every="1h")
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
         close.step("snapshot", lambda ctx: ran.append((name, ctx.step)))
         close.step("interest", lambda ctx: ran.append((name, ctx.step)))
         return s
@@ -412,11 +412,11 @@ def test_bad_declarations_are_configuration_errors() -> None:
     with pytest.raises(ConfigurationError, match="exactly one of every"):
         s.workflow("w")
     with pytest.raises(ConfigurationError, match="'a/b'"):
-        s.workflow("a/b", every="1h")
+        s.workflow("a/b", every="1h", offset=quiet_offset_now())
     w = s.workflow("w", cron="0 2 * * *", tz="Europe/Lisbon", max_attempts=3)
     assert isinstance(w, Workflow)
     with pytest.raises(ConfigurationError, match="already declared"):
-        s.workflow("w", every="1h")
+        s.workflow("w", every="1h", offset=quiet_offset_now())
     w.step("one", lambda ctx: None)
     with pytest.raises(ConfigurationError, match="step 'one' is already declared"):
         w.step("one", lambda ctx: None)
@@ -425,7 +425,7 @@ def test_bad_declarations_are_configuration_errors() -> None:
     with pytest.raises(ConfigurationError, match="shorter than 3 heartbeats"):
         w.step("two", lambda ctx: None, lease="0.3s")
     assert w.steps == ["one"]
-    s.workflow("empty", every="1h")
+    s.workflow("empty", every="1h", offset=quiet_offset_now())
     with pytest.raises(ConfigurationError, match="'empty' has no steps"):
         anyio.run(s.start)
 
@@ -434,13 +434,13 @@ async def test_a_step_added_after_start_is_refused() -> None:
     from backends.memory import MemoryBackend
 
     s = Scheduler(MemoryBackend(), **FAST)
-    w = s.workflow("w", every="1h")
+    w = s.workflow("w", every="1h", offset=quiet_offset_now())
     w.step("one", lambda ctx: None)
     async with s:
         with pytest.raises(ConfigurationError, match="after start"):
             w.step("two", lambda ctx: None)
         with pytest.raises(ConfigurationError, match="after start"):
-            s.workflow("v", every="1h")
+            s.workflow("v", every="1h", offset=quiet_offset_now())
 
 
 def test_run_ids() -> None:
@@ -458,7 +458,7 @@ def test_sync_scheduler_declares_workflows_and_reads_recovery_logs() -> None:
     from lease_core import SyncScheduler
 
     s = SyncScheduler(MemoryBackend(), instance_id="sync", **FAST)
-    w = s.workflow("w", every="1h")
+    w = s.workflow("w", every="1h", offset=quiet_offset_now())
     w.step("one", lambda ctx: 41)
     w.step("two", lambda ctx: ctx.results["one"] + 1)
     with s:
@@ -477,7 +477,7 @@ def test_sync_scheduler_declares_workflows_and_reads_recovery_logs() -> None:
 
 async def test_a_result_that_is_not_json_fails_the_step(store: Store) -> None:
     s = make(store, "a")
-    close = s.workflow("close", every="1h")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
     close.step("snapshot", lambda ctx: {1, 2})  # a set: not JSON
     close.step("interest", lambda ctx: None)
     async with anyio.create_task_group() as tg:

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from lease_core import LeaseLost, PostgresBackend, Reason, RunContext, Scheduler
-from tests.helpers import Instance, wait_for
+from tests.helpers import Instance, quiet_offset_now, wait_for
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 
 pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only]
@@ -42,7 +42,7 @@ async def table(pg16_server: PgServer) -> AsyncIterator[str]:
 
 def build(server: PgServer, table: str, name: str, seen: list[Any]) -> Scheduler:
     s = Scheduler(PostgresBackend(server.dsn, table=table), instance_id=name, **FAST)
-    close = s.workflow("close", every="1h")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
     close.step("snapshot", lambda ctx: [1, 2, 3])
 
     @close.step("interest")

@@ -203,6 +203,39 @@ ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint
 -- name: list_jobs
 SELECT job FROM {jobs} ORDER BY job
 
+-- name: trim_job
+-- One job's history trimmed outside a claim (the ticker's trimming, `anarchon prune`):
+-- attempts beyond the newest N and those finished M ms ago or more, at most a batch of
+-- each (finished more than M ms ago), then the finished runs left with no attempt. Parameters: job, N (a huge number
+-- for no limit), batch, job, M (NULL for none), batch, job, job.
+WITH by_size AS (
+    SELECT a.slot, a.attempt FROM {attempts} a WHERE a.job = %s::text
+    ORDER BY a.seq DESC OFFSET %s::bigint LIMIT %s::bigint
+    FOR UPDATE SKIP LOCKED),
+by_age AS (
+    SELECT a.slot, a.attempt FROM {attempts} a
+    WHERE a.job = %s::text AND a.finished_ms < {now} - %s::bigint
+    LIMIT %s::bigint
+    FOR UPDATE SKIP LOCKED),
+doomed AS (
+    SELECT s.slot, s.attempt FROM by_size s
+    UNION
+    SELECT t.slot, t.attempt FROM by_age t),
+gone AS (
+    DELETE FROM {attempts} a USING doomed d
+    WHERE a.job = %s::text AND a.slot = d.slot AND a.attempt = d.attempt
+    RETURNING a.slot, a.attempt),
+runs_gone AS (
+    DELETE FROM {runs} r
+    WHERE r.job = %s::text AND r.slot IN (SELECT g.slot FROM gone g)
+      AND r.status NOT IN ('running', 'handed_over')
+      AND NOT EXISTS (
+          SELECT 1 FROM {attempts} a
+          WHERE a.job = r.job AND a.slot = r.slot
+            AND (a.slot, a.attempt) NOT IN (SELECT g.slot, g.attempt FROM gone g))
+    RETURNING 1)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM runs_gone)
+
 -- name: write_workflows
 -- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.
 INSERT INTO {meta} (key, value)

@@ -30,3 +30,56 @@ local function end_attempt(att, done, id, outcome, err)
   redis.call('HSET', att, id, cjson.encode(rec))
   redis.call('ZADD', done, now, id)
 end
+
+local FINISHED = {completed = true, failed = true, timed_out = true, escalated = true,
+  skipped = true}
+
+-- Trim one job's history: beyond its newest history_size attempts (nil: no limit), and
+-- attempts that finished history_ttl ms ago or more (nil: none), at most `limit` ids of
+-- each kind per call; then delete finished runs left with no attempt. Returns how many
+-- attempts it deleted.
+local function trim_history(hist, att, done, orphan, run_prefix, history_size,
+                            history_ttl, limit)
+  local removed = {}
+  if history_size then
+    local excess = redis.call('ZCARD', hist) - history_size
+    if excess > 0 then
+      for _, id in ipairs(redis.call('ZRANGE', hist, 0, math.min(excess, limit) - 1)) do
+        removed[#removed + 1] = id
+      end
+    end
+  end
+  if history_ttl then
+    local old = redis.call('ZRANGEBYSCORE', done, '-inf', '(' .. (now - history_ttl),
+      'LIMIT', 0, limit)
+    for _, id in ipairs(old) do
+      removed[#removed + 1] = id
+    end
+  end
+  local count = 0
+  for _, id in ipairs(removed) do
+    if redis.call('ZREM', hist, id) == 1 then
+      count = count + 1
+      redis.call('HDEL', att, id)
+      redis.call('ZREM', done, id)
+      local s = string.match(id, '^(.*):%d+$')
+      local rk = run_prefix .. s
+      if redis.call('EXISTS', rk) == 1 and redis.call('HINCRBY', rk, 'n', -1) <= 0 then
+        redis.call('SADD', orphan, s)
+      end
+    end
+  end
+  -- finished runs that no longer have any attempt are deleted
+  for _, s in ipairs(redis.call('SMEMBERS', orphan)) do
+    local rk = run_prefix .. s
+    local st, n = unpack(redis.call('HMGET', rk, 'st', 'n'))
+    if not st or tonumber(n or '0') > 0 then
+      redis.call('SREM', orphan, s)
+    elseif FINISHED[st] then
+      redis.call('DEL', rk)
+      redis.call('SREM', orphan, s)
+    end
+  end
+  return count
+end
+

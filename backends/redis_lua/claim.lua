@@ -20,9 +20,6 @@ local max_attempts = tonumber(ARGV[7])
 local history_size, history_ttl, run_prefix = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
 local slot_n = tonumber(slot)
 
-local FINISHED = {completed = true, failed = true, timed_out = true, escalated = true,
-  skipped = true}
-
 local function record(attempt, why, outcome, err)
   local id = slot .. ':' .. attempt
   local seq = redis.call('HINCRBY', job, 'seq', 1)
@@ -39,46 +36,8 @@ local function record(attempt, why, outcome, err)
 end
 
 local function trim()
-  local removed = {}
-  local excess = redis.call('ZCARD', hist) - history_size
-  if excess > 0 then
-    -- bounded work per call; later claims finish the job
-    for _, id in ipairs(redis.call('ZRANGE', hist, 0, math.min(excess, 1000) - 1)) do
-      removed[#removed + 1] = id
-    end
-  end
-  if history_ttl then
-    local old = redis.call('ZRANGEBYSCORE', done, '-inf', '(' .. (now - history_ttl),
-      'LIMIT', 0, 1000)
-    for _, id in ipairs(old) do
-      removed[#removed + 1] = id
-    end
-  end
-  if #removed == 0 then
-    return
-  end
-  for _, id in ipairs(removed) do
-    if redis.call('ZREM', hist, id) == 1 then
-      redis.call('HDEL', att, id)
-      redis.call('ZREM', done, id)
-      local s = string.match(id, '^(.*):%d+$')
-      local rk = run_prefix .. s
-      if redis.call('EXISTS', rk) == 1 and redis.call('HINCRBY', rk, 'n', -1) <= 0 then
-        redis.call('SADD', orphan, s)
-      end
-    end
-  end
-  -- finished runs that no longer have any attempt are deleted
-  for _, s in ipairs(redis.call('SMEMBERS', orphan)) do
-    local rk = run_prefix .. s
-    local st, n = unpack(redis.call('HMGET', rk, 'st', 'n'))
-    if not st or tonumber(n or '0') > 0 then
-      redis.call('SREM', orphan, s)
-    elseif FINISHED[st] then
-      redis.call('DEL', rk)
-      redis.call('SREM', orphan, s)
-    end
-  end
+  -- bounded work per call; later claims (and the ticker's trimming) finish the job
+  trim_history(hist, att, done, orphan, run_prefix, history_size, history_ttl, 1000)
 end
 
 -- 1. register the job and raise its last slot
