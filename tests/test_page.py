@@ -109,20 +109,33 @@ def served(pg16_server: PgServer, tmp_path: Path) -> Iterator[tuple[str, str]]:
         anyio.run(drop_tables, pg16_server.admin_dsn, table)
 
 
-def _rows(card: Any, selector: str, attribute: str) -> list[str]:
-    from selenium.webdriver.common.by import By
-
-    return [row.get_attribute(attribute) for row in card.find_elements(By.CSS_SELECTOR, selector)]
+_READ_PAGE = """
+const all = (root, selector) => Array.from(root.querySelectorAll(selector));
+const run = (id) => {
+  const card = document.querySelector(`[data-run="${id}"]`);
+  if (!card) return null;
+  return {
+    status: card.dataset.status,
+    steps: all(card, "tr[data-step]").map((row) => ({
+      step: row.dataset.step, status: row.dataset.status,
+      cells: all(row, "td").slice(0, 4).map((td) => td.textContent.trim()),
+    })),
+    events: all(card, "tr[data-event]").map((row) => row.dataset.event),
+  };
+};
+return {runs: Array.from(arguments).map(run),
+        state: document.getElementById("state").textContent};
+"""
 
 
 def test_page_shows_workflow_steps_and_recovery_log(
         browser: Any, served: tuple[str, str], pg16_server: PgServer, tmp_path: Path) -> None:
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     base, table = served
-    wait = WebDriverWait(browser, 30)
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
 
     # Without the token the page says how to give it.
     browser.get(f"{base}/")
@@ -138,24 +151,24 @@ def test_page_shows_workflow_steps_and_recovery_log(
         state = browser.find_element(By.ID, "state").text
         shown = browser.find_element(By.ID, "jobs").get_attribute("innerHTML")
         pytest.fail(f"the page did not show {failed_run}: {state!r}, {shown[:2000]}")
-    assert failed.get_attribute("data-status") == "failed"
-    assert dict(zip(_rows(failed, "tr[data-step]", "data-step"),
-                    _rows(failed, "tr[data-step]", "data-status"), strict=True)) == {
+    # One script reads the whole page at once: the page redraws itself every few seconds,
+    # and an element read across a redraw would be stale.
+    page = browser.execute_script(_READ_PAGE, f"close@{SLOT}", f"close@{NEXT}", f"export@{SLOT}")
+    failed = page["runs"][0]
+    assert failed["status"] == "failed"
+    assert {row["step"]: row["status"] for row in failed["steps"]} == {
         "snapshot": "completed", "interest": "escalated", "publish": "pending"}
-    interest = failed.find_element(By.CSS_SELECTOR, 'tr[data-step="interest"]')
-    assert [td.text for td in interest.find_elements(By.TAG_NAME, "td")[:4]] == [
-        "interest", "escalated", "1", "a"]
-    assert _rows(failed, "tr[data-event]", "data-event") == [
-        "started", "completed", "started", "escalated"]
+    interest = next(row for row in failed["steps"] if row["step"] == "interest")
+    assert interest["cells"] == ["interest", "escalated", "1", "a"]
+    assert failed["events"] == ["started", "completed", "started", "escalated"]
 
-    running = browser.find_element(By.CSS_SELECTOR, f'[data-run="close@{NEXT}"]')
-    assert running.get_attribute("data-status") == "running"
-    assert _rows(running, "tr[data-step]", "data-status") == ["completed", "running", "pending"]
-    holder = running.find_element(By.CSS_SELECTOR, 'tr[data-step="interest"] td:nth-child(4)')
-    assert holder.text == "b"
-    export = browser.find_element(By.CSS_SELECTOR, f'[data-run="export@{SLOT}"]')
-    assert export.get_attribute("data-status") == "completed"
-    assert "store time" in browser.find_element(By.ID, "state").text
+    running = page["runs"][1]
+    assert running["status"] == "running"
+    assert [row["status"] for row in running["steps"]] == ["completed", "running", "pending"]
+    holder = next(row for row in running["steps"] if row["step"] == "interest")["cells"][3]
+    assert holder == "b"
+    assert page["runs"][2]["status"] == "completed"
+    assert "store time" in page["state"]
 
     screenshot = tmp_path / "status-page.png"
     assert browser.save_screenshot(str(screenshot))

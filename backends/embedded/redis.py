@@ -59,16 +59,21 @@ def find_server(kind: str = "redis") -> Path | None:
 
 
 def _free_port() -> int:
-    # At most 55535: a Cluster node also listens on its port + 10000.
-    for _ in range(100):
+    # At most 55535, and both free: a Cluster node also listens on its port + 10000.
+    for _ in range(200):
         port = random.randint(20_000, 55_000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if _bindable(port) and _bindable(port + 10_000):
             return port
-    raise OSError("no free TCP port found on 127.0.0.1 between 20000 and 55000")
+    raise OSError("no free TCP port pair (p, p + 10000) found on 127.0.0.1 from 20000")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class EmbeddedRedis:
