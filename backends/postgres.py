@@ -279,6 +279,21 @@ class FencedTransaction:
     """
 
     _tx: Executor
+    _lease: Lease | None = None
+    _checkpoint_sql: str = ""
+
+    async def set_checkpoint(self, value: Any) -> None:
+        """Store the run's checkpoint inside this transaction: it commits with the effects.
+
+        Raises :class:`LeaseLost` if the token no longer holds the run (it cannot, while
+        the transaction holds the run's lock).
+        """
+        if self._lease is None:
+            raise ConfigurationError("this transaction belongs to no run; it has no checkpoint")
+        rows = await self._tx.all(self._checkpoint_sql, (
+            encode_checkpoint(value), self._lease.job, self._lease.slot, self._lease.token))
+        if not rows:  # pragma: no cover - the run's row is locked by this transaction
+            raise LeaseLost(f"run {self._lease.job!r} slot {self._lease.slot} was lost")
 
     @property
     def connection(self) -> Any:
@@ -733,7 +748,7 @@ class PostgresBackend(Backend):
                     f"run {lease.job!r} slot {lease.slot} is no longer held by token "
                     f"{lease.token!r}; the fenced transaction did not start"
                 )
-            yield FencedTransaction(tx)
+            yield FencedTransaction(tx, lease, self._sql.set_checkpoint)
             done = await tx.all(self._sql.finish, (
                 RunStatus.COMPLETED.value, lease.job, lease.slot, lease.token,
                 Outcome.COMPLETED.value, None,

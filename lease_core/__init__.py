@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from .context import Checkpoint, RunContext
     from .scheduler import Health, Scheduler, SchedulerState
     from .sync import SyncScheduler
+    from .workflows import Workflow
 
 __all__ = [
     "AnarchonError",
@@ -89,6 +90,7 @@ __all__ = [
     "SyncScheduler",
     "TakenOver",
     "TimedOut",
+    "Workflow",
     "backend_from_url",
 ]
 
@@ -102,6 +104,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "SchedulerState": ("lease_core.scheduler", ""),
     "Health": ("lease_core.scheduler", ""),
     "SyncScheduler": ("lease_core.sync", ""),
+    "Workflow": ("lease_core.workflows", ""),
     "RunContext": ("lease_core.context", ""),
     "Checkpoint": ("lease_core.context", ""),
     "Backend": ("lease_core.abc", ""),

@@ -40,7 +40,7 @@ from ._structures import (
     RunStatus,
     format_slot,
 )
-from .abc import Backend, encode_checkpoint
+from .abc import Backend
 from .context import RunContext
 from .errors import AnarchonError, ConfigurationError
 from .recovery import RecoveryEntry, recovery_log, step_job
@@ -1344,14 +1344,13 @@ class Scheduler:
 
     async def _result_in_transaction(self, ctx: RunContext, tx: Any) -> None:
         # A step completed by its fenced transaction stores its result in that same
-        # transaction, through the SQL backend's own checkpoint statement.
-        sql = getattr(getattr(self.backend, "_sql", None), "set_checkpoint", None)
-        if sql is None:
+        # transaction (FencedTransaction.set_checkpoint).
+        store = getattr(tx, "set_checkpoint", None)
+        if store is None:
             raise ConfigurationError(
                 f"{type(self.backend).__name__} cannot store a step's result inside its "
                 "fenced transaction")
-        await tx.execute(sql, (encode_checkpoint({"result": ctx.result}), ctx.job, ctx.slot,
-                               ctx.token))
+        await store({"result": ctx.result})
 
     async def _resume_workflow(self, wf: Workflow, info: JobInfo) -> None:
         # A workflow run whose step completed but whose next step was never claimed (its
