@@ -18,7 +18,7 @@ from tests.stores import missing_service
 MIN_SLOTS = 340
 
 #: Slack for a loaded 2-core machine over the takeover bound (lease + check interval).
-LATENCY_SLACK_S = 1.0
+LATENCY_SLACK_S = 1.5
 
 
 def _run(config: ChaosConfig, tmp_path: Path) -> Report:
@@ -37,13 +37,18 @@ def _check(report: Report, config: ChaosConfig, logdir: Path) -> None:
     assert report.takeovers >= 1, f"no fault led to a takeover {detail}"
     bound = config.lease + config.heartbeat + LATENCY_SLACK_S
     p99 = report.percentile(report.takeover_latency, 0.99)
-    assert p99 is None or p99 <= bound, f"takeover p99 {p99:.2f}s > {bound:.2f}s {detail}"
+    assert p99 is None or p99 <= bound, (
+        f"takeover p99 {p99:.2f}s > {bound:.2f}s; late (job, slot, attempt, s): "
+        f"{report.late_takeovers} {detail}"
+    )
     assert report.worker_exits == [], f"workers ended badly: {report.worker_exits} {detail}"
 
 
 def _config(store: str, seed: int, faults: tuple[str, ...] = FAULTS) -> ChaosConfig:
-    return ChaosConfig(store=store, seconds=16.0, workers=4, jobs=8, interval_ms=400,
-                       seed=seed, faults=faults)
+    # Handlers last about 0.5 s (4 checkpointed steps), so a faulted worker usually holds
+    # a run or two.
+    return ChaosConfig(store=store, seconds=16.0, workers=4, jobs=10, interval_ms=600,
+                       steps=4, step_s=0.1, seed=seed, faults=faults)
 
 
 @pytest.mark.timeout(110)
