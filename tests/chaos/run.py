@@ -31,7 +31,7 @@ from lease_core.abc import Backend, RunInfo, RunStatus
 from .proxy import Proxy
 from .stores import ChaosStore, PostgresChaosStore, make_store
 
-__all__ = ["FAULTS", "ChaosConfig", "Fault", "Report", "audit", "run_chaos"]
+__all__ = ["FAULTS", "ChaosConfig", "Fault", "Observed", "Report", "audit", "judge", "run_chaos"]
 
 #: The faults a run draws from.
 FAULTS = ("kill", "stop", "partition", "restart", "skew")
@@ -384,14 +384,30 @@ def _events(logdir: Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
     return runs
 
 
+@dataclass
+class Observed:
+    """Everything the audit reads: the store's records and the workers' own."""
+
+    history: list[Attempt]
+    open_before: list[RunInfo]
+    """Open runs a few leases after the faults stopped, with every worker still alive."""
+    open_after: list[RunInfo]
+    """Open runs after every worker stopped gracefully."""
+    checkpoints: dict[tuple[str, int], Any]
+    effects: list[tuple[str, int, int, str]]
+    """Fenced effect rows (job, slot, attempt, instance); PostgreSQL only."""
+    events: dict[tuple[str, int], list[dict[str, Any]]]
+    """The handlers' append-only records, by run."""
+    faults: list[Fault]
+    started: float
+    faults_over: float
+    audit_at: float
+
+
 def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fault],
           started: float, faults_over: float, audit_at: float,
           open_before: list[RunInfo]) -> Report:
-    """Check every invariant against the store and the workers' records."""
-    report = Report(config.store, store.version, config.seconds)
-    for f in faults:
-        report.faults[f.kind] = report.faults.get(f.kind, 0) + 1
-
+    """Read the store and the workers' records, then :func:`judge` them."""
     async def read(backend: Backend) -> tuple[list[Attempt], list[RunInfo], dict[Any, Any]]:
         history = await backend.history(None, 10_000_000)
         open_runs = await backend.runs(open_only=True, limit=1_000_000)
@@ -400,13 +416,28 @@ def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fau
         return history, open_runs, checkpoints
 
     history, open_after, checkpoints = _read_store(store, read)
+    effects = store.effects() if isinstance(store, PostgresChaosStore) else []
+    observed = Observed(history, open_before, open_after, checkpoints, effects,
+                        _events(logdir), faults, started, faults_over, audit_at)
+    report = judge(config, observed)
+    report.version = store.version
+    return report
+
+
+def judge(config: ChaosConfig, seen: Observed) -> Report:
+    """Count every broken invariant, and the figures, in what a run left behind."""
+    report = Report(config.store, "", config.seconds)
+    faults, history, events = seen.faults, seen.history, seen.events
+    open_before, open_after, checkpoints = seen.open_before, seen.open_after, seen.checkpoints
+    started, faults_over, audit_at, effects = (seen.started, seen.faults_over, seen.audit_at,
+                                               seen.effects)
+    for f in faults:
+        report.faults[f.kind] = report.faults.get(f.kind, 0) + 1
     runs: dict[tuple[str, int], list[Attempt]] = defaultdict(list)
     for a in history:
         runs[(a.job, a.slot)].append(a)
     report.slots = len(runs)
     report.attempts = len(history)
-    events = _events(logdir)
-    effects = store.effects() if isinstance(store, PostgresChaosStore) else []
     report.fenced_effects = len(effects)
     effect_of = {(job, slot): attempt for job, slot, attempt, _ in effects}
 
