@@ -174,7 +174,7 @@ class RedisChaosStore(ChaosStore):
         self.server = EmbeddedRedis(binary, appendonly=True,
                                     extra_args=("--appendfsync", "always"))
         self.server.start()
-        self.version = self.server.version().split(" build")[0]
+        self.version = " ".join(self.server.version().split()[:3])
 
     @property
     def port(self) -> int:
