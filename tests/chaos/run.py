@@ -109,6 +109,8 @@ class Report:
     missed_slots: int = 0
     worker_exits: list[str] = field(default_factory=list)
     start_retries: int = 0
+    skewed_completions: int = 0
+    """Runs completed by a worker whose clock was an hour off."""
 
     @property
     def violations(self) -> dict[str, list[Any]]:
@@ -163,6 +165,7 @@ class Report:
             "handover_p99_ms": ms(self.percentile(self.handover_latency, 0.99)),
             "missed_slots": self.missed_slots,
             "start_retries": self.start_retries,
+            "skewed_completions": self.skewed_completions,
         }
 
 
@@ -189,6 +192,8 @@ class Worker:
         self.skew = 0.0
         self.exits: list[str] = []
         self.restarts = 0
+        self.skews: dict[str, float] = {}
+        """The clock skew of each instance this slot ran."""
         """Starts that failed (store unreachable at start-up) and were retried."""
 
     def launch(self, skew: float = 0.0) -> None:
@@ -196,6 +201,7 @@ class Worker:
         self.generation += 1
         self.skew = skew
         self.instance = f"w{self.index}.{self.generation}"
+        self.skews[self.instance] = skew
         c = self.config
         payload = {
             "url": self.store.url(self.proxy.port if c.proxy else self.store.port),
@@ -359,8 +365,9 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         for w in workers:
             w.reap(30)
         say(f"{config.store}: workers stopped; auditing")
+        skewed = frozenset(i for w in workers for i, skew in w.skews.items() if skew)
         report = audit(store, config, logdir, faults, started, faults_over, audit_at,
-                       open_before)
+                       open_before, skewed)
         report.worker_exits = [e for w in workers for e in w.exits]
         report.start_retries = sum(w.restarts for w in workers)
         report.wall_s = time.monotonic() - t0
@@ -404,11 +411,13 @@ class Observed:
     started: float
     faults_over: float
     audit_at: float
+    skewed: frozenset[str] = frozenset()
+    """Instances whose clocks were skewed."""
 
 
 def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fault],
           started: float, faults_over: float, audit_at: float,
-          open_before: list[RunInfo]) -> Report:
+          open_before: list[RunInfo], skewed: frozenset[str] = frozenset()) -> Report:
     """Read the store and the workers' records, then :func:`judge` them."""
     async def read(backend: Backend) -> tuple[list[Attempt], list[RunInfo], dict[Any, Any]]:
         history = await backend.history(None, 10_000_000)
@@ -420,7 +429,7 @@ def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fau
     history, open_after, checkpoints = _read_store(store, read)
     effects = store.effects() if isinstance(store, PostgresChaosStore) else []
     observed = Observed(history, open_before, open_after, checkpoints, effects,
-                        _events(logdir), faults, started, faults_over, audit_at)
+                        _events(logdir), faults, started, faults_over, audit_at, skewed)
     report = judge(config, observed)
     report.version = store.version
     return report
@@ -462,6 +471,8 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
         for a in attempts:
             name = str(a.outcome) if a.outcome is not None else "open"
             report.outcomes[name] = report.outcomes.get(name, 0) + 1
+        report.skewed_completions += sum(1 for a in attempts if a.outcome is Outcome.COMPLETED
+                                         and a.instance_id in seen.skewed)
         if sum(1 for a in attempts if a.outcome is Outcome.COMPLETED) > 1:
             report.double_completions.append(key)
         for a in attempts:
@@ -566,6 +577,7 @@ def results_markdown(reports: list[Report], command: str, seed: int) -> str:
         ("runs left running", "left_running"),
         ("fenced effects written", "fenced_effects"),
         ("runs whose handler started", "runs_with_handler"),
+        ("runs completed by a worker skewed by an hour", "skewed_completions"),
         ("un-fenced: handler started twice", "unfenced_started_twice"),
         ("un-fenced: handler ran to the end twice", "unfenced_done_twice"),
         ("takeovers (all / after a fault of the holder)", None),

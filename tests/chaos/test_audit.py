@@ -60,6 +60,11 @@ def test_a_clean_takeover_breaks_nothing_and_is_measured() -> None:
     assert (report.unfenced_started_twice, report.unfenced_done_twice) == (1, 0)
 
 
+def test_runs_completed_by_a_skewed_worker_are_counted() -> None:
+    assert judge(CONFIG, observed(skewed=frozenset({"w2"}))).skewed_completions == 1
+    assert judge(CONFIG, observed(skewed=frozenset({"w1"}))).skewed_completions == 0
+
+
 BROKEN: dict[str, dict[str, Any]] = {
     "double completions": {"history": [
         attempt(1, "w1", 0.0, Outcome.COMPLETED),
