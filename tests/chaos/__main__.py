@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,9 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="where to write the results (markdown); '-' for nowhere")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="also write each store's figures to this JSON file")
+    parser.add_argument("--include", type=Path, action="append", default=[],
+                        help="figures saved by an earlier run (--save) to put in the results")
     args = parser.parse_args(argv)
     stores = [s for s in args.stores.split(",") if s]
     faults = tuple(f for f in args.faults.split(",") if f)
+    # A SIGTERM ends the run through the finally blocks: workers and servers are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     reports: list[Report] = []
     started = time.monotonic()
     for n, spec in enumerate(stores):
@@ -62,10 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     total = sum(r.slots for r in reports)
     print(f"{total} slots in {elapsed:.0f}s", file=sys.stderr)
+    summaries = [r.summary() for r in reports]
+    command = "python -m tests.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
+    commands = [command.strip()]
+    if args.save is not None:
+        args.save.write_text(json.dumps({"command": command.strip(), "summaries": summaries}))
+    for path in reversed(args.include):
+        saved = json.loads(path.read_text())
+        summaries = saved["summaries"] + summaries
+        commands.insert(0, saved["command"])
     if str(args.out) != "-":
-        command = "python -m tests.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
-        text = results_markdown(reports, command.strip(), args.seed)
-        text += f"\nWall time of the whole run: {elapsed:.0f} s.\n"
+        text = results_markdown(summaries, "`, then `".join(commands))
+        wall = sum(float(s["wall_seconds"]) for s in summaries)
+        text += f"\nWall time: {wall:.0f} s for the {len(summaries)} stores.\n"
         args.out.write_text(text)
     return 1 if any(r.violations for r in reports) else 0
 

@@ -143,6 +143,8 @@ class Report:
             "wall_seconds": round(self.wall_s, 1), "slots": self.slots,
             "attempts": self.attempts, "faults": self.faults, "outcomes": self.outcomes,
             "violations": {k: len(v) for k, v in self.violations.items()},
+            "violation_examples": {k: [list(x) for x in v[:5]]
+                                   for k, v in self.violations.items()},
             "double_completions": len(self.double_completions),
             "double_fenced_effects": len(self.double_fenced),
             "stale_finish": len(self.stale_finish),
@@ -548,12 +550,12 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
     return report
 
 
-def results_markdown(reports: list[Report], command: str, seed: int) -> str:
-    """RESULTS.md: the figures of each store and the invariants' counts."""
+def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
+    """RESULTS.md from the :meth:`Report.summary` of each store's run."""
     lines = [
         "# Chaos results",
         "",
-        f"Produced by `{command}` (seed {seed}). Each store ran its own worker processes",
+        f"Produced by `{command}`. Each store ran its own worker processes",
         "through a TCP proxy each; faults (SIGKILL + restart, SIGSTOP longer than the lease,",
         "store restart, partition longer than the lease, graceful restart with the clock",
         "skewed by an hour) were injected one at a time, then the store and the handlers'",
@@ -563,7 +565,7 @@ def results_markdown(reports: list[Report], command: str, seed: int) -> str:
         "yet (see \"Chaos testing\" in README.md for the reproduction).",
         "",
     ]
-    rows = [(r.store, r.summary()) for r in reports]
+    rows = [(str(s["store"]), s) for s in summaries]
     fields = [
         ("server", "version"), ("slots (runs)", "slots"), ("attempts", "attempts"),
         ("fault seconds", "fault_seconds"), ("wall seconds", "wall_seconds"),
@@ -605,9 +607,9 @@ def results_markdown(reports: list[Report], command: str, seed: int) -> str:
                     value = ", ".join(f"{k} {v}" for k, v in sorted(value.items()))
                 cells.append(str(value))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    total = sum(r.slots for r in reports)
-    unf = sum(r.unfenced_started_twice for r in reports)
-    handled = sum(r.runs_with_handler for r in reports)
+    total = sum(s["slots"] for s in summaries)
+    unf = sum(s["unfenced_started_twice"] for s in summaries)
+    handled = sum(s["runs_with_handler"] for s in summaries)
     lines += [
         "",
         f"Total: {total} slots on a machine with {os.cpu_count()} CPU cores. A handler",
@@ -619,13 +621,18 @@ def results_markdown(reports: list[Report], command: str, seed: int) -> str:
         "attempt: the invariant rows above count the runs where one was.",
         "",
     ]
-    violations = {r.store: r.violations for r in reports if r.violations}
+    violations = {s["store"]: s["violation_examples"] for s in summaries
+                  if s["violation_examples"]}
     if violations:
         lines += ["## Violations", ""]
         for name, found in violations.items():
             for what, items in found.items():
-                lines.append(f"- {name}: {what}: {len(items)} (first: {items[:5]})")
+                lines.append(f"- {name}: {what}: {s_count(summaries, name, what)} "
+                             f"(first: {items})")
         lines.append("")
     return "\n".join(lines)
 
 
+def s_count(summaries: list[dict[str, Any]], store: str, what: str) -> int:
+    """How many runs broke ``what`` on ``store``."""
+    return sum(int(s["violations"].get(what, 0)) for s in summaries if s["store"] == store)
