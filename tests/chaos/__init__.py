@@ -31,8 +31,10 @@ checkpoints and effect rows from the store and the records of every worker, and 
   run, or a stored checkpoint whose writer is older than a later writer;
 - checkpoints going backwards: an attempt reading less than an earlier attempt was told
   it wrote, or a stored checkpoint below a step some attempt wrote;
-- runs left running: open four leases after the faults stopped, or ``running`` after
-  every worker stopped gracefully;
+- runs left running: runs whose slot is more than four leases old and still open, once
+  the faults stopped and four leases passed (the audit waits up to 30 s more for a
+  starved machine to catch up, and reports how long it took), while the fleet is alive
+  or after every worker stopped gracefully;
 - takeover latency: from the fault (kill, stop, partition) of the holder to the next
   attempt's claim; it should stay within lease + one check interval;
 - un-fenced duplicates: runs whose handler started (or ran to the end) in two attempts.

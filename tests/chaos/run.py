@@ -56,6 +56,9 @@ class ChaosConfig:
     step_s: float = 0.04
     seed: int = 1
     settle_leases: int = 4
+    """Leases to wait after the faults stop; runs older than that must have ended."""
+    drain_s: float = 30.0
+    """How much longer to wait, at most, for those runs on a slow machine."""
     faults: tuple[str, ...] = FAULTS
     gap: tuple[float, float] = (0.4, 1.2)
     """Seconds between the end of one fault and the start of the next."""
@@ -110,6 +113,11 @@ class Report:
     worker_exits: list[str] = field(default_factory=list)
     start_retries: int = 0
     skewed_completions: int = 0
+    open_at_shutdown: int = 0
+    """Runs still ``running`` (lease lapsed) after every worker stopped, newer than the
+    horizon: a later start takes them over."""
+    recovery_s: float = 0.0
+    """From the end of the faults until no run older than the horizon was open."""
     """Runs completed by a worker whose clock was an hour off."""
 
     @property
@@ -168,6 +176,8 @@ class Report:
             "missed_slots": self.missed_slots,
             "start_retries": self.start_retries,
             "skewed_completions": self.skewed_completions,
+            "open_at_shutdown": self.open_at_shutdown,
+            "recovery_s": round(self.recovery_s, 1),
         }
 
 
@@ -360,8 +370,16 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
             faults.append(_inject(rng, rng.choice(kinds), workers, store, config, skew_sign))
         faults_over = time.time()
         time.sleep(config.settle_leases * config.lease)
-        audit_at = time.time()
-        open_before = _read_store(store, lambda b: b.runs(open_only=True, limit=1_000_000))
+        # On a starved machine the fleet may need longer to take every run over: wait
+        # (up to drain_s) until no run older than the horizon is open.
+        deadline = time.monotonic() + config.drain_s
+        while True:
+            audit_at = time.time()
+            open_before = _read_store(store, lambda b: b.runs(open_only=True, limit=1_000_000))
+            horizon = (audit_at - config.settle_leases * config.lease) * 1000
+            if time.monotonic() > deadline or all(r.slot >= horizon for r in open_before):
+                break
+            time.sleep(0.5)
         for w in workers:
             w.signal(signal.SIGTERM)
         for w in workers:
@@ -370,6 +388,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         skewed = frozenset(i for w in workers for i, skew in w.skews.items() if skew)
         report = audit(store, config, logdir, faults, started, faults_over, audit_at,
                        open_before, skewed)
+        report.recovery_s = audit_at - faults_over
         report.worker_exits = [e for w in workers for e in w.exits]
         report.start_retries = sum(w.restarts for w in workers)
         report.wall_s = time.monotonic() - t0
@@ -455,11 +474,13 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
     effect_of = {(job, slot): attempt for job, slot, attempt, _ in effects}
 
     # Runs still open a few leases after the faults stopped, while the fleet was alive.
-    horizon = audit_at * 1000 - 4 * config.lease * 1000
+    horizon = (audit_at - config.settle_leases * config.lease) * 1000
     report.left_running = [(r.job, r.slot, str(r.status)) for r in open_before
                            if r.slot < horizon]
     report.left_running += [(r.job, r.slot, "running after shutdown") for r in open_after
-                            if r.status is RunStatus.RUNNING]
+                            if r.status is RunStatus.RUNNING and r.slot < horizon]
+    report.open_at_shutdown = sum(1 for r in open_after
+                                  if r.status is RunStatus.RUNNING and r.slot >= horizon)
     report.handed_over_at_shutdown = sum(1 for r in open_after
                                          if r.status is RunStatus.HANDED_OVER)
     by_instance: dict[str, list[Fault]] = defaultdict(list)
@@ -587,6 +608,8 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("takeovers later than lease + check interval + 250 ms", "late_takeovers"),
         ("hand-over latency p50 / p99 (ms)", None),
         ("slots nobody claimed", "missed_slots"),
+        ("seconds from the last fault until no old run was open", "recovery_s"),
+        ("runs open at shutdown, newer than the horizon", "open_at_shutdown"),
         ("outcomes of attempts", "outcomes"),
     ]
     lines.append("| | " + " | ".join(name for name, _ in rows) + " |")
