@@ -43,7 +43,7 @@ bench-quick: $(BENCH_STAMP)
 bench-ci: $(BENCH_STAMP)
 	PY=$(PY) sh benchmarks/ci.sh
 
-## Chaos run (under 20 minutes): >= 10,000 slots across the stores, faults injected,
+## Chaos run (about 12 minutes): >= 10,000 slots across the stores, faults injected,
 ## then audited; figures in tests/chaos/RESULTS.md. PgBouncer runs without store
 ## restarts, which the fleet does not survive there yet (see RESULTS.md).
 CHAOS_ARGS ?= --slots 10000 --stores postgres,redis,pgbouncer:kill+stop+partition+skew

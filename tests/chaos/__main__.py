@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", default=",".join(FAULTS),
                         help=f"comma-separated fault kinds ({', '.join(FAULTS)})")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--jobs", type=int, default=12)
-    parser.add_argument("--interval-ms", type=int, default=300)
+    parser.add_argument("--jobs", type=int, default=10)
+    parser.add_argument("--interval-ms", type=int, default=600)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="where to write the results (markdown); '-' for nowhere")

@@ -48,12 +48,14 @@ class ChaosConfig:
     seconds: float = 30.0
     """How long faults are injected."""
     workers: int = 4
-    jobs: int = 6
-    interval_ms: int = 400
+    jobs: int = 10
+    interval_ms: int = 600
     lease: float = 1.5
     heartbeat: float = 0.3
-    steps: int = 3
-    step_s: float = 0.04
+    steps: int = 4
+    """Checkpointed steps of each handler; with ``step_s``, a handler lasts about 0.5 s,
+    so a faulted worker usually holds a run or two."""
+    step_s: float = 0.1
     seed: int = 1
     settle_leases: int = 4
     """Leases to wait after the faults stop; runs older than that must have ended."""
