@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--jobs", type=int, default=10)
     parser.add_argument("--interval-ms", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=4, help="checkpointed steps per handler")
+    parser.add_argument("--step-s", type=float, default=0.1, help="seconds per step")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="where to write the results (markdown); '-' for nowhere")
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, spec in enumerate(stores):
         kind, _, own = spec.partition(":")
         config = ChaosConfig(store=kind, workers=args.workers, jobs=args.jobs,
-                             interval_ms=args.interval_ms, seed=args.seed + n,
+                             interval_ms=args.interval_ms, steps=args.steps,
+                             step_s=args.step_s, seed=args.seed + n,
                              faults=tuple(own.split("+")) if own else faults)
         if args.seconds is not None:
             config.seconds = args.seconds
