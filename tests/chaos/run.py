@@ -67,6 +67,10 @@ class ChaosConfig:
     proxy: bool = True
     """Workers connect through their proxy; without it, partitions are not injected."""
 
+    def offset_ms(self, n: int) -> int:
+        """The slot offset of job ``n``: the jobs' slots spread evenly over the interval."""
+        return n * self.interval_ms // self.jobs
+
     @property
     def slots_per_second(self) -> float:
         """How many slots the jobs schedule per second, together."""
@@ -222,8 +226,10 @@ class Worker:
             "options": self.store.options(),
             "instance": self.instance, "lease": f"{c.lease}s", "heartbeat": f"{c.heartbeat}s",
             "steps": c.steps, "step_s": c.step_s, "fenced": self.store.fenced_transactions,
-            "jobs": [[f"job{n}", c.interval_ms, "skip" if n % 2 else "allow"]
-                     for n in range(c.jobs)],
+            # Offsets spread the jobs' slots over the interval, so a worker is rarely idle
+            # when a fault hits it.
+            "jobs": [[f"job{n}", c.interval_ms, "skip" if n % 2 else "allow",
+                      c.offset_ms(n)] for n in range(c.jobs)],
             "log": str(self.logdir / f"{self.instance}.jsonl"), "skew": skew,
             "grace": "5s",
         }
@@ -569,7 +575,7 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
     step = config.interval_ms
     for n in range(config.jobs):
         job = f"job{n}"
-        expected = range((int(started * 1000) // step + 2) * step,
+        expected = range((int(started * 1000) // step + 2) * step + config.offset_ms(n),
                          int(faults_over * 1000), step)
         report.missed_slots += sum(1 for s in expected if s >= first and (job, s) not in runs)
     report.left_running.sort()

@@ -90,8 +90,9 @@ def build(config: dict[str, Any], log: EventLog) -> Scheduler:
             log.write("tx", ctx)
         log.write("done", ctx)
 
-    for name, interval_ms, overlap in config["jobs"]:
+    for name, interval_ms, overlap, offset_ms in config["jobs"]:
         scheduler.every(name, f"{interval_ms}ms", handler, overlap=overlap,
+                        offset=f"{offset_ms}ms" if offset_ms else None,
                         timeout=config.get("timeout", "20s"))
     return scheduler
 
