@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-ms", type=int, default=600)
     parser.add_argument("--steps", type=int, default=4, help="checkpointed steps per handler")
     parser.add_argument("--step-s", type=float, default=0.1, help="seconds per step")
+    parser.add_argument("--spread", action="store_true",
+                        help="spread the jobs' slots over the interval instead of all together")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="where to write the results (markdown); '-' for nowhere")
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         kind, _, own = spec.partition(":")
         config = ChaosConfig(store=kind, workers=args.workers, jobs=args.jobs,
                              interval_ms=args.interval_ms, steps=args.steps,
-                             step_s=args.step_s, seed=args.seed + n,
+                             step_s=args.step_s, spread=args.spread, seed=args.seed + n,
                              faults=tuple(own.split("+")) if own else faults)
         if args.seconds is not None:
             config.seconds = args.seconds

@@ -67,9 +67,12 @@ class ChaosConfig:
     proxy: bool = True
     """Workers connect through their proxy; without it, partitions are not injected."""
 
+    spread: bool = False
+    """Spread the jobs' slots evenly over the interval (offsets) instead of all together."""
+
     def offset_ms(self, n: int) -> int:
-        """The slot offset of job ``n``: the jobs' slots spread evenly over the interval."""
-        return n * self.interval_ms // self.jobs
+        """The slot offset of job ``n`` (0 unless :attr:`spread`)."""
+        return n * self.interval_ms // self.jobs if self.spread else 0
 
     @property
     def slots_per_second(self) -> float:
@@ -226,8 +229,6 @@ class Worker:
             "options": self.store.options(),
             "instance": self.instance, "lease": f"{c.lease}s", "heartbeat": f"{c.heartbeat}s",
             "steps": c.steps, "step_s": c.step_s, "fenced": self.store.fenced_transactions,
-            # Offsets spread the jobs' slots over the interval, so a worker is rarely idle
-            # when a fault hits it.
             "jobs": [[f"job{n}", c.interval_ms, "skip" if n % 2 else "allow",
                       c.offset_ms(n)] for n in range(c.jobs)],
             "log": str(self.logdir / f"{self.instance}.jsonl"), "skew": skew,
