@@ -1,0 +1,41 @@
+"""The chaos suite: real worker processes, real stores, injected faults, then an audit.
+
+``python -m tests.chaos`` (``make chaos``) runs it at full size and writes
+``tests/chaos/RESULTS.md``; ``tests/chaos/test_chaos.py`` runs a short version in
+``make test``.
+
+Per store (PostgreSQL direct, PostgreSQL through PgBouncer in transaction mode, Redis),
+3-5 worker processes run a :class:`~lease_core.Scheduler` with many jobs firing every few
+hundred milliseconds. Each worker reaches the store through its own TCP proxy
+(:mod:`tests.chaos.proxy`). Faults, one at a time from a seeded RNG:
+
+- ``kill``: SIGKILL a worker, then start a new one in its place;
+- ``stop``: SIGSTOP a worker for 1.5-2.5 leases, then SIGCONT (a zombie holder);
+- ``partition``: the worker's proxy stops forwarding, sockets open, for 1.5-2.5 leases;
+- ``restart``: restart the store (the database behind PgBouncer);
+- ``skew``: stop a worker gracefully (hand-over) and start it again with its wall clock and
+  its scheduler's local clock an hour ahead or behind (worker 0 starts an hour ahead).
+
+Every handler reads its checkpoint, records ``start`` (the un-fenced effect: an
+append-only JSON line, see :mod:`tests.chaos.worker`), writes checkpoints
+``{"a": attempt, "step": n}`` (verifying before each write that nobody else wrote), and on
+PostgreSQL inserts its effect into a table unique on (job, slot) inside
+``ctx.transaction()``. The audit (:func:`tests.chaos.run.audit`) reads the history, runs,
+checkpoints and effect rows from the store and the records of every worker, and counts:
+
+- double completions: runs with two ``completed`` attempts;
+- double fenced effects: two committed effect transactions for one run;
+- writes accepted from a superseded attempt: a finished outcome on an attempt that is not
+  the run's last; an effect row or committed transaction of an attempt that is not the
+  completing, last one; a checkpoint seen changed by another attempt while one held the
+  run, or a stored checkpoint whose writer is older than a later writer;
+- checkpoints going backwards: an attempt reading less than an earlier attempt was told
+  it wrote, or a stored checkpoint below a step some attempt wrote;
+- runs left running: runs whose slot is more than four leases old and still open, once
+  the faults stopped and four leases passed (the audit waits up to 30 s more for a
+  starved machine to catch up, and reports how long it took), while the fleet is alive
+  or after every worker stopped gracefully;
+- takeover latency: from the fault (kill, stop, partition) of the holder to the next
+  attempt's claim; it should stay within lease + one check interval;
+- un-fenced duplicates: runs whose handler started (or ran to the end) in two attempts.
+"""

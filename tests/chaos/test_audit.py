@@ -1,0 +1,103 @@
+"""The chaos audit itself: each invariant is reported, with its runs, when it breaks."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from lease_core.abc import Attempt, Outcome, Reason, RunInfo, RunStatus
+from tests.chaos.run import ChaosConfig, Fault, Observed, judge
+
+T0 = 1_800_000_000.0
+SLOT = int(T0 * 1000)
+KEY = ("job0", SLOT)
+CONFIG = ChaosConfig(store="postgres")
+
+
+def at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(T0 + seconds, tz=UTC)
+
+
+def attempt(n: int, instance: str, claimed: float, outcome: Outcome | None,
+            reason: Reason = Reason.SCHEDULED) -> Attempt:
+    finished = None if outcome is None else at(claimed + 0.3)
+    return Attempt("job0", SLOT, n, instance, reason, at(claimed), finished, outcome)
+
+
+def event(kind: str, n: int, **fields: Any) -> dict[str, Any]:
+    return {"e": kind, "j": "job0", "s": SLOT, "a": n, "i": f"w{n}", "t": T0, **fields}
+
+
+def observed(**changes: Any) -> Observed:
+    """A clean takeover: attempt 1 (w1) is killed, attempt 2 (w2) completes."""
+    base: dict[str, Any] = {
+        "history": [attempt(1, "w1", 0.0, Outcome.LOST),
+                    attempt(2, "w2", 1.7, Outcome.COMPLETED, Reason.TAKEOVER)],
+        "open_before": [], "open_after": [],
+        "checkpoints": {KEY: {"a": 2, "step": 3}},
+        "effects": [("job0", SLOT, 2, "w2")],
+        "events": {KEY: [
+            event("start", 1, cp=None), event("cp", 1, step=0), event("cp", 1, step=1),
+            event("start", 2, cp={"a": 1, "step": 1}), event("cp", 2, step=1),
+            event("cp", 2, step=3), event("tx", 2), event("done", 2),
+        ]},
+        "faults": [Fault("kill", "w1", T0 + 0.2, T0 + 0.5)],
+        "started": T0 - 1, "faults_over": T0 + 5, "audit_at": T0 + 20,
+    }
+    base.update(changes)
+    return Observed(**base)
+
+
+def test_a_clean_takeover_breaks_nothing_and_is_measured() -> None:
+    report = judge(CONFIG, observed())
+    assert report.violations == {}
+    assert (report.slots, report.attempts, report.takeovers) == (1, 2, 1)
+    assert report.takeover_latency == [pytest.approx(1.5)]
+    assert report.late_takeovers == []
+    # The handler started in both attempts: its un-fenced record repeats, by nature.
+    assert (report.unfenced_started_twice, report.unfenced_done_twice) == (1, 0)
+
+
+def test_runs_completed_by_a_skewed_worker_are_counted() -> None:
+    assert judge(CONFIG, observed(skewed=frozenset({"w2"}))).skewed_completions == 1
+    assert judge(CONFIG, observed(skewed=frozenset({"w1"}))).skewed_completions == 0
+
+
+BROKEN: dict[str, dict[str, Any]] = {
+    "double completions": {"history": [
+        attempt(1, "w1", 0.0, Outcome.COMPLETED),
+        attempt(2, "w2", 1.7, Outcome.COMPLETED, Reason.TAKEOVER)]},
+    "finish from a superseded attempt": {"history": [
+        attempt(1, "w1", 0.0, Outcome.FAILED),
+        attempt(2, "w2", 1.7, Outcome.COMPLETED, Reason.TAKEOVER)]},
+    "double fenced effects": {"events": {KEY: [event("tx", 1), event("tx", 2)]}},
+    "transaction from a superseded attempt": {"effects": [("job0", SLOT, 1, "w1")]},
+    "checkpoint from a superseded attempt": {"checkpoints": {KEY: {"a": 1, "step": 3}}},
+    "checkpoint went backwards": {"events": {KEY: [
+        event("cp", 1, step=2), event("start", 2, cp={"a": 1, "step": 1})]}},
+    "runs left running": {"open_before": [
+        RunInfo("job0", SLOT, RunStatus.RUNNING, 2, "w2")]},
+}
+
+
+@pytest.mark.parametrize("what", list(BROKEN))
+def test_each_broken_invariant_is_reported_with_its_run(what: str) -> None:
+    report = judge(CONFIG, observed(**BROKEN[what]))
+    assert what in report.violations
+    assert report.violations[what][0][:2] == KEY
+
+
+def test_a_checkpoint_changed_under_its_holder_is_reported() -> None:
+    events = {KEY: [event("cp_foreign", 2, seen={"a": 1, "step": 2},
+                          expected={"a": 2, "step": 1})]}
+    report = judge(CONFIG, observed(events=events))
+    assert report.violations["checkpoint from a superseded attempt"] == [(*KEY, 2)]
+
+
+def test_a_late_takeover_is_listed() -> None:
+    history = [attempt(1, "w1", 0.0, Outcome.LOST),
+               attempt(2, "w2", 4.0, Outcome.COMPLETED, Reason.TAKEOVER)]
+    report = judge(CONFIG, observed(history=history))
+    assert report.late_takeovers == [(*KEY, 2, 3.8)]

@@ -1,0 +1,79 @@
+"""The short chaos run of ``make test``: ~1,000 slots across three stores, about 2 minutes.
+
+Each store gets its own test (each well under the 120 s per-test limit). ``make chaos``
+runs the same code at full size (``python -m tests.chaos``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.run import FAULTS, ChaosConfig, Report, run_chaos
+from tests.chaos.stores import Unavailable
+from tests.stores import missing_service
+
+#: Slots each store must cover, so that the three cover 1,000 together.
+MIN_SLOTS = 340
+
+#: Slack for a loaded 2-core machine over the takeover bound (lease + check interval).
+LATENCY_SLACK_S = 1.5
+
+
+def _run(config: ChaosConfig, tmp_path: Path) -> Report:
+    try:
+        return run_chaos(config, tmp_path)
+    except Unavailable as exc:
+        missing_service(str(exc))
+        raise
+
+
+def _check(report: Report, config: ChaosConfig, logdir: Path) -> None:
+    print(report.summary())  # shown with pytest -s, and with a failure
+    detail = f"(records in {logdir}; figures {report.summary()})"
+    assert report.violations == {}, f"invariants broke: {report.violations} {detail}"
+    assert report.slots >= MIN_SLOTS, f"only {report.slots} slots {detail}"
+    # A loaded machine restarts workers slowly, so fewer faults fit in the time; and a
+    # fault may hit a worker between runs, so a takeover is likely but not certain.
+    assert sum(report.faults.values()) >= 2, f"too few faults injected {detail}"
+    # Worker 0 runs an hour ahead from the start: leases follow the store's clock only.
+    assert report.skewed_completions >= 10, f"the skewed worker completed too few {detail}"
+    bound = config.lease + config.heartbeat + LATENCY_SLACK_S
+    p99 = report.percentile(report.takeover_latency, 0.99)
+    assert p99 is None or p99 <= bound, (
+        f"takeover p99 {p99:.2f}s > {bound:.2f}s; late (job, slot, attempt, s): "
+        f"{report.late_takeovers} {detail}"
+    )
+    assert report.worker_exits == [], f"workers ended badly: {report.worker_exits} {detail}"
+
+
+def _config(store: str, seed: int, faults: tuple[str, ...] = FAULTS) -> ChaosConfig:
+    # The full run's fleet (10 jobs every 600 ms, handlers of about 0.5 s), for 16 s.
+    return ChaosConfig(store=store, seconds=16.0, seed=seed, faults=faults)
+
+
+@pytest.mark.timeout(110)
+def test_chaos_postgres(tmp_path: Path) -> None:
+    """PostgreSQL direct: every fault kind, every invariant holds."""
+    config = _config("postgres", 11)
+    _check(_run(config, tmp_path), config, tmp_path)
+
+
+@pytest.mark.timeout(110)
+def test_chaos_redis(tmp_path: Path) -> None:
+    """Redis (Valkey 8): every fault kind, every invariant holds."""
+    config = _config("redis", 12)
+    _check(_run(config, tmp_path), config, tmp_path)
+
+
+@pytest.mark.timeout(110)
+def test_chaos_pgbouncer(tmp_path: Path) -> None:
+    """PostgreSQL through PgBouncer: every fault but a store restart.
+
+    A restart of the database behind PgBouncer leaves the fleet unable to recover in about
+    half of the runs (claims time out for good); ``python -m tests.chaos --stores
+    pgbouncer --faults restart --seconds 5`` reproduces it (see RESULTS.md).
+    """
+    config = _config("pgbouncer", 13, tuple(f for f in FAULTS if f != "restart"))
+    _check(_run(config, tmp_path), config, tmp_path)

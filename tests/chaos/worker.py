@@ -1,0 +1,121 @@
+"""One chaos worker: an OS process running a scheduler until SIGTERM (or SIGKILL).
+
+Started by the coordinator as ``python -m tests.chaos.worker CONFIG_JSON``. It prints
+``started`` once its scheduler runs. Every handler writes an append-only record of what
+it did (one JSON line per event, ``O_APPEND``) to the worker's log file, checkpoints its
+progress, and on PostgreSQL writes its effect inside ``ctx.transaction()``.
+
+With ``skew`` set, the process's wall clock (``time.time``) and the scheduler's local
+clock are both shifted by that many seconds: leases follow the store's clock, so a
+skewed worker must behave exactly like the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import anyio
+
+from lease_core import LeaseLost, RunContext, Scheduler, backend_from_url
+
+__all__ = ["main"]
+
+_real_time = time.time
+
+
+class EventLog:
+    """Append-only JSON lines; each line is one ``write`` on an ``O_APPEND`` descriptor."""
+
+    def __init__(self, path: str, instance: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.instance = instance
+
+    def write(self, event: str, ctx: RunContext, **fields: Any) -> None:
+        """Record ``event`` of the attempt ``ctx`` with the real (unskewed) wall time."""
+        record = {"e": event, "j": ctx.job, "s": ctx.slot, "a": ctx.attempt,
+                  "i": self.instance, "t": _real_time(), **fields}
+        os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+
+def build(config: dict[str, Any], log: EventLog) -> Scheduler:
+    """The scheduler of one worker, with the chaos jobs declared."""
+    backend = backend_from_url(config["url"], **config["options"])
+    skew = float(config.get("skew", 0.0))
+    scheduler = Scheduler(
+        backend, instance_id=config["instance"], lease=config["lease"],
+        heartbeat=config["heartbeat"], history_size=1_000_000,
+        clock=(lambda: time.monotonic() + skew) if skew else None,
+    )
+    steps = int(config["steps"])
+    step_s = float(config["step_s"])
+    fenced = bool(config["fenced"])
+    effects = config.get("effects_table", "chaos_effects")
+
+    async def handler(ctx: RunContext) -> None:
+        stored = await ctx.checkpoint.get()
+        log.write("start", ctx, cp=stored, r=str(ctx.reason))
+        step = int(stored["step"]) if stored else 0
+        # Every attempt writes at least once, so the last writer is known.
+        last = {"a": ctx.attempt, "step": step}
+        await ctx.checkpoint.set(last)
+        log.write("cp", ctx, step=step)
+        for n in range(step, steps):
+            await anyio.sleep(step_s)
+            seen = await ctx.checkpoint.get()
+            if seen != last:
+                # Only this attempt may write while it holds the run.
+                log.write("cp_foreign", ctx, seen=seen, expected=last)
+            last = {"a": ctx.attempt, "step": n + 1}
+            await ctx.checkpoint.set(last)
+            log.write("cp", ctx, step=n + 1)
+        if fenced:
+            try:
+                async with ctx.transaction() as tx:
+                    await tx.execute(
+                        f"INSERT INTO {effects} (job, slot, attempt, instance) "
+                        "VALUES (%s, %s, %s, %s)",
+                        (ctx.job, ctx.slot, ctx.attempt, ctx.instance_id),
+                    )
+            except LeaseLost:
+                raise
+            except Exception as exc:
+                if "duplicate key" in str(exc) or "unique" in str(exc).lower():
+                    log.write("tx_dup", ctx, error=str(exc)[:200])
+                raise
+            log.write("tx", ctx)
+        log.write("done", ctx)
+
+    for name, interval_ms, overlap, offset_ms in config["jobs"]:
+        scheduler.every(name, f"{interval_ms}ms", handler, overlap=overlap,
+                        offset=f"{offset_ms}ms" if offset_ms else None,
+                        timeout=config.get("timeout", "20s"))
+    return scheduler
+
+
+def main(argv: list[str]) -> None:
+    """Run one worker with the JSON configuration ``argv[0]``."""
+    config = json.loads(argv[0])
+    skew = float(config.get("skew", 0.0))
+    if skew:
+        time.time = lambda: _real_time() + skew
+    log = EventLog(config["log"], config["instance"])
+
+    async def run() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            scheduler = build(config, log)
+            async with scheduler:
+                print("started", flush=True)
+                async for _ in signals:
+                    break
+                await scheduler.stop(grace=config.get("grace", "5s"))
+
+    anyio.run(run)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
