@@ -130,6 +130,36 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+#: The outcomes that end a run, and the run status each gives (by member and by value).
+_FINISH_STATUS: dict[object, str] = {}
+for _outcome in (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT):
+    _FINISH_STATUS[_outcome] = _FINISH_STATUS[_outcome.value] = RunStatus(_outcome.value).value
+
+
+def _members(kind: Any) -> dict[Any, Any]:
+    """Enum members by value, as text and as the bytes a driver replies with."""
+    found: dict[Any, Any] = {"": None, b"": None}
+    for member in kind:
+        found[member.value] = found[member.value.encode()] = member
+    return found
+
+
+_CLAIM_STATUS = _members(ClaimStatus)
+_REASON = _members(Reason)
+_RUN_STATUS = _members(RunStatus)
+
+
+def _claim_result(request: ClaimRequest, reply: Any) -> ClaimResult:
+    """The claim script's reply, ``{status, now, attempt, reason, expires, run_status,
+    instance}`` with ``''`` for none, as a :class:`ClaimResult`."""
+    status, now, attempt, reason, expires, run_status, instance = reply
+    return ClaimResult(
+        _CLAIM_STATUS[status], request.job, request.slot, int(now), int(attempt),
+        _REASON[reason], int(expires) if expires else None, _RUN_STATUS[run_status],
+        _text(instance) or None,
+    )
+
+
 def _time_ms(reply: Any) -> int:
     seconds, micros = reply
     return int(_text(seconds)) * 1000 + int(_text(micros)) // 1000
@@ -235,6 +265,7 @@ class RedisBackend(Backend):
         # Jobs this process has added to the jobs set ({P}:jobs); a claim of another job
         # adds it in the same round trip.
         self._listed: set[str] = set()
+        self._tags: dict[str, str] = {}  # job -> hash tag
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -254,7 +285,12 @@ class RedisBackend(Backend):
     # -- keys ------------------------------------------------------------------------
 
     def _tag(self, job: str) -> str:
-        return "{" + self.prefix + "/" + quote(job, safe="") + "}"
+        tag = self._tags.get(job)
+        if tag is None:
+            if len(self._tags) > 100_000:  # a bound for processes that make up job names
+                self._tags.clear()
+            tag = self._tags[job] = "{" + self.prefix + "/" + quote(job, safe="") + "}"
+        return tag
 
     def _run_key(self, job: str, slot: int) -> str:
         return f"{self._tag(job)}:run:{int(slot)}"
@@ -375,16 +411,8 @@ class RedisBackend(Backend):
         if len(self._listed) > 100_000:  # a bound for processes that make up job names
             self._listed.clear()
         self._listed.update(new)
-        results = []
-        for request, reply in zip(requests, replies, strict=False):
-            status, now, attempt, reason, expires, run_status, instance = (
-                _text(v) for v in reply
-            )
-            results.append(ClaimResult(
-                ClaimStatus(status), request.job, request.slot, int(now), int(attempt),
-                Reason(reason) if reason else None, int(expires) if expires else None,
-                RunStatus(run_status) if run_status else None, instance or None,
-            ))
+        results = [_claim_result(request, reply)
+                   for request, reply in zip(requests, replies, strict=False)]
         won = [r for r in results if r.status is ClaimStatus.WON]
         if won and self.wait_replicas is not None:
             what = (f"the claim of {won[0].job!r} slot {won[0].slot}" if len(won) == 1
@@ -393,18 +421,18 @@ class RedisBackend(Backend):
         return results
 
     def _claim_command(self, request: ClaimRequest) -> Command:
-        keys = self._job_keys(request.job)
-        run_key = self._run_key(request.job, request.slot)
+        tag = self._tag(request.job)
         args: list[str | int] = [
             int(request.slot), request.instance_id, request.token, int(request.lease_ms),
             request.reason.value, 1 if request.overlap_skip else 0,
             "" if request.max_attempts is None else int(request.max_attempts),
             max(0, int(request.history_size)),
             "" if request.history_ttl_ms is None else int(request.history_ttl_ms),
-            f"{self._tag(request.job)}:run:",
+            f"{tag}:run:",
         ]
-        return self._eval("claim", [keys["job"], run_key, keys["open"], keys["hist"],
-                                    keys["att"], keys["done"], keys["orphan"]], args)
+        return self._eval("claim", [f"{tag}:job", f"{tag}:run:{int(request.slot)}",
+                                    f"{tag}:open", f"{tag}:hist", f"{tag}:att", f"{tag}:done",
+                                    f"{tag}:orphan"], args)
 
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
         """Renew every lease to ``now + lease_ms`` in one round trip.
@@ -437,18 +465,16 @@ class RedisBackend(Backend):
 
     async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
         """End the attempt if ``lease`` still holds the run (see ``finish.lua``)."""
-        try:
-            status = RunStatus(Outcome(outcome).value)
-        except ValueError:
+        status = _FINISH_STATUS.get(outcome)
+        if status is None:
             raise ConfigurationError(
                 f"outcome={outcome!r} cannot end a run; use completed, failed or timed_out"
-            ) from None
-        keys = self._job_keys(lease.job)
+            )
+        tag = self._tag(lease.job)
         (done,) = await self._run([self._eval(
             "finish",
-            [self._run_key(lease.job, lease.slot), keys["open"], keys["att"], keys["done"]],
-            [lease.token, int(lease.slot), status.value, 0 if error is None else 1,
-             error or ""],
+            [f"{tag}:run:{int(lease.slot)}", f"{tag}:open", f"{tag}:att", f"{tag}:done"],
+            [lease.token, int(lease.slot), status, 0 if error is None else 1, error or ""],
         )])
         return int(done) == 1
 
