@@ -168,18 +168,26 @@ class RedisAdapter(ABC):
                 raise
             raise translated from None
 
-    def load_scripts(self, sources: Sequence[str]) -> list[str]:
-        """Register Lua scripts with the driver (``register_script``); return their SHA-1s.
+    async def load_scripts(self, sources: Sequence[str]) -> list[str]:
+        """Register Lua scripts with the driver (``register_script``) and load them.
 
-        Nothing is sent: the server gets a script the first time a call finds it missing.
-        ``EVALSHA`` commands of :meth:`execute` name a script by the SHA-1 returned here.
+        Returns their SHA-1s, by which ``EVALSHA`` commands of :meth:`execute` name them.
+        Loading them now (every primary of a Cluster) spares the first calls a
+        ``NOSCRIPT`` reply; a server that loses them later gets them again on demand.
         """
-        shas = []
-        for source in sources:
-            script = self.client.register_script(source)
+        registered = [self.client.register_script(source) for source in sources]
+        for script in registered:
             self.scripts[script.sha] = script
-            shas.append(script.sha)
-        return shas
+        try:
+            await self._load(registered)
+        except AnarchonError:
+            raise
+        except Exception as exc:
+            translated = self.translate(exc)
+            if translated is None:
+                raise
+            raise translated from None
+        return [script.sha for script in registered]
 
     def translate(self, exc: BaseException) -> AnarchonError | None:
         """Map a driver exception to anarchon's own error; ``None`` when it is not one."""

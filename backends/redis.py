@@ -313,7 +313,7 @@ class RedisBackend(Backend):
     async def _open(self) -> None:
         adapter = redis_adapter(self._connection)
         try:
-            adapter.load_scripts([s.source for s in SCRIPTS.values()])
+            await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
             (found,) = await self._run([self._eval("open_store", [self._meta_key],
                                                    [STORE_FORMAT])])
