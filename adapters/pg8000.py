@@ -36,6 +36,7 @@ import re
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -393,6 +394,16 @@ class Pg8000ConnectionAdapter(SqlAdapter):
         return self._transaction()
 
 
+@dataclass
+class _Outcome:
+    """What one worker-thread call of :class:`Pg8000PoolAdapter` did."""
+
+    conn: Any  # the connection to keep, or None (none opened, or closed as broken)
+    rows: list[Row]
+    error: Exception | None
+    connecting: bool = False
+
+
 class Pg8000PoolAdapter(SqlAdapter):
     """Open up to ``max_size`` pg8000 connections from connection parameters; close them all.
 
@@ -489,17 +500,51 @@ class Pg8000PoolAdapter(SqlAdapter):
         for conn in idle:
             await anyio.to_thread.run_sync(_close_quietly, conn)
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        """Run one statement on a pooled connection."""
-        async with self._slots:
-            conn = await self._acquire()
+    def _all_blocking(self, conn: Any, sql: str, params: Sequence[Any]) -> _Outcome:
+        """Connect when ``conn`` is None, run the statement, close a broken connection."""
+        if conn is None:
             try:
-                rows = await _Tx(conn, self._where, alone=True).all(sql, params)
-            except BaseException as exc:
-                await self._release(conn, exc)
+                conn = self._connect()
+            except (pg8000.exceptions.Error, OSError) as exc:
+                return _Outcome(None, [], exc, connecting=True)
+        try:
+            return _Outcome(conn, _execute_alone(conn, sql, params), None)
+        except (pg8000.exceptions.Error, OSError) as exc:
+            if _broken(exc):
+                _close_quietly(conn)
+                conn = None
+            return _Outcome(conn, [], exc)
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on a pooled connection, in one worker-thread call.
+
+        Opening a connection (none idle), the statement and closing a connection it
+        found broken all happen in that one call.
+        """
+        async with self._slots:
+            conn = self._idle.pop() if self._idle else None
+            try:
+                done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
+            except BaseException:
+                if conn is not None:
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(_close_quietly, conn)
                 raise
-            await self._release(conn, None)
-            return rows
+            if done.conn is not None:
+                await self._release(done.conn, None)
+            exc = done.error
+            if exc is None:
+                return done.rows
+            if done.connecting:
+                mapped = self._tls_error(exc) or translate_error(
+                    exc, where=self._where, secret=self._secret)
+                if mapped is exc:
+                    raise exc
+                raise mapped from None
+            mapped = translate_error(exc, where=self._where)
+            if mapped is exc:
+                raise exc
+            raise mapped from exc
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:

@@ -21,6 +21,13 @@ a connection pool (async or sync)      a client is made on the pool; the pool is
 The asyncio clients of redis-py and valkey-py work only under asyncio. Sync clients run in
 ``anyio.to_thread`` worker threads and so work under trio as well.
 
+Scripts are registered with the driver (``register_script``): a batch of one script call
+goes through the driver's script object, which sends ``EVALSHA`` and loads the script
+itself on a ``NOSCRIPT`` reply (after ``SCRIPT FLUSH`` or a restart). A longer batch is
+one pipeline of ``EVALSHA`` commands, and a script the server lost is loaded through the
+driver and the affected commands sent again. (redis-py's own pipeline scripts would
+add a ``SCRIPT EXISTS`` round trip to every batch.)
+
 A batch that fails because its pooled connection was closed under it (after a server
 restart, or the server's idle ``timeout``) is sent once more on a fresh connection; this
 applies to clients passed in too. Every script is safe to send again: the fenced ones
@@ -73,6 +80,19 @@ def _stale(exc: BaseException) -> bool:
     return "ConnectionError" in names
 
 
+def _is_noscript(reply: Any) -> bool:
+    # redis-py and valkey-py raise NoScriptError and drop the "NOSCRIPT" code from the text
+    return isinstance(reply, Exception) and (
+        type(reply).__name__ == "NoScriptError" or str(reply).startswith("NOSCRIPT")
+    )
+
+
+def _is_reply_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server's reply to one command (not a failed connection)."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return "ResponseError" in names and not names & {"ConnectionError", "TimeoutError"}
+
+
 def _describe(client: Any) -> tuple[str, str | None]:
     """Return where ``client`` connects (never with the password) and the password."""
     pool = getattr(client, "connection_pool", None)
@@ -98,10 +118,30 @@ class RedisAdapter(ABC):
         self.client = client
         self.owned = owned
         self.where, self._password = _describe(client)
+        #: The driver's script objects, by SHA-1 (see :meth:`load_scripts`).
+        self.scripts: dict[str, Any] = {}
 
     @abstractmethod
     async def _execute(self, commands: Sequence[Command]) -> list[Any]:
         """Run the batch on the driver and return its raw replies."""
+
+    async def _execute_loading(self, commands: Sequence[Command]) -> list[Any]:
+        """Run the batch; load the scripts the server lost and send those commands again."""
+        replies = await self._execute(commands)
+        missing = [i for i, r in enumerate(replies) if _is_noscript(r)]
+        if missing:
+            shas = {str(commands[i][1]) for i in missing}
+            await self._load([self.scripts[sha] for sha in shas if sha in self.scripts])
+            # the lost scripts' commands, and what follows them in order (WAIT, TIME)
+            again = [i for i, c in enumerate(commands) if i in missing or c[0] != "EVALSHA"]
+            for i, reply in zip(again, await self._execute([commands[i] for i in again]),
+                                strict=True):
+                replies[i] = reply
+        return replies
+
+    @abstractmethod
+    async def _load(self, scripts: Sequence[Any]) -> None:
+        """Load the driver's script objects into the server (every primary of a Cluster)."""
 
     async def execute(self, commands: Sequence[Command]) -> list[Any]:
         """Send ``commands`` in one pipelined round trip; return one reply each.
@@ -113,13 +153,13 @@ class RedisAdapter(ABC):
         """
         try:
             try:
-                return await self._execute(commands)
+                return await self._execute_loading(commands)
             except Exception as exc:
                 if not _stale(exc):
                     raise
             # The connection was closed under us (the server restarted, or closed an idle
             # connection): the batch never ran, so it is sent once more on a fresh one.
-            return await self._execute(commands)
+            return await self._execute_loading(commands)
         except AnarchonError:
             raise
         except Exception as exc:
@@ -128,10 +168,18 @@ class RedisAdapter(ABC):
                 raise
             raise translated from None
 
-    async def load_scripts(self, sources: Sequence[str]) -> None:
-        """Load Lua scripts into the server's script cache (every primary of a Cluster)."""
+    async def load_scripts(self, sources: Sequence[str]) -> list[str]:
+        """Register Lua scripts with the driver (``register_script``) and load them.
+
+        Returns their SHA-1s, by which ``EVALSHA`` commands of :meth:`execute` name them.
+        Loading them now (every primary of a Cluster) spares the first calls a
+        ``NOSCRIPT`` reply; a server that loses them later gets them again on demand.
+        """
+        registered = [self.client.register_script(source) for source in sources]
+        for script in registered:
+            self.scripts[script.sha] = script
         try:
-            await self._load_scripts(sources)
+            await self._load(registered)
         except AnarchonError:
             raise
         except Exception as exc:
@@ -139,10 +187,7 @@ class RedisAdapter(ABC):
             if translated is None:
                 raise
             raise translated from None
-
-    @abstractmethod
-    async def _load_scripts(self, sources: Sequence[str]) -> None:
-        """Run SCRIPT LOAD through the client, which knows every node of a Cluster."""
+        return [script.sha for script in registered]
 
     def translate(self, exc: BaseException) -> AnarchonError | None:
         """Map a driver exception to anarchon's own error; ``None`` when it is not one."""
@@ -184,14 +229,24 @@ class AsyncClientAdapter(RedisAdapter):
     """Drive an asyncio client (``redis.asyncio.Redis``, ``valkey.asyncio.Valkey``)."""
 
     async def _execute(self, commands: Sequence[Command]) -> list[Any]:
+        if len(commands) == 1 and commands[0][0] == "EVALSHA":
+            script = self.scripts.get(str(commands[0][1]))
+            if script is not None:  # one script call: the driver handles NOSCRIPT
+                keys = int(commands[0][2])
+                try:
+                    return [await script(commands[0][3:3 + keys], commands[0][3 + keys:])]
+                except Exception as exc:
+                    if not _is_reply_error(exc):
+                        raise
+                    return [exc]
         pipe = self.client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
         return list(await pipe.execute(raise_on_error=False))
 
-    async def _load_scripts(self, sources: Sequence[str]) -> None:
-        for source in sources:
-            await self.client.script_load(source)
+    async def _load(self, scripts: Sequence[Any]) -> None:
+        for script in scripts:
+            await self.client.script_load(script.script)
 
     async def _close(self) -> None:
         close = getattr(self.client, "aclose", None) or self.client.close
@@ -202,6 +257,16 @@ class SyncClientAdapter(RedisAdapter):
     """Drive a blocking client (``redis.Redis``, ``valkey.Valkey``) in worker threads."""
 
     def _execute_blocking(self, commands: Sequence[Command]) -> list[Any]:
+        if len(commands) == 1 and commands[0][0] == "EVALSHA":
+            script = self.scripts.get(str(commands[0][1]))
+            if script is not None:  # one script call: the driver handles NOSCRIPT
+                keys = int(commands[0][2])
+                try:
+                    return [script(commands[0][3:3 + keys], commands[0][3 + keys:])]
+                except Exception as exc:
+                    if not _is_reply_error(exc):
+                        raise
+                    return [exc]
         pipe = self.client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
@@ -210,12 +275,12 @@ class SyncClientAdapter(RedisAdapter):
     async def _execute(self, commands: Sequence[Command]) -> list[Any]:
         return await anyio.to_thread.run_sync(partial(self._execute_blocking, commands))
 
-    def _load_blocking(self, sources: Sequence[str]) -> None:
-        for source in sources:
-            self.client.script_load(source)
+    def _load_blocking(self, scripts: Sequence[Any]) -> None:
+        for script in scripts:
+            self.client.script_load(script.script)
 
-    async def _load_scripts(self, sources: Sequence[str]) -> None:
-        await anyio.to_thread.run_sync(partial(self._load_blocking, sources))
+    async def _load(self, scripts: Sequence[Any]) -> None:
+        await anyio.to_thread.run_sync(partial(self._load_blocking, scripts))
 
     async def _close(self) -> None:
         await anyio.to_thread.run_sync(self.client.close)

@@ -145,6 +145,12 @@ class MemoryBackend(Backend):
         with self._lock:
             return self._claim(request)
 
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        """Make the claims in order, all under one hold of the lock."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return [self._claim(req) for req in requests]
+
     def _claim(self, req: ClaimRequest) -> ClaimResult:
         now = self._now()
         key = (req.job, req.slot)

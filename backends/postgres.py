@@ -10,8 +10,10 @@ claim function has its own file, ``claim_v<N>.sql``, and its version in its name
 
 Where a claim happens: :meth:`PostgresBackend.claim` is **one statement**, a call of the
 PL/pgSQL function ``<table>_claim_v2`` in autocommit, so it takes one round trip on every
-adapter. The function runs the claim of ``lease_core.abc`` in the statement's own
-transaction:
+adapter; :meth:`PostgresBackend.claim_many` is one statement too, a call of
+``<table>_batch_v2``, which runs ``<table>_claim_v2`` for each claim in order, in one
+transaction (``postgres_sql/batch_v2.sql``). The claim function runs the claim of
+``lease_core.abc`` in the statement's own transaction:
 
 1. a run that is finished, or held by a live lease, is reported from a plain read, with
    no lock and no write (backups standing by write nothing);
@@ -120,7 +122,7 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
-             "_a_fin", "_claim", f"_claim_v{CODE_VERSION}")
+             "_a_fin", "_claim", f"_claim_v{CODE_VERSION}", f"_batch_v{CODE_VERSION}")
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
@@ -158,6 +160,8 @@ def parse_queries(text: str) -> dict[str, str]:
 QUERIES = parse_queries(_sql_file("queries.sql"))
 #: The claim function of this release (``postgres_sql/claim_v2.sql``), as a template.
 CLAIM_FUNCTION = _sql_file(f"claim_v{CODE_VERSION}.sql")
+#: The batched claim function of this release (``postgres_sql/batch_v2.sql``), as a template.
+BATCH_FUNCTION = _sql_file(f"batch_v{CODE_VERSION}.sql")
 #: The v1 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
 #: The tables and indexes, in creation order.
@@ -251,6 +255,7 @@ class Statements:
             "fin_idx": quote_ident(name + "_a_fin"),
             "claim_v1": prefix + quote_ident(name + "_claim"),
             f"claim_v{CODE_VERSION}": prefix + quote_ident(name + f"_claim_v{CODE_VERSION}"),
+            f"batch_v{CODE_VERSION}": prefix + quote_ident(name + f"_batch_v{CODE_VERSION}"),
             "claim_args": CLAIM_ARGS,
             "claim_arg_types": CLAIM_ARG_TYPES,
             "now": NOW,
@@ -263,6 +268,7 @@ class Statements:
             setattr(self, key, fill(template))
         self.ddl = tuple(fill(statement) for statement in DDL)
         self.create_claim_function = fill(CLAIM_FUNCTION)
+        self.create_batch_function = fill(BATCH_FUNCTION)
         self.create_claim_v1 = fill(CLAIM_FUNCTION_V1)
         self.runs_table = names["runs"]
 
@@ -408,9 +414,10 @@ class PostgresBackend(Backend):
         return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
 
     async def _existing(self, tx: Executor | SqlAdapter) -> tuple[set[str], bool]:
-        """The store's tables that exist, and whether this release's claim function exists."""
+        """The store's tables that exist, and whether this release's claim functions exist."""
         rows = await tx.all(self._sql.find_tables, (
-            self._table_names(), self._name + f"_claim_v{CODE_VERSION}", self._schema))
+            self._table_names(), [self._name + f"_claim_v{CODE_VERSION}",
+                                  self._name + f"_batch_v{CODE_VERSION}"], self._schema))
         if not rows:
             if self._schema is None:
                 raise ConfigurationError(
@@ -534,6 +541,8 @@ class PostgresBackend(Backend):
         if not function:
             await tx.all(self._sql.create_claim_function)
             await tx.all(self._sql.grant_claim_v2)
+            await tx.all(self._sql.create_batch_function)
+            await tx.all(self._sql.grant_batch_v2)
         if code <= CODE_VERSION:
             await tx.all(self._sql.create_claim_v1)
             await tx.all(self._sql.grant_claim_v1)
@@ -596,6 +605,46 @@ class PostgresBackend(Backend):
             None if expires is None else int(expires), RunStatus(run_status),
             None if instance is None else str(instance),
         )
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        """Make the claims with one statement, a call of ``<table>_batch_v2``.
+
+        The claims run in order within one transaction, each as :meth:`claim` would run
+        it; they are sent sorted by job (keeping the order of each job's claims) so that
+        concurrent batches lock job rows in one order. When a lock wait runs out the
+        statement writes nothing and the claims are made one at a time instead.
+        """
+        if not requests:
+            return []
+        if len(requests) == 1:
+            return [await self.claim(requests[0])]
+        order = sorted(range(len(requests)), key=lambda i: requests[i].job)
+        reqs = [requests[i] for i in order]
+        params = (
+            [r.job for r in reqs], [int(r.slot) for r in reqs], [r.instance_id for r in reqs],
+            [r.token for r in reqs], [int(r.lease_ms) for r in reqs],
+            [Reason(r.reason).value for r in reqs], [bool(r.overlap_skip) for r in reqs],
+            [r.max_attempts for r in reqs], [int(r.history_size) for r in reqs],
+            [r.history_ttl_ms for r in reqs], TRIM_BATCH,
+        )
+        try:
+            rows = await self._all_retrying(self._sql.claim_many, params)
+        except Exception as exc:
+            if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
+                raise
+            return [await self.claim(r) for r in requests]
+        results: list[ClaimResult | None] = [None] * len(requests)
+        for index, status, now, attempt, reason, expires, run_status, instance in rows:
+            req = reqs[int(index) - 1]
+            results[order[int(index) - 1]] = ClaimResult(
+                ClaimStatus(status), req.job, req.slot, int(now), int(attempt),
+                None if reason is None else Reason(reason),
+                None if expires is None else int(expires), RunStatus(run_status),
+                None if instance is None else str(instance),
+            )
+        if any(r is None for r in results):
+            raise AssertionError("the batched claim answered fewer rows than claims")
+        return [r for r in results if r is not None]
 
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
         """Renew every lease in one ``UPDATE … FROM unnest(…)`` statement.

@@ -1,10 +1,14 @@
 """The Redis backend: every mutation is one Lua script, and lease time is Redis's ``TIME``.
 
-The scripts live in ``backends/redis_lua/*.lua`` (each prefixed with ``_prelude.lua``) and
-run with ``EVALSHA``; a ``NOSCRIPT`` reply (after ``SCRIPT FLUSH`` or a restart) loads
-the script and retries. Batched calls (heartbeat, hand-over, check, register) send one
+The scripts live in ``backends/redis_lua/*.lua`` (each prefixed with ``_prelude.lua``),
+are registered with the driver (``register_script``) and run with ``EVALSHA``; a
+``NOSCRIPT`` reply (after ``SCRIPT FLUSH`` or a restart) loads the script and retries (see
+:mod:`adapters.redis`). A claim or a finish is one script call (a claim adds ``SADD`` to
+the jobs set, in the same round trip, the first time this process claims its job).
+Batched calls (claim_many, heartbeat, hand-over, check, register) send one
 non-transactional pipeline: one round trip, and valid on a Cluster because each command
-touches one slot.
+touches one slot (the Cluster client groups them by slot). A heartbeat sends one script
+call per job, renewing all of that job's leases (they share the job's hash tag).
 
 Key layout, for ``prefix`` ``P`` and job ``J``; ``E`` is ``J`` percent-encoded
 (:func:`urllib.parse.quote` with no safe characters), so no job name can put a ``{``,
@@ -126,10 +130,33 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _is_noscript(reply: Any) -> bool:
-    # redis-py and valkey-py raise NoScriptError and drop the "NOSCRIPT" code from the text
-    return isinstance(reply, Exception) and (
-        type(reply).__name__ == "NoScriptError" or str(reply).startswith("NOSCRIPT")
+#: The outcomes that end a run, and the run status each gives (by member and by value).
+_FINISH_STATUS: dict[object, str] = {}
+for _outcome in (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT):
+    _FINISH_STATUS[_outcome] = _FINISH_STATUS[_outcome.value] = RunStatus(_outcome.value).value
+
+
+def _members(kind: Any) -> dict[Any, Any]:
+    """Enum members by value, as text and as the bytes a driver replies with."""
+    found: dict[Any, Any] = {"": None, b"": None}
+    for member in kind:
+        found[member.value] = found[member.value.encode()] = member
+    return found
+
+
+_CLAIM_STATUS = _members(ClaimStatus)
+_REASON = _members(Reason)
+_RUN_STATUS = _members(RunStatus)
+
+
+def _claim_result(request: ClaimRequest, reply: Any) -> ClaimResult:
+    """The claim script's reply, ``{status, now, attempt, reason, expires, run_status,
+    instance}`` with ``''`` for none, as a :class:`ClaimResult`."""
+    status, now, attempt, reason, expires, run_status, instance = reply
+    return ClaimResult(
+        _CLAIM_STATUS[status], request.job, request.slot, int(now), int(attempt),
+        _REASON[reason], int(expires) if expires else None, _RUN_STATUS[run_status],
+        _text(instance) or None,
     )
 
 
@@ -235,6 +262,10 @@ class RedisBackend(Backend):
         )
         self._connection = connection
         self._adapter: RedisAdapter | None = None
+        # Jobs this process has added to the jobs set ({P}:jobs); a claim of another job
+        # adds it in the same round trip.
+        self._listed: set[str] = set()
+        self._tags: dict[str, str] = {}  # job -> hash tag
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -254,7 +285,12 @@ class RedisBackend(Backend):
     # -- keys ------------------------------------------------------------------------
 
     def _tag(self, job: str) -> str:
-        return "{" + self.prefix + "/" + quote(job, safe="") + "}"
+        tag = self._tags.get(job)
+        if tag is None:
+            if len(self._tags) > 100_000:  # a bound for processes that make up job names
+                self._tags.clear()
+            tag = self._tags[job] = "{" + self.prefix + "/" + quote(job, safe="") + "}"
+        return tag
 
     def _run_key(self, job: str, slot: int) -> str:
         return f"{self._tag(job)}:run:{int(slot)}"
@@ -311,17 +347,9 @@ class RedisBackend(Backend):
         return ("EVALSHA", SCRIPTS[name].sha, len(keys), *keys, *args)
 
     async def _run(self, commands: Sequence[Command]) -> list[Any]:
-        """Send ``commands`` in one round trip; load missing scripts and resend those."""
+        """Send ``commands`` in one round trip (the adapter loads scripts the server lost)."""
         adapter = await self._require()
         replies = await adapter.execute(commands)
-        missing = [i for i, r in enumerate(replies) if _is_noscript(r)]
-        if missing:
-            shas = {str(commands[i][1]) for i in missing}
-            await adapter.load_scripts([s.source for s in SCRIPTS.values() if s.sha in shas])
-            again = [i for i, c in enumerate(commands) if i in missing or c[0] != "EVALSHA"]
-            for i, reply in zip(again, await adapter.execute([commands[i] for i in again]),
-                                strict=True):
-                replies[i] = reply
         for reply in replies:
             if isinstance(reply, Exception):
                 raise adapter.translate(reply) or reply
@@ -368,66 +396,85 @@ class RedisBackend(Backend):
 
     async def claim(self, request: ClaimRequest) -> ClaimResult:
         """Win, take over or inspect the run with one script (see ``claim.lua``)."""
-        keys = self._job_keys(request.job)
-        run_key = self._run_key(request.job, request.slot)
+        (result,) = await self.claim_many([request])
+        return result
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        """Run one claim script per request, in order, in one pipelined round trip."""
+        if not requests:
+            return []
+        commands = [self._claim_command(request) for request in requests]
+        new = [job for job in dict.fromkeys(r.job for r in requests) if job not in self._listed]
+        if new:
+            commands.append(("SADD", self._jobs_key, *new))
+        replies = await self._run([*commands, *self._wait()])
+        if len(self._listed) > 100_000:  # a bound for processes that make up job names
+            self._listed.clear()
+        self._listed.update(new)
+        results = [_claim_result(request, reply)
+                   for request, reply in zip(requests, replies, strict=False)]
+        won = [r for r in results if r.status is ClaimStatus.WON]
+        if won and self.wait_replicas is not None:
+            what = (f"the claim of {won[0].job!r} slot {won[0].slot}" if len(won) == 1
+                    else f"the claims of {len(won)} runs")
+            self._check_wait(replies[-1], what)
+        return results
+
+    def _claim_command(self, request: ClaimRequest) -> Command:
+        tag = self._tag(request.job)
         args: list[str | int] = [
             int(request.slot), request.instance_id, request.token, int(request.lease_ms),
             request.reason.value, 1 if request.overlap_skip else 0,
             "" if request.max_attempts is None else int(request.max_attempts),
             max(0, int(request.history_size)),
             "" if request.history_ttl_ms is None else int(request.history_ttl_ms),
-            f"{self._tag(request.job)}:run:",
+            f"{tag}:run:",
         ]
-        script = self._eval("claim", [keys["job"], run_key, keys["open"], keys["hist"],
-                                      keys["att"], keys["done"], keys["orphan"]], args)
-        replies = await self._run([script, ("SADD", self._jobs_key, request.job),
-                                   *self._wait()])
-        status, now, attempt, reason, expires, run_status, instance = (
-            _text(v) for v in replies[0]
-        )
-        result = ClaimResult(
-            ClaimStatus(status), request.job, request.slot, int(now), int(attempt),
-            Reason(reason) if reason else None, int(expires) if expires else None,
-            RunStatus(run_status) if run_status else None, instance or None,
-        )
-        if result.status is ClaimStatus.WON and self.wait_replicas is not None:
-            self._check_wait(replies[-1], f"the claim of {request.job!r} slot {request.slot}")
-        return result
+        return self._eval("claim", [f"{tag}:job", f"{tag}:run:{int(request.slot)}",
+                                    f"{tag}:open", f"{tag}:hist", f"{tag}:att", f"{tag}:done",
+                                    f"{tag}:orphan"], args)
 
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
-        """Renew every lease to ``now + lease_ms`` in one pipelined round trip."""
+        """Renew every lease to ``now + lease_ms`` in one round trip.
+
+        One script call per job renews all of that job's leases (their keys share the
+        job's hash tag, so one Cluster slot); the calls go in one pipeline.
+        """
         if not leases:
             return HeartbeatResult(await self.now_ms())
-        commands = [
-            self._eval("heartbeat", [self._run_key(lease.job, lease.slot)],
-                       [lease.token, int(lease.lease_ms)])
-            for lease in leases
-        ]
+        groups: dict[str, list[Lease]] = {}
+        for lease in leases:
+            groups.setdefault(lease.job, []).append(lease)
+        commands = []
+        for job, group in groups.items():
+            args: list[str | int] = []
+            for lease in group:
+                args += [lease.token, int(lease.lease_ms)]
+            commands.append(self._eval(
+                "heartbeat", [self._run_key(job, lease.slot) for lease in group], args))
         replies = await self._run([*commands, *self._wait()])
-        held = set()
+        held: set[str] = set()
         now = 0
-        for lease, (at, renewed) in zip(leases, replies, strict=False):
+        for group, (at, *renewed) in zip(groups.values(), replies, strict=False):
             now = max(now, int(at))
-            if int(renewed) == 1:
-                held.add(lease.token)
+            held.update(lease.token for lease, flag in zip(group, renewed, strict=True)
+                        if int(flag) == 1)
         if held and self.wait_replicas is not None:
             self._check_wait(replies[-1], f"the heartbeat of {len(held)} lease(s)")
         return HeartbeatResult(now, frozenset(held))
 
     async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
         """End the attempt if ``lease`` still holds the run (see ``finish.lua``)."""
-        try:
-            status = RunStatus(Outcome(outcome).value)
-        except ValueError:
+        status = _FINISH_STATUS.get(outcome)
+        if status is None:
             raise ConfigurationError(
                 f"outcome={outcome!r} cannot end a run; use completed, failed or timed_out"
-            ) from None
-        keys = self._job_keys(lease.job)
+            )
+        tag = self._tag(lease.job)
         (done,) = await self._run([self._eval(
             "finish",
-            [self._run_key(lease.job, lease.slot), keys["open"], keys["att"], keys["done"]],
-            [lease.token, int(lease.slot), status.value, 0 if error is None else 1,
-             error or ""],
+            [f"{tag}:run:{int(lease.slot)}", f"{tag}:open", f"{tag}:att", f"{tag}:done"],
+            [lease.token, int(lease.slot), status, 0 if error is None else 1, error or ""],
         )])
         return int(done) == 1
 

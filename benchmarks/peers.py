@@ -3,10 +3,21 @@
 Redis: redis-py's asyncio ``Lock``, python-redis-lock (sync only), pottery's ``Redlock``
 with one master (sync only). PostgreSQL: ShedLock's single-upsert lock statement and its
 unlock through raw psycopg. One sequential client each; operations per second.
+
+The contenders run **interleaved**: each round runs every contender once for a short
+while, in an order rotated from round to round, and the ratio anarchon ÷ peer is taken
+within each round. The report gives the median of those per-round ratios and their
+spread (min, quartiles, max), so a busy moment of a shared machine moves one round, not
+one contender.
+
+The batched claim: ``claim_many`` of ``BATCH`` claims against the same claims made one
+at a time with ``claim``, interleaved the same way; the ratio is claims per second
+batched ÷ one at a time.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
 from collections.abc import Callable
@@ -21,11 +32,15 @@ from psycopg_pool import AsyncConnectionPool
 
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
+from lease_core.abc import Backend, ClaimRequest, ClaimStatus
 
 from ._util import Servers
-from .throughput import claim_finish_op
+from .throughput import HISTORY, INSTANCE, LEASE_MS, claim_finish_op
 
-__all__ = ["run_peers"]
+__all__ = ["BATCH", "interleaved", "run_peers"]
+
+#: Claims per batch in the batched-claim comparison.
+BATCH = 10
 
 SHEDLOCK_TABLE = """
 CREATE TABLE IF NOT EXISTS shedlock (
@@ -45,34 +60,78 @@ UPDATE shedlock SET lock_until = GREATEST(locked_at, timezone('utc', CURRENT_TIM
 WHERE name = %s"""
 
 
-async def _rate(fn: Callable[[int], Any], seconds: float, *, sync: bool = False) -> float:
-    """Sequential operations per second of ``fn(i)`` for ``seconds``."""
+
+async def _rate(fn: Callable[[int], Any], seconds: float, *, sync: bool = False,
+                start_at: int = 0) -> tuple[float, int]:
+    """Sequential operations per second of ``fn(i)`` for ``seconds``; and the next ``i``."""
 
     def loop_sync() -> tuple[int, float]:
         start = time.perf_counter()
-        i = 0
+        i = start_at
         while time.perf_counter() - start < seconds:
             fn(i)
             i += 1
         return i, time.perf_counter() - start
 
     if sync:
-        n, elapsed = await anyio.to_thread.run_sync(loop_sync)
-        return n / elapsed
+        end, elapsed = await anyio.to_thread.run_sync(loop_sync)
+        return (end - start_at) / elapsed, end
     start = time.perf_counter()
-    i = 0
+    i = start_at
     while time.perf_counter() - start < seconds:
         await fn(i)
         i += 1
-    return i / (time.perf_counter() - start)
+    return (i - start_at) / (time.perf_counter() - start), i
 
 
-async def _redis_peers(servers: Servers, seconds: float, repeat: int) -> dict[str, Any]:
+def _spread(values: list[float]) -> dict[str, Any]:
+    """Median, quartiles and extremes of per-round ratios."""
+    ordered = sorted(values)
+    q1, _, q3 = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else ordered * 3
+    return {"median": round(statistics.median(ordered), 3), "min": round(ordered[0], 3),
+            "q1": round(q1, 3), "q3": round(q3, 3), "max": round(ordered[-1], 3),
+            "rounds": len(ordered)}
+
+
+async def interleaved(contenders: dict[str, tuple[Callable[[int], Any], bool]], ours: str,
+                      *, rounds: int, seconds: float,
+                      per_op: dict[str, int] | None = None) -> dict[str, Any]:
+    """Run every contender once per round, order rotated each round; ratios per round.
+
+    ``per_op`` scales a contender's operations (claims per ``claim_many`` call). Returns
+    the median operations per second of each contender and, for every other contender,
+    the spread of the per-round ratio ``ours ÷ it``.
+    """
+    names = list(contenders)
+    ops: dict[str, list[float]] = {name: [] for name in names}
+    counters = dict.fromkeys(names, 0)
+    scale = per_op or {}
+    for name in names:  # warm-up: connections, scripts, prepared plans
+        fn, sync = contenders[name]
+        _, counters[name] = await _rate(fn, min(0.1, seconds), sync=sync,
+                                        start_at=counters[name])
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        if r % 2:
+            order.reverse()
+        for name in order:
+            fn, sync = contenders[name]
+            rate, counters[name] = await _rate(fn, seconds, sync=sync,
+                                               start_at=counters[name])
+            ops[name].append(rate * scale.get(name, 1))
+    ratios = {
+        name: _spread([a / b for a, b in zip(ops[ours], ops[name], strict=True)])
+        for name in names if name != ours
+    }
+    return {"ops_s": {k: round(statistics.median(v), 1) for k, v in ops.items()},
+            "ratio": ratios, "rounds": rounds, "seconds_per_turn": seconds}
+
+
+async def _redis_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, Any]:
     aclient = redis.asyncio.Redis.from_url(servers.redis_url)
     sclient = redis.Redis.from_url(servers.redis_url)
     backend = RedisBackend(aclient, prefix="peers")
     await backend.start()
-    results: dict[str, list[float]] = {}
     notes: dict[str, str] = {}
     try:
         tag = uuid.uuid4().hex[:6]
@@ -115,24 +174,22 @@ async def _redis_peers(servers: Servers, seconds: float, repeat: int) -> dict[st
         except ImportError:
             notes["pottery"] = "not installed (pip install pottery)"
 
-        for _ in range(repeat):
-            for name, (fn, sync) in contenders.items():
-                results.setdefault(name, []).append(await _rate(fn, seconds, sync=sync))
+        out = await interleaved(contenders, "anarchon_claim_finish", rounds=rounds,
+                                seconds=seconds)
     finally:
         await backend.close()
         await aclient.aclose()
         sclient.close()
-    return {"ops_s": {k: round(max(v), 1) for k, v in results.items()}, "notes": notes}
+    return {**out, "notes": notes}
 
 
-async def _pg_peers(servers: Servers, seconds: float, repeat: int) -> dict[str, Any]:
+async def _pg_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, Any]:
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         servers.dsn, min_size=1, max_size=1, open=False,
         kwargs={"autocommit": True, "prepare_threshold": None})
     await pool.open(wait=True)
     backend = PostgresBackend(pool, table="peers")
     await backend.start()
-    results: dict[str, list[float]] = {}
     try:
         async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as conn:
             await conn.execute(SHEDLOCK_TABLE)
@@ -148,23 +205,75 @@ async def _pg_peers(servers: Servers, seconds: float, repeat: int) -> dict[str, 
                     raise RuntimeError("ShedLock lock not acquired")
                 await conn.execute(SHEDLOCK_UNLOCK, ("peers",), prepare=False)
 
-            for _ in range(repeat):
-                for name, fn in (("anarchon_claim_finish", ours),
-                                 ("shedlock_upsert_raw_psycopg", shedlock)):
-                    results.setdefault(name, []).append(await _rate(fn, seconds))
+            out = await interleaved({"anarchon_claim_finish": (ours, False),
+                                     "shedlock_upsert_raw_psycopg": (shedlock, False)},
+                                    "anarchon_claim_finish", rounds=rounds, seconds=seconds)
     finally:
         await backend.close()
         await pool.close()
-    return {"ops_s": {k: round(max(v), 1) for k, v in results.items()}}
+    return out
 
 
-async def run_peers(servers: Servers, *, seconds: float, repeat: int,
+def _requests(tag: str, i: int) -> list[ClaimRequest]:
+    """``BATCH`` claims of different jobs for one instant (a new instant for each ``i``)."""
+    return [ClaimRequest(f"{tag}-{n}", i + 1, INSTANCE, uuid.uuid4().hex, LEASE_MS,
+                         history_size=HISTORY, overlap_skip=False) for n in range(BATCH)]
+
+
+async def _batch_cell(backend: Backend, seconds: float, rounds: int) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:6]
+
+    async def batched(i: int) -> None:
+        results = await backend.claim_many(_requests(f"b{tag}", i))
+        if any(r.status is not ClaimStatus.WON for r in results):
+            raise RuntimeError("a batched claim was not won")
+
+    async def one_at_a_time(i: int) -> None:
+        for request in _requests(f"s{tag}", i):
+            if (await backend.claim(request)).status is not ClaimStatus.WON:
+                raise RuntimeError("a claim was not won")
+
+    return await interleaved({"claim_many": (batched, False),
+                              "claim_one_at_a_time": (one_at_a_time, False)}, "claim_many",
+                             rounds=rounds, seconds=seconds,
+                             per_op={"claim_many": BATCH, "claim_one_at_a_time": BATCH})
+
+
+async def run_batches(servers: Servers, *, seconds: float, rounds: int) -> dict[str, Any]:
+    """claim_many against sequential claims on Redis, psycopg and pg8000."""
+    out: dict[str, Any] = {}
+    aclient = redis.asyncio.Redis.from_url(servers.redis_url)
+    backends: dict[str, Backend] = {
+        "redis.redis_asyncio": RedisBackend(aclient, prefix="batch"),
+        "pg.psycopg_pool": PostgresBackend(servers.dsn, table="batch"),
+        "pg.pg8000": PostgresBackend(
+            servers.dsn.replace("postgresql://", "postgresql+pg8000://", 1), table="batch8"),
+    }
+    try:
+        for key, backend in backends.items():
+            await backend.start()
+            try:
+                out[key] = await _batch_cell(backend, seconds, rounds)
+            finally:
+                await backend.close()
+    finally:
+        await aclient.aclose()
+    return out
+
+
+async def run_peers(servers: Servers, *, seconds: float, rounds: int,
                     log: Callable[[str], None]) -> dict[str, Any]:
-    """Both stores; returns the JSON section."""
-    out = {"redis": await _redis_peers(servers, seconds, repeat),
-           "pg": await _pg_peers(servers, seconds, repeat)}
-    for store, section in out.items():
-        ours = section["ops_s"]["anarchon_claim_finish"]
-        for name, ops in section["ops_s"].items():
-            log(f"  peers {store:<5} {name:<32} {ops:>8.1f}/s  ({ops / ours:.2f}x ours)")
+    """Both stores, and the batched claim; returns the JSON section."""
+    out: dict[str, Any] = {"redis": await _redis_peers(servers, seconds, rounds),
+                           "pg": await _pg_peers(servers, seconds, rounds)}
+    for store in ("redis", "pg"):
+        section = out[store]
+        for name, spread in section["ratio"].items():
+            log(f"  peers {store:<5} anarchon / {name:<30} median {spread['median']:.2f} "
+                f"(min {spread['min']:.2f}, max {spread['max']:.2f}, {spread['rounds']} rounds)")
+    out["batch"] = await run_batches(servers, seconds=seconds, rounds=rounds)
+    for key, section in out["batch"].items():
+        spread = section["ratio"]["claim_one_at_a_time"]
+        log(f"  batch {key:<22} claim_many({BATCH}) / {BATCH} claims  median "
+            f"{spread['median']:.2f} (min {spread['min']:.2f}, max {spread['max']:.2f})")
     return out

@@ -64,7 +64,7 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
 
         log("peers")
         results["peers"] = await run_peers(
-            servers, seconds=0.3 if quick else 1.0, repeat=1 if quick else 2, log=log)
+            servers, seconds=0.15 if quick else 0.3, rounds=9 if quick else 15, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:

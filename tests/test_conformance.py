@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from lease_core import Outcome, Reason, RunStatus
-from lease_core._structures import ClaimRequest, ClaimStatus, Lease
+from lease_core._structures import Attempt, ClaimRequest, ClaimResult, ClaimStatus, Lease
 from lease_core.abc import Backend
 from tests.helpers import wait_for
 from tests.stores import Store
@@ -477,3 +477,68 @@ async def test_a_workflow_step_s_run_keeps_its_result_and_fences_a_zombie(store:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_claim_many_answers_as_sequential_claims(store: Store) -> None:
+    """A batch of claims gives, request by request, what claim() one at a time gives."""
+    a = await started(store)
+    try:
+        async def prepare(p: str) -> list[ClaimRequest]:
+            await a.claim(req(f"{p}-running", instance="x"))
+            await a.claim(req(f"{p}-skip", instance="x"))
+            await a.claim(req(f"{p}-esc", instance="x", lease_ms=SHORT, max_attempts=1))
+            await a.claim(req(f"{p}-take", instance="x", lease_ms=SHORT))
+            done = req(f"{p}-fin", instance="x")
+            await a.claim(done)
+            await a.finish(lease_of(done), Outcome.COMPLETED)
+            handed = req(f"{p}-hand", instance="x")
+            await a.claim(handed)
+            await a.hand_over([lease_of(handed)])
+            again = req(f"{p}-again")
+            return [
+                req(f"{p}-new"),
+                req(f"{p}-running"),
+                req(f"{p}-skip", slot=SLOT + 1000),
+                req(f"{p}-esc", max_attempts=1),
+                req(f"{p}-take", max_attempts=3),
+                req(f"{p}-fin"),
+                req(f"{p}-hand"),
+                req(f"{p}-dup"), req(f"{p}-dup", instance="b"),  # one run twice
+                again, again,  # the same claim sent twice
+                req(f"{p}-two"), req(f"{p}-two", slot=SLOT + 1000),  # skipped by the first
+                req(f"{p}-both"), req(f"{p}-both", slot=SLOT + 1000, overlap_skip=False),
+            ]
+
+        seq, bat = await prepare("seq"), await prepare("bat")
+        for p in ("seq", "bat"):
+            await wait_expired(a, f"{p}-esc")
+            await wait_expired(a, f"{p}-take")
+        one_by_one = [await a.claim(r) for r in seq]
+        batched = await a.claim_many(bat)
+        assert await a.claim_many([]) == []
+
+        def shape(results: list[ClaimResult], p: str) -> list[tuple[object, ...]]:
+            return [(r.status, r.job.removeprefix(p), r.slot, r.attempt, r.reason, r.run_status,
+                     r.instance_id, r.expires_ms is None)
+                    for r in results]
+
+        assert shape(batched, "bat") == shape(one_by_one, "seq")
+        assert [r.status for r in batched] == [
+            ClaimStatus.WON, ClaimStatus.RUNNING, ClaimStatus.SKIPPED, ClaimStatus.ESCALATED,
+            ClaimStatus.WON, ClaimStatus.FINISHED, ClaimStatus.WON,
+            ClaimStatus.WON, ClaimStatus.RUNNING, ClaimStatus.WON, ClaimStatus.WON,
+            ClaimStatus.WON, ClaimStatus.SKIPPED, ClaimStatus.WON, ClaimStatus.WON,
+        ]
+        assert [r.reason for r in batched[4:7]] == [Reason.TAKEOVER, None, Reason.HAND_OVER]
+
+        def trail(attempts: list[Attempt], p: str) -> list[tuple[object, ...]]:
+            return sorted((h.job.removeprefix(p), h.slot, h.attempt, h.instance_id, h.reason,
+                           h.outcome) for h in attempts if h.job.startswith(p))
+
+        history = await a.history(None, 1000)
+        assert trail(history, "bat") == trail(history, "seq")
+        state = await a.check([(r.job, r.slot) for r in bat])
+        assert state.runs[("bat-take", SLOT)].attempt == 2
+        assert state.runs[("bat-esc", SLOT)].status is RunStatus.ESCALATED
+    finally:
+        await a.close()

@@ -83,3 +83,39 @@ def test_values_without_a_literal_are_refused() -> None:
     with pytest.raises(ConfigurationError, match="more parameters"):
         inline_parameters("SELECT %s", (1, 2))
     assert sql_literal(float("nan")) == "'nan'"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_each_store_call_is_one_worker_thread_call(
+    pgbouncer_server: PgServer, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim, a batched claim, a finish: one thread call each, a new connection included."""
+    table = unique_table()
+    url = pgbouncer_server.dsn.replace("postgresql://", "postgresql+pg8000://", 1)
+    backend = PostgresBackend(f"{url}?max_size=2", table=table)
+    await backend.start()
+    hops = 0
+    run_sync = anyio.to_thread.run_sync
+
+    async def counting(*args: object, **kwargs: object) -> object:
+        nonlocal hops
+        hops += 1
+        return await run_sync(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+    try:
+        requests = [ClaimRequest(f"j{n}", SLOT, "i", f"t{n}", 60_000) for n in range(3)]
+        async with anyio.create_task_group() as tg:  # two at once: the second connects
+            for r in requests[:2]:
+                tg.start_soon(backend.claim, r)
+        assert hops == 2
+        won = await backend.claim_many(requests)
+        assert [r.status for r in won] == [ClaimStatus.WON] * 3  # resent tokens answer WON
+        assert hops == 3
+        assert await backend.finish(Lease("j0", SLOT, "t0", 60_000), Outcome.COMPLETED)
+        assert hops == 4
+    finally:
+        monkeypatch.undo()
+        await backend.close()
+        await drop_tables(pgbouncer_server.admin_dsn, table)

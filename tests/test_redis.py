@@ -284,6 +284,34 @@ async def test_scripts_reload_after_script_flush(
     assert await backend.finish(Lease("job", 1, "a", 30_000), Outcome.COMPLETED)
 
 
+async def test_heartbeat_is_one_script_call_per_job_and_claims_batch(
+    backend: RedisBackend,
+) -> None:
+    leases = [Lease(f"job{i % 3}", slot, f"t{i}", 30_000)
+              for i, slot in enumerate(range(1, 10))]
+    assert backend._adapter is not None
+    adapter = backend._adapter
+    batches: list[list[Any]] = []
+    execute = adapter.execute
+
+    async def spy(commands: Any) -> list[Any]:
+        batches.append(list(commands))
+        return await execute(commands)
+
+    adapter.execute = spy  # type: ignore[method-assign]
+    won = await backend.claim_many([_request(x.job, x.slot, x.token, overlap_skip=False)
+                                    for x in leases])
+    assert [r.status for r in won] == [ClaimStatus.WON] * 9
+    assert len(batches) == 1
+    beat = await backend.heartbeat([*leases, Lease("job0", 99, "gone", 30_000)])
+    assert beat.held == {x.token for x in leases}
+    assert len(batches) == 2
+    assert [c[0] for c in batches[1]] == ["EVALSHA"] * 3  # one call per job
+    # a claim of a job this process has listed is the claim script alone
+    assert (await backend.claim(_request("job0", 1, "other"))).status is ClaimStatus.RUNNING
+    assert [c[0] for c in batches[2]] == ["EVALSHA"]
+
+
 async def test_batched_calls_take_one_round_trip(backend: RedisBackend) -> None:
     leases = [Lease(f"job{i}", 1, f"t{i}", 30_000) for i in range(5)]
     for lease in leases:

@@ -275,3 +275,24 @@ async def test_an_upgrade_blocked_by_a_long_transaction_gives_up_and_changes_not
                                                       f"{table}_claim_v{CODE_VERSION}"}
     finally:
         await drop_tables(pg16_server.admin_dsn, table)
+
+
+async def test_a_v2_store_without_the_batched_claim_gets_it_on_start(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    table = unique_table()
+    first = PostgresBackend(pg16_server.dsn, table=table)
+    await first.start()
+    await first.close()
+    sql(pg16_server.admin_dsn, f"DROP FUNCTION {quote_ident(table + '_batch_v2')}")
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    try:
+        won = await backend.claim_many([ClaimRequest("j", 1, "a", "t1", 60_000),
+                                        ClaimRequest("j", 1, "b", "t2", 60_000)])
+        assert [r.status for r in won] == [ClaimStatus.WON, ClaimStatus.RUNNING]
+        assert sql(pg16_server.admin_dsn, "SELECT count(*) FROM pg_proc WHERE proname = %s",
+                   (table + "_batch_v2",)) == [(1,)]
+    finally:
+        await backend.close()
+        await drop_tables(pg16_server.admin_dsn, table)

@@ -26,7 +26,10 @@
 -- - The job row gets a new version only when last_slot grows or an attempt is written
 --   (which takes the next seq, the order trimming keeps), in one UPDATE at most.
 -- - After writing an attempt, a bounded, index-backed trim (p_trim_batch rows per query)
---   that skips rows locked by others.
+--   that skips rows locked by others. Each attempt written takes the job's next seq and
+--   trimming by size deletes the oldest, so without history_ttl_ms the attempts beyond
+--   the newest p_history_size are those with seq <= the newest seq - p_history_size: an
+--   index range holding only the rows to delete (no scan past the ones kept).
 --
 -- The text has no percent sign and no braces other than the str.format placeholders.
 CREATE OR REPLACE FUNCTION {claim_v2}(
@@ -45,6 +48,7 @@ DECLARE
     v_token text;
     v_takeovers integer;
     v_last bigint;
+    v_trim_to bigint;
     v_seq bigint;
     v_row_seq bigint;
     v_reason text;
@@ -195,9 +199,17 @@ BEGIN
     END IF;
 
     IF v_wrote THEN
+        IF p_history_ttl_ms IS NULL THEN
+            v_trim_to := v_seq - GREATEST(p_history_size, 0);
+        ELSE
+            -- trimming by age may leave gaps among the newest seqs: find the cut
+            SELECT a.seq INTO v_trim_to FROM {attempts} a WHERE a.job = p_job
+            ORDER BY a.seq DESC OFFSET GREATEST(p_history_size, 0) LIMIT 1;
+        END IF;
         WITH by_size AS (
-            SELECT a.slot, a.attempt FROM {attempts} a WHERE a.job = p_job
-            ORDER BY a.seq DESC OFFSET GREATEST(p_history_size, 0) LIMIT p_trim_batch
+            SELECT a.slot, a.attempt FROM {attempts} a
+            WHERE a.job = p_job AND a.seq <= v_trim_to
+            ORDER BY a.seq LIMIT p_trim_batch
             FOR UPDATE SKIP LOCKED),
         by_age AS (
             SELECT a.slot, a.attempt FROM {attempts} a

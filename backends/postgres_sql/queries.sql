@@ -7,13 +7,14 @@
 -- The claim function lives in its own file, claim_v<N>.sql, its version in its name.
 
 -- name: find_tables
--- The schema, which of the four tables exist in it, and whether the claim function of
--- this release exists.
+-- The schema, which of the four tables exist in it, and whether the claim functions of
+-- this release all exist.
 SELECT n.nspname::text,
        ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c
              WHERE c.relnamespace = n.oid AND c.relname = ANY(%s::text[])),
-       EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
-               WHERE p.pronamespace = n.oid AND p.proname = %s::text)
+       NOT EXISTS (SELECT 1 FROM unnest(%s::text[]) AS f(name)
+                   WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
+                                     WHERE p.pronamespace = n.oid AND p.proname = f.name))
 FROM pg_catalog.pg_namespace n
 WHERE n.nspname = COALESCE(%s::text, current_schema())
 
@@ -113,6 +114,10 @@ WHERE m.value !~ '^[0-9]+$' OR m.value::integer < EXCLUDED.value::integer
 -- name: grant_claim_v2
 GRANT EXECUTE ON FUNCTION {claim_v2}({claim_arg_types}) TO PUBLIC
 
+-- name: grant_batch_v2
+GRANT EXECUTE ON FUNCTION {batch_v2}(text[], bigint[], text[], text[], bigint[], text[],
+                                     boolean[], bigint[], bigint[], bigint[], bigint) TO PUBLIC
+
 -- name: grant_claim_v1
 GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types}) TO PUBLIC
 
@@ -120,6 +125,11 @@ GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types}) TO PUBLIC
 SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
 FROM {claim_v2}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
                 %s::boolean, %s::bigint, %s::bigint, %s::bigint, %s::bigint)
+
+-- name: claim_many
+SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+FROM {batch_v2}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
+                %s::boolean[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint)
 
 -- name: select_now
 SELECT {now}

@@ -56,6 +56,9 @@ local function trim_history(hist, att, done, orphan, run_prefix, history_size,
       removed[#removed + 1] = id
     end
   end
+  if #removed == 0 then
+    return 0
+  end
   local count = 0
   for _, id in ipairs(removed) do
     if redis.call('ZREM', hist, id) == 1 then
@@ -65,7 +68,11 @@ local function trim_history(hist, att, done, orphan, run_prefix, history_size,
       local s = string.match(id, '^(.*):%d+$')
       local rk = run_prefix .. s
       if redis.call('EXISTS', rk) == 1 and redis.call('HINCRBY', rk, 'n', -1) <= 0 then
-        redis.call('SADD', orphan, s)
+        if FINISHED[redis.call('HGET', rk, 'st')] then
+          redis.call('DEL', rk)  -- a finished run left with no attempt goes at once
+        else
+          redis.call('SADD', orphan, s)
+        end
       end
     end
   end

@@ -41,17 +41,24 @@ local function trim()
 end
 
 -- 1. register the job and raise its last slot
-redis.call('HSETNX', job, 'first_seen', now)
-local last = redis.call('HGET', job, 'last_slot')
-if not last or tonumber(last) < slot_n then
+local first, last = unpack(redis.call('HMGET', job, 'first_seen', 'last_slot'))
+local raise = not last or tonumber(last) < slot_n
+if not first and raise then
+  redis.call('HSET', job, 'first_seen', now, 'last_slot', slot)
+elseif not first then
+  redis.call('HSET', job, 'first_seen', now)
+elseif raise then
   redis.call('HSET', job, 'last_slot', slot)
 end
 
 local st, attempt, exp, holder, tok = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst',
   'tok'))
 
-local function result(status, why)
-  local s, a, e, i = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst'))
+-- the reply, from the run as it is now (read back), or as the caller knows it to be
+local function result(status, why, s, a, e, i)
+  if not s then
+    s, a, e, i = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst'))
+  end
   return {status, now, a or 0, why or '', e or '', s or '', i or ''}
 end
 
@@ -73,23 +80,23 @@ if not st then
   redis.call('ZADD', open, slot, slot)
   record(1, reason)
   trim()
-  return result('won', reason)
+  return result('won', reason, 'running', 1, now + lease_ms, inst)
 end
 
 -- A claim sent again with the token that holds the run (its first try took effect and
 -- the reply was lost with the connection) answers as the first try did.
 if st == 'running' and tok == token then
   local rec = redis.call('HGET', att, slot .. ':' .. attempt)
-  return result('won', rec and cjson.decode(rec).r or reason)
+  return result('won', rec and cjson.decode(rec).r or reason, st, attempt, exp, holder)
 end
 
 -- 3. finished; 4. live lease held by another attempt
 if FINISHED[st] then
-  return result('finished')
+  return result('finished', nil, st, attempt, exp, holder)
 end
 attempt = tonumber(attempt)
 if st == 'running' and exp and tonumber(exp) > now then
-  return result('running')
+  return result('running', nil, st, attempt, exp, holder)
 end
 
 -- 5. handed over; 6. expired (escalate when the first attempt and the takeovers reach
@@ -117,7 +124,7 @@ else
     redis.call('HSET', run, 'st', 'escalated')
     redis.call('HDEL', run, 'tok', 'exp')
     redis.call('ZREM', open, slot)
-    return result('escalated')
+    return result('escalated', nil, 'escalated', attempt, nil, holder)
   end
   end_attempt(att, done, last_id, 'lost', 'lease expired without renewal')
   why = 'takeover'
@@ -128,4 +135,4 @@ redis.call('HSET', run, 'st', 'running', 'att', attempt + 1, 'tok', token, 'inst
 redis.call('ZADD', open, slot, slot)
 record(attempt + 1, why)
 trim()
-return result('won', why)
+return result('won', why, 'running', attempt + 1, now + lease_ms, inst)

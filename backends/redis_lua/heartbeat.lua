@@ -1,10 +1,17 @@
--- Renew one lease to an absolute expiry, now + lease_ms on the server's clock.
--- Only the current token of a running run whose lease is still live may renew:
+-- Renew the leases of one job, each to an absolute expiry, now + lease_ms on the server's
+-- clock. Only the current token of a running run whose lease is still live may renew:
 -- an expired lease is never revived.
--- KEYS[1] run hash; ARGV: token, lease_ms. Returns {now, 1 if renewed else 0}.
-local st, tok, exp = unpack(redis.call('HMGET', KEYS[1], 'st', 'tok', 'exp'))
-if st ~= 'running' or tok ~= ARGV[1] or not exp or tonumber(exp) <= now then
-  return {now, 0}
+-- KEYS: run hashes (of one job); ARGV: token, lease_ms for each key, in order.
+-- Returns {now, 1 if the first was renewed else 0, ... one flag per key}.
+local out = {now}
+for i, key in ipairs(KEYS) do
+  local token, lease_ms = ARGV[2 * i - 1], ARGV[2 * i]
+  local st, tok, exp = unpack(redis.call('HMGET', key, 'st', 'tok', 'exp'))
+  if st ~= 'running' or tok ~= token or not exp or tonumber(exp) <= now then
+    out[i + 1] = 0
+  else
+    redis.call('HSET', key, 'exp', now + tonumber(lease_ms))
+    out[i + 1] = 1
+  end
 end
-redis.call('HSET', KEYS[1], 'exp', now + tonumber(ARGV[2]))
-return {now, 1}
+return out
