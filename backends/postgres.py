@@ -769,21 +769,26 @@ class PostgresBackend(Backend):
                                        (None, lease.job, lease.slot, lease.token))
         return bool(rows)
 
-    def transaction(self, lease: Lease) -> Any:
+    def transaction(self, lease: Lease, *, complete: bool = True) -> Any:
         """Open a fenced transaction that completes the run when it commits.
 
         It first locks the run row where ``lease.token`` still holds it (``running``),
         raising :class:`LeaseLost` otherwise; the block writes its effects through
         :meth:`FencedTransaction.execute`; on a normal exit the run and its attempt are
         marked ``completed`` in the same commit. An exception rolls everything back.
+        With ``complete=False`` the run is not completed: the effects (and a checkpoint
+        written through :meth:`FencedTransaction.set_checkpoint`) commit, fenced, and the
+        run goes on; one batch of a long run per transaction, say. While the transaction
+        is open its lease is not renewed (the lock keeps backups out): keep each one
+        shorter than the lease.
 
         A backend built on one connection refuses it (:class:`ConfigurationError`): the
         heartbeats of the instance's other runs would wait behind the transaction.
         """
-        return self._fenced(lease)
+        return self._fenced(lease, complete)
 
     @asynccontextmanager
-    async def _fenced(self, lease: Lease) -> AsyncIterator[FencedTransaction]:
+    async def _fenced(self, lease: Lease, complete: bool) -> AsyncIterator[FencedTransaction]:
         if not self._adapter.concurrent:
             raise ConfigurationError(
                 "ctx.transaction() needs a PostgresBackend built on a pool or a DSN: on one "
@@ -798,6 +803,8 @@ class PostgresBackend(Backend):
                     f"{lease.token!r}; the fenced transaction did not start"
                 )
             yield FencedTransaction(tx, lease, self._sql.set_checkpoint)
+            if not complete:
+                return
             done = await tx.all(self._sql.finish, (
                 RunStatus.COMPLETED.value, lease.job, lease.slot, lease.token,
                 Outcome.COMPLETED.value, None,

@@ -306,8 +306,10 @@ class Backend(ABC):
     async def delete_checkpoint(self, lease: Lease) -> bool:
         """Remove the run's checkpoint if ``lease`` still holds the run; return success."""
 
-    def transaction(self, lease: Lease) -> AbstractAsyncContextManager[Any]:
-        """Open a fenced transaction that completes the run when it commits.
+    def transaction(self, lease: Lease, *,
+                    complete: bool = True) -> AbstractAsyncContextManager[Any]:
+        """Open a fenced transaction that completes the run when it commits (unless
+        ``complete`` is false: then it only commits the effects, fenced).
 
         Only SQL backends support it; others raise :class:`ConfigurationError`.
         """

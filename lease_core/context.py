@@ -38,8 +38,15 @@ class Checkpoint:
         """Return the stored value, or ``None`` when there is none."""
         return await self._backend.get_checkpoint(self._lease.job, self._lease.slot)
 
-    async def set(self, value: Any) -> None:
-        """Store ``value`` (JSON-serialisable); raise LeaseLost if this attempt lost the run."""
+    async def set(self, value: Any, *, tx: Any = None) -> None:
+        """Store ``value`` (JSON-serialisable); raise LeaseLost if this attempt lost the run.
+
+        With ``tx``, the transaction of ``ctx.transaction()``, the value is written in it
+        and commits with the effects (or not at all).
+        """
+        if tx is not None:
+            await tx.set_checkpoint(value)
+            return
         if not await self._backend.set_checkpoint(self._lease, value):
             raise LeaseLost(
                 f"attempt of {self._lease.job!r} slot {self._lease.slot} no longer holds the run; "
@@ -80,9 +87,10 @@ class StepCheckpoint(Checkpoint):
         payload = await super().get()
         return payload.get("progress") if isinstance(payload, dict) else None
 
-    async def set(self, value: Any) -> None:
-        """Store the step's progress; raise LeaseLost if this attempt lost the run."""
-        await super().set({"progress": value})
+    async def set(self, value: Any, *, tx: Any = None) -> None:
+        """Store the step's progress (in ``tx`` when given); raise LeaseLost if this
+        attempt lost the run."""
+        await super().set({"progress": value}, tx=tx)
 
 
 class _RunLog(logging.LoggerAdapter[logging.Logger]):
@@ -186,8 +194,12 @@ class RunContext:
             )
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[Any]:
+    async def transaction(self, *, complete: bool = True) -> AsyncIterator[Any]:
         """Run the handler's own SQL in a transaction that also completes the run.
+
+        With ``complete=False`` it does not complete the run: the effects commit, fenced,
+        and the handler goes on (one transaction per batch of a long run, each with its
+        progress: ``await ctx.checkpoint.set(value, tx=tx)`` inside the block).
 
         The run row is locked first where this attempt's token is still current
         (:class:`~lease_core.LeaseLost` otherwise). The effects written through the
@@ -200,11 +212,12 @@ class RunContext:
         if self._transaction_hook is not None:
             self._transaction_hook(True)
         try:
-            async with self._backend.transaction(self._lease) as tx:
+            async with self._backend.transaction(self._lease, complete=complete) as tx:
                 yield tx
-                if self._before_commit is not None:
+                if complete and self._before_commit is not None:
                     await self._before_commit(self, tx)
-            self.completed_by_transaction = True
+            if complete:
+                self.completed_by_transaction = True
         finally:
             if self._transaction_hook is not None:
                 self._transaction_hook(False)

@@ -7,13 +7,16 @@ batched heartbeat skips that row instead of waiting for it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 
 import anyio
+import psycopg
 import pytest
 
-from lease_core import Outcome, PostgresBackend, Reason, RunContext, Scheduler
+from lease_core import LeaseLost, Outcome, PostgresBackend, Reason, RunContext, Scheduler
+from lease_core.abc import ClaimRequest, Lease, RunStatus
 from tests.helpers import Instance, quiet_offset, store_now_ms, wait_history
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 
@@ -75,3 +78,49 @@ async def test_a_long_fenced_transaction_keeps_every_lease(
         ("other", 1, "a", Outcome.COMPLETED),
         ("tx", 1, "a", Outcome.COMPLETED),
     ]
+
+
+
+def _admin(server: PgServer, sql: str) -> list[tuple[object, ...]]:
+    with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
+        cur = conn.execute(sql)  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description else []
+
+
+async def test_batches_commit_with_their_progress_and_a_late_attempt_writes_neither(
+    pg16_server: PgServer, table: str,
+) -> None:
+    effects = f"{table}_effects"
+    _admin(pg16_server, f"CREATE TABLE {effects} (n int PRIMARY KEY)")
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    try:
+        await backend.claim(ClaimRequest("batches", 1, "a", "t1", 60_000))
+        lease = Lease("batches", 1, "t1", 60_000)
+        ctx = RunContext(backend=backend, lease=lease, attempt=1, reason=Reason.SCHEDULED,
+                         instance_id="a", logger=logging.getLogger("test"))
+        for n in (1, 2):
+            async with ctx.transaction(complete=False) as tx:
+                await tx.execute(f"INSERT INTO {effects} VALUES (%s)", (n,))
+                await ctx.checkpoint.set({"done": n}, tx=tx)
+        assert await backend.get_checkpoint("batches", 1) == {"done": 2}
+        state = (await backend.check([("batches", 1)])).runs[("batches", 1)]
+        assert state.status is RunStatus.RUNNING  # not completed: the run goes on
+        # a batch that fails rolls back its effect and its progress together
+        with pytest.raises(ZeroDivisionError):
+            async with ctx.transaction(complete=False) as tx:
+                await tx.execute(f"INSERT INTO {effects} VALUES (%s)", (3,))
+                await ctx.checkpoint.set({"done": 3}, tx=tx)
+                raise ZeroDivisionError
+        assert await backend.get_checkpoint("batches", 1) == {"done": 2}
+        # a backup takes the run over: the late attempt's batch is refused, nothing written
+        assert await backend.hand_over([lease]) == {"t1"}
+        await backend.claim(ClaimRequest("batches", 1, "b", "t2", 60_000))
+        with pytest.raises(LeaseLost):
+            async with ctx.transaction(complete=False) as tx:
+                await tx.execute(f"INSERT INTO {effects} VALUES (%s)", (4,))
+        assert await backend.get_checkpoint("batches", 1) == {"done": 2}
+        assert _admin(pg16_server, f"SELECT n FROM {effects} ORDER BY n") == [(1,), (2,)]
+    finally:
+        await backend.close()
+        _admin(pg16_server, f"DROP TABLE IF EXISTS {effects}")

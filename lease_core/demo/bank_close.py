@@ -8,8 +8,8 @@ workflow ``bank-close`` in three steps over a few thousand accounts:
 2. ``interest`` credits 0.5 % on every positive balance of the snapshot, in batches. Each
    credit is a row of ``bank_interest`` keyed by (run, account), written in the same
    transaction as the balance it changes, so a batch written twice credits nothing twice;
-   the step's progress is its fenced checkpoint, and its last batch commits with the
-   step's completion in the fenced transaction;
+   each batch commits with the step's progress in a fenced transaction
+   (``ctx.transaction(complete=False)``), and the last one with the step's completion;
 3. ``publish`` writes one statement per account, keyed by (run, account), in the step's
    fenced transaction.
 
@@ -116,16 +116,18 @@ def build_scheduler(backend: Backend, name: str, dsn: str, offset_ms: int) -> Sc
                 "AND account > %s ORDER BY account", (ctx.slot, after))
             todo = [row[0] for row in await cur.fetchall()]
             await conn.commit()
-            if done:
-                ctx.log.info("resuming after account %s (%s already credited)", after, done)
-            batches = [todo[i:i + BATCH] for i in range(0, len(todo), BATCH)] or [[]]
-            for batch in batches[:-1]:
-                ctx.raise_if_stopping()
-                async with conn.transaction():
-                    await conn.execute(CREDIT, (ctx.attempt, ctx.slot, batch[0], batch[-1]))
+        if done:
+            ctx.log.info("resuming after account %s (%s already credited)", after, done)
+        batches = [todo[i:i + BATCH] for i in range(0, len(todo), BATCH)] or [[]]
+        for batch in batches[:-1]:
+            ctx.raise_if_stopping()
+            # One fenced transaction per batch: the credits and the step's progress commit
+            # together, and only while this attempt still holds the step.
+            async with ctx.transaction(complete=False) as tx:
+                await tx.execute(CREDIT, (ctx.attempt, ctx.slot, batch[0], batch[-1]))
                 done += len(batch)
-                await ctx.checkpoint.set({"after": batch[-1], "credited": done})
-                await anyio.sleep(BATCH_PAUSE_S)
+                await ctx.checkpoint.set({"after": batch[-1], "credited": done}, tx=tx)
+            await anyio.sleep(BATCH_PAUSE_S)
         last = batches[-1]
         async with ctx.transaction() as tx:
             if last:
