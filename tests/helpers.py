@@ -4,7 +4,7 @@ schedules that cannot fire while a test runs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -12,28 +12,9 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from lease_core import Attempt, Scheduler
 from lease_core.abc import Backend
+from lease_core.testing import wait_for
 
 HOUR_MS = 3_600_000
-
-
-async def wait_for(
-    predicate: Callable[[], Any] | Callable[[], Awaitable[Any]],
-    *,
-    timeout: float = 10.0,
-    interval: float = 0.02,
-    what: str = "condition",
-) -> Any:
-    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if isinstance(value, Awaitable):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await anyio.sleep(interval)
 
 
 async def wait_history(
