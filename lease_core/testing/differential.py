@@ -246,16 +246,24 @@ def _make_machine(real: Backend, portal: anyio.from_thread.BlockingPortal,
     return Differential
 
 
-def run_differential(real: Backend) -> None:
-    """Run the state machine on ``real`` (not started) and a memory model; fail on a difference."""
+def run_differential(real: Backend, *, max_examples: int = 40, step_count: int = 30) -> None:
+    """Run random programs of backend calls on ``real`` and on a memory model; fail on a
+    difference.
+
+    ``real`` is a backend object that is not started: it is started on an asyncio loop in a
+    thread of its own, shared by every example (each example's jobs have a prefix of their
+    own, so the store need not be empty), and closed at the end. Up to ``max_examples``
+    programs of up to ``step_count`` steps run; a difference raises ``AssertionError``
+    naming the call and both answers, after hypothesis has shrunk the program. Call it
+    from synchronous code (a plain test function), not from a running event loop.
+    """
     with anyio.from_thread.start_blocking_portal() as portal:
         portal.call(real.start)
         try:
             machine = _make_machine(real, portal, itertools.count())
             run_state_machine_as_test(machine, settings=settings(
-                max_examples=40, stateful_step_count=30, deadline=None,
+                max_examples=max_examples, stateful_step_count=step_count, deadline=None,
                 suppress_health_check=list(HealthCheck),
             ))
         finally:
             portal.call(real.close)
-
