@@ -52,8 +52,9 @@ class BackendConformance:
 
     pytest makes a new instance of the class for every test, so ``self`` (and
     :attr:`namespace`) belongs to one test. The checks are the coroutine functions of
-    :mod:`lease_core.testing.conformance` (marked ``anyio``: they run on the
-    ``anyio_backend`` fixture's loop, asyncio unless the subclass overrides that fixture),
+    :mod:`lease_core.testing.conformance` (marked ``anyio``: they run on each loop of the
+    ``anyio_backend`` fixture, by default every loop anyio finds installed; a subclass may
+    override the fixture),
     plus :meth:`test_behaves_like_the_memory_backend`, the differential model test of
     :mod:`lease_core.testing.differential`.
 
