@@ -24,20 +24,25 @@ SHORT = 300  # ms: a lease we wait out
 
 def req(job: str, slot: int = SLOT, instance: str = "a", lease_ms: int = 10_000,
         **kw: object) -> ClaimRequest:
+    """A claim of ``job``'s run at ``slot`` by ``instance``, with a fresh token."""
     return ClaimRequest(job, slot, instance, uuid.uuid4().hex, lease_ms, **kw)  # type: ignore[arg-type]
 
 
 def lease_of(r: ClaimRequest) -> Lease:
+    """The lease that claim ``r`` holds once it has won."""
     return Lease(r.job, r.slot, r.token, r.lease_ms)
 
 
 async def started(store: Store) -> Backend:
+    """A new backend on ``store``, started: one simulated instance (the test closes it)."""
     backend = store.backend()
     await backend.start()
     return backend
 
 
 async def wait_expired(backend: Backend, job: str, slot: int = SLOT) -> None:
+    """Wait until the run's lease has expired by the store's clock (5 s deadline)."""
+
     async def expired() -> bool:
         result = await backend.check([(job, slot)])
         state = result.runs.get((job, slot))
