@@ -523,18 +523,27 @@ class RedisBackend(Backend):
                          if int(r) == 1)
 
     async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
-        """Read the watched runs and the server time in one pipelined round trip."""
+        """Read the watched runs and the server time in one pipelined round trip.
+
+        The same round trip reads the data markers of the runs' jobs: a missing run of a
+        job whose marker is gone or changed was lost with the data (``lost``).
+        """
         commands: list[Command] = [("TIME",)]
         commands += [("HMGET", self._run_key(job, slot), "st", "att", "exp", "inst")
                      for job, slot in runs]
+        known = [job for job in dict.fromkeys(job for job, _ in runs) if job in self._markers]
+        commands += [("HGET", f"{self._tag(job)}:job", "sid") for job in known]
         replies = await self._run(commands)
         found = {}
-        for (job, slot), reply in zip(runs, replies[1:], strict=True):
+        for (job, slot), reply in zip(runs, replies[1:], strict=False):
             st, att, exp, inst = (None if v is None else _text(v) for v in reply)
             if st is not None:
                 found[(job, slot)] = RunState(job, slot, RunStatus(st), int(att or 0),
                                               int(exp) if exp else None, inst)
-        return CheckResult(_time_ms(replies[0]), found)
+        changed = {job for job, marker in zip(known, replies[1 + len(runs):], strict=True)
+                   if marker is None or _text(marker) != self._markers.get(job)}
+        lost = frozenset(run for run in runs if run[0] in changed and run not in found)
+        return CheckResult(_time_ms(replies[0]), found, lost)
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return attempts newest first, of one job or of every job under the prefix."""

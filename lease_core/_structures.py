@@ -170,6 +170,9 @@ class CheckResult:
 
     now_ms: int
     runs: dict[tuple[str, int], RunState] = field(default_factory=dict)
+    lost: frozenset[tuple[str, int]] = frozenset()
+    """Missing runs that were lost with the store's data rather than deleted: claim them
+    again (the claim waits out the store's quarantine)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1490,7 +1490,12 @@ class Scheduler:
             if watched is None:
                 continue
             state = result.runs.get(key)
-            if state is None or state.status.finished:
+            if key in result.lost:
+                # Lost with the store's data while its holder may still run it: claim it
+                # again; the claim waits out the store's quarantine.
+                self._watch.pop(key, None)
+                await self._claim(watched.job, key[1], Reason.TAKEOVER)
+            elif state is None or state.status.finished:
                 self._watch.pop(key, None)
                 next_step = watched.job.next_step
                 if (state is not None and state.status is RunStatus.COMPLETED

@@ -162,19 +162,19 @@ async def test_a_backup_starts_no_attempt_before_the_quarantine_ends(
                        lease="2s", heartbeat="0.2s")
     backup = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id="backup",
                        lease="2s", heartbeat="0.2s")
-    contexts: dict[str, RunContext] = {}
-    ended: dict[str, float] = {}
-    started: dict[str, float] = {}
-    for owner, scheduler in (("holder", holder), ("backup", backup)):
+    contexts: list[RunContext] = []
+    starts: list[float] = []
+    ended: list[float] = []
+    for scheduler in (holder, backup):
 
         @scheduler.every("long", "1h", offset=offset)
-        async def long(ctx: RunContext, owner: str = owner) -> None:
-            contexts[owner] = ctx
-            started[owner] = time.monotonic()
+        async def long(ctx: RunContext) -> None:
+            contexts.append(ctx)
+            starts.append(time.monotonic())
             try:
                 await anyio.sleep_forever()
             finally:
-                ended[owner] = time.monotonic()
+                ended.append(time.monotonic())
 
     async with anyio.create_task_group() as tg:
         instances = [await Instance(holder).start(tg), await Instance(backup).start(tg)]
@@ -184,7 +184,7 @@ async def test_a_backup_starts_no_attempt_before_the_quarantine_ends(
             assert slot is not None
             first = await holder._claim(job, slot, Reason.SCHEDULED)
             assert first is not None and first.status is ClaimStatus.WON
-            await wait_for(lambda: "holder" in contexts, what="the holder's handler")
+            await wait_for(lambda: contexts, what="the holder's handler")
             standing = await backup._claim(backup.jobs["long"], slot, Reason.SCHEDULED)
             assert standing is not None and standing.status is ClaimStatus.RUNNING
 
@@ -198,21 +198,21 @@ async def test_a_backup_starts_no_attempt_before_the_quarantine_ends(
             assert held_back.expires_ms == quiet >= restarted + lease_ms
 
             # the holder learns of the loss at its next heartbeat
-            await wait_for(lambda: "holder" in ended, timeout=5, what="the holder cancelled")
-            assert contexts["holder"].stop_reason == "lease lost"
-            assert "backup" not in started
+            await wait_for(lambda: ended, timeout=5, what="the holder cancelled")
+            assert contexts[0].stop_reason == "lease lost"
+            assert len(starts) == 1
             with pytest.raises(LeaseLost):
-                await contexts["holder"].checkpoint.set({"late": True})
+                await contexts[0].checkpoint.set({"late": True})
 
-            # the backup's retries wait out the quarantine, then attempt 1 starts
-            await wait_for(lambda: "backup" in started, timeout=15, what="the backup's attempt")
-            assert ended["holder"] < started["backup"]
+            # the claims wait out the quarantine; then one attempt 1 starts
+            await wait_for(lambda: len(starts) == 2, timeout=15, what="the next attempt")
+            assert ended[0] < starts[1]
             history = await backup.history("long")
-            assert [(a.attempt, a.instance_id) for a in history] == [(1, "backup")]
-            claimed_ms = int(history[0].claimed_at.timestamp() * 1000)
-            assert claimed_ms >= quiet
+            assert [a.attempt for a in history] == [1]
+            assert history[0].claimed_at.timestamp() * 1000 >= quiet
         finally:
             await stop_all(instances)
+    assert len(starts) == 2
 
 
 async def test_scheduling_resumes_after_the_quarantine(
@@ -254,3 +254,52 @@ async def test_scheduling_resumes_after_the_quarantine(
     assert {a.slot for a in history if a.outcome == "completed"} >= {
         slot for slot in later if slot < max(later)}
 
+
+
+async def test_the_run_lost_in_flight_runs_again_once_after_the_quarantine(
+    server: EmbeddedRedis, raw: redis.Redis
+) -> None:
+    prefix = _prefix()
+    offset = quiet_offset(await store_now_ms(RedisBackend(server.url, prefix=prefix)))
+    schedulers = [Scheduler(RedisBackend(server.url, prefix=prefix), instance_id=name,
+                            lease="1.5s", heartbeat="0.2s") for name in ("holder", "backup")]
+    starts: list[tuple[str, float]] = []
+    first_ended: list[float] = []
+    for scheduler in schedulers:
+
+        @scheduler.every("long", "1h", offset=offset)
+        async def long(ctx: RunContext, owner: str = scheduler.instance_id) -> None:
+            starts.append((owner, time.monotonic()))
+            if len(starts) == 1:
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    first_ended.append(time.monotonic())
+
+    holder, backup = schedulers
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in schedulers]
+        try:
+            slot = holder.jobs["long"].schedule.previous_at_or_before(holder.store_now_ms())
+            assert slot is not None
+            won = await holder._claim(holder.jobs["long"], slot, Reason.SCHEDULED)
+            assert won is not None and won.status is ClaimStatus.WON
+            await wait_for(lambda: starts, what="the holder's handler")
+            standing = await backup._claim(backup.jobs["long"], slot, Reason.SCHEDULED)
+            assert standing is not None and standing.status is ClaimStatus.RUNNING
+            assert backup.watching == [("long", slot)]
+
+            restarted = await _restart_empty(server, raw)
+            # the instances watching the run find it lost, and wait out the quarantine
+            await wait_for(lambda: first_ended, timeout=5, what="the holder cancelled")
+            await wait_for(lambda: len(starts) == 2, timeout=15, what="the run again")
+            history = await holder.history("long")
+        finally:
+            await stop_all(instances)
+    quiet = int(_job_hash(raw, prefix, "long")["quiet"])
+    assert quiet >= restarted + 1_500
+    assert first_ended[0] < starts[1][1]
+    assert len(starts) == 2
+    assert [(a.slot, a.attempt, a.reason, a.outcome) for a in history] == [
+        (slot, 1, Reason.TAKEOVER, "completed")]
+    assert history[0].claimed_at.timestamp() * 1000 >= quiet
