@@ -55,8 +55,11 @@ the loss time ``lost`` (now, unless recorded already) and a quarantine ``quiet``
 Until ``quiet`` every claim of the job answers ``RUNNING`` with no run (``run_status``
 ``None``, ``expires_ms`` = ``quiet``) and writes nothing: the scheduler claims again at
 its next tick. By then every lease that may have been live at the loss has expired, and
-its holder has learnt at a heartbeat that its lease is gone. The marker lives with the
-job's keys, so on a Cluster the loss of one shard is found for exactly the jobs on it.
+its holder has learnt at a heartbeat that its lease is gone. :meth:`RedisBackend.check`
+reads the markers too: a watched run missing from a job whose marker is gone or changed
+was lost, not deleted (``CheckResult.lost``), and the scheduler claims it again. The
+marker lives with the job's keys, so on a Cluster the loss of one shard is found for
+exactly the jobs on it.
 A process that never claimed the job before the loss cannot tell a lost job from a new
 one: until a process that did claims it (or finds it at its next slot), such a fresh
 process may win attempt 1 of a run whose old holder has not yet learnt of the loss.
