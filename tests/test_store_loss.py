@@ -19,7 +19,8 @@ import redis
 from backends.embedded.redis import EmbeddedRedis, find_server
 from backends.redis import RedisBackend
 from lease_core import LeaseLost, Reason, RunContext, Scheduler
-from lease_core._structures import ClaimRequest, ClaimStatus
+from lease_core._structures import CheckResult, ClaimRequest, ClaimStatus
+from lease_core.errors import BackendUnavailable
 from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -303,3 +304,57 @@ async def test_the_run_lost_in_flight_runs_again_once_after_the_quarantine(
     assert [(a.slot, a.attempt, a.reason, a.outcome) for a in history] == [
         (slot, 1, Reason.TAKEOVER, "completed")]
     assert history[0].claimed_at.timestamp() * 1000 >= quiet
+
+
+@pytest.mark.asyncio_only
+async def test_a_cluster_node_that_loses_its_data() -> None:
+    from redis.asyncio.cluster import RedisCluster
+
+    binary = find_server("valkey")
+    assert binary is not None
+    args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+    with EmbeddedRedis(binary, appendonly=False, extra_args=args) as node:
+        raw = redis.Redis.from_url(node.url)
+        try:
+            raw.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+
+            def cluster_ok() -> bool:
+                return bool(raw.cluster("info")["cluster_state"] == "ok")
+
+            await wait_for(cluster_ok, what="the cluster ok")
+            client = RedisCluster.from_url(node.url)
+            backend = RedisBackend(client, prefix=_prefix())
+            await backend.start()
+            try:
+                jobs = ["a", "b{x}", "c/d"]  # in different slots
+                for job in jobs:
+                    won = await backend.claim(_request(job, 1, f"{job}-1", 1_000))
+                    assert won.status is ClaimStatus.WON
+                await anyio.to_thread.run_sync(node.stop)
+                await anyio.to_thread.run_sync(node.start)
+                assert raw.dbsize() == 0
+                await wait_for(cluster_ok, what="the cluster ok after the restart")
+                checks: list[CheckResult] = []
+
+                async def checked() -> bool:
+                    # the cluster client may first report a connection the restart closed
+                    try:
+                        checks.append(await backend.check([(job, 1) for job in jobs]))
+                    except BackendUnavailable:
+                        return False
+                    return True
+
+                await wait_for(checked, what="a check after the restart")
+                # every script still touches one slot: the markers live with the jobs
+                check = checks[-1]
+                assert check.runs == {} and check.lost == {(job, 1) for job in jobs}
+                for job in jobs:
+                    found = await backend.claim(_request(job, 1, f"{job}-2", 1_000))
+                    assert (found.status, found.run_status) == (ClaimStatus.RUNNING, None)
+                    assert found.expires_ms is not None
+                    assert found.expires_ms >= found.now_ms + 900
+            finally:
+                await backend.close()
+                await client.aclose()
+        finally:
+            raw.close()
