@@ -56,8 +56,9 @@ Until ``quiet`` every claim of the job answers ``RUNNING`` with no run (``run_st
 ``None``, ``expires_ms`` = ``quiet``) and writes nothing: the scheduler claims again at
 its next tick. By then every lease that may have been live at the loss has expired, and
 its holder has learnt at a heartbeat that its lease is gone. :meth:`RedisBackend.check`
-reads the markers too: a watched run missing from a job whose marker is gone or changed
-was lost, not deleted (``CheckResult.lost``), and the scheduler claims it again. The
+reads the markers too: a watched run missing from a job whose marker is gone or changed,
+or whose quarantine is not over, was lost, not deleted (``CheckResult.lost``), and the
+scheduler claims it again. The
 marker lives with the job's keys, so on a Cluster the loss of one shard is found for
 exactly the jobs on it.
 A process that never claimed the job before the loss cannot tell a lost job from a new
@@ -290,6 +291,9 @@ class RedisBackend(Backend):
         # marker knows the data was lost (see "Data loss" in the module docs).
         self._markers: dict[str, str] = {}
         self._longest_ms = 0
+        # Per job, the end of the quarantine its last claim found: until then every
+        # missing run of the job was lost with the data (nothing is deleted meanwhile).
+        self._quiet: dict[str, int] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -439,8 +443,12 @@ class RedisBackend(Backend):
                    for request, reply in zip(requests, replies, strict=False)]
         if len(self._markers) > 100_000:  # a bound for processes that make up job names
             self._markers.clear()
+            self._quiet.clear()
         for request, reply in zip(requests, replies, strict=False):
             self._markers[request.job] = _text(reply[7])
+        for result in results:
+            if result.status is ClaimStatus.RUNNING and result.run_status is None:
+                self._quiet[result.job] = result.expires_ms or 0
         won = [r for r in results if r.status is ClaimStatus.WON]
         if won and self.wait_replicas is not None:
             what = (f"the claim of {won[0].job!r} slot {won[0].slot}" if len(won) == 1
@@ -529,7 +537,8 @@ class RedisBackend(Backend):
         """Read the watched runs and the server time in one pipelined round trip.
 
         The same round trip reads the data markers of the runs' jobs: a missing run of a
-        job whose marker is gone or changed was lost with the data (``lost``).
+        job whose marker is gone or changed, or whose quarantine is not over, was lost
+        with the data (``lost``).
         """
         commands: list[Command] = [("TIME",)]
         commands += [("HMGET", self._run_key(job, slot), "st", "att", "exp", "inst")
@@ -543,10 +552,12 @@ class RedisBackend(Backend):
             if st is not None:
                 found[(job, slot)] = RunState(job, slot, RunStatus(st), int(att or 0),
                                               int(exp) if exp else None, inst)
+        now = _time_ms(replies[0])
         changed = {job for job, marker in zip(known, replies[1 + len(runs):], strict=True)
-                   if marker is None or _text(marker) != self._markers.get(job)}
+                   if marker is None or _text(marker) != self._markers.get(job)
+                   or now < self._quiet.get(job, 0)}
         lost = frozenset(run for run in runs if run[0] in changed and run not in found)
-        return CheckResult(_time_ms(replies[0]), found, lost)
+        return CheckResult(now, found, lost)
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return attempts newest first, of one job or of every job under the prefix."""

@@ -11,10 +11,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import pytest
 import redis
+import redis.asyncio
 
 from backends.embedded.redis import EmbeddedRedis, find_server
 from backends.redis import RedisBackend
@@ -358,3 +360,25 @@ async def test_a_cluster_node_that_loses_its_data() -> None:
                 await client.aclose()
         finally:
             raw.close()
+
+
+@pytest.mark.parametrize("kind", ["sync-client", "asyncio-client"])
+async def test_clients_passed_in_find_the_loss_too(
+    server: EmbeddedRedis, raw: redis.Redis, kind: str, anyio_backend: str
+) -> None:
+    if kind == "asyncio-client" and anyio_backend != "asyncio":
+        pytest.skip("redis-py's asyncio client runs on asyncio only")
+    client: Any = (redis.asyncio.Redis.from_url(server.url) if kind == "asyncio-client"
+                   else redis.Redis.from_url(server.url))
+    backend = RedisBackend(client, prefix=_prefix())
+    await backend.start()
+    try:
+        assert (await backend.claim(_request("job", 1, "a", 800))).status is ClaimStatus.WON
+        await _restart_empty(server, raw)
+        found = await backend.claim(_request("job", 1, "b", 800))
+        assert (found.status, found.run_status) == (ClaimStatus.RUNNING, None)
+        assert found.expires_ms == found.now_ms + 800
+        assert (await backend.check([("job", 1)])).lost == {("job", 1)}
+    finally:
+        await backend.close()
+        await client.aclose() if kind == "asyncio-client" else client.close()
