@@ -523,15 +523,14 @@ class Pg8000PoolAdapter(SqlAdapter):
         """
         async with self._slots:
             conn = self._idle.pop() if self._idle else None
-            try:
+            # The worker thread runs to its end whatever happens to the caller (pg8000's
+            # socket timeout bounds it); shielded, its outcome is kept, so a cancelled
+            # caller returns a healthy connection to the pool instead of closing it (and,
+            # through PgBouncer, logging in again on the next call).
+            with anyio.CancelScope(shield=True):
                 done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
-            except BaseException:
-                if conn is not None:
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(_close_quietly, conn)
-                raise
-            if done.conn is not None:
-                await self._release(done.conn, None)
+                if done.conn is not None:
+                    await self._release(done.conn, None)
             exc = done.error
             if exc is None:
                 return done.rows
@@ -549,7 +548,8 @@ class Pg8000PoolAdapter(SqlAdapter):
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
         async with self._slots:
-            conn = await self._acquire()
+            with anyio.CancelScope(shield=True):  # a connection opened is never dropped
+                conn = await self._acquire()
             try:
                 async with _transaction(conn, self._where) as tx:
                     yield tx

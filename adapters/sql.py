@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from abc import ABC, abstractmethod
@@ -29,10 +30,13 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
+import anyio
+
 from lease_core._redact import redact
 from lease_core.errors import BackendUnavailable, ConfigurationError
 
 __all__ = [
+    "CANCEL_GRACE_S",
     "Executor",
     "Row",
     "SqlAdapter",
@@ -42,10 +46,29 @@ __all__ = [
     "dsn_query",
     "numbered_placeholders",
     "redact",
+    "settle_scope",
 ]
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
+
+#: Seconds a driver call may still take after its caller's deadline (or cancellation)
+#: before the adapter gives the call up and closes its connection.
+CANCEL_GRACE_S = 5.0
+
+
+def settle_scope(grace: float = CANCEL_GRACE_S) -> anyio.CancelScope:
+    """A shielded cancel scope for one driver call, ending ``grace`` s after the caller's.
+
+    Inside it the call is not interrupted when its caller is cancelled; it is only when
+    the caller's effective deadline (now, if the caller is already cancelled; never, if
+    it has none) plus ``grace`` passes. Interrupting a call mid-statement costs its
+    connection, so adapters let a cancelled caller wait for the answer instead.
+    """
+    deadline = anyio.current_effective_deadline()
+    if math.isinf(deadline) and deadline > 0:
+        return anyio.CancelScope(shield=True)
+    return anyio.CancelScope(shield=True, deadline=max(deadline, anyio.current_time()) + grace)
 
 
 class TransientError(BackendUnavailable):
