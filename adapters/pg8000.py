@@ -408,7 +408,8 @@ class Pg8000PoolAdapter(SqlAdapter):
     """Open up to ``max_size`` pg8000 connections from connection parameters; close them all.
 
     Connections are opened on demand; one that fails with a connection error is discarded,
-    so the adapter recovers by itself after a server restart.
+    so the adapter recovers by itself after a server restart. One more connection is kept
+    for :meth:`all_reserved` (heartbeats): ``max_size + 1`` connections at most.
     """
 
     anyio_backends = ("asyncio", "trio")
@@ -426,6 +427,8 @@ class Pg8000PoolAdapter(SqlAdapter):
         self._idle: list[Any] = []
         self._slots = anyio.Semaphore(max_size)
         self._closed = False
+        self._reserved: Any = None
+        self._reserved_busy = False
 
     def _connect(self) -> Any:
         p = self.params
@@ -497,6 +500,9 @@ class Pg8000PoolAdapter(SqlAdapter):
         """Close every idle connection; busy ones close when they are released."""
         self._closed = True
         idle, self._idle = self._idle, []
+        if self._reserved is not None and not self._reserved_busy:
+            idle.append(self._reserved)
+            self._reserved = None
         for conn in idle:
             await anyio.to_thread.run_sync(_close_quietly, conn)
 
@@ -531,19 +537,41 @@ class Pg8000PoolAdapter(SqlAdapter):
                 done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
                 if done.conn is not None:
                     await self._release(done.conn, None)
-            exc = done.error
-            if exc is None:
-                return done.rows
-            if done.connecting:
-                mapped = self._tls_error(exc) or translate_error(
-                    exc, where=self._where, secret=self._secret)
-                if mapped is exc:
-                    raise exc
-                raise mapped from None
-            mapped = translate_error(exc, where=self._where)
+        return self._rows(done)
+
+    async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on the reserved connection (on the pool while it is busy)."""
+        if self._reserved_busy:
+            return await self.all(sql, params)
+        self._reserved_busy = True
+        try:
+            conn, self._reserved = self._reserved, None
+            with anyio.CancelScope(shield=True):  # as in all()
+                done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
+                if done.conn is not None:
+                    if self._closed:
+                        await anyio.to_thread.run_sync(_close_quietly, done.conn)
+                    else:
+                        self._reserved = done.conn
+        finally:
+            self._reserved_busy = False
+        return self._rows(done)
+
+    def _rows(self, done: _Outcome) -> list[Row]:
+        """The rows of a worker-thread call, or its error mapped to anarchon's types."""
+        exc = done.error
+        if exc is None:
+            return done.rows
+        if done.connecting:
+            mapped = self._tls_error(exc) or translate_error(
+                exc, where=self._where, secret=self._secret)
             if mapped is exc:
                 raise exc
-            raise mapped from exc
+            raise mapped from None
+        mapped = translate_error(exc, where=self._where)
+        if mapped is exc:
+            raise exc
+        raise mapped from exc
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:

@@ -40,7 +40,6 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
 from .sql import (
-    CANCEL_GRACE_S,
     Executor,
     Row,
     SqlAdapter,
@@ -237,8 +236,8 @@ async def _settled(conn: psycopg.AsyncConnection[Any], where: str) -> AsyncItera
         yield
     if scope.cancelled_caught:
         await conn.close()
-        logger.warning("PostgreSQL%s did not answer %gs after its caller gave up; connection "
-                       "closed", f" at {where}" if where else "", CANCEL_GRACE_S)
+        logger.warning("PostgreSQL%s did not answer in time after its caller gave up; "
+                       "connection closed", f" at {where}" if where else "")
         raise BackendUnavailable(
             f"PostgreSQL{' at ' + where if where else ''} did not answer in time after its "
             "caller gave up; the connection was closed"
@@ -307,13 +306,17 @@ class PsycopgPoolAdapter(SqlAdapter):
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """Run one statement on a pooled connection (to its end; see the module docs)."""
+        return await self._all_on(self.pool, sql, params)
+
+    async def _all_on(self, pool: AsyncConnectionPool[Any], sql: str,
+                      params: Sequence[Any]) -> list[Row]:
         with _mapped(self._where, self._secret):
-            conn = await self.pool.getconn()
+            conn = await pool.getconn()
             try:
                 async with _settled(conn, self._where):
                     return await _async_single(conn, sql, params)
             finally:
-                await _give_back(self.pool, conn)
+                await _give_back(pool, conn)
         raise AssertionError("unreachable")  # pragma: no cover - _settled raises
 
     @asynccontextmanager
@@ -335,7 +338,9 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
     """Open a small ``AsyncConnectionPool`` from a DSN (``None``: localhost and ``PG*``).
 
     The first connection is made directly, so a wrong password or an unreachable server is
-    reported at once, with a clear message. The pool is closed by :meth:`close`.
+    reported at once, with a clear message. Besides the pool (up to ``max_size``
+    connections) one connection is kept for :meth:`all_reserved` (heartbeats), in a pool
+    of its own: ``max_size + 1`` connections at most. Both are closed by :meth:`close`.
     """
 
     def __init__(self, dsn: str | None, *, min_size: int = 1, max_size: int = 4,
@@ -360,6 +365,11 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         super().__init__(pool, owned=True, where=_where(conninfo),
                          secret=str(secret) if secret else None)
         self._conninfo = conninfo
+        self.reserved_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            conninfo, min_size=1, max_size=1, open=False, timeout=timeout,
+            kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon-reserved",
+        )
+        self._reserved_busy = False
 
     async def open(self) -> None:
         """Check that a login works, then open the pool without waiting for it to fill."""
@@ -367,6 +377,22 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
             conn = await psycopg.AsyncConnection.connect(self._conninfo, connect_timeout=10)
             await conn.close()
             await self.pool.open(wait=False)
+            await self.reserved_pool.open(wait=False)
+
+    async def close(self) -> None:
+        """Close the pool and the reserved connection."""
+        await self.reserved_pool.close()
+        await super().close()
+
+    async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on the reserved connection (on the pool while it is busy)."""
+        if self._reserved_busy:
+            return await self.all(sql, params)
+        self._reserved_busy = True
+        try:
+            return await self._all_on(self.reserved_pool, sql, params)
+        finally:
+            self._reserved_busy = False
 
 
 class PsycopgSyncPoolAdapter(SqlAdapter):
