@@ -537,7 +537,7 @@ class Pg8000PoolAdapter(SqlAdapter):
                 done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
                 if done.conn is not None:
                     await self._release(done.conn, None)
-        return self._rows(done)
+        return await self._rows(done)
 
     async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """Run one statement on the reserved connection (on the pool while it is busy)."""
@@ -555,13 +555,26 @@ class Pg8000PoolAdapter(SqlAdapter):
                         self._reserved = done.conn
         finally:
             self._reserved_busy = False
-        return self._rows(done)
+        return await self._rows(done)
 
-    def _rows(self, done: _Outcome) -> list[Row]:
+    async def _discard_idle(self) -> None:
+        """Close the idle connections (and the reserved one when free): a connection just
+        found broken means a server restart probably broke them too."""
+        idle, self._idle = self._idle, []
+        if self._reserved is not None and not self._reserved_busy:
+            idle.append(self._reserved)
+            self._reserved = None
+        if idle:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_close_all, idle)
+
+    async def _rows(self, done: _Outcome) -> list[Row]:
         """The rows of a worker-thread call, or its error mapped to anarchon's types."""
         exc = done.error
         if exc is None:
             return done.rows
+        if done.conn is None:  # no connection, or closed as broken
+            await self._discard_idle()
         if done.connecting:
             mapped = self._tls_error(exc) or translate_error(
                 exc, where=self._where, secret=self._secret)
@@ -589,6 +602,11 @@ class Pg8000PoolAdapter(SqlAdapter):
     def transaction(self) -> Any:
         """Open a transaction on a pooled connection."""
         return self._transaction()
+
+
+def _close_all(conns: list[Any]) -> None:
+    for conn in conns:
+        _close_quietly(conn)
 
 
 def _close_quietly(conn: Any) -> None:

@@ -40,6 +40,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
 from .sql import (
+    CANCEL_GRACE_S,
     Executor,
     Row,
     SqlAdapter,
@@ -384,6 +385,14 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         await self.reserved_pool.close()
         await super().close()
 
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on a pooled connection (to its end; see the module docs)."""
+        try:
+            return await self._all_on(self.pool, sql, params)
+        except BackendUnavailable as exc:
+            await _check_after(exc, self.reserved_pool)
+            raise
+
     async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """Run one statement on the reserved connection (on the pool while it is busy)."""
         if self._reserved_busy:
@@ -391,8 +400,20 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         self._reserved_busy = True
         try:
             return await self._all_on(self.reserved_pool, sql, params)
+        except BackendUnavailable as exc:
+            await _check_after(exc, self.pool)
+            raise
         finally:
             self._reserved_busy = False
+
+
+async def _check_after(exc: BackendUnavailable, pool: AsyncConnectionPool[Any]) -> None:
+    """After a connection failure, test the other pool's idle connections (a restart of the
+    server broke them too), so that each is not found broken by a call of its own."""
+    if isinstance(exc, TransientError) or pool.closed:
+        return
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_GRACE_S):
+        await pool.check()
 
 
 class PsycopgSyncPoolAdapter(SqlAdapter):
