@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import pg8000.exceptions
 import pg8000.native
@@ -329,6 +330,12 @@ class _Tx:
         return self._conn
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        rows = await self.control(sql, params)
+        await anyio.lowlevel.checkpoint_if_cancelled()  # not to a cancelled caller
+        return rows
+
+    async def control(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run ``sql`` to its end; a cancelled caller is told at its next checkpoint."""
         try:
             return await anyio.to_thread.run_sync(self._run, self._conn, sql, params)
         except (pg8000.exceptions.Error, OSError) as exc:
@@ -350,16 +357,16 @@ def _where_of(conn: Any) -> str:
 @asynccontextmanager
 async def _transaction(conn: Any, where: str) -> AsyncIterator[Executor]:
     tx = _Tx(conn, where)
-    await tx.all("BEGIN")
+    await tx.control("BEGIN")
     try:
         yield tx
     except BaseException:
         with anyio.CancelScope(shield=True):
             with suppress(Exception):
-                await tx.all("ROLLBACK")
+                await tx.control("ROLLBACK")
         raise
     else:
-        await tx.all("COMMIT")
+        await tx.control("COMMIT")
 
 
 class Pg8000ConnectionAdapter(SqlAdapter):
@@ -537,7 +544,9 @@ class Pg8000PoolAdapter(SqlAdapter):
                 done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
                 if done.conn is not None:
                     await self._release(done.conn, None)
-        return await self._rows(done)
+        rows = await self._rows(done)
+        await anyio.lowlevel.checkpoint_if_cancelled()  # not to a cancelled caller
+        return rows
 
     async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """Run one statement on the reserved connection (on the pool while it is busy)."""
@@ -555,7 +564,9 @@ class Pg8000PoolAdapter(SqlAdapter):
                         self._reserved = done.conn
         finally:
             self._reserved_busy = False
-        return await self._rows(done)
+        rows = await self._rows(done)
+        await anyio.lowlevel.checkpoint_if_cancelled()  # not to a cancelled caller
+        return rows
 
     async def _discard_idle(self) -> None:
         """Close the idle connections (and the reserved one when free): a connection just

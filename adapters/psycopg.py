@@ -32,6 +32,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any, LiteralString, cast
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import psycopg
 import psycopg.conninfo
@@ -225,16 +226,21 @@ def _sync_single(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any])
 
 
 @asynccontextmanager
-async def _settled(conn: psycopg.AsyncConnection[Any], where: str) -> AsyncIterator[None]:
+async def _settled(conn: psycopg.AsyncConnection[Any], where: str, *,
+                   deliver: bool = True) -> AsyncIterator[None]:
     """Run the block's driver call to its end even if the caller is cancelled meanwhile.
 
     The call is shielded until the caller's deadline plus the grace period (see the module
     docs); a call still running then is interrupted, its connection closed, and
-    :class:`BackendUnavailable` raised.
+    :class:`BackendUnavailable` raised. With ``deliver``, a caller cancelled meanwhile gets
+    its cancellation, not the call's result, so that no code of a handler past its
+    deadline runs on it.
     """
     scope = settle_scope()
     with scope:
         yield
+    if deliver and not scope.cancelled_caught:
+        await anyio.lowlevel.checkpoint_if_cancelled()
     if scope.cancelled_caught:
         await conn.close()
         logger.warning("PostgreSQL%s did not answer in time after its caller gave up; "
@@ -257,7 +263,7 @@ async def _async_transaction(
 ) -> AsyncIterator[Executor]:
     with _mapped(where):
         tx = psycopg.AsyncTransaction(conn)
-        async with _settled(conn, where):
+        async with _settled(conn, where, deliver=False):
             await tx.__aenter__()
         try:
             yield _AsyncTx(conn, where)
@@ -265,10 +271,10 @@ async def _async_transaction(
             # The rollback runs even when the block was cancelled (a connection left in a
             # transaction would be closed by its pool).
             with contextlib.suppress(BackendUnavailable):
-                async with _settled(conn, where):
+                async with _settled(conn, where, deliver=False):
                     await tx.__aexit__(type(exc), exc, exc.__traceback__)
             raise
-        async with _settled(conn, where):
+        async with _settled(conn, where, deliver=False):  # a commit is reported as done
             await tx.__aexit__(None, None, None)
 
 

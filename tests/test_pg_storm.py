@@ -219,7 +219,9 @@ async def test_a_fleet_behind_pgbouncer_rides_out_a_stall_and_a_database_restart
             await stop_all(instances)
             tg.cancel_scope.cancel()
         await audit.close()
-        assert most_clients <= 3 * (4 + 1), f"{most_clients} clients at PgBouncer"
+        # Each scheduler: its pool (max_size 4) and its reserved connection; and the
+        # test's own probe of PgBouncer after the restart.
+        assert most_clients <= 3 * (4 + 1) + 1, f"{most_clients} clients at PgBouncer"
         assert "query cancellation" not in caplog.text
         assert "max_client_conn" not in caplog.text and "refused the login" not in caplog.text
     finally:
