@@ -147,9 +147,9 @@ async def test_heartbeats_do_not_queue_behind_a_busy_pool(
         await backend.close()
 
 
-@pytest.mark.asyncio_only
+@pytest.mark.parametrize(("anyio_backend", "scheme"), LOOP_SCHEMES)
 async def test_a_fleet_behind_pgbouncer_rides_out_a_stall_and_a_database_restart(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, scheme: str, anyio_backend: str
 ) -> None:
     """The chaos suite's storm, small: 3 schedulers through PgBouncer (transaction mode).
 
@@ -169,12 +169,14 @@ async def test_a_fleet_behind_pgbouncer_rides_out_a_stall_and_a_database_restart
         jobs = ["j0", "j1", "j2"]
         schedulers = []
         for n in range(3):
-            s = Scheduler(PostgresBackend(bouncer.dsn, table="storm_runs"),
+            s = Scheduler(PostgresBackend(bouncer.dsn.replace("postgresql://", scheme, 1),
+                                          table="storm_runs"),
                           instance_id=f"w{n}", lease="1.5s", heartbeat="0.3s")
             for job in jobs:
                 s.every(job, "400ms", _step)
             schedulers.append(s)
-        audit = PostgresBackend(server.dsn, table="storm_runs")  # straight to the server
+        audit = PostgresBackend(server.dsn.replace("postgresql://", scheme, 1),
+                                table="storm_runs")  # straight to the server
         most_clients = 0
 
         async def count_clients() -> None:
