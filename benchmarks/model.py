@@ -4,13 +4,13 @@ A fleet is ``jobs`` jobs, each every ``interval_s`` seconds (slots spread evenly
 ``instances`` schedulers with a heartbeat of ``heartbeat_s`` seconds and handlers of
 ``handler_s`` seconds. The scheduler's own rules give the store calls per second:
 
-- every instance claims every slot: ``instances × jobs / interval_s`` claims/s; one wins
+- every instance claims every slot: ``instances x jobs / interval_s`` claims/s; one wins
   (it finishes the run: ``jobs / interval_s`` finishes/s), the others find it running
   and watch it;
 - each instance renews **all** its leases with one heartbeat call per tick, and only in
   a tick where it holds a lease; it checks all the runs it watches with one check call
   per tick, only when it watches some;
-- runs held at a time follow Little's law, ``held = jobs / interval_s × handler_s``,
+- runs held at a time follow Little's law, ``held = jobs / interval_s x handler_s``,
   spread evenly over the instances; a backup watches a run from its claim until the
   first tick after the run ended, ``handler_s + heartbeat_s / 2`` on average;
 - an instance asks the store for its clock only when no claim or heartbeat answered for

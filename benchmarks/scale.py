@@ -17,7 +17,7 @@
    heartbeat statements (pg_stat_statements) are divided by the heartbeat calls the
    instances counted (a wrapper around the backend's ``heartbeat``): one per tick.
 3. **Model** (:mod:`benchmarks.model`): the costs of step 1 predict every fleet of step 2
-   (predicted, measured, error) and 100,000 jobs × 100 instances.
+   (predicted, measured, error) and 100,000 jobs x 100 instances.
 4. **Heartbeat at 10,000 leases**: statements per tick on PostgreSQL and round trips per
    tick on Redis, with ``benchmarks.heartbeat``'s counters.
 
@@ -401,7 +401,7 @@ def markdown(scale: dict[str, Any]) -> list[str]:
     s = scale["settings"]
     lines = [f"## Scale (jobs every {s['interval_s']:g} s, handlers {s['handler_s']:g} s, "
              f"heartbeat {s['heartbeat_s']:g} s; {s['instances_are']})", "",
-             "| jobs × instances | stmt/s measured | predicted | error | store CPU cores "
+             "| jobs x instances | stmt/s measured | predicted | error | store CPU cores "
              "| predicted | error | RSS MB/instance | predicted | error | heartbeat stmt/tick |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
@@ -410,14 +410,14 @@ def markdown(scale: dict[str, Any]) -> list[str]:
 
     for r in scale["points"]:
         p, e = r["predicted"], r["error"]
-        lines.append(f"| {r['jobs']:,} × {r['instances']} | {r['statements_s']} | "
+        lines.append(f"| {r['jobs']:,} x {r['instances']} | {r['statements_s']} | "
                      f"{p['statements_s']} | {pct(e['statements_s'])} | "
                      f"{r['store_cpu_cores']} | {p['store_cpu_cores']} | "
                      f"{pct(e['store_cpu_cores'])} | {r['rss_mb_per_instance']} | "
                      f"{p['rss_mb_per_instance']} | {pct(e['rss_mb_per_instance'])} | "
                      f"{r['heartbeat_statements_per_tick']} |")
     t = scale["prediction"]
-    lines.append(f"| **{t['fleet']['jobs']:,} × {t['fleet']['instances']}** (model) | | "
+    lines.append(f"| **{t['fleet']['jobs']:,} x {t['fleet']['instances']}** (model) | | "
                  f"{t['statements_s']} | | | {t['store_cpu_cores']} | | | "
                  f"{t['rss_mb_per_instance']} | | |")
     lines += ["", f"Costs: `{scale['costs']}`", "",

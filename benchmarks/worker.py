@@ -203,13 +203,15 @@ async def scale(url: str, jobs: int, name: str, prefix: str, interval: float,
     """A fleet member of the scale benchmark (see module docs)."""
     backend, counter = make_backend(url, prefix)
     calls = {"heartbeat": 0, "check": 0, "claim": 0}
+
+    def counted(op: str, method: Any) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            calls[op] += 1
+            return await method(*args, **kwargs)
+        return call
+
     for op in calls:  # count the scheduler's calls of the backend (one per tick or claim)
-        def counted(op: str = op, method: Any = getattr(backend, op)) -> Any:
-            async def call(*args: Any, **kwargs: Any) -> Any:
-                calls[op] += 1
-                return await method(*args, **kwargs)
-            return call
-        setattr(backend, op, counted())
+        setattr(backend, op, counted(op, getattr(backend, op)))
     scheduler = Scheduler(backend, instance_id=name, lease=f"{3 * heartbeat}s",
                           heartbeat=f"{heartbeat}s")
 
