@@ -14,7 +14,8 @@ SIGKILLed by the parent):
     A scheduler with JOBS jobs every INTERVAL seconds, their offsets spread evenly over
     the interval, handlers of HANDLER seconds, heartbeat HEARTBEAT seconds (lease three
     heartbeats). Prints held and watched runs, its RSS and CPU seconds and how many
-    times it called the backend's ``heartbeat``, ``check`` and ``claim``, every second.
+    times a call of the backend's ``heartbeat``, ``check`` and ``claim`` returned, every
+    second.
     With INTERVAL 3600 the jobs hardly fire: the process's memory per declared job.
 ``failover URL NAME FIRE_AT_MS LEASE HEARTBEAT``
     One job ``fo`` firing at FIRE_AT_MS (store time); the handler runs until cancelled.
@@ -206,11 +207,13 @@ async def scale(url: str, jobs: int, name: str, prefix: str, interval: float,
 
     def counted(op: str, method: Any) -> Any:
         async def call(*args: Any, **kwargs: Any) -> Any:
+            result = await method(*args, **kwargs)
             calls[op] += 1
-            return await method(*args, **kwargs)
+            return result
         return call
 
-    for op in calls:  # count the scheduler's calls of the backend (one per tick or claim)
+    # count the scheduler's calls of the backend that returned (one per tick or claim)
+    for op in calls:
         setattr(backend, op, counted(op, getattr(backend, op)))
     scheduler = Scheduler(backend, instance_id=name, lease=f"{3 * heartbeat}s",
                           heartbeat=f"{heartbeat}s")
