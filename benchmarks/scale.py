@@ -303,7 +303,9 @@ async def measure_fleet(servers: Servers, jobs: int, instances: int, interval: f
         await anyio.sleep(WARMUP_S)
         first = await counter.read({})
         cpu0, t0 = pg_cpu_seconds(servers.pg.datadir), time.monotonic()
-        await anyio.sleep(WINDOW_S)
+        await anyio.sleep(WINDOW_S / 2)
+        lock_waits = await _lock_waits(servers, db)
+        await anyio.sleep(WINDOW_S / 2)
         last = await counter.read({})
         cpu1, t1 = pg_cpu_seconds(servers.pg.datadir), time.monotonic()
     finally:
@@ -312,6 +314,7 @@ async def measure_fleet(servers: Servers, jobs: int, instances: int, interval: f
         for w in workers:
             await w.wait(60)
     total = await counter.read({})
+    deadlocks = await _deadlocks(servers, db)
     elapsed = t1 - t0
     kinds = _delta(first.get("by_kind", {}), last.get("by_kind", {}))
     finals = [w.events("final") for w in workers]
@@ -340,6 +343,9 @@ async def measure_fleet(servers: Servers, jobs: int, instances: int, interval: f
         "client_cpu_cores_per_instance": (round(sum(client_cpu) / len(client_cpu), 3)
                                           if client_cpu else None),
         "held": round(held, 1), "watched_per_instance": round(watched / instances, 1),
+        # deadlocks PostgreSQL broke (pg_stat_database, the fleet's life); statements
+        # waiting for a lock at the middle of the window (pg_stat_activity)
+        "deadlocks": deadlocks, "lock_waits_mid_window": lock_waits,
         "claims_s_nominal": round(instances * jobs / interval, 1),
         # over the fleet's whole life: statements the store ran per call the instances made
         "heartbeat_calls": hb_calls, "check_calls": check_calls, "claim_calls": claim_calls,
@@ -358,8 +364,26 @@ async def measure_fleet(servers: Servers, jobs: int, instances: int, interval: f
         f"{row['by_kind_s']}, store CPU {row['store_cpu_cores']} cores, RSS "
         f"{row['rss_mb_per_instance']} MB/instance, heartbeat statements per tick "
         f"{row['heartbeat_statements_per_tick']} ({hb_calls} ticks), start-up "
-        f"{row['startup_s']} s")
+        f"{row['startup_s']} s, deadlocks {deadlocks}, lock waits {lock_waits}")
     return row
+
+
+async def _deadlocks(servers: Servers, db: str) -> int:
+    async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as conn:
+        await conn.execute("SELECT pg_stat_clear_snapshot()")
+        cur = await conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = %s", (db,))
+        row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+async def _lock_waits(servers: Servers, db: str) -> int:
+    async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s "
+            "AND wait_event_type = 'Lock'", (db,))
+        row = await cur.fetchone()
+    return int(row[0]) if row else 0
 
 
 # -- 3. model, 4. heartbeat at 10,000 ----------------------------------------------------
@@ -431,8 +455,9 @@ def targets(scale: dict[str, Any]) -> dict[str, Any]:
                 for r in scale["points"]}
     hb = {r["key"]: r.get("statements_per_tick") or r.get("round_trips_per_tick")
           for r in scale["heartbeat_10k"]}
+    ticked = [v for v in per_tick.values() if v is not None]  # a stalled fleet: None
     return {"scale_one_heartbeat_statement_per_tick": {
-                "per_fleet": per_tick, "met": all(v == 1.0 for v in per_tick.values())},
+                "per_fleet": per_tick, "met": bool(ticked) and all(v == 1.0 for v in ticked)},
             "scale_heartbeat_10k_one_per_tick": {
                 "per_store": hb, "met": all(v == 1 for v in hb.values())}}
 
