@@ -47,12 +47,17 @@ def _tag(job: str) -> str:
     return "{" + PREFIX + "/" + quote(job, safe="") + "}"
 
 
-def _claim_command(job: str, slot: int, token: str) -> tuple[Any, ...]:
-    """The claim script's EVALSHA exactly as the library sends it for a default request."""
+def _claim_command(job: str, slot: int, token: str, marker: Any) -> tuple[Any, ...]:
+    """The claim script's EVALSHA exactly as the library sends it for a default request.
+
+    ``marker`` is the job's data marker the last claim returned (``""`` before), sent
+    with the longest lease, as the library does.
+    """
     tag = _tag(job)
     keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
             f"{tag}:done", f"{tag}:orphan"]
-    args = [slot, INSTANCE, token, LEASE_MS, "scheduled", 1, "", HISTORY, "", f"{tag}:run:"]
+    args = [slot, INSTANCE, token, LEASE_MS, "scheduled", 1, "", HISTORY, "", f"{tag}:run:",
+            marker, LEASE_MS]
     return ("EVALSHA", SCRIPTS["claim"].sha, len(keys), *keys, *args)
 
 
@@ -88,18 +93,20 @@ async def _cells(cluster: EmbeddedRedisCluster, seconds: float, rounds: int,
     run = uuid.uuid4().hex[:6]
     try:
         listed: set[str] = set()
+        markers: dict[str, Any] = {}  # the marker of each job's data, as the library keeps
 
         async def raw_claim(job: str, slot: int, token: str) -> bool:
-            command = _claim_command(job, slot, token)
+            command = _claim_command(job, slot, token, markers.get(job, ""))
             if job in listed:
                 reply = await client.execute_command(*command)
-                return bool(reply[0] == b"won")
-            pipe = client.pipeline()
-            pipe.execute_command(*command)
-            pipe.execute_command("SADD", "{" + PREFIX + "}:jobs", job)
-            replies = await pipe.execute()
-            listed.add(job)
-            return bool(replies[0][0] == b"won")
+            else:
+                pipe = client.pipeline()
+                pipe.execute_command(*command)
+                pipe.execute_command("SADD", "{" + PREFIX + "}:jobs", job)
+                reply = (await pipe.execute())[0]
+                listed.add(job)
+            markers[job] = reply[7]
+            return bool(reply[0] == b"won")
 
         async def lib_claim(i: int) -> None:
             request = ClaimRequest(f"c{run}-l{i}", 1, INSTANCE, uuid.uuid4().hex, LEASE_MS,
