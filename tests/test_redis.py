@@ -19,7 +19,7 @@ import redis
 import redis.asyncio
 from redis.crc import key_slot
 
-from backends.embedded.redis import EmbeddedRedis, _free_port, find_server
+from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, _free_port, find_server
 from backends.memory import MemoryBackend
 from backends.redis import STORE_FORMAT, RedisBackend
 from lease_core._structures import (
@@ -633,32 +633,25 @@ async def test_behaves_like_the_memory_backend(backend: RedisBackend, raw: redis
 
 
 @pytest.fixture(scope="module")
-def cluster_node() -> Iterator[EmbeddedRedis]:
-    """A one-node Valkey Cluster owning every slot: it enforces one slot per script."""
+def cluster_node() -> Iterator[EmbeddedRedisCluster]:
+    """A 3-node Valkey Cluster: each script must keep to one slot, and the jobs' slots
+    fall on different nodes, so one pipeline is split between the nodes."""
     binary = find_server("valkey")
     assert binary is not None
-    args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
-    with EmbeddedRedis(binary, extra_args=args) as server:
-        client = redis.Redis.from_url(server.url)
-        try:
-            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-            deadline = time.monotonic() + 15
-            while client.cluster("info")["cluster_state"] != "ok":
-                assert time.monotonic() < deadline, "the cluster did not become ok"
-                time.sleep(0.02)
-        finally:
-            client.close()
-        yield server
+    with EmbeddedRedisCluster(binary, nodes=3) as cluster:
+        yield cluster
 
 
 @pytest.mark.asyncio_only
-async def test_works_on_a_cluster(cluster_node: EmbeddedRedis) -> None:
+async def test_works_on_a_cluster(cluster_node: EmbeddedRedisCluster) -> None:
     from redis.asyncio.cluster import RedisCluster
 
     client = RedisCluster.from_url(cluster_node.url)
     backend = RedisBackend(client, prefix="cluster")
     await backend.start()
     try:
+        nodes = {client.get_node_from_key(backend._run_key(job, 1)).name for job in ODD_JOBS}
+        assert len(nodes) > 1, "the jobs' slots should fall on more than one node"
         await backend.register_jobs(ODD_JOBS)
         leases = []
         for job in ODD_JOBS:

@@ -155,13 +155,15 @@ live AS (
     FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
     WHERE r.status = 'running' AND r.expires_ms > {now}),
 lockable AS (
-    SELECT r.job, r.slot
+    SELECT r.job, r.slot, r.token, l.lease_ms
     FROM {runs} r JOIN live l ON r.job = l.job AND r.slot = l.slot AND r.token = l.token
     FOR NO KEY UPDATE OF r SKIP LOCKED),
+-- The update reads only the locked rows (never joins two CTEs, whose row counts the
+-- planner cannot estimate: a nested loop over both is quadratic in the leases).
 renewed AS (
-    UPDATE {runs} r SET expires_ms = {now} + l.lease_ms
-    FROM live l JOIN lockable k ON k.job = l.job AND k.slot = l.slot
-    WHERE r.job = l.job AND r.slot = l.slot AND r.token = l.token AND r.status = 'running'
+    UPDATE {runs} r SET expires_ms = {now} + k.lease_ms
+    FROM lockable k
+    WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
     RETURNING r.token)
 SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
 
