@@ -33,7 +33,13 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
+from lease_core.abc import (
+    Backend,
+    check_every,
+    check_prune,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from lease_core.errors import ConfigurationError
 
 __all__ = ["MemoryBackend"]
@@ -74,6 +80,8 @@ class MemoryBackend(Backend):
         self._jobs: dict[str, _Job] = {}
         self._runs: dict[tuple[str, int], _Run] = {}
         self._attempts: dict[str, list[Attempt]] = {}
+        #: When the current maintenance period ends (ms), and who won it.
+        self._maintenance: tuple[int, str] | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:
@@ -268,6 +276,17 @@ class MemoryBackend(Backend):
         await anyio.lowlevel.checkpoint()
         with self._lock:
             return self._trim_job(job, keep, older_than_ms, self._now(), batch)
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period for ``instance_id`` if none is running (one lock)."""
+        check_every(every_ms)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            if self._maintenance is not None and now < self._maintenance[0]:
+                return False
+            self._maintenance = (now + every_ms, instance_id)
+            return True
 
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:
         run = self._runs.get((lease.job, lease.slot))

@@ -82,7 +82,13 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
+from lease_core.abc import (
+    Backend,
+    check_every,
+    check_prune,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from lease_core.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -733,6 +739,12 @@ class PostgresBackend(Backend):
         rows = await self._adapter.all(self._sql.trim_job, (
             job, _NO_LIMIT if keep is None else keep, batch, job, older_than_ms, batch, job, job))
         return int(rows[0][0])
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period with one conditional upsert of ``<table>_meta``."""
+        check_every(every_ms)
+        rows = await self._adapter.all(self._sql.maintenance_due, (every_ms, instance_id))
+        return bool(rows)
 
     async def jobs(self) -> list[str]:
         """Return every job in ``<table>_jobs``, sorted."""

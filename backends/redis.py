@@ -20,6 +20,7 @@ key                          type    content
 ===========================  ======  =====================================================
 ``{P}:meta``                 hash    ``format`` (store format), ``created``
 ``{P}:jobs``                 set     job names, for ``history(job=None)``
+``{P}:maintenance``          string  the instance trimming history this period (expires)
 ``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count)
 ``{P/E}:run:<slot>``         hash    ``st`` status, ``att`` attempt, ``tok`` token, ``inst``
                                      instance, ``exp`` expiry (ms), ``cp`` checkpoint JSON,
@@ -81,7 +82,13 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
+from lease_core.abc import (
+    Backend,
+    check_every,
+    check_prune,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
 __all__ = ["SCRIPTS", "STORE_FORMAT", "RedisBackend", "Script"]
@@ -303,6 +310,10 @@ class RedisBackend(Backend):
     @property
     def _meta_key(self) -> str:
         return "{" + self.prefix + "}:meta"
+
+    @property
+    def _maintenance_key(self) -> str:
+        return "{" + self.prefix + "}:maintenance"
 
     @property
     def _jobs_key(self) -> str:
@@ -559,6 +570,13 @@ class RedisBackend(Backend):
              f"{self._tag(job)}:run:", batch],
         )])
         return int(count)
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period with one ``SET NX PX`` (the key expires with it)."""
+        check_every(every_ms)
+        (reply,) = await self._run([("SET", self._maintenance_key, instance_id, "NX",
+                                     "PX", every_ms)])
+        return reply is not None and reply is not False
 
     async def jobs(self) -> list[str]:
         """Return every job under the prefix, sorted."""

@@ -92,6 +92,7 @@ __all__ = [
     "RunInfo",
     "RunState",
     "RunStatus",
+    "check_every",
     "check_prune",
     "decode_checkpoint",
     "encode_checkpoint",
@@ -121,6 +122,12 @@ def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None
             raise ConfigurationError(f"{name}={value!r} must be a whole number, 0 or more")
     if not isinstance(batch, int) or batch < 1:
         raise ConfigurationError(f"batch={batch!r} must be a whole number, 1 or more")
+
+
+def check_every(every_ms: int) -> None:
+    """Validate the period of :meth:`Backend.maintenance_due` (``ConfigurationError``)."""
+    if isinstance(every_ms, bool) or not isinstance(every_ms, int) or every_ms < 1:
+        raise ConfigurationError(f"every_ms={every_ms!r} must be a whole number, 1 or more")
 
 
 def _run_status(attempt: Attempt) -> RunStatus:
@@ -262,6 +269,24 @@ class Backend(ABC):
         """
         check_prune(keep, older_than_ms, batch)
         return 0
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Return True to one caller per ``every_ms`` across every instance of the store.
+
+        The first call made when no call has won within the last ``every_ms`` ms (on the
+        store's clock) wins, atomically, and records ``instance_id`` as the winner;
+        every other call of that period returns False. The scheduler calls it before
+        trimming history (see :meth:`prune`), so that one instance at a time does it.
+        The default decides within this object only (every instance sharing the store
+        then wins its own periods); the built-in backends decide in the store.
+        """
+        check_every(every_ms)
+        now = await self.now_ms()
+        until = self.__dict__.get("_maintenance_until", -1)
+        if now < until:
+            return False
+        self.__dict__["_maintenance_until"] = now + every_ms
+        return True
 
     async def jobs(self) -> list[str]:
         """Return the name of every job the store knows, sorted.

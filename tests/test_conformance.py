@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import uuid
 
+import anyio
 import pytest
 
-from lease_core import Outcome, Reason, RunStatus
+from lease_core import ConfigurationError, Outcome, Reason, RunStatus
 from lease_core._structures import Attempt, ClaimRequest, ClaimResult, ClaimStatus, Lease
 from lease_core.abc import Backend
 from tests.helpers import wait_for
@@ -542,3 +543,32 @@ async def test_claim_many_answers_as_sequential_claims(store: Store) -> None:
         assert state.runs[("bat-esc", SLOT)].status is RunStatus.ESCALATED
     finally:
         await a.close()
+
+
+async def test_maintenance_due_has_one_winner_per_period(store: Store) -> None:
+    backends = [store.backend() for _ in range(4)]
+    for b in backends:
+        await b.start()
+    try:
+        with pytest.raises(ConfigurationError, match="every_ms=0"):
+            await backends[0].maintenance_due("a", 0)
+        wins: list[bool] = []
+
+        async def ask(b: Backend, who: str) -> None:
+            wins.append(await b.maintenance_due(who, 600))
+
+        async with anyio.create_task_group() as tg:
+            for i, b in enumerate(backends):
+                tg.start_soon(ask, b, f"i{i}")
+        assert sorted(wins) == [False, False, False, True]
+        assert not await backends[1].maintenance_due("again", 600)
+
+        # once the period is over, exactly one caller wins the next one
+        async def next_period() -> bool:
+            return await backends[2].maintenance_due("later", 600)
+
+        await wait_for(next_period, what="the next period")
+        assert not await backends[3].maintenance_due("other", 600)
+    finally:
+        for b in backends:
+            await b.close()

@@ -246,6 +246,19 @@ runs_gone AS (
     RETURNING 1)
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM runs_gone)
 
+-- name: maintenance_due
+-- Win this period's maintenance (history trimming) for one instance across the fleet:
+-- the row 'maintenance' holds "<end of the period, ms> <instance>"; it is added when
+-- missing (stores made before it) and taken over once its period has ended. ON CONFLICT
+-- re-checks the condition on the row's latest version, so two callers never both win.
+-- Parameters: the period (ms), the instance.
+INSERT INTO {meta} AS m (key, value)
+VALUES ('maintenance', ({now} + %s::bigint)::text || ' ' || %s::text)
+ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
+WHERE CASE WHEN m.value ~ '^[0-9]+ ' THEN split_part(m.value, ' ', 1)::bigint ELSE 0 END
+      <= {now}
+RETURNING 1
+
 -- name: write_workflows
 -- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.
 INSERT INTO {meta} (key, value)
