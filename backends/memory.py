@@ -185,7 +185,6 @@ class MemoryBackend(Backend):
                     Attempt(req.job, req.slot, 1, req.instance_id, req.reason, at, at,
                             Outcome.SKIPPED, "an earlier run of the job still holds its lease")
                 )
-                self._trim(req, now)
                 return result(ClaimStatus.SKIPPED, run)
             run = self._runs[key] = _Run(
                 RunStatus.RUNNING, 1, req.token, req.instance_id, now + req.lease_ms
@@ -193,7 +192,6 @@ class MemoryBackend(Backend):
             history.append(
                 Attempt(req.job, req.slot, 1, req.instance_id, req.reason, ms_to_datetime(now))
             )
-            self._trim(req, now)
             return result(ClaimStatus.WON, run, req.reason)
         if run.status is RunStatus.RUNNING and run.token == req.token:
             # the same request again (a retry after a lost reply) answers as it did
@@ -228,7 +226,6 @@ class MemoryBackend(Backend):
         history.append(
             Attempt(req.job, req.slot, run.attempt, req.instance_id, reason, ms_to_datetime(now))
         )
-        self._trim(req, now)
         return result(ClaimStatus.WON, run, reason)
 
     def _end_attempt(
@@ -243,9 +240,6 @@ class MemoryBackend(Backend):
                         a, outcome=outcome, error=error, finished_at=ms_to_datetime(now)
                     )
                 return
-
-    def _trim(self, req: ClaimRequest, now: int) -> None:
-        self._trim_job(req.job, req.history_size, req.history_ttl_ms, now)
 
     def _trim_job(self, job: str, size: int | None, ttl_ms: int | None, now: int,
                   batch: int = 1000) -> int:

@@ -32,9 +32,10 @@ key                          type    content
 ``{P/E}:orphan``             set     slots whose attempts were all trimmed
 ===========================  ======  =====================================================
 
-History is trimmed on every claim that records an attempt (``history_size`` newest, and
-``history_ttl``); finished runs with no attempt left are deleted, so a job's keys stay
-bounded. Open runs are never deleted.
+History is trimmed by :meth:`RedisBackend.prune` (``trim.lua``), which the scheduler's
+ticker calls for every job (``history_size`` newest, and ``history_ttl``), never by a
+claim; finished runs with no attempt left are deleted, so a job's keys stay bounded.
+Open runs are never deleted.
 
 ``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim or a
 heartbeat. When fewer replicas acknowledge, the claim does **not** count as won and the

@@ -35,9 +35,12 @@ jobs never wait for each other):
    never escalated for it. (The attempt number still counts every attempt.)
    Otherwise the last attempt's outcome becomes ``lost`` (if it had none), and the next
    attempt takes the run with reason ``takeover``; return ``WON``.
-7. After a claim that wrote an attempt, trim the job's history (bounded work per call):
-   keep the newest ``history_size`` attempts, drop attempts that finished more than
-   ``history_ttl`` ago, and delete finished runs that no longer have any attempt.
+7. A claim trims no history (the request's ``history_size`` and ``history_ttl_ms`` are
+   for backends of their own that still do): :meth:`Backend.prune` does, called by the
+   scheduler's maintenance for every job of the store, one instance at a time
+   (:meth:`Backend.maintenance_due`). It keeps the newest ``history_size`` attempts,
+   drops attempts that finished more than ``history_ttl`` ago, and deletes finished runs
+   that no longer have any attempt; open runs are never deleted.
 
 *Fencing.* :meth:`heartbeat`, :meth:`finish`, :meth:`hand_over` and
 :meth:`set_checkpoint` act only where the run's current token equals the caller's token
@@ -258,7 +261,7 @@ class Backend(ABC):
 
     async def prune(self, job: str, *, keep: int | None = None,
                     older_than_ms: int | None = None, batch: int = 1000) -> int:
-        """Trim ``job``'s history now, as a claim does, without claiming anything.
+        """Trim ``job``'s history now (the scheduler's maintenance, ``anarchon prune``).
 
         Deletes the attempts beyond the newest ``keep`` (``None``: no limit) and those that
         finished more than ``older_than_ms`` ago on the store's clock (``None``: none), at

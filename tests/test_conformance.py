@@ -282,6 +282,7 @@ async def test_history_is_trimmed_by_size(store: Store) -> None:
             await a.finish(lease_of(r), Outcome.COMPLETED)
         r = req("h", slot=SLOT + 8, history_size=3)
         await a.claim(r)
+        await a.prune("h", keep=3)  # what the scheduler's ticker does
         history = await a.history("h")
         assert len(history) <= 4
         assert history[0].slot == SLOT + 8
@@ -305,6 +306,7 @@ async def test_history_is_trimmed_by_ttl(store: Store) -> None:
         await wait_for(_later_than(a, now + 400), timeout=5, what="ttl to pass")
         new = req("t", slot=SLOT + 1000, history_ttl_ms=200)
         await a.claim(new)
+        await a.prune("t", older_than_ms=200)  # what the scheduler's ticker does
         slots = [h.slot for h in await a.history("t")]
         assert slots == [SLOT + 1000]
     finally:
@@ -572,3 +574,18 @@ async def test_maintenance_due_has_one_winner_per_period(store: Store) -> None:
     finally:
         for b in backends:
             await b.close()
+
+
+async def test_a_claim_leaves_trimming_to_prune(store: Store) -> None:
+    a = await started(store)
+    try:
+        for i in range(6):
+            r = req("k", slot=SLOT + i, history_size=2, history_ttl_ms=1)
+            assert (await a.claim(r)).status is ClaimStatus.WON
+            await a.finish(lease_of(r), Outcome.COMPLETED)
+        assert len(await a.history("k")) == 6  # the claims trimmed nothing
+        assert len(await a.history("k", limit=4)) == 4  # never more than asked for
+        assert await a.prune("k", keep=2) == 4
+        assert [h.slot for h in await a.history("k")] == [SLOT + 5, SLOT + 4]
+    finally:
+        await a.close()
