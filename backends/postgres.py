@@ -145,6 +145,7 @@ CLAIM_ARG_TYPES = "text, bigint, text, text, bigint, text, boolean, bigint"
 #: history to keep and trimmed it); their names now call the current function.
 CLAIM_ARGS_V2 = (CLAIM_ARGS + ", p_history_size bigint, p_history_ttl_ms bigint, "
                  "p_trim_batch bigint")
+#: Their argument types (for GRANT).
 CLAIM_ARG_TYPES_V2 = CLAIM_ARG_TYPES + ", bigint, bigint, bigint"
 
 # --- the SQL files ----------------------------------------------------------------------
@@ -178,8 +179,9 @@ CLAIM_FUNCTION = _sql_file(f"claim_v{CODE_VERSION}.sql")
 BATCH_FUNCTION = _sql_file(f"batch_v{CODE_VERSION}.sql")
 #: The v1 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
-#: The v2 names of the claim functions, redefined as calls of the current ones.
+#: The v2 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V2 = _sql_file("claim_v2.sql")
+#: The v2 name of the batched claim function, redefined as a call of the current one.
 BATCH_FUNCTION_V2 = _sql_file("batch_v2.sql")
 #: The tables and indexes, in creation order.
 DDL = tuple(QUERIES[name] for name in (

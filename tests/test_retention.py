@@ -15,7 +15,18 @@ import anyio
 import pytest
 
 import lease_core.scheduler
-from lease_core import ConfigurationError, Event, HistoryTrimmed, Lost, RunContext, Scheduler
+from lease_core import (
+    BackendUnavailable,
+    ConfigurationError,
+    Event,
+    HistoryTrimmed,
+    Lost,
+    MemoryBackend,
+    RunContext,
+    Scheduler,
+    SchedulerState,
+    StoreUnreachable,
+)
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason, RunStatus
 from lease_core.abc import Backend
 from tests.helpers import quiet_offset_now, wait_for
@@ -224,9 +235,36 @@ async def test_renewals_go_on_while_a_large_trimming_runs(
         assert [(a.attempt, a.outcome) for a in history] == [(1, Outcome.COMPLETED)]
 
 
-def test_prune_every_is_validated() -> None:
-    from lease_core import MemoryBackend
+class PruneFailsTwice(MemoryBackend):
+    """A memory store whose first two trimming calls fail as an unreachable store would."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 2
+
+    async def prune(self, job: str, **options: Any) -> int:
+        if self.failures:
+            self.failures -= 1
+            raise BackendUnavailable("store unreachable (test)")
+        return await super().prune(job, **options)
+
+
+async def test_a_failed_trimming_is_reported_and_tried_again() -> None:
+    backend = PruneFailsTwice()
+    await finished_runs(backend, "old", range(SLOT, SLOT + 3))
+    s = Scheduler(backend, instance_id="a", history_size=1, prune_every="0.2s", **FAST)
+    seen = Recorder()
+    s.subscribe(seen)
+    async with s:
+        await wait_for(lambda: seen.of(HistoryTrimmed), what="a trimming that succeeds")
+        assert s.state is SchedulerState.RUNNING
+    assert backend.failures == 0
+    assert [e.error.args for e in seen.of(StoreUnreachable)][:1] == [
+        ("store unreachable (test)",)]
+    assert [a.slot for a in await backend.history("old")] == [SLOT + 2]
+
+
+def test_prune_every_is_validated() -> None:
     with pytest.raises(ConfigurationError, match="prune_every='0s'"):
         Scheduler(MemoryBackend(), prune_every="0s")
     with pytest.raises(ConfigurationError, match="prune_every='soon'"):
