@@ -889,18 +889,23 @@ class Scheduler:
     async def _dispatch(self, sub: _Subscriber,
                         receive: MemoryObjectReceiveStream[ev.Event]) -> None:
         _INSIDE.set(self)  # stop() or abort() from a subscriber only requests it
-        with receive, contextlib.suppress(anyio.ClosedResourceError):
-            async for event in receive:
-                try:
-                    if sub.is_async:
-                        await sub.callback(event)
-                    else:
-                        await anyio.to_thread.run_sync(sub.callback, event,
-                                                       abandon_on_cancel=True,
-                                                       limiter=self._subscriber_threads)
-                except Exception as exc:
-                    logger.error("event subscriber %r failed on %s", sub.callback,
-                                 type(event).__name__, exc_info=exc)
+        try:
+            with receive, contextlib.suppress(anyio.ClosedResourceError):
+                async for event in receive:
+                    try:
+                        if sub.is_async:
+                            await sub.callback(event)
+                        else:
+                            await anyio.to_thread.run_sync(sub.callback, event,
+                                                           abandon_on_cancel=True,
+                                                           limiter=self._subscriber_threads)
+                    except Exception as exc:
+                        logger.error("event subscriber %r failed on %s", sub.callback,
+                                     type(event).__name__, exc_info=exc)
+        finally:
+            # An unsubscribed callback leaves nothing behind in a long-running scheduler.
+            if receive in self._receivers:
+                self._receivers.remove(receive)
 
     async def _open(self) -> dict[str, JobInfo]:
         await self.backend.start()
