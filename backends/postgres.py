@@ -682,7 +682,9 @@ class PostgresBackend(Backend):
         """
         if not leases:
             return HeartbeatResult(await self.now_ms())
-        rows = await self._adapter.all(self._sql.heartbeat, (
+        # On the adapter's reserved connection: renewals never queue behind claims and
+        # fenced transactions for the pool's connections.
+        rows = await self._adapter.all_reserved(self._sql.heartbeat, (
             [lease.job for lease in leases], [lease.slot for lease in leases],
             [lease.token for lease in leases], [lease.lease_ms for lease in leases],
         ))

@@ -235,6 +235,7 @@ class RedisAsyncio(Variant):
         await self.backend.start()
         self.sha = SCRIPTS["claim"].sha
         self.listed: set[str] = set()
+        self.markers: dict[str, bytes] = {}  # the marker of each job's data, as the library
 
     async def close(self) -> None:
         """Close the backend and the client."""
@@ -247,15 +248,17 @@ class RedisAsyncio(Variant):
         keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
                 f"{tag}:done", f"{tag}:orphan"]
         args = [slot, INSTANCE, uuid.uuid4().hex, LEASE_MS, "scheduled", 1, "", HISTORY, "",
-                f"{tag}:run:"]
+                f"{tag}:run:", self.markers.get(job, ""), LEASE_MS]
         if job in self.listed:
             reply = await self.client.evalsha(self.sha, len(keys), *keys, *args)
+            self.markers[job] = reply[7]
             return bool(reply[0] == b"won")
         pipe = self.client.pipeline(transaction=False)
         pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         pipe.execute_command("SADD", "{" + self.prefix + "}:jobs", job)
         replies = await pipe.execute(raise_on_error=False)
         self.listed.add(job)
+        self.markers[job] = replies[0][7]
         return bool(replies[0][0] == b"won")
 
 

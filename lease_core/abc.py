@@ -47,6 +47,11 @@ jobs never wait for each other):
 and the run is ``running``; otherwise they change nothing. A heartbeat also requires
 ``expires > now``: an expired lease is never revived, so a backup's takeover is never
 raced by the old holder.
+
+*Quarantine.* A store that finds it lost data (Redis restarted without persistence) may
+answer a claim ``RUNNING`` with no run (``run_status`` ``None``, ``expires_ms`` the end of
+its quarantine), writing nothing, until every lease that may have been live has expired;
+the caller claims again later.
 """
 
 from __future__ import annotations

@@ -319,6 +319,8 @@ class Scheduler:
         self._workflows: dict[str, Workflow] = {}
         self._held: dict[str, _Held] = {}
         self._watch: dict[tuple[str, int], _Watched] = {}
+        # Per job, the end of the store's quarantine last logged (see _claim).
+        self._quarantine_logged: dict[str, int | None] = {}
         self._to_hand_over: dict[str, Lease] = {}
         self._clock_samples = _ClockSamples()
         self._offset_ms = 0.0
@@ -1193,6 +1195,16 @@ class Scheduler:
         elif result.status is ClaimStatus.WON:
             self._watch.pop(key, None)
             self._launch(job, lease, result, sent_loop)
+        elif result.status is ClaimStatus.RUNNING and result.run_status is None:
+            # No run: the store is in quarantine after losing its data; claim again at
+            # the next tick (the claim writes nothing until the quarantine ends).
+            self._watch[key] = _Watched(job, retry_reason=reason)
+            if self._quarantine_logged.get(job.name) != result.expires_ms:
+                self._quarantine_logged[job.name] = result.expires_ms
+                logger.warning(
+                    "%s slot %s: the store lost its data; no new attempt before store time "
+                    "%s, when every lease it may have held has expired", job.name,
+                    format_slot(slot), result.expires_ms)
         elif result.status is ClaimStatus.RUNNING:
             self._watch[key] = _Watched(job)
             self._emit(ev.StandingBy(**run, holder=result.instance_id, claim_duration=took))
@@ -1562,7 +1574,12 @@ class Scheduler:
             if watched is None:
                 continue
             state = result.runs.get(key)
-            if state is None or state.status.finished:
+            if key in result.lost:
+                # Lost with the store's data while its holder may still run it: claim it
+                # again; the claim waits out the store's quarantine.
+                self._watch.pop(key, None)
+                await self._claim(watched.job, key[1], Reason.TAKEOVER)
+            elif state is None or state.status.finished:
                 self._watch.pop(key, None)
                 next_step = watched.job.next_step
                 if (state is not None and state.status is RunStatus.COMPLETED

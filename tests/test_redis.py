@@ -473,10 +473,12 @@ async def test_server_restart_mid_lease(appendonly: bool) -> None:
                 assert await backend.get_checkpoint("job", 1) == {"done": 3}
                 assert await backend.finish(lease, Outcome.COMPLETED)
             else:
-                # lost: the holder learns it holds nothing; the slot starts afresh
+                # lost: the holder learns it holds nothing; no attempt starts before
+                # every lease that may have been live has expired
                 assert beat.held == frozenset()
                 again = await backend.claim(_request("job", 1, "b"))
-                assert (again.status, again.attempt) == (ClaimStatus.WON, 1)
+                assert (again.status, again.run_status) == (ClaimStatus.RUNNING, None)
+                assert again.expires_ms == again.now_ms + 30_000
         finally:
             await backend.close()
 
