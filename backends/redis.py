@@ -20,6 +20,7 @@ key                          type    content
 ===========================  ======  =====================================================
 ``{P}:meta``                 hash    ``format`` (store format), ``created``
 ``{P}:jobs``                 set     job names, for ``history(job=None)``
+``{P}:maintenance``          string  the instance trimming history this period (expires)
 ``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count),
                                      ``sid`` (marker of the job's data), ``lost`` and
                                      ``quiet`` (when a data loss was found, and the end
@@ -34,9 +35,10 @@ key                          type    content
 ``{P/E}:orphan``             set     slots whose attempts were all trimmed
 ===========================  ======  =====================================================
 
-History is trimmed on every claim that records an attempt (``history_size`` newest, and
-``history_ttl``); finished runs with no attempt left are deleted, so a job's keys stay
-bounded. Open runs are never deleted.
+History is trimmed by :meth:`RedisBackend.prune` (``trim.lua``), which the scheduler's
+ticker calls for every job (``history_size`` newest, and ``history_ttl``), never by a
+claim; finished runs with no attempt left are deleted, so a job's keys stay bounded.
+Open runs are never deleted.
 
 ``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim or a
 heartbeat. When fewer replicas acknowledge, the claim does **not** count as won and the
@@ -101,7 +103,13 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
+from lease_core.abc import (
+    Backend,
+    check_every,
+    check_prune,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
 __all__ = ["SCRIPTS", "STORE_FORMAT", "RedisBackend", "Script"]
@@ -331,6 +339,10 @@ class RedisBackend(Backend):
     @property
     def _meta_key(self) -> str:
         return "{" + self.prefix + "}:meta"
+
+    @property
+    def _maintenance_key(self) -> str:
+        return "{" + self.prefix + "}:maintenance"
 
     @property
     def _jobs_key(self) -> str:
@@ -611,6 +623,13 @@ class RedisBackend(Backend):
              f"{self._tag(job)}:run:", batch],
         )])
         return int(count)
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period with one ``SET NX PX`` (the key expires with it)."""
+        check_every(every_ms)
+        (reply,) = await self._run([("SET", self._maintenance_key, instance_id, "NX",
+                                     "PX", every_ms)])
+        return reply is not None and reply is not False
 
     async def jobs(self) -> list[str]:
         """Return every job under the prefix, sorted."""

@@ -27,7 +27,7 @@ import psycopg
 import redis.asyncio
 from psycopg_pool import AsyncConnectionPool
 
-from backends.postgres import TRIM_BATCH, PostgresBackend, Statements
+from backends.postgres import PostgresBackend, Statements
 from backends.redis import SCRIPTS, RedisBackend
 from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease, Outcome
 
@@ -104,8 +104,7 @@ class Variant:
 
 def _pg_claim_params(job: str, slot: int, token: str) -> tuple[Any, ...]:
     """The claim function's arguments, as the library sends them for the library's request."""
-    return (job, slot, INSTANCE, token, LEASE_MS, "scheduled", True, None, HISTORY, None,
-            TRIM_BATCH)
+    return (job, slot, INSTANCE, token, LEASE_MS, "scheduled", True, None)
 
 
 async def raw_psycopg_claim(conn: psycopg.AsyncConnection[Any], s: Statements, job: str,
@@ -326,7 +325,7 @@ def pgbench_script(table: str) -> str:
     job = "('pgb' || :client_id || '-' || :r)"
     claim = _fill(s.claim, [
         job, str(SLOT), f"'{INSTANCE}'", "md5(:r::text)", str(LEASE_MS), "'scheduled'", "true",
-        "NULL", str(HISTORY), "NULL", str(TRIM_BATCH)])
+        "NULL"])
     return "\n".join([
         "\\set r random(1, 1000000000000)",
         claim + ";",

@@ -199,7 +199,8 @@ async def test_every_script_touches_one_slot(backend: RedisBackend, raw: redis.R
         await backend.set_checkpoint(Lease(job, 1, f"{job}-1", 30_000), [job])
         await backend.heartbeat([Lease(job, 1, f"{job}-1", 30_000)])
         await backend.finish(Lease(job, 1, f"{job}-1", 30_000), Outcome.COMPLETED)
-        await backend.claim(_request(job, 3, f"{job}-3", history_size=2))  # trims slot 1
+        await backend.claim(_request(job, 3, f"{job}-3", history_size=2))
+        await backend.prune(job, keep=2)  # trims slot 1
         await backend.hand_over([Lease(job, 3, f"{job}-3", 30_000)])
     await backend.history()
     scripts = [c for c in sent if c[0] == "EVALSHA"]
@@ -247,8 +248,8 @@ async def test_history_is_capped_and_finished_runs_deleted(
     for slot in range(1, 11):
         await backend.claim(_request("job", slot, f"t{slot}", history_size=3))
         assert await backend.finish(Lease("job", slot, f"t{slot}", 30_000), Outcome.COMPLETED)
+    assert await backend.prune("job", keep=3) == 7  # the ticker's trimming, not the claims
     history = await backend.history("job")
-    # the claim of slot 10 trimmed before slot 10 finished: 8, 9, 10 are left
     assert [a.slot for a in history] == [10, 9, 8]
     runs = [k for k in _keys(raw, backend.prefix) if ":run:" in k]
     assert len(runs) == 3
@@ -264,6 +265,7 @@ async def test_history_ttl_drops_old_finished_attempts(
     assert finished is not None and (await backend.history("job"))[0].error == "boom"
     await _wait_server_past(raw, int(finished.timestamp() * 1000) + 20)
     await backend.claim(_request("job", 2, "b", history_ttl_ms=10))
+    await backend.prune("job", older_than_ms=10)
     assert [a.slot for a in await backend.history("job")] == [2]
     assert (await backend.check([("job", 1)])).runs == {}
 
@@ -663,7 +665,8 @@ async def test_works_on_a_cluster(cluster_node: EmbeddedRedisCluster) -> None:
         assert (await backend.heartbeat(leases)).held == tokens
         assert len((await backend.check([(j, 1) for j in ODD_JOBS])).runs) == len(ODD_JOBS)
         assert await backend.hand_over(leases) == tokens
-        # history_size=1 trimmed each job to its newest attempt (the skipped slot 2)
+        for job in ODD_JOBS:  # trimmed to its newest attempt (the skipped slot 2)
+            await backend.prune(job, keep=1)
         assert sorted(a.slot for a in await backend.history()) == [2] * len(ODD_JOBS)
     finally:
         await backend.close()

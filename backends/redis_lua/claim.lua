@@ -19,7 +19,8 @@ local job, run, open, hist, att, done, orphan = KEYS[1], KEYS[2], KEYS[3], KEYS[
 local slot, inst, token, lease_ms, reason = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local overlap_skip = ARGV[6] == '1'
 local max_attempts = tonumber(ARGV[7])
-local history_size, history_ttl, run_prefix = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
+-- (history_size and history_ttl_ms are not used: history is trimmed by trim.lua)
+local run_prefix = ARGV[10]
 local slot_n = tonumber(slot)
 
 -- 0. Data loss (a restart without persistence, a failover to a lagging replica): the
@@ -68,11 +69,6 @@ local function record(attempt, why, outcome, err)
   redis.call('HINCRBY', run, 'n', 1)
 end
 
-local function trim()
-  -- bounded work per call; later claims (and the ticker's trimming) finish the job
-  trim_history(hist, att, done, orphan, run_prefix, history_size, history_ttl, 1000)
-end
-
 -- 1. register the job and raise its last slot
 local first, last = unpack(redis.call('HMGET', job, 'first_seen', 'last_slot'))
 local raise = not last or tonumber(last) < slot_n
@@ -103,7 +99,6 @@ if not st then
       if ost == 'running' and oexp and tonumber(oexp) > now then
         redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst)
         record(1, reason, 'skipped', 'an earlier run of the job still holds its lease')
-        trim()
         return result('skipped')
       end
     end
@@ -112,7 +107,6 @@ if not st then
     'exp', now + lease_ms, 'tk', 0)
   redis.call('ZADD', open, slot, slot)
   record(1, reason)
-  trim()
   return result('won', reason, 'running', 1, now + lease_ms, inst)
 end
 
@@ -167,5 +161,4 @@ redis.call('HSET', run, 'st', 'running', 'att', attempt + 1, 'tok', token, 'inst
   'exp', now + lease_ms, 'tk', takeovers)
 redis.call('ZADD', open, slot, slot)
 record(attempt + 1, why)
-trim()
 return result('won', why, 'running', attempt + 1, now + lease_ms, inst)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import uuid
 
+import anyio
 import pytest
 
-from lease_core import Outcome, Reason, RunStatus
+from lease_core import ConfigurationError, Outcome, Reason, RunStatus
 from lease_core._structures import Attempt, ClaimRequest, ClaimResult, ClaimStatus, Lease
 from lease_core.abc import Backend
 
@@ -286,6 +287,7 @@ async def test_history_is_trimmed_by_size(store: Store) -> None:
             await a.finish(lease_of(r), Outcome.COMPLETED)
         r = req("h", slot=SLOT + 8, history_size=3)
         await a.claim(r)
+        await a.prune("h", keep=3)  # what the scheduler's ticker does
         history = await a.history("h")
         assert len(history) <= 4
         assert history[0].slot == SLOT + 8
@@ -309,6 +311,7 @@ async def test_history_is_trimmed_by_ttl(store: Store) -> None:
         await wait_for(_later_than(a, now + 400), timeout=5, what="ttl to pass")
         new = req("t", slot=SLOT + 1000, history_ttl_ms=200)
         await a.claim(new)
+        await a.prune("t", older_than_ms=200)  # what the scheduler's ticker does
         slots = [h.slot for h in await a.history("t")]
         assert slots == [SLOT + 1000]
     finally:
@@ -545,5 +548,49 @@ async def test_claim_many_answers_as_sequential_claims(store: Store) -> None:
         state = await a.check([(r.job, r.slot) for r in bat])
         assert state.runs[("bat-take", SLOT)].attempt == 2
         assert state.runs[("bat-esc", SLOT)].status is RunStatus.ESCALATED
+    finally:
+        await a.close()
+
+
+async def test_maintenance_due_has_one_winner_per_period(store: Store) -> None:
+    backends = [store.backend() for _ in range(4)]
+    for b in backends:
+        await b.start()
+    try:
+        with pytest.raises(ConfigurationError, match="every_ms=0"):
+            await backends[0].maintenance_due("a", 0)
+        wins: list[bool] = []
+
+        async def ask(b: Backend, who: str) -> None:
+            wins.append(await b.maintenance_due(who, 600))
+
+        async with anyio.create_task_group() as tg:
+            for i, b in enumerate(backends):
+                tg.start_soon(ask, b, f"i{i}")
+        assert sorted(wins) == [False, False, False, True]
+        assert not await backends[1].maintenance_due("again", 600)
+
+        # once the period is over, exactly one caller wins the next one
+        async def next_period() -> bool:
+            return await backends[2].maintenance_due("later", 600)
+
+        await wait_for(next_period, what="the next period")
+        assert not await backends[3].maintenance_due("other", 600)
+    finally:
+        for b in backends:
+            await b.close()
+
+
+async def test_a_claim_leaves_trimming_to_prune(store: Store) -> None:
+    a = await started(store)
+    try:
+        for i in range(6):
+            r = req("k", slot=SLOT + i, history_size=2, history_ttl_ms=1)
+            assert (await a.claim(r)).status is ClaimStatus.WON
+            await a.finish(lease_of(r), Outcome.COMPLETED)
+        assert len(await a.history("k")) == 6  # the claims trimmed nothing
+        assert len(await a.history("k", limit=4)) == 4  # never more than asked for
+        assert await a.prune("k", keep=2) == 4
+        assert [h.slot for h in await a.history("k")] == [SLOT + 5, SLOT + 4]
     finally:
         await a.close()
