@@ -80,6 +80,8 @@ WHERE burst_shedlock.lock_until <= timezone('utc', CURRENT_TIMESTAMP)"""
 # --- counters --------------------------------------------------------------------------
 
 _sent = [0]
+#: ids of the meter's own connections, whose requests are not counted.
+_uncounted: set[int] = set()
 
 
 @contextlib.contextmanager
@@ -92,9 +94,10 @@ def _count_driver_calls() -> Iterator[None]:
     def wrap(owner: Any, name: str, is_async: bool) -> None:
         original = getattr(owner, name)
         if is_async:
-            async def counted_async(*args: Any, **kwargs: Any) -> Any:
-                _sent[0] += 1
-                return await original(*args, **kwargs)
+            async def counted_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if id(getattr(self, "connection", self)) not in _uncounted:
+                    _sent[0] += 1
+                return await original(self, *args, **kwargs)
             setattr(owner, name, counted_async)
         else:
             def counted(*args: Any, **kwargs: Any) -> Any:
@@ -161,9 +164,13 @@ class _Meter:
 
     async def open(self) -> None:
         if self.store == "redis":
-            self.redis = redis.asyncio.Redis.from_url(self.servers.redis_url)
+            self.redis = redis.asyncio.Redis.from_url(self.servers.redis_url,
+                                                      single_connection_client=True)
+            await self.redis.initialize()
+            _uncounted.add(id(self.redis.connection))
         else:
             self.pg = await psycopg.AsyncConnection.connect(self.servers.dsn, autocommit=True)
+            _uncounted.add(id(self.pg))
 
     async def close(self) -> None:
         if self.redis is not None:
@@ -172,7 +179,6 @@ class _Meter:
             await self.pg.close()
 
     async def sample(self) -> _Sample:
-        before = _sent[0]
         if self.store == "redis":
             info = await self.redis.info("all")
             commands = sum(v["calls"] for k, v in info.items()
@@ -189,8 +195,7 @@ class _Meter:
                 statements = int(row[0]) if row else 0
             out = _Sample(0, await anyio.to_thread.run_sync(_pg_cpu, self.postmaster),
                           statements=statements)
-        _sent[0] = before  # the meter's own requests are not counted
-        out.sent = before
+        out.sent = _sent[0]
         return out
 
 
@@ -214,18 +219,18 @@ async def _until(epoch_ms: int) -> None:
         await anyio.sleep(delay)
 
 
-async def _wait_all(started: dict[str, float], n: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+async def _wait_all(started: dict[str, float], n: int, limit: float) -> None:
+    deadline = time.monotonic() + limit
     while len(started) < n:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(started)} of {n} handlers started within {timeout}s")
+            raise RuntimeError(f"only {len(started)} of {n} handlers started within {limit}s")
         await anyio.sleep(0.002)
 
 
 async def _anarchon(servers: Servers, store: str, n: int, meter: _Meter,
                     tag: str) -> dict[str, Any]:
     lead_ms = 1500 + 4 * n
-    slot = (int(time.time() * 1000) // 1000) * 1000 + lead_ms
+    slot = int(time.time() * 1000) + lead_ms
     started: dict[str, float] = {}
     doubles = [0]
 
@@ -258,13 +263,14 @@ async def _anarchon(servers: Servers, store: str, n: int, meter: _Meter,
             await s.stop(grace=5)
     if doubles[0]:
         raise RuntimeError(f"{doubles[0]} runs started twice")
-    return {"latency_ms": round(max(started.values()) - slot, 1), **_delta(before, after, store)}
+    return {"latency_ms": round(max(started.values()) - slot, 1),
+            "first_ms": round(min(started.values()) - slot, 1), **_delta(before, after, store)}
 
 
 async def _redis_locks(servers: Servers, n: int, meter: _Meter, tag: str) -> dict[str, Any]:
     clients = [redis.asyncio.Redis.from_url(servers.redis_url) for _ in range(INSTANCES)]
     started: dict[str, float] = {}
-    slot = (int(time.time() * 1000) // 1000) * 1000 + 500
+    slot = int(time.time() * 1000) + 300
     try:
         for c in clients:
             await c.ping()  # connected before the slot, as a running service would be
@@ -287,6 +293,7 @@ async def _redis_locks(servers: Servers, n: int, meter: _Meter, tag: str) -> dic
         for c in clients:
             await c.aclose()
     return {"latency_ms": round(max(started.values()) - slot, 1),
+            "first_ms": round(min(started.values()) - slot, 1),
             **_delta(before, after, "redis")}
 
 
@@ -294,7 +301,7 @@ async def _shedlock(servers: Servers, n: int, meter: _Meter, tag: str) -> dict[s
     conns = [await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True)
              for _ in range(INSTANCES)]
     started: dict[str, float] = {}
-    slot = (int(time.time() * 1000) // 1000) * 1000 + 500
+    slot = int(time.time() * 1000) + 300
     try:
         await _until(slot - 50)
         before = await meter.sample()
@@ -316,6 +323,7 @@ async def _shedlock(servers: Servers, n: int, meter: _Meter, tag: str) -> dict[s
         for c in conns:
             await c.close()
     return {"latency_ms": round(max(started.values()) - slot, 1),
+            "first_ms": round(min(started.values()) - slot, 1),
             **_delta(before, after, "pg")}
 
 
@@ -340,14 +348,14 @@ async def _cell(servers: Servers, store: str, n: int, rounds: int) -> dict[str, 
             order = ["anarchon", peer_name] if r % 2 == 0 else [peer_name, "anarchon"]
             for name in order:
                 tag = uuid.uuid4().hex[:8]
+                burst: Awaitable[dict[str, Any]]
                 if name == "anarchon":
-                    one: Callable[[], Awaitable[dict[str, Any]]] = (
-                        lambda t=tag: _anarchon(servers, store, n, meter, t))
+                    burst = _anarchon(servers, store, n, meter, tag)
                 elif store == "redis":
-                    one = lambda t=tag: _redis_locks(servers, n, meter, t)  # noqa: E731
+                    burst = _redis_locks(servers, n, meter, tag)
                 else:
-                    one = lambda t=tag: _shedlock(servers, n, meter, t)  # noqa: E731
-                runs[name].append(await one())
+                    burst = _shedlock(servers, n, meter, tag)
+                runs[name].append(await burst)
     finally:
         await meter.close()
     keys = [k for k in runs["anarchon"][0] if k in runs[peer_name][0]]
