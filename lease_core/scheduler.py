@@ -1237,9 +1237,10 @@ class Scheduler:
         # The store's lease started no earlier than the claim was sent.
         held.set_deadline(self._deadline(sent_loop, job))
         ctx._transaction_hook = held.transaction_hook
-        logger.info("%s slot %s (%d): %s won attempt %d (%s)", job.name,
-                    format_slot(lease.slot), lease.slot, self.instance_id, result.attempt,
-                    reason)
+        if logger.isEnabledFor(logging.INFO):  # format_slot is not free, times a burst
+            logger.info("%s slot %s (%d): %s won attempt %d (%s)", job.name,
+                        format_slot(lease.slot), lease.slot, self.instance_id, result.attempt,
+                        reason)
         self._tg.start_soon(self._execute, held)
 
     def _deadline(self, sent_loop: float, job: Job) -> float:
