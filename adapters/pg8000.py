@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import pg8000.exceptions
 import pg8000.native
@@ -329,6 +330,12 @@ class _Tx:
         return self._conn
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        rows = await self.control(sql, params)
+        await anyio.lowlevel.checkpoint_if_cancelled()  # not to a cancelled caller
+        return rows
+
+    async def control(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run ``sql`` to its end; a cancelled caller is told at its next checkpoint."""
         try:
             return await anyio.to_thread.run_sync(self._run, self._conn, sql, params)
         except (pg8000.exceptions.Error, OSError) as exc:
@@ -350,16 +357,16 @@ def _where_of(conn: Any) -> str:
 @asynccontextmanager
 async def _transaction(conn: Any, where: str) -> AsyncIterator[Executor]:
     tx = _Tx(conn, where)
-    await tx.all("BEGIN")
+    await tx.control("BEGIN")
     try:
         yield tx
     except BaseException:
         with anyio.CancelScope(shield=True):
             with suppress(Exception):
-                await tx.all("ROLLBACK")
+                await tx.control("ROLLBACK")
         raise
     else:
-        await tx.all("COMMIT")
+        await tx.control("COMMIT")
 
 
 class Pg8000ConnectionAdapter(SqlAdapter):
@@ -408,7 +415,8 @@ class Pg8000PoolAdapter(SqlAdapter):
     """Open up to ``max_size`` pg8000 connections from connection parameters; close them all.
 
     Connections are opened on demand; one that fails with a connection error is discarded,
-    so the adapter recovers by itself after a server restart.
+    so the adapter recovers by itself after a server restart. One more connection is kept
+    for :meth:`all_reserved` (heartbeats): ``max_size + 1`` connections at most.
     """
 
     anyio_backends = ("asyncio", "trio")
@@ -428,6 +436,8 @@ class Pg8000PoolAdapter(SqlAdapter):
         self._idle: list[Any] = []
         self._slots = anyio.Semaphore(max_size)
         self._closed = False
+        self._reserved: Any = None
+        self._reserved_busy = False
 
     def _connect(self) -> Any:
         p = self.params
@@ -515,6 +525,9 @@ class Pg8000PoolAdapter(SqlAdapter):
         """Close every idle connection; busy ones close when they are released."""
         self._closed = True
         idle, self._idle = self._idle, []
+        if self._reserved is not None and not self._reserved_busy:
+            idle.append(self._reserved)
+            self._reserved = None
         for conn in idle:
             await anyio.to_thread.run_sync(_close_quietly, conn)
 
@@ -541,33 +554,72 @@ class Pg8000PoolAdapter(SqlAdapter):
         """
         async with self._slot():
             conn = self._idle.pop() if self._idle else None
-            try:
+            # The worker thread runs to its end whatever happens to the caller (pg8000's
+            # socket timeout bounds it); shielded, its outcome is kept, so a cancelled
+            # caller returns a healthy connection to the pool instead of closing it (and,
+            # through PgBouncer, logging in again on the next call).
+            with anyio.CancelScope(shield=True):
                 done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
-            except BaseException:
-                if conn is not None:
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(_close_quietly, conn)
-                raise
-            if done.conn is not None:
-                await self._release(done.conn, None)
-            exc = done.error
-            if exc is None:
-                return done.rows
-            if done.connecting:
-                mapped = self._tls_error(exc) or translate_error(
-                    exc, where=self._where, secret=self._secret)
-                if mapped is exc:
-                    raise exc
-                raise mapped from None
-            mapped = translate_error(exc, where=self._where)
+                if done.conn is not None:
+                    await self._release(done.conn, None)
+        rows = await self._rows(done)
+        await anyio.lowlevel.checkpoint_if_cancelled()  # not to a cancelled caller
+        return rows
+
+    async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on the reserved connection (on the pool while it is busy)."""
+        if self._reserved_busy:
+            return await self.all(sql, params)
+        self._reserved_busy = True
+        try:
+            conn, self._reserved = self._reserved, None
+            with anyio.CancelScope(shield=True):  # as in all()
+                done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
+                if done.conn is not None:
+                    if self._closed:
+                        await anyio.to_thread.run_sync(_close_quietly, done.conn)
+                    else:
+                        self._reserved = done.conn
+        finally:
+            self._reserved_busy = False
+        rows = await self._rows(done)
+        await anyio.lowlevel.checkpoint_if_cancelled()  # not to a cancelled caller
+        return rows
+
+    async def _discard_idle(self) -> None:
+        """Close the idle connections (and the reserved one when free): a connection just
+        found broken means a server restart probably broke them too."""
+        idle, self._idle = self._idle, []
+        if self._reserved is not None and not self._reserved_busy:
+            idle.append(self._reserved)
+            self._reserved = None
+        if idle:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_close_all, idle)
+
+    async def _rows(self, done: _Outcome) -> list[Row]:
+        """The rows of a worker-thread call, or its error mapped to anarchon's types."""
+        exc = done.error
+        if exc is None:
+            return done.rows
+        if done.conn is None:  # no connection, or closed as broken
+            await self._discard_idle()
+        if done.connecting:
+            mapped = self._tls_error(exc) or translate_error(
+                exc, where=self._where, secret=self._secret)
             if mapped is exc:
                 raise exc
-            raise mapped from exc
+            raise mapped from None
+        mapped = translate_error(exc, where=self._where)
+        if mapped is exc:
+            raise exc
+        raise mapped from exc
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
         async with self._slot():
-            conn = await self._acquire()
+            with anyio.CancelScope(shield=True):  # a connection opened is never dropped
+                conn = await self._acquire()
             try:
                 async with _transaction(conn, self._where) as tx:
                     yield tx
@@ -579,6 +631,11 @@ class Pg8000PoolAdapter(SqlAdapter):
     def transaction(self) -> Any:
         """Open a transaction on a pooled connection."""
         return self._transaction()
+
+
+def _close_all(conns: list[Any]) -> None:
+    for conn in conns:
+        _close_quietly(conn)
 
 
 def _close_quietly(conn: Any) -> None:

@@ -7,6 +7,17 @@ would otherwise prepare them after five executions.
 Sync pools and connections run their blocking calls in anyio worker threads, so they work
 under asyncio and trio; psycopg's async objects need asyncio.
 
+A statement is never interrupted because its caller was cancelled (a scheduler's deadline,
+a lost lease): psycopg would then send a cancel request on a new connection and, cancelled
+again while waiting for it, close the connection, which through PgBouncer costs a new
+login and a new server connection for every cancelled call; under load that feeds itself.
+Each driver call (a statement, ``BEGIN``, ``COMMIT``, ``ROLLBACK``) runs shielded until
+the caller's own deadline plus :data:`~adapters.sql.CANCEL_GRACE_S`, so a cancelled caller
+waits for the answer, the connection goes back to the pool, and the cancellation is
+delivered afterwards. Only a call still unanswered then is given up: its connection is
+closed and :class:`BackendUnavailable` raised. Waiting for a pooled connection stays
+cancellable.
+
 .. note:: Pools and connections passed in are never closed. The pool opened from a DSN
    is closed by :meth:`PsycopgDsnAdapter.close`.
 """
@@ -14,12 +25,14 @@ under asyncio and trio; psycopg's async objects need asyncio.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, LiteralString, cast
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import psycopg
 import psycopg.conninfo
@@ -27,7 +40,16 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
-from .sql import Executor, Row, SqlAdapter, TransientError, conninfo_params, redact
+from .sql import (
+    CANCEL_GRACE_S,
+    Executor,
+    Row,
+    SqlAdapter,
+    TransientError,
+    conninfo_params,
+    redact,
+    settle_scope,
+)
 
 __all__ = [
     "PsycopgConnectionAdapter",
@@ -37,6 +59,8 @@ __all__ = [
     "PsycopgSyncPoolAdapter",
     "translate_error",
 ]
+
+logger = logging.getLogger("anarchon")
 
 _UNAVAILABLE_CLASSES = ("08", "53", "57", "58", "28")
 _CONFIG_STATES = {"42501", "42P01", "3F000", "3D000", "42P07"}
@@ -135,7 +159,9 @@ class _AsyncTx:
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with _mapped(self._where):
-            return await _async_all(self._conn, sql, params)
+            async with _settled(self._conn, self._where):
+                return await _async_all(self._conn, sql, params)
+        raise AssertionError("unreachable")  # pragma: no cover - _settled raises
 
 
 class _SyncTx:
@@ -206,12 +232,56 @@ def _sync_single(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any])
 
 
 @asynccontextmanager
+async def _settled(conn: psycopg.AsyncConnection[Any], where: str, *,
+                   deliver: bool = True) -> AsyncIterator[None]:
+    """Run the block's driver call to its end even if the caller is cancelled meanwhile.
+
+    The call is shielded until the caller's deadline plus the grace period (see the module
+    docs); a call still running then is interrupted, its connection closed, and
+    :class:`BackendUnavailable` raised. With ``deliver``, a caller cancelled meanwhile gets
+    its cancellation, not the call's result, so that no code of a handler past its
+    deadline runs on it.
+    """
+    scope = settle_scope()
+    with scope:
+        yield
+    if deliver and not scope.cancelled_caught:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+    if scope.cancelled_caught:
+        await conn.close()
+        logger.warning("PostgreSQL%s did not answer in time after its caller gave up; "
+                       "connection closed", f" at {where}" if where else "")
+        raise BackendUnavailable(
+            f"PostgreSQL{' at ' + where if where else ''} did not answer in time after its "
+            "caller gave up; the connection was closed"
+        )
+
+
+async def _give_back(pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]) -> None:
+    # Shielded: a connection lost between the pool and its borrower would shrink the pool.
+    with anyio.CancelScope(shield=True):
+        await pool.putconn(conn)
+
+
+@asynccontextmanager
 async def _async_transaction(
     conn: psycopg.AsyncConnection[Any], where: str
 ) -> AsyncIterator[Executor]:
     with _mapped(where):
-        async with conn.transaction():
+        tx = psycopg.AsyncTransaction(conn)
+        async with _settled(conn, where, deliver=False):
+            await tx.__aenter__()
+        try:
             yield _AsyncTx(conn, where)
+        except BaseException as exc:
+            # The rollback runs even when the block was cancelled (a connection left in a
+            # transaction would be closed by its pool).
+            with contextlib.suppress(BackendUnavailable):
+                async with _settled(conn, where, deliver=False):
+                    await tx.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        async with _settled(conn, where, deliver=False):  # a commit is reported as done
+            await tx.__aexit__(None, None, None)
 
 
 @asynccontextmanager
@@ -248,16 +318,29 @@ class PsycopgPoolAdapter(SqlAdapter):
             await self.pool.close()
 
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        """Run one statement on a pooled connection."""
+        """Run one statement on a pooled connection (to its end; see the module docs)."""
+        return await self._all_on(self.pool, sql, params)
+
+    async def _all_on(self, pool: AsyncConnectionPool[Any], sql: str,
+                      params: Sequence[Any]) -> list[Row]:
         with _mapped(self._where, self._secret):
-            async with self.pool.connection() as conn:
-                return await _async_single(conn, sql, params)
+            conn = await pool.getconn()
+            try:
+                async with _settled(conn, self._where):
+                    return await _async_single(conn, sql, params)
+            finally:
+                await _give_back(pool, conn)
+        raise AssertionError("unreachable")  # pragma: no cover - _settled raises
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
         with _mapped(self._where, self._secret):
-            async with self.pool.connection() as conn, _async_transaction(conn, self._where) as tx:
-                yield tx
+            conn = await self.pool.getconn()
+            try:
+                async with _async_transaction(conn, self._where) as tx:
+                    yield tx
+            finally:
+                await _give_back(self.pool, conn)
 
     def transaction(self) -> Any:
         """Open a transaction on a pooled connection."""
@@ -268,7 +351,9 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
     """Open a small ``AsyncConnectionPool`` from a DSN (``None``: localhost and ``PG*``).
 
     The first connection is made directly, so a wrong password or an unreachable server is
-    reported at once, with a clear message. The pool is closed by :meth:`close`.
+    reported at once, with a clear message. Besides the pool (up to ``max_size``
+    connections) one connection is kept for :meth:`all_reserved` (heartbeats), in a pool
+    of its own: ``max_size + 1`` connections at most. Both are closed by :meth:`close`.
     """
 
     def __init__(self, dsn: str | None, *, min_size: int = 1, max_size: int = 4,
@@ -293,6 +378,11 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         super().__init__(pool, owned=True, where=_where(conninfo),
                          secret=str(secret) if secret else None)
         self._conninfo = conninfo
+        self.reserved_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            conninfo, min_size=1, max_size=1, open=False, timeout=timeout,
+            kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon-reserved",
+        )
+        self._reserved_busy = False
 
     async def open(self) -> None:
         """Check that a login works, then open the pool without waiting for it to fill."""
@@ -300,6 +390,42 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
             conn = await psycopg.AsyncConnection.connect(self._conninfo, connect_timeout=10)
             await conn.close()
             await self.pool.open(wait=False)
+            await self.reserved_pool.open(wait=False)
+
+    async def close(self) -> None:
+        """Close the pool and the reserved connection."""
+        await self.reserved_pool.close()
+        await super().close()
+
+    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on a pooled connection (to its end; see the module docs)."""
+        try:
+            return await self._all_on(self.pool, sql, params)
+        except BackendUnavailable as exc:
+            await _check_after(exc, self.reserved_pool)
+            raise
+
+    async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on the reserved connection (on the pool while it is busy)."""
+        if self._reserved_busy:
+            return await self.all(sql, params)
+        self._reserved_busy = True
+        try:
+            return await self._all_on(self.reserved_pool, sql, params)
+        except BackendUnavailable as exc:
+            await _check_after(exc, self.pool)
+            raise
+        finally:
+            self._reserved_busy = False
+
+
+async def _check_after(exc: BackendUnavailable, pool: AsyncConnectionPool[Any]) -> None:
+    """After a connection failure, test the other pool's idle connections (a restart of the
+    server broke them too), so that each is not found broken by a call of its own."""
+    if isinstance(exc, TransientError) or pool.closed:
+        return
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_GRACE_S):
+        await pool.check()
 
 
 class PsycopgSyncPoolAdapter(SqlAdapter):
@@ -354,7 +480,9 @@ class PsycopgConnectionAdapter(SqlAdapter):
         """Run one statement when the connection is free."""
         async with self._lock:
             with _mapped(self._where, self._secret):
-                return await _async_single(self.conn, sql, params)
+                async with _settled(self.conn, self._where):
+                    return await _async_single(self.conn, sql, params)
+        raise AssertionError("unreachable")  # pragma: no cover - _settled raises
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from abc import ABC, abstractmethod
@@ -29,10 +30,13 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
+import anyio
+
 from lease_core._redact import redact
 from lease_core.errors import BackendUnavailable, ConfigurationError
 
 __all__ = [
+    "CANCEL_GRACE_S",
     "Executor",
     "Row",
     "SqlAdapter",
@@ -42,10 +46,32 @@ __all__ = [
     "dsn_query",
     "numbered_placeholders",
     "redact",
+    "settle_scope",
 ]
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
+
+#: Seconds a driver call may still take after its caller's deadline (or cancellation)
+#: before the adapter gives the call up and closes its connection.
+CANCEL_GRACE_S = 5.0
+
+
+def settle_scope(grace: float | None = None) -> anyio.CancelScope:
+    """A shielded cancel scope for one driver call, ending ``grace`` s after the caller's.
+
+    Inside it the call is not interrupted when its caller is cancelled; it is only when
+    the caller's effective deadline (now, if the caller is already cancelled; never, if
+    it has none) plus ``grace`` (default :data:`CANCEL_GRACE_S`) passes. Interrupting a
+    call mid-statement costs its connection, so adapters let a cancelled caller wait for
+    the answer instead.
+    """
+    if grace is None:
+        grace = CANCEL_GRACE_S
+    deadline = anyio.current_effective_deadline()
+    if math.isinf(deadline) and deadline > 0:
+        return anyio.CancelScope(shield=True)
+    return anyio.CancelScope(shield=True, deadline=max(deadline, anyio.current_time()) + grace)
 
 
 class TransientError(BackendUnavailable):
@@ -88,6 +114,15 @@ class SqlAdapter(ABC):
     @abstractmethod
     async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """Run one statement in its own transaction and return its rows."""
+
+    async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement on a connection kept for it, never queued behind other work.
+
+        Heartbeats use it, so that renewals do not wait for a pooled connection while
+        claims and fenced transactions hold them all. Adapters that open their own pool
+        keep one extra connection for it; the others run it as :meth:`all`.
+        """
+        return await self.all(sql, params)
 
     @abstractmethod
     def transaction(self) -> AbstractAsyncContextManager[Executor]:

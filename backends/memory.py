@@ -33,7 +33,13 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
+from lease_core.abc import (
+    Backend,
+    check_every,
+    check_prune,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from lease_core.errors import ConfigurationError
 
 __all__ = ["MemoryBackend"]
@@ -74,6 +80,8 @@ class MemoryBackend(Backend):
         self._jobs: dict[str, _Job] = {}
         self._runs: dict[tuple[str, int], _Run] = {}
         self._attempts: dict[str, list[Attempt]] = {}
+        #: When the current maintenance period ends (ms), and who won it.
+        self._maintenance: tuple[int, str] | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:
@@ -177,7 +185,6 @@ class MemoryBackend(Backend):
                     Attempt(req.job, req.slot, 1, req.instance_id, req.reason, at, at,
                             Outcome.SKIPPED, "an earlier run of the job still holds its lease")
                 )
-                self._trim(req, now)
                 return result(ClaimStatus.SKIPPED, run)
             run = self._runs[key] = _Run(
                 RunStatus.RUNNING, 1, req.token, req.instance_id, now + req.lease_ms
@@ -185,7 +192,6 @@ class MemoryBackend(Backend):
             history.append(
                 Attempt(req.job, req.slot, 1, req.instance_id, req.reason, ms_to_datetime(now))
             )
-            self._trim(req, now)
             return result(ClaimStatus.WON, run, req.reason)
         if run.status is RunStatus.RUNNING and run.token == req.token:
             # the same request again (a retry after a lost reply) answers as it did
@@ -220,7 +226,6 @@ class MemoryBackend(Backend):
         history.append(
             Attempt(req.job, req.slot, run.attempt, req.instance_id, reason, ms_to_datetime(now))
         )
-        self._trim(req, now)
         return result(ClaimStatus.WON, run, reason)
 
     def _end_attempt(
@@ -235,9 +240,6 @@ class MemoryBackend(Backend):
                         a, outcome=outcome, error=error, finished_at=ms_to_datetime(now)
                     )
                 return
-
-    def _trim(self, req: ClaimRequest, now: int) -> None:
-        self._trim_job(req.job, req.history_size, req.history_ttl_ms, now)
 
     def _trim_job(self, job: str, size: int | None, ttl_ms: int | None, now: int,
                   batch: int = 1000) -> int:
@@ -268,6 +270,17 @@ class MemoryBackend(Backend):
         await anyio.lowlevel.checkpoint()
         with self._lock:
             return self._trim_job(job, keep, older_than_ms, self._now(), batch)
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period for ``instance_id`` if none is running (one lock)."""
+        check_every(every_ms)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            if self._maintenance is not None and now < self._maintenance[0]:
+                return False
+            self._maintenance = (now + every_ms, instance_id)
+            return True
 
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:
         run = self._runs.get((lease.job, lease.slot))

@@ -3,16 +3,18 @@
 Where the SQL lives: ``backends/postgres_sql/``. ``queries.sql`` holds every statement
 under a ``-- name: <name>`` header, loaded once through :mod:`importlib.resources`; the
 claim function has its own file, ``claim_v<N>.sql``, and its version in its name
-(``<table>_claim_v2``). The store records its code version in ``<table>_meta``
-(``code``). ``start()`` finds an older store and upgrades it in place when its user may
-(as it creates a missing store), or refuses it with a one-line error naming
-``anarchon migrate``; :func:`migrate` is that upgrade, with runs in flight.
+(``<table>_claim_v3``); the names of older versions are redefined as calls of it
+(``claim_v1.sql``, ``claim_v2.sql``, ``batch_v2.sql``). The store records its code
+version in ``<table>_meta`` (``code``). ``start()`` finds an older store and upgrades it
+in place when its user may (as it creates a missing store), or refuses it with a
+one-line error naming ``anarchon migrate``; :func:`migrate` is that upgrade, with runs
+in flight.
 
 Where a claim happens: :meth:`PostgresBackend.claim` is **one statement**, a call of the
-PL/pgSQL function ``<table>_claim_v2`` in autocommit, so it takes one round trip on every
+PL/pgSQL function ``<table>_claim_v3`` in autocommit, so it takes one round trip on every
 adapter; :meth:`PostgresBackend.claim_many` is one statement too, a call of
-``<table>_batch_v2``, which runs ``<table>_claim_v2`` for each claim in order, in one
-transaction (``postgres_sql/batch_v2.sql``). The claim function runs the claim of
+``<table>_batch_v3``, which runs ``<table>_claim_v3`` for each claim in order, in one
+transaction (``postgres_sql/batch_v3.sql``). The claim function runs the claim of
 ``lease_core.abc`` in the statement's own transaction:
 
 1. a run that is finished, or held by a live lease, is reported from a plain read, with
@@ -29,9 +31,11 @@ transaction (``postgres_sql/batch_v2.sql``). The claim function runs the claim o
    skipped, taken over or escalated with its attempt rows (``max_attempts`` counts the
    first attempt and the takeovers, kept in ``runs.takeovers``, never hand-overs);
 5. the job row gets a new version only when ``last_slot`` grows or an attempt is written
-   (taking the next ``seq``, the order trimming keeps);
-6. after writing an attempt, a bounded number of old attempts and finished runs are
-   deleted through the indexes.
+   (taking the next ``seq``, the order trimming keeps).
+
+A claim trims no history (store code v2 did): :meth:`PostgresBackend.prune`, which the
+scheduler's ticker calls for every job, deletes old attempts and finished runs in
+bounded batches, off the claim path.
 
 The function is created with the tables (``start()`` by a privileged user, or
 ``anarchon migrate``), under the same advisory lock; it is ``SECURITY INVOKER``, so the
@@ -82,7 +86,13 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
+from lease_core.abc import (
+    Backend,
+    check_every,
+    check_prune,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from lease_core.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -107,10 +117,10 @@ FORMAT_VERSION = 1
 #: The store code version: the claim function ``<table>_claim_v<N>`` of this release and
 #: the columns it keeps. ``start()`` upgrades an older store (privileged user) or refuses
 #: it with an error naming ``anarchon migrate``.
-CODE_VERSION = 2
+CODE_VERSION = 3
 #: OFFSET for "keep every attempt" (a NULL offset would keep none).
 _NO_LIMIT = 2**62
-#: The most old attempts one claim deletes (trimming is incremental).
+#: The trim batch older releases pass to the claim function (v3 ignores it).
 TRIM_BATCH = 100
 #: How long (ms) creation and upgrades wait for a table lock held by work in flight.
 MIGRATION_LOCK_TIMEOUT_MS = 5000
@@ -122,16 +132,21 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
-             "_a_fin", "_claim", f"_claim_v{CODE_VERSION}", f"_batch_v{CODE_VERSION}")
+             "_a_fin", "_claim", "_claim_v2", "_batch_v2", f"_claim_v{CODE_VERSION}",
+             f"_batch_v{CODE_VERSION}")
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
 #: The claim function's parameters, in order (also its signature for GRANT).
 CLAIM_ARGS = ("p_job text, p_slot bigint, p_instance text, p_token text, p_lease_ms bigint, "
-              "p_reason text, p_overlap_skip boolean, p_max_attempts bigint, "
-              "p_history_size bigint, p_history_ttl_ms bigint, p_trim_batch bigint")
-CLAIM_ARG_TYPES = ("text, bigint, text, text, bigint, text, boolean, bigint, bigint, bigint, "
-                   "bigint")
+              "p_reason text, p_overlap_skip boolean, p_max_attempts bigint")
+CLAIM_ARG_TYPES = "text, bigint, text, text, bigint, text, boolean, bigint"
+#: The parameters of the store code v1 and v2 claim functions (which also took the
+#: history to keep and trimmed it); their names now call the current function.
+CLAIM_ARGS_V2 = (CLAIM_ARGS + ", p_history_size bigint, p_history_ttl_ms bigint, "
+                 "p_trim_batch bigint")
+#: Their argument types (for GRANT).
+CLAIM_ARG_TYPES_V2 = CLAIM_ARG_TYPES + ", bigint, bigint, bigint"
 
 # --- the SQL files ----------------------------------------------------------------------
 
@@ -158,12 +173,16 @@ def parse_queries(text: str) -> dict[str, str]:
 
 #: Every statement of ``postgres_sql/queries.sql``, by name, as templates.
 QUERIES = parse_queries(_sql_file("queries.sql"))
-#: The claim function of this release (``postgres_sql/claim_v2.sql``), as a template.
+#: The claim function of this release (``postgres_sql/claim_v3.sql``), as a template.
 CLAIM_FUNCTION = _sql_file(f"claim_v{CODE_VERSION}.sql")
-#: The batched claim function of this release (``postgres_sql/batch_v2.sql``), as a template.
+#: The batched claim function of this release (``postgres_sql/batch_v3.sql``), as a template.
 BATCH_FUNCTION = _sql_file(f"batch_v{CODE_VERSION}.sql")
 #: The v1 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
+#: The v2 name of the claim function, redefined as a call of the current one.
+CLAIM_FUNCTION_V2 = _sql_file("claim_v2.sql")
+#: The v2 name of the batched claim function, redefined as a call of the current one.
+BATCH_FUNCTION_V2 = _sql_file("batch_v2.sql")
 #: The tables and indexes, in creation order.
 DDL = tuple(QUERIES[name] for name in (
     "create_meta", "create_jobs", "create_runs", "create_runs_open", "create_attempts",
@@ -254,10 +273,14 @@ class Statements:
             "job_idx": quote_ident(name + "_a_job"),
             "fin_idx": quote_ident(name + "_a_fin"),
             "claim_v1": prefix + quote_ident(name + "_claim"),
+            "claim_v2": prefix + quote_ident(name + "_claim_v2"),
+            "batch_v2": prefix + quote_ident(name + "_batch_v2"),
             f"claim_v{CODE_VERSION}": prefix + quote_ident(name + f"_claim_v{CODE_VERSION}"),
             f"batch_v{CODE_VERSION}": prefix + quote_ident(name + f"_batch_v{CODE_VERSION}"),
             "claim_args": CLAIM_ARGS,
             "claim_arg_types": CLAIM_ARG_TYPES,
+            "claim_args_v2": CLAIM_ARGS_V2,
+            "claim_arg_types_v2": CLAIM_ARG_TYPES_V2,
             "now": NOW,
         }
 
@@ -270,6 +293,8 @@ class Statements:
         self.create_claim_function = fill(CLAIM_FUNCTION)
         self.create_batch_function = fill(BATCH_FUNCTION)
         self.create_claim_v1 = fill(CLAIM_FUNCTION_V1)
+        self.create_claim_v2 = fill(CLAIM_FUNCTION_V2)
+        self.create_batch_v2 = fill(BATCH_FUNCTION_V2)
         self.runs_table = names["runs"]
 
     def __getattr__(self, name: str) -> str:
@@ -517,8 +542,8 @@ class PostgresBackend(Backend):
         Under a transaction-scoped advisory lock (concurrent starts and migrates wait for
         each other) and a lock timeout (a lock held by work in flight fails this try
         instead of stalling every claim behind it). Runs in flight are kept: the upgrade
-        adds a nullable column (catalog only), creates the new claim function beside the
-        old one and points the old name at it, all in one commit.
+        adds a nullable column (catalog only), creates the new claim functions beside the
+        old ones and points the old names at them, all in one commit.
         """
         key = int.from_bytes(
             hashlib.sha256(f"anarchon:{self._schema}.{self._name}".encode()).digest()[:8],
@@ -540,12 +565,16 @@ class PostgresBackend(Backend):
         # default; granted explicitly in case default privileges revoke it.
         if not function:
             await tx.all(self._sql.create_claim_function)
-            await tx.all(self._sql.grant_claim_v2)
+            await tx.all(self._sql.grant_claim_v3)
             await tx.all(self._sql.create_batch_function)
-            await tx.all(self._sql.grant_batch_v2)
+            await tx.all(self._sql.grant_batch_v3)
         if code <= CODE_VERSION:
-            await tx.all(self._sql.create_claim_v1)
-            await tx.all(self._sql.grant_claim_v1)
+            # The names older releases call, as calls of this release's functions.
+            for create, grant in ((self._sql.create_claim_v1, self._sql.grant_claim_v1),
+                                  (self._sql.create_claim_v2, self._sql.grant_claim_v2),
+                                  (self._sql.create_batch_v2, self._sql.grant_batch_v2)):
+                await tx.all(create)
+                await tx.all(grant)
         await tx.all(self._sql.write_format, (str(FORMAT_VERSION),))
         await tx.all(self._sql.write_code, (str(CODE_VERSION),))
 
@@ -584,8 +613,7 @@ class PostgresBackend(Backend):
         """Win, take over or inspect the run with one statement (see the module docs)."""
         req = request
         params = (req.job, req.slot, req.instance_id, req.token, req.lease_ms,
-                  Reason(req.reason).value, bool(req.overlap_skip), req.max_attempts,
-                  req.history_size, req.history_ttl_ms, TRIM_BATCH)
+                  Reason(req.reason).value, bool(req.overlap_skip), req.max_attempts)
         try:
             [(status, now, attempt, reason, expires, run_status, instance)] = (
                 await self._all_retrying(self._sql.claim, params))
@@ -607,7 +635,7 @@ class PostgresBackend(Backend):
         )
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
-        """Make the claims with one statement, a call of ``<table>_batch_v2``.
+        """Make the claims with one statement, a call of ``<table>_batch_v3``.
 
         The claims run in order within one transaction, each as :meth:`claim` would run
         it; they are sent sorted by job (keeping the order of each job's claims) so that
@@ -624,8 +652,7 @@ class PostgresBackend(Backend):
             [r.job for r in reqs], [int(r.slot) for r in reqs], [r.instance_id for r in reqs],
             [r.token for r in reqs], [int(r.lease_ms) for r in reqs],
             [Reason(r.reason).value for r in reqs], [bool(r.overlap_skip) for r in reqs],
-            [r.max_attempts for r in reqs], [int(r.history_size) for r in reqs],
-            [r.history_ttl_ms for r in reqs], TRIM_BATCH,
+            [r.max_attempts for r in reqs],
         )
         try:
             rows = await self._all_retrying(self._sql.claim_many, params)
@@ -655,7 +682,9 @@ class PostgresBackend(Backend):
         """
         if not leases:
             return HeartbeatResult(await self.now_ms())
-        rows = await self._adapter.all(self._sql.heartbeat, (
+        # On the adapter's reserved connection: renewals never queue behind claims and
+        # fenced transactions for the pool's connections.
+        rows = await self._adapter.all_reserved(self._sql.heartbeat, (
             [lease.job for lease in leases], [lease.slot for lease in leases],
             [lease.token for lease in leases], [lease.lease_ms for lease in leases],
         ))
@@ -733,6 +762,12 @@ class PostgresBackend(Backend):
         rows = await self._adapter.all(self._sql.trim_job, (
             job, _NO_LIMIT if keep is None else keep, batch, job, older_than_ms, batch, job, job))
         return int(rows[0][0])
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period with one conditional upsert of ``<table>_meta``."""
+        check_every(every_ms)
+        rows = await self._adapter.all(self._sql.maintenance_due, (every_ms, instance_id))
+        return bool(rows)
 
     async def jobs(self) -> list[str]:
         """Return every job in ``<table>_jobs``, sorted."""

@@ -20,7 +20,11 @@ key                          type    content
 ===========================  ======  =====================================================
 ``{P}:meta``                 hash    ``format`` (store format), ``created``
 ``{P}:jobs``                 set     job names, for ``history(job=None)``
-``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count)
+``{P}:maintenance``          string  the instance trimming history this period (expires)
+``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count),
+                                     ``sid`` (marker of the job's data), ``lost`` and
+                                     ``quiet`` (when a data loss was found, and the end
+                                     of its quarantine; ms)
 ``{P/E}:run:<slot>``         hash    ``st`` status, ``att`` attempt, ``tok`` token, ``inst``
                                      instance, ``exp`` expiry (ms), ``cp`` checkpoint JSON,
                                      ``n`` attempts still in the history
@@ -31,9 +35,10 @@ key                          type    content
 ``{P/E}:orphan``             set     slots whose attempts were all trimmed
 ===========================  ======  =====================================================
 
-History is trimmed on every claim that records an attempt (``history_size`` newest, and
-``history_ttl``); finished runs with no attempt left are deleted, so a job's keys stay
-bounded. Open runs are never deleted.
+History is trimmed by :meth:`RedisBackend.prune` (``trim.lua``), which the scheduler's
+ticker calls for every job (``history_size`` newest, and ``history_ttl``), never by a
+claim; finished runs with no attempt left are deleted, so a job's keys stay bounded.
+Open runs are never deleted.
 
 ``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim or a
 heartbeat. When fewer replicas acknowledge, the claim does **not** count as won and the
@@ -41,9 +46,26 @@ heartbeat is not counted as renewed: both raise
 :class:`~lease_core.errors.BackendUnavailable`. The unacknowledged claim stays in the
 primary, unheld, until its lease expires; a backup then takes it over.
 
-Data survives a server restart only as far as the server persists it (RDB or AOF). A
-restart that loses the data makes running runs unknown: their holders' heartbeats then
-report the leases as lost, and the next claim of a slot starts it afresh at attempt 1.
+Data loss. Data survives a server restart only as far as the server persists it (RDB or
+AOF), and a failover to a lagging replica loses the newest writes. The first claim of a
+job writes a random marker into the job's hash (``sid``), and every claim returns it;
+the backend remembers it per job and sends it with its next claim of the job, with the
+longest lease it has claimed or renewed. A claim that finds the marker missing or
+different knows the job's data was lost, and the script writes, atomically, a new marker,
+the loss time ``lost`` (now, unless recorded already) and a quarantine ``quiet`` = ``lost``
++ that longest lease (raised by later callers that know a longer one, never lowered).
+Until ``quiet`` every claim of the job answers ``RUNNING`` with no run (``run_status``
+``None``, ``expires_ms`` = ``quiet``) and writes nothing: the scheduler claims again at
+its next tick. By then every lease that may have been live at the loss has expired, and
+its holder has learnt at a heartbeat that its lease is gone. :meth:`RedisBackend.check`
+reads the markers too: a watched run missing from a job whose marker is gone or changed,
+or whose quarantine is not over, was lost, not deleted (``CheckResult.lost``), and the
+scheduler claims it again. The
+marker lives with the job's keys, so on a Cluster the loss of one shard is found for
+exactly the jobs on it.
+A process that never claimed the job before the loss cannot tell a lost job from a new
+one: until a process that did claims it (or finds it at its next slot), such a fresh
+process may win attempt 1 of a run whose old holder has not yet learnt of the loss.
 """
 
 from __future__ import annotations
@@ -81,7 +103,13 @@ from lease_core._structures import (
     RunStatus,
     ms_to_datetime,
 )
-from lease_core.abc import Backend, check_prune, decode_checkpoint, encode_checkpoint
+from lease_core.abc import (
+    Backend,
+    check_every,
+    check_prune,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
 __all__ = ["SCRIPTS", "STORE_FORMAT", "RedisBackend", "Script"]
@@ -151,8 +179,8 @@ _RUN_STATUS = _members(RunStatus)
 
 def _claim_result(request: ClaimRequest, reply: Any) -> ClaimResult:
     """The claim script's reply, ``{status, now, attempt, reason, expires, run_status,
-    instance}`` with ``''`` for none, as a :class:`ClaimResult`."""
-    status, now, attempt, reason, expires, run_status, instance = reply
+    instance, marker}`` with ``''`` for none, as a :class:`ClaimResult`."""
+    status, now, attempt, reason, expires, run_status, instance, _marker = reply
     return ClaimResult(
         _CLAIM_STATUS[status], request.job, request.slot, int(now), int(attempt),
         _REASON[reason], int(expires) if expires else None, _RUN_STATUS[run_status],
@@ -266,6 +294,14 @@ class RedisBackend(Backend):
         # adds it in the same round trip.
         self._listed: set[str] = set()
         self._tags: dict[str, str] = {}  # job -> hash tag
+        # The marker of each job's data (its job hash's 'sid') as this backend last saw
+        # it, and the longest lease it has claimed or renewed: a claim that finds another
+        # marker knows the data was lost (see "Data loss" in the module docs).
+        self._markers: dict[str, str] = {}
+        self._longest_ms = 0
+        # Per job, the end of the quarantine its last claim found: until then every
+        # missing run of the job was lost with the data (nothing is deleted meanwhile).
+        self._quiet: dict[str, int] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -303,6 +339,10 @@ class RedisBackend(Backend):
     @property
     def _meta_key(self) -> str:
         return "{" + self.prefix + "}:meta"
+
+    @property
+    def _maintenance_key(self) -> str:
+        return "{" + self.prefix + "}:maintenance"
 
     @property
     def _jobs_key(self) -> str:
@@ -413,6 +453,14 @@ class RedisBackend(Backend):
         self._listed.update(new)
         results = [_claim_result(request, reply)
                    for request, reply in zip(requests, replies, strict=False)]
+        if len(self._markers) > 100_000:  # a bound for processes that make up job names
+            self._markers.clear()
+            self._quiet.clear()
+        for request, reply in zip(requests, replies, strict=False):
+            self._markers[request.job] = _text(reply[7])
+        for result in results:
+            if result.status is ClaimStatus.RUNNING and result.run_status is None:
+                self._quiet[result.job] = result.expires_ms or 0
         won = [r for r in results if r.status is ClaimStatus.WON]
         if won and self.wait_replicas is not None:
             what = (f"the claim of {won[0].job!r} slot {won[0].slot}" if len(won) == 1
@@ -422,6 +470,7 @@ class RedisBackend(Backend):
 
     def _claim_command(self, request: ClaimRequest) -> Command:
         tag = self._tag(request.job)
+        self._longest_ms = max(self._longest_ms, int(request.lease_ms))
         args: list[str | int] = [
             int(request.slot), request.instance_id, request.token, int(request.lease_ms),
             request.reason.value, 1 if request.overlap_skip else 0,
@@ -429,6 +478,8 @@ class RedisBackend(Backend):
             max(0, int(request.history_size)),
             "" if request.history_ttl_ms is None else int(request.history_ttl_ms),
             f"{tag}:run:",
+            # the script reads these two from the end of its arguments
+            self._markers.get(request.job, ""), self._longest_ms,
         ]
         return self._eval("claim", [f"{tag}:job", f"{tag}:run:{int(request.slot)}",
                                     f"{tag}:open", f"{tag}:hist", f"{tag}:att", f"{tag}:done",
@@ -450,6 +501,7 @@ class RedisBackend(Backend):
             args: list[str | int] = []
             for lease in group:
                 args += [lease.token, int(lease.lease_ms)]
+                self._longest_ms = max(self._longest_ms, int(lease.lease_ms))
             commands.append(self._eval(
                 "heartbeat", [self._run_key(job, lease.slot) for lease in group], args))
         replies = await self._run([*commands, *self._wait()])
@@ -494,18 +546,30 @@ class RedisBackend(Backend):
                          if int(r) == 1)
 
     async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
-        """Read the watched runs and the server time in one pipelined round trip."""
+        """Read the watched runs and the server time in one pipelined round trip.
+
+        The same round trip reads the data markers of the runs' jobs: a missing run of a
+        job whose marker is gone or changed, or whose quarantine is not over, was lost
+        with the data (``lost``).
+        """
         commands: list[Command] = [("TIME",)]
         commands += [("HMGET", self._run_key(job, slot), "st", "att", "exp", "inst")
                      for job, slot in runs]
+        known = [job for job in dict.fromkeys(job for job, _ in runs) if job in self._markers]
+        commands += [("HGET", f"{self._tag(job)}:job", "sid") for job in known]
         replies = await self._run(commands)
         found = {}
-        for (job, slot), reply in zip(runs, replies[1:], strict=True):
+        for (job, slot), reply in zip(runs, replies[1:], strict=False):
             st, att, exp, inst = (None if v is None else _text(v) for v in reply)
             if st is not None:
                 found[(job, slot)] = RunState(job, slot, RunStatus(st), int(att or 0),
                                               int(exp) if exp else None, inst)
-        return CheckResult(_time_ms(replies[0]), found)
+        now = _time_ms(replies[0])
+        changed = {job for job, marker in zip(known, replies[1 + len(runs):], strict=True)
+                   if marker is None or _text(marker) != self._markers.get(job)
+                   or now < self._quiet.get(job, 0)}
+        lost = frozenset(run for run in runs if run[0] in changed and run not in found)
+        return CheckResult(now, found, lost)
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return attempts newest first, of one job or of every job under the prefix."""
@@ -559,6 +623,13 @@ class RedisBackend(Backend):
              f"{self._tag(job)}:run:", batch],
         )])
         return int(count)
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period with one ``SET NX PX`` (the key expires with it)."""
+        check_every(every_ms)
+        (reply,) = await self._run([("SET", self._maintenance_key, instance_id, "NX",
+                                     "PX", every_ms)])
+        return reply is not None and reply is not False
 
     async def jobs(self) -> list[str]:
         """Return every job under the prefix, sorted."""

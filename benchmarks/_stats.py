@@ -71,6 +71,8 @@ def classify(query: str) -> str:
         return upper.lower()
     checks = (
         ("_claim(", "claim"),
+        ("_claim_v", "claim"),
+        ("_batch_v", "claim_many"),
         ("renewed AS", "heartbeat"),
         ("AS n LEFT JOIN", "check"),
         ("first_seen_ms, last_slot, seq) VALUES", "claim.upsert_job"),
@@ -86,7 +88,8 @@ def classify(query: str) -> str:
     for needle, kind in checks:
         if needle in q:
             return kind
-    return "now" if q.startswith("SELECT (floor(extract(epoch") else "other"
+    # PostgreSQL 15 normalises the 'epoch' literal of the clock read to $1
+    return "now" if q.startswith("SELECT (floor(extract(") else "other"
 
 
 async def redis_reset_stats(client: redis.asyncio.Redis) -> None:

@@ -43,6 +43,10 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     for key, section in peers.get("batch", {}).items():
         spread = section["ratio"]["claim_one_at_a_time"]
         out[f"batch.{key}.vs_one_at_a_time"] = spread["median"]
+    cluster = results.get("cluster", {})
+    for name, section in cluster.items():
+        if isinstance(section, dict) and "ratio" in section:
+            out[f"cluster.redis.{name}.vs_raw"] = section["ratio"]["raw"]["median"]
     for key, cell in results.get("burst", {}).items():
         for figure, spread in cell["ratio_peer_over_anarchon"].items():
             out[f"burst.{key}.{figure}_vs_{cell['peer']}"] = spread["median"]
@@ -80,6 +84,10 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         out["redis_one_round_trip_per_tick"] = {
             "per_size": {r["leases"]: r["round_trips_per_tick"] for r in rd_hb},
             "met": all(r["round_trips_per_tick"] == 1 for r in rd_hb)}
+    if results.get("scale"):
+        from .scale import targets as scale_targets
+
+        out.update(scale_targets(results["scale"]))
     for key, cell in results.get("burst", {}).items():
         for figure, target in (("round_trips", BURST_ROUND_TRIPS_TARGET),
                                ("latency_ms", BURST_TIME_TARGET)):
@@ -298,6 +306,25 @@ def write_markdown(results: dict[str, Any], path: Path, images: list[str]) -> No
                 lines.append(f"| {key} | {section['ops_s']['claim_many']} | "
                              f"{section['ops_s']['claim_one_at_a_time']} | {r['median']:.2f} | "
                              f"{r['min']:.2f} | {r['max']:.2f} |")
+    cluster = results.get("cluster")
+    if cluster:
+        lines += ["", f"## Redis Cluster ({cluster['nodes']} nodes, {cluster['server']})", "",
+                  "library ÷ raw (same scripts, same RedisCluster client), interleaved rounds.",
+                  "", "| cell | library ops/s | raw ops/s | ratio: median | min | max "
+                  "| scripts per node per tick |", "| --- | ---: | ---: | ---: | ---: | ---: "
+                  "| --- |"]
+        for name, section in cluster.items():
+            if isinstance(section, dict) and "ratio" in section:
+                r = section["ratio"]["raw"]
+                lines.append(f"| {name} | {section['ops_s']['library']} | "
+                             f"{section['ops_s']['raw']} | {r['median']:.2f} | "
+                             f"{r['min']:.2f} | {r['max']:.2f} | "
+                             f"{section.get('evalsha_per_node', '-')} |")
+    scale = results.get("scale")
+    if scale:
+        from .scale import markdown as scale_markdown
+
+        lines += ["", *scale_markdown(scale)]
     burst = results.get("burst")
     if burst:
         lines += ["", "## Burst: jobs due at one instant, 3 schedulers in one process", "",

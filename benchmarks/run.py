@@ -18,7 +18,8 @@ import anyio
 from . import report
 from ._util import environment, pg_servers
 
-SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "burst")
+SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "cluster", "scale",
+            "burst")
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -65,6 +66,16 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
         log("peers")
         results["peers"] = await run_peers(
             servers, seconds=0.15 if quick else 0.3, rounds=9 if quick else 15, log=log)
+    if "cluster" in only:
+        from .cluster import run_cluster
+
+        log("redis cluster (3 nodes)")
+        results["cluster"] = await run_cluster(quick=quick, log=log)
+    if "scale" in only and not quick:
+        from .scale import run_scale
+
+        log("scale: fleets of scheduler processes, per-operation costs, the scale model")
+        results["scale"] = await run_scale(servers, log=log)
     if "burst" in only:
         from .burst import run_burst
 

@@ -27,7 +27,7 @@ import psycopg
 import redis.asyncio
 from psycopg_pool import AsyncConnectionPool
 
-from backends.postgres import TRIM_BATCH, PostgresBackend, Statements
+from backends.postgres import PostgresBackend, Statements
 from backends.redis import SCRIPTS, RedisBackend
 from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease, Outcome
 
@@ -104,8 +104,7 @@ class Variant:
 
 def _pg_claim_params(job: str, slot: int, token: str) -> tuple[Any, ...]:
     """The claim function's arguments, as the library sends them for the library's request."""
-    return (job, slot, INSTANCE, token, LEASE_MS, "scheduled", True, None, HISTORY, None,
-            TRIM_BATCH)
+    return (job, slot, INSTANCE, token, LEASE_MS, "scheduled", True, None)
 
 
 async def raw_psycopg_claim(conn: psycopg.AsyncConnection[Any], s: Statements, job: str,
@@ -236,6 +235,7 @@ class RedisAsyncio(Variant):
         await self.backend.start()
         self.sha = SCRIPTS["claim"].sha
         self.listed: set[str] = set()
+        self.markers: dict[str, bytes] = {}  # the marker of each job's data, as the library
 
     async def close(self) -> None:
         """Close the backend and the client."""
@@ -248,15 +248,17 @@ class RedisAsyncio(Variant):
         keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
                 f"{tag}:done", f"{tag}:orphan"]
         args = [slot, INSTANCE, uuid.uuid4().hex, LEASE_MS, "scheduled", 1, "", HISTORY, "",
-                f"{tag}:run:"]
+                f"{tag}:run:", self.markers.get(job, ""), LEASE_MS]
         if job in self.listed:
             reply = await self.client.evalsha(self.sha, len(keys), *keys, *args)
+            self.markers[job] = reply[7]
             return bool(reply[0] == b"won")
         pipe = self.client.pipeline(transaction=False)
         pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         pipe.execute_command("SADD", "{" + self.prefix + "}:jobs", job)
         replies = await pipe.execute(raise_on_error=False)
         self.listed.add(job)
+        self.markers[job] = replies[0][7]
         return bool(replies[0][0] == b"won")
 
 
@@ -323,7 +325,7 @@ def pgbench_script(table: str) -> str:
     job = "('pgb' || :client_id || '-' || :r)"
     claim = _fill(s.claim, [
         job, str(SLOT), f"'{INSTANCE}'", "md5(:r::text)", str(LEASE_MS), "'scheduled'", "true",
-        "NULL", str(HISTORY), "NULL", str(TRIM_BATCH)])
+        "NULL"])
     return "\n".join([
         "\\set r random(1, 1000000000000)",
         claim + ";",

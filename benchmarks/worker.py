@@ -10,6 +10,13 @@ SIGKILLed by the parent):
 ``rss URL LEASES``
     A scheduler whose LEASES jobs all fire within a few seconds and never finish; prints
     its RSS and held runs every second.
+``scale URL JOBS NAME PREFIX INTERVAL HANDLER HEARTBEAT``
+    A scheduler with JOBS jobs every INTERVAL seconds, their offsets spread evenly over
+    the interval, handlers of HANDLER seconds, heartbeat HEARTBEAT seconds (lease three
+    heartbeats). Prints held and watched runs, its RSS and CPU seconds and how many
+    times a call of the backend's ``heartbeat``, ``check`` and ``claim`` returned, every
+    second.
+    With INTERVAL 3600 the jobs hardly fire: the process's memory per declared job.
 ``failover URL NAME FIRE_AT_MS LEASE HEARTBEAT``
     One job ``fo`` firing at FIRE_AT_MS (store time); the handler runs until cancelled.
     On SIGTERM it prints the store time at which ``stop()`` was called.
@@ -185,6 +192,53 @@ async def failover(url: str, name: str, fire_at_ms: int, lease: str, heartbeat: 
         await _until_sigterm(scheduler, lambda: None)
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process, from /proc."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def scale(url: str, jobs: int, name: str, prefix: str, interval: float,
+                handler_s: float, heartbeat: float) -> None:
+    """A fleet member of the scale benchmark (see module docs)."""
+    backend, counter = make_backend(url, prefix)
+    calls = {"heartbeat": 0, "check": 0, "claim": 0}
+
+    def counted(op: str, method: Any) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            result = await method(*args, **kwargs)
+            calls[op] += 1
+            return result
+        return call
+
+    # count the scheduler's calls of the backend that returned (one per tick or claim)
+    for op in calls:
+        setattr(backend, op, counted(op, getattr(backend, op)))
+    scheduler = Scheduler(backend, instance_id=name, lease=f"{3 * heartbeat}s",
+                          heartbeat=f"{heartbeat}s")
+
+    async def handler(ctx: RunContext) -> None:
+        await anyio.sleep(handler_s)
+
+    period_ms = int(interval * 1000)
+    for i in range(jobs):
+        scheduler.every(f"s{i}", f"{interval:g}s", handler,
+                        offset=f"{(i * period_ms) // max(jobs, 1)}ms", catch_up="none")
+    emit(event="declared", rss=rss_bytes(), cpu=cpu_seconds())
+    async with scheduler:
+        emit(event="started", rss=rss_bytes(), cpu=cpu_seconds())
+
+        def report() -> None:
+            emit(event="status", held=len(scheduler.running), watch=len(scheduler.watching),
+                 rss=rss_bytes(), cpu=cpu_seconds(), t=time.monotonic(),
+                 round_trips=counter.round_trips if counter else None, **calls)
+
+        await _until_sigterm(scheduler, report)
+    emit(event="final", rss=rss_bytes(), cpu=cpu_seconds(),
+         round_trips=counter.round_trips if counter else None, **calls)
+
+
 def main(argv: list[str]) -> None:
     """Dispatch on the mode."""
     mode, url, *rest = argv
@@ -192,6 +246,9 @@ def main(argv: list[str]) -> None:
         anyio.run(load, url, int(rest[0]), rest[1], rest[2])
     elif mode == "rss":
         anyio.run(rss, url, int(rest[0]), rest[1])
+    elif mode == "scale":
+        anyio.run(scale, url, int(rest[0]), rest[1], rest[2], float(rest[3]), float(rest[4]),
+                  float(rest[5]))
     elif mode == "failover":
         anyio.run(failover, url, rest[0], int(rest[1]), rest[2], rest[3], rest[4])
     else:

@@ -82,7 +82,11 @@ class ClaimStatus(StrEnum):
     WON = "won"
     """The caller holds the run now, with the token it sent."""
     RUNNING = "running"
-    """Another attempt holds a live lease; the caller should stand by as a backup."""
+    """Another attempt holds a live lease; the caller should stand by as a backup.
+
+    With no run (``run_status`` ``None``) the store is in quarantine after a data loss
+    until ``expires_ms``: the caller should claim again later.
+    """
     FINISHED = "finished"
     """The run already ended (see :attr:`ClaimResult.run_status`)."""
     SKIPPED = "skipped"
@@ -166,6 +170,9 @@ class CheckResult:
 
     now_ms: int
     runs: dict[tuple[str, int], RunState] = field(default_factory=dict)
+    lost: frozenset[tuple[str, int]] = frozenset()
+    """Missing runs that were lost with the store's data rather than deleted: claim them
+    again (the claim waits out the store's quarantine)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,15 +35,23 @@ jobs never wait for each other):
    never escalated for it. (The attempt number still counts every attempt.)
    Otherwise the last attempt's outcome becomes ``lost`` (if it had none), and the next
    attempt takes the run with reason ``takeover``; return ``WON``.
-7. After a claim that wrote an attempt, trim the job's history (bounded work per call):
-   keep the newest ``history_size`` attempts, drop attempts that finished more than
-   ``history_ttl`` ago, and delete finished runs that no longer have any attempt.
+7. A claim trims no history (the request's ``history_size`` and ``history_ttl_ms`` are
+   for backends of their own that still do): :meth:`Backend.prune` does, called by the
+   scheduler's maintenance for every job of the store, one instance at a time
+   (:meth:`Backend.maintenance_due`). It keeps the newest ``history_size`` attempts,
+   drops attempts that finished more than ``history_ttl`` ago, and deletes finished runs
+   that no longer have any attempt; open runs are never deleted.
 
 *Fencing.* :meth:`heartbeat`, :meth:`finish`, :meth:`hand_over` and
 :meth:`set_checkpoint` act only where the run's current token equals the caller's token
 and the run is ``running``; otherwise they change nothing. A heartbeat also requires
 ``expires > now``: an expired lease is never revived, so a backup's takeover is never
 raced by the old holder.
+
+*Quarantine.* A store that finds it lost data (Redis restarted without persistence) may
+answer a claim ``RUNNING`` with no run (``run_status`` ``None``, ``expires_ms`` the end of
+its quarantine), writing nothing, until every lease that may have been live has expired;
+the caller claims again later.
 """
 
 from __future__ import annotations
@@ -92,6 +100,7 @@ __all__ = [
     "RunInfo",
     "RunState",
     "RunStatus",
+    "check_every",
     "check_prune",
     "decode_checkpoint",
     "encode_checkpoint",
@@ -121,6 +130,12 @@ def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None
             raise ConfigurationError(f"{name}={value!r} must be a whole number, 0 or more")
     if not isinstance(batch, int) or batch < 1:
         raise ConfigurationError(f"batch={batch!r} must be a whole number, 1 or more")
+
+
+def check_every(every_ms: int) -> None:
+    """Validate the period of :meth:`Backend.maintenance_due` (``ConfigurationError``)."""
+    if isinstance(every_ms, bool) or not isinstance(every_ms, int) or every_ms < 1:
+        raise ConfigurationError(f"every_ms={every_ms!r} must be a whole number, 1 or more")
 
 
 def _run_status(attempt: Attempt) -> RunStatus:
@@ -251,7 +266,7 @@ class Backend(ABC):
 
     async def prune(self, job: str, *, keep: int | None = None,
                     older_than_ms: int | None = None, batch: int = 1000) -> int:
-        """Trim ``job``'s history now, as a claim does, without claiming anything.
+        """Trim ``job``'s history now (the scheduler's maintenance, ``anarchon prune``).
 
         Deletes the attempts beyond the newest ``keep`` (``None``: no limit) and those that
         finished more than ``older_than_ms`` ago on the store's clock (``None``: none), at
@@ -262,6 +277,24 @@ class Backend(ABC):
         """
         check_prune(keep, older_than_ms, batch)
         return 0
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Return True to one caller per ``every_ms`` across every instance of the store.
+
+        The first call made when no call has won within the last ``every_ms`` ms (on the
+        store's clock) wins, atomically, and records ``instance_id`` as the winner;
+        every other call of that period returns False. The scheduler calls it before
+        trimming history (see :meth:`prune`), so that one instance at a time does it.
+        The default decides within this object only (every instance sharing the store
+        then wins its own periods); the built-in backends decide in the store.
+        """
+        check_every(every_ms)
+        now = await self.now_ms()
+        until = self.__dict__.get("_maintenance_until", -1)
+        if now < until:
+            return False
+        self.__dict__["_maintenance_until"] = now + every_ms
+        return True
 
     async def jobs(self) -> list[str]:
         """Return the name of every job the store knows, sorted.

@@ -22,6 +22,7 @@ __all__ = [
     "Event",
     "Failed",
     "HandedOver",
+    "HistoryTrimmed",
     "Lost",
     "RunEvent",
     "Skipped",
@@ -181,3 +182,22 @@ class StoreBack(Event):
 
     downtime: float
     """Seconds since the first failed call."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HistoryTrimmed(Event):
+    """This instance trimmed the store's history (its turn of the fleet's maintenance).
+
+    Reported when at least one attempt was deleted: attempts beyond each job's newest
+    ``history_size`` and those finished more than ``history_ttl`` ago, with the finished
+    runs and checkpoints left without any attempt.
+    """
+
+    attempts: int
+    """Attempts deleted."""
+    jobs: tuple[str, ...]
+    """The jobs some attempts were deleted from."""
+    complete: bool
+    """False when the period's time budget ran out first; the next period goes on."""
+    duration: float
+    """Seconds the trimming took."""

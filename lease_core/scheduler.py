@@ -54,6 +54,7 @@ __all__ = [
     "CATCH_UP_LIMIT",
     "CATCH_UP_WINDOW_MS",
     "EVENT_BUFFER",
+    "PRUNE_BATCH",
     "Health",
     "Job",
     "Scheduler",
@@ -76,6 +77,9 @@ SUBSCRIBER_THREADS = 8
 CATCH_UP_WINDOW_MS = 24 * 3_600_000
 #: ``catch_up="all"`` runs at most this many missed slots per job.
 CATCH_UP_LIMIT = 100
+#: The most attempts of each kind (beyond ``history_size``, past ``history_ttl``) one
+#: call of :meth:`Backend.prune` deletes when the scheduler trims history.
+PRUNE_BATCH = 500
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,199}$")
 _OVERLAP = ("skip", "allow")
@@ -250,7 +254,16 @@ class Scheduler:
 
     ``lease`` is the default lease of every job; heartbeats renew held leases every
     ``heartbeat``, and each instance checks the runs it backs up at the same interval. The
-    lease must be at least three heartbeats long. ``clock`` is the local monotonic clock in
+    lease must be at least three heartbeats long.
+
+    History is trimmed in a task of its own, never on the claim path: every
+    ``prune_every`` (``None``: never; run ``anarchon prune`` instead) one instance of the
+    fleet, the one whose :meth:`Backend.maintenance_due
+    <lease_core.abc.Backend.maintenance_due>` wins the period, trims every job in the store,
+    declared or not, to its newest ``history_size`` attempts and drops attempts finished
+    more than ``history_ttl`` ago, in batches of :data:`PRUNE_BATCH`, for at most half the
+    period (the next period goes on where it stopped). It reports
+    :class:`~lease_core.events.HistoryTrimmed`. ``clock`` is the local monotonic clock in
     seconds (injectable for tests); lease arithmetic always uses the store's clock, and the
     scheduler estimates its offset to it, so a skewed local clock shifts nothing.
 
@@ -274,6 +287,7 @@ class Scheduler:
         history_size: int = 100,
         history_ttl: Duration | None = None,
         clock: Callable[[], float] | None = None,
+        prune_every: Duration | None = "60s",
     ) -> None:
         if not isinstance(backend, Backend):
             raise ConfigurationError(
@@ -295,11 +309,19 @@ class Scheduler:
         self.history_ttl_ms = (
             None if history_ttl is None else to_ms(parse_duration(history_ttl, what="history_ttl"))
         )
+        self.prune_every: float | None = (
+            None if prune_every is None else parse_duration(prune_every, what="prune_every")
+        )
+        """Seconds between the fleet's history trimmings, or ``None`` for none."""
+        self._prune_next: str | None = None
+        """The job the next trimming starts with (where the last one's budget ran out)."""
         self._clock = clock or time.monotonic
         self._jobs: dict[str, Job] = {}
         self._workflows: dict[str, Workflow] = {}
         self._held: dict[str, _Held] = {}
         self._watch: dict[tuple[str, int], _Watched] = {}
+        # Per job, the end of the store's quarantine last logged (see _claim).
+        self._quarantine_logged: dict[str, int | None] = {}
         self._to_hand_over: dict[str, Lease] = {}
         self._clock_samples = _ClockSamples()
         self._offset_ms = 0.0
@@ -789,6 +811,7 @@ class Scheduler:
             for wf in self._workflows.values():
                 tg.start_soon(self._resume_workflow, wf, infos[wf.jobs[0].name])
             tg.start_soon(self._ticker)
+            tg.start_soon(self._maintenance)
             if self._state is SchedulerState.STARTING:
                 self._state = SchedulerState.RUNNING
             logger.info("instance %s started with %d jobs", self.instance_id, len(self._jobs))
@@ -871,18 +894,23 @@ class Scheduler:
     async def _dispatch(self, sub: _Subscriber,
                         receive: MemoryObjectReceiveStream[ev.Event]) -> None:
         _INSIDE.set(self)  # stop() or abort() from a subscriber only requests it
-        with receive, contextlib.suppress(anyio.ClosedResourceError):
-            async for event in receive:
-                try:
-                    if sub.is_async:
-                        await sub.callback(event)
-                    else:
-                        await anyio.to_thread.run_sync(sub.callback, event,
-                                                       abandon_on_cancel=True,
-                                                       limiter=self._subscriber_threads)
-                except Exception as exc:
-                    logger.error("event subscriber %r failed on %s", sub.callback,
-                                 type(event).__name__, exc_info=exc)
+        try:
+            with receive, contextlib.suppress(anyio.ClosedResourceError):
+                async for event in receive:
+                    try:
+                        if sub.is_async:
+                            await sub.callback(event)
+                        else:
+                            await anyio.to_thread.run_sync(sub.callback, event,
+                                                           abandon_on_cancel=True,
+                                                           limiter=self._subscriber_threads)
+                    except Exception as exc:
+                        logger.error("event subscriber %r failed on %s", sub.callback,
+                                     type(event).__name__, exc_info=exc)
+        finally:
+            # An unsubscribed callback leaves nothing behind in a long-running scheduler.
+            if receive in self._receivers:
+                self._receivers.remove(receive)
 
     async def _open(self) -> dict[str, JobInfo]:
         await self.backend.start()
@@ -1199,6 +1227,16 @@ class Scheduler:
         elif result.status is ClaimStatus.WON:
             self._watch.pop(key, None)
             self._launch(job, lease, result, sent_loop)
+        elif result.status is ClaimStatus.RUNNING and result.run_status is None:
+            # No run: the store is in quarantine after losing its data; claim again at
+            # the next tick (the claim writes nothing until the quarantine ends).
+            self._watch[key] = _Watched(job, retry_reason=reason)
+            if self._quarantine_logged.get(job.name) != result.expires_ms:
+                self._quarantine_logged[job.name] = result.expires_ms
+                logger.warning(
+                    "%s slot %s: the store lost its data; no new attempt before store time "
+                    "%s, when every lease it may have held has expired", job.name,
+                    format_slot(slot), result.expires_ms)
         elif result.status is ClaimStatus.RUNNING:
             self._watch[key] = _Watched(job)
             self._emit(ev.StandingBy(**run, holder=result.instance_id, claim_duration=took))
@@ -1440,6 +1478,64 @@ class Scheduler:
                 self._store_failed("tick", TimeoutError(
                     f"the store did not answer within {self._tick_limit():g}s"), log=False)
 
+    async def _maintenance(self) -> None:
+        # Its own task: renewals and backup checks never wait behind the trimming.
+        if self.prune_every is None:
+            return
+        every = self.prune_every
+        scope = anyio.CancelScope()
+        self._loop_scopes.append(scope)
+        with scope:
+            await anyio.sleep(min(self.heartbeat, every))
+            while not self._stopping:
+                began = anyio.current_time()
+                with anyio.move_on_after(every):
+                    try:
+                        await self._trim_history(began + every / 2)
+                    except Exception as exc:
+                        self._store_failed("history trimming", exc)
+                await anyio.sleep(max(0.0, began + every - anyio.current_time()))
+
+    async def _trim_history(self, budget_ends: float) -> None:
+        """Trim every job of the store, if this instance wins the period's maintenance."""
+        assert self.prune_every is not None
+        if not await self.backend.maintenance_due(self.instance_id, to_ms(self.prune_every)):
+            return
+        began = anyio.current_time()
+        names = await self.backend.jobs()
+        start = self._prune_next
+        if start is not None:  # go on where the last budget ran out
+            names = [j for j in names if j >= start] + [j for j in names if j < start]
+        deleted = 0
+        trimmed: list[str] = []
+        complete = True
+        for name in names:
+            self._prune_next = name
+            count = PRUNE_BATCH
+            while count >= PRUNE_BATCH and complete:
+                if anyio.current_time() >= budget_ends:
+                    complete = False
+                    break
+                count = await self.backend.prune(
+                    name, keep=self.history_size, older_than_ms=self.history_ttl_ms,
+                    batch=PRUNE_BATCH)
+                if count and name not in trimmed[-1:]:
+                    trimmed.append(name)
+                deleted += count
+            if not complete:
+                break
+        else:
+            self._prune_next = None
+        took = anyio.current_time() - began
+        if deleted or not complete:
+            logger.info("instance %s trimmed %d attempts of %d jobs in %.2fs%s",
+                        self.instance_id, deleted, len(trimmed), took,
+                        "" if complete else f"; {self._prune_next} next")
+        if deleted:
+            self._emit(ev.HistoryTrimmed(instance_id=self.instance_id, attempts=deleted,
+                                         jobs=tuple(trimmed), complete=complete,
+                                         duration=took))
+
     def _tick_limit(self) -> float:
         shortest = min((j.lease_ms for j in self._jobs.values()), default=to_ms(self.lease))
         return max(self.heartbeat, shortest / 1000 - self.heartbeat)
@@ -1514,7 +1610,12 @@ class Scheduler:
             if watched is None:
                 continue
             state = result.runs.get(key)
-            if state is None or state.status.finished:
+            if key in result.lost:
+                # Lost with the store's data while its holder may still run it: claim it
+                # again; the claim waits out the store's quarantine.
+                self._watch.pop(key, None)
+                await self._claim(watched.job, key[1], Reason.TAKEOVER)
+            elif state is None or state.status.finished:
                 self._watch.pop(key, None)
                 next_step = watched.job.next_step
                 if (state is not None and state.status is RunStatus.COMPLETED

@@ -48,9 +48,9 @@ class SyncScheduler:
 
     ``SyncScheduler(backend, **options)`` takes the options of :class:`Scheduler`
     (``instance_id``, ``lease``, ``heartbeat``, ``history_size``, ``history_ttl``,
-    ``clock``). Jobs are declared with the same :meth:`every` and :meth:`cron`, directly or
-    as decorators; handlers may be sync (run in worker threads) or async (run on the
-    background thread's event loop).
+    ``clock``, ``prune_every``). Jobs are declared with the same :meth:`every` and
+    :meth:`cron`, directly or as decorators; handlers may be sync (run in worker
+    threads) or async (run on the background thread's event loop).
 
     :meth:`start` returns once the scheduler runs in a background thread with its own
     asyncio event loop, and raises the scheduler's start error (store unreachable, bad

@@ -3,8 +3,10 @@ schedules that cannot fire while a test runs."""
 
 from __future__ import annotations
 
+import textwrap
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -12,28 +14,26 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from lease_core import Attempt, Scheduler
 from lease_core.abc import Backend
+from lease_core.testing import wait_for
 
 HOUR_MS = 3_600_000
 
 
-async def wait_for(
-    predicate: Callable[[], Any] | Callable[[], Awaitable[Any]],
-    *,
-    timeout: float = 10.0,
-    interval: float = 0.02,
-    what: str = "condition",
-) -> Any:
-    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if isinstance(value, Awaitable):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await anyio.sleep(interval)
+def install_toy_backend(site: Path, source: str, schemes: Mapping[str, str]) -> None:
+    """Install a third-party backend into the folder ``site`` (to put on ``sys.path``).
+
+    ``source`` becomes the module ``toy_backend``; a distribution ``toy-backend 1.0`` declares
+    each scheme of ``schemes`` in the entry-point group ``anarchon.backends``, loading the
+    class of ``toy_backend`` it maps to.
+    """
+    (site / "toy_backend.py").write_text(textwrap.dedent(source))
+    dist = site / "toy_backend-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[anarchon.backends]\n"
+        + "".join(f"{scheme} = toy_backend:{name}\n" for scheme, name in schemes.items())
+    )
 
 
 async def wait_history(

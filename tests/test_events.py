@@ -233,3 +233,14 @@ async def test_slow_and_failing_subscribers_delay_no_heartbeat(
     assert [type(e) for e in seen.events] == [Claimed, Skipped, Completed]
     errors = [r for r in caplog.records if "event subscriber" in r.getMessage()]
     assert errors and errors[0].exc_info is not None
+
+
+async def test_unsubscribing_while_running_releases_the_subscriber() -> None:
+    """Subscribing and unsubscribing many times in a running scheduler keeps nothing."""
+    s = Scheduler(MemoryBackend(), heartbeat="100ms", lease="1s")
+    async with s:
+        for _ in range(50):
+            unsubscribe = s.subscribe(Recorder())
+            unsubscribe()
+        await wait_for(lambda: not s._receivers and not s._subscribers,
+                       what="every unsubscribed receiver released")

@@ -12,7 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("lease_core", "backends", "adapters")
-TOOLING = ("lease_core.demo", "backends.embedded")
+TOOLING = ("lease_core.demo", "backends.embedded", "lease_core.testing")
+#: Needed by lease_core.testing only (the ``testing`` extra), never by the library.
+TEST_FRAMEWORKS = ("pytest", "_pytest", "hypothesis")
 #: The command line is the demo's entry point: ``anarchon demo`` imports it when it runs.
 FRONT_ENDS = ("lease_core.cli",)
 
@@ -67,7 +69,8 @@ def test_importing_the_whole_library_loads_no_tooling() -> None:
         "import lease_core\n"
         "for name in lease_core.__all__:\n"
         "    getattr(lease_core, name)\n"
-        f"loaded = sorted(m for m in sys.modules if m.startswith({TOOLING!r}))\n"
+        f"loaded = sorted(m for m in sys.modules if m.startswith({TOOLING!r})\n"
+        f"                or m.partition('.')[0] in {TEST_FRAMEWORKS!r})\n"
         "print(loaded)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -102,3 +105,17 @@ def test_no_tracked_file_is_ignored() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == []
+
+
+def test_lease_core_testing_imports_hypothesis_only_for_the_differential_test() -> None:
+    code = (
+        "import sys\n"
+        "import lease_core.testing as kit\n"
+        "print('pytest' in sys.modules, 'hypothesis' in sys.modules)\n"
+        "kit.run_differential\n"
+        "print('hypothesis' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "True"]

@@ -72,8 +72,10 @@ async def test_history_ttl_with_an_injected_clock() -> None:
         await backend.claim(r)
         await backend.finish(Lease("j", i, f"t{i}", 1000), Outcome.COMPLETED)
         clock.advance(50)
-    # t0 finished 150 s ago, t1 100 s ago, t2 50 s ago: only t2 survives the next claim.
+    # t0 finished 150 s ago, t1 100 s ago, t2 50 s ago: only t2 survives the trimming.
     await backend.claim(ClaimRequest("j", 9, "a", "t9", 1000, history_ttl_ms=60_000))
+    assert len(await backend.history("j")) == 4  # a claim trims nothing
+    assert await backend.prune("j", older_than_ms=60_000) == 2
     assert [h.slot for h in await backend.history("j")] == [9, 2]
 
 

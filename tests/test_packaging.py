@@ -63,10 +63,18 @@ def test_wheel_holds_the_library_and_its_data(dist: tuple[Path, Path, str]) -> N
                                            ".css"))
     assert library <= names, sorted(library - names)
     assert {"lease_core/py.typed", "backends/redis_lua/claim.lua",
-            "lease_core/_page/index.html", "lease_core/_page/status.js"} <= names
+            "lease_core/_page/index.html", "lease_core/_page/status.js",
+            "lease_core/testing/conformance.py", "lease_core/testing/differential.py"} <= names
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert metadata["License-Expression"] == "MIT"
+    # lease_core.testing's frameworks come with the 'testing' extra, never by default.
+    assert "testing" in (metadata.get_all("Provides-Extra") or [])
+    requires = metadata.get_all("Requires-Dist") or []
+    for framework in ("pytest", "hypothesis"):
+        wanted = [r.replace('"', "'") for r in requires if r.startswith(framework + ">")]
+        assert any("extra == 'testing'" in r for r in wanted), requires
+        assert all("extra ==" in r for r in wanted), requires
     classifiers = metadata.get_all("Classifier") or []
     for wanted in ("Typing :: Typed", "Framework :: AnyIO",
                    "Programming Language :: Python :: 3.11"):

@@ -190,7 +190,10 @@ async def test_least_privilege_role_after_migrate(pg16_server: PgServer, table: 
         won = await backend.claim(request_for("j", 1, "t1", history_size=1))
         assert won.status is ClaimStatus.WON
         assert await backend.finish(Lease("j", 1, "t1", 1000), Outcome.COMPLETED)
-        await backend.claim(request_for("j", 2, "t2", history_size=1))  # trims with DELETE
+        await backend.claim(request_for("j", 2, "t2", history_size=1))
+        await backend.prune("j", keep=1)  # trims with DELETE
+        assert await backend.maintenance_due("app", 60_000)  # upserts a row of _meta
+        assert not await backend.maintenance_due("app", 60_000)
         assert [a.slot for a in await backend.history("j")] == [2]
         await backend.close()
     finally:
@@ -326,12 +329,14 @@ async def test_history_is_trimmed_by_size_and_ttl(pg16_server: PgServer, table: 
         await backend.claim(request_for("j", slot, f"t{slot}", overlap_skip=False,
                                         history_size=3))
         await backend.finish(Lease("j", slot, f"t{slot}", 1000), Outcome.COMPLETED)
+    assert await backend.prune("j", keep=3) == 3  # the ticker's trimming, not the claims
     assert [a.slot for a in await backend.history("j")] == [6, 5, 4]
     assert set((await backend.check([("j", s) for s in range(1, 7)])).runs) == {
         ("j", 4), ("j", 5), ("j", 6)}
     now = await backend.now_ms()
     await wait_until_expired(backend, now + 5)
     await backend.claim(request_for("j", 7, "t7", overlap_skip=False, history_ttl_ms=1))
+    await backend.prune("j", older_than_ms=1)
     assert [a.slot for a in await backend.history("j")] == [7]
     await backend.close()
 

@@ -19,7 +19,7 @@ import redis
 import redis.asyncio
 from redis.crc import key_slot
 
-from backends.embedded.redis import EmbeddedRedis, _free_port, find_server
+from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, _free_port, find_server
 from backends.memory import MemoryBackend
 from backends.redis import STORE_FORMAT, RedisBackend
 from lease_core._structures import (
@@ -199,7 +199,8 @@ async def test_every_script_touches_one_slot(backend: RedisBackend, raw: redis.R
         await backend.set_checkpoint(Lease(job, 1, f"{job}-1", 30_000), [job])
         await backend.heartbeat([Lease(job, 1, f"{job}-1", 30_000)])
         await backend.finish(Lease(job, 1, f"{job}-1", 30_000), Outcome.COMPLETED)
-        await backend.claim(_request(job, 3, f"{job}-3", history_size=2))  # trims slot 1
+        await backend.claim(_request(job, 3, f"{job}-3", history_size=2))
+        await backend.prune(job, keep=2)  # trims slot 1
         await backend.hand_over([Lease(job, 3, f"{job}-3", 30_000)])
     await backend.history()
     scripts = [c for c in sent if c[0] == "EVALSHA"]
@@ -247,8 +248,8 @@ async def test_history_is_capped_and_finished_runs_deleted(
     for slot in range(1, 11):
         await backend.claim(_request("job", slot, f"t{slot}", history_size=3))
         assert await backend.finish(Lease("job", slot, f"t{slot}", 30_000), Outcome.COMPLETED)
+    assert await backend.prune("job", keep=3) == 7  # the ticker's trimming, not the claims
     history = await backend.history("job")
-    # the claim of slot 10 trimmed before slot 10 finished: 8, 9, 10 are left
     assert [a.slot for a in history] == [10, 9, 8]
     runs = [k for k in _keys(raw, backend.prefix) if ":run:" in k]
     assert len(runs) == 3
@@ -264,6 +265,7 @@ async def test_history_ttl_drops_old_finished_attempts(
     assert finished is not None and (await backend.history("job"))[0].error == "boom"
     await _wait_server_past(raw, int(finished.timestamp() * 1000) + 20)
     await backend.claim(_request("job", 2, "b", history_ttl_ms=10))
+    await backend.prune("job", older_than_ms=10)
     assert [a.slot for a in await backend.history("job")] == [2]
     assert (await backend.check([("job", 1)])).runs == {}
 
@@ -471,10 +473,12 @@ async def test_server_restart_mid_lease(appendonly: bool) -> None:
                 assert await backend.get_checkpoint("job", 1) == {"done": 3}
                 assert await backend.finish(lease, Outcome.COMPLETED)
             else:
-                # lost: the holder learns it holds nothing; the slot starts afresh
+                # lost: the holder learns it holds nothing; no attempt starts before
+                # every lease that may have been live has expired
                 assert beat.held == frozenset()
                 again = await backend.claim(_request("job", 1, "b"))
-                assert (again.status, again.attempt) == (ClaimStatus.WON, 1)
+                assert (again.status, again.run_status) == (ClaimStatus.RUNNING, None)
+                assert again.expires_ms == again.now_ms + 30_000
         finally:
             await backend.close()
 
@@ -631,32 +635,25 @@ async def test_behaves_like_the_memory_backend(backend: RedisBackend, raw: redis
 
 
 @pytest.fixture(scope="module")
-def cluster_node() -> Iterator[EmbeddedRedis]:
-    """A one-node Valkey Cluster owning every slot: it enforces one slot per script."""
+def cluster_node() -> Iterator[EmbeddedRedisCluster]:
+    """A 3-node Valkey Cluster: each script must keep to one slot, and the jobs' slots
+    fall on different nodes, so one pipeline is split between the nodes."""
     binary = find_server("valkey")
     assert binary is not None
-    args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
-    with EmbeddedRedis(binary, extra_args=args) as server:
-        client = redis.Redis.from_url(server.url)
-        try:
-            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-            deadline = time.monotonic() + 15
-            while client.cluster("info")["cluster_state"] != "ok":
-                assert time.monotonic() < deadline, "the cluster did not become ok"
-                time.sleep(0.02)
-        finally:
-            client.close()
-        yield server
+    with EmbeddedRedisCluster(binary, nodes=3) as cluster:
+        yield cluster
 
 
 @pytest.mark.asyncio_only
-async def test_works_on_a_cluster(cluster_node: EmbeddedRedis) -> None:
+async def test_works_on_a_cluster(cluster_node: EmbeddedRedisCluster) -> None:
     from redis.asyncio.cluster import RedisCluster
 
     client = RedisCluster.from_url(cluster_node.url)
     backend = RedisBackend(client, prefix="cluster")
     await backend.start()
     try:
+        nodes = {client.get_node_from_key(backend._run_key(job, 1)).name for job in ODD_JOBS}
+        assert len(nodes) > 1, "the jobs' slots should fall on more than one node"
         await backend.register_jobs(ODD_JOBS)
         leases = []
         for job in ODD_JOBS:
@@ -668,7 +665,8 @@ async def test_works_on_a_cluster(cluster_node: EmbeddedRedis) -> None:
         assert (await backend.heartbeat(leases)).held == tokens
         assert len((await backend.check([(j, 1) for j in ODD_JOBS])).runs) == len(ODD_JOBS)
         assert await backend.hand_over(leases) == tokens
-        # history_size=1 trimmed each job to its newest attempt (the skipped slot 2)
+        for job in ODD_JOBS:  # trimmed to its newest attempt (the skipped slot 2)
+            await backend.prune(job, keep=1)
         assert sorted(a.slot for a in await backend.history()) == [2] * len(ODD_JOBS)
     finally:
         await backend.close()

@@ -11,6 +11,7 @@ import pytest
 
 from lease_core import ConfigurationError, MemoryBackend, backend_from_url
 from lease_core._registry import known_schemes
+from tests.helpers import install_toy_backend
 
 
 def test_memory_url() -> None:
@@ -36,8 +37,7 @@ def test_builtin_schemes_are_known() -> None:
 
 def test_third_party_backend_through_an_installed_entry_point(tmp_path: Path) -> None:
     """A distribution on sys.path declares scheme 'toy' in group anarchon.backends."""
-    pkg = tmp_path / "toy_backend.py"
-    pkg.write_text(textwrap.dedent("""
+    install_toy_backend(tmp_path, """
         from backends.memory import MemoryBackend
 
         class ToyBackend(MemoryBackend):
@@ -49,13 +49,7 @@ def test_third_party_backend_through_an_installed_entry_point(tmp_path: Path) ->
                 made.url = url
                 made.options = options
                 return made
-    """))
-    dist = tmp_path / "toy_backend-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[anarchon.backends]\ntoy = toy_backend:ToyBackend\n"
-    )
+    """, {"toy": "ToyBackend"})
     code = textwrap.dedent("""
         import sys
         from lease_core import backend_from_url

@@ -5,8 +5,13 @@ code v1: the four tables and the unversioned ``<table>_claim``). The tests creat
 with it, put runs in flight through that old function (a held lease, a handed-over run,
 history, runs taken over and handed over), and upgrade it: ``start()`` by a user who may
 not upgrade is refused with a one-line error naming ``anarchon migrate``; ``migrate``
-upgrades with every run kept, and the new function (``<table>_claim_v2``) is the one in
-use, also by instances of the old release still calling ``<table>_claim``.
+upgrades with every run kept, and the new function (``<table>_claim_v<CODE_VERSION>``) is
+the one in use, also by instances of the old release still calling ``<table>_claim``.
+
+``tests/fixtures/store_v2.sql`` is the store as store code v2 made it (whose claim
+functions trimmed history on every claim); it is upgraded the same way, and instances
+of that release still calling ``<table>_claim_v2`` or ``<table>_batch_v2`` claim with the
+current logic, which leaves trimming to ``prune()``.
 """
 
 from __future__ import annotations
@@ -126,6 +131,11 @@ async def app_role(server: PgServer, v1_table: str) -> AsyncIterator[str]:
     sql(server.admin_dsn, f"DROP ROLE {role}")
 
 
+def upgraded(table: str) -> set[str]:
+    """The claim functions of an upgraded store: this release's, and the older names."""
+    return {f"{table}_claim", f"{table}_claim_v2", f"{table}_claim_v{CODE_VERSION}"}
+
+
 def functions(server: PgServer, table: str) -> dict[str, str]:
     """The store's claim functions: name -> body."""
     return {str(name): str(body) for name, body in sql(
@@ -166,8 +176,9 @@ async def test_migrate_upgrades_a_v1_store_with_runs_in_flight(
     assert sql(server.admin_dsn, f"SELECT value FROM {table}_meta WHERE key = 'code'") == [
         (str(CODE_VERSION),)]
     bodies = functions(server, table)
-    assert set(bodies) == {f"{table}_claim", f"{table}_claim_v{CODE_VERSION}"}
-    assert f"{table}_claim_v{CODE_VERSION}" in bodies[f"{table}_claim"]  # the old name calls v2
+    assert set(bodies) == upgraded(table)
+    for old_name in (f"{table}_claim", f"{table}_claim_v2"):  # the old names call v3
+        assert f"{table}_claim_v{CODE_VERSION}" in bodies[old_name]
     assert sql(server.admin_dsn, f"SELECT slot, attempt, reason, outcome FROM "
                                  f"{table}_attempts ORDER BY slot, attempt") == before
 
@@ -225,8 +236,7 @@ async def test_privileged_start_upgrades_a_v1_store(
         backend = PostgresBackend(pg16_server.dsn, table=table)
         await backend.start()
         try:
-            assert set(functions(pg16_server, table)) == {f"{table}_claim",
-                                                          f"{table}_claim_v{CODE_VERSION}"}
+            assert set(functions(pg16_server, table)) == upgraded(table)
             assert await backend.heartbeat([Lease("j", 1, "held", 60_000)])
             assert (await backend.claim(ClaimRequest("j", 1, "b", "t", 60_000))).status \
                 is ClaimStatus.RUNNING
@@ -246,8 +256,7 @@ def test_the_migrate_command_named_by_the_error_upgrades(
         assert old.claim(1, "held", 60_000)[0] == "won"
         assert main(["migrate", "--url", pg16_server.admin_dsn, "--table", table]) == 0
         assert f"store code v{CODE_VERSION}" in capsys.readouterr().out
-        assert set(functions(pg16_server, table)) == {f"{table}_claim",
-                                                      f"{table}_claim_v{CODE_VERSION}"}
+        assert set(functions(pg16_server, table)) == upgraded(table)
         assert sql(pg16_server.admin_dsn, f"SELECT status, token, takeovers FROM {table}") == [
             ("running", "held", None)]
     finally:
@@ -271,20 +280,20 @@ async def test_an_upgrade_blocked_by_a_long_transaction_gives_up_and_changes_not
             assert set(functions(pg16_server, table)) == {f"{table}_claim"}
             fenced.rollback()
         await migrate(pg16_server.dsn, table=table)
-        assert set(functions(pg16_server, table)) == {f"{table}_claim",
-                                                      f"{table}_claim_v{CODE_VERSION}"}
+        assert set(functions(pg16_server, table)) == upgraded(table)
     finally:
         await drop_tables(pg16_server.admin_dsn, table)
 
 
-async def test_a_v2_store_without_the_batched_claim_gets_it_on_start(
+async def test_a_store_without_the_batched_claim_gets_it_on_start(
     pg16_server: PgServer, anyio_backend: str
 ) -> None:
     table = unique_table()
     first = PostgresBackend(pg16_server.dsn, table=table)
     await first.start()
     await first.close()
-    sql(pg16_server.admin_dsn, f"DROP FUNCTION {quote_ident(table + '_batch_v2')}")
+    batch = f"{table}_batch_v{CODE_VERSION}"
+    sql(pg16_server.admin_dsn, f"DROP FUNCTION {quote_ident(batch)} CASCADE")
     backend = PostgresBackend(pg16_server.dsn, table=table)
     await backend.start()
     try:
@@ -292,7 +301,107 @@ async def test_a_v2_store_without_the_batched_claim_gets_it_on_start(
                                         ClaimRequest("j", 1, "b", "t2", 60_000)])
         assert [r.status for r in won] == [ClaimStatus.WON, ClaimStatus.RUNNING]
         assert sql(pg16_server.admin_dsn, "SELECT count(*) FROM pg_proc WHERE proname = %s",
-                   (table + "_batch_v2",)) == [(1,)]
+                   (batch,)) == [(1,)]
     finally:
         await backend.close()
         await drop_tables(pg16_server.admin_dsn, table)
+
+
+# -- store code v2 -> v3: the claim stops trimming ----------------------------------------
+
+FIXTURE_V2 = Path(__file__).parent / "fixtures" / "store_v2.sql"
+V2_BATCH = """
+SELECT c_index, c_status, c_attempt
+FROM {fn}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
+          %s::boolean[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint)"""
+
+
+def names_v2(table: str) -> dict[str, str]:
+    """The quoted identifiers the v2 fixture's placeholders stand for."""
+    found = names(table)
+    found.update(claim_v1=quote_ident(table + "_claim"),
+                 claim_v2=quote_ident(table + "_claim_v2"),
+                 batch_v2=quote_ident(table + "_batch_v2"))
+    return found
+
+
+def v2_release(dsn: str, table: str) -> OldRelease:
+    """What an instance of the v2 release sends: the v2 claim function (same arguments)."""
+    old = OldRelease(dsn, table)
+    old.claim_sql = V1_CLAIM.format(fn=quote_ident(table + "_claim_v2"))
+    return old
+
+
+def history_of(dsn: str, table: str) -> list[tuple[Any, ...]]:
+    return sql(dsn, f"SELECT slot, attempt, reason, outcome FROM {table}_attempts "
+                    "ORDER BY slot, attempt")
+
+
+async def test_migrate_upgrades_a_v2_store_whose_claims_trimmed(
+    server: PgServer, anyio_backend: str
+) -> None:
+    table = unique_table()
+    sql(server.admin_dsn, FIXTURE_V2.read_text().format(**names_v2(table)))
+    role, password = f"app_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    sql(server.admin_dsn, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+    tables = ", ".join(f"{table}{s}" for s in ("", "_attempts", "_jobs", "_meta"))
+    sql(server.admin_dsn, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {role}")
+    app = server.server.dsn_for(role, password)
+    try:
+        old = v2_release(server.dsn, table)
+        # In flight through the v2 function (which trimmed on every claim): a completed
+        # run, a held lease, a handed-over run.
+        assert old.claim(1, "done", 60_000)[0] == "won"
+        old.finish(1, "done")
+        assert old.claim(2, "held", 60_000)[0] == "won"
+        assert old.claim(3, "leaving", 60_000)[0] == "won"
+        old.hand_over(3, "leaving")
+        before = history_of(server.admin_dsn, table)
+        assert len(before) == 3
+
+        with pytest.raises(ConfigurationError, match="anarchon migrate --url") as info:
+            await PostgresBackend(app, table=table).start()
+        assert "\n" not in str(info.value) and "store code v2" in str(info.value)
+
+        await migrate(server.dsn, table=table)
+        await migrate(server.dsn, table=table)  # again: nothing to do
+        assert sql(server.admin_dsn, f"SELECT value FROM {table}_meta WHERE key = 'code'"
+                   ) == [(str(CODE_VERSION),)]
+        bodies = functions(server, table)
+        assert set(bodies) == upgraded(table)
+        assert "DELETE" in FIXTURE_V2.read_text() and "DELETE" not in bodies[
+            f"{table}_claim_v{CODE_VERSION}"]  # the new claim trims nothing
+        assert history_of(server.admin_dsn, table) == before
+
+        backend = PostgresBackend(app if server.dsn == server.admin_dsn else server.dsn,
+                                  table=table)
+        await backend.start()  # the application's user starts without a privilege
+        try:
+            held = Lease("j", 2, "held", 60_000)
+            assert (await backend.heartbeat([held])).renewed == {"held"}
+            handed = await backend.claim(ClaimRequest("j", 3, "new", "t3", 60_000))
+            assert (handed.status, handed.attempt, handed.reason) == (
+                ClaimStatus.WON, 2, Reason.HAND_OVER)
+            assert await backend.finish(held, Outcome.COMPLETED)
+
+            # Instances of the v2 release still running claim through the new logic,
+            # one claim or a batch at a time: nothing is trimmed on the claim any more.
+            assert old.claim(4, "late", 60_000)[:2] == ("won", 1)
+            old.finish(4, "late")
+            batch = sql(server.dsn, V2_BATCH.format(fn=quote_ident(table + "_batch_v2")), (
+                ["j", "j"], [5, 6], ["old-b", "old-b"], ["t5", "t6"], [60_000, 60_000],
+                ["scheduled", "scheduled"], [False, False], [None, None], [1, 1], [1, 1], 100))
+            assert batch == [(1, "won", 1), (2, "won", 1)]
+            assert [a.slot for a in await backend.history("j")] == [6, 5, 4, 3, 3, 2, 1]
+
+            # The ticker's trimming (prune) is what trims now.
+            assert await backend.prune("j", keep=3) == 4
+            assert [a.slot for a in await backend.history("j")] == [6, 5, 4]
+            # the finished runs left without attempts went; the open run 3 stays
+            assert sorted(r.slot for r in await backend.runs("j")) == [3, 4, 5, 6]
+        finally:
+            await backend.close()
+    finally:
+        await drop_tables(server.admin_dsn, table)
+        sql(server.admin_dsn, f"DROP OWNED BY {role}")
+        sql(server.admin_dsn, f"DROP ROLE {role}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 import uuid
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core import ConfigurationError, backend_from_url
 from lease_core._structures import ClaimRequest, ClaimStatus
+from tests.helpers import install_toy_backend
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.stores.redis import delete_prefix
 
@@ -203,13 +203,7 @@ def test_third_party_backend_installed_as_a_distribution_runs_a_job(tmp_path: Pa
     """A distribution on sys.path declares scheme 'myscheme' in group anarchon.backends."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "toy_backend.py").write_text(textwrap.dedent(TOY_BACKEND))
-    dist = site / "toy_backend-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[anarchon.backends]\nmyscheme = toy_backend:ToyBackend\n"
-    )
+    install_toy_backend(site, TOY_BACKEND, {"myscheme": "ToyBackend"})
     out = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(site)!r})\n" + RUN_A_JOB],
         capture_output=True, text=True, timeout=90,

@@ -1,14 +1,13 @@
 -- The claim function's name in store code v1 (<table>_claim, anarchon 0.1.0), replaced
 -- on upgrade by a call of the current function: instances of that release still running
 -- during a rolling upgrade then claim with the current logic and keep runs.takeovers.
--- Same signature and result as every claim_v<N> so far.
+-- Same signature and result as claim_v1 and claim_v2; the history arguments are ignored.
 CREATE OR REPLACE FUNCTION {claim_v1}(
-    {claim_args},
+    {claim_args_v2},
     OUT c_status text, OUT c_now bigint, OUT c_attempt integer, OUT c_reason text,
     OUT c_expires bigint, OUT c_run_status text, OUT c_instance text)
 LANGUAGE sql VOLATILE SECURITY INVOKER
 AS $anarchon$
-SELECT * FROM {claim_v2}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
-                         p_overlap_skip, p_max_attempts, p_history_size, p_history_ttl_ms,
-                         p_trim_batch)
+SELECT * FROM {claim_v3}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
+                         p_overlap_skip, p_max_attempts)
 $anarchon$

@@ -2,8 +2,8 @@
 --
 -- Loaded once (importlib.resources) and filled per store by str.format with quoted
 -- identifiers only: {runs}, {attempts}, {jobs}, {meta}, the index names, the claim
--- functions {claim_v1} and {claim_v2}, and {now}, the server's clock in epoch
--- milliseconds. Parameters are %s placeholders. Comment lines are dropped on loading.
+-- functions {claim_v3} and {batch_v3} and the older names {claim_v1}, {claim_v2} and
+-- {batch_v2}, and {now}, the server's clock in epoch milliseconds. Parameters are %s placeholders. Comment lines are dropped on loading.
 -- The claim function lives in its own file, claim_v<N>.sql, its version in its name.
 
 -- name: find_tables
@@ -111,25 +111,32 @@ INSERT INTO {meta} AS m (key, value) VALUES ('code', %s::text)
 ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
 WHERE m.value !~ '^[0-9]+$' OR m.value::integer < EXCLUDED.value::integer
 
+-- name: grant_claim_v3
+GRANT EXECUTE ON FUNCTION {claim_v3}({claim_arg_types}) TO PUBLIC
+
+-- name: grant_batch_v3
+GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[], text[],
+                                     boolean[], bigint[]) TO PUBLIC
+
 -- name: grant_claim_v2
-GRANT EXECUTE ON FUNCTION {claim_v2}({claim_arg_types}) TO PUBLIC
+GRANT EXECUTE ON FUNCTION {claim_v2}({claim_arg_types_v2}) TO PUBLIC
 
 -- name: grant_batch_v2
 GRANT EXECUTE ON FUNCTION {batch_v2}(text[], bigint[], text[], text[], bigint[], text[],
                                      boolean[], bigint[], bigint[], bigint[], bigint) TO PUBLIC
 
 -- name: grant_claim_v1
-GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types}) TO PUBLIC
+GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types_v2}) TO PUBLIC
 
 -- name: claim
 SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
-FROM {claim_v2}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
-                %s::boolean, %s::bigint, %s::bigint, %s::bigint, %s::bigint)
+FROM {claim_v3}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
+                %s::boolean, %s::bigint)
 
 -- name: claim_many
 SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
-FROM {batch_v2}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
-                %s::boolean[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint)
+FROM {batch_v3}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
+                %s::boolean[], %s::bigint[])
 
 -- name: select_now
 SELECT {now}
@@ -155,13 +162,15 @@ live AS (
     FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
     WHERE r.status = 'running' AND r.expires_ms > {now}),
 lockable AS (
-    SELECT r.job, r.slot
+    SELECT r.job, r.slot, r.token, l.lease_ms
     FROM {runs} r JOIN live l ON r.job = l.job AND r.slot = l.slot AND r.token = l.token
     FOR NO KEY UPDATE OF r SKIP LOCKED),
+-- The update reads only the locked rows (never joins two CTEs, whose row counts the
+-- planner cannot estimate: a nested loop over both is quadratic in the leases).
 renewed AS (
-    UPDATE {runs} r SET expires_ms = {now} + l.lease_ms
-    FROM live l JOIN lockable k ON k.job = l.job AND k.slot = l.slot
-    WHERE r.job = l.job AND r.slot = l.slot AND r.token = l.token AND r.status = 'running'
+    UPDATE {runs} r SET expires_ms = {now} + k.lease_ms
+    FROM lockable k
+    WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
     RETURNING r.token)
 SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
 
@@ -245,6 +254,19 @@ runs_gone AS (
             AND (a.slot, a.attempt) NOT IN (SELECT g.slot, g.attempt FROM gone g))
     RETURNING 1)
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM runs_gone)
+
+-- name: maintenance_due
+-- Win this period's maintenance (history trimming) for one instance across the fleet:
+-- the row 'maintenance' holds "<end of the period, ms> <instance>"; it is added when
+-- missing (stores made before it) and taken over once its period has ended. ON CONFLICT
+-- re-checks the condition on the row's latest version, so two callers never both win.
+-- Parameters: the period (ms), the instance.
+INSERT INTO {meta} AS m (key, value)
+VALUES ('maintenance', ({now} + %s::bigint)::text || ' ' || %s::text)
+ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
+WHERE CASE WHEN m.value ~ '^[0-9]+ ' THEN split_part(m.value, ' ', 1)::bigint ELSE 0 END
+      <= {now}
+RETURNING 1
 
 -- name: write_workflows
 -- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.

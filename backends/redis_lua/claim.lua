@@ -1,5 +1,6 @@
 -- Win, take over, or find the state of one run (the claim algorithm of lease_core.abc).
--- KEYS[1] job hash      {p/job}:job    first_seen, last_slot, seq
+-- KEYS[1] job hash      {p/job}:job    first_seen, last_slot, seq; sid (marker of the
+--                       job's data), lost and quiet (after a data loss, see 0.)
 -- KEYS[2] run hash      {p/job}:run:<slot>  st, att, tok, inst, exp, cp, n, tk
 --                       (tk: takeovers, the attempts max_attempts counts besides the
 --                       first; absent on runs written before it was kept)
@@ -10,15 +11,48 @@
 -- KEYS[7] orphan set    {p/job}:orphan slots whose attempts were all trimmed
 -- ARGV: slot, instance, token, lease_ms, reason, overlap_skip (1/0),
 --       max_attempts ('' = none), history_size, history_ttl_ms ('' = none),
---       run key prefix ({p/job}:run:)
--- Returns {status, now, attempt, reason, expires, run_status, instance} ('' = none).
+--       run key prefix ({p/job}:run:), ..., marker seen ('' = none), longest lease (ms)
+-- Returns {status, now, attempt, reason, expires, run_status, instance, marker}
+-- ('' = none).
 local job, run, open, hist, att, done, orphan = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
   KEYS[6], KEYS[7]
 local slot, inst, token, lease_ms, reason = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local overlap_skip = ARGV[6] == '1'
 local max_attempts = tonumber(ARGV[7])
-local history_size, history_ttl, run_prefix = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
+-- (history_size and history_ttl_ms are not used: history is trimmed by trim.lua)
+local run_prefix = ARGV[10]
 local slot_n = tonumber(slot)
+
+-- 0. Data loss (a restart without persistence, a failover to a lagging replica): the
+-- job's marker 'sid' is missing or differs from the one the caller saw. Holders of
+-- leases lost with the data may still be running, so no attempt starts before the loss
+-- plus the longest lease the callers know ('quiet'; a later caller with a longer lease
+-- extends it, never shortens it). ARGV ends with the marker the caller saw ('' = none
+-- yet) and the longest lease it knows (ms).
+local seen, longest = ARGV[#ARGV - 1], tonumber(ARGV[#ARGV])
+local sid, lost, quiet = unpack(redis.call('HMGET', job, 'sid', 'lost', 'quiet'))
+quiet = tonumber(quiet)
+if seen ~= '' and sid ~= seen then
+  if not sid then
+    sid = redis.sha1hex(token)  -- new and unique, and does not reveal the token
+    redis.call('HSET', job, 'sid', sid)
+  end
+  if not lost then
+    lost = now
+    redis.call('HSET', job, 'lost', lost)
+  end
+  if not quiet or quiet < tonumber(lost) + longest then
+    quiet = tonumber(lost) + longest
+    redis.call('HSET', job, 'quiet', quiet)
+  end
+end
+if quiet and quiet > now then
+  return {'running', now, 0, '', quiet, '', '', sid}  -- no run: claim again after quiet
+end
+if not sid then  -- the job's first claim in this store
+  sid = redis.sha1hex(token)
+  redis.call('HSET', job, 'sid', sid)
+end
 
 local function record(attempt, why, outcome, err)
   local id = slot .. ':' .. attempt
@@ -33,11 +67,6 @@ local function record(attempt, why, outcome, err)
   redis.call('ZADD', hist, seq, id)
   redis.call('HSET', att, id, cjson.encode(rec))
   redis.call('HINCRBY', run, 'n', 1)
-end
-
-local function trim()
-  -- bounded work per call; later claims (and the ticker's trimming) finish the job
-  trim_history(hist, att, done, orphan, run_prefix, history_size, history_ttl, 1000)
 end
 
 -- 1. register the job and raise its last slot
@@ -59,7 +88,7 @@ local function result(status, why, s, a, e, i)
   if not s then
     s, a, e, i = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst'))
   end
-  return {status, now, a or 0, why or '', e or '', s or '', i or ''}
+  return {status, now, a or 0, why or '', e or '', s or '', i or '', sid}
 end
 
 -- 2. a new run: skipped behind a live earlier run, or won
@@ -70,7 +99,6 @@ if not st then
       if ost == 'running' and oexp and tonumber(oexp) > now then
         redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst)
         record(1, reason, 'skipped', 'an earlier run of the job still holds its lease')
-        trim()
         return result('skipped')
       end
     end
@@ -79,7 +107,6 @@ if not st then
     'exp', now + lease_ms, 'tk', 0)
   redis.call('ZADD', open, slot, slot)
   record(1, reason)
-  trim()
   return result('won', reason, 'running', 1, now + lease_ms, inst)
 end
 
@@ -134,5 +161,4 @@ redis.call('HSET', run, 'st', 'running', 'att', attempt + 1, 'tok', token, 'inst
   'exp', now + lease_ms, 'tk', takeovers)
 redis.call('ZADD', open, slot, slot)
 record(attempt + 1, why)
-trim()
 return result('won', why, 'running', attempt + 1, now + lease_ms, inst)

@@ -594,9 +594,6 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         "skewed by an hour) were injected one at a time, then the store and the handlers'",
         "records were audited. See `tests/chaos/__init__.py` for what each figure means.",
         "",
-        "Not covered: a store restart behind PgBouncer, which the fleet does not survive",
-        "yet (see \"Chaos testing\" in README.md for the reproduction).",
-        "",
     ]
     rows = [(str(s["store"]), s) for s in summaries]
     fields = [

@@ -7,24 +7,18 @@ because it restarts them.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
-import time
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from backends.embedded import EmbeddedServerError
-from backends.embedded.postgres import EmbeddedPostgres, find_free_port, service_user, shared_dir
+from backends.embedded.postgres import EmbeddedPostgres
 from backends.embedded.redis import EmbeddedRedis, find_server
 from lease_core.errors import BackendUnavailable
+from tests.stores.postgres import PGBOUNCER, PgBouncer
 
 __all__ = ["KINDS", "ChaosStore", "Unavailable", "make_store"]
-
-PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
 #: Store kinds a chaos run knows.
 KINDS = ("postgres", "pgbouncer", "redis")
@@ -87,53 +81,16 @@ class PostgresChaosStore(ChaosStore):
             conn.execute(f"CREATE TABLE {EFFECTS} (job text NOT NULL, slot bigint NOT NULL, "
                          "attempt int NOT NULL, instance text NOT NULL, "
                          "PRIMARY KEY (job, slot))")
-        self.bouncer: subprocess.Popen[bytes] | None = None
-        self._bouncer_root: Path | None = None
+        self.bouncer: PgBouncer | None = None
         self._port = self.server.port
         if bouncer:
             self._start_bouncer()
 
     def _start_bouncer(self) -> None:
-        root = Path(tempfile.mkdtemp(prefix="anarchon-chaos-bouncer-",
-                                     dir=shared_dir(service_user())))
-        root.chmod(0o755)
-        self._bouncer_root = root
-        port = find_free_port()
-        (root / "userlist.txt").write_text(f'"postgres" "{self.server.password}"\n')
-        (root / "pgbouncer.ini").write_text(
-            "[databases]\n"
-            f"postgres = host=127.0.0.1 port={self.server.port} dbname=postgres\n"
-            "[pgbouncer]\n"
-            f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-            f"auth_type = scram-sha-256\nauth_file = {root / 'userlist.txt'}\n"
-            "pool_mode = transaction\ndefault_pool_size = 8\nmax_client_conn = 500\n"
-            "server_login_retry = 1\n"
-            "ignore_startup_parameters = extra_float_digits,options\n"
-            f"logfile = {root / 'pgbouncer.log'}\npidfile = {root / 'pgbouncer.pid'}\n"
-        )
-        user = service_user()
-        if user is not None:
-            shutil.chown(root, user)
-            for child in root.iterdir():
-                shutil.chown(child, user)
-        self.bouncer = subprocess.Popen([PGBOUNCER, str(root / "pgbouncer.ini")], user=user,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        dsn = f"postgresql://postgres:{self.server.password}@127.0.0.1:{port}/postgres"
-        deadline = time.monotonic() + 20
-        while True:
-            if self.bouncer.poll() is not None:
-                raise RuntimeError("pgbouncer exited on start")
-            try:
-                with psycopg.connect(dsn, connect_timeout=2, autocommit=True) as conn:
-                    conn.execute("SELECT 1")
-                break
-            except psycopg.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        version = subprocess.run([PGBOUNCER, "--version"], capture_output=True, text=True)
-        self.version += f" behind {version.stdout.splitlines()[0]}"
-        self._port = port
+        self.bouncer = PgBouncer(self.server, pool_size=8, extra="server_login_retry = 1\n")
+        self.bouncer.start()
+        self.version += f" behind {self.bouncer.version}"
+        self._port = self.bouncer.port
 
     @property
     def port(self) -> int:
@@ -151,10 +108,7 @@ class PostgresChaosStore(ChaosStore):
 
     def close(self) -> None:
         if self.bouncer is not None:
-            self.bouncer.terminate()
-            self.bouncer.wait(10)
-        if self._bouncer_root is not None:
-            shutil.rmtree(self._bouncer_root, ignore_errors=True)
+            self.bouncer.close()
         self.server.stop()
 
     def effects(self) -> list[tuple[str, int, int, str]]:

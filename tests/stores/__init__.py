@@ -8,26 +8,14 @@ server that the test harness started itself.
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
 
-from lease_core.abc import Backend
+from lease_core.testing import Store
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-class Store(ABC):
-    """One isolated store for one test."""
-
-    @abstractmethod
-    def backend(self) -> Backend:
-        """Return a new backend object on this store (one per simulated instance)."""
-
-    async def cleanup(self) -> None:  # noqa: B027 - optional hook
-        """Remove what the test wrote (tables, keys)."""
 
 
 @dataclass(frozen=True)

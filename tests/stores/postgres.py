@@ -37,6 +37,7 @@ from lease_core.abc import Backend
 from . import Store, StoreSpec, missing_service
 
 __all__ = [
+    "PgBouncer",
     "PgServer",
     "docker_pg_server",
     "pg16_server",
@@ -137,54 +138,102 @@ def docker_pg_server() -> Iterator[PgServer]:
         yield PgServer(dsn, dsn, None, "docker postgres:16-alpine")  # type: ignore[arg-type]
 
 
+class PgBouncer:
+    """A PgBouncer in transaction mode in front of ``server``, started by :meth:`start`.
+
+    ``admin_users`` is the server's superuser, so :meth:`admin` runs commands on the admin
+    console (``SHOW CLIENTS``, ``SHOW POOLS``, ``PAUSE``, ``RESUME``).
+    """
+
+    def __init__(self, server: EmbeddedPostgres, *, pool_size: int = 4,
+                 max_client_conn: int = 500, extra: str = "") -> None:
+        self.server = server
+        self.root = Path(tempfile.mkdtemp(prefix="anarchon-pgbouncer-",
+                                          dir=shared_dir(service_user())))
+        self.root.chmod(0o755)
+        self.port = find_free_port()
+        (self.root / "userlist.txt").write_text(f'"postgres" "{server.password}"\n')
+        (self.root / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"postgres = host=127.0.0.1 port={server.port} dbname=postgres\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            f"auth_type = scram-sha-256\nauth_file = {self.root / 'userlist.txt'}\n"
+            f"pool_mode = transaction\ndefault_pool_size = {pool_size}\n"
+            f"max_client_conn = {max_client_conn}\nadmin_users = postgres\n"
+            "ignore_startup_parameters = extra_float_digits,options\n"
+            f"logfile = {self.root / 'pgbouncer.log'}\n"
+            f"pidfile = {self.root / 'pgbouncer.pid'}\n{extra}"
+        )
+        self.dsn = f"postgresql://postgres:{server.password}@127.0.0.1:{self.port}/postgres"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.version = ""
+
+    def start(self) -> PgBouncer:
+        """Start PgBouncer and wait until a query goes through it."""
+        user = service_user()
+        if user is not None:
+            shutil.chown(self.root, user)
+            for child in self.root.iterdir():
+                shutil.chown(child, user)
+        self.proc = subprocess.Popen([PGBOUNCER, str(self.root / "pgbouncer.ini")], user=user,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"pgbouncer exited: {self.log()}")
+                try:
+                    with psycopg.connect(self.dsn, connect_timeout=2, autocommit=True) as conn:
+                        conn.execute("SELECT 1")
+                    break
+                except psycopg.OperationalError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        except BaseException:
+            self.close()
+            raise
+        version = subprocess.run([PGBOUNCER, "--version"], capture_output=True, text=True)
+        self.version = version.stdout.splitlines()[0]
+        return self
+
+    def log(self) -> str:
+        """PgBouncer's log so far."""
+        path = self.root / "pgbouncer.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def admin(self, command: str) -> list[dict[str, Any]]:
+        """Run ``command`` (``SHOW CLIENTS``, ``PAUSE``...) on the admin console; rows as dicts."""
+        console = self.dsn.rsplit("/", 1)[0] + "/pgbouncer"
+        with psycopg.connect(console, autocommit=True, cursor_factory=psycopg.ClientCursor,
+                             connect_timeout=5) as conn:
+            cur = conn.execute(command)  # type: ignore[arg-type]
+            result = cur.pgresult
+            if result is None or result.status != psycopg.pq.ExecStatus.TUPLES_OK:
+                return []
+            names = [c.name for c in cur.description or ()]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+    def close(self) -> None:
+        """Stop PgBouncer and remove its directory."""
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def pgbouncer_server(pg16_server: PgServer) -> Iterator[PgServer]:
     """A real PgBouncer in transaction mode (pool of 4) in front of PostgreSQL 16."""
     if not os.path.exists(PGBOUNCER):
         missing_service("pgbouncer")
-    server = pg16_server.server
-    root = Path(tempfile.mkdtemp(prefix="anarchon-pgbouncer-", dir=shared_dir(service_user())))
-    root.chmod(0o755)
-    port = find_free_port()
-    (root / "userlist.txt").write_text(f'"postgres" "{server.password}"\n')
-    (root / "pgbouncer.ini").write_text(
-        "[databases]\n"
-        f"postgres = host=127.0.0.1 port={server.port} dbname=postgres\n"
-        "[pgbouncer]\n"
-        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-        f"auth_type = scram-sha-256\nauth_file = {root / 'userlist.txt'}\n"
-        "pool_mode = transaction\ndefault_pool_size = 4\nmax_client_conn = 500\n"
-        "ignore_startup_parameters = extra_float_digits,options\n"
-        f"logfile = {root / 'pgbouncer.log'}\npidfile = {root / 'pgbouncer.pid'}\n"
-    )
-    user = service_user()
-    if user is not None:
-        shutil.chown(root, user)
-        for child in root.iterdir():
-            shutil.chown(child, user)
-    proc = subprocess.Popen([PGBOUNCER, str(root / "pgbouncer.ini")], user=user,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    dsn = f"postgresql://postgres:{server.password}@127.0.0.1:{port}/postgres"
+    bouncer = PgBouncer(pg16_server.server, pool_size=4).start()
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None:
-                log = root / "pgbouncer.log"
-                raise RuntimeError(f"pgbouncer exited: {log.read_text() if log.exists() else ''}")
-            try:
-                with psycopg.connect(dsn, connect_timeout=2, autocommit=True) as conn:
-                    conn.execute("SELECT 1")
-                break
-            except psycopg.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        version = subprocess.run([PGBOUNCER, "--version"], capture_output=True, text=True)
-        yield PgServer(dsn, pg16_server.dsn, server, version.stdout.splitlines()[0])
+        yield PgServer(bouncer.dsn, pg16_server.dsn, pg16_server.server, bouncer.version)
     finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(root, ignore_errors=True)
+        bouncer.close()
 
 
 def unique_table() -> str:
@@ -202,7 +251,8 @@ async def drop_tables(admin_dsn: str, table: str) -> None:
                 ident = psycopg.sql.Identifier(*(p for p in (schema, name + suffix) if p))
                 conn.execute(psycopg.sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(ident))
             schema, _, name = table.rpartition(".")
-            for suffix in ("_claim", "_claim_v2", "_batch_v2"):  # every claim function
+            for suffix in ("_claim", "_claim_v2", "_batch_v2", "_claim_v3",
+                           "_batch_v3"):  # every claim function
                 claim = psycopg.sql.Identifier(*(p for p in (schema, name + suffix) if p))
                 conn.execute(psycopg.sql.SQL("DROP FUNCTION IF EXISTS {} CASCADE").format(claim))
 

@@ -1,0 +1,596 @@
+"""The backend contract as tests (see lease_core/abc.py), on a :class:`Store` per test.
+
+Every backend must pass this module unchanged. Lease expiry is real store time, so the
+leases here are short and every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import anyio
+import pytest
+
+from lease_core import ConfigurationError, Outcome, Reason, RunStatus
+from lease_core._structures import Attempt, ClaimRequest, ClaimResult, ClaimStatus, Lease
+from lease_core.abc import Backend
+
+from ._tools import Store, wait_for
+
+pytestmark = pytest.mark.anyio
+
+SLOT = 1_700_000_000_000
+SHORT = 300  # ms: a lease we wait out
+
+
+def req(job: str, slot: int = SLOT, instance: str = "a", lease_ms: int = 10_000,
+        **kw: object) -> ClaimRequest:
+    """A claim of ``job``'s run at ``slot`` by ``instance``, with a fresh token."""
+    return ClaimRequest(job, slot, instance, uuid.uuid4().hex, lease_ms, **kw)  # type: ignore[arg-type]
+
+
+def lease_of(r: ClaimRequest) -> Lease:
+    """The lease that claim ``r`` holds once it has won."""
+    return Lease(r.job, r.slot, r.token, r.lease_ms)
+
+
+async def started(store: Store) -> Backend:
+    """A new backend on ``store``, started: one simulated instance (the test closes it)."""
+    backend = store.backend()
+    await backend.start()
+    return backend
+
+
+async def wait_expired(backend: Backend, job: str, slot: int = SLOT) -> None:
+    """Wait until the run's lease has expired by the store's clock (5 s deadline)."""
+
+    async def expired() -> bool:
+        result = await backend.check([(job, slot)])
+        state = result.runs.get((job, slot))
+        return state is not None and state.claimable(result.now_ms)
+
+    await wait_for(expired, timeout=5, what="lease expiry")
+
+
+async def test_first_claim_wins_and_second_stands_by(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        ra, rb = req("j", instance="a"), req("j", instance="b")
+        won = await a.claim(ra)
+        assert won.status is ClaimStatus.WON
+        assert won.attempt == 1 and won.reason is Reason.SCHEDULED
+        assert won.expires_ms is not None and won.expires_ms - won.now_ms == ra.lease_ms
+        other = await b.claim(rb)
+        assert other.status is ClaimStatus.RUNNING
+        assert other.attempt == 1 and other.instance_id == "a"
+        history = await b.history("j")
+        assert [(h.attempt, h.instance_id, h.reason, h.outcome) for h in history] == [
+            (1, "a", Reason.SCHEDULED, None)
+        ]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_finish_records_outcome_and_later_claims_see_finished(store: Store) -> None:
+    a = await started(store)
+    try:
+        r = req("j")
+        await a.claim(r)
+        assert await a.finish(lease_of(r), Outcome.FAILED, "boom")
+        again = await a.claim(req("j", instance="b"))
+        assert again.status is ClaimStatus.FINISHED
+        assert again.run_status is RunStatus.FAILED
+        (attempt,) = await a.history("j")
+        assert attempt.outcome == "failed" and attempt.error == "boom"
+        assert attempt.finished_at is not None and attempt.finished_at >= attempt.claimed_at
+    finally:
+        await a.close()
+
+
+async def test_stale_token_is_refused_everywhere(store: Store) -> None:
+    a = await started(store)
+    try:
+        r = req("j")
+        await a.claim(r)
+        old = lease_of(r)
+        assert await a.set_checkpoint(old, {"done": 1})
+        # The holder's last renewal asks for a short lease (renewals set an absolute
+        # expiry), then it stalls past it: the lease is live for as long as the test
+        # needs it, however slow the machine, and expires when the test means it to.
+        renewal = Lease(r.job, r.slot, r.token, SHORT)
+        assert r.token in (await a.heartbeat([renewal])).held
+        await wait_expired(a, "j")
+        r2 = req("j", instance="b")
+        took = await a.claim(r2)
+        assert took.status is ClaimStatus.WON and took.attempt == 2
+        assert took.reason is Reason.TAKEOVER
+        beat = await a.heartbeat([old])
+        assert old.token not in beat.held
+        assert not await a.finish(old, Outcome.COMPLETED)
+        assert not await a.set_checkpoint(old, {"done": 0})
+        assert not await a.delete_checkpoint(old)
+        assert await a.hand_over([old]) == frozenset()
+        assert await a.get_checkpoint("j", SLOT) == {"done": 1}
+        assert await a.set_checkpoint(lease_of(r2), {"done": 2})
+        assert await a.get_checkpoint("j", SLOT) == {"done": 2}
+        history = await a.history("j")
+        assert [(h.attempt, h.reason, h.outcome) for h in history] == [
+            (2, Reason.TAKEOVER, None),
+            (1, Reason.SCHEDULED, Outcome.LOST),
+        ]
+    finally:
+        await a.close()
+
+
+async def test_heartbeat_renews_many_leases_to_an_absolute_expiry(store: Store) -> None:
+    a = await started(store)
+    try:
+        reqs = [req(f"job{i}", lease_ms=5_000) for i in range(5)]
+        for r in reqs:
+            assert (await a.claim(r)).status is ClaimStatus.WON
+        for _ in range(3):
+            beat = await a.heartbeat([lease_of(r) for r in reqs])
+            assert beat.held == {r.token for r in reqs}
+        result = await a.check([(r.job, r.slot) for r in reqs])
+        for r in reqs:
+            state = result.runs[(r.job, r.slot)]
+            assert state.status is RunStatus.RUNNING
+            assert state.expires_ms is not None
+            # Renewal sets now + lease; adding to the remaining time would exceed it.
+            assert state.expires_ms - result.now_ms <= 5_000
+        assert (await a.heartbeat([])).held == frozenset()
+    finally:
+        await a.close()
+
+
+async def test_expired_lease_is_not_revived_by_heartbeat(store: Store) -> None:
+    a = await started(store)
+    try:
+        r = req("j", lease_ms=SHORT)
+        await a.claim(r)
+        await wait_expired(a, "j")
+        assert r.token not in (await a.heartbeat([lease_of(r)])).held
+    finally:
+        await a.close()
+
+
+async def test_hand_over_lets_a_backup_claim_at_once(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        r = req("j", lease_ms=60_000)
+        await a.claim(r)
+        assert await a.set_checkpoint(lease_of(r), [1, 2])
+        assert await a.hand_over([lease_of(r)]) == {r.token}
+        state = (await b.check([("j", SLOT)])).runs[("j", SLOT)]
+        assert state.status is RunStatus.HANDED_OVER
+        took = await b.claim(req("j", instance="b"))
+        assert took.status is ClaimStatus.WON
+        assert (took.attempt, took.reason) == (2, Reason.HAND_OVER)
+        assert await b.get_checkpoint("j", SLOT) == [1, 2]
+        history = await b.history("j")
+        assert [(h.attempt, h.instance_id, h.reason, h.outcome) for h in history] == [
+            (2, "b", Reason.HAND_OVER, None),
+            (1, "a", Reason.SCHEDULED, Outcome.HANDED_OVER),
+        ]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_escalation_after_max_attempts(store: Store) -> None:
+    a = await started(store)
+    try:
+        for attempt in (1, 2):
+            r = req("j", lease_ms=SHORT, max_attempts=2)
+            got = await a.claim(r)
+            assert got.status is ClaimStatus.WON and got.attempt == attempt
+            await wait_expired(a, "j")
+        last = await a.claim(req("j", max_attempts=2))
+        assert last.status is ClaimStatus.ESCALATED
+        assert (await a.claim(req("j", max_attempts=2))).status is ClaimStatus.FINISHED
+        state = (await a.check([("j", SLOT)])).runs[("j", SLOT)]
+        assert state.status is RunStatus.ESCALATED
+        outcomes = [(h.attempt, h.outcome) for h in await a.history("j")]
+        assert outcomes == [(2, Outcome.ESCALATED), (1, Outcome.LOST)]
+    finally:
+        await a.close()
+
+
+async def test_max_attempts_counts_takeovers_not_hand_overs(store: Store) -> None:
+    """A run handed over on a deploy and then crashed is taken over, not escalated."""
+    a = await started(store)
+    try:
+        first = req("j", max_attempts=2)
+        assert (await a.claim(first)).attempt == 1
+        assert await a.hand_over([lease_of(first)]) == {first.token}
+        handed = await a.claim(req("j", instance="b", lease_ms=SHORT, max_attempts=2))
+        assert (handed.status, handed.attempt, handed.reason) == (
+            ClaimStatus.WON, 2, Reason.HAND_OVER)
+        await wait_expired(a, "j")  # the attempt that started by hand-over crashed
+        taken = await a.claim(req("j", instance="c", lease_ms=SHORT, max_attempts=2))
+        assert (taken.status, taken.attempt, taken.reason) == (
+            ClaimStatus.WON, 3, Reason.TAKEOVER)
+        await wait_expired(a, "j")  # the first attempt and one takeover: max_attempts=2
+        last = await a.claim(req("j", instance="d", max_attempts=2))
+        assert (last.status, last.attempt) == (ClaimStatus.ESCALATED, 3)
+        outcomes = [(h.attempt, h.reason, h.outcome) for h in await a.history("j")]
+        assert outcomes == [(3, Reason.TAKEOVER, Outcome.ESCALATED),
+                            (2, Reason.HAND_OVER, Outcome.LOST),
+                            (1, Reason.SCHEDULED, Outcome.HANDED_OVER)]
+    finally:
+        await a.close()
+
+
+async def test_overlap_skip_is_recorded_and_allow_runs_both(store: Store) -> None:
+    a = await started(store)
+    try:
+        await a.claim(req("j", slot=SLOT))
+        skipped = await a.claim(req("j", slot=SLOT + 1000))
+        assert skipped.status is ClaimStatus.SKIPPED
+        assert (await a.claim(req("j", slot=SLOT + 1000))).run_status is RunStatus.SKIPPED
+        newest = (await a.history("j"))[0]
+        assert (newest.slot, newest.outcome) == (SLOT + 1000, Outcome.SKIPPED)
+        allowed = await a.claim(req("j", slot=SLOT + 2000, overlap_skip=False))
+        assert allowed.status is ClaimStatus.WON
+        # A finished earlier run does not cause a skip.
+        await a.claim(req("k", slot=SLOT))
+        r = req("k", slot=SLOT)
+        assert (await a.claim(r)).status is ClaimStatus.RUNNING
+    finally:
+        await a.close()
+
+
+async def test_register_jobs_reports_first_seen_last_slot_and_open_runs(store: Store) -> None:
+    a = await started(store)
+    try:
+        first = await a.register_jobs(["x", "y"])
+        assert first["x"].new and first["x"].last_slot is None
+        now = await a.now_ms()
+        assert abs(first["x"].first_seen_ms - now) < 5_000
+        await a.claim(req("x", slot=SLOT))
+        r = req("x", slot=SLOT + 5)
+        await a.claim(req("x", slot=SLOT + 5, overlap_skip=False))
+        del r
+        done = req("y", slot=SLOT)
+        await a.claim(done)
+        await a.finish(lease_of(done), Outcome.COMPLETED)
+        again = await a.register_jobs(["x", "y"])
+        assert not again["x"].new
+        assert again["x"].first_seen_ms == first["x"].first_seen_ms
+        assert again["x"].last_slot == SLOT + 5
+        assert again["x"].open_slots == (SLOT, SLOT + 5)
+        assert again["y"].open_slots == ()
+    finally:
+        await a.close()
+
+
+async def test_check_reads_many_runs_and_omits_missing(store: Store) -> None:
+    a = await started(store)
+    try:
+        await a.claim(req("p", instance="i1"))
+        await a.claim(req("q", instance="i2"))
+        result = await a.check([("p", SLOT), ("q", SLOT), ("nope", SLOT)])
+        assert set(result.runs) == {("p", SLOT), ("q", SLOT)}
+        assert result.runs[("q", SLOT)].instance_id == "i2"
+        assert abs(result.now_ms - await a.now_ms()) < 5_000
+    finally:
+        await a.close()
+
+
+async def test_history_is_trimmed_by_size(store: Store) -> None:
+    a = await started(store)
+    try:
+        for i in range(8):
+            r = req("h", slot=SLOT + i, history_size=3)
+            await a.claim(r)
+            await a.finish(lease_of(r), Outcome.COMPLETED)
+        r = req("h", slot=SLOT + 8, history_size=3)
+        await a.claim(r)
+        await a.prune("h", keep=3)  # what the scheduler's ticker does
+        history = await a.history("h")
+        assert len(history) <= 4
+        assert history[0].slot == SLOT + 8
+        assert {h.slot for h in history} >= {SLOT + 8, SLOT + 7}
+        # Trimmed runs are gone from the store too.
+        result = await a.check([("h", SLOT), ("h", SLOT + 8)])
+        assert ("h", SLOT) not in result.runs and ("h", SLOT + 8) in result.runs
+        assert len(await a.history(None, limit=2)) == 2
+    finally:
+        await a.close()
+
+
+async def test_history_is_trimmed_by_ttl(store: Store) -> None:
+    a = await started(store)
+    try:
+        old = req("t", slot=SLOT, history_ttl_ms=200)
+        await a.claim(old)
+        await a.finish(lease_of(old), Outcome.COMPLETED)
+        now = await a.now_ms()
+        await wait_for(lambda: a.now_ms(), what="clock")  # one round trip
+        await wait_for(_later_than(a, now + 400), timeout=5, what="ttl to pass")
+        new = req("t", slot=SLOT + 1000, history_ttl_ms=200)
+        await a.claim(new)
+        await a.prune("t", older_than_ms=200)  # what the scheduler's ticker does
+        slots = [h.slot for h in await a.history("t")]
+        assert slots == [SLOT + 1000]
+    finally:
+        await a.close()
+
+
+def _later_than(backend: Backend, ms: int):  # type: ignore[no-untyped-def]
+    async def check() -> bool:
+        return await backend.now_ms() > ms
+
+    return check
+
+
+async def test_checkpoint_round_trips_json_and_rejects_other_values(store: Store) -> None:
+    from lease_core import ConfigurationError
+
+    a = await started(store)
+    try:
+        r = req("c")
+        await a.claim(r)
+        assert await a.get_checkpoint("c", SLOT) is None
+        value = {"cursor": 41, "names": ["α", "b"], "ok": True, "none": None}
+        assert await a.set_checkpoint(lease_of(r), value)
+        assert await a.get_checkpoint("c", SLOT) == value
+        with pytest.raises(ConfigurationError, match="JSON"):
+            await a.set_checkpoint(lease_of(r), {"bad": object()})
+        assert await a.get_checkpoint("c", SLOT) == value
+        assert await a.delete_checkpoint(lease_of(r))
+        assert await a.get_checkpoint("c", SLOT) is None
+    finally:
+        await a.close()
+
+
+async def test_job_names_and_many_claims_are_isolated(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        names = ["a.b", "a/b", "a:b", "a@b", "a-b", "A_b"]
+        for name in names:
+            assert (await a.claim(req(name, instance="a"))).status is ClaimStatus.WON
+        for name in names:
+            assert (await b.claim(req(name, instance="b"))).status is ClaimStatus.RUNNING
+        assert {h.job for h in await a.history(None, 100)} == set(names)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_jobs_and_runs_describe_the_store_now(store: Store) -> None:
+    a = await started(store)
+    try:
+        done, handed = req("alpha", SLOT), req("beta", SLOT)
+        held = req("alpha", SLOT + 1000, overlap_skip=False)
+        for r in (done, held, handed):
+            assert (await a.claim(r)).status is ClaimStatus.WON
+        assert await a.finish(lease_of(done), Outcome.COMPLETED)
+        assert await a.hand_over([lease_of(handed)]) == {handed.token}
+        now = await a.now_ms()
+
+        assert await a.jobs() == ["alpha", "beta"]
+        runs = await a.runs()
+        assert [(r.job, r.slot, r.status) for r in runs] == [
+            ("alpha", SLOT + 1000, RunStatus.RUNNING),
+            ("alpha", SLOT, RunStatus.COMPLETED),
+            ("beta", SLOT, RunStatus.HANDED_OVER),
+        ]
+        running = runs[0]
+        assert running.instance_id == "a" and running.attempt == 1
+        assert running.expires_ms is not None and running.expires_ms > now
+        assert running.expires_at is not None and running.scheduled_at.year == 2023
+        assert runs[1].expires_ms is None and runs[2].expires_ms is None
+
+        open_runs = await a.runs(open_only=True)
+        assert {(r.job, r.slot) for r in open_runs} == {("alpha", SLOT + 1000), ("beta", SLOT)}
+        assert [r.slot for r in await a.runs("alpha")] == [SLOT + 1000, SLOT]
+        assert [r.slot for r in await a.runs("alpha", limit=1)] == [SLOT + 1000]
+        assert await a.runs("nobody") == []
+        with pytest.raises(ValueError, match="limit=-1"):
+            await a.runs(limit=-1)
+    finally:
+        await a.close()
+
+
+async def test_a_claim_sent_again_with_its_token_answers_won(store: Store) -> None:
+    a = await started(store)
+    try:
+        r = req("j")
+        first = await a.claim(r)
+        again = await a.claim(r)
+        assert (again.status, again.attempt, again.reason) == (
+            ClaimStatus.WON, 1, Reason.SCHEDULED)
+        assert again.expires_ms == first.expires_ms
+        assert len(await a.history("j")) == 1
+        assert (await a.claim(req("j", instance="b"))).status is ClaimStatus.RUNNING
+    finally:
+        await a.close()
+
+
+async def test_workflow_steps_are_recorded_in_the_store(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        assert await b.workflows() == {}
+        await a.register_workflows({"close": ["snapshot", "interest", "publish"],
+                                    "sync": ["pull"]})
+        await a.register_workflows({"sync": ["pull", "push"]})  # a newer declaration wins
+        assert await b.workflows() == {"close": ["snapshot", "interest", "publish"],
+                                       "sync": ["pull", "push"]}
+        await a.register_workflows({})
+        assert len(await b.workflows()) == 2
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_prune_trims_a_job_without_claiming(store: Store) -> None:
+    a = await started(store)
+    try:
+        for slot in range(5):  # five finished runs, then one open
+            r = req("old", slot=SLOT + slot, overlap_skip=False)
+            await a.claim(r)
+            assert await a.finish(lease_of(r), Outcome.COMPLETED)
+        held = req("old", slot=SLOT + 10, overlap_skip=False)
+        await a.claim(held)
+        with pytest.raises(ValueError, match="keep=-1"):
+            await a.prune("old", keep=-1)
+        assert await a.prune("old", keep=10) == 0
+        assert await a.prune("old", keep=4, batch=1) == 1  # bounded work per call
+        assert await a.prune("old", keep=3) == 2
+        left = await a.history("old")
+        assert [h.slot for h in left] == [SLOT + 10, SLOT + 4, SLOT + 3]
+        # runs with no attempt left are deleted, the open run stays
+        assert {r.slot for r in await a.runs("old")} == {SLOT + 10, SLOT + 4, SLOT + 3}
+        assert await a.get_checkpoint("old", SLOT) is None
+        # by age: every finished attempt is older than 0 ms once the clock moved on
+        now = await a.now_ms()
+        await wait_for(lambda: _later(a, now), timeout=5, what="the store clock to move")
+        assert await a.prune("old", older_than_ms=0) == 2
+        assert [h.slot for h in await a.history("old")] == [SLOT + 10]
+        assert (await a.check([("old", SLOT + 10)])).runs[("old", SLOT + 10)].status is \
+            RunStatus.RUNNING
+    finally:
+        await a.close()
+
+
+async def _later(backend: Backend, ms: int) -> bool:
+    return await backend.now_ms() > ms
+
+
+async def test_a_workflow_step_s_run_keeps_its_result_and_fences_a_zombie(store: Store) -> None:
+    # Steps run as jobs "<workflow>/<step>"; their checkpoint holds progress, then result.
+    a, b = await started(store), await started(store)
+    try:
+        job = "bank-close/interest"
+        first = req(job, lease_ms=300)
+        assert (await a.claim(first)).status is ClaimStatus.WON
+        assert await a.set_checkpoint(lease_of(first), {"progress": {"after": 100}})
+        await wait_expired(b, job)
+        second = req(job, instance="b")
+        won = await b.claim(second)
+        assert (won.status, won.attempt, won.reason) == (ClaimStatus.WON, 2, Reason.TAKEOVER)
+        assert await b.get_checkpoint(job, SLOT) == {"progress": {"after": 100}}
+        # The zombie can neither store its result nor complete the step.
+        assert not await a.set_checkpoint(lease_of(first), {"result": "zombie"})
+        assert not await a.finish(lease_of(first), Outcome.COMPLETED)
+        assert await b.set_checkpoint(lease_of(second), {"result": {"credited": 7}})
+        assert await b.finish(lease_of(second), Outcome.COMPLETED)
+        assert await a.get_checkpoint(job, SLOT) == {"result": {"credited": 7}}
+        assert not await b.set_checkpoint(lease_of(second), {"result": "late"})
+        result = await a.check([(job, SLOT), ("bank-close/publish", SLOT)])
+        assert result.runs[(job, SLOT)].status is RunStatus.COMPLETED
+        assert ("bank-close/publish", SLOT) not in result.runs
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_claim_many_answers_as_sequential_claims(store: Store) -> None:
+    """A batch of claims gives, request by request, what claim() one at a time gives."""
+    a = await started(store)
+    try:
+        async def prepare(p: str) -> list[ClaimRequest]:
+            await a.claim(req(f"{p}-running", instance="x"))
+            await a.claim(req(f"{p}-skip", instance="x"))
+            await a.claim(req(f"{p}-esc", instance="x", lease_ms=SHORT, max_attempts=1))
+            await a.claim(req(f"{p}-take", instance="x", lease_ms=SHORT))
+            done = req(f"{p}-fin", instance="x")
+            await a.claim(done)
+            await a.finish(lease_of(done), Outcome.COMPLETED)
+            handed = req(f"{p}-hand", instance="x")
+            await a.claim(handed)
+            await a.hand_over([lease_of(handed)])
+            again = req(f"{p}-again")
+            return [
+                req(f"{p}-new"),
+                req(f"{p}-running"),
+                req(f"{p}-skip", slot=SLOT + 1000),
+                req(f"{p}-esc", max_attempts=1),
+                req(f"{p}-take", max_attempts=3),
+                req(f"{p}-fin"),
+                req(f"{p}-hand"),
+                req(f"{p}-dup"), req(f"{p}-dup", instance="b"),  # one run twice
+                again, again,  # the same claim sent twice
+                req(f"{p}-two"), req(f"{p}-two", slot=SLOT + 1000),  # skipped by the first
+                req(f"{p}-both"), req(f"{p}-both", slot=SLOT + 1000, overlap_skip=False),
+            ]
+
+        seq, bat = await prepare("seq"), await prepare("bat")
+        for p in ("seq", "bat"):
+            await wait_expired(a, f"{p}-esc")
+            await wait_expired(a, f"{p}-take")
+        one_by_one = [await a.claim(r) for r in seq]
+        batched = await a.claim_many(bat)
+        assert await a.claim_many([]) == []
+
+        def shape(results: list[ClaimResult], p: str) -> list[tuple[object, ...]]:
+            return [(r.status, r.job.removeprefix(p), r.slot, r.attempt, r.reason, r.run_status,
+                     r.instance_id, r.expires_ms is None)
+                    for r in results]
+
+        assert shape(batched, "bat") == shape(one_by_one, "seq")
+        assert [r.status for r in batched] == [
+            ClaimStatus.WON, ClaimStatus.RUNNING, ClaimStatus.SKIPPED, ClaimStatus.ESCALATED,
+            ClaimStatus.WON, ClaimStatus.FINISHED, ClaimStatus.WON,
+            ClaimStatus.WON, ClaimStatus.RUNNING, ClaimStatus.WON, ClaimStatus.WON,
+            ClaimStatus.WON, ClaimStatus.SKIPPED, ClaimStatus.WON, ClaimStatus.WON,
+        ]
+        assert [r.reason for r in batched[4:7]] == [Reason.TAKEOVER, None, Reason.HAND_OVER]
+
+        def trail(attempts: list[Attempt], p: str) -> list[tuple[object, ...]]:
+            return sorted((h.job.removeprefix(p), h.slot, h.attempt, h.instance_id, h.reason,
+                           h.outcome) for h in attempts if h.job.startswith(p))
+
+        history = await a.history(None, 1000)
+        assert trail(history, "bat") == trail(history, "seq")
+        state = await a.check([(r.job, r.slot) for r in bat])
+        assert state.runs[("bat-take", SLOT)].attempt == 2
+        assert state.runs[("bat-esc", SLOT)].status is RunStatus.ESCALATED
+    finally:
+        await a.close()
+
+
+async def test_maintenance_due_has_one_winner_per_period(store: Store) -> None:
+    backends = [store.backend() for _ in range(4)]
+    for b in backends:
+        await b.start()
+    try:
+        with pytest.raises(ConfigurationError, match="every_ms=0"):
+            await backends[0].maintenance_due("a", 0)
+        wins: list[bool] = []
+
+        async def ask(b: Backend, who: str) -> None:
+            wins.append(await b.maintenance_due(who, 600))
+
+        async with anyio.create_task_group() as tg:
+            for i, b in enumerate(backends):
+                tg.start_soon(ask, b, f"i{i}")
+        assert sorted(wins) == [False, False, False, True]
+        assert not await backends[1].maintenance_due("again", 600)
+
+        # once the period is over, exactly one caller wins the next one
+        async def next_period() -> bool:
+            return await backends[2].maintenance_due("later", 600)
+
+        await wait_for(next_period, what="the next period")
+        assert not await backends[3].maintenance_due("other", 600)
+    finally:
+        for b in backends:
+            await b.close()
+
+
+async def test_a_claim_leaves_trimming_to_prune(store: Store) -> None:
+    a = await started(store)
+    try:
+        for i in range(6):
+            r = req("k", slot=SLOT + i, history_size=2, history_ttl_ms=1)
+            assert (await a.claim(r)).status is ClaimStatus.WON
+            await a.finish(lease_of(r), Outcome.COMPLETED)
+        assert len(await a.history("k")) == 6  # the claims trimmed nothing
+        assert len(await a.history("k", limit=4)) == 4  # never more than asked for
+        assert await a.prune("k", keep=2) == 4
+        assert [h.slot for h in await a.history("k")] == [SLOT + 5, SLOT + 4]
+    finally:
+        await a.close()

@@ -1,0 +1,384 @@
+"""A Redis server that restarts without persistence, and so forgets every lease.
+
+Each test starts its own server (``--save "" --appendonly no``) and restarts it for real.
+After the loss no attempt may start until every lease that may have been live has
+expired (the quarantine, on the store's clock), and holders learn of the loss at their
+next heartbeat.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import redis
+import redis.asyncio
+
+from backends.embedded.redis import EmbeddedRedis, find_server
+from backends.redis import RedisBackend
+from lease_core import LeaseLost, Reason, RunContext, Scheduler
+from lease_core._structures import CheckResult, ClaimRequest, ClaimStatus
+from lease_core.errors import BackendUnavailable
+from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_for
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["redis", "valkey"])
+def server(request: pytest.FixtureRequest) -> Iterator[EmbeddedRedis]:
+    """A server of its own, without persistence: redis-server 6.2 or valkey-server 8."""
+    binary = find_server(request.param)
+    assert binary is not None, f"no {request.param} server installed"
+    with EmbeddedRedis(binary, appendonly=False) as made:
+        yield made
+
+
+@pytest.fixture
+def raw(server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    """A plain sync client, for reading the server behind the backends' back."""
+    client = redis.Redis.from_url(server.url)
+    yield client
+    client.close()
+
+
+def _prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+def _request(job: str, slot: int, token: str, lease_ms: int) -> ClaimRequest:
+    return ClaimRequest(job, slot, f"inst-{token}", token, lease_ms, overlap_skip=False)
+
+
+def _server_ms(raw: redis.Redis) -> int:
+    seconds, micros = raw.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def _restart_empty(server: EmbeddedRedis, raw: redis.Redis) -> int:
+    """Restart the server, check it came back empty; return its clock just after."""
+    await anyio.to_thread.run_sync(server.stop)
+    await anyio.to_thread.run_sync(server.start)
+    assert raw.dbsize() == 0, "the server kept data across the restart"
+    return _server_ms(raw)
+
+
+def _job_hash(raw: redis.Redis, prefix: str, job: str) -> dict[str, str]:
+    found: dict[bytes, bytes] = raw.hgetall("{" + prefix + "/" + job + "}:job")  # type: ignore[assignment]
+    return {k.decode(): v.decode() for k, v in found.items()}
+
+
+# -- the backend -----------------------------------------------------------------------
+
+
+async def test_a_fresh_store_has_no_quarantine(server: EmbeddedRedis, raw: redis.Redis) -> None:
+    prefix = _prefix()
+    one, two = RedisBackend(server.url, prefix=prefix), RedisBackend(server.url, prefix=prefix)
+    await one.start()
+    await two.start()
+    try:
+        first = await one.claim(_request("job", 1, "a", 60_000))
+        assert (first.status, first.attempt) == (ClaimStatus.WON, 1)
+        marker = _job_hash(raw, prefix, "job")
+        assert marker.get("sid") and "quiet" not in marker and "lost" not in marker
+        # another instance, and another slot: the marker is kept, nothing waits
+        second = await two.claim(_request("job", 2, "b", 60_000))
+        assert (second.status, second.attempt) == (ClaimStatus.WON, 1)
+        # a job new to a store whose other jobs this backend knows
+        other = await one.claim(_request("other", 1, "c", 60_000))
+        assert (other.status, other.attempt) == (ClaimStatus.WON, 1)
+        assert _job_hash(raw, prefix, "job")["sid"] == marker["sid"]
+        assert "quiet" not in _job_hash(raw, prefix, "other")
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_claims_wait_out_the_longest_lease_after_a_loss(
+    server: EmbeddedRedis, raw: redis.Redis
+) -> None:
+    prefix = _prefix()
+    short = RedisBackend(server.url, prefix=prefix)   # knows a 400 ms lease
+    long = RedisBackend(server.url, prefix=prefix)    # knows a 1.2 s lease
+    await short.start()
+    await long.start()
+    try:
+        assert (await short.claim(_request("job", 1, "a", 400))).status is ClaimStatus.WON
+        assert (await long.claim(_request("job", 2, "b", 1_200))).status is ClaimStatus.WON
+        before = _job_hash(raw, prefix, "job")["sid"]
+        restarted = await _restart_empty(server, raw)
+
+        found = await short.claim(_request("job", 3, "c", 400))
+        assert (found.status, found.run_status, found.attempt) == (ClaimStatus.RUNNING, None, 0)
+        assert found.instance_id is None
+        marker = _job_hash(raw, prefix, "job")
+        lost = int(marker["lost"])
+        assert restarted <= lost <= found.now_ms
+        assert found.expires_ms == int(marker["quiet"]) == lost + 400
+        assert marker["sid"] != before
+        # nothing recorded while in quarantine
+        assert await short.history("job") == []
+        assert (await short.check([("job", 3)])).runs == {}
+
+        # a caller that knew a longer lease extends the quarantine ...
+        extended = await long.claim(_request("job", 3, "d", 1_200))
+        assert (extended.status, extended.run_status) == (ClaimStatus.RUNNING, None)
+        assert extended.expires_ms == int(_job_hash(raw, prefix, "job")["quiet"]) == lost + 1_200
+        # ... and a shorter one never shortens it
+        again = await short.claim(_request("job", 3, "e", 400))
+        assert again.expires_ms == lost + 1_200
+        # a backend that never saw the job before the loss is held back too
+        fresh = RedisBackend(server.url, prefix=prefix)
+        await fresh.start()
+        try:
+            held = await fresh.claim(_request("job", 3, "f", 400))
+            assert (held.status, held.expires_ms) == (ClaimStatus.RUNNING, lost + 1_200)
+        finally:
+            await fresh.close()
+        assert await short.history("job") == []
+
+        await wait_for(lambda: _server_ms(raw) >= lost + 1_200, what="the quarantine's end")
+        won = await short.claim(_request("job", 3, "g", 400))
+        assert (won.status, won.attempt, won.reason) == (ClaimStatus.WON, 1, Reason.SCHEDULED)
+        assert won.now_ms >= lost + 1_200
+        # every backend adopted the new marker: later claims do not start another quarantine
+        assert (await long.claim(_request("job", 4, "h", 1_200))).status is ClaimStatus.WON
+        assert int(_job_hash(raw, prefix, "job")["quiet"]) == lost + 1_200
+    finally:
+        await short.close()
+        await long.close()
+
+
+# -- schedulers ------------------------------------------------------------------------
+
+
+async def test_a_backup_starts_no_attempt_before_the_quarantine_ends(
+    server: EmbeddedRedis, raw: redis.Redis
+) -> None:
+    prefix = _prefix()
+    lease_ms = 2_000
+    offset = quiet_offset(await store_now_ms(RedisBackend(server.url, prefix=prefix)))
+    holder = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id="holder",
+                       lease="2s", heartbeat="0.2s")
+    backup = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id="backup",
+                       lease="2s", heartbeat="0.2s")
+    contexts: list[RunContext] = []
+    starts: list[float] = []
+    ended: list[float] = []
+    for scheduler in (holder, backup):
+
+        @scheduler.every("long", "1h", offset=offset)
+        async def long(ctx: RunContext) -> None:
+            contexts.append(ctx)
+            starts.append(time.monotonic())
+            try:
+                await anyio.sleep_forever()
+            finally:
+                ended.append(time.monotonic())
+
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(holder).start(tg), await Instance(backup).start(tg)]
+        try:
+            job = holder.jobs["long"]
+            slot = job.schedule.previous_at_or_before(holder.store_now_ms())
+            assert slot is not None
+            first = await holder._claim(job, slot, Reason.SCHEDULED)
+            assert first is not None and first.status is ClaimStatus.WON
+            await wait_for(lambda: contexts, what="the holder's handler")
+            standing = await backup._claim(backup.jobs["long"], slot, Reason.SCHEDULED)
+            assert standing is not None and standing.status is ClaimStatus.RUNNING
+
+            restarted = await _restart_empty(server, raw)
+            # The backup claims the run again (as when its claim went unanswered during
+            # the restart): the store lost it, but its holder is still running it.
+            held_back = await backup._claim(backup.jobs["long"], slot, Reason.SCHEDULED)
+            assert held_back is not None
+            assert (held_back.status, held_back.run_status) == (ClaimStatus.RUNNING, None)
+            quiet = int(_job_hash(raw, prefix, "long")["quiet"])
+            assert held_back.expires_ms == quiet >= restarted + lease_ms
+
+            # the holder learns of the loss at its next heartbeat
+            await wait_for(lambda: ended, timeout=5, what="the holder cancelled")
+            assert contexts[0].stop_reason == "lease lost"
+            assert len(starts) == 1
+            with pytest.raises(LeaseLost):
+                await contexts[0].checkpoint.set({"late": True})
+
+            # the claims wait out the quarantine; then one attempt 1 starts
+            await wait_for(lambda: len(starts) == 2, timeout=15, what="the next attempt")
+            assert ended[0] < starts[1]
+            history = await backup.history("long")
+            assert [a.attempt for a in history] == [1]
+            assert history[0].claimed_at.timestamp() * 1000 >= quiet
+        finally:
+            await stop_all(instances)
+    assert len(starts) == 2
+
+
+async def test_scheduling_resumes_after_the_quarantine(
+    server: EmbeddedRedis, raw: redis.Redis
+) -> None:
+    prefix = _prefix()
+    runs: list[tuple[int, str]] = []
+    schedulers = []
+    for name in ("a", "b"):
+        scheduler = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id=name,
+                              lease="1s", heartbeat="0.2s")
+
+        @scheduler.every("tick", "0.5s")
+        async def tick(ctx: RunContext, name: str = name) -> None:
+            runs.append((ctx.slot, name))
+
+        schedulers.append(scheduler)
+
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in schedulers]
+        try:
+            await wait_for(lambda: len(runs) >= 2, what="runs before the restart")
+            restarted = await _restart_empty(server, raw)
+            await wait_for(lambda: "quiet" in _job_hash(raw, prefix, "tick"),
+                           what="the loss found by a claim")
+            quiet = int(_job_hash(raw, prefix, "tick")["quiet"])
+            assert quiet >= restarted + 1_000
+            await wait_for(lambda: len([s for s, _ in runs if s >= quiet]) >= 3, timeout=15,
+                           what="three slots after the quarantine")
+            history = await schedulers[0].history("tick", 1000)
+        finally:
+            await stop_all(instances)
+
+    # nothing was claimed in the quarantine; each slot since ran once, on one instance
+    assert history and all(a.claimed_at.timestamp() * 1000 >= quiet for a in history)
+    assert all(a.attempt == 1 for a in history)
+    later = [slot for slot, _ in runs if slot >= restarted]
+    assert len(later) == len(set(later)) >= 3
+    assert {a.slot for a in history if a.outcome == "completed"} >= {
+        slot for slot in later if slot < max(later)}
+
+
+
+async def test_the_run_lost_in_flight_runs_again_once_after_the_quarantine(
+    server: EmbeddedRedis, raw: redis.Redis
+) -> None:
+    prefix = _prefix()
+    offset = quiet_offset(await store_now_ms(RedisBackend(server.url, prefix=prefix)))
+    schedulers = [Scheduler(RedisBackend(server.url, prefix=prefix), instance_id=name,
+                            lease="1.5s", heartbeat="0.2s") for name in ("holder", "backup")]
+    starts: list[tuple[str, float]] = []
+    first_ended: list[float] = []
+    for scheduler in schedulers:
+
+        @scheduler.every("long", "1h", offset=offset)
+        async def long(ctx: RunContext, owner: str = scheduler.instance_id) -> None:
+            starts.append((owner, time.monotonic()))
+            if len(starts) == 1:
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    first_ended.append(time.monotonic())
+
+    holder, backup = schedulers
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in schedulers]
+        try:
+            slot = holder.jobs["long"].schedule.previous_at_or_before(holder.store_now_ms())
+            assert slot is not None
+            won = await holder._claim(holder.jobs["long"], slot, Reason.SCHEDULED)
+            assert won is not None and won.status is ClaimStatus.WON
+            await wait_for(lambda: starts, what="the holder's handler")
+            standing = await backup._claim(backup.jobs["long"], slot, Reason.SCHEDULED)
+            assert standing is not None and standing.status is ClaimStatus.RUNNING
+            assert backup.watching == [("long", slot)]
+
+            restarted = await _restart_empty(server, raw)
+            # the instances watching the run find it lost, and wait out the quarantine
+            await wait_for(lambda: first_ended, timeout=5, what="the holder cancelled")
+            await wait_for(lambda: len(starts) == 2, timeout=15, what="the run again")
+            history = await holder.history("long")
+        finally:
+            await stop_all(instances)
+    quiet = int(_job_hash(raw, prefix, "long")["quiet"])
+    assert quiet >= restarted + 1_500
+    assert first_ended[0] < starts[1][1]
+    assert len(starts) == 2
+    assert [(a.slot, a.attempt, a.reason, a.outcome) for a in history] == [
+        (slot, 1, Reason.TAKEOVER, "completed")]
+    assert history[0].claimed_at.timestamp() * 1000 >= quiet
+
+
+@pytest.mark.asyncio_only
+async def test_a_cluster_node_that_loses_its_data() -> None:
+    from redis.asyncio.cluster import RedisCluster
+
+    binary = find_server("valkey")
+    assert binary is not None
+    args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+    with EmbeddedRedis(binary, appendonly=False, extra_args=args) as node:
+        raw = redis.Redis.from_url(node.url)
+        try:
+            raw.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+
+            def cluster_ok() -> bool:
+                return bool(raw.cluster("info")["cluster_state"] == "ok")
+
+            await wait_for(cluster_ok, what="the cluster ok")
+            client = RedisCluster.from_url(node.url)
+            backend = RedisBackend(client, prefix=_prefix())
+            await backend.start()
+            try:
+                jobs = ["a", "b{x}", "c/d"]  # in different slots
+                for job in jobs:
+                    won = await backend.claim(_request(job, 1, f"{job}-1", 1_000))
+                    assert won.status is ClaimStatus.WON
+                await anyio.to_thread.run_sync(node.stop)
+                await anyio.to_thread.run_sync(node.start)
+                assert raw.dbsize() == 0
+                await wait_for(cluster_ok, what="the cluster ok after the restart")
+                checks: list[CheckResult] = []
+
+                async def checked() -> bool:
+                    # the cluster client may first report a connection the restart closed
+                    try:
+                        checks.append(await backend.check([(job, 1) for job in jobs]))
+                    except BackendUnavailable:
+                        return False
+                    return True
+
+                await wait_for(checked, what="a check after the restart")
+                # every script still touches one slot: the markers live with the jobs
+                check = checks[-1]
+                assert check.runs == {} and check.lost == {(job, 1) for job in jobs}
+                for job in jobs:
+                    found = await backend.claim(_request(job, 1, f"{job}-2", 1_000))
+                    assert (found.status, found.run_status) == (ClaimStatus.RUNNING, None)
+                    assert found.expires_ms is not None
+                    assert found.expires_ms >= found.now_ms + 900
+            finally:
+                await backend.close()
+                await client.aclose()
+        finally:
+            raw.close()
+
+
+@pytest.mark.parametrize("kind", ["sync-client", "asyncio-client"])
+async def test_clients_passed_in_find_the_loss_too(
+    server: EmbeddedRedis, raw: redis.Redis, kind: str, anyio_backend: str
+) -> None:
+    if kind == "asyncio-client" and anyio_backend != "asyncio":
+        pytest.skip("redis-py's asyncio client runs on asyncio only")
+    client: Any = (redis.asyncio.Redis.from_url(server.url) if kind == "asyncio-client"
+                   else redis.Redis.from_url(server.url))
+    backend = RedisBackend(client, prefix=_prefix())
+    await backend.start()
+    try:
+        assert (await backend.claim(_request("job", 1, "a", 800))).status is ClaimStatus.WON
+        await _restart_empty(server, raw)
+        found = await backend.claim(_request("job", 1, "b", 800))
+        assert (found.status, found.run_status) == (ClaimStatus.RUNNING, None)
+        assert found.expires_ms == found.now_ms + 800
+        assert (await backend.check([("job", 1)])).lost == {("job", 1)}
+    finally:
+        await backend.close()
+        await client.aclose() if kind == "asyncio-client" else client.close()

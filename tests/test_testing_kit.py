@@ -1,0 +1,143 @@
+"""lease_core.testing holds a third-party backend to the contract: a toy backend installed
+through the ``anarchon.backends`` entry point passes the shipped suite, a broken one fails it.
+
+Each run is a pytest of its own in a subprocess, from a folder outside this project (so
+none of this suite's fixtures or settings help), on a test module written as a backend's
+author would write it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import install_toy_backend
+
+TOY_BACKEND = """
+    import dataclasses
+
+    from backends.memory import MemoryBackend
+    from lease_core.abc import ClaimStatus
+
+    STORES = {}
+
+
+    class ToyBackend(MemoryBackend):
+        \"\"\"One shared in-memory store per URL, as a server would be.\"\"\"
+
+        schemes = ("toy",)
+
+        @classmethod
+        def from_url(cls, url, **options):
+            return STORES.setdefault(url, cls())
+
+
+    class BrokenToyBackend(ToyBackend):
+        \"\"\"Lets a second instance win a run that is already running.\"\"\"
+
+        schemes = ("brokentoy",)
+
+        async def claim(self, request):
+            result = await super().claim(request)
+            if result.status is ClaimStatus.RUNNING:
+                return dataclasses.replace(result, status=ClaimStatus.WON,
+                                           instance_id=request.instance_id)
+            return result
+"""
+
+TEST_MODULE = """
+    import pytest
+
+    import toy_backend
+    from lease_core import backend_from_url
+    from lease_core.testing import BackendConformance
+
+
+    class TestToyBackend(BackendConformance):
+        differential_examples = 8
+        differential_steps = 15
+
+        @pytest.fixture(params=["asyncio", "trio"])
+        def anyio_backend(self, request):
+            return request.param
+
+        def url(self):
+            return "{scheme}://" + self.namespace
+
+        def make_backend(self):
+            return backend_from_url(self.url())
+
+        async def cleanup(self):
+            toy_backend.STORES.pop(self.url(), None)
+"""
+
+#: Hypothesis reports the first failing program it finds, unshrunk: shrinking replays
+#: programs whose steps wait out real leases, for minutes.
+NO_SHRINK = """
+    from hypothesis import Phase, settings
+
+    settings.register_profile("no-shrink", phases=[Phase.explicit, Phase.generate])
+    settings.load_profile("no-shrink")
+"""
+
+INI = """
+    [pytest]
+    addopts = -ra -p no:cacheprovider
+    filterwarnings = error
+    timeout = 60
+"""
+
+
+def run_suite(tmp_path: Path, scheme: str, conftest: str = "") -> subprocess.CompletedProcess[str]:
+    """Install the toy backends, then run the shipped suite on ``scheme`` in a new pytest."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_toy_backend(site, TOY_BACKEND, {"toy": "ToyBackend", "brokentoy": "BrokenToyBackend"})
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pytest.ini").write_text(textwrap.dedent(INI))
+    (project / "conftest.py").write_text(textwrap.dedent(conftest))
+    (project / "test_toy.py").write_text(textwrap.dedent(TEST_MODULE).replace("{scheme}", scheme))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "test_toy.py"],
+        cwd=project, capture_output=True, text=True, timeout=110,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+             "COLUMNS": "1000"},  # the short summary's reasons, not cut
+    )
+
+
+def summary(out: str) -> dict[str, int]:
+    """The counts of pytest's closing line: ``{"passed": 45, "failed": 2}``."""
+    last = out.strip().splitlines()[-1]
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|error)", last)}
+
+
+@pytest.mark.timeout(115)
+def test_a_third_party_backend_passes_the_shipped_suite(tmp_path: Path) -> None:
+    from lease_core.testing import conformance
+
+    checks = [name for name in vars(conformance) if name.startswith("test_")]
+    out = run_suite(tmp_path, "toy")
+    assert out.returncode == 0, out.stdout + out.stderr
+    # Every check on both loops, and the differential test once.
+    assert summary(out.stdout) == {"passed": 2 * len(checks) + 1}, out.stdout
+
+
+@pytest.mark.timeout(115)
+def test_the_shipped_suite_fails_a_backend_that_lets_two_instances_win(tmp_path: Path) -> None:
+    out = run_suite(tmp_path, "brokentoy", NO_SHRINK)
+    assert out.returncode == 1, out.stdout + out.stderr
+    failed = re.findall(r"^FAILED test_toy\.py::TestToyBackend::(\w+)(\[\w+\])? - (.*)$",
+                        out.stdout, re.MULTILINE)
+    reasons = {name: reason for name, _, reason in failed}
+    # The check of the property itself, with the values (assertions are rewritten).
+    assert "test_first_claim_wins_and_second_stands_by" in reasons, out.stdout
+    assert "ClaimStatus.RUNNING" in reasons["test_first_claim_wins_and_second_stands_by"]
+    # The differential test finds the difference and names the call.
+    assert reasons["test_behaves_like_the_memory_backend"].startswith("AssertionError: claim")
+    assert summary(out.stdout)["passed"] > 0  # the properties the toy keeps still pass
