@@ -186,19 +186,33 @@ async def test_a_failed_chunk_fails_only_its_claims_and_a_cancelled_sender_aband
     assert all(isinstance(r, BackendUnavailable) for r in results[:3])
     assert [getattr(r, "status", None) for r in results[3:]] == [ClaimStatus.WON] * 2
 
-    hung = anyio.Event()
+    # Two claims woken at the same instant share a batch; its sender (the first to run)
+    # is cancelled while the store hangs: the other claim learns its outcome is unknown.
+    sender: list[Any] = []
 
-    async def never(requests: Any) -> Any:
-        await hung.wait()
+    async def hang(requests: Any) -> Any:
+        sender.append(anyio.get_current_task().id)
+        await anyio.sleep_forever()
 
-    backend.claim_many = never  # type: ignore[method-assign]
-    follower: list[Any] = []
+    backend.claim_many = hang  # type: ignore[method-assign]
+    go = anyio.Event()
+    scopes: dict[Any, anyio.CancelScope] = {}
+    answers: dict[str, Any] = {}
 
-    async def follow() -> None:
-        follower.extend(await batcher.claim_many([_request("late")]))
+    async def claim(job: str) -> None:
+        with anyio.CancelScope() as scope:
+            scopes[anyio.get_current_task().id] = scope
+            await go.wait()
+            answers[job] = await batcher.claim_many([_request(job)])
 
     async with anyio.create_task_group() as tg:
-        with anyio.move_on_after(0.2):
-            tg.start_soon(follow)
-            await batcher.claim_many([_request("leader")])
-    assert len(follower) == 1 and isinstance(follower[0], ClaimAbandoned)
+        tg.start_soon(claim, "a")
+        tg.start_soon(claim, "b")
+        await anyio.wait_all_tasks_blocked()
+        go.set()
+        await anyio.wait_all_tasks_blocked()
+        assert len(sender) == 1
+        scopes[sender[0]].cancel()
+    assert len(answers) == 1
+    (answer,) = answers.values()
+    assert len(answer) == 1 and isinstance(answer[0], ClaimAbandoned)
