@@ -11,7 +11,8 @@ Collection adds no timer: the first claim of a batch (its *leader*) yields to th
 loop until a turn adds no claim (at most :data:`COLLECT_TURNS` turns), so every task woken
 at the same instant adds its claim first. A claim that arrives while a batch is being sent
 starts the next batch. Each caller awaits its own result; a failed chunk fails each of
-its claims, as if each had failed alone.
+its claims, as if each had failed alone. A batch of one claim is sent with
+:meth:`Backend.claim <lease_core.abc.Backend.claim>`.
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ class ClaimBatcher:
             chunk = batch.requests[at:at + self.limit]
             self.calls += 1
             try:
+                # A lone claim goes through claim(): one round trip either way, and a
+                # backend (or a wrapper of one) that instruments claim() sees it.
                 answered: Sequence[ClaimResult | Exception] = (
-                    await self.backend.claim_many(chunk))
+                    [await self.backend.claim(chunk[0])] if len(chunk) == 1
+                    else await self.backend.claim_many(chunk))
                 if len(answered) != len(chunk):
                     raise AssertionError(
                         f"claim_many answered {len(answered)} results for {len(chunk)} claims")

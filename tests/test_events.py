@@ -147,6 +147,10 @@ class Unplugged(MemoryBackend):
         self._fail()
         return await super().claim(request)
 
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        self._fail()
+        return await super().claim_many(requests)
+
     async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
         self._fail()
         return await super().check(runs)
