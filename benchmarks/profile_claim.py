@@ -154,7 +154,7 @@ async def _redis_phase(admin: Any, first: Step, second: Step, n: int, start: int
             key = names.get(command[1].decode(), "EVALSHA ?")
         server_us.setdefault(key, []).append(int(entry["duration"]))
     cpu = sum(float(cpu1[k]) - float(cpu0[k]) for k in ("used_cpu_sys", "used_cpu_user"))
-    return {"a": a, "b": b, "writes": writes.count - 2, "cpu": cpu, "stats": stats,
+    return {"a": a, "b": b, "writes": writes.count, "cpu": cpu, "stats": stats,
             "slow": server_us, "n": n}
 
 
