@@ -431,6 +431,8 @@ class Pg8000PoolAdapter(SqlAdapter):
         if params.get("connect_timeout") is not None:
             self._timeout = params["connect_timeout"] or None
         self._min_size = min_size
+        self._max_size = max_size
+        self._pool_timeout = timeout
         self._idle: list[Any] = []
         self._slots = anyio.Semaphore(max_size)
         self._closed = False
@@ -490,6 +492,22 @@ class Pg8000PoolAdapter(SqlAdapter):
                 raise
             raise mapped from None
 
+    @asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """Hold one of the ``max_size`` connection slots; wait ``timeout`` for it at most."""
+        with anyio.move_on_after(self._pool_timeout) as waiting:
+            await self._slots.acquire()
+        if waiting.cancelled_caught:
+            raise BackendUnavailable(
+                f"no pooled connection to PostgreSQL at {self._where} became free within "
+                f"{self._pool_timeout:g}s: all {self._max_size} were busy; raise max_size "
+                "(?max_size= in the URL, default 4) or timeout (?timeout=, default 10s)"
+            )
+        try:
+            yield
+        finally:
+            self._slots.release()
+
     async def _release(self, conn: Any, exc: BaseException | None) -> None:
         if self._closed or (exc is not None and (_broken(exc) or _broken(exc.__cause__ or exc))):
             with anyio.CancelScope(shield=True):
@@ -499,7 +517,7 @@ class Pg8000PoolAdapter(SqlAdapter):
 
     async def open(self) -> None:
         """Open the first connection, so a bad login or host is reported at once."""
-        async with self._slots:
+        async with self._slot():
             conn = await self._acquire()
             await self._release(conn, None)
 
@@ -534,7 +552,7 @@ class Pg8000PoolAdapter(SqlAdapter):
         Opening a connection (none idle), the statement and closing a connection it
         found broken all happen in that one call.
         """
-        async with self._slots:
+        async with self._slot():
             conn = self._idle.pop() if self._idle else None
             # The worker thread runs to its end whatever happens to the caller (pg8000's
             # socket timeout bounds it); shielded, its outcome is kept, so a cancelled
@@ -599,7 +617,7 @@ class Pg8000PoolAdapter(SqlAdapter):
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
-        async with self._slots:
+        async with self._slot():
             with anyio.CancelScope(shield=True):  # a connection opened is never dropped
                 conn = await self._acquire()
             try:

@@ -36,7 +36,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import psycopg
 import psycopg.conninfo
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
@@ -100,6 +100,12 @@ def translate_error(
         return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
     if state in _CONFIG_STATES:
         return ConfigurationError(f"PostgreSQL refused the statement{at}: {text}")
+    if isinstance(exc, PoolTimeout):
+        return BackendUnavailable(
+            f"no pooled connection to PostgreSQL{at} became free in time ({text}): every "
+            "connection of the pool was busy; raise max_size (?max_size= in the URL, "
+            "default 4) or timeout (?timeout=, default 10s), or pass a larger pool"
+        )
     if (
         isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
         or state[:2] in _UNAVAILABLE_CLASSES

@@ -18,6 +18,12 @@ a connection pool (async or sync)      a client is made on the pool; the pool is
                                        closed
 =====================================  ====================================================
 
+A client opened from a URL keeps at most :data:`MAX_CONNECTIONS` connections (redis-py's
+``BlockingConnectionPool``); a call that finds them all busy waits up to
+:data:`POOL_TIMEOUT` seconds for one, then raises
+:class:`~lease_core.errors.BackendUnavailable`. The URL's ``max_connections`` and
+``timeout`` query parameters change them (``redis://host/0?max_connections=32&timeout=5``).
+
 The asyncio clients of redis-py and valkey-py work only under asyncio. Sync clients run in
 ``anyio.to_thread`` worker threads and so work under trio as well.
 
@@ -56,10 +62,17 @@ from lease_core.errors import (
     ConfigurationError,
 )
 
-__all__ = ["DEFAULT_URL", "RedisAdapter", "redis_adapter"]
+__all__ = ["DEFAULT_URL", "MAX_CONNECTIONS", "POOL_TIMEOUT", "RedisAdapter", "redis_adapter"]
 
 #: Where the backend connects when it is given nothing.
 DEFAULT_URL = "redis://localhost:6379/0"
+#: Connections a client opened from a URL keeps at most (``?max_connections=`` in the URL).
+#: A scheduler needs few: its claims of one instant go in one pipeline.
+MAX_CONNECTIONS = 8
+#: Seconds a call waits for a free pooled connection (``?timeout=`` in the URL).
+POOL_TIMEOUT = 10.0
+#: What redis-py's BlockingConnectionPool raises when no connection became free in time.
+_POOL_EXHAUSTED = "No connection available"
 
 Command = tuple[str | int | bytes, ...]
 
@@ -76,6 +89,8 @@ def _stale(exc: BaseException) -> bool:
     """
     names = {cls.__name__ for cls in type(exc).__mro__}
     if names & {"TimeoutError", "AuthenticationError", "BusyLoadingError"}:
+        return False
+    if str(exc).startswith(_POOL_EXHAUSTED):  # a bounded wait for the pool ran out
         return False
     return "ConnectionError" in names
 
@@ -195,6 +210,13 @@ class RedisAdapter(ABC):
         root = type(exc).__module__.split(".")[0]
         text = redact(str(exc), self._password)
         upper = text.upper()
+        if "ConnectionError" in names and text.startswith(_POOL_EXHAUSTED):
+            return BackendUnavailable(
+                f"no pooled connection to Redis at {self.where} became free in time: every "
+                "connection of the client's pool was busy; raise max_connections (default "
+                f"{MAX_CONNECTIONS}) or timeout (default {POOL_TIMEOUT:g}s) in the URL, "
+                "e.g. ?max_connections=32, or pass a client with a larger pool"
+            )
         if "AuthenticationError" in names or upper.startswith(_AUTH_REPLIES) or (
             "invalid username-password" in text
         ):
@@ -295,14 +317,19 @@ def _under_asyncio() -> bool:
 
 
 def _from_url(url: str) -> RedisAdapter:
+    # A bounded pool: without it, every concurrent call opens a connection of its own
+    # (redis-py's default pool has no limit), each costing a handshake.
+    bounds = {"max_connections": MAX_CONNECTIONS, "timeout": POOL_TIMEOUT}
     try:
         if _under_asyncio():
             import redis.asyncio
 
-            return AsyncClientAdapter(redis.asyncio.Redis.from_url(url), owned=True)
+            pool = redis.asyncio.BlockingConnectionPool.from_url(url, **bounds)
+            return AsyncClientAdapter(redis.asyncio.Redis.from_pool(pool), owned=True)
         import redis
 
-        return SyncClientAdapter(redis.Redis.from_url(url), owned=True)
+        sync_pool = redis.BlockingConnectionPool.from_url(url, **bounds)
+        return SyncClientAdapter(redis.Redis.from_pool(sync_pool), owned=True)
     except ModuleNotFoundError as exc:
         raise ConfigurationError(
             "the Redis backend needs redis-py; install it with 'pip install anarchon[redis]'"

@@ -16,6 +16,9 @@ REDIS_PEER_TARGET = 1.0
 #: anarchon claim+finish / ShedLock upsert+unlock through raw psycopg (median per round).
 PG_PEER_TARGET = 0.8
 REDUCTION_TARGET = 10.0
+#: A burst of jobs due at one instant: peer ÷ anarchon, round trips and time.
+BURST_ROUND_TRIPS_TARGET = 5.0
+BURST_TIME_TARGET = 3.0
 #: The peer each store's target is judged against.
 PEER_OF_TARGET = {"redis": ("redis_py_asyncio_lock", REDIS_PEER_TARGET),
                   "pg": ("shedlock_upsert_raw_psycopg", PG_PEER_TARGET)}
@@ -44,6 +47,9 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     for name, section in cluster.items():
         if isinstance(section, dict) and "ratio" in section:
             out[f"cluster.redis.{name}.vs_raw"] = section["ratio"]["raw"]["median"]
+    for key, cell in results.get("burst", {}).items():
+        for figure, spread in cell["ratio_peer_over_anarchon"].items():
+            out[f"burst.{key}.{figure}_vs_{cell['peer']}"] = spread["median"]
     return out
 
 
@@ -82,6 +88,15 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         from .scale import targets as scale_targets
 
         out.update(scale_targets(results["scale"]))
+    for key, cell in results.get("burst", {}).items():
+        for figure, target in (("round_trips", BURST_ROUND_TRIPS_TARGET),
+                               ("latency_ms", BURST_TIME_TARGET)):
+            spread = cell["ratio_peer_over_anarchon"].get(figure)
+            if spread:
+                out[f"burst_{key}_{figure}_vs_{cell['peer']}"] = {
+                    "target": target, "median": spread["median"],
+                    "spread": [spread["min"], spread["max"]], "rounds": spread["rounds"],
+                    "met": spread["median"] >= target}
     load = [r for r in results.get("load", []) if r["store"] == "pg" and r.get("reduction")]
     if load:
         biggest = max(load, key=lambda r: r["jobs"])
@@ -310,6 +325,22 @@ def write_markdown(results: dict[str, Any], path: Path, images: list[str]) -> No
         from .scale import markdown as scale_markdown
 
         lines += ["", *scale_markdown(scale)]
+    burst = results.get("burst")
+    if burst:
+        lines += ["", "## Burst: jobs due at one instant, 3 schedulers in one process", "",
+                  "Medians of the interleaved rounds; ratios are peer ÷ anarchon per round "
+                  "(higher is better for anarchon).", "",
+                  "| store.jobs | contender | slot → last handler ms | round trips | "
+                  "store CPU s | commands | connections |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for key, cell in burst.items():
+            for name, m in cell["median"].items():
+                lines.append(f"| {key} | {name} | {m['latency_ms']:.0f} | "
+                             f"{m['round_trips']:.0f} | {m['store_cpu_s']:.3f} | "
+                             f"{_fmt(m.get('commands'))} | {_fmt(m.get('connections'))} |")
+            for figure, r in cell["ratio_peer_over_anarchon"].items():
+                lines.append(f"| {key} | ratio {figure} | {r['median']:.2f} "
+                             f"[{r['min']:.2f}, {r['max']:.2f}] | | | | |")
     if images:
         lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in images]
     path.write_text("\n".join(lines) + "\n")

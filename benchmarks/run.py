@@ -18,7 +18,8 @@ import anyio
 from . import report
 from ._util import environment, pg_servers
 
-SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "cluster", "scale")
+SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "cluster", "scale",
+            "burst")
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -75,6 +76,14 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
 
         log("scale: fleets of scheduler processes, per-operation costs, the scale model")
         results["scale"] = await run_scale(servers, log=log)
+    if "burst" in only:
+        from .burst import run_burst
+
+        log("burst: jobs due at one instant, 3 schedulers")
+        results["burst"] = await run_burst(
+            servers, sizes=(100,) if quick else (100, 1000),
+            stores=("redis",) if quick else ("redis", "pg"), rounds=3 if quick else 5,
+            log=log)
 
 
 def main(argv: list[str] | None = None) -> int:

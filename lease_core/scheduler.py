@@ -12,7 +12,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -26,6 +26,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import events as ev
+from ._batch import ClaimAbandoned, ClaimBatcher
 from ._durations import Duration, parse_duration, to_ms
 from ._outcome import Interruption, decide_outcome
 from ._structures import (
@@ -340,6 +341,7 @@ class Scheduler:
         self._state = SchedulerState.STOPPED
         self._tg: TaskGroup | None = None
         self._claims_in_flight = 0
+        self._batcher = ClaimBatcher(backend)
         self._caught_up: dict[str, int] = {}
         self._grace = 0.0
         self._crashed = False
@@ -677,6 +679,7 @@ class Scheduler:
         self._done = anyio.Event()
         self._idle = anyio.Event()
         self._claims_in_flight = 0
+        self._batcher = ClaimBatcher(self.backend)
         self._claims_idle = anyio.Event()
         self._caught_up = {}
         self._failure = None
@@ -1075,7 +1078,9 @@ class Scheduler:
 
     async def _sleep_until(self, slot_ms: int) -> None:
         while True:
-            delta = slot_ms - self.store_now_ms()
+            # Not rounded to the millisecond: every job loop due at one instant wakes in
+            # the same turn of the event loop, so their claims go in one batch.
+            delta = slot_ms - (self._clock() * 1000 + self._offset_ms)
             if delta <= 0:
                 return
             await anyio.sleep(min(delta / 1000, self.heartbeat))
@@ -1149,38 +1154,65 @@ class Scheduler:
                 return
 
     async def _claim(self, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
+        (result,) = await self._claim_many([(job, slot, reason)])
+        return result
+
+    async def _claim_many(
+        self, claims: Sequence[tuple[Job, int, Reason]]
+    ) -> list[ClaimResult | None]:
+        # The claims go to the store with every other claim this instance makes at the
+        # same instant, in one claim_many call (see lease_core._batch); each is then
+        # settled as if it had been made alone.
+        if not claims:
+            return []
         if self._stopping or self._tg is None:
-            return None
-        token = uuid.uuid4().hex
-        request = ClaimRequest(
-            job.name, slot, self.instance_id, token, job.lease_ms, reason,
-            job.overlap == "skip", job.max_attempts, self.history_size, self.history_ttl_ms,
-        )
+            return [None] * len(claims)
+        requests = [
+            ClaimRequest(
+                job.name, slot, self.instance_id, uuid.uuid4().hex, job.lease_ms, reason,
+                job.overlap == "skip", job.max_attempts, self.history_size,
+                self.history_ttl_ms,
+            )
+            for job, slot, reason in claims
+        ]
         sent = self._clock()
         sent_loop = anyio.current_time()
-        result: ClaimResult | None = None
+        answers: list[ClaimResult | Exception] | None = None
         # Shielded: a claim cancelled mid-flight could win in the store without the
         # instance knowing, leaving the run unattended until its lease expires. stop()
         # waits for claims in flight before it hands over.
         self._claims_in_flight += 1
         try:
-            with anyio.move_on_after(job.lease_ms / 2000, shield=True):
-                try:
-                    result = await self.backend.claim(request)
-                except Exception as exc:
-                    self._store_failed(
-                        f"claim of {job.name} slot {format_slot(slot)} (will retry)", exc)
+            with anyio.move_on_after(min(job.lease_ms for job, _, _ in claims) / 2000,
+                                     shield=True):
+                answers = await self._batcher.claim_many(requests)
         finally:
             self._claims_in_flight -= 1
             if not self._claims_in_flight and self._claims_idle is not None:
                 self._claims_idle.set()
+        received = self._clock()
+        answered = next((a for a in answers or () if isinstance(a, ClaimResult)), None)
+        if answered is not None:
+            self._note_clock(answered.now_ms, sent, received)
+        results: list[ClaimResult | None] = []
+        for i, (job, slot, reason) in enumerate(claims):
+            answer = None if answers is None else answers[i]
+            if isinstance(answer, Exception):
+                if not isinstance(answer, ClaimAbandoned):
+                    self._store_failed(
+                        f"claim of {job.name} slot {format_slot(slot)} (will retry)", answer)
+                answer = None
+            results.append(await self._settle(job, slot, reason, requests[i].token, answer,
+                                              received - sent, sent_loop))
+        return results
+
+    async def _settle(self, job: Job, slot: int, reason: Reason, token: str,
+                      result: ClaimResult | None, took: float,
+                      sent_loop: float) -> ClaimResult | None:
         if result is None:
             # Unknown outcome (error or too slow): retry, or take it over if it was won.
             self._watch[(job.name, slot)] = _Watched(job, retry_reason=reason)
             return None
-        received = self._clock()
-        self._note_clock(result.now_ms, sent, received)
-        took = received - sent
         key = (job.name, slot)
         lease = Lease(job.name, slot, token, job.lease_ms)
         run: dict[str, Any] = {"instance_id": self.instance_id, "job": job.name, "slot": slot}
@@ -1243,9 +1275,10 @@ class Scheduler:
         # The store's lease started no earlier than the claim was sent.
         held.set_deadline(self._deadline(sent_loop, job))
         ctx._transaction_hook = held.transaction_hook
-        logger.info("%s slot %s (%d): %s won attempt %d (%s)", job.name,
-                    format_slot(lease.slot), lease.slot, self.instance_id, result.attempt,
-                    reason)
+        if logger.isEnabledFor(logging.INFO):  # format_slot is not free, times a burst
+            logger.info("%s slot %s (%d): %s won attempt %d (%s)", job.name,
+                        format_slot(lease.slot), lease.slot, self.instance_id, result.attempt,
+                        reason)
         self._tg.start_soon(self._execute, held)
 
     def _deadline(self, sent_loop: float, job: Job) -> float:
@@ -1546,6 +1579,7 @@ class Scheduler:
             return
         retries = [(k, w) for k, w in self._watch.items() if w.retry_reason is not None]
         newest: dict[str, int] = {}
+        again: list[tuple[Job, int, Reason]] = []
         for (name, slot), _ in retries:
             newest[name] = max(slot, newest.get(name, slot))
         for key, retry in retries:
@@ -1562,13 +1596,15 @@ class Scheduler:
                 continue
             assert retry.retry_reason is not None
             self._watch.pop(key, None)
-            await self._claim(retry.job, key[1], retry.retry_reason)
+            again.append((retry.job, key[1], retry.retry_reason))
+        await self._claim_many(again)
         keys = [k for k, w in self._watch.items() if w.retry_reason is None]
         if not keys:
             return
         sent = self._clock()
         result = await self.backend.check(keys)
         self._note_clock(result.now_ms, sent, self._clock())
+        claims: list[tuple[Job, int, Reason]] = []
         for key in keys:
             watched = self._watch.get(key)
             if watched is None:
@@ -1586,9 +1622,10 @@ class Scheduler:
                         and next_step is not None):
                     # Supervisor: the step completed; make sure its successor is claimed
                     # (by its agent, or by this instance if the agent died before).
-                    await self._claim(next_step, key[1], Reason.SCHEDULED)
+                    claims.append((next_step, key[1], Reason.SCHEDULED))
             elif state.claimable(result.now_ms):
-                await self._claim(watched.job, key[1], Reason.TAKEOVER)
+                claims.append((watched.job, key[1], Reason.TAKEOVER))
+        await self._claim_many(claims)
 
 
 def parse_run_id(run: str | tuple[str, int | str]) -> tuple[str, int]:

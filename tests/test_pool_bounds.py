@@ -1,0 +1,77 @@
+"""Backends made from a URL keep a bounded pool; a full pool fails clearly, in bounded time.
+
+Real servers: the embedded Redis 6.2 and PostgreSQL 16 the harness starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import pytest
+
+from adapters.redis import MAX_CONNECTIONS, redis_adapter
+from backends.postgres import PostgresBackend
+from backends.redis import RedisBackend
+from lease_core.errors import BackendUnavailable
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_redis_url_opens_a_bounded_pool_and_a_full_pool_fails_clearly(
+    redis62_server: Any,
+) -> None:
+    # Under asyncio the backend makes an asyncio client, under trio a sync one.
+    default = redis_adapter(redis62_server.url)
+    assert default.client.connection_pool.max_connections == MAX_CONNECTIONS
+    await default.aclose()
+
+    backend = RedisBackend(f"{redis62_server.url}?max_connections=1&timeout=0.3",
+                           prefix="bounds")
+    await backend.start()
+    try:
+        adapter = backend._adapter
+        assert adapter is not None
+        pool = adapter.client.connection_pool
+        assert pool.max_connections == 1
+        held = pool.get_connection()  # the pool's only connection, held by the test
+        if inspect.isawaitable(held):
+            held = await held
+        try:
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailable, match="max_connections"):
+                await backend.now_ms()
+            assert time.monotonic() - started < 5  # the wait is bounded, never retried
+        finally:
+            released = pool.release(held)
+            if inspect.isawaitable(released):
+                await released
+        assert await backend.now_ms() > 0  # the connection is free again
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize(("scheme", "anyio_backend"), [
+    ("postgresql://", "asyncio"),  # the psycopg pool the library opens: asyncio only
+    ("postgresql+pg8000://", "asyncio"),
+    ("postgresql+pg8000://", "trio"),
+])
+async def test_a_full_postgres_pool_fails_clearly_in_bounded_time(
+    pg16_server: Any, scheme: str,
+) -> None:
+    dsn = pg16_server.dsn.replace("postgresql://", scheme, 1)
+    backend = PostgresBackend(f"{dsn}?max_size=1&timeout=300ms", table="bounds")
+    await backend.start()
+    try:
+        adapter = backend._adapter
+        async with adapter.transaction() as tx:  # holds the pool's only connection
+            await tx.all("SELECT 1")
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailable, match="max_size"):
+                await backend.now_ms()
+            assert time.monotonic() - started < 5
+        assert await backend.now_ms() > 0
+    finally:
+        await backend.close()
