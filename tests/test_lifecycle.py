@@ -245,6 +245,8 @@ async def test_cancellation_from_outside_is_a_crash_not_a_hand_over(
         history = await b.backend.history("long")
         assert [(h.attempt, h.outcome) for h in history] == [(1, None)]
         history = await wait_history(b, lambda h: len(h) == 2, job="long", what="takeover")
+        # The takeover is in the store before b's handler task has started.
+        await wait_for(lambda: started == ["a", "b"], what="b's handler")
         await b.stop(grace=0)
     assert started == ["a", "b"]
     assert [(h.attempt, h.reason, h.outcome) for h in history] == [
