@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, LiteralString, cast
 
 import anyio
@@ -121,15 +121,24 @@ def translate_error(
     return exc
 
 
-@contextmanager
-def _mapped(where: str, secret: str | None = None) -> Iterator[None]:
-    try:
-        yield
-    except psycopg.Error as exc:
-        mapped = translate_error(exc, where=where, secret=secret)
-        if mapped is exc:
-            raise
-        raise mapped from exc
+class _mapped:
+    """Raise the driver errors of the block as anarchon's (a class: on every statement)."""
+
+    __slots__ = ("secret", "where")
+
+    def __init__(self, where: str, secret: str | None = None) -> None:
+        self.where = where
+        self.secret = secret
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: Any) -> None:
+        if isinstance(exc, psycopg.Error):
+            mapped = translate_error(exc, where=self.where, secret=self.secret)
+            if mapped is not exc:
+                raise mapped from exc
 
 
 def _secret_of(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> str | None:
@@ -248,13 +257,31 @@ async def _settled(conn: psycopg.AsyncConnection[Any], where: str, *,
     if deliver and not scope.cancelled_caught:
         await anyio.lowlevel.checkpoint_if_cancelled()
     if scope.cancelled_caught:
-        await conn.close()
-        logger.warning("PostgreSQL%s did not answer in time after its caller gave up; "
-                       "connection closed", f" at {where}" if where else "")
-        raise BackendUnavailable(
-            f"PostgreSQL{' at ' + where if where else ''} did not answer in time after its "
-            "caller gave up; the connection was closed"
-        )
+        await _abandon(conn, where)
+
+
+async def _single_settled(conn: psycopg.AsyncConnection[Any], where: str, sql: str,
+                          params: Sequence[Any]) -> list[Row]:
+    """:func:`_async_single` under :func:`_settled` (a plain coroutine: the hot path)."""
+    scope = settle_scope()
+    with scope:
+        rows = await _async_single(conn, sql, params)
+    if not scope.cancelled_caught:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return rows
+    await _abandon(conn, where)
+    raise AssertionError("unreachable")  # pragma: no cover - _abandon raises
+
+
+async def _abandon(conn: psycopg.AsyncConnection[Any], where: str) -> None:
+    """Close ``conn``, whose call outlived its grace period, and raise BackendUnavailable."""
+    await conn.close()
+    logger.warning("PostgreSQL%s did not answer in time after its caller gave up; "
+                   "connection closed", f" at {where}" if where else "")
+    raise BackendUnavailable(
+        f"PostgreSQL{' at ' + where if where else ''} did not answer in time after its "
+        "caller gave up; the connection was closed"
+    )
 
 
 async def _give_back(pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]) -> None:
@@ -326,11 +353,9 @@ class PsycopgPoolAdapter(SqlAdapter):
         with _mapped(self._where, self._secret):
             conn = await pool.getconn()
             try:
-                async with _settled(conn, self._where):
-                    return await _async_single(conn, sql, params)
+                return await _single_settled(conn, self._where, sql, params)
             finally:
                 await _give_back(pool, conn)
-        raise AssertionError("unreachable")  # pragma: no cover - _settled raises
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
@@ -480,9 +505,7 @@ class PsycopgConnectionAdapter(SqlAdapter):
         """Run one statement when the connection is free."""
         async with self._lock:
             with _mapped(self._where, self._secret):
-                async with _settled(self.conn, self._where):
-                    return await _async_single(self.conn, sql, params)
-        raise AssertionError("unreachable")  # pragma: no cover - _settled raises
+                return await _single_settled(self.conn, self._where, sql, params)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:

@@ -93,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help=f"comma-separated sections of {', '.join(SECTIONS)}")
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/out/"
                         "full.json or quick.json)")
-    parser.add_argument("--seconds", type=float, help="seconds per throughput measurement")
-    parser.add_argument("--repeat", type=int, help="repetitions per throughput cell (the "
-                        "best of each side is kept)")
+    parser.add_argument("--seconds", type=float, help="seconds per throughput round and side")
+    parser.add_argument("--repeat", type=int, help="rounds per throughput cell (library and "
+                        "raw alternate; the median of the per-round ratios is reported)")
     args = parser.parse_args(argv)
-    args.seconds = args.seconds or (0.4 if args.quick else 1.5)
-    args.repeat = args.repeat or (3 if args.quick else 2)
+    args.seconds = args.seconds or (0.15 if args.quick else 0.25)
+    args.repeat = args.repeat or (8 if args.quick else 12)
     out = args.out or OUT / ("quick.json" if args.quick else "full.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
