@@ -189,18 +189,24 @@ class _SyncTx:
             return await anyio.to_thread.run_sync(_sync_all, self._conn, sql, params)
 
 
+def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
+    # The result's status, not ``cur.description``: that builds a Column per column.
+    result = cur.pgresult
+    return result is not None and result.status == psycopg.pq.ExecStatus.TUPLES_OK
+
+
 async def _async_all(
     conn: psycopg.AsyncConnection[Any], sql: str, params: Sequence[Any]
 ) -> list[Row]:
     cur = await conn.execute(_query(sql), tuple(params) or None, prepare=False)
-    if cur.description is None:
+    if not _has_rows(cur):
         return []
     return [tuple(row) for row in await cur.fetchall()]
 
 
 def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any]) -> list[Row]:
     cur = conn.execute(_query(sql), tuple(params) or None, prepare=False)
-    if cur.description is None:
+    if not _has_rows(cur):
         return []
     return [tuple(row) for row in cur.fetchall()]
 

@@ -107,7 +107,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def plots(results: dict[str, Any], out_dir: Path, stem: str) -> list[str]:
-    """Throughput vs claimers, statements per second vs jobs; returns the file names."""
+    """Throughput, statements per second, peers and bursts as PNGs; returns the file names."""
     try:
         import matplotlib
 
@@ -176,7 +176,78 @@ def plots(results: dict[str, Any], out_dir: Path, stem: str) -> list[str]:
         fig.savefig(out_dir / name, dpi=100)
         plt.close(fig)
         made.append(name)
+    made += _peer_plot(plt, results, out_dir, stem)
+    made += _burst_plot(plt, results, out_dir, stem)
     return made
+
+
+def _peer_plot(plt: Any, results: dict[str, Any], out_dir: Path, stem: str) -> list[str]:
+    """Per store, each contender's median operations/s and anarchon's per-round ratios."""
+    peers = results.get("peers", {})
+    stores = [s for s in ("redis", "pg") if peers.get(s, {}).get("ops_s")]
+    if not stores:
+        return []
+    fig, axes = plt.subplots(1, len(stores), figsize=(6.5 * len(stores), 4.5), squeeze=False)
+    for ax, store in zip(axes[0], stores, strict=True):
+        section = peers[store]
+        names = list(section["ops_s"])
+        values = [section["ops_s"][n] for n in names]
+        colors = ["tab:blue" if n.startswith("anarchon") else "tab:gray" for n in names]
+        ax.barh(range(len(names)), values, color=colors)
+        ax.set_yticks(range(len(names)), [n.replace("_", " ") for n in names], fontsize=7)
+        for i, name in enumerate(names):
+            spread = section.get("ratio", {}).get(name)
+            if spread:
+                ax.annotate(f"anarchon ÷ this {spread['median']:.2f} "
+                            f"[{spread['min']:.2f}, {spread['max']:.2f}]",
+                            (values[i], i), fontsize=7, xytext=(3, -3),
+                            textcoords="offset points")
+        ax.set_title(f"{'Redis' if store == 'redis' else 'PostgreSQL'}: claim + finish "
+                     "against lock + unlock (ops/s, median of rounds)", fontsize=9)
+        ax.set_xlim(0, max(values) * 1.7)
+        ax.set_xlabel("operations / s, one sequential client")
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    name = f"{stem}-peers.png"
+    fig.savefig(out_dir / name, dpi=100)
+    plt.close(fig)
+    return [name]
+
+
+def _burst_plot(plt: Any, results: dict[str, Any], out_dir: Path, stem: str) -> list[str]:
+    """Per burst cell, anarchon beside its peer: time to every handler, round trips."""
+    burst = results.get("burst", {})
+    if not burst:
+        return []
+    keys = list(burst)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    figures = (("latency_ms", "slot → every handler started (ms)"),
+               ("round_trips", "round trips (requests sent)"))
+    for ax, (figure, label) in zip(axes, figures, strict=True):
+        width = 0.38
+        ours = [burst[k]["median"]["anarchon"][figure] for k in keys]
+        theirs = [burst[k]["median"][burst[k]["peer"]][figure] for k in keys]
+        xs = range(len(keys))
+        ax.bar([x - width / 2 for x in xs], ours, width, label="anarchon (claim_many)")
+        ax.bar([x + width / 2 for x in xs], theirs, width, color="tab:gray",
+               label="per-(job, slot) lock (redis-py Lock / ShedLock)")
+        ax.set_xticks(list(xs), [f"{k.split('.')[0]} {k.split('.')[1]} jobs" for k in keys],
+                      fontsize=8)
+        for x, a, b in zip(xs, ours, theirs, strict=True):
+            ax.annotate(f"{a:,.0f}", (x - width / 2, a), ha="center", fontsize=7,
+                        xytext=(0, 2), textcoords="offset points")
+            ax.annotate(f"{b:,.0f}", (x + width / 2, b), ha="center", fontsize=7,
+                        xytext=(0, 2), textcoords="offset points")
+        ax.set_yscale("log")
+        ax.set_ylim(1, max(ours + theirs) * 3)
+        ax.set_title(f"{label}, median of the bursts", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    name = f"{stem}-burst.png"
+    fig.savefig(out_dir / name, dpi=100)
+    plt.close(fig)
+    return [name]
 
 
 def _fmt(value: Any) -> str:
