@@ -132,6 +132,8 @@ class RedisAdapter(ABC):
     def __init__(self, client: Any, *, owned: bool) -> None:
         self.client = client
         self.owned = owned
+        #: Whether the client is a Cluster client (a script may then touch one slot only).
+        self.cluster = "Cluster" in type(client).__name__
         self.where, self._password = _describe(client)
         #: The driver's script objects, by SHA-1 (see :meth:`load_scripts`).
         self.scripts: dict[str, Any] = {}

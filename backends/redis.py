@@ -112,7 +112,7 @@ from lease_core.abc import (
 )
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
-__all__ = ["SCRIPTS", "STORE_FORMAT", "RedisBackend", "Script"]
+__all__ = ["SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "RedisBackend", "Script"]
 
 #: Field prefix of a workflow's steps in the ``{P}:meta`` hash.
 _WORKFLOW_FIELD = "workflow:"
@@ -121,8 +121,13 @@ _WORKFLOW_FIELD = "workflow:"
 STORE_FORMAT = 1
 
 _PREFIX = re.compile(r"[A-Za-z0-9_.:\-]{1,200}")
-_SCRIPTS = ("open_store", "claim", "heartbeat", "finish", "hand_over", "checkpoint",
-            "register", "history", "trim")
+_SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
+            "checkpoint", "register", "history", "trim")
+#: Files prepended to a script after the prelude (the claim function it calls).
+_INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",)}
+#: Claims per ``claim_many.lua`` call at most: one script call keeps the server busy, so
+#: a large batch goes as several calls (in the same pipeline).
+SCRIPT_BATCH = 100
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,9 @@ def _load_scripts() -> dict[str, Script]:
     prelude = (folder / "_prelude.lua").read_text(encoding="utf-8")
     scripts = {}
     for name in _SCRIPTS:
-        source = prelude + "\n" + (folder / f"{name}.lua").read_text(encoding="utf-8")
+        parts = [prelude] + [(folder / f"{part}.lua").read_text(encoding="utf-8")
+                             for part in (*_INCLUDES.get(name, ()), name)]
+        source = "\n".join(parts)
         sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
         scripts[name] = Script(name, source, sha)
     return scripts
@@ -440,10 +447,26 @@ class RedisBackend(Backend):
         return result
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
-        """Run one claim script per request, in order, in one pipelined round trip."""
+        """Make the claims in order, in one pipelined round trip.
+
+        On a server that is not a Cluster, one ``claim_many.lua`` call makes up to
+        :data:`SCRIPT_BATCH` claims (each exactly as ``claim.lua`` would); on a Cluster
+        each claim is its own ``claim.lua`` call, routed to its job's slot.
+        """
         if not requests:
             return []
-        commands = [self._claim_command(request) for request in requests]
+        adapter = await self._require()
+        self._longest_ms = max(self._longest_ms, *(int(r.lease_ms) for r in requests))
+        # One script call per SCRIPT_BATCH claims of one instance; on a Cluster one call
+        # per claim (each job's keys are in the slot of its own hash tag).
+        batched = not (len(requests) == 1 or adapter.cluster
+                       or any(r.instance_id != requests[0].instance_id for r in requests))
+        if batched:
+            commands = [self._claims_command(requests[at:at + SCRIPT_BATCH])
+                        for at in range(0, len(requests), SCRIPT_BATCH)]
+        else:
+            commands = [self._claim_command(request) for request in requests]
+        calls = len(commands)
         new = [job for job in dict.fromkeys(r.job for r in requests) if job not in self._listed]
         if new:
             commands.append(("SADD", self._jobs_key, *new))
@@ -451,6 +474,9 @@ class RedisBackend(Backend):
         if len(self._listed) > 100_000:  # a bound for processes that make up job names
             self._listed.clear()
         self._listed.update(new)
+        if batched:  # one list of claim replies per script call
+            replies = [*(reply for batch in replies[:calls] for reply in batch),
+                       *replies[calls:]]
         results = [_claim_result(request, reply)
                    for request, reply in zip(requests, replies, strict=False)]
         if len(self._markers) > 100_000:  # a bound for processes that make up job names
@@ -468,9 +494,20 @@ class RedisBackend(Backend):
             self._check_wait(replies[-1], what)
         return results
 
+    def _claims_command(self, requests: Sequence[ClaimRequest]) -> Command:
+        """One ``claim_many.lua`` call for ``requests`` (a server that is not a Cluster)."""
+        args: list[str | int] = [requests[0].instance_id, self._longest_ms]
+        keys = []
+        for request in requests:
+            keys.append(f"{self._tag(request.job)}:job")
+            args += [int(request.slot), request.token, int(request.lease_ms),
+                     request.reason.value, 1 if request.overlap_skip else 0,
+                     "" if request.max_attempts is None else int(request.max_attempts),
+                     self._markers.get(request.job, "")]
+        return self._eval("claim_many", keys, args)
+
     def _claim_command(self, request: ClaimRequest) -> Command:
         tag = self._tag(request.job)
-        self._longest_ms = max(self._longest_ms, int(request.lease_ms))
         args: list[str | int] = [
             int(request.slot), request.instance_id, request.token, int(request.lease_ms),
             request.reason.value, 1 if request.overlap_skip else 0,

@@ -488,10 +488,14 @@ async def test_a_workflow_step_s_run_keeps_its_result_and_fences_a_zombie(store:
 
 
 async def test_claim_many_answers_as_sequential_claims(store: Store) -> None:
-    """A batch of claims gives, request by request, what claim() one at a time gives."""
+    """A batch of claims gives, request by request, what claim() one at a time gives.
+
+    Checked twice: a batch whose claims come from two instances, and one from a single
+    instance (as a scheduler sends them; a backend may take another path for it).
+    """
     a = await started(store)
     try:
-        async def prepare(p: str) -> list[ClaimRequest]:
+        async def prepare(p: str, other: str = "b") -> list[ClaimRequest]:
             await a.claim(req(f"{p}-running", instance="x"))
             await a.claim(req(f"{p}-skip", instance="x"))
             await a.claim(req(f"{p}-esc", instance="x", lease_ms=SHORT, max_attempts=1))
@@ -511,18 +515,20 @@ async def test_claim_many_answers_as_sequential_claims(store: Store) -> None:
                 req(f"{p}-take", max_attempts=3),
                 req(f"{p}-fin"),
                 req(f"{p}-hand"),
-                req(f"{p}-dup"), req(f"{p}-dup", instance="b"),  # one run twice
+                req(f"{p}-dup"), req(f"{p}-dup", instance=other),  # one run twice
                 again, again,  # the same claim sent twice
                 req(f"{p}-two"), req(f"{p}-two", slot=SLOT + 1000),  # skipped by the first
                 req(f"{p}-both"), req(f"{p}-both", slot=SLOT + 1000, overlap_skip=False),
             ]
 
         seq, bat = await prepare("seq"), await prepare("bat")
-        for p in ("seq", "bat"):
+        one = await prepare("one", other=bat[0].instance_id)
+        for p in ("seq", "bat", "one"):
             await wait_expired(a, f"{p}-esc")
             await wait_expired(a, f"{p}-take")
         one_by_one = [await a.claim(r) for r in seq]
         batched = await a.claim_many(bat)
+        single = await a.claim_many(one)
         assert await a.claim_many([]) == []
 
         def shape(results: list[ClaimResult], p: str) -> list[tuple[object, ...]]:
@@ -531,6 +537,7 @@ async def test_claim_many_answers_as_sequential_claims(store: Store) -> None:
                     for r in results]
 
         assert shape(batched, "bat") == shape(one_by_one, "seq")
+        assert shape(single, "one") == shape(one_by_one, "seq")
         assert [r.status for r in batched] == [
             ClaimStatus.WON, ClaimStatus.RUNNING, ClaimStatus.SKIPPED, ClaimStatus.ESCALATED,
             ClaimStatus.WON, ClaimStatus.FINISHED, ClaimStatus.WON,
@@ -545,9 +552,11 @@ async def test_claim_many_answers_as_sequential_claims(store: Store) -> None:
 
         history = await a.history(None, 1000)
         assert trail(history, "bat") == trail(history, "seq")
-        state = await a.check([(r.job, r.slot) for r in bat])
-        assert state.runs[("bat-take", SLOT)].attempt == 2
-        assert state.runs[("bat-esc", SLOT)].status is RunStatus.ESCALATED
+        assert trail(history, "one") == trail(history, "seq")
+        for p in ("bat", "one"):
+            state = await a.check([(f"{p}-take", SLOT), (f"{p}-esc", SLOT)])
+            assert state.runs[(f"{p}-take", SLOT)].attempt == 2
+            assert state.runs[(f"{p}-esc", SLOT)].status is RunStatus.ESCALATED
     finally:
         await a.close()
 
