@@ -39,6 +39,7 @@ from lease_core.abc import (
     check_prune,
     decode_checkpoint,
     encode_checkpoint,
+    finish_status,
 )
 from lease_core.errors import ConfigurationError
 
@@ -305,17 +306,31 @@ class MemoryBackend(Backend):
 
     async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
         """End the attempt if ``lease`` still holds the run."""
+        status = finish_status(outcome)
         await anyio.lowlevel.checkpoint()
         with self._lock:
-            now = self._now()
-            run = self._held(lease, now)
-            if run is None:
-                return False
-            run.status = RunStatus(outcome.value)
-            run.token = None
-            run.expires_ms = None
-            self._end_attempt(lease.job, lease.slot, run.attempt, now, outcome, error)
-            return True
+            return self._finish(lease, status, error)
+
+    async def finish_many(
+        self, items: Sequence[tuple[Lease, Outcome, str | None]]
+    ) -> list[bool]:
+        """End the attempts in order, all under one hold of the lock."""
+        statuses = [finish_status(outcome) for _, outcome, _ in items]
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return [self._finish(lease, status, error)
+                    for (lease, _, error), status in zip(items, statuses, strict=True)]
+
+    def _finish(self, lease: Lease, status: RunStatus, error: str | None) -> bool:
+        now = self._now()
+        run = self._held(lease, now)
+        if run is None:
+            return False
+        run.status = status
+        run.token = None
+        run.expires_ms = None
+        self._end_attempt(lease.job, lease.slot, run.attempt, now, Outcome(status.value), error)
+        return True
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Mark each held run ``handed_over`` so a backup claims it at once."""

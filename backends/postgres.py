@@ -92,6 +92,7 @@ from lease_core.abc import (
     check_prune,
     decode_checkpoint,
     encode_checkpoint,
+    finish_status,
 )
 from lease_core.errors import (
     BackendUnavailable,
@@ -694,11 +695,35 @@ class PostgresBackend(Backend):
 
     async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
         """End the attempt in one fenced ``UPDATE`` (the attempt row in the same statement)."""
-        status = RunStatus(Outcome(outcome).value)
+        status = finish_status(outcome)
         rows = await self._adapter.all(self._sql.finish, (
-            status.value, lease.job, lease.slot, lease.token, Outcome(outcome).value, error,
+            status.value, lease.job, lease.slot, lease.token, status.value, error,
         ))
         return bool(rows and int(rows[0][0]))
+
+    async def finish_many(
+        self, items: Sequence[tuple[Lease, Outcome, str | None]]
+    ) -> list[bool]:
+        """End the attempts in one fenced ``UPDATE`` of the runs and their attempt rows.
+
+        A token given twice is sent once: its first item ends the attempt, the others
+        answer False, as they would one after the other.
+        """
+        statuses = [finish_status(outcome).value for _, outcome, _ in items]
+        first: dict[str, int] = {}
+        for i, (lease, _, _) in enumerate(items):
+            first.setdefault(lease.token, i)
+        sent = sorted(first.values(), key=lambda i: (items[i][0].job, items[i][0].slot))
+        if not sent:
+            return []
+        rows = await self._all_retrying(self._sql.finish_many, (
+            [items[i][0].job for i in sent], [items[i][0].slot for i in sent],
+            [items[i][0].token for i in sent], [statuses[i] for i in sent],
+            [items[i][2] for i in sent],
+        ))
+        ended = {str(row[0]) for row in rows}
+        return [first[lease.token] == i and lease.token in ended
+                for i, (lease, _, _) in enumerate(items)]
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Release the runs in one fenced ``UPDATE``; return the tokens released."""

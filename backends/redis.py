@@ -109,6 +109,7 @@ from lease_core.abc import (
     check_prune,
     decode_checkpoint,
     encode_checkpoint,
+    finish_status,
 )
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
@@ -163,12 +164,6 @@ def _text(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8")
     return str(value)
-
-
-#: The outcomes that end a run, and the run status each gives (by member and by value).
-_FINISH_STATUS: dict[object, str] = {}
-for _outcome in (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT):
-    _FINISH_STATUS[_outcome] = _FINISH_STATUS[_outcome.value] = RunStatus(_outcome.value).value
 
 
 def _members(kind: Any) -> dict[Any, Any]:
@@ -554,18 +549,26 @@ class RedisBackend(Backend):
 
     async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
         """End the attempt if ``lease`` still holds the run (see ``finish.lua``)."""
-        status = _FINISH_STATUS.get(outcome)
-        if status is None:
-            raise ConfigurationError(
-                f"outcome={outcome!r} cannot end a run; use completed, failed or timed_out"
-            )
+        (done,) = await self.finish_many([(lease, outcome, error)])
+        return done
+
+    async def finish_many(
+        self, items: Sequence[tuple[Lease, Outcome, str | None]]
+    ) -> list[bool]:
+        """End the attempts in order, one ``finish.lua`` call each, in one round trip."""
+        commands = [self._finish_command(lease, finish_status(outcome).value, error)
+                    for lease, outcome, error in items]
+        if not commands:
+            return []
+        return [int(done) == 1 for done in await self._run(commands)]
+
+    def _finish_command(self, lease: Lease, status: str, error: str | None) -> Command:
         tag = self._tag(lease.job)
-        (done,) = await self._run([self._eval(
+        return self._eval(
             "finish",
             [f"{tag}:run:{int(lease.slot)}", f"{tag}:open", f"{tag}:att", f"{tag}:done"],
             [lease.token, int(lease.slot), status, 0 if error is None else 1, error or ""],
-        )])
-        return int(done) == 1
+        )
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Mark each held run ``handed_over``, in one pipelined round trip."""

@@ -1,66 +1,91 @@
-"""The claim batcher: claims made at the same instant go to the store together.
+"""Batchers: the claims (or finishes) an instance makes at the same instant go together.
 
 When many jobs are due at one slot, every job loop of a scheduler wakes in the same turn
-of the event loop and claims its run. Sent one by one, those claims cost one round trip
-each, and as many concurrent connections as the pool allows. The batcher collects them
-and sends them through one :meth:`Backend.claim_many <lease_core.abc.Backend.claim_many>`
-call (one statement on PostgreSQL, one pipelined round trip on Redis), in chunks of at
-most :data:`CLAIM_BATCH` claims.
+of the event loop and claims its run; when their handlers are quick, they end in the same
+turn too. Sent one by one, those calls cost one round trip each, and as many concurrent
+connections as the pool allows. A batcher collects them and sends them through one
+:meth:`Backend.claim_many <lease_core.abc.Backend.claim_many>` (or
+:meth:`Backend.finish_many <lease_core.abc.Backend.finish_many>`) call: one statement on
+PostgreSQL, one pipelined round trip on Redis, in chunks of at most :data:`CLAIM_BATCH`.
 
-Collection adds no timer: the first claim of a batch (its *leader*) yields to the event
-loop until a turn adds no claim (at most :data:`COLLECT_TURNS` turns), so every task woken
-at the same instant adds its claim first. A claim that arrives while a batch is being sent
+Collection adds no timer: the first call of a batch (its *leader*) yields to the event
+loop until a turn adds no call (at most :data:`COLLECT_TURNS` turns), so every task woken
+at the same instant adds its call first. A call that arrives while a batch is being sent
 starts the next batch. Each caller awaits its own result; a failed chunk fails each of
-its claims, as if each had failed alone. A batch of one claim is sent with
-:meth:`Backend.claim <lease_core.abc.Backend.claim>`.
+its calls, as if each had failed alone. A batch of one is sent with the single-call
+method (:meth:`~lease_core.abc.Backend.claim`, :meth:`~lease_core.abc.Backend.finish`),
+so that a wrapper instrumenting it still sees lone calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
 
-from ._structures import ClaimRequest, ClaimResult
+from ._structures import ClaimRequest, ClaimResult, Lease, Outcome
 from .abc import Backend
 
-__all__ = ["CLAIM_BATCH", "COLLECT_TURNS", "ClaimAbandoned", "ClaimBatcher"]
+__all__ = ["CLAIM_BATCH", "COLLECT_TURNS", "Abandoned", "Batcher", "ClaimAbandoned",
+           "ClaimBatcher", "FinishBatcher", "FinishItem"]
 
-#: Claims per ``claim_many`` call at most; a larger batch is sent in chunks, in order.
+#: Calls per ``claim_many``/``finish_many`` call at most; a larger batch goes in chunks.
 CLAIM_BATCH = 500
-#: Turns of the event loop a batch's leader waits, at most, for more claims of the instant.
+#: Turns of the event loop a batch's leader waits, at most, for more calls of the instant.
 COLLECT_TURNS = 8
 
+#: What :meth:`Backend.finish_many <lease_core.abc.Backend.finish_many>` takes per
+#: attempt: its lease, its outcome and the error text (or None).
+FinishItem = tuple[Lease, Outcome, "str | None"]
 
-class ClaimAbandoned(Exception):
-    """Raised to the claims of a batch whose sender was cancelled: outcome unknown."""
+Req = TypeVar("Req")
+Res = TypeVar("Res")
 
 
-class _Batch:
+class Abandoned(Exception):
+    """Raised to the calls of a batch whose sender was cancelled: outcome unknown."""
+
+
+#: The name the claim batcher's callers know it by.
+ClaimAbandoned = Abandoned
+
+
+class _Batch(Generic[Req, Res]):
     __slots__ = ("done", "requests", "results")
 
     def __init__(self) -> None:
-        self.requests: list[ClaimRequest] = []
-        self.results: list[ClaimResult | Exception] = []
+        self.requests: list[Req] = []
+        self.results: list[Res | Exception] = []
         self.done = anyio.Event()
 
 
-class ClaimBatcher:
-    """Collects the claims of one instant and sends them with one ``claim_many`` call."""
+class Batcher(Generic[Req, Res]):
+    """Collects the calls of one instant and sends them with one batch call.
+
+    Subclasses say how to send one call (:meth:`_one`) and a chunk (:meth:`_many`); both
+    look the backend's method up at each call, so a method patched later is used.
+    """
 
     def __init__(self, backend: Backend, *, limit: int = CLAIM_BATCH) -> None:
         self.backend = backend
         self.limit = limit
-        self._open: _Batch | None = None
+        self._open: _Batch[Req, Res] | None = None
         self.calls = 0
-        """``claim_many`` calls made (for tests and metrics)."""
+        """Store calls made (for tests and metrics)."""
 
-    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult | Exception]:
-        """Claim ``requests`` with the other claims of this instant; one result each.
+    async def _one(self, request: Req) -> Res:
+        raise NotImplementedError
+
+    async def _many(self, requests: Sequence[Req]) -> Sequence[Res]:
+        raise NotImplementedError
+
+    async def call_many(self, requests: Sequence[Req]) -> list[Res | Exception]:
+        """Send ``requests`` with the other calls of this instant; one result each.
 
         A result is the store's answer, or the exception that failed its chunk
-        (:class:`ClaimAbandoned` when the batch's sender was cancelled).
+        (:class:`Abandoned` when the batch's sender was cancelled).
         """
         batch = self._open
         if batch is not None:
@@ -84,23 +109,45 @@ class ClaimBatcher:
             if self._open is batch:
                 self._open = None
             missing = len(batch.requests) - len(batch.results)
-            batch.results += [ClaimAbandoned("the batch's sender was cancelled")] * missing
+            batch.results += [Abandoned("the batch's sender was cancelled")] * missing
             batch.done.set()
         return batch.results[:len(requests)]
 
-    async def _send(self, batch: _Batch) -> None:
+    async def _send(self, batch: _Batch[Req, Res]) -> None:
         for at in range(0, len(batch.requests), self.limit):
             chunk = batch.requests[at:at + self.limit]
             self.calls += 1
             try:
-                # A lone claim goes through claim(): one round trip either way, and a
-                # backend (or a wrapper of one) that instruments claim() sees it.
-                answered: Sequence[ClaimResult | Exception] = (
-                    [await self.backend.claim(chunk[0])] if len(chunk) == 1
-                    else await self.backend.claim_many(chunk))
+                answered: Sequence[Res | Exception] = (
+                    [await self._one(chunk[0])] if len(chunk) == 1
+                    else await self._many(chunk))
                 if len(answered) != len(chunk):
                     raise AssertionError(
-                        f"claim_many answered {len(answered)} results for {len(chunk)} claims")
+                        f"the store answered {len(answered)} results for {len(chunk)} calls")
             except Exception as exc:
                 answered = [exc] * len(chunk)
             batch.results += answered
+
+
+class ClaimBatcher(Batcher[ClaimRequest, ClaimResult]):
+    """Claims of one instant in one :meth:`~lease_core.abc.Backend.claim_many` call."""
+
+    async def _one(self, request: ClaimRequest) -> ClaimResult:
+        return await self.backend.claim(request)
+
+    async def _many(self, requests: Sequence[ClaimRequest]) -> Sequence[ClaimResult]:
+        return await self.backend.claim_many(requests)
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult | Exception]:
+        """Claim ``requests`` with the other claims of this instant (see :meth:`call_many`)."""
+        return await self.call_many(requests)
+
+
+class FinishBatcher(Batcher[FinishItem, bool]):
+    """Finishes of one instant in one :meth:`~lease_core.abc.Backend.finish_many` call."""
+
+    async def _one(self, request: FinishItem) -> bool:
+        return await self.backend.finish(*request)
+
+    async def _many(self, requests: Sequence[FinishItem]) -> Sequence[bool]:
+        return await self.backend.finish_many(requests)

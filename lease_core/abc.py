@@ -86,6 +86,7 @@ _DERIVED_LIMIT = 10_000
 
 # The contract's data types are re-exported here: a backend is written against this module.
 __all__ = [
+    "FINISH_OUTCOMES",
     "Attempt",
     "Backend",
     "CheckResult",
@@ -104,6 +105,7 @@ __all__ = [
     "check_prune",
     "decode_checkpoint",
     "encode_checkpoint",
+    "finish_status",
 ]
 
 
@@ -146,6 +148,24 @@ def _run_status(attempt: Attempt) -> RunStatus:
         return RunStatus(attempt.outcome.value)
     except ValueError:
         return RunStatus.RUNNING
+
+
+#: The outcomes :meth:`Backend.finish` ends a run with.
+FINISH_OUTCOMES = (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT)
+
+
+def finish_status(outcome: object) -> RunStatus:
+    """The run status :meth:`Backend.finish` writes for ``outcome`` (member or value).
+
+    Raises :class:`~lease_core.errors.ConfigurationError`, naming it, for any other
+    outcome: the others are the store's own (lost, handed over, escalated, skipped).
+    """
+    for member in FINISH_OUTCOMES:
+        if outcome is member or outcome == member.value:
+            return RunStatus(member.value)
+    raise ConfigurationError(
+        f"outcome={outcome!r} cannot end a run; use completed, failed or timed_out"
+    )
 
 
 class Backend(ABC):
@@ -233,6 +253,23 @@ class Backend(ABC):
 
         Returns False, changing nothing, when the token no longer holds the run.
         """
+
+    async def finish_many(
+        self, items: Sequence[tuple[Lease, Outcome, str | None]]
+    ) -> list[bool]:
+        """End many attempts, as one batch where the store allows it.
+
+        ``items`` are ``(lease, outcome, error)`` triples, as :meth:`finish` takes them.
+        Returns one answer per item, in order, each what :meth:`finish` would have
+        answered had the items been finished one after the other (the same lease twice:
+        True, then False). An outcome :meth:`finish` refuses fails the whole call before
+        anything is written. The default finishes them one at a time; the built-in
+        backends send the whole batch at once (one statement on PostgreSQL, one round
+        trip on Redis).
+        """
+        for _, outcome, _ in items:
+            finish_status(outcome)
+        return [await self.finish(lease, outcome, error) for lease, outcome, error in items]
 
     @abstractmethod
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:

@@ -26,7 +26,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import events as ev
-from ._batch import ClaimAbandoned, ClaimBatcher
+from ._batch import Abandoned, ClaimBatcher, FinishBatcher
 from ._durations import Duration, parse_duration, to_ms
 from ._outcome import Interruption, decide_outcome
 from ._structures import (
@@ -342,6 +342,7 @@ class Scheduler:
         self._tg: TaskGroup | None = None
         self._claims_in_flight = 0
         self._batcher = ClaimBatcher(backend)
+        self._finisher = FinishBatcher(backend)
         self._caught_up: dict[str, int] = {}
         self._grace = 0.0
         self._crashed = False
@@ -680,6 +681,7 @@ class Scheduler:
         self._idle = anyio.Event()
         self._claims_in_flight = 0
         self._batcher = ClaimBatcher(self.backend)
+        self._finisher = FinishBatcher(self.backend)
         self._claims_idle = anyio.Event()
         self._caught_up = {}
         self._failure = None
@@ -1198,7 +1200,7 @@ class Scheduler:
         for i, (job, slot, reason) in enumerate(claims):
             answer = None if answers is None else answers[i]
             if isinstance(answer, Exception):
-                if not isinstance(answer, ClaimAbandoned):
+                if not isinstance(answer, Abandoned):
                     self._store_failed(
                         f"claim of {job.name} slot {format_slot(slot)} (will retry)", answer)
                 answer = None
@@ -1378,14 +1380,19 @@ class Scheduler:
         finished = outcome is Outcome.COMPLETED and ctx.completed_by_transaction
         if not finished:
             with anyio.move_on_after(10, shield=True) as finish_scope:
-                try:
-                    finished = await self.backend.finish(held.lease, outcome, error)
+                # With the other finishes of this instant, in one finish_many call.
+                (answer,) = await self._finisher.call_many([(held.lease, outcome, error)])
+                if isinstance(answer, Exception):
+                    if not isinstance(answer, Abandoned):
+                        self._store_failed(
+                            f"finish of {job.name} slot {format_slot(slot)}", answer)
+                    self._watch[(job.name, slot)] = _Watched(job)
+                    finished = False
+                else:
+                    finished = answer
                     if not finished:
                         logger.warning("%s slot %s: lease lost before finishing (%s)",
                                        job.name, format_slot(slot), outcome)
-                except Exception as exc:
-                    self._store_failed(f"finish of {job.name} slot {format_slot(slot)}", exc)
-                    self._watch[(job.name, slot)] = _Watched(job)
             if finish_scope.cancelled_caught:
                 # Unknown whether it finished: watch it, so it is taken over if not.
                 self._watch[(job.name, slot)] = _Watched(job)

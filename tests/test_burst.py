@@ -35,7 +35,7 @@ class Calls:
         self.batches: list[int] = []
         self.single = 0
         self.fail_first = fail_first
-        self._inside = False
+        self._inside: set[int] = set()  # tasks inside claim_many
         claim_many: Callable[[Any], Awaitable[Any]] = backend.claim_many
         claim: Callable[[Any], Awaitable[Any]] = backend.claim
 
@@ -44,19 +44,49 @@ class Calls:
             if self.fail_first:
                 self.fail_first -= 1
                 raise BackendUnavailable("the store is down (injected by the test)")
-            self._inside = True
+            task = anyio.get_current_task().id
+            self._inside.add(task)
             try:
                 return await claim_many(requests)
             finally:
-                self._inside = False
+                self._inside.discard(task)
 
         async def counted_one(request: Any) -> Any:
-            if not self._inside:  # a backend's claim_many may call claim itself
+            # A backend's claim_many may call claim itself (in the same task); a lone
+            # claim sent while another batch is in flight counts.
+            if anyio.get_current_task().id not in self._inside:
                 self.single += 1
             return await claim(request)
 
         backend.claim_many = counted_many  # type: ignore[method-assign]
         backend.claim = counted_one  # type: ignore[method-assign]
+
+        # Finishes: the size of each finish_many call, and lone finish() calls.
+        self.finish_batches: list[int] = []
+        self._finishing: set[int] = set()
+        finish_many: Callable[[Any], Awaitable[Any]] = backend.finish_many
+        finish: Callable[..., Awaitable[Any]] = backend.finish
+
+        async def counted_finish_many(items: Any) -> Any:
+            return await counted(finish_many, len(items), items)
+
+        async def counted_finish(*args: Any) -> Any:
+            return await counted(finish, 1, *args)
+
+        async def counted(call: Callable[..., Awaitable[Any]], size: int, *args: Any) -> Any:
+            # One of finish() and finish_many() may call the other (in the same task).
+            task = anyio.get_current_task().id
+            if task in self._finishing:
+                return await call(*args)
+            self.finish_batches.append(size)
+            self._finishing.add(task)
+            try:
+                return await call(*args)
+            finally:
+                self._finishing.discard(task)
+
+        backend.finish_many = counted_finish_many  # type: ignore[method-assign]
+        backend.finish = counted_finish  # type: ignore[method-assign]
 
 
 async def _burst(store: Store, **options: Any) -> tuple[list[Scheduler], list[Calls], int,
@@ -104,6 +134,10 @@ async def test_a_burst_is_claimed_in_one_batch_per_scheduler_and_run_once(
     batches = [n for c in calls for n in c.batches] + [1 for c in calls for _ in range(c.single)]
     assert sum(batches) == JOBS * INSTANCES
     assert INSTANCES <= len(batches) <= 2 * INSTANCES, batches
+    # The handlers, all quick, end together: their finishes share finish_many calls.
+    finishes = [n for c in calls for n in c.finish_batches]
+    assert sum(finishes) == JOBS
+    assert len(finishes) <= JOBS // 4, finishes
 
 
 async def test_a_failed_batch_fails_each_claim_and_they_are_retried_together(

@@ -188,6 +188,24 @@ att AS (
     RETURNING 1)
 SELECT count(*) FROM run
 
+-- name: finish_many
+-- Each (job, slot, token) at most once (the backend sends a token's first item only).
+WITH u AS (
+    SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::text[])
+        AS u(job, slot, token, outcome, error)),
+run AS (
+    UPDATE {runs} r SET status = u.outcome, token = NULL, expires_ms = NULL
+    FROM u
+    WHERE r.job = u.job AND r.slot = u.slot AND r.token = u.token AND r.status = 'running'
+    RETURNING u.token, r.job, r.slot, r.attempt, u.outcome, u.error),
+att AS (
+    UPDATE {attempts} a SET outcome = run.outcome, error = run.error, finished_ms = {now}
+    FROM run
+    WHERE a.job = run.job AND a.slot = run.slot AND a.attempt = run.attempt
+      AND a.outcome IS NULL
+    RETURNING 1)
+SELECT token FROM run
+
 -- name: hand_over
 WITH u AS (
     SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[]) AS u(job, slot, token)),

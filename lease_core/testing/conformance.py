@@ -561,6 +561,63 @@ async def test_claim_many_answers_as_sequential_claims(store: Store) -> None:
         await a.close()
 
 
+async def test_finish_many_answers_as_sequential_finishes(store: Store) -> None:
+    """A batch of finishes gives, item by item, what finish() one at a time gives."""
+    a = await started(store)
+    try:
+        async def prepare(p: str) -> list[tuple[Lease, Outcome, str | None]]:
+            names = ("ok", "failed", "timed", "twice", "stale", "done", "handed")
+            claims = {name: req(f"{p}-{name}") for name in names}
+            for r in claims.values():
+                assert (await a.claim(r)).status is ClaimStatus.WON
+            assert await a.finish(lease_of(claims["done"]), Outcome.COMPLETED)
+            assert await a.hand_over([lease_of(claims["handed"])])
+            stale = claims["stale"]
+            return [
+                (lease_of(claims["ok"]), Outcome.COMPLETED, None),
+                (lease_of(claims["failed"]), Outcome.FAILED, "boom"),
+                (lease_of(claims["timed"]), Outcome.TIMED_OUT, None),
+                (lease_of(claims["twice"]), Outcome.COMPLETED, None),
+                (lease_of(claims["twice"]), Outcome.FAILED, "again"),  # already ended
+                (Lease(stale.job, stale.slot, "not-its-token", stale.lease_ms),
+                 Outcome.COMPLETED, None),
+                (lease_of(claims["done"]), Outcome.FAILED, "late"),
+                (lease_of(claims["handed"]), Outcome.COMPLETED, None),
+            ]
+
+        seq, bat = await prepare("seq"), await prepare("bat")
+        one_by_one = [await a.finish(*item) for item in seq]
+        batched = await a.finish_many(bat)
+        assert batched == one_by_one == [True] * 4 + [False] * 4
+        assert await a.finish_many([]) == []
+
+        def trail(attempts: list[Attempt], p: str) -> list[tuple[object, ...]]:
+            return sorted((h.job.removeprefix(p), h.slot, h.attempt, h.outcome, h.error)
+                          for h in attempts if h.job.startswith(p))
+
+        history = await a.history(None, 1000)
+        assert trail(history, "bat") == trail(history, "seq")
+        ended = {h.job: h.outcome for h in history if h.job.startswith("bat")}
+        assert ended["bat-failed"] is Outcome.FAILED and ended["bat-stale"] is None
+        state = await a.check([("bat-twice", SLOT), ("bat-stale", SLOT)])
+        assert state.runs[("bat-twice", SLOT)].status is RunStatus.COMPLETED
+        assert state.runs[("bat-stale", SLOT)].status is RunStatus.RUNNING
+
+        # An outcome finish() refuses fails the whole batch, and nothing is written.
+        x, y = req("refused-x"), req("refused-y")
+        for r in (x, y):
+            await a.claim(r)
+        with pytest.raises(ConfigurationError, match="outcome="):
+            await a.finish_many([(lease_of(x), Outcome.COMPLETED, None),
+                                 (lease_of(y), Outcome.LOST, None)])
+        state = await a.check([("refused-x", SLOT), ("refused-y", SLOT)])
+        assert {r.status for r in state.runs.values()} == {RunStatus.RUNNING}
+        with pytest.raises(ConfigurationError, match="outcome="):
+            await a.finish(lease_of(x), Outcome.ESCALATED)
+    finally:
+        await a.close()
+
+
 async def test_maintenance_due_has_one_winner_per_period(store: Store) -> None:
     backends = [store.backend() for _ in range(4)]
     for b in backends:
