@@ -231,6 +231,45 @@ async def test_a_fleet_behind_pgbouncer_rides_out_a_stall_and_a_database_restart
         await anyio.to_thread.run_sync(server.stop)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_pgbouncer_refusing_queries_after_a_failed_login_says_what_to_do() -> None:
+    """After its login to a stopped (or restarting) database failed, PgBouncer refuses every
+    query for ``server_login_retry`` seconds, however soon the database is back: the
+    error names the setting and says how to shorten that outage (psycopg; pg8000 reports
+    only "network error", as PgBouncer closes the connection after its message)."""
+    scheme = "postgresql://"
+    if not HAVE_PGBOUNCER:
+        missing_service("pgbouncer")
+    server = EmbeddedPostgres()
+    await anyio.to_thread.run_sync(server.start)
+    bouncer = PgBouncer(server, pool_size=2,
+                        extra="server_login_retry = 30\nquery_wait_timeout = 2\n")
+    adapter: SqlAdapter | None = None
+    try:
+        await anyio.to_thread.run_sync(bouncer.start)
+        adapter = adapter_for(bouncer.dsn.replace("postgresql://", scheme, 1), max_size=1)
+        await adapter.open()
+        assert await adapter.all("SELECT 1") == [(1,)]
+        await anyio.to_thread.run_sync(lambda: server.stop(remove=False))
+        # The first query waits for PgBouncer's login, which fails (query_wait_timeout);
+        # from then on PgBouncer refuses queries at once.
+        errors: list[str] = []
+        with anyio.fail_after(30):
+            while not any("server_login_retry" in e for e in errors):
+                with pytest.raises(BackendUnavailable) as raised:
+                    await adapter.all("SELECT 1")
+                errors.append(str(raised.value))
+        refused = errors[-1]
+        assert "server login has been failing" in refused
+        assert "set server_login_retry in pgbouncer.ini to 1 or less" in refused, refused
+        assert len(errors) <= 3, errors
+    finally:
+        if adapter is not None:
+            await adapter.close()
+        await anyio.to_thread.run_sync(bouncer.close)
+        await anyio.to_thread.run_sync(server.stop)
+
+
 def _answers(dsn: str) -> bool:
     try:
         with psycopg.connect(dsn, connect_timeout=2, autocommit=True) as conn:
