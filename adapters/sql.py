@@ -87,8 +87,9 @@ def pooler_hint(message: str) -> str:
     if "server_login_retry" not in message:
         return ""
     return ("; PgBouncer refuses every query for server_login_retry seconds after a login "
-            "to the database failed, as at each database restart: set server_login_retry "
-            "in pgbouncer.ini to 1 or less (PgBouncer 1.18's default is 15)")
+            "to the database failed, as at each database restart: lower server_login_retry "
+            "in pgbouncer.ini below your shortest lease and job interval (the default is "
+            "15 in PgBouncer 1.18; fractions such as 0.2 work)")
 
 
 class TransientError(BackendUnavailable):
