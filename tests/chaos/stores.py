@@ -173,7 +173,7 @@ class RedisChaosStore(ChaosStore):
 
     def ping(self) -> None:
         if self._probe is None:
-            self._probe = redis.Redis(port=self.port, socket_timeout=2,
+            self._probe = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2,
                                       socket_connect_timeout=2)
         self._probe.ping()
 
