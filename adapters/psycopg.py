@@ -47,6 +47,7 @@ from .sql import (
     SqlAdapter,
     TransientError,
     conninfo_params,
+    pooler_hint,
     redact,
     settle_scope,
 )
@@ -117,7 +118,7 @@ def translate_error(
             return AuthenticationFailed(
                 f"PostgreSQL{at} refused the login: {text} (check the user and password)"
             )
-        return BackendUnavailable(f"cannot reach PostgreSQL{at}: {text}")
+        return BackendUnavailable(f"cannot reach PostgreSQL{at}: {text}{pooler_hint(text)}")
     return exc
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "conninfo_params",
     "dsn_query",
     "numbered_placeholders",
+    "pooler_hint",
     "redact",
     "settle_scope",
 ]
@@ -72,6 +73,23 @@ def settle_scope(grace: float | None = None) -> anyio.CancelScope:
     if math.isinf(deadline) and deadline > 0:
         return anyio.CancelScope(shield=True)
     return anyio.CancelScope(shield=True, deadline=max(deadline, anyio.current_time()) + grace)
+
+
+def pooler_hint(message: str) -> str:
+    """What to do about a connection error whose ``message`` came from PgBouncer ('' if none).
+
+    PgBouncer answers every query with "server login has been failing, try again later
+    (server_login_retry)" for ``server_login_retry`` seconds after its login to the
+    database failed, which happens at each database restart (its first reconnect reaches
+    a server still shutting down or starting up): the database is unreachable through it
+    for that long, however soon it is back.
+    """
+    if "server_login_retry" not in message:
+        return ""
+    return ("; PgBouncer refuses every query for server_login_retry seconds after a login "
+            "to the database failed, as at each database restart: lower server_login_retry "
+            "in pgbouncer.ini below your shortest lease and job interval (the default is "
+            "15 in PgBouncer 1.18; fractions such as 0.2 work)")
 
 
 class TransientError(BackendUnavailable):

@@ -22,7 +22,7 @@ import adapters.sql
 from adapters.sql import SqlAdapter, adapter_for
 from backends.embedded.postgres import EmbeddedPostgres
 from backends.postgres import PostgresBackend
-from lease_core import RunContext, Scheduler
+from lease_core import Outcome, RunContext, Scheduler
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, RunStatus
 from lease_core.errors import BackendUnavailable
 from tests.helpers import Instance, stop_all, wait_for
@@ -226,6 +226,117 @@ async def test_a_fleet_behind_pgbouncer_rides_out_a_stall_and_a_database_restart
         assert most_clients <= 3 * (4 + 1) + 1, f"{most_clients} clients at PgBouncer"
         assert "query cancellation" not in caplog.text
         assert "max_client_conn" not in caplog.text and "refused the login" not in caplog.text
+    finally:
+        await anyio.to_thread.run_sync(bouncer.close)
+        await anyio.to_thread.run_sync(server.stop)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_pgbouncer_refusing_queries_after_a_failed_login_says_what_to_do() -> None:
+    """After its login to a stopped (or restarting) database failed, PgBouncer refuses every
+    query for ``server_login_retry`` seconds, however soon the database is back: the
+    error names the setting and says how to shorten that outage (psycopg; pg8000 reports
+    only "network error", as PgBouncer closes the connection after its message)."""
+    scheme = "postgresql://"
+    if not HAVE_PGBOUNCER:
+        missing_service("pgbouncer")
+    server = EmbeddedPostgres()
+    await anyio.to_thread.run_sync(server.start)
+    bouncer = PgBouncer(server, pool_size=2,
+                        extra="server_login_retry = 30\nquery_wait_timeout = 2\n")
+    adapter: SqlAdapter | None = None
+    try:
+        await anyio.to_thread.run_sync(bouncer.start)
+        adapter = adapter_for(bouncer.dsn.replace("postgresql://", scheme, 1), max_size=1)
+        await adapter.open()
+        assert await adapter.all("SELECT 1") == [(1,)]
+        await anyio.to_thread.run_sync(lambda: server.stop(remove=False))
+        # The first query waits for PgBouncer's login, which fails (query_wait_timeout);
+        # from then on PgBouncer refuses queries at once.
+        errors: list[str] = []
+        with anyio.fail_after(30):
+            while not any("server_login_retry" in e for e in errors):
+                with pytest.raises(BackendUnavailable) as raised:
+                    await adapter.all("SELECT 1")
+                errors.append(str(raised.value))
+        refused = errors[-1]
+        assert "server login has been failing" in refused
+        assert "lower server_login_retry in pgbouncer.ini" in refused, refused
+        assert len(errors) <= 3, errors
+    finally:
+        if adapter is not None:
+            await adapter.close()
+        await anyio.to_thread.run_sync(bouncer.close)
+        await anyio.to_thread.run_sync(server.stop)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_after_each_database_restart_behind_pgbouncer_every_slot_runs_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """2 schedulers through PgBouncer (``server_login_retry = 1``), a job every 500 ms; the
+    database restarts 3 times. While PgBouncer refuses queries (about server_login_retry
+    after each restart) the schedulers' warnings say what to do; once it answers again,
+    every slot is claimed and run exactly once."""
+    if not HAVE_PGBOUNCER:
+        missing_service("pgbouncer")
+    caplog.set_level(logging.WARNING)
+    server = EmbeddedPostgres()
+    await anyio.to_thread.run_sync(server.start)
+    bouncer = PgBouncer(server, pool_size=4, extra="server_login_retry = 1\n")
+    interval = 500
+    jobs = ["a", "b"]
+    started: list[tuple[str, int, int]] = []  # (job, slot, attempt) of each handler run
+
+    async def handler(ctx: RunContext) -> None:
+        started.append((ctx.job, ctx.slot, ctx.attempt))
+        await anyio.sleep(0.05)
+
+    try:
+        await anyio.to_thread.run_sync(bouncer.start)
+        schedulers = []
+        for n in range(2):
+            s = Scheduler(PostgresBackend(bouncer.dsn, table="restart_slots"),
+                          instance_id=f"w{n}", lease="1.5s", heartbeat="0.3s")
+            for job in jobs:
+                # Runs may overlap: a run cut off by a restart does not hold up later slots.
+                s.every(job, f"{interval}ms", handler, overlap="allow")
+            schedulers.append(s)
+        audit = PostgresBackend(server.dsn, table="restart_slots")  # straight to the server
+        windows: list[tuple[int, int]] = []
+        async with anyio.create_task_group() as tg:
+            instances = [await Instance(s).start(tg) for s in schedulers]
+            await wait_for(lambda: len(started) >= 4, timeout=20, what="runs before restarts")
+            for _ in range(3):
+                await anyio.to_thread.run_sync(server.restart)
+                await wait_for(lambda: anyio.to_thread.run_sync(_answers, bouncer.dsn),
+                               timeout=30, what="PgBouncer serving queries again")
+                await audit.start()
+                recovered = await audit.now_ms()
+                await audit.close()
+                # A failed claim is retried at the next tick (0.3 s): from one interval
+                # after the recovery, every slot until the next restart is checked.
+                windows.append((recovered + interval, recovered + 2500))
+                await anyio.sleep(3.0)
+            await stop_all(instances)
+            tg.cancel_scope.cancel()
+        await audit.start()
+        history = await audit.history(None, 10_000)
+        await audit.close()
+        expected = {(job, slot) for job in jobs for low, high in windows
+                    for slot in range((low // interval + 1) * interval, high, interval)}
+        attempts = {(a.job, a.slot, a.attempt): a for a in history
+                    if (a.job, a.slot) in expected}
+        assert len(expected) >= 3 * 2 * 4
+        assert {(j, s) for j, s, _ in attempts} == expected, "slots never claimed"
+        assert {(j, s, n) for j, s, n in attempts} == {(j, s, 1) for j, s in expected}
+        assert all(a.outcome is Outcome.COMPLETED for a in attempts.values())
+        runs = [(j, s) for j, s, _ in started if (j, s) in expected]
+        assert sorted(runs) == sorted(expected), "a slot ran twice or never"
+        refused = [r.getMessage() for r in caplog.records if r.name == "anarchon"
+                   and "server login has been failing" in r.getMessage()]
+        assert refused, "PgBouncer never refused a query after a restart"
+        assert all("lower server_login_retry in pgbouncer.ini" in m for m in refused)
     finally:
         await anyio.to_thread.run_sync(bouncer.close)
         await anyio.to_thread.run_sync(server.stop)

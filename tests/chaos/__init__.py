@@ -12,7 +12,9 @@ hundred milliseconds. Each worker reaches the store through its own TCP proxy
 - ``kill``: SIGKILL a worker, then start a new one in its place;
 - ``stop``: SIGSTOP a worker for 1.5-2.5 leases, then SIGCONT (a zombie holder);
 - ``partition``: the worker's proxy stops forwarding, sockets open, for 1.5-2.5 leases;
-- ``restart``: restart the store (the database behind PgBouncer);
+- ``restart``: restart the store (the database behind PgBouncer); the fault lasts until
+  the store answers again where workers connect (see ``StoreProbe``), so restarts do not
+  pile up into one outage;
 - ``skew``: stop a worker gracefully (hand-over) and start it again with its wall clock and
   its scheduler's local clock an hour ahead or behind (worker 0 starts an hour ahead).
 
@@ -37,5 +39,8 @@ checkpoints and effect rows from the store and the records of every worker, and 
   or after every worker stopped gracefully;
 - takeover latency: from the fault (kill, stop, partition) of the holder to the next
   attempt's claim; it should stay within lease + one check interval;
-- un-fenced duplicates: runs whose handler started (or ran to the end) in two attempts.
+- un-fenced duplicates: runs whose handler started (or ran to the end) in two attempts;
+- slots nobody claimed, and of those the ones from which the store answered no probe
+  until the job's next slot was due (only the newest slot missed while the store is
+  unreachable is claimed when it returns).
 """

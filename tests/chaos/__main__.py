@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spread", action="store_true",
                         help="spread the jobs' slots over the interval instead of all together")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--verbose", action="store_true",
+                        help="workers log the library's INFO records to their .stderr file")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where workers write their records and logs (default: a new "
+                             "temporary directory, printed)")
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="where to write the results (markdown); '-' for nowhere")
     parser.add_argument("--save", type=Path, default=None,
@@ -53,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         config = ChaosConfig(store=kind, workers=args.workers, jobs=args.jobs,
                              interval_ms=args.interval_ms, steps=args.steps,
                              step_s=args.step_s, spread=args.spread, seed=args.seed + n,
-                             faults=tuple(own.split("+")) if own else faults)
+                             faults=tuple(own.split("+")) if own else faults,
+                             verbose=args.verbose)
         if args.seconds is not None:
             config.seconds = args.seconds
         else:
@@ -62,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             settle = config.settle_leases * config.lease
             config.seconds = max(5.0, per_store / config.slots_per_second - settle)
         try:
-            report = run_chaos(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
+            workdir = None if args.workdir is None else args.workdir / kind
+            report = run_chaos(config, workdir,
+                               progress=lambda m: print(m, file=sys.stderr, flush=True))
         except Unavailable as exc:
             print(f"{kind}: skipped, {exc} is not available", file=sys.stderr)
             continue

@@ -8,6 +8,7 @@ leases, every worker stops gracefully, and :func:`audit` checks the invariants.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import json
@@ -37,6 +38,8 @@ __all__ = ["FAULTS", "ChaosConfig", "Fault", "Observed", "Report", "audit", "jud
 #: The faults a run draws from.
 FAULTS = ("kill", "stop", "partition", "restart", "skew")
 SKEW_S = 3600.0
+#: Seconds a restarted store may take to answer again before the run goes on regardless.
+RESTART_RECOVERY_S = 30.0
 _FINAL = (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT)
 
 
@@ -66,6 +69,9 @@ class ChaosConfig:
     """Seconds between the end of one fault and the start of the next."""
     proxy: bool = True
     """Workers connect through their proxy; without it, partitions are not injected."""
+    verbose: bool = False
+    """Workers log the library's INFO records (claims, retries, leases lost) to their
+    ``.stderr`` file in the run's directory."""
 
     spread: bool = False
     """Spread the jobs' slots evenly over the interval (offsets) instead of all together."""
@@ -119,6 +125,9 @@ class Report:
     late_takeovers: list[tuple[str, int, int, float]] = field(default_factory=list)
     handover_latency: list[float] = field(default_factory=list)
     missed_slots: int = 0
+    missed_store_unreachable: int = 0
+    """Of :attr:`missed_slots`, those from which the store answered no request until the
+    job's next slot was due (see :class:`StoreProbe`)."""
     worker_exits: list[str] = field(default_factory=list)
     start_retries: int = 0
     skewed_completions: int = 0
@@ -183,6 +192,7 @@ class Report:
             "handover_p50_ms": ms(self.percentile(self.handover_latency, 0.5)),
             "handover_p99_ms": ms(self.percentile(self.handover_latency, 0.99)),
             "missed_slots": self.missed_slots,
+            "missed_store_unreachable": self.missed_store_unreachable,
             "start_retries": self.start_retries,
             "skewed_completions": self.skewed_completions,
             "open_at_shutdown": self.open_at_shutdown,
@@ -232,7 +242,7 @@ class Worker:
             "jobs": [[f"job{n}", c.interval_ms, "skip" if n % 2 else "allow",
                       c.offset_ms(n)] for n in range(c.jobs)],
             "log": str(self.logdir / f"{self.instance}.jsonl"), "skew": skew,
-            "grace": "5s",
+            "grace": "5s", "verbose": c.verbose,
         }
         self.stderr = open(self.logdir / f"{self.instance}.stderr", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -300,6 +310,61 @@ class Worker:
         self.proxy.close()
 
 
+class StoreProbe:
+    """A thread that sends the store a trivial request every ``period`` seconds, through the
+    endpoint the workers use (PgBouncer for ``pgbouncer``), and records when it answered.
+
+    Tells the audit when the store itself was unreachable (a restart, and behind PgBouncer
+    its ``server_login_retry`` after a failed reconnect), whatever the workers did.
+    """
+
+    def __init__(self, store: ChaosStore, period: float = 0.05) -> None:
+        self.store = store
+        self.period = period
+        self.answers: list[tuple[float, float]] = []
+        """(sent, answered) wall times of the requests the store answered."""
+        self.failures = 0
+        self._answered = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="store-probe")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent = time.time()
+            try:
+                self.store.ping()
+            except Exception:
+                self.failures += 1
+            else:
+                with self._answered:
+                    self.answers.append((sent, time.time()))
+                    self._answered.notify_all()
+            self._stop.wait(self.period)
+
+    def wait_answer(self, sent_after: float, timeout: float) -> float | None:
+        """Wait until the store answers a request sent after ``sent_after`` (wall time);
+        return when it answered, or ``None`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._answered:
+            while True:
+                if self.answers and self.answers[-1][0] > sent_after:
+                    return next(done for sent, done in self.answers if sent > sent_after)
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return None
+                self._answered.wait(min(left, 0.5))
+
+    def start(self) -> None:
+        """Start probing."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop probing (waits for the request in flight)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -316,12 +381,18 @@ def _read_store(store: ChaosStore, fn: Any) -> Any:
 
 
 def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosStore,
-            config: ChaosConfig, skew_sign: list[float]) -> Fault:
+            config: ChaosConfig, skew_sign: list[float], probe: StoreProbe) -> Fault:
     long = config.lease * rng.uniform(1.5, 2.5)
     if kind == "restart":
         fault = Fault(kind, store.kind, time.time())
         store.restart()
-        fault.end = time.time()
+        restarted = time.time()
+        # The fault lasts until the store answers again where the workers connect: behind
+        # PgBouncer, about server_login_retry after the restart (its first reconnect
+        # reaches a server still shutting down). The next fault comes after the gap, so
+        # restarts do not pile up into one long outage.
+        answered = probe.wait_answer(restarted, RESTART_RECOVERY_S)
+        fault.end = answered if answered is not None else time.time()
         return fault
     worker = rng.choice(workers)
     fault = Fault(kind, worker.instance, time.time())
@@ -360,9 +431,11 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
     t0 = time.monotonic()
     logdir = Path(workdir or tempfile.mkdtemp(prefix=f"anarchon-chaos-{config.store}-"))
     logdir.mkdir(parents=True, exist_ok=True)
+    say(f"{config.store}: records and logs in {logdir}")
     store = make_store(config.store)
     workers: list[Worker] = []
     faults: list[Fault] = []
+    probe = StoreProbe(store)
     try:
         workers = [Worker(i, store, config, logdir) for i in range(config.workers)]
         for w in workers:
@@ -370,6 +443,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
             w.launch(SKEW_S if w.index == 0 else 0.0)
         for w in workers:
             w.wait_started()
+        probe.start()
         started = time.time()
         say(f"{config.store}: {config.workers} workers started; faults for {config.seconds:g}s")
         skew_sign = [1.0]
@@ -379,7 +453,8 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
             if time.monotonic() >= end:
                 break
             kinds = [k for k in config.faults if config.proxy or k != "partition"]
-            faults.append(_inject(rng, rng.choice(kinds), workers, store, config, skew_sign))
+            faults.append(_inject(rng, rng.choice(kinds), workers, store, config, skew_sign,
+                                  probe))
         faults_over = time.time()
         time.sleep(config.settle_leases * config.lease)
         # On a starved machine the fleet may need longer to take every run over: wait
@@ -392,6 +467,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
             if time.monotonic() > deadline or all(r.slot >= horizon for r in open_before):
                 break
             time.sleep(0.5)
+        probe.stop()
         for w in workers:
             w.signal(signal.SIGTERM)
         for w in workers:
@@ -399,13 +475,14 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         say(f"{config.store}: workers stopped; auditing")
         skewed = frozenset(i for w in workers for i, skew in w.skews.items() if skew)
         report = audit(store, config, logdir, faults, started, faults_over, audit_at,
-                       open_before, skewed)
+                       open_before, skewed, probe.answers)
         report.recovery_s = audit_at - faults_over
         report.worker_exits = [e for w in workers for e in w.exits]
         report.start_retries = sum(w.restarts for w in workers)
         report.wall_s = time.monotonic() - t0
         return report
     finally:
+        probe.stop()
         for w in workers:
             w.close()
         store.close()
@@ -446,11 +523,15 @@ class Observed:
     audit_at: float
     skewed: frozenset[str] = frozenset()
     """Instances whose clocks were skewed."""
+    answers: list[tuple[float, float]] | None = None
+    """(sent, answered) wall times of the store probe's requests (:class:`StoreProbe`);
+    ``None`` when the store was not probed."""
 
 
 def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fault],
           started: float, faults_over: float, audit_at: float,
-          open_before: list[RunInfo], skewed: frozenset[str] = frozenset()) -> Report:
+          open_before: list[RunInfo], skewed: frozenset[str] = frozenset(),
+          answers: list[tuple[float, float]] | None = None) -> Report:
     """Read the store and the workers' records, then :func:`judge` them."""
     async def read(backend: Backend) -> tuple[list[Attempt], list[RunInfo], dict[Any, Any]]:
         history = await backend.history(None, 10_000_000)
@@ -460,9 +541,24 @@ def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fau
         return history, open_runs, checkpoints
 
     history, open_after, checkpoints = _read_store(store, read)
+    if config.verbose:
+        with open(logdir / "history.ndjson", "w") as out:
+            for a in history:
+                out.write(json.dumps({
+                    "j": a.job, "s": a.slot, "a": a.attempt, "i": a.instance_id,
+                    "r": str(a.reason), "c": a.claimed_at.timestamp(),
+                    "f": a.finished_at.timestamp() if a.finished_at else None,
+                    "o": str(a.outcome) if a.outcome else None, "err": a.error}) + "\n")
+        with open(logdir / "faults.ndjson", "w") as out:
+            for f in faults:
+                out.write(json.dumps(vars(f)) + "\n")
+        with open(logdir / "probe.ndjson", "w") as out:
+            for answer in answers or ():
+                out.write(json.dumps(answer) + "\n")
     effects = store.effects() if isinstance(store, PostgresChaosStore) else []
     observed = Observed(history, open_before, open_after, checkpoints, effects,
-                        _events(logdir), faults, started, faults_over, audit_at, skewed)
+                        _events(logdir), faults, started, faults_over, audit_at, skewed,
+                        answers)
     report = judge(config, observed)
     report.version = store.version
     return report
@@ -571,14 +667,22 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
         report.unfenced_started_twice += len(starts) > 1
         report.unfenced_done_twice += len(dones) > 1
 
-    # Slots nobody claimed while at least one worker was alive.
+    # Slots nobody claimed while at least one worker was alive; and of those, the slots
+    # the store answered no request from until the job's next slot was due: when the
+    # store returns, only the newest slot missed while it was unreachable is claimed.
     first = min((k[1] for k in runs), default=0)
     step = config.interval_ms
+    answered = sorted(done * 1000 for _, done in seen.answers or ())
     for n in range(config.jobs):
         job = f"job{n}"
         expected = range((int(started * 1000) // step + 2) * step + config.offset_ms(n),
                          int(faults_over * 1000), step)
-        report.missed_slots += sum(1 for s in expected if s >= first and (job, s) not in runs)
+        missed = [s for s in expected if s >= first and (job, s) not in runs]
+        report.missed_slots += len(missed)
+        if seen.answers is not None:
+            report.missed_store_unreachable += sum(
+                1 for s in missed
+                if bisect.bisect_left(answered, s) == bisect.bisect_left(answered, s + step))
     report.left_running.sort()
     return report
 
@@ -617,6 +721,7 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("takeovers later than lease + check interval + 250 ms", "late_takeovers"),
         ("hand-over latency p50 / p99 (ms)", None),
         ("slots nobody claimed", "missed_slots"),
+        ("of which the store answered nothing until the next slot", "missed_store_unreachable"),
         ("seconds from the last fault until no old run was open", "recovery_s"),
         ("runs open at shutdown, newer than the horizon", "open_at_shutdown"),
         ("outcomes of attempts", "outcomes"),
@@ -634,7 +739,7 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
             elif label.startswith("hand-over latency"):
                 cells.append(f"{s['handover_p50_ms']} / {s['handover_p99_ms']}")
             else:
-                value = s[key]  # type: ignore[index]
+                value = s.get(key, "-")  # type: ignore[arg-type]
                 if isinstance(value, dict):
                     value = ", ".join(f"{k} {v}" for k, v in sorted(value.items()))
                 cells.append(str(value))

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import psycopg
+import redis
 
 from backends.embedded import EmbeddedServerError
 from backends.embedded.postgres import EmbeddedPostgres
@@ -57,6 +58,10 @@ class ChaosStore(ABC):
         """Stop the store and start it again, keeping its data."""
 
     @abstractmethod
+    def ping(self) -> None:
+        """One round trip to the store where workers connect (raises when it fails)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Stop every server this store started."""
 
@@ -83,6 +88,7 @@ class PostgresChaosStore(ChaosStore):
                          "PRIMARY KEY (job, slot))")
         self.bouncer: PgBouncer | None = None
         self._port = self.server.port
+        self._probe: psycopg.Connection[Any] | None = None
         if bouncer:
             self._start_bouncer()
 
@@ -106,7 +112,21 @@ class PostgresChaosStore(ChaosStore):
         # Behind PgBouncer the database restarts; the pooler reconnects by itself.
         self.server.restart()
 
+    def ping(self) -> None:
+        try:
+            if self._probe is None or self._probe.closed:
+                self._probe = psycopg.connect(self.url(self._port), autocommit=True,
+                                              connect_timeout=2, prepare_threshold=None)
+            self._probe.execute("SELECT 1")
+        except psycopg.Error:
+            if self._probe is not None:
+                self._probe.close()
+            self._probe = None
+            raise
+
     def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
         if self.bouncer is not None:
             self.bouncer.close()
         self.server.stop()
@@ -135,6 +155,7 @@ class RedisChaosStore(ChaosStore):
             self.server.close()
             raise Unavailable(f"{binary}: {exc}") from None
         self.version = " ".join(self.server.version().split()[:3])
+        self._probe: redis.Redis | None = None
 
     @property
     def port(self) -> int:
@@ -150,7 +171,15 @@ class RedisChaosStore(ChaosStore):
         self.server.stop()
         self.server.start()
 
+    def ping(self) -> None:
+        if self._probe is None:
+            self._probe = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2,
+                                      socket_connect_timeout=2)
+        self._probe.ping()
+
     def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
         self.server.close()
 
 

@@ -101,3 +101,22 @@ def test_a_late_takeover_is_listed() -> None:
                attempt(2, "w2", 4.0, Outcome.COMPLETED, Reason.TAKEOVER)]
     report = judge(CONFIG, observed(history=history))
     assert report.late_takeovers == [(*KEY, 2, 3.8)]
+
+
+def test_slots_missed_while_the_store_answered_nothing_are_counted_apart() -> None:
+    # One job every 600 ms; slots +1.2 s and +2.4 s have no run. The store probe got no
+    # answer from +1.0 s to +2.0 s (a restart), and one at +2.5 s.
+    config = ChaosConfig(store="pgbouncer", jobs=1)
+    history = [Attempt("job0", SLOT + 600 * k, 1, "w1", Reason.SCHEDULED, at(0.6 * k),
+                       at(0.6 * k + 0.3), Outcome.COMPLETED) for k in (0, 1, 3)]
+    answers = [(T0 + t - 0.01, T0 + t) for t in (0.2, 0.6, 0.95, 2.0, 2.5, 2.9)]
+    seen = observed(history=history, events={}, effects=[], checkpoints={}, faults=[],
+                    faults_over=T0 + 3.0)
+    report = judge(config, seen)
+    assert (report.missed_slots, report.missed_store_unreachable) == (2, 0)  # not probed
+    report = judge(config, observed(**{**vars(seen), "answers": answers}))
+    # +1.2 s: no answer from +0.95 s to +2.0 s, and +1.8 s was due meanwhile (only the
+    # newest slot missed while the store is unreachable is claimed when it returns).
+    # +2.4 s: the store answered at +2.5 s, so that miss is not the store's.
+    assert (report.missed_slots, report.missed_store_unreachable) == (2, 1)
+    assert report.summary()["missed_store_unreachable"] == 1

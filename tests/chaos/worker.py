@@ -13,6 +13,7 @@ skewed worker must behave exactly like the others.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -104,6 +105,11 @@ def main(argv: list[str]) -> None:
     if skew:
         time.time = lambda: _real_time() + skew
     log = EventLog(config["log"], config["instance"])
+    if config.get("verbose"):
+        # The library's own log (claims retried, leases lost, ...) on stderr, with times.
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr,
+            format="%(created).3f %(levelname)s %(name)s: %(message)s")
 
     async def run() -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
