@@ -272,6 +272,17 @@ class MemoryBackend(Backend):
         with self._lock:
             return self._trim_job(job, keep, older_than_ms, self._now(), batch)
 
+    async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
+                         older_than_ms: int | None = None,
+                         batch: int = 1000) -> dict[str, int]:
+        """Trim the jobs' histories under one hold of the lock (see :meth:`prune`)."""
+        check_prune(keep, older_than_ms, batch)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            return {job: self._trim_job(job, keep, older_than_ms, now, batch)
+                    for job in dict.fromkeys(jobs)}
+
     async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
         """Win the maintenance period for ``instance_id`` if none is running (one lock)."""
         check_every(every_ms)

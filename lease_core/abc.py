@@ -315,6 +315,21 @@ class Backend(ABC):
         check_prune(keep, older_than_ms, batch)
         return 0
 
+    async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
+                         older_than_ms: int | None = None,
+                         batch: int = 1000) -> dict[str, int]:
+        """Trim the history of many jobs, as one batch where the store allows it.
+
+        Each job is trimmed as :meth:`prune` would trim it (at most ``batch`` attempts of
+        each kind per job); returns the attempts deleted per job (a job given twice is
+        trimmed once). The default calls :meth:`prune` for each job; PostgreSQL sends one
+        statement, Redis one pipelined round trip, memory takes its lock once.
+        """
+        check_prune(keep, older_than_ms, batch)
+        return {job: await self.prune(job, keep=keep, older_than_ms=older_than_ms,
+                                      batch=batch)
+                for job in dict.fromkeys(jobs)}
+
     async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
         """Return True to one caller per ``every_ms`` across every instance of the store.
 

@@ -55,6 +55,7 @@ __all__ = [
     "CATCH_UP_WINDOW_MS",
     "EVENT_BUFFER",
     "PRUNE_BATCH",
+    "PRUNE_JOBS",
     "Health",
     "Job",
     "Scheduler",
@@ -77,9 +78,12 @@ SUBSCRIBER_THREADS = 8
 CATCH_UP_WINDOW_MS = 24 * 3_600_000
 #: ``catch_up="all"`` runs at most this many missed slots per job.
 CATCH_UP_LIMIT = 100
-#: The most attempts of each kind (beyond ``history_size``, past ``history_ttl``) one
-#: call of :meth:`Backend.prune` deletes when the scheduler trims history.
+#: The most attempts of each kind (beyond ``history_size``, past ``history_ttl``) the
+#: scheduler deletes per job and call when it trims history.
 PRUNE_BATCH = 500
+#: The most jobs one call of :meth:`Backend.prune_many` trims when the scheduler trims
+#: history (one statement on PostgreSQL, one round trip on Redis).
+PRUNE_JOBS = 100
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,199}$")
 _OVERLAP = ("skip", "allow")
@@ -261,8 +265,10 @@ class Scheduler:
     fleet, the one whose :meth:`Backend.maintenance_due
     <lease_core.abc.Backend.maintenance_due>` wins the period, trims every job in the store,
     declared or not, to its newest ``history_size`` attempts and drops attempts finished
-    more than ``history_ttl`` ago, in batches of :data:`PRUNE_BATCH`, for at most half the
-    period (the next period goes on where it stopped). It reports
+    more than ``history_ttl`` ago, :data:`PRUNE_JOBS` jobs per
+    :meth:`~lease_core.abc.Backend.prune_many` call and at most :data:`PRUNE_BATCH`
+    attempts of each kind per job and call, for at most half the period (the next period
+    goes on where it stopped). It reports
     :class:`~lease_core.events.HistoryTrimmed`. ``clock`` is the local monotonic clock in
     seconds (injectable for tests); lease arithmetic always uses the store's clock, and the
     scheduler estimates its offset to it, so a skewed local clock shifts nothing.
@@ -1514,23 +1520,24 @@ class Scheduler:
         if start is not None:  # go on where the last budget ran out
             names = [j for j in names if j >= start] + [j for j in names if j < start]
         deleted = 0
-        trimmed: list[str] = []
+        trimmed: dict[str, None] = {}
         complete = True
-        for name in names:
-            self._prune_next = name
-            count = PRUNE_BATCH
-            while count >= PRUNE_BATCH and complete:
-                if anyio.current_time() >= budget_ends:
-                    complete = False
-                    break
-                count = await self.backend.prune(
-                    name, keep=self.history_size, older_than_ms=self.history_ttl_ms,
-                    batch=PRUNE_BATCH)
-                if count and name not in trimmed[-1:]:
-                    trimmed.append(name)
-                deleted += count
-            if not complete:
+        # PRUNE_JOBS jobs per prune_many call (one statement or round trip); a job that
+        # lost a full batch goes again first, in the next call.
+        pending = names
+        while pending:
+            self._prune_next = pending[0]
+            if anyio.current_time() >= budget_ends:
+                complete = False
                 break
+            chunk = pending[:PRUNE_JOBS]
+            counts = await self.backend.prune_many(
+                chunk, keep=self.history_size, older_than_ms=self.history_ttl_ms,
+                batch=PRUNE_BATCH)
+            again = [name for name in chunk if counts.get(name, 0) >= PRUNE_BATCH]
+            trimmed.update(dict.fromkeys(name for name in chunk if counts.get(name)))
+            deleted += sum(counts.get(name, 0) for name in chunk)
+            pending = again + pending[len(chunk):]
         else:
             self._prune_next = None
         took = anyio.current_time() - began

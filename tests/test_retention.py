@@ -187,15 +187,15 @@ async def test_renewals_go_on_while_a_large_trimming_runs(
         # The first batch waits until the test has seen the held lease renewed twice: a
         # slow store, while the trimming is in progress.
         in_prune, go_on = anyio.Event(), anyio.Event()
-        prune = backend.prune
+        prune_many = backend.prune_many
 
-        async def slow_prune(job: str, **options: Any) -> int:
+        async def slow_prune(jobs: list[str], **options: Any) -> dict[str, int]:
             in_prune.set()
             await go_on.wait()
-            found: int = await prune(job, **options)
+            found: dict[str, int] = await prune_many(jobs, **options)
             return found
 
-        backend.prune = slow_prune  # type: ignore[method-assign]
+        backend.prune_many = slow_prune  # type: ignore[method-assign]
         s = Scheduler(backend, instance_id="a", history_size=1, prune_every="1h", **FAST)
         seen = Recorder()
         s.subscribe(seen)
@@ -242,11 +242,11 @@ class PruneFailsTwice(MemoryBackend):
         super().__init__()
         self.failures = 2
 
-    async def prune(self, job: str, **options: Any) -> int:
+    async def prune_many(self, jobs: Any, **options: Any) -> dict[str, int]:
         if self.failures:
             self.failures -= 1
             raise BackendUnavailable("store unreachable (test)")
-        return await super().prune(job, **options)
+        return await super().prune_many(jobs, **options)
 
 
 async def test_a_failed_trimming_is_reported_and_tried_again() -> None:

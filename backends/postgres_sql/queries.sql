@@ -274,6 +274,43 @@ runs_gone AS (
     RETURNING 1)
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM runs_gone)
 
+-- name: trim_jobs
+-- The histories of many jobs trimmed in one statement, each job as trim_job trims it (at
+-- most a batch by size and a batch by age per job). Parameters: jobs, N (a huge number
+-- for no limit), batch, M (NULL for none), batch. One row per job that lost attempts.
+WITH j AS (
+    SELECT DISTINCT x.job FROM unnest(%s::text[]) AS x(job)),
+by_size AS (
+    SELECT s.job, s.slot, s.attempt FROM j CROSS JOIN LATERAL (
+        SELECT a.job, a.slot, a.attempt FROM {attempts} a WHERE a.job = j.job
+        ORDER BY a.seq DESC OFFSET %s::bigint LIMIT %s::bigint
+        FOR UPDATE SKIP LOCKED) s),
+by_age AS (
+    SELECT s.job, s.slot, s.attempt FROM j CROSS JOIN LATERAL (
+        SELECT a.job, a.slot, a.attempt FROM {attempts} a
+        WHERE a.job = j.job AND a.finished_ms < {now} - %s::bigint
+        LIMIT %s::bigint
+        FOR UPDATE SKIP LOCKED) s),
+doomed AS (
+    SELECT d.job, d.slot, d.attempt FROM by_size d
+    UNION
+    SELECT t.job, t.slot, t.attempt FROM by_age t),
+gone AS (
+    DELETE FROM {attempts} a USING doomed d
+    WHERE a.job = d.job AND a.slot = d.slot AND a.attempt = d.attempt
+    RETURNING a.job, a.slot, a.attempt),
+runs_gone AS (
+    DELETE FROM {runs} r
+    WHERE (r.job, r.slot) IN (SELECT g.job, g.slot FROM gone g)
+      AND r.status NOT IN ('running', 'handed_over')
+      AND NOT EXISTS (
+          SELECT 1 FROM {attempts} a
+          WHERE a.job = r.job AND a.slot = r.slot
+            AND (a.slot, a.attempt) NOT IN (
+                SELECT g.slot, g.attempt FROM gone g WHERE g.job = r.job))
+    RETURNING 1)
+SELECT g.job, count(*) FROM gone g GROUP BY g.job
+
 -- name: maintenance_due
 -- Win this period's maintenance (history trimming) for one instance across the fleet:
 -- the row 'maintenance' holds "<end of the period, ms> <instance>"; it is added when

@@ -455,6 +455,46 @@ async def test_prune_trims_a_job_without_claiming(store: Store) -> None:
         await a.close()
 
 
+async def test_prune_many_trims_each_job_as_prune_does(store: Store) -> None:
+    """prune_many() of several jobs: per job, what prune() of that job alone does."""
+    a = await started(store)
+    try:
+        async def fill(p: str) -> None:
+            for job, finished in ((f"{p}-five", 5), (f"{p}-two", 2), (f"{p}-many", 7)):
+                for slot in range(finished):
+                    r = req(job, slot=SLOT + slot, overlap_skip=False)
+                    await a.claim(r)
+                    assert await a.finish(lease_of(r), Outcome.COMPLETED)
+            await a.claim(req(f"{p}-five", slot=SLOT + 10, overlap_skip=False))  # open
+
+        await fill("one")
+        await fill("all")
+        names = ("five", "two", "many", "none")
+        alone = {n: await a.prune(f"one-{n}", keep=3, batch=2) for n in names}
+        many = await a.prune_many([f"all-{n}" for n in (*names, "five")], keep=3, batch=2)
+        assert many == {f"all-{n}": alone[n] for n in names} == {
+            "all-five": 2, "all-two": 0, "all-many": 2, "all-none": 0}
+        assert await a.prune_many([], keep=3) == {}
+        with pytest.raises(ValueError, match="batch=0"):
+            await a.prune_many(["all-five"], keep=3, batch=0)
+
+        def kept(h: list[Attempt]) -> list[tuple[int, Outcome | None]]:
+            return [(x.slot - SLOT, x.outcome) for x in h]
+
+        for n in names:
+            one, both = await a.history(f"one-{n}"), await a.history(f"all-{n}")
+            assert kept(both) == kept(one), n
+            assert {r.slot for r in await a.runs(f"all-{n}")} == {
+                r.slot for r in await a.runs(f"one-{n}")}
+        # a second call goes on where the batch stopped; the open run of all-five stays
+        assert await a.prune_many(["all-five", "all-many"], keep=3, batch=2) == {
+            "all-five": 1, "all-many": 2}
+        assert [x.slot - SLOT for x in await a.history("all-many")] == [6, 5, 4]
+        assert (SLOT + 10) in {r.slot for r in await a.runs("all-five")}
+    finally:
+        await a.close()
+
+
 async def _later(backend: Backend, ms: int) -> bool:
     return await backend.now_ms() > ms
 
