@@ -179,10 +179,16 @@ _REASON = _members(Reason)
 _RUN_STATUS = _members(RunStatus)
 
 
-def _claim_result(request: ClaimRequest, reply: Any) -> ClaimResult:
-    """The claim script's reply, ``{status, now, attempt, reason, expires, run_status,
-    instance, marker}`` with ``''`` for none, as a :class:`ClaimResult`."""
-    status, now, attempt, reason, expires, run_status, instance, _marker = reply
+def _claim_fields(reply: Any) -> list[Any]:
+    """The claim script's reply, ``status|now|attempt|reason|expires|run_status|marker|
+    instance`` (``''`` for none; the instance last, whatever it holds), split."""
+    fields: list[Any] = reply.split(b"|" if isinstance(reply, bytes) else "|", 7)
+    return fields
+
+
+def _claim_result(request: ClaimRequest, fields: list[Any]) -> ClaimResult:
+    """A claim's :func:`_claim_fields` as a :class:`ClaimResult`."""
+    status, now, attempt, reason, expires, run_status, _marker, instance = fields
     return ClaimResult(
         _CLAIM_STATUS[status], request.job, request.slot, int(now), int(attempt),
         _REASON[reason], int(expires) if expires else None, _RUN_STATUS[run_status],
@@ -472,13 +478,14 @@ class RedisBackend(Backend):
         if batched:  # one list of claim replies per script call
             replies = [*(reply for batch in replies[:calls] for reply in batch),
                        *replies[calls:]]
-        results = [_claim_result(request, reply)
-                   for request, reply in zip(requests, replies, strict=False)]
+        fields = [_claim_fields(reply) for reply in replies[:len(requests)]]
+        results = [_claim_result(request, f)
+                   for request, f in zip(requests, fields, strict=True)]
         if len(self._markers) > 100_000:  # a bound for processes that make up job names
             self._markers.clear()
             self._quiet.clear()
-        for request, reply in zip(requests, replies, strict=False):
-            self._markers[request.job] = _text(reply[7])
+        for request, f in zip(requests, fields, strict=True):
+            self._markers[request.job] = _text(f[6])
         for result in results:
             if result.status is ClaimStatus.RUNNING and result.run_status is None:
                 self._quiet[result.job] = result.expires_ms or 0

@@ -105,8 +105,9 @@ async def _cells(cluster: EmbeddedRedisCluster, seconds: float, rounds: int,
                 pipe.execute_command("SADD", "{" + PREFIX + "}:jobs", job)
                 reply = (await pipe.execute())[0]
                 listed.add(job)
-            markers[job] = reply[7]
-            return bool(reply[0] == b"won")
+            status, *_, marker, _instance = reply.split(b"|", 7)
+            markers[job] = marker
+            return bool(status == b"won")
 
         async def lib_claim(i: int) -> None:
             request = ClaimRequest(f"c{run}-l{i}", 1, INSTANCE, uuid.uuid4().hex, LEASE_MS,

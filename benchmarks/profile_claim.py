@@ -238,7 +238,7 @@ async def profile_redis(servers: Servers, n: int, rounds: int, cprof: bool) -> d
 
         async def raw_claim(i: int) -> None:
             reply = await raw.execute_command(*rcmd[i])
-            if reply[0] != b"won":
+            if not reply.startswith(b"won|"):
                 raise RuntimeError(f"raw claim not won: {reply}")
 
         async def raw_finish(i: int) -> None:

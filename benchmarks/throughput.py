@@ -258,15 +258,17 @@ class RedisAsyncio(Variant):
                 f"{tag}:run:", self.markers.get(job, ""), LEASE_MS]
         if job in self.listed:
             reply = await self.client.evalsha(self.sha, len(keys), *keys, *args)
-            self.markers[job] = reply[7]
-            return bool(reply[0] == b"won")
+            status, *_, marker, _instance = reply.split(b"|", 7)
+            self.markers[job] = marker
+            return bool(status == b"won")
         pipe = self.client.pipeline(transaction=False)
         pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         pipe.execute_command("SADD", "{" + self.prefix + "}:jobs", job)
         replies = await pipe.execute(raise_on_error=False)
         self.listed.add(job)
-        self.markers[job] = replies[0][7]
-        return bool(replies[0][0] == b"won")
+        status, *_, marker, _instance = replies[0].split(b"|", 7)
+        self.markers[job] = marker
+        return bool(status == b"won")
 
 
 VARIANTS: dict[str, type[Variant]] = {

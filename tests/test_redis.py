@@ -395,6 +395,41 @@ async def test_passed_asyncio_client_is_never_closed(url: str) -> None:
         await client.aclose()
 
 
+@pytest.mark.asyncio_only
+async def test_an_asyncio_client_that_decodes_replies_works_alike(url: str) -> None:
+    await _decoded_replies(url, sync=False)
+
+
+async def test_a_sync_client_that_decodes_replies_works_alike(url: str) -> None:
+    await _decoded_replies(url, sync=True)
+
+
+async def _decoded_replies(url: str, *, sync: bool) -> None:
+    # decode_responses=True: every reply is text, not bytes (the claim's one-string reply,
+    # the markers, the history's JSON).
+    client: Any = (redis.Redis.from_url(url, decode_responses=True) if sync
+                   else redis.asyncio.Redis.from_url(url, decode_responses=True))
+    backend = RedisBackend(client, prefix=_prefix())
+    await backend.start()
+    try:
+        first = _request("j", 1, "a")
+        won = await backend.claim(first)
+        assert (won.status, won.attempt, won.instance_id) == (ClaimStatus.WON, 1, "inst-a")
+        batch = await backend.claim_many([ClaimRequest(f"j{i}", 1, "b", f"t{i}", 30_000)
+                                          for i in range(3)] + [_request("j", 1, "b")])
+        assert [r.status for r in batch] == [ClaimStatus.WON] * 3 + [ClaimStatus.RUNNING]
+        assert batch[-1].instance_id == "inst-a"
+        lease = Lease("j", 1, "a", 30_000)
+        assert (await backend.heartbeat([lease])).held == {"a"}
+        assert await backend.finish_many([(lease, Outcome.COMPLETED, None)]) == [True]
+        [attempt] = await backend.history("j")
+        assert (attempt.outcome, attempt.instance_id) == (Outcome.COMPLETED, "inst-a")
+    finally:
+        await backend.close()
+        delete_prefix(url, backend.prefix)
+        await anyio.to_thread.run_sync(client.close) if sync else await client.aclose()
+
+
 async def test_from_url_and_unix_socket() -> None:
     binary = find_server("valkey")
     assert binary is not None

@@ -13,8 +13,18 @@
 -- lease_ms, max_attempts (nil = none): numbers; reason: text; overlap_skip: boolean;
 -- run_prefix: {p/job}:run:; seen: the marker the caller saw ('' = none yet);
 -- longest: the longest lease the caller knows (ms).
--- Returns {status, now, attempt, reason, expires, run_status, instance, marker}
--- ('' = none).
+-- Returns 'status|now|attempt|reason|expires|run_status|marker|instance' ('' = none):
+-- one string, which a client reads at a fraction of the cost of an array of eight.
+local function reply(...)
+  local parts = {...}
+  for k, v in ipairs(parts) do
+    if type(v) == 'number' then
+      parts[k] = string.format('%d', v)
+    end
+  end
+  return table.concat(parts, '|')
+end
+
 local function claim(job, run, open, hist, att, done, slot, inst, token, lease_ms, reason,
                      overlap_skip, max_attempts, run_prefix, seen, longest)
   local slot_n = tonumber(slot)
@@ -42,7 +52,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     end
   end
   if quiet and quiet > now then
-    return {'running', now, 0, '', quiet, '', '', sid}  -- no run: claim again after quiet
+    return reply('running', now, 0, '', quiet, '', sid, '')  -- no run: claim again after quiet
   end
   if not sid then  -- the job's first claim in this store
     sid = redis.sha1hex(token)
@@ -83,7 +93,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     if not s then
       s, a, e, i = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst'))
     end
-    return {status, now, a or 0, why or '', e or '', s or '', i or '', sid}
+    return reply(status, now, a or 0, why or '', e or '', s or '', sid, i or '')
   end
 
   -- 2. a new run: skipped behind a live earlier run, or won

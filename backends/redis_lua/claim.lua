@@ -5,7 +5,7 @@
 --       max_attempts ('' = none), history_size, history_ttl_ms (both unused: history
 --       is trimmed by trim.lua), run key prefix ({p/job}:run:), marker seen
 --       ('' = none), longest lease (ms)
--- Returns {status, now, attempt, reason, expires, run_status, instance, marker}.
+-- Returns 'status|now|attempt|reason|expires|run_status|marker|instance' (see _claim.lua).
 return claim(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[1], ARGV[2], ARGV[3],
   tonumber(ARGV[4]), ARGV[5], ARGV[6] == '1', tonumber(ARGV[7]), ARGV[10],
   ARGV[#ARGV - 1], tonumber(ARGV[#ARGV]))
