@@ -1177,7 +1177,7 @@ class Scheduler:
             return [None] * len(claims)
         requests = [
             ClaimRequest(
-                job.name, slot, self.instance_id, uuid.uuid4().hex, job.lease_ms, reason,
+                job.name, slot, self.instance_id, os.urandom(16).hex(), job.lease_ms, reason,
                 job.overlap == "skip", job.max_attempts, self.history_size,
                 self.history_ttl_ms,
             )
@@ -1223,12 +1223,17 @@ class Scheduler:
             return None
         key = (job.name, slot)
         lease = Lease(job.name, slot, token, job.lease_ms)
+        # Events are made only for subscribers: in a burst, thousands of claims are settled
+        # in one go, and every object made costs the garbage collector too.
+        events = bool(self._subscribers)
         run: dict[str, Any] = {"instance_id": self.instance_id, "job": job.name, "slot": slot}
         if result.status is ClaimStatus.WON:
             won = result.reason or Reason.SCHEDULED
             self._attempts[token] = _AttemptInfo(result.attempt, won, sent_loop)
-            self._emit(ev.Claimed(**run, attempt=result.attempt, reason=won, claim_duration=took))
-            if won in (Reason.TAKEOVER, Reason.HAND_OVER):
+            if events:
+                self._emit(ev.Claimed(**run, attempt=result.attempt, reason=won,
+                                      claim_duration=took))
+            if events and won in (Reason.TAKEOVER, Reason.HAND_OVER):
                 self._emit(ev.TakenOver(**run, attempt=result.attempt, reason=won))
         if result.status is ClaimStatus.WON and (self._stopping or self._tg is None):
             self._to_hand_over[token] = lease
@@ -1247,7 +1252,8 @@ class Scheduler:
                     format_slot(slot), result.expires_ms)
         elif result.status is ClaimStatus.RUNNING:
             self._watch[key] = _Watched(job)
-            self._emit(ev.StandingBy(**run, holder=result.instance_id, claim_duration=took))
+            if events:
+                self._emit(ev.StandingBy(**run, holder=result.instance_id, claim_duration=took))
         else:
             self._watch.pop(key, None)
             if result.status is ClaimStatus.SKIPPED:
@@ -1458,7 +1464,7 @@ class Scheduler:
 
     def _ended(self, kind: type[ev.AttemptEnded], lease: Lease, **extra: Any) -> None:
         info = self._attempts.pop(lease.token, None)
-        if info is None:
+        if info is None or not self._subscribers:
             return
         self._emit(kind(
             instance_id=self.instance_id, job=lease.job, slot=lease.slot, attempt=info.attempt,
