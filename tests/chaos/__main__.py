@@ -95,8 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         text = results_markdown(summaries, "`, then `".join(commands))
         wall = sum(float(s["wall_seconds"]) for s in summaries)
         text += f"\nWall time: {wall:.0f} s for the {len(summaries)} stores.\n"
-        args.out.write_text(text)
+        args.out.write_text(text + _notes_of(args.out))
     return 1 if any(r.violations for r in reports) else 0
+
+
+def _notes_of(path: Path) -> str:
+    """The sections written by hand below the figures of ``path`` (kept on a new run)."""
+    try:
+        old = path.read_text()
+    except FileNotFoundError:
+        return ""
+    at = old.find("\n## ")
+    return "" if at < 0 else old[at:]
 
 
 if __name__ == "__main__":

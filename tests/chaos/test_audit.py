@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -120,3 +121,14 @@ def test_slots_missed_while_the_store_answered_nothing_are_counted_apart() -> No
     # +2.4 s: the store answered at +2.5 s, so that miss is not the store's.
     assert (report.missed_slots, report.missed_store_unreachable) == (2, 1)
     assert report.summary()["missed_store_unreachable"] == 1
+
+
+def test_a_new_run_keeps_the_notes_written_below_the_figures(tmp_path: Path) -> None:
+    from tests.chaos.__main__ import _notes_of
+
+    results = tmp_path / "RESULTS.md"
+    assert _notes_of(results) == ""
+    results.write_text("# Chaos results\n\n| a | b |\n\nWall time: 1 s.\n")
+    assert _notes_of(results) == ""
+    results.write_text("# Chaos results\n\nWall time: 1 s.\n\n## Why\n\nbecause\n")
+    assert _notes_of(results) == "\n## Why\n\nbecause\n"
