@@ -113,7 +113,8 @@ from lease_core.abc import (
 )
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 
-__all__ = ["SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "RedisBackend", "Script"]
+__all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "RedisBackend",
+           "Script"]
 
 #: Field prefix of a workflow's steps in the ``{P}:meta`` hash.
 _WORKFLOW_FIELD = "workflow:"
@@ -129,6 +130,8 @@ _INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",)}
 #: Claims per ``claim_many.lua`` call at most: one script call keeps the server busy, so
 #: a large batch goes as several calls (in the same pipeline).
 SCRIPT_BATCH = 100
+#: Leases one ``heartbeat.lua`` call renews at most on a server that is not a Cluster.
+HEARTBEAT_BATCH = 1000
 
 
 @dataclass(frozen=True)
@@ -527,29 +530,38 @@ class RedisBackend(Backend):
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
         """Renew every lease to ``now + lease_ms`` in one round trip.
 
-        One script call per job renews all of that job's leases (their keys share the
-        job's hash tag, so one Cluster slot); the calls go in one pipeline.
+        On a server that is not a Cluster, one script call renews up to
+        :data:`HEARTBEAT_BATCH` leases of any jobs; on a Cluster, one script call per
+        job renews all of that job's leases (their keys share the job's hash tag, so one
+        slot). The calls go in one pipeline.
         """
         if not leases:
             return HeartbeatResult(await self.now_ms())
-        groups: dict[str, list[Lease]] = {}
-        for lease in leases:
-            groups.setdefault(lease.job, []).append(lease)
+        adapter = await self._require()
+        groups: list[list[Lease]]
+        if adapter.cluster:
+            by_job: dict[str, list[Lease]] = {}
+            for lease in leases:
+                by_job.setdefault(lease.job, []).append(lease)
+            groups = list(by_job.values())
+        else:
+            groups = [list(leases[at:at + HEARTBEAT_BATCH])
+                      for at in range(0, len(leases), HEARTBEAT_BATCH)]
         commands = []
-        for job, group in groups.items():
+        for group in groups:
             args: list[str | int] = []
             for lease in group:
                 args += [lease.token, int(lease.lease_ms)]
                 self._longest_ms = max(self._longest_ms, int(lease.lease_ms))
             commands.append(self._eval(
-                "heartbeat", [self._run_key(job, lease.slot) for lease in group], args))
+                "heartbeat", [self._run_key(lease.job, lease.slot) for lease in group], args))
         replies = await self._run([*commands, *self._wait()])
         held: set[str] = set()
         now = 0
-        for group, (at, *renewed) in zip(groups.values(), replies, strict=False):
+        for group, (at, flags) in zip(groups, replies, strict=False):
             now = max(now, int(at))
-            held.update(lease.token for lease, flag in zip(group, renewed, strict=True)
-                        if int(flag) == 1)
+            held.update(lease.token for lease, flag in zip(group, _text(flags), strict=True)
+                        if flag == "1")
         if held and self.wait_replicas is not None:
             self._check_wait(replies[-1], f"the heartbeat of {len(held)} lease(s)")
         return HeartbeatResult(now, frozenset(held))

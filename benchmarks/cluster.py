@@ -171,7 +171,7 @@ async def _heartbeat(cluster: EmbeddedRedisCluster, client: RedisCluster, backen
             pipe.execute_command("EVALSHA", sha, 1, f"{_tag(lease.job)}:run:{lease.slot}",
                                  lease.token, lease.lease_ms)
         replies = await pipe.execute()
-        held = sum(1 for r in replies if int(r[1]) == 1)
+        held = sum(1 for r in replies if r[1] == b"1")
         if held != n:
             raise RuntimeError(f"raw heartbeat renewed {held} of {n} leases")
 

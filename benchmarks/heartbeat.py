@@ -17,7 +17,7 @@ import redis.asyncio
 from psycopg_pool import AsyncConnectionPool
 
 from backends.postgres import PostgresBackend, Statements
-from backends.redis import SCRIPTS, RedisBackend
+from backends.redis import HEARTBEAT_BATCH, SCRIPTS, RedisBackend
 from lease_core.abc import Lease
 
 from ._stats import PgCounter, redis_commandstats, redis_reset_stats
@@ -161,12 +161,15 @@ async def _redis(servers: Servers, sizes: tuple[int, ...], budget: float,
                 return len((await backend.heartbeat(leases)).held)
 
             async def raw_tick(leases: list[Lease] = leases) -> int:
+                # The same script calls as the library: HEARTBEAT_BATCH leases each.
                 pipe = client.pipeline(transaction=False)
-                for lease in leases:
-                    key = f"{{{TABLE}/{quote(lease.job, safe='')}}}:run:{lease.slot}"
-                    pipe.execute_command("EVALSHA", sha, 1, key, lease.token, lease.lease_ms)
+                for at in range(0, len(leases), HEARTBEAT_BATCH):
+                    group = leases[at:at + HEARTBEAT_BATCH]
+                    keys = [f"{{{TABLE}/{quote(x.job, safe='')}}}:run:{x.slot}" for x in group]
+                    args = [v for x in group for v in (x.token, x.lease_ms)]
+                    pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
                 replies = await pipe.execute(raise_on_error=False)
-                return sum(1 for r in replies if int(r[1]) == 1)
+                return sum(r[1].count(b"1") for r in replies)
 
             await redis_reset_stats(client)
             trips = counting.round_trips
