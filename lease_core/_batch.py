@@ -1,8 +1,8 @@
 """Batchers: the claims (or finishes) an instance makes at the same instant go together.
 
-When many jobs are due at one slot, every job loop of a scheduler wakes in the same turn
-of the event loop and claims its run; when their handlers are quick, they end in the same
-turn too. Sent one by one, those calls cost one round trip each, and as many concurrent
+When many jobs are due at one slot, a scheduler wakes them together and claims their
+runs at once; when their handlers are quick, they end in the same turn of the event loop
+too. Sent one by one, those calls cost one round trip each, and as many concurrent
 connections as the pool allows. A batcher collects them and sends them through one
 :meth:`Backend.claim_many <lease_core.abc.Backend.claim_many>` (or
 :meth:`Backend.finish_many <lease_core.abc.Backend.finish_many>`) call: one statement on

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import heapq
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -12,7 +14,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -355,7 +357,12 @@ class Scheduler:
         self._host_task: object | None = None
         """The asyncio task hosting a scheduler started by start() (kept from the GC)."""
         # Made when a run begins: anyio objects need a running event loop.
-        self._loop_scopes: list[anyio.CancelScope] = []
+        self._loop_scopes: set[anyio.CancelScope] = set()
+        # The scheduled jobs' next slots, earliest first: (slot, order, job, last slot
+        # dealt with); one task (_wake_due_jobs) wakes the jobs of each instant together.
+        self._due: list[tuple[int, int, Job, int]] = []
+        self._due_order = itertools.count()
+        self._due_added: anyio.Event | None = None
         self._run_scope: anyio.CancelScope | None = None
         self._stop_requested: anyio.Event | None = None
         self._done: anyio.Event | None = None
@@ -680,7 +687,9 @@ class Scheduler:
         self._crashed = False
         self._last_answer = None
         self._grace = 0.0
-        self._loop_scopes = []
+        self._loop_scopes = set()
+        self._due = []
+        self._due_added = None
         self._run_scope = anyio.CancelScope()
         self._stop_requested = anyio.Event()
         self._done = anyio.Event()
@@ -814,8 +823,13 @@ class Scheduler:
                 info = infos[name]
                 for slot in info.open_slots:
                     self._watch[(name, slot)] = _Watched(job)
-                if job.scheduled:
-                    tg.start_soon(self._job_loop, job, info)
+                if not job.scheduled:
+                    pass
+                elif not info.new and job.catch_up != "none":
+                    tg.start_soon(self._start_job, job, info)
+                else:
+                    self._schedule_next(job, self.store_now_ms())
+            tg.start_soon(self._wake_due_jobs)
             for wf in self._workflows.values():
                 tg.start_soon(self._resume_workflow, wf, infos[wf.jobs[0].name])
             tg.start_soon(self._ticker)
@@ -991,7 +1005,7 @@ class Scheduler:
     async def _stop_gracefully(self) -> None:
         assert self._idle is not None and self._claims_idle is not None
         self._state = SchedulerState.STOPPING
-        for scope in self._loop_scopes:
+        for scope in list(self._loop_scopes):
             scope.cancel()
         for held in list(self._held.values()):
             held.ctx._request_stop("stopping")
@@ -1082,43 +1096,91 @@ class Scheduler:
         finally:
             await self.backend.close()
 
-    # ----------------------------------------------------------------- job loops
+    # ----------------------------------------------------------------- scheduled jobs
 
-    async def _sleep_until(self, slot_ms: int) -> None:
-        while True:
-            # Not rounded to the millisecond: every job loop due at one instant wakes in
-            # the same turn of the event loop, so their claims go in one batch.
-            delta = slot_ms - (self._clock() * 1000 + self._offset_ms)
-            if delta <= 0:
-                return
-            await anyio.sleep(min(delta / 1000, self.heartbeat))
-
-    async def _job_loop(self, job: Job, info: JobInfo) -> None:
+    @contextlib.contextmanager
+    def _stoppable(self) -> Iterator[None]:
+        # A scope that stop() cancels (a job's catch-up, the dispatcher, the trimming).
         scope = anyio.CancelScope()
-        self._loop_scopes.append(scope)
-        with scope:
-            now = self.store_now_ms()
-            if not info.new and job.catch_up != "none":
-                if job.overlap == "skip":
-                    # Runs left open by stopped or dead instances are taken over first
-                    # (by the ticker); caught-up slots would only be skipped meanwhile.
-                    for slot in info.open_slots:
-                        await self._wait_run_ended(job.name, slot)
-                watermark = max(info.first_seen_ms, info.last_slot or info.first_seen_ms)
-                await self._catch_up(job, watermark, now, final_reason=Reason.CATCH_UP)
-            last = now
+        if self._stopping:
+            scope.cancel()
+        self._loop_scopes.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._loop_scopes.discard(scope)
+
+    def _schedule_next(self, job: Job, last: int) -> None:
+        """Queue ``job``'s first slot after ``last`` (store ms) for the dispatcher."""
+        if self._stopping:
+            return
+        slot = job.schedule.next_after(last)
+        heapq.heappush(self._due, (slot, next(self._due_order), job, last))
+        if self._due_added is not None and self._due[0][0] == slot:
+            self._due_added.set()
+
+    async def _start_job(self, job: Job, info: JobInfo) -> None:
+        # A job the store knew before this start: its missed slots first (catch-up).
+        now = self.store_now_ms()
+        with self._stoppable():
+            if job.overlap == "skip":
+                # Runs left open by stopped or dead instances are taken over first (by
+                # the ticker); caught-up slots would only be skipped meanwhile.
+                for slot in info.open_slots:
+                    await self._wait_run_ended(job.name, slot)
+            watermark = max(info.first_seen_ms, info.last_slot or info.first_seen_ms)
+            await self._catch_up(job, watermark, now, final_reason=Reason.CATCH_UP)
+            self._schedule_next(job, now)
+
+    async def _wake_due_jobs(self) -> None:
+        """Wake the jobs due at each instant together, and claim their runs in one go.
+
+        One task for every scheduled job rather than one per job: at an instant when
+        thousands of jobs are due, waking a task per job cost more than their claims'
+        round trip, and an idle scheduler woke each of them once per heartbeat.
+        """
+        with self._stoppable():
             while True:
-                slot = job.schedule.next_after(last)
-                await self._sleep_until(slot)
+                # Not rounded to the millisecond: every job due at one instant is woken
+                # in the same turn, so their claims go in one batch. The wait is at most
+                # a heartbeat, so a changed estimate of the store's clock is followed.
+                local_now = self._clock() * 1000 + self._offset_ms
+                wait = self.heartbeat
+                if self._due:
+                    wait = min(wait, (self._due[0][0] - local_now) / 1000)
+                if wait > 0:
+                    self._due_added = anyio.Event()
+                    with anyio.move_on_after(wait):
+                        await self._due_added.wait()
+                    self._due_added = None
+                    continue
                 now = self.store_now_ms()
-                due = job.schedule.previous_at_or_before(now) or slot
-                if due > slot:
-                    # The loop fell behind (a suspended process): apply the catch-up policy.
-                    await self._catch_up(job, slot - 1, due, final_reason=Reason.SCHEDULED)
-                else:
-                    self._caught_up.pop(job.name, None)
-                    await self._claim(job, slot, Reason.SCHEDULED)
-                last = max(due, slot)
+                claims: list[tuple[Job, int, int]] = []
+                while self._due and self._due[0][0] <= local_now:
+                    slot, _, job, _ = heapq.heappop(self._due)
+                    due = job.schedule.previous_at_or_before(now) or slot
+                    if due > slot:
+                        # The job fell behind (a suspended process): its catch-up policy.
+                        assert self._tg is not None
+                        self._tg.start_soon(self._catch_up_then_next, job, slot, due)
+                    else:
+                        self._caught_up.pop(job.name, None)
+                        claims.append((job, slot, max(due, slot)))
+                if claims:
+                    assert self._tg is not None
+                    self._tg.start_soon(self._claim_due, claims)
+
+    async def _claim_due(self, claims: list[tuple[Job, int, int]]) -> None:
+        # A job's next slot is queued once its claim is settled, as a loop per job would.
+        await self._claim_many([(job, slot, Reason.SCHEDULED) for job, slot, _ in claims])
+        for job, _, last in claims:
+            self._schedule_next(job, last)
+
+    async def _catch_up_then_next(self, job: Job, slot: int, due: int) -> None:
+        with self._stoppable():
+            await self._catch_up(job, slot - 1, due, final_reason=Reason.SCHEDULED)
+            self._schedule_next(job, due)
 
     async def _catch_up(self, job: Job, after: int, until: int, *, final_reason: Reason) -> None:
         limit = CATCH_UP_LIMIT if job.catch_up == "all" else 1
@@ -1502,9 +1564,7 @@ class Scheduler:
         if self.prune_every is None:
             return
         every = self.prune_every
-        scope = anyio.CancelScope()
-        self._loop_scopes.append(scope)
-        with scope:
+        with self._stoppable():
             await anyio.sleep(min(self.heartbeat, every))
             while not self._stopping:
                 began = anyio.current_time()
