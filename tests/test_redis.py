@@ -431,6 +431,40 @@ async def _decoded_replies(url: str, *, sync: bool) -> None:
         await anyio.to_thread.run_sync(client.close) if sync else await client.aclose()
 
 
+@pytest.mark.asyncio_only
+@pytest.mark.parametrize("decode", [False, True])
+async def test_a_batch_answers_any_holder_and_token_as_single_claims_do(
+    url: str, decode: bool,
+) -> None:
+    # One claim_many.lua call answers its claims as one string of counted replies: a
+    # holder whose instance id has the separators, a newline and non-ASCII text comes
+    # back whole, and a claim whose token holds the field separator goes through
+    # claim.lua instead, with the same answers.
+    client: Any = redis.asyncio.Redis.from_url(url, decode_responses=decode)
+    backend = RedisBackend(client, prefix=_prefix())
+    await backend.start()
+    holder = "h|1:2\nπ:é|"
+    try:
+        for i in range(3):
+            won = await backend.claim(ClaimRequest(f"j{i}", 1, holder, f"h{i}", 30_000))
+            assert won.status is ClaimStatus.WON
+        batch = [ClaimRequest(f"j{i}", 1, "b", f"b{i}", 30_000) for i in range(5)]
+        results = await backend.claim_many(batch)
+        assert [(r.job, r.status, r.instance_id) for r in results] == [
+            (f"j{i}", ClaimStatus.RUNNING, holder) for i in range(3)
+        ] + [(f"j{i}", ClaimStatus.WON, "b") for i in range(3, 5)]
+        piped = await backend.claim_many([ClaimRequest("j5", 1, "b", "t|5", 30_000),
+                                          ClaimRequest("j0", 1, "b", "t6", 30_000)])
+        assert [(r.status, r.instance_id) for r in piped] == [
+            (ClaimStatus.WON, "b"), (ClaimStatus.RUNNING, holder)]
+        lease = Lease("j5", 1, "t|5", 30_000)
+        assert (await backend.heartbeat([lease])).held == {"t|5"}
+    finally:
+        await backend.close()
+        delete_prefix(url, backend.prefix)
+        await client.aclose()
+
+
 async def test_from_url_and_unix_socket() -> None:
     binary = find_server("valkey")
     assert binary is not None
