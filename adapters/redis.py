@@ -135,6 +135,12 @@ class RedisAdapter(ABC):
         #: Whether the client is a Cluster client (a script may then touch one slot only).
         self.cluster = "Cluster" in type(client).__name__
         self.where, self._password = _describe(client)
+        pool = getattr(client, "connection_pool", None)
+        options: dict[str, Any] = dict(getattr(pool, "connection_kwargs", None) or {})
+        #: How a client that decodes replies decodes them (its ``encoding`` and
+        #: ``encoding_errors``): a reply counted in bytes is encoded back the same way.
+        self.encoding: tuple[str, str] = (str(options.get("encoding") or "utf-8"),
+                                          str(options.get("encoding_errors") or "strict"))
         #: The driver's script objects, by SHA-1 (see :meth:`load_scripts`).
         self.scripts: dict[str, Any] = {}
 

@@ -189,15 +189,23 @@ def _claim_fields(reply: Any) -> list[Any]:
     return fields
 
 
-def _counted_replies(blob: Any) -> list[bytes]:
-    """Split ``claim_many.lua``'s reply: ``<length>:<reply>`` per claim (length in bytes)."""
-    data = blob if isinstance(blob, bytes) else str(blob).encode("utf-8")
-    out: list[bytes] = []
+def _counted_replies(blob: Any, encoding: str = "utf-8",
+                     errors: str = "strict") -> list[Any]:
+    """Split ``claim_many.lua``'s reply: ``<length>:<reply>`` per claim (length in bytes).
+
+    A client that decodes replies answers text: it is encoded back with the client's own
+    ``encoding`` (the lengths count the bytes the server sent), and each reply decoded
+    again.
+    """
+    text = not isinstance(blob, bytes)
+    data = str(blob).encode(encoding, errors) if text else blob
+    out: list[Any] = []
     at, size = 0, len(data)
     while at < size:
         colon = data.index(b":", at)
         end = colon + 1 + int(data[at:colon])
-        out.append(data[colon + 1:end])
+        reply = data[colon + 1:end]
+        out.append(reply.decode(encoding, errors) if text else reply)
         at = end
     return out
 
@@ -496,7 +504,8 @@ class RedisBackend(Backend):
             self._listed.clear()
         self._listed.update(new)
         if batched:  # one string of counted claim replies per script call
-            replies = [*(reply for batch in replies[:calls] for reply in _counted_replies(batch)),
+            replies = [*(reply for batch in replies[:calls]
+                         for reply in _counted_replies(batch, *adapter.encoding)),
                        *replies[calls:]]
         fields = [_claim_fields(reply) for reply in replies[:len(requests)]]
         results = [_claim_result(request, f)

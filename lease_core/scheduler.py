@@ -1329,9 +1329,11 @@ class Scheduler:
                                         claim_duration=took))
             next_step = job.next_step
             if (result.status is ClaimStatus.FINISHED and next_step is not None
-                    and result.run_status is RunStatus.COMPLETED):
-                # The step completed before this instance saw it run: back up its successor.
-                await self._claim(next_step, slot, Reason.SCHEDULED)
+                    and result.run_status is RunStatus.COMPLETED and self._tg is not None):
+                # The step completed before this instance saw it run: back up its
+                # successor, in a task of its own: the claims settled after this one (a
+                # whole instant's, in a burst) must not wait for that round trip.
+                self._tg.start_soon(self._claim, next_step, slot, Reason.SCHEDULED)
         return result
 
     # ----------------------------------------------------------------- running handlers

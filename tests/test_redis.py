@@ -432,18 +432,21 @@ async def _decoded_replies(url: str, *, sync: bool) -> None:
 
 
 @pytest.mark.asyncio_only
-@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize(("decode", "encoding"),
+                         [(False, "utf-8"), (True, "utf-8"), (True, "latin-1")])
 async def test_a_batch_answers_any_holder_and_token_as_single_claims_do(
-    url: str, decode: bool,
+    url: str, decode: bool, encoding: str,
 ) -> None:
-    # One claim_many.lua call answers its claims as one string of counted replies: a
-    # holder whose instance id has the separators, a newline and non-ASCII text comes
-    # back whole, and a claim whose token holds the field separator goes through
-    # claim.lua instead, with the same answers.
-    client: Any = redis.asyncio.Redis.from_url(url, decode_responses=decode)
+    # One claim_many.lua call answers its claims as one string of replies counted in
+    # bytes: a holder whose instance id has the separators, a newline and non-ASCII text
+    # comes back whole (from a client decoding with its own encoding too), and a claim
+    # whose token holds the field separator goes through claim.lua instead, with the
+    # same answers.
+    client: Any = redis.asyncio.Redis.from_url(url, decode_responses=decode,
+                                               encoding=encoding)
     backend = RedisBackend(client, prefix=_prefix())
     await backend.start()
-    holder = "h|1:2\nπ:é|"
+    holder = "h|1:2\nπ:é|" if encoding == "utf-8" else "h|1:2\né:ü|"
     try:
         for i in range(3):
             won = await backend.claim(ClaimRequest(f"j{i}", 1, holder, f"h{i}", 30_000))
