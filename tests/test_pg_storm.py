@@ -9,6 +9,7 @@ every pooled connection.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable
@@ -158,14 +159,7 @@ async def test_a_fleet_behind_pgbouncer_rides_out_a_stall_and_a_database_restart
     (each one cost a connection, a cancel request and a new login), the clients stay
     within the schedulers' pools, and every slot after the recovery completes.
     """
-    if not HAVE_PGBOUNCER:
-        missing_service("pgbouncer")
-    caplog.set_level(logging.WARNING)
-    server = EmbeddedPostgres()
-    await anyio.to_thread.run_sync(server.start)
-    bouncer = PgBouncer(server, pool_size=4, extra="server_login_retry = 1\n")
-    try:
-        await anyio.to_thread.run_sync(bouncer.start)
+    async with _database_behind_pgbouncer(caplog) as (server, bouncer):
         jobs = ["j0", "j1", "j2"]
         schedulers = []
         for n in range(3):
@@ -226,9 +220,6 @@ async def test_a_fleet_behind_pgbouncer_rides_out_a_stall_and_a_database_restart
         assert most_clients <= 3 * (4 + 1) + 1, f"{most_clients} clients at PgBouncer"
         assert "query cancellation" not in caplog.text
         assert "max_client_conn" not in caplog.text and "refused the login" not in caplog.text
-    finally:
-        await anyio.to_thread.run_sync(bouncer.close)
-        await anyio.to_thread.run_sync(server.stop)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -278,12 +269,6 @@ async def test_after_each_database_restart_behind_pgbouncer_every_slot_runs_once
     database restarts 3 times. While PgBouncer refuses queries (about server_login_retry
     after each restart) the schedulers' warnings say what to do; once it answers again,
     every slot is claimed and run exactly once."""
-    if not HAVE_PGBOUNCER:
-        missing_service("pgbouncer")
-    caplog.set_level(logging.WARNING)
-    server = EmbeddedPostgres()
-    await anyio.to_thread.run_sync(server.start)
-    bouncer = PgBouncer(server, pool_size=4, extra="server_login_retry = 1\n")
     interval = 500
     jobs = ["a", "b"]
     started: list[tuple[str, int, int]] = []  # (job, slot, attempt) of each handler run
@@ -292,8 +277,7 @@ async def test_after_each_database_restart_behind_pgbouncer_every_slot_runs_once
         started.append((ctx.job, ctx.slot, ctx.attempt))
         await anyio.sleep(0.05)
 
-    try:
-        await anyio.to_thread.run_sync(bouncer.start)
+    async with _database_behind_pgbouncer(caplog) as (server, bouncer):
         schedulers = []
         for n in range(2):
             s = Scheduler(PostgresBackend(bouncer.dsn, table="restart_slots"),
@@ -337,6 +321,22 @@ async def test_after_each_database_restart_behind_pgbouncer_every_slot_runs_once
                    and "server login has been failing" in r.getMessage()]
         assert refused, "PgBouncer never refused a query after a restart"
         assert all("lower server_login_retry in pgbouncer.ini" in m for m in refused)
+
+
+@contextlib.asynccontextmanager
+async def _database_behind_pgbouncer(
+    caplog: pytest.LogCaptureFixture,
+) -> AsyncIterator[tuple[EmbeddedPostgres, PgBouncer]]:
+    """A database and a PgBouncer before it (``server_login_retry = 1``), both stopped after."""
+    if not HAVE_PGBOUNCER:
+        missing_service("pgbouncer")
+    caplog.set_level(logging.WARNING)
+    server = EmbeddedPostgres()
+    await anyio.to_thread.run_sync(server.start)
+    bouncer = PgBouncer(server, pool_size=4, extra="server_login_retry = 1\n")
+    try:
+        await anyio.to_thread.run_sync(bouncer.start)
+        yield server, bouncer
     finally:
         await anyio.to_thread.run_sync(bouncer.close)
         await anyio.to_thread.run_sync(server.stop)
