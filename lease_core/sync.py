@@ -27,9 +27,11 @@ from . import events as ev
 from ._durations import Duration, parse_duration
 from ._structures import Attempt
 from .abc import Backend
+from .engine.base import INSIDE as _INSIDE
+from .engine.jobs import Job
 from .errors import AnarchonError
 from .recovery import RecoveryEntry
-from .scheduler import _INSIDE, Job, Scheduler
+from .scheduler import Scheduler
 
 __all__ = ["SyncScheduler"]
 

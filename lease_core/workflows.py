@@ -42,7 +42,7 @@ from .schedules import Schedule
 
 if TYPE_CHECKING:
     from .context import RunContext
-    from .scheduler import Job, Scheduler
+    from .engine.jobs import Job, JobRegistry
 
 __all__ = ["Workflow"]
 
@@ -66,13 +66,14 @@ def check_name(what: str, name: object) -> str:
 class Workflow:
     """A declared workflow: its schedule, options and ordered steps.
 
-    Made by :meth:`Scheduler.workflow`; add steps with :meth:`step`, in the order they must
-    run, before the scheduler starts.
+    Made by :meth:`Scheduler.workflow <lease_core.Scheduler.workflow>`, which passes the
+    scheduler's job registry (where each step is declared as a job); add steps with
+    :meth:`step`, in the order they must run, before the scheduler starts.
     """
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        registry: JobRegistry,
         name: str,
         schedule: Schedule,
         *,
@@ -93,7 +94,7 @@ class Workflow:
         """The default lease of each step (``None``: the scheduler's)."""
         self.catch_up = catch_up
         """What happens to workflow runs missed while no instance was up."""
-        self._scheduler = scheduler
+        self._registry = registry
         self._steps: list[Job] = []
 
     @property
@@ -154,10 +155,10 @@ class Workflow:
                 f"step {name!r} is already declared in workflow {self.name!r}; "
                 "step names must be unique within a workflow"
             )
-        self._scheduler._check_declarable(f"step {name!r} of workflow {self.name!r}")
+        self._registry.check_declarable(f"step {name!r} of workflow {self.name!r}")
 
         def register(fn: H) -> H:
-            job = self._scheduler._declare_step(
+            job = self._registry.declare_step(
                 self, name, fn,
                 timeout=self.timeout if timeout is None else timeout,
                 max_attempts=self.max_attempts if max_attempts is None else max_attempts,

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-import lease_core.scheduler
+import lease_core.engine.base
 from lease_core import (
     BackendUnavailable,
     Claimed,
@@ -194,7 +194,7 @@ async def test_store_unreachable_lost_store_back_and_escalated() -> None:
 async def test_slow_and_failing_subscribers_delay_no_heartbeat(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(lease_core.scheduler, "EVENT_BUFFER", 1)
+    monkeypatch.setattr(lease_core.engine.base, "EVENT_BUFFER", 1)
     backend = MemoryBackend()
     s = Scheduler(backend, instance_id="a", **FAST)
     release = threading.Event()

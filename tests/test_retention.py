@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-import lease_core.scheduler
+import lease_core.engine.base
 from lease_core import (
     BackendUnavailable,
     ConfigurationError,
@@ -173,7 +173,7 @@ async def test_trimming_keeps_running_runs_and_the_newest_attempts(store: Store)
 async def test_renewals_go_on_while_a_large_trimming_runs(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(lease_core.scheduler, "PRUNE_BATCH", 10)
+    monkeypatch.setattr(lease_core.engine.base, "PRUNE_BATCH", 10)
     count = 600
     async with started(store.backend()) as writer:
         # a running run, then `count` later runs recorded as skipped behind it

@@ -1,0 +1,121 @@
+"""What every engine component shares: the settings, the lifecycle states, the limits."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from ..abc import Backend
+from ..errors import AnarchonError
+
+__all__ = [
+    "CATCH_UP_LIMIT",
+    "CATCH_UP_WINDOW_MS",
+    "EVENT_BUFFER",
+    "HANDLER_THREADS",
+    "INSIDE",
+    "PRUNE_BATCH",
+    "PRUNE_JOBS",
+    "SUBSCRIBER_THREADS",
+    "Carry",
+    "SchedulerState",
+    "Settings",
+    "is_async",
+    "log_failure",
+    "logger",
+]
+
+logger = logging.getLogger("anarchon")
+
+#: Events a subscriber may fall behind by; later ones are dropped (and counted).
+EVENT_BUFFER = 1000
+#: Worker threads for sync handlers (beyond them, handlers wait to start). They are not
+#: anyio's default threads, which the store's blocking drivers use for heartbeats.
+HANDLER_THREADS = 256
+#: Worker threads for sync event subscribers, all of a scheduler's together.
+SUBSCRIBER_THREADS = 8
+#: Catch-up never looks further back than this (milliseconds).
+CATCH_UP_WINDOW_MS = 24 * 3_600_000
+#: ``catch_up="all"`` runs at most this many missed slots per job.
+CATCH_UP_LIMIT = 100
+#: The most attempts of each kind (beyond ``history_size``, past ``history_ttl``) the
+#: scheduler deletes per job and call when it trims history.
+PRUNE_BATCH = 500
+#: The most jobs one call of :meth:`Backend.prune_many` trims when the scheduler trims
+#: history (one statement on PostgreSQL, one round trip on Redis).
+PRUNE_JOBS = 100
+
+#: Set inside a scheduler's handler and subscriber tasks to the scheduler that owns them,
+#: so that stop() called by one of them only requests the stop instead of waiting for
+#: itself.
+INSIDE: ContextVar[object | None] = ContextVar("anarchon_scheduler", default=None)
+
+
+class SchedulerState(StrEnum):
+    """Where a scheduler is in its lifecycle."""
+
+    STOPPED = "stopped"
+    """Not started, or stopped: jobs may be declared, :meth:`Scheduler.start` may be called."""
+    STARTING = "starting"
+    """Opening the store and registering the jobs."""
+    RUNNING = "running"
+    """Claiming slots, running handlers, renewing leases and backing up other instances."""
+    STOPPING = "stopping"
+    """No new claims; handlers finish or are cancelled, held runs are handed over."""
+
+
+@dataclass(slots=True)
+class Settings:
+    """A scheduler's options, as every component of its engine reads them.
+
+    Components read ``backend`` at every call, so a backend replaced on the scheduler (a
+    test's wrapper, say) is used from the next call on.
+    """
+
+    backend: Backend
+    instance_id: str
+    heartbeat: float
+    """Seconds between two ticks (renewals and backup checks)."""
+    lease: float
+    """The default lease of a job, in seconds."""
+    history_size: int
+    history_ttl_ms: int | None
+    prune_every: float | None
+    """Seconds between the fleet's history trimmings, or ``None`` for none."""
+    clock: Callable[[], float]
+    """The local monotonic clock, in seconds."""
+    owner: object
+    """The scheduler these settings belong to (the value of :data:`INSIDE` in its tasks)."""
+
+
+@dataclass
+class Carry:
+    """What a scheduler keeps from one start to the next."""
+
+    prune_next: str | None = None
+    """The job the next history trimming starts with (where the last one's budget ran out)."""
+    quarantine_logged: dict[str, int | None] = field(default_factory=dict)
+    """Per job, the end of the store's quarantine last logged (logged once each)."""
+
+
+def log_failure(what: str, exc: Exception) -> None:
+    """Log a failed store call: briefly for a store error, with a traceback for a bug."""
+    # Store errors are expected (outages); anything else is a bug worth a traceback.
+    # Neither may end the scheduler's tasks.
+    if isinstance(exc, AnarchonError):
+        logger.warning("%s failed: %s", what, exc)
+    else:
+        logger.error("%s failed unexpectedly", what, exc_info=exc)
+
+
+def is_async(handler: Callable[..., Any]) -> bool:
+    """True when ``handler`` (a function or a callable object) is a coroutine function."""
+    if inspect.iscoroutinefunction(handler):
+        return True
+    call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects too
+    return call is not None and inspect.iscoroutinefunction(call)

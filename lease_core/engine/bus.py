@@ -1,0 +1,142 @@
+"""Events: the subscribers of one scheduler, each fed in order through its own buffer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .. import events as ev
+from ..errors import ConfigurationError
+from . import base
+from .base import INSIDE, is_async, logger
+
+__all__ = ["EventBus"]
+
+
+@dataclass(eq=False)
+class _Subscriber:
+    """A callback subscribed to events, and its stream while the scheduler runs."""
+
+    callback: Callable[[ev.Event], Any]
+    is_async: bool
+    send: MemoryObjectSendStream[ev.Event] | None = None
+    dropped: int = 0
+
+
+class EventBus:
+    """Delivers a scheduler's events to its subscribers (see :meth:`Scheduler.subscribe`).
+
+    Subscribers outlive a start: they are fed while the scheduler runs, from tasks of the
+    task group given to :meth:`open`. ``owner`` is the scheduler, which the subscribers'
+    tasks see as :data:`~lease_core.engine.base.INSIDE`.
+    """
+
+    def __init__(self, owner: object) -> None:
+        self._owner = owner
+        self._subscribers: list[_Subscriber] = []
+        self._receivers: list[MemoryObjectReceiveStream[ev.Event]] = []
+        self._tg: TaskGroup | None = None
+        self._threads: anyio.CapacityLimiter | None = None
+        self.dropped = 0
+        """Events dropped because a subscriber's buffer was full (since creation)."""
+
+    @property
+    def wanted(self) -> bool:
+        """True when some callback is subscribed (events are made only then)."""
+        return bool(self._subscribers)
+
+    @property
+    def idle(self) -> bool:
+        """True when no callback is subscribed and no subscriber's stream is left open."""
+        return not self._subscribers and not self._receivers
+
+    def subscribe(self, callback: Callable[[ev.Event], Any]) -> Callable[[], None]:
+        """Subscribe ``callback``; return the function that unsubscribes it."""
+        if not callable(callback):
+            raise ConfigurationError(f"subscribe({callback!r}): the callback must be callable")
+        sub = _Subscriber(callback, is_async(callback))
+        if self._tg is not None:
+            self._open_subscriber(sub)  # raises, registering nothing, off the loop's thread
+        self._subscribers.append(sub)
+
+        def unsubscribe() -> None:
+            if sub in self._subscribers:
+                self._subscribers.remove(sub)
+            if sub.send is not None:
+                sub.send.close()
+
+        return unsubscribe
+
+    def open(self, tg: TaskGroup, threads: anyio.CapacityLimiter) -> None:
+        """Start feeding every subscriber, in tasks of ``tg`` (sync ones in ``threads``)."""
+        self._tg, self._threads = tg, threads
+        for sub in self._subscribers:
+            self._open_subscriber(sub)
+
+    def close(self, *, senders_only: bool = False) -> None:
+        """Stop taking events; with ``senders_only``, let the subscribers drain theirs."""
+        if not senders_only:
+            self._tg = None
+        for sub in self._subscribers:
+            if sub.send is not None:
+                sub.send.close()
+                sub.send = None
+        if not senders_only:
+            for receive in self._receivers:
+                receive.close()
+            self._receivers.clear()
+
+    def emit(self, event: ev.Event) -> None:
+        """Queue ``event`` for every subscriber; a full buffer drops it (and counts it)."""
+        for sub in self._subscribers:
+            if sub.send is None:
+                continue
+            try:
+                sub.send.send_nowait(event)
+            except anyio.WouldBlock:
+                sub.dropped += 1
+                self.dropped += 1
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+
+    def _open_subscriber(self, sub: _Subscriber) -> None:
+        assert self._tg is not None
+        send, receive = anyio.create_memory_object_stream[ev.Event](base.EVENT_BUFFER)
+        dispatch = self._dispatch(sub, receive)
+        try:
+            self._tg.start_soon(lambda: dispatch)
+        except BaseException:
+            dispatch.close()
+            send.close()
+            receive.close()
+            raise
+        sub.send = send
+        self._receivers.append(receive)
+
+    async def _dispatch(self, sub: _Subscriber,
+                        receive: MemoryObjectReceiveStream[ev.Event]) -> None:
+        INSIDE.set(self._owner)  # stop() or abort() from a subscriber only requests it
+        try:
+            with receive, contextlib.suppress(anyio.ClosedResourceError):
+                async for event in receive:
+                    try:
+                        if sub.is_async:
+                            await sub.callback(event)
+                        else:
+                            await anyio.to_thread.run_sync(sub.callback, event,
+                                                           abandon_on_cancel=True,
+                                                           limiter=self._threads)
+                    except Exception as exc:
+                        logger.error("event subscriber %r failed on %s", sub.callback,
+                                     type(event).__name__, exc_info=exc)
+        finally:
+            # An unsubscribed callback leaves nothing behind in a long-running scheduler.
+            if receive in self._receivers:
+                self._receivers.remove(receive)

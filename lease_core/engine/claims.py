@@ -1,0 +1,157 @@
+"""Claims: every claim an instance makes goes through here, and is settled here.
+
+Claims made at the same instant go to the store together, in one ``claim_many`` call
+(see :mod:`lease_core._batch`); each is then settled as if it had been made alone: a won
+run starts its handler, a run held elsewhere is backed up, a claim without an answer is
+made again at the next tick.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .. import events as ev
+from .._batch import Abandoned, ClaimBatcher
+from .._structures import ClaimRequest, ClaimResult, ClaimStatus, Lease, Reason, format_slot
+from .base import logger
+from .runs import AttemptInfo
+
+if TYPE_CHECKING:
+    from .jobs import Job
+    from .session import Session
+
+__all__ = ["Claimer"]
+
+
+class Claimer:
+    """Sends one scheduler's claims and settles their answers."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session
+        self._batcher = ClaimBatcher(session.settings.backend)
+        self._in_flight = 0
+        self._idle: anyio.Event | None = None
+        self._quarantine_logged = session.carry.quarantine_logged
+
+    async def claim(self, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
+        """Claim one run; ``None`` when the answer is unknown (claimed again next tick)."""
+        (result,) = await self.claim_many([(job, slot, reason)])
+        return result
+
+    async def claim_many(
+        self, claims: Sequence[tuple[Job, int, Reason]]
+    ) -> list[ClaimResult | None]:
+        """Claim several runs at once; each answer as :meth:`claim` gives it."""
+        s = self._s
+        if not claims:
+            return []
+        if s.stopping or s.tg is None:
+            return [None] * len(claims)
+        settings = s.settings
+        requests = [
+            ClaimRequest(
+                job.name, slot, settings.instance_id, os.urandom(16).hex(), job.lease_ms,
+                reason, job.overlap == "skip", job.max_attempts, settings.history_size,
+                settings.history_ttl_ms,
+            )
+            for job, slot, reason in claims
+        ]
+        for job, slot, _ in claims:
+            s.runs.claiming(job, slot)
+        clock = settings.clock
+        sent = clock()
+        sent_loop = anyio.current_time()
+        answers: list[ClaimResult | Exception] | None = None
+        # Shielded: a claim cancelled mid-flight could win in the store without the
+        # instance knowing, leaving the run unattended until its lease expires. stop()
+        # waits for claims in flight before it hands over.
+        self._in_flight += 1
+        try:
+            with anyio.move_on_after(min(job.lease_ms for job, _, _ in claims) / 2000,
+                                     shield=True):
+                answers = await self._batcher.claim_many(requests)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+        received = clock()
+        answered = next((a for a in answers or () if isinstance(a, ClaimResult)), None)
+        if answered is not None:
+            s.clock.note(answered.now_ms, sent, received)
+        results: list[ClaimResult | None] = []
+        for i, (job, slot, reason) in enumerate(claims):
+            answer = None if answers is None else answers[i]
+            if isinstance(answer, Exception):
+                if not isinstance(answer, Abandoned):
+                    s.clock.failed(
+                        f"claim of {job.name} slot {format_slot(slot)} (will retry)", answer)
+                answer = None
+            results.append(self._settle(job, slot, reason, requests[i].token, answer,
+                                        received - sent, sent_loop))
+        return results
+
+    async def drain(self, seconds: float) -> None:
+        """Wait, for ``seconds`` at most, until no claim is in flight."""
+        with anyio.move_on_after(seconds):
+            while self._in_flight:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+
+    def _settle(self, job: Job, slot: int, reason: Reason, token: str,
+                result: ClaimResult | None, took: float,
+                sent_loop: float) -> ClaimResult | None:
+        s = self._s
+        if result is None:
+            # Unknown outcome (error or too slow): retry, or take it over if it was won.
+            s.runs.watch(job, slot, reclaim=reason)
+            return None
+        lease = Lease(job.name, slot, token, job.lease_ms)
+        # Events are made only for subscribers: in a burst, thousands of claims are settled
+        # in one go, and every object made costs the garbage collector too.
+        events = s.bus.wanted
+        run: dict[str, Any] = {"instance_id": s.settings.instance_id, "job": job.name,
+                               "slot": slot}
+        if result.status is ClaimStatus.WON:
+            won = result.reason or Reason.SCHEDULED
+            info = AttemptInfo(result.attempt, won, sent_loop)
+            if events:
+                s.bus.emit(ev.Claimed(**run, attempt=result.attempt, reason=won,
+                                      claim_duration=took))
+            if events and won in (Reason.TAKEOVER, Reason.HAND_OVER):
+                s.bus.emit(ev.TakenOver(**run, attempt=result.attempt, reason=won))
+            if s.stopping or s.tg is None:
+                s.runs.hand_over_later(job, lease, info)
+            else:
+                s.execution.launch(job, lease, result, sent_loop, info)
+        elif result.status is ClaimStatus.RUNNING and result.run_status is None:
+            # No run: the store is in quarantine after losing its data; claim again at
+            # the next tick (the claim writes nothing until the quarantine ends).
+            s.runs.watch(job, slot, reclaim=reason)
+            if self._quarantine_logged.get(job.name) != result.expires_ms:
+                self._quarantine_logged[job.name] = result.expires_ms
+                logger.warning(
+                    "%s slot %s: the store lost its data; no new attempt before store time "
+                    "%s, when every lease it may have held has expired", job.name,
+                    format_slot(slot), result.expires_ms)
+        elif result.status is ClaimStatus.RUNNING:
+            s.runs.watch(job, slot)
+            if events:
+                s.bus.emit(ev.StandingBy(**run, holder=result.instance_id, claim_duration=took))
+        else:
+            s.runs.forget((job.name, slot))
+            if result.status is ClaimStatus.SKIPPED:
+                logger.info("%s slot %s skipped: an earlier run still holds its lease",
+                            job.name, format_slot(slot))
+                s.bus.emit(ev.Skipped(**run, reason=reason, claim_duration=took))
+            elif result.status is ClaimStatus.ESCALATED:
+                logger.error("%s slot %s escalated after %d attempts", job.name,
+                             format_slot(slot), result.attempt)
+                s.bus.emit(ev.Escalated(**run, attempt=result.attempt, reason=reason,
+                                        claim_duration=took))
+            elif result.status is ClaimStatus.FINISHED:
+                s.steps.seen_finished(job, slot, result.run_status)
+        return result

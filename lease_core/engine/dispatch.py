@@ -1,0 +1,156 @@
+"""Dispatch: when each scheduled job is due, and the claims of its slots (catch-up too).
+
+One task wakes every scheduled job due at an instant (a heap of next slots) and claims
+their runs in one go. A job's next slot is queued once its claim is settled, so a job
+never has two scheduled claims in flight. Missed slots, at start or after the process was
+suspended, are caught up by the job's ``catch_up`` policy, in a task of their own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .._structures import ClaimStatus, JobInfo, Reason, format_slot
+from . import base
+
+if TYPE_CHECKING:
+    from .jobs import Job
+    from .session import Session
+
+__all__ = ["Dispatcher"]
+
+
+class Dispatcher:
+    """Claims the slots of one scheduler's scheduled jobs as they fall due."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session
+        # The scheduled jobs' next slots, earliest first: (slot, order, job, last slot
+        # dealt with).
+        self._due: list[tuple[int, int, Job, int]] = []
+        self._order = itertools.count()
+        self._added: anyio.Event | None = None
+        # Per job, the last slot a catch-up claimed (it may still run).
+        self._caught_up: dict[str, int] = {}
+
+    def schedule_next(self, job: Job, last: int) -> None:
+        """Queue ``job``'s first slot after ``last`` (store ms)."""
+        if self._s.stopping:
+            return
+        slot = job.schedule.next_after(last)
+        heapq.heappush(self._due, (slot, next(self._order), job, last))
+        if self._added is not None and self._due[0][0] == slot:
+            self._added.set()
+
+    async def start_job(self, job: Job, info: JobInfo) -> None:
+        """Catch up a job the store knew before this start, then queue its next slot."""
+        s = self._s
+        now = s.clock.now_ms()
+        with s.stoppable():
+            if job.overlap == "skip":
+                # Runs left open by stopped or dead instances are taken over first (by
+                # the ticker); caught-up slots would only be skipped meanwhile.
+                for slot in info.open_slots:
+                    await self.wait_run_ended(job.name, slot)
+            watermark = max(info.first_seen_ms, info.last_slot or info.first_seen_ms)
+            await self._catch_up(job, watermark, now, final_reason=Reason.CATCH_UP)
+            self.schedule_next(job, now)
+
+    async def wake_due_jobs(self) -> None:
+        """Wake the jobs due at each instant together, and claim their runs in one go.
+
+        One task for every scheduled job rather than one per job: at an instant when
+        thousands of jobs are due, waking a task per job cost more than their claims'
+        round trip, and an idle scheduler woke each of them once per heartbeat.
+        """
+        s = self._s
+        with s.stoppable():
+            while True:
+                # Not rounded to the millisecond: every job due at one instant is woken
+                # in the same turn, so their claims go in one batch. The wait is at most
+                # a heartbeat, so a changed estimate of the store's clock is followed.
+                local_now = s.settings.clock() * 1000 + s.clock.offset_ms
+                wait = s.settings.heartbeat
+                if self._due:
+                    wait = min(wait, (self._due[0][0] - local_now) / 1000)
+                if wait > 0:
+                    self._added = anyio.Event()
+                    with anyio.move_on_after(wait):
+                        await self._added.wait()
+                    self._added = None
+                    continue
+                now = s.clock.now_ms()
+                claims: list[tuple[Job, int, int]] = []
+                while self._due and self._due[0][0] <= local_now:
+                    slot, _, job, _ = heapq.heappop(self._due)
+                    due = job.schedule.previous_at_or_before(now) or slot
+                    if due > slot:
+                        # The job fell behind (a suspended process): its catch-up policy.
+                        assert s.tg is not None
+                        s.tg.start_soon(self._catch_up_then_next, job, slot, due)
+                    else:
+                        self._caught_up.pop(job.name, None)
+                        claims.append((job, slot, max(due, slot)))
+                if claims:
+                    assert s.tg is not None
+                    s.tg.start_soon(self._claim_due, claims)
+
+    async def _claim_due(self, claims: list[tuple[Job, int, int]]) -> None:
+        # A job's next slot is queued once its claim is settled, as a loop per job would.
+        await self._s.claims.claim_many(
+            [(job, slot, Reason.SCHEDULED) for job, slot, _ in claims])
+        for job, _, last in claims:
+            self.schedule_next(job, last)
+
+    async def _catch_up_then_next(self, job: Job, slot: int, due: int) -> None:
+        with self._s.stoppable():
+            await self._catch_up(job, slot - 1, due, final_reason=Reason.SCHEDULED)
+            self.schedule_next(job, due)
+
+    async def _catch_up(self, job: Job, after: int, until: int, *, final_reason: Reason) -> None:
+        limit = base.CATCH_UP_LIMIT if job.catch_up == "all" else 1
+        if job.catch_up == "none":
+            limit = 1 if final_reason is Reason.SCHEDULED else 0
+        if limit == 0:
+            return
+        after = max(after, until - base.CATCH_UP_WINDOW_MS)
+        missed = job.schedule.slots_between(after, until, limit)
+        on_time = until - self._s.settings.heartbeat * 1000
+        previous = self._caught_up.pop(job.name, None)
+        if previous is not None and missed and job.overlap == "skip":
+            # The run an earlier catch-up claimed last may still be going.
+            await self.wait_run_ended(job.name, previous)
+        for i, slot in enumerate(missed):
+            last = i == len(missed) - 1
+            # A slot that is due right now is simply scheduled, even at start-up.
+            reason = final_reason if last else Reason.CATCH_UP
+            result = await self._s.claims.claim(
+                job, slot, Reason.SCHEDULED if slot >= on_time else reason)
+            active = result is not None and result.status in (ClaimStatus.WON,
+                                                               ClaimStatus.RUNNING)
+            if active and job.overlap == "skip":
+                if last:
+                    self._caught_up[job.name] = slot
+                else:
+                    # Missed slots of a job that must not overlap run one after another;
+                    # claiming the next one now would only record it as skipped.
+                    await self.wait_run_ended(job.name, slot)
+
+    async def wait_run_ended(self, job: str, slot: int) -> None:
+        """Return once the run (job, slot) is finished (or the scheduler stops)."""
+        s = self._s
+        key = (job, slot)
+        while not s.stopping:
+            await anyio.sleep(s.settings.heartbeat)
+            try:
+                result = await s.settings.backend.check([key])
+            except Exception as exc:
+                s.clock.failed(f"check of {job} slot {format_slot(slot)}", exc)
+                continue
+            state = result.runs.get(key)
+            if state is None or state.status.finished:
+                return

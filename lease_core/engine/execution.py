@@ -1,0 +1,219 @@
+"""Execution: a won run's handler runs here, is cancelled here, and its outcome recorded.
+
+How an attempt ends is decided by one pure function,
+:func:`~lease_core._outcome.decide_outcome`; this module runs the handler, gathers what
+that function needs, and carries the decision out: it reports the end, stores a workflow
+step's result, finishes the run in the store (with the other finishes of the instant, in
+one ``finish_many`` call), or backs the run up when its lease was lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+
+from .. import events as ev
+from .._batch import Abandoned, FinishBatcher
+from .._outcome import Interruption, decide_outcome
+from .._structures import ClaimResult, Lease, Outcome, Reason, format_slot
+from ..context import RunContext
+from ..errors import ConfigurationError
+from .base import INSIDE, logger
+from .runs import AttemptInfo, Execution, Run
+
+if TYPE_CHECKING:
+    from .jobs import Job
+    from .session import Session
+
+__all__ = ["Executor"]
+
+
+@dataclass(slots=True)
+class _Ran:
+    """What happened to a handler, as :func:`decide_outcome` needs it."""
+
+    value: Any = None
+    raised: Exception | None = None
+    timed_out: bool = False
+    interrupted: Interruption | None = None
+
+
+class Executor:
+    """Runs the handlers of one scheduler's won runs, and records how each attempt ended."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session
+        self._finisher = FinishBatcher(session.settings.backend)
+
+    def launch(self, job: Job, lease: Lease, result: ClaimResult, sent_loop: float,
+               attempt: AttemptInfo | None) -> None:
+        """Start the handler of a run whose claim ``result`` won ``lease``."""
+        s = self._s
+        assert s.tg is not None
+        reason = result.reason or Reason.SCHEDULED
+        ctx = RunContext(
+            backend=s.settings.backend, lease=lease, attempt=result.attempt, reason=reason,
+            instance_id=s.settings.instance_id, logger=logger,
+            workflow=None if job.workflow is None else job.workflow.name, step=job.step,
+        )
+        if job.workflow is not None:
+            ctx._before_commit = s.steps.result_in_transaction
+        execution = Execution(ctx, anyio.CancelScope())
+        run = s.runs.hold(job, lease, execution, attempt)
+        # The store's lease started no earlier than the claim was sent.
+        execution.set_deadline(self.deadline(sent_loop, job))
+        ctx._transaction_hook = execution.transaction_hook
+        if logger.isEnabledFor(logging.INFO):  # format_slot is not free, times a burst
+            logger.info("%s slot %s (%d): %s won attempt %d (%s)", job.name,
+                        format_slot(lease.slot), lease.slot, s.settings.instance_id,
+                        result.attempt, reason)
+        s.tg.start_soon(self._execute, run)
+
+    def deadline(self, sent_loop: float, job: Job) -> float:
+        """The local deadline of a lease whose claim or renewal was sent at ``sent_loop``."""
+        # Stop the handler locally before the store could consider the lease expired,
+        # even if heartbeats cannot reach the store: counted from when the claim or the
+        # renewal was sent, which is no later than when the store started the lease.
+        return sent_loop + job.lease_ms / 1000 - self._s.settings.heartbeat / 2
+
+    def lose(self, run: Run, why: Interruption) -> None:
+        """Cancel a held run's handler: its lease is lost, or about to be."""
+        execution, lease = run.execution, run.lease
+        assert execution is not None and lease is not None
+        execution.lost = True
+        execution.cancel_reason = why
+        execution.ctx._request_stop(str(why))
+        execution.scope.cancel()
+        logger.warning("%s slot %s: %s; handler cancelled", run.job.name,
+                       format_slot(lease.slot), why)
+
+    def ended(self, kind: type[ev.AttemptEnded], lease: Lease, **extra: Any) -> None:
+        """Report the end of the attempt holding ``lease`` (once)."""
+        s = self._s
+        info = s.runs.ended_attempt(lease)
+        if info is None or not s.bus.wanted:
+            return
+        s.bus.emit(kind(
+            instance_id=s.settings.instance_id, job=lease.job, slot=lease.slot,
+            attempt=info.attempt, reason=info.reason,
+            duration=anyio.current_time() - info.started, **extra,
+        ))
+
+    async def _execute(self, run: Run) -> None:
+        s = self._s
+        job, execution, lease = run.job, run.execution, run.lease
+        assert execution is not None and lease is not None
+        INSIDE.set(s.settings.owner)
+        try:
+            ran = await self._run_handler(job, execution, lease.slot)
+        finally:
+            s.runs.finishing(run)
+        ending = decide_outcome(
+            raised=ran.raised, timed_out=ran.timed_out, timeout=job.timeout,
+            interrupted=ran.interrupted, lost=execution.lost, stopping=s.stopping,
+            crashed=s.crashed,
+        )
+        outcome, error = ending.outcome, ending.error
+        if outcome is None:
+            return
+        if outcome is Outcome.LOST:
+            self._lost(run, error or "lease lost", ran.interrupted)
+            return
+        if outcome is Outcome.HANDED_OVER:
+            s.runs.hand_over_later(job, lease, None)
+            return
+        if (outcome is Outcome.COMPLETED and job.workflow is not None
+                and not execution.ctx.completed_by_transaction):
+            stored = await s.steps.store_result(run, ran.value)
+            if isinstance(stored, ConfigurationError):
+                ran.raised = stored
+                outcome, error = Outcome.FAILED, f"the step's result: {stored}"
+            elif not stored:
+                return
+        self._report(run, outcome, error, ran.raised)
+        finished = outcome is Outcome.COMPLETED and execution.ctx.completed_by_transaction
+        if not finished:
+            finished = await self._finish(run, outcome, error)
+        s.runs.release(run)
+        if finished and outcome is Outcome.COMPLETED:
+            await s.steps.completed(job, lease.slot)
+
+    async def _run_handler(self, job: Job, execution: Execution, slot: int) -> _Ran:
+        ran = _Ran()
+        ctx = execution.ctx
+        with execution.scope:
+            try:
+                with anyio.move_on_after(job.timeout or math.inf) as timeout_scope:
+                    if job.workflow is not None:
+                        ctx.results = await self._s.steps.load_results(job, slot)
+                    if job.is_async:
+                        ran.value = await job.handler(ctx)
+                    else:
+                        ran.value = await anyio.to_thread.run_sync(
+                            job.handler, ctx, abandon_on_cancel=True,
+                            limiter=self._s.handler_threads,
+                        )
+                ran.timed_out = timeout_scope.cancelled_caught
+            except Exception as exc:
+                ran.raised = exc
+        if execution.scope.cancelled_caught:
+            ran.interrupted = execution.cancel_reason or Interruption.DEADLINE
+        return ran
+
+    def _lost(self, run: Run, error: str, interrupted: Interruption | None) -> None:
+        execution, lease = run.execution, run.lease
+        assert execution is not None and lease is not None
+        self.ended(ev.Lost, lease, why=error)
+        if not execution.lost:
+            execution.lost = True
+            execution.ctx._request_stop(error)
+            name, slot = run.job.name, format_slot(lease.slot)
+            if interrupted is Interruption.DEADLINE:
+                logger.warning("%s slot %s: %s; handler cancelled", name, slot, error)
+            else:
+                logger.warning("%s slot %s: lease lost: %s", name, slot, error)
+        self._s.runs.rewatch(run)
+
+    def _report(self, run: Run, outcome: Outcome, error: str | None,
+                raised: Exception | None) -> None:
+        execution, lease = run.execution, run.lease
+        assert execution is not None and lease is not None
+        if outcome is Outcome.TIMED_OUT:
+            execution.ctx._request_stop("timed out")
+            self.ended(ev.TimedOut, lease)
+        elif outcome is Outcome.COMPLETED:
+            self.ended(ev.Completed, lease)
+        elif outcome is Outcome.FAILED:
+            assert raised is not None
+            self.ended(ev.Failed, lease, error=raised)
+            logger.warning("%s slot %s (%d) attempt %d failed: %s", run.job.name,
+                           format_slot(lease.slot), lease.slot, execution.ctx.attempt, error,
+                           exc_info=raised)
+
+    async def _finish(self, run: Run, outcome: Outcome, error: str | None) -> bool:
+        """Record the outcome in the store; True when it is recorded."""
+        lease = run.lease
+        assert lease is not None
+        finished = False
+        name, slot = run.job.name, lease.slot
+        with anyio.move_on_after(10, shield=True) as finish_scope:
+            # With the other finishes of this instant, in one finish_many call.
+            (answer,) = await self._finisher.call_many([(lease, outcome, error)])
+            if isinstance(answer, Exception):
+                if not isinstance(answer, Abandoned):
+                    self._s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
+                self._s.runs.rewatch(run)
+            else:
+                finished = answer
+                if not finished:
+                    logger.warning("%s slot %s: lease lost before finishing (%s)",
+                                   name, format_slot(slot), outcome)
+        if finish_scope.cancelled_caught:
+            # Unknown whether it finished: watch it, so it is taken over if not.
+            self._s.runs.rewatch(run)
+        return finished

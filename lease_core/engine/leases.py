@@ -1,0 +1,152 @@
+"""Leases: once per heartbeat, renew every held lease and check every run backed up.
+
+Both are batched: one heartbeat call renews all the leases an instance holds, and one
+check call covers every run it backs up, so the store's load grows with the number of
+instances, not with the number of jobs. A backed-up run whose lease expired (or that was
+handed over) is claimed; a run whose claim got no answer is claimed again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .._durations import to_ms
+from .._outcome import Interruption
+from .._structures import Reason, format_slot
+from .base import logger
+from .runs import Phase
+
+if TYPE_CHECKING:
+    from .jobs import Job
+    from .session import Session
+
+__all__ = ["LeaseKeeper"]
+
+
+class LeaseKeeper:
+    """Renews one scheduler's held leases and backs up the runs of other instances."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session
+
+    def tick_limit(self) -> float:
+        """How long one tick may take before the next one starts anyway."""
+        s = self._s
+        shortest = min((j.lease_ms for j in s.jobs.values()),
+                       default=to_ms(s.settings.lease))
+        return max(s.settings.heartbeat, shortest / 1000 - s.settings.heartbeat)
+
+    async def ticker(self) -> None:
+        """Tick every heartbeat until cancelled."""
+        s = self._s
+        while True:
+            await anyio.sleep(s.settings.heartbeat)
+            # A hung store must not stall later ticks; the handlers' own deadlines
+            # cancel them before their leases could expire.
+            limit = self.tick_limit()
+            with anyio.move_on_after(limit) as scope:
+                try:
+                    await self.tick()
+                except Exception as exc:
+                    s.clock.failed("heartbeat and backup check", exc)
+            if scope.cancelled_caught:
+                logger.warning("tick took longer than %gs; the store is slow", limit)
+                s.clock.failed("tick", TimeoutError(
+                    f"the store did not answer within {limit:g}s"), log=False)
+
+    async def tick(self) -> None:
+        """Renew the held leases, check the backed-up runs, sample the store's clock."""
+        s = self._s
+        await self._renew()
+        await self._check_watched()
+        # An idle instance still asks the store once per heartbeat, so health() knows it
+        # answers; the clock is sampled at least every minute.
+        if s.settings.clock() - s.clock.last_sample > min(60.0, s.settings.heartbeat / 2):
+            await s.clock.sample()
+
+    async def _renew(self) -> None:
+        s = self._s
+        # A run inside its fenced transaction is locked by it: no backup can take it over,
+        # whatever its expiry, so it needs no renewal and is never reported lost here.
+        helds = [run for run in s.runs.held()
+                 if run.execution is not None and not run.execution.lost
+                 and not run.execution.in_transaction]
+        if not helds:
+            return
+        clock = s.settings.clock
+        sent = clock()
+        sent_loop = anyio.current_time()
+        result = await s.settings.backend.heartbeat(
+            [run.lease for run in helds if run.lease is not None])
+        s.clock.note(result.now_ms, sent, clock())
+        renewed = result.held if result.renewed is None else result.renewed
+        for run in helds:
+            execution, lease = run.execution, run.lease
+            assert execution is not None and lease is not None
+            if lease.token in renewed:
+                execution.set_deadline(s.execution.deadline(sent_loop, run.job))
+            elif lease.token in result.held:
+                pass  # held but locked by its fenced transaction; renewed next time
+            elif s.runs.holds(lease.token) and not execution.in_transaction:
+                s.execution.lose(run, Interruption.LEASE_LOST)
+
+    async def _check_watched(self) -> None:
+        s = self._s
+        if s.stopping:
+            return
+        watched = list(s.runs.watched())
+        if not watched:
+            return
+        retries = [run for run in watched if run.reclaim_reason is not None]
+        newest: dict[str, int] = {}
+        again: list[tuple[Job, int, Reason]] = []
+        for run in retries:
+            newest[run.job.name] = max(run.slot, newest.get(run.job.name, run.slot))
+        for run in retries:
+            older = run.slot < newest[run.job.name]
+            if (older and run.reclaim_reason is not Reason.TAKEOVER
+                    and (run.job.catch_up != "all" or run.job.overlap == "skip")):
+                # The store was unreachable for several slots: as with catch-up, only
+                # the newest missed slot is claimed (all of them only for a job with
+                # catch_up="all" whose runs may overlap). The older run is still watched,
+                # in case an unanswered claim won it.
+                s.runs.watch(run.job, run.slot)
+                logger.warning("%s slot %s not claimed while the store was unreachable; "
+                               "claiming the newer slot instead", run.job.name,
+                               format_slot(run.slot))
+                continue
+            assert run.reclaim_reason is not None
+            again.append((run.job, run.slot, run.reclaim_reason))
+        await s.claims.claim_many(again)
+        backups = [run for run in s.runs.watched() if run.reclaim_reason is None]
+        if not backups:
+            return
+        keys = [run.key for run in backups]
+        clock = s.settings.clock
+        sent = clock()
+        result = await s.settings.backend.check(keys)
+        s.clock.note(result.now_ms, sent, clock())
+        claims: list[tuple[Job, int, Reason]] = []
+        for key in keys:
+            current = s.runs.get(key)
+            if current is None or current.phase not in (Phase.WATCHING, Phase.RECLAIM):
+                continue
+            run = current
+            state = result.runs.get(key)
+            if key in result.lost:
+                # Lost with the store's data while its holder may still run it: claim it
+                # again; the claim waits out the store's quarantine.
+                s.runs.forget(key)
+                await s.claims.claim(run.job, key[1], Reason.TAKEOVER)
+            elif state is None or state.status.finished:
+                s.runs.forget(key)
+                next_step = s.steps.successor(run.job, None if state is None else state.status)
+                if next_step is not None:
+                    # Supervisor: the step completed; make sure its successor is claimed
+                    # (by its agent, or by this instance if the agent died before).
+                    claims.append((next_step, key[1], Reason.SCHEDULED))
+            elif state.claimable(result.now_ms):
+                claims.append((run.job, key[1], Reason.TAKEOVER))
+        await s.claims.claim_many(claims)

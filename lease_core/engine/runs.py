@@ -1,0 +1,241 @@
+"""The runs one instance deals with: one record per (job, slot), its phase, its transitions.
+
+A run's record goes through these phases (:class:`Phase`); a run in none of them is one
+this instance has nothing to do with, or is done with::
+
+    (none) --claim sent--> CLAIMING --won--> HELD --handler ended--> FINISHING --> (none)
+                              |  |             \\--won while stopping--> HANDING_OVER
+                              |  \\--another holds it--> WATCHING --lease expired--> CLAIMING
+                              \\--no answer, quarantine--> RECLAIM --next tick--> CLAIMING
+    FINISHING --lease lost, or the finish unanswered--> WATCHING
+    FINISHING --the handler stopped by stop()--> HANDING_OVER
+
+Every transition is a method of :class:`RunTable`, the only code that changes a phase. A
+record this instance executes (``HELD``, ``FINISHING``, ``HANDING_OVER``) is never
+replaced by what a claim of the same run answers: only its own execution moves it on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .._outcome import Interruption
+from .._structures import Lease, Reason
+
+if TYPE_CHECKING:
+    from ..context import RunContext
+    from .jobs import Job
+
+__all__ = ["AttemptInfo", "Execution", "Phase", "Run", "RunTable"]
+
+
+class Phase(StrEnum):
+    """Where one run stands for this instance."""
+
+    CLAIMING = "claiming"
+    """A claim of the run is on its way to the store."""
+    HELD = "held"
+    """This instance holds the lease and runs the handler."""
+    FINISHING = "finishing"
+    """The handler ended; its result and outcome are being recorded."""
+    WATCHING = "watching"
+    """Another attempt holds the run: this instance backs it up."""
+    RECLAIM = "reclaim"
+    """The claim's answer is unknown, or the store is in quarantine: claim again next tick."""
+    HANDING_OVER = "handing over"
+    """Held while the scheduler stops: handed over to a backup once the handlers ended."""
+
+
+#: The phases of a run this instance executes, which no claim reply changes.
+_OWN = frozenset({Phase.HELD, Phase.FINISHING, Phase.HANDING_OVER})
+#: The phases of a run this instance backs up (or must claim again).
+_WATCHED = frozenset({Phase.WATCHING, Phase.RECLAIM})
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptInfo:
+    """What the events about the end of an attempt this instance won report."""
+
+    attempt: int
+    reason: Reason
+    started: float
+    """When the claim was sent (anyio clock)."""
+
+
+@dataclass(eq=False)
+class Execution:
+    """A handler this instance runs: its context, cancel scope and local lease deadline."""
+
+    ctx: RunContext
+    scope: anyio.CancelScope
+    cancel_reason: Interruption | None = None
+    lost: bool = False
+    deadline: float = math.inf
+    """The local lease deadline; the scope's, except while a fenced transaction is open."""
+    in_transaction: bool = False
+
+    def set_deadline(self, deadline: float) -> None:
+        """Move the local lease deadline (after a claim or a renewal)."""
+        self.deadline = deadline
+        if not self.in_transaction:
+            self.scope.deadline = deadline
+
+    def transaction_hook(self, active: bool) -> None:
+        """Called by the run's context as a fenced transaction opens and closes."""
+        # An open fenced transaction locks the run: no backup can take it over, so the
+        # local deadline waits until the transaction ends.
+        self.in_transaction = active
+        self.scope.deadline = math.inf if active else self.deadline
+
+
+@dataclass(eq=False)
+class Run:
+    """One run (job, slot) this instance deals with."""
+
+    job: Job
+    slot: int
+    phase: Phase
+    lease: Lease | None = None
+    """The lease this instance holds (``HELD``, ``FINISHING``, ``HANDING_OVER``)."""
+    execution: Execution | None = None
+    """The running handler (``HELD`` and ``FINISHING``)."""
+    attempt: AttemptInfo | None = None
+    """The attempt this instance won, until the event about its end is reported."""
+    reclaim_reason: Reason | None = None
+    """The reason to claim with again (``RECLAIM``)."""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The run's identity: (job name, slot)."""
+        return (self.job.name, self.slot)
+
+
+class RunTable:
+    """The records of the runs one scheduler deals with, and every change of their phase."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[str, int], Run] = {}
+        self._held: dict[str, Run] = {}
+        """The ``HELD`` runs by token."""
+        self.idle: anyio.Event | None = None
+        """Set (when there is one) as the last held run stops being held."""
+
+    # -- reading
+
+    def get(self, key: tuple[str, int]) -> Run | None:
+        """The record of ``key``, if any."""
+        return self._runs.get(key)
+
+    def held(self) -> list[Run]:
+        """The runs whose handlers run now."""
+        return list(self._held.values())
+
+    def holds(self, token: str) -> bool:
+        """True while the attempt with ``token`` runs its handler here."""
+        return token in self._held
+
+    @property
+    def held_count(self) -> int:
+        """How many handlers run now."""
+        return len(self._held)
+
+    def watched(self) -> Iterator[Run]:
+        """The runs this instance backs up or must claim again, oldest record first."""
+        return (run for run in self._runs.values() if run.phase in _WATCHED)
+
+    @property
+    def watched_count(self) -> int:
+        """How many runs this instance backs up or must claim again."""
+        return sum(1 for _ in self.watched())
+
+    def handing_over(self) -> list[Lease]:
+        """The leases to hand over on stop: runs won while stopping, and held runs."""
+        first = [run.lease for run in self._runs.values()
+                 if run.phase is Phase.HANDING_OVER and run.lease is not None]
+        return first + [run.lease for run in self._held.values() if run.lease is not None]
+
+    # -- transitions
+
+    def claiming(self, job: Job, slot: int) -> None:
+        """A claim of (job, slot) is sent."""
+        run = self._runs.get((job.name, slot))
+        if run is None:
+            self._runs[(job.name, slot)] = Run(job, slot, Phase.CLAIMING)
+        elif run.phase not in _OWN:
+            run.phase, run.reclaim_reason = Phase.CLAIMING, None
+
+    def hold(self, job: Job, lease: Lease, execution: Execution,
+             attempt: AttemptInfo | None) -> Run:
+        """The claim was won: the handler starts."""
+        run = Run(job, lease.slot, Phase.HELD, lease, execution, attempt)
+        self._runs[run.key] = run
+        self._held[lease.token] = run
+        return run
+
+    def hand_over_later(self, job: Job, lease: Lease, attempt: AttemptInfo | None) -> None:
+        """Won, or handed over by its handler, while stopping: hand it over at the end."""
+        run = self._runs.get((job.name, lease.slot))
+        if run is None or run.lease is None or run.lease.token != lease.token:
+            run = Run(job, lease.slot, Phase.HANDING_OVER, lease, attempt=attempt)
+            self._runs[run.key] = run
+        run.phase, run.execution = Phase.HANDING_OVER, None
+        self._held.pop(lease.token, None)
+
+    def watch(self, job: Job, slot: int, *, reclaim: Reason | None = None) -> None:
+        """Back the run up, or (``reclaim``) claim it again with that reason next tick."""
+        key = (job.name, slot)
+        run = self._runs.get(key)
+        if run is not None and run.phase in _OWN:
+            return
+        self._runs[key] = Run(job, slot, Phase.RECLAIM if reclaim else Phase.WATCHING,
+                              reclaim_reason=reclaim)
+
+    def rewatch(self, run: Run) -> None:
+        """The run's own attempt lost its lease, or its end is unknown: back it up."""
+        current = self._runs.get(run.key)
+        if current is None or current is run:
+            self._runs[run.key] = Run(run.job, run.slot, Phase.WATCHING)
+
+    def finishing(self, run: Run) -> None:
+        """The run's handler ended: its outcome is recorded next."""
+        assert run.lease is not None
+        self._held.pop(run.lease.token, None)
+        if self._runs.get(run.key) is run:
+            run.phase = Phase.FINISHING
+        if not self._held and self.idle is not None:
+            self.idle.set()
+
+    def release(self, run: Run) -> None:
+        """The run's outcome is recorded (or nothing may be): this instance is done with it."""
+        if self._runs.get(run.key) is run and run.phase is Phase.FINISHING:
+            del self._runs[run.key]
+
+    def forget(self, key: tuple[str, int]) -> None:
+        """Stop backing up ``key`` (it ended, or a claim of it is settled elsewhere)."""
+        run = self._runs.get(key)
+        if run is not None and run.phase not in _OWN:
+            del self._runs[key]
+
+    def ended_attempt(self, lease: Lease) -> AttemptInfo | None:
+        """Take the attempt ``lease`` won here, to report its end once."""
+        run = self._runs.get((lease.job, lease.slot))
+        if run is None or run.lease is None or run.lease.token != lease.token:
+            return None
+        info, run.attempt = run.attempt, None
+        return info
+
+    def handed_over(self) -> None:
+        """The runs to hand over were handed over (or could not be)."""
+        for key in [k for k, r in self._runs.items() if r.phase is Phase.HANDING_OVER]:
+            del self._runs[key]
+
+    def clear(self) -> None:
+        """The scheduler stopped: it deals with no run any more."""
+        self._runs.clear()
+        self._held.clear()

@@ -1,0 +1,230 @@
+"""One run of a scheduler, from start() to the end of stop(): its state and components.
+
+A scheduler makes a new :class:`Session` at every start, so nothing of a run's state is
+left over for the next one (what must carry over is in :class:`~.base.Carry`). The session
+owns the components, each with one job, and wires them together:
+
+- :class:`~.runs.RunTable`: the runs this instance deals with, and their phases;
+- :class:`~.clock.StoreClock`: the store's clock, and whether the store answers;
+- :class:`~.dispatch.Dispatcher`: when the scheduled jobs are due, catch-up;
+- :class:`~.claims.Claimer`: every claim, and what its answer means;
+- :class:`~.execution.Executor`: the handlers, their cancellation and their outcome;
+- :class:`~.leases.LeaseKeeper`: renewals and backup checks, once per heartbeat;
+- :class:`~.steps.StepCoordinator`: the steps of workflows, one after another;
+- :class:`~.retention.Retention`: the fleet's history trimming.
+
+The components import none of each other; they reach each other through the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from .. import events as ev
+from .._outcome import Interruption
+from .._structures import JobInfo
+from .base import (
+    HANDLER_THREADS,
+    SUBSCRIBER_THREADS,
+    Carry,
+    SchedulerState,
+    Settings,
+    logger,
+)
+from .bus import EventBus
+from .claims import Claimer
+from .clock import StoreClock
+from .dispatch import Dispatcher
+from .execution import Executor
+from .jobs import JobRegistry
+from .leases import LeaseKeeper
+from .retention import Retention
+from .runs import RunTable
+from .steps import StepCoordinator
+
+__all__ = ["Session"]
+
+
+class Session:
+    """The state of one run of a scheduler, and the components that act on it."""
+
+    def __init__(self, settings: Settings, registry: JobRegistry, bus: EventBus,
+                 carry: Carry, *, offset_ms: float = 0.0) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.jobs = registry.jobs
+        """The declared jobs, by name."""
+        self.bus = bus
+        self.carry = carry
+        self.state = SchedulerState.STARTING
+        self.crashed = False
+        """True once cancelled from outside or aborted: nothing is finished or handed over."""
+        self.grace = 0.0
+        self.tg: TaskGroup | None = None
+        """The task group of the jobs, while the scheduler runs them."""
+        self.run_scope = anyio.CancelScope()
+        self.stop_requested = anyio.Event()
+        self.done = anyio.Event()
+        self._loop_scopes: set[anyio.CancelScope] = set()
+        # Sync handlers and subscribers get worker threads of their own, so that however
+        # many of them block, the store's blocking drivers keep anyio's default threads.
+        self.handler_threads = anyio.CapacityLimiter(HANDLER_THREADS)
+        self.subscriber_threads = anyio.CapacityLimiter(SUBSCRIBER_THREADS)
+        self.clock = StoreClock(settings, bus.emit, offset_ms)
+        self.runs = RunTable()
+        self.claims = Claimer(self)
+        self.execution = Executor(self)
+        self.dispatch = Dispatcher(self)
+        self.leases = LeaseKeeper(self)
+        self.steps = StepCoordinator(self)
+        self.retention = Retention(self)
+
+    @property
+    def stopping(self) -> bool:
+        """True once a stop (or an abort) began, and when not running at all: no new claims."""
+        return self.state in (SchedulerState.STOPPING, SchedulerState.STOPPED)
+
+    @contextlib.contextmanager
+    def stoppable(self) -> Iterator[None]:
+        """A scope that stop() cancels (a job's catch-up, the dispatcher, the trimming)."""
+        scope = anyio.CancelScope()
+        if self.stopping:
+            scope.cancel()
+        self._loop_scopes.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._loop_scopes.discard(scope)
+
+    def request_stop(self, grace: float) -> None:
+        """Begin a graceful stop with ``grace`` seconds for the handlers (once)."""
+        if not self.stop_requested.is_set():
+            self.grace = grace
+            self.stop_requested.set()
+
+    def abort(self) -> None:
+        """Stop at once, as a crash would: nothing is finished or handed over."""
+        self.crashed = True
+        self.state = SchedulerState.STOPPING
+        self.run_scope.cancel()
+
+    async def run(self, task_status: TaskStatus[None]) -> None:
+        """Open the store, run the jobs until stopped, close the store."""
+        settings = self.settings
+        opened = False
+        try:
+            with self.run_scope:
+                infos = await self._open()
+                opened = True
+                try:
+                    async with anyio.create_task_group() as events_tg:
+                        self.bus.open(events_tg, self.subscriber_threads)
+                        await self._run_jobs(infos, task_status)
+                        # Deliver what is left, for a moment at most.
+                        self.bus.close(senders_only=True)
+                        events_tg.cancel_scope.deadline = (
+                            anyio.current_time() + max(1.0, settings.heartbeat))
+                except anyio.get_cancelled_exc_class():
+                    # Cancelled from outside (or aborted): behave like a crash.
+                    self.crashed = True
+                    raise
+        finally:
+            self.state = SchedulerState.STOPPING
+            self.tg = None
+            self.bus.close()
+            self.runs.clear()
+            try:
+                if opened:
+                    with anyio.move_on_after(10, shield=True):
+                        await settings.backend.close()
+            finally:
+                self.state = SchedulerState.STOPPED
+                self.done.set()
+                logger.info("instance %s stopped", settings.instance_id)
+
+    async def _open(self) -> dict[str, JobInfo]:
+        backend = self.settings.backend
+        await backend.start()
+        try:
+            for _ in range(3):
+                await self.clock.sample()
+            infos = await backend.register_jobs(list(self.jobs))
+            workflows = self.registry.workflows
+            if workflows:
+                await backend.register_workflows(
+                    {name: wf.steps for name, wf in workflows.items()})
+            return infos
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await backend.close()
+            raise
+
+    async def _run_jobs(self, infos: dict[str, JobInfo], task_status: TaskStatus[None]) -> None:
+        async with anyio.create_task_group() as tg:
+            self.tg = tg
+            for name, job in self.jobs.items():
+                info = infos[name]
+                for slot in info.open_slots:
+                    self.runs.watch(job, slot)
+                if not job.scheduled:
+                    pass
+                elif not info.new and job.catch_up != "none":
+                    tg.start_soon(self.dispatch.start_job, job, info)
+                else:
+                    self.dispatch.schedule_next(job, self.clock.now_ms())
+            tg.start_soon(self.dispatch.wake_due_jobs)
+            for wf in self.registry.workflows.values():
+                tg.start_soon(self.steps.resume, wf, infos[wf.jobs[0].name])
+            tg.start_soon(self.leases.ticker)
+            tg.start_soon(self.retention.run)
+            if self.state is SchedulerState.STARTING:
+                self.state = SchedulerState.RUNNING
+            logger.info("instance %s started with %d jobs", self.settings.instance_id,
+                        len(self.jobs))
+            task_status.started()
+            await self.stop_requested.wait()
+            await self._stop_gracefully()
+            tg.cancel_scope.cancel()
+
+    async def _wait_no_handler(self, seconds: float) -> None:
+        with anyio.move_on_after(seconds):
+            while self.runs.held_count:
+                self.runs.idle = anyio.Event()
+                await self.runs.idle.wait()
+
+    async def _stop_gracefully(self) -> None:
+        self.state = SchedulerState.STOPPING
+        for scope in list(self._loop_scopes):
+            scope.cancel()
+        for run in self.runs.held():
+            assert run.execution is not None
+            run.execution.ctx._request_stop("stopping")
+        await self._wait_no_handler(self.grace)
+        for run in self.runs.held():
+            assert run.execution is not None
+            run.execution.cancel_reason = Interruption.STOPPED
+            run.execution.scope.cancel()
+        await self._wait_no_handler(max(self.settings.heartbeat, 1.0))
+        await self.claims.drain(max(j.lease_ms for j in self.jobs.values()) / 2000
+                                if self.jobs else 0)
+        leases = self.runs.handing_over()
+        if leases:
+            with anyio.move_on_after(10, shield=True):
+                done: frozenset[str] = frozenset()
+                try:
+                    done = await self.settings.backend.hand_over(leases)
+                    logger.info("instance %s handed over %d runs", self.settings.instance_id,
+                                len(done))
+                except Exception as exc:
+                    self.clock.failed("hand-over", exc)
+            for lease in leases:
+                if lease.token in done:
+                    self.execution.ended(ev.HandedOver, lease)
+                else:
+                    self.execution.ended(ev.Lost, lease, why="not handed over")
+        self.runs.handed_over()

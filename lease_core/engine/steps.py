@@ -1,0 +1,144 @@
+"""Workflow coordination: each step is a run of its own; this layer chains them.
+
+The engine runs a step like any job's run. This layer adds what makes steps a workflow
+(see :mod:`lease_core.workflows`): a step's handler reads the results of the steps before
+it; its own result is stored, fenced, before its completion; the instance that completes a
+step (or, as supervisor, sees it completed) claims the next step at once; a starting
+instance continues a workflow run whose next step was never claimed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .. import events as ev
+from .._structures import JobInfo, Reason, RunStatus, format_slot
+from ..context import RunContext
+from ..errors import AnarchonError, ConfigurationError
+from ..recovery import step_job
+from .base import logger
+
+if TYPE_CHECKING:
+    from ..workflows import Workflow
+    from .jobs import Job
+    from .runs import Run
+    from .session import Session
+
+__all__ = ["StepCoordinator"]
+
+
+class StepCoordinator:
+    """Chains the steps of one scheduler's workflows, through the engine's claims."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session
+
+    @staticmethod
+    def successor(job: Job, status: RunStatus | None) -> Job | None:
+        """The step to claim once ``job``'s run has ``status``: the next, if it completed."""
+        return job.next_step if status is RunStatus.COMPLETED else None
+
+    async def completed(self, job: Job, slot: int) -> None:
+        """This instance completed ``job``'s run: claim the next step now, without a tick."""
+        next_step = job.next_step
+        if next_step is not None:
+            await self._s.claims.claim(next_step, slot, Reason.SCHEDULED)
+
+    def seen_finished(self, job: Job, slot: int, status: RunStatus | None) -> None:
+        """A claim found ``job``'s run finished: back up the next step if it completed."""
+        next_step = self.successor(job, status)
+        if next_step is not None and self._s.tg is not None:
+            # The step completed before this instance saw it run: claim its successor in
+            # a task of its own: the claims settled after this one (a whole instant's, in
+            # a burst) must not wait for that round trip.
+            self._s.tg.start_soon(self._s.claims.claim, next_step, slot, Reason.SCHEDULED)
+
+    async def load_results(self, job: Job, slot: int) -> dict[str, Any]:
+        """The results of the steps before ``job``'s, by step name."""
+        assert job.workflow is not None
+        s = self._s
+        results: dict[str, Any] = {}
+        for step in job.workflow.previous_steps(job):
+            name = step_job(job.workflow.name, step)
+            for tries_left in (2, 1, 0):
+                # A brief store outage must not fail the workflow run: try again within
+                # the step's lease before giving up.
+                try:
+                    payload = await s.settings.backend.get_checkpoint(name, slot)
+                    break
+                except AnarchonError as exc:
+                    if not tries_left:
+                        raise
+                    s.clock.failed(f"reading the result of {name}", exc)
+                    await anyio.sleep(s.settings.heartbeat)
+            results[step] = payload.get("result") if isinstance(payload, dict) else None
+        return results
+
+    async def store_result(self, run: Run, value: Any) -> bool | ConfigurationError:
+        """Store a completed step's result before its completion.
+
+        True when it is stored; a :class:`ConfigurationError` when it cannot be (the step
+        then fails); False when the lease was lost or the store did not answer: the run
+        is then reported lost and backed up, and a backup runs the step again.
+        """
+        s = self._s
+        lease, execution = run.lease, run.execution
+        assert lease is not None and execution is not None
+        ctx = execution.ctx
+        stored: bool | None = None
+        with anyio.move_on_after(10, shield=True):
+            try:
+                stored = await s.settings.backend.set_checkpoint(
+                    lease, {"result": ctx.result if value is None else value})
+            except ConfigurationError as exc:
+                return exc
+            except Exception as exc:
+                s.clock.failed(f"result of {run.job.name} slot {format_slot(lease.slot)}",
+                               exc)
+        if stored is None:
+            # Unknown whether the result was stored: finishing could complete the step
+            # without it. Its lease runs out and a backup runs it again.
+            s.execution.ended(ev.Lost, lease, why="result not stored")
+            s.runs.rewatch(run)
+            return False
+        if stored is False:
+            s.execution.ended(ev.Lost, lease, why="lease lost before the result was stored")
+            logger.warning("%s slot %s: lease lost before its result was stored",
+                           run.job.name, format_slot(lease.slot))
+            s.runs.rewatch(run)
+            return False
+        return True
+
+    async def result_in_transaction(self, ctx: RunContext, tx: Any) -> None:
+        """Store the result of a step completed by its fenced transaction, in that one."""
+        # FencedTransaction.set_checkpoint writes in the transaction itself.
+        store = getattr(tx, "set_checkpoint", None)
+        if store is None:
+            raise ConfigurationError(
+                f"{type(self._s.settings.backend).__name__} cannot store a step's result "
+                "inside its fenced transaction")
+        await store({"result": ctx.result})
+
+    async def resume(self, wf: Workflow, info: JobInfo) -> None:
+        """Claim the next step of ``wf``'s latest run if a step completed and it was not."""
+        # A workflow run whose step completed but whose next step was never claimed (its
+        # agent died in between) is continued by the first instance that starts.
+        s = self._s
+        if info.last_slot is None:
+            return
+        keys = [(job.name, info.last_slot) for job in wf.jobs]
+        try:
+            result = await s.settings.backend.check(keys)
+        except Exception as exc:
+            s.clock.failed(f"check of workflow {wf.name}", exc)
+            return
+        for job, key in zip(wf.jobs[:-1], keys[1:], strict=True):
+            state = result.runs.get((job.name, key[1]))
+            if (state is not None and state.status is RunStatus.COMPLETED
+                    and key not in result.runs):
+                next_step = job.next_step
+                assert next_step is not None
+                await s.claims.claim(next_step, key[1], Reason.SCHEDULED)
+                return
