@@ -254,15 +254,18 @@ def test_a_namespace_in_use_is_refused_and_nothing_changes(
 def test_remove_refuses_a_namespace_a_demo_did_not_make(
     database: str, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`--remove bank` would otherwise drop the user's bank_accounts."""
-    make_user_tables(database, USER_TABLES, USER_ROWS)
-    before, data = catalog(database), user_data(database)
+    """`--remove bank` would otherwise drop the user's bank_accounts, even beside a table
+    of the user's named like the marker (``bank_demo``, with the marker's columns)."""
+    tables = {**USER_TABLES, "bank_demo": "CREATE TABLE bank_demo (namespace text, demo text)"}
+    rows = {**USER_ROWS, "bank_demo": "INSERT INTO bank_demo VALUES ('bank', 'bank-close')"}
+    make_user_tables(database, tables, rows)
+    before, data = catalog(database), user_data(database, list(tables))
     assert main(["demo", "--url", database, "--remove", "bank"]) == 2
     err = capsys.readouterr().err
     assert "no demo marker" in err and "bank_accounts" in err and "nothing was removed" in err
     assert main(["demo", "--url", database, "--remove", "anarchon_demo"]) == 2
     assert catalog(database) == before
-    assert user_data(database) == data
+    assert user_data(database, list(tables)) == data
 
 
 def test_a_url_naming_a_table_is_refused(database: str,
@@ -315,6 +318,8 @@ def seed_user_keys(url: str) -> None:
         client.hset("{anarchon_demo}:meta", "owner", "me")
         client.set("{anarchon_demo/report}:job", "mine")
         client.set("{mine}:x", "mine")
+        client.set("{mine}:demo", '{"demo": "fleet", "namespace": "not mine"}')
+        client.hset("{anarchon_demo}:demo", "demo", "fleet")
     finally:
         client.close()
 

@@ -243,9 +243,7 @@ class PostgresNamespace(Namespace):
                 conn.execute(f'INSERT INTO "{self.marker}" VALUES (%s, %s, now())',
                              (self.name, demo))
                 conn.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(
-                    sql.Identifier(self.marker),
-                    sql.Literal(f"anarchon demo {demo}: marks namespace {self.name}; "
-                                f"'anarchon demo --url URL --remove {self.name}' drops it")))
+                    sql.Identifier(self.marker), sql.Literal(self._comment(demo))))
                 for statement in statements or []:
                     conn.execute(statement)
         except psycopg.errors.DuplicateObject as exc:  # pragma: no cover - a race
@@ -256,6 +254,27 @@ class PostgresNamespace(Namespace):
             raise AnarchonError(
                 f"could not create the demo's tables under namespace {self.name}: "
                 f"{str(exc).strip().splitlines()[0]}") from None
+
+    def _comment(self, demo: str) -> str:
+        """The marker table's comment, which :meth:`remove` checks."""
+        return (f"anarchon demo {demo}: marks namespace {self.name}; "
+                f"'anarchon demo --url URL --remove {self.name}' drops it")
+
+    def _is_marker(self, conn: Any) -> bool:
+        """Whether the table ``<ns>_demo`` is a demo's marker: its comment, and its row."""
+        row = conn.execute(
+            "SELECT pg_catalog.obj_description(c.oid, 'pg_class') FROM pg_catalog.pg_class c "
+            "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = current_schema() AND c.relname = %s AND c.relkind = 'r'",
+            (self.marker,)).fetchone()
+        if row is None or not isinstance(row[0], str):
+            return False
+        demo = row[0].removeprefix("anarchon demo ").split(":", 1)[0]
+        if row[0] != self._comment(demo):
+            return False
+        found = conn.execute(f'SELECT demo FROM "{self.marker}" WHERE namespace = %s',
+                             (self.name,)).fetchone()
+        return found is not None and found[0] == demo
 
     def _in_use(self, taken: list[str]) -> NamespaceInUse:
         shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
@@ -269,12 +288,8 @@ class PostgresNamespace(Namespace):
 
         with self._connect() as conn:
             conn.execute(f"SET LOCAL lock_timeout = '{_PG_LOCK_TIMEOUT}'")
-            marker = conn.execute(
-                "SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
-                "ON n.oid = c.relnamespace WHERE n.nspname = current_schema() "
-                "AND c.relname = %s AND c.relkind = 'r'", (self.marker,)).fetchone()
             owned = conn.execute(_PG_OWNED, self._params()).fetchall()
-            if marker is None:
+            if not self._is_marker(conn):
                 if owned:
                     shown = ", ".join(name for _, name in owned[:5]) + (
                         f" and {len(owned) - 5} more" if len(owned) > 5 else "")
@@ -298,8 +313,9 @@ class PostgresNamespace(Namespace):
                 raise AnarchonError(
                     f"could not remove namespace {self.name} (nothing was removed): "
                     f"{str(exc).strip().splitlines()[0]}") from None
-        return (f"removed namespace {self.name}: {len(names['table'])} tables, "
-                f"{len(names['sequence'])} sequences, {len(names['function'])} functions")
+        counts = [f"{len(names[kind])} {kind}s" for kind in ("table", "sequence", "function")
+                  if names[kind]]
+        return f"removed namespace {self.name}: {' and '.join(counts)}"
 
     def look_commands(self, url: str) -> list[str]:
         quoted = _shell(url)
@@ -374,10 +390,21 @@ class RedisNamespace(Namespace):
         finally:
             client.close()
 
+    def _is_marker(self, client: Any) -> bool:
+        """Whether the key ``{<ns>}:demo`` is a demo's marker: a string of its JSON."""
+        import redis
+
+        try:
+            value = json.loads(client.get(self.marker) or b"null")
+        except (ValueError, UnicodeDecodeError, redis.ResponseError):  # WRONGTYPE: not a string
+            return False
+        return (isinstance(value, dict) and value.get("namespace") == self.name
+                and isinstance(value.get("demo"), str))
+
     def remove(self) -> str:
         client = self._client()
         try:
-            if not client.exists(self.marker):
+            if not self._is_marker(client):
                 found = self._keys(client, limit=6)
                 if found:
                     shown = ", ".join(k.decode(errors="replace") for k in found[:5]) + (
