@@ -73,6 +73,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--serve", action="store_true",
                       help="serve the status page on 127.0.0.1 during the demo and print its "
                            "URL (with --workflow; extra 'http')")
+    demo.add_argument("--namespace", default=None, metavar="NAME",
+                      help="name the demo's tables or keys under NAME instead of a new "
+                           "anarchon_demo_<random>; refused if anything by that name exists")
+    demo.add_argument("--keep", action="store_true",
+                      help="keep the demo's tables or keys at the end (with --url) and print "
+                           "how to look at them and remove them; by default they are removed")
+    demo.add_argument("--remove", default=None, metavar="NAME",
+                      help="remove a namespace a demo kept (with --url), and nothing else: "
+                           "refused unless it carries a demo's marker")
     migrate = sub.add_parser(
         "migrate", help="create or upgrade the PostgreSQL store (privileged user)")
     migrate.add_argument("--url", "--dsn", dest="url", default=None,
@@ -171,6 +180,8 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
+        if args.remove is not None:
+            return _remove_demo(args)
         _check_demo_extra(args.backend, args.url)
         if args.workflow is not None:
             return _workflow_demo(args)
@@ -179,7 +190,8 @@ def _run(args: argparse.Namespace) -> int:
                                      "bank-close")
         from .demo import run_demo
 
-        return 0 if run_demo(args.backend, args.url) else EXIT_FAILED
+        ok = run_demo(args.backend, args.url, keep=args.keep, namespace=args.namespace)
+        return 0 if ok else EXIT_FAILED
     if args.command == "migrate":
         from backends.postgres import CODE_VERSION, migrate
 
@@ -269,7 +281,19 @@ def _workflow_demo(args: argparse.Namespace) -> int:
 
     if args.serve and not serve_available():
         raise ConfigurationError("--serve needs the extra 'http': pip install 'anarchon[http]'")
-    return 0 if run_bank_close(args.url, serve=args.serve) else EXIT_FAILED
+    ok = run_bank_close(args.url, serve=args.serve, keep=args.keep, namespace=args.namespace)
+    return 0 if ok else EXIT_FAILED
+
+
+def _remove_demo(args: argparse.Namespace) -> int:
+    if args.url is None:
+        raise ConfigurationError("--remove needs --url: the store whose namespace a demo kept")
+    if args.workflow is not None or args.keep or args.serve or args.namespace is not None:
+        raise ConfigurationError("--remove takes only --url")
+    from .demo.namespace import namespace_for
+
+    print(f"anarchon demo: {namespace_for(args.url, args.remove).remove()}")
+    return 0
 
 
 def _check_demo_extra(backend: str, url: str | None) -> None:

@@ -1,4 +1,7 @@
-"""The ``anarchon`` command line and the demo on the memory backend."""
+"""The ``anarchon`` command line and the demo on the memory backend.
+
+The demos on PostgreSQL and Redis are tested in test_demo_namespace.py and test_bank_close.py.
+"""
 
 from __future__ import annotations
 
@@ -58,15 +61,6 @@ def test_errors_are_reported_without_traceback(capsys: pytest.CaptureFixture[str
     assert "anarchon history:" in err and "'nosuch'" in err and "Traceback" not in err
 
 
-def test_postgres_demo_with_processes(pg16_server: PgServer) -> None:
-    """`anarchon demo --dsn URL`: three OS processes, SIGKILL, SIGTERM, a verdict."""
-    out = io.StringIO()
-    assert run_demo("postgres", url=pg16_server.dsn, out=out), out.getvalue()
-    text = out.getvalue()
-    assert "attempt 2 (takeover)" in text and "attempt 2 (hand-over)" in text
-    assert pg16_server.server.password not in text
-
-
 @pytest.mark.parametrize("spelling", ["--dsn", "--url", "query"])
 def test_migrate_command_creates_the_tables(
     pg16_server: PgServer, spelling: str, capsys: pytest.CaptureFixture[str]
@@ -90,13 +84,6 @@ def test_migrate_reports_a_bad_table_name(capsys: pytest.CaptureFixture[str]) ->
     assert main(["migrate", "--dsn", "postgresql://127.0.0.1:1/x", "--table", 'bad"name']) == 2
     err = capsys.readouterr().err
     assert 'bad"name' in err and "Traceback" not in err
-
-
-def test_redis_demo_with_processes(valkey8_server: EmbeddedRedis) -> None:
-    """`anarchon demo --backend redis --url URL`: the same fleet on Redis."""
-    out = io.StringIO()
-    assert run_demo("redis", url=valkey8_server.url, out=out), out.getvalue()
-    assert "attempt 2 (takeover)" in out.getvalue()
 
 
 # --- mistakes get one line and an exit code, never a traceback -------------------------

@@ -3,10 +3,10 @@
 Three instances (A, B, C), each an OS process, share a PostgreSQL store and run the
 workflow ``bank-close`` in three steps over a few thousand accounts:
 
-1. ``snapshot`` copies every balance into ``bank_snapshot`` (keyed by (run, account)), in
+1. ``snapshot`` copies every balance into ``<ns>_snapshot`` (keyed by (run, account)), in
    the step's fenced transaction, so the snapshot and the step's completion commit together;
 2. ``interest`` credits 0.5 % on every positive balance of the snapshot, in batches. Each
-   credit is a row of ``bank_interest`` keyed by (run, account), written in the same
+   credit is a row of ``<ns>_interest`` keyed by (run, account), written in the same
    transaction as the balance it changes, so a batch written twice credits nothing twice;
    each batch commits with the step's progress in a fenced transaction
    (``ctx.transaction(complete=False)``), and the last one with the step's completion;
@@ -18,6 +18,10 @@ credited. A backup takes the step over with attempt 2 when the lease expires and
 continues from where the effects stopped (the highest account credited for the run). The
 verdict is checked in the store: every positive balance credited exactly once, one
 snapshot, statements published once; then the recovery log is printed.
+
+Every table the demo creates, its own and the store's, is named under a namespace of the
+run's own (``<ns>``, ``<ns>_accounts``, ...; see :mod:`lease_core.demo.namespace`),
+claimed only while no such name exists, and removed when the demo ends unless kept.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from typing import Any
 import anyio
 
 from lease_core import Backend, RunContext, Scheduler, backend_from_url
+from lease_core.errors import ConfigurationError
 from lease_core.recovery import recovery_log, step_job
 
 from .fleet import ProcessFleet
+from .namespace import PostgresNamespace, claimed, namespace_for, new_name
 
 __all__ = ["build_scheduler", "run_bank_close", "worker_main"]
 
@@ -48,44 +54,66 @@ BATCH = 100
 BATCH_PAUSE_S = 0.12
 LEASE = "3s"
 HEARTBEAT = "0.5s"
-TABLE = "anarchon_bank"
+#: The demo's own tables, each named ``<namespace>_<name>``.
+TABLES = ("accounts", "opening", "snapshot", "interest", "statements")
 #: How long after the demo starts the workflow run is due (seconds).
 DUE_IN_S = 5
 
-# One statement credits a range of accounts: the credit rows are inserted where missing
-# (keyed by (run, account)) and only the balances of rows inserted now are changed.
-CREDIT = """
+
+def tables(namespace: str) -> dict[str, str]:
+    """The quoted names of the demo's tables in ``namespace`` (a validated name)."""
+    return {name: f'"{namespace}_{name}"' for name in TABLES}
+
+
+def credit_sql(t: dict[str, str]) -> str:
+    """One statement that credits a range of accounts.
+
+    The credit rows are inserted where missing (keyed by (run, account)) and only the
+    balances of rows inserted now are changed.
+    """
+    return f"""
 WITH credited AS (
-    INSERT INTO bank_interest (run, account, amount_cents, attempt)
+    INSERT INTO {t['interest']} (run, account, amount_cents, attempt)
     SELECT run, account, (balance_cents * 5 + 500) / 1000, %s
-    FROM bank_snapshot
+    FROM {t['snapshot']}
     WHERE run = %s AND balance_cents > 0 AND account BETWEEN %s AND %s
     ON CONFLICT (run, account) DO NOTHING
     RETURNING account, amount_cents
 )
-UPDATE bank_accounts a SET balance_cents = a.balance_cents + c.amount_cents
+UPDATE {t['accounts']} a SET balance_cents = a.balance_cents + c.amount_cents
 FROM credited c WHERE a.id = c.account
 """
 
-SETUP = [
-    "DROP TABLE IF EXISTS bank_accounts, bank_opening, bank_snapshot, bank_interest, "
-    "bank_statements",
-    "CREATE TABLE bank_accounts (id int PRIMARY KEY, balance_cents bigint NOT NULL)",
-    # Pseudo-random balances, some negative or zero: the same on every run of the demo.
-    f"INSERT INTO bank_accounts SELECT i, (i * 7919) % 2000000 - 400000 "
-    f"FROM generate_series(1, {ACCOUNTS}) AS i",
-    "CREATE TABLE bank_opening AS SELECT * FROM bank_accounts",
-    "CREATE TABLE bank_snapshot (run bigint, account int, balance_cents bigint NOT NULL, "
-    "PRIMARY KEY (run, account))",
-    "CREATE TABLE bank_interest (run bigint, account int, amount_cents bigint NOT NULL, "
-    "attempt int NOT NULL, PRIMARY KEY (run, account))",
-    "CREATE TABLE bank_statements (run bigint, account int, balance_cents bigint NOT NULL, "
-    "PRIMARY KEY (run, account))",
-]
+
+def setup_sql(t: dict[str, str]) -> list[str]:
+    """The demo's tables and its accounts: ``CREATE TABLE``, never ``DROP`` or ``IF EXISTS``.
+
+    They run in the transaction that claims the namespace, so a name that is taken makes
+    it fail and change nothing.
+    """
+    return [
+        f"CREATE TABLE {t['accounts']} (id int PRIMARY KEY, balance_cents bigint NOT NULL)",
+        # Pseudo-random balances, some negative or zero: the same on every run of the demo.
+        f"INSERT INTO {t['accounts']} SELECT i, (i * 7919) % 2000000 - 400000 "
+        f"FROM generate_series(1, {ACCOUNTS}) AS i",
+        f"CREATE TABLE {t['opening']} AS SELECT * FROM {t['accounts']}",
+        f"CREATE TABLE {t['snapshot']} (run bigint, account int, balance_cents bigint "
+        "NOT NULL, PRIMARY KEY (run, account))",
+        f"CREATE TABLE {t['interest']} (run bigint, account int, amount_cents bigint "
+        "NOT NULL, attempt int NOT NULL, PRIMARY KEY (run, account))",
+        f"CREATE TABLE {t['statements']} (run bigint, account int, balance_cents bigint "
+        "NOT NULL, PRIMARY KEY (run, account))",
+    ]
 
 
-def build_scheduler(backend: Backend, name: str, dsn: str, offset_ms: int) -> Scheduler:
-    """The scheduler every demo instance runs: the workflow, hourly at ``offset_ms``."""
+def build_scheduler(backend: Backend, name: str, dsn: str, offset_ms: int,
+                    namespace: str) -> Scheduler:
+    """The scheduler every demo instance runs: the workflow, hourly at ``offset_ms``.
+
+    Its steps use the demo's tables in ``namespace``.
+    """
+    t = tables(namespace)
+    credit = credit_sql(t)
     scheduler = Scheduler(backend, instance_id=name, lease=LEASE, heartbeat=HEARTBEAT)
     close = scheduler.workflow(WORKFLOW, every="1h", offset=timedelta(milliseconds=offset_ms),
                                max_attempts=3)
@@ -94,11 +122,11 @@ def build_scheduler(backend: Backend, name: str, dsn: str, offset_ms: int) -> Sc
     async def snapshot(ctx: RunContext) -> None:
         async with ctx.transaction() as tx:
             await tx.execute(
-                "INSERT INTO bank_snapshot SELECT %s, id, balance_cents FROM bank_accounts "
-                "ON CONFLICT DO NOTHING", (ctx.slot,))
+                f"INSERT INTO {t['snapshot']} SELECT %s, id, balance_cents "
+                f"FROM {t['accounts']} ON CONFLICT DO NOTHING", (ctx.slot,))
             rows = await tx.execute(
                 "SELECT count(*), count(*) FILTER (WHERE balance_cents > 0) "
-                "FROM bank_snapshot WHERE run = %s", (ctx.slot,))
+                f"FROM {t['snapshot']} WHERE run = %s", (ctx.slot,))
             ctx.set_result({"accounts": int(rows[0][0]), "positive": int(rows[0][1])})
 
     @close.step("interest")
@@ -108,11 +136,11 @@ def build_scheduler(backend: Backend, name: str, dsn: str, offset_ms: int) -> Sc
         async with await psycopg.AsyncConnection.connect(dsn) as conn:
             # Where the effects stopped: a backup continues after the last credited account.
             cur = await conn.execute(
-                "SELECT coalesce(max(account), 0), count(*) FROM bank_interest WHERE run = %s",
-                (ctx.slot,))
+                f"SELECT coalesce(max(account), 0), count(*) FROM {t['interest']} "
+                "WHERE run = %s", (ctx.slot,))
             after, done = await cur.fetchone() or (0, 0)
             cur = await conn.execute(
-                "SELECT account FROM bank_snapshot WHERE run = %s AND balance_cents > 0 "
+                f"SELECT account FROM {t['snapshot']} WHERE run = %s AND balance_cents > 0 "
                 "AND account > %s ORDER BY account", (ctx.slot, after))
             todo = [row[0] for row in await cur.fetchall()]
             await conn.commit()
@@ -124,16 +152,16 @@ def build_scheduler(backend: Backend, name: str, dsn: str, offset_ms: int) -> Sc
             # One fenced transaction per batch: the credits and the step's progress commit
             # together, and only while this attempt still holds the step.
             async with ctx.transaction(complete=False) as tx:
-                await tx.execute(CREDIT, (ctx.attempt, ctx.slot, batch[0], batch[-1]))
+                await tx.execute(credit, (ctx.attempt, ctx.slot, batch[0], batch[-1]))
                 done += len(batch)
                 await ctx.checkpoint.set({"after": batch[-1], "credited": done}, tx=tx)
             await anyio.sleep(BATCH_PAUSE_S)
         last = batches[-1]
         async with ctx.transaction() as tx:
             if last:
-                await tx.execute(CREDIT, (ctx.attempt, ctx.slot, last[0], last[-1]))
+                await tx.execute(credit, (ctx.attempt, ctx.slot, last[0], last[-1]))
             rows = await tx.execute(
-                "SELECT count(*), coalesce(sum(amount_cents), 0) FROM bank_interest "
+                f"SELECT count(*), coalesce(sum(amount_cents), 0) FROM {t['interest']} "
                 "WHERE run = %s", (ctx.slot,))
             ctx.set_result({"credited": int(rows[0][0]), "cents": int(rows[0][1])})
 
@@ -141,9 +169,9 @@ def build_scheduler(backend: Backend, name: str, dsn: str, offset_ms: int) -> Sc
     async def publish(ctx: RunContext) -> None:
         async with ctx.transaction() as tx:
             await tx.execute(
-                "INSERT INTO bank_statements SELECT %s, id, balance_cents FROM bank_accounts "
-                "ON CONFLICT DO NOTHING", (ctx.slot,))
-            rows = await tx.execute("SELECT count(*) FROM bank_statements WHERE run = %s",
+                f"INSERT INTO {t['statements']} SELECT %s, id, balance_cents "
+                f"FROM {t['accounts']} ON CONFLICT DO NOTHING", (ctx.slot,))
+            rows = await tx.execute(f"SELECT count(*) FROM {t['statements']} WHERE run = %s",
                                     (ctx.slot,))
             ctx.set_result({"statements": int(rows[0][0]),
                             "interest": ctx.results["interest"]})
@@ -151,12 +179,13 @@ def build_scheduler(backend: Backend, name: str, dsn: str, offset_ms: int) -> Sc
     return scheduler
 
 
-def worker_main(url: str, name: str, offset_ms: str) -> None:
+def worker_main(url: str, name: str, offset_ms: str, namespace: str) -> None:
     """Run one bank-close instance until SIGTERM (then stop gracefully) or SIGKILL."""
 
     async def main() -> None:
-        backend = backend_from_url(url, table=TABLE)
-        async with build_scheduler(backend, name, url, int(offset_ms)) as scheduler:
+        backend = backend_from_url(url, namespace=namespace)
+        async with build_scheduler(backend, name, url, int(offset_ms),
+                                   namespace) as scheduler:
             print("started", flush=True)
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
@@ -219,9 +248,8 @@ class _Timeline:
             await anyio.sleep(0.1)
 
 
-async def _scenario(url: str, out: Any, serve: bool) -> bool:
-    await anyio.to_thread.run_sync(_sql, url, SETUP)
-    backend = backend_from_url(url, table=TABLE)
+async def _scenario(url: str, ns: PostgresNamespace, out: Any, serve: bool) -> bool:
+    backend = backend_from_url(url, **ns.backend_options)
     await backend.start()
     fleet = ProcessFleet(url)
     try:
@@ -239,12 +267,13 @@ async def _scenario(url: str, out: Any, serve: bool) -> bool:
             timeline.say(f"{ACCOUNTS} accounts; run {WORKFLOW}@{slot} is due in "
                          f"{(slot - now) / 1000:.1f}s; starting instances {', '.join(NAMES)} "
                          f"(lease {LEASE}, heartbeat {HEARTBEAT})")
-            fleet.command = ["-m", "lease_core.demo", "bank-worker", url, "{name}", str(offset)]
+            fleet.command = ["-m", "lease_core.demo", "bank-worker", url, "{name}", str(offset),
+                             ns.name]
             async with anyio.create_task_group() as starting:
                 for name in NAMES:
                     starting.start_soon(fleet.start, name)
             timeline.say("instances started")
-            ok = await _run(timeline, backend, fleet, url, slot, out)
+            ok = await _run(timeline, backend, fleet, url, tables(ns.name), slot, out)
             for server in servers:
                 server.should_exit = True
         return ok
@@ -254,7 +283,7 @@ async def _scenario(url: str, out: Any, serve: bool) -> bool:
 
 
 async def _run(timeline: _Timeline, backend: Backend, fleet: ProcessFleet, url: str,
-               slot: int, out: Any) -> bool:
+               t: dict[str, str], slot: int, out: Any) -> bool:
     interest_job = step_job(WORKFLOW, "interest")
 
     async def halfway(by_step: dict[str, list[Any]]) -> Any:
@@ -280,12 +309,12 @@ async def _run(timeline: _Timeline, backend: Backend, fleet: ProcessFleet, url: 
     await timeline.until(finished, 40, "the workflow run to end")
     by_step = await timeline.poll()
     await fleet.stop_all()
-    return await _verdict(backend, url, slot, by_step, out)
+    return await _verdict(url, t, slot, by_step, out)
 
 
-async def _verdict(backend: Backend, url: str, slot: int, by_step: dict[str, list[Any]],
+async def _verdict(url: str, t: dict[str, str], slot: int, by_step: dict[str, list[Any]],
                    out: Any) -> bool:
-    checks = await anyio.to_thread.run_sync(_checks, url, slot)
+    checks = await anyio.to_thread.run_sync(_checks, url, t, slot)
     wrong, unchanged_ok, credited, by_attempt, snapshots, statements = checks
     attempts = [a for step in STEPS for a in by_step[step]]
     print(f"\nRecovery log of {WORKFLOW}@{slot} (oldest first):", file=out)
@@ -325,21 +354,23 @@ def _completed(attempts: list[Any]) -> int:
     return sum(1 for a in attempts if a.outcome == "completed")
 
 
-def _checks(url: str, slot: int) -> tuple[int, bool, tuple[int, int], list[Any], int, int]:
+def _checks(url: str, t: dict[str, str],
+            slot: int) -> tuple[int, bool, tuple[int, int], list[Any], int, int]:
     wrong = _sql(url, [
-        "SELECT count(*) FROM bank_opening o JOIN bank_accounts a USING (id) "
+        f"SELECT count(*) FROM {t['opening']} o JOIN {t['accounts']} a USING (id) "
         "WHERE o.balance_cents > 0 AND a.balance_cents <> o.balance_cents "
         "+ (o.balance_cents * 5 + 500) / 1000"])[0][0]
     unchanged = _sql(url, [
-        "SELECT count(*) FROM bank_opening o JOIN bank_accounts a USING (id) "
+        f"SELECT count(*) FROM {t['opening']} o JOIN {t['accounts']} a USING (id) "
         "WHERE o.balance_cents <= 0 AND a.balance_cents <> o.balance_cents"])[0][0]
     credited = _sql(url, [
-        "SELECT (SELECT count(*) FROM bank_interest WHERE run = %s), "
-        "(SELECT count(*) FROM bank_opening WHERE balance_cents > 0)"], (slot,))[0]
-    by_attempt = _sql(url, ["SELECT attempt, count(*) FROM bank_interest WHERE run = %s "
+        f"SELECT (SELECT count(*) FROM {t['interest']} WHERE run = %s), "
+        f"(SELECT count(*) FROM {t['opening']} WHERE balance_cents > 0)"], (slot,))[0]
+    by_attempt = _sql(url, [f"SELECT attempt, count(*) FROM {t['interest']} WHERE run = %s "
                             "GROUP BY attempt ORDER BY attempt"], (slot,))
-    snapshots = _sql(url, ["SELECT count(*) FROM bank_snapshot WHERE run = %s"], (slot,))[0][0]
-    statements = _sql(url, ["SELECT count(*) FROM bank_statements WHERE run = %s"],
+    snapshots = _sql(url, [f"SELECT count(*) FROM {t['snapshot']} WHERE run = %s"],
+                     (slot,))[0][0]
+    statements = _sql(url, [f"SELECT count(*) FROM {t['statements']} WHERE run = %s"],
                       (slot,))[0][0]
     return (int(wrong), int(unchanged) == 0, (int(credited[0]), int(credited[1])),
             by_attempt, int(snapshots), int(statements))
@@ -371,21 +402,38 @@ def serve_available() -> bool:
                for name in ("lease_core.http", "starlette", "uvicorn"))
 
 
-def run_bank_close(url: str | None = None, out: Any = None, *, serve: bool = False) -> bool:
+def run_bank_close(url: str | None = None, out: Any = None, *, serve: bool = False,
+                   keep: bool = False, namespace: str | None = None) -> bool:
     """Run the bank-close demo; return True when the verdict checked in the store is OK.
 
     Without ``url`` it starts an embedded PostgreSQL. With ``serve``, the status page
     (``lease_core.http``) is served on 127.0.0.1 during the demo and its URL printed.
+
+    The demo's tables and the store's are created under ``namespace`` (a new
+    ``anarchon_demo_<hex>`` by default), refused with
+    :class:`~lease_core.demo.namespace.NamespaceInUse` when any of its names exists, and
+    removed when the demo ends, however it ends, unless ``keep``.
     """
+    from lease_core._redact import redact
+
     out = out or sys.stdout
+    if keep and url is None:
+        raise ConfigurationError("--keep needs --url: the embedded server and all it holds "
+                                 "are deleted when the demo ends")
+    ns = namespace_for(url, namespace) if url is not None else None
+    if ns is not None and not isinstance(ns, PostgresNamespace):
+        raise ConfigurationError("the bank-close demo runs on PostgreSQL only")
     with contextlib.ExitStack() as stack:
         if url is None:
             from backends.embedded.postgres import embedded_postgres
 
             print("Starting embedded postgres ...", file=out, flush=True)
             url = stack.enter_context(embedded_postgres())
-        from lease_core._redact import redact
-
-        print(f"Store: {redact(url)}\n\nTimeline:", file=out, flush=True)
-        ok: bool = anyio.run(_scenario, url, out, serve)
+            ns = PostgresNamespace(url, namespace or new_name())
+        assert isinstance(ns, PostgresNamespace)
+        print(f"Store: {redact(url)}", file=out, flush=True)
+        stack.enter_context(claimed(ns, WORKFLOW, out, keep=keep, shown_url=redact(url),
+                                    statements=setup_sql(tables(ns.name))))
+        print("\nTimeline:", file=out, flush=True)
+        ok: bool = anyio.run(_scenario, url, ns, out, serve)
         return ok

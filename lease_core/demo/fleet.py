@@ -12,7 +12,10 @@ It prints a timeline, the history table, and a verdict checked in the store: eve
 completed exactly once.
 
 With PostgreSQL or Redis the instances are separate OS processes; with the memory
-backend they are tasks in this process.
+backend they are tasks in this process. On PostgreSQL and Redis the store's tables or
+keys are named under a namespace of the run's own (``anarchon_demo_<hex>``; see
+:mod:`lease_core.demo.namespace`), claimed only while nothing by its names exists, and
+removed when the demo ends unless kept.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from lease_core import Attempt, Backend, RunContext, Scheduler, backend_from_url
+from lease_core.errors import ConfigurationError
+
+from .namespace import claimed, namespace_for
 
 __all__ = ["run_demo", "worker_main"]
 
@@ -57,14 +63,6 @@ def build_scheduler(backend: Backend, name: str) -> Scheduler:
             await ctx.checkpoint.set(_step + 1)
 
     return scheduler
-
-
-def _options(url: str) -> dict[str, Any]:
-    if url.startswith(("redis", "rediss", "unix")):
-        return {"prefix": "anarchon_demo"}
-    if url.startswith("postgres"):
-        return {"table": "anarchon_demo"}
-    return {}
 
 
 # --------------------------------------------------------------------------- fleets
@@ -99,10 +97,10 @@ class Fleet(ABC):
 class ProcessFleet(Fleet):
     """Each instance is a separate OS process running :func:`worker_main`."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, namespace: str = "") -> None:
         self.url = url
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.command = ["-m", "lease_core.demo", "worker", url, "{name}"]
+        self.command = ["-m", "lease_core.demo", "worker", url, "{name}", namespace]
         """The worker's arguments after the interpreter; ``{name}`` is the instance."""
 
     async def start(self, name: str) -> None:
@@ -198,11 +196,11 @@ class TaskFleet(Fleet):
 # --------------------------------------------------------------------------- worker
 
 
-def worker_main(url: str, name: str) -> None:
+def worker_main(url: str, name: str, namespace: str) -> None:
     """Run one demo instance until SIGTERM (then stop gracefully) or SIGKILL."""
 
     async def main() -> None:
-        backend = backend_from_url(url, **_options(url))
+        backend = backend_from_url(url, namespace=namespace)
         async with build_scheduler(backend, name) as scheduler:
             print("started", flush=True)
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -381,17 +379,35 @@ def _embedded(kind: str) -> Iterator[str]:
             yield url
 
 
-def run_demo(backend: str = "postgres", url: str | None = None, out: Any = None) -> bool:
-    """Run the demo; return True when the verdict checked in the store is OK."""
+def run_demo(backend: str = "postgres", url: str | None = None, out: Any = None, *,
+             keep: bool = False, namespace: str | None = None) -> bool:
+    """Run the demo; return True when the verdict checked in the store is OK.
+
+    On PostgreSQL and Redis the store's tables or keys are created under ``namespace`` (a
+    new ``anarchon_demo_<hex>`` by default), refused with
+    :class:`~lease_core.demo.namespace.NamespaceInUse` when any of its names exists, and
+    removed when the demo ends, however it ends, unless ``keep``.
+    """
     out = out or sys.stdout
     if backend == "memory" and url is None:
+        if keep or namespace is not None:
+            raise ConfigurationError("--keep and --namespace are for a store given with "
+                                     "--url: the memory store ends with the demo")
         return anyio.run(_memory_demo, out)
+    if keep and url is None:
+        raise ConfigurationError("--keep needs --url: the embedded server and all it holds "
+                                 "are deleted when the demo ends")
+    ns = namespace_for(url, namespace) if url is not None else None
     with contextlib.ExitStack() as stack:
         if url is None:
             print(f"Starting embedded {backend} ...", file=out, flush=True)
             url = stack.enter_context(_embedded(backend))
-        print(f"Store: {_safe(url)}\n\nTimeline:", file=out, flush=True)
-        result: bool = anyio.run(_process_demo, url, out)
+            ns = namespace_for(url, namespace)
+        assert ns is not None
+        print(f"Store: {_safe(url)}", file=out, flush=True)
+        stack.enter_context(claimed(ns, "fleet", out, keep=keep, shown_url=_safe(url)))
+        print("\nTimeline:", file=out, flush=True)
+        result: bool = anyio.run(_process_demo, url, ns.name, out)
         return result
 
 
@@ -417,10 +433,10 @@ async def _memory_demo(out: Any) -> bool:
         await backend.close()
 
 
-async def _process_demo(url: str, out: Any) -> bool:
-    backend = backend_from_url(url, **_options(url))
+async def _process_demo(url: str, namespace: str, out: Any) -> bool:
+    backend = backend_from_url(url, namespace=namespace)
     await backend.start()
-    fleet = ProcessFleet(url)
+    fleet = ProcessFleet(url, namespace)
     try:
         return await _scenario(fleet, backend, out)
     finally:

@@ -1,0 +1,486 @@
+"""Where a demo keeps its tables and keys: a namespace of its own, claimed, then removed.
+
+Every demo run works under one namespace, a name such as ``anarchon_demo_3f9c2a1b``
+(random, unless ``--namespace`` names one):
+
+- on PostgreSQL, in the connection's current schema, every table, index and function the
+  run creates is named ``<ns>`` or ``<ns>_*``: the store's runs table is ``<ns>`` (so
+  ``anarchon status --namespace <ns>`` reads it) with ``<ns>_attempts``, ``<ns>_jobs``,
+  ``<ns>_meta`` and its claim functions, the demo's own tables are ``<ns>_<name>``, and
+  the table ``<ns>_demo`` marks the namespace as a demo's;
+- on Redis, the namespace is the store's key prefix: ``{<ns>}:*`` and ``{<ns>/<job>}:*``;
+  the key ``{<ns>}:demo`` marks it.
+
+A demo *claims* its namespace before it creates anything: when any table, view, index,
+sequence, type or function (PostgreSQL) or any key (Redis) already has a name of the
+namespace, it raises :class:`NamespaceInUse` and has changed nothing. Otherwise it
+creates the marker (and, on PostgreSQL, its own tables) in one transaction, which
+fails, and so changes nothing, if another session took one of the names meanwhile.
+
+:meth:`Namespace.remove` deletes a namespace only while its marker is there, and only
+names of the namespace: on PostgreSQL its tables, sequences and functions in one
+transaction, without ``CASCADE`` (an object of someone else's that depends on them makes
+it fail and change nothing); on Redis its keys, the marker last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from lease_core._redact import MASK, redact
+from lease_core._registry import split_url_options
+from lease_core.errors import AnarchonError, BackendUnavailable, ConfigurationError
+
+__all__ = ["PREFIX", "Namespace", "NamespaceInUse", "NotADemoNamespace", "claimed",
+           "namespace_for", "new_name", "validate_name"]
+
+#: The start of every namespace a demo picks itself.
+PREFIX = "anarchon_demo_"
+#: Lower-case letters, digits and underscores, so the name needs no quoting in SQL, in a
+#: Redis key pattern or on a shell's command line, and leaves room for the store's
+#: suffixes within PostgreSQL's 63 bytes.
+_NAME = re.compile(r"[a-z_][a-z0-9_]{0,39}")
+#: The marker's suffix: the table ``<ns>_demo``, the key ``{<ns>}:demo``.
+MARKER = "demo"
+#: The store options a URL may carry that would name the store's tables or keys.
+_NAME_OPTIONS = ("table", "prefix", "namespace")
+
+
+class NamespaceInUse(ConfigurationError):
+    """The namespace a demo would use already holds something; nothing was changed."""
+
+
+class NotADemoNamespace(ConfigurationError):
+    """``remove`` was asked for a namespace without a demo's marker; nothing was removed."""
+
+
+def new_name() -> str:
+    """A namespace no one uses yet, in all likelihood: ``anarchon_demo_`` and 8 hex digits."""
+    return PREFIX + secrets.token_hex(4)
+
+
+def validate_name(name: str) -> str:
+    """Return ``name``, or raise :class:`ConfigurationError` if it cannot be a namespace."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigurationError(
+            f"namespace {name!r} is not valid: use 1 to 40 lower-case letters, digits and "
+            "underscores, starting with a letter or underscore"
+        )
+    return name
+
+
+def _store_url(url: str) -> str:
+    """``url`` without a store name in its query, which the demo would not use."""
+    plain, names = split_url_options(url, _NAME_OPTIONS)
+    if names:
+        given = ", ".join(f"{key}={value}" for key, value in names.items())
+        raise ConfigurationError(
+            f"the demo names its own tables and keys, so --url must not name them ({given}); "
+            "drop it from the URL, or give --namespace NAME for a namespace of your choice"
+        )
+    return plain
+
+
+class Namespace(ABC):
+    """One demo run's namespace on one store."""
+
+    kind: str
+    """``postgres`` or ``redis``."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.url = url
+        self.name = validate_name(name)
+
+    @property
+    def backend_options(self) -> dict[str, str]:
+        """The keywords that put a backend's tables or keys in this namespace."""
+        return {"namespace": self.name}
+
+    @abstractmethod
+    def where(self) -> str:
+        """Where the namespace's names are, for people: ``tables ... in schema public``."""
+
+    @abstractmethod
+    def claim(self, demo: str, statements: list[str] | None = None) -> None:
+        """Refuse a namespace in use; else create the marker (and ``statements``) at once."""
+
+    @abstractmethod
+    def remove(self) -> str:
+        """Delete what the namespace holds; return what was removed, for people.
+
+        Raises :class:`NotADemoNamespace` when the namespace holds names but no marker.
+        """
+
+    @abstractmethod
+    def look_commands(self, url: str) -> list[str]:
+        """Commands that show what the namespace holds (``url`` as it may be shown)."""
+
+    def _marker_value(self, demo: str) -> str:
+        return json.dumps({"demo": demo, "namespace": self.name,
+                           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def namespace_for(url: str, name: str | None = None) -> Namespace:
+    """The namespace ``name`` (a new one by default) on the store at ``url``."""
+    name = validate_name(name) if name is not None else new_name()
+    url = _store_url(url)
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "postgresql"
+    if scheme.split("+")[0] in ("postgresql", "postgres"):
+        return PostgresNamespace(url, name)
+    if scheme in ("redis", "rediss", "unix"):
+        return RedisNamespace(url, name)
+    raise ConfigurationError(f"the demo runs on PostgreSQL or Redis, not on {redact(url)!r}")
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+
+#: The names of the namespace in the current schema, of every kind that could collide with
+#: what the demo creates. A row only when there is a current schema.
+_PG_TAKEN = """
+SELECT n.nspname::text, ARRAY(
+    SELECT kind || ' ' || name FROM (
+        SELECT CASE c.relkind WHEN 'r' THEN 'table' WHEN 'p' THEN 'table'
+                    WHEN 'i' THEN 'index' WHEN 'I' THEN 'index' WHEN 'S' THEN 'sequence'
+                    WHEN 'v' THEN 'view' WHEN 'm' THEN 'materialized view'
+                    WHEN 'f' THEN 'foreign table' ELSE 'relation' END AS kind,
+               c.relname::text AS name
+        FROM pg_catalog.pg_class c WHERE c.relnamespace = n.oid
+        UNION ALL
+        SELECT 'function', p.proname::text FROM pg_catalog.pg_proc p
+        WHERE p.pronamespace = n.oid
+        UNION ALL
+        SELECT 'type', t.typname::text FROM pg_catalog.pg_type t
+        WHERE t.typnamespace = n.oid AND t.typrelid = 0
+    ) AS o
+    WHERE name = %(ns)s OR left(name, %(length)s) = %(under)s
+    ORDER BY kind <> 'table', name, kind)
+FROM pg_catalog.pg_namespace n WHERE n.nspname = current_schema()
+"""
+
+#: The tables and sequences (``regclass``) and functions (``regprocedure``) of the
+#: namespace in the current schema, which ``remove`` drops.
+_PG_OWNED = """
+SELECT CASE c.relkind WHEN 'S' THEN 'sequence' ELSE 'table' END, c.oid::regclass::text
+FROM pg_catalog.pg_class c
+WHERE c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = current_schema())
+  AND c.relkind IN ('r', 'p', 'S')
+  AND (c.relname = %(ns)s OR left(c.relname, %(length)s) = %(under)s)
+UNION ALL
+SELECT 'function', p.oid::regprocedure::text FROM pg_catalog.pg_proc p
+WHERE p.pronamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = current_schema())
+  AND (p.proname = %(ns)s OR left(p.proname, %(length)s) = %(under)s)
+ORDER BY 1, 2
+"""
+
+#: How long removal waits for a lock on the namespace's tables (a worker still running).
+_PG_LOCK_TIMEOUT = "10s"
+
+
+class PostgresNamespace(Namespace):
+    """The namespace as names in the current schema of a PostgreSQL database."""
+
+    kind = "postgres"
+
+    def __init__(self, url: str, name: str) -> None:
+        super().__init__(url, name)
+        self.schema: str | None = None
+
+    def table(self, what: str) -> str:
+        """The quoted name of the demo's table ``what``: ``"<ns>_<what>"``."""
+        return f'"{self.name}_{what}"'
+
+    @property
+    def marker(self) -> str:
+        """The marker table's name."""
+        return f"{self.name}_{MARKER}"
+
+    def _params(self) -> dict[str, Any]:
+        return {"ns": self.name, "length": len(self.name) + 1, "under": self.name + "_"}
+
+    def _connect(self) -> Any:
+        try:
+            import psycopg
+        except ImportError:
+            raise ConfigurationError("the demo on PostgreSQL needs psycopg: "
+                                     "pip install 'anarchon[postgres]'") from None
+        # psycopg reads postgresql:// (and key/value DSNs), not the driver-qualified schemes.
+        url = re.sub(r"^postgres(ql)?\+\w+://", "postgresql://", self.url)
+        try:
+            return psycopg.connect(url)
+        except psycopg.OperationalError as exc:
+            raise BackendUnavailable(
+                f"could not connect to {redact(self.url)!r}: "
+                f"{redact(str(exc).strip().splitlines()[0] if str(exc).strip() else '')}"
+            ) from None
+
+    def where(self) -> str:
+        schema = f"schema {self.schema}" if self.schema else "the current schema"
+        return f"tables {self.name} and {self.name}_* in {schema}"
+
+    def claim(self, demo: str, statements: list[str] | None = None) -> None:
+        import psycopg
+        from psycopg import sql
+
+        try:
+            with self._connect() as conn:  # one transaction, committed on leaving
+                row = conn.execute(_PG_TAKEN, self._params()).fetchone()
+                if row is None:
+                    raise ConfigurationError(
+                        "the demo creates its tables in the current schema, and the "
+                        "connection's search_path names no schema that exists")
+                self.schema, taken = row[0], list(row[1])
+                if taken:
+                    raise self._in_use(taken)
+                conn.execute(f'CREATE TABLE "{self.marker}" (namespace text PRIMARY KEY, '
+                             "demo text NOT NULL, created_at timestamptz NOT NULL)")
+                conn.execute(f'INSERT INTO "{self.marker}" VALUES (%s, %s, now())',
+                             (self.name, demo))
+                conn.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(
+                    sql.Identifier(self.marker), sql.Literal(self._comment(demo))))
+                for statement in statements or []:
+                    conn.execute(statement)
+        except psycopg.errors.DuplicateObject as exc:  # pragma: no cover - a race
+            raise self._in_use([str(exc).splitlines()[0]]) from None
+        except psycopg.errors.DuplicateTable as exc:  # pragma: no cover - a race
+            raise self._in_use([str(exc).splitlines()[0]]) from None
+        except psycopg.Error as exc:
+            raise AnarchonError(
+                f"could not create the demo's tables under namespace {self.name}: "
+                f"{str(exc).strip().splitlines()[0]}") from None
+
+    def _comment(self, demo: str) -> str:
+        """The marker table's comment, which :meth:`remove` checks."""
+        return (f"anarchon demo {demo}: marks namespace {self.name}; "
+                f"'anarchon demo --url URL --remove {self.name}' drops it")
+
+    def _is_marker(self, conn: Any) -> bool:
+        """Whether the table ``<ns>_demo`` is a demo's marker: its comment, and its row."""
+        row = conn.execute(
+            "SELECT pg_catalog.obj_description(c.oid, 'pg_class') FROM pg_catalog.pg_class c "
+            "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = current_schema() AND c.relname = %s AND c.relkind = 'r'",
+            (self.marker,)).fetchone()
+        if row is None or not isinstance(row[0], str):
+            return False
+        demo = row[0].removeprefix("anarchon demo ").split(":", 1)[0]
+        if row[0] != self._comment(demo):
+            return False
+        found = conn.execute(f'SELECT demo FROM "{self.marker}" WHERE namespace = %s',
+                             (self.name,)).fetchone()
+        return found is not None and found[0] == demo
+
+    def _in_use(self, taken: list[str]) -> NamespaceInUse:
+        shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
+        return NamespaceInUse(
+            f"namespace {self.name} is in use in schema {self.schema}, which already holds "
+            f"{shown}; the demo creates only names of its own, so it changed nothing (give "
+            "another --namespace, or leave it out for a new one)")
+
+    def remove(self) -> str:
+        import psycopg
+
+        with self._connect() as conn:
+            conn.execute(f"SET LOCAL lock_timeout = '{_PG_LOCK_TIMEOUT}'")
+            owned = conn.execute(_PG_OWNED, self._params()).fetchall()
+            if not self._is_marker(conn):
+                if owned:
+                    shown = ", ".join(name for _, name in owned[:5]) + (
+                        f" and {len(owned) - 5} more" if len(owned) > 5 else "")
+                    raise NotADemoNamespace(
+                        f"namespace {self.name} has no demo marker (table {self.marker}), so "
+                        f"what it holds ({shown}) was not made by anarchon demo: nothing "
+                        "was removed")
+                return f"nothing to remove under namespace {self.name}"
+            names = {kind: [name for k, name in owned if k == kind]
+                     for kind in ("table", "sequence", "function")}
+            try:
+                # The tables in one statement (foreign keys between them), then sequences
+                # and functions, in one transaction; no CASCADE: an object of someone
+                # else's that depends on one of them stops it all.
+                for kind in ("table", "sequence", "function"):
+                    if names[kind]:
+                        conn.execute(f"DROP {kind.upper()} IF EXISTS " + ", ".join(names[kind]))
+                conn.commit()
+            except psycopg.Error as exc:
+                conn.rollback()
+                raise AnarchonError(
+                    f"could not remove namespace {self.name} (nothing was removed): "
+                    f"{str(exc).strip().splitlines()[0]}") from None
+        counts = [f"{len(names[kind])} {kind}s" for kind in ("table", "sequence", "function")
+                  if names[kind]]
+        return f"removed namespace {self.name}: {' and '.join(counts)}"
+
+    def look_commands(self, url: str) -> list[str]:
+        quoted = _shell(url)
+        return [f"anarchon status --url {quoted} --namespace {self.name}",
+                f"anarchon history --url {quoted} --namespace {self.name}",
+                f"psql {quoted} -c '\\dt {self.name}*'"]
+
+
+def _shell(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+class RedisNamespace(Namespace):
+    """The namespace as a key prefix on a Redis server: ``{<ns>}:*`` and ``{<ns>/*``."""
+
+    kind = "redis"
+
+    @property
+    def marker(self) -> str:
+        """The marker key."""
+        return "{" + self.name + "}:" + MARKER
+
+    @property
+    def pattern(self) -> str:
+        """The key pattern of the namespace: ``{<ns>}…`` and ``{<ns>/…``."""
+        # The name holds only [a-z0-9_], none of them special in a key pattern.
+        return "{" + self.name + "[}/]*"
+
+    def _client(self) -> Any:
+        import redis
+
+        plain, _ = split_url_options(self.url, ("wait_replicas", "wait_timeout"))
+        client = redis.Redis.from_url(plain)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            client.close()
+            raise BackendUnavailable(
+                f"could not connect to {redact(self.url)!r}: {redact(str(exc))}") from None
+        return client
+
+    def _keys(self, client: Any, limit: int | None = None) -> list[bytes]:
+        keys: list[bytes] = []
+        for key in client.scan_iter(match=self.pattern, count=1000):
+            keys.append(key)
+            if limit is not None and len(keys) >= limit:
+                break
+        return keys
+
+    def where(self) -> str:
+        return f"keys {{{self.name}}}:* and {{{self.name}/<job>}}:*"
+
+    def claim(self, demo: str, statements: list[str] | None = None) -> None:
+        if statements:
+            raise ConfigurationError("the demo's own tables need PostgreSQL")
+        client = self._client()
+        try:
+            taken = self._keys(client, limit=6)
+            if taken or not client.set(self.marker, self._marker_value(demo), nx=True):
+                taken = taken or [self.marker.encode()]
+                shown = ", ".join(k.decode(errors="replace") for k in taken[:5])
+                more = " and more" if len(taken) > 5 else ""
+                raise NamespaceInUse(
+                    f"namespace {self.name} is in use on this server, which already holds "
+                    f"{shown}{more}; the demo creates only keys of its own, so it changed "
+                    "nothing (give another --namespace, or leave it out for a new one)")
+        finally:
+            client.close()
+
+    def _is_marker(self, client: Any) -> bool:
+        """Whether the key ``{<ns>}:demo`` is a demo's marker: a string of its JSON."""
+        import redis
+
+        try:
+            value = json.loads(client.get(self.marker) or b"null")
+        except (ValueError, UnicodeDecodeError, redis.ResponseError):  # WRONGTYPE: not a string
+            return False
+        return (isinstance(value, dict) and value.get("namespace") == self.name
+                and isinstance(value.get("demo"), str))
+
+    def remove(self) -> str:
+        client = self._client()
+        try:
+            if not self._is_marker(client):
+                found = self._keys(client, limit=6)
+                if found:
+                    shown = ", ".join(k.decode(errors="replace") for k in found[:5]) + (
+                        " and more" if len(found) > 5 else "")
+                    raise NotADemoNamespace(
+                        f"namespace {self.name} has no demo marker (key {self.marker}), so "
+                        f"its keys ({shown}) were not made by anarchon demo: nothing was "
+                        "removed")
+                return f"nothing to remove under namespace {self.name}"
+            removed = 0
+            while True:  # the marker last, so an interrupted removal can be run again
+                keys = [k for k in self._keys(client) if k != self.marker.encode()]
+                if not keys:
+                    break
+                for i in range(0, len(keys), 500):
+                    removed += int(client.delete(*keys[i:i + 500]))
+            removed += int(client.delete(self.marker))
+        finally:
+            client.close()
+        return f"removed namespace {self.name}: {removed} keys"
+
+    def look_commands(self, url: str) -> list[str]:
+        quoted = _shell(url)
+        return [f"anarchon status --url {quoted} --namespace {self.name}",
+                f"anarchon history --url {quoted} --namespace {self.name}",
+                f"redis-cli -u {quoted} --scan --pattern {_shell(self.pattern)}"]
+
+
+# --------------------------------------------------------------------------- a demo's run
+
+
+@contextlib.contextmanager
+def claimed(ns: Namespace, demo: str, out: Any, *, keep: bool = False, shown_url: str,
+            statements: list[str] | None = None) -> Iterator[Namespace]:
+    """Claim ``ns`` for the demo ``demo``, print it, and remove it on leaving.
+
+    Removal happens however the block ends (an error, Ctrl-C), unless ``keep``: then it
+    prints how to look at the namespace and how to remove it. ``shown_url`` is the store's
+    URL as it may be printed (password masked).
+    """
+    ns.claim(demo, statements)
+    end = "kept at the end (--keep)" if keep else "removed at the end (--keep keeps it)"
+    print(f"Namespace: {ns.name} ({ns.where()}); {end}", file=out, flush=True)
+    remove = f"anarchon demo --url {_shell(shown_url)} --remove {ns.name}"
+    password = (f" ({MASK} stands for the password, not printed)" if MASK in shown_url
+                else "")
+    try:
+        yield ns
+    except BaseException:
+        if not keep:
+            _remove_quietly(ns, out, remove, password)
+        raise
+    if keep:
+        print(f"\nKept namespace {ns.name} ({ns.where()}).\nTo look at it{password}:",
+              file=out)
+        for command in ns.look_commands(shown_url):
+            print(f"  {command}", file=out)
+        print(f"To remove it:\n  {remove}", file=out, flush=True)
+        return
+    try:
+        print("\n" + _capital(ns.remove()), file=out, flush=True)
+    except BaseException:
+        print(f"\nNamespace {ns.name} was not removed; to remove it{password}:\n  {remove}",
+              file=out, flush=True)
+        raise
+
+
+def _remove_quietly(ns: Namespace, out: Any, remove: str, password: str) -> None:
+    """Remove ``ns`` after an error: say what happened, never hide the error itself."""
+    try:
+        print("\n" + _capital(ns.remove()), file=out, flush=True)
+    except BaseException as exc:
+        reason = " ".join(redact(str(exc)).split()) or type(exc).__name__
+        print(f"\nNamespace {ns.name} was not removed ({reason}); to remove it{password}:\n"
+              f"  {remove}", file=out, flush=True)
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]

@@ -1,0 +1,371 @@
+"""The demos on a user's own store: a namespace of their own, nothing of the user's touched.
+
+Each PostgreSQL test gets a database of its own on the embedded server, so the whole
+catalog can be compared before and after the demo; each Redis test a database number no
+other test uses, so the whole key space can.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+
+from backends.embedded.redis import EmbeddedRedis
+from lease_core.cli import main
+from lease_core.demo import run_demo
+from tests.stores.postgres import PgServer
+
+#: Every object of a database outside the system schemas: relations (tables, indexes,
+#: sequences, views, TOAST tables), functions with their signatures, types, schemas.
+CATALOG = """
+SELECT 'relation', n.nspname, c.relname::text, c.relkind::text
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname NOT IN ('pg_catalog', 'information_schema')
+UNION ALL
+SELECT 'function', n.nspname, p.oid::regprocedure::text, ''
+FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE n.nspname NOT IN ('pg_catalog', 'information_schema')
+UNION ALL
+SELECT 'type', n.nspname, t.typname::text, t.typtype::text
+FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
+WHERE n.nspname NOT IN ('pg_catalog', 'information_schema')
+UNION ALL
+SELECT 'schema', nspname, '', '' FROM pg_namespace
+ORDER BY 1, 2, 3, 4
+"""
+
+#: The user's own tables, named like the tables the demos created before they had a
+#: namespace (``bank_*``, the store tables ``anarchon_bank`` and ``anarchon_demo``).
+USER_TABLES = {
+    "bank_accounts": "CREATE TABLE bank_accounts (id int PRIMARY KEY, balance_cents bigint)",
+    "bank_statements": "CREATE TABLE bank_statements (note text)",
+    "anarchon_bank": "CREATE TABLE anarchon_bank (note text)",
+    "anarchon_demo": "CREATE TABLE anarchon_demo (note text)",
+}
+USER_ROWS = {
+    "bank_accounts": "INSERT INTO bank_accounts VALUES (1, 4242)",
+    "bank_statements": "INSERT INTO bank_statements VALUES ('my statement')",
+    "anarchon_bank": "INSERT INTO anarchon_bank VALUES ('my bank')",
+    "anarchon_demo": "INSERT INTO anarchon_demo VALUES ('my demo')",
+}
+
+
+@pytest.fixture
+def database(pg16_server: PgServer) -> Iterator[str]:
+    """A new, empty database on the embedded PostgreSQL; its superuser URL."""
+    name = f"demo_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield pg16_server.admin_dsn.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def catalog(url: str) -> list[tuple[Any, ...]]:
+    """Every object of the database outside the system schemas."""
+    with psycopg.connect(url) as conn:
+        return conn.execute(CATALOG).fetchall()
+
+
+def user_data(url: str, tables: list[str] | None = None) -> dict[str, Any]:
+    """The user's tables: their columns and rows."""
+    found: dict[str, Any] = {}
+    with psycopg.connect(url) as conn:
+        for table in tables or list(USER_TABLES):
+            columns = conn.execute(
+                "SELECT column_name, data_type FROM information_schema.columns "
+                "WHERE table_name = %s ORDER BY ordinal_position", (table,)).fetchall()
+            rows = conn.execute(f'SELECT * FROM "{table}" ORDER BY 1').fetchall()
+            found[table] = (columns, rows)
+    return found
+
+
+def make_user_tables(url: str, tables: dict[str, str], rows: dict[str, str]) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        for statement in [*tables.values(), *rows.values()]:
+            conn.execute(statement)
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lease_core.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def namespace_of(out: str) -> str:
+    """The namespace the demo printed, checked to come before its timeline."""
+    found = re.search(r"^Namespace: (anarchon_demo_[0-9a-f]{8}) ", out, re.MULTILINE)
+    assert found, out
+    assert out.index("Namespace:") < out.index("Timeline:"), out
+    return found.group(1)
+
+
+def objects_named(objects: list[tuple[Any, ...]], namespace: str) -> bool:
+    """True when every object is the namespace's (or a TOAST table or array type of one)."""
+    def ours(name: str) -> bool:
+        name = name.split("(")[0].lstrip("_")
+        return name == namespace or name.startswith(namespace + "_")
+
+    return all(ours(row[2]) or row[1] == "pg_toast" for row in objects)
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+
+
+def test_bank_close_leaves_the_users_tables_and_nothing_of_its_own(database: str) -> None:
+    make_user_tables(database, USER_TABLES, USER_ROWS)
+    before, data = catalog(database), user_data(database)
+    done = run_cli("demo", "--workflow", "bank-close", "--url", database)
+    assert user_data(database) == data
+    assert catalog(database) == before
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "VERDICT: OK" in done.stdout
+    namespace = namespace_of(done.stdout)
+    assert f"Removed namespace {namespace}: 10 tables" in done.stdout, done.stdout
+
+
+def test_bank_close_keep_keeps_its_namespace_and_says_how_to_remove_it(
+    database: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    make_user_tables(database, {"bank_accounts": USER_TABLES["bank_accounts"]},
+                     {"bank_accounts": USER_ROWS["bank_accounts"]})
+    before, data = catalog(database), user_data(database, ["bank_accounts"])
+    done = run_cli("demo", "--workflow", "bank-close", "--url", database, "--keep")
+    assert done.returncode == 0, done.stdout + done.stderr
+    namespace = namespace_of(done.stdout)
+    kept = catalog(database)
+    added = [row for row in kept if row not in before]
+    assert set(before) <= set(kept)
+    assert objects_named(added, namespace), added
+    tables = {row[2] for row in added if row[3] == "r"}
+    assert {namespace, *(f"{namespace}_{t}" for t in ("accounts", "opening", "snapshot",
+                                                      "interest", "statements", "demo"))} <= tables
+    with psycopg.connect(database) as conn:
+        statements = conn.execute(f'SELECT count(*) FROM "{namespace}_statements"').fetchone()
+    assert statements == (3000,)
+    shown = shlex.quote(
+        database.replace(database.split("//")[1].split("@")[0].split(":")[1], "***"))
+    assert f"Kept namespace {namespace}" in done.stdout
+    assert f"anarchon status --url {shown} --namespace {namespace}" in done.stdout
+    assert f"anarchon demo --url {shown} --remove {namespace}" in done.stdout
+    assert "Removed namespace" not in done.stdout
+    capsys.readouterr()
+    assert main(["status", "--url", database, "--namespace", namespace]) == 0
+    assert "bank-close/interest  completed" in capsys.readouterr().out
+    assert main(["demo", "--url", database, "--remove", namespace]) == 0
+    assert f"removed namespace {namespace}: 10 tables" in capsys.readouterr().out
+    assert catalog(database) == before
+    assert user_data(database, ["bank_accounts"]) == data
+
+
+def test_bank_close_interrupted_removes_its_namespace(database: str) -> None:
+    """Ctrl-C while the interest step runs: the workers end, then the namespace goes."""
+    make_user_tables(database, USER_TABLES, USER_ROWS)
+    before, data = catalog(database), user_data(database)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lease_core.cli", "demo", "--workflow", "bank-close",
+         "--url", database], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A child started in the background may inherit SIGINT ignored; Ctrl-C's default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "*** SIGKILL" in line:
+                proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        err = proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    out = "".join(lines)
+    assert proc.returncode == 130, out + err
+    assert "anarchon demo: interrupted" in err
+    assert "VERDICT" not in out
+    namespace = namespace_of(out)
+    assert f"Removed namespace {namespace}" in out, out
+    assert catalog(database) == before
+    assert user_data(database) == data
+    # The workers are gone: no session of theirs is left on the database.
+    name = database.rsplit("/", 1)[1]
+    deadline = time.monotonic() + 10
+    with psycopg.connect(database, autocommit=True) as conn:
+        while True:
+            others = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s "
+                                  "AND pid <> pg_backend_pid()", (name,)).fetchone()
+            if others == (0,) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert others == (0,)
+
+
+def test_fleet_demo_on_postgres_leaves_nothing(database: str) -> None:
+    """`anarchon demo --url URL`: three OS processes, SIGKILL, SIGTERM, a verdict."""
+    make_user_tables(database, USER_TABLES, USER_ROWS)
+    before, data = catalog(database), user_data(database)
+    out = io.StringIO()
+    ok = run_demo("postgres", url=database, out=out)
+    assert user_data(database) == data
+    assert catalog(database) == before
+    assert ok, out.getvalue()
+    text = out.getvalue()
+    assert "attempt 2 (takeover)" in text and "attempt 2 (hand-over)" in text
+    assert database.split(":")[2].split("@")[0] not in text  # the password
+    namespace = namespace_of(text)
+    assert f"Removed namespace {namespace}: 5 tables" in text, text
+
+
+@pytest.mark.parametrize("taken", ["mine", "mine_accounts", "mine_meta", "mine_demo"])
+@pytest.mark.parametrize("workflow", [[], ["--workflow", "bank-close"]])
+def test_a_namespace_in_use_is_refused_and_nothing_changes(
+    database: str, capsys: pytest.CaptureFixture[str], taken: str, workflow: list[str],
+) -> None:
+    """`--namespace mine` where a table of the names the demo would create exists."""
+    make_user_tables(database, {taken: f"CREATE TABLE {taken} (note text)"},
+                     {taken: f"INSERT INTO {taken} VALUES ('mine')"})
+    before, data = catalog(database), user_data(database, [taken])
+    assert main(["demo", *workflow, "--url", database, "--namespace", "mine"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "namespace mine is in use" in err and f"table {taken}" in err
+    assert "changed nothing" in err
+    assert catalog(database) == before
+    assert user_data(database, [taken]) == data
+
+
+def test_remove_refuses_a_namespace_a_demo_did_not_make(
+    database: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--remove bank` would otherwise drop the user's bank_accounts, even beside a table
+    of the user's named like the marker (``bank_demo``, with the marker's columns)."""
+    tables = {**USER_TABLES, "bank_demo": "CREATE TABLE bank_demo (namespace text, demo text)"}
+    rows = {**USER_ROWS, "bank_demo": "INSERT INTO bank_demo VALUES ('bank', 'bank-close')"}
+    make_user_tables(database, tables, rows)
+    before, data = catalog(database), user_data(database, list(tables))
+    assert main(["demo", "--url", database, "--remove", "bank"]) == 2
+    err = capsys.readouterr().err
+    assert "no demo marker" in err and "bank_accounts" in err and "nothing was removed" in err
+    assert main(["demo", "--url", database, "--remove", "anarchon_demo"]) == 2
+    assert catalog(database) == before
+    assert user_data(database, list(tables)) == data
+
+
+def test_a_url_naming_a_table_is_refused(database: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    make_user_tables(database, USER_TABLES, USER_ROWS)
+    before, data = catalog(database), user_data(database)
+    assert main(["demo", "--workflow", "bank-close", "--url",
+                 f"{database}?table=bank_accounts"]) == 2
+    assert "must not name them (table=bank_accounts)" in capsys.readouterr().err
+    assert main(["demo", "--workflow", "bank-close", "--keep"]) == 2
+    assert "--keep needs --url" in capsys.readouterr().err
+    assert catalog(database) == before
+    assert user_data(database) == data
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+@pytest.fixture
+def redis_url(valkey8_server: EmbeddedRedis) -> Iterator[str]:
+    """Database 7 of the Valkey server, which no other test uses, emptied afterwards."""
+    url = valkey8_server.url.rsplit("/", 1)[0] + "/7"
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+        yield url
+    finally:
+        client.flushdb()
+        client.close()
+
+
+def keys(url: str) -> dict[bytes, Any]:
+    """Every key of the database with its type and value (hashes and strings)."""
+    client = redis.Redis.from_url(url)
+    try:
+        found: dict[bytes, Any] = {}
+        for key in client.scan_iter(count=1000):
+            kind = client.type(key)
+            found[key] = (kind, client.hgetall(key) if kind == b"hash"
+                          else client.get(key) if kind == b"string" else None)
+        return found
+    finally:
+        client.close()
+
+
+def seed_user_keys(url: str) -> None:
+    """Keys of the user's, in the key layout of the old demo's fixed prefix and of ``mine``."""
+    client = redis.Redis.from_url(url)
+    try:
+        client.hset("{anarchon_demo}:meta", "owner", "me")
+        client.set("{anarchon_demo/report}:job", "mine")
+        client.set("{mine}:x", "mine")
+        client.set("{mine}:demo", '{"demo": "fleet", "namespace": "not mine"}')
+        client.hset("{anarchon_demo}:demo", "demo", "fleet")
+    finally:
+        client.close()
+
+
+def test_fleet_demo_on_redis_leaves_nothing(redis_url: str) -> None:
+    """`anarchon demo --backend redis --url URL`: the same fleet on Redis."""
+    seed_user_keys(redis_url)
+    before = keys(redis_url)
+    out = io.StringIO()
+    ok = run_demo("redis", url=redis_url, out=out)
+    assert keys(redis_url) == before
+    assert ok, out.getvalue()
+    text = out.getvalue()
+    assert "attempt 2 (takeover)" in text
+    namespace = namespace_of(text)
+    assert re.search(rf"Removed namespace {namespace}: \d+ keys", text), text
+
+
+def test_fleet_demo_on_redis_keep(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    seed_user_keys(redis_url)
+    before = keys(redis_url)
+    assert main(["demo", "--url", redis_url, "--keep"]) == 0
+    out = capsys.readouterr().out
+    namespace = namespace_of(out)
+    kept = keys(redis_url)
+    added = set(kept) - set(before)
+    assert {key: kept[key] for key in before} == before
+    assert f"{{{namespace}}}:demo".encode() in added and f"{{{namespace}}}:meta".encode() in added
+    assert all(key.startswith((f"{{{namespace}}}:".encode(), f"{{{namespace}/".encode()))
+               for key in added), added
+    assert f"Kept namespace {namespace}" in out
+    assert f"anarchon demo --url {redis_url} --remove {namespace}" in out
+    assert main(["history", "--url", redis_url, "--namespace", namespace]) == 0
+    assert "export" in capsys.readouterr().out
+    assert main(["demo", "--url", redis_url, "--remove", namespace]) == 0
+    assert keys(redis_url) == before
+
+
+def test_redis_namespace_in_use_is_refused(redis_url: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    seed_user_keys(redis_url)
+    before = keys(redis_url)
+    assert main(["demo", "--url", redis_url, "--namespace", "mine"]) == 2
+    err = capsys.readouterr().err
+    assert "namespace mine is in use" in err and "{mine}:x" in err, err
+    assert main(["demo", "--url", redis_url, "--remove", "mine"]) == 2
+    assert "no demo marker" in capsys.readouterr().err
+    assert main(["demo", "--url", redis_url, "--remove", "anarchon_demo"]) == 2
+    assert keys(redis_url) == before
