@@ -28,11 +28,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._structures import Attempt, Outcome, Reason
 
-__all__ = ["STEP_SEPARATOR", "RecoveryEntry", "recovery_log", "step_job"]
+if TYPE_CHECKING:
+    from .abc import Backend
+
+__all__ = ["STEP_SEPARATOR", "RecoveryEntry", "read_recovery_log", "recovery_log", "step_job"]
 
 #: Separates a workflow's name from a step's in the job name of the step's runs.
 STEP_SEPARATOR = "/"
@@ -101,3 +104,22 @@ def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
                 at, step, a.attempt, str(a.outcome), a.instance_id, a.error)))
     entries.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
     return [e[4] for e in entries]
+
+
+async def read_recovery_log(backend: Backend, name: str, slot: int, *, limit: int,
+                            steps: Sequence[str] | None = None) -> list[RecoveryEntry]:
+    """Read the recovery log of run (``name``, ``slot``) from a started ``backend``.
+
+    ``steps`` are the workflow's steps when ``name`` is a workflow declared by the caller;
+    otherwise the store's record of workflows says whether it is one. ``limit`` bounds the
+    attempts read per job.
+    """
+    if steps is None:
+        steps = (await backend.workflows()).get(name)
+    if steps is None:
+        return recovery_log([a for a in await backend.history(name, limit) if a.slot == slot])
+    attempts: list[Attempt] = []
+    for step in steps:
+        attempts += [a for a in await backend.history(step_job(name, step), limit)
+                     if a.slot == slot]
+    return recovery_log(attempts, workflow=name, steps=steps)

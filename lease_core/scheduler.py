@@ -18,7 +18,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import anyio
-import sniffio
 from anyio.abc import TaskStatus
 
 from . import events as ev
@@ -35,13 +34,12 @@ from .engine.base import (
     Carry,
     SchedulerState,
     Settings,
-    logger,
 )
 from .engine.bus import EventBus
 from .engine.jobs import Handler, Job, JobRegistry
 from .engine.session import Session
 from .errors import AnarchonError, ConfigurationError
-from .recovery import RecoveryEntry, recovery_log, step_job
+from .recovery import RecoveryEntry, read_recovery_log
 from .schedules import CronSchedule, IntervalSchedule
 
 if TYPE_CHECKING:
@@ -83,19 +81,6 @@ class Health:
     def ready(self) -> bool:
         """True when the scheduler is running and its store answers."""
         return self.state is SchedulerState.RUNNING and self.store_reachable
-
-
-class _StartStatus:
-    """The task status :meth:`Scheduler.start` gives :meth:`Scheduler.run` in its host task."""
-
-    def __init__(self) -> None:
-        self.event = anyio.Event()
-        self.is_started = False
-        self.error: BaseException | None = None
-
-    def started(self, value: None = None) -> None:
-        self.is_started = True
-        self.event.set()
 
 
 def _default_instance_id() -> str:
@@ -181,11 +166,6 @@ class Scheduler:
         self._carry = Carry()
         self._session: Session | None = None
         """The current or last run of the scheduler (None before the first start)."""
-        self._failure: BaseException | None = None
-        """What ended a scheduler started with :meth:`start` unexpectedly; :meth:`stop`
-        raises it."""
-        self._host_task: object | None = None
-        """The asyncio task hosting a scheduler started by start() (kept from the GC)."""
 
     @property
     def backend(self) -> Backend:
@@ -215,16 +195,9 @@ class Scheduler:
     ) -> H: ...
 
     def every(
-        self,
-        name: str,
-        interval: Duration,
-        handler: H | None = None,
-        *,
-        timeout: Duration | None = None,
-        overlap: str = "skip",
-        catch_up: str = "latest",
-        max_attempts: int | None = None,
-        lease: Duration | None = None,
+        self, name: str, interval: Duration, handler: H | None = None, *,
+        timeout: Duration | None = None, overlap: str = "skip", catch_up: str = "latest",
+        max_attempts: int | None = None, lease: Duration | None = None,
         offset: Duration | None = None,
     ) -> Any:
         """Declare a job that runs every ``interval``; slots are aligned to the epoch.
@@ -251,17 +224,9 @@ class Scheduler:
     ) -> H: ...
 
     def cron(
-        self,
-        name: str,
-        expression: str,
-        handler: H | None = None,
-        *,
-        tz: str = "UTC",
-        timeout: Duration | None = None,
-        overlap: str = "skip",
-        catch_up: str = "latest",
-        max_attempts: int | None = None,
-        lease: Duration | None = None,
+        self, name: str, expression: str, handler: H | None = None, *, tz: str = "UTC",
+        timeout: Duration | None = None, overlap: str = "skip", catch_up: str = "latest",
+        max_attempts: int | None = None, lease: Duration | None = None,
     ) -> Any:
         """Declare a job that runs at the fire times of a cron ``expression`` in ``tz``.
 
@@ -362,7 +327,6 @@ class Scheduler:
             )
         self._registry.check_complete()
         previous = self._session
-        self._failure = None
         self._session = Session(
             self._settings, self._registry, self._bus, self._carry,
             offset_ms=0.0 if previous is None else previous.clock.offset_ms)
@@ -381,9 +345,7 @@ class Scheduler:
         backups take over when the leases expire) when :meth:`abort` is awaited, or when
         its event loop ends without :meth:`stop`.
         """
-        session = self._begin()
-        status = _StartStatus()
-        self._spawn_host(session, status)
+        status = self._begin().spawn()
         try:
             await status.event.wait()
         except BaseException:
@@ -397,36 +359,6 @@ class Scheduler:
                 f"scheduler {self.instance_id!r} was cancelled while starting: its event "
                 "loop is closing"
             )
-
-    def _spawn_host(self, session: Session, status: _StartStatus) -> None:
-        # anyio has no detached tasks; the scheduler's host task must outlive the caller's.
-        name = f"anarchon scheduler {self.instance_id}"
-        if sniffio.current_async_library() == "trio":
-            import trio
-
-            trio.lowlevel.spawn_system_task(self._host, session, status, name=name)
-        else:
-            import asyncio
-
-            self._host_task = asyncio.get_running_loop().create_task(
-                self._host(session, status), name=name
-            )
-
-    async def _host(self, session: Session, status: _StartStatus) -> None:
-        try:
-            await session.run(status)
-        except anyio.get_cancelled_exc_class():
-            raise
-        except BaseException as exc:
-            # Nothing may escape a host task (on trio it would end the whole event loop).
-            if not status.is_started:
-                status.error = exc
-            else:
-                logger.error("scheduler %s ended unexpectedly", self.instance_id, exc_info=exc)
-                self._failure = exc
-        finally:
-            status.event.set()
-            self._host_task = None
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler in the calling task until :meth:`stop` returns.
@@ -478,7 +410,7 @@ class Scheduler:
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
         session = self._session
         if session is None or session.state is SchedulerState.STOPPED:
-            failure, self._failure = self._failure, None
+            failure = None if session is None else session.take_failure()
             if failure is not None:
                 raise AnarchonError(
                     f"scheduler {self.instance_id!r} had ended unexpectedly: {failure!r}"
@@ -548,19 +480,10 @@ class Scheduler:
         name, slot = parse_run_id(run)
         await self.backend.start()
         try:
-            workflows = self._registry.workflows
-            steps = (workflows[name].steps if name in workflows
-                     else (await self.backend.workflows()).get(name))
-            limit = max(self.history_size, 100) * 10
-            if steps is None:
-                attempts = [a for a in await self.backend.history(name, limit)
-                            if a.slot == slot]
-                return recovery_log(attempts)
-            attempts = []
-            for step in steps:
-                attempts += [a for a in await self.backend.history(step_job(name, step), limit)
-                             if a.slot == slot]
-            return recovery_log(attempts, workflow=name, steps=steps)
+            workflow = self._registry.workflows.get(name)
+            return await read_recovery_log(
+                self.backend, name, slot, limit=max(self.history_size, 100) * 10,
+                steps=None if workflow is None else workflow.steps)
         finally:
             await self.backend.close()
 

@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Iterator
 
 import anyio
+import sniffio
 from anyio.abc import TaskGroup, TaskStatus
 
 from .. import events as ev
@@ -46,7 +47,21 @@ from .retention import Retention
 from .runs import RunTable
 from .steps import StepCoordinator
 
-__all__ = ["Session"]
+__all__ = ["Session", "StartStatus"]
+
+
+class StartStatus:
+    """The task status :meth:`Session.spawn` gives the run in its host task."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.is_started = False
+        self.error: BaseException | None = None
+
+    def started(self, value: None = None) -> None:
+        """The scheduler runs: ``start()`` returns."""
+        self.is_started = True
+        self.event.set()
 
 
 class Session:
@@ -82,6 +97,9 @@ class Session:
         self.leases = LeaseKeeper(self)
         self.steps = StepCoordinator(self)
         self.retention = Retention(self)
+        self._failure: BaseException | None = None
+        self._host_task: object | None = None
+        """The asyncio task hosting a run started by spawn() (kept from the GC)."""
 
     @property
     def stopping(self) -> bool:
@@ -112,6 +130,44 @@ class Session:
         self.crashed = True
         self.state = SchedulerState.STOPPING
         self.run_scope.cancel()
+
+    def spawn(self) -> StartStatus:
+        """Run in a host task of its own, which outlives the caller's task."""
+        # anyio has no detached tasks: a system task on trio, a plain task on asyncio.
+        status = StartStatus()
+        name = f"anarchon scheduler {self.settings.instance_id}"
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            trio.lowlevel.spawn_system_task(self._host, status, name=name)
+        else:
+            import asyncio
+
+            self._host_task = asyncio.get_running_loop().create_task(
+                self._host(status), name=name)
+        return status
+
+    def take_failure(self) -> BaseException | None:
+        """What ended a spawned run unexpectedly (reported once)."""
+        failure, self._failure = self._failure, None
+        return failure
+
+    async def _host(self, status: StartStatus) -> None:
+        try:
+            await self.run(status)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            # Nothing may escape a host task (on trio it would end the whole event loop).
+            if not status.is_started:
+                status.error = exc
+            else:
+                logger.error("scheduler %s ended unexpectedly", self.settings.instance_id,
+                             exc_info=exc)
+                self._failure = exc
+        finally:
+            status.event.set()
+            self._host_task = None
 
     async def run(self, task_status: TaskStatus[None]) -> None:
         """Open the store, run the jobs until stopped, close the store."""
