@@ -16,12 +16,12 @@ from lease_core import (
     BackendUnavailable,
     MemoryBackend,
     Outcome,
-    Reason,
     RunContext,
     Scheduler,
     SchedulerState,
 )
 from lease_core._structures import ClaimRequest, ClaimResult, HeartbeatResult, Lease
+from lease_core.testing import claim_now
 from tests.helpers import Instance, quiet_offset, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
@@ -82,7 +82,7 @@ async def test_an_outage_longer_than_the_lease_cancels_and_recovers(
         job = s.jobs["work"]
         slot = job.schedule.previous_at_or_before(s.store_now_ms())
         assert slot is not None
-        await s._claim(job, slot, Reason.SCHEDULED)
+        await claim_now(s, job, slot)
         await wait_for(lambda: runs, what="attempt 1")
         backend.down = error
         # Heartbeats fail: the handler is cancelled before its lease could expire.
@@ -191,7 +191,7 @@ async def test_local_deadline_counts_from_when_the_claim_was_sent() -> None:
         i = await Instance(s).start(tg)
         slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
         assert slot is not None
-        await s._claim(s.jobs["j"], slot, Reason.SCHEDULED)
+        await claim_now(s, "j", slot)
         await wait_for(lambda: stopped_at, timeout=5, what="local deadline")
         await i.stop()
     claimed = (await backend.history("j"))[-1].claimed_at.timestamp() * 1000
@@ -238,7 +238,7 @@ async def test_stop_requested_inside_a_task_group_is_a_hand_over() -> None:
         i = await Instance(s).start(tg)
         slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
         assert slot is not None
-        await s._claim(s.jobs["j"], slot, Reason.SCHEDULED)
+        await claim_now(s, "j", slot)
         await started.wait()
         await i.stop(grace=2)
     assert [(a.attempt, a.outcome) for a in await backend.history("j")] == [

@@ -21,6 +21,7 @@ from lease_core import (
     StopRequested,
 )
 from lease_core._outcome import Ending, Interruption, decide_outcome
+from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
 
@@ -41,12 +42,12 @@ def long_job(s: Scheduler, started: list[str] | None = None) -> None:
         await anyio.sleep_forever()
 
 
-async def claim_now(s: Scheduler) -> int:
+async def claim_long(s: Scheduler) -> int:
     """Claim the current slot of ``long`` (its next slot is up to an hour away)."""
     job = s.jobs["long"]
     slot = job.schedule.previous_at_or_before(s.store_now_ms())
     assert slot is not None
-    await s._claim(job, slot, Reason.SCHEDULED)
+    await claim_now(s, job, slot)
     return slot
 
 
@@ -72,7 +73,7 @@ async def test_stop_from_another_task_hands_the_run_over() -> None:
     started: list[str] = []
     long_job(s, started)
     await s.start()
-    await claim_now(s)
+    await claim_long(s)
     await wait_for(lambda: started, what="the handler")
     async with anyio.create_task_group() as tg:
         tg.start_soon(s.stop, 0)
@@ -111,7 +112,7 @@ async def test_stop_called_by_a_handler_does_not_wait_for_itself() -> None:
         await s.stop(grace=5)
 
     await s.start()
-    await claim_now(s)
+    await claim_long(s)
     await wait_for(lambda: s.state is SchedulerState.STOPPED, what="stopped")
     assert [(h.attempt, h.outcome) for h in await backend.history("long")] == [
         (1, Outcome.COMPLETED)
@@ -150,7 +151,7 @@ async def test_state_goes_through_starting_running_stopping_stopped() -> None:
         await wait_for(lambda: s.state is SchedulerState.STARTING, what="starting")
         backend.gate.set()
         await wait_for(lambda: s.state is SchedulerState.RUNNING, what="running")
-    await claim_now(s)
+    await claim_long(s)
     await wait_for(lambda: s.running, what="the handler")
     async with anyio.create_task_group() as tg:
         tg.start_soon(s.stop, 10)
@@ -234,8 +235,8 @@ async def test_cancellation_from_outside_is_a_crash_not_a_hand_over(
         else:
             await a.start()
             crash = a.abort
-        slot = await claim_now(a)
-        await claim_now(b)
+        slot = await claim_long(a)
+        await claim_long(b)
         assert b.watching == [("long", slot)]
         await wait_for(lambda: started == ["a"], what="a's handler")
         result = crash()
@@ -264,7 +265,7 @@ def test_an_event_loop_ending_without_stop_is_a_crash(loop: str) -> None:
 
     async def main() -> None:
         await s.start()
-        await claim_now(s)
+        await claim_long(s)
         await wait_for(lambda: started, what="the handler")
 
     anyio.run(main, backend=loop)
@@ -282,7 +283,7 @@ def test_a_blocking_portal_drives_start_and_stop(loop: str) -> None:
     with start_blocking_portal(loop) as portal:
         portal.call(s.start)
         assert s.state is SchedulerState.RUNNING
-        portal.call(claim_now, s)
+        portal.call(claim_long, s)
         portal.call(lambda: wait_for(lambda: started, what="the handler"))
         portal.call(s.stop, 0)
         assert s.state is SchedulerState.STOPPED

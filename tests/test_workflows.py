@@ -19,6 +19,7 @@ from lease_core._structures import ClaimRequest, Lease, RunStatus
 from lease_core.context import Checkpoint
 from lease_core.recovery import step_job
 from lease_core.scheduler import parse_run_id
+from lease_core.testing import claim_now
 from lease_core.workflows import Workflow
 from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
@@ -41,7 +42,7 @@ def current_slot(s: Scheduler, wf: str = "close") -> int:
 
 async def begin(s: Scheduler, slot: int, wf: str = "close") -> None:
     """Claim the workflow run's first step, as the schedule does at the slot."""
-    await s._claim(s.workflows[wf].jobs[0], slot, Reason.SCHEDULED)
+    await claim_now(s, wf, slot)
 
 
 async def statuses(s: Scheduler, slot: int, wf: str = "close") -> list[RunStatus | None]:
