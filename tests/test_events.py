@@ -33,7 +33,7 @@ from lease_core import (
     TimedOut,
 )
 from lease_core._structures import CheckResult, ClaimRequest, ClaimResult, HeartbeatResult, Lease
-from lease_core.testing import claim_now
+from lease_core.testing import claim_now, open_event_streams, subscriber_count
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
 
@@ -247,5 +247,5 @@ async def test_unsubscribing_while_running_releases_the_subscriber() -> None:
         for _ in range(50):
             unsubscribe = s.subscribe(Recorder())
             unsubscribe()
-        await wait_for(lambda: not s._receivers and not s._subscribers,
+        await wait_for(lambda: not open_event_streams(s) and not subscriber_count(s),
                        what="every unsubscribed receiver released")

@@ -100,7 +100,7 @@ async def test_health_of_an_idle_scheduler_when_postgresql_stops_and_returns() -
             await wait_for(lambda: not s.health().store_reachable, timeout=10,
                            what="unreachable")
             assert not s.health().ready
-            await anyio.to_thread.run_sync(server._pg_ctl_start)
+            await anyio.to_thread.run_sync(server.start)  # the same data, port
             await wait_for(lambda: s.health().ready, timeout=30, what="ready again")
         finally:
             await s.stop(grace=0)

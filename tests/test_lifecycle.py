@@ -21,7 +21,7 @@ from lease_core import (
     StopRequested,
 )
 from lease_core._outcome import Ending, Interruption, decide_outcome
-from lease_core.testing import claim_now
+from lease_core.testing import backend_users, claim_now
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
 
@@ -77,7 +77,7 @@ async def test_stop_from_another_task_hands_the_run_over() -> None:
     await wait_for(lambda: started, what="the handler")
     async with anyio.create_task_group() as tg:
         tg.start_soon(s.stop, 0)
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     assert [(h.attempt, h.outcome) for h in await backend.history("long")] == [
         (1, Outcome.HANDED_OVER)
     ]
@@ -95,11 +95,11 @@ async def test_tg_start_run_returns_after_stop() -> None:
 
     async with anyio.create_task_group() as tg:
         await tg.start(run)
-        assert s.state is SchedulerState.RUNNING and backend._users == 1
+        assert s.state is SchedulerState.RUNNING and backend_users(backend) == 1
         assert not returned.is_set()
         await s.stop()
         assert returned.is_set()
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
 
 
 @pytest.mark.anyio
@@ -167,7 +167,7 @@ async def test_start_twice_is_an_error_and_stop_before_start_a_no_op() -> None:
     s = make(backend, "a")
     await s.stop()
     await s.abort()
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     await s.start()
     with pytest.raises(AnarchonError, match="already running"):
         await s.start()
@@ -177,7 +177,7 @@ async def test_start_twice_is_an_error_and_stop_before_start_a_no_op() -> None:
     assert s.state is SchedulerState.RUNNING
     await s.stop()
     await s.stop()
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     await s.start()  # and it starts again
     await s.stop()
 
@@ -192,11 +192,11 @@ async def test_a_failed_start_leaves_it_stopped() -> None:
     s = make(backend, "a")
     with pytest.raises(LeaseLost):
         await s.start()
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     async with anyio.create_task_group() as tg:
         with pytest.raises(LeaseLost):
             await tg.start(s.run)
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
 
 
 # ----------------------------------------------------------------- crashes
@@ -269,7 +269,7 @@ def test_an_event_loop_ending_without_stop_is_a_crash(loop: str) -> None:
         await wait_for(lambda: started, what="the handler")
 
     anyio.run(main, backend=loop)
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     history = anyio.run(backend.history, "long")
     assert [(h.attempt, h.outcome) for h in history] == [(1, None)]
 
@@ -287,7 +287,7 @@ def test_a_blocking_portal_drives_start_and_stop(loop: str) -> None:
         portal.call(lambda: wait_for(lambda: started, what="the handler"))
         portal.call(s.stop, 0)
         assert s.state is SchedulerState.STOPPED
-    assert backend._users == 0
+    assert backend_users(backend) == 0
     history = anyio.run(backend.history, "long")
     assert [(h.attempt, h.outcome) for h in history] == [(1, Outcome.HANDED_OVER)]
 
