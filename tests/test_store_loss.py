@@ -24,7 +24,7 @@ from lease_core import LeaseLost, Reason, RunContext, Scheduler
 from lease_core._structures import CheckResult, ClaimRequest, ClaimStatus
 from lease_core.errors import BackendUnavailable
 from lease_core.testing import claim_now
-from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_for
+from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
 
@@ -297,7 +297,9 @@ async def test_the_run_lost_in_flight_runs_again_once_after_the_quarantine(
             # the instances watching the run find it lost, and wait out the quarantine
             await wait_for(lambda: first_ended, timeout=5, what="the holder cancelled")
             await wait_for(lambda: len(starts) == 2, timeout=15, what="the run again")
-            history = await holder.history("long")
+            # The second handler returns at once; its finish reaches the store just after.
+            history = await wait_history(holder, lambda h: h and h[0].outcome is not None,
+                                         job="long", what="the second run's end")
         finally:
             await stop_all(instances)
     quiet = int(_job_hash(raw, prefix, "long")["quiet"])
