@@ -22,10 +22,12 @@ demo: $(STAMP)
 test: $(STAMP) system-deps
 	$(PY) -m pytest -n 2
 
-## ruff and mypy --strict on the library.
+## ruff and mypy --strict on the library, then the code's shape (.ci/shape.py: module and
+## class sizes, import cycles, private touches in tests).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lease_core backends adapters tests benchmarks
 	$(VENV)/bin/mypy
+	$(PY) .ci/shape.py
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 

@@ -33,6 +33,7 @@ from lease_core import (
     TimedOut,
 )
 from lease_core._structures import CheckResult, ClaimRequest, ClaimResult, HeartbeatResult, Lease
+from lease_core.testing import claim_now, open_event_streams, subscriber_count
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
 
@@ -78,8 +79,8 @@ async def test_claim_stand_by_hand_over_take_over_and_complete(store: Store) -> 
     await b.start()
     try:
         slot = current_slot(a, "long")
-        await a._claim(a.jobs["long"], slot, Reason.SCHEDULED)
-        await b._claim(b.jobs["long"], slot, Reason.SCHEDULED)
+        await claim_now(a, "long", slot)
+        await claim_now(b, "long", slot)
         await a.stop(grace=0)
         await wait_for(lambda: seen["b"].of(Completed), what="b completes the run")
     finally:
@@ -115,10 +116,10 @@ async def test_failed_timed_out_and_skipped() -> None:
 
     async with s:
         for job in ("boom", "slow"):
-            await s._claim(s.jobs[job], current_slot(s, job), Reason.SCHEDULED)
+            await claim_now(s, job, current_slot(s, job))
         # The next slot of "slow" while the current one still holds its lease.
         skipped_slot = current_slot(s, "slow") + 3_600_000
-        await s._claim(s.jobs["slow"], skipped_slot, Reason.SCHEDULED)
+        await claim_now(s, "slow", skipped_slot)
         await wait_for(lambda: seen.of(Failed) and seen.of(TimedOut), what="both ends")
     [failed] = seen.of(Failed)
     assert failed.job == "boom" and isinstance(failed.error, ValueError)
@@ -172,7 +173,7 @@ async def test_store_unreachable_lost_store_back_and_escalated() -> None:
 
     async with s:
         slot = current_slot(s, "long")
-        await s._claim(s.jobs["long"], slot, Reason.SCHEDULED)
+        await claim_now(s, "long", slot)
         await wait_for(lambda: s.running, what="the handler")
         backend.down = True
         await wait_for(lambda: seen.of(Lost), timeout=5, what="the lease lost")
@@ -223,8 +224,8 @@ async def test_slow_and_failing_subscribers_delay_no_heartbeat(
 
     async with s:
         slot = current_slot(s, "long")
-        await s._claim(s.jobs["long"], slot, Reason.SCHEDULED)
-        await s._claim(s.jobs["long"], slot + 3_600_000, Reason.SCHEDULED)  # skipped
+        await claim_now(s, "long", slot)
+        await claim_now(s, "long", slot + 3_600_000)  # skipped
         history = await wait_history(
             s, lambda h: any(a.slot == slot and a.outcome for a in h), job="long")
         await wait_for(lambda: len(failures) >= 2, what="the failing subscriber called again")
@@ -246,5 +247,5 @@ async def test_unsubscribing_while_running_releases_the_subscriber() -> None:
         for _ in range(50):
             unsubscribe = s.subscribe(Recorder())
             unsubscribe()
-        await wait_for(lambda: not s._receivers and not s._subscribers,
+        await wait_for(lambda: not open_event_streams(s) and not subscriber_count(s),
                        what="every unsubscribed receiver released")

@@ -16,12 +16,12 @@ from lease_core import (
     BackendUnavailable,
     MemoryBackend,
     Outcome,
-    Reason,
     RunContext,
     Scheduler,
     SchedulerState,
 )
 from lease_core._structures import ClaimRequest, ClaimResult, HeartbeatResult, Lease
+from lease_core.testing import awaiting_hand_over, backend_users, claim_now
 from tests.helpers import Instance, quiet_offset, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
@@ -82,7 +82,7 @@ async def test_an_outage_longer_than_the_lease_cancels_and_recovers(
         job = s.jobs["work"]
         slot = job.schedule.previous_at_or_before(s.store_now_ms())
         assert slot is not None
-        await s._claim(job, slot, Reason.SCHEDULED)
+        await claim_now(s, job, slot)
         await wait_for(lambda: runs, what="attempt 1")
         backend.down = error
         # Heartbeats fail: the handler is cancelled before its lease could expire.
@@ -157,6 +157,10 @@ class SlowAnswer(MemoryBackend):
         self.claimed = anyio.Event()
         self.partitioned = False
 
+    def clock_ms(self) -> int:
+        """The store's clock now, in epoch milliseconds (callable where nothing may wait)."""
+        return self._now()
+
     async def claim(self, request: ClaimRequest) -> ClaimResult:
         (result,) = await self.claim_many([request])
         return result
@@ -185,13 +189,13 @@ async def test_local_deadline_counts_from_when_the_claim_was_sent() -> None:
         try:
             await anyio.sleep_forever()
         finally:
-            stopped_at.append(backend._now())
+            stopped_at.append(backend.clock_ms())
 
     async with anyio.create_task_group() as tg:
         i = await Instance(s).start(tg)
         slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
         assert slot is not None
-        await s._claim(s.jobs["j"], slot, Reason.SCHEDULED)
+        await claim_now(s, "j", slot)
         await wait_for(lambda: stopped_at, timeout=5, what="local deadline")
         await i.stop()
     claimed = (await backend.history("j"))[-1].claimed_at.timestamp() * 1000
@@ -210,9 +214,9 @@ async def test_stop_with_a_claim_in_flight_hands_the_run_over() -> None:
         i = await Instance(s).start(tg)
         await backend.claimed.wait()
         await i.stop(grace=0)
-    states = await backend.check(list(backend._runs))
+    states = await backend.check([(r.job, r.slot) for r in await backend.runs(limit=10_000)])
     assert states.runs and all(r.status == "handed_over" for r in states.runs.values())
-    assert s._to_hand_over == {}
+    assert awaiting_hand_over(s) == []
 
 
 async def test_stop_requested_inside_a_task_group_is_a_hand_over() -> None:
@@ -238,7 +242,7 @@ async def test_stop_requested_inside_a_task_group_is_a_hand_over() -> None:
         i = await Instance(s).start(tg)
         slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
         assert slot is not None
-        await s._claim(s.jobs["j"], slot, Reason.SCHEDULED)
+        await claim_now(s, "j", slot)
         await started.wait()
         await i.stop(grace=2)
     assert [(a.attempt, a.outcome) for a in await backend.history("j")] == [
@@ -264,7 +268,7 @@ async def test_a_cancelled_stop_still_cleans_up() -> None:
         shutdown.deadline = anyio.current_time() + 0.5
         await s.stop(grace="5s")
     assert shutdown.cancelled_caught
-    assert s.state is SchedulerState.STOPPED and backend._users == 0 and not s.running
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0 and not s.running
     await s.start()  # and it can start again
     await s.stop(grace=0)
 

@@ -17,6 +17,7 @@ import pytest
 
 from lease_core import LeaseLost, Outcome, PostgresBackend, Reason, RunContext, Scheduler
 from lease_core.abc import ClaimRequest, Lease, RunStatus
+from lease_core.testing import claim_now
 from tests.helpers import Instance, quiet_offset, store_now_ms, wait_history
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 
@@ -59,12 +60,12 @@ async def test_a_long_fenced_transaction_keeps_every_lease(
         for job in ("tx", "other"):
             slot = a.jobs[job].schedule.previous_at_or_before(a.store_now_ms())
             assert slot is not None
-            await a._claim(a.jobs[job], slot, Reason.SCHEDULED)
+            await claim_now(a, job, slot)
         ib = await Instance(b).start(tg)  # a backup, ready to take over anything lost
         for job in ("tx", "other"):
             slot = b.jobs[job].schedule.previous_at_or_before(b.store_now_ms())
             assert slot is not None
-            await b._claim(b.jobs[job], slot, Reason.SCHEDULED)
+            await claim_now(b, job, slot)
         history = await wait_history(
             a, lambda h: any(x.job == "tx" and x.outcome for x in h), timeout=15
         )

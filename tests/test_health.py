@@ -13,12 +13,12 @@ from lease_core import (
     Health,
     MemoryBackend,
     PostgresBackend,
-    Reason,
     RunContext,
     Scheduler,
     SchedulerState,
 )
 from lease_core._structures import CheckResult, HeartbeatResult, Lease
+from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -65,8 +65,8 @@ async def test_health_follows_the_store_and_counts_held_and_watched_runs() -> No
         assert health.ready and health.store_reachable and health.since_store_answer is not None
         slot = a.jobs["long"].schedule.previous_at_or_before(a.store_now_ms())
         assert slot is not None
-        await a._claim(a.jobs["long"], slot, Reason.SCHEDULED)
-        await b._claim(b.jobs["long"], slot, Reason.SCHEDULED)
+        await claim_now(a, "long", slot)
+        await claim_now(b, "long", slot)
         assert (a.health().runs_held, a.health().runs_watched) == (1, 0)
         assert (b.health().runs_held, b.health().runs_watched) == (0, 1)
         backend.down = True
@@ -100,7 +100,7 @@ async def test_health_of_an_idle_scheduler_when_postgresql_stops_and_returns() -
             await wait_for(lambda: not s.health().store_reachable, timeout=10,
                            what="unreachable")
             assert not s.health().ready
-            await anyio.to_thread.run_sync(server._pg_ctl_start)
+            await anyio.to_thread.run_sync(server.start)  # the same data, port
             await wait_for(lambda: s.health().ready, timeout=30, what="ready again")
         finally:
             await s.stop(grace=0)

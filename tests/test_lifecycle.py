@@ -21,6 +21,7 @@ from lease_core import (
     StopRequested,
 )
 from lease_core._outcome import Ending, Interruption, decide_outcome
+from lease_core.testing import backend_users, claim_now
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
 
@@ -41,12 +42,12 @@ def long_job(s: Scheduler, started: list[str] | None = None) -> None:
         await anyio.sleep_forever()
 
 
-async def claim_now(s: Scheduler) -> int:
+async def claim_long(s: Scheduler) -> int:
     """Claim the current slot of ``long`` (its next slot is up to an hour away)."""
     job = s.jobs["long"]
     slot = job.schedule.previous_at_or_before(s.store_now_ms())
     assert slot is not None
-    await s._claim(job, slot, Reason.SCHEDULED)
+    await claim_now(s, job, slot)
     return slot
 
 
@@ -72,11 +73,11 @@ async def test_stop_from_another_task_hands_the_run_over() -> None:
     started: list[str] = []
     long_job(s, started)
     await s.start()
-    await claim_now(s)
+    await claim_long(s)
     await wait_for(lambda: started, what="the handler")
     async with anyio.create_task_group() as tg:
         tg.start_soon(s.stop, 0)
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     assert [(h.attempt, h.outcome) for h in await backend.history("long")] == [
         (1, Outcome.HANDED_OVER)
     ]
@@ -94,11 +95,11 @@ async def test_tg_start_run_returns_after_stop() -> None:
 
     async with anyio.create_task_group() as tg:
         await tg.start(run)
-        assert s.state is SchedulerState.RUNNING and backend._users == 1
+        assert s.state is SchedulerState.RUNNING and backend_users(backend) == 1
         assert not returned.is_set()
         await s.stop()
         assert returned.is_set()
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
 
 
 @pytest.mark.anyio
@@ -111,7 +112,7 @@ async def test_stop_called_by_a_handler_does_not_wait_for_itself() -> None:
         await s.stop(grace=5)
 
     await s.start()
-    await claim_now(s)
+    await claim_long(s)
     await wait_for(lambda: s.state is SchedulerState.STOPPED, what="stopped")
     assert [(h.attempt, h.outcome) for h in await backend.history("long")] == [
         (1, Outcome.COMPLETED)
@@ -150,7 +151,7 @@ async def test_state_goes_through_starting_running_stopping_stopped() -> None:
         await wait_for(lambda: s.state is SchedulerState.STARTING, what="starting")
         backend.gate.set()
         await wait_for(lambda: s.state is SchedulerState.RUNNING, what="running")
-    await claim_now(s)
+    await claim_long(s)
     await wait_for(lambda: s.running, what="the handler")
     async with anyio.create_task_group() as tg:
         tg.start_soon(s.stop, 10)
@@ -166,7 +167,7 @@ async def test_start_twice_is_an_error_and_stop_before_start_a_no_op() -> None:
     s = make(backend, "a")
     await s.stop()
     await s.abort()
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     await s.start()
     with pytest.raises(AnarchonError, match="already running"):
         await s.start()
@@ -176,7 +177,7 @@ async def test_start_twice_is_an_error_and_stop_before_start_a_no_op() -> None:
     assert s.state is SchedulerState.RUNNING
     await s.stop()
     await s.stop()
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     await s.start()  # and it starts again
     await s.stop()
 
@@ -191,11 +192,11 @@ async def test_a_failed_start_leaves_it_stopped() -> None:
     s = make(backend, "a")
     with pytest.raises(LeaseLost):
         await s.start()
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     async with anyio.create_task_group() as tg:
         with pytest.raises(LeaseLost):
             await tg.start(s.run)
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
 
 
 # ----------------------------------------------------------------- crashes
@@ -234,8 +235,8 @@ async def test_cancellation_from_outside_is_a_crash_not_a_hand_over(
         else:
             await a.start()
             crash = a.abort
-        slot = await claim_now(a)
-        await claim_now(b)
+        slot = await claim_long(a)
+        await claim_long(b)
         assert b.watching == [("long", slot)]
         await wait_for(lambda: started == ["a"], what="a's handler")
         result = crash()
@@ -264,11 +265,11 @@ def test_an_event_loop_ending_without_stop_is_a_crash(loop: str) -> None:
 
     async def main() -> None:
         await s.start()
-        await claim_now(s)
+        await claim_long(s)
         await wait_for(lambda: started, what="the handler")
 
     anyio.run(main, backend=loop)
-    assert s.state is SchedulerState.STOPPED and backend._users == 0
+    assert s.state is SchedulerState.STOPPED and backend_users(backend) == 0
     history = anyio.run(backend.history, "long")
     assert [(h.attempt, h.outcome) for h in history] == [(1, None)]
 
@@ -282,11 +283,11 @@ def test_a_blocking_portal_drives_start_and_stop(loop: str) -> None:
     with start_blocking_portal(loop) as portal:
         portal.call(s.start)
         assert s.state is SchedulerState.RUNNING
-        portal.call(claim_now, s)
+        portal.call(claim_long, s)
         portal.call(lambda: wait_for(lambda: started, what="the handler"))
         portal.call(s.stop, 0)
         assert s.state is SchedulerState.STOPPED
-    assert backend._users == 0
+    assert backend_users(backend) == 0
     history = anyio.run(backend.history, "long")
     assert [(h.attempt, h.outcome) for h in history] == [(1, Outcome.HANDED_OVER)]
 

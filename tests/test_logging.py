@@ -7,8 +7,9 @@ import logging
 import pytest
 
 import lease_core
-from lease_core import MemoryBackend, Outcome, Reason, RunContext, Scheduler
+from lease_core import MemoryBackend, Outcome, RunContext, Scheduler
 from lease_core._structures import format_slot
+from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 
 
@@ -48,7 +49,7 @@ async def test_a_failing_handler_is_logged_with_its_traceback_and_iso_slot(
         job = s.jobs["broken"]
         slot = job.schedule.previous_at_or_before(s.store_now_ms())
         assert slot is not None
-        await s._claim(job, slot, Reason.SCHEDULED)
+        await claim_now(s, job, slot)
         await wait_history(s, lambda h: h and h[0].outcome == Outcome.FAILED, job="broken")
         await wait_for(lambda: [r for r in caplog.records if "failed" in r.getMessage()],
                        what="the failure's log line")

@@ -19,6 +19,7 @@ from lease_core import (
     Scheduler,
 )
 from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease
+from lease_core.testing import claim_now
 from tests.helpers import (
     HOUR_MS,
     Instance,
@@ -239,7 +240,7 @@ async def test_a_quiet_hourly_job_does_not_fire_when_the_store_clock_crosses_mid
             slot = job.schedule.previous_at_or_before(s.store_now_ms())
             assert slot is not None
             slots[name] = slot
-            await s._claim(job, slot, Reason.SCHEDULED)
+            await claim_now(s, job, slot)
         assert slots["plain"] == midnight_ms - HOUR_MS  # claimed before midnight
         plain = await wait_history(s, lambda h: len(h) == 2, job="plain", timeout=10,
                                    what="the plain job's midnight slot")

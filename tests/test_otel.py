@@ -12,8 +12,9 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from lease_core import MemoryBackend, Outcome, Reason, RunContext, Scheduler
+from lease_core import MemoryBackend, Outcome, RunContext, Scheduler
 from lease_core.otel import instrument
+from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
@@ -54,7 +55,7 @@ async def test_attempts_durations_and_leases_held() -> None:
     instrument(s, meter_provider=provider)
     async with s:
         for job in ("ok", "boom"):
-            await s._claim(s.jobs[job], current_slot(s, job), Reason.SCHEDULED)
+            await claim_now(s, job, current_slot(s, job))
 
         def held() -> dict[str, int]:
             found = points(reader).get("anarchon.leases.held", [])
@@ -94,7 +95,7 @@ async def test_the_readme_prometheus_example_serves_the_metrics() -> None:
     server, provider = namespace["expose_metrics"](s, port=0)
     try:
         async with s:
-            await s._claim(s.jobs["ok"], current_slot(s, "ok"), Reason.SCHEDULED)
+            await claim_now(s, "ok", current_slot(s, "ok"))
             url = f"http://127.0.0.1:{server.server_port}/metrics"
 
             def scraped() -> str:

@@ -16,6 +16,7 @@ import pytest
 from backends.embedded.postgres import EmbeddedPostgres
 from lease_core import Outcome, PostgresBackend, Reason, RunContext, Scheduler
 from lease_core.abc import HeartbeatResult, Lease
+from lease_core.testing import claim_now
 from tests.helpers import Instance, quiet_offset, store_now_ms, wait_for, wait_history
 
 pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only]
@@ -66,7 +67,7 @@ async def test_handler_stops_before_its_lease_and_resumes_after_restart(scheme: 
             instance = await Instance(s).start(tg)
             slot = s.jobs["long"].schedule.previous_at_or_before(s.store_now_ms())
             assert slot is not None
-            await s._claim(s.jobs["long"], slot, Reason.SCHEDULED)
+            await claim_now(s, "long", slot)
             await wait_for(lambda: attempts, what="attempt 1")
             # Let one heartbeat renew the lease, then take the server away.
             await wait_for(lambda: renewals, what="a renewal of attempt 1")
@@ -81,7 +82,7 @@ async def test_handler_stops_before_its_lease_and_resumes_after_restart(scheme: 
             # Restart only once the lease has expired by the store's clock (the same
             # machine's): it was renewed last before the server stopped.
             await wait_for(lambda: time.monotonic() > stopped_at + 1.5, what="lease expiry")
-            await anyio.to_thread.run_sync(server._pg_ctl_start)
+            await anyio.to_thread.run_sync(server.start)  # the same data, port
             await wait_for(lambda: len(attempts) == 2, timeout=20, what="takeover after restart")
             release.set()
             history = await wait_history(s, lambda h: h and h[0].outcome == "completed",

@@ -27,8 +27,9 @@ from lease_core import (
     SchedulerState,
     StoreUnreachable,
 )
-from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason, RunStatus
+from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, RunStatus
 from lease_core.abc import Backend
+from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for
 from tests.stores import Store
 
@@ -210,7 +211,7 @@ async def test_renewals_go_on_while_a_large_trimming_runs(
         async with s:
             slot = s.jobs["held"].schedule.previous_at_or_before(s.store_now_ms())
             assert slot is not None
-            await s._claim(s.jobs["held"], slot, Reason.SCHEDULED)
+            await claim_now(s, "held", slot)
             with anyio.fail_after(30):
                 await in_prune.wait()
             expiries: list[int] = []

@@ -20,6 +20,7 @@ import pytest
 
 from lease_core import Outcome, Reason, RunContext, Scheduler
 from lease_core.abc import HeartbeatResult, Lease
+from lease_core.testing import claim_now
 from tests.helpers import (
     Instance,
     quiet_offset,
@@ -96,9 +97,9 @@ async def test_crashed_instance_is_taken_over_with_attempt_2(store: Store) -> No
         ia = await Instance(a).start(tg)
         slot = a.jobs["long"].schedule.previous_at_or_before(a.store_now_ms())
         assert slot is not None
-        await a._claim(a.jobs["long"], slot, Reason.SCHEDULED)
+        await claim_now(a, "long", slot)
         ib = await Instance(b).start(tg)
-        await b._claim(b.jobs["long"], slot, Reason.SCHEDULED)
+        await claim_now(b, "long", slot)
         assert b.watching == [("long", slot)]
         await wait_for(lambda: started, what="first attempt")
         ia.crash()
@@ -142,9 +143,9 @@ async def test_stop_hands_over_well_before_the_lease_expires(store: Store) -> No
         ia = await Instance(a).start(tg)
         slot = a.jobs["batch"].schedule.previous_at_or_before(a.store_now_ms())
         assert slot is not None
-        await a._claim(a.jobs["batch"], slot, Reason.SCHEDULED)
+        await claim_now(a, "batch", slot)
         ib = await Instance(b).start(tg)
-        await b._claim(b.jobs["batch"], slot, Reason.SCHEDULED)
+        await claim_now(b, "batch", slot)
         await wait_for(lambda: progress, what="a running")
         await wait_for(lambda: b.backend.get_checkpoint("batch", slot), what="some progress")
         stopped_at = time.monotonic()
@@ -181,7 +182,7 @@ async def test_stop_grace_cancels_a_stubborn_handler_and_hands_it_over(store: St
         ia = await Instance(a).start(tg)
         slot = a.jobs["stubborn"].schedule.previous_at_or_before(a.store_now_ms())
         assert slot is not None
-        await a._claim(a.jobs["stubborn"], slot, Reason.SCHEDULED)
+        await claim_now(a, "stubborn", slot)
         await wait_for(lambda: a.running, what="running")
         await ia.stop(grace=0.2)
     assert cancelled.is_set()
@@ -291,7 +292,7 @@ async def test_escalation_after_max_attempts_stops_takeovers(store: Store) -> No
             instances[s.instance_id] = await Instance(s).start(tg)
             slot = slot or s.jobs["fragile"].schedule.previous_at_or_before(s.store_now_ms())
             assert slot is not None
-            await s._claim(s.jobs["fragile"], slot, Reason.SCHEDULED)
+            await claim_now(s, "fragile", slot)
         await wait_for(lambda: attempts == [1], what="attempt 1")
         instances["a"].crash()
         await wait_for(lambda: attempts == [1, 2], timeout=10, what="attempt 2")
@@ -433,8 +434,8 @@ async def test_sync_handler_runs_in_a_thread_without_blocking_heartbeats(store: 
         ia, ib = await Instance(a).start(tg), await Instance(b).start(tg)
         slot = a.jobs["sync"].schedule.previous_at_or_before(a.store_now_ms())
         assert slot is not None
-        await a._claim(a.jobs["sync"], slot, Reason.SCHEDULED)
-        await b._claim(b.jobs["sync"], slot, Reason.SCHEDULED)
+        await claim_now(a, "sync", slot)
+        await claim_now(b, "sync", slot)
         history = await wait_history(a, lambda h: h and h[0].outcome, job="sync", timeout=10)
         await ia.stop()
         await ib.stop()
@@ -481,7 +482,7 @@ async def test_lease_loss_cancels_the_handler_at_once(store: Store) -> None:
             ia = await Instance(a).start(tg)
             slot = a.jobs["victim"].schedule.previous_at_or_before(a.store_now_ms())
             assert slot is not None
-            await a._claim(a.jobs["victim"], slot, Reason.SCHEDULED)
+            await claim_now(a, "victim", slot)
             await wait_for(lambda: tokens, what="running")
             # Someone else (an operator, a takeover) ends the lease in the store.
             beats_at_hand_over = beats
@@ -588,7 +589,7 @@ async def test_one_heartbeat_and_one_check_per_tick_whatever_the_number_of_jobs(
             for job in s.jobs.values():
                 slot = job.schedule.previous_at_or_before(s.store_now_ms())
                 assert slot is not None
-                await s._claim(job, slot, Reason.SCHEDULED)
+                await claim_now(s, job, slot)
         assert len(holder.running) == 20 and len(backup.watching) == 20
         # Count calls made by each instance over a few ticks.
         backup.backend = Counting(backup.backend)  # type: ignore[assignment]

@@ -23,7 +23,8 @@ from backends.redis import RedisBackend
 from lease_core import LeaseLost, Reason, RunContext, Scheduler
 from lease_core._structures import CheckResult, ClaimRequest, ClaimStatus
 from lease_core.errors import BackendUnavailable
-from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_for
+from lease_core.testing import claim_now
+from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
 
@@ -185,16 +186,16 @@ async def test_a_backup_starts_no_attempt_before_the_quarantine_ends(
             job = holder.jobs["long"]
             slot = job.schedule.previous_at_or_before(holder.store_now_ms())
             assert slot is not None
-            first = await holder._claim(job, slot, Reason.SCHEDULED)
+            first = await claim_now(holder, job, slot)
             assert first is not None and first.status is ClaimStatus.WON
             await wait_for(lambda: contexts, what="the holder's handler")
-            standing = await backup._claim(backup.jobs["long"], slot, Reason.SCHEDULED)
+            standing = await claim_now(backup, "long", slot)
             assert standing is not None and standing.status is ClaimStatus.RUNNING
 
             restarted = await _restart_empty(server, raw)
             # The backup claims the run again (as when its claim went unanswered during
             # the restart): the store lost it, but its holder is still running it.
-            held_back = await backup._claim(backup.jobs["long"], slot, Reason.SCHEDULED)
+            held_back = await claim_now(backup, "long", slot)
             assert held_back is not None
             assert (held_back.status, held_back.run_status) == (ClaimStatus.RUNNING, None)
             quiet = int(_job_hash(raw, prefix, "long")["quiet"])
@@ -285,10 +286,10 @@ async def test_the_run_lost_in_flight_runs_again_once_after_the_quarantine(
         try:
             slot = holder.jobs["long"].schedule.previous_at_or_before(holder.store_now_ms())
             assert slot is not None
-            won = await holder._claim(holder.jobs["long"], slot, Reason.SCHEDULED)
+            won = await claim_now(holder, "long", slot)
             assert won is not None and won.status is ClaimStatus.WON
             await wait_for(lambda: starts, what="the holder's handler")
-            standing = await backup._claim(backup.jobs["long"], slot, Reason.SCHEDULED)
+            standing = await claim_now(backup, "long", slot)
             assert standing is not None and standing.status is ClaimStatus.RUNNING
             assert backup.watching == [("long", slot)]
 
@@ -296,7 +297,9 @@ async def test_the_run_lost_in_flight_runs_again_once_after_the_quarantine(
             # the instances watching the run find it lost, and wait out the quarantine
             await wait_for(lambda: first_ended, timeout=5, what="the holder cancelled")
             await wait_for(lambda: len(starts) == 2, timeout=15, what="the run again")
-            history = await holder.history("long")
+            # The second handler returns at once; its finish reaches the store just after.
+            history = await wait_history(holder, lambda h: h and h[0].outcome is not None,
+                                         job="long", what="the second run's end")
         finally:
             await stop_all(instances)
     quiet = int(_job_hash(raw, prefix, "long")["quiet"])

@@ -19,6 +19,7 @@ from lease_core._structures import ClaimRequest, Lease, RunStatus
 from lease_core.context import Checkpoint
 from lease_core.recovery import step_job
 from lease_core.scheduler import parse_run_id
+from lease_core.testing import claim_now, claim_now_sync
 from lease_core.workflows import Workflow
 from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
@@ -41,7 +42,7 @@ def current_slot(s: Scheduler, wf: str = "close") -> int:
 
 async def begin(s: Scheduler, slot: int, wf: str = "close") -> None:
     """Claim the workflow run's first step, as the schedule does at the slot."""
-    await s._claim(s.workflows[wf].jobs[0], slot, Reason.SCHEDULED)
+    await claim_now(s, wf, slot)
 
 
 async def statuses(s: Scheduler, slot: int, wf: str = "close") -> list[RunStatus | None]:
@@ -244,7 +245,8 @@ async def test_a_zombie_agent_is_refused_everything(store: Store) -> None:
         ia.crash()  # a stalls: its lease expires, b takes the step over
         await wait_workflow(b, slot, "completed")
         await ib.stop()
-    old = zombie[0]._lease
+    late = zombie[0]
+    old = Lease(late.job, late.slot, late.token, a.jobs[late.job].lease_ms)
     backend = b.backend
     await backend.start()
     try:
@@ -463,8 +465,7 @@ def test_sync_scheduler_declares_workflows_and_reads_recovery_logs() -> None:
     w.step("two", lambda ctx: ctx.results["one"] + 1)
     with s:
         slot = current_slot(s.scheduler, "w")
-        assert s._portal is not None
-        s._portal.call(begin, s.scheduler, slot, "w")
+        claim_now_sync(s, "w", slot)
         deadline = time.monotonic() + 10
         while len(s.recovery_log(("w", slot))) < 4:
             assert time.monotonic() < deadline, "workflow run did not complete"

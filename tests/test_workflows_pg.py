@@ -12,6 +12,8 @@ import psycopg
 import pytest
 
 from lease_core import LeaseLost, PostgresBackend, Reason, RunContext, Scheduler
+from lease_core.abc import Lease
+from lease_core.testing import claim_now
 from tests.helpers import Instance, quiet_offset_now, wait_for
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 
@@ -80,10 +82,10 @@ async def test_a_step_s_effect_result_and_completion_commit_together_and_a_zombi
         ia = await Instance(a).start(tg)
         slot = a.workflows["close"].schedule.previous_at_or_before(a.store_now_ms())
         assert slot is not None
-        await a._claim(a.workflows["close"].jobs[0], slot, Reason.SCHEDULED)
+        await claim_now(a, "close", slot)
         await wait_for(lambda: seen, what="a in interest")
         ib = await Instance(b).start(tg)
-        await b._claim(b.workflows["close"].jobs[0], slot, Reason.SCHEDULED)
+        await claim_now(b, "close", slot)
         assert b.watching == [("close/interest", slot)]
         ia.crash()
         await wait_for(lambda: any(x[1] == "publish" for x in seen), what="publish")
@@ -97,7 +99,8 @@ async def test_a_step_s_effect_result_and_completion_commit_together_and_a_zombi
     backend = PostgresBackend(pg16_server.dsn, table=table)
     await backend.start()
     try:
-        late = RunContext(backend=backend, lease=zombie._lease, attempt=1,
+        lease = Lease(zombie.job, zombie.slot, zombie.token, a.jobs[zombie.job].lease_ms)
+        late = RunContext(backend=backend, lease=lease, attempt=1,
                           reason=Reason.SCHEDULED, instance_id="a",
                           logger=logging.getLogger("test"), workflow="close", step="interest")
         with pytest.raises(LeaseLost):

@@ -5,6 +5,12 @@
 - :func:`run_differential`: the differential model test on its own (needs hypothesis).
 - :class:`Store` and :func:`wait_for`: what the checks run on, for a project's own
   fixtures (anarchon's test suite runs the checks on every store it starts through them).
+- Test hooks into a running scheduler (:mod:`lease_core.testing.hooks`), for tests of the
+  engine and of a backend under a real scheduler: :func:`claim_now` claims a run at once,
+  as the scheduler does when its slot is due; :func:`claim_now_sync`,
+  :func:`awaiting_hand_over`, :func:`subscriber_count`, :func:`open_event_streams`,
+  :func:`backend_users` and :func:`close_backend` read or release what no public property
+  shows.
 
 This package needs pytest, and hypothesis for the differential test: install the
 ``anarchon[testing]`` extra. ``import lease_core`` never imports it.
@@ -21,11 +27,32 @@ pytest.register_assert_rewrite("lease_core.testing.conformance", "lease_core.tes
 
 from ._suite import BackendConformance  # noqa: E402
 from ._tools import Store, wait_for  # noqa: E402
+from .hooks import (  # noqa: E402
+    awaiting_hand_over,
+    backend_users,
+    claim_now,
+    claim_now_sync,
+    close_backend,
+    open_event_streams,
+    subscriber_count,
+)
 
 if TYPE_CHECKING:
     from .differential import run_differential
 
-__all__ = ["BackendConformance", "Store", "run_differential", "wait_for"]
+__all__ = [
+    "BackendConformance",
+    "Store",
+    "awaiting_hand_over",
+    "backend_users",
+    "claim_now",
+    "claim_now_sync",
+    "close_backend",
+    "open_event_streams",
+    "run_differential",
+    "subscriber_count",
+    "wait_for",
+]
 
 
 def __getattr__(name: str) -> Any:

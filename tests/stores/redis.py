@@ -25,6 +25,7 @@ from backends.embedded.redis import EmbeddedRedis, find_server
 from backends.redis import RedisBackend
 from lease_core.abc import Backend
 from lease_core.errors import BackendUnavailable
+from lease_core.testing import close_backend
 
 from . import Store, StoreSpec, missing_service
 
@@ -85,9 +86,7 @@ class RedisStore(Store):
     async def cleanup(self) -> None:
         """Close what the backends opened, then delete every key under the prefix."""
         for made in self.made:
-            while made._users:
-                await made.close()
-            await made._close()
+            await close_backend(made)
         if self._close_connection is not None:
             result = self._close_connection()
             if hasattr(result, "__await__"):
