@@ -22,7 +22,7 @@ from anyio.abc import TaskStatus
 
 from . import events as ev
 from ._durations import Duration, parse_duration, to_ms
-from ._structures import Attempt, ClaimResult, Reason
+from ._structures import Attempt
 from .abc import Backend
 from .engine.base import (
     CATCH_UP_LIMIT,
@@ -486,11 +486,6 @@ class Scheduler:
                 steps=None if workflow is None else workflow.steps)
         finally:
             await self.backend.close()
-
-    async def _claim(self, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
-        # Kept for the tests until they use lease_core.testing's hook.
-        assert self._session is not None
-        return await self._session.claims.claim(job, slot, reason)
 
 
 def parse_run_id(run: str | tuple[str, int | str]) -> tuple[str, int]:

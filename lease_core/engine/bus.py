@@ -53,9 +53,14 @@ class EventBus:
         return bool(self._subscribers)
 
     @property
-    def idle(self) -> bool:
-        """True when no callback is subscribed and no subscriber's stream is left open."""
-        return not self._subscribers and not self._receivers
+    def subscriber_count(self) -> int:
+        """How many callbacks are subscribed."""
+        return len(self._subscribers)
+
+    @property
+    def open_streams(self) -> int:
+        """How many subscribers' event streams are open (each is released when it ends)."""
+        return len(self._receivers)
 
     def subscribe(self, callback: Callable[[ev.Event], Any]) -> Callable[[], None]:
         """Subscribe ``callback``; return the function that unsubscribes it."""

@@ -154,11 +154,15 @@ class RunTable:
         """How many runs this instance backs up or must claim again."""
         return sum(1 for _ in self.watched())
 
+    def awaiting_hand_over(self) -> list[Lease]:
+        """The leases of runs won while stopping, or whose handlers stopped for the stop."""
+        return [run.lease for run in self._runs.values()
+                if run.phase is Phase.HANDING_OVER and run.lease is not None]
+
     def handing_over(self) -> list[Lease]:
-        """The leases to hand over on stop: runs won while stopping, and held runs."""
-        first = [run.lease for run in self._runs.values()
-                 if run.phase is Phase.HANDING_OVER and run.lease is not None]
-        return first + [run.lease for run in self._held.values() if run.lease is not None]
+        """The leases to hand over on stop: those awaiting it, and the held runs'."""
+        return self.awaiting_hand_over() + [
+            run.lease for run in self._held.values() if run.lease is not None]
 
     # -- transitions
 

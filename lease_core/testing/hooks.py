@@ -20,7 +20,6 @@ is followed here, in one place, and tests written against the hooks keep working
 
 from __future__ import annotations
 
-from collections.abc import Sized
 from typing import TYPE_CHECKING
 
 from lease_core._structures import ClaimResult, Lease, Reason
@@ -48,19 +47,20 @@ __all__ = [
 
 
 async def _engine_claim(s: Scheduler, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
-    return await s._claim(job, slot, reason)
+    session = s._session
+    return None if session is None else await session.claims.claim(job, slot, reason)
 
 
 def _engine_to_hand_over(s: Scheduler) -> list[Lease]:
-    return list(s._to_hand_over.values())
+    return [] if s._session is None else s._session.runs.awaiting_hand_over()
 
 
-def _engine_subscribers(s: Scheduler) -> Sized:
-    return s._subscribers
+def _engine_subscribers(s: Scheduler) -> int:
+    return s._bus.subscriber_count
 
 
-def _engine_receivers(s: Scheduler) -> Sized:
-    return s._receivers
+def _engine_receivers(s: Scheduler) -> int:
+    return s._bus.open_streams
 
 
 def _backend_users(backend: Backend) -> int:
@@ -144,7 +144,7 @@ def awaiting_hand_over(scheduler: Scheduler) -> list[Lease]:
 def subscriber_count(scheduler: Scheduler) -> int:
     """How many callbacks are subscribed to ``scheduler``'s events (unsubscribed ones
     are gone at once)."""
-    return len(_engine_subscribers(scheduler))
+    return _engine_subscribers(scheduler)
 
 
 def open_event_streams(scheduler: Scheduler) -> int:
@@ -153,7 +153,7 @@ def open_event_streams(scheduler: Scheduler) -> int:
     An unsubscribed callback's stream is released once its delivery task has seen it
     closed; every stream is released when the scheduler stops.
     """
-    return len(_engine_receivers(scheduler))
+    return _engine_receivers(scheduler)
 
 
 def backend_users(backend: Backend) -> int:
