@@ -610,7 +610,7 @@ class PostgresBackend(Backend):
         }
         return {name: found[name] for name in jobs}
 
-    async def claim(self, request: ClaimRequest) -> ClaimResult:
+    async def _claim_one(self, request: ClaimRequest) -> ClaimResult:
         """Win, take over or inspect the run with one statement (see the module docs)."""
         req = request
         params = (req.job, req.slot, req.instance_id, req.token, req.lease_ms,
@@ -641,12 +641,14 @@ class PostgresBackend(Backend):
         The claims run in order within one transaction, each as :meth:`claim` would run
         it; they are sent sorted by job (keeping the order of each job's claims) so that
         concurrent batches lock job rows in one order. When a lock wait runs out the
-        statement writes nothing and the claims are made one at a time instead.
+        statement writes nothing and the claims are made one at a time instead. A batch
+        of one (and so :meth:`~lease_core.abc.Backend.claim`, inherited) is one call of
+        the claim function itself, ``<table>_claim_v3``.
         """
         if not requests:
             return []
         if len(requests) == 1:
-            return [await self.claim(requests[0])]
+            return [await self._claim_one(requests[0])]
         order = sorted(range(len(requests)), key=lambda i: requests[i].job)
         reqs = [requests[i] for i in order]
         params = (
@@ -693,9 +695,8 @@ class PostgresBackend(Backend):
         return HeartbeatResult(int(now), frozenset(str(t) for t in held or ()),
                                frozenset(str(t) for t in renewed or ()))
 
-    async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
+    async def _finish_one(self, lease: Lease, status: RunStatus, error: str | None) -> bool:
         """End the attempt in one fenced ``UPDATE`` (the attempt row in the same statement)."""
-        status = finish_status(outcome)
         rows = await self._adapter.all(self._sql.finish, (
             status.value, lease.job, lease.slot, lease.token, status.value, error,
         ))
@@ -707,21 +708,29 @@ class PostgresBackend(Backend):
         """End the attempts in one fenced ``UPDATE`` of the runs and their attempt rows.
 
         A token given twice is sent once: its first item ends the attempt, the others
-        answer False, as they would one after the other.
+        answer False, as they would one after the other. A single attempt to end (and so
+        :meth:`~lease_core.abc.Backend.finish`, inherited) goes through the one-run
+        statement, whose plan is cheaper.
         """
-        statuses = [finish_status(outcome).value for _, outcome, _ in items]
+        statuses = [finish_status(outcome) for _, outcome, _ in items]
         first: dict[str, int] = {}
         for i, (lease, _, _) in enumerate(items):
             first.setdefault(lease.token, i)
         sent = sorted(first.values(), key=lambda i: (items[i][0].job, items[i][0].slot))
         if not sent:
             return []
-        rows = await self._all_retrying(self._sql.finish_many, (
-            [items[i][0].job for i in sent], [items[i][0].slot for i in sent],
-            [items[i][0].token for i in sent], [statuses[i] for i in sent],
-            [items[i][2] for i in sent],
-        ))
-        ended = {str(row[0]) for row in rows}
+        if len(sent) == 1:
+            (i,) = sent
+            ended = ({items[i][0].token}
+                     if await self._finish_one(items[i][0], statuses[i], items[i][2])
+                     else set())
+        else:
+            rows = await self._all_retrying(self._sql.finish_many, (
+                [items[i][0].job for i in sent], [items[i][0].slot for i in sent],
+                [items[i][0].token for i in sent], [statuses[i].value for i in sent],
+                [items[i][2] for i in sent],
+            ))
+            ended = {str(row[0]) for row in rows}
         return [first[lease.token] == i and lease.token in ended
                 for i, (lease, _, _) in enumerate(items)]
 
@@ -780,22 +789,24 @@ class PostgresBackend(Backend):
         rows = await self._adapter.all(self._sql.read_workflows)
         return {str(name): [str(s) for s in json.loads(value)] for name, value in rows}
 
-    async def prune(self, job: str, *, keep: int | None = None,
-                    older_than_ms: int | None = None, batch: int = 1000) -> int:
-        """Trim ``job``'s history with one statement (see :meth:`Backend.prune`)."""
-        check_prune(keep, older_than_ms, batch)
-        rows = await self._adapter.all(self._sql.trim_job, (
-            job, _NO_LIMIT if keep is None else keep, batch, job, older_than_ms, batch, job, job))
-        return int(rows[0][0])
-
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
                          older_than_ms: int | None = None,
                          batch: int = 1000) -> dict[str, int]:
-        """Trim the jobs' histories with one statement (each job as :meth:`prune`)."""
+        """Trim the jobs' histories with one statement (each job as :meth:`prune`).
+
+        One job (and so :meth:`~lease_core.abc.Backend.prune`, inherited) goes through
+        the one-job statement.
+        """
         check_prune(keep, older_than_ms, batch)
         names = list(dict.fromkeys(jobs))
         if not names:
             return {}
+        if len(names) == 1:
+            (job,) = names
+            rows = await self._adapter.all(self._sql.trim_job, (
+                job, _NO_LIMIT if keep is None else keep, batch, job, older_than_ms, batch,
+                job, job))
+            return {job: int(rows[0][0])}
         rows = await self._adapter.all(self._sql.trim_jobs, (
             names, _NO_LIMIT if keep is None else keep, batch, older_than_ms, batch))
         counts = {str(job): int(count) for job, count in rows}

@@ -466,14 +466,11 @@ class RedisBackend(Backend):
                                 tuple(sorted(int(s) for s in slots)), new == "1")
         return out
 
-    async def claim(self, request: ClaimRequest) -> ClaimResult:
-        """Win, take over or inspect the run with one script (see ``claim.lua``)."""
-        (result,) = await self.claim_many([request])
-        return result
-
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
         """Make the claims in order, in one pipelined round trip.
 
+        A lone claim (:meth:`~lease_core.abc.Backend.claim`, inherited: a batch of one) is
+        one ``claim.lua`` call.
         On a server that is not a Cluster, one ``claim_many.lua`` call makes up to
         :data:`SCRIPT_BATCH` claims (each exactly as ``claim.lua`` would), sent as one
         argument per claim and answered as one string for the call: packing and reading
@@ -593,15 +590,11 @@ class RedisBackend(Backend):
             self._check_wait(replies[-1], f"the heartbeat of {len(held)} lease(s)")
         return HeartbeatResult(now, frozenset(held))
 
-    async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
-        """End the attempt if ``lease`` still holds the run (see ``finish.lua``)."""
-        (done,) = await self.finish_many([(lease, outcome, error)])
-        return done
-
     async def finish_many(
         self, items: Sequence[tuple[Lease, Outcome, str | None]]
     ) -> list[bool]:
-        """End the attempts in order, one ``finish.lua`` call each, in one round trip."""
+        """End the attempts in order, one ``finish.lua`` call each, in one round trip
+        (:meth:`~lease_core.abc.Backend.finish` is inherited: a batch of one)."""
         commands = [self._finish_command(lease, finish_status(outcome).value, error)
                     for lease, outcome, error in items]
         if not commands:
@@ -698,17 +691,11 @@ class RedisBackend(Backend):
                 found[name[len(_WORKFLOW_FIELD):]] = [str(s) for s in json.loads(_text(value))]
         return found
 
-    async def prune(self, job: str, *, keep: int | None = None,
-                    older_than_ms: int | None = None, batch: int = 1000) -> int:
-        """Trim ``job``'s history with one script (see :meth:`Backend.prune`)."""
-        counts = await self.prune_many([job], keep=keep, older_than_ms=older_than_ms,
-                                       batch=batch)
-        return counts[job]
-
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
                          older_than_ms: int | None = None,
                          batch: int = 1000) -> dict[str, int]:
-        """Trim the jobs' histories, one script call each, in one pipelined round trip."""
+        """Trim the jobs' histories, one ``trim.lua`` call each, in one pipelined round trip
+        (:meth:`~lease_core.abc.Backend.prune` is inherited: a batch of one)."""
         check_prune(keep, older_than_ms, batch)
         names = list(dict.fromkeys(jobs))
         if not names:
