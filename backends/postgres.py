@@ -3,18 +3,19 @@
 Where the SQL lives: ``backends/postgres_sql/``. ``queries.sql`` holds every statement
 under a ``-- name: <name>`` header, loaded once through :mod:`importlib.resources`; the
 claim function has its own file, ``claim_v<N>.sql``, and its version in its name
-(``<table>_claim_v3``); the names of older versions are redefined as calls of it
-(``claim_v1.sql``, ``claim_v2.sql``, ``batch_v2.sql``). The store records its code
-version in ``<table>_meta`` (``code``). ``start()`` finds an older store and upgrades it
-in place when its user may (as it creates a missing store), or refuses it with a
-one-line error naming ``anarchon migrate``; :func:`migrate` is that upgrade, with runs
-in flight.
+(``<table>_claim_v<N>``, ``N`` being :data:`CODE_VERSION`, the one place the version is
+written: the SQL files call it ``{claim}``); the names of older versions are redefined
+as calls of it (``claim_v1.sql``, ``claim_v2.sql``, ``batch_v2.sql``). The store records
+its code version in ``<table>_meta`` (``code``). ``start()`` finds an older store and
+upgrades it in place when its user may (as it creates a missing store), or refuses it
+with a one-line error naming ``anarchon migrate``; :func:`migrate` is that upgrade, with
+runs in flight.
 
 Where a claim happens: :meth:`PostgresBackend.claim` is **one statement**, a call of the
-PL/pgSQL function ``<table>_claim_v3`` in autocommit, so it takes one round trip on every
+PL/pgSQL function ``<table>_claim_v<N>`` in autocommit, so it takes one round trip on every
 adapter; :meth:`PostgresBackend.claim_many` is one statement too, a call of
-``<table>_batch_v3``, which runs ``<table>_claim_v3`` for each claim in order, in one
-transaction (``postgres_sql/batch_v3.sql``). The claim function runs the claim of
+``<table>_batch_v<N>``, which runs ``<table>_claim_v<N>`` for each claim in order, in
+one transaction (``postgres_sql/batch_v<N>.sql``). The claim function runs the claim of
 ``lease_core.abc`` in the statement's own transaction:
 
 1. a run that is finished, or held by a live lease, is reported from a plain read, with
@@ -119,9 +120,14 @@ FORMAT_VERSION = 1
 #: the columns it keeps. ``start()`` upgrades an older store (privileged user) or refuses
 #: it with an error naming ``anarchon migrate``.
 CODE_VERSION = 3
+#: The suffixes of this release's claim functions, ``<table>_claim_v<CODE_VERSION>`` and
+#: ``<table>_batch_v<CODE_VERSION>``: the only place their version is written (the SQL
+#: files name them ``{claim}`` and ``{batch}``).
+CLAIM_SUFFIX = f"_claim_v{CODE_VERSION}"
+BATCH_SUFFIX = f"_batch_v{CODE_VERSION}"
 #: OFFSET for "keep every attempt" (a NULL offset would keep none).
 _NO_LIMIT = 2**62
-#: The trim batch older releases pass to the claim function (v3 ignores it).
+#: The trim batch older releases pass to the claim function (the current one ignores it).
 TRIM_BATCH = 100
 #: How long (ms) creation and upgrades wait for a table lock held by work in flight.
 MIGRATION_LOCK_TIMEOUT_MS = 5000
@@ -133,8 +139,7 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
-             "_a_fin", "_claim", "_claim_v2", "_batch_v2", f"_claim_v{CODE_VERSION}",
-             f"_batch_v{CODE_VERSION}")
+             "_a_fin", "_claim", "_claim_v2", "_batch_v2", CLAIM_SUFFIX, BATCH_SUFFIX)
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
@@ -174,9 +179,11 @@ def parse_queries(text: str) -> dict[str, str]:
 
 #: Every statement of ``postgres_sql/queries.sql``, by name, as templates.
 QUERIES = parse_queries(_sql_file("queries.sql"))
-#: The claim function of this release (``postgres_sql/claim_v3.sql``), as a template.
+#: The claim function of this release (``postgres_sql/claim_v<CODE_VERSION>.sql``), as a
+#: template.
 CLAIM_FUNCTION = _sql_file(f"claim_v{CODE_VERSION}.sql")
-#: The batched claim function of this release (``postgres_sql/batch_v3.sql``), as a template.
+#: The batched claim function of this release (``postgres_sql/batch_v<CODE_VERSION>.sql``),
+#: as a template.
 BATCH_FUNCTION = _sql_file(f"batch_v{CODE_VERSION}.sql")
 #: The v1 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
@@ -276,8 +283,8 @@ class Statements:
             "claim_v1": prefix + quote_ident(name + "_claim"),
             "claim_v2": prefix + quote_ident(name + "_claim_v2"),
             "batch_v2": prefix + quote_ident(name + "_batch_v2"),
-            f"claim_v{CODE_VERSION}": prefix + quote_ident(name + f"_claim_v{CODE_VERSION}"),
-            f"batch_v{CODE_VERSION}": prefix + quote_ident(name + f"_batch_v{CODE_VERSION}"),
+            "claim": prefix + quote_ident(name + CLAIM_SUFFIX),
+            "batch": prefix + quote_ident(name + BATCH_SUFFIX),
             "claim_args": CLAIM_ARGS,
             "claim_arg_types": CLAIM_ARG_TYPES,
             "claim_args_v2": CLAIM_ARGS_V2,
@@ -442,8 +449,8 @@ class PostgresBackend(Backend):
     async def _existing(self, tx: Executor | SqlAdapter) -> tuple[set[str], bool]:
         """The store's tables that exist, and whether this release's claim functions exist."""
         rows = await tx.all(self._sql.find_tables, (
-            self._table_names(), [self._name + f"_claim_v{CODE_VERSION}",
-                                  self._name + f"_batch_v{CODE_VERSION}"], self._schema))
+            self._table_names(), [self._name + CLAIM_SUFFIX, self._name + BATCH_SUFFIX],
+            self._schema))
         if not rows:
             if self._schema is None:
                 raise ConfigurationError(
@@ -517,8 +524,7 @@ class PostgresBackend(Backend):
             ) from exc
 
     def _function_name(self) -> str:
-        return ((f"{self._schema}." if self._schema else "") + self._name
-                + f"_claim_v{CODE_VERSION}")
+        return (f"{self._schema}." if self._schema else "") + self._name + CLAIM_SUFFIX
 
     async def _upgrade(self, adapter: SqlAdapter) -> None:
         """Run :meth:`_create` in a transaction, again while a table lock timed out."""
@@ -566,9 +572,9 @@ class PostgresBackend(Backend):
         # default; granted explicitly in case default privileges revoke it.
         if not function:
             await tx.all(self._sql.create_claim_function)
-            await tx.all(self._sql.grant_claim_v3)
+            await tx.all(self._sql.grant_claim)
             await tx.all(self._sql.create_batch_function)
-            await tx.all(self._sql.grant_batch_v3)
+            await tx.all(self._sql.grant_batch)
         if code <= CODE_VERSION:
             # The names older releases call, as calls of this release's functions.
             for create, grant in ((self._sql.create_claim_v1, self._sql.grant_claim_v1),
@@ -636,14 +642,14 @@ class PostgresBackend(Backend):
         )
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
-        """Make the claims with one statement, a call of ``<table>_batch_v3``.
+        """Make the claims with one statement, a call of ``<table>_batch_v<N>``.
 
         The claims run in order within one transaction, each as :meth:`claim` would run
         it; they are sent sorted by job (keeping the order of each job's claims) so that
         concurrent batches lock job rows in one order. When a lock wait runs out the
         statement writes nothing and the claims are made one at a time instead. A batch
         of one (and so :meth:`~lease_core.abc.Backend.claim`, inherited) is one call of
-        the claim function itself, ``<table>_claim_v3``.
+        the claim function itself, ``<table>_claim_v<N>``.
         """
         if not requests:
             return []

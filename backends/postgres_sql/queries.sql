@@ -1,9 +1,11 @@
 -- The statements of backends/postgres.py, each under a `-- name: <name>` header.
 --
 -- Loaded once (importlib.resources) and filled per store by str.format with quoted
--- identifiers only: {runs}, {attempts}, {jobs}, {meta}, the index names, the claim
--- functions {claim_v3} and {batch_v3} and the older names {claim_v1}, {claim_v2} and
--- {batch_v2}, and {now}, the server's clock in epoch milliseconds. Parameters are %s placeholders. Comment lines are dropped on loading.
+-- identifiers only: {runs}, {attempts}, {jobs}, {meta}, the index names, this release's
+-- claim functions {claim} and {batch} (<table>_claim_v<N> and <table>_batch_v<N>, N being
+-- CODE_VERSION in backends/postgres: the version is written there only), the older names
+-- {claim_v1}, {claim_v2} and {batch_v2}, and {now}, the server's clock in epoch
+-- milliseconds. Parameters are %s placeholders. Comment lines are dropped on loading.
 -- The claim function lives in its own file, claim_v<N>.sql, its version in its name.
 
 -- name: find_tables
@@ -111,11 +113,11 @@ INSERT INTO {meta} AS m (key, value) VALUES ('code', %s::text)
 ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
 WHERE m.value !~ '^[0-9]+$' OR m.value::integer < EXCLUDED.value::integer
 
--- name: grant_claim_v3
-GRANT EXECUTE ON FUNCTION {claim_v3}({claim_arg_types}) TO PUBLIC
+-- name: grant_claim
+GRANT EXECUTE ON FUNCTION {claim}({claim_arg_types}) TO PUBLIC
 
--- name: grant_batch_v3
-GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[], text[],
+-- name: grant_batch
+GRANT EXECUTE ON FUNCTION {batch}(text[], bigint[], text[], text[], bigint[], text[],
                                      boolean[], bigint[]) TO PUBLIC
 
 -- name: grant_claim_v2
@@ -130,12 +132,12 @@ GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types_v2}) TO PUBLIC
 
 -- name: claim
 SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
-FROM {claim_v3}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
+FROM {claim}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
                 %s::boolean, %s::bigint)
 
 -- name: claim_many
 SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
-FROM {batch_v3}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
+FROM {batch}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
                 %s::boolean[], %s::bigint[])
 
 -- name: select_now
