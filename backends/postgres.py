@@ -703,9 +703,10 @@ class PostgresBackend(Backend):
 
     async def _finish_one(self, lease: Lease, status: RunStatus, error: str | None) -> bool:
         """End the attempt in one fenced ``UPDATE`` (the attempt row in the same statement)."""
-        rows = await self._adapter.all(self._sql.finish, (
-            status.value, lease.job, lease.slot, lease.token, status.value, error,
-        ))
+        rows = await self._adapter.all(self._sql.finish, {
+            "outcome": status.value, "job": lease.job, "slot": lease.slot,
+            "token": lease.token, "error": error,
+        })
         return bool(rows and int(rows[0][0]))
 
     async def finish_many(
@@ -809,12 +810,13 @@ class PostgresBackend(Backend):
             return {}
         if len(names) == 1:
             (job,) = names
-            rows = await self._adapter.all(self._sql.trim_job, (
-                job, _NO_LIMIT if keep is None else keep, batch, job, older_than_ms, batch,
-                job, job))
+            rows = await self._adapter.all(self._sql.trim_job, {
+                "job": job, "keep": _NO_LIMIT if keep is None else keep,
+                "older_than_ms": older_than_ms, "batch": batch})
             return {job: int(rows[0][0])}
-        rows = await self._adapter.all(self._sql.trim_jobs, (
-            names, _NO_LIMIT if keep is None else keep, batch, older_than_ms, batch))
+        rows = await self._adapter.all(self._sql.trim_jobs, {
+            "jobs": names, "keep": _NO_LIMIT if keep is None else keep,
+            "older_than_ms": older_than_ms, "batch": batch})
         counts = {str(job): int(count) for job, count in rows}
         return {job: counts.get(job, 0) for job in names}
 
@@ -833,7 +835,8 @@ class PostgresBackend(Backend):
         """Return runs, newest slot first, with one plain ``SELECT``."""
         if limit < 0:
             raise ConfigurationError(f"limit={limit!r} must be 0 or more")
-        rows = await self._adapter.all(self._sql.list_runs, (job, job, open_only, limit))
+        rows = await self._adapter.all(self._sql.list_runs, {
+            "job": job, "open_only": open_only, "limit": limit})
         return [
             RunInfo(str(j), int(slot), RunStatus(status), int(attempt),
                     None if instance is None else str(instance),
@@ -895,10 +898,10 @@ class PostgresBackend(Backend):
             yield FencedTransaction(tx, lease, self._sql.set_checkpoint)
             if not complete:
                 return
-            done = await tx.all(self._sql.finish, (
-                RunStatus.COMPLETED.value, lease.job, lease.slot, lease.token,
-                Outcome.COMPLETED.value, None,
-            ))
+            done = await tx.all(self._sql.finish, {
+                "outcome": Outcome.COMPLETED.value, "job": lease.job, "slot": lease.slot,
+                "token": lease.token, "error": None,
+            })
             if not (done and int(done[0][0])):  # pragma: no cover - the row is locked
                 raise LeaseLost(f"run {lease.job!r} slot {lease.slot} was lost mid-transaction")
 

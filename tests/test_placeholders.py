@@ -5,6 +5,7 @@ adapter still gets ``%s`` placeholders with a list.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -13,11 +14,14 @@ from adapters._placeholders import numbered, positional
 from adapters.custom import CustomAdapter
 from adapters.pg8000 import inline_parameters
 from adapters.sql import numbered_placeholders
+from backends.postgres import QUERIES, Statements
 from lease_core import ConfigurationError
 
 pytestmark = pytest.mark.anyio
 
 NAMED = "SELECT %(job)s::text, %(n)s::bigint WHERE %(job)s::text IS NOT NULL AND '%%' = '%%'"
+#: ``%(name)s`` placeholders.
+NAME = re.compile(r"%\(([A-Za-z_][A-Za-z0-9_]*)\)s")
 
 
 def test_numbered_gives_each_named_value_one_number() -> None:
@@ -80,3 +84,18 @@ async def test_a_user_adapter_gets_percent_s_placeholders_and_a_list() -> None:
         ("SELECT %s::text, %s::bigint WHERE %s::text IS NOT NULL AND '%%' = '%%'",
          ["t", 4, "t"]),
     ]
+
+
+def test_each_statement_uses_one_style_and_the_named_ones_name_repeated_values() -> None:
+    statements = Statements(None, "runs")
+    named = {}
+    for name in QUERIES:
+        text = getattr(statements, name)
+        names = NAME.findall(text)
+        if names:
+            assert "%s" not in text, name
+            named[name] = names
+    # Every named statement passes some value more than once (the reason it names them).
+    assert all(len(set(names)) < len(names) for names in named.values()), named
+    assert {"finish", "trim_job", "trim_jobs", "list_runs"} <= set(named)
+    assert named["trim_job"].count("job") == 4
