@@ -5,10 +5,13 @@ The protocol, exactly:
 ``async def all(sql: str, params: Sequence[Any]) -> Sequence[Sequence[Any]]``
     Execute one statement in its own transaction (autocommit) and return its rows, or an
     empty sequence when the statement returns none. ``sql`` uses ``%s`` placeholders with
-    positional ``params`` (``%%`` is a literal percent sign); use
+    positional ``params``, a list (``%%`` is a literal percent sign); use
     :func:`adapters.sql.numbered_placeholders` to turn them into ``$1, $2, …``.
     Parameters are ``str``, ``int``, ``None`` and lists of them (sent as arrays; the SQL
-    casts them, such as ``%s::text[]``).
+    casts them, such as ``%s::text[]``). That is all your adapter ever receives: the
+    backend's statements that name a parameter used more than once (``%(job)s``, with a
+    mapping; psycopg and pg8000 send each such value once) reach it rewritten, each
+    ``%(name)s`` as ``%s`` and its value repeated in the list at each of its places.
 
 ``async def transaction(fn: Callable[[Tx], Awaitable[T]]) -> T``
     Open a transaction, call ``await fn(tx)``, commit and return its result; roll back
@@ -48,13 +51,14 @@ should retry. The object is never closed.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 
-from .sql import Executor, Row, SqlAdapter
+from ._placeholders import positional
+from .base import Executor, Params, Row, SqlAdapter
 
 __all__ = ["CustomAdapter"]
 
@@ -69,8 +73,9 @@ class _Tx:
     def connection(self) -> Any:
         return getattr(self._tx, "connection", self._tx)
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return [tuple(row) for row in await self._tx.all(sql, list(params))]
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
+        text, values = positional(sql, params)
+        return [tuple(row) for row in await self._tx.all(text, list(values))]
 
 
 class _Rollback(Exception):
@@ -86,9 +91,10 @@ class CustomAdapter(SqlAdapter):
         super().__init__(owned=False)
         self.user = user
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        """Run one statement through the user's ``all``."""
-        return [tuple(row) for row in await self.user.all(sql, list(params))]
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
+        """Run one statement through the user's ``all`` (``%s`` placeholders, a list)."""
+        text, values = positional(sql, params)
+        return [tuple(row) for row in await self.user.all(text, list(values))]
 
     async def run_transaction(self, fn: Any) -> Any:
         """Run ``fn`` inside the user's ``transaction``."""

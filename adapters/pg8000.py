@@ -30,11 +30,8 @@ socket timeout, which pg8000 applies to every read and write, not only to connec
 
 from __future__ import annotations
 
-import math
-import os
-import re
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -47,165 +44,20 @@ import pg8000.native
 
 from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
-from .sql import (
-    Executor,
-    Row,
-    SqlAdapter,
-    TransientError,
-    conninfo_params,
-    dsn_query,
-    numbered_placeholders,
-    redact,
-)
+from ._pg8000_params import PG8000_PARAMS, SSL_MODES, pg8000_params
+from ._placeholders import inline_parameters, numbered, sql_literal
+from .base import Executor, Params, Row, SqlAdapter, TransientError, redact
 
 __all__ = [
     "PG8000_PARAMS",
     "SSL_MODES",
     "Pg8000ConnectionAdapter",
     "Pg8000PoolAdapter",
+    "inline_parameters",
     "pg8000_params",
+    "sql_literal",
     "translate_error",
 ]
-
-#: URL query parameters the pg8000 pool understands, each with the environment variable
-#: that fills it when the URL leaves it out (``None``: no variable).
-PG8000_PARAMS: dict[str, str | None] = {
-    "host": "PGHOST",
-    "port": "PGPORT",
-    "user": "PGUSER",
-    "password": "PGPASSWORD",
-    "dbname": "PGDATABASE",
-    "database": None,
-    "sslmode": "PGSSLMODE",
-    "sslrootcert": "PGSSLROOTCERT",
-    "sslcert": "PGSSLCERT",
-    "sslkey": "PGSSLKEY",
-    "connect_timeout": "PGCONNECT_TIMEOUT",
-    "application_name": "PGAPPNAME",
-}
-
-#: The ``sslmode`` values the pg8000 pool accepts.
-SSL_MODES = ("disable", "prefer", "require", "verify-ca", "verify-full")
-
-
-def pg8000_params(dsn: str | None) -> dict[str, Any]:
-    """Return the pg8000 connection parameters of a ``postgresql+pg8000://`` URL (or ``None``).
-
-    Query parameters override the URL's parts; :data:`PG8000_PARAMS` lists the accepted
-    ones and the ``PG*`` variables that fill gaps. The result holds ``host``, ``port``,
-    ``user``, ``password``, ``database``, ``unix_sock``, ``ssl_context`` (``False`` for no
-    TLS, ``None`` for pg8000's opportunistic TLS, or an :class:`ssl.SSLContext`),
-    ``sslmode``, ``connect_timeout`` and ``application_name``. Raises
-    :class:`~lease_core.errors.ConfigurationError` on an unknown parameter or a bad value.
-    """
-    params = conninfo_params(dsn)
-    query = dsn_query(dsn) if dsn else {}
-    unknown = sorted(set(query) - PG8000_PARAMS.keys())
-    if unknown:
-        raise ConfigurationError(
-            f"the pg8000 driver does not understand the URL parameter "
-            f"{', '.join(repr(name) for name in unknown)}; it accepts "
-            f"{', '.join(PG8000_PARAMS)}"
-        )
-
-    def setting(name: str) -> tuple[str | None, str]:
-        if query.get(name):
-            return query[name], name
-        var = PG8000_PARAMS[name]
-        return (os.environ.get(var) or None, var) if var else (None, name)
-
-    for name, key in (("host", "host"), ("user", "user"), ("dbname", "database"),
-                      ("database", "database")):
-        if query.get(name):
-            params[key] = query[name]
-    if "password" in query:
-        params["password"] = query["password"]
-    if query.get("port"):
-        try:
-            params["port"] = int(query["port"])
-        except ValueError:
-            raise ConfigurationError(
-                f"port {query['port']!r} in the PostgreSQL URL is not a number"
-            ) from None
-    host = str(params["host"])
-    if "," in host:
-        raise ConfigurationError(
-            f"host {host!r}: the pg8000 driver connects to one host; name only one"
-        )
-    params["unix_sock"] = f"{host.rstrip('/')}/.s.PGSQL.{params['port']}" if host.startswith(
-        "/") else None
-
-    timeout, source = setting("connect_timeout")
-    params["connect_timeout"] = None
-    if timeout is not None:
-        try:
-            seconds = float(timeout)
-        except ValueError:
-            seconds = -1.0
-        if seconds < 0:
-            raise ConfigurationError(
-                f"{source} {timeout!r} is not a number of seconds (0 waits forever)"
-            )
-        params["connect_timeout"] = seconds
-    params["application_name"] = setting("application_name")[0]
-
-    mode, mode_source = setting("sslmode")
-    mode = mode or "prefer"
-    params["sslmode"] = mode
-    params["ssl_context"] = _ssl_context(
-        mode, mode_source, setting("sslrootcert"), setting("sslcert"), setting("sslkey")
-    )
-    if params["unix_sock"] is not None:
-        params["ssl_context"] = False  # libpq ignores sslmode on Unix sockets too
-    return params
-
-
-def _ssl_context(mode: str, mode_source: str, rootcert: tuple[str | None, str],
-                 cert: tuple[str | None, str],
-                 key: tuple[str | None, str]) -> ssl.SSLContext | bool | None:
-    if mode == "allow":
-        raise ConfigurationError(
-            f"{mode_source} 'allow' is not supported by the pg8000 driver (it cannot retry with "
-            "TLS after a refused plain login); use 'prefer' (TLS when the server offers it), "
-            "'require' or 'disable'"
-        )
-    if mode not in SSL_MODES:
-        raise ConfigurationError(
-            f"unknown {mode_source} {mode!r}; use one of {', '.join(SSL_MODES)}"
-        )
-    if mode == "disable":
-        return False
-    if key[0] and not cert[0]:
-        raise ConfigurationError(
-            f"{key[1]} names a client key but no client certificate; set sslcert too"
-        )
-    if mode == "prefer" and not cert[0]:
-        return None  # pg8000's own: TLS when the server offers it, no verification
-    if mode == "require" and rootcert[0]:
-        mode = "verify-ca"  # as libpq does when a root certificate is given
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    if mode in ("prefer", "require"):
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    else:
-        context.check_hostname = mode == "verify-full"
-        if rootcert[0] and rootcert[0] != "system":
-            _load(rootcert, lambda: context.load_verify_locations(cafile=rootcert[0]))
-        else:
-            context.load_default_certs()
-    if cert[0]:
-        _load(cert, lambda: context.load_cert_chain(str(cert[0]), key[0]))
-    return context
-
-
-def _load(setting: tuple[str | None, str], load: Any) -> None:
-    try:
-        load()
-    except (OSError, ssl.SSLError) as exc:
-        reason = str(exc) if isinstance(exc, ssl.SSLError) else exc.strerror or str(exc)
-        raise ConfigurationError(
-            f"cannot load {setting[1]} {setting[0]!r}: {reason}; give a readable PEM file"
-        ) from None
 
 _CONFIG_STATES = {"42501", "42P01", "3F000", "3D000", "42P07"}
 def translate_error(exc: Exception, *, where: str = "", secret: str | None = None) -> Exception:
@@ -242,13 +94,14 @@ def _broken(exc: BaseException) -> bool:
     )
 
 
-def _execute(conn: Any, sql: str, params: Sequence[Any]) -> list[Row]:
-    context = conn.execute_unnamed(numbered_placeholders(sql), vals=tuple(params))
+def _execute(conn: Any, sql: str, params: Params) -> list[Row]:
+    text, values = numbered(sql, params)
+    context = conn.execute_unnamed(text, vals=values)
     rows = context.rows
     return [] if rows is None else [tuple(row) for row in rows]
 
 
-def _execute_alone(conn: Any, sql: str, params: Sequence[Any]) -> list[Row]:
+def _execute_alone(conn: Any, sql: str, params: Params) -> list[Row]:
     """Run one statement outside a transaction in one message (the simple protocol).
 
     pg8000's extended protocol syncs between parsing and binding, and PgBouncer in
@@ -264,49 +117,6 @@ def _execute_alone(conn: Any, sql: str, params: Sequence[Any]) -> list[Row]:
     context = conn.execute_simple(text)
     rows = context.rows
     return [] if rows is None else [tuple(row) for row in rows]
-
-
-_PLACEHOLDER = re.compile(r"%s|%%")
-
-
-def sql_literal(value: Any) -> str:
-    """``value`` as a PostgreSQL literal; ``TypeError`` for a type with no literal here.
-
-    Strings use the escape form (``E'...'``), so the result is the same whatever
-    ``standard_conforming_strings`` says; a NUL character cannot be stored and is refused.
-    """
-    if value is None:
-        return "NULL"
-    if isinstance(value, bool):
-        return "TRUE" if value else "FALSE"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else f"'{value}'"
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise ConfigurationError("a text value holds a NUL character, which PostgreSQL "
-                                     "cannot store; remove it")
-        return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
-    if isinstance(value, list | tuple):
-        return "ARRAY[" + ",".join(sql_literal(v) for v in value) + "]"
-    raise TypeError(f"no SQL literal for {type(value).__name__}")
-
-
-def inline_parameters(sql: str, params: Sequence[Any]) -> str:
-    """Replace the ``%s`` placeholders of ``sql`` by literals (``%%`` becomes ``%``)."""
-    values = iter(params)
-
-    def sub(match: re.Match[str]) -> str:
-        return "%" if match.group() == "%%" else sql_literal(next(values))
-
-    text = _PLACEHOLDER.sub(sub, sql)
-    if next(values, _END) is not _END:
-        raise ConfigurationError(f"more parameters than placeholders in {sql[:60]!r}")
-    return text
-
-
-_END = object()
 
 
 def _refuses_tls(exc: BaseException) -> bool:
@@ -329,12 +139,12 @@ class _Tx:
     def connection(self) -> Any:
         return self._conn
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         rows = await self.control(sql, params)
         await anyio.lowlevel.checkpoint_if_cancelled()  # not to a cancelled caller
         return rows
 
-    async def control(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def control(self, sql: str, params: Params = ()) -> list[Row]:
         """Run ``sql`` to its end; a cancelled caller is told at its next checkpoint."""
         try:
             return await anyio.to_thread.run_sync(self._run, self._conn, sql, params)
@@ -386,7 +196,7 @@ class Pg8000ConnectionAdapter(SqlAdapter):
         self._lock = anyio.Lock()
         self._where = _where_of(conn)
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement in a worker thread when the connection is free."""
         async with self._lock:
             return await _Tx(self.conn, self._where, alone=True).all(sql, params)
@@ -531,7 +341,7 @@ class Pg8000PoolAdapter(SqlAdapter):
         for conn in idle:
             await anyio.to_thread.run_sync(_close_quietly, conn)
 
-    def _all_blocking(self, conn: Any, sql: str, params: Sequence[Any]) -> _Outcome:
+    def _all_blocking(self, conn: Any, sql: str, params: Params) -> _Outcome:
         """Connect when ``conn`` is None, run the statement, close a broken connection."""
         if conn is None:
             try:
@@ -546,7 +356,7 @@ class Pg8000PoolAdapter(SqlAdapter):
                 conn = None
             return _Outcome(conn, [], exc)
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on a pooled connection, in one worker-thread call.
 
         Opening a connection (none idle), the statement and closing a connection it
@@ -566,7 +376,7 @@ class Pg8000PoolAdapter(SqlAdapter):
         await anyio.lowlevel.checkpoint_if_cancelled()  # not to a cancelled caller
         return rows
 
-    async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all_reserved(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on the reserved connection (on the pool while it is busy)."""
         if self._reserved_busy:
             return await self.all(sql, params)

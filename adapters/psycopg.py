@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, LiteralString, cast
 
@@ -40,9 +40,10 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
-from .sql import (
+from .base import (
     CANCEL_GRACE_S,
     Executor,
+    Params,
     Row,
     SqlAdapter,
     TransientError,
@@ -70,6 +71,14 @@ _CONFIG_STATES = {"42501", "42P01", "3F000", "3D000", "42P07"}
 def _query(sql: str) -> LiteralString:
     # Statements are the backend's constants (or a fenced transaction's own SQL).
     return cast(LiteralString, sql)  # type: ignore[redundant-cast]
+
+
+def _params(params: Params) -> Sequence[Any] | Mapping[str, Any] | None:
+    """The parameters as psycopg takes them: a mapping for ``%(name)s`` placeholders (each
+    value sent once), a tuple for ``%s`` ones, None for none."""
+    if isinstance(params, Mapping):
+        return params
+    return tuple(params) or None
 
 
 def _where(conninfo: object) -> str:
@@ -167,7 +176,7 @@ class _AsyncTx:
     def connection(self) -> psycopg.AsyncConnection[Any]:
         return self._conn
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         with _mapped(self._where):
             async with _settled(self._conn, self._where):
                 return await _async_all(self._conn, sql, params)
@@ -185,7 +194,7 @@ class _SyncTx:
     def connection(self) -> psycopg.Connection[Any]:
         return self._conn
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         with _mapped(self._where):
             return await anyio.to_thread.run_sync(_sync_all, self._conn, sql, params)
 
@@ -197,16 +206,16 @@ def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
 
 
 async def _async_all(
-    conn: psycopg.AsyncConnection[Any], sql: str, params: Sequence[Any]
+    conn: psycopg.AsyncConnection[Any], sql: str, params: Params
 ) -> list[Row]:
-    cur = await conn.execute(_query(sql), tuple(params) or None, prepare=False)
+    cur = await conn.execute(_query(sql), _params(params), prepare=False)
     if not _has_rows(cur):
         return []
     return [tuple(row) for row in await cur.fetchall()]
 
 
-def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any]) -> list[Row]:
-    cur = conn.execute(_query(sql), tuple(params) or None, prepare=False)
+def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Params) -> list[Row]:
+    cur = conn.execute(_query(sql), _params(params), prepare=False)
     if not _has_rows(cur):
         return []
     return [tuple(row) for row in cur.fetchall()]
@@ -218,7 +227,7 @@ def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any]) ->
 
 
 async def _async_single(
-    conn: psycopg.AsyncConnection[Any], sql: str, params: Sequence[Any]
+    conn: psycopg.AsyncConnection[Any], sql: str, params: Params
 ) -> list[Row]:
     if conn.autocommit:
         return await _async_all(conn, sql, params)
@@ -233,7 +242,7 @@ async def _async_single(
         return await _async_all(conn, sql, params)
 
 
-def _sync_single(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any]) -> list[Row]:
+def _sync_single(conn: psycopg.Connection[Any], sql: str, params: Params) -> list[Row]:
     if conn.autocommit:
         return _sync_all(conn, sql, params)
     if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
@@ -268,7 +277,7 @@ async def _settled(conn: psycopg.AsyncConnection[Any], where: str, *,
 
 
 async def _single_settled(conn: psycopg.AsyncConnection[Any], where: str, sql: str,
-                          params: Sequence[Any]) -> list[Row]:
+                          params: Params) -> list[Row]:
     """:func:`_async_single` under :func:`_settled` (a plain coroutine: the hot path)."""
     scope = settle_scope()
     with scope:
@@ -351,12 +360,12 @@ class PsycopgPoolAdapter(SqlAdapter):
         if self.owned:
             await self.pool.close()
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on a pooled connection (to its end; see the module docs)."""
         return await self._all_on(self.pool, sql, params)
 
     async def _all_on(self, pool: AsyncConnectionPool[Any], sql: str,
-                      params: Sequence[Any]) -> list[Row]:
+                      params: Params) -> list[Row]:
         with _mapped(self._where, self._secret):
             conn = await pool.getconn()
             try:
@@ -429,7 +438,7 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         await self.reserved_pool.close()
         await super().close()
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on a pooled connection (to its end; see the module docs)."""
         try:
             return await self._all_on(self.pool, sql, params)
@@ -437,7 +446,7 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
             await _check_after(exc, self.reserved_pool)
             raise
 
-    async def all_reserved(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all_reserved(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on the reserved connection (on the pool while it is busy)."""
         if self._reserved_busy:
             return await self.all(sql, params)
@@ -470,7 +479,7 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
         self.pool = pool
         self._where = _where(pool.conninfo)
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on a pooled connection in a worker thread."""
 
         def run() -> list[Row]:
@@ -508,7 +517,7 @@ class PsycopgConnectionAdapter(SqlAdapter):
         self._where = _where_of(conn)
         self._secret = _secret_of(conn)
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement when the connection is free."""
         async with self._lock:
             with _mapped(self._where, self._secret):
@@ -538,7 +547,7 @@ class PsycopgSyncConnectionAdapter(SqlAdapter):
         self._where = _where_of(conn)
         self._secret = _secret_of(conn)
 
-    async def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+    async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement in a worker thread when the connection is free."""
         async with self._lock:
             with _mapped(self._where, self._secret):

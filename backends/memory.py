@@ -148,14 +148,11 @@ class MemoryBackend(Backend):
                 out[name] = JobInfo(name, job.first_seen_ms, job.last_slot, open_slots, new)
             return out
 
-    async def claim(self, request: ClaimRequest) -> ClaimResult:
-        """Win, take over or inspect the run, atomically under one lock."""
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            return self._claim(request)
-
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
-        """Make the claims in order, all under one hold of the lock."""
+        """Win, take over or inspect the runs, in order, all under one hold of the lock.
+
+        :meth:`~lease_core.abc.Backend.claim` is inherited: a batch of one.
+        """
         await anyio.lowlevel.checkpoint()
         with self._lock:
             return [self._claim(req) for req in requests]
@@ -264,18 +261,11 @@ class MemoryBackend(Backend):
                 del self._runs[key]
         return len(doomed)
 
-    async def prune(self, job: str, *, keep: int | None = None,
-                    older_than_ms: int | None = None, batch: int = 1000) -> int:
-        """Trim ``job``'s history (see :meth:`Backend.prune`)."""
-        check_prune(keep, older_than_ms, batch)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            return self._trim_job(job, keep, older_than_ms, self._now(), batch)
-
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
                          older_than_ms: int | None = None,
                          batch: int = 1000) -> dict[str, int]:
-        """Trim the jobs' histories under one hold of the lock (see :meth:`prune`)."""
+        """Trim the jobs' histories under one hold of the lock (see :meth:`Backend.prune`,
+        inherited: a batch of one)."""
         check_prune(keep, older_than_ms, batch)
         await anyio.lowlevel.checkpoint()
         with self._lock:
@@ -315,17 +305,13 @@ class MemoryBackend(Backend):
                     held.add(lease.token)
             return HeartbeatResult(now, frozenset(held))
 
-    async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
-        """End the attempt if ``lease`` still holds the run."""
-        status = finish_status(outcome)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            return self._finish(lease, status, error)
-
     async def finish_many(
         self, items: Sequence[tuple[Lease, Outcome, str | None]]
     ) -> list[bool]:
-        """End the attempts in order, all under one hold of the lock."""
+        """End the attempts the leases still hold, in order, under one hold of the lock.
+
+        :meth:`~lease_core.abc.Backend.finish` is inherited: a batch of one.
+        """
         statuses = [finish_status(outcome) for _, outcome, _ in items]
         await anyio.lowlevel.checkpoint()
         with self._lock:

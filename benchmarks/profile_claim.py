@@ -386,7 +386,7 @@ async def profile_pg(servers: Servers, n: int, rounds: int, cprof: bool) -> dict
                     """Claim and finish through the library, or by hand on the connection
                     (``raw``), or by hand on a connection borrowed from the same kind of
                     pool for each statement (``pool``)."""
-                    async def execute(sql: str, params: tuple[Any, ...]) -> Any:
+                    async def execute(sql: str, params: tuple[Any, ...] | dict[str, Any]) -> Any:
                         if via == "pool":
                             async with raw_pool.connection() as pooled:
                                 cur = await pooled.execute(sql, params, prepare=False)
@@ -414,8 +414,9 @@ async def profile_pg(servers: Servers, n: int, rounds: int, cprof: bool) -> dict
                             done = await backend.finish(Lease(job, i + 1, tokens[i],
                                                               LEASE_MS), Outcome.COMPLETED)
                         else:
-                            row = await execute(backend._sql.finish, (
-                                "completed", job, i + 1, tokens[i], "completed", None))
+                            row = await execute(backend._sql.finish, {
+                                "outcome": "completed", "job": job, "slot": i + 1,
+                                "token": tokens[i], "error": None})
                             done = row is not None and int(row[0]) == 1
                         if not done:
                             raise RuntimeError("finish did not end the attempt")

@@ -14,7 +14,9 @@ at the same instant adds its call first. A call that arrives while a batch is be
 starts the next batch. Each caller awaits its own result; a failed chunk fails each of
 its calls, as if each had failed alone. A batch of one is sent with the single-call
 method (:meth:`~lease_core.abc.Backend.claim`, :meth:`~lease_core.abc.Backend.finish`),
-so that a wrapper instrumenting it still sees lone calls.
+so that a wrapper instrumenting it still sees lone calls. (A backend that implements
+only the batch method inherits the single one, a batch of one: the lone call then
+reaches its batch method too, from inside the single one.)
 """
 
 from __future__ import annotations

@@ -48,6 +48,21 @@ and the run is ``running``; otherwise they change nothing. A heartbeat also requ
 ``expires > now``: an expired lease is never revived, so a backup's takeover is never
 raced by the old holder.
 
+*Single and batch twins.* Three operations come as a single call and a batch:
+:meth:`~Backend.claim` and :meth:`~Backend.claim_many`, :meth:`~Backend.finish` and
+:meth:`~Backend.finish_many`, :meth:`~Backend.prune` and :meth:`~Backend.prune_many`
+(:data:`TWINS`). A backend implements one method of each pair, usually the batch (a batch
+of one does the single call's job), and inherits the other from :class:`Backend`: the
+inherited single call is a batch of one, the inherited batch makes the single calls one
+after the other. Either way the two answer alike: a batch answers, item by item, what the
+single calls made one after the other would have answered. A backend may implement both
+(a cheaper path for the lone call, say); they must then agree, which the conformance
+suite checks. A backend class implementing neither ``claim`` nor ``claim_many`` (or
+neither ``finish`` nor ``finish_many``) cannot be instantiated: :class:`TypeError`, naming
+the pair. One implementing neither ``prune`` nor ``prune_many`` keeps its history (both
+validate their arguments and delete nothing). The inherited method calls its twin through
+``self``, so an override of the batch also sees the lone calls, as a batch of one.
+
 *Quarantine.* A store that finds it lost data (Redis restarted without persistence) may
 answer a claim ``RUNNING`` with no run (``run_status`` ``None``, ``expires_ms`` the end of
 its quarantine), writing nothing, until every lease that may have been live has expired;
@@ -60,7 +75,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, Self
 
 import anyio
 
@@ -87,6 +102,7 @@ _DERIVED_LIMIT = 10_000
 # The contract's data types are re-exported here: a backend is written against this module.
 __all__ = [
     "FINISH_OUTCOMES",
+    "TWINS",
     "Attempt",
     "Backend",
     "CheckResult",
@@ -150,6 +166,33 @@ def _run_status(attempt: Attempt) -> RunStatus:
         return RunStatus.RUNNING
 
 
+#: The single/batch twins of the contract (see the module docs): a backend implements at
+#: least one method of each pair, and :class:`Backend` derives the other from it.
+TWINS: tuple[tuple[str, str], ...] = (
+    ("claim", "claim_many"), ("finish", "finish_many"), ("prune", "prune_many"))
+#: The twins without a default of their own: a backend must implement one of each pair.
+_REQUIRED_TWINS = TWINS[:2]
+
+
+def _implements(cls: type, name: str) -> bool:
+    """Whether backend class ``cls`` has a ``name`` of its own, not the one Backend derives."""
+    return getattr(cls, name, None) is not getattr(Backend, name)
+
+
+def _require(cls: type, twin: str, caller: str) -> None:
+    """Refuse to derive ``caller`` from ``twin`` when ``cls`` implements neither.
+
+    Only reachable through ``super()`` from an override of ``caller`` (a class with
+    neither method is refused at instantiation): raised rather than recursing.
+    """
+    if not _implements(cls, twin):
+        raise NotImplementedError(
+            f"{cls.__name__}.{caller}() reached Backend.{caller}(), which is derived from "
+            f"{twin}(), and {cls.__name__} does not implement {twin}(); implement one of "
+            f"{caller}() and {twin}() without calling the other through super()"
+        )
+
+
 #: The outcomes :meth:`Backend.finish` ends a run with.
 FINISH_OUTCOMES = (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT)
 
@@ -175,10 +218,26 @@ class Backend(ABC):
     :meth:`close` are counted: resources the backend opened itself (a pool made from a
     DSN, a client made from a URL) are closed when the last user closes it. Resources the
     user passed in are never closed.
+
+    A subclass implements the abstract methods and one method of each pair of
+    :data:`TWINS` (see *Single and batch twins* in the module docs).
     """
 
     #: The URL schemes :func:`~lease_core.backend_from_url` maps to this backend.
     schemes: tuple[str, ...] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """Refuse a backend class that implements neither method of a required twin pair."""
+        made = super().__new__(cls)  # an abstract method left: ABC's own TypeError first
+        missing = [f"{single}() or {batch}()" for single, batch in _REQUIRED_TWINS
+                   if not (_implements(cls, single) or _implements(cls, batch))]
+        if missing:
+            raise TypeError(
+                f"Can't instantiate backend class {cls.__name__} without an implementation "
+                f"of {' and of '.join(missing)}: implement one method of each pair (the "
+                "batch, usually); Backend derives the other (see lease_core.abc)"
+            )
+        return made
 
     def __init__(self) -> None:
         self._users = 0
@@ -223,19 +282,28 @@ class Backend(ABC):
         so that a starting scheduler can watch them.
         """
 
-    @abstractmethod
     async def claim(self, request: ClaimRequest) -> ClaimResult:
-        """Win, take over, or find the state of a run, atomically (see module docs)."""
+        """Win, take over, or find the state of a run, atomically (see module docs).
+
+        Implement this or :meth:`claim_many` (see *Single and batch twins*); the one
+        inherited here is a batch of one, ``claim_many([request])``.
+        """
+        _require(type(self), "claim_many", "claim")
+        (result,) = await self.claim_many([request])
+        return result
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
         """Make the claims in order, as one batch where the store allows it.
 
         Returns one result per request, in the requests' order, each equal to what
         :meth:`claim` would have answered had the requests been claimed one after the
-        other (a later request of the same job sees what an earlier one wrote). The
-        default claims them one at a time; the built-in backends send the whole batch to
-        the store at once (one statement on PostgreSQL, one round trip on Redis).
+        other (a later request of the same job sees what an earlier one wrote); an empty
+        batch answers ``[]``. Implement this or :meth:`claim`: the one inherited here
+        claims the requests one at a time with :meth:`claim`. The built-in backends
+        implement this one and send the whole batch to the store at once (one statement
+        on PostgreSQL, one round trip on Redis).
         """
+        _require(type(self), "claim", "claim_many")
         return [await self.claim(request) for request in requests]
 
     @abstractmethod
@@ -247,12 +315,17 @@ class Backend(ABC):
         holds a ``running`` run whose lease has not expired.
         """
 
-    @abstractmethod
     async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
         """End the attempt with ``outcome`` (completed, failed or timed_out).
 
-        Returns False, changing nothing, when the token no longer holds the run.
+        Returns False, changing nothing, when the token no longer holds the run; another
+        outcome raises :class:`~lease_core.errors.ConfigurationError` (see
+        :func:`finish_status`). Implement this or :meth:`finish_many`; the one inherited
+        here is a batch of one, ``finish_many([(lease, outcome, error)])``.
         """
+        _require(type(self), "finish_many", "finish")
+        (done,) = await self.finish_many([(lease, outcome, error)])
+        return done
 
     async def finish_many(
         self, items: Sequence[tuple[Lease, Outcome, str | None]]
@@ -263,10 +336,12 @@ class Backend(ABC):
         Returns one answer per item, in order, each what :meth:`finish` would have
         answered had the items been finished one after the other (the same lease twice:
         True, then False). An outcome :meth:`finish` refuses fails the whole call before
-        anything is written. The default finishes them one at a time; the built-in
-        backends send the whole batch at once (one statement on PostgreSQL, one round
-        trip on Redis).
+        anything is written. Implement this or :meth:`finish`: the one inherited here
+        finishes the items one at a time with :meth:`finish`. The built-in backends
+        implement this one and send the whole batch at once (one statement on
+        PostgreSQL, one round trip on Redis).
         """
+        _require(type(self), "finish", "finish_many")
         for _, outcome, _ in items:
             finish_status(outcome)
         return [await self.finish(lease, outcome, error) for lease, outcome, error in items]
@@ -309,11 +384,17 @@ class Backend(ABC):
         finished more than ``older_than_ms`` ago on the store's clock (``None``: none), at
         most ``batch`` of each kind per call, then the finished runs (and checkpoints) left
         with no attempt. Open runs are never deleted. Returns how many attempts were
-        deleted: call again while it returns a full batch. The default deletes nothing;
-        every built-in backend implements it.
+        deleted: call again while it returns a full batch. Implement this or
+        :meth:`prune_many`: the one inherited here is a batch of one,
+        ``prune_many([job])``, and deletes nothing when neither is implemented. Every
+        built-in backend implements :meth:`prune_many`.
         """
         check_prune(keep, older_than_ms, batch)
-        return 0
+        if not _implements(type(self), "prune_many"):
+            return 0
+        counts = await self.prune_many([job], keep=keep, older_than_ms=older_than_ms,
+                                       batch=batch)
+        return counts.get(job, 0)
 
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
                          older_than_ms: int | None = None,
@@ -322,13 +403,18 @@ class Backend(ABC):
 
         Each job is trimmed as :meth:`prune` would trim it (at most ``batch`` attempts of
         each kind per job); returns the attempts deleted per job (a job given twice is
-        trimmed once). The default calls :meth:`prune` for each job; PostgreSQL sends one
-        statement, Redis one pipelined round trip, memory takes its lock once.
+        trimmed once). Implement this or :meth:`prune`: the one inherited here calls
+        :meth:`prune` for each job (and deletes nothing when neither is implemented).
+        PostgreSQL sends one statement, Redis one pipelined round trip, memory takes its
+        lock once.
         """
         check_prune(keep, older_than_ms, batch)
+        names = list(dict.fromkeys(jobs))
+        if not _implements(type(self), "prune"):
+            return dict.fromkeys(names, 0)
         return {job: await self.prune(job, keep=keep, older_than_ms=older_than_ms,
                                       batch=batch)
-                for job in dict.fromkeys(jobs)}
+                for job in names}
 
     async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
         """Return True to one caller per ``every_ms`` across every instance of the store.

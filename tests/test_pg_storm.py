@@ -19,7 +19,7 @@ import anyio
 import psycopg
 import pytest
 
-import adapters.sql
+import adapters.base
 from adapters.sql import SqlAdapter, adapter_for
 from backends.embedded.postgres import EmbeddedPostgres
 from backends.postgres import PostgresBackend
@@ -88,7 +88,7 @@ async def test_a_cancelled_statement_runs_to_its_end_and_keeps_its_connection(
 async def test_a_statement_still_running_after_the_grace_period_is_given_up(
     pg16_server: PgServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(adapters.sql, "CANCEL_GRACE_S", 0.2)
+    monkeypatch.setattr(adapters.base, "CANCEL_GRACE_S", 0.2)  # where settle_scope reads it
     adapter = await _one_connection(pg16_server, "postgresql://")
     try:
         pid = await _pid(adapter)

@@ -266,7 +266,7 @@ def test_the_migrate_command_named_by_the_error_upgrades(
 async def test_an_upgrade_blocked_by_a_long_transaction_gives_up_and_changes_nothing(
     pg16_server: PgServer, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(postgres, "MIGRATION_LOCK_TIMEOUT_MS", 100)
+    monkeypatch.setattr(postgres.schema, "MIGRATION_LOCK_TIMEOUT_MS", 100)  # read there
     table = unique_table()
     sql(pg16_server.admin_dsn, FIXTURE.read_text().format(**names(table)))
     try:

@@ -8,6 +8,6 @@ CREATE OR REPLACE FUNCTION {claim_v1}(
     OUT c_expires bigint, OUT c_run_status text, OUT c_instance text)
 LANGUAGE sql VOLATILE SECURITY INVOKER
 AS $anarchon$
-SELECT * FROM {claim_v3}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
+SELECT * FROM {claim}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
                          p_overlap_skip, p_max_attempts)
 $anarchon$

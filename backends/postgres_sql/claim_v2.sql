@@ -1,5 +1,5 @@
--- The claim function's name in store code v2 (<table>_claim_v2), replaced on upgrade to
--- v3 by a call of the current function: instances of that release still running during
+-- The claim function's name in store code v2 (<table>_claim_v2), replaced on upgrade by
+-- a call of the current function ({claim}): instances of that release still running during
 -- a rolling upgrade then claim with the current logic. Its history arguments are ignored:
 -- the claim no longer trims (the scheduler's ticker does). Same signature and result as
 -- the v2 function. The full v2 function is kept in tests/fixtures/store_v2.sql.
@@ -9,6 +9,6 @@ CREATE OR REPLACE FUNCTION {claim_v2}(
     OUT c_expires bigint, OUT c_run_status text, OUT c_instance text)
 LANGUAGE sql VOLATILE SECURITY INVOKER
 AS $anarchon$
-SELECT * FROM {claim_v3}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
+SELECT * FROM {claim}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
                          p_overlap_skip, p_max_attempts)
 $anarchon$

@@ -29,7 +29,7 @@
 --   trims every job in bounded batches (the trim_job statement), off the claim path.
 --
 -- The text has no percent sign and no braces other than the str.format placeholders.
-CREATE OR REPLACE FUNCTION {claim_v3}(
+CREATE OR REPLACE FUNCTION {claim}(
     {claim_args},
     OUT c_status text, OUT c_now bigint, OUT c_attempt integer, OUT c_reason text,
     OUT c_expires bigint, OUT c_run_status text, OUT c_instance text)

@@ -1,9 +1,13 @@
 -- The statements of backends/postgres.py, each under a `-- name: <name>` header.
 --
 -- Loaded once (importlib.resources) and filled per store by str.format with quoted
--- identifiers only: {runs}, {attempts}, {jobs}, {meta}, the index names, the claim
--- functions {claim_v3} and {batch_v3} and the older names {claim_v1}, {claim_v2} and
--- {batch_v2}, and {now}, the server's clock in epoch milliseconds. Parameters are %s placeholders. Comment lines are dropped on loading.
+-- identifiers only: {runs}, {attempts}, {jobs}, {meta}, the index names, this release's
+-- claim functions {claim} and {batch} (<table>_claim_v<N> and <table>_batch_v<N>, N being
+-- CODE_VERSION in backends/postgres: the version is written there only), the older names
+-- {claim_v1}, {claim_v2} and {batch_v2}, and {now}, the server's clock in epoch
+-- milliseconds. Parameters are %s placeholders, or %(name)s ones in a statement that uses
+-- a value more than once (each value is then passed once; one style per statement).
+-- Comment lines are dropped on loading.
 -- The claim function lives in its own file, claim_v<N>.sql, its version in its name.
 
 -- name: find_tables
@@ -111,11 +115,11 @@ INSERT INTO {meta} AS m (key, value) VALUES ('code', %s::text)
 ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
 WHERE m.value !~ '^[0-9]+$' OR m.value::integer < EXCLUDED.value::integer
 
--- name: grant_claim_v3
-GRANT EXECUTE ON FUNCTION {claim_v3}({claim_arg_types}) TO PUBLIC
+-- name: grant_claim
+GRANT EXECUTE ON FUNCTION {claim}({claim_arg_types}) TO PUBLIC
 
--- name: grant_batch_v3
-GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[], text[],
+-- name: grant_batch
+GRANT EXECUTE ON FUNCTION {batch}(text[], bigint[], text[], text[], bigint[], text[],
                                      boolean[], bigint[]) TO PUBLIC
 
 -- name: grant_claim_v2
@@ -130,12 +134,12 @@ GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types_v2}) TO PUBLIC
 
 -- name: claim
 SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
-FROM {claim_v3}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
+FROM {claim}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
                 %s::boolean, %s::bigint)
 
 -- name: claim_many
 SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
-FROM {batch_v3}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
+FROM {batch}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
                 %s::boolean[], %s::bigint[])
 
 -- name: select_now
@@ -175,14 +179,17 @@ renewed AS (
 SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
 
 -- name: finish
+-- The run's status and its attempt's outcome are the same value, %(outcome)s.
 WITH run AS (
-    UPDATE {runs} SET status = %s::text, token = NULL, expires_ms = NULL
-    WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
+    UPDATE {runs} SET status = %(outcome)s::text, token = NULL, expires_ms = NULL
+    WHERE job = %(job)s::text AND slot = %(slot)s::bigint AND token = %(token)s::text
+      AND status = 'running'
     RETURNING job, slot, attempt),
 att AS (
     -- a scalar subquery rather than a join with run: the same row, and a plan about
     -- 30 percent cheaper to make (the statement is planned on every call)
-    UPDATE {attempts} a SET outcome = %s::text, error = %s::text, finished_ms = {now}
+    UPDATE {attempts} a SET outcome = %(outcome)s::text, error = %(error)s::text,
+                            finished_ms = {now}
     WHERE (a.job, a.slot, a.attempt) = (SELECT run.job, run.slot, run.attempt FROM run)
       AND a.outcome IS NULL
     RETURNING 1)
@@ -243,17 +250,17 @@ SELECT job FROM {jobs} ORDER BY job
 
 -- name: trim_job
 -- One job's history trimmed outside a claim (the ticker's trimming, `anarchon prune`):
--- attempts beyond the newest N and those finished M ms ago or more, at most a batch of
--- each (finished more than M ms ago), then the finished runs left with no attempt. Parameters: job, N (a huge number
--- for no limit), batch, job, M (NULL for none), batch, job, job.
+-- attempts beyond the newest N and those finished more than M ms ago, at most a batch
+-- of each, then the finished runs left with no attempt. Parameters: job, keep (N, a huge
+-- number for no limit), older_than_ms (M, NULL for none), batch.
 WITH by_size AS (
-    SELECT a.slot, a.attempt FROM {attempts} a WHERE a.job = %s::text
-    ORDER BY a.seq DESC OFFSET %s::bigint LIMIT %s::bigint
+    SELECT a.slot, a.attempt FROM {attempts} a WHERE a.job = %(job)s::text
+    ORDER BY a.seq DESC OFFSET %(keep)s::bigint LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
 by_age AS (
     SELECT a.slot, a.attempt FROM {attempts} a
-    WHERE a.job = %s::text AND a.finished_ms < {now} - %s::bigint
-    LIMIT %s::bigint
+    WHERE a.job = %(job)s::text AND a.finished_ms < {now} - %(older_than_ms)s::bigint
+    LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
 doomed AS (
     SELECT s.slot, s.attempt FROM by_size s
@@ -261,11 +268,11 @@ doomed AS (
     SELECT t.slot, t.attempt FROM by_age t),
 gone AS (
     DELETE FROM {attempts} a USING doomed d
-    WHERE a.job = %s::text AND a.slot = d.slot AND a.attempt = d.attempt
+    WHERE a.job = %(job)s::text AND a.slot = d.slot AND a.attempt = d.attempt
     RETURNING a.slot, a.attempt),
 runs_gone AS (
     DELETE FROM {runs} r
-    WHERE r.job = %s::text AND r.slot IN (SELECT g.slot FROM gone g)
+    WHERE r.job = %(job)s::text AND r.slot IN (SELECT g.slot FROM gone g)
       AND r.status NOT IN ('running', 'handed_over')
       AND NOT EXISTS (
           SELECT 1 FROM {attempts} a
@@ -276,20 +283,21 @@ SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM runs_gone)
 
 -- name: trim_jobs
 -- The histories of many jobs trimmed in one statement, each job as trim_job trims it (at
--- most a batch by size and a batch by age per job). Parameters: jobs, N (a huge number
--- for no limit), batch, M (NULL for none), batch. One row per job that lost attempts.
+-- most a batch by size and a batch by age per job). Parameters: jobs, keep (N, a huge
+-- number for no limit), older_than_ms (M, NULL for none), batch. One row per job that
+-- lost attempts.
 WITH j AS (
-    SELECT DISTINCT x.job FROM unnest(%s::text[]) AS x(job)),
+    SELECT DISTINCT x.job FROM unnest(%(jobs)s::text[]) AS x(job)),
 by_size AS (
     SELECT s.job, s.slot, s.attempt FROM j CROSS JOIN LATERAL (
         SELECT a.job, a.slot, a.attempt FROM {attempts} a WHERE a.job = j.job
-        ORDER BY a.seq DESC OFFSET %s::bigint LIMIT %s::bigint
+        ORDER BY a.seq DESC OFFSET %(keep)s::bigint LIMIT %(batch)s::bigint
         FOR UPDATE SKIP LOCKED) s),
 by_age AS (
     SELECT s.job, s.slot, s.attempt FROM j CROSS JOIN LATERAL (
         SELECT a.job, a.slot, a.attempt FROM {attempts} a
-        WHERE a.job = j.job AND a.finished_ms < {now} - %s::bigint
-        LIMIT %s::bigint
+        WHERE a.job = j.job AND a.finished_ms < {now} - %(older_than_ms)s::bigint
+        LIMIT %(batch)s::bigint
         FOR UPDATE SKIP LOCKED) s),
 doomed AS (
     SELECT d.job, d.slot, d.attempt FROM by_size d
@@ -336,9 +344,9 @@ SELECT substr(key, 10), value FROM {meta} WHERE left(key, 9) = 'workflow:' ORDER
 
 -- name: list_runs
 SELECT job, slot, status, attempt, instance_id, expires_ms FROM {runs}
-WHERE (%s::text IS NULL OR job = %s::text)
-  AND (NOT %s::boolean OR status IN ('running', 'handed_over'))
-ORDER BY slot DESC, job LIMIT %s::bigint
+WHERE (%(job)s::text IS NULL OR job = %(job)s::text)
+  AND (NOT %(open_only)s::boolean OR status IN ('running', 'handed_over'))
+ORDER BY slot DESC, job LIMIT %(limit)s::bigint
 
 -- name: get_checkpoint
 SELECT checkpoint FROM {runs} WHERE job = %s::text AND slot = %s::bigint

@@ -7,6 +7,7 @@ leases here are short and every wait has a deadline.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
@@ -654,6 +655,77 @@ async def test_finish_many_answers_as_sequential_finishes(store: Store) -> None:
         assert {r.status for r in state.runs.values()} == {RunStatus.RUNNING}
         with pytest.raises(ConfigurationError, match="outcome="):
             await a.finish(lease_of(x), Outcome.ESCALATED)
+    finally:
+        await a.close()
+
+
+async def test_single_calls_and_batches_of_one_agree(store: Store) -> None:
+    """claim() and claim_many([r]), finish() and finish_many([x]), prune() and
+    prune_many([job]) answer alike (a backend implements one of each pair, or both)."""
+    a = await started(store)
+    try:
+        async def prepare(p: str) -> dict[str, ClaimRequest]:
+            claims = {name: req(f"{p}-{name}", instance="x")
+                      for name in ("held", "done", "ended", "stale")}
+            for r in claims.values():
+                assert (await a.claim(r)).status is ClaimStatus.WON
+            assert await a.finish(lease_of(claims["done"]), Outcome.COMPLETED)
+            for slot in range(1, 5):  # finished runs to trim
+                r = req(f"{p}-trim", slot=SLOT + slot, overlap_skip=False)
+                await a.claim(r)
+                assert await a.finish(lease_of(r), Outcome.COMPLETED)
+            return claims
+
+        lone, batch = await prepare("lone"), await prepare("batch")
+
+        async def claims(p: str, made: dict[str, ClaimRequest],
+                         claim: Callable[[ClaimRequest], Awaitable[ClaimResult]],
+                         ) -> list[tuple[object, ...]]:
+            got = [await claim(r) for r in (req(f"{p}-new"), req(f"{p}-held", instance="b"),
+                                            req(f"{p}-done"), made["held"])]
+            return [(r.status, r.job.removeprefix(p), r.attempt, r.reason, r.run_status,
+                     r.instance_id) for r in got]
+
+        async def claim_alone(r: ClaimRequest) -> ClaimResult:
+            (result,) = await a.claim_many([r])
+            return result
+
+        assert await claims("batch", batch, claim_alone) == await claims("lone", lone, a.claim)
+
+        async def finishes(made: dict[str, ClaimRequest],
+                           finish: Callable[[Lease, Outcome, str | None], Awaitable[bool]],
+                           ) -> list[bool]:
+            stale = made["stale"]
+            return [await finish(lease_of(made["ended"]), Outcome.FAILED, "boom"),
+                    await finish(lease_of(made["ended"]), Outcome.COMPLETED, None),  # ended
+                    await finish(Lease(stale.job, stale.slot, "not-its-token", stale.lease_ms),
+                                 Outcome.COMPLETED, None)]
+
+        async def finish_alone(lease: Lease, outcome: Outcome, error: str | None) -> bool:
+            (done,) = await a.finish_many([(lease, outcome, error)])
+            return done
+
+        assert await finishes(batch, finish_alone) == await finishes(lone, a.finish) == [
+            True, False, False]
+        with pytest.raises(ConfigurationError, match="outcome="):
+            await a.finish_many([(lease_of(batch["stale"]), Outcome.LOST, None)])
+        with pytest.raises(ConfigurationError, match="outcome="):
+            await a.finish(lease_of(lone["stale"]), Outcome.LOST)
+
+        assert await a.prune("lone-trim", keep=1, batch=2) == 2
+        assert await a.prune_many(["batch-trim"], keep=1, batch=2) == {"batch-trim": 2}
+        assert await a.prune("lone-nothing", keep=1) == 0
+        assert await a.prune_many(["batch-nothing"], keep=1) == {"batch-nothing": 0}
+        with pytest.raises(ValueError, match="keep=-1"):
+            await a.prune_many(["batch-trim"], keep=-1)
+
+        def trail(attempts: list[Attempt], p: str) -> list[tuple[object, ...]]:
+            return sorted((h.job.removeprefix(p), h.slot, h.attempt, h.instance_id, h.reason,
+                           h.outcome, h.error) for h in attempts if h.job.startswith(p))
+
+        history = await a.history(None, 1000)
+        assert trail(history, "batch-") == trail(history, "lone-")
+        assert len(await a.history("batch-trim")) == 2
     finally:
         await a.close()
 

@@ -31,7 +31,7 @@ from backends.embedded.postgres import (
     service_user,
     shared_dir,
 )
-from backends.postgres import PostgresBackend
+from backends.postgres import BATCH_SUFFIX, CLAIM_SUFFIX, PostgresBackend
 from lease_core.abc import Backend
 
 from . import Store, StoreSpec, missing_service
@@ -251,8 +251,8 @@ async def drop_tables(admin_dsn: str, table: str) -> None:
                 ident = psycopg.sql.Identifier(*(p for p in (schema, name + suffix) if p))
                 conn.execute(psycopg.sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(ident))
             schema, _, name = table.rpartition(".")
-            for suffix in ("_claim", "_claim_v2", "_batch_v2", "_claim_v3",
-                           "_batch_v3"):  # every claim function
+            for suffix in ("_claim", "_claim_v2", "_batch_v2", CLAIM_SUFFIX,
+                           BATCH_SUFFIX):  # every claim function
                 claim = psycopg.sql.Identifier(*(p for p in (schema, name + suffix) if p))
                 conn.execute(psycopg.sql.SQL("DROP FUNCTION IF EXISTS {} CASCADE").format(claim))
 

@@ -1,0 +1,500 @@
+"""The PostgreSQL backend object: :class:`PostgresBackend` and :func:`migrate`.
+
+Its options and connection, and the contract of :mod:`lease_core.abc`, each call one
+statement of :class:`~backends.postgres.statements.Statements`; creating and upgrading
+the store is :class:`~backends.postgres.schema.StoreSchema`'s, fenced transactions
+:mod:`backends.postgres.fenced`'s. See :mod:`backends.postgres` for the whole design.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from adapters.sql import Row, SqlAdapter, TransientError, adapter_for
+from lease_core._durations import parse_duration
+from lease_core._redact import redact
+from lease_core._registry import merge_options, split_url_options
+from lease_core._structures import (
+    Attempt,
+    CheckResult,
+    ClaimRequest,
+    ClaimResult,
+    ClaimStatus,
+    HeartbeatResult,
+    JobInfo,
+    Lease,
+    Outcome,
+    Reason,
+    RunInfo,
+    RunState,
+    RunStatus,
+    ms_to_datetime,
+)
+from lease_core.abc import (
+    Backend,
+    check_every,
+    check_prune,
+    decode_checkpoint,
+    encode_checkpoint,
+    finish_status,
+)
+from lease_core.errors import ConfigurationError
+
+from .fenced import FencedTransaction, fenced_transaction
+from .schema import StoreSchema
+from .statements import LOCK_NOT_AVAILABLE, Statements, split_table, sqlstate
+
+__all__ = ["PostgresBackend", "migrate"]
+
+#: OFFSET for "keep every attempt" (a NULL offset would keep none).
+_NO_LIMIT = 2**62
+_CLAIM_RETRIES = 5
+
+
+def _claim_result(req: ClaimRequest, row: Sequence[Any]) -> ClaimResult:
+    """A claim function's row (status, now, attempt, reason, expires, run status,
+    instance) as the :class:`ClaimResult` of ``req``."""
+    status, now, attempt, reason, expires, run_status, instance = row
+    return ClaimResult(
+        ClaimStatus(status), req.job, req.slot, int(now), int(attempt),
+        None if reason is None else Reason(reason),
+        None if expires is None else int(expires), RunStatus(run_status),
+        None if instance is None else str(instance),
+    )
+
+
+def _count(name: str, value: object) -> int:
+    try:
+        number = int(str(value)) if isinstance(value, str) else value
+    except ValueError:
+        number = None
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        raise ConfigurationError(f"{name}={value!r} must be a whole number, at least 1")
+    return number
+
+
+def _seconds(name: str, value: object) -> float:
+    return parse_duration(value, what=name)
+
+
+#: Options of the pool the backend opens from a DSN, and how their values are read.
+_POOL_OPTIONS: dict[str, Callable[[str, object], Any]] = {
+    "min_size": _count, "max_size": _count, "timeout": _seconds,
+}
+#: Query parameters the backend takes out of a URL (the others go to the driver).
+_URL_OPTIONS = ("table", "namespace", *_POOL_OPTIONS)
+#: Every keyword option the backend accepts.
+_OPTIONS = (*_URL_OPTIONS, "driver")
+
+
+class PostgresBackend(Backend):
+    """Coordinate through PostgreSQL (tested: 15, 16, 18; see the module docs for the SQL).
+
+    ``connection`` is anything :func:`adapters.sql.adapter_for` accepts: ``None``
+    (``postgresql://localhost:5432/postgres`` with ``PG*`` variables filling gaps), a DSN,
+    a psycopg pool or connection, a pg8000 connection, or your own adapter. ``table`` names
+    the runs table, optionally schema-qualified (``jobs.cron_runs``; the schema must exist);
+    the others are ``<table>_attempts``, ``<table>_jobs`` and ``<table>_meta``.
+    ``namespace`` is another name for ``table`` (the keyword every backend accepts).
+    ``options`` (``driver="pg8000"``, ``min_size``, ``max_size``, ``timeout``) apply to a
+    DSN; a DSN may carry them, and the table, as query parameters (``?table=jobs``). An
+    unknown option raises :class:`~lease_core.errors.ConfigurationError`.
+
+    .. note:: A pool or connection passed in is never closed; a pool opened from a DSN is
+       closed when the last user calls :meth:`close`.
+    """
+
+    schemes = ("postgresql", "postgres", "postgresql+psycopg", "postgresql+pg8000")
+
+    def __init__(self, connection: Any = None, *, table: str | None = None,
+                 namespace: str | None = None, **options: Any) -> None:
+        super().__init__()
+        from_url: dict[str, str] = {}
+        if isinstance(connection, str):
+            scheme = connection.split("://", 1)[0].lower() if "://" in connection else None
+            if scheme is not None and scheme not in (*self.schemes, "postgres+psycopg",
+                                                     "postgres+pg8000"):
+                raise ConfigurationError(
+                    f"{redact(connection)!r} is not a PostgreSQL URL; use "
+                    "postgresql://user:password@host:5432/db or a key/value DSN"
+                )
+            connection, from_url = split_url_options(connection, _URL_OPTIONS)
+        keywords = {"table": table, "namespace": namespace, **options}
+        merged = merge_options("PostgresBackend", keywords, from_url, _OPTIONS)
+        names = [merged.pop(k) for k in ("table", "namespace") if merged.get(k) is not None]
+        if len(names) > 1 and names[0] != names[1]:
+            raise ConfigurationError(
+                f"PostgresBackend got table={names[0]!r} and namespace={names[1]!r}; "
+                "give one of them"
+            )
+        options = {k: _POOL_OPTIONS[k](k, v) if k in _POOL_OPTIONS else v
+                   for k, v in merged.items()}
+        self.table = names[0] if names else "anarchon_runs"
+        self._schema, self._name = split_table(self.table)
+        self._sql = Statements(self._schema, self._name)
+        self._store = StoreSchema(self._sql, self._schema, self._name, self.table)
+        self._connection = connection
+        self._options = options
+        self._given: SqlAdapter | None = None
+        if connection is not None and not isinstance(connection, str):
+            self._given = adapter_for(connection, **options)
+        elif isinstance(connection, str) or options:
+            adapter_for(connection, **options)  # validates the DSN and options now
+        self._adapter_now: SqlAdapter | None = self._given
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> PostgresBackend:
+        """Build a backend from a ``postgresql://`` URL or a libpq key/value DSN.
+
+        The table and the pool's options may be given in the URL's query (``?table=jobs``,
+        ``min_size``, ``max_size``, ``timeout``) as well as keywords; other query
+        parameters (``sslmode``, ``connect_timeout``, ...) go to the driver.
+        """
+        return cls(url, **options)
+
+    def __repr__(self) -> str:
+        where = (redact(self._connection) if isinstance(self._connection, str)
+                 else type(self._given).__name__ if self._given else "PG* defaults")
+        return f"{type(self).__name__}(table={self.table!r}, {where!r})"
+
+    @property
+    def anyio_backends(self) -> tuple[str, ...]:
+        """The event loops this backend's connection works on."""
+        adapter = self._given or adapter_for(self._connection, **self._options)
+        return adapter.anyio_backends
+
+    @property
+    def _adapter(self) -> SqlAdapter:
+        if self._adapter_now is None:
+            raise ConfigurationError("PostgresBackend is not started; call await start() first")
+        return self._adapter_now
+
+    async def _open(self) -> None:
+        adapter = self._given or adapter_for(self._connection, **self._options)
+        await adapter.open()
+        try:
+            await self._store.ensure(adapter)
+        except BaseException:
+            if adapter.owned:
+                await adapter.close()
+            raise
+        self._adapter_now = adapter
+
+    async def _close(self) -> None:
+        adapter, self._adapter_now = self._adapter_now, self._given
+        if adapter is not None and adapter.owned:
+            await adapter.close()
+
+    # --- contract -----------------------------------------------------------------------
+
+    async def now_ms(self) -> int:
+        """Return the server's ``clock_timestamp()`` in epoch milliseconds."""
+        rows = await self._adapter.all(self._sql.select_now)
+        return int(rows[0][0])
+
+    async def _all_retrying(self, sql: str, params: Sequence[Any]) -> list[Row]:
+        """Run one statement (its own transaction), again when PostgreSQL aborted it."""
+        for retry in range(_CLAIM_RETRIES):
+            try:
+                return await self._adapter.all(sql, params)
+            except TransientError:
+                if retry == _CLAIM_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def register_jobs(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+        """Record the jobs as seen, in one statement, and list their open runs."""
+        names = sorted(set(jobs))
+        if not names:
+            return {}
+
+        rows = await self._all_retrying(self._sql.register_jobs, (names,))
+        found = {
+            str(job): JobInfo(str(job), int(first), None if last is None else int(last),
+                              tuple(int(s) for s in (slots or ())), bool(new))
+            for job, first, last, new, slots in rows
+        }
+        return {name: found[name] for name in jobs}
+
+    async def _claim_one(self, request: ClaimRequest) -> ClaimResult:
+        """Win, take over or inspect the run with one statement (see the module docs)."""
+        req = request
+        params = (req.job, req.slot, req.instance_id, req.token, req.lease_ms,
+                  Reason(req.reason).value, bool(req.overlap_skip), req.max_attempts)
+        try:
+            [row] = await self._all_retrying(self._sql.claim, params)
+        except Exception as exc:
+            if sqlstate(exc) != LOCK_NOT_AVAILABLE:
+                raise
+            # The server gave up a lock wait (lock_timeout in the claim function): the
+            # statement rolled back, nothing was written. Not retried here, so the whole
+            # claim stays within the half lease a scheduler waits for it.
+            raise TransientError(
+                f"claim of {req.job!r} slot {req.slot} waited too long for a lock on the "
+                "server and wrote nothing; retry later"
+            ) from exc
+        return _claim_result(req, row)
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        """Make the claims with one statement, a call of ``<table>_batch_v<N>``.
+
+        The claims run in order within one transaction, each as :meth:`claim` would run
+        it; they are sent sorted by job (keeping the order of each job's claims) so that
+        concurrent batches lock job rows in one order. When a lock wait runs out the
+        statement writes nothing and the claims are made one at a time instead. A batch
+        of one (and so :meth:`~lease_core.abc.Backend.claim`, inherited) is one call of
+        the claim function itself, ``<table>_claim_v<N>``.
+        """
+        if not requests:
+            return []
+        if len(requests) == 1:
+            return [await self._claim_one(requests[0])]
+        order = sorted(range(len(requests)), key=lambda i: requests[i].job)
+        reqs = [requests[i] for i in order]
+        params = (
+            [r.job for r in reqs], [int(r.slot) for r in reqs], [r.instance_id for r in reqs],
+            [r.token for r in reqs], [int(r.lease_ms) for r in reqs],
+            [Reason(r.reason).value for r in reqs], [bool(r.overlap_skip) for r in reqs],
+            [r.max_attempts for r in reqs],
+        )
+        try:
+            rows = await self._all_retrying(self._sql.claim_many, params)
+        except Exception as exc:
+            if sqlstate(exc) != LOCK_NOT_AVAILABLE:
+                raise
+            return [await self.claim(r) for r in requests]
+        results: list[ClaimResult | None] = [None] * len(requests)
+        for index, *row in rows:
+            results[order[int(index) - 1]] = _claim_result(reqs[int(index) - 1], row)
+        if any(r is None for r in results):
+            raise AssertionError("the batched claim answered fewer rows than claims")
+        return [r for r in results if r is not None]
+
+    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
+        """Renew every lease in one ``UPDATE … FROM unnest(…)`` statement.
+
+        A run locked by a fenced transaction is skipped (``SKIP LOCKED``), not waited for:
+        it stays held, since the lock itself keeps every backup out, and the other leases
+        are renewed at once.
+        """
+        if not leases:
+            return HeartbeatResult(await self.now_ms())
+        # On the adapter's reserved connection: renewals never queue behind claims and
+        # fenced transactions for the pool's connections.
+        rows = await self._adapter.all_reserved(self._sql.heartbeat, (
+            [lease.job for lease in leases], [lease.slot for lease in leases],
+            [lease.token for lease in leases], [lease.lease_ms for lease in leases],
+        ))
+        now, held, renewed = rows[0]
+        return HeartbeatResult(int(now), frozenset(str(t) for t in held or ()),
+                               frozenset(str(t) for t in renewed or ()))
+
+    async def _finish_one(self, lease: Lease, status: RunStatus, error: str | None) -> bool:
+        """End the attempt in one fenced ``UPDATE`` (the attempt row in the same statement)."""
+        rows = await self._adapter.all(self._sql.finish, {
+            "outcome": status.value, "job": lease.job, "slot": lease.slot,
+            "token": lease.token, "error": error,
+        })
+        return bool(rows and int(rows[0][0]))
+
+    async def finish_many(
+        self, items: Sequence[tuple[Lease, Outcome, str | None]]
+    ) -> list[bool]:
+        """End the attempts in one fenced ``UPDATE`` of the runs and their attempt rows.
+
+        A token given twice is sent once: its first item ends the attempt, the others
+        answer False, as they would one after the other. A single attempt to end (and so
+        :meth:`~lease_core.abc.Backend.finish`, inherited) goes through the one-run
+        statement, whose plan is cheaper.
+        """
+        statuses = [finish_status(outcome) for _, outcome, _ in items]
+        first: dict[str, int] = {}
+        for i, (lease, _, _) in enumerate(items):
+            first.setdefault(lease.token, i)
+        sent = sorted(first.values(), key=lambda i: (items[i][0].job, items[i][0].slot))
+        if not sent:
+            return []
+        if len(sent) == 1:
+            (i,) = sent
+            ended = ({items[i][0].token}
+                     if await self._finish_one(items[i][0], statuses[i], items[i][2])
+                     else set())
+        else:
+            rows = await self._all_retrying(self._sql.finish_many, (
+                [items[i][0].job for i in sent], [items[i][0].slot for i in sent],
+                [items[i][0].token for i in sent], [statuses[i].value for i in sent],
+                [items[i][2] for i in sent],
+            ))
+            ended = {str(row[0]) for row in rows}
+        return [first[lease.token] == i and lease.token in ended
+                for i, (lease, _, _) in enumerate(items)]
+
+    async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
+        """Release the runs in one fenced ``UPDATE``; return the tokens released."""
+        if not leases:
+            return frozenset()
+        rows = await self._adapter.all(self._sql.hand_over, (
+            [lease.job for lease in leases], [lease.slot for lease in leases],
+            [lease.token for lease in leases],
+        ))
+        return frozenset(str(row[0]) for row in rows)
+
+    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
+        """Read the watched runs with one plain ``SELECT``."""
+        rows = await self._adapter.all(self._sql.check, (
+            [job for job, _ in runs], [slot for _, slot in runs],
+        ))
+        now = int(rows[0][0])
+        found: dict[tuple[str, int], RunState] = {}
+        for _, job, slot, status, attempt, expires, instance in rows:
+            if job is None:
+                continue
+            key = (str(job), int(slot))
+            found[key] = RunState(key[0], key[1], RunStatus(status), int(attempt),
+                                  None if expires is None else int(expires),
+                                  None if instance is None else str(instance))
+        return CheckResult(now, found)
+
+    async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
+        """Return attempts, newest claim first."""
+        if job is None:
+            rows = await self._adapter.all(self._sql.history_all, (limit,))
+        else:
+            rows = await self._adapter.all(self._sql.history_of_job, (job, limit))
+        return [
+            Attempt(str(j), int(slot), int(attempt), str(instance), Reason(reason),
+                    ms_to_datetime(int(claimed)),
+                    None if finished is None else ms_to_datetime(int(finished)),
+                    None if outcome is None else Outcome(outcome),
+                    None if error is None else str(error))
+            for j, slot, attempt, instance, reason, claimed, finished, outcome, error in rows
+        ]
+
+    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
+        """Record each workflow's steps in ``<table>_meta`` (one statement; rewrites only
+        what changed)."""
+        if not workflows:
+            return
+        names = sorted(workflows)
+        await self._adapter.all(self._sql.write_workflows, (
+            names, [json.dumps(list(workflows[name])) for name in names]))
+
+    async def workflows(self) -> dict[str, list[str]]:
+        """Return every recorded workflow's steps, in order."""
+        rows = await self._adapter.all(self._sql.read_workflows)
+        return {str(name): [str(s) for s in json.loads(value)] for name, value in rows}
+
+    async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
+                         older_than_ms: int | None = None,
+                         batch: int = 1000) -> dict[str, int]:
+        """Trim the jobs' histories with one statement (each job as :meth:`prune`).
+
+        One job (and so :meth:`~lease_core.abc.Backend.prune`, inherited) goes through
+        the one-job statement.
+        """
+        check_prune(keep, older_than_ms, batch)
+        names = list(dict.fromkeys(jobs))
+        if not names:
+            return {}
+        if len(names) == 1:
+            (job,) = names
+            rows = await self._adapter.all(self._sql.trim_job, {
+                "job": job, "keep": _NO_LIMIT if keep is None else keep,
+                "older_than_ms": older_than_ms, "batch": batch})
+            return {job: int(rows[0][0])}
+        rows = await self._adapter.all(self._sql.trim_jobs, {
+            "jobs": names, "keep": _NO_LIMIT if keep is None else keep,
+            "older_than_ms": older_than_ms, "batch": batch})
+        counts = {str(job): int(count) for job, count in rows}
+        return {job: counts.get(job, 0) for job in names}
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period with one conditional upsert of ``<table>_meta``."""
+        check_every(every_ms)
+        rows = await self._adapter.all(self._sql.maintenance_due, (every_ms, instance_id))
+        return bool(rows)
+
+    async def jobs(self) -> list[str]:
+        """Return every job in ``<table>_jobs``, sorted."""
+        return [str(row[0]) for row in await self._adapter.all(self._sql.list_jobs)]
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first, with one plain ``SELECT``."""
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        rows = await self._adapter.all(self._sql.list_runs, {
+            "job": job, "open_only": open_only, "limit": limit})
+        return [
+            RunInfo(str(j), int(slot), RunStatus(status), int(attempt),
+                    None if instance is None else str(instance),
+                    None if expires is None or status != "running" else int(expires))
+            for j, slot, status, attempt, instance, expires in rows
+        ]
+
+    async def get_checkpoint(self, job: str, slot: int) -> Any:
+        """Return the run's checkpoint, or ``None``."""
+        rows = await self._adapter.all(self._sql.get_checkpoint, (job, slot))
+        return decode_checkpoint(rows[0][0] if rows else None)
+
+    async def set_checkpoint(self, lease: Lease, value: Any) -> bool:
+        """Store the checkpoint in one fenced ``UPDATE``."""
+        text = encode_checkpoint(value)
+        rows = await self._adapter.all(self._sql.set_checkpoint,
+                                       (text, lease.job, lease.slot, lease.token))
+        return bool(rows)
+
+    async def delete_checkpoint(self, lease: Lease) -> bool:
+        """Remove the checkpoint in one fenced ``UPDATE``."""
+        rows = await self._adapter.all(self._sql.set_checkpoint,
+                                       (None, lease.job, lease.slot, lease.token))
+        return bool(rows)
+
+    def transaction(self, lease: Lease, *, complete: bool = True) -> Any:
+        """Open a fenced transaction that completes the run when it commits.
+
+        It first locks the run row where ``lease.token`` still holds it (``running``),
+        raising :class:`LeaseLost` otherwise; the block writes its effects through
+        :meth:`FencedTransaction.execute`; on a normal exit the run and its attempt are
+        marked ``completed`` in the same commit. An exception rolls everything back.
+        With ``complete=False`` the run is not completed: the effects (and a checkpoint
+        written through :meth:`FencedTransaction.set_checkpoint`) commit, fenced, and the
+        run goes on; one batch of a long run per transaction, say. While the transaction
+        is open its lease is not renewed (the lock keeps backups out): keep each one
+        shorter than the lease.
+
+        A backend built on one connection refuses it (:class:`ConfigurationError`): the
+        heartbeats of the instance's other runs would wait behind the transaction.
+        """
+        return self._fenced(lease, complete)
+
+    @asynccontextmanager
+    async def _fenced(self, lease: Lease, complete: bool) -> AsyncIterator[FencedTransaction]:
+        async with fenced_transaction(self._adapter, self._sql, lease, complete) as tx:
+            yield tx
+
+
+async def migrate(connection: Any = None, *, table: str | None = None) -> str:
+    """Create the store, or upgrade it in place to store code ``CODE_VERSION``.
+
+    ``table`` defaults to the one a DSN names (``?table=``), else ``anarchon_runs``;
+    returns the table's name.
+
+    Run it with a privileged user (owner of the tables). Afterwards the application's user
+    needs only SELECT, INSERT, UPDATE and DELETE on the tables (EXECUTE on the claim
+    functions is granted to PUBLIC; they run with the caller's rights).
+
+    An older store is upgraded with runs in flight: held leases, hand-overs and history
+    are kept, the claim function of this release is created beside the old one, and the
+    old function's name becomes a call of the new one, so instances of the previous
+    release still running claim with the current logic. A table lock held by a long
+    transaction is waited for at most ``MIGRATION_LOCK_TIMEOUT_MS`` per try. Safe to run
+    again, and concurrently; a store of a newer format is refused.
+    """
+    backend = PostgresBackend(connection, table=table)
+    await backend.start()
+    await backend.close()
+    return backend.table

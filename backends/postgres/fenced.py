@@ -1,0 +1,85 @@
+"""Fenced transactions of the PostgreSQL backend (``ctx.transaction()``).
+
+:func:`fenced_transaction` locks a held run's row, hands the block a
+:class:`FencedTransaction` to write its effects through, and completes the run in the
+same commit (unless told not to).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.sql import Executor, SqlAdapter
+from lease_core._structures import Lease, Outcome
+from lease_core.abc import encode_checkpoint
+from lease_core.errors import ConfigurationError, LeaseLost
+
+from .statements import Statements
+
+__all__ = ["FencedTransaction", "fenced_transaction"]
+
+
+@dataclass
+class FencedTransaction:
+    """The handle of :meth:`PostgresBackend.transaction`: write your effects through it.
+
+    Placeholders are ``%s`` with positional parameters, whatever the driver.
+    """
+
+    _tx: Executor
+    _lease: Lease | None = None
+    _checkpoint_sql: str = ""
+
+    async def set_checkpoint(self, value: Any) -> None:
+        """Store the run's checkpoint inside this transaction: it commits with the effects.
+
+        Raises :class:`LeaseLost` if the token no longer holds the run (it cannot, while
+        the transaction holds the run's lock).
+        """
+        if self._lease is None:
+            raise ConfigurationError("this transaction belongs to no run; it has no checkpoint")
+        rows = await self._tx.all(self._checkpoint_sql, (
+            encode_checkpoint(value), self._lease.job, self._lease.slot, self._lease.token))
+        if not rows:  # pragma: no cover - the run's row is locked by this transaction
+            raise LeaseLost(f"run {self._lease.job!r} slot {self._lease.slot} was lost")
+
+    @property
+    def connection(self) -> Any:
+        """The raw driver connection the transaction runs on (do not commit on it)."""
+        return self._tx.connection
+
+    async def execute(self, sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run ``sql`` inside the fenced transaction; return its rows (empty when none)."""
+        return await self._tx.all(sql, tuple(params or ()))
+
+
+@asynccontextmanager
+async def fenced_transaction(adapter: SqlAdapter, sql: Statements, lease: Lease,
+                             complete: bool) -> AsyncIterator[FencedTransaction]:
+    """The transaction of :meth:`PostgresBackend.transaction
+    <backends.postgres.PostgresBackend.transaction>` on ``adapter``."""
+    if not adapter.concurrent:
+        raise ConfigurationError(
+            "ctx.transaction() needs a PostgresBackend built on a pool or a DSN: on one "
+            "connection, the instance's heartbeats wait for the transaction to end, so "
+            "its other runs could be taken over; pass a DSN or a psycopg pool"
+        )
+    async with adapter.transaction() as tx:
+        held = await tx.all(sql.lock_held_run, (lease.job, lease.slot, lease.token))
+        if not held:
+            raise LeaseLost(
+                f"run {lease.job!r} slot {lease.slot} is no longer held by token "
+                f"{lease.token!r}; the fenced transaction did not start"
+            )
+        yield FencedTransaction(tx, lease, sql.set_checkpoint)
+        if not complete:
+            return
+        done = await tx.all(sql.finish, {
+            "outcome": Outcome.COMPLETED.value, "job": lease.job, "slot": lease.slot,
+            "token": lease.token, "error": None,
+        })
+        if not (done and int(done[0][0])):  # pragma: no cover - the row is locked
+            raise LeaseLost(f"run {lease.job!r} slot {lease.slot} was lost mid-transaction")

@@ -1,0 +1,185 @@
+"""Creating the PostgreSQL store, and upgrading an older one in place (``start()``,
+:func:`~backends.postgres.migrate`).
+
+:class:`StoreSchema` finds the store's tables, functions and versions, and creates or
+upgrades what is missing or older, under an advisory lock and a lock timeout, with runs
+in flight: see :meth:`StoreSchema.ensure`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from adapters.sql import Executor, SqlAdapter
+from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
+
+from .statements import (
+    BATCH_SUFFIX,
+    CLAIM_SUFFIX,
+    CODE_VERSION,
+    FORMAT_VERSION,
+    LOCK_NOT_AVAILABLE,
+    Statements,
+    sqlstate,
+)
+
+__all__ = ["MIGRATION_LOCK_TIMEOUT_MS", "StoreSchema"]
+
+#: How long (ms) creation and upgrades wait for a table lock held by work in flight.
+MIGRATION_LOCK_TIMEOUT_MS = 5000
+_MIGRATE_TRIES = 5
+
+
+class StoreSchema:
+    """The tables and claim functions of one store (``table``), and their creation.
+
+    ``schema`` and ``name`` are the validated parts of ``table``; ``sql`` its statements.
+    """
+
+    def __init__(self, sql: Statements, schema: str | None, name: str, table: str) -> None:
+        self._sql = sql
+        self._schema = schema
+        self._name = name
+        self.table = table
+
+    def _table_names(self) -> list[str]:
+        return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
+
+    async def _existing(self, tx: Executor | SqlAdapter) -> tuple[set[str], bool]:
+        """The store's tables that exist, and whether this release's claim functions exist."""
+        rows = await tx.all(self._sql.find_tables, (
+            self._table_names(), [self._name + CLAIM_SUFFIX, self._name + BATCH_SUFFIX],
+            self._schema))
+        if not rows:
+            if self._schema is None:
+                raise ConfigurationError(
+                    f"no schema to create table {self.table!r} in: the search_path names no "
+                    "existing schema; qualify the table as 'schema.table'"
+                )
+            raise ConfigurationError(
+                f"schema {self._schema!r} of table {self.table!r} does not exist; create it "
+                f"first (CREATE SCHEMA {self._schema}) or choose another table"
+            )
+        return set(rows[0][1]), bool(rows[0][2])
+
+    async def _read_meta(self, tx: Executor | SqlAdapter) -> tuple[bool, int]:
+        """Whether the store has a format, and its store code version (1 before v2).
+
+        Raises :class:`StoreFormatError` for a format newer than this release's.
+        """
+        meta = {str(key): str(value) for key, value in await tx.all(self._sql.read_meta)}
+        if "format" in meta:
+            try:
+                found = int(meta["format"])
+            except ValueError:
+                found = FORMAT_VERSION + 1
+            if found > FORMAT_VERSION:
+                raise StoreFormatError(
+                    f"table {self.table!r} was written by store format {meta['format']!r}, "
+                    f"newer than format {FORMAT_VERSION} this anarchon understands; upgrade "
+                    "anarchon"
+                )
+        try:
+            code = int(meta.get("code", "1"))
+        except ValueError:
+            code = 1
+        return "format" in meta, code
+
+    async def ensure(self, adapter: SqlAdapter) -> None:
+        """Use the store as it is, or create or upgrade it (see :func:`migrate`).
+
+        A user without the privileges to create or upgrade gets a one-line
+        :class:`ConfigurationError` naming ``anarchon migrate``.
+        """
+        tables, function = await self._existing(adapter)
+        complete, code = False, 1
+        if len(tables) == 4:
+            complete, code = await self._read_meta(adapter)
+            if complete and function and code >= CODE_VERSION:
+                return
+        try:
+            await self._upgrade(adapter)
+        except ConfigurationError as exc:
+            if sqlstate(exc) != "42501" and not any(
+                    text in str(exc) for text in ("permission denied", "must be owner", "42501")):
+                raise
+            command = (f"run `anarchon migrate --url <privileged URL> --table {self.table}` "
+                       "once with a privileged user")
+            reason = str(exc).strip().splitlines()[0]
+            if complete and code < CODE_VERSION:
+                raise ConfigurationError(
+                    f"the anarchon store for table {self.table!r} has store code v{code}, "
+                    f"older than v{CODE_VERSION} this anarchon needs, and this user may not "
+                    f"upgrade it; {command} ({reason})"
+                ) from exc
+            what = (f"the claim function {self._function_name()} of the anarchon tables for "
+                    f"{self.table!r} is missing and this user may not create it"
+                    if len(tables) == 4 else
+                    f"the anarchon tables for {self.table!r} are missing and this user may not "
+                    "create them")
+            raise ConfigurationError(
+                f"{what}; {command}, then grant SELECT, INSERT, UPDATE, DELETE on "
+                f"{', '.join(self._table_names())} ({reason})"
+            ) from exc
+
+    def _function_name(self) -> str:
+        return (f"{self._schema}." if self._schema else "") + self._name + CLAIM_SUFFIX
+
+    async def _upgrade(self, adapter: SqlAdapter) -> None:
+        """Run :meth:`_create` in a transaction, again while a table lock timed out."""
+        for attempt in range(_MIGRATE_TRIES):
+            try:
+                await adapter.run_transaction(self._create)
+                return
+            except Exception as exc:
+                if sqlstate(exc) != LOCK_NOT_AVAILABLE:
+                    raise
+                if attempt == _MIGRATE_TRIES - 1:
+                    raise BackendUnavailable(
+                        f"could not create or upgrade the anarchon store for table "
+                        f"{self.table!r}: transactions in flight held its tables for over "
+                        f"{MIGRATION_LOCK_TIMEOUT_MS} ms {_MIGRATE_TRIES} times (a long "
+                        "ctx.transaction()?); run `anarchon migrate` again"
+                    ) from exc
+
+    async def _create(self, tx: Executor) -> None:
+        """Create the store, or upgrade it to store code ``CODE_VERSION``, in place.
+
+        Under a transaction-scoped advisory lock (concurrent starts and migrates wait for
+        each other) and a lock timeout (a lock held by work in flight fails this try
+        instead of stalling every claim behind it). Runs in flight are kept: the upgrade
+        adds a nullable column (catalog only), creates the new claim functions beside the
+        old ones and points the old names at them, all in one commit.
+        """
+        key = int.from_bytes(
+            hashlib.sha256(f"anarchon:{self._schema}.{self._name}".encode()).digest()[:8],
+            "big", signed=True,
+        )
+        await tx.all(self._sql.lock_creation, (key,))
+        await tx.all(self._sql.bound_lock_waits, (str(MIGRATION_LOCK_TIMEOUT_MS),))
+        existing, function = await self._existing(tx)
+        code = 0
+        if self._name + "_meta" in existing:
+            _, code = await self._read_meta(tx)
+        if len(existing) < 4:
+            for statement in self._sql.ddl:
+                await tx.all(statement)
+        [(has_takeovers,)] = await tx.all(self._sql.has_takeovers, (self._sql.runs_table,))
+        if not has_takeovers:
+            await tx.all(self._sql.add_takeovers)
+        # SECURITY INVOKER: the caller's table privileges apply. EXECUTE is PUBLIC by
+        # default; granted explicitly in case default privileges revoke it.
+        if not function:
+            await tx.all(self._sql.create_claim_function)
+            await tx.all(self._sql.grant_claim)
+            await tx.all(self._sql.create_batch_function)
+            await tx.all(self._sql.grant_batch)
+        if code <= CODE_VERSION:
+            # The names older releases call, as calls of this release's functions.
+            for create, grant in ((self._sql.create_claim_v1, self._sql.grant_claim_v1),
+                                  (self._sql.create_claim_v2, self._sql.grant_claim_v2),
+                                  (self._sql.create_batch_v2, self._sql.grant_batch_v2)):
+                await tx.all(create)
+                await tx.all(grant)
+        await tx.all(self._sql.write_format, (str(FORMAT_VERSION),))
+        await tx.all(self._sql.write_code, (str(CODE_VERSION),))

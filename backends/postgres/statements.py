@@ -1,0 +1,201 @@
+"""The SQL of the PostgreSQL backend, filled with one store's names: :class:`Statements`.
+
+The statements live in ``backends/postgres_sql/`` (see :mod:`backends.postgres`), are
+loaded once, and are filled per store by ``str.format`` with quoted identifiers only.
+The store's versions are here: :data:`FORMAT_VERSION` (the tables' layout) and
+:data:`CODE_VERSION` (the claim functions), the one place the claim functions' version is
+written: :data:`CLAIM_SUFFIX` and :data:`BATCH_SUFFIX` compose their names from it, and the
+SQL files call them ``{claim}`` and ``{batch}``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+
+from lease_core.errors import ConfigurationError
+
+__all__ = [
+    "BATCH_SUFFIX",
+    "CLAIM_SUFFIX",
+    "CODE_VERSION",
+    "FORMAT_VERSION",
+    "LOCK_NOT_AVAILABLE",
+    "NOW",
+    "QUERIES",
+    "TRIM_BATCH",
+    "Statements",
+    "parse_queries",
+    "quote_ident",
+    "split_table",
+    "sqlstate",
+]
+
+#: The store format this code writes (the tables' layout, which an older release can still
+#: use); a store with a newer one is refused.
+FORMAT_VERSION = 1
+#: The store code version: the claim function ``<table>_claim_v<N>`` of this release and
+#: the columns it keeps. ``start()`` upgrades an older store (privileged user) or refuses
+#: it with an error naming ``anarchon migrate``.
+CODE_VERSION = 3
+#: The suffixes of this release's claim functions, ``<table>_claim_v<CODE_VERSION>`` and
+#: ``<table>_batch_v<CODE_VERSION>``: the only place their version is written (the SQL
+#: files name them ``{claim}`` and ``{batch}``).
+CLAIM_SUFFIX = f"_claim_v{CODE_VERSION}"
+BATCH_SUFFIX = f"_batch_v{CODE_VERSION}"
+#: The trim batch older releases pass to the claim function (the current one ignores it).
+TRIM_BATCH = 100
+#: SQLSTATE of a lock wait that ran out (``lock_timeout``) or a NOWAIT lock refused.
+LOCK_NOT_AVAILABLE = "55P03"
+
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
+_SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
+             "_a_fin", "_claim", "_claim_v2", "_batch_v2", CLAIM_SUFFIX, BATCH_SUFFIX)
+
+NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
+
+#: The claim function's parameters, in order (also its signature for GRANT).
+CLAIM_ARGS = ("p_job text, p_slot bigint, p_instance text, p_token text, p_lease_ms bigint, "
+              "p_reason text, p_overlap_skip boolean, p_max_attempts bigint")
+CLAIM_ARG_TYPES = "text, bigint, text, text, bigint, text, boolean, bigint"
+#: The parameters of the store code v1 and v2 claim functions (which also took the
+#: history to keep and trimmed it); their names now call the current function.
+CLAIM_ARGS_V2 = (CLAIM_ARGS + ", p_history_size bigint, p_history_ttl_ms bigint, "
+                 "p_trim_batch bigint")
+#: Their argument types (for GRANT).
+CLAIM_ARG_TYPES_V2 = CLAIM_ARG_TYPES + ", bigint, bigint, bigint"
+
+# --- the SQL files ----------------------------------------------------------------------
+
+_SQL_PACKAGE = "postgres_sql"
+_HEADER = re.compile(r"^-- name: ([a-z0-9_]+)[ \t]*$", re.MULTILINE)
+
+
+def _sql_file(name: str) -> str:
+    """The text of one file of ``backends/postgres_sql/`` (shipped in the wheel)."""
+    return (importlib.resources.files("backends") / _SQL_PACKAGE / name).read_text("utf-8")
+
+
+def parse_queries(text: str) -> dict[str, str]:
+    """Split ``-- name: <name>`` sections into statements, dropping whole-line comments."""
+    parts = _HEADER.split(text)
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in queries:
+            raise ValueError(f"statement {name!r} is defined twice")
+        kept = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        queries[name] = "\n".join(kept).strip()
+    return queries
+
+
+#: Every statement of ``postgres_sql/queries.sql``, by name, as templates.
+QUERIES = parse_queries(_sql_file("queries.sql"))
+#: The claim function of this release (``postgres_sql/claim_v<CODE_VERSION>.sql``), as a
+#: template.
+CLAIM_FUNCTION = _sql_file(f"claim_v{CODE_VERSION}.sql")
+#: The batched claim function of this release (``postgres_sql/batch_v<CODE_VERSION>.sql``),
+#: as a template.
+BATCH_FUNCTION = _sql_file(f"batch_v{CODE_VERSION}.sql")
+#: The v1 name of the claim function, redefined as a call of the current one.
+CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
+#: The v2 name of the claim function, redefined as a call of the current one.
+CLAIM_FUNCTION_V2 = _sql_file("claim_v2.sql")
+#: The v2 name of the batched claim function, redefined as a call of the current one.
+BATCH_FUNCTION_V2 = _sql_file("batch_v2.sql")
+#: The tables and indexes, in creation order.
+DDL = tuple(QUERIES[name] for name in (
+    "create_meta", "create_jobs", "create_runs", "create_runs_open", "create_attempts",
+    "create_attempts_seq", "create_attempts_claimed", "create_attempts_job",
+    "create_attempts_finished"))
+
+
+def quote_ident(name: str) -> str:
+    """Quote one SQL identifier (the only place identifiers are turned into SQL text)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def split_table(table: object) -> tuple[str | None, str]:
+    """``table`` as (schema or None, name), validated (``ConfigurationError`` naming it)."""
+    if not isinstance(table, str):
+        raise ConfigurationError(f"table must be a string such as 'anarchon_runs', not {table!r}")
+    parts = table.split(".")
+    if len(parts) > 2 or not all(_IDENT.match(part) for part in parts):
+        raise ConfigurationError(
+            f"invalid table name {table!r}: use letters, digits and underscores, optionally "
+            "prefixed by a schema ('jobs.cron_runs'); no quotes, spaces or extra dots"
+        )
+    schema, name = (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    longest = max(_SUFFIXES, key=len)
+    if len((name + longest).encode()) > 63 or (schema and len(schema.encode()) > 63):
+        raise ConfigurationError(
+            f"table name {table!r} is too long: PostgreSQL identifiers hold 63 bytes and "
+            f"anarchon derives names such as {name + longest!r}; use at most "
+            f"{63 - len(longest)} characters for the table"
+        )
+    return schema, name
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error (psycopg or pg8000), or of the error that caused it."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        state = getattr(seen, "sqlstate", None)
+        if isinstance(state, str):
+            return state
+        args = getattr(seen, "args", ())
+        if args and isinstance(args[0], dict) and isinstance(args[0].get("C"), str):
+            return str(args[0]["C"])
+        seen = seen.__cause__
+    return None
+
+
+class Statements:
+    """The SQL this backend sends, filled with one store's quoted table names.
+
+    Public for tools that run the very same statements through a raw driver (the
+    benchmarks compare the library with that); the statements' text is not a stable API.
+    Every statement of ``postgres_sql/queries.sql`` is an attribute of the same name.
+    """
+
+    def __init__(self, schema: str | None, name: str) -> None:
+        prefix = quote_ident(schema) + "." if schema else ""
+        names = {
+            "runs": prefix + quote_ident(name),
+            "attempts": prefix + quote_ident(name + "_attempts"),
+            "jobs": prefix + quote_ident(name + "_jobs"),
+            "meta": prefix + quote_ident(name + "_meta"),
+            "open_idx": quote_ident(name + "_open"),
+            "seq_idx": quote_ident(name + "_a_seq"),
+            "claimed_idx": quote_ident(name + "_a_claimed"),
+            "job_idx": quote_ident(name + "_a_job"),
+            "fin_idx": quote_ident(name + "_a_fin"),
+            "claim_v1": prefix + quote_ident(name + "_claim"),
+            "claim_v2": prefix + quote_ident(name + "_claim_v2"),
+            "batch_v2": prefix + quote_ident(name + "_batch_v2"),
+            "claim": prefix + quote_ident(name + CLAIM_SUFFIX),
+            "batch": prefix + quote_ident(name + BATCH_SUFFIX),
+            "claim_args": CLAIM_ARGS,
+            "claim_arg_types": CLAIM_ARG_TYPES,
+            "claim_args_v2": CLAIM_ARGS_V2,
+            "claim_arg_types_v2": CLAIM_ARG_TYPES_V2,
+            "now": NOW,
+        }
+
+        def fill(template: str) -> str:
+            return template.format(**names).strip()
+
+        for key, template in QUERIES.items():
+            setattr(self, key, fill(template))
+        self.ddl = tuple(fill(statement) for statement in DDL)
+        self.create_claim_function = fill(CLAIM_FUNCTION)
+        self.create_batch_function = fill(BATCH_FUNCTION)
+        self.create_claim_v1 = fill(CLAIM_FUNCTION_V1)
+        self.create_claim_v2 = fill(CLAIM_FUNCTION_V2)
+        self.create_batch_v2 = fill(BATCH_FUNCTION_V2)
+        self.runs_table = names["runs"]
+
+    def __getattr__(self, name: str) -> str:
+        """Typed access to the statements set from ``queries.sql`` (unknown: AttributeError)."""
+        raise AttributeError(f"no statement named {name!r} in postgres_sql/queries.sql")

@@ -1,0 +1,90 @@
+"""The Redis backend: every mutation is one Lua script, and lease time is Redis's ``TIME``.
+
+Where the code lives, in this package: :mod:`~backends.redis.backend` (the backend,
+:class:`RedisBackend`, made of the parts below), :mod:`~backends.redis.core` (options,
+connection, key names, one round trip), :mod:`~backends.redis.claims`,
+:mod:`~backends.redis.leases` (renewals, finishes, hand-overs, checks, checkpoints),
+:mod:`~backends.redis.records` (history, runs, jobs, workflows, trimming),
+:mod:`~backends.redis.scripts` (the Lua scripts) and :mod:`~backends.redis.replies`
+(reading replies). Every public name is imported from here.
+
+The scripts live in ``backends/redis_lua/*.lua`` (each prefixed with ``_prelude.lua``),
+are registered with the driver (``register_script``) and run with ``EVALSHA``; a
+``NOSCRIPT`` reply (after ``SCRIPT FLUSH`` or a restart) loads the script and retries (see
+:mod:`adapters.redis`). A claim or a finish is one script call (a claim adds ``SADD`` to
+the jobs set, in the same round trip, the first time this process claims its job).
+Batched calls (claim_many, heartbeat, hand-over, check, register) send one
+non-transactional pipeline: one round trip, and valid on a Cluster because each command
+touches one slot (the Cluster client groups them by slot). A heartbeat sends one script
+call per job, renewing all of that job's leases (they share the job's hash tag).
+
+Key layout, for ``prefix`` ``P`` and job ``J``; ``E`` is ``J`` percent-encoded
+(:func:`urllib.parse.quote` with no safe characters), so no job name can put a ``{``,
+``}`` or ``/`` into a key's hash tag. Every key of one job shares the hash tag ``P/E``
+and so one Cluster slot, and each script touches only the keys of one job:
+
+===========================  ======  =====================================================
+key                          type    content
+===========================  ======  =====================================================
+``{P}:meta``                 hash    ``format`` (store format), ``created``
+``{P}:jobs``                 set     job names, for ``history(job=None)``
+``{P}:maintenance``          string  the instance trimming history this period (expires)
+``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count),
+                                     ``sid`` (marker of the job's data), ``lost`` and
+                                     ``quiet`` (when a data loss was found, and the end
+                                     of its quarantine; ms)
+``{P/E}:run:<slot>``         hash    ``st`` status, ``att`` attempt, ``tok`` token, ``inst``
+                                     instance, ``exp`` expiry (ms), ``cp`` checkpoint JSON,
+                                     ``n`` attempts still in the history
+``{P/E}:open``               zset    slots of runs ``running`` or ``handed_over``
+``{P/E}:hist``               zset    attempt ids ``<slot>:<attempt>`` by insertion order
+``{P/E}:att``                hash    attempt id -> JSON record
+``{P/E}:done``               zset    finished attempt ids by finish time (for the TTL)
+``{P/E}:orphan``             set     slots whose attempts were all trimmed
+===========================  ======  =====================================================
+
+History is trimmed by :meth:`RedisBackend.prune` (``trim.lua``), which the scheduler's
+ticker calls for every job (``history_size`` newest, and ``history_ttl``), never by a
+claim; finished runs with no attempt left are deleted, so a job's keys stay bounded.
+Open runs are never deleted.
+
+``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim or a
+heartbeat. When fewer replicas acknowledge, the claim does **not** count as won and the
+heartbeat is not counted as renewed: both raise
+:class:`~lease_core.errors.BackendUnavailable`. The unacknowledged claim stays in the
+primary, unheld, until its lease expires; a backup then takes it over.
+
+Data loss. Data survives a server restart only as far as the server persists it (RDB or
+AOF), and a failover to a lagging replica loses the newest writes. The first claim of a
+job writes a random marker into the job's hash (``sid``), and every claim returns it;
+the backend remembers it per job and sends it with its next claim of the job, with the
+longest lease it has claimed or renewed. A claim that finds the marker missing or
+different knows the job's data was lost, and the script writes, atomically, a new marker,
+the loss time ``lost`` (now, unless recorded already) and a quarantine ``quiet`` = ``lost``
++ that longest lease (raised by later callers that know a longer one, never lowered).
+Until ``quiet`` every claim of the job answers ``RUNNING`` with no run (``run_status``
+``None``, ``expires_ms`` = ``quiet``) and writes nothing: the scheduler claims again at
+its next tick. By then every lease that may have been live at the loss has expired, and
+its holder has learnt at a heartbeat that its lease is gone. :meth:`RedisBackend.check`
+reads the markers too: a watched run missing from a job whose marker is gone or changed,
+or whose quarantine is not over, was lost, not deleted (``CheckResult.lost``), and the
+scheduler claims it again. The
+marker lives with the job's keys, so on a Cluster the loss of one shard is found for
+exactly the jobs on it.
+A process that never claimed the job before the loss cannot tell a lost job from a new
+one: until a process that did claims it (or finds it at its next slot), such a fresh
+process may win attempt 1 of a run whose old holder has not yet learnt of the loss.
+"""
+
+from __future__ import annotations
+
+from lease_core._packages import require_own
+
+require_own("adapters")  # before importing from it: a foreign one may shadow it
+
+from .backend import RedisBackend
+from .core import RedisStore
+from .scripts import HEARTBEAT_BATCH, SCRIPT_BATCH, SCRIPTS, STORE_FORMAT, Script
+
+__all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "RedisBackend",
+           "RedisStore", "Script"]

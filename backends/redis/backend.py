@@ -1,0 +1,34 @@
+"""The Redis backend object, :class:`RedisBackend`: its parts combined.
+
+See :mod:`backends.redis` for the design and the key layout.
+"""
+
+from __future__ import annotations
+
+from .claims import RedisClaims
+from .leases import RedisLeases
+from .records import RedisRecords
+
+__all__ = ["RedisBackend"]
+
+
+class RedisBackend(RedisClaims, RedisLeases, RedisRecords):
+    """Coordinate through Redis (or Valkey), 6.2 or newer, standalone or Cluster.
+
+    ``connection`` is ``None`` (``redis://localhost:6379/0``), a URL, a redis-py or
+    valkey-py client (asyncio or sync) or a connection pool; see :mod:`adapters.redis`.
+
+    .. note:: A client or pool passed in is never closed; a client the backend made from
+       a URL is closed by the last :meth:`close`.
+
+    ``prefix`` starts every key (see the module docs for the layout); ``namespace`` is
+    another name for it (the keyword every backend accepts). ``wait_replicas``
+    makes claims and heartbeats wait, up to ``wait_timeout``, for that many replicas to
+    acknowledge them; a short count raises
+    :class:`~lease_core.errors.BackendUnavailable` instead of winning or renewing.
+
+    A call made before :meth:`start` starts the backend itself; :meth:`close` then
+    releases that hold like any other.
+    """
+
+    schemes = ("redis", "rediss", "unix")

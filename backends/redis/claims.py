@@ -1,0 +1,122 @@
+"""RedisClaims on Redis: ``claim.lua`` alone, ``claim_many.lua`` for a batch, in one round trip."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from adapters.redis import Command
+from lease_core._structures import ClaimRequest, ClaimResult, ClaimStatus, JobInfo
+
+from .core import RedisStore
+from .replies import as_text, claim_fields, claim_result, counted_replies
+from .scripts import SCRIPT_BATCH
+
+__all__ = ["RedisClaims"]
+
+
+class RedisClaims(RedisStore):
+    """The claims of a :class:`~backends.redis.RedisBackend` (and the jobs' registration)."""
+
+    async def register_jobs(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+        """Record the jobs as seen and list their open runs, in one round trip."""
+        names = list(dict.fromkeys(jobs))
+        if not names:
+            return {}
+        commands = []
+        for name in names:
+            keys = self._job_keys(name)
+            commands.append(self._eval("register", [keys["job"], keys["open"]], []))
+        commands.append(("SADD", self._jobs_key, *names))
+        replies = await self._run(commands)
+        out = {}
+        for name, reply in zip(names, replies, strict=False):
+            first, last, new, *slots = (as_text(v) for v in reply)
+            out[name] = JobInfo(name, int(first), int(last) if last else None,
+                                tuple(sorted(int(s) for s in slots)), new == "1")
+        return out
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        """Make the claims in order, in one pipelined round trip.
+
+        A lone claim (:meth:`~lease_core.abc.Backend.claim`, inherited: a batch of one) is
+        one ``claim.lua`` call.
+        On a server that is not a Cluster, one ``claim_many.lua`` call makes up to
+        :data:`SCRIPT_BATCH` claims (each exactly as ``claim.lua`` would), sent as one
+        argument per claim and answered as one string for the call: packing and reading
+        a value per field cost the client more than the claims cost the server. On a
+        Cluster each claim is its own ``claim.lua`` call, routed to its job's slot, as is
+        every claim of a batch with a token holding ``|`` (the fields' separator).
+        """
+        if not requests:
+            return []
+        adapter = await self._require()
+        self._longest_ms = max(self._longest_ms, *(int(r.lease_ms) for r in requests))
+        # One script call per SCRIPT_BATCH claims of one instance; on a Cluster one call
+        # per claim (each job's keys are in the slot of its own hash tag).
+        batched = not (len(requests) == 1 or adapter.cluster
+                       or any(r.instance_id != requests[0].instance_id or "|" in r.token
+                              for r in requests))
+        if batched:
+            commands = [self._claims_command(requests[at:at + SCRIPT_BATCH])
+                        for at in range(0, len(requests), SCRIPT_BATCH)]
+        else:
+            commands = [self._claim_command(request) for request in requests]
+        calls = len(commands)
+        new = [job for job in dict.fromkeys(r.job for r in requests) if job not in self._listed]
+        if new:
+            commands.append(("SADD", self._jobs_key, *new))
+        replies = await self._run([*commands, *self._wait()])
+        if len(self._listed) > 100_000:  # a bound for processes that make up job names
+            self._listed.clear()
+        self._listed.update(new)
+        if batched:  # one string of counted claim replies per script call
+            replies = [*(reply for batch in replies[:calls]
+                         for reply in counted_replies(batch, *adapter.encoding)),
+                       *replies[calls:]]
+        fields = [claim_fields(reply) for reply in replies[:len(requests)]]
+        results = [claim_result(request, f)
+                   for request, f in zip(requests, fields, strict=True)]
+        if len(self._markers) > 100_000:  # a bound for processes that make up job names
+            self._markers.clear()
+            self._quiet.clear()
+        for request, f in zip(requests, fields, strict=True):
+            self._markers[request.job] = as_text(f[6])
+        for result in results:
+            if result.status is ClaimStatus.RUNNING and result.run_status is None:
+                self._quiet[result.job] = result.expires_ms or 0
+        won = [r for r in results if r.status is ClaimStatus.WON]
+        if won and self.wait_replicas is not None:
+            what = (f"the claim of {won[0].job!r} slot {won[0].slot}" if len(won) == 1
+                    else f"the claims of {len(won)} runs")
+            self._check_wait(replies[-1], what)
+        return results
+
+    def _claims_command(self, requests: Sequence[ClaimRequest]) -> Command:
+        """One ``claim_many.lua`` call for ``requests`` (a server that is not a Cluster)."""
+        args: list[str | int] = [requests[0].instance_id, self._longest_ms]
+        keys = []
+        markers = self._markers
+        for request in requests:
+            keys.append(f"{self._tag(request.job)}:job")
+            limit = request.max_attempts
+            args.append(f"{int(request.slot)}|{request.token}|{int(request.lease_ms)}|"
+                        f"{request.reason.value}|{1 if request.overlap_skip else 0}|"
+                        f"{'' if limit is None else int(limit)}|{markers.get(request.job, '')}")
+        return self._eval("claim_many", keys, args)
+
+    def _claim_command(self, request: ClaimRequest) -> Command:
+        tag = self._tag(request.job)
+        args: list[str | int] = [
+            int(request.slot), request.instance_id, request.token, int(request.lease_ms),
+            request.reason.value, 1 if request.overlap_skip else 0,
+            "" if request.max_attempts is None else int(request.max_attempts),
+            max(0, int(request.history_size)),
+            "" if request.history_ttl_ms is None else int(request.history_ttl_ms),
+            f"{tag}:run:",
+            # the script reads these two from the end of its arguments
+            self._markers.get(request.job, ""), self._longest_ms,
+        ]
+        return self._eval("claim", [f"{tag}:job", f"{tag}:run:{int(request.slot)}",
+                                    f"{tag}:open", f"{tag}:hist", f"{tag}:att", f"{tag}:done",
+                                    f"{tag}:orphan"], args)
+

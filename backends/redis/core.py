@@ -1,0 +1,235 @@
+"""The Redis backend's base: options, connection, key names and one round trip.
+
+:class:`RedisStore` holds what every part of :class:`~backends.redis.RedisBackend` uses:
+the validated options, the adapter (:mod:`adapters.redis`), the key of each job's data
+(see :mod:`backends.redis` for the layout), and :meth:`RedisStore._run`, which sends
+commands in one round trip. The contract's calls are its subclasses' (claims, leases,
+records), combined in :class:`~backends.redis.RedisBackend`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Self
+from urllib.parse import parse_qsl, quote, urlsplit
+
+from adapters.redis import Command, RedisAdapter, redis_adapter
+from lease_core._durations import Duration, parse_duration, to_ms
+from lease_core._redact import redact
+from lease_core._registry import merge_options, split_url_options
+from lease_core.abc import Backend
+from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
+
+from .replies import time_ms
+from .scripts import SCRIPTS, STORE_FORMAT
+
+__all__ = ["RedisStore"]
+
+_PREFIX = re.compile(r"[A-Za-z0-9_.:\-]{1,200}")
+#: Options the backend takes, as keywords or from a URL's query.
+_OPTIONS = ("prefix", "namespace", "wait_replicas", "wait_timeout")
+#: Query parameters redis-py reads from a URL as strings (besides its typed ones).
+_DRIVER_PARAMS = ("username", "password", "client_name", "lib_name", "lib_version",
+                  "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data",
+                  "ssl_certfile", "ssl_keyfile", "ssl_password")
+
+
+def _check_driver_params(url: str) -> None:
+    """Refuse a query parameter that neither the backend nor redis-py knows."""
+    try:
+        from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+    except ImportError:  # the driver's absence is reported when connecting
+        return
+    query = urlsplit(url).query
+    known = (*_OPTIONS, *_DRIVER_PARAMS, *URL_QUERY_ARGUMENT_PARSERS)
+    unknown = [key for key, _ in parse_qsl(query, keep_blank_values=True) if key not in known]
+    if unknown:
+        raise ConfigurationError(
+            f"the Redis URL {redact(url)!r} has the unknown query parameter "
+            f"{', '.join(map(repr, unknown))}; it accepts: {', '.join(sorted(known))}"
+        )
+
+
+def _validate_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+        raise ConfigurationError(
+            f"prefix={prefix!r} cannot be used in Redis key names; use 1 to 200 letters, "
+            "digits and the characters '_', '.', ':' and '-' (no braces, slashes or spaces)"
+        )
+    return prefix
+
+
+class RedisStore(Backend):
+    """The options, connection, keys and round trips of a :class:`~backends.redis.RedisBackend`
+    (whose docstring describes the options)."""
+
+    def __init__(
+        self,
+        connection: object = None,
+        *,
+        prefix: str | None = None,
+        namespace: str | None = None,
+        wait_replicas: int | None = None,
+        wait_timeout: Duration | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        from_url: dict[str, str] = {}
+        if isinstance(connection, str):
+            connection, from_url = split_url_options(connection, _OPTIONS)
+            _check_driver_params(connection)
+        keywords = {"prefix": prefix, "namespace": namespace, "wait_replicas": wait_replicas,
+                    "wait_timeout": wait_timeout, **options}
+        merged = merge_options("RedisBackend", keywords, from_url, _OPTIONS)
+        names = [merged[k] for k in ("prefix", "namespace") if merged.get(k) is not None]
+        if len(names) > 1 and names[0] != names[1]:
+            raise ConfigurationError(
+                f"RedisBackend got prefix={names[0]!r} and namespace={names[1]!r}; "
+                "give one of them"
+            )
+        self.prefix = _validate_prefix(names[0] if names else "anarchon_runs")
+        wait_replicas = merged.get("wait_replicas")
+        if isinstance(wait_replicas, str) and wait_replicas.isdigit():  # from the URL
+            wait_replicas = int(wait_replicas)
+        if wait_replicas is not None and (
+            isinstance(wait_replicas, bool)
+            or not isinstance(wait_replicas, int)
+            or wait_replicas < 1
+        ):
+            raise ConfigurationError(
+                f"wait_replicas={wait_replicas!r} must be a whole number of replicas, at "
+                "least 1, or None to not wait"
+            )
+        self.wait_replicas = wait_replicas
+        self._wait_timeout_ms = to_ms(
+            parse_duration(merged.get("wait_timeout", "1s"), what="wait_timeout")
+        )
+        self._connection = connection
+        self._adapter: RedisAdapter | None = None
+        # Jobs this process has added to the jobs set ({P}:jobs); a claim of another job
+        # adds it in the same round trip.
+        self._listed: set[str] = set()
+        self._tags: dict[str, str] = {}  # job -> hash tag
+        # The marker of each job's data (its job hash's 'sid') as this backend last saw
+        # it, and the longest lease it has claimed or renewed: a claim that finds another
+        # marker knows the data was lost (see "Data loss" in the module docs).
+        self._markers: dict[str, str] = {}
+        self._longest_ms = 0
+        # Per job, the end of the quarantine its last claim found: until then every
+        # missing run of the job was lost with the data (nothing is deleted meanwhile).
+        self._quiet: dict[str, int] = {}
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        """Make a backend on the server at ``url`` (``redis://``, ``rediss://``, ``unix://``).
+
+        ``prefix`` (or ``namespace``), ``wait_replicas`` and ``wait_timeout`` may be given
+        in the URL's query as well as keywords; the driver's own query parameters
+        (``socket_timeout``, ``socket_connect_timeout``, ``max_connections``, ...) pass
+        through to redis-py.
+        """
+        return cls(url, **options)
+
+    def __repr__(self) -> str:
+        where = self._adapter.where if self._adapter else "not started"
+        return f"{type(self).__name__}(prefix={self.prefix!r}, {where})"
+
+    # -- keys ------------------------------------------------------------------------
+
+    def _tag(self, job: str) -> str:
+        tag = self._tags.get(job)
+        if tag is None:
+            if len(self._tags) > 100_000:  # a bound for processes that make up job names
+                self._tags.clear()
+            tag = self._tags[job] = "{" + self.prefix + "/" + quote(job, safe="") + "}"
+        return tag
+
+    def _run_key(self, job: str, slot: int) -> str:
+        return f"{self._tag(job)}:run:{int(slot)}"
+
+    def _job_keys(self, job: str) -> dict[str, str]:
+        tag = self._tag(job)
+        return {part: f"{tag}:{part}" for part in
+                ("job", "open", "hist", "att", "done", "orphan")}
+
+    @property
+    def _meta_key(self) -> str:
+        return "{" + self.prefix + "}:meta"
+
+    @property
+    def _maintenance_key(self) -> str:
+        return "{" + self.prefix + "}:maintenance"
+
+    @property
+    def _jobs_key(self) -> str:
+        return "{" + self.prefix + "}:jobs"
+
+    # -- plumbing --------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        adapter = redis_adapter(self._connection)
+        try:
+            await adapter.load_scripts([s.source for s in SCRIPTS.values()])
+            self._adapter = adapter
+            (found,) = await self._run([self._eval("open_store", [self._meta_key],
+                                                   [STORE_FORMAT])])
+        except BaseException:
+            self._adapter = None
+            await adapter.aclose()
+            raise
+        if int(found) > STORE_FORMAT:
+            self._adapter = None
+            await adapter.aclose()
+            raise StoreFormatError(
+                f"the keys under prefix {self.prefix!r} were written in store format "
+                f"{int(found)}, newer than this anarchon's {STORE_FORMAT}; upgrade anarchon "
+                "or use another prefix"
+            )
+
+    async def _close(self) -> None:
+        adapter, self._adapter = self._adapter, None
+        if adapter is not None:
+            await adapter.aclose()
+
+    async def _require(self) -> RedisAdapter:
+        if self._adapter is None:
+            # Used without start(): open now; the next close() releases it.
+            await self.start()
+        assert self._adapter is not None
+        return self._adapter
+
+    @staticmethod
+    def _eval(name: str, keys: Sequence[str], args: Sequence[str | int]) -> Command:
+        return ("EVALSHA", SCRIPTS[name].sha, len(keys), *keys, *args)
+
+    async def _run(self, commands: Sequence[Command]) -> list[Any]:
+        """Send ``commands`` in one round trip (the adapter loads scripts the server lost)."""
+        adapter = await self._require()
+        replies = await adapter.execute(commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise adapter.translate(reply) or reply
+        return replies
+
+    def _wait(self) -> list[Command]:
+        if self.wait_replicas is None:
+            return []
+        return [("WAIT", self.wait_replicas, self._wait_timeout_ms)]
+
+    def _check_wait(self, reply: Any, what: str) -> None:
+        acks = int(reply)
+        if self.wait_replicas is not None and acks < self.wait_replicas:
+            raise BackendUnavailable(
+                f"{what} was acknowledged by {acks} of wait_replicas={self.wait_replicas} "
+                f"replicas within {self._wait_timeout_ms} ms, so it does not count; check "
+                "the replicas of the Redis primary or lower wait_replicas"
+            )
+
+    # -- contract ------------------------------------------------------------------
+
+    async def now_ms(self) -> int:
+        """Return Redis's ``TIME`` in epoch milliseconds."""
+        (reply,) = await self._run([("TIME",)])
+        return time_ms(reply)
+

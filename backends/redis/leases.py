@@ -1,0 +1,139 @@
+"""Held leases on Redis: renewals, finishes, hand-overs, backups' checks, checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from adapters.redis import Command
+from lease_core._structures import CheckResult, HeartbeatResult, Lease, Outcome, RunState, RunStatus
+from lease_core.abc import decode_checkpoint, encode_checkpoint, finish_status
+
+from .core import RedisStore
+from .replies import as_text, time_ms
+from .scripts import HEARTBEAT_BATCH
+
+__all__ = ["RedisLeases"]
+
+
+class RedisLeases(RedisStore):
+    """What a :class:`~backends.redis.RedisBackend` does with the runs it holds or watches."""
+
+    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
+        """Renew every lease to ``now + lease_ms`` in one round trip.
+
+        On a server that is not a Cluster, one script call renews up to
+        :data:`HEARTBEAT_BATCH` leases of any jobs; on a Cluster, one script call per
+        job renews all of that job's leases (their keys share the job's hash tag, so one
+        slot). The calls go in one pipeline.
+        """
+        if not leases:
+            return HeartbeatResult(await self.now_ms())
+        adapter = await self._require()
+        groups: list[list[Lease]]
+        if adapter.cluster:
+            by_job: dict[str, list[Lease]] = {}
+            for lease in leases:
+                by_job.setdefault(lease.job, []).append(lease)
+            groups = list(by_job.values())
+        else:
+            groups = [list(leases[at:at + HEARTBEAT_BATCH])
+                      for at in range(0, len(leases), HEARTBEAT_BATCH)]
+        commands = []
+        for group in groups:
+            args: list[str | int] = []
+            for lease in group:
+                args += [lease.token, int(lease.lease_ms)]
+                self._longest_ms = max(self._longest_ms, int(lease.lease_ms))
+            commands.append(self._eval(
+                "heartbeat", [self._run_key(lease.job, lease.slot) for lease in group], args))
+        replies = await self._run([*commands, *self._wait()])
+        held: set[str] = set()
+        now = 0
+        for group, (at, flags) in zip(groups, replies, strict=False):
+            now = max(now, int(at))
+            held.update(lease.token for lease, flag in zip(group, as_text(flags), strict=True)
+                        if flag == "1")
+        if held and self.wait_replicas is not None:
+            self._check_wait(replies[-1], f"the heartbeat of {len(held)} lease(s)")
+        return HeartbeatResult(now, frozenset(held))
+
+    async def finish_many(
+        self, items: Sequence[tuple[Lease, Outcome, str | None]]
+    ) -> list[bool]:
+        """End the attempts in order, one ``finish.lua`` call each, in one round trip
+        (:meth:`~lease_core.abc.Backend.finish` is inherited: a batch of one)."""
+        commands = [self._finish_command(lease, finish_status(outcome).value, error)
+                    for lease, outcome, error in items]
+        if not commands:
+            return []
+        return [int(done) == 1 for done in await self._run(commands)]
+
+    def _finish_command(self, lease: Lease, status: str, error: str | None) -> Command:
+        tag = self._tag(lease.job)
+        return self._eval(
+            "finish",
+            [f"{tag}:run:{int(lease.slot)}", f"{tag}:open", f"{tag}:att", f"{tag}:done"],
+            [lease.token, int(lease.slot), status, 0 if error is None else 1, error or ""],
+        )
+
+    async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
+        """Mark each held run ``handed_over``, in one pipelined round trip."""
+        if not leases:
+            return frozenset()
+        commands = []
+        for lease in leases:
+            keys = self._job_keys(lease.job)
+            commands.append(self._eval(
+                "hand_over", [self._run_key(lease.job, lease.slot), keys["att"], keys["done"]],
+                [lease.token, int(lease.slot)],
+            ))
+        replies = await self._run(commands)
+        return frozenset(lease.token for lease, r in zip(leases, replies, strict=True)
+                         if int(r) == 1)
+
+    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
+        """Read the watched runs and the server time in one pipelined round trip.
+
+        The same round trip reads the data markers of the runs' jobs: a missing run of a
+        job whose marker is gone or changed, or whose quarantine is not over, was lost
+        with the data (``lost``).
+        """
+        commands: list[Command] = [("TIME",)]
+        commands += [("HMGET", self._run_key(job, slot), "st", "att", "exp", "inst")
+                     for job, slot in runs]
+        known = [job for job in dict.fromkeys(job for job, _ in runs) if job in self._markers]
+        commands += [("HGET", f"{self._tag(job)}:job", "sid") for job in known]
+        replies = await self._run(commands)
+        found = {}
+        for (job, slot), reply in zip(runs, replies[1:], strict=False):
+            st, att, exp, inst = (None if v is None else as_text(v) for v in reply)
+            if st is not None:
+                found[(job, slot)] = RunState(job, slot, RunStatus(st), int(att or 0),
+                                              int(exp) if exp else None, inst)
+        now = time_ms(replies[0])
+        changed = {job for job, marker in zip(known, replies[1 + len(runs):], strict=True)
+                   if marker is None or as_text(marker) != self._markers.get(job)
+                   or now < self._quiet.get(job, 0)}
+        lost = frozenset(run for run in runs if run[0] in changed and run not in found)
+        return CheckResult(now, found, lost)
+
+    async def get_checkpoint(self, job: str, slot: int) -> Any:
+        """Return the run's checkpoint, or ``None``."""
+        (text,) = await self._run([("HGET", self._run_key(job, slot), "cp")])
+        return decode_checkpoint(None if text is None else as_text(text))
+
+    async def set_checkpoint(self, lease: Lease, value: Any) -> bool:
+        """Store the checkpoint as JSON text, fenced by the lease's token."""
+        text = encode_checkpoint(value)
+        (done,) = await self._run([self._eval(
+            "checkpoint", [self._run_key(lease.job, lease.slot)], [lease.token, "set", text]
+        )])
+        return int(done) == 1
+
+    async def delete_checkpoint(self, lease: Lease) -> bool:
+        """Remove the checkpoint, fenced by the lease's token."""
+        (done,) = await self._run([self._eval(
+            "checkpoint", [self._run_key(lease.job, lease.slot)], [lease.token, "del", ""]
+        )])
+        return int(done) == 1

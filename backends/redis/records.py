@@ -1,0 +1,136 @@
+"""The Redis store's records: history, runs, jobs, workflows, and their trimming."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from adapters.redis import Command
+from lease_core._structures import Attempt, RunInfo, RunStatus
+from lease_core.abc import check_every, check_prune
+from lease_core.errors import ConfigurationError
+
+from .core import RedisStore
+from .replies import as_text, attempt_record
+
+__all__ = ["RedisRecords"]
+
+#: Field prefix of a workflow's steps in the ``{P}:meta`` hash.
+_WORKFLOW_FIELD = "workflow:"
+
+
+class RedisRecords(RedisStore):
+    """The history, runs, jobs and workflows of a :class:`~backends.redis.RedisBackend`."""
+
+    async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
+        """Return attempts newest first, of one job or of every job under the prefix."""
+        if limit <= 0:
+            return []
+        if job is None:
+            (members,) = await self._run([("SMEMBERS", self._jobs_key)])
+            jobs = sorted(as_text(m) for m in members)
+        else:
+            jobs = [job]
+        if not jobs:
+            return []
+        commands = []
+        for name in jobs:
+            keys = self._job_keys(name)
+            commands.append(self._eval("history", [keys["hist"], keys["att"]], [int(limit)]))
+        items = []
+        for name, records in zip(jobs, await self._run(commands), strict=True):
+            items += [attempt_record(name, as_text(raw)) for raw in records]
+        items.sort(key=lambda a: (a.claimed_at, a.slot, a.attempt), reverse=True)
+        return items[:limit]
+
+    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
+        """Record each workflow's steps in the ``{P}:meta`` hash (``workflow:<name>``)."""
+        if not workflows:
+            return
+        fields: list[str] = []
+        for name, steps in workflows.items():
+            fields += [_WORKFLOW_FIELD + name, json.dumps(list(steps))]
+        await self._run([("HSET", self._meta_key, *fields)])
+
+    async def workflows(self) -> dict[str, list[str]]:
+        """Return every recorded workflow's steps, in order."""
+        (raw,) = await self._run([("HGETALL", self._meta_key)])
+        pairs = raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2], strict=True)
+        found = {}
+        for key, value in pairs:
+            name = as_text(key)
+            if name.startswith(_WORKFLOW_FIELD):
+                found[name[len(_WORKFLOW_FIELD):]] = [str(s) for s in json.loads(as_text(value))]
+        return found
+
+    async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
+                         older_than_ms: int | None = None,
+                         batch: int = 1000) -> dict[str, int]:
+        """Trim the jobs' histories, one ``trim.lua`` call each, in one pipelined round trip
+        (:meth:`~lease_core.abc.Backend.prune` is inherited: a batch of one)."""
+        check_prune(keep, older_than_ms, batch)
+        names = list(dict.fromkeys(jobs))
+        if not names:
+            return {}
+        commands = []
+        for job in names:
+            keys = self._job_keys(job)
+            commands.append(self._eval(
+                "trim", [keys["hist"], keys["att"], keys["done"], keys["orphan"]],
+                ["" if keep is None else keep, "" if older_than_ms is None else older_than_ms,
+                 f"{self._tag(job)}:run:", batch],
+            ))
+        replies = await self._run(commands)
+        return {job: int(count) for job, count in zip(names, replies, strict=True)}
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period with one ``SET NX PX`` (the key expires with it)."""
+        check_every(every_ms)
+        (reply,) = await self._run([("SET", self._maintenance_key, instance_id, "NX",
+                                     "PX", every_ms)])
+        return reply is not None and reply is not False
+
+    async def jobs(self) -> list[str]:
+        """Return every job under the prefix, sorted."""
+        (members,) = await self._run([("SMEMBERS", self._jobs_key)])
+        return sorted(as_text(m) for m in members)
+
+    async def runs(self, job: str | None = None, *, open_only: bool = False,
+                   limit: int = 100) -> list[RunInfo]:
+        """Return runs, newest slot first: open runs and those of the latest attempts.
+
+        Three pipelined round trips at most: the jobs, their open and recent slots, the
+        runs themselves.
+        """
+        if limit < 0:
+            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        names = await self.jobs() if job is None else [job]
+        if not names or limit == 0:
+            return []
+        commands: list[Command] = []
+        for name in names:
+            keys = self._job_keys(name)
+            commands.append(("ZRANGE", keys["open"], 0, -1))
+            if not open_only:
+                commands.append(("ZREVRANGE", keys["hist"], 0, limit - 1))
+        replies = iter(await self._run(commands))
+        wanted: list[tuple[str, int]] = []
+        for name in names:
+            slots = {int(as_text(s)) for s in next(replies)}
+            if not open_only:
+                slots |= {int(as_text(i).split(":")[0]) for i in next(replies)}
+            wanted += [(name, slot) for slot in sorted(slots, reverse=True)[:limit]]
+        if not wanted:
+            return []
+        rows = await self._run([("HMGET", self._run_key(name, slot), "st", "att", "inst", "exp")
+                                for name, slot in wanted])
+        found = []
+        for (name, slot), row in zip(wanted, rows, strict=True):
+            st, att, inst, exp = (None if v is None else as_text(v) for v in row)
+            if st is None or (open_only and RunStatus(st).finished):
+                continue
+            found.append(RunInfo(name, slot, RunStatus(st), int(att or 0), inst,
+                                 int(exp) if exp and st == "running" else None))
+        found.sort(key=lambda r: (-r.slot, r.job))
+        return found[:limit]
+

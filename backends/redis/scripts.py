@@ -1,0 +1,57 @@
+"""The Lua scripts of the Redis backend (``backends/redis_lua/``) and the limits of a call.
+
+Each script is sent prefixed with ``_prelude.lua`` (and the files of :data:`_INCLUDES`),
+registered with the driver and run with ``EVALSHA``; :data:`SCRIPTS` holds them by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from importlib import resources
+
+__all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "Script"]
+
+#: The store format this version writes; a store with a newer one is refused.
+STORE_FORMAT = 1
+
+_SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
+            "checkpoint", "register", "history", "trim")
+#: Files prepended to a script after the prelude (the claim function it calls).
+_INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",)}
+#: Claims per ``claim_many.lua`` call at most: one script call keeps the server busy, so
+#: a large batch goes as several calls (in the same pipeline).
+SCRIPT_BATCH = 100
+#: Leases one ``heartbeat.lua`` call renews at most on a server that is not a Cluster.
+HEARTBEAT_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class Script:
+    """One Lua script of this backend: its name, full source (prelude included) and SHA-1.
+
+    Public for tools that send the very same scripts through a raw client (the benchmarks
+    compare the library with that); the scripts' text is not a stable API.
+    """
+
+    name: str
+    source: str
+    sha: str
+
+
+def _load_scripts() -> dict[str, Script]:
+    folder = resources.files("backends") / "redis_lua"
+    prelude = (folder / "_prelude.lua").read_text(encoding="utf-8")
+    scripts = {}
+    for name in _SCRIPTS:
+        parts = [prelude] + [(folder / f"{part}.lua").read_text(encoding="utf-8")
+                             for part in (*_INCLUDES.get(name, ()), name)]
+        source = "\n".join(parts)
+        sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+        scripts[name] = Script(name, source, sha)
+    return scripts
+
+
+SCRIPTS = _load_scripts()
+
+
