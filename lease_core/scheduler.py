@@ -34,6 +34,7 @@ from .engine.base import (
     Carry,
     SchedulerState,
     Settings,
+    check_options,
 )
 from .engine.bus import EventBus
 from .engine.jobs import Handler, Job, JobRegistry
@@ -92,7 +93,12 @@ class Scheduler:
 
     For every slot, the first instance whose claim succeeds runs the handler; the others
     watch the run and take it over when its lease expires (reason ``takeover``) or when
-    the holder hands it over on :meth:`stop` (reason ``hand-over``).
+    the holder hands it over on :meth:`stop` (reason ``hand-over``). Where the backend
+    keeps a membership, the live instances are ranked per job (rendezvous hashing): the
+    first claims each slot, the next ones only if it is still unclaimed a check interval
+    later, so a slot costs about one claim whatever the fleet's size. ``max_running``
+    caps the handlers this instance runs at once: at that number it claims nothing new,
+    and the next-ranked instance takes the slot.
 
     ``lease`` is the default lease of every job; heartbeats renew held leases every
     ``heartbeat``, and each instance checks the runs it backs up at the same interval. The
@@ -132,18 +138,9 @@ class Scheduler:
         history_ttl: Duration | None = None,
         clock: Callable[[], float] | None = None,
         prune_every: Duration | None = "60s",
+        max_running: int | None = None,
     ) -> None:
-        if not isinstance(backend, Backend):
-            raise ConfigurationError(
-                f"backend={backend!r} is not an anarchon backend; pass MemoryBackend(), "
-                "PostgresBackend(...), RedisBackend(...) or backend_from_url(url)"
-            )
-        if instance_id is not None and (
-            not isinstance(instance_id, str) or not instance_id.strip()
-        ):
-            raise ConfigurationError(f"instance_id={instance_id!r} must be a non-empty string")
-        if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
-            raise ConfigurationError(f"history_size={history_size!r} must be an integer >= 1")
+        check_options(backend, instance_id, history_size, max_running)
         self.instance_id: str = instance_id or _default_instance_id()
         self.heartbeat: float = parse_duration(heartbeat, what="heartbeat")
         self.lease: float = parse_duration(lease, what="lease")
@@ -161,7 +158,7 @@ class Scheduler:
         self._clock = clock or time.monotonic
         self._settings = Settings(
             backend, self.instance_id, self.heartbeat, self.lease, history_size,
-            self.history_ttl_ms, self.prune_every, self._clock, self)
+            self.history_ttl_ms, self.prune_every, self._clock, self, max_running)
         self._bus = EventBus(self)
         self._carry = Carry()
         self._session: Session | None = None

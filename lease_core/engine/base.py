@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..abc import Backend
-from ..errors import AnarchonError
+from ..errors import AnarchonError, ConfigurationError
 
 __all__ = [
     "CATCH_UP_LIMIT",
@@ -25,6 +25,7 @@ __all__ = [
     "Carry",
     "SchedulerState",
     "Settings",
+    "check_options",
     "is_async",
     "log_failure",
     "logger",
@@ -91,6 +92,8 @@ class Settings:
     """The local monotonic clock, in seconds."""
     owner: object
     """The scheduler these settings belong to (the value of :data:`INSIDE` in its tasks)."""
+    max_running: int | None = None
+    """The most handlers this instance runs at once; at that number it claims nothing."""
 
 
 @dataclass
@@ -101,6 +104,27 @@ class Carry:
     """The job the next history trimming starts with (where the last one's budget ran out)."""
     quarantine_logged: dict[str, int | None] = field(default_factory=dict)
     """Per job, the end of the store's quarantine last logged (logged once each)."""
+
+
+def check_options(backend: object, instance_id: object, history_size: object,
+                  max_running: object) -> None:
+    """Refuse a scheduler's options that are not what :class:`Scheduler` takes."""
+    if not isinstance(backend, Backend):
+        raise ConfigurationError(
+            f"backend={backend!r} is not an anarchon backend; pass MemoryBackend(), "
+            "PostgresBackend(...), RedisBackend(...) or backend_from_url(url)"
+        )
+    if instance_id is not None and (
+        not isinstance(instance_id, str) or not instance_id.strip()
+    ):
+        raise ConfigurationError(f"instance_id={instance_id!r} must be a non-empty string")
+    if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
+        raise ConfigurationError(f"history_size={history_size!r} must be an integer >= 1")
+    if max_running is not None and (
+        isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1
+    ):
+        raise ConfigurationError(
+            f"max_running={max_running!r} must be an integer >= 1, or None for no limit")
 
 
 def log_failure(what: str, exc: Exception) -> None:

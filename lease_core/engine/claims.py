@@ -34,6 +34,7 @@ class Claimer:
         self._s = session
         self._batcher = ClaimBatcher(session.settings.backend)
         self._in_flight = 0
+        self._claims_in_flight = 0
         self._idle: anyio.Event | None = None
         self._quarantine_logged = session.carry.quarantine_logged
 
@@ -52,6 +53,10 @@ class Claimer:
         if s.stopping or s.tg is None:
             return [None] * len(claims)
         settings = s.settings
+        if settings.max_running is not None:
+            free = settings.max_running - s.runs.held_count - self._claims_in_flight
+            if free < len(claims):
+                return await self._claim_within(claims, max(0, free))
         requests = [
             ClaimRequest(
                 job.name, slot, settings.instance_id, os.urandom(16).hex(), job.lease_ms,
@@ -70,12 +75,14 @@ class Claimer:
         # instance knowing, leaving the run unattended until its lease expires. stop()
         # waits for claims in flight before it hands over.
         self._in_flight += 1
+        self._claims_in_flight += len(claims)
         try:
             with anyio.move_on_after(min(job.lease_ms for job, _, _ in claims) / 2000,
                                      shield=True):
                 answers = await self._batcher.claim_many(requests)
         finally:
             self._in_flight -= 1
+            self._claims_in_flight -= len(claims)
             if not self._in_flight and self._idle is not None:
                 self._idle.set()
         received = clock()
@@ -93,6 +100,16 @@ class Claimer:
             results.append(self._settle(job, slot, reason, requests[i].token, answer,
                                         received - sent, sent_loop))
         return results
+
+    async def _claim_within(self, claims: Sequence[tuple[Job, int, Reason]],
+                            free: int) -> list[ClaimResult | None]:
+        # At capacity: claim what fits; the rest wait, pending, until a handler ends (the
+        # member ranked next takes them meanwhile if it can).
+        now = self._s.clock.now_ms()
+        for job, slot, reason in claims[free:]:
+            self._s.runs.pending(job, slot, claim_after=now, reason=reason)
+        results = await self.claim_many(claims[:free]) if free else []
+        return results + [None] * (len(claims) - free)
 
     async def drain(self, seconds: float) -> None:
         """Wait, for ``seconds`` at most, until no claim is in flight."""

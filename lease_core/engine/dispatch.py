@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from .._durations import to_ms
 from .._structures import ClaimStatus, JobInfo, Reason, format_slot
 from . import base
 
@@ -100,9 +101,20 @@ class Dispatcher:
                     s.tg.start_soon(self._claim_due, claims)
 
     async def _claim_due(self, claims: list[tuple[Job, int, int]]) -> None:
+        # The member ranked first for a job claims at once; the one ranked k only if the
+        # run is still unclaimed k check intervals later (see lease_core.engine.fleet).
+        s = self._s
+        interval = to_ms(s.settings.heartbeat)
+        first: list[tuple[Job, int, Reason]] = []
+        for job, slot, _ in claims:
+            rank = s.fleet.rank(job.name)
+            if rank == 0:
+                first.append((job, slot, Reason.SCHEDULED))
+            else:
+                s.runs.pending(job, slot, claim_after=slot + rank * interval,
+                               reason=Reason.SCHEDULED)
         # A job's next slot is queued once its claim is settled, as a loop per job would.
-        await self._s.claims.claim_many(
-            [(job, slot, Reason.SCHEDULED) for job, slot, _ in claims])
+        await s.claims.claim_many(first)
         for job, _, last in claims:
             self.schedule_next(job, last)
 

@@ -65,6 +65,11 @@ class LeaseKeeper:
         # answers; the clock is sampled at least every minute.
         if s.settings.clock() - s.clock.last_sample > min(60.0, s.settings.heartbeat / 2):
             await s.clock.sample()
+        try:
+            await s.fleet.renew()
+        except Exception as exc:
+            # The last membership stands: a stale one costs an extra claim at most.
+            s.clock.failed("membership renewal", exc)
 
     async def _renew(self) -> None:
         s = self._s
@@ -99,7 +104,7 @@ class LeaseKeeper:
         watched = list(s.runs.watched())
         if not watched:
             return
-        retries = [run for run in watched if run.reclaim_reason is not None]
+        retries = [run for run in watched if run.phase is Phase.RECLAIM]
         newest: dict[str, int] = {}
         again: list[tuple[Job, int, Reason]] = []
         for run in retries:
@@ -120,7 +125,7 @@ class LeaseKeeper:
             assert run.reclaim_reason is not None
             again.append((run.job, run.slot, run.reclaim_reason))
         await s.claims.claim_many(again)
-        backups = [run for run in s.runs.watched() if run.reclaim_reason is None]
+        backups = [run for run in s.runs.watched() if run.phase is not Phase.RECLAIM]
         if not backups:
             return
         keys = [run.key for run in backups]
@@ -135,6 +140,13 @@ class LeaseKeeper:
                 continue
             run = current
             state = result.runs.get(key)
+            if run.phase is Phase.PENDING and state is None:
+                # Not claimed yet by the member ranked before this one: its turn came?
+                if result.now_ms >= run.claim_after:
+                    claims.append((run.job, key[1], run.reclaim_reason or Reason.SCHEDULED))
+                continue
+            if run.phase is Phase.PENDING and state is not None and not state.status.finished:
+                s.runs.watch(run.job, key[1])  # claimed by another member: back it up
             if key in result.lost:
                 # Lost with the store's data while its holder may still run it: claim it
                 # again; the claim waits out the store's quarantine.

@@ -3,6 +3,9 @@
 A run's record goes through these phases (:class:`Phase`); a run in none of them is one
 this instance has nothing to do with, or is done with::
 
+    (none) --due, ranked after another member, or at capacity--> PENDING
+    PENDING --still unclaimed when its turn comes--> CLAIMING
+    PENDING --claimed by another--> WATCHING, or (none) once finished
     (none) --claim sent--> CLAIMING --won--> HELD --handler ended--> FINISHING --> (none)
                               |  |             \\--won while stopping--> HANDING_OVER
                               |  \\--another holds it--> WATCHING --lease expired--> CLAIMING
@@ -50,12 +53,15 @@ class Phase(StrEnum):
     """The claim's answer is unknown, or the store is in quarantine: claim again next tick."""
     HANDING_OVER = "handing over"
     """Held while the scheduler stops: handed over to a backup once the handlers ended."""
+    PENDING = "pending"
+    """Due, but another member claims it first (or this one is at capacity): claimed here
+    only if the store still has no run by ``claim_after``."""
 
 
 #: The phases of a run this instance executes, which no claim reply changes.
 _OWN = frozenset({Phase.HELD, Phase.FINISHING, Phase.HANDING_OVER})
 #: The phases of a run this instance backs up (or must claim again).
-_WATCHED = frozenset({Phase.WATCHING, Phase.RECLAIM})
+_WATCHED = frozenset({Phase.WATCHING, Phase.RECLAIM, Phase.PENDING})
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +114,9 @@ class Run:
     attempt: AttemptInfo | None = None
     """The attempt this instance won, until the event about its end is reported."""
     reclaim_reason: Reason | None = None
-    """The reason to claim with again (``RECLAIM``)."""
+    """The reason to claim with (``RECLAIM``, ``PENDING``)."""
+    claim_after: int = 0
+    """Store time (ms) from which a ``PENDING`` run is claimed here if still unclaimed."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -199,6 +207,14 @@ class RunTable:
             return
         self._runs[key] = Run(job, slot, Phase.RECLAIM if reclaim else Phase.WATCHING,
                               reclaim_reason=reclaim)
+
+    def pending(self, job: Job, slot: int, *, claim_after: int, reason: Reason) -> None:
+        """Claim the run at ``claim_after`` (store ms) if the store has none by then."""
+        key = (job.name, slot)
+        run = self._runs.get(key)
+        if run is None or run.phase in (Phase.CLAIMING, Phase.RECLAIM, Phase.PENDING):
+            self._runs[key] = Run(job, slot, Phase.PENDING, reclaim_reason=reason,
+                                  claim_after=claim_after)
 
     def rewatch(self, run: Run) -> None:
         """The run's own attempt lost its lease, or its end is unknown: back it up."""

@@ -6,6 +6,7 @@ owns the components, each with one job, and wires them together:
 
 - :class:`~.runs.RunTable`: the runs this instance deals with, and their phases;
 - :class:`~.clock.StoreClock`: the store's clock, and whether the store answers;
+- :class:`~.fleet.Fleet`: the live members, and which of them claims each job first;
 - :class:`~.dispatch.Dispatcher`: when the scheduled jobs are due, catch-up;
 - :class:`~.claims.Claimer`: every claim, and what its answer means;
 - :class:`~.execution.Executor`: the handlers, their cancellation and their outcome;
@@ -41,6 +42,7 @@ from .claims import Claimer
 from .clock import StoreClock
 from .dispatch import Dispatcher
 from .execution import Executor
+from .fleet import Fleet
 from .jobs import JobRegistry
 from .leases import LeaseKeeper
 from .retention import Retention
@@ -91,6 +93,7 @@ class Session:
         self.subscriber_threads = anyio.CapacityLimiter(SUBSCRIBER_THREADS)
         self.clock = StoreClock(settings, bus.emit, offset_ms)
         self.runs = RunTable()
+        self.fleet = Fleet(self)
         self.claims = Claimer(self)
         self.execution = Executor(self)
         self.dispatch = Dispatcher(self)
@@ -210,6 +213,7 @@ class Session:
             for _ in range(3):
                 await self.clock.sample()
             infos = await backend.register_jobs(list(self.jobs))
+            await self.fleet.renew()
             workflows = self.registry.workflows
             if workflows:
                 await backend.register_workflows(

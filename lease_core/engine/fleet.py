@@ -1,0 +1,65 @@
+"""The fleet: which live instance claims each job's slots first (rendezvous ranking).
+
+Every instance renews its membership once per tick (:meth:`Backend.members
+<lease_core.abc.Backend.members>`, timed by the store's clock) and learns the live members.
+For each job, the members are ranked by a hash of (job, instance id), the same on every
+instance: the first claims a due slot at once; the one ranked *k* claims it only if nobody
+has after *k* check intervals. A slot then costs about one claim whatever the number of
+instances, jobs (and so bursts) spread evenly over the members, and a member joining or
+leaving moves only its share of jobs. Members that disagree about the membership cost an
+extra claim or an interval's delay, never a second winner (the store decides the claim).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from .._durations import to_ms
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["Fleet", "rendezvous_rank"]
+
+
+def _score(job: str, member: str) -> bytes:
+    return hashlib.blake2b(f"{job}\x00{member}".encode(), digest_size=8).digest()
+
+
+def rendezvous_rank(job: str, member: str, members: tuple[str, ...]) -> int:
+    """``member``'s rank for ``job`` among ``members`` (0: it claims first)."""
+    mine = (_score(job, member), member)
+    return sum(1 for other in members if other != member and (_score(job, other), other) > mine)
+
+
+class Fleet:
+    """This instance's view of the live members, and its rank per job."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session
+        self.members: tuple[str, ...] | None = None
+        """The live members at the last renewal; ``None``: unknown (every rank is 0)."""
+        self._ranks: dict[str, int] = {}
+
+    def rank(self, job: str) -> int:
+        """This instance's rank for ``job``: 0 when it claims first, or when unknown."""
+        members = self.members
+        if members is None or len(members) < 2:
+            return 0
+        rank = self._ranks.get(job)
+        if rank is None:
+            rank = self._ranks[job] = rendezvous_rank(
+                job, self._s.settings.instance_id, members)
+        return rank
+
+    async def renew(self) -> None:
+        """Renew this instance's membership and learn the live members."""
+        settings = self._s.settings
+        members = await settings.backend.members(settings.instance_id, to_ms(settings.lease))
+        if members is None:
+            self.members = None
+        else:
+            found = tuple(sorted({*members, settings.instance_id}))
+            if found != self.members:
+                self.members, self._ranks = found, {}
