@@ -77,6 +77,9 @@ class Health:
     """Runs this instance is executing."""
     runs_watched: int
     """Runs this instance backs up (or must claim again)."""
+    fleet_size: int | None = None
+    """The live instances this one knows, itself included (``None``: unknown, or the
+    backend keeps no membership)."""
 
     @property
     def ready(self) -> bool:
@@ -300,6 +303,7 @@ class Scheduler:
             since_store_answer=since,
             runs_held=0 if s is None else s.runs.held_count,
             runs_watched=0 if s is None else s.runs.watched_count,
+            fleet_size=None if s is None or s.fleet.members is None else len(s.fleet.members),
         )
 
     # ----------------------------------------------------------------- store clock

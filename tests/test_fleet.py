@@ -1,0 +1,232 @@
+"""The fleet: about one claim per slot whatever the number of instances, balance, capacity.
+
+Each instance renews its membership every tick; per job, the live members are ranked by
+rendezvous hashing, the first claims a due slot and the others only if it is still
+unclaimed their rank's check intervals later.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import anyio
+import pytest
+
+from lease_core import ConfigurationError, RunContext, Scheduler
+from lease_core.engine.fleet import rendezvous_rank
+from lease_core.testing import claim_now
+from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_for
+from tests.stores import Store
+
+FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
+
+
+class CountingClaims:
+    """A backend wrapper counting the runs each instance asks the store to claim."""
+
+    def __init__(self, inner: Any, counts: Counter[str], name: str) -> None:
+        self.inner, self.counts, self.name = inner, counts, name
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr == "claim":
+            async def claim(request: Any) -> Any:
+                self.counts[self.name] += 1
+                return await value(request)
+            return claim
+        if attr == "claim_many":
+            async def claim_many(requests: Any) -> Any:
+                self.counts[self.name] += len(requests)
+                return await value(requests)
+            return claim_many
+        return value
+
+
+def counted(store: Store, name: str, counts: Counter[str], **kw: Any) -> Scheduler:
+    s = Scheduler(store.backend(), instance_id=name, **{**FAST, **kw})
+    s.backend = CountingClaims(s.backend, counts, name)  # type: ignore[assignment]
+    return s
+
+
+# ----------------------------------------------------------------- ranking, pure
+
+
+def test_every_job_has_exactly_one_first_member_and_ranks_are_a_permutation() -> None:
+    members = tuple(f"instance-{i}" for i in range(7))
+    for job in (f"job-{j}" for j in range(200)):
+        ranks = sorted(rendezvous_rank(job, m, members) for m in members)
+        assert ranks == list(range(len(members))), (job, ranks)
+
+
+def test_a_member_leaving_moves_only_the_jobs_it_ranked_first() -> None:
+    members = tuple(f"i{n}" for n in range(10))
+    jobs = [f"job/{n}" for n in range(1000)]
+
+    def firsts(ms: tuple[str, ...]) -> dict[str, str]:
+        return {job: next(m for m in ms if rendezvous_rank(job, m, ms) == 0) for job in jobs}
+
+    before = firsts(members)
+    after = firsts(tuple(m for m in members if m != "i3"))
+    moved = {job for job in jobs if before[job] != after[job]}
+    assert moved == {job for job in jobs if before[job] == "i3"}
+    assert moved  # i3 ranked first for some jobs
+
+
+def test_a_burst_of_1000_jobs_on_10_members_is_balanced() -> None:
+    members = tuple(f"host-{n}-{n * 7919}" for n in range(10))
+    firsts = Counter(
+        next(m for m in members if rendezvous_rank(f"export-{j}", m, members) == 0)
+        for j in range(1000))
+    assert len(firsts) == 10
+    assert max(firsts.values()) <= 1.5 * 100, firsts
+
+
+def test_max_running_must_be_a_positive_integer() -> None:
+    from lease_core import MemoryBackend
+
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ConfigurationError, match="max_running"):
+            Scheduler(MemoryBackend(), max_running=bad)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- on every store
+
+
+@pytest.mark.parametrize("instances", [3, 6])
+async def test_a_slot_costs_about_one_claim_whatever_the_fleet(store: Store,
+                                                               instances: int) -> None:
+    counts: Counter[str] = Counter()
+    ran: Counter[tuple[str, int]] = Counter()
+    schedulers = []
+    for i in range(instances):
+        s = counted(store, f"member-{i}", counts)
+        for j in range(12):
+            async def tick(ctx: RunContext) -> None:
+                ran[(ctx.job, ctx.slot)] += 1
+            s.every(f"tick-{j}", "1s", tick)
+        schedulers.append(s)
+    async with anyio.create_task_group() as tg:
+        fleet = [await Instance(s).start(tg) for s in schedulers]
+        # Every member knows every other once each has ticked (the first slots may cost
+        # more while they join).
+        await wait_for(lambda: all(s.health().fleet_size == instances for s in schedulers),
+                       timeout=10, what="every member seeing the whole fleet")
+        counts.clear()
+        first = (schedulers[0].store_now_ms() // 1000 + 1) * 1000
+        await wait_for(lambda: sum(1 for (_, slot) in ran if slot >= first + 3000) >= 12,
+                       timeout=15, what="four slots of every job")
+        await stop_all(fleet)
+    window = [key for key in ran if first <= key[1] < first + 4000]
+    assert len(window) == 4 * 12, sorted(window)
+    assert all(ran[key] == 1 for key in ran), ran
+    per_run = sum(counts.values()) / len([key for key in ran if key[1] >= first])
+    assert per_run <= 1.5, (per_run, counts)
+    # Each member claimed some of the jobs: the work is spread.
+    assert len(counts) >= 2, counts
+
+
+async def test_a_crashed_members_slots_are_claimed_by_the_next_ranked(store: Store) -> None:
+    ran: list[tuple[str, int, str]] = []
+    schedulers = []
+    for name in ("a", "b"):
+        s = Scheduler(store.backend(), instance_id=name, **FAST)
+        for j in range(8):
+            async def tick(ctx: RunContext, name: str = name) -> None:
+                ran.append((ctx.job, ctx.slot, name))
+            s.every(f"job-{j}", "1s", tick)
+        schedulers.append(s)
+    a, b = schedulers
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        await wait_for(lambda: a.health().fleet_size == b.health().fleet_size == 2,
+                       timeout=10, what="both members known")
+        await wait_for(lambda: {n for _, _, n in ran} == {"a", "b"}, timeout=10,
+                       what="both members running their share")
+        ia.crash()
+        await ia.wait_done()
+        crashed = b.store_now_ms()
+        after = (crashed // 1000 + 1) * 1000
+        await wait_for(lambda: len({(j, s) for j, s, _ in ran if s >= after}) >= 2 * 8,
+                       timeout=10, what="two slots of every job after the crash")
+        await ib.stop()
+    later = [(job, slot, name) for job, slot, name in ran if slot >= after]
+    slots = Counter((job, slot) for job, slot, _ in later)
+    assert all(n == 1 for n in slots.values()), slots
+    assert {name for _, _, name in later} == {"b"}
+    for slot in (after, after + 1000):
+        assert {job for job, s, _ in later if s == slot} == {f"job-{j}" for j in range(8)}
+
+
+async def test_an_instance_at_capacity_claims_nothing_and_the_next_takes_the_slot(
+        store: Store) -> None:
+    offset = quiet_offset(await store_now_ms(store.backend()))
+    # A job that "full" ranks first for, among the two members.
+    job = next(f"due-{n}" for n in range(100)
+               if rendezvous_rank(f"due-{n}", "full", ("full", "spare")) == 0)
+    release = anyio.Event()
+    ran: list[tuple[str, int, str]] = []
+
+    def build(name: str) -> Scheduler:
+        s = Scheduler(store.backend(), instance_id=name, max_running=1, **FAST)
+
+        @s.every("hold", "1h", offset=offset)
+        async def hold(ctx: RunContext) -> None:
+            await release.wait()
+
+        @s.every(job, "1s")
+        async def due(ctx: RunContext, name: str = name) -> None:
+            ran.append((ctx.job, ctx.slot, name))
+
+        return s
+
+    full, spare = build("full"), build("spare")
+    async with anyio.create_task_group() as tg:
+        i_full = await Instance(full).start(tg)
+        i_spare = await Instance(spare).start(tg)
+        await wait_for(lambda: full.health().fleet_size == spare.health().fleet_size == 2,
+                       timeout=10, what="both members known")
+        slot = full.jobs["hold"].schedule.previous_at_or_before(full.store_now_ms())
+        assert slot is not None
+        await claim_now(full, "hold", slot)
+        assert full.running == [("hold", slot)]
+        since = (full.store_now_ms() // 1000 + 1) * 1000
+        await wait_for(lambda: len([r for r in ran if r[1] >= since]) >= 3, timeout=10,
+                       what="three slots of the due job")
+        assert full.running == [("hold", slot)]
+        release.set()
+        await stop_all([i_full, i_spare])
+    late = [r for r in ran if r[1] >= since]
+    assert {name for _, _, name in late} == {"spare"}, late
+    assert Counter(s for _, s, _ in ran).most_common(1)[0][1] == 1
+
+
+async def test_a_lone_instance_at_capacity_runs_the_slot_once_a_handler_ends(
+        store: Store) -> None:
+    offset = quiet_offset(await store_now_ms(store.backend()))
+    release = anyio.Event()
+    ran: list[int] = []
+    s = Scheduler(store.backend(), instance_id="alone", max_running=1, **FAST)
+
+    @s.every("hold", "1h", offset=offset)
+    async def hold(ctx: RunContext) -> None:
+        await release.wait()
+
+    @s.every("next", "1h", offset=offset + 60)
+    async def after(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        hold_slot = s.jobs["hold"].schedule.previous_at_or_before(s.store_now_ms())
+        next_slot = s.jobs["next"].schedule.previous_at_or_before(s.store_now_ms())
+        assert hold_slot is not None and next_slot is not None
+        await claim_now(s, "hold", hold_slot)
+        assert await claim_now(s, "next", next_slot) is None  # at capacity: deferred
+        assert ("next", next_slot) in s.watching
+        assert ran == [] and s.running == [("hold", hold_slot)]
+        release.set()
+        await wait_for(lambda: ran == [next_slot], timeout=10,
+                       what="the deferred run once capacity is free")
+        await inst.stop()
