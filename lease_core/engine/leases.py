@@ -136,7 +136,8 @@ class LeaseKeeper:
         claims: list[tuple[Job, int, Reason]] = []
         for key in keys:
             current = s.runs.get(key)
-            if current is None or current.phase not in (Phase.WATCHING, Phase.RECLAIM):
+            if current is None or current.phase not in (Phase.WATCHING, Phase.RECLAIM,
+                                                        Phase.PENDING):
                 continue
             run = current
             state = result.runs.get(key)
