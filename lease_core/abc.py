@@ -112,6 +112,7 @@ _DERIVED_LIMIT = 10_000
 # The contract's data types are re-exported here: a backend is written against this module.
 __all__ = [
     "FINISH_OUTCOMES",
+    "MEMBER_RETENTION_MS",
     "TWINS",
     "Attempt",
     "Backend",
@@ -127,7 +128,6 @@ __all__ = [
     "RunInfo",
     "RunState",
     "RunStatus",
-    "MEMBER_RETENTION_MS",
     "check_every",
     "check_members",
     "check_prune",

@@ -841,8 +841,7 @@ async def test_members_round_trip_odd_instance_ids(store: Store) -> None:
                "{tag}"]
         await _members_or_skip(a, odd[0], 60_000)
         for name in odd[1:]:
-            found = await a.members(name, 60_000)
-            assert name in found
+            assert name in await _members_or_skip(a, name, 60_000)
         assert await a.members(odd[0], 60_000) == sorted(odd)
     finally:
         await a.close()
