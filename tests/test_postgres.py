@@ -246,6 +246,39 @@ async def test_members_share_meta_with_other_rows_and_need_no_more_privileges(
         admin(pg16_server, f"DROP ROLE {role}")
 
 
+@pytest.mark.parametrize(("anyio_backend", "scheme"), LOOP_SCHEMES[:2])
+async def test_members_called_together_never_wait_for_each_other(
+    pg16_server: PgServer, table: str, scheme: str, anyio_backend: str
+) -> None:
+    # Every caller's own row ended more than an hour ago, so each statement both renews
+    # its own row and would delete the others': row locks are skipped, never waited for.
+    dsn = pg16_server.dsn.replace("postgresql://", scheme, 1)
+    backends = [PostgresBackend(dsn, table=table, min_size=1, max_size=1) for _ in range(6)]
+    for backend in backends:
+        await backend.start()
+    try:
+        names = [f"i{n}" for n in range(len(backends))]
+
+        async def renew(seen: dict[str, list[str]], backend: PostgresBackend, name: str) -> None:
+            seen[name] = await backend.members(name, 30_000)
+
+        for _ in range(3):
+            ancient = str(await backends[0].now_ms() - 7_200_000)
+            admin(pg16_server, f"INSERT INTO {table}_meta (key, value) "
+                  "SELECT 'member:' || n, %s FROM unnest(%s::text[]) AS n "
+                  "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value", (ancient, names))
+            seen: dict[str, list[str]] = {}
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    for backend, name in zip(backends, names, strict=True):
+                        tg.start_soon(renew, seen, backend, name)
+            assert all(name in seen[name] for name in names)
+            assert await backends[0].members("i0", 30_000) == names
+    finally:
+        for backend in backends:
+            await backend.close()
+
+
 @pytest.mark.asyncio_only
 async def test_schema_qualified_table_and_missing_schema(pg16_server: PgServer) -> None:
     schema = f"s_{uuid.uuid4().hex[:8]}"
