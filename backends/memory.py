@@ -36,6 +36,7 @@ from lease_core._structures import (
 from lease_core.abc import (
     Backend,
     check_every,
+    check_members,
     check_prune,
     decode_checkpoint,
     encode_checkpoint,
@@ -83,6 +84,8 @@ class MemoryBackend(Backend):
         self._attempts: dict[str, list[Attempt]] = {}
         #: When the current maintenance period ends (ms), and who won it.
         self._maintenance: tuple[int, str] | None = None
+        #: The fleet's members: instance id -> end of its membership (ms, this clock).
+        self._members: dict[str, int] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:
@@ -283,6 +286,20 @@ class MemoryBackend(Backend):
                 return False
             self._maintenance = (now + every_ms, instance_id)
             return True
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
+        """Renew ``instance_id``'s membership and list the live members (one lock).
+
+        Members whose membership has ended are deleted at once: nothing else reads them.
+        """
+        check_members(instance_id, ttl_ms)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            self._members[instance_id] = now + ttl_ms
+            for name in [name for name, until in self._members.items() if until <= now]:
+                del self._members[name]
+            return sorted(self._members)
 
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:
         run = self._runs.get((lease.job, lease.slot))

@@ -63,6 +63,16 @@ the pair. One implementing neither ``prune`` nor ``prune_many`` keeps its histor
 validate their arguments and delete nothing). The inherited method calls its twin through
 ``self``, so an override of the batch also sees the lone calls, as a batch of one.
 
+*Membership* (:meth:`Backend.members`). Each instance renews its membership of the fleet
+for ``ttl_ms`` (an absolute expiry, ``now + ttl_ms``, on the store's clock, never the
+client's) and reads, in the same call and one round trip, the ids of every live member
+(expiry after now), itself included, sorted (Python's ``sorted``). An expired member is
+not returned; the store deletes its record later (records expired more than
+:data:`MEMBER_RETENTION_MS` ago go in the same call), so records never accumulate. The
+scheduler ranks instances per job from this list (rendezvous hashing); a backend that
+keeps no membership returns ``None`` (the default), and the scheduler then claims every
+slot on every instance.
+
 *Quarantine.* A store that finds it lost data (Redis restarted without persistence) may
 answer a claim ``RUNNING`` with no run (``run_status`` ``None``, ``expires_ms`` the end of
 its quarantine), writing nothing, until every lease that may have been live has expired;
@@ -102,6 +112,7 @@ _DERIVED_LIMIT = 10_000
 # The contract's data types are re-exported here: a backend is written against this module.
 __all__ = [
     "FINISH_OUTCOMES",
+    "MEMBER_RETENTION_MS",
     "TWINS",
     "Attempt",
     "Backend",
@@ -118,6 +129,7 @@ __all__ = [
     "RunState",
     "RunStatus",
     "check_every",
+    "check_members",
     "check_prune",
     "decode_checkpoint",
     "encode_checkpoint",
@@ -154,6 +166,19 @@ def check_every(every_ms: int) -> None:
     """Validate the period of :meth:`Backend.maintenance_due` (``ConfigurationError``)."""
     if isinstance(every_ms, bool) or not isinstance(every_ms, int) or every_ms < 1:
         raise ConfigurationError(f"every_ms={every_ms!r} must be a whole number, 1 or more")
+
+
+#: How long after its expiry a member's record is kept at most: :meth:`Backend.members`
+#: deletes older ones (a cheap, bounded sweep of the records it reads anyway).
+MEMBER_RETENTION_MS = 3_600_000
+
+
+def check_members(instance_id: str, ttl_ms: int) -> None:
+    """Validate the arguments of :meth:`Backend.members` (``ConfigurationError`` naming them)."""
+    if not isinstance(instance_id, str) or not instance_id:
+        raise ConfigurationError(f"instance_id={instance_id!r} must be a non-empty string")
+    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
+        raise ConfigurationError(f"ttl_ms={ttl_ms!r} must be a whole number, 1 or more")
 
 
 def _run_status(attempt: Attempt) -> RunStatus:
@@ -442,6 +467,25 @@ class Backend(ABC):
             return False
         self.__dict__["_maintenance_until"] = now + every_ms
         return True
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
+        """Renew ``instance_id``'s membership of the fleet for ``ttl_ms`` (store clock) and
+        return the ids of every live member, this one included, sorted.
+
+        The membership ends at ``now + ttl_ms`` on the store's clock (an absolute expiry,
+        like a heartbeat's); a member whose membership has ended is not returned, and
+        records that ended more than :data:`MEMBER_RETENTION_MS` ago are deleted by the
+        same call. One round trip where the store allows it (one statement on
+        PostgreSQL, one script on Redis, one lock on memory). ``ttl_ms`` must be a whole
+        number, 1 or more, and ``instance_id`` a non-empty string
+        (:class:`~lease_core.errors.ConfigurationError` otherwise, writing nothing).
+
+        The default returns ``None``: this backend keeps no membership, and the scheduler
+        then claims every slot on every instance. The built-in backends keep it in the
+        store.
+        """
+        check_members(instance_id, ttl_ms)
+        return None
 
     async def jobs(self) -> list[str]:
         """Return the name of every job the store knows, sorted.

@@ -201,6 +201,84 @@ async def test_least_privilege_role_after_migrate(pg16_server: PgServer, table: 
         admin(pg16_server, f"DROP ROLE {role}")
 
 
+@pytest.mark.parametrize(("anyio_backend", "scheme"), LOOP_SCHEMES)
+async def test_members_share_meta_with_other_rows_and_need_no_more_privileges(
+    pg16_server: PgServer, table: str, scheme: str, anyio_backend: str
+) -> None:
+    # A store as the previous release made it (no table of its own for members), used by
+    # a role with SELECT, INSERT, UPDATE and DELETE only, whose _meta holds other rows.
+    role = f"app_{uuid.uuid4().hex[:8]}"
+    password = uuid.uuid4().hex
+    admin(pg16_server, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+    role_dsn = pg16_server.server.dsn_for(role, password).replace("postgresql://", scheme, 1)
+    try:
+        await migrate(pg16_server.dsn.replace("postgresql://", scheme, 1), table=table)
+        tables = ", ".join(f"{table}{s}" for s in ("", "_attempts", "_jobs", "_meta"))
+        admin(pg16_server, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {role}")
+        backend = PostgresBackend(role_dsn, table=table)
+        await backend.start()
+        try:
+            assert await backend.maintenance_due("app", 60_000)
+            await backend.register_workflows({"close": ["a", "b"]})
+            now = await backend.now_ms()
+            admin(pg16_server, f"INSERT INTO {table}_meta (key, value) VALUES "
+                  "('member:ancient', %s), ('member:recent', %s), ('member:junk', 'x y'), "
+                  "('member:huge', %s), ('membership', '12'), ('workflow:member:', '[]')",
+                  (str(now - 3_600_000 - 60_000), str(now - 1_000), "9" * 30))
+            others = f"SELECT key, value FROM {table}_meta WHERE left(key, 7) <> 'member:' " \
+                     "ORDER BY key"
+            before = admin(pg16_server, others)
+            assert await backend.members("app 1", 30_000) == ["app 1"]
+            assert await backend.members("app:2|é", 30_000) == ["app 1", "app:2|é"]
+            assert admin(pg16_server, others) == before  # no other row touched
+            kept = admin(pg16_server, f"SELECT substr(key, 8) FROM {table}_meta "
+                         "WHERE left(key, 7) = 'member:' ORDER BY key")
+            # ended more than an hour ago, or unreadable: deleted; ended lately: kept
+            assert sorted(k for (k,) in kept) == sorted(["app 1", "app:2|é", "recent"])
+            (value,) = admin(pg16_server, f"SELECT value FROM {table}_meta "
+                             "WHERE key = 'member:app 1'")[0]
+            assert now + 30_000 <= int(value) <= await backend.now_ms() + 30_000
+            assert not await backend.maintenance_due("app", 60_000)  # its row is intact
+        finally:
+            await backend.close()
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
+        admin(pg16_server, f"DROP ROLE {role}")
+
+
+@pytest.mark.parametrize(("anyio_backend", "scheme"), LOOP_SCHEMES[:2])
+async def test_members_called_together_never_wait_for_each_other(
+    pg16_server: PgServer, table: str, scheme: str, anyio_backend: str
+) -> None:
+    # Every caller's own row ended more than an hour ago, so each statement both renews
+    # its own row and would delete the others': row locks are skipped, never waited for.
+    dsn = pg16_server.dsn.replace("postgresql://", scheme, 1)
+    backends = [PostgresBackend(dsn, table=table, min_size=1, max_size=1) for _ in range(6)]
+    for backend in backends:
+        await backend.start()
+    try:
+        names = [f"i{n}" for n in range(len(backends))]
+
+        async def renew(seen: dict[str, list[str]], backend: PostgresBackend, name: str) -> None:
+            seen[name] = await backend.members(name, 30_000)
+
+        for _ in range(3):
+            ancient = str(await backends[0].now_ms() - 7_200_000)
+            admin(pg16_server, f"INSERT INTO {table}_meta (key, value) "
+                  "SELECT 'member:' || n, %s FROM unnest(%s::text[]) AS n "
+                  "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value", (ancient, names))
+            seen: dict[str, list[str]] = {}
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    for backend, name in zip(backends, names, strict=True):
+                        tg.start_soon(renew, seen, backend, name)
+            assert all(name in seen[name] for name in names)
+            assert await backends[0].members("i0", 30_000) == names
+    finally:
+        for backend in backends:
+            await backend.close()
+
+
 @pytest.mark.asyncio_only
 async def test_schema_qualified_table_and_missing_schema(pg16_server: PgServer) -> None:
     schema = f"s_{uuid.uuid4().hex[:8]}"

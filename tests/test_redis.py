@@ -202,6 +202,7 @@ async def test_every_script_touches_one_slot(backend: RedisBackend, raw: redis.R
         await backend.claim(_request(job, 3, f"{job}-3", history_size=2))
         await backend.prune(job, keep=2)  # trims slot 1
         await backend.hand_over([Lease(job, 3, f"{job}-3", 30_000)])
+        await backend.members(f"instance {job}", 30_000)
     await backend.history()
     scripts = [c for c in sent if c[0] == "EVALSHA"]
     assert len(scripts) > 6 * len(ODD_JOBS)
@@ -338,6 +339,23 @@ async def test_batched_calls_take_one_round_trip(backend: RedisBackend) -> None:
     assert calls == 3
     assert await backend.hand_over(leases) == {lease.token for lease in leases}
     assert calls == 4
+    assert await backend.members("i-1", 30_000) == ["i-1"]  # one members.lua call
+    assert calls == 5
+
+
+async def test_members_live_on_the_server_clock_and_long_ended_ones_go(
+    backend: RedisBackend, raw: redis.Redis
+) -> None:
+    key = "{" + backend.prefix + "}:members"
+    before = _server_ms(raw)
+    raw.zadd(key, {"ancient": before - 3_600_000 - 60_000, "recent": before - 1_000,
+                   "live": before + 60_000})
+    assert await backend.members("me", 30_000) == ["live", "me"]
+    after = _server_ms(raw)
+    assert raw.zscore(key, "ancient") is None  # ended more than an hour ago: deleted
+    assert raw.zscore(key, "recent") == before - 1_000  # ended lately: kept, not listed
+    score = raw.zscore(key, "me")
+    assert score is not None and before + 30_000 <= score <= after + 30_000
 
 
 # -- store format ----------------------------------------------------------------------
@@ -741,6 +759,8 @@ async def test_works_on_a_cluster(cluster_node: EmbeddedRedisCluster) -> None:
         for job in ODD_JOBS:  # trimmed to its newest attempt (the skipped slot 2)
             await backend.prune(job, keep=1)
         assert sorted(a.slot for a in await backend.history()) == [2] * len(ODD_JOBS)
+        assert await backend.members("node a", 30_000) == ["node a"]
+        assert await backend.members("node b", 30_000) == ["node a", "node b"]
     finally:
         await backend.close()
         await client.aclose()

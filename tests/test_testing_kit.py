@@ -143,3 +143,34 @@ def test_the_shipped_suite_fails_a_backend_that_lets_two_instances_win(tmp_path:
     # The differential test finds the difference and names the call.
     assert reasons["test_behaves_like_the_memory_backend"].startswith("AssertionError: claim")
     assert summary(out.stdout)["passed"] > 0  # the properties the toy keeps still pass
+
+
+@pytest.mark.anyio
+async def test_membership_checks_skip_a_backend_that_keeps_no_membership() -> None:
+    from backends.memory import MemoryBackend
+    from lease_core.abc import Backend
+    from lease_core.errors import ConfigurationError
+    from lease_core.testing import Store, conformance
+
+    class NoMembership(MemoryBackend):
+        """The memory backend with the contract's default members(): no membership."""
+
+        async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
+            return await Backend.members(self, instance_id, ttl_ms)
+
+    class Shared(Store):
+        def __init__(self) -> None:
+            self.shared = NoMembership()
+
+        def backend(self) -> Backend:
+            return self.shared
+
+    assert await NoMembership().members("i", 1_000) is None
+    with pytest.raises(ConfigurationError, match="ttl_ms=0"):  # the default validates too
+        await NoMembership().members("i", 0)
+    checks = [check for name, check in vars(conformance).items()
+              if name.startswith("test_members")]
+    assert len(checks) == 4
+    for check in checks:
+        with pytest.raises(pytest.skip.Exception, match="keeps no membership"):
+            await check(Shared())

@@ -34,8 +34,10 @@ from lease_core._structures import (
     ms_to_datetime,
 )
 from lease_core.abc import (
+    MEMBER_RETENTION_MS,
     Backend,
     check_every,
+    check_members,
     check_prune,
     decode_checkpoint,
     encode_checkpoint,
@@ -416,6 +418,13 @@ class PostgresBackend(Backend):
         check_every(every_ms)
         rows = await self._adapter.all(self._sql.maintenance_due, (every_ms, instance_id))
         return bool(rows)
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
+        """Renew the membership and list the live members: one statement on ``<table>_meta``."""
+        check_members(instance_id, ttl_ms)
+        rows = await self._adapter.all(self._sql.members, {
+            "instance": instance_id, "ttl_ms": ttl_ms, "keep_ms": MEMBER_RETENTION_MS})
+        return sorted(str(row[0]) for row in rows)
 
     async def jobs(self) -> list[str]:
         """Return every job in ``<table>_jobs``, sorted."""

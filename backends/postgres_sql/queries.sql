@@ -332,6 +332,35 @@ WHERE CASE WHEN m.value ~ '^[0-9]+ ' THEN split_part(m.value, ' ', 1)::bigint EL
       <= {now}
 RETURNING 1
 
+-- name: members
+-- Renew one instance's membership of the fleet and list the live members, in one
+-- statement: the row 'member:<instance>' holds the end of its membership (ms, the server's
+-- clock), upserted; member rows that ended more than %(keep_ms)s ms ago are deleted,
+-- skipping rows another caller holds locked (so two callers never wait for each other),
+-- and never the caller's own row. The statement's snapshot does not see its own upsert,
+-- so the caller is added to the list explicitly. Other rows of the table (format, code,
+-- maintenance, workflow:...) are never touched: member rows are found with left(), and the
+-- cast of their value is guarded by CASE (a WHERE clause does not short-circuit).
+-- Parameters: instance, ttl_ms, keep_ms.
+WITH renewed AS (
+    INSERT INTO {meta} AS m (key, value)
+    VALUES ('member:' || %(instance)s::text, ({now} + %(ttl_ms)s::bigint)::text)
+    ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value),
+doomed AS (
+    SELECT m.key FROM {meta} m
+    WHERE left(m.key, 7) = 'member:' AND m.key <> 'member:' || %(instance)s::text
+      AND CASE WHEN m.value ~ '^[0-9]+$' AND length(m.value) < 19
+               THEN m.value::bigint ELSE 0 END < {now} - %(keep_ms)s::bigint
+    FOR UPDATE SKIP LOCKED),
+gone AS (
+    DELETE FROM {meta} m USING doomed d WHERE m.key = d.key)
+SELECT %(instance)s::text
+UNION
+SELECT substr(m.key, 8) FROM {meta} m
+WHERE left(m.key, 7) = 'member:'
+  AND CASE WHEN m.value ~ '^[0-9]+$' AND length(m.value) < 19
+           THEN m.value::bigint ELSE 0 END > {now}
+
 -- name: write_workflows
 -- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.
 INSERT INTO {meta} (key, value)

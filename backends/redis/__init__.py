@@ -29,6 +29,8 @@ key                          type    content
 ``{P}:meta``                 hash    ``format`` (store format), ``created``
 ``{P}:jobs``                 set     job names, for ``history(job=None)``
 ``{P}:maintenance``          string  the instance trimming history this period (expires)
+``{P}:members``              zset    the fleet's members: instance id by the end of its
+                                     membership (ms); ended ones are deleted an hour on
 ``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count),
                                      ``sid`` (marker of the job's data), ``lost`` and
                                      ``quiet`` (when a data loss was found, and the end

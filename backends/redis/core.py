@@ -162,6 +162,10 @@ class RedisStore(Backend):
         return "{" + self.prefix + "}:maintenance"
 
     @property
+    def _members_key(self) -> str:
+        return "{" + self.prefix + "}:members"
+
+    @property
     def _jobs_key(self) -> str:
         return "{" + self.prefix + "}:jobs"
 

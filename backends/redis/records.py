@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from adapters.redis import Command
 from lease_core._structures import Attempt, RunInfo, RunStatus
-from lease_core.abc import check_every, check_prune
+from lease_core.abc import MEMBER_RETENTION_MS, check_every, check_members, check_prune
 from lease_core.errors import ConfigurationError
 
 from .core import RedisStore
@@ -89,6 +89,14 @@ class RedisRecords(RedisStore):
         (reply,) = await self._run([("SET", self._maintenance_key, instance_id, "NX",
                                      "PX", every_ms)])
         return reply is not None and reply is not False
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
+        """Renew the membership and list the live members: one ``members.lua`` call on
+        the ``{P}:members`` sorted set (one key: one slot on a Cluster)."""
+        check_members(instance_id, ttl_ms)
+        (names,) = await self._run([self._eval(
+            "members", [self._members_key], [instance_id, ttl_ms, MEMBER_RETENTION_MS])])
+        return sorted(as_text(name) for name in names)
 
     async def jobs(self) -> list[str]:
         """Return every job under the prefix, sorted."""

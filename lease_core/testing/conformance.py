@@ -772,3 +772,76 @@ async def test_a_claim_leaves_trimming_to_prune(store: Store) -> None:
         assert [h.slot for h in await a.history("k")] == [SLOT + 5, SLOT + 4]
     finally:
         await a.close()
+
+
+async def _members_or_skip(backend: Backend, instance_id: str, ttl_ms: int) -> list[str]:
+    """``backend.members(...)``, or skip the check: a backend answering None keeps no
+    membership (the contract's default), and has nothing else to check."""
+    found = await backend.members(instance_id, ttl_ms)
+    if found is None:
+        pytest.skip(f"{type(backend).__name__}.members() returns None: it keeps no membership")
+    assert isinstance(found, list), f"members() must return a list or None, not {found!r}"
+    return found
+
+
+async def test_members_lists_every_live_member_sorted(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        assert await _members_or_skip(a, "m-b", 60_000) == ["m-b"]  # includes the caller
+        assert await b.members("m-a", 60_000) == ["m-a", "m-b"]
+        assert await a.members("m-b", 60_000) == ["m-a", "m-b"]  # renewing keeps it
+        assert await b.members("m-c", 60_000) == ["m-a", "m-b", "m-c"]
+        assert await a.members("m-a", 60_000) == ["m-a", "m-b", "m-c"]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_members_drops_a_member_whose_ttl_lapsed(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        await _members_or_skip(a, "keeper", 60_000)
+        assert await b.members("leaver", SHORT) == ["keeper", "leaver"]
+        # A renewal sets an absolute expiry: the short ttl is again the whole of it.
+        assert await b.members("leaver", SHORT) == ["keeper", "leaver"]
+
+        async def gone() -> bool:
+            return await a.members("keeper", 60_000) == ["keeper"]
+
+        await wait_for(gone, timeout=5, what="the lapsed member to disappear")
+        # it comes back as soon as it renews
+        assert await b.members("leaver", 60_000) == ["keeper", "leaver"]
+        assert await a.members("keeper", 60_000) == ["keeper", "leaver"]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_members_refuses_bad_arguments_and_writes_nothing(store: Store) -> None:
+    a = await started(store)
+    try:
+        await _members_or_skip(a, "good", 60_000)
+        bad_ttls: list[object] = [0, -1, 1.5, "100", True, None]
+        for ttl in bad_ttls:
+            with pytest.raises(ConfigurationError, match=f"ttl_ms={ttl!r}"):
+                await a.members("bad-ttl", ttl)  # type: ignore[arg-type]
+        bad_ids: list[object] = ["", None, 7, b"bytes"]
+        for instance_id in bad_ids:
+            with pytest.raises(ConfigurationError, match="instance_id="):
+                await a.members(instance_id, 60_000)  # type: ignore[arg-type]
+        assert await a.members("good", 60_000) == ["good"]
+    finally:
+        await a.close()
+
+
+async def test_members_round_trip_odd_instance_ids(store: Store) -> None:
+    a = await started(store)
+    try:
+        odd = ["host 1 pid 2", "zürich-β-東京", "a:b:c", "x|y|z", "member:x", "%s", "'; --",
+               "{tag}"]
+        await _members_or_skip(a, odd[0], 60_000)
+        for name in odd[1:]:
+            assert name in await _members_or_skip(a, name, 60_000)
+        assert await a.members(odd[0], 60_000) == sorted(odd)
+    finally:
+        await a.close()
