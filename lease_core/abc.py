@@ -441,15 +441,6 @@ class Backend(ABC):
                                       batch=batch)
                 for job in names}
 
-    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
-        """Renew ``instance_id``'s membership of the fleet for ``ttl_ms`` (store clock) and
-        return the ids of every live member, this one included, sorted.
-
-        The default keeps no membership and returns ``None``: every instance then claims
-        every slot, as a backend written before membership expects.
-        """
-        return None
-
     async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
         """Return True to one caller per ``every_ms`` across every instance of the store.
 
