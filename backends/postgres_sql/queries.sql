@@ -336,8 +336,10 @@ RETURNING 1
 -- Renew one instance's membership of the fleet and list the live members, in one
 -- statement: the row 'member:<instance>' holds the end of its membership (ms, the server's
 -- clock), upserted; member rows that ended more than %(keep_ms)s ms ago are deleted,
--- skipping rows another caller holds locked (so two callers never wait for each other),
--- and never the caller's own row. The statement's snapshot does not see its own upsert,
+-- by one caller at a time (a transaction-scoped advisory try-lock: the others skip the
+-- deletion this time), skipping rows another caller holds locked, and never the caller's
+-- own row. With two deleters at once, each could lock the other's old row before
+-- upserting its own (the CTEs run in no set order), and deadlock. The statement's snapshot does not see its own upsert,
 -- so the caller is added to the list explicitly. Other rows of the table (format, code,
 -- maintenance, workflow:...) are never touched: member rows are found with left(), and the
 -- cast of their value is guarded by CASE (a WHERE clause does not short-circuit).
@@ -346,9 +348,12 @@ WITH renewed AS (
     INSERT INTO {meta} AS m (key, value)
     VALUES ('member:' || %(instance)s::text, ({now} + %(ttl_ms)s::bigint)::text)
     ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value),
+cleaner AS (
+    SELECT pg_try_advisory_xact_lock(hashtext('anarchon members'), hashtext('{meta}')) AS won),
 doomed AS (
     SELECT m.key FROM {meta} m
-    WHERE left(m.key, 7) = 'member:' AND m.key <> 'member:' || %(instance)s::text
+    WHERE (SELECT won FROM cleaner)
+      AND left(m.key, 7) = 'member:' AND m.key <> 'member:' || %(instance)s::text
       AND CASE WHEN m.value ~ '^[0-9]+$' AND length(m.value) < 19
                THEN m.value::bigint ELSE 0 END < {now} - %(keep_ms)s::bigint
     FOR UPDATE SKIP LOCKED),

@@ -102,8 +102,11 @@ class RedisLeases(RedisStore):
         commands: list[Command] = [("TIME",)]
         commands += [("HMGET", self._run_key(job, slot), "st", "att", "exp", "inst")
                      for job, slot in runs]
-        known = [job for job in dict.fromkeys(job for job, _ in runs) if job in self._markers]
-        commands += [("HGET", f"{self._tag(job)}:job", "sid") for job in known]
+        # Every job's marker: a known one tells a loss, an unknown one is learnt (a backup
+        # ranked after the job's first claimer may never have claimed it itself).
+        jobs = list(dict.fromkeys(job for job, _ in runs))
+        known = [job for job in jobs if job in self._markers]
+        commands += [("HGET", f"{self._tag(job)}:job", "sid") for job in jobs]
         replies = await self._run(commands)
         found = {}
         for (job, slot), reply in zip(runs, replies[1:], strict=False):
@@ -112,9 +115,13 @@ class RedisLeases(RedisStore):
                 found[(job, slot)] = RunState(job, slot, RunStatus(st), int(att or 0),
                                               int(exp) if exp else None, inst)
         now = time_ms(replies[0])
-        changed = {job for job, marker in zip(known, replies[1 + len(runs):], strict=True)
-                   if marker is None or as_text(marker) != self._markers.get(job)
+        markers = dict(zip(jobs, replies[1 + len(runs):], strict=True))
+        changed = {job for job in known
+                   if markers[job] is None or as_text(markers[job]) != self._markers.get(job)
                    or now < self._quiet.get(job, 0)}
+        for job in jobs:
+            if job not in self._markers and markers[job] is not None:
+                self._markers[job] = as_text(markers[job])
         lost = frozenset(run for run in runs if run[0] in changed and run not in found)
         return CheckResult(now, found, lost)
 
