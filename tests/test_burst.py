@@ -139,9 +139,10 @@ async def test_a_burst_is_claimed_in_one_batch_per_scheduler_and_run_once(
     assert completed == {f"burst-{j}": 1 for j in range(JOBS)}
     # At most one claim per job and instance, all sent in one claim_many call per
     # scheduler: the scheduler wakes the jobs due at an instant together. (Schedulers
-    # started together learn each other at their first tick: until then each ranks the
-    # members it saw at start, so the burst costs between JOBS and JOBS x INSTANCES
-    # claims; test_fleet measures the claims once the members know each other.)
+    # started together learn each other at their first renewal, half a lease later:
+    # until then each ranks the members it saw at start, so the burst costs between JOBS
+    # and JOBS x INSTANCES claims; test_fleet measures the claims once the members know
+    # each other.)
     # (The memory store's schedulers share one backend, counted once.)
     batches = [n for c in calls for n in c.batches]
     assert 1 <= len(batches) <= INSTANCES, [(c.batches, c.single) for c in calls]

@@ -1,7 +1,8 @@
 """The fleet: which live instance claims each job's slots first (rendezvous ranking).
 
-Every instance renews its membership once per tick (:meth:`Backend.members
-<lease_core.abc.Backend.members>`, timed by the store's clock) and learns the live members.
+Every instance renews its membership every half lease, at a tick (:meth:`Backend.members
+<lease_core.abc.Backend.members>`, timed by the store's clock; it lasts one lease) and
+learns the live members.
 For each job, the members are ranked by a hash of (job, instance id), the same on every
 instance: the first claims a due slot at once; the one ranked *k* claims it only if nobody
 has after *k* check intervals. A slot then costs about one claim whatever the number of
@@ -13,6 +14,7 @@ extra claim or an interval's delay, never a second winner (the store decides the
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import TYPE_CHECKING
 
 from .._durations import to_ms
@@ -41,6 +43,12 @@ class Fleet:
         self.members: tuple[str, ...] | None = None
         """The live members at the last renewal; ``None``: unknown (every rank is 0)."""
         self._ranks: dict[str, int] = {}
+        self._renewed = -math.inf
+
+    def renewal_due(self) -> bool:
+        """True when half a lease passed since the last renewal (the membership lasts one)."""
+        settings = self._s.settings
+        return settings.clock() - self._renewed >= settings.lease / 2
 
     def rank(self, job: str) -> int:
         """This instance's rank for ``job``: 0 when it claims first, or when unknown."""
@@ -56,6 +64,7 @@ class Fleet:
     async def renew(self) -> None:
         """Renew this instance's membership and learn the live members."""
         settings = self._s.settings
+        self._renewed = settings.clock()
         members = await settings.backend.members(settings.instance_id, to_ms(settings.lease))
         if members is None:
             self.members = None

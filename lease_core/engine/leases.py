@@ -66,7 +66,8 @@ class LeaseKeeper:
         if s.settings.clock() - s.clock.last_sample > min(60.0, s.settings.heartbeat / 2):
             await s.clock.sample()
         try:
-            await s.fleet.renew()
+            if s.fleet.renewal_due():
+                await s.fleet.renew()
         except Exception as exc:
             # The last membership stands: a stale one costs an extra claim at most.
             s.clock.failed("membership renewal", exc)
