@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 
 ## Run the fleet demo, then the bank-close workflow demo, on an embedded PostgreSQL.
 demo: $(STAMP)
-	$(VENV)/bin/anarchon demo
-	$(VENV)/bin/anarchon demo --workflow bank-close
+	env -u ANARCHON_URL $(VENV)/bin/anarchon demo
+	env -u ANARCHON_URL $(VENV)/bin/anarchon demo --workflow bank-close
 
 ## Run the whole test suite against servers the harness starts itself (two workers: most
 ## tests wait on leases and timers, not on the CPU).

@@ -106,8 +106,11 @@ class MemoryBackend(Backend):
         merged = merge_options("MemoryBackend", options, from_url, ("namespace", "clock"))
         return cls(clock=merged.get("clock"))
 
-    async def start(self) -> None:
-        """Count a user; there is nothing to open (safe from any event loop or thread)."""
+    async def start(self, *, create: bool = True) -> None:
+        """Count a user; there is nothing to open (safe from any event loop or thread).
+
+        ``create`` is accepted for the contract's sake: an in-process store always exists.
+        """
         with self._lock:
             self._users += 1
 

@@ -21,6 +21,7 @@ from .errors import (
     LeaseLost,
     StopRequested,
     StoreFormatError,
+    StoreNotFound,
 )
 from .events import (
     AttemptEnded,
@@ -88,6 +89,7 @@ __all__ = [
     "StopRequested",
     "StoreBack",
     "StoreFormatError",
+    "StoreNotFound",
     "StoreUnreachable",
     "SyncScheduler",
     "TakenOver",

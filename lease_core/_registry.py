@@ -18,6 +18,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "backend_from_url",
     "check_options",
+    "check_url",
     "known_schemes",
     "merge_options",
     "split_url_options",
@@ -199,3 +200,53 @@ def check_options(owner: str, options: Collection[str], accepted: Collection[str
             f"{owner} does not accept the option {', '.join(map(repr, unknown))}; it accepts: "
             + ", ".join(sorted(accepted))
         )
+
+
+def check_url(
+    kind: str,
+    url: str,
+    own: Collection[str],
+    driver: Collection[str],
+    *,
+    read: dict[str, Any] | None = None,
+) -> None:
+    """The one check of a backend URL's port and query, shared by every backend.
+
+    ``kind`` names the store in messages ("PostgreSQL", "Redis"); ``own`` are the
+    parameters anarchon takes, ``driver`` those it passes to the driver; ``read`` maps a
+    parameter to a function reading its text, which raises :class:`ValueError` for a bad
+    value. A port that is not a number from 1 to 65535, a parameter in neither list and a
+    value its reader refuses each raise one :class:`ConfigurationError` that names the
+    value and, for an unknown parameter, every accepted one.
+    """
+    if "://" in url:
+        parts = urlsplit(url)
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        port = parts.netloc.rpartition("@")[2]
+        for host in port.split(","):  # a multi-host URL: host1:5432,host2:5433
+            text = host.rpartition("]")[2].partition(":")[2] if ":" in host else ""
+            if text and not (text.isdigit() and 1 <= int(text) <= 65535):
+                raise ConfigurationError(
+                    f"the {kind} URL {redact(url)!r} has the port {text!r}, which is not a "
+                    "number from 1 to 65535"
+                )
+    else:
+        pairs = [(m.group(1), m.group(2).strip("'")) for m in _PAIR.finditer(url)]
+    unknown = [key for key, _ in pairs if key not in own and key not in driver]
+    if unknown:
+        raise ConfigurationError(
+            f"the {kind} URL {redact(url)!r} has the unknown parameter "
+            f"{', '.join(map(repr, unknown))}; anarchon's own: {', '.join(sorted(own))}; "
+            f"the driver's: {', '.join(sorted(driver))}"
+        )
+    for key, value in pairs:
+        reader = (read or {}).get(key)
+        if reader is None:
+            continue
+        try:
+            reader(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"the {kind} URL {redact(url)!r} has {key}={value!r}, which is not valid"
+                + (f" ({exc})" if str(exc) else "")
+            ) from None

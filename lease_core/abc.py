@@ -268,14 +268,18 @@ class Backend(ABC):
         self._users = 0
         self._start_lock = anyio.Lock()
 
-    async def start(self) -> None:
+    async def start(self, *, create: bool = True) -> None:
         """Open connections and create the store's structures when missing.
 
-        Safe to call from many schedulers and many processes at once.
+        Safe to call from many schedulers and many processes at once. With
+        ``create=False`` the store is opened only if it exists, and nothing is created or
+        changed (what read-only tools such as ``anarchon status`` use, with SELECT-only
+        rights too): :class:`~lease_core.errors.StoreNotFound` when there is no store
+        there. ``create`` matters only to the first user; later ones share what it opened.
         """
         async with self._start_lock:
             if self._users == 0:
-                await self._open()
+                await (self._open() if create else self._open_existing())
             self._users += 1
 
     async def close(self) -> None:
@@ -290,6 +294,15 @@ class Backend(ABC):
     @abstractmethod
     async def _open(self) -> None:
         """Open the backend's resources (first :meth:`start`)."""
+
+    async def _open_existing(self) -> None:
+        """Open the resources of a store that must exist already, writing nothing.
+
+        The first :meth:`start` with ``create=False`` calls this. The default opens as
+        :meth:`_open` does; a backend whose ``_open`` creates structures overrides it to
+        raise :class:`~lease_core.errors.StoreNotFound` instead.
+        """
+        await self._open()
 
     @abstractmethod
     async def _close(self) -> None:

@@ -1,10 +1,20 @@
-"""The ``anarchon`` command line: ``demo``, ``migrate``, ``history``, ``status`` and ``serve``.
+"""The ``anarchon`` command line: ``demo``, ``migrate``, ``history``, ``status``, ``prune``
+and ``serve``.
 
 A mistake of the user's (a bad flag, URL, option or password, a missing extra) is reported
-in one line on stderr, never as a traceback. Exit codes: 0 success, 1 the command failed
-at run time (store unreachable, login refused, unexpected error, a failed demo verdict),
-2 the command line or the configuration is wrong, 130 interrupted. ``--debug`` (or
-``ANARCHON_DEBUG=1``) adds the traceback of an unexpected error.
+in one line on stderr, never as a traceback. Exit codes, the same for every subcommand:
+
+- 0: success (also when the reader of the output went away: ``anarchon history | head``);
+- 1: the command failed at run time (store unreachable, login refused, unexpected error, a
+  failed demo verdict, ``serve``'s port already in use);
+- 2: the command line or the configuration is wrong;
+- 3: no anarchon store at the URL (``status``, ``history``, ``prune`` and ``serve`` never
+  create one: they only read, and work with SELECT-only rights);
+- 130: interrupted (Ctrl-C); ``serve`` stopped by SIGTERM stops gracefully and exits 143.
+
+``--url`` defaults to ``$ANARCHON_URL`` for every subcommand, and ``serve``'s ``--token``
+to ``$ANARCHON_TOKEN``: neither then shows in ``ps``. ``--debug`` (or ``ANARCHON_DEBUG=1``)
+adds the traceback of an unexpected error.
 """
 
 from __future__ import annotations
@@ -24,14 +34,18 @@ import anyio
 from . import __version__
 from ._redact import redact
 from ._status import iso as _iso
-from .errors import AnarchonError, ConfigurationError
+from .errors import AnarchonError, ConfigurationError, StoreNotFound
 
 __all__ = ["main"]
 
 #: Exit codes of :func:`main`.
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_NO_STORE = 3
 EXIT_INTERRUPTED = 130
+
+#: The environment variable every subcommand reads the store's URL from, without --url.
+URL_ENV = "ANARCHON_URL"
 
 #: The environment variable ``anarchon serve`` reads its bearer token from.
 TOKEN_ENV = "ANARCHON_TOKEN"
@@ -61,12 +75,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="show the traceback of an unexpected error (also ANARCHON_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     url_help = ("the store: a URL (postgresql://, redis://, memory://, ...) or a PostgreSQL "
-                "key/value DSN ('host=db dbname=app')")
+                f"key/value DSN ('host=db dbname=app'); default: ${URL_ENV}")
     demo = sub.add_parser("demo", help="run the fleet demo (embedded PostgreSQL by default)")
     demo.add_argument("--backend", choices=("postgres", "redis", "memory"), default="postgres",
                       help="which embedded store to start (default: postgres)")
     demo.add_argument("--url", "--dsn", dest="url", default=None,
-                      help=url_help + "; runs against it instead of an embedded server")
+                      help=url_help + "; runs against it instead of an embedded server "
+                           "(make demo ignores the variable)")
     demo.add_argument("--workflow", choices=("bank-close",), default=None,
                       help="run a workflow demo instead of the fleet demo: bank-close "
                            "(PostgreSQL only)")
@@ -85,11 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     migrate = sub.add_parser(
         "migrate", help="create or upgrade the PostgreSQL store (privileged user)")
     migrate.add_argument("--url", "--dsn", dest="url", default=None,
-                         help="PostgreSQL URL or key/value DSN (default: PG* variables)")
+                         help=f"PostgreSQL URL or key/value DSN (default: ${URL_ENV}, else "
+                              "the PG* variables)")
     migrate.add_argument("--table", default=None,
                          help="table name, may be schema.name (default anarchon_runs)")
     history = sub.add_parser("history", help="print the recorded attempts, newest first")
-    history.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
+    history.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     history.add_argument("--job", default=None, help="only this job (default: every job)")
     history.add_argument("--limit", type=_positive, default=20,
                          help="at most this many attempts (default 20)")
@@ -97,20 +113,20 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--json", action="store_true", help="print a JSON array")
     status = sub.add_parser(
         "status", help="the jobs the store knows, runs in progress, each job's last outcome")
-    status.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
+    status.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     status.add_argument("--job", default=None, help="only this job (default: every job)")
     _namespace_options(status)
     status.add_argument("--json", action="store_true", help="print a JSON object")
     prune = sub.add_parser(
         "prune", help="delete history older than a duration (finished runs and attempts)")
-    prune.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
+    prune.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     prune.add_argument("--older-than", required=True,
                        help="delete attempts that finished longer ago than this ('30d', '12h')")
     prune.add_argument("--job", default=None, help="only this job (default: every job)")
     _namespace_options(prune)
     serve = sub.add_parser(
         "serve", help="serve the read-only status API and page over HTTP (extra 'http')")
-    serve.add_argument("--url", "--dsn", dest="url", required=True, help=url_help)
+    serve.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; any other needs a token)")
     serve.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
@@ -139,11 +155,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     debug = args.debug or os.environ.get("ANARCHON_DEBUG", "") not in ("", "0")
     prog = f"anarchon {args.command}"
+    if args.url is None:
+        args.url = os.environ.get(URL_ENV) or None
     try:
         try:
             return _run(args)
         except BaseExceptionGroup as group:
             raise _single(group) from None
+    except BrokenPipeError:
+        # The reader went away (``| head``): what it read was all it wanted. Python would
+        # complain again when flushing stdout at exit, so stdout goes nowhere from here.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except StoreNotFound as exc:
+        print(f"{prog}: {_line(exc)}", file=sys.stderr)
+        return EXIT_NO_STORE
     except ConfigurationError as exc:
         print(f"{prog}: {_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
@@ -199,6 +226,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"anarchon migrate: the tables for {table!r} are ready "
               f"(store code v{CODE_VERSION})")
         return 0
+    if args.url is None and args.command in ("history", "status", "prune", "serve"):
+        raise ConfigurationError(f"which store? give --url, or set ${URL_ENV}")
     if args.command == "serve":
         return _serve(args)
     command = {"status": _status, "prune": _prune}.get(args.command, _history)
@@ -211,7 +240,7 @@ async def _prune(args: argparse.Namespace) -> int:
 
     older_than = to_ms(parse_duration(args.older_than, what="--older-than"))
     backend = _backend(args)
-    await backend.start()
+    await backend.start(create=False)
     try:
         jobs = [args.job] if args.job else await backend.jobs()
         total = 0
@@ -222,12 +251,20 @@ async def _prune(args: argparse.Namespace) -> int:
                 total += deleted
     finally:
         await backend.close()
-    print(f"anarchon prune: deleted {total} attempts that finished more than "
-          f"{args.older_than} ago, from {len(jobs)} jobs")
+    print(f"anarchon prune: deleted {_count(total, 'attempt')} that finished more than "
+          f"{args.older_than} ago, from {_count(len(jobs), 'job')}")
     return 0
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
 def _serve(args: argparse.Namespace) -> int:
+    if args.token is not None and not args.token.strip():
+        raise ConfigurationError(
+            f"--token is empty: give the token clients must send, or leave --token out "
+            f"(and ${TOKEN_ENV} unset) to serve without one on 127.0.0.1")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     if token is None and not _loopback(args.host):
         raise ConfigurationError(
@@ -236,8 +273,30 @@ def _serve(args: argparse.Namespace) -> int:
     if any(importlib.util.find_spec(name) is None for name in ("starlette", "uvicorn")):
         raise ConfigurationError("anarchon serve needs the extra 'http': "
                                  "pip install 'anarchon[http]'")
+    _check_port(args.host, args.port)
     result: int = anyio.run(_serve_app, args, token)
     return result
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail in one line when ``host:port`` cannot be listened on (uvicorn would exit 3)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConfigurationError(f"--host {host!r} is not an address to listen on ({exc})"
+                                 ) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise AnarchonError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}; is another server "
+                "there? choose another --port"
+            ) from None
 
 
 def _loopback(host: str) -> bool:
@@ -257,12 +316,16 @@ async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
     backend = _backend(args)
     app = create_app(backend, token=token)
     # Started here, so a store that cannot be reached is one line on stderr; the
-    # application's lifespan holds it too, and the last close closes it.
-    await backend.start()
+    # application's lifespan holds it too, and the last close closes it. Read-only: a
+    # store that is not there is an error, never created.
+    await backend.start(create=False)
     try:
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, access_log=False, lifespan="on"))
-        await server.serve()
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn's own exit when it could not start after all
+            return EXIT_FAILED
     finally:
         await backend.close()
     return 0 if server.started else EXIT_FAILED
@@ -322,7 +385,7 @@ async def _status(args: argparse.Namespace) -> int:
     from ._status import read_status, render_status
 
     backend = _backend(args)
-    await backend.start()
+    await backend.start(create=False)
     try:
         status = await read_status(backend, args.job)
     finally:
@@ -336,7 +399,7 @@ async def _status(args: argparse.Namespace) -> int:
 
 async def _history(args: argparse.Namespace) -> int:
     backend = _backend(args)
-    await backend.start()
+    await backend.start(create=False)
     try:
         attempts = await backend.history(args.job, args.limit)
     finally:

@@ -14,6 +14,7 @@ __all__ = [
     "LeaseLost",
     "StopRequested",
     "StoreFormatError",
+    "StoreNotFound",
 ]
 
 
@@ -31,6 +32,14 @@ class LeaseLost(AnarchonError):
 
 class StoreFormatError(AnarchonError):
     """Raised when the store was written by a newer format than this anarchon understands."""
+
+
+class StoreNotFound(AnarchonError):
+    """Raised by ``start(create=False)`` when there is no anarchon store where it looked.
+
+    The message names the place (the table or key prefix) and how to create the store.
+    Read-only tools raise it instead of creating anything.
+    """
 
 
 class BackendUnavailable(AnarchonError):

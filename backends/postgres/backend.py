@@ -9,14 +9,14 @@ the store is :class:`~backends.postgres.schema.StoreSchema`'s, fenced transactio
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from adapters.sql import Row, SqlAdapter, TransientError, adapter_for
 from lease_core._durations import parse_duration
 from lease_core._redact import redact
-from lease_core._registry import merge_options, split_url_options
+from lease_core._registry import check_url, merge_options, split_url_options
 from lease_core._structures import (
     Attempt,
     CheckResult,
@@ -90,6 +90,30 @@ _POOL_OPTIONS: dict[str, Callable[[str, object], Any]] = {
 _URL_OPTIONS = ("table", "namespace", *_POOL_OPTIONS)
 #: Every keyword option the backend accepts.
 _OPTIONS = (*_URL_OPTIONS, "driver")
+#: The connection parameters of libpq (PostgreSQL 17's list), which a URL's query and a
+#: key/value DSN may also carry; the driver reads them.
+_LIBPQ = (
+    "service", "user", "password", "passfile", "channel_binding", "connect_timeout",
+    "dbname", "host", "hostaddr", "port", "client_encoding", "options", "application_name",
+    "fallback_application_name", "keepalives", "keepalives_idle", "keepalives_interval",
+    "keepalives_count", "tcp_user_timeout", "sslmode", "sslnegotiation", "sslcompression",
+    "sslcert", "sslkey", "sslcertmode", "sslpassword", "sslrootcert", "sslcrl", "sslcrldir",
+    "sslsni", "requirepeer", "require_auth", "min_protocol_version", "max_protocol_version",
+    "ssl_min_protocol_version", "ssl_max_protocol_version", "gssencmode", "krbsrvname",
+    "gsslib", "gssdelegation", "replication", "target_session_attrs", "load_balance_hosts",
+)
+
+
+def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
+    """Check a URL or DSN; return it without the backend's options, and those options."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else None
+    if scheme is not None and scheme not in (*schemes, "postgres+psycopg", "postgres+pg8000"):
+        raise ConfigurationError(
+            f"{redact(url)!r} is not a PostgreSQL URL; use "
+            "postgresql://user:password@host:5432/db or a key/value DSN"
+        )
+    check_url("PostgreSQL", url, _URL_OPTIONS, _LIBPQ)
+    return split_url_options(url, _URL_OPTIONS)
 
 
 class PostgresBackend(Backend):
@@ -116,14 +140,7 @@ class PostgresBackend(Backend):
         super().__init__()
         from_url: dict[str, str] = {}
         if isinstance(connection, str):
-            scheme = connection.split("://", 1)[0].lower() if "://" in connection else None
-            if scheme is not None and scheme not in (*self.schemes, "postgres+psycopg",
-                                                     "postgres+pg8000"):
-                raise ConfigurationError(
-                    f"{redact(connection)!r} is not a PostgreSQL URL; use "
-                    "postgresql://user:password@host:5432/db or a key/value DSN"
-                )
-            connection, from_url = split_url_options(connection, _URL_OPTIONS)
+            connection, from_url = _split_url(connection, self.schemes)
         keywords = {"table": table, "namespace": namespace, **options}
         merged = merge_options("PostgresBackend", keywords, from_url, _OPTIONS)
         names = [merged.pop(k) for k in ("table", "namespace") if merged.get(k) is not None]
@@ -175,10 +192,19 @@ class PostgresBackend(Backend):
         return self._adapter_now
 
     async def _open(self) -> None:
+        await self._open_with(self._store.ensure)
+
+    async def _open_existing(self) -> None:
+        """Open a store that must exist: SELECTs only, :class:`StoreNotFound` if absent."""
+        where = (redact(self._connection) if isinstance(self._connection, str)
+                 else "the given connection")
+        await self._open_with(lambda adapter: self._store.check(adapter, where))
+
+    async def _open_with(self, prepare: Callable[[SqlAdapter], Awaitable[None]]) -> None:
         adapter = self._given or adapter_for(self._connection, **self._options)
         await adapter.open()
         try:
-            await self._store.ensure(adapter)
+            await prepare(adapter)
         except BaseException:
             if adapter.owned:
                 await adapter.close()

@@ -11,7 +11,12 @@ from __future__ import annotations
 import hashlib
 
 from adapters.sql import Executor, SqlAdapter
-from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
+from lease_core.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    StoreFormatError,
+    StoreNotFound,
+)
 
 from .statements import (
     BATCH_SUFFIX,
@@ -84,6 +89,30 @@ class StoreSchema:
         except ValueError:
             code = 1
         return "format" in meta, code
+
+    async def check(self, adapter: SqlAdapter, where: str) -> None:
+        """Make sure a complete store of this release's code exists, writing nothing.
+
+        Raises :class:`StoreNotFound` naming ``where`` and the table when the tables are
+        missing (or their schema is), and :class:`ConfigurationError` when the store's code
+        is older than this release's (``anarchon migrate`` upgrades it).
+        """
+        try:
+            tables, _ = await self._existing(adapter)
+        except ConfigurationError:
+            tables = set()
+        complete, code = (await self._read_meta(adapter)) if len(tables) == 4 else (False, 0)
+        if not complete:
+            raise StoreNotFound(
+                f"no anarchon store at {where} (table {self.table!r}); check --url and "
+                "--namespace, or create it with `anarchon migrate`, or by starting a scheduler"
+            )
+        if code < CODE_VERSION:
+            raise ConfigurationError(
+                f"the anarchon store at {where} (table {self.table!r}) has store code v{code}, "
+                f"older than v{CODE_VERSION} this anarchon reads; run `anarchon migrate "
+                f"--table {self.table}` once with a privileged user"
+            )
 
     async def ensure(self, adapter: SqlAdapter) -> None:
         """Use the store as it is, or create or upgrade it (see :func:`migrate`).

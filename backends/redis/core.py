@@ -12,14 +12,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from typing import Any, Self
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import quote
 
 from adapters.redis import Command, RedisAdapter, redis_adapter
 from lease_core._durations import Duration, parse_duration, to_ms
-from lease_core._redact import redact
-from lease_core._registry import merge_options, split_url_options
+from lease_core._registry import check_url, merge_options, split_url_options
 from lease_core.abc import Backend
-from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
+from lease_core.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    StoreFormatError,
+    StoreNotFound,
+)
 
 from .replies import time_ms
 from .scripts import SCRIPTS, STORE_FORMAT
@@ -35,20 +39,24 @@ _DRIVER_PARAMS = ("username", "password", "client_name", "lib_name", "lib_versio
                   "ssl_certfile", "ssl_keyfile", "ssl_password")
 
 
-def _check_driver_params(url: str) -> None:
-    """Refuse a query parameter that neither the backend nor redis-py knows."""
+def _positive(text: str) -> int:
+    number = int(text)
+    if number < 1:
+        raise ValueError("a whole number, at least 1")
+    return number
+
+
+def _check_url(url: str) -> None:
+    """Refuse a bad port, a query parameter neither the backend nor redis-py knows, or a
+    value either refuses (:func:`lease_core._registry.check_url`)."""
     try:
-        from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+        from redis.connection import URL_QUERY_ARGUMENT_PARSERS as parsers
     except ImportError:  # the driver's absence is reported when connecting
-        return
-    query = urlsplit(url).query
-    known = (*_OPTIONS, *_DRIVER_PARAMS, *URL_QUERY_ARGUMENT_PARSERS)
-    unknown = [key for key, _ in parse_qsl(query, keep_blank_values=True) if key not in known]
-    if unknown:
-        raise ConfigurationError(
-            f"the Redis URL {redact(url)!r} has the unknown query parameter "
-            f"{', '.join(map(repr, unknown))}; it accepts: {', '.join(sorted(known))}"
-        )
+        parsers = {}
+    read: dict[str, Any] = {**parsers, "max_connections": _positive,
+                            "wait_replicas": _positive,
+                            "wait_timeout": lambda text: parse_duration(text, what="wait_timeout")}
+    check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
 
 
 def _validate_prefix(prefix: object) -> str:
@@ -78,7 +86,7 @@ class RedisStore(Backend):
         from_url: dict[str, str] = {}
         if isinstance(connection, str):
             connection, from_url = split_url_options(connection, _OPTIONS)
-            _check_driver_params(connection)
+            _check_url(connection)
         keywords = {"prefix": prefix, "namespace": namespace, "wait_replicas": wait_replicas,
                     "wait_timeout": wait_timeout, **options}
         merged = merge_options("RedisBackend", keywords, from_url, _OPTIONS)
@@ -182,14 +190,40 @@ class RedisStore(Backend):
             self._adapter = None
             await adapter.aclose()
             raise
-        if int(found) > STORE_FORMAT:
+        try:
+            self._check_format(int(found))
+        except StoreFormatError:
             self._adapter = None
             await adapter.aclose()
+            raise
+
+    def _check_format(self, found: int) -> None:
+        if found > STORE_FORMAT:
             raise StoreFormatError(
                 f"the keys under prefix {self.prefix!r} were written in store format "
-                f"{int(found)}, newer than this anarchon's {STORE_FORMAT}; upgrade anarchon "
+                f"{found}, newer than this anarchon's {STORE_FORMAT}; upgrade anarchon "
                 "or use another prefix"
             )
+
+    async def _open_existing(self) -> None:
+        """Open a store that must exist: reads only, :class:`StoreNotFound` if absent."""
+        adapter = redis_adapter(self._connection)
+        try:
+            await adapter.load_scripts([s.source for s in SCRIPTS.values()])
+            (found,) = await adapter.execute([("HGET", self._meta_key, "format")])
+            if isinstance(found, Exception):
+                raise found
+            if found is None:
+                raise StoreNotFound(
+                    f"no anarchon store at {adapter.where} (key prefix {self.prefix!r}, no "
+                    f"key {self._meta_key}); check --url and --namespace, or start a "
+                    "scheduler there to create it"
+                )
+            self._check_format(int(found))
+        except BaseException:
+            await adapter.aclose()
+            raise
+        self._adapter = adapter
 
     async def _close(self) -> None:
         adapter, self._adapter = self._adapter, None

@@ -1,0 +1,207 @@
+"""The command line is safe on a user's own store.
+
+Read-only commands never create or change anything (with SELECT-only rights too), a
+closed pipe is quiet, ``$ANARCHON_URL`` replaces ``--url``, URL options are checked in one
+place that names the accepted ones, and ``serve`` fails in one line on a taken port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import anyio
+import psycopg
+import pytest
+import redis
+
+from backends.embedded.redis import EmbeddedRedis
+from lease_core import StoreNotFound, backend_from_url
+from lease_core.cli import EXIT_NO_STORE, main
+from tests.stores.postgres import PgServer, drop_tables, unique_table
+from tests.stores.redis import delete_prefix
+
+ANARCHON = str(Path(sys.executable).parent / "anarchon")
+
+
+def _tables_like(admin_dsn: str, name: str) -> list[str]:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE %s",
+                            (name + "%",)).fetchall()
+    return sorted(row[0] for row in rows)
+
+
+# --- read-only commands write nothing -------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["status"], ["history"], ["history", "--json"],
+                                     ["prune", "--older-than", "1d"]])
+def test_a_read_only_command_on_a_missing_postgres_store_creates_nothing(
+    pg16_server: PgServer, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    table = unique_table()
+    code = main([*command, "--url", pg16_server.dsn, "--namespace", table])
+    err = capsys.readouterr().err
+    assert code == EXIT_NO_STORE == 3, err
+    assert "no anarchon store at" in err and repr(table) in err
+    assert "***" in err or "@" not in err  # the URL shown is redacted
+    assert _tables_like(pg16_server.admin_dsn, table) == []
+
+
+def test_a_read_only_command_on_a_missing_redis_store_writes_no_key(
+    valkey8_server: EmbeddedRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = "typo_" + uuid.uuid4().hex[:8]
+    client = redis.Redis.from_url(valkey8_server.url)
+    before = client.dbsize()
+    for command in (["status"], ["history"], ["prune", "--older-than", "1d"]):
+        assert main([*command, "--url", valkey8_server.url, "--namespace", prefix]) == 3
+        err = capsys.readouterr().err
+        assert "no anarchon store at" in err and repr(prefix) in err
+    assert client.keys(f"*{prefix}*") == [] and client.dbsize() == before
+    client.close()
+
+
+def test_status_and_history_work_with_select_only_rights(
+    pg16_server: PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = unique_table()
+    role = "reader_" + uuid.uuid4().hex[:8]
+
+    async def seed() -> None:
+        backend = backend_from_url(pg16_server.dsn, namespace=table)
+        await backend.start()
+        await backend.close()
+
+    anyio.run(seed)
+    try:
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+            for suffix in ("", "_attempts", "_jobs", "_meta"):
+                conn.execute(f"GRANT SELECT ON {table}{suffix} TO {role}")
+        reader = psycopg.conninfo.make_conninfo(pg16_server.dsn, user=role, password="pw")
+        for command in (["status"], ["history"], ["status", "--json"]):
+            assert main([*command, "--url", reader, "--namespace", table]) == 0, \
+                capsys.readouterr().err
+        capsys.readouterr()
+        # the same user may not create a store: read-only commands never try
+        other = unique_table()
+        assert main(["status", "--url", reader, "--namespace", other]) == 3
+        assert "no anarchon store" in capsys.readouterr().err
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the drivers' own loop
+async def test_start_without_create_raises_store_not_found_and_a_later_start_creates(
+    pg16_server: PgServer,
+) -> None:
+    table = unique_table()
+    backend = backend_from_url(pg16_server.dsn, namespace=table)
+    with pytest.raises(StoreNotFound, match="no anarchon store"):
+        await backend.start(create=False)
+    assert _tables_like(pg16_server.admin_dsn, table) == []
+    try:
+        await backend.start()  # a scheduler's start still creates the store
+        await backend.close()
+        await backend.start(create=False)  # and now it is found
+        await backend.close()
+        assert len(_tables_like(pg16_server.admin_dsn, table)) == 4
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_redis_start_without_create_finds_a_store_once_created(
+    valkey8_server: EmbeddedRedis,
+) -> None:
+    prefix = "ro_" + uuid.uuid4().hex[:8]
+    backend = backend_from_url(valkey8_server.url, namespace=prefix)
+    with pytest.raises(StoreNotFound, match=prefix):
+        await backend.start(create=False)
+    try:
+        await backend.start()
+        await backend.close()
+        await backend.start(create=False)
+        await backend.close()
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+
+
+# --- a closed pipe, the environment ---------------------------------------------------
+
+
+def test_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    """``anarchon history --json | head`` ends quietly, with exit 0."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written
+    try:
+        done = subprocess.run([ANARCHON, "history", "--json", "--url", "memory://"],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
+def test_anarchon_url_replaces_the_flag(
+    pg16_server: PgServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = unique_table()
+    monkeypatch.setenv("ANARCHON_URL", f"{pg16_server.dsn}?table={table}")
+    assert main(["status"]) == 3  # read from the variable: the table it names is missing
+    assert repr(table) in capsys.readouterr().err
+    assert main(["status", "--url", "memory://"]) == 0  # the flag wins over the variable
+    capsys.readouterr()
+    monkeypatch.setenv("ANARCHON_URL", "")
+    assert main(["history"]) == 2
+    assert "$ANARCHON_URL" in capsys.readouterr().err
+
+
+# --- one validation of URL options ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "named"), [
+    ("postgresql://u:pw@127.0.0.1:1/db?prefix=x", ["'prefix'", "table", "sslmode"]),
+    ("host=127.0.0.1 bogus=1", ["'bogus'", "table", "sslmode"]),
+    ("redis://127.0.0.1:1/0?bogus=1", ["'bogus'", "prefix", "max_connections"]),
+    ("redis://127.0.0.1:1/0?max_connections=-1", ["max_connections='-1'", "at least 1"]),
+    ("postgresql://u@127.0.0.1:1/db?max_size=0", ["max_size='0'", "at least 1"]),
+    ("postgres://u:pw@h:notaport/db", ["'notaport'", "1 to 65535"]),
+    ("redis://h:99999/0", ["'99999'", "1 to 65535"]),
+])
+def test_a_bad_url_option_is_a_usage_error_naming_it(
+    capsys: pytest.CaptureFixture[str], url: str, named: list[str]
+) -> None:
+    assert main(["status", "--url", url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pw" not in err.replace("***", "")
+    for text in named:
+        assert text in err, err
+
+
+# --- serve ----------------------------------------------------------------------------
+
+
+def test_serve_on_a_taken_port_fails_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--url", "memory://", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"127.0.0.1:{port}" in err and "--port" in err
+
+
+def test_serve_with_an_empty_token_says_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--url", "memory://", "--token", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--token" in err and "None" not in err
