@@ -8,6 +8,7 @@ place that names the accepted ones, and ``serve`` fails in one line on a taken p
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -205,3 +206,23 @@ def test_serve_with_an_empty_token_says_what_to_do(capsys: pytest.CaptureFixture
     assert main(["serve", "--url", "memory://", "--token", ""]) == 2
     err = capsys.readouterr().err
     assert "--token" in err and "None" not in err
+
+
+def test_serve_stops_gracefully_on_sigterm_and_dies_of_it() -> None:
+    """The documented 143 (128 + SIGTERM): a graceful shutdown, then the signal's exit."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([ANARCHON, "serve", "--url", "memory://", "--port", str(port)],
+                              stderr=subprocess.PIPE, text=True)
+    assert server.stderr is not None
+    lines: list[str] = []
+    for line in server.stderr:  # until uvicorn says it serves; bounded by the timeout below
+        lines.append(line)
+        if "startup complete" in line:
+            break
+    assert lines and "startup complete" in lines[-1], lines
+    server.send_signal(signal.SIGTERM)
+    rest = server.communicate(timeout=30)[1]
+    assert server.returncode == -signal.SIGTERM, (server.returncode, rest)
+    assert "Shutting down" in rest and "Traceback" not in rest
