@@ -9,7 +9,6 @@ engine.
 from __future__ import annotations
 
 import atexit
-import enum
 import logging
 import os
 import threading
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -28,21 +27,17 @@ from ._durations import Duration, parse_duration
 from ._structures import Attempt
 from .abc import Backend
 from .engine.base import INSIDE as _INSIDE
+from .engine.base import SchedulerState
 from .engine.jobs import Job
 from .errors import AnarchonError
 from .recovery import RecoveryEntry
-from .scheduler import Scheduler
+from .scheduler import Health, Scheduler
 
 __all__ = ["SyncScheduler"]
 
 logger = logging.getLogger("anarchon")
 
-
-class _State(enum.Enum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPING = "stopping"
+_T = TypeVar("_T")
 
 
 class SyncScheduler:
@@ -87,7 +82,7 @@ class SyncScheduler:
         self.workflow = self.scheduler.workflow
         """Declare a workflow and its steps: see :meth:`Scheduler.workflow`."""
         self._lock = threading.RLock()
-        self._state = _State.STOPPED
+        self._state = SchedulerState.STOPPED
         self._pid: int | None = None
         self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
@@ -114,22 +109,43 @@ class SyncScheduler:
     @property
     def running(self) -> list[tuple[str, int]]:
         """The runs (job, slot) this instance is executing now."""
+        return self._on_loop(lambda: self.scheduler.running)
+
+    @property
+    def state(self) -> SchedulerState:
+        """Where the scheduler is in its lifecycle, as :attr:`Scheduler.state` says.
+
+        ``STARTING`` while :meth:`start` waits for the background thread, ``STOPPING``
+        while :meth:`stop` hands runs over; ``STOPPED`` in a forked child, where the
+        background thread does not exist.
+        """
+        return self._state if self._pid in (None, os.getpid()) else SchedulerState.STOPPED
+
+    def health(self) -> Health:
+        """Whether the store answered within the last lease, and what this instance holds.
+
+        The same :class:`~lease_core.Health` as :meth:`Scheduler.health`, read on the
+        background thread's loop; callable from any thread, and before :meth:`start`.
+        """
+        return self._on_loop(self.scheduler.health)
+
+    def _on_loop(self, read: Callable[[], _T]) -> _T:
+        """Call ``read`` on the loop's thread, which changes what it reads."""
         self._check_process()
         portal = self._portal
         if portal is not None and threading.current_thread() is not self._loop_thread:
-            # Read on the loop's thread, which changes the set of held runs.
             try:
-                return portal.call(lambda: self.scheduler.running)
+                return portal.call(read)
             except RuntimeError:
                 if self._portal is portal:
                     raise
                 # stopped meanwhile
-        return self.scheduler.running
+        return read()
 
     @property
     def started(self) -> bool:
         """Whether the scheduler runs in this process (between :meth:`start` and :meth:`stop`)."""
-        return self._state is _State.RUNNING and self._pid == os.getpid()
+        return self._state is SchedulerState.RUNNING and self._pid == os.getpid()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -158,11 +174,11 @@ class SyncScheduler:
         """
         self._check_process()
         with self._lock:
-            if self._state is not _State.STOPPED:
+            if self._state is not SchedulerState.STOPPED:
                 raise AnarchonError(
                     f"SyncScheduler {self.instance_id!r} is already started; call stop() first"
                 )
-            self._state = _State.STARTING
+            self._state = SchedulerState.STARTING
             cm = anyio.from_thread.start_blocking_portal(
                 "asyncio", name=f"anarchon-{self.instance_id}"
             )
@@ -170,12 +186,12 @@ class SyncScheduler:
             try:
                 self._host, _ = portal.start_task(self._run_host, name="anarchon-sync-host")
             except BaseException as exc:
-                self._state = _State.STOPPED
+                self._state = SchedulerState.STOPPED
                 cm.__exit__(type(exc), exc, exc.__traceback__)
                 raise
             self._portal_cm, self._portal = cm, portal
             self._pid = os.getpid()
-            self._state = _State.RUNNING
+            self._state = SchedulerState.RUNNING
             atexit.register(self._stop_at_exit)
 
     async def _run_host(self, *, task_status: TaskStatus[None]) -> None:
@@ -211,9 +227,9 @@ class SyncScheduler:
                 portal.call(self._request_stop, grace_s)
             return
         with self._lock:
-            if self._state is not _State.RUNNING:
+            if self._state is not SchedulerState.RUNNING:
                 return
-            self._state = _State.STOPPING
+            self._state = SchedulerState.STOPPING
             portal, cm, host = self._portal, self._portal_cm, self._host
             assert portal is not None and cm is not None and host is not None
             atexit.unregister(self._stop_at_exit)
@@ -228,7 +244,7 @@ class SyncScheduler:
                 self._portal = self._portal_cm = self._host = None
                 self._stop_requested = self._loop_thread = None
                 self._pid = None
-                self._state = _State.STOPPED
+                self._state = SchedulerState.STOPPED
                 cm.__exit__(None, None, None)
             if error is not None:
                 raise error
@@ -261,7 +277,7 @@ class SyncScheduler:
         """
         self._check_process()
         with self._lock:
-            portal = self._portal if self._state is _State.RUNNING else None
+            portal = self._portal if self._state is SchedulerState.RUNNING else None
         if portal is None or threading.current_thread() is self._loop_thread:
             return self.scheduler.subscribe(callback)
         unsubscribe: Callable[[], None] = portal.call(self.scheduler.subscribe, callback)
@@ -285,7 +301,7 @@ class SyncScheduler:
         self._check_process()
         self._check_thread("history")
         with self._lock:
-            portal = self._portal if self._state is _State.RUNNING else None
+            portal = self._portal if self._state is SchedulerState.RUNNING else None
         if portal is not None:
             try:
                 return portal.call(self.scheduler.history, job, limit)
@@ -303,7 +319,7 @@ class SyncScheduler:
         self._check_process()
         self._check_thread("recovery_log")
         with self._lock:
-            portal = self._portal if self._state is _State.RUNNING else None
+            portal = self._portal if self._state is SchedulerState.RUNNING else None
         if portal is not None:
             try:
                 return portal.call(self.scheduler.recovery_log, run)

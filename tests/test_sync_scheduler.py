@@ -32,6 +32,7 @@ from lease_core import (
     Reason,
     RedisBackend,
     RunContext,
+    SchedulerState,
     SyncScheduler,
 )
 from lease_core.abc import Backend
@@ -183,6 +184,36 @@ def test_stop_hands_over_a_held_run_and_a_backup_takes_it(sync_store: SyncStore)
         (2, Reason.HAND_OVER, Outcome.COMPLETED),
     ]
     assert (slot, 2, Reason.HAND_OVER) in blocker.calls
+
+
+def test_state_and_health_follow_the_lifecycle(sync_store: SyncStore) -> None:
+    blocker = Blocker()
+    a = SyncScheduler(sync_store.backend(), instance_id="a", **FAST)
+    a.every("hold", "1s", blocker)
+    assert a.state is SchedulerState.STOPPED
+    before = a.health()
+    assert before.state is SchedulerState.STOPPED and not before.ready
+    assert before.runs_held == 0
+    a.start()
+    try:
+        assert a.state is SchedulerState.RUNNING
+        wait_until(lambda: blocker.held, what="a run held")
+        seen: list[Any] = []
+
+        def probe() -> None:  # from another thread, as a web server's probe would
+            seen.append(a.health())
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join(timeout=15)
+        (health,) = seen
+        assert health.state is SchedulerState.RUNNING and health.ready
+        assert health.store_reachable and health.runs_held == 1
+        assert health.since_store_answer is not None and health.since_store_answer >= 0
+    finally:
+        a.stop(grace="2s")
+    assert a.state is SchedulerState.STOPPED
+    assert a.health().state is SchedulerState.STOPPED
 
 
 def test_lifecycle_misuse() -> None:
