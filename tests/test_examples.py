@@ -18,6 +18,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -126,6 +127,50 @@ def test_flask_app_factory(example_env: dict[str, str]) -> None:
     assert_nothing_left_running(example_env["ANARCHON_URL"])
 
 
+def test_flask_debug_reloader_starts_one_scheduler(example_env: dict[str, str]) -> None:
+    """``flask run --debug``: the reloader's watcher process starts no scheduler."""
+    import urllib.request
+
+    import anyio
+
+    from backends.embedded.postgres import find_free_port
+
+    port = find_free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flask", "--app", str(EXAMPLES / "flask_app.py"), "run",
+         "--debug", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        def completed_runs() -> list[dict[str, Any]]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/runs", timeout=5) as r:
+                    rows: list[dict[str, Any]] = json.load(r)
+            except OSError:
+                return []
+            return [row for row in rows if row["outcome"] == "completed"]
+
+        runs = wait_until(completed_runs, timeout=60, what="a completed run through /runs")
+        datetime.fromisoformat(runs[0]["scheduled_at"])  # ISO times, not epoch ms
+
+        async def members() -> list[str]:
+            backend = backend_from_url(example_env["ANARCHON_URL"])
+            await backend.start()
+            try:
+                found = await backend.members("probe", 60_000)
+            finally:
+                await backend.close()
+            assert found is not None
+            return [m for m in found if m != "probe"]
+
+        # the watcher and the server both load the app; only the server's scheduler is
+        # a member of the fleet (each scheduler joins at its start)
+        assert anyio.run(members) == [runs[0]["instance"]]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "anarchon" in err and "refreshing the report due at 20" in err, err[-2000:]
+
+
 def _terminate(proc: subprocess.Popen[str]) -> str:
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
@@ -160,8 +205,8 @@ def test_django_management_command(example_env: dict[str, str]) -> None:
         )
         assert result.returncode == 0, result.stderr
         runs = json.loads(result.stdout)["runs"]
-        assert {"job": run.job, "slot": run.slot, "instance": run.instance_id,
-                "outcome": "completed"} in runs
+        assert {"job": run.job, "scheduled_at": run.scheduled_at.isoformat(),
+                "slot": run.slot, "instance": run.instance_id, "outcome": "completed"} in runs
     finally:
         out = _terminate(proc)
     assert "started" in out and "stopped" in out

@@ -1,14 +1,18 @@
 """Flask: an app factory that starts a SyncScheduler.
 
-Run it with ``ANARCHON_URL=postgresql://... flask --app flask_app run``. Under gunicorn,
-load the app in each worker (no ``--preload``), so that the scheduler starts after the fork.
-The scheduler stops with a hand-over at interpreter exit; gunicorn's ``worker_exit`` hook
-may stop it explicitly: ``app.extensions["anarchon"].stop()``.
+Run it with ``ANARCHON_URL=postgresql://... flask --app flask_app run`` (``--debug`` too:
+under the debug reloader only the serving process starts a scheduler, not the watcher
+that restarts it). Under gunicorn, load the app in each worker (no ``--preload``), so that
+the scheduler starts after the fork. The scheduler stops with a hand-over at interpreter
+exit; gunicorn's ``worker_exit`` hook may stop it explicitly:
+``app.extensions["anarchon"].stop()``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from typing import Any
 
 from flask import Flask
@@ -18,11 +22,28 @@ from lease_core import RunContext, SyncScheduler, backend_from_url
 
 def refresh_report(ctx: RunContext) -> None:
     """A sync handler: it runs in a worker thread, never in a request."""
-    ctx.log.info("refreshing the report due at %s", ctx.scheduled_at)
+    ctx.log.info("refreshing the report due at %s", ctx.scheduled_at.isoformat())
+
+
+def serving_process(app: Flask) -> bool:
+    """Whether this process serves requests: false in the debug reloader's watcher.
+
+    ``flask run --debug`` loads the app twice: in a watcher process, which restarts the
+    server when a file changes and serves nothing, and in the server it starts with
+    ``WERKZEUG_RUN_MAIN=true``. A scheduler started in both would be two instances.
+    """
+    if not app.debug or os.environ.get("WERKZEUG_RUN_MAIN") == "true":
+        return True
+    return "--no-reload" in sys.argv  # debug without the reloader: one process
 
 
 def create_app(config: dict[str, Any] | None = None) -> Flask:
-    """Build the app and start its scheduler."""
+    """Build the app and start its scheduler (in the serving process only)."""
+    # anarchon logs to the 'anarchon' logger, silent until the application configures
+    # logging: show it on the console.
+    logging.getLogger("anarchon").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = Flask(__name__)
     app.config.from_mapping(
         ANARCHON_URL=os.environ.get("ANARCHON_URL", "memory://"),
@@ -32,13 +53,17 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
 
     scheduler = SyncScheduler(backend_from_url(app.config["ANARCHON_URL"]))
     scheduler.every("refresh-report", app.config["REPORT_INTERVAL"], refresh_report)
-    scheduler.start()
+    if serving_process(app):
+        scheduler.start()
     app.extensions["anarchon"] = scheduler
 
     @app.get("/runs")
     def runs() -> list[dict[str, Any]]:
         return [
-            {"job": a.job, "slot": a.slot, "instance": a.instance_id, "outcome": a.outcome}
+            {"job": a.job, "scheduled_at": a.scheduled_at.isoformat(), "slot": a.slot,
+             "instance": a.instance_id, "outcome": a.outcome,
+             "claimed_at": a.claimed_at.isoformat(),
+             "finished_at": a.finished_at.isoformat() if a.finished_at else None}
             for a in scheduler.history(limit=20)
         ]
 

@@ -11,3 +11,11 @@ USE_TZ = True
 
 ANARCHON_URL = os.environ.get("ANARCHON_URL", "memory://")
 REPORT_INTERVAL = os.environ.get("REPORT_INTERVAL", "1m")
+
+# anarchon logs to the 'anarchon' logger: show its INFO lines on the console.
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"anarchon": {"handlers": ["console"], "level": "INFO"}},
+}

@@ -9,6 +9,7 @@ def runs(request: HttpRequest) -> JsonResponse:
     """The latest attempts of every job, newest first."""
     attempts = scheduler.history(limit=20)
     return JsonResponse({"runs": [
-        {"job": a.job, "slot": a.slot, "instance": a.instance_id, "outcome": a.outcome}
+        {"job": a.job, "scheduled_at": a.scheduled_at.isoformat(), "slot": a.slot,
+         "instance": a.instance_id, "outcome": a.outcome}
         for a in attempts
     ]})
