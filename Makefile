@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint system-deps bench bench-quick bench-ci chaos clean
+.PHONY: demo test test-pythons docs lint system-deps bench bench-quick bench-ci chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,17 @@ demo: $(STAMP)
 ## tests wait on leases and timers, not on the CPU).
 test: $(STAMP) system-deps
 	$(PY) -m pytest -n 2
+
+## The documentation site (docs/mkdocs.yml, pages in docs/pages/) into build/docs; --strict
+## fails on a broken link or a missing API page.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict -f docs/mkdocs.yml
+
+## A representative part of the suite and both embedded demos on Python 3.12 and 3.13
+## (pyenv's, or pythonX.Y on PATH), each in a venv of its own under .venv/pythons/.
+PYTHONS ?= 3.12 3.13
+test-pythons: system-deps
+	sh .ci/test-pythons.sh $(PYTHONS)
 
 ## ruff and mypy --strict on the library, then the code's shape (.ci/shape.py: module and
 ## class sizes, import cycles, private touches in tests).

