@@ -414,6 +414,21 @@ class Backend(ABC):
         """Return every recorded workflow's steps, in order (see :meth:`register_workflows`)."""
         return dict(self.__dict__.get("_workflows_here", {}))
 
+    async def register_schedules(self, schedules: Mapping[str, str]) -> None:
+        """Record each job's schedule (a JSON :meth:`~lease_core.schedules.Schedule.spec`).
+
+        For readers of the store that have no declarations: the status page shows each
+        job's schedule and next slot from them. A newer registration replaces an older
+        one. The default keeps them in this object only; the built-in backends keep them
+        in the store.
+        """
+        known = self.__dict__.setdefault("_schedules_here", {})
+        known.update(schedules)
+
+    async def schedules(self) -> dict[str, str]:
+        """Return every recorded job's schedule spec (see :meth:`register_schedules`)."""
+        return dict(self.__dict__.get("_schedules_here", {}))
+
     async def prune(self, job: str, *, keep: int | None = None,
                     older_than_ms: int | None = None, batch: int = 1000) -> int:
         """Trim ``job``'s history now (the scheduler's maintenance, ``anarchon prune``).

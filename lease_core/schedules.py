@@ -17,7 +17,7 @@ from ._durations import Duration, parse_duration, to_ms
 from ._structures import ms_to_datetime
 from .errors import ConfigurationError
 
-__all__ = ["CronSchedule", "IntervalSchedule", "Schedule"]
+__all__ = ["CronSchedule", "IntervalSchedule", "Schedule", "schedule_from_spec"]
 
 
 class Schedule(ABC):
@@ -35,6 +35,18 @@ class Schedule(ABC):
     @abstractmethod
     def period_ms(self) -> int:
         """A typical gap between slots, used to bound catch-up windows."""
+
+    @abstractmethod
+    def spec(self) -> dict[str, str | int]:
+        """The schedule as a JSON-ready dict, which :func:`schedule_from_spec` reads back.
+
+        ``{"every_ms": 60000, "offset_ms": 0}`` or ``{"cron": "0 2 * * *", "tz": "UTC"}``:
+        what the store records for readers that have no declarations (the status page).
+        """
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The schedule in a few words: ``every 1m``, ``cron 0 2 * * * (Europe/Lisbon)``."""
 
     def slots_between(self, after: int, until: int, limit: int) -> list[int]:
         """Return at most ``limit`` of the newest slots in ``(after, until]``, oldest first."""
@@ -73,8 +85,25 @@ class IntervalSchedule(Schedule):
         """Return the last aligned slot at or before ``ms``."""
         return ((ms - self.offset_ms) // self.interval_ms) * self.interval_ms + self.offset_ms
 
+    def spec(self) -> dict[str, str | int]:
+        """``{"every_ms": ..., "offset_ms": ...}``."""
+        return {"every_ms": self.interval_ms, "offset_ms": self.offset_ms}
+
+    def describe(self) -> str:
+        """``every 1m``, or ``every 1h +30s`` with an offset."""
+        offset = f" +{_short(self.offset_ms)}" if self.offset_ms else ""
+        return f"every {_short(self.interval_ms)}{offset}"
+
     def __repr__(self) -> str:
         return f"IntervalSchedule({self.interval_ms}ms, offset={self.offset_ms}ms)"
+
+
+def _short(ms: int) -> str:
+    """Milliseconds in the largest unit that divides them: 90000 -> ``90s``, 3600000 -> ``1h``."""
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
 
 
 _CRON_FIELDS = re.compile(r"^\S+(\s+\S+){4,5}$")
@@ -129,5 +158,26 @@ class CronSchedule(Schedule):
             return None
         return int(prev.timestamp() * 1000)
 
+    def spec(self) -> dict[str, str | int]:
+        """``{"cron": ..., "tz": ...}``."""
+        return {"cron": self.expression, "tz": self.tz.key}
+
+    def describe(self) -> str:
+        """``cron 0 2 * * *``, with ``(tz)`` when not UTC."""
+        return f"cron {self.expression}" + ("" if self.tz.key == "UTC" else f" ({self.tz.key})")
+
     def __repr__(self) -> str:
         return f"CronSchedule({self.expression!r}, tz={self.tz.key!r})"
+
+
+def schedule_from_spec(spec: object) -> Schedule:
+    """The schedule a :meth:`Schedule.spec` describes.
+
+    Raises :class:`~lease_core.errors.ConfigurationError` for anything else.
+    """
+    if isinstance(spec, dict):
+        if isinstance(spec.get("every_ms"), int):
+            return IntervalSchedule(spec["every_ms"] / 1000, spec.get("offset_ms", 0) / 1000)
+        if isinstance(spec.get("cron"), str):
+            return CronSchedule(spec["cron"], str(spec.get("tz", "UTC")))
+    raise ConfigurationError(f"{spec!r} is not a schedule's spec (see Schedule.spec)")

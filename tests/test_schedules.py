@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lease_core.schedules import CronSchedule, IntervalSchedule
+from lease_core.errors import ConfigurationError
+from lease_core.schedules import CronSchedule, IntervalSchedule, Schedule, schedule_from_spec
 
 
 def ms(dt: datetime) -> int:
@@ -59,3 +62,31 @@ def test_cron_previous_and_next_agree() -> None:
     assert s.previous_at_or_before(nxt) == nxt
     assert s.previous_at_or_before(nxt - 1) == ms(datetime(2026, 5, 5, 10, tzinfo=ZoneInfo("UTC")))
     assert s.period_ms == 15 * 60_000
+
+
+@pytest.mark.parametrize("schedule", [
+    IntervalSchedule("1m"), IntervalSchedule("1h", offset="30s"), IntervalSchedule("1500ms"),
+    CronSchedule("0 2 * * *", tz="Europe/Lisbon"), CronSchedule("*/5 * * * *"),
+], ids=repr)
+def test_a_spec_reads_back_as_the_same_slots(schedule: Schedule) -> None:
+    spec = json.loads(json.dumps(schedule.spec()))  # as the store keeps it
+    again = schedule_from_spec(spec)
+    t = 1_764_460_800_123
+    assert again.next_after(t) == schedule.next_after(t)
+    assert again.previous_at_or_before(t) == schedule.previous_at_or_before(t)
+    assert again.describe() == schedule.describe()
+
+
+def test_descriptions_are_short() -> None:
+    assert IntervalSchedule("1m").describe() == "every 1m"
+    assert IntervalSchedule("1h", offset="90s").describe() == "every 1h +90s"
+    assert IntervalSchedule("1500ms").describe() == "every 1500ms"
+    assert CronSchedule("0 2 * * *", tz="Europe/Lisbon").describe() == \
+        "cron 0 2 * * * (Europe/Lisbon)"
+    assert CronSchedule("0 2 * * *").describe() == "cron 0 2 * * *"
+
+
+@pytest.mark.parametrize("spec", [None, {}, {"every_ms": "1m"}, {"cron": 5}, "every 1m"])
+def test_a_bad_spec_is_refused_naming_it(spec: object) -> None:
+    with pytest.raises(ConfigurationError, match="spec"):
+        schedule_from_spec(spec)

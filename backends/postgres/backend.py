@@ -8,8 +8,7 @@ the store is :class:`~backends.postgres.schema.StoreSchema`'s, fenced transactio
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -35,7 +34,6 @@ from lease_core._structures import (
 )
 from lease_core.abc import (
     MEMBER_RETENTION_MS,
-    Backend,
     check_every,
     check_members,
     check_prune,
@@ -45,6 +43,7 @@ from lease_core.abc import (
 )
 from lease_core.errors import ConfigurationError
 
+from .descriptions import StoreDescriptions
 from .fenced import FencedTransaction, fenced_transaction
 from .schema import StoreSchema
 from .statements import LOCK_NOT_AVAILABLE, Statements, split_table, sqlstate
@@ -116,7 +115,7 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
     return split_url_options(url, _URL_OPTIONS)
 
 
-class PostgresBackend(Backend):
+class PostgresBackend(StoreDescriptions):
     """Coordinate through PostgreSQL (tested: 15, 16, 18; see the module docs for the SQL).
 
     ``connection`` is anything :func:`adapters.sql.adapter_for` accepts: ``None``
@@ -400,20 +399,6 @@ class PostgresBackend(Backend):
                     None if error is None else str(error))
             for j, slot, attempt, instance, reason, claimed, finished, outcome, error in rows
         ]
-
-    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
-        """Record each workflow's steps in ``<table>_meta`` (one statement; rewrites only
-        what changed)."""
-        if not workflows:
-            return
-        names = sorted(workflows)
-        await self._adapter.all(self._sql.write_workflows, (
-            names, [json.dumps(list(workflows[name])) for name in names]))
-
-    async def workflows(self) -> dict[str, list[str]]:
-        """Return every recorded workflow's steps, in order."""
-        rows = await self._adapter.all(self._sql.read_workflows)
-        return {str(name): [str(s) for s in json.loads(value)] for name, value in rows}
 
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
                          older_than_ms: int | None = None,

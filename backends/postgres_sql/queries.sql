@@ -394,3 +394,13 @@ RETURNING 1
 SELECT attempt FROM {runs}
 WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
 FOR UPDATE
+
+-- name: write_schedules
+-- Each job's schedule spec (JSON) under the key 'schedule:<job>'.
+INSERT INTO {meta} (key, value)
+SELECT 'schedule:' || s.name, s.spec FROM unnest(%s::text[], %s::text[]) AS s(name, spec)
+ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
+WHERE {meta}.value IS DISTINCT FROM EXCLUDED.value
+
+-- name: read_schedules
+SELECT substr(key, 10), value FROM {meta} WHERE left(key, 9) = 'schedule:' ORDER BY key

@@ -17,6 +17,7 @@ __all__ = ["RedisRecords"]
 
 #: Field prefix of a workflow's steps in the ``{P}:meta`` hash.
 _WORKFLOW_FIELD = "workflow:"
+_SCHEDULE_FIELD = "schedule:"
 
 
 class RedisRecords(RedisStore):
@@ -54,13 +55,31 @@ class RedisRecords(RedisStore):
 
     async def workflows(self) -> dict[str, list[str]]:
         """Return every recorded workflow's steps, in order."""
+        return {name: [str(s) for s in json.loads(value)]
+                for name, value in (await self._meta_fields(_WORKFLOW_FIELD)).items()}
+
+    async def register_schedules(self, schedules: Mapping[str, str]) -> None:
+        """Record each job's schedule spec in the ``{P}:meta`` hash (``schedule:<job>``)."""
+        if not schedules:
+            return
+        fields: list[str] = []
+        for name, spec in schedules.items():
+            fields += [_SCHEDULE_FIELD + name, spec]
+        await self._run([("HSET", self._meta_key, *fields)])
+
+    async def schedules(self) -> dict[str, str]:
+        """Return every recorded job's schedule spec."""
+        return await self._meta_fields(_SCHEDULE_FIELD)
+
+    async def _meta_fields(self, prefix: str) -> dict[str, str]:
+        """The fields of ``{P}:meta`` named ``<prefix><name>``, by name."""
         (raw,) = await self._run([("HGETALL", self._meta_key)])
         pairs = raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2], strict=True)
         found = {}
         for key, value in pairs:
             name = as_text(key)
-            if name.startswith(_WORKFLOW_FIELD):
-                found[name[len(_WORKFLOW_FIELD):]] = [str(s) for s in json.loads(as_text(value))]
+            if name.startswith(prefix):
+                found[name[len(prefix):]] = as_text(value)
         return found
 
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,

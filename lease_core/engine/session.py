@@ -20,6 +20,7 @@ The components import none of each other; they reach each other through the sess
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 
 import anyio
@@ -218,6 +219,9 @@ class Session:
             if workflows:
                 await backend.register_workflows(
                     {name: wf.steps for name, wf in workflows.items()})
+            await backend.register_schedules({
+                name: json.dumps(job.schedule.spec(), sort_keys=True)
+                for name, job in self.jobs.items() if job.scheduled})
             return infos
         except BaseException:
             with anyio.CancelScope(shield=True):

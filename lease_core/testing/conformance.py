@@ -426,6 +426,23 @@ async def test_workflow_steps_are_recorded_in_the_store(store: Store) -> None:
         await b.close()
 
 
+async def test_job_schedules_are_recorded_in_the_store(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        assert await b.schedules() == {}
+        every = '{"every_ms": 60000, "offset_ms": 0}'
+        await a.register_schedules({"report": every, "close": '{"cron": "0 2 * * *"}'})
+        await a.register_schedules({"close": '{"cron": "0 3 * * *", "tz": "UTC"}'})
+        assert await b.schedules() == {"report": every,
+                                       "close": '{"cron": "0 3 * * *", "tz": "UTC"}'}
+        await a.register_schedules({})
+        assert len(await b.schedules()) == 2
+        assert await b.workflows() == {}  # a schedule is not a workflow
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_prune_trims_a_job_without_claiming(store: Store) -> None:
     a = await started(store)
     try:
