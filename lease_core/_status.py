@@ -31,6 +31,7 @@ __all__ = [
     "parse_run_id",
     "read_recovery_log",
     "read_run",
+    "read_runs",
     "read_status",
     "render_status",
     "run_id",
@@ -218,26 +219,48 @@ async def list_jobs(backend: Backend, limit: int = 5) -> dict[str, Any]:
     now = await backend.now_ms()
     workflows = await backend.workflows()
     steps_jobs = {step_job(w, s) for w, steps in workflows.items() for s in steps}
-    entries: list[dict[str, Any]] = []
-    for name in await backend.jobs():
-        if name in steps_jobs:
-            continue
-        runs = await backend.runs(name, limit=limit)
-        attempts = await _attempts(backend, name) if runs else {}
-        entries.append({"name": name, "kind": "job", "runs": [
-            _job_run_json(name, r, attempts.get(r.slot, [])) for r in runs]})
-    for name, steps in workflows.items():
-        by_step = {s: {r.slot: r for r in await backend.runs(step_job(name, s), limit=limit)}
-                   for s in steps}
-        slots = sorted({slot for runs in by_step.values() for slot in runs}, reverse=True)
-        attempts_by_step = {s: await _attempts(backend, step_job(name, s)) if by_step[s] else {}
-                            for s in steps}
-        entries.append({"name": name, "kind": "workflow", "steps": list(steps), "runs": [
-            _workflow_run_json(name, steps, slot, {s: by_step[s].get(slot) for s in steps},
-                               {s: attempts_by_step[s].get(slot, []) for s in steps})
-            for slot in slots[:limit]]})
+    entries = [await _job_entry(backend, name, limit) for name in await backend.jobs()
+               if name not in steps_jobs]
+    entries += [await _workflow_entry(backend, name, steps, limit)
+                for name, steps in workflows.items()]
     entries.sort(key=lambda e: (e["name"], e["kind"]))
     return {"now": iso(ms_to_datetime(now)), "jobs": entries}
+
+
+async def read_runs(backend: Backend, name: str, limit: int = 20) -> dict[str, Any] | None:
+    """``GET /runs/{name}``: one job's or workflow's ``limit`` latest runs, or ``None``.
+
+    ``None`` when the store knows no job or workflow ``name``.
+    """
+    now = await backend.now_ms()
+    workflows = await backend.workflows()
+    if name in workflows:
+        entry = await _workflow_entry(backend, name, workflows[name], limit)
+    elif name in await backend.jobs():
+        entry = await _job_entry(backend, name, limit)
+    else:
+        return None
+    return {"now": iso(ms_to_datetime(now)), **entry}
+
+
+async def _job_entry(backend: Backend, name: str, limit: int) -> dict[str, Any]:
+    runs = await backend.runs(name, limit=limit)
+    attempts = await _attempts(backend, name) if runs else {}
+    return {"name": name, "kind": "job", "runs": [
+        _job_run_json(name, r, attempts.get(r.slot, [])) for r in runs]}
+
+
+async def _workflow_entry(backend: Backend, name: str, steps: Sequence[str],
+                          limit: int) -> dict[str, Any]:
+    by_step = {s: {r.slot: r for r in await backend.runs(step_job(name, s), limit=limit)}
+               for s in steps}
+    slots = sorted({slot for runs in by_step.values() for slot in runs}, reverse=True)
+    attempts_by_step = {s: await _attempts(backend, step_job(name, s)) if by_step[s] else {}
+                        for s in steps}
+    return {"name": name, "kind": "workflow", "steps": list(steps), "runs": [
+        _workflow_run_json(name, steps, slot, {s: by_step[s].get(slot) for s in steps},
+                           {s: attempts_by_step[s].get(slot, []) for s in steps})
+        for slot in slots[:limit]]}
 
 
 async def read_run(backend: Backend, name: str, slot: int) -> dict[str, Any] | None:

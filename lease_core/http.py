@@ -7,8 +7,17 @@
 ``GET /jobs``                      every job and workflow the store knows, each with its latest
                                    runs (``?limit=N``, 1 to 100, default 5); a workflow's steps
                                    are shown in its runs, not as jobs
+``GET /overview``                  one row per job and workflow: kind, schedule, next slot,
+                                   last outcome, when and how long, runs in progress with
+                                   holder and lease left; ``?status=`` (all, running,
+                                   failed, ok, never), ``?q=`` (part of the name),
+                                   ``?page=``, ``?per_page=`` (up to 200); with the count of
+                                   every filter
+``GET /runs/{name}``               one job's or workflow's latest runs (``?limit=N``, default
+                                   20)
 ``GET /jobs/{id}``                 one run; ``id`` is ``<name>@<slot>``, the slot in epoch
-                                   milliseconds or ISO-8601 UTC (``export@2026-11-30T02:00Z``)
+                                   milliseconds or ISO-8601 UTC (``export@2026-11-30T02:00Z``);
+                                   ``?log=1`` adds its ``recovery_log``
 ``GET /jobs/{id}/recovery-log``    the run's recovery log, oldest entry first
 ``GET /``                          a page showing the same, refreshing itself, with no assets
                                    from elsewhere
@@ -51,8 +60,9 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ._overview import read_overview
 from ._redact import redact
-from ._status import list_jobs, parse_run_id, read_recovery_log, read_run
+from ._status import list_jobs, parse_run_id, read_recovery_log, read_run, read_runs
 from .abc import Backend
 from .errors import AnarchonError, ConfigurationError
 
@@ -99,7 +109,36 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
     async def run(request: Request) -> Response:
         name, slot = _run_key(request)
         found = await read_run(backend, name, slot)
-        return _json(found) if found is not None else await _unknown(backend, name, slot)
+        if found is None:
+            return await _unknown(backend, name, slot)
+        if request.query_params.get("log") in ("1", "true"):
+            found["recovery_log"] = await read_recovery_log(backend, name, slot) or []
+        return _json(found)
+
+    async def overview(request: Request) -> Response:
+        params = request.query_params
+        numbers = {}
+        for key, default in (("page", "1"), ("per_page", "50")):
+            text = params.get(key, default)
+            if not text.isdigit():
+                return _error(400, f"{key}={text!r} is not a whole number")
+            numbers[key] = int(text)
+        try:
+            body = await read_overview(backend, status=params.get("status", "all"),
+                                       query=params.get("q", ""), **numbers)
+        except ConfigurationError as exc:
+            return _error(400, str(exc))
+        return _json(body)
+
+    async def runs_of(request: Request) -> Response:
+        text = request.query_params.get("limit", "20")
+        if not text.isdigit() or not 1 <= int(text) <= MAX_RUNS:
+            return _error(400, f"limit={text!r} is not a whole number from 1 to {MAX_RUNS}")
+        name = request.path_params["name"]
+        found = await read_runs(backend, name, int(text))
+        if found is None:
+            return _error(404, f"no job or workflow {name!r} in the store")
+        return _json(found)
 
     async def log(request: Request) -> Response:
         name, slot = _run_key(request)
@@ -116,6 +155,8 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
         routes=[
             Route("/", index, methods=["GET"]),
             Route("/jobs", jobs, methods=["GET"]),
+            Route("/overview", overview, methods=["GET"]),
+            Route("/runs/{name:path}", runs_of, methods=["GET"]),
             # Names may hold "/" (a workflow step's job is <workflow>/<step>).
             Route("/jobs/{id:path}/recovery-log", log, methods=["GET"]),
             Route("/jobs/{id:path}", run, methods=["GET"]),
