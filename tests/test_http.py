@@ -233,7 +233,7 @@ def test_page_is_self_contained() -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/html")
     page = response.text
-    assert 'id="jobs"' in page and "fetch(" in page and "$script" not in page
+    assert 'id="view"' in page and "fetch(" in page and "$script" not in page
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # nothing from elsewhere
     assert " src=" not in page  # the script is inline: the page needs no other request
     policy = response.headers["content-security-policy"]
@@ -248,8 +248,8 @@ WRONG = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {TOKE
 @pytest.mark.parametrize("headers", WRONG, ids=["none", "wrong", "longer", "basic", "bare"])
 def test_every_request_without_the_token_gets_401(headers: dict[str, str]) -> None:
     with TestClient(create_app(MemoryBackend(), token=TOKEN), headers=headers) as client:
-        for path in ("/jobs", f"/jobs/export@{SLOT}", f"/jobs/export@{SLOT}/recovery-log",
-                     "/jobs/malformed", "/nosuch"):
+        for path in ("/jobs", "/overview", "/runs/export", f"/jobs/export@{SLOT}",
+                     f"/jobs/export@{SLOT}/recovery-log", "/jobs/malformed", "/nosuch"):
             response = client.get(path)
             assert response.status_code == 401, path
             assert response.headers["www-authenticate"].startswith("Bearer")

@@ -1,19 +1,45 @@
-// The status page: reads the JSON API every few seconds and renders it. Built with
-// textContent only, so names from the store are never parsed as HTML.
+// The status page: one view at a time, chosen by the address's fragment, each read with
+// one request per refresh:
+//   #                      the overview: every job and workflow, filtered, searched, paged
+//   #job=NAME              one job's or workflow's latest runs
+//   #run=NAME@SLOT         one run, its steps and its recovery log
+// Built with textContent only, so names from the store are never parsed as HTML.
 "use strict";
 
 const REFRESH_MS = 3000;
-const RUNS_PER_JOB = 3;
+const PER_PAGE = 50;
+const FILTERS = ["all", "running", "failed", "ok", "never"];
 let timer = null;
+window.anarchonRequests = 0;   // read by the browser test: requests made so far,
+window.anarchonRefreshes = 0;  // and refreshes (one request each)
+window.anarchonRenderMs = null; // how long the last render took
 
-// A bearer token, when the server needs one, is given in the fragment: /#token=...
-// The fragment never leaves the browser; the token is sent as the Authorization header.
-function token() {
-  return new URLSearchParams(location.hash.slice(1)).get("token");
+// The fragment holds the view and, when the server needs one, the bearer token
+// (#token=...): the fragment never leaves the browser; the token is sent as a header.
+function params() {
+  return new URLSearchParams(location.hash.slice(1));
+}
+
+function go(changes) {
+  const next = new URLSearchParams();
+  const token = params().get("token");
+  if (token) next.set("token", token);
+  for (const [key, value] of Object.entries(changes)) {
+    if (value !== null && value !== "" && value !== undefined) next.set(key, value);
+  }
+  location.hash = next.toString();
+}
+
+function link(text, changes, attrs) {
+  const a = el("a", { href: "#", ...(attrs || {}) }, text);
+  a.addEventListener("click", (event) => { event.preventDefault(); go(changes); });
+  return a;
 }
 
 async function getJson(path) {
-  const headers = token() ? { Authorization: "Bearer " + token() } : {};
+  const token = params().get("token");
+  const headers = token ? { Authorization: "Bearer " + token } : {};
+  window.anarchonRequests += 1;
   const response = await fetch(path, { headers, cache: "no-store" });
   const body = await response.json().catch(() => ({}));
   if (!response.ok) {
@@ -36,7 +62,7 @@ function el(tag, attrs, ...children) {
 }
 
 function status(text) {
-  return el("span", { class: "status " + text }, text);
+  return el("span", { class: "status " + text }, text.replace("_", " "));
 }
 
 function shortTime(iso) {
@@ -47,11 +73,84 @@ function time(iso) {
   return iso ? el("time", { datetime: iso }, shortTime(iso)) : "-";
 }
 
+function seconds(ms) {
+  if (ms === null || ms === undefined) return "-";
+  if (ms < 1000) return `${ms} ms`;
+  if (ms < 120000) return `${(ms / 1000).toFixed(1)} s`;
+  return `${(ms / 60000).toFixed(1)} min`;
+}
+
 function table(headings, rows) {
   return el("table", {},
     el("thead", {}, el("tr", {}, ...headings.map((h) => el("th", {}, h)))),
     el("tbody", {}, ...rows));
 }
+
+// --- the overview -----------------------------------------------------------------------
+
+function inProgress(row) {
+  if (row.running.length === 0) return "-";
+  return el("span", {}, ...row.running.flatMap((r, i) => {
+    const step = r.step ? `${r.step}: ` : "";
+    const lease = r.handed_over ? "handed over, waiting for a backup"
+      : r.lease_left_ms > 0 ? `lease ${seconds(r.lease_left_ms)} left`
+        : `lease expired ${seconds(-r.lease_left_ms)} ago`;
+    const text = `${step}attempt ${r.attempt} by ${r.instance_id}, ${lease}`;
+    return [...(i ? [el("br")] : []), link(text, { run: r.id }, { class: "run-link" })];
+  }));
+}
+
+function overviewRow(row) {
+  const last = row.last;
+  return el("tr", { "data-job": row.name, "data-kind": row.kind, "data-state": row.state,
+                    "data-running": String(row.running.length) },
+    el("td", {}, link(row.name, { job: row.name })),
+    el("td", {}, el("span", { class: "kind" }, row.kind)),
+    el("td", {}, row.schedule ?? "-"),
+    el("td", {}, last ? link(status(last.status), { run: last.id }) : el("span", { class: "muted" }, "never")),
+    el("td", {}, last ? time(last.finished_at) : "-"),
+    el("td", {}, last ? seconds(last.duration_ms) : "-"),
+    el("td", {}, time(row.next_at)),
+    el("td", {}, inProgress(row)));
+}
+
+function renderToolbar(data) {
+  const filters = document.getElementById("filters");
+  filters.replaceChildren(...FILTERS.map((f) => {
+    const button = el("button", { type: "button", "data-filter": f,
+                                  "aria-pressed": String(f === data.status) },
+      `${f} (${data.counts[f]})`);
+    button.addEventListener("click", () => go({ status: f === "all" ? null : f,
+                                                q: params().get("q") }));
+    return button;
+  }));
+  const pager = document.getElementById("pager");
+  const move = (page) => go({ status: params().get("status"), q: params().get("q"), page });
+  const prev = el("button", { type: "button", id: "prev" }, "‹ previous");
+  const next = el("button", { type: "button", id: "next" }, "next ›");
+  prev.disabled = data.page <= 1;
+  next.disabled = data.page >= data.pages;
+  prev.addEventListener("click", () => move(data.page - 1));
+  next.addEventListener("click", () => move(data.page + 1));
+  pager.replaceChildren(prev, el("span", { id: "page" }, `page ${data.page} of ${data.pages}, ${data.total} jobs`), next);
+}
+
+async function overview(p) {
+  const query = new URLSearchParams({ status: p.get("status") || "all", q: p.get("q") || "",
+                                      page: p.get("page") || "1", per_page: String(PER_PAGE) });
+  const data = await getJson("overview?" + query);
+  const started = performance.now();
+  renderToolbar(data);
+  const body = data.rows.length
+    ? table(["job", "kind", "schedule", "last run", "finished", "took", "next slot", "in progress"],
+      data.rows.map(overviewRow))
+    : el("p", { class: "empty" }, data.total || data.counts.all ? "no job matches" : "no jobs recorded yet");
+  document.getElementById("view").replaceChildren(body);
+  window.anarchonRenderMs = performance.now() - started;
+  return data.now;
+}
+
+// --- one job, one run -------------------------------------------------------------------
 
 function stepsTable(run) {
   return table(["step", "status", "attempt", "holder", "started", "finished", "lease expires"],
@@ -70,36 +169,57 @@ function logTable(entries) {
       el("td", {}, status(e.event)), el("td", {}, e.instance_id), el("td", {}, e.detail))));
 }
 
-function runCard(run, log) {
-  const card = el("section", { class: "run", "data-run": run.id, "data-status": run.status },
-    el("h3", {}, time(run.scheduled_at), " ", status(run.status)));
-  if (run.kind === "workflow") {
-    card.append(stepsTable(run));
+async function job(name) {
+  const data = await getJson("runs/" + encodeURIComponent(name) + "?limit=20");
+  const rows = data.runs.map((run) => el("tr", { "data-run": run.id, "data-status": run.status },
+    el("td", {}, link(time(run.scheduled_at), { run: run.id })),
+    el("td", {}, status(run.status)),
+    el("td", {}, run.kind === "workflow"
+      ? el("span", {}, ...run.steps.map((s) => status(s.status)))
+      : `attempt ${run.attempt} by ${run.instance_id}`),
+    el("td", {}, time(run.kind === "workflow" ? run.attempts[0]?.claimed_at : run.started_at)),
+    el("td", {}, time(run.finished_at))));
+  document.getElementById("view").replaceChildren(el("article", { "data-job": data.name },
+    el("p", {}, link("‹ every job", {})),
+    el("h2", {}, data.name, " ", el("span", { class: "kind" }, data.kind)),
+    rows.length ? table(["slot", "status", data.kind === "workflow" ? "steps" : "attempt",
+                         "started", "finished"], rows)
+      : el("p", { class: "empty" }, "no runs recorded")));
+  return data.now;
+}
+
+async function run(id) {
+  const data = await getJson("jobs/" + encodeURIComponent(id) + "?log=1");
+  const card = el("section", { class: "run", "data-run": data.id, "data-status": data.status },
+    el("h3", {}, time(data.scheduled_at), " ", status(data.status)));
+  if (data.kind === "workflow") {
+    card.append(stepsTable(data));
   } else {
-    const stored = run.store_status === run.status ? "" : ` (${run.store_status.replace("_", " ")})`;
-    card.append(el("p", { class: "muted" }, `attempt ${run.attempt} by ${run.instance_id}${stored}`));
+    const stored = data.store_status === data.status ? "" : ` (${data.store_status.replace("_", " ")})`;
+    card.append(el("p", { class: "muted" }, `attempt ${data.attempt} by ${data.instance_id}${stored}`));
   }
-  card.append(el("h3", {}, "recovery log"), logTable(log));
-  return card;
+  card.append(el("h3", {}, "recovery log"), logTable(data.recovery_log));
+  document.getElementById("view").replaceChildren(el("article", { "data-job": data.name },
+    el("p", {}, link("‹ every job", {}), " · ", link(data.name, { job: data.name })),
+    el("h2", {}, data.name, " ", el("span", { class: "kind" }, data.kind)), card));
+  return null;
 }
 
 async function refresh() {
   clearTimeout(timer);
+  window.anarchonRefreshes += 1;
   const state = document.getElementById("state");
+  const p = params();
+  const where = p.get("run") ? "run" : p.get("job") ? "job" : "overview";
+  document.getElementById("toolbar").hidden = where !== "overview";
+  const search = document.getElementById("search");
+  if (document.activeElement !== search) search.value = p.get("q") || "";
   try {
-    const data = await getJson("jobs?limit=" + RUNS_PER_JOB);
-    const runs = data.jobs.flatMap((job) => job.runs);
-    const logs = await Promise.all(
-      runs.map((run) => getJson("jobs/" + encodeURIComponent(run.id) + "/recovery-log")));
-    const logOf = new Map(runs.map((run, i) => [run.id, logs[i]]));
-    const sections = data.jobs.map((job) => el("article", { "data-job": job.name },
-      el("h2", {}, job.name, " ", el("span", { class: "kind" }, job.kind)),
-      ...(job.runs.length ? job.runs.map((run) => runCard(run, logOf.get(run.id)))
-        : [el("p", { class: "empty" }, "no runs recorded")])));
-    document.getElementById("jobs").replaceChildren(
-      ...(sections.length ? sections : [el("p", { class: "empty" }, "no jobs recorded yet")]));
+    const now = where === "run" ? await run(p.get("run"))
+      : where === "job" ? await job(p.get("job")) : await overview(p);
     state.className = "";
-    state.textContent = `store time ${shortTime(data.now)}, refreshed every ${REFRESH_MS / 1000} s`;
+    state.textContent = (now ? `store time ${shortTime(now)}, ` : "")
+      + `refreshed every ${REFRESH_MS / 1000} s`;
   } catch (error) {
     state.className = "error";
     state.textContent = "cannot read the status: " + error.message;
@@ -109,5 +229,14 @@ async function refresh() {
   }
 }
 
+let typing = null;
+document.getElementById("search").addEventListener("input", (event) => {
+  clearTimeout(typing);
+  typing = setTimeout(() => go({ status: params().get("status"), q: event.target.value }), 250);
+});
+document.getElementById("home").addEventListener("click", (event) => {
+  event.preventDefault();
+  go({});
+});
 window.addEventListener("hashchange", refresh);
 refresh();
