@@ -11,6 +11,7 @@ import os
 import ssl
 from typing import Any
 
+from lease_core._redact import redact
 from lease_core.errors import ConfigurationError
 
 from .base import conninfo_params, dsn_query
@@ -48,6 +49,13 @@ def pg8000_params(dsn: str | None) -> dict[str, Any]:
     ``sslmode``, ``connect_timeout`` and ``application_name``. Raises
     :class:`~lease_core.errors.ConfigurationError` on an unknown parameter or a bad value.
     """
+    if dsn and "," in dsn.partition("://")[2].partition("/")[0] + dsn_query(dsn).get("host", ""):
+        raise ConfigurationError(
+            f"the pg8000 driver connects to one host, and {redact(dsn)!r} names several: "
+            "for a multi-host URL (host1,host2 with target_session_attrs=read-write, to reach "
+            "the primary after a failover) use psycopg: postgresql://... with "
+            "pip install 'anarchon[postgres]'"
+        )
     params = conninfo_params(dsn)
     query = dsn_query(dsn) if dsn else {}
     unknown = sorted(set(query) - PG8000_PARAMS.keys())
