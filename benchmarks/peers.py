@@ -10,6 +10,11 @@ within each round. The report gives the median of those per-round ratios and the
 spread (min, quartiles, max), so a busy moment of a shared machine moves one round, not
 one contender.
 
+On PostgreSQL each turn also reads the server's WAL position before and after
+(``pg_current_wal_lsn()``, on a connection of its own): the WAL bytes a contender wrote
+per operation (claim + finish, or lock + unlock) are reported beside its rate, as
+``wal_bytes_per_op`` (all its turns' bytes over all its operations).
+
 The batched claim: ``claim_many`` of ``BATCH`` claims against the same claims made one
 at a time with ``claim``, interleaved the same way; the ratio is claims per second
 batched ÷ one at a time.
@@ -20,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -95,16 +100,21 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 async def interleaved(contenders: dict[str, tuple[Callable[[int], Any], bool]], ours: str,
                       *, rounds: int, seconds: float,
-                      per_op: dict[str, int] | None = None) -> dict[str, Any]:
+                      per_op: dict[str, int] | None = None,
+                      probe: Callable[[], Awaitable[float]] | None = None) -> dict[str, Any]:
     """Run every contender once per round, order rotated each round; ratios per round.
 
     ``per_op`` scales a contender's operations (claims per ``claim_many`` call). Returns
     the median operations per second of each contender and, for every other contender,
-    the spread of the per-round ratio ``ours ÷ it``.
+    the spread of the per-round ratio ``ours ÷ it``. ``probe`` reads a counter that only
+    grows (the WAL position); its growth during a contender's turns, over the calls it
+    made in them, is returned as ``probe_per_op``.
     """
     names = list(contenders)
     ops: dict[str, list[float]] = {name: [] for name in names}
     counters = dict.fromkeys(names, 0)
+    grown = dict.fromkeys(names, 0.0)
+    calls = dict.fromkeys(names, 0)
     scale = per_op or {}
     for name in names:  # warm-up: connections, scripts, prepared plans
         fn, sync = contenders[name]
@@ -116,15 +126,22 @@ async def interleaved(contenders: dict[str, tuple[Callable[[int], Any], bool]], 
             order.reverse()
         for name in order:
             fn, sync = contenders[name]
+            before, first = (await probe() if probe else 0.0), counters[name]
             rate, counters[name] = await _rate(fn, seconds, sync=sync,
                                                start_at=counters[name])
+            if probe:
+                grown[name] += await probe() - before
+                calls[name] += counters[name] - first
             ops[name].append(rate * scale.get(name, 1))
     ratios = {
         name: _spread([a / b for a, b in zip(ops[ours], ops[name], strict=True)])
         for name in names if name != ours
     }
-    return {"ops_s": {k: round(statistics.median(v), 1) for k, v in ops.items()},
-            "ratio": ratios, "rounds": rounds, "seconds_per_turn": seconds}
+    out: dict[str, Any] = {"ops_s": {k: round(statistics.median(v), 1) for k, v in ops.items()},
+                           "ratio": ratios, "rounds": rounds, "seconds_per_turn": seconds}
+    if probe:
+        out["probe_per_op"] = {k: round(grown[k] / calls[k]) for k in names if calls[k]}
+    return out
 
 
 async def _redis_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, Any]:
@@ -191,9 +208,17 @@ async def _pg_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, 
     backend = PostgresBackend(pool, table="peers")
     await backend.start()
     try:
-        async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as conn, \
+                await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as admin:
             await conn.execute(SHEDLOCK_TABLE)
             tag = uuid.uuid4().hex[:6]
+
+            async def wal_position() -> float:
+                cur = await admin.execute(
+                    "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8")
+                row = await cur.fetchone()
+                assert row is not None
+                return float(row[0])
 
             async def ours(i: int) -> None:
                 await claim_finish_op(backend, f"peer-{tag}", i + 1)
@@ -207,7 +232,9 @@ async def _pg_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, 
 
             out = await interleaved({"anarchon_claim_finish": (ours, False),
                                      "shedlock_upsert_raw_psycopg": (shedlock, False)},
-                                    "anarchon_claim_finish", rounds=rounds, seconds=seconds)
+                                    "anarchon_claim_finish", rounds=rounds, seconds=seconds,
+                                    probe=wal_position)
+            out["wal_bytes_per_op"] = out.pop("probe_per_op")
     finally:
         await backend.close()
         await pool.close()
@@ -271,6 +298,8 @@ async def run_peers(servers: Servers, *, seconds: float, rounds: int,
         for name, spread in section["ratio"].items():
             log(f"  peers {store:<5} anarchon / {name:<30} median {spread['median']:.2f} "
                 f"(min {spread['min']:.2f}, max {spread['max']:.2f}, {spread['rounds']} rounds)")
+        for name, wal in section.get("wal_bytes_per_op", {}).items():
+            log(f"  peers {store:<5} WAL bytes per operation, {name:<30} {wal}")
     out["batch"] = await run_batches(servers, seconds=seconds, rounds=rounds)
     for key, section in out["batch"].items():
         spread = section["ratio"]["claim_one_at_a_time"]
