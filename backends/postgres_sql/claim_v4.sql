@@ -48,6 +48,7 @@ DECLARE
     v_seq bigint;
     v_row_seq bigint;
     v_reason text;
+    v_set text;
 BEGIN
     SELECT r.status, r.attempt, r.instance_id, r.expires_ms, r.token
       INTO v_status, v_attempt, v_instance, v_expires, v_token
@@ -71,7 +72,8 @@ BEGIN
         RETURN;
     END IF;
 
-    PERFORM set_config('lock_timeout', GREATEST(LEAST(p_lease_ms / 8, 4000), 10)::text, true);
+    -- an assignment, which PL/pgSQL evaluates as a simple expression (PERFORM runs a query)
+    v_set := set_config('lock_timeout', GREATEST(LEAST(p_lease_ms / 8, 4000), 10)::text, true);
 
     SELECT j.last_slot, j.seq INTO v_last, v_seq
       FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
@@ -92,22 +94,31 @@ BEGIN
 
     v_now := {now};
     c_now := v_now;
+    -- Under the job's lock, a plain read first: a run missing now stays missing (only a
+    -- holder of that lock inserts one), and a finished one stays finished. Only an open
+    -- run is locked, with SKIP LOCKED, and judged on the values read under its lock.
     SELECT r.status, r.attempt, r.instance_id, r.expires_ms, r.takeovers
       INTO v_status, v_attempt, v_instance, v_expires, v_takeovers
-      FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot FOR UPDATE SKIP LOCKED;
+      FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
     v_found := FOUND;
-    IF NOT v_found THEN
-        -- Missing, or locked by a fenced transaction or a write in flight: a plain read
-        -- tells which, and a locked run is running elsewhere.
-        SELECT r.status, r.attempt, r.instance_id, r.expires_ms
-          INTO v_status, v_attempt, v_instance, v_expires
-          FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
-        IF FOUND THEN
-            c_status := CASE WHEN v_status IN ('running', 'handed_over') THEN 'running'
-                             ELSE 'finished' END;
-            c_attempt := v_attempt; c_expires := v_expires;
-            c_run_status := v_status; c_instance := v_instance;
-            RETURN;
+    IF v_found AND v_status IN ('running', 'handed_over') THEN
+        SELECT r.status, r.attempt, r.instance_id, r.expires_ms, r.takeovers
+          INTO v_status, v_attempt, v_instance, v_expires, v_takeovers
+          FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            -- Locked by a fenced transaction or a write in flight (a locked run is running
+            -- elsewhere), or gone: a plain read again tells which (INTO left NULLs).
+            SELECT r.status, r.attempt, r.instance_id, r.expires_ms
+              INTO v_status, v_attempt, v_instance, v_expires
+              FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
+            v_found := FOUND;
+            IF v_found THEN
+                c_status := CASE WHEN v_status IN ('running', 'handed_over') THEN 'running'
+                                 ELSE 'finished' END;
+                c_attempt := v_attempt; c_expires := v_expires;
+                c_run_status := v_status; c_instance := v_instance;
+                RETURN;
+            END IF;
         END IF;
     END IF;
 
