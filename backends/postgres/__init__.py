@@ -37,9 +37,10 @@ one transaction (``postgres_sql/batch_v<N>.sql``). The claim function runs the c
    sees the winner's run;
 4. the run is read, and an open one locked ``FOR UPDATE SKIP LOCKED``: a run locked by a
    fenced transaction (or a write in flight) is answered ``running`` at once, never waited
-   for, so a frozen ``ctx.transaction()`` blocks no other claim of its job; otherwise the run is inserted,
-   skipped, taken over or escalated with its attempt rows (``max_attempts`` counts the
-   first attempt and the takeovers, kept in ``runs.takeovers``, never hand-overs);
+   for, so a frozen ``ctx.transaction()`` blocks no other claim of its job; otherwise the
+   run is inserted, skipped, taken over or escalated with its attempt rows
+   (``max_attempts`` counts the first attempt and the takeovers, kept in
+   ``runs.takeovers``, never hand-overs);
 5. the job row gets a new version only when ``last_slot`` grows or an attempt is written
    (taking the next ``seq``, the order trimming keeps).
 
