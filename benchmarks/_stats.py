@@ -73,6 +73,7 @@ def classify(query: str) -> str:
         ("_claim(", "claim"),
         ("_claim_v", "claim"),
         ("_batch_v", "claim_many"),
+        ("_end_v", "finish"),  # the finish function (store code v4 on)
         ("renewed AS", "heartbeat"),
         ("AS n LEFT JOIN", "check"),
         ("first_seen_ms, last_slot, seq) VALUES", "claim.upsert_job"),

@@ -10,6 +10,15 @@ within each round. The report gives the median of those per-round ratios and the
 spread (min, quartiles, max), so a busy moment of a shared machine moves one round, not
 one contender.
 
+On PostgreSQL each turn also reads the server's WAL position before and after
+(``pg_current_wal_lsn()``, on a connection of its own): the WAL bytes a contender wrote
+per operation (claim + finish, or lock + unlock) are reported beside its rate, as
+``wal_bytes_per_op`` (all its turns' bytes over all its operations). And the CPU time of
+each turn, this process's (``time.process_time``) plus that of the contender's one server
+process (``/proc/<pid>/schedstat``): ``cpu_us`` gives the µs per operation and the
+per-round ratio peer ÷ anarchon of the CPU per operation, which a machine shared with
+other work distorts far less than the rates.
+
 The batched claim: ``claim_many`` of ``BATCH`` claims against the same claims made one
 at a time with ``claim``, interleaved the same way; the ratio is claims per second
 batched ÷ one at a time.
@@ -20,7 +29,7 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -95,16 +104,25 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 async def interleaved(contenders: dict[str, tuple[Callable[[int], Any], bool]], ours: str,
                       *, rounds: int, seconds: float,
-                      per_op: dict[str, int] | None = None) -> dict[str, Any]:
+                      per_op: dict[str, int] | None = None,
+                      probes: dict[str, Callable[[str], Awaitable[float]]] | None = None
+                      ) -> dict[str, Any]:
     """Run every contender once per round, order rotated each round; ratios per round.
 
     ``per_op`` scales a contender's operations (claims per ``claim_many`` call). Returns
     the median operations per second of each contender and, for every other contender,
-    the spread of the per-round ratio ``ours ÷ it``.
+    the spread of the per-round ratio ``ours ÷ it``. Each of ``probes`` reads, for the
+    contender named, a counter that only grows (the WAL position, CPU time); for each it
+    returns ``per_op`` (the growth during a contender's turns over the calls it made in
+    them) and ``ratio``, the spread of the per-round ratio ``it ÷ ours`` of the growth per
+    call (above 1 when ours grows it less, like the rate ratio).
     """
     names = list(contenders)
     ops: dict[str, list[float]] = {name: [] for name in names}
     counters = dict.fromkeys(names, 0)
+    probes = probes or {}
+    grown = {key: {name: [0.0] * rounds for name in names} for key in probes}
+    calls = {name: [0] * rounds for name in names}
     scale = per_op or {}
     for name in names:  # warm-up: connections, scripts, prepared plans
         fn, sync = contenders[name]
@@ -116,15 +134,31 @@ async def interleaved(contenders: dict[str, tuple[Callable[[int], Any], bool]], 
             order.reverse()
         for name in order:
             fn, sync = contenders[name]
+            before = {key: await read(name) for key, read in probes.items()}
+            first = counters[name]
             rate, counters[name] = await _rate(fn, seconds, sync=sync,
                                                start_at=counters[name])
+            for key, read in probes.items():
+                grown[key][name][r] = await read(name) - before[key]
+            calls[name][r] = counters[name] - first
             ops[name].append(rate * scale.get(name, 1))
     ratios = {
         name: _spread([a / b for a, b in zip(ops[ours], ops[name], strict=True)])
         for name in names if name != ours
     }
-    return {"ops_s": {k: round(statistics.median(v), 1) for k, v in ops.items()},
-            "ratio": ratios, "rounds": rounds, "seconds_per_turn": seconds}
+    out: dict[str, Any] = {"ops_s": {k: round(statistics.median(v), 1) for k, v in ops.items()},
+                           "ratio": ratios, "rounds": rounds, "seconds_per_turn": seconds}
+    for key, by_name in grown.items():
+        per_round = {name: [g / max(c, 1) for g, c in zip(by_name[name], calls[name],
+                                                          strict=True)] for name in names}
+        out[key] = {
+            "per_op": {name: round(sum(by_name[name]) / max(sum(calls[name]), 1), 1)
+                       for name in names},
+            "ratio": {name: _spread([theirs / mine if mine else 0.0 for mine, theirs in zip(
+                per_round[ours], per_round[name], strict=True)])
+                for name in names if name != ours},
+        }
+    return out
 
 
 async def _redis_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, Any]:
@@ -183,6 +217,26 @@ async def _redis_peers(servers: Servers, seconds: float, rounds: int) -> dict[st
     return {**out, "notes": notes}
 
 
+def _cpu_us(server_pid: int) -> float:
+    """This process's CPU time plus that of one PostgreSQL server process, in µs.
+
+    The server's from ``/proc/<pid>/schedstat`` (time on a CPU, ns); without it (not
+    Linux) the client's alone. CPU time is what a busy shared machine distorts least.
+    """
+    client = time.process_time_ns() / 1000
+    try:
+        with open(f"/proc/{server_pid}/schedstat") as f:
+            return client + int(f.read().split()[0]) / 1000
+    except (OSError, ValueError, IndexError):
+        return client
+
+
+async def _backend_pid(pool: AsyncConnectionPool[Any]) -> int:
+    """The server process of a pool of one connection."""
+    async with pool.connection() as conn:
+        return int(conn.info.backend_pid)
+
+
 async def _pg_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, Any]:
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         servers.dsn, min_size=1, max_size=1, open=False,
@@ -191,9 +245,24 @@ async def _pg_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, 
     backend = PostgresBackend(pool, table="peers")
     await backend.start()
     try:
-        async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as conn, \
+                await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as admin:
             await conn.execute(SHEDLOCK_TABLE)
             tag = uuid.uuid4().hex[:6]
+
+            ours_pid = await _backend_pid(pool)
+            pids = {"anarchon_claim_finish": ours_pid,
+                    "shedlock_upsert_raw_psycopg": conn.info.backend_pid}
+
+            async def cpu_us(name: str) -> float:
+                return _cpu_us(pids[name])
+
+            async def wal_position(name: str) -> float:
+                cur = await admin.execute(
+                    "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8")
+                row = await cur.fetchone()
+                assert row is not None
+                return float(row[0])
 
             async def ours(i: int) -> None:
                 await claim_finish_op(backend, f"peer-{tag}", i + 1)
@@ -207,7 +276,9 @@ async def _pg_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, 
 
             out = await interleaved({"anarchon_claim_finish": (ours, False),
                                      "shedlock_upsert_raw_psycopg": (shedlock, False)},
-                                    "anarchon_claim_finish", rounds=rounds, seconds=seconds)
+                                    "anarchon_claim_finish", rounds=rounds, seconds=seconds,
+                                    probes={"wal_bytes": wal_position, "cpu_us": cpu_us})
+            out["wal_bytes_per_op"] = out["wal_bytes"]["per_op"]
     finally:
         await backend.close()
         await pool.close()
@@ -271,6 +342,13 @@ async def run_peers(servers: Servers, *, seconds: float, rounds: int,
         for name, spread in section["ratio"].items():
             log(f"  peers {store:<5} anarchon / {name:<30} median {spread['median']:.2f} "
                 f"(min {spread['min']:.2f}, max {spread['max']:.2f}, {spread['rounds']} rounds)")
+        for name, wal in section.get("wal_bytes_per_op", {}).items():
+            log(f"  peers {store:<5} WAL bytes per operation, {name:<30} {wal}")
+        cpu = section.get("cpu_us")
+        for name, spread in (cpu or {}).get("ratio", {}).items():
+            log(f"  peers {store:<5} CPU per op (client + server), {name} / anarchon: median "
+                f"{spread['median']:.2f} (min {spread['min']:.2f}, max {spread['max']:.2f}); "
+                f"µs per op {cpu['per_op']}")
     out["batch"] = await run_batches(servers, seconds=seconds, rounds=rounds)
     for key, section in out["batch"].items():
         spread = section["ratio"]["claim_one_at_a_time"]

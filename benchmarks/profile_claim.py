@@ -46,9 +46,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
-from lease_core.abc import ClaimRequest, ClaimStatus, Lease
+from lease_core.abc import ClaimRequest, ClaimStatus, Lease, Outcome
 from lease_core.errors import AnarchonError
-from lease_core.scheduler import Outcome
 
 from ._util import Servers, pg_servers
 from .peers import SHEDLOCK_LOCK, SHEDLOCK_TABLE, SHEDLOCK_UNLOCK

@@ -666,3 +666,33 @@ async def test_missing_claim_function_is_created_or_migrate_is_asked(
     finally:
         await drop_tables(pg16_server.admin_dsn, table)
         admin(pg16_server, f"DROP ROLE {role}")
+
+
+@pytest.mark.asyncio_only
+async def test_a_finish_is_one_fenced_call_that_ends_the_attempt_in_place(
+    pg16_server: PgServer, table: str
+) -> None:
+    # Store code v4: the finish function's two updates (the run, then its attempt), and
+    # no index of the attempts covers what ending one changes, so that update is HOT.
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    finish = f'SELECT "{table}_end_v{CODE_VERSION}"(%s, %s, %s, %s, %s)'
+    counts = ("SELECT pg_stat_get_xact_tuples_updated(%s::regclass), "
+              "pg_stat_get_xact_tuples_hot_updated(%s::regclass)")
+    try:
+        assert (await backend.claim(request_for("j", 1, "a"))).status is ClaimStatus.WON
+        assert admin(pg16_server, "SELECT count(*) FROM pg_indexes WHERE tablename = %s "
+                     "AND indexname = %s", (f"{table}_attempts", f"{table}_a_fin")) == [(0,)]
+        with psycopg.connect(pg16_server.admin_dsn) as conn:  # one transaction
+            assert conn.execute(finish, ("j", 1, "stale", "completed", None)).fetchall() == [
+                (0,)]
+            assert conn.execute(finish, ("j", 1, "a", "failed", "boom")).fetchall() == [(1,)]
+            attempts = f"{table}_attempts"
+            assert conn.execute(counts, (attempts, attempts)).fetchall() == [(1, 1)]
+            assert conn.execute(finish, ("j", 1, "a", "completed", None)).fetchall() == [
+                (0,)]
+        [attempt] = await backend.history("j")
+        assert (attempt.outcome, attempt.error) == (Outcome.FAILED, "boom")
+        assert [(r.slot, r.status.value) for r in await backend.runs("j")] == [(1, "failed")]
+    finally:
+        await backend.close()

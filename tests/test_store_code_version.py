@@ -14,12 +14,12 @@ import re
 from importlib import resources
 
 import backends.postgres as postgres
-from backends.postgres import BATCH_SUFFIX, CLAIM_SUFFIX, CODE_VERSION, Statements
+from backends.postgres import BATCH_SUFFIX, CLAIM_SUFFIX, CODE_VERSION, FINISH_SUFFIX, Statements
 from backends.redis import SCRIPTS, STORE_FORMAT
 
 SQL = resources.files("backends") / "postgres_sql"
 #: A versioned name in SQL text: a placeholder such as {claim_v2} or a file name.
-VERSIONED = re.compile(r"(?:claim|batch)_v(\d+)\b")
+VERSIONED = re.compile(r"(?:claim|batch|end)_v(\d+)\b")
 
 
 def _sql_texts() -> dict[str, str]:
@@ -57,7 +57,15 @@ def test_the_statements_call_and_create_the_functions_of_code_version() -> None:
     # The names older releases call are calls of this release's functions.
     for old in (s.create_claim_v1, s.create_claim_v2):
         assert f"FROM {claim}(" in old
-    assert f"FROM {batch}(" in s.create_batch_v2
+    assert f"FROM {batch}(" in s.create_batch_v2 and f"FROM {batch}(" in s.create_batch_v3
+    assert f"FROM {claim}(" in s.create_claim_v3
+    # The finish function (store code v4 on) is named and loaded the same way.
+    assert f"_end_v{CODE_VERSION}" == FINISH_SUFFIX
+    assert (SQL / f"finish_v{CODE_VERSION}.sql").read_text("utf-8") == postgres.FINISH_FUNCTION
+    finish = f'"app"."runs{FINISH_SUFFIX}"'
+    assert f"SELECT {finish}(" in s.finish
+    assert f"CREATE OR REPLACE FUNCTION {finish}(" in s.create_finish_function
+    assert f"ON FUNCTION {finish}(" in s.grant_finish
     # Every versioned name in a filled statement is this release's or an older one's.
     filled = [value for value in vars(s).values() if isinstance(value, str)]
     filled += list(s.ddl)

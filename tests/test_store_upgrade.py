@@ -12,6 +12,12 @@ the one in use, also by instances of the old release still calling ``<table>_cla
 functions trimmed history on every claim); it is upgraded the same way, and instances
 of that release still calling ``<table>_claim_v2`` or ``<table>_batch_v2`` claim with the
 current logic, which leaves trimming to ``prune()``.
+
+``tests/fixtures/store_v3.sql`` is the store as store code v3 made it (finishing with a
+statement planned on every call, and an index of the attempts by finish time); it is
+upgraded to v4 (the finish function ``<table>_end_v4``, that index dropped) with its
+history kept, and instances of v3 still claiming through ``<table>_claim_v3`` and
+finishing with v3's statement keep working beside the new ones.
 """
 
 from __future__ import annotations
@@ -133,7 +139,8 @@ async def app_role(server: PgServer, v1_table: str) -> AsyncIterator[str]:
 
 def upgraded(table: str) -> set[str]:
     """The claim functions of an upgraded store: this release's, and the older names."""
-    return {f"{table}_claim", f"{table}_claim_v2", f"{table}_claim_v{CODE_VERSION}"}
+    return {f"{table}_claim", f"{table}_claim_v2", f"{table}_claim_v3",
+            f"{table}_claim_v{CODE_VERSION}"}
 
 
 def functions(server: PgServer, table: str) -> dict[str, str]:
@@ -399,6 +406,137 @@ async def test_migrate_upgrades_a_v2_store_whose_claims_trimmed(
             assert [a.slot for a in await backend.history("j")] == [6, 5, 4]
             # the finished runs left without attempts went; the open run 3 stays
             assert sorted(r.slot for r in await backend.runs("j")) == [3, 4, 5, 6]
+        finally:
+            await backend.close()
+    finally:
+        await drop_tables(server.admin_dsn, table)
+        sql(server.admin_dsn, f"DROP OWNED BY {role}")
+        sql(server.admin_dsn, f"DROP ROLE {role}")
+
+
+# -- store code v3 -> v4: the finish function, no index by finish time ----------------------
+
+FIXTURE_V3 = Path(__file__).parent / "fixtures" / "store_v3.sql"
+V3_CLAIM = """
+SELECT c_status, c_attempt, c_reason, c_expires
+FROM {fn}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text, false,
+          %s::bigint)"""
+#: The finish statement of store code v3 (queries.sql of that release), as it sent it.
+V3_FINISH = """
+WITH run AS (
+    UPDATE {runs} SET status = %(outcome)s::text, token = NULL, expires_ms = NULL
+    WHERE job = %(job)s::text AND slot = %(slot)s::bigint AND token = %(token)s::text
+      AND status = 'running'
+    RETURNING job, slot, attempt),
+att AS (
+    UPDATE {attempts} a SET outcome = %(outcome)s::text, error = %(error)s::text,
+                            finished_ms = {now}
+    WHERE (a.job, a.slot, a.attempt) = (SELECT run.job, run.slot, run.attempt FROM run)
+      AND a.outcome IS NULL
+    RETURNING 1)
+SELECT count(*) FROM run"""
+#: Seed 004's history query, with the column the attempts table keeps (claimed_ms).
+SEED_HISTORY = ("SELECT job, slot, attempt, instance_id, reason, claimed_ms FROM {attempts} "
+                "WHERE job = 'j' ORDER BY slot DESC, attempt DESC")
+
+
+def names_v3(table: str) -> dict[str, str]:
+    """The quoted identifiers the v3 fixture's placeholders stand for."""
+    found = names_v2(table)
+    found.update(claim_v3=quote_ident(table + "_claim_v3"),
+                 batch_v3=quote_ident(table + "_batch_v3"))
+    return found
+
+
+def v3_release(dsn: str, table: str) -> OldRelease:
+    """What an instance of the v3 release sends: ``<table>_claim_v3`` and v3's finish."""
+    old = OldRelease(dsn, table)
+    old.claim_sql = V3_CLAIM.format(fn=quote_ident(table + "_claim_v3"))
+    finish_sql = V3_FINISH.format(runs=quote_ident(table),
+                                  attempts=quote_ident(table + "_attempts"), now=CLOCK)
+
+    def finish(slot: int, token: str) -> None:
+        assert sql(dsn, finish_sql, {"outcome": "completed", "job": "j", "slot": slot,
+                                     "token": token, "error": None}) == [(1,)]
+
+    old.finish = finish  # type: ignore[method-assign]
+    return old
+
+
+async def test_migrate_upgrades_a_v3_store_keeping_its_history(
+    server: PgServer, anyio_backend: str
+) -> None:
+    table = unique_table()
+    sql(server.admin_dsn, FIXTURE_V3.read_text().format(**names_v3(table)))
+    role, password = f"app_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    sql(server.admin_dsn, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+    tables = ", ".join(f"{table}{s}" for s in ("", "_attempts", "_jobs", "_meta"))
+    sql(server.admin_dsn, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {role}")
+    app = server.server.dsn_for(role, password)
+    seed_history = SEED_HISTORY.format(attempts=quote_ident(table + "_attempts"))
+    fin_index = ("SELECT count(*) FROM pg_indexes WHERE tablename = %s AND indexname = %s",
+                 (table + "_attempts", table + "_a_fin"))
+    try:
+        old = v3_release(server.dsn, table)
+        # In flight through v3: a completed run, a run taken over (its first attempt
+        # lost), a held lease, a handed-over run.
+        assert old.claim(1, "done", 60_000)[0] == "won"
+        old.finish(1, "done")
+        first = old.claim(2, "stale", 50)
+        assert first[0] == "won"
+        await old.wait_expired(first[3])
+        assert old.claim(2, "taker", 60_000)[:3] == ("won", 2, "takeover")
+        assert old.claim(3, "held", 60_000)[0] == "won"
+        assert old.claim(4, "leaving", 60_000)[0] == "won"
+        old.hand_over(4, "leaving")
+        before = sql(server.admin_dsn, seed_history)
+        assert [row[1:3] for row in before] == [(4, 1), (3, 1), (2, 2), (2, 1), (1, 1)]
+        assert sql(server.admin_dsn, *fin_index) == [(1,)]
+
+        with pytest.raises(ConfigurationError, match="anarchon migrate --url") as info:
+            await PostgresBackend(app, table=table).start()
+        assert "\n" not in str(info.value) and "store code v3" in str(info.value)
+
+        await migrate(server.dsn, table=table)
+        await migrate(server.dsn, table=table)  # again: nothing to do
+        assert sql(server.admin_dsn, f"SELECT value FROM {table}_meta WHERE key = 'code'"
+                   ) == [(str(CODE_VERSION),)]
+        assert set(functions(server, table)) == upgraded(table)
+        assert sql(server.admin_dsn, "SELECT count(*) FROM pg_proc WHERE proname = %s",
+                   (f"{table}_end_v{CODE_VERSION}",)) == [(1,)]
+        assert sql(server.admin_dsn, *fin_index) == [(0,)]
+        # The history, read with seed 004's query, is what it was.
+        assert sql(server.admin_dsn, seed_history) == before
+
+        backend = PostgresBackend(app if server.dsn == server.admin_dsn else server.dsn,
+                                  table=table)
+        await backend.start()  # the application's user starts without a privilege
+        try:
+            held = Lease("j", 3, "held", 60_000)
+            assert (await backend.heartbeat([held])).renewed == {"held"}
+            handed = await backend.claim(ClaimRequest("j", 4, "new", "t4", 60_000))
+            assert (handed.status, handed.attempt, handed.reason) == (
+                ClaimStatus.WON, 2, Reason.HAND_OVER)
+            # The fenced finish through the new function: a stale token ends nothing.
+            assert not await backend.finish(Lease("j", 2, "stale", 60_000), Outcome.FAILED)
+            assert await backend.finish(held, Outcome.FAILED, "boom")
+            assert not await backend.finish(held, Outcome.COMPLETED)
+            assert await backend.finish(Lease("j", 2, "taker", 60_000), Outcome.COMPLETED)
+
+            # An instance of v3 still running claims through the new logic and finishes
+            # with its own statement.
+            assert old.claim(5, "late", 60_000)[:2] == ("won", 1)
+            old.finish(5, "late")
+            by_slot = {(a.slot, a.attempt): a for a in await backend.history("j")}
+            assert [(s, a, by_slot[s, a].outcome) for s, a in sorted(by_slot)] == [
+                (1, 1, "completed"), (2, 1, "lost"), (2, 2, "completed"), (3, 1, "failed"),
+                (4, 1, "handed_over"), (4, 2, None), (5, 1, "completed")]
+            assert by_slot[3, 1].error == "boom"
+
+            # Trimming by age finds the attempts without the index by finish time.
+            assert await backend.prune("j", older_than_ms=0) == 6
+            assert [(a.slot, a.attempt) for a in await backend.history("j")] == [(4, 2)]
+            assert sorted(r.slot for r in await backend.runs("j")) == [4]
         finally:
             await backend.close()
     finally:

@@ -11,8 +11,10 @@ Where the SQL lives: ``backends/postgres_sql/``. ``queries.sql`` holds every sta
 under a ``-- name: <name>`` header, loaded once through :mod:`importlib.resources`; the
 claim function has its own file, ``claim_v<N>.sql``, and its version in its name
 (``<table>_claim_v<N>``, ``N`` being :data:`CODE_VERSION`, the one place the version is
-written: the SQL files call it ``{claim}``); the names of older versions are redefined
-as calls of it (``claim_v1.sql``, ``claim_v2.sql``, ``batch_v2.sql``). The store records
+written: the SQL files call it ``{claim}``), as has the finish function
+(``finish_v<N>.sql``, ``<table>_end_v<N>``, from store code v4); the names of older
+versions are redefined as calls of the current ones (``claim_v1.sql``, ``claim_v2.sql``,
+``batch_v2.sql``, ``claim_v3.sql``, ``batch_v3.sql``). The store records
 its code version in ``<table>_meta`` (``code``). ``start()`` finds an older store and
 upgrades it in place when its user may (as it creates a missing store), or refuses it
 with a one-line error naming ``anarchon migrate``; :func:`migrate` is that upgrade, with
@@ -33,11 +35,12 @@ one transaction (``postgres_sql/batch_v<N>.sql``). The claim function runs the c
    missing); the lock serialises the claims of one job, and since each statement of a
    VOLATILE function in READ COMMITTED takes a new snapshot, the second claimer always
    sees the winner's run;
-4. the run is read ``FOR UPDATE SKIP LOCKED``: a run locked by a fenced transaction (or a
-   write in flight) is answered ``running`` at once, never waited for, so a frozen
-   ``ctx.transaction()`` blocks no other claim of its job; otherwise the run is inserted,
-   skipped, taken over or escalated with its attempt rows (``max_attempts`` counts the
-   first attempt and the takeovers, kept in ``runs.takeovers``, never hand-overs);
+4. the run is read, and an open one locked ``FOR UPDATE SKIP LOCKED``: a run locked by a
+   fenced transaction (or a write in flight) is answered ``running`` at once, never waited
+   for, so a frozen ``ctx.transaction()`` blocks no other claim of its job; otherwise the
+   run is inserted, skipped, taken over or escalated with its attempt rows
+   (``max_attempts`` counts the first attempt and the takeovers, kept in
+   ``runs.takeovers``, never hand-overs);
 5. the job row gets a new version only when ``last_slot`` grows or an attempt is written
    (taking the next ``seq``, the order trimming keeps).
 
@@ -49,10 +52,12 @@ The function is created with the tables (``start()`` by a privileged user, or
 ``anarchon migrate``), under the same advisory lock; it is ``SECURITY INVOKER``, so the
 application's user needs only EXECUTE (granted to PUBLIC) and its table privileges.
 
-Every other call is one statement too: heartbeats and hand-overs of many leases, a finish,
-a batched check. All lease arithmetic uses the server's ``clock_timestamp()``; times are
-stored as ``bigint`` epoch milliseconds. Nothing keeps session state (only
-transaction-scoped advisory locks and settings), so PgBouncer in transaction mode works.
+Every other call is one statement too: heartbeats and hand-overs of many leases, a finish
+(a call of ``<table>_end_v<N>``, whose plans PL/pgSQL caches per connection, where a
+statement would be planned on every call), a batched check. All lease arithmetic uses
+the server's ``clock_timestamp()``; times are stored as ``bigint`` epoch milliseconds.
+Nothing keeps session state (only transaction-scoped advisory locks and settings), so
+PgBouncer in transaction mode works.
 The SQL keeps to PostgreSQL 9.5 syntax; PostgreSQL 15, 16 and 18 are tested.
 
 Table names are validated, then quoted by :func:`quote_ident`, the one quoting helper;
@@ -82,6 +87,8 @@ from .statements import (
     CLAIM_SUFFIX,
     CODE_VERSION,
     DDL,
+    FINISH_FUNCTION,
+    FINISH_SUFFIX,
     FORMAT_VERSION,
     NOW,
     QUERIES,
@@ -105,6 +112,8 @@ __all__ = [
     "CLAIM_SUFFIX",
     "CODE_VERSION",
     "DDL",
+    "FINISH_FUNCTION",
+    "FINISH_SUFFIX",
     "FORMAT_VERSION",
     "MIGRATION_LOCK_TIMEOUT_MS",
     "NOW",

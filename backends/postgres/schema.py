@@ -22,6 +22,7 @@ from .statements import (
     BATCH_SUFFIX,
     CLAIM_SUFFIX,
     CODE_VERSION,
+    FINISH_SUFFIX,
     FORMAT_VERSION,
     LOCK_NOT_AVAILABLE,
     Statements,
@@ -51,9 +52,10 @@ class StoreSchema:
         return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
 
     async def _existing(self, tx: Executor | SqlAdapter) -> tuple[set[str], bool]:
-        """The store's tables that exist, and whether this release's claim functions exist."""
+        """The store's tables that exist, and whether this release's functions all exist."""
         rows = await tx.all(self._sql.find_tables, (
-            self._table_names(), [self._name + CLAIM_SUFFIX, self._name + BATCH_SUFFIX],
+            self._table_names(),
+            [self._name + suffix for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX)],
             self._schema))
         if not rows:
             if self._schema is None:
@@ -91,27 +93,23 @@ class StoreSchema:
         return "format" in meta, code
 
     async def check(self, adapter: SqlAdapter, where: str) -> None:
-        """Make sure a complete store of this release's code exists, writing nothing.
+        """Make sure a complete store exists, writing nothing (for read-only tools).
 
         Raises :class:`StoreNotFound` naming ``where`` and the table when the tables are
-        missing (or their schema is), and :class:`ConfigurationError` when the store's code
-        is older than this release's (``anarchon migrate`` upgrades it).
+        missing (or their schema is), and :class:`StoreFormatError` when a newer anarchon
+        wrote them. A store of older store code is read as it is: the code version concerns
+        the claim and finish functions, which reads do not call, so ``anarchon status``
+        works during a rolling upgrade, before ``anarchon migrate``.
         """
         try:
             tables, _ = await self._existing(adapter)
         except ConfigurationError:
             tables = set()
-        complete, code = (await self._read_meta(adapter)) if len(tables) == 4 else (False, 0)
+        complete = len(tables) == 4 and (await self._read_meta(adapter))[0]
         if not complete:
             raise StoreNotFound(
                 f"no anarchon store at {where} (table {self.table!r}); check --url and "
                 "--namespace, or create it with `anarchon migrate`, or by starting a scheduler"
-            )
-        if code < CODE_VERSION:
-            raise ConfigurationError(
-                f"the anarchon store at {where} (table {self.table!r}) has store code v{code}, "
-                f"older than v{CODE_VERSION} this anarchon reads; run `anarchon migrate "
-                f"--table {self.table}` once with a privileged user"
             )
 
     async def ensure(self, adapter: SqlAdapter) -> None:
@@ -177,8 +175,9 @@ class StoreSchema:
         Under a transaction-scoped advisory lock (concurrent starts and migrates wait for
         each other) and a lock timeout (a lock held by work in flight fails this try
         instead of stalling every claim behind it). Runs in flight are kept: the upgrade
-        adds a nullable column (catalog only), creates the new claim functions beside the
-        old ones and points the old names at them, all in one commit.
+        adds a nullable column (catalog only, v1 to v2), drops the attempts' index by finish
+        time (v3 to v4), creates the new functions beside the old ones and points the old
+        names at them, all in one commit.
         """
         key = int.from_bytes(
             hashlib.sha256(f"anarchon:{self._schema}.{self._name}".encode()).digest()[:8],
@@ -203,11 +202,18 @@ class StoreSchema:
             await tx.all(self._sql.grant_claim)
             await tx.all(self._sql.create_batch_function)
             await tx.all(self._sql.grant_batch)
+            await tx.all(self._sql.create_finish_function)
+            await tx.all(self._sql.grant_finish)
+        if code < 4:
+            # Ending an attempt then changes no indexed column (see finish_v4.sql).
+            await tx.all(self._sql.drop_attempts_finished)
         if code <= CODE_VERSION:
             # The names older releases call, as calls of this release's functions.
             for create, grant in ((self._sql.create_claim_v1, self._sql.grant_claim_v1),
                                   (self._sql.create_claim_v2, self._sql.grant_claim_v2),
-                                  (self._sql.create_batch_v2, self._sql.grant_batch_v2)):
+                                  (self._sql.create_batch_v2, self._sql.grant_batch_v2),
+                                  (self._sql.create_claim_v3, self._sql.grant_claim_v3),
+                                  (self._sql.create_batch_v3, self._sql.grant_batch_v3)):
                 await tx.all(create)
                 await tx.all(grant)
         await tx.all(self._sql.write_format, (str(FORMAT_VERSION),))

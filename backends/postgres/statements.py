@@ -4,8 +4,8 @@ The statements live in ``backends/postgres_sql/`` (see :mod:`backends.postgres`)
 loaded once, and are filled per store by ``str.format`` with quoted identifiers only.
 The store's versions are here: :data:`FORMAT_VERSION` (the tables' layout) and
 :data:`CODE_VERSION` (the claim functions), the one place the claim functions' version is
-written: :data:`CLAIM_SUFFIX` and :data:`BATCH_SUFFIX` compose their names from it, and the
-SQL files call them ``{claim}`` and ``{batch}``.
+written: :data:`CLAIM_SUFFIX`, :data:`BATCH_SUFFIX` and :data:`FINISH_SUFFIX` compose their
+names from it, and the SQL files call them ``{claim}``, ``{batch}`` and ``{finish}``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ __all__ = [
     "BATCH_SUFFIX",
     "CLAIM_SUFFIX",
     "CODE_VERSION",
+    "FINISH_FUNCTION",
+    "FINISH_SUFFIX",
     "FORMAT_VERSION",
     "LOCK_NOT_AVAILABLE",
     "NOW",
@@ -37,12 +39,15 @@ FORMAT_VERSION = 1
 #: The store code version: the claim function ``<table>_claim_v<N>`` of this release and
 #: the columns it keeps. ``start()`` upgrades an older store (privileged user) or refuses
 #: it with an error naming ``anarchon migrate``.
-CODE_VERSION = 3
+CODE_VERSION = 4
 #: The suffixes of this release's claim functions, ``<table>_claim_v<CODE_VERSION>`` and
 #: ``<table>_batch_v<CODE_VERSION>``: the only place their version is written (the SQL
 #: files name them ``{claim}`` and ``{batch}``).
 CLAIM_SUFFIX = f"_claim_v{CODE_VERSION}"
 BATCH_SUFFIX = f"_batch_v{CODE_VERSION}"
+#: The suffix of this release's finish function, ``<table>_end_v<CODE_VERSION>`` (store
+#: code v4 and later; short, so that it limits the table name no more than the others).
+FINISH_SUFFIX = f"_end_v{CODE_VERSION}"
 #: The trim batch older releases pass to the claim function (the current one ignores it).
 TRIM_BATCH = 100
 #: SQLSTATE of a lock wait that ran out (``lock_timeout``) or a NOWAIT lock refused.
@@ -52,7 +57,8 @@ LOCK_NOT_AVAILABLE = "55P03"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
-             "_a_fin", "_claim", "_claim_v2", "_batch_v2", CLAIM_SUFFIX, BATCH_SUFFIX)
+             "_a_fin", "_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3",
+             CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX)
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
@@ -98,17 +104,23 @@ CLAIM_FUNCTION = _sql_file(f"claim_v{CODE_VERSION}.sql")
 #: The batched claim function of this release (``postgres_sql/batch_v<CODE_VERSION>.sql``),
 #: as a template.
 BATCH_FUNCTION = _sql_file(f"batch_v{CODE_VERSION}.sql")
+#: The finish function of this release (``postgres_sql/finish_v<CODE_VERSION>.sql``), as a
+#: template.
+FINISH_FUNCTION = _sql_file(f"finish_v{CODE_VERSION}.sql")
 #: The v1 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
 #: The v2 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V2 = _sql_file("claim_v2.sql")
 #: The v2 name of the batched claim function, redefined as a call of the current one.
 BATCH_FUNCTION_V2 = _sql_file("batch_v2.sql")
+#: The v3 name of the claim function, redefined as a call of the current one.
+CLAIM_FUNCTION_V3 = _sql_file("claim_v3.sql")
+#: The v3 name of the batched claim function, redefined as a call of the current one.
+BATCH_FUNCTION_V3 = _sql_file("batch_v3.sql")
 #: The tables and indexes, in creation order.
 DDL = tuple(QUERIES[name] for name in (
     "create_meta", "create_jobs", "create_runs", "create_runs_open", "create_attempts",
-    "create_attempts_seq", "create_attempts_claimed", "create_attempts_job",
-    "create_attempts_finished"))
+    "create_attempts_seq", "create_attempts_claimed", "create_attempts_job"))
 
 
 def quote_ident(name: str) -> str:
@@ -171,9 +183,13 @@ class Statements:
             "claimed_idx": quote_ident(name + "_a_claimed"),
             "job_idx": quote_ident(name + "_a_job"),
             "fin_idx": quote_ident(name + "_a_fin"),
+            "fin_idx_q": prefix + quote_ident(name + "_a_fin"),
             "claim_v1": prefix + quote_ident(name + "_claim"),
             "claim_v2": prefix + quote_ident(name + "_claim_v2"),
             "batch_v2": prefix + quote_ident(name + "_batch_v2"),
+            "claim_v3": prefix + quote_ident(name + "_claim_v3"),
+            "batch_v3": prefix + quote_ident(name + "_batch_v3"),
+            "finish": prefix + quote_ident(name + FINISH_SUFFIX),
             "claim": prefix + quote_ident(name + CLAIM_SUFFIX),
             "batch": prefix + quote_ident(name + BATCH_SUFFIX),
             "claim_args": CLAIM_ARGS,
@@ -191,9 +207,12 @@ class Statements:
         self.ddl = tuple(fill(statement) for statement in DDL)
         self.create_claim_function = fill(CLAIM_FUNCTION)
         self.create_batch_function = fill(BATCH_FUNCTION)
+        self.create_finish_function = fill(FINISH_FUNCTION)
         self.create_claim_v1 = fill(CLAIM_FUNCTION_V1)
         self.create_claim_v2 = fill(CLAIM_FUNCTION_V2)
         self.create_batch_v2 = fill(BATCH_FUNCTION_V2)
+        self.create_claim_v3 = fill(CLAIM_FUNCTION_V3)
+        self.create_batch_v3 = fill(BATCH_FUNCTION_V3)
         self.runs_table = names["runs"]
 
     def __getattr__(self, name: str) -> str:

@@ -3,8 +3,9 @@
 -- Loaded once (importlib.resources) and filled per store by str.format with quoted
 -- identifiers only: {runs}, {attempts}, {jobs}, {meta}, the index names, this release's
 -- claim functions {claim} and {batch} (<table>_claim_v<N> and <table>_batch_v<N>, N being
--- CODE_VERSION in backends/postgres: the version is written there only), the older names
--- {claim_v1}, {claim_v2} and {batch_v2}, and {now}, the server's clock in epoch
+-- CODE_VERSION in backends/postgres: the version is written there only) and its finish
+-- function {finish} (<table>_end_v<N>), the older names {claim_v1}, {claim_v2},
+-- {batch_v2}, {claim_v3} and {batch_v3}, and {now}, the server's clock in epoch
 -- milliseconds. Parameters are %s placeholders, or %(name)s ones in a statement that uses
 -- a value more than once (each value is then passed once; one style per statement).
 -- Comment lines are dropped on loading.
@@ -93,9 +94,11 @@ CREATE INDEX IF NOT EXISTS {claimed_idx} ON {attempts} (claimed_ms, slot, attemp
 -- name: create_attempts_job
 CREATE INDEX IF NOT EXISTS {job_idx} ON {attempts} (job, claimed_ms, slot, attempt)
 
--- name: create_attempts_finished
-CREATE INDEX IF NOT EXISTS {fin_idx} ON {attempts} (job, finished_ms)
-WHERE finished_ms IS NOT NULL
+-- name: drop_attempts_finished
+-- The upgrade from store code v3: the attempts' index by finish time goes, so that
+-- ending an attempt changes no indexed column (a HOT update); trimming by age finds the
+-- attempts through their claim time instead (an attempt never finishes before its claim).
+DROP INDEX IF EXISTS {fin_idx_q}
 
 -- name: has_takeovers
 -- Whether the runs table has the takeovers column (store code v2).
@@ -128,6 +131,16 @@ GRANT EXECUTE ON FUNCTION {claim_v2}({claim_arg_types_v2}) TO PUBLIC
 -- name: grant_batch_v2
 GRANT EXECUTE ON FUNCTION {batch_v2}(text[], bigint[], text[], text[], bigint[], text[],
                                      boolean[], bigint[], bigint[], bigint[], bigint) TO PUBLIC
+
+-- name: grant_finish
+GRANT EXECUTE ON FUNCTION {finish}(text, bigint, text, text, text) TO PUBLIC
+
+-- name: grant_claim_v3
+GRANT EXECUTE ON FUNCTION {claim_v3}({claim_arg_types}) TO PUBLIC
+
+-- name: grant_batch_v3
+GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[], text[],
+                                     boolean[], bigint[]) TO PUBLIC
 
 -- name: grant_claim_v1
 GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types_v2}) TO PUBLIC
@@ -179,21 +192,10 @@ renewed AS (
 SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
 
 -- name: finish
--- The run's status and its attempt's outcome are the same value, %(outcome)s.
-WITH run AS (
-    UPDATE {runs} SET status = %(outcome)s::text, token = NULL, expires_ms = NULL
-    WHERE job = %(job)s::text AND slot = %(slot)s::bigint AND token = %(token)s::text
-      AND status = 'running'
-    RETURNING job, slot, attempt),
-att AS (
-    -- a scalar subquery rather than a join with run: the same row, and a plan about
-    -- 30 percent cheaper to make (the statement is planned on every call)
-    UPDATE {attempts} a SET outcome = %(outcome)s::text, error = %(error)s::text,
-                            finished_ms = {now}
-    WHERE (a.job, a.slot, a.attempt) = (SELECT run.job, run.slot, run.attempt FROM run)
-      AND a.outcome IS NULL
-    RETURNING 1)
-SELECT count(*) FROM run
+-- One call of the finish function (finish_v<N>.sql), whose plans are cached per
+-- connection: 1 when the token held the run and ended it, else 0.
+SELECT {finish}(%(job)s::text, %(slot)s::bigint, %(token)s::text, %(outcome)s::text,
+                %(error)s::text)
 
 -- name: finish_many
 -- Each (job, slot, token) at most once (the backend sends a token's first item only).
@@ -257,9 +259,12 @@ WITH by_size AS (
     SELECT a.slot, a.attempt FROM {attempts} a WHERE a.job = %(job)s::text
     ORDER BY a.seq DESC OFFSET %(keep)s::bigint LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
+-- by age: through the attempts' index by claim time (an attempt is claimed before it
+-- finishes); the attempts have no index by finish time (none after store code v3)
 by_age AS (
     SELECT a.slot, a.attempt FROM {attempts} a
-    WHERE a.job = %(job)s::text AND a.finished_ms < {now} - %(older_than_ms)s::bigint
+    WHERE a.job = %(job)s::text AND a.claimed_ms < {now} - %(older_than_ms)s::bigint
+      AND a.finished_ms < {now} - %(older_than_ms)s::bigint
     LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
 doomed AS (
@@ -296,7 +301,8 @@ by_size AS (
 by_age AS (
     SELECT s.job, s.slot, s.attempt FROM j CROSS JOIN LATERAL (
         SELECT a.job, a.slot, a.attempt FROM {attempts} a
-        WHERE a.job = j.job AND a.finished_ms < {now} - %(older_than_ms)s::bigint
+        WHERE a.job = j.job AND a.claimed_ms < {now} - %(older_than_ms)s::bigint
+          AND a.finished_ms < {now} - %(older_than_ms)s::bigint
         LIMIT %(batch)s::bigint
         FOR UPDATE SKIP LOCKED) s),
 doomed AS (
