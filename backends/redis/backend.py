@@ -31,4 +31,4 @@ class RedisBackend(RedisClaims, RedisLeases, RedisRecords):
     releases that hold like any other.
     """
 
-    schemes = ("redis", "rediss", "unix")
+    schemes = ("redis", "rediss", "unix", "redis+sentinel")

@@ -34,8 +34,8 @@ _PREFIX = re.compile(r"[A-Za-z0-9_.:\-]{1,200}")
 #: Options the backend takes, as keywords or from a URL's query.
 _OPTIONS = ("prefix", "namespace", "wait_replicas", "wait_timeout")
 #: Query parameters redis-py reads from a URL as strings (besides its typed ones).
-_DRIVER_PARAMS = ("username", "password", "client_name", "lib_name", "lib_version",
-                  "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data",
+_DRIVER_PARAMS = ("username", "password", "sentinel_password", "client_name", "lib_name",
+                  "lib_version", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data",
                   "ssl_certfile", "ssl_keyfile", "ssl_password")
 
 

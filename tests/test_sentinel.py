@@ -1,0 +1,106 @@
+"""Redis through Sentinel: ``redis+sentinel://`` finds the primary, and the new one after a
+failover, against a real primary, replica and Sentinel that the test starts."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from adapters.redis import sentinel_parts
+from backends.embedded.redis import EmbeddedRedis, EmbeddedSentinel, find_server
+from lease_core import BackendUnavailable, ConfigurationError, backend_from_url
+from lease_core.abc import ClaimRequest, ClaimStatus, Lease, Outcome
+from tests.helpers import wait_for
+from tests.stores import missing_service
+
+pytestmark = pytest.mark.anyio
+
+
+def test_the_url_names_the_sentinels_the_service_and_the_db() -> None:
+    sentinels, service, kwargs = sentinel_parts(
+        "redis+sentinel://:pw@s1:26380,s2/jobs/3?sentinel_password=sp&socket_timeout=2")
+    assert sentinels == [("s1", 26380), ("s2", 26379)] and service == "jobs"
+    assert kwargs == {"db": 3, "password": "pw", "socket_timeout": 2.0,
+                      "sentinel_kwargs": {"password": "sp"}}
+    for bad in ("redis+sentinel://s1:26379", "redis+sentinel://s1/a/b/c",
+                "redis+sentinel://s1/jobs/x"):
+        with pytest.raises(ConfigurationError, match="service"):
+            sentinel_parts(bad)
+
+
+def _binary() -> Path:
+    binary = find_server("system") or find_server("valkey") or find_server("redis")
+    if binary is None:
+        missing_service("a redis-server or valkey-server binary (Sentinel mode)")
+    assert binary is not None
+    return binary
+
+
+@pytest.fixture
+def sentinel_group() -> Iterator[tuple[EmbeddedRedis, EmbeddedRedis, EmbeddedSentinel]]:
+    """A primary, its replica, and a Sentinel that promotes the replica 0.5 s after the
+    primary stops answering."""
+    binary = _binary()
+    primary = EmbeddedRedis(binary)
+    primary.start()
+    replica = EmbeddedRedis(binary, extra_args=("--replicaof", "127.0.0.1", str(primary.port)))
+    replica.start()
+    sentinel = EmbeddedSentinel(binary, primary.port)
+    sentinel.start()
+    try:
+        yield primary, replica, sentinel
+    finally:
+        for server in (sentinel, replica, primary):
+            server.close()
+
+
+def _primary_port(sentinel: EmbeddedSentinel) -> int:
+    client = redis.Redis(port=sentinel.port)
+    try:
+        _, port = client.execute_command("SENTINEL", "get-master-addr-by-name", sentinel.service)
+    finally:
+        client.close()
+    return int(port)
+
+
+async def test_claims_reach_the_new_primary_after_a_failover(
+        sentinel_group: tuple[EmbeddedRedis, EmbeddedRedis, EmbeddedSentinel]) -> None:
+    primary, replica, sentinel = sentinel_group
+    prefix = "sentinel_" + uuid.uuid4().hex[:8]
+    backend = backend_from_url(sentinel.url, namespace=prefix)
+    await backend.start()
+    try:
+        first = ClaimRequest("nightly", 1_000, "a", "t1", 60_000)
+        assert (await backend.claim(first)).status is ClaimStatus.WON
+        assert await backend.finish(Lease("nightly", 1_000, "t1", 60_000), Outcome.COMPLETED)
+        direct = redis.Redis(port=primary.port)
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # the replica has it all
+        direct.close()
+
+        assert primary.process is not None
+        primary.process.send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        await wait_for(lambda: _primary_port(sentinel) == replica.port, timeout=30,
+                       what="the Sentinel to promote the replica")
+
+        async def claimed() -> bool:
+            try:
+                again = ClaimRequest("nightly", 2_000, "b", "t2", 60_000)
+                return (await backend.claim(again)).status is ClaimStatus.WON
+            except BackendUnavailable:
+                return False  # still on the old primary's connections; asked again
+
+        await wait_for(claimed, timeout=30, what="a claim on the new primary")
+        print(f"claims reached the new primary {time.monotonic() - started:.1f} s "
+              "after the primary was killed")
+        history = await backend.history("nightly")
+        assert [(a.slot, a.outcome) for a in history] == [
+            (2_000, None), (1_000, Outcome.COMPLETED)]  # replicated before the failover
+    finally:
+        await backend.close()
