@@ -288,3 +288,12 @@ class Session:
                 else:
                     self.execution.ended(ev.Lost, lease, why="not handed over")
         self.runs.handed_over()
+        await self._leave_fleet()
+
+    async def _leave_fleet(self) -> None:
+        # The others then re-rank this instance's jobs at their next renewal, not a lease on.
+        with anyio.move_on_after(max(self.settings.heartbeat, 1.0), shield=True):
+            try:
+                await self.fleet.leave()
+            except Exception as exc:
+                self.clock.failed("leaving the fleet", exc)
