@@ -486,7 +486,7 @@ class Backend(ABC):
 
     async def leave(self, instance_id: str) -> None:
         """End ``instance_id``'s membership of the fleet now: a scheduler stopping gracefully
-        calls it once its runs are handed over.
+        calls it as it stops claiming (before its handlers end and its runs are handed over).
 
         From then on :meth:`members` no longer lists ``instance_id`` (until it renews
         again), so the other members re-rank its jobs at their next renewal instead of

@@ -84,7 +84,7 @@ class Fleet:
                 self.members, self._ranks = found, {}
 
     async def leave(self) -> None:
-        """End this instance's membership (a graceful stop, once its runs are handed over)."""
+        """End this instance's membership (a graceful stop, as it stops claiming)."""
         settings = self._s.settings
         self._left = True
         await settings.backend.leave(settings.instance_id)

@@ -158,3 +158,8 @@ def test_a_new_run_keeps_the_notes_written_below_the_figures(tmp_path: Path) -> 
     assert _notes_of(results) == ""
     results.write_text("# Chaos results\n\nWall time: 1 s.\n\n## Why\n\nbecause\n")
     assert _notes_of(results) == "\n## Why\n\nbecause\n"
+    results.write_text("# Chaos results\n\n## Violations\n\n- x\n\nWall time: 1 s.\n\n"
+                       "## Why\n\nbecause\n")
+    assert _notes_of(results) == "\n## Why\n\nbecause\n"  # the figures' own section goes
+    results.write_text("# Chaos results\n\n## Violations\n\n- x\n")
+    assert _notes_of(results) == ""
