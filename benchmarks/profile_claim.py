@@ -48,7 +48,7 @@ from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core.abc import ClaimRequest, ClaimStatus, Lease
 from lease_core.errors import AnarchonError
-from lease_core.scheduler import Outcome
+from lease_core import Outcome
 
 from ._util import Servers, pg_servers
 from .peers import SHEDLOCK_LOCK, SHEDLOCK_TABLE, SHEDLOCK_UNLOCK
