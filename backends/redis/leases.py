@@ -11,9 +11,11 @@ from lease_core.abc import decode_checkpoint, encode_checkpoint, finish_status
 
 from .core import RedisStore
 from .replies import as_text, time_ms
-from .scripts import HEARTBEAT_BATCH
+from .scripts import HEARTBEAT_BATCH, SCRIPTS
 
 __all__ = ["RedisLeases"]
+
+_FINISH_SHA = SCRIPTS["finish"].sha
 
 
 class RedisLeases(RedisStore):
@@ -71,11 +73,12 @@ class RedisLeases(RedisStore):
 
     def _finish_command(self, lease: Lease, status: str, error: str | None) -> Command:
         tag = self._tag(lease.job)
-        return self._eval(
-            "finish",
-            [f"{tag}:run:{int(lease.slot)}", f"{tag}:open", f"{tag}:att", f"{tag}:done"],
-            [lease.token, int(lease.slot), status, 0 if error is None else 1, error or ""],
-        )
+        slot = int(lease.slot)
+        if error is None:
+            return ("EVALSHA", _FINISH_SHA, 4, f"{tag}:run:{slot}", f"{tag}:open",
+                    f"{tag}:att", f"{tag}:done", lease.token, slot, status)
+        return ("EVALSHA", _FINISH_SHA, 4, f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:att",
+                f"{tag}:done", lease.token, slot, status, error)
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Mark each held run ``handed_over``, in one pipelined round trip."""
