@@ -46,9 +46,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
+from lease_core import Outcome
 from lease_core.abc import ClaimRequest, ClaimStatus, Lease
 from lease_core.errors import AnarchonError
-from lease_core import Outcome
 
 from ._util import Servers, pg_servers
 from .peers import SHEDLOCK_LOCK, SHEDLOCK_TABLE, SHEDLOCK_UNLOCK
@@ -244,7 +244,7 @@ async def profile_redis(servers: Servers, n: int, rounds: int, cprof: bool) -> d
         async def raw_finish(i: int) -> None:
             done = await raw.execute_command(
                 "EVALSHA", finish_sha, 4, f"{tag_r}:run:{i + 1}", f"{tag_r}:open",
-                f"{tag_r}:att", f"{tag_r}:done", tokens[-1 - i], i + 1, "completed", 0, "")
+                f"{tag_r}:att", f"{tag_r}:done", tokens[-1 - i], i + 1, "completed")
             if int(done) != 1:
                 raise RuntimeError("raw finish did not end the attempt")
 
