@@ -37,6 +37,30 @@ class RedisClaims(RedisStore):
                                 tuple(sorted(int(s) for s in slots)), new == "1")
         return out
 
+    async def claim(self, request: ClaimRequest) -> ClaimResult:
+        """Make one claim: one ``claim.lua`` call, as a batch of one would.
+
+        The common case (a job this process listed already, no ``wait_replicas``) skips
+        the batch's bookkeeping; the others go through :meth:`claim_many`.
+        """
+        if self.wait_replicas is not None or request.job not in self._listed:
+            (result,) = await self.claim_many([request])
+            return result
+        lease_ms = int(request.lease_ms)
+        if lease_ms > self._longest_ms:
+            self._longest_ms = lease_ms
+        (reply,) = await self._run((self._claim_command(request),))
+        fields = claim_fields(reply)
+        result = claim_result(request, fields)
+        markers = self._markers
+        if len(markers) > 100_000:  # a bound for processes that make up job names
+            markers.clear()
+            self._quiet.clear()
+        markers[request.job] = as_text(fields[6])
+        if result.status is ClaimStatus.RUNNING and result.run_status is None:
+            self._quiet[request.job] = result.expires_ms or 0
+        return result
+
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
         """Make the claims in order, in one pipelined round trip.
 

@@ -16,6 +16,9 @@ from .scripts import HEARTBEAT_BATCH, SCRIPTS
 __all__ = ["RedisLeases"]
 
 _FINISH_SHA = SCRIPTS["finish"].sha
+#: The run status each outcome finish() takes ends a run with (finish_status, cached).
+_FINISH_STATUS: dict[object, str] = {
+    o: finish_status(o).value for o in (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT)}
 
 
 class RedisLeases(RedisStore):
@@ -59,6 +62,14 @@ class RedisLeases(RedisStore):
         if held and self.wait_replicas is not None:
             self._check_wait(replies[-1], f"the heartbeat of {len(held)} lease(s)")
         return HeartbeatResult(now, frozenset(held))
+
+    async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
+        """End the attempt with ``outcome``: one ``finish.lua`` call (see
+        :meth:`~lease_core.abc.Backend.finish`)."""
+        status = (_FINISH_STATUS.get(outcome) if isinstance(outcome, str) else None
+                  ) or finish_status(outcome).value
+        (done,) = await self._run((self._finish_command(lease, status, error),))
+        return int(done) == 1
 
     async def finish_many(
         self, items: Sequence[tuple[Lease, Outcome, str | None]]
