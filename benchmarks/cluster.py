@@ -63,7 +63,7 @@ def _claim_command(job: str, slot: int, token: str, marker: Any) -> tuple[Any, .
 
 def _finish_command(job: str, slot: int, token: str) -> tuple[Any, ...]:
     tag = _tag(job)
-    keys = [f"{tag}:run:{slot}", f"{tag}:att", f"{tag}:done"]
+    keys = [f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:att", f"{tag}:done"]
     return ("EVALSHA", SCRIPTS["finish"].sha, len(keys), *keys, token, slot, "completed")
 
 

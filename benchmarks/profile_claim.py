@@ -243,8 +243,8 @@ async def profile_redis(servers: Servers, n: int, rounds: int, cprof: bool) -> d
 
         async def raw_finish(i: int) -> None:
             done = await raw.execute_command(
-                "EVALSHA", finish_sha, 3, f"{tag_r}:run:{i + 1}", f"{tag_r}:att",
-                f"{tag_r}:done", tokens[-1 - i], i + 1, "completed")
+                "EVALSHA", finish_sha, 4, f"{tag_r}:run:{i + 1}", f"{tag_r}:open",
+                f"{tag_r}:att", f"{tag_r}:done", tokens[-1 - i], i + 1, "completed")
             if int(done) != 1:
                 raise RuntimeError("raw finish did not end the attempt")
 

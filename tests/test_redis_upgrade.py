@@ -169,34 +169,8 @@ async def test_a_format_1_store_is_read_and_marked_format_2(
     assert sorted(runs) == [("j", 4), ("j", 5)]
     assert runs[("j", 4)].status is RunStatus.HANDED_OVER
     assert raw.hlen(old.tag("j") + ":att") == 0
-    # the open zset was moved into the job hash by the job's first claim since
-    assert not raw.exists(old.tag("j") + ":open")
     assert (await backend.register_jobs(["j"]))["j"].open_slots == (4, 5)
     assert [r.slot for r in await backend.runs("j", open_only=True)] == [5, 4]
-
-
-async def test_the_list_of_open_runs_stays_short(
-    old: V1Store, backend: RedisBackend, raw: redis.Redis
-) -> None:
-    """Ended runs leave the job's list of open runs at its next claims, overlap or not."""
-    await backend.start()
-    for slot in range(1, 21):
-        won = await backend.claim(_request("m", slot, f"m{slot}", overlap_skip=False))
-        assert won.status is ClaimStatus.WON
-        if slot % 5:  # every fifth run stays open
-            assert await backend.finish(Lease("m", slot, f"m{slot}", 60_000),
-                                        Outcome.COMPLETED)
-        won = await backend.claim(_request("q", slot, f"q{slot}"))  # overlap_skip
-        assert won.status is ClaimStatus.WON
-        assert await backend.finish(Lease("q", slot, f"q{slot}", 60_000), Outcome.FAILED)
-    listed = raw.hget(old.tag("m") + ":job", "ol")
-    assert listed is not None and len(listed.split()) <= 4 + 3, listed
-    assert raw.hget(old.tag("q") + ":job", "ol") == b"20"
-    assert (await backend.register_jobs(["m", "q"]))["m"].open_slots == (5, 10, 15, 20)
-    skipped = await backend.claim(_request("m", 21, "m21"))
-    assert skipped.status is ClaimStatus.SKIPPED  # slot 20 still holds its lease
-    listed = raw.hget(old.tag("m") + ":job", "ol")
-    assert listed is not None and sorted(int(s) for s in listed.split()) == [5, 10, 15, 20]
 
 
 async def test_old_runs_keep_their_max_attempts_count(

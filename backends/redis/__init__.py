@@ -35,10 +35,7 @@ key                          type    content
 ``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count),
                                      ``sid`` (marker of the job's data), ``lost`` and
                                      ``quiet`` (when a data loss was found, and the end
-                                     of its quarantine; ms), ``ol`` the slots of its
-                                     open runs, space-separated (a run that ended may
-                                     still be listed until the job's next claim: readers
-                                     check each run's status)
+                                     of its quarantine; ms)
 ``{P/E}:run:<slot>``         hash    ``st`` status, ``att`` attempt, ``tok`` token, ``inst``
                                      instance, ``exp`` expiry (ms; ``tok`` and ``exp`` are
                                      ``''`` once the run ended), ``cp`` checkpoint JSON,
@@ -47,9 +44,7 @@ key                          type    content
                                      reason, ``c`` claimed, ``o`` outcome, ``e`` error,
                                      ``f`` finished (ms); ``h<attempt>`` the JSON record
                                      of each earlier attempt
-``{P/E}:open``               zset    slots of runs ``running`` or ``handed_over`` (store
-                                     format 1 only: moved into ``ol`` by the job's first
-                                     claim since)
+``{P/E}:open``               zset    slots of runs ``running`` or ``handed_over``
 ``{P/E}:hist``               zset    attempt ids ``<slot>:<attempt>`` by insertion order
 ``{P/E}:att``                hash    attempt id -> JSON record (store format 1 only: read,
                                      never written by format 2)
@@ -58,13 +53,11 @@ key                          type    content
 ===========================  ======  =====================================================
 
 Store format 2 (:data:`STORE_FORMAT`) keeps the attempt records in the run hashes, so a
-claim that wins a new run is 7 commands inside its script (``TIME``, ``HMGET`` of the job
-and of the run, ``HMGET`` of the run the job still lists as open, found ended and
-unlisted, or, with ``overlap_skip``, of every earlier one listed; ``HSET`` of the run,
-``HSET`` of the job with its open runs, ``ZADD`` history) and a finish 4 (``TIME``,
-``HMGET`` and ``HSET`` of the run, ``ZADD`` done). Format 1 kept the records in
-``{P/E}:att`` and the open runs in ``{P/E}:open``; the scripts read both, and opening a
-format-1 store marks it format 2.
+claim that wins a new run is 8 commands inside its script (``TIME``, ``HMGET`` of the job
+and of the run, ``ZRANGEBYSCORE`` of the open runs for the overlap check, ``HSET`` of the
+run, ``ZADD`` open, ``HSET`` of the job, ``ZADD`` history) and a finish 5 (``TIME``,
+``HMGET`` and ``HSET`` of the run, ``ZREM`` open, ``ZADD`` done). Format 1 kept them in
+``{P/E}:att``; the scripts read both, and opening a format-1 store marks it format 2.
 
 History is trimmed by :meth:`RedisBackend.prune` (``trim.lua``), which the scheduler's
 ticker calls for every job (``history_size`` newest, and ``history_ttl``), never by a

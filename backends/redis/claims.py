@@ -27,8 +27,7 @@ class RedisClaims(RedisStore):
         commands = []
         for name in names:
             keys = self._job_keys(name)
-            commands.append(self._eval("register", [keys["job"], keys["open"]],
-                                       [f"{self._tag(name)}:run:"]))
+            commands.append(self._eval("register", [keys["job"], keys["open"]], []))
         commands.append(("SADD", self._jobs_key, *names))
         replies = await self._run(commands)
         out = {}

@@ -86,10 +86,10 @@ class RedisLeases(RedisStore):
         tag = self._tag(lease.job)
         slot = int(lease.slot)
         if error is None:
-            return ("EVALSHA", _FINISH_SHA, 3, f"{tag}:run:{slot}", f"{tag}:att",
-                    f"{tag}:done", lease.token, slot, status)
-        return ("EVALSHA", _FINISH_SHA, 3, f"{tag}:run:{slot}", f"{tag}:att", f"{tag}:done",
-                lease.token, slot, status, error)
+            return ("EVALSHA", _FINISH_SHA, 4, f"{tag}:run:{slot}", f"{tag}:open",
+                    f"{tag}:att", f"{tag}:done", lease.token, slot, status)
+        return ("EVALSHA", _FINISH_SHA, 4, f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:att",
+                f"{tag}:done", lease.token, slot, status, error)
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Mark each held run ``handed_over``, in one pipelined round trip."""

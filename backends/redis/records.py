@@ -119,16 +119,13 @@ class RedisRecords(RedisStore):
         commands: list[Command] = []
         for name in names:
             keys = self._job_keys(name)
-            commands.append(("ZRANGE", keys["open"], 0, -1))  # store format 1
-            commands.append(("HGET", keys["job"], "ol"))
+            commands.append(("ZRANGE", keys["open"], 0, -1))
             if not open_only:
                 commands.append(("ZREVRANGE", keys["hist"], 0, limit - 1))
         replies = iter(await self._run(commands))
         wanted: list[tuple[str, int]] = []
         for name in names:
             slots = {int(as_text(s)) for s in next(replies)}
-            listed = next(replies)
-            slots |= {int(s) for s in as_text(listed).split()} if listed else set()
             if not open_only:
                 slots |= {int(as_text(i).split(":")[0]) for i in next(replies)}
             wanted += [(name, slot) for slot in sorted(slots, reverse=True)[:limit]]

@@ -1,14 +1,11 @@
 -- The claim of one run (the claim algorithm of lease_core.abc), as a function that
 -- claim.lua calls once and claim_many.lua once per claim.
 -- job hash      {p/job}:job    first_seen, last_slot, seq; sid (marker of the job's
---               data), lost and quiet (after a data loss, see 0.); ol: the slots of
---               its open runs, space-separated (a run that ended since may still be
---               listed: readers check the run; absent: the open zset, format 1)
+--               data), lost and quiet (after a data loss, see 0.)
 -- run hash      {p/job}:run:<slot>  st, att, tok, inst, exp, cp, n, tk (tk: takeovers,
 --               the attempts max_attempts counts besides the first; absent on runs
 --               written before it was kept); the attempts' records (see _prelude.lua)
--- open zset     {p/job}:open   slots of running / handed_over runs (store format 1:
---               moved into the job hash's ol by the job's first claim since)
+-- open zset     {p/job}:open   slots of running / handed_over runs
 -- history zset  {p/job}:hist   attempt id -> insertion sequence
 -- attempts hash {p/job}:att    attempt id -> JSON record (store format 1 only)
 -- done zset     {p/job}:done   finished attempt id -> finish time
@@ -18,9 +15,8 @@
 -- longest: the longest lease the caller knows (ms).
 -- Returns 'status|now|attempt|reason|expires|run_status|marker|instance' ('' = none):
 -- one string, which a client reads at a fraction of the cost of an array of eight.
--- A first win costs 7 commands: TIME, HMGET job, HMGET run, HMGET of the previous run
--- (the one still listed as open, found ended and unlisted; with overlap_skip it tells
--- whether this run is skipped), HSET run, HSET job, ZADD hist.
+-- A first win costs 8 commands: TIME, HMGET job, HMGET run, ZRANGEBYSCORE open (with
+-- overlap_skip), HSET run, ZADD open, HSET job, ZADD hist.
 local function num(v)
   if type(v) == 'number' then
     return string.format('%d', v)
@@ -32,17 +28,6 @@ local function reply(status, attempt, why, expires, run_status, sid, instance)
   return status .. '|' .. string.format('%d', now) .. '|' .. num(attempt or 0) .. '|'
     .. (why or '') .. '|' .. num(expires) .. '|' .. (run_status or '') .. '|'
     .. (sid or '') .. '|' .. (instance or '')
-end
-
--- The space-separated slot list `listed` without `slot`.
-local function unlist(listed, slot)
-  local keep = {}
-  for other in string.gmatch(listed, '%S+') do
-    if other ~= slot then
-      keep[#keep + 1] = other
-    end
-  end
-  return table.concat(keep, ' ')
 end
 
 -- Write the job's fields gathered by the claim (jf: field, value, ...), if any.
@@ -72,8 +57,8 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   -- extends it, never shortens it). `seen` is the marker the caller saw ('' = none
   -- yet), `longest` the longest lease it knows (ms). The same HMGET reads the job's
   -- registration, watermark and history sequence.
-  local sid, lost, quiet, first, last, seq, listed = unpack(redis.call('HMGET', job, 'sid',
-    'lost', 'quiet', 'first_seen', 'last_slot', 'seq', 'ol'))
+  local sid, lost, quiet, first, last, seq = unpack(redis.call('HMGET', job, 'sid', 'lost',
+    'quiet', 'first_seen', 'last_slot', 'seq'))
   quiet = tonumber(quiet)
   if seen ~= '' and sid ~= seen then
     if not sid then
@@ -109,60 +94,28 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     jf[#jf + 1] = slot
   end
 
-  if not listed then  -- the job's open zset (store format 1), moved into the job hash
-    local slots = redis.call('ZRANGE', open, 0, -1)
-    if #slots > 0 then
-      redis.call('DEL', open)
-    end
-    listed = table.concat(slots, ' ')
-    jf[#jf + 1] = 'ol'
-    jf[#jf + 1] = listed
-  end
-
   local st, attempt, exp, holder, tok, tk, n, c, r, o, e, f = unpack(redis.call('HMGET', run,
     'st', 'att', 'exp', 'inst', 'tok', 'tk', 'n', 'c', 'r', 'o', 'e', 'f'))
 
   -- 2. a new run: skipped behind a live earlier run, or won
   if not st then
-    -- the listed runs: those that ended are unlisted; with overlap_skip every earlier
-    -- one is looked at (a live one skips this run), else at most two (the list stays
-    -- short as runs end)
-    -- (those looked at and still open go to the end, so the next claims look at others)
-    local keep, still, blocked, looked = {}, {}, false, 0
-    for other in string.gmatch(listed, '%S+') do
-      if other ~= slot and (overlap_skip or looked < 2) then
-        looked = looked + 1
+    if overlap_skip then
+      for _, other in ipairs(redis.call('ZRANGEBYSCORE', open, '-inf', '(' .. slot)) do
         local ost, oexp = unpack(redis.call('HMGET', run_prefix .. other, 'st', 'exp'))
-        if ost == 'running' or ost == 'handed_over' then
-          still[#still + 1] = other
-          if overlap_skip and ost == 'running' and tonumber(other) < slot_n
-              and tonumber(oexp) and tonumber(oexp) > now then
-            blocked = true
-          end
+        if ost == 'running' and oexp and tonumber(oexp) > now then
+          redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst, 'n', 1,
+            'r', reason, 'c', now, 'o', 'skipped',
+            'e', 'an earlier run of the job still holds its lease', 'f', now)
+          redis.call('ZADD', done, now, slot .. ':1')
+          add_history(job, hist, jf, seq, slot .. ':1')
+          return reply('skipped', 1, '', nil, 'skipped', sid, inst)
         end
-      elseif other ~= slot then
-        keep[#keep + 1] = other
       end
     end
-    for _, other in ipairs(still) do
-      keep[#keep + 1] = other
-    end
-    if blocked then
-      jf[#jf + 1] = 'ol'
-      jf[#jf + 1] = table.concat(keep, ' ')
-      redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst, 'n', 1,
-        'r', reason, 'c', now, 'o', 'skipped',
-        'e', 'an earlier run of the job still holds its lease', 'f', now)
-      redis.call('ZADD', done, now, slot .. ':1')
-      add_history(job, hist, jf, seq, slot .. ':1')
-      return reply('skipped', 1, '', nil, 'skipped', sid, inst)
-    end
-    keep[#keep + 1] = slot
-    jf[#jf + 1] = 'ol'
-    jf[#jf + 1] = table.concat(keep, ' ')
     local expires = now + lease_ms
     redis.call('HSET', run, 'st', 'running', 'att', 1, 'tok', token, 'inst', inst,
       'exp', expires, 'tk', 0, 'n', 1, 'r', reason, 'c', now)
+    redis.call('ZADD', open, slot, slot)
     add_history(job, hist, jf, seq, slot .. ':1')
     return reply('won', 1, reason, expires, 'running', sid, inst)
   end
@@ -227,8 +180,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
         end
       end
       redis.call('HDEL', run, 'tok', 'exp')
-      jf[#jf + 1] = 'ol'
-      jf[#jf + 1] = unlist(listed, slot)
+      redis.call('ZREM', open, slot)
       write_job(job, jf)
       return reply('escalated', attempt, '', nil, 'escalated', sid, holder)
     end
@@ -252,10 +204,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     redis.call('HDEL', run, 'o', 'e', 'f')
   end
   redis.call('HSET', run, unpack(fields))
-  if not string.find(' ' .. listed .. ' ', ' ' .. slot .. ' ', 1, true) then
-    jf[#jf + 1] = 'ol'
-    jf[#jf + 1] = listed == '' and slot or listed .. ' ' .. slot
-  end
+  redis.call('ZADD', open, slot, slot)
   add_history(job, hist, jf, seq, slot .. ':' .. (attempt + 1))
   return reply('won', attempt + 1, why, expires, 'running', sid, inst)
 end
