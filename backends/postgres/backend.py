@@ -46,6 +46,7 @@ from lease_core.abc import (
 from lease_core.errors import ConfigurationError
 
 from .fenced import FencedTransaction, fenced_transaction
+from .leases import PostgresNamedLeases
 from .schema import StoreSchema
 from .statements import LOCK_NOT_AVAILABLE, Statements, split_table, sqlstate
 
@@ -92,7 +93,7 @@ _URL_OPTIONS = ("table", "namespace", *_POOL_OPTIONS)
 _OPTIONS = (*_URL_OPTIONS, "driver")
 
 
-class PostgresBackend(Backend):
+class PostgresBackend(PostgresNamedLeases, Backend):
     """Coordinate through PostgreSQL (tested: 15, 16, 18; see the module docs for the SQL).
 
     ``connection`` is anything :func:`adapters.sql.adapter_for` accepts: ``None``

@@ -15,13 +15,16 @@ __all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "Script
 #: The store format this version writes; a store with a newer one is refused.
 STORE_FORMAT = 1
 
-_SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
+_SCRIPTS: tuple[str, ...] = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
             "checkpoint", "register", "history", "trim", "members")
 #: Files prepended to a script after the prelude (the claim function it calls).
 _INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",)}
 #: Claims per ``claim_many.lua`` call at most: one script call keeps the server busy, so
 #: a large batch goes as several calls (in the same pipeline).
 SCRIPT_BATCH = 100
+#: The named leases' scripts (backends/redis/named.py), one key each.
+_SCRIPTS += ("lease_acquire", "lease_renew", "lease_release")
+
 #: Leases one ``heartbeat.lua`` call renews at most on a server that is not a Cluster.
 HEARTBEAT_BATCH = 1000
 
