@@ -15,7 +15,7 @@ __all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "Script
 #: The store format this version writes; a store with a newer one is refused.
 STORE_FORMAT = 1
 
-_SCRIPTS: tuple[str, ...] = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
+_SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
             "checkpoint", "register", "history", "trim", "members")
 #: Files prepended to a script after the prelude (the claim function it calls).
 _INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",)}
@@ -23,7 +23,7 @@ _INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",)}
 #: a large batch goes as several calls (in the same pipeline).
 SCRIPT_BATCH = 100
 #: The named leases' scripts (backends/redis/named.py), one key each.
-_SCRIPTS += ("lease_acquire", "lease_renew", "lease_release")
+_LEASE_SCRIPTS = ("lease_acquire", "lease_renew", "lease_release")
 
 #: Leases one ``heartbeat.lua`` call renews at most on a server that is not a Cluster.
 HEARTBEAT_BATCH = 1000
@@ -46,7 +46,7 @@ def _load_scripts() -> dict[str, Script]:
     folder = resources.files("backends") / "redis_lua"
     prelude = (folder / "_prelude.lua").read_text(encoding="utf-8")
     scripts = {}
-    for name in _SCRIPTS:
+    for name in (*_SCRIPTS, *_LEASE_SCRIPTS):
         parts = [prelude] + [(folder / f"{part}.lua").read_text(encoding="utf-8")
                              for part in (*_INCLUDES.get(name, ()), name)]
         source = "\n".join(parts)
