@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -39,6 +39,13 @@ def _with_port(url: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def _loop() -> str | None:
+    try:
+        return sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return None  # sync code (SyncLease runs it on its own asyncio loop)
+
+
 def url_backend(store: Store, port: int | None = None) -> Backend:
     """A new backend on ``store`` made from its URL (bound to no event loop), through
     127.0.0.1:``port`` when given (a proxy). Memory: the store's one shared object."""
@@ -46,7 +53,7 @@ def url_backend(store: Store, port: int | None = None) -> Backend:
         dsn = store.server.dsn
         if port is not None:
             dsn = _with_port(dsn, port)
-        if sniffio.current_async_library() == "trio":
+        if _loop() == "trio":  # psycopg's async pool needs asyncio
             dsn = "postgresql+pg8000://" + dsn.split("://", 1)[1]
         return PostgresBackend(dsn, table=store.table)
     if isinstance(store, RedisStore):
@@ -56,19 +63,19 @@ def url_backend(store: Store, port: int | None = None) -> Backend:
     return store.backend()
 
 
-@contextmanager
-def proxy_to(store: Store) -> Iterator[Proxy]:
+@asynccontextmanager
+async def proxy_to(store: Store) -> AsyncIterator[Proxy]:
     """A pausable TCP proxy in front of the store's server (PostgreSQL, PgBouncer, Redis)."""
     url = store.server.dsn if isinstance(store, PostgresStore) else getattr(store, "url", "")
     port = urlsplit(url).port
     assert port is not None, url
     proxy = Proxy(port)
-    proxy.start()
+    await anyio.to_thread.run_sync(proxy.start)
     try:
         yield proxy
     finally:
         proxy.resume()
-        proxy.close()
+        await anyio.to_thread.run_sync(proxy.close)
 
 
 async def test_one_holder_at_a_time_and_the_token_grows(store: Store) -> None:
@@ -267,7 +274,7 @@ async def test_lost_through_a_network_partition(store: Store) -> None:
     """A real partition: a proxy that stops forwarding without closing."""
     if isinstance(store, MemoryStore):
         pytest.skip("the memory store has no network")
-    with proxy_to(store) as proxy:
+    async with proxy_to(store) as proxy:
         lease = Lease(url_backend(store, proxy.port), "partition", ttl=TTL)
         cancelled = anyio.Event()
         with anyio.fail_after(20), pytest.raises(LeaseLost):
@@ -289,10 +296,13 @@ async def test_lost_through_a_network_partition(store: Store) -> None:
 
 
 async def test_sync_lease_excludes_an_async_one_and_reports_a_loss(store: Store) -> None:
-    sync = SyncLease(url_backend(store), "sync", ttl="10s")
+    # Sync code has no event loop: its objects are made in the worker thread.
     other = Lease(url_backend(store), "sync", ttl="10s")
+    made: list[SyncLease] = []
 
     def hold_then_check() -> int | None:
+        sync = SyncLease(url_backend(store), "sync", ttl="10s")
+        made.append(sync)
         with sync as held:
             assert held.held and not held.lost.is_set()
             inside = anyio.from_thread.run(other.acquire, 0)
@@ -300,27 +310,25 @@ async def test_sync_lease_excludes_an_async_one_and_reports_a_loss(store: Store)
             return held.token
 
     token = await anyio.to_thread.run_sync(hold_then_check)
-    assert token is not None and not sync.held
+    assert token is not None and not made[0].held
     assert await other.acquire(timeout=0) is True
     try:
         assert other.token is not None and other.token > token
     finally:
         await other.release()
 
-    refusing = url_backend(store)
-    lost = SyncLease(refusing, "sync-lost", ttl=TTL)
     seen: list[bool] = []
 
     def lose() -> None:
+        refusing = url_backend(store)
+        lost = SyncLease(refusing, "sync-lost", ttl=TTL)
+        made.append(lost)
         with pytest.raises(LeaseLost, match="'sync-lost'"), lost:
             refusing.renew_lease = _refuse  # type: ignore[method-assign]
             seen.append(lost.lost.wait(5))
 
-    try:
-        await anyio.to_thread.run_sync(lose)
-    finally:
-        del refusing.renew_lease
-    assert seen == [True] and not lost.held
+    await anyio.to_thread.run_sync(lose)
+    assert seen == [True] and not made[1].held
 
 
 async def _refuse(name: str, token: int, ttl_ms: int) -> int | None:
