@@ -269,7 +269,7 @@ class Backend(NamedLeaseStore, ABC):
 
     def __init__(self) -> None:
         self._users = 0
-        self._start_lock = anyio.Lock()
+        self._start_lock = anyio.Lock(fast_acquire=True)  # leases start it per hold
 
     async def start(self) -> None:
         """Open connections and create the store's structures when missing.

@@ -17,19 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import heapq
+import itertools
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
+from functools import partial
 from types import TracebackType
+from typing import Any, ClassVar
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import sniffio
 
 from ._durations import Duration, parse_duration, to_ms
@@ -47,39 +53,88 @@ def _holder_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
-class _Detached:
-    """A task running beside its starter's tasks, cancelled by :meth:`cancel`.
+_TASKS: set[asyncio.Task[None]] = set()  # strong references to the keepers' tasks
 
-    A lease acquired with ``await lease.acquire()`` outside any task group is still
-    renewed: the renewal is a task of the event loop itself (asyncio) or a system task
-    (trio), which this wraps in a cancel scope of its own.
+
+def _spawn(fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+    """Run ``fn`` beside every other task of the event loop, owned by none of them.
+
+    So a lease acquired with ``await lease.acquire()`` outside any task group is still
+    renewed: the keeper is a task of the loop itself (asyncio) or a system task (trio).
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio.lowlevel
+
+        trio.lowlevel.spawn_system_task(fn, name=name)
+    else:
+        task = asyncio.get_running_loop().create_task(fn(), name=name)
+        _TASKS.add(task)
+        task.add_done_callback(_TASKS.discard)
+
+
+class _Hold:
+    """One hold of a :class:`Lease`, from the acquire that won it to its release or loss."""
+
+    __slots__ = ("alive_until", "error", "lost", "over", "scope", "token")
+
+    def __init__(self, token: int, alive_until: float) -> None:
+        self.token = token
+        self.alive_until = alive_until  # monotonic: surely live in the store until then
+        self.lost = anyio.Event()
+        self.error: LeaseLost | None = None
+        self.over = False  # released or lost
+        self.scope: anyio.CancelScope | None = None  # the renewal in flight
+
+
+class _Keeper:
+    """The one task per event loop that renews every lease held on that loop.
+
+    It sleeps until the earliest renewal is due and runs each due renewal as a task of
+    its own (a store that hangs delays no other lease's renewal). Acquiring and releasing
+    cost no task of their own: a hold is pushed on the heap, a released one skipped.
     """
 
-    def __init__(self, fn: Callable[[], Awaitable[None]], name: str) -> None:
-        self._scope = anyio.CancelScope()
-        self._done = anyio.Event()
-        self._task: asyncio.Task[None] | None = None
+    loops: ClassVar[dict[object, _Keeper]] = {}
 
-        async def body() -> None:
-            try:
-                with self._scope:
-                    await fn()
-            except Exception:  # pragma: no cover - the renewal catches its own errors
-                logger.exception("the renewal task of a lease failed")
-            finally:
-                self._done.set()
+    def __init__(self) -> None:
+        self.due: list[tuple[float, int, Lease, _Hold]] = []
+        self.order = itertools.count()
+        self.wake = anyio.Event()
+        self.next = math.inf
 
-        if sniffio.current_async_library() == "trio":
-            import trio.lowlevel
+    @classmethod
+    def schedule(cls, lease: Lease, hold: _Hold, at: float) -> None:
+        """Renew ``hold`` of ``lease`` at monotonic time ``at`` (on the current loop)."""
+        loop = anyio.lowlevel.current_token()
+        keeper = cls.loops.get(loop)
+        if keeper is None:
+            keeper = cls.loops[loop] = _Keeper()
+            _spawn(partial(keeper.run, loop), "anarchon-lease-keeper")
+        heapq.heappush(keeper.due, (at, next(keeper.order), lease, hold))
+        if at < keeper.next:
+            keeper.wake.set()
 
-            trio.lowlevel.spawn_system_task(body, name=name)
-        else:
-            self._task = asyncio.get_running_loop().create_task(body(), name=name)
-
-    async def cancel(self) -> None:
-        """Cancel the task and wait until it has ended."""
-        self._scope.cancel()
-        await self._done.wait()
+    async def run(self, loop: object) -> None:
+        """Renew what is due, then sleep until the next renewal or a new earlier one."""
+        try:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    now = time.monotonic()
+                    while self.due and self.due[0][0] <= now:
+                        _, _, lease, hold = heapq.heappop(self.due)
+                        if not hold.over:
+                            tg.start_soon(lease._renew_hold, hold)
+                    self.next = self.due[0][0] if self.due else math.inf
+                    self.wake = anyio.Event()
+                    with anyio.move_on_after(self.next - now):
+                        await self.wake.wait()
+        except Exception:  # pragma: no cover - the renewals catch their own errors
+            logger.exception("the lease keeper failed; leases held on this loop are lost")
+            for _, _, lease, hold in self.due:
+                lease._mark_lost(hold, "the lease keeper failed")
+        finally:
+            if self.loops.get(loop) is self:
+                del self.loops[loop]
 
 
 class Lease:
@@ -127,16 +182,13 @@ class Lease:
         self.poll = (min(max(self.ttl / 10, 0.05), 1.0) if poll is None
                      else parse_duration(poll, what="poll"))
         """How often a blocking :meth:`acquire` tries again, in seconds."""
-        self._token: int | None = None
-        self._lost = anyio.Event()
-        self._alive_until = 0.0  # monotonic: the hold is surely live until then
-        self._keeper: _Detached | None = None
+        self._last: _Hold | None = None  # the latest hold, held or not
+        self._never = anyio.Event()  # lost, before any hold
         self._body: anyio.CancelScope | None = None
         self._opened = False  # whether this lease holds a start() of the backend
-        self._lost_error: LeaseLost | None = None
 
     def __repr__(self) -> str:
-        state = f"token={self._token}" if self.held else "not held"
+        state = f"token={self.token}" if self.held else "not held"
         return f"Lease({self.name!r}, ttl={self.ttl:g}s, {state})"
 
     @property
@@ -144,23 +196,23 @@ class Lease:
         """The fencing token of the current hold: it grows with every new holder of the
         name, across releases and expiries. ``None`` before the first acquire; after a
         release or a loss, the last hold's token."""
-        return self._token
+        return None if self._last is None else self._last.token
 
     @property
     def lost(self) -> anyio.Event:
         """Set when the current hold is lost: a renewal was refused, or none succeeded for
         a whole ttl. A new event at every acquire."""
-        return self._lost
+        return self._never if self._last is None else self._last.lost
 
     @property
     def lost_error(self) -> LeaseLost | None:
-        """Why the current hold was lost, as the error ``async with`` raises; else None."""
-        return self._lost_error
+        """Why the latest hold was lost, as the error ``async with`` raises; else None."""
+        return None if self._last is None else self._last.error
 
     @property
     def held(self) -> bool:
         """Whether this object holds the lease now (acquired, not released, not lost)."""
-        return self._keeper is not None and not self._lost.is_set()
+        return self._last is not None and not self._last.over
 
     async def acquire(self, timeout: Duration | None = None) -> bool:  # noqa: ASYNC109
         """Take the lease; return whether it is held.
@@ -173,7 +225,7 @@ class Lease:
                                                            allow_zero=True)
         if self.held:
             return True
-        await self.release()  # a hold lost earlier: let it go first
+        await self.release()  # a hold lost earlier: let go of its start of the backend
         give_up = None if wait is None else time.monotonic() + wait
         await self.backend.start()
         self._opened = True
@@ -183,7 +235,8 @@ class Lease:
                 answer = await self.backend.acquire_lease(self.name, self.holder,
                                                           self._ttl_ms)
                 if answer.held:
-                    self._granted(answer.token, sent)
+                    hold = self._last = _Hold(answer.token, sent + self.ttl)
+                    _Keeper.schedule(self, hold, sent + self.ttl / 3)
                     return True
                 now = time.monotonic()
                 if give_up is not None and now >= give_up:
@@ -199,63 +252,57 @@ class Lease:
                     await self._close_backend()
             raise
 
-    def _granted(self, token: int, sent: float) -> None:
-        self._token = token
-        self._lost = anyio.Event()
-        self._lost_error = None
-        self._alive_until = sent + self.ttl
-        self._keeper = _Detached(self._keep, f"anarchon-lease-{self.name}")
-
     async def release(self) -> None:
         """Stop renewing and free the name in the store, so a waiter takes it at once.
 
-        Does nothing when not held; a lost lease is not freed (another holder may have
-        it), only let go. Closes the backend's start made by :meth:`acquire`.
+        Does nothing when not acquired; a lost lease is not freed in the store (another
+        holder may have it), only let go. Closes the backend's start made by
+        :meth:`acquire`.
         """
-        if self._keeper is None:
+        if not self._opened:
             return
-        was_lost = self._lost.is_set()
-        token = self._token
+        hold = self._last
         with anyio.CancelScope(shield=True):
-            await self._let_go()
             try:
-                if not was_lost and token is not None:
-                    await self.backend.release_lease(self.name, token)
+                if hold is not None and not hold.over:
+                    hold.over = True
+                    if hold.scope is not None:
+                        hold.scope.cancel()
+                    await self.backend.release_lease(self.name, hold.token)
             finally:
                 await self._close_backend()
-
-    async def _let_go(self) -> None:
-        keeper, self._keeper = self._keeper, None
-        if keeper is not None:
-            await keeper.cancel()
 
     async def _close_backend(self) -> None:
         if self._opened:
             self._opened = False
             await self.backend.close()
 
-    async def _keep(self) -> None:
-        """Renew every third of the ttl until released; mark the lease lost on failure."""
-        token = self._token
-        assert token is not None
-        while True:
-            await anyio.sleep(max(0.0, self._alive_until - self.ttl * 2 / 3 - time.monotonic()))
-            why = await self._renew(token)
-            if why:
-                self._mark_lost(token, why)
-                return
+    async def _renew_hold(self, hold: _Hold) -> None:
+        """Renew ``hold`` once (the keeper calls it when due): scheduled again, or lost."""
+        why: str | None = None
+        with anyio.CancelScope() as scope:
+            hold.scope = scope
+            why = await self._renew(hold)
+        hold.scope = None
+        if hold.over:
+            return  # released meanwhile: the answer means nothing
+        if why is not None:
+            self._mark_lost(hold, why)
+        else:
+            _Keeper.schedule(self, hold, hold.alive_until - self.ttl * 2 / 3)
 
-    async def _renew(self, token: int) -> str | None:
+    async def _renew(self, hold: _Hold) -> str | None:
         """One renewal, retried until it succeeds or the ttl since the last one passes.
 
         Returns None when renewed, else why the lease is lost.
         """
         failure: BaseException | None = None
-        with anyio.move_on_after(max(0.0, self._alive_until - time.monotonic())):
+        with anyio.move_on_after(max(0.0, hold.alive_until - time.monotonic())):
             while True:
                 sent = time.monotonic()
                 try:
-                    expires = await self.backend.renew_lease(self.name, token, self._ttl_ms)
+                    expires = await self.backend.renew_lease(self.name, hold.token,
+                                                             self._ttl_ms)
                 except Exception as exc:
                     if failure is None:
                         logger.warning("lease %r: renewal failed (%s); retrying until its "
@@ -265,15 +312,18 @@ class Lease:
                     continue
                 if expires is None:
                     return "the store no longer lists this holder's token (expired or taken)"
-                self._alive_until = sent + self.ttl
+                hold.alive_until = sent + self.ttl
                 return None
         return f"no renewal succeeded within the ttl ({failure or 'no answer'})"
 
-    def _mark_lost(self, token: int, why: str) -> None:
-        self._lost_error = LeaseLost(f"lease {self.name!r} (token {token}) was lost: {why}")
-        logger.warning("%s", self._lost_error)
-        self._lost.set()
-        if self._body is not None:
+    def _mark_lost(self, hold: _Hold, why: str) -> None:
+        """Record ``hold`` as lost, loudly: the error, a warning, :attr:`lost`, and the
+        body of ``async with`` cancelled."""
+        hold.over = True
+        hold.error = LeaseLost(f"lease {self.name!r} (token {hold.token}) was lost: {why}")
+        logger.warning("%s", hold.error)
+        hold.lost.set()
+        if self._body is not None and self._last is hold:
             self._body.cancel()
 
     async def __aenter__(self) -> Lease:
@@ -281,7 +331,7 @@ class Lease:
         await self.acquire()
         self._body = anyio.CancelScope()
         self._body.__enter__()
-        if self._lost.is_set():
+        if self.lost.is_set():
             self._body.cancel()
         return self
 
@@ -290,7 +340,7 @@ class Lease:
         """Release the lease; raise :class:`LeaseLost` when it was lost during the body."""
         body, self._body = self._body, None
         swallowed = body is not None and body.__exit__(exc_type, exc, tb)
-        lost = self._lost_error
+        lost = self.lost_error
         await self.release()
         if lost is not None and (exc is None or swallowed):
             raise lost

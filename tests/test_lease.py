@@ -8,10 +8,13 @@ decides every expiry.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
+from types import ModuleType
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -36,7 +39,7 @@ TTL = 0.6  # s: short leases, waited out with deadlines
 def _with_port(url: str, port: int) -> str:
     parts = urlsplit(url)
     netloc = parts.netloc.rsplit(":", 1)[0] + f":{port}"
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _loop() -> str | None:
@@ -373,3 +376,44 @@ async def test_bad_input_is_refused_naming_the_value() -> None:
     with pytest.raises(ValueError, match="timeout=-1"):
         await Lease(backend, "x").acquire(timeout=-1)
     assert backend_users(backend) == 0
+
+
+def _example(name: str) -> ModuleType:
+    path = Path(__file__).resolve().parent.parent / "docs" / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_the_leader_election_example_hands_the_lead_over(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    example = _example("leader_election")
+    leading: list[int] = []
+    step_down = anyio.Event()
+
+    async def lead(lease: Lease) -> None:
+        assert lease.token is not None
+        leading.append(lease.token)
+        if len(leading) == 1:
+            await step_down.wait()  # the first leader leads until told to stop
+
+    monkeypatch.setattr(example, "lead", lead)
+    served: list[list[int]] = []
+
+    async def elector() -> None:
+        served.append(await example.elect(store.backend(), "example-leader", ttl="10s",
+                                          terms=1))
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(elector)
+            tg.start_soon(elector)
+            await wait_for(lambda: leading, what="a leader")
+            probe = Lease(store.backend(), "example-leader")
+            assert await probe.acquire(timeout=0) is False  # it is held
+            assert len(leading) == 1  # and the other elector waits
+            step_down.set()
+    assert len(leading) == 2 and leading[1] > leading[0]
+    assert sorted(served) == sorted([[leading[0]], [leading[1]]])
