@@ -48,9 +48,18 @@ __all__ = ["Lease", "SyncLease"]
 logger = logging.getLogger("anarchon")
 
 
+_HOLDERS: tuple[int, str, itertools.count[int]] | None = None
+
+
 def _holder_id() -> str:
-    """A holder id unique to one Lease object: host, process and a random part."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+    """A holder id unique to one Lease object: host, process, a random part made once per
+    process, and a counter (cheap: leases may be made per call)."""
+    global _HOLDERS
+    pid = os.getpid()
+    if _HOLDERS is None or _HOLDERS[0] != pid:  # once per process, and after a fork
+        _HOLDERS = (pid, f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:8]}",
+                    itertools.count(1))
+    return f"{_HOLDERS[1]}:{next(_HOLDERS[2])}"
 
 
 _TASKS: set[asyncio.Task[None]] = set()  # strong references to the keepers' tasks
@@ -75,15 +84,22 @@ def _spawn(fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
 class _Hold:
     """One hold of a :class:`Lease`, from the acquire that won it to its release or loss."""
 
-    __slots__ = ("alive_until", "error", "lost", "over", "scope", "token")
+    __slots__ = ("_lost", "alive_until", "error", "over", "scope", "token")
 
     def __init__(self, token: int, alive_until: float) -> None:
         self.token = token
         self.alive_until = alive_until  # monotonic: surely live in the store until then
-        self.lost = anyio.Event()
+        self._lost: anyio.Event | None = None  # made when first asked for or set
         self.error: LeaseLost | None = None
         self.over = False  # released or lost
         self.scope: anyio.CancelScope | None = None  # the renewal in flight
+
+    @property
+    def lost(self) -> anyio.Event:
+        """Set when this hold is lost."""
+        if self._lost is None:
+            self._lost = anyio.Event()
+        return self._lost
 
 
 class _Keeper:
@@ -183,7 +199,7 @@ class Lease:
                      else parse_duration(poll, what="poll"))
         """How often a blocking :meth:`acquire` tries again, in seconds."""
         self._last: _Hold | None = None  # the latest hold, held or not
-        self._never = anyio.Event()  # lost, before any hold
+        self._never: anyio.Event | None = None  # lost, before any hold (never set)
         self._body: anyio.CancelScope | None = None
         self._opened = False  # whether this lease holds a start() of the backend
 
@@ -202,7 +218,11 @@ class Lease:
     def lost(self) -> anyio.Event:
         """Set when the current hold is lost: a renewal was refused, or none succeeded for
         a whole ttl. A new event at every acquire."""
-        return self._never if self._last is None else self._last.lost
+        if self._last is not None:
+            return self._last.lost
+        if self._never is None:
+            self._never = anyio.Event()
+        return self._never
 
     @property
     def lost_error(self) -> LeaseLost | None:
