@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import heapq
 import itertools
 import logging
@@ -378,6 +379,7 @@ class _Loop:
 
     @classmethod
     def get(cls) -> anyio.from_thread.BlockingPortal:
+        """The running loop's portal, started on first use (and again after a fork)."""
         with cls.lock:
             if cls.portal is None or cls.pid != os.getpid():
                 cls.manager = anyio.from_thread.start_blocking_portal()
@@ -387,10 +389,15 @@ class _Loop:
 
     @classmethod
     def close(cls) -> None:
+        """Stop the loop (at interpreter exit), cancelling what still runs on it."""
         with cls.lock:
-            manager, cls.manager, cls.portal = cls.manager, None, None
-            if manager is not None and cls.pid == os.getpid():
-                manager.__exit__(None, None, None)
+            manager, portal = cls.manager, cls.portal
+            cls.manager = cls.portal = None
+            if manager is None or portal is None or cls.pid != os.getpid():
+                return
+            with contextlib.suppress(RuntimeError):
+                portal.call(portal.stop, True)  # a lease still held: nothing waits for it
+            manager.__exit__(None, None, None)
 
 
 atexit.register(_Loop.close)

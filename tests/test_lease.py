@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -417,3 +419,15 @@ async def test_the_leader_election_example_hands_the_lead_over(
             step_down.set()
     assert len(leading) == 2 and leading[1] > leading[0]
     assert sorted(served) == sorted([[leading[0]], [leading[1]]])
+
+
+def test_a_process_exits_while_a_sync_lease_is_held() -> None:
+    """The SyncLease loop is stopped at interpreter exit, whatever it still runs."""
+    code = ("from lease_core import MemoryBackend, SyncLease\n"
+            "lease = SyncLease(MemoryBackend(), 'x', ttl='10s')\n"
+            "assert lease.acquire(0)\n"
+            "print('held', lease.held)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "held True"
