@@ -30,7 +30,7 @@ from lease_core.abc import Backend
 from lease_core.testing import Store, backend_users, wait_for
 from tests.chaos.proxy import Proxy
 from tests.stores.memory import MemoryStore
-from tests.stores.postgres import PostgresStore
+from tests.stores.postgres import PgServer, PostgresStore, drop_tables, unique_table
 from tests.stores.redis import RedisStore
 
 pytestmark = pytest.mark.anyio
@@ -431,3 +431,31 @@ def test_a_process_exits_while_a_sync_lease_is_held() -> None:
                           timeout=60, cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "held True"
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_through_pgbouncer_on_trio(pgbouncer_server: PgServer) -> None:
+    """The store matrix has PgBouncer on asyncio only: trio here, through pg8000."""
+    table = unique_table()
+    dsn = "postgresql+pg8000://" + pgbouncer_server.dsn.split("://", 1)[1]
+    probe = PostgresBackend(dsn, table=table)
+    await probe.start()
+    try:
+        a = Lease(PostgresBackend(dsn, table=table), "bouncer", ttl=TTL)
+        b = Lease(PostgresBackend(dsn, table=table), "bouncer", ttl=TTL, poll="50ms")
+        async with a:
+            start = await probe.now_ms()
+
+            async def past_two_ttls() -> bool:  # only renewals keep it that long
+                return await probe.now_ms() > start + 2 * TTL * 1000
+
+            await wait_for(past_two_ttls, timeout=10, what="two ttls on the store clock")
+            assert a.held and await b.acquire(timeout=0) is False
+        assert await b.acquire(timeout=5) is True
+        try:
+            assert b.token is not None and a.token is not None and b.token > a.token
+        finally:
+            await b.release()
+    finally:
+        await probe.close()
+        await drop_tables(pgbouncer_server.admin_dsn, table)
