@@ -54,6 +54,10 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
             # not tracked: they are near zero, so noise alone would move them by half.
             if figure not in ("first_ms", "connections"):
                 out[f"burst.{key}.{figure}_vs_{cell['peer']}"] = spread["median"]
+    for store, section in results.get("lease", {}).items():
+        for name, spread in section["ratio"].items():
+            if not name.startswith("anarchon"):
+                out[f"lease.{store}.vs_{name}"] = spread["median"]
     return out
 
 
@@ -101,6 +105,13 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
                     "target": target, "median": spread["median"],
                     "spread": [spread["min"], spread["max"]], "rounds": spread["rounds"],
                     "met": spread["median"] >= target}
+    for store, section in results.get("lease", {}).items():
+        for name, spread in section["ratio"].items():
+            if not name.startswith("anarchon"):  # issue 19: >= 1.0x acquire + release
+                out[f"lease_{store}_vs_{name}"] = {
+                    "target": 1.0, "median": spread["median"],
+                    "spread": [spread["min"], spread["max"]], "rounds": spread["rounds"],
+                    "met": spread["median"] >= 1.0}
     load = [r for r in results.get("load", []) if r["store"] == "pg" and r.get("reduction")]
     if load:
         biggest = max(load, key=lambda r: r["jobs"])

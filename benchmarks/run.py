@@ -19,7 +19,7 @@ from . import report
 from ._util import environment, pg_servers
 
 SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "cluster", "scale",
-            "burst")
+            "burst", "lease")
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -84,6 +84,12 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
             servers, sizes=(100,) if quick else (100, 1000),
             stores=("redis",) if quick else ("redis", "pg"), rounds=3 if quick else 5,
             log=log)
+    if "lease" in only:
+        from .lease import run_lease
+
+        log("lease: acquire + release against redis-py Lock and ShedLock")
+        results["lease"] = await run_lease(
+            servers, seconds=0.15 if quick else 0.3, rounds=9 if quick else 15, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,7 @@ from typing import Any, Self
 
 import anyio
 
+from ._named_leases import LeaseAnswer, NamedLeaseStore
 from ._structures import (
     Attempt,
     CheckResult,
@@ -123,6 +124,7 @@ __all__ = [
     "HeartbeatResult",
     "JobInfo",
     "Lease",
+    "LeaseAnswer",
     "Outcome",
     "Reason",
     "RunInfo",
@@ -242,7 +244,7 @@ def finish_status(outcome: object) -> RunStatus:
     )
 
 
-class Backend(ABC):
+class Backend(NamedLeaseStore, ABC):
     """The store a :class:`~lease_core.Scheduler` coordinates through.
 
     A backend may be shared by several schedulers in one process. :meth:`start` and
@@ -251,7 +253,8 @@ class Backend(ABC):
     user passed in are never closed.
 
     A subclass implements the abstract methods and one method of each pair of
-    :data:`TWINS` (see *Single and batch twins* in the module docs).
+    :data:`TWINS` (see *Single and batch twins* in the module docs), and may implement
+    the named leases of :class:`~lease_core._named_leases.NamedLeaseStore`.
     """
 
     #: The URL schemes :func:`~lease_core.backend_from_url` maps to this backend.
@@ -272,7 +275,7 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self._users = 0
-        self._start_lock = anyio.Lock()
+        self._start_lock = anyio.Lock(fast_acquire=True)  # leases start it per hold
 
     async def start(self, *, create: bool = True) -> None:
         """Open connections and create the store's structures when missing.
