@@ -17,6 +17,10 @@ SIGKILLed by the parent):
     times a call of the backend's ``heartbeat``, ``check`` and ``claim`` returned, every
     second.
     With INTERVAL 3600 the jobs hardly fire: the process's memory per declared job.
+``fleet URL NAME PREFIX JOBS INTERVAL LEASE HEARTBEAT``
+    A fleet member: JOBS jobs ``k0`` ... every INTERVAL seconds (offsets spread over the
+    interval), handlers of 20 ms, the lease and heartbeat given. Prints the fleet size it
+    knows every half second.
 ``failover URL NAME FIRE_AT_MS LEASE HEARTBEAT``
     One job ``fo`` firing at FIRE_AT_MS (store time); the handler runs until cancelled.
     On SIGTERM it prints the store time at which ``stop()`` was called.
@@ -192,6 +196,37 @@ async def failover(url: str, name: str, fire_at_ms: int, lease: str, heartbeat: 
         await _until_sigterm(scheduler, lambda: None)
 
 
+async def fleet(url: str, name: str, prefix: str, jobs: int, interval: float, lease: str,
+                heartbeat: str) -> None:
+    """A member of the fleet-kill benchmark (see module docs)."""
+    backend, _ = make_backend(url, prefix)
+    scheduler = Scheduler(backend, instance_id=name, lease=lease, heartbeat=heartbeat,
+                          history_size=50)
+
+    async def handler(ctx: RunContext) -> None:
+        await anyio.sleep(0.02)
+
+    period_ms = int(interval * 1000)
+    for i in range(jobs):
+        scheduler.every(f"k{i}", f"{interval:g}s", handler,
+                        offset=f"{(i * period_ms) // max(jobs, 1)}ms", catch_up="none")
+    async with scheduler:
+        emit(event="started")
+        async with anyio.create_task_group() as tg:
+            async def reporter() -> None:
+                while True:
+                    emit(event="status", fleet_size=scheduler.health().fleet_size,
+                         store_ms=scheduler.store_now_ms())
+                    await anyio.sleep(0.5)
+
+            tg.start_soon(reporter)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            tg.cancel_scope.cancel()
+        await scheduler.stop(grace=0)
+
+
 def cpu_seconds() -> float:
     """User + system CPU seconds of this process, from /proc."""
     with open("/proc/self/stat") as f:
@@ -249,6 +284,8 @@ def main(argv: list[str]) -> None:
     elif mode == "scale":
         anyio.run(scale, url, int(rest[0]), rest[1], rest[2], float(rest[3]), float(rest[4]),
                   float(rest[5]))
+    elif mode == "fleet":
+        anyio.run(fleet, url, rest[0], rest[1], int(rest[2]), float(rest[3]), rest[4], rest[5])
     elif mode == "failover":
         anyio.run(failover, url, rest[0], int(rest[1]), rest[2], rest[3], rest[4])
     else:
