@@ -67,7 +67,9 @@ class _Counting:
 
 async def _until(ready: Callable[[], bool], seconds: float = 60) -> None:
     with anyio.fail_after(seconds):
-        while not ready():
+        while True:
+            if ready():
+                return
             await anyio.sleep(0.02)
 
 
@@ -187,3 +189,36 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def ratios(section: dict[str, Any]) -> dict[str, float]:
+    """The CI ratios: every-instance-claims' claims per run ÷ the fleet's, per cell."""
+    return {f"fleet.{key}.claims_vs_every_instance": cell["ratio_peer_over_fleet"]
+            for key, cell in section["cells"].items()}
+
+
+def targets(section: dict[str, Any]) -> dict[str, Any]:
+    """At most 2.2 claims per run in every cell, every run once."""
+    cells = section["cells"]
+    worst = max(cells.values(), key=lambda c: c["claims_per_run"])
+    return {"fleet_claims_per_run_at_most_2.2": {
+        "per_cell": {k: c["claims_per_run"] for k, c in cells.items()},
+        "worst_cell": f"{worst['store']}.n{worst['instances']}",
+        "ran_twice": sum(c["ran_twice"] for c in cells.values()),
+        "met": all(c["met"] for c in cells.values())}}
+
+
+def markdown(section: dict[str, Any]) -> list[str]:
+    """The Markdown part of the section."""
+    lines = [f"## Fleet: claims per run ({section['jobs_every_second']} jobs every second, "
+             f"{section['slots']} slots counted, lease {section['lease_s']} s, heartbeat "
+             f"{section['heartbeat_s']} s; schedulers in one process)", "",
+             "| store | instances | claims per run | every instance claiming | ratio | "
+             "busiest ÷ fair share | runs | ran twice |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for cell in section["cells"].values():
+        lines.append(f"| {cell['store']} | {cell['instances']} | {cell['claims_per_run']} | "
+                     f"{cell['peer']['claims_per_run']} | {cell['ratio_peer_over_fleet']} | "
+                     f"{cell['busiest_share_vs_fair']} | {cell['runs']} of "
+                     f"{cell['runs_expected']} | {cell['ran_twice']} |")
+    return lines

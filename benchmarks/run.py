@@ -19,7 +19,7 @@ from . import report
 from ._util import environment, pg_servers
 
 SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "cluster", "scale",
-            "burst")
+            "burst", "fleet", "fleet_kill")
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -83,6 +83,21 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
         results["burst"] = await run_burst(
             servers, sizes=(100,) if quick else (100, 1000),
             stores=("redis",) if quick else ("redis", "pg"), rounds=3 if quick else 5,
+            log=log)
+    if "fleet" in only:
+        from .fleet import run_fleet
+
+        log("fleet: claims per run as the fleet grows, beside every instance claiming")
+        results["fleet"] = await run_fleet(
+            servers, sizes=(10,) if quick else (3, 10, 30),
+            stores=("pg", "redis") if quick else ("memory", "pg", "redis"),
+            slots=2 if quick else 4, log=log)
+    if "fleet_kill" in only:
+        from .fleet_kill import run_fleet_kill
+
+        log("fleet kill: one of 5 scheduler processes killed")
+        results["fleet_kill"] = await run_fleet_kill(
+            servers, trials=1 if quick else 3, stores=("pg",) if quick else ("pg", "redis"),
             log=log)
 
 
