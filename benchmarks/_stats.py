@@ -73,6 +73,8 @@ def classify(query: str) -> str:
         ("_claim(", "claim"),
         ("_claim_v", "claim"),
         ("_batch_v", "claim_many"),
+        # before the heartbeat's needle: the membership upsert is also "WITH renewed AS"
+        ("cleaner AS", "members"),
         ("renewed AS", "heartbeat"),
         ("AS n LEFT JOIN", "check"),
         ("first_seen_ms, last_slot, seq) VALUES", "claim.upsert_job"),
