@@ -360,6 +360,8 @@ async def measure_fleet(servers: Servers, jobs: int, instances: int, interval: f
     rss = [win[-1]["rss"] / 2**20 for win in windows if win]
     client_cpu = [(win[-1]["cpu"] - win[0]["cpu"]) / (win[-1]["t"] - win[0]["t"])
                   for win in windows if len(win) > 1]
+    claims_s = sum((win[-1]["claims_sent"] - win[0]["claims_sent"])
+                   / (win[-1]["t"] - win[0]["t"]) for win in windows if len(win) > 1)
     held = sum(sum(x["held"] for x in win) / len(win) for win in windows if win)
     watched = sum(sum(x["watch"] for x in win) / len(win) for win in windows if win)
     statements = sum(kinds.values())
@@ -394,9 +396,12 @@ async def measure_fleet(servers: Servers, jobs: int, instances: int, interval: f
     }
     row["one_heartbeat_statement_per_tick"] = row["heartbeat_statements_per_tick"] == 1.0
     row["kept_up"] = row["runs_s"] >= KEPT_UP * row["runs_s_nominal"]
+    # claims the instances sent in the window (counted in each), per run due
+    row["claims_per_run"] = round(claims_s / max(row["runs_s_nominal"], 1e-9), 3)
     log(f"  fleet {jobs:>6} jobs x {instances}, every {interval:g} s: "
         f"{'' if row['kept_up'] else 'FELL BEHIND, '}{row['runs_s']} of "
-        f"{row['runs_s_nominal']} runs/s, {row['statements_s']} stmt/s "
+        f"{row['runs_s_nominal']} runs/s, {row['claims_per_run']} claims per run, "
+        f"{row['statements_s']} stmt/s ({row['calls_s']} calls/s) "
         f"{row['by_kind_s']}, store CPU {row['store_cpu_cores']} cores, RSS "
         f"{row['rss_mb_per_instance']} MB/instance, heartbeat statements per tick "
         f"{row['heartbeat_statements_per_tick']} ({hb_calls} ticks), start-up "
@@ -525,12 +530,16 @@ def targets(scale: dict[str, Any]) -> dict[str, Any]:
     big = [r for r in scale["points"] if (r["jobs"], r["instances"]) == (10_000, 20)]
     if big:
         r = big[0]
-        err = r["error"]["statements_s"]
+        err, calls_err = r["error"]["statements_s"], r["error"].get("calls_s")
         out["scale_10000x20_kept_up_within_10pct_of_model"] = {
             "statements_s": r["statements_s"], "predicted": r["predicted"]["statements_s"],
-            "error": err, "calls_s": r.get("calls_s"), "calls_error": r["error"].get("calls_s"),
-            "kept_up": r["kept_up"],
-            "met": bool(r["kept_up"]) and err is not None and abs(err) <= MODEL_ERROR}
+            "statements_error": err, "calls_s": r.get("calls_s"), "calls_error": calls_err,
+            "claims_per_run": r.get("claims_per_run"), "kept_up": r["kept_up"],
+            # the model counts one statement per call; claims and finishes of one instant
+            # share a statement, so the store runs fewer: judged on the calls
+            "judged_on": "calls_error",
+            "met": bool(r["kept_up"]) and calls_err is not None
+            and abs(calls_err) <= MODEL_ERROR}
     t = scale["prediction"]
     out["scale_model_100000x100"] = {
         "statements_s": t["statements_s"], "store_cpu_cores": t["store_cpu_cores"],

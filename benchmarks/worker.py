@@ -14,8 +14,8 @@ SIGKILLed by the parent):
     A scheduler with JOBS jobs every INTERVAL seconds, their offsets spread evenly over
     the interval, handlers of HANDLER seconds, heartbeat HEARTBEAT seconds (lease three
     heartbeats). Prints held and watched runs, its RSS and CPU seconds and how many
-    times a call of the backend's ``heartbeat``, ``check`` and ``claim`` returned, every
-    second.
+    times a call of the backend's ``heartbeat``, ``check``, ``claim`` and ``claim_many``
+    returned, and the claims sent (``claims_sent``), every second.
     With INTERVAL 3600 the jobs hardly fire: the process's memory per declared job.
 ``fleet URL NAME PREFIX JOBS INTERVAL LEASE HEARTBEAT``
     A fleet member: JOBS jobs ``k0`` ... every INTERVAL seconds (offsets spread over the
@@ -238,17 +238,20 @@ async def scale(url: str, jobs: int, name: str, prefix: str, interval: float,
                 handler_s: float, heartbeat: float) -> None:
     """A fleet member of the scale benchmark (see module docs)."""
     backend, counter = make_backend(url, prefix)
-    calls = {"heartbeat": 0, "check": 0, "claim": 0}
+    calls = {"heartbeat": 0, "check": 0, "claim": 0, "claim_many": 0, "claims_sent": 0}
 
     def counted(op: str, method: Any) -> Any:
         async def call(*args: Any, **kwargs: Any) -> Any:
+            if op in ("claim", "claim_many"):
+                calls["claims_sent"] += len(args[0]) if op == "claim_many" else 1
             result = await method(*args, **kwargs)
             calls[op] += 1
             return result
         return call
 
-    # count the scheduler's calls of the backend that returned (one per tick or claim)
-    for op in calls:
+    # count the scheduler's calls of the backend that returned (one per tick or claim),
+    # and the claims sent (a batch counting each of its claims)
+    for op in ("heartbeat", "check", "claim", "claim_many"):
         setattr(backend, op, counted(op, getattr(backend, op)))
     scheduler = Scheduler(backend, instance_id=name, lease=f"{3 * heartbeat}s",
                           heartbeat=f"{heartbeat}s")
