@@ -28,6 +28,7 @@ SIGKILLed by the parent):
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import signal
@@ -240,11 +241,21 @@ async def scale(url: str, jobs: int, name: str, prefix: str, interval: float,
     backend, counter = make_backend(url, prefix)
     calls = {"heartbeat": 0, "check": 0, "claim": 0, "claim_many": 0, "claims_sent": 0}
 
+    within_claim: contextvars.ContextVar[bool] = contextvars.ContextVar("within_claim",
+                                                                        default=False)
+
     def counted(op: str, method: Any) -> Any:
         async def call(*args: Any, **kwargs: Any) -> Any:
-            if op in ("claim", "claim_many"):
+            # a backend's claim may be its claim_many of one: count the claim once
+            token = None
+            if op in ("claim", "claim_many") and not within_claim.get():
                 calls["claims_sent"] += len(args[0]) if op == "claim_many" else 1
-            result = await method(*args, **kwargs)
+                token = within_claim.set(True)
+            try:
+                result = await method(*args, **kwargs)
+            finally:
+                if token is not None:
+                    within_claim.reset(token)
             calls[op] += 1
             return result
         return call
