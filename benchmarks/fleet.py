@@ -11,7 +11,8 @@ instance's share of the runs is reported against its fair share, and a run start
 is counted (it must be 0).
 
 The peer, measured in the same cell right before or after (the order alternates from cell
-to cell): the same fleet with membership switched off (each backend's ``members`` answers
+to cell; on PostgreSQL and Redis up to 10 instances, above that N claims per run by
+construction): the same fleet with membership switched off (each backend's ``members`` answers
 ``None``, so every instance ranks first for every job), that is, every instance claiming
 every slot, as before the fleet design. The ratio is the peer's claims per run ÷ the
 fleet's (higher is better); the target is at most 2.2 claims per run at any size.
@@ -39,6 +40,10 @@ __all__ = ["TARGET_CLAIMS_PER_RUN", "measure", "run_fleet"]
 OUT = Path(__file__).resolve().parent / "out"
 #: Claims per run the issue allows, at 3, 10 and 30 instances.
 TARGET_CLAIMS_PER_RUN = 2.2
+#: Beyond this size the peer is not run on a real store (30 instances claiming 100 jobs
+#: every second each, 3,000 claims/s from one process, did not finish on this machine):
+#: its claims per run is then the instances, by construction.
+PEER_MAX_INSTANCES = 10
 
 
 class _Counting:
@@ -147,6 +152,11 @@ async def run_fleet(servers: Any, *, sizes: tuple[int, ...] = (3, 10, 30),
             order = (False, True) if turn % 2 == 0 else (True, False)
             turn += 1
             for solo in order:
+                if solo and n > PEER_MAX_INSTANCES and store != "memory":
+                    # every instance claiming every slot: N claims per run by construction
+                    rows["every_instance_claims"] = {"claims_per_run": float(n),
+                                                     "measured": False}
+                    continue
                 rows["every_instance_claims" if solo else "fleet"] = await measure(
                     n, jobs, store=store, servers=servers, slots=slots, solo=solo)
             fleet, peer = rows["fleet"], rows["every_instance_claims"]
