@@ -228,7 +228,9 @@ def markdown(section: dict[str, Any]) -> list[str]:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for cell in section["cells"].values():
         lines.append(f"| {cell['store']} | {cell['instances']} | {cell['claims_per_run']} | "
-                     f"{cell['peer']['claims_per_run']} | {cell['ratio_peer_over_fleet']} | "
+                     f"{cell['peer']['claims_per_run']}"
+                     f"{'' if cell['peer'].get('measured', True) else ' (not run: N)'} | "
+                     f"{cell['ratio_peer_over_fleet']} | "
                      f"{cell['busiest_share_vs_fair']} | {cell['runs']} of "
                      f"{cell['runs_expected']} | {cell['ran_twice']} |")
     return lines
