@@ -104,7 +104,7 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run, write the outputs; 0 when every target was met."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="short subset (under 3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="short subset (about 3 minutes)")
     parser.add_argument("--only", help=f"comma-separated sections of {', '.join(SECTIONS)}")
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/out/"
                         "full.json or quick.json)")
