@@ -96,14 +96,14 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
         log("fleet: claims per run as the fleet grows, beside every instance claiming")
         results["fleet"] = await run_fleet(
             servers, sizes=(10,) if quick else (3, 10, 30),
-            stores=("pg", "redis") if quick else ("memory", "pg", "redis"),
+            stores=("pg", "redis"),
             slots=2 if quick else 4, log=log)
     if "fleet_kill" in only:
         from .fleet_kill import run_fleet_kill
 
         log("fleet kill: one of 5 scheduler processes killed")
         results["fleet_kill"] = await run_fleet_kill(
-            servers, trials=1 if quick else 3, stores=("pg",) if quick else ("pg", "redis"),
+            servers, trials=1 if quick else 2, stores=("pg",) if quick else ("pg", "redis"),
             log=log)
 
 
