@@ -54,6 +54,13 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
             # not tracked: they are near zero, so noise alone would move them by half.
             if figure not in ("first_ms", "connections"):
                 out[f"burst.{key}.{figure}_vs_{cell['peer']}"] = spread["median"]
+    cpu = results.get("cpu", {})
+    for cell in cpu.get("cells", []):
+        out[f"cpu.{cell['store']}.r{cell['offered_runs_s']}.runs_per_cpu_s_vs_raw"] = (
+            cell["ratio_vs_raw"]["median"])
+    for store, flatness in cpu.get("flatness", {}).items():
+        if flatness:
+            out[f"cpu.{store}.flatness"] = flatness
     return out
 
 

@@ -19,7 +19,7 @@ from . import report
 from ._util import environment, pg_servers
 
 SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "cluster", "scale",
-            "burst")
+            "burst", "cpu")
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -84,6 +84,11 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
             servers, sizes=(100,) if quick else (100, 1000),
             stores=("redis",) if quick else ("redis", "pg"), rounds=3 if quick else 5,
             log=log)
+    if "cpu" in only:
+        from .cpu import run_cpu
+
+        log("cpu: client CPU per run, one scheduler, slots spread over each second")
+        results["cpu"] = await run_cpu(servers, quick=quick, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:
