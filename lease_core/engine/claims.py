@@ -137,7 +137,7 @@ class Claimer:
         # in one go, and every object made costs the garbage collector too.
         events = s.bus.wanted
         run: dict[str, Any] = {}
-        if events or result.status in (ClaimStatus.SKIPPED, ClaimStatus.ESCALATED):
+        if events:
             run = {"instance_id": s.settings.instance_id, "job": job.name, "slot": slot}
         if result.status is ClaimStatus.WON:
             won = result.reason or Reason.SCHEDULED
@@ -170,12 +170,14 @@ class Claimer:
             if result.status is ClaimStatus.SKIPPED:
                 logger.info("%s slot %s skipped: an earlier run still holds its lease",
                             job.name, format_slot(slot))
-                s.bus.emit(ev.Skipped(**run, reason=reason, claim_duration=took))
+                if events:
+                    s.bus.emit(ev.Skipped(**run, reason=reason, claim_duration=took))
             elif result.status is ClaimStatus.ESCALATED:
                 logger.error("%s slot %s escalated after %d attempts", job.name,
                              format_slot(slot), result.attempt)
-                s.bus.emit(ev.Escalated(**run, attempt=result.attempt, reason=reason,
-                                        claim_duration=took))
+                if events:
+                    s.bus.emit(ev.Escalated(**run, attempt=result.attempt, reason=reason,
+                                            claim_duration=took))
             elif result.status is ClaimStatus.FINISHED:
                 s.steps.seen_finished(job, slot, result.run_status)
         return result
