@@ -128,6 +128,9 @@ class MemoryBackend(_NamedLeases, Backend):
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._runs: dict[tuple[str, int], _Run] = {}
+        #: Per job, the slots whose runs may be running (a superset, pruned as it is
+        #: read): the overlap check reads these, not every run in the store.
+        self._maybe_running: dict[str, set[int]] = {}
         self._attempts: dict[str, list[Attempt]] = {}
         #: When the current maintenance period ends (ms), and who won it.
         self._maintenance: tuple[int, str] | None = None
@@ -226,11 +229,7 @@ class MemoryBackend(_NamedLeases, Backend):
             )
 
         if run is None:
-            if req.overlap_skip and any(
-                j == req.job and s < req.slot and r.status is RunStatus.RUNNING
-                and r.expires_ms is not None and r.expires_ms > now
-                for (j, s), r in self._runs.items()
-            ):
+            if req.overlap_skip and self._earlier_live(req.job, req.slot, now):
                 run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
                 at = ms_to_datetime(now)
                 history.append(
@@ -241,6 +240,7 @@ class MemoryBackend(_NamedLeases, Backend):
             run = self._runs[key] = _Run(
                 RunStatus.RUNNING, 1, req.token, req.instance_id, now + req.lease_ms
             )
+            self._maybe_running.setdefault(req.job, set()).add(req.slot)
             history.append(
                 Attempt(req.job, req.slot, 1, req.instance_id, req.reason, ms_to_datetime(now))
             )
@@ -271,6 +271,7 @@ class MemoryBackend(_NamedLeases, Backend):
             reason = Reason.TAKEOVER
             run.takeovers += 1
         run.status = RunStatus.RUNNING
+        self._maybe_running.setdefault(req.job, set()).add(req.slot)
         run.attempt += 1
         run.token = req.token
         run.instance_id = req.instance_id
@@ -279,6 +280,20 @@ class MemoryBackend(_NamedLeases, Backend):
             Attempt(req.job, req.slot, run.attempt, req.instance_id, reason, ms_to_datetime(now))
         )
         return result(ClaimStatus.WON, run, reason)
+
+    def _earlier_live(self, job: str, slot: int, now: int) -> bool:
+        """True when a run of ``job`` before ``slot`` holds a live lease."""
+        slots = self._maybe_running.get(job)
+        if not slots:
+            return False
+        found = False
+        for s in list(slots):
+            r = self._runs.get((job, s))
+            if r is None or r.status is not RunStatus.RUNNING:
+                slots.discard(s)
+            elif s < slot and r.expires_ms is not None and r.expires_ms > now:
+                found = True
+        return found
 
     def _end_attempt(
         self, job: str, slot: int, attempt: int, now: int, outcome: Outcome, error: str | None
