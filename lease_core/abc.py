@@ -35,6 +35,9 @@ jobs never wait for each other):
    never escalated for it. (The attempt number still counts every attempt.)
    Otherwise the last attempt's outcome becomes ``lost`` (if it had none), and the next
    attempt takes the run with reason ``takeover``; return ``WON``.
+6b. *Retries* (issue 19, part 1): if it is ``retrying`` with ``expires > now``, return
+   ``RUNNING`` (stand by); with ``expires <= now`` the next attempt takes it with reason
+   ``retry`` (neither counted by ``max_attempts`` nor escalated); return ``WON``.
 7. A claim trims no history (the request's ``history_size`` and ``history_ttl_ms`` are
    for backends of their own that still do): :meth:`Backend.prune` does, called by the
    scheduler's maintenance for every job of the store, one instance at a time
@@ -383,6 +386,28 @@ class Backend(ABC):
         for _, outcome, _ in items:
             finish_status(outcome)
         return [await self.finish(lease, outcome, error) for lease, outcome, error in items]
+
+    # -- retries within a run (issue 19, part 1)
+    async def retry_later(
+        self, items: Sequence[tuple[Lease, Outcome, str | None, Sequence[int]]]
+    ) -> list[int]:
+        """End failed attempts, and mark their runs ``retrying`` where retries remain.
+
+        Each item is ``(lease, outcome, error, delays_ms)``: ``outcome`` is ``failed`` or
+        ``timed_out``, ``delays_ms`` the waits before each retry the policy allows. Fenced
+        as :meth:`finish` is. With ``n`` the run's attempts that started by ``retry``,
+        the attempt ends with ``outcome`` and ``error``; then, when ``n < len(delays_ms)``,
+        the run becomes ``retrying`` (no token, ``expires = now + delays_ms[n]``) and the
+        answer is ``n + 1``, the retry's number; otherwise the run ends with ``outcome``
+        and the answer is 0. -1 means the token no longer held the run (nothing changed).
+        Not implementing this keeps retries off: the scheduler refuses ``retry=``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement retry_later()")
+
+    @property
+    def supports_retries(self) -> bool:
+        """True when this backend implements :meth:`retry_later` (``retry=`` works)."""
+        return _implements(type(self), "retry_later")
 
     @abstractmethod
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
