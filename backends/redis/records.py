@@ -7,7 +7,13 @@ from collections.abc import Mapping, Sequence
 
 from adapters.redis import Command
 from lease_core._structures import Attempt, RunInfo, RunStatus
-from lease_core.abc import MEMBER_RETENTION_MS, check_every, check_members, check_prune
+from lease_core.abc import (
+    MEMBER_RETENTION_MS,
+    check_every,
+    check_leave,
+    check_members,
+    check_prune,
+)
 from lease_core.errors import ConfigurationError
 
 from .core import RedisStore
@@ -37,7 +43,8 @@ class RedisRecords(RedisStore):
         commands = []
         for name in jobs:
             keys = self._job_keys(name)
-            commands.append(self._eval("history", [keys["hist"], keys["att"]], [int(limit)]))
+            commands.append(self._eval("history", [keys["hist"], keys["att"]],
+                                       [int(limit), f"{self._tag(name)}:run:"]))
         items = []
         for name, records in zip(jobs, await self._run(commands), strict=True):
             items += [attempt_record(name, as_text(raw)) for raw in records]
@@ -116,6 +123,11 @@ class RedisRecords(RedisStore):
         (names,) = await self._run([self._eval(
             "members", [self._members_key], [instance_id, ttl_ms, MEMBER_RETENTION_MS])])
         return sorted(as_text(name) for name in names)
+
+    async def leave(self, instance_id: str) -> None:
+        """End the membership now: one ``ZREM`` from the ``{P}:members`` sorted set."""
+        check_leave(instance_id)
+        await self._run([("ZREM", self._members_key, instance_id)])
 
     async def jobs(self) -> list[str]:
         """Return every job under the prefix, sorted."""

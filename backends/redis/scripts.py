@@ -12,13 +12,14 @@ from importlib import resources
 
 __all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "Script"]
 
-#: The store format this version writes; a store with a newer one is refused.
-STORE_FORMAT = 1
+#: The store format this version writes; a store with a newer one is refused, an older one
+#: (1: every attempt record in the ``{P/E}:att`` hash) is read as it is and marked 2.
+STORE_FORMAT = 2
 
 _SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
             "checkpoint", "register", "history", "trim", "members")
 #: Files prepended to a script after the prelude (the claim function it calls).
-_INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",)}
+_INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",), "trim": ("_trim",)}
 #: Claims per ``claim_many.lua`` call at most: one script call keeps the server busy, so
 #: a large batch goes as several calls (in the same pipeline).
 SCRIPT_BATCH = 100
