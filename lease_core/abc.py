@@ -35,9 +35,8 @@ jobs never wait for each other):
    never escalated for it. (The attempt number still counts every attempt.)
    Otherwise the last attempt's outcome becomes ``lost`` (if it had none), and the next
    attempt takes the run with reason ``takeover``; return ``WON``.
-6b. *Retries* (issue 19, part 1): if it is ``retrying`` with ``expires > now``, return
-   ``RUNNING`` (stand by); with ``expires <= now`` the next attempt takes it with reason
-   ``retry`` (neither counted by ``max_attempts`` nor escalated); return ``WON``.
+6b. If it is ``retrying``: ``RUNNING`` while ``expires > now``; then the next attempt
+   takes it, reason ``retry`` (never counted by ``max_attempts``); return ``WON``.
 7. A claim trims no history (the request's ``history_size`` and ``history_ttl_ms`` are
    for backends of their own that still do): :meth:`Backend.prune` does, called by the
    scheduler's maintenance for every job of the store, one instance at a time
@@ -397,23 +396,16 @@ class Backend(ABC):
     async def retry_later(
         self, items: Sequence[tuple[Lease, Outcome, str | None, Sequence[int]]]
     ) -> list[int]:
-        """End failed attempts, and mark their runs ``retrying`` where retries remain.
+        """End failed attempts (``(lease, outcome, error, delays_ms)``, fenced as
+        :meth:`finish`); a run with retries left becomes ``retrying``, unleased.
 
-        Each item is ``(lease, outcome, error, delays_ms)``: ``outcome`` is ``failed`` or
-        ``timed_out``, ``delays_ms`` the waits before each retry the policy allows. Fenced
-        as :meth:`finish` is. With ``n`` the run's attempts that started by ``retry``,
-        the attempt ends with ``outcome`` and ``error``; then, when ``n < len(delays_ms)``,
-        the run becomes ``retrying`` (no token, ``expires = now + delays_ms[n]``) and the
-        answer is ``n + 1``, the retry's number; otherwise the run ends with ``outcome``
-        and the answer is 0. -1 means the token no longer held the run (nothing changed).
-        Not implementing this keeps retries off: the scheduler refuses ``retry=``.
+        With ``n`` the run's attempts that started by ``retry``: when ``n <
+        len(delays_ms)`` the run becomes ``retrying`` with ``expires = now +
+        delays_ms[n]`` and the answer is ``n + 1``; otherwise the run ends with
+        ``outcome`` and the answer is 0; -1 when the token no longer held the run.
+        A backend without it refuses ``retry=`` (:func:`lease_core.retry.supports_retries`).
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement retry_later()")
-
-    @property
-    def supports_retries(self) -> bool:
-        """True when this backend implements :meth:`retry_later` (``retry=`` works)."""
-        return _implements(type(self), "retry_later")
 
     @abstractmethod
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:

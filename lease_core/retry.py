@@ -13,9 +13,10 @@ import random
 from dataclasses import dataclass
 
 from ._durations import Duration, parse_duration, to_ms
+from .abc import Backend
 from .errors import ConfigurationError
 
-__all__ = ["Retry", "RetryOption", "to_retry"]
+__all__ = ["Retry", "RetryOption", "supports_retries", "to_retry"]
 
 @dataclass(frozen=True)
 class Retry:
@@ -87,3 +88,9 @@ def to_retry(value: object) -> Retry | None:
             f"retry={value!r} must be a number of retries (0 or more), a "
             "lease_core.Retry(...) or None")
     return Retry(retries=value) if value else None
+
+
+def supports_retries(backend: Backend) -> bool:
+    """True when ``backend`` implements :meth:`~lease_core.abc.Backend.retry_later`, which
+    ``retry=`` needs (every built-in backend does)."""
+    return type(backend).retry_later is not Backend.retry_later

@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from lease_core import Event, Retried, Retry, RunContext, RunStatus, Scheduler
+from lease_core.retry import supports_retries
 from lease_core.testing import claim_now
 from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
@@ -31,7 +32,7 @@ class Fatal(Exception):
 
 def make(store: Store, name: str, **kw: Any) -> Scheduler:
     s = Scheduler(store.backend(), instance_id=name, **{**FAST, **kw})
-    if not s.backend.supports_retries:
+    if not supports_retries(s.backend):
         pytest.skip(f"{type(s.backend).__name__} has no retry_later() yet")
     return s
 

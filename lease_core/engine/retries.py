@@ -18,6 +18,7 @@ import anyio
 from .. import events as ev
 from .._structures import Outcome, Reason, format_slot
 from ..errors import ConfigurationError
+from ..retry import supports_retries
 from .base import logger
 from .runs import Phase, Run
 
@@ -38,7 +39,7 @@ class Retrier:
         self._s = session
         backend = session.settings.backend
         wanting = sorted(job.name for job in session.jobs.values() if job.retry is not None)
-        if wanting and not backend.supports_retries:
+        if wanting and not supports_retries(backend):
             raise ConfigurationError(
                 f"job {wanting[0]!r} has retry=..., which {type(backend).__name__} does not "
                 "support (it implements no retry_later()); drop retry= or use a built-in "
