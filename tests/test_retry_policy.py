@@ -7,7 +7,8 @@ from datetime import timedelta
 import pytest
 
 from lease_core import ConfigurationError, MemoryBackend, Retry, Scheduler
-from lease_core.retry import to_retry
+from lease_core.abc import Backend
+from lease_core.retry import supports_retries, to_retry
 
 
 def test_backoff_grows_by_the_factor_up_to_the_cap() -> None:
@@ -68,3 +69,21 @@ def test_bad_retry_options_are_refused_at_declaration() -> None:
         wf.step("one", lambda ctx: None, retry=[])  # type: ignore[arg-type]
     s.every("c", "1h", lambda ctx: None, retry=Retry(retries=2, backoff=0))
     assert s.jobs["c"].retry == Retry(retries=2, backoff=0)
+
+
+class NoRetries(MemoryBackend):
+    """A backend without retries: the contract's default retry_later()."""
+
+    retry_later = Backend.retry_later
+
+
+@pytest.mark.anyio
+async def test_a_backend_without_retry_later_refuses_retry_at_start() -> None:
+    backend = NoRetries()
+    assert not supports_retries(backend) and supports_retries(MemoryBackend())
+    s = Scheduler(backend)
+    s.every("plain", "1h", lambda ctx: None)
+    s.every("flaky", "1h", lambda ctx: None, retry=2)
+    with pytest.raises(ConfigurationError, match=r"job 'flaky' has retry=.*NoRetries"):
+        await s.start()
+    assert str(s.state) == "stopped"
