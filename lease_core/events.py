@@ -4,7 +4,8 @@ Every event is a frozen dataclass. Run events name the run (``job``, ``slot``); 
 end an attempt (:class:`Completed`, :class:`Failed`, :class:`TimedOut`, :class:`Lost`,
 :class:`HandedOver`) derive from :class:`AttemptEnded` and carry its ``outcome`` and
 ``duration``. Each won claim is reported as :class:`Claimed`; one that took a run over from
-another instance is reported as :class:`TakenOver` too.
+another instance is reported as :class:`TakenOver` too. A failure its job's ``retry=``
+retries is reported as :class:`Failed` (or :class:`TimedOut`), then :class:`Retried`.
 """
 
 from __future__ import annotations
