@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from lease_core import Event, Retried, Retry, RunContext, RunStatus, Scheduler
+from lease_core._status import workflow_status
 from lease_core.retry import supports_retries
 from lease_core.testing import claim_now
 from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
@@ -215,3 +216,27 @@ async def test_a_workflow_retries_the_failed_step_only(store: Store) -> None:
     assert [(e.step, e.event) for e in log if e.step == "interest"] == [
         ("interest", "started"), ("interest", "failed"), ("interest", "retried"),
         ("interest", "completed")]
+
+
+async def test_a_step_s_last_failure_fails_the_workflow(store: Store) -> None:
+    ran: list[tuple[str | None, int]] = []
+    s = make(store, "a")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+    close.step("snapshot", lambda ctx: ran.append((ctx.step, ctx.attempt)))
+
+    @close.step("interest", retry=Retry(retries=1, backoff=0))
+    async def interest(ctx: RunContext) -> None:
+        ran.append((ctx.step, ctx.attempt))
+        raise Transient("still down")
+
+    close.step("publish", lambda ctx: ran.append((ctx.step, ctx.attempt)))
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = slot_of(s, "close/snapshot")
+        await claim_now(s, "close", slot)
+        await wait_status(s, "close/interest", slot, RunStatus.FAILED)
+        await i.stop()
+    assert ran == [("snapshot", 1), ("interest", 1), ("interest", 2)]
+    assert await run_status(s, "close/publish", slot) is None
+    steps = [await run_status(s, job.name, slot) for job in close.jobs]
+    assert workflow_status(steps) == "failed"
