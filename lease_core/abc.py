@@ -91,6 +91,7 @@ from typing import Any, Self
 
 import anyio
 
+from ._named_leases import LeaseAnswer, NamedLeaseStore
 from ._structures import (
     Attempt,
     CheckResult,
@@ -125,6 +126,7 @@ __all__ = [
     "HeartbeatResult",
     "JobInfo",
     "Lease",
+    "LeaseAnswer",
     "Outcome",
     "Reason",
     "RunInfo",
@@ -244,7 +246,7 @@ def finish_status(outcome: object) -> RunStatus:
     )
 
 
-class Backend(ABC):
+class Backend(NamedLeaseStore, ABC):
     """The store a :class:`~lease_core.Scheduler` coordinates through.
 
     A backend may be shared by several schedulers in one process. :meth:`start` and
@@ -253,7 +255,8 @@ class Backend(ABC):
     user passed in are never closed.
 
     A subclass implements the abstract methods and one method of each pair of
-    :data:`TWINS` (see *Single and batch twins* in the module docs).
+    :data:`TWINS` (see *Single and batch twins* in the module docs), and may implement
+    the named leases of :class:`~lease_core._named_leases.NamedLeaseStore`.
     """
 
     #: The URL schemes :func:`~lease_core.backend_from_url` maps to this backend.
@@ -274,7 +277,7 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self._users = 0
-        self._start_lock = anyio.Lock()
+        self._start_lock = anyio.Lock(fast_acquire=True)  # leases start it per hold
 
     async def start(self, *, create: bool = True) -> None:
         """Open connections and create the store's structures when missing.
@@ -393,18 +396,12 @@ class Backend(ABC):
         return [await self.finish(lease, outcome, error) for lease, outcome, error in items]
 
     # -- retries within a run (issue 19, part 1)
-    async def retry_later(
-        self, items: Sequence[tuple[Lease, Outcome, str | None, Sequence[int]]]
-    ) -> list[int]:
-        """End failed attempts (``(lease, outcome, error, delays_ms)``, fenced as
-        :meth:`finish`); a run with retries left becomes ``retrying``, unleased.
-
-        With ``n`` the run's attempts that started by ``retry``: when ``n <
-        len(delays_ms)`` the run becomes ``retrying`` with ``expires = now +
-        delays_ms[n]`` and the answer is ``n + 1``; otherwise the run ends with
-        ``outcome`` and the answer is 0; -1 when the token no longer held the run.
-        A backend without it refuses ``retry=`` (:func:`lease_core.retry.supports_retries`).
-        """
+    async def retry_later(self, items: Sequence[tuple[Lease, Outcome, str | None, Sequence[int]]]
+                          ) -> list[int]:
+        """End failed attempts ``(lease, outcome, error, delays_ms)``, fenced as :meth:`finish`;
+        with ``n`` retries made, ``n < len(delays_ms)`` leaves the run ``retrying`` until
+        ``now + delays_ms[n]`` (answer ``n + 1``), else ends it (0); -1: not held. Without
+        it, ``retry=`` is refused (:func:`lease_core.retry.supports_retries`)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement retry_later()")
 
     @abstractmethod
