@@ -60,6 +60,16 @@ class _Run:
     #: Attempts that started by taking over an expired lease (max_attempts counts them
     #: and the first attempt, never hand-overs).
     takeovers: int = 0
+    #: Attempts that started by retry (issue 19, part 1).
+    retries: int = 0
+
+
+def _retrying(run: _Run | None, now: int, delays: Sequence[int]) -> int:
+    """Mark a just-failed run ``retrying`` if retries remain: the retry's number, else 0."""
+    if run is None or run.retries >= len(delays):
+        return 0
+    run.status, run.expires_ms = RunStatus.RETRYING, now + delays[run.retries]
+    return run.retries + 1
 
 
 @dataclass
@@ -254,7 +264,13 @@ class MemoryBackend(_NamedLeases, Backend):
             return result(ClaimStatus.FINISHED, run)
         if run.status is RunStatus.RUNNING and run.expires_ms is not None and run.expires_ms > now:
             return result(ClaimStatus.RUNNING, run)
-        if run.status is RunStatus.HANDED_OVER:
+        if run.status is RunStatus.RETRYING:
+            # -- retries within a run (issue 19, part 1): due once the backoff passed
+            if run.expires_ms is not None and run.expires_ms > now:
+                return result(ClaimStatus.RUNNING, run)
+            reason = Reason.RETRY
+            run.retries += 1
+        elif run.status is RunStatus.HANDED_OVER:
             reason = Reason.HAND_OVER
         else:
             if req.max_attempts is not None and 1 + run.takeovers >= req.max_attempts:
@@ -418,6 +434,18 @@ class MemoryBackend(_NamedLeases, Backend):
         run.expires_ms = None
         self._end_attempt(lease.job, lease.slot, run.attempt, now, Outcome(status.value), error)
         return True
+
+    # -- retries within a run (issue 19, part 1)
+    async def retry_later(
+        self, items: Sequence[tuple[Lease, Outcome, str | None, Sequence[int]]]
+    ) -> list[int]:
+        """End the failed attempts; runs with retries left wait, ``retrying`` (one lock)."""
+        statuses = [finish_status(outcome) for _, outcome, _, _ in items]
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return [_retrying(self._runs.get((lease.job, lease.slot)), self._now(), delays)
+                    if self._finish(lease, status, error) else -1
+                    for (lease, _, error, delays), status in zip(items, statuses, strict=True)]
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Mark each held run ``handed_over`` so a backup claims it at once."""

@@ -33,6 +33,7 @@ from .events import (
     HandedOver,
     HistoryTrimmed,
     Lost,
+    Retried,
     RunEvent,
     Skipped,
     StandingBy,
@@ -41,6 +42,7 @@ from .events import (
     TakenOver,
     TimedOut,
 )
+from .retry import Retry
 
 if TYPE_CHECKING:
     from backends.memory import MemoryBackend
@@ -80,6 +82,8 @@ __all__ = [
     "PostgresBackend",
     "Reason",
     "RedisBackend",
+    "Retried",
+    "Retry",
     "RunContext",
     "RunEvent",
     "RunInfo",

@@ -47,6 +47,7 @@ from lease_core.errors import ConfigurationError
 from .descriptions import StoreDescriptions
 from .fenced import FencedTransaction, fenced_transaction
 from .leases import PostgresNamedLeases
+from .retries import StoreRetries
 from .schema import StoreSchema
 from .statements import LOCK_NOT_AVAILABLE, Statements, split_table, sqlstate
 
@@ -117,7 +118,7 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
     return split_url_options(url, _URL_OPTIONS)
 
 
-class PostgresBackend(PostgresNamedLeases, StoreDescriptions):
+class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreDescriptions):
     """Coordinate through PostgreSQL (tested: 15, 16, 18; see the module docs for the SQL).
 
     ``connection`` is anything :func:`adapters.sql.adapter_for` accepts: ``None``

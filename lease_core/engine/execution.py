@@ -152,6 +152,9 @@ class Executor:
             elif not stored:
                 return
         self._report(run, outcome, error, ran.raised)
+        if s.retries.wanted(job, outcome, ran.raised):  # retries within a run (issue 19)
+            await s.retries.fail(run, outcome, error or str(outcome))
+            return
         finished = outcome is Outcome.COMPLETED and execution.ctx.completed_by_transaction
         if not finished:
             finished = await self._finish(run, outcome, error)
