@@ -78,6 +78,51 @@ class _Job:
     last_slot: int | None = None
 
 
+class _Fleet:
+    """The fleet's records of :class:`MemoryBackend`: maintenance periods and members."""
+
+    _lock: threading.Lock
+    #: (end of the period in ms on the backend's clock, the instance that won it), or None.
+    _maintenance: tuple[int, str] | None
+    #: instance id -> end of its membership in ms on the backend's clock.
+    _members: dict[str, int]
+
+    def _now(self) -> int:
+        raise NotImplementedError  # pragma: no cover - MemoryBackend's own
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period for ``instance_id`` if none is running (one lock)."""
+        check_every(every_ms)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            if self._maintenance is not None and now < self._maintenance[0]:
+                return False
+            self._maintenance = (now + every_ms, instance_id)
+            return True
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
+        """Renew ``instance_id``'s membership and list the live members (one lock).
+
+        Members whose membership has ended are deleted at once: nothing else reads them.
+        """
+        check_members(instance_id, ttl_ms)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            self._members[instance_id] = now + ttl_ms
+            for name in [name for name, until in self._members.items() if until <= now]:
+                del self._members[name]
+            return sorted(self._members)
+
+    async def leave(self, instance_id: str) -> None:
+        """End ``instance_id``'s membership now (one lock)."""
+        check_leave(instance_id)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._members.pop(instance_id, None)
+
+
 class _NamedLeases:
     """The named leases of :class:`MemoryBackend` (see :mod:`lease_core._named_leases`)."""
 
@@ -123,7 +168,7 @@ class _NamedLeases:
             return True
 
 
-class MemoryBackend(_NamedLeases, Backend):
+class MemoryBackend(_Fleet, _NamedLeases, Backend):
     """Keep runs, attempts and checkpoints in this process's memory.
 
     ``clock`` returns the store's time in seconds since the epoch; it defaults to the
@@ -357,38 +402,6 @@ class MemoryBackend(_NamedLeases, Backend):
             now = self._now()
             return {job: self._trim_job(job, keep, older_than_ms, now, batch)
                     for job in dict.fromkeys(jobs)}
-
-    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
-        """Win the maintenance period for ``instance_id`` if none is running (one lock)."""
-        check_every(every_ms)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            now = self._now()
-            if self._maintenance is not None and now < self._maintenance[0]:
-                return False
-            self._maintenance = (now + every_ms, instance_id)
-            return True
-
-    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
-        """Renew ``instance_id``'s membership and list the live members (one lock).
-
-        Members whose membership has ended are deleted at once: nothing else reads them.
-        """
-        check_members(instance_id, ttl_ms)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            now = self._now()
-            self._members[instance_id] = now + ttl_ms
-            for name in [name for name, until in self._members.items() if until <= now]:
-                del self._members[name]
-            return sorted(self._members)
-
-    async def leave(self, instance_id: str) -> None:
-        """End ``instance_id``'s membership now (one lock)."""
-        check_leave(instance_id)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            self._members.pop(instance_id, None)
 
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:
         run = self._runs.get((lease.job, lease.slot))
