@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from adapters._pg8000_params import PG8000_PARAMS
 from adapters.sql import Row, SqlAdapter, TransientError, adapter_for
 from lease_core._durations import parse_duration
 from lease_core._redact import redact
@@ -114,7 +115,9 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
             f"{redact(url)!r} is not a PostgreSQL URL; use "
             "postgresql://user:password@host:5432/db or a key/value DSN"
         )
-    check_url("PostgreSQL", url, _URL_OPTIONS, _LIBPQ)
+    driver = tuple(PG8000_PARAMS) if scheme is not None and scheme.endswith("+pg8000") \
+        else _LIBPQ  # pg8000 understands fewer parameters than libpq
+    check_url("PostgreSQL", url, _URL_OPTIONS, driver)
     return split_url_options(url, _URL_OPTIONS)
 
 
@@ -324,10 +327,8 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreDescriptions):
 
     async def _finish_one(self, lease: Lease, status: RunStatus, error: str | None) -> bool:
         """End the attempt in one fenced ``UPDATE`` (the attempt row in the same statement)."""
-        rows = await self._adapter.all(self._sql.finish, {
-            "outcome": status.value, "job": lease.job, "slot": lease.slot,
-            "token": lease.token, "error": error,
-        })
+        rows = await self._adapter.all(self._sql.finish, (
+            lease.job, lease.slot, lease.token, status.value, error))
         return bool(rows and int(rows[0][0]))
 
     async def finish_many(
@@ -443,7 +444,7 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreDescriptions):
     async def leave(self, instance_id: str) -> None:
         """End the membership now: one ``DELETE`` of its row of ``<table>_meta``."""
         check_leave(instance_id)
-        await self._adapter.all(self._sql.leave, {"instance": instance_id})
+        await self._adapter.all(self._sql.leave, (instance_id,))
 
     async def jobs(self) -> list[str]:
         """Return every job in ``<table>_jobs``, sorted."""

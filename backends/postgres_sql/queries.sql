@@ -195,8 +195,7 @@ SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
 -- name: finish
 -- One call of the finish function (finish_v<N>.sql), whose plans are cached per
 -- connection: 1 when the token held the run and ended it, else 0.
-SELECT {finish}(%(job)s::text, %(slot)s::bigint, %(token)s::text, %(outcome)s::text,
-                %(error)s::text)
+SELECT {finish}(%s::text, %s::bigint, %s::text, %s::text, %s::text)
 
 -- name: finish_many
 -- Each (job, slot, token) at most once (the backend sends a token's first item only).
@@ -406,8 +405,8 @@ WHERE left(m.key, 7) = 'member:'
 
 -- name: leave
 -- End one instance's membership of the fleet now (a graceful stop): delete its row.
--- Parameters: instance.
-DELETE FROM {meta} WHERE key = 'member:' || %(instance)s::text RETURNING 1
+-- Parameters: the instance id.
+DELETE FROM {meta} WHERE key = 'member:' || %s::text RETURNING 1
 
 -- name: write_workflows
 -- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.
