@@ -184,9 +184,8 @@ class _Postgres(_Store):
         row = await cur.fetchone()
         if row is None or row[0] != "won":
             raise RuntimeError(f"raw claim of {job} slot {slot}: {row}")
-        await conn.execute(self.sql.finish, {  # type: ignore[arg-type]
-            "outcome": "completed", "job": job, "slot": slot, "token": token, "error": None,
-        }, prepare=False)
+        await conn.execute(self.sql.finish,  # type: ignore[arg-type]
+                           (job, slot, token, "completed", None), prepare=False)
 
 
 class _Redis(_Store):
@@ -212,9 +211,9 @@ class _Redis(_Store):
         # finish.lua, the keys and arguments the library sends.
         token, tag = uuid.uuid4().hex, "{" + TABLE + "/" + quote(job, safe="") + "}"
         keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
-                f"{tag}:done", f"{tag}:orphan"]
-        args = [slot, INSTANCE, token, LEASE_MS, "scheduled", 1, "", HISTORY, "",
-                f"{tag}:run:", self.markers.get(job, ""), LEASE_MS]
+                f"{tag}:done"]
+        args = [slot, INSTANCE, token, LEASE_MS, "scheduled", 1, "", f"{tag}:run:",
+                self.markers.get(job, ""), LEASE_MS]
         claim = ("EVALSHA", SCRIPTS["claim"].sha, len(keys), *keys, *args)
         if job in self.listed:
             reply = await self.client.execute_command(*claim)
@@ -230,7 +229,7 @@ class _Redis(_Store):
             raise RuntimeError(f"raw claim of {job} slot {slot}: {reply!r}")
         await self.client.execute_command(
             "EVALSHA", SCRIPTS["finish"].sha, 4, f"{tag}:run:{slot}", f"{tag}:open",
-            f"{tag}:att", f"{tag}:done", token, slot, "completed", 0, "")
+            f"{tag}:att", f"{tag}:done", token, slot, "completed")
 
 
 STORES: dict[str, type[_Store]] = {"memory": _Memory, "pg": _Postgres, "redis": _Redis}
