@@ -16,7 +16,7 @@ from lease_core.errors import ConfigurationError
 
 from .base import conninfo_params, dsn_query
 
-__all__ = ["PG8000_PARAMS", "SSL_MODES", "pg8000_params"]
+__all__ = ["PG8000_PARAMS", "SSL_MODES", "pg8000_params", "refuse_multi_host"]
 
 #: URL query parameters the pg8000 pool understands, each with the environment variable
 #: that fills it when the URL leaves it out (``None``: no variable).
@@ -39,6 +39,17 @@ PG8000_PARAMS: dict[str, str | None] = {
 SSL_MODES = ("disable", "prefer", "require", "verify-ca", "verify-full")
 
 
+def refuse_multi_host(dsn: str) -> None:
+    """Raise :class:`ConfigurationError` for a URL naming several hosts: pg8000 takes one."""
+    if "," in dsn.partition("://")[2].partition("/")[0] + dsn_query(dsn).get("host", ""):
+        raise ConfigurationError(
+            f"the pg8000 driver connects to one host, and {redact(dsn)!r} names several: "
+            "for a multi-host URL (host1,host2 with target_session_attrs=read-write, to reach "
+            "the primary after a failover) use psycopg: postgresql://... with "
+            "pip install 'anarchon[postgres]'"
+        )
+
+
 def pg8000_params(dsn: str | None) -> dict[str, Any]:
     """Return the pg8000 connection parameters of a ``postgresql+pg8000://`` URL (or ``None``).
 
@@ -49,13 +60,8 @@ def pg8000_params(dsn: str | None) -> dict[str, Any]:
     ``sslmode``, ``connect_timeout`` and ``application_name``. Raises
     :class:`~lease_core.errors.ConfigurationError` on an unknown parameter or a bad value.
     """
-    if dsn and "," in dsn.partition("://")[2].partition("/")[0] + dsn_query(dsn).get("host", ""):
-        raise ConfigurationError(
-            f"the pg8000 driver connects to one host, and {redact(dsn)!r} names several: "
-            "for a multi-host URL (host1,host2 with target_session_attrs=read-write, to reach "
-            "the primary after a failover) use psycopg: postgresql://... with "
-            "pip install 'anarchon[postgres]'"
-        )
+    if dsn:
+        refuse_multi_host(dsn)
     params = conninfo_params(dsn)
     query = dsn_query(dsn) if dsn else {}
     unknown = sorted(set(query) - PG8000_PARAMS.keys())

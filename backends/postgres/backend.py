@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from adapters._pg8000_params import PG8000_PARAMS
+from adapters._pg8000_params import PG8000_PARAMS, refuse_multi_host
 from adapters.sql import Row, SqlAdapter, TransientError, adapter_for
 from lease_core._durations import parse_duration
 from lease_core._redact import redact
@@ -115,8 +115,10 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
             f"{redact(url)!r} is not a PostgreSQL URL; use "
             "postgresql://user:password@host:5432/db or a key/value DSN"
         )
-    driver = tuple(PG8000_PARAMS) if scheme is not None and scheme.endswith("+pg8000") \
-        else _LIBPQ  # pg8000 understands fewer parameters than libpq
+    driver = _LIBPQ
+    if scheme is not None and scheme.endswith("+pg8000"):
+        refuse_multi_host(url)
+        driver = tuple(PG8000_PARAMS)  # pg8000 understands fewer parameters than libpq
     check_url("PostgreSQL", url, _URL_OPTIONS, driver)
     return split_url_options(url, _URL_OPTIONS)
 
