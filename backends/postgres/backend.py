@@ -115,7 +115,7 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
             f"{redact(url)!r} is not a PostgreSQL URL; use "
             "postgresql://user:password@host:5432/db or a key/value DSN"
         )
-    driver = _LIBPQ
+    driver: tuple[str, ...] = _LIBPQ
     if scheme is not None and scheme.endswith("+pg8000"):
         refuse_multi_host(url)
         driver = tuple(PG8000_PARAMS)  # pg8000 understands fewer parameters than libpq
