@@ -43,6 +43,9 @@ from lease_core.abc import (
     finish_status,
 )
 from lease_core.errors import ConfigurationError
+from lease_core.operations import Operation, OperationResult
+
+from . import memory_operations
 
 __all__ = ["MemoryBackend"]
 
@@ -58,12 +61,17 @@ class _Run:
     #: Attempts that started by taking over an expired lease (max_attempts counts them
     #: and the first attempt, never hand-overs).
     takeovers: int = 0
+    # Operations: the reason of the next attempt of a triggered or retried run, and who
+    # asked for it (backends/memory_operations.py).
+    queued: Reason | None = None
+    queued_by: str | None = None
 
 
 @dataclass
 class _Job:
     first_seen_ms: int
     last_slot: int | None = None
+    paused_by: str | None = None  # operations: who paused the job
 
 
 class MemoryBackend(Backend):
@@ -178,6 +186,14 @@ class MemoryBackend(Backend):
             )
 
         if run is None:
+            # Operations: a paused job's new slot is skipped (a trigger's run exists).
+            if job.paused_by is not None and req.reason in (Reason.SCHEDULED,
+                                                            Reason.CATCH_UP):
+                run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
+                at = ms_to_datetime(now)
+                history.append(Attempt(req.job, req.slot, 1, req.instance_id, req.reason, at,
+                                       at, Outcome.SKIPPED, f"job paused by {job.paused_by}"))
+                return result(ClaimStatus.SKIPPED, run)
             if req.overlap_skip and any(
                 j == req.job and s < req.slot and r.status is RunStatus.RUNNING
                 and r.expires_ms is not None and r.expires_ms > now
@@ -206,8 +222,10 @@ class MemoryBackend(Backend):
             return result(ClaimStatus.FINISHED, run)
         if run.status is RunStatus.RUNNING and run.expires_ms is not None and run.expires_ms > now:
             return result(ClaimStatus.RUNNING, run)
+        requested_by = run.queued_by
         if run.status is RunStatus.HANDED_OVER:
-            reason = Reason.HAND_OVER
+            reason = run.queued or Reason.HAND_OVER  # operations: manual or retry
+            run.queued = run.queued_by = None
         else:
             if req.max_attempts is not None and 1 + run.takeovers >= req.max_attempts:
                 self._end_attempt(req.job, req.slot, run.attempt, now, Outcome.ESCALATED,
@@ -228,7 +246,8 @@ class MemoryBackend(Backend):
         run.instance_id = req.instance_id
         run.expires_ms = now + req.lease_ms
         history.append(
-            Attempt(req.job, req.slot, run.attempt, req.instance_id, reason, ms_to_datetime(now))
+            Attempt(req.job, req.slot, run.attempt, req.instance_id, reason, ms_to_datetime(now),
+                    requested_by=requested_by if reason is not Reason.HAND_OVER else None)
         )
         return result(ClaimStatus.WON, run, reason)
 
@@ -410,6 +429,21 @@ class MemoryBackend(Backend):
             ]
         found.sort(key=lambda r: (-r.slot, r.job))
         return found[:limit]
+
+    async def operate(self, op: Operation) -> OperationResult:
+        """Make an operation (see :mod:`backends.memory_operations`)."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            return memory_operations.operate(
+                self, op, now, lambda by: _Run(RunStatus.HANDED_OVER, 0, None, by, now,
+                                               queued=Reason.MANUAL, queued_by=by))
+
+    async def paused(self) -> dict[str, str]:
+        """Return the paused jobs, each with who paused it."""
+        with self._lock:
+            return {name: j.paused_by for name, j in self._jobs.items()
+                    if j.paused_by is not None}
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:
         """Return the run's checkpoint."""

@@ -45,6 +45,8 @@ class Reason(StrEnum):
     TAKEOVER = "takeover"
     HAND_OVER = "hand-over"
     CATCH_UP = "catch-up"
+    RETRY = "retry"
+    MANUAL = "manual"
 
 
 class Outcome(StrEnum):
@@ -57,6 +59,7 @@ class Outcome(StrEnum):
     HANDED_OVER = "handed_over"
     ESCALATED = "escalated"
     SKIPPED = "skipped"
+    CANCELLED = "cancelled"
 
 
 class RunStatus(StrEnum):
@@ -69,6 +72,7 @@ class RunStatus(StrEnum):
     TIMED_OUT = "timed_out"
     ESCALATED = "escalated"
     SKIPPED = "skipped"
+    CANCELLED = "cancelled"
 
     @property
     def finished(self) -> bool:
@@ -216,6 +220,9 @@ class Attempt:
     finished_at: datetime | None = None
     outcome: Outcome | None = None
     error: str | None = None
+    requested_by: str | None = None
+    """Who asked for this attempt through an operation (``trigger`` or ``retry``): an
+    instance id, ``cli`` or ``http``; ``None`` for an attempt the schedule made."""
 
     @property
     def scheduled_at(self) -> datetime:

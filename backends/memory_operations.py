@@ -1,0 +1,65 @@
+"""Operations (trigger, pause, resume, retry, cancel) on the in-memory store.
+
+The memory backend's half of :meth:`~lease_core.abc.Backend.operate`, kept apart from
+:mod:`backends.memory` so that the claim path stays short; it runs under the backend's
+lock, as one atomic step, like every call of that backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from lease_core._structures import Outcome, Reason, RunStatus, ms_to_datetime
+from lease_core.operations import RETRYABLE, Operation, OperationKind, OperationResult
+
+if TYPE_CHECKING:
+    from .memory import MemoryBackend, _Run
+
+__all__ = ["operate"]
+
+
+def operate(store: MemoryBackend, op: Operation, now: int,
+            queued_run: Callable[[str], _Run]) -> OperationResult:
+    """Make ``op`` on ``store`` (whose lock the caller holds), or refuse it.
+
+    ``queued_run(by)`` makes the record of a triggered run.
+    """
+    job = store._jobs.get(op.job)
+    if job is None:
+        return OperationResult("unknown_job")
+    if op.kind is OperationKind.PAUSE:
+        job.paused_by = op.by
+        return OperationResult()
+    if op.kind is OperationKind.RESUME:
+        job.paused_by = None
+        return OperationResult()
+    if op.kind is OperationKind.TRIGGER:
+        slot = now
+        while (op.job, slot) in store._runs:
+            slot += 1
+        store._runs[(op.job, slot)] = queued_run(op.by)
+        job.last_slot = slot if job.last_slot is None else max(job.last_slot, slot)
+        return OperationResult(slot=slot)
+    assert op.slot is not None
+    run = store._runs.get((op.job, op.slot))
+    if run is None:
+        return OperationResult("no_run", op.slot)
+    if op.kind is OperationKind.RETRY:
+        if run.status not in RETRYABLE:
+            return OperationResult("conflict", op.slot, run.status)
+        run.status, run.token, run.expires_ms = RunStatus.HANDED_OVER, None, now
+        run.queued, run.queued_by = Reason.RETRY, op.by
+        return OperationResult(slot=op.slot, status=RunStatus(run.status))
+    if run.status.finished:
+        return OperationResult("conflict", op.slot, run.status)
+    before = run.status
+    history = store._attempts.get(op.job, [])
+    for i, a in enumerate(history):
+        if a.slot == op.slot and a.attempt == run.attempt and a.outcome is None:
+            history[i] = replace(a, outcome=Outcome.CANCELLED, error=f"cancelled by {op.by}",
+                                 finished_at=ms_to_datetime(now))
+    run.status, run.token, run.expires_ms = RunStatus.CANCELLED, None, None
+    run.queued = run.queued_by = None
+    return OperationResult(slot=op.slot, status=before)
