@@ -36,6 +36,7 @@ from lease_core._structures import (
 from lease_core.abc import (
     Backend,
     check_every,
+    check_leave,
     check_members,
     check_prune,
     decode_checkpoint,
@@ -322,6 +323,13 @@ class MemoryBackend(Backend):
             for name in [name for name, until in self._members.items() if until <= now]:
                 del self._members[name]
             return sorted(self._members)
+
+    async def leave(self, instance_id: str) -> None:
+        """End ``instance_id``'s membership now (one lock)."""
+        check_leave(instance_id)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._members.pop(instance_id, None)
 
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:
         run = self._runs.get((lease.job, lease.slot))

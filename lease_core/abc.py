@@ -130,6 +130,7 @@ __all__ = [
     "RunState",
     "RunStatus",
     "check_every",
+    "check_leave",
     "check_members",
     "check_prune",
     "decode_checkpoint",
@@ -174,10 +175,15 @@ def check_every(every_ms: int) -> None:
 MEMBER_RETENTION_MS = 3_600_000
 
 
-def check_members(instance_id: str, ttl_ms: int) -> None:
-    """Validate the arguments of :meth:`Backend.members` (``ConfigurationError`` naming them)."""
+def check_leave(instance_id: str) -> None:
+    """Validate the argument of :meth:`Backend.leave` (``ConfigurationError`` naming it)."""
     if not isinstance(instance_id, str) or not instance_id:
         raise ConfigurationError(f"instance_id={instance_id!r} must be a non-empty string")
+
+
+def check_members(instance_id: str, ttl_ms: int) -> None:
+    """Validate the arguments of :meth:`Backend.members` (``ConfigurationError`` naming them)."""
+    check_leave(instance_id)
     if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
         raise ConfigurationError(f"ttl_ms={ttl_ms!r} must be a whole number, 1 or more")
 
@@ -506,6 +512,21 @@ class Backend(ABC):
         """
         check_members(instance_id, ttl_ms)
         return None
+
+    async def leave(self, instance_id: str) -> None:
+        """End ``instance_id``'s membership of the fleet now: a scheduler stopping gracefully
+        calls it as it stops claiming (before its handlers end and its runs are handed over).
+
+        From then on :meth:`members` no longer lists ``instance_id`` (until it renews
+        again), so the other members re-rank its jobs at their next renewal instead of
+        when its membership would have ended. Leaving when not a member does nothing.
+        ``instance_id`` must be a non-empty string
+        (:class:`~lease_core.errors.ConfigurationError` otherwise, writing nothing).
+
+        The default does nothing (a backend that keeps no membership, or one written
+        before this call): the membership then ends with its ``ttl_ms``.
+        """
+        check_leave(instance_id)
 
     async def jobs(self) -> list[str]:
         """Return the name of every job the store knows, sorted.

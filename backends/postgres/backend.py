@@ -35,6 +35,7 @@ from lease_core._structures import (
 from lease_core.abc import (
     MEMBER_RETENTION_MS,
     check_every,
+    check_leave,
     check_members,
     check_prune,
     decode_checkpoint,
@@ -436,6 +437,11 @@ class PostgresBackend(StoreDescriptions):
         rows = await self._adapter.all(self._sql.members, {
             "instance": instance_id, "ttl_ms": ttl_ms, "keep_ms": MEMBER_RETENTION_MS})
         return sorted(str(row[0]) for row in rows)
+
+    async def leave(self, instance_id: str) -> None:
+        """End the membership now: one ``DELETE`` of its row of ``<table>_meta``."""
+        check_leave(instance_id)
+        await self._adapter.all(self._sql.leave, {"instance": instance_id})
 
     async def jobs(self) -> list[str]:
         """Return every job in ``<table>_jobs``, sorted."""

@@ -372,6 +372,11 @@ WHERE left(m.key, 7) = 'member:'
   AND CASE WHEN m.value ~ '^[0-9]+$' AND length(m.value) < 19
            THEN m.value::bigint ELSE 0 END > {now}
 
+-- name: leave
+-- End one instance's membership of the fleet now (a graceful stop): delete its row.
+-- Parameters: instance.
+DELETE FROM {meta} WHERE key = 'member:' || %(instance)s::text RETURNING 1
+
 -- name: write_workflows
 -- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.
 INSERT INTO {meta} (key, value)

@@ -7,7 +7,13 @@ from collections.abc import Mapping, Sequence
 
 from adapters.redis import Command
 from lease_core._structures import Attempt, RunInfo, RunStatus
-from lease_core.abc import MEMBER_RETENTION_MS, check_every, check_members, check_prune
+from lease_core.abc import (
+    MEMBER_RETENTION_MS,
+    check_every,
+    check_leave,
+    check_members,
+    check_prune,
+)
 from lease_core.errors import ConfigurationError
 
 from .core import RedisStore
@@ -116,6 +122,11 @@ class RedisRecords(RedisStore):
         (names,) = await self._run([self._eval(
             "members", [self._members_key], [instance_id, ttl_ms, MEMBER_RETENTION_MS])])
         return sorted(as_text(name) for name in names)
+
+    async def leave(self, instance_id: str) -> None:
+        """End the membership now: one ``ZREM`` from the ``{P}:members`` sorted set."""
+        check_leave(instance_id)
+        await self._run([("ZREM", self._members_key, instance_id)])
 
     async def jobs(self) -> list[str]:
         """Return every job under the prefix, sorted."""

@@ -7,8 +7,11 @@ For each job, the members are ranked by a hash of (job, instance id), the same o
 instance: the first claims a due slot at once; the one ranked *k* claims it only if nobody
 has after *k* check intervals. A slot then costs about one claim whatever the number of
 instances, jobs (and so bursts) spread evenly over the members, and a member joining or
-leaving moves only its share of jobs. Members that disagree about the membership cost an
-extra claim or an interval's delay, never a second winner (the store decides the claim).
+leaving moves only its share of jobs. An instance stopping gracefully leaves at once
+(:meth:`Backend.leave <lease_core.abc.Backend.leave>`), so the others re-rank its jobs at
+their next renewal rather than once its membership lapses. Members that disagree about
+the membership cost an extra claim or an interval's delay, never a second winner (the
+store decides the claim).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Fleet:
         """The live members at the last renewal; ``None``: unknown (every rank is 0)."""
         self._ranks: dict[str, int] = {}
         self._renewed = -math.inf
+        self._left = False
 
     def renewal_due(self) -> bool:
         """True when half a lease passed since the last renewal (the membership lasts one)."""
@@ -64,11 +68,23 @@ class Fleet:
     async def renew(self) -> None:
         """Renew this instance's membership and learn the live members."""
         settings = self._s.settings
+        if self._left:
+            return  # a stopping instance's ticks must not join again
         self._renewed = settings.clock()
         members = await settings.backend.members(settings.instance_id, to_ms(settings.lease))
+        if self._left:
+            # It left while this renewal was in flight: the renewal may have landed after.
+            await settings.backend.leave(settings.instance_id)
+            return
         if members is None:
             self.members = None
         else:
             found = tuple(sorted({*members, settings.instance_id}))
             if found != self.members:
                 self.members, self._ranks = found, {}
+
+    async def leave(self) -> None:
+        """End this instance's membership (a graceful stop, as it stops claiming)."""
+        settings = self._s.settings
+        self._left = True
+        await settings.backend.leave(settings.instance_id)

@@ -265,6 +265,7 @@ class Session:
         self.state = SchedulerState.STOPPING
         for scope in list(self._loop_scopes):
             scope.cancel()
+        await self._leave_fleet()
         for run in self.runs.held():
             assert run.execution is not None
             run.execution.ctx._request_stop("stopping")
@@ -292,3 +293,12 @@ class Session:
                 else:
                     self.execution.ended(ev.Lost, lease, why="not handed over")
         self.runs.handed_over()
+
+    async def _leave_fleet(self) -> None:
+        # It claims nothing new from now on: the others re-rank its jobs at their next
+        # renewal rather than a lease on (its runs are handed over, or taken over, as ever).
+        with anyio.move_on_after(max(self.settings.heartbeat, 1.0), shield=True):
+            try:
+                await self.fleet.leave()
+            except Exception as exc:
+                self.clock.failed("leaving the fleet", exc)

@@ -7,10 +7,10 @@
   fixtures (anarchon's test suite runs the checks on every store it starts through them).
 - Test hooks into a running scheduler (:mod:`lease_core.testing.hooks`), for tests of the
   engine and of a backend under a real scheduler: :func:`claim_now` claims a run at once,
-  as the scheduler does when its slot is due; :func:`claim_now_sync`,
-  :func:`awaiting_hand_over`, :func:`subscriber_count`, :func:`open_event_streams`,
-  :func:`backend_users` and :func:`close_backend` read or release what no public property
-  shows.
+  as the scheduler does when its slot is due, and :func:`renew_membership` renews a
+  fleet membership at once; :func:`claim_now_sync`, :func:`awaiting_hand_over`,
+  :func:`subscriber_count`, :func:`open_event_streams`, :func:`backend_users` and
+  :func:`close_backend` read or release what no public property shows.
 
 This package needs pytest, and hypothesis for the differential test: install the
 ``anarchon[testing]`` extra. ``import lease_core`` never imports it.
@@ -34,6 +34,7 @@ from .hooks import (  # noqa: E402
     claim_now_sync,
     close_backend,
     open_event_streams,
+    renew_membership,
     subscriber_count,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "claim_now_sync",
     "close_backend",
     "open_event_streams",
+    "renew_membership",
     "run_differential",
     "subscriber_count",
     "wait_for",

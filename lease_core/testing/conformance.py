@@ -834,6 +834,30 @@ async def test_members_drops_a_member_whose_ttl_lapsed(store: Store) -> None:
         await b.close()
 
 
+async def test_leave_ends_a_membership_at_once(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        await _members_or_skip(a, "stays", 60_000)
+        if getattr(type(b), "leave", None) is Backend.leave:
+            pytest.skip(f"{type(b).__name__} inherits Backend.leave(): its members "
+                        "lapse with their ttl")
+        assert await b.members("goes", 60_000) == ["goes", "stays"]
+        await b.leave("goes")
+        assert await a.members("stays", 60_000) == ["stays"]  # gone before its ttl
+        await b.leave("goes")  # leaving again, or when never a member, does nothing
+        await b.leave("never-joined")
+        assert await a.members("stays", 60_000) == ["stays"]
+        assert await b.members("goes", 60_000) == ["goes", "stays"]  # it may join again
+        bad_ids: list[object] = ["", None, 7, b"bytes"]
+        for instance_id in bad_ids:
+            with pytest.raises(ConfigurationError, match="instance_id="):
+                await b.leave(instance_id)  # type: ignore[arg-type]
+        assert await a.members("stays", 60_000) == ["goes", "stays"]
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_members_refuses_bad_arguments_and_writes_nothing(store: Store) -> None:
     a = await started(store)
     try:

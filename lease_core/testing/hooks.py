@@ -38,6 +38,7 @@ __all__ = [
     "claim_now_sync",
     "close_backend",
     "open_event_streams",
+    "renew_membership",
     "subscriber_count",
 ]
 
@@ -53,6 +54,14 @@ async def _engine_claim(s: Scheduler, job: Job, slot: int, reason: Reason) -> Cl
 
 def _engine_to_hand_over(s: Scheduler) -> list[Lease]:
     return [] if s._session is None else s._session.runs.awaiting_hand_over()
+
+
+async def _engine_renew_membership(s: Scheduler) -> tuple[str, ...] | None:
+    session = s._session
+    if session is None:
+        return None
+    await session.fleet.renew()
+    return session.fleet.members
 
 
 def _engine_subscribers(s: Scheduler) -> int:
@@ -139,6 +148,17 @@ def awaiting_hand_over(scheduler: Scheduler) -> list[Lease]:
     held. Empty once the scheduler is stopped.
     """
     return _engine_to_hand_over(scheduler)
+
+
+async def renew_membership(scheduler: Scheduler) -> tuple[str, ...] | None:
+    """Renew ``scheduler``'s fleet membership now, as its tick does every half lease, and
+    return the live members it then knows (sorted; ``None``: its backend keeps no
+    membership, or the scheduler is not running).
+
+    So a test of the fleet need not wait for the next renewal to see a member join or
+    leave; :attr:`Health.fleet_size <lease_core.Health.fleet_size>` shows the same count.
+    """
+    return await _engine_renew_membership(scheduler)
 
 
 def subscriber_count(scheduler: Scheduler) -> int:

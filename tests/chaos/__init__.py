@@ -7,7 +7,9 @@
 Per store (PostgreSQL direct, PostgreSQL through PgBouncer in transaction mode, Redis),
 3-5 worker processes run a :class:`~lease_core.Scheduler` with many jobs firing every few
 hundred milliseconds. Each worker reaches the store through its own TCP proxy
-(:mod:`tests.chaos.proxy`). Faults, one at a time from a seeded RNG:
+(:mod:`tests.chaos.proxy`). Faults, one at a time from a seeded RNG; a fault on a worker
+hits the member ranked first (rendezvous rank 0, as the workers rank the live instances)
+for a job drawn at random, so the fleet must re-rank that job's slots:
 
 - ``kill``: SIGKILL a worker, then start a new one in its place;
 - ``stop``: SIGSTOP a worker for 1.5-2.5 leases, then SIGCONT (a zombie holder);
@@ -16,7 +18,11 @@ hundred milliseconds. Each worker reaches the store through its own TCP proxy
   the store answers again where workers connect (see ``StoreProbe``), so restarts do not
   pile up into one outage;
 - ``skew``: stop a worker gracefully (hand-over) and start it again with its wall clock and
-  its scheduler's local clock an hour ahead or behind (worker 0 starts an hour ahead).
+  its scheduler's local clock an hour ahead or behind (worker 0 starts an hour ahead);
+- ``join``: start one more worker process (a new instance, with a proxy of its own), up to
+  ``max_workers``;
+- ``leave``: stop a worker gracefully for good (it hands over and leaves the fleet), down
+  to ``min_workers``.
 
 Every handler reads its checkpoint, records ``start`` (the un-fenced effect: an
 append-only JSON line, see :mod:`tests.chaos.worker`), writes checkpoints
@@ -42,5 +48,10 @@ checkpoints and effect rows from the store and the records of every worker, and 
 - un-fenced duplicates: runs whose handler started (or ran to the end) in two attempts;
 - slots nobody claimed, and of those the ones from which the store answered no probe
   until the job's next slot was due (only the newest slot missed while the store is
-  unreachable is claimed when it returns).
+  unreachable is claimed when it returns);
+- slots never claimed while the store answered (an invariant): every other missed slot,
+  one the store answered a probe for before the job's next slot was due, counted from
+  the store's records (its history) and the probe's answers;
+- faults on a job's first-ranked member, and the delay from each slot to its first claim
+  (about one check interval when the first-ranked member is gone and the next claims).
 """

@@ -106,6 +106,9 @@ def _notes_of(path: Path) -> str:
     except FileNotFoundError:
         return ""
     at = old.find("\n## ")
+    while old.startswith("\n## Violations", at):
+        # Written with the figures (not by hand): the next run writes its own.
+        at = old.find("\n## ", at + 1)
     return "" if at < 0 else old[at:]
 
 

@@ -4,6 +4,11 @@ then audits the store and the workers' records.
 One :func:`run_chaos` call covers one store kind. Faults are drawn from a seeded RNG, one
 at a time, for ``seconds``; then the faults stop, the fleet runs ``settle_leases`` more
 leases, every worker stops gracefully, and :func:`audit` checks the invariants.
+
+The fleet churns: a fault on a worker hits the member ranked first for a job drawn at
+random (the coordinator ranks the live instances as the workers do), and workers join
+(a new process, a new proxy) and leave (a graceful stop, not replaced) between
+``min_workers`` and ``max_workers``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import anyio
 
 from lease_core import Attempt, Outcome, backend_from_url
 from lease_core.abc import Backend, RunInfo, RunStatus
+from lease_core.engine.fleet import rendezvous_rank
 
 from .proxy import Proxy
 from .stores import ChaosStore, PostgresChaosStore, make_store
@@ -36,7 +42,9 @@ from .stores import ChaosStore, PostgresChaosStore, make_store
 __all__ = ["FAULTS", "ChaosConfig", "Fault", "Observed", "Report", "audit", "judge", "run_chaos"]
 
 #: The faults a run draws from.
-FAULTS = ("kill", "stop", "partition", "restart", "skew")
+FAULTS = ("kill", "stop", "partition", "restart", "skew", "join", "leave")
+#: The faults that hit one worker: each hits the first-ranked member of a random job.
+ON_OWNER = ("kill", "stop", "partition", "skew", "leave")
 SKEW_S = 3600.0
 #: Seconds a restarted store may take to answer again before the run goes on regardless.
 RESTART_RECOVERY_S = 30.0
@@ -65,6 +73,13 @@ class ChaosConfig:
     drain_s: float = 30.0
     """How much longer to wait, at most, for those runs on a slow machine."""
     faults: tuple[str, ...] = FAULTS
+    first: tuple[str, ...] = ()
+    """Fault kinds injected first, in this order, before the random draws (so a short
+    run is sure to include them)."""
+    min_workers: int = 2
+    """``leave`` is not drawn when only this many workers run."""
+    max_workers: int = 6
+    """``join`` is not drawn when this many workers run."""
     gap: tuple[float, float] = (0.4, 1.2)
     """Seconds between the end of one fault and the start of the next."""
     proxy: bool = True
@@ -94,6 +109,8 @@ class Fault:
     target: str
     start: float
     end: float = 0.0
+    jobs: tuple[str, ...] = ()
+    """The jobs the target ranked first for among the live instances, when it was hit."""
 
 
 @dataclass
@@ -128,6 +145,13 @@ class Report:
     missed_store_unreachable: int = 0
     """Of :attr:`missed_slots`, those from which the store answered no request until the
     job's next slot was due (see :class:`StoreProbe`)."""
+    missed_while_answered: list[tuple[str, int]] = field(default_factory=list)
+    """The other missed slots: the store answered the probe before the job's next slot
+    was due, and nobody claimed the slot (an invariant: none)."""
+    owner_faults: int = 0
+    """Faults that hit the member ranked first for at least one job."""
+    claim_delay: list[float] = field(default_factory=list)
+    """Seconds from each run's slot to its first attempt's claim (store clock)."""
     worker_exits: list[str] = field(default_factory=list)
     start_retries: int = 0
     skewed_completions: int = 0
@@ -149,6 +173,7 @@ class Report:
             "transaction from a superseded attempt": self.stale_transaction,
             "checkpoint went backwards": self.checkpoint_backwards,
             "runs left running": self.left_running,
+            "slots never claimed while the store answered": self.missed_while_answered,
         }
         return {k: v for k, v in found.items() if v}
 
@@ -193,6 +218,11 @@ class Report:
             "handover_p99_ms": ms(self.percentile(self.handover_latency, 0.99)),
             "missed_slots": self.missed_slots,
             "missed_store_unreachable": self.missed_store_unreachable,
+            "missed_while_answered": len(self.missed_while_answered),
+            "owner_faults": self.owner_faults,
+            "claim_delay_p50_ms": ms(self.percentile(self.claim_delay, 0.5)),
+            "claim_delay_p99_ms": ms(self.percentile(self.claim_delay, 0.99)),
+            "claim_delay_max_ms": ms(max(self.claim_delay, default=None)),
             "start_retries": self.start_retries,
             "skewed_completions": self.skewed_completions,
             "open_at_shutdown": self.open_at_shutdown,
@@ -380,8 +410,28 @@ def _read_store(store: ChaosStore, fn: Any) -> Any:
     return anyio.run(go)
 
 
+def _owner(rng: random.Random, workers: list[Worker],
+           config: ChaosConfig) -> tuple[Worker, tuple[str, ...]]:
+    """The worker ranked first for a random job among the live ones, and its jobs."""
+    members = tuple(sorted(w.instance for w in workers))
+    jobs = [f"job{n}" for n in range(config.jobs)]
+    job = rng.choice(jobs)
+    worker = next(w for w in workers if rendezvous_rank(job, w.instance, members) == 0)
+    owned = tuple(j for j in jobs if rendezvous_rank(j, worker.instance, members) == 0)
+    return worker, owned
+
+
+def _kinds(config: ChaosConfig, workers: list[Worker]) -> list[str]:
+    """The fault kinds that can be drawn now (joins and leaves keep the fleet's bounds)."""
+    return [k for k in config.faults
+            if (config.proxy or k != "partition")
+            and (k != "join" or len(workers) < config.max_workers)
+            and (k != "leave" or len(workers) > config.min_workers)]
+
+
 def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosStore,
-            config: ChaosConfig, skew_sign: list[float], probe: StoreProbe) -> Fault:
+            config: ChaosConfig, skew_sign: list[float], probe: StoreProbe,
+            retired: list[Worker]) -> Fault:
     long = config.lease * rng.uniform(1.5, 2.5)
     if kind == "restart":
         fault = Fault(kind, store.kind, time.time())
@@ -394,8 +444,16 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         answered = probe.wait_answer(restarted, RESTART_RECOVERY_S)
         fault.end = answered if answered is not None else time.time()
         return fault
-    worker = rng.choice(workers)
-    fault = Fault(kind, worker.instance, time.time())
+    if kind == "join":
+        worker = Worker(max(w.index for w in workers) + 1, store, config, workers[0].logdir)
+        fault = Fault(kind, "", time.time())
+        worker.launch()
+        workers.append(worker)
+        worker.wait_started()
+        fault.target, fault.end = worker.instance, time.time()
+        return fault
+    worker, owned = _owner(rng, workers, config)
+    fault = Fault(kind, worker.instance, time.time(), jobs=owned)
     if kind == "kill":
         worker.signal(signal.SIGKILL)
         worker.reap(10)
@@ -417,6 +475,12 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         skew_sign[0] = -skew_sign[0]
         worker.launch(SKEW_S * skew_sign[0])
         worker.wait_started()
+    elif kind == "leave":
+        # A graceful stop for good: the others re-rank its jobs (it left the fleet).
+        worker.signal(signal.SIGTERM)
+        worker.reap(30)
+        workers.remove(worker)
+        retired.append(worker)
     else:
         raise ValueError(f"fault {kind!r} is unknown; use one of {FAULTS}")
     fault.end = time.time()
@@ -434,6 +498,8 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
     say(f"{config.store}: records and logs in {logdir}")
     store = make_store(config.store)
     workers: list[Worker] = []
+    retired: list[Worker] = []
+    """Workers that left the fleet (their records still count)."""
     faults: list[Fault] = []
     probe = StoreProbe(store)
     try:
@@ -447,14 +513,16 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         started = time.time()
         say(f"{config.store}: {config.workers} workers started; faults for {config.seconds:g}s")
         skew_sign = [1.0]
+        first = list(config.first)
         end = time.monotonic() + config.seconds
         while time.monotonic() < end:
             time.sleep(rng.uniform(*config.gap))
             if time.monotonic() >= end:
                 break
-            kinds = [k for k in config.faults if config.proxy or k != "partition"]
-            faults.append(_inject(rng, rng.choice(kinds), workers, store, config, skew_sign,
-                                  probe))
+            kinds = _kinds(config, workers)
+            kind = first.pop(0) if first else rng.choice(kinds)
+            faults.append(_inject(rng, kind, workers, store, config, skew_sign, probe,
+                                  retired))
         faults_over = time.time()
         time.sleep(config.settle_leases * config.lease)
         # On a starved machine the fleet may need longer to take every run over: wait
@@ -473,17 +541,18 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         for w in workers:
             w.reap(30)
         say(f"{config.store}: workers stopped; auditing")
-        skewed = frozenset(i for w in workers for i, skew in w.skews.items() if skew)
+        every = workers + retired
+        skewed = frozenset(i for w in every for i, skew in w.skews.items() if skew)
         report = audit(store, config, logdir, faults, started, faults_over, audit_at,
                        open_before, skewed, probe.answers)
         report.recovery_s = audit_at - faults_over
-        report.worker_exits = [e for w in workers for e in w.exits]
-        report.start_retries = sum(w.restarts for w in workers)
+        report.worker_exits = [e for w in every for e in w.exits]
+        report.start_retries = sum(w.restarts for w in every)
         report.wall_s = time.monotonic() - t0
         return report
     finally:
         probe.stop()
-        for w in workers:
+        for w in workers + retired:
             w.close()
         store.close()
 
@@ -573,6 +642,7 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                                                seen.effects)
     for f in faults:
         report.faults[f.kind] = report.faults.get(f.kind, 0) + 1
+    report.owner_faults = sum(1 for f in faults if f.jobs)
     runs: dict[tuple[str, int], list[Attempt]] = defaultdict(list)
     for a in history:
         runs[(a.job, a.slot)].append(a)
@@ -604,6 +674,7 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
             report.outcomes[name] = report.outcomes.get(name, 0) + 1
         report.skewed_completions += sum(1 for a in attempts if a.outcome is Outcome.COMPLETED
                                          and a.instance_id in seen.skewed)
+        report.claim_delay.append(attempts[0].claimed_at.timestamp() - key[1] / 1000)
         if sum(1 for a in attempts if a.outcome is Outcome.COMPLETED) > 1:
             report.double_completions.append(key)
         for a in attempts:
@@ -680,9 +751,11 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
         missed = [s for s in expected if s >= first and (job, s) not in runs]
         report.missed_slots += len(missed)
         if seen.answers is not None:
-            report.missed_store_unreachable += sum(
-                1 for s in missed
-                if bisect.bisect_left(answered, s) == bisect.bisect_left(answered, s + step))
+            for s in missed:
+                if bisect.bisect_left(answered, s) == bisect.bisect_left(answered, s + step):
+                    report.missed_store_unreachable += 1
+                else:
+                    report.missed_while_answered.append((job, s))
     report.left_running.sort()
     return report
 
@@ -695,8 +768,10 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         f"Produced by `{command}`. Each store ran its own worker processes",
         "through a TCP proxy each; faults (SIGKILL + restart, SIGSTOP longer than the lease,",
         "store restart, partition longer than the lease, graceful restart with the clock",
-        "skewed by an hour) were injected one at a time, then the store and the handlers'",
-        "records were audited. See `tests/chaos/__init__.py` for what each figure means.",
+        "skewed by an hour, a worker joining, a worker leaving) were injected one at a time,",
+        "each fault on a worker hitting the member ranked first for a random job; then the",
+        "store and the handlers' records were audited. See `tests/chaos/__init__.py` for",
+        "what each figure means.",
         "",
     ]
     rows = [(str(s["store"]), s) for s in summaries]
@@ -722,6 +797,9 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("hand-over latency p50 / p99 (ms)", None),
         ("slots nobody claimed", "missed_slots"),
         ("of which the store answered nothing until the next slot", "missed_store_unreachable"),
+        ("slots never claimed while the store answered", "missed_while_answered"),
+        ("faults on a job's first-ranked member", "owner_faults"),
+        ("first claim after its slot p50 / p99 / max (ms)", None),
         ("seconds from the last fault until no old run was open", "recovery_s"),
         ("runs open at shutdown, newer than the horizon", "open_at_shutdown"),
         ("outcomes of attempts", "outcomes"),
@@ -736,6 +814,9 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
             elif label.startswith("takeover latency"):
                 cells.append(f"{s['takeover_p50_ms']} / {s['takeover_p99_ms']} / "
                              f"{s['takeover_max_ms']}")
+            elif label.startswith("first claim after"):
+                cells.append(f"{s['claim_delay_p50_ms']} / {s['claim_delay_p99_ms']} / "
+                             f"{s['claim_delay_max_ms']}")
             elif label.startswith("hand-over latency"):
                 cells.append(f"{s['handover_p50_ms']} / {s['handover_p99_ms']}")
             else:

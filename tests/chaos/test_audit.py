@@ -118,9 +118,35 @@ def test_slots_missed_while_the_store_answered_nothing_are_counted_apart() -> No
     report = judge(config, observed(**{**vars(seen), "answers": answers}))
     # +1.2 s: no answer from +0.95 s to +2.0 s, and +1.8 s was due meanwhile (only the
     # newest slot missed while the store is unreachable is claimed when it returns).
-    # +2.4 s: the store answered at +2.5 s, so that miss is not the store's.
+    # +2.4 s: the store answered at +2.5 s, so that miss is not the store's: a violation.
     assert (report.missed_slots, report.missed_store_unreachable) == (2, 1)
     assert report.summary()["missed_store_unreachable"] == 1
+    assert report.violations == {
+        "slots never claimed while the store answered": [("job0", SLOT + 2400)]}
+
+
+def test_a_slot_nobody_claimed_while_the_store_answered_breaks_the_invariant() -> None:
+    # Two jobs every 600 ms, the store answering every 100 ms throughout; job1's slot
+    # +1.2 s has no run (its first-ranked member was killed, say, and nobody took it).
+    config = ChaosConfig(store="redis", jobs=2)
+    history = [Attempt(f"job{n}", SLOT + 600 * k, 1, "w1", Reason.SCHEDULED, at(0.6 * k),
+                       at(0.6 * k + 0.3), Outcome.COMPLETED)
+               for n in (0, 1) for k in range(5) if (n, k) != (1, 2)]
+    answers = [(T0 + t / 10 - 0.01, T0 + t / 10) for t in range(31)]
+    seen = observed(history=history, events={}, effects=[], checkpoints={}, answers=answers,
+                    faults=[Fault("kill", "w2", T0 + 1.0, T0 + 1.5, jobs=("job1",))],
+                    faults_over=T0 + 3.0)
+    report = judge(config, seen)
+    assert report.violations == {
+        "slots never claimed while the store answered": [("job1", SLOT + 1200)]}
+    assert report.summary()["missed_while_answered"] == 1
+    assert report.owner_faults == 1
+    # The same slot claimed (late, by the next-ranked member) breaks nothing.
+    late = Attempt("job1", SLOT + 1200, 1, "w3", Reason.SCHEDULED, at(1.5), at(1.8),
+                   Outcome.COMPLETED)
+    report = judge(config, observed(**{**vars(seen), "history": [*history, late]}))
+    assert report.violations == {}
+    assert max(report.claim_delay) == pytest.approx(0.3)
 
 
 def test_a_new_run_keeps_the_notes_written_below_the_figures(tmp_path: Path) -> None:
@@ -132,3 +158,8 @@ def test_a_new_run_keeps_the_notes_written_below_the_figures(tmp_path: Path) -> 
     assert _notes_of(results) == ""
     results.write_text("# Chaos results\n\nWall time: 1 s.\n\n## Why\n\nbecause\n")
     assert _notes_of(results) == "\n## Why\n\nbecause\n"
+    results.write_text("# Chaos results\n\n## Violations\n\n- x\n\nWall time: 1 s.\n\n"
+                       "## Why\n\nbecause\n")
+    assert _notes_of(results) == "\n## Why\n\nbecause\n"  # the figures' own section goes
+    results.write_text("# Chaos results\n\n## Violations\n\n- x\n")
+    assert _notes_of(results) == ""

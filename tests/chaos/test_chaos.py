@@ -1,5 +1,8 @@
 """The short chaos run of ``make test``: ~1,000 slots across three stores, about 2 minutes.
 
+Every store's run opens with membership churn (a worker joining, a first-ranked member
+leaving, and a kill, SIGSTOP or partition of one), then draws its faults at random.
+
 Each store gets its own test (each well under the 120 s per-test limit). ``make chaos``
 runs the same code at full size (``python -m tests.chaos``).
 """
@@ -37,6 +40,10 @@ def _check(report: Report, config: ChaosConfig, logdir: Path) -> None:
     # A loaded machine restarts workers slowly, so fewer faults fit in the time; and a
     # fault may hit a worker between runs, so a takeover is likely but not certain.
     assert sum(report.faults.values()) >= 2, f"too few faults injected {detail}"
+    # The opening faults churn the membership: one worker joins and one leaves.
+    assert report.faults.get("join", 0) + report.faults.get("leave", 0) >= 1, (
+        f"no worker joined or left {detail}")
+    assert report.owner_faults >= 1, f"no fault hit a job's first-ranked member {detail}"
     # Worker 0 runs an hour ahead from the start: leases follow the store's clock only.
     assert report.skewed_completions >= 10, f"the skewed worker completed too few {detail}"
     bound = config.lease + config.heartbeat + LATENCY_SLACK_S
@@ -48,27 +55,30 @@ def _check(report: Report, config: ChaosConfig, logdir: Path) -> None:
     assert report.worker_exits == [], f"workers ended badly: {report.worker_exits} {detail}"
 
 
-def _config(store: str, seed: int, faults: tuple[str, ...] = FAULTS) -> ChaosConfig:
-    # The full run's fleet (10 jobs every 600 ms, handlers of about 0.5 s), for 16 s.
-    return ChaosConfig(store=store, seconds=16.0, seed=seed, faults=faults)
+def _config(store: str, seed: int, first: tuple[str, ...],
+            faults: tuple[str, ...] = FAULTS) -> ChaosConfig:
+    # The full run's fleet (10 jobs every 600 ms, handlers of about 0.5 s), for 16 s; the
+    # first faults churn the membership (a join, a leave of a first-ranked member), then
+    # the faults are drawn at random.
+    return ChaosConfig(store=store, seconds=16.0, seed=seed, faults=faults, first=first)
 
 
 @pytest.mark.timeout(110)
 def test_chaos_postgres(tmp_path: Path) -> None:
     """PostgreSQL direct: every fault kind, every invariant holds."""
-    config = _config("postgres", 11)
+    config = _config("postgres", 11, ("join", "leave", "kill"))
     _check(_run(config, tmp_path), config, tmp_path)
 
 
 @pytest.mark.timeout(110)
 def test_chaos_redis(tmp_path: Path) -> None:
     """Redis (Valkey 8): every fault kind, every invariant holds."""
-    config = _config("redis", 12)
+    config = _config("redis", 12, ("leave", "join", "stop"))
     _check(_run(config, tmp_path), config, tmp_path)
 
 
 @pytest.mark.timeout(110)
 def test_chaos_pgbouncer(tmp_path: Path) -> None:
     """PostgreSQL through PgBouncer: every fault kind, restarts of the database included."""
-    config = _config("pgbouncer", 13)
+    config = _config("pgbouncer", 13, ("join", "partition", "leave"))
     _check(_run(config, tmp_path), config, tmp_path)

