@@ -188,12 +188,9 @@ class MemoryBackend(Backend):
 
         if run is None:
             # Operations: a paused job's new slot is skipped (a trigger's run exists).
-            if job.paused_by is not None and req.reason in (Reason.SCHEDULED,
-                                                            Reason.CATCH_UP):
+            if job.paused_by is not None and req.reason in memory_operations.PAUSABLE:
                 run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
-                at = ms_to_datetime(now)
-                history.append(Attempt(req.job, req.slot, 1, req.instance_id, req.reason, at,
-                                       at, Outcome.SKIPPED, f"job paused by {job.paused_by}"))
+                history.append(memory_operations.paused_attempt(req, now, job.paused_by))
                 return result(ClaimStatus.SKIPPED, run)
             if req.overlap_skip and any(
                 j == req.job and s < req.slot and r.status is RunStatus.RUNNING
@@ -443,15 +440,12 @@ class MemoryBackend(Backend):
         await anyio.lowlevel.checkpoint()
         with self._lock:
             now = self._now()
-            return memory_operations.operate(
-                self, op, now, lambda by: _Run(RunStatus.HANDED_OVER, 0, None, by, now,
-                                               queued=Reason.MANUAL, queued_by=by))
+            return memory_operations.operate(self, op, now, lambda by: _Run(
+                RunStatus.HANDED_OVER, 0, None, by, now, queued=Reason.MANUAL, queued_by=by))
 
     async def paused(self) -> dict[str, str]:
         """Return the paused jobs, each with who paused it."""
-        with self._lock:
-            return {name: j.paused_by for name, j in self._jobs.items()
-                    if j.paused_by is not None}
+        return {n: j.paused_by for n, j in list(self._jobs.items()) if j.paused_by}
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:
         """Return the run's checkpoint."""

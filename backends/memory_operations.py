@@ -11,13 +11,30 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from lease_core._structures import Outcome, Reason, RunStatus, ms_to_datetime
+from lease_core._structures import (
+    Attempt,
+    ClaimRequest,
+    Outcome,
+    Reason,
+    RunStatus,
+    ms_to_datetime,
+)
 from lease_core.operations import RETRYABLE, Operation, OperationKind, OperationResult
 
 if TYPE_CHECKING:
     from .memory import MemoryBackend, _Run
 
-__all__ = ["operate"]
+__all__ = ["PAUSABLE", "operate", "paused_attempt"]
+
+#: The reasons of claims a paused job refuses (a trigger's or retry's run exists already).
+PAUSABLE = frozenset({Reason.SCHEDULED, Reason.CATCH_UP})
+
+
+def paused_attempt(req: ClaimRequest, now: int, by: str) -> Attempt:
+    """The attempt recording that a paused job's new slot was skipped."""
+    at = ms_to_datetime(now)
+    return Attempt(req.job, req.slot, 1, req.instance_id, req.reason, at, at, Outcome.SKIPPED,
+                   f"job paused by {by}")
 
 
 def operate(store: MemoryBackend, op: Operation, now: int,

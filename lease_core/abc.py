@@ -559,36 +559,21 @@ class Backend(ABC):
         found.sort(key=lambda r: (-r.slot, r.job))
         return found[:limit]
 
-    # Operations (DESIGN 4c): one call per store, plus the two reads the engine and the
-    # status API make of what operations left.
     async def operate(self, op: Operation) -> OperationResult:
         """Make the operation ``op`` atomically, or refuse it changing nothing.
 
-        See :mod:`lease_core.operations`: a trigger adds a ``handed_over`` run of attempt 0
-        whose next claim has reason ``manual``; a retry makes a failed, timed-out or
-        escalated run ``handed_over`` again with next reason ``retry``; a cancel ends a
-        running or handed-over run ``cancelled`` (its open attempt too, with the error
-        ``cancelled by <by>``); pause and resume set or clear the job's pause, under which
-        a claim of a new slot records it ``skipped``. The default refuses with
-        :class:`~lease_core.errors.ConfigurationError`: a backend without operations.
+        See :mod:`lease_core.operations`; the default raises ConfigurationError.
         """
-        raise ConfigurationError(
-            f"{type(self).__name__} does not implement operations ({op.kind} of {op.job!r}); "
-            "use a backend that does (memory, PostgreSQL)")
+        raise ConfigurationError(f"{type(self).__name__} has no operations ({op.kind!s})")
 
     async def paused(self) -> dict[str, str]:
         """Return the paused jobs, each with who paused it (the default: none)."""
         return {}
 
     async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
-        """Return the ``handed_over`` runs of ``jobs``: what an instance may claim now.
-
-        The engine reads it once per heartbeat to run triggered and retried runs that no
-        instance watches. The default derives it from :meth:`runs`.
-        """
-        wanted = set(jobs)
+        """Return the ``handed_over`` runs of ``jobs`` (read once per heartbeat)."""
         return [(r.job, r.slot) for r in await self.runs(open_only=True, limit=1000)
-                if r.job in wanted and r.status is RunStatus.HANDED_OVER]
+                if r.job in jobs and r.status is RunStatus.HANDED_OVER]
 
     @abstractmethod
     async def get_checkpoint(self, job: str, slot: int) -> Any:

@@ -27,7 +27,7 @@ from .errors import ConfigurationError, OperationRefused
 if TYPE_CHECKING:
     from .abc import Backend
 
-__all__ = ["RETRYABLE", "Admin", "Operation", "OperationKind", "OperationResult", "parse_run"]
+__all__ = ["RETRYABLE", "Admin", "Operation", "OperationKind", "OperationResult"]
 
 #: The statuses a retry applies to.
 RETRYABLE = frozenset({RunStatus.FAILED, RunStatus.TIMED_OUT, RunStatus.ESCALATED})
@@ -69,17 +69,6 @@ class OperationResult:
     status: RunStatus | None = None
 
 
-def parse_run(text: str) -> tuple[str, int]:
-    """Split ``JOB@SLOT`` (the CLI's and the API's form) into the job and the slot.
-
-    The slot is the epoch milliseconds the run is keyed by, or an ISO 8601 time.
-    """
-    job, sep, slot = text.rpartition("@")
-    if not sep or not job or not slot:
-        raise ConfigurationError(f"run {text!r} is not JOB@SLOT (a job name, '@', a slot)")
-    return job, _slot(slot, text)
-
-
 def _slot(value: object, where: object) -> int:
     if isinstance(value, bool):
         raise ConfigurationError(f"slot {value!r} of {where!r} is not a slot")
@@ -107,11 +96,11 @@ class Admin:
     """Operations on the runs of a store, for the whole fleet (DESIGN 4c, "Operations").
 
     ``by`` names who acts (recorded with each operation): ``scheduler.admin`` uses the
-    scheduler's instance id, the CLI ``cli`` and the HTTP API ``http``. The backend must be
-    started, or use ``async with Admin(backend) as admin:``, which starts it (creating the
-    store when missing) and closes it on exit; a backend passed in is otherwise never
-    closed. Every refusal raises :class:`~lease_core.errors.OperationRefused` and changes
-    nothing.
+    scheduler's instance id, the CLI ``cli`` and the HTTP API ``http``. The backend is
+    started for each call (creating the store when missing) and released after it, as
+    :meth:`~lease_core.Scheduler.history` does: a backend started already stays open, and
+    ``async with Admin(backend) as admin:`` keeps it open across calls.
+    Every refusal raises :class:`~lease_core.errors.OperationRefused` and changes nothing.
     """
 
     def __init__(self, backend: Backend, *, by: str = "admin") -> None:
@@ -166,12 +155,20 @@ class Admin:
 
     async def paused(self) -> dict[str, str]:
         """The paused jobs, each with who paused it."""
-        return await self.backend.paused()
+        await self.backend.start()
+        try:
+            return await self.backend.paused()
+        finally:
+            await self.backend.close()
 
     async def _operate(self, kind: OperationKind, job: str, slot: int | None) -> OperationResult:
         if not isinstance(job, str) or not job:
             raise ConfigurationError(f"job {job!r} must be a non-empty job name")
-        result = await self.backend.operate(Operation(kind, job, slot, self.by))
+        await self.backend.start()  # counted: cheap when the backend runs already
+        try:
+            result = await self.backend.operate(Operation(kind, job, slot, self.by))
+        finally:
+            await self.backend.close()
         if result.refused is not None:
             raise OperationRefused(result.refused, _refusal(kind, job, slot, result))
         return result

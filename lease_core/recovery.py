@@ -9,8 +9,9 @@ Each attempt gives one entry when it starts and one when it ends:
 =====================  ==============================================================
 entry                  when
 =====================  ==============================================================
-``started``            an attempt claimed the run (reason scheduled, catch-up or
-                       hand-over: the detail says which)
+``started``            an attempt claimed the run (reason scheduled, catch-up,
+                       hand-over, or an operation's manual or retry with who asked
+                       for it: the detail says which)
 ``taken_over``         an attempt claimed the run after the previous one's lease
                        expired (reason takeover)
 ``completed``,         the attempt ended so (``lost``: its lease expired unrenewed;
@@ -19,7 +20,8 @@ entry                  when
 ``lost``,
 ``handed_over``,
 ``escalated``,
-``skipped``
+``skipped``,
+``cancelled``          (``cancelled``: an operation ended it; the detail names who)
 =====================  ==============================================================
 """
 
@@ -95,6 +97,8 @@ def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
             start, detail = "taken_over", "the previous attempt's lease expired"
         else:
             start, detail = "started", str(a.reason)
+            if a.requested_by is not None:  # an operation: trigger (manual) or retry
+                detail += f", requested by {a.requested_by}"
         entries.append((a.claimed_at, rank, a.attempt, 0,
                         RecoveryEntry(a.claimed_at, step, a.attempt, start, a.instance_id,
                                       detail)))

@@ -19,7 +19,8 @@ def _with_dead_host_first(dsn: str) -> str:
     parts = urlsplit(dsn)
     user, _, live = parts.netloc.rpartition("@")
     dead = f"127.0.0.1:{find_free_port()}"  # nothing listens there
-    return urlunsplit(parts._replace(netloc=f"{user}@{dead},{live}"))
+    return urlunsplit((parts.scheme, f"{user}@{dead},{live}", parts.path, parts.query,
+                       parts.fragment))
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
