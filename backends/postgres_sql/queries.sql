@@ -238,13 +238,17 @@ LEFT JOIN ({runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
            ON r.job = u.job AND r.slot = u.slot) ON true
 
 -- name: history_of_job
-SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error
-FROM {attempts}
+-- requested_by through to_jsonb: a store of older code, read as it is, has no such column.
+SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error,
+       to_jsonb(a) ->> 'requested_by'
+FROM {attempts} a
 WHERE job = %s::text ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint
 
 -- name: history_all
-SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error
-FROM {attempts}
+-- requested_by through to_jsonb: a store of older code, read as it is, has no such column.
+SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error,
+       to_jsonb(a) ->> 'requested_by'
+FROM {attempts} a
 ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint
 
 -- name: list_jobs
