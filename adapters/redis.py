@@ -27,11 +27,12 @@ A client opened from a URL keeps at most :data:`MAX_CONNECTIONS` connections (re
 The asyncio clients of redis-py and valkey-py work only under asyncio. Sync clients run in
 ``anyio.to_thread`` worker threads and so work under trio as well.
 
-Scripts are registered with the driver (``register_script``): a batch of one script call
-goes through the driver's script object, which sends ``EVALSHA`` and loads the script
-itself on a ``NOSCRIPT`` reply (after ``SCRIPT FLUSH`` or a restart). A longer batch is
-one pipeline of ``EVALSHA`` commands, and a script the server lost is loaded through the
-driver and the affected commands sent again. (redis-py's own pipeline scripts would
+Scripts are registered with the driver (``register_script``). A batch of one command is
+sent with the client's ``execute_command``, no pipeline (on a Cluster client a lone script
+call goes through the driver's script object, which routes it and loads the script itself
+on a ``NOSCRIPT`` reply). A longer batch is one pipeline. A script the server lost (after
+``SCRIPT FLUSH`` or a restart) is loaded through the driver and the affected commands sent
+again. (redis-py's own pipeline scripts would
 add a ``SCRIPT EXISTS`` round trip to every batch.)
 
 A batch that fails because its pooled connection was closed under it (after a server
@@ -260,6 +261,15 @@ class AsyncClientAdapter(RedisAdapter):
     """Drive an asyncio client (``redis.asyncio.Redis``, ``valkey.asyncio.Valkey``)."""
 
     async def _execute(self, commands: Sequence[Command]) -> list[Any]:
+        if len(commands) == 1 and not self.cluster:
+            # one command, no pipeline: a lost script's NOSCRIPT reply is returned, and
+            # execute() loads the script and sends the command again
+            try:
+                return [await self.client.execute_command(*commands[0])]
+            except Exception as exc:
+                if not _is_reply_error(exc):
+                    raise
+                return [exc]
         if len(commands) == 1 and commands[0][0] == "EVALSHA":
             script = self.scripts.get(str(commands[0][1]))
             if script is not None:  # one script call: the driver handles NOSCRIPT
@@ -288,6 +298,13 @@ class SyncClientAdapter(RedisAdapter):
     """Drive a blocking client (``redis.Redis``, ``valkey.Valkey``) in worker threads."""
 
     def _execute_blocking(self, commands: Sequence[Command]) -> list[Any]:
+        if len(commands) == 1 and not self.cluster:  # as AsyncClientAdapter._execute
+            try:
+                return [self.client.execute_command(*commands[0])]
+            except Exception as exc:
+                if not _is_reply_error(exc):
+                    raise
+                return [exc]
         if len(commands) == 1 and commands[0][0] == "EVALSHA":
             script = self.scripts.get(str(commands[0][1]))
             if script is not None:  # one script call: the driver handles NOSCRIPT

@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import anyio.lowlevel
 
+from lease_core._named_leases import LeaseAnswer, check_lease
 from lease_core._registry import merge_options, split_url_options
 from lease_core._structures import (
     Attempt,
@@ -75,7 +76,52 @@ class _Job:
     paused_by: str | None = None  # operations: who paused the job
 
 
-class MemoryBackend(Backend):
+class _NamedLeases:
+    """The named leases of :class:`MemoryBackend` (see :mod:`lease_core._named_leases`)."""
+
+    _lock: threading.Lock
+    #: name -> (token, expiry in ms on the backend's clock, holder or None).
+    _named: dict[str, tuple[int, int, str | None]]
+
+    def _now(self) -> int:
+        raise NotImplementedError  # pragma: no cover - MemoryBackend's own
+
+    async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
+        """Take ``name`` for ``holder`` when it is free, under the lock."""
+        check_lease(name, holder=holder, ttl_ms=ttl_ms)
+        with self._lock:
+            now = self._now()
+            token, expires, current = self._named.get(name, (0, 0, None))
+            live = expires > now
+            if live and current != holder:
+                return LeaseAnswer(False, token, expires, now, current)
+            token += 0 if live else 1
+            self._named[name] = (token, now + ttl_ms, holder)
+            return LeaseAnswer(True, token, now + ttl_ms, now, holder)
+
+    async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
+        """Extend the live hold of ``token`` to ``now + ttl_ms``, under the lock."""
+        check_lease(name, ttl_ms=ttl_ms, token=token)
+        with self._lock:
+            now = self._now()
+            held, expires, holder = self._named.get(name, (0, 0, None))
+            if held != token or expires <= now:
+                return None
+            self._named[name] = (token, now + ttl_ms, holder)
+            return now + ttl_ms
+
+    async def release_lease(self, name: str, token: int) -> bool:
+        """Free ``name`` if ``token`` holds it live, keeping the token, under the lock."""
+        check_lease(name, token=token)
+        with self._lock:
+            held, expires, _ = self._named.get(name, (0, 0, None))
+            if held != token or expires <= self._now():
+                return False
+            self._named[name] = (token, 0, None)
+            return True
+
+
+class MemoryBackend(_NamedLeases, Backend):
     """Keep runs, attempts and checkpoints in this process's memory.
 
     ``clock`` returns the store's time in seconds since the epoch; it defaults to the
@@ -95,6 +141,7 @@ class MemoryBackend(Backend):
         self._maintenance: tuple[int, str] | None = None
         #: The fleet's members: instance id -> end of its membership (ms, this clock).
         self._members: dict[str, int] = {}
+        self._named = {}  # the named leases (_NamedLeases)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:

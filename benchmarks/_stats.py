@@ -51,15 +51,19 @@ class PgCounter:
         }
         if self.pgss:
             rows = await self._rows(
-                "SELECT s.query, s.calls FROM pg_stat_statements s "
+                "SELECT s.query, s.calls, s.rows FROM pg_stat_statements s "
                 "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = %s "
                 "AND s.query NOT ILIKE %s", (self.database, "%pg_stat%"))
             kinds: dict[str, int] = {}
-            for query, calls in rows:
+            returned: dict[str, int] = {}
+            for query, calls, n in rows:
                 kind = classify(str(query))
                 kinds[kind] = kinds.get(kind, 0) + int(calls)
+                returned[kind] = returned.get(kind, 0) + int(n)
             out["statements"] = sum(kinds.values())
             out["by_kind"] = kinds
+            # rows returned: a batched claim or finish returns one row per claim or ended run
+            out["rows_by_kind"] = returned
         return out
 
 
@@ -74,6 +78,8 @@ def classify(query: str) -> str:
         ("_claim_v", "claim"),
         ("_batch_v", "claim_many"),
         ("_end_v", "finish"),  # the finish function (store code v4 on)
+        # before the heartbeat's needle: the membership upsert is also "WITH renewed AS"
+        ("cleaner AS", "members"),
         ("renewed AS", "heartbeat"),
         ("AS n LEFT JOIN", "check"),
         ("first_seen_ms, last_slot, seq) VALUES", "claim.upsert_job"),

@@ -4,7 +4,9 @@ Each round runs one burst per contender, on one store, in an order that alternat
 round to round:
 
 - ``anarchon``: 3 schedulers (each its own backend made from the URL, so with the
-  default connection bounds), every job declared on each, all due at one slot;
+  default connection bounds; lease 4 s, heartbeat 1 s), every job declared on each, all
+  due at one slot, which comes after every scheduler knows the whole fleet (so each job
+  is claimed first by the member ranked first for it, as in a running fleet);
 - Redis, ``redis_py_lock``: 3 instances (one redis.asyncio client each), each trying a
   redis-py asyncio ``Lock`` per (job, slot) with ``acquire(blocking=False)``, job after
   job; the instance that gets the lock "starts the handler";
@@ -22,6 +24,8 @@ Measured per burst, from just before the slot until every job's handler started
   ``pg_stat_statements`` recorded when it is loaded;
 - ``commands`` (Redis): ``INFO commandstats`` calls, commands run inside scripts
   included, and ``connections`` (``total_connections_received``);
+- ``balance`` (anarchon): the busiest instance's handlers ÷ its fair share (jobs ÷ 3),
+  target at most 1.5;
 - ``store_cpu_s``: redis-server's ``used_cpu_sys + used_cpu_user``; for PostgreSQL the
   CPU time of the postmaster and its children from ``/proc`` (exited backends are in
   the postmaster's ``cutime``/``cstime``).
@@ -38,6 +42,7 @@ import os
 import statistics
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +66,13 @@ INSTANCES = 3
 #: Targets of the issue: peer ÷ anarchon.
 TARGET_ROUND_TRIPS = 5.0
 TARGET_TIME = 3.0
+#: The busiest instance's handlers ÷ its fair share (anarchon only).
+TARGET_BALANCE = 1.5
+#: The schedulers' lease and heartbeat: membership renewed every 2 s.
+LEASE = "4s"
+HEARTBEAT = "1s"
+#: Seconds from the schedulers' creation to the slot: start-up, and the membership known.
+FLEET_LEAD_S = 5.0
 
 SHEDLOCK_TABLE = """
 CREATE TABLE IF NOT EXISTS burst_shedlock (
@@ -229,31 +241,42 @@ async def _wait_all(started: dict[str, float], n: int, limit: float) -> None:
 
 async def _anarchon(servers: Servers, store: str, n: int, meter: _Meter,
                     tag: str) -> dict[str, Any]:
-    lead_ms = 1500 + 4 * n
+    # The slot is after every member knows the whole fleet (membership is renewed every
+    # half lease), as in a fleet that has been running: each job is claimed first by the
+    # one member ranked first for it.
+    lead_ms = int(FLEET_LEAD_S * 1000) + 4 * n
     slot = int(time.time() * 1000) + lead_ms
     started: dict[str, float] = {}
+    by: dict[str, str] = {}
     doubles = [0]
 
-    async def handler(ctx: Any) -> None:
-        if ctx.job in started:
-            doubles[0] += 1
-        started.setdefault(ctx.job, time.time() * 1000)
+    def handler_of(name: str) -> Any:
+        async def handler(ctx: Any) -> None:
+            if ctx.job in started:
+                doubles[0] += 1
+            started.setdefault(ctx.job, time.time() * 1000)
+            by.setdefault(ctx.job, name)
+        return handler
 
     url = servers.redis_url if store == "redis" else servers.dsn
     schedulers = []
     for i in range(INSTANCES):
         backend = (RedisBackend(url, prefix=f"burst{tag}") if store == "redis"
                    else PostgresBackend(url, table="burst_runs"))
-        s = Scheduler(backend, instance_id=f"i{i}", lease="30s", heartbeat="5s",
+        s = Scheduler(backend, instance_id=f"i{i}", lease=LEASE, heartbeat=HEARTBEAT,
                       history_size=10)
         for j in range(n):
-            s.every(f"{tag}-{j}", "1h", handler, offset=(slot % 3_600_000) / 1000)
+            s.every(f"{tag}-{j}", "1h", handler_of(f"i{i}"),
+                    offset=(slot % 3_600_000) / 1000)
         schedulers.append(s)
     try:
         for s in schedulers:
             await s.start()
-        if time.time() * 1000 > slot - 100:
-            raise RuntimeError("the schedulers took longer to start than the lead time")
+        while not all(s.health().fleet_size == INSTANCES for s in schedulers):
+            if time.time() * 1000 > slot - 100:
+                raise RuntimeError("the schedulers did not know the whole fleet before the "
+                                   "slot")
+            await anyio.sleep(0.02)
         await _until(slot - 50)
         before = await meter.sample()
         await _wait_all(started, n, 60)
@@ -263,8 +286,10 @@ async def _anarchon(servers: Servers, store: str, n: int, meter: _Meter,
             await s.stop(grace=5)
     if doubles[0]:
         raise RuntimeError(f"{doubles[0]} runs started twice")
+    busiest = max(Counter(by.values()).values())
     return {"latency_ms": round(max(started.values()) - slot, 1),
-            "first_ms": round(min(started.values()) - slot, 1), **_delta(before, after, store)}
+            "first_ms": round(min(started.values()) - slot, 1),
+            "balance": round(busiest / (n / INSTANCES), 3), **_delta(before, after, store)}
 
 
 async def _redis_locks(servers: Servers, n: int, meter: _Meter, tag: str) -> dict[str, Any]:
@@ -381,18 +406,24 @@ async def run_burst(servers: Servers, *, sizes: tuple[int, ...] = (100, 1000),
     with _count_driver_calls():
         for store in stores:
             for n in sizes:
-                key = f"{store}.{n}"
+                # ".fleet": the members know each other at the slot (ranked claims); the
+                # keys without it measured a fleet still unknown at the slot
+                key = f"{store}.{n}.fleet"
                 cell = out[key] = await _cell(servers, store, n, rounds)
                 ratio = cell["ratio_peer_over_anarchon"]
                 met = {k: ratio[k]["median"] >= t for k, t in
                        (("round_trips", TARGET_ROUND_TRIPS), ("latency_ms", TARGET_TIME))
                        if k in ratio}
+                balance = [r["balance"] for r in cell["runs"]["anarchon"]]
+                cell["balance"] = _spread(balance)
+                met["balance"] = cell["balance"]["median"] <= TARGET_BALANCE
                 cell["targets_met"] = met
                 a, p = cell["median"]["anarchon"], cell["median"][cell["peer"]]
                 log(f"  burst {key:<10} latency anarchon {a['latency_ms']:.0f} ms, "
                     f"{cell['peer']} {p['latency_ms']:.0f} ms; round trips {a['round_trips']:.0f}"
                     f" vs {p['round_trips']:.0f}; store CPU {a['store_cpu_s']:.3f} s vs "
-                    f"{p['store_cpu_s']:.3f} s; targets {met}")
+                    f"{p['store_cpu_s']:.3f} s; balance {cell['balance']['median']}; "
+                    f"targets {met}")
     return out
 
 

@@ -55,16 +55,16 @@ def _claim_command(job: str, slot: int, token: str, marker: Any) -> tuple[Any, .
     """
     tag = _tag(job)
     keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
-            f"{tag}:done", f"{tag}:orphan"]
-    args = [slot, INSTANCE, token, LEASE_MS, "scheduled", 1, "", HISTORY, "", f"{tag}:run:",
-            marker, LEASE_MS]
+            f"{tag}:done"]
+    args = [slot, INSTANCE, token, LEASE_MS, "scheduled", 1, "", f"{tag}:run:", marker,
+            LEASE_MS]
     return ("EVALSHA", SCRIPTS["claim"].sha, len(keys), *keys, *args)
 
 
 def _finish_command(job: str, slot: int, token: str) -> tuple[Any, ...]:
     tag = _tag(job)
     keys = [f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:att", f"{tag}:done"]
-    return ("EVALSHA", SCRIPTS["finish"].sha, len(keys), *keys, token, slot, "completed", 0, "")
+    return ("EVALSHA", SCRIPTS["finish"].sha, len(keys), *keys, token, slot, "completed")
 
 
 def _nodes_commandstats(cluster: EmbeddedRedisCluster, reset: bool) -> list[int]:

@@ -32,7 +32,8 @@ __all__ = ["run_load", "run_rss"]
 
 INSTANCES = 3
 HEARTBEAT_S = 1.0
-UPKEEP = ("heartbeat", "check")
+# membership renewals (one statement per instance per half lease) are upkeep too
+UPKEEP = ("heartbeat", "check", "members")
 
 
 class Worker:

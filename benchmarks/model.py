@@ -1,12 +1,16 @@
 """The scale model: store load and instance memory of a fleet, from per-operation costs.
 
 A fleet is ``jobs`` jobs, each every ``interval_s`` seconds (slots spread evenly), run by
-``instances`` schedulers with a heartbeat of ``heartbeat_s`` seconds and handlers of
-``handler_s`` seconds. The scheduler's own rules give the store calls per second:
+``instances`` schedulers with a heartbeat of ``heartbeat_s`` seconds, a lease of
+``lease_s`` seconds and handlers of ``handler_s`` seconds. The scheduler's own rules
+give the store calls per second (design section 6, the fleet):
 
-- every instance claims every slot: ``instances x jobs / interval_s`` claims/s; one wins
-  (it finishes the run: ``jobs / interval_s`` finishes/s), the others find it running
-  and watch it;
+- the member ranked first for a job claims its slot; the others claim it only when that
+  one is late, so ``claims_per_slot`` (about 1, not ``instances``) claims per slot; the
+  winner finishes the run (``jobs / interval_s`` finishes/s), the others find the run
+  claimed at their next check and watch it;
+- each instance renews its membership every half lease: ``2 x instances / lease_s``
+  ``members`` calls/s;
 - each instance renews **all** its leases with one heartbeat call per tick, and only in
   a tick where it holds a lease; it checks all the runs it watches with one check call
   per tick, only when it watches some;
@@ -15,6 +19,10 @@ A fleet is ``jobs`` jobs, each every ``interval_s`` seconds (slots spread evenly
   first tick after the run ended, ``handler_s + heartbeat_s / 2`` on average;
 - an instance asks the store for its clock only when no claim or heartbeat answered for
   half a heartbeat.
+
+``Fleet(design="every_instance")`` is the model before the fleet design (every instance
+claims every slot, ``instances x jobs / interval_s`` claims/s, no membership), kept for
+comparison.
 
 Costs (:class:`Costs`) come from the same run: statements (or round trips) per call,
 the store's CPU per call and per lease or watched run, the store's idle CPU, and an
@@ -31,7 +39,9 @@ from typing import Any
 __all__ = ["Costs", "Fleet", "predict"]
 
 #: The calls the model counts, in the order it reports them.
-CALLS = ("claim", "finish", "heartbeat", "check", "now")
+CALLS = ("claim", "finish", "heartbeat", "check", "members", "now")
+#: The designs :func:`predict` knows.
+DESIGNS = ("fleet", "every_instance")
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,19 @@ class Fleet:
     interval_s: float = 60.0
     handler_s: float = 1.0
     heartbeat_s: float = 5.0
+    lease_s: float | None = None
+    """The lease; ``None``: three heartbeats (the benchmarks' fleets)."""
+    design: str = "fleet"
+    """``fleet`` (ranked members, membership) or ``every_instance`` (before it)."""
+    claims_per_slot: float = 1.0
+    """Claims per slot in the fleet design (the ``fleet`` section measures it)."""
+
+    def __post_init__(self) -> None:
+        if self.design not in DESIGNS:
+            raise ValueError(f"Fleet design {self.design!r} is not one of {DESIGNS}")
+        if self.jobs < 0 or self.instances < 1:
+            raise ValueError(f"a fleet needs jobs >= 0 and instances >= 1, not "
+                             f"{self.jobs} and {self.instances}")
 
 
 @dataclass
@@ -52,7 +75,7 @@ class Costs:
     ``statements_per_call``: store statements (PostgreSQL) or round trips (Redis) that
     one call of each kind costs. ``cpu_ms``: the store's CPU milliseconds per call of
     each kind (``claim_won``, ``claim_lost``, ``finish``, ``heartbeat``, ``check``,
-    ``now``), and per renewed lease (``heartbeat_lease``) and per checked run
+    ``members``, ``now``), and per renewed lease (``heartbeat_lease``) and per checked run
     (``check_run``) on top. ``idle_cpu``: the store's CPU seconds per second with no
     client. ``rss_mb``: an instance's RSS with no job; ``kb_per_job``: added per
     declared job (its schedule, its job loop task).
@@ -72,23 +95,28 @@ class Costs:
 def predict(costs: Costs, fleet: Fleet) -> dict[str, Any]:
     """Statements (or round trips) per second by call, store CPU and RSS per instance."""
     m, h = fleet.instances, fleet.heartbeat_s
+    lease = fleet.lease_s if fleet.lease_s is not None else 3 * h
     slots_s = fleet.jobs / fleet.interval_s
     held = slots_s * fleet.handler_s  # Little's law, whole fleet
     held_each = held / m
+    # a backup watches a run from its slot (fleet: pending, then watched from its next
+    # check) until the first tick after the run ended
     watched_each = slots_s * (m - 1) / m * (fleet.handler_s + h / 2)
+    every = fleet.design == "every_instance"
     # an instance holding (watching) a Poisson number of runs holds none with e^-mean
     calls = {
-        "claim": m * slots_s,
+        "claim": m * slots_s if every else min(m, fleet.claims_per_slot) * slots_s,
         "finish": slots_s,
         "heartbeat": m / h * (1 - math.exp(-held_each)),
         "check": m / h * (1 - math.exp(-watched_each)),
+        "members": 0.0 if every or m < 2 else 2 * m / lease,
         "now": m / h * math.exp(-slots_s * h / 2),
     }
     per_call = costs.statements_per_call
     statements = {k: v * per_call.get(k, 1.0) for k, v in calls.items()}
     cpu = costs.cpu_ms
     won = slots_s
-    lost = calls["claim"] - won
+    lost = max(0.0, calls["claim"] - won)
     cpu_s = costs.idle_cpu + (
         won * cpu.get("claim_won", 0.0) + lost * cpu.get("claim_lost", 0.0)
         + calls["finish"] * cpu.get("finish", 0.0)
@@ -96,6 +124,7 @@ def predict(costs: Costs, fleet: Fleet) -> dict[str, Any]:
         + held / h * cpu.get("heartbeat_lease", 0.0)
         + calls["check"] * cpu.get("check", 0.0)
         + m * watched_each / h * cpu.get("check_run", 0.0)
+        + calls["members"] * cpu.get("members", 0.0)
         + calls["now"] * cpu.get("now", 0.0)
     ) / 1000
     return {

@@ -22,6 +22,10 @@ other work distorts far less than the rates.
 The batched claim: ``claim_many`` of ``BATCH`` claims against the same claims made one
 at a time with ``claim``, interleaved the same way; the ratio is claims per second
 batched ÷ one at a time.
+
+After the rounds, each Redis contender runs :data:`COUNTED_OPS` operations alone, and
+the server's ``INFO commandstats`` and ``INFO cpu`` deltas give the commands per
+operation: sent by the client, and run inside its scripts (``redis.call``).
 """
 
 from __future__ import annotations
@@ -161,6 +165,44 @@ async def interleaved(contenders: dict[str, tuple[Callable[[int], Any], bool]], 
     return out
 
 
+#: Operations of each Redis contender in the counted pass (commands per operation).
+COUNTED_OPS = 500
+#: Commands the Redis contenders send themselves, not from inside a script.
+_TOP_LEVEL = ("evalsha", "eval", "set")
+
+
+async def _commands_per_op(admin: Any, fn: Callable[[int], Any], sync: bool,
+                           start: int) -> dict[str, Any]:
+    """Run ``fn`` :data:`COUNTED_OPS` times alone; the server's ``INFO commandstats`` and
+    ``INFO cpu`` deltas per operation: every command's calls (the scripts' own
+    ``redis.call`` included, under their names), the calls made inside scripts, the
+    server's CPU and its time in the top-level commands, and this process's CPU (µs)."""
+    await admin.config_resetstat()
+    cpu0 = await admin.info("cpu")
+    client0 = time.process_time()
+    if sync:
+        def loop() -> None:
+            for i in range(start, start + COUNTED_OPS):
+                fn(i)
+        await anyio.to_thread.run_sync(loop)
+    else:
+        for i in range(start, start + COUNTED_OPS):
+            await fn(i)
+    client_cpu = time.process_time() - client0
+    cpu1 = await admin.info("cpu")
+    stats = {k[8:]: v for k, v in (await admin.info("commandstats")).items()
+             if k.startswith("cmdstat_") and k[8:] not in ("info", "config")}
+    calls = {name: round(int(v["calls"]) / COUNTED_OPS, 2) for name, v in stats.items()}
+    inside = sum(c for name, c in calls.items() if name not in _TOP_LEVEL)
+    top_us = sum(int(v["usec"]) for name, v in stats.items() if name in _TOP_LEVEL)
+    cpu = sum(float(cpu1[k]) - float(cpu0[k]) for k in ("used_cpu_sys", "used_cpu_user"))
+    return {"calls_per_op": calls, "script_calls_per_op": round(inside, 2),
+            "top_level_per_op": round(sum(calls.get(n, 0) for n in _TOP_LEVEL), 2),
+            "server_usec_per_op": round(top_us / COUNTED_OPS, 1),
+            "server_cpu_us_per_op": round(cpu / COUNTED_OPS * 1e6, 1),
+            "client_cpu_us_per_op": round(client_cpu / COUNTED_OPS * 1e6, 1)}
+
+
 async def _redis_peers(servers: Servers, seconds: float, rounds: int) -> dict[str, Any]:
     aclient = redis.asyncio.Redis.from_url(servers.redis_url)
     sclient = redis.Redis.from_url(servers.redis_url)
@@ -210,6 +252,13 @@ async def _redis_peers(servers: Servers, seconds: float, rounds: int) -> dict[st
 
         out = await interleaved(contenders, "anarchon_claim_finish", rounds=rounds,
                                 seconds=seconds)
+        # commands per operation: each contender alone on the server, after the rounds
+        admin = redis.asyncio.Redis.from_url(servers.redis_url)
+        try:
+            out["commands"] = {name: await _commands_per_op(admin, fn, sync, 10_000_000)
+                               for name, (fn, sync) in contenders.items()}
+        finally:
+            await admin.aclose()
     finally:
         await backend.close()
         await aclient.aclose()
@@ -349,6 +398,13 @@ async def run_peers(servers: Servers, *, seconds: float, rounds: int,
             log(f"  peers {store:<5} CPU per op (client + server), {name} / anarchon: median "
                 f"{spread['median']:.2f} (min {spread['min']:.2f}, max {spread['max']:.2f}); "
                 f"µs per op {cpu['per_op']}")
+    for name, c in out["redis"]["commands"].items():
+        inner = ", ".join(f"{k} {v:g}" for k, v in sorted(c["calls_per_op"].items())
+                          if k not in _TOP_LEVEL)
+        log(f"  peers redis commands per op, {name:<30} sent {c['top_level_per_op']:g}, "
+            f"in scripts {c['script_calls_per_op']:g} ({inner}); server "
+            f"{c['server_usec_per_op']:g} µs, CPU {c['server_cpu_us_per_op']:g} µs; client "
+            f"CPU {c['client_cpu_us_per_op']:g} µs")
     out["batch"] = await run_batches(servers, seconds=seconds, rounds=rounds)
     for key, section in out["batch"].items():
         spread = section["ratio"]["claim_one_at_a_time"]

@@ -54,7 +54,25 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
             # not tracked: they are near zero, so noise alone would move them by half.
             if figure not in ("first_ms", "connections"):
                 out[f"burst.{key}.{figure}_vs_{cell['peer']}"] = spread["median"]
+        if cell.get("balance"):
+            # fair share ÷ the busiest instance's handlers: 1.0 is a perfect spread
+            out[f"burst.{key}.fair_share_over_busiest"] = round(
+                1 / cell["balance"]["median"], 3)
+    for name in ("fleet", "fleet_kill"):
+        if results.get(name):
+            out.update(_section(name).ratios(results[name]))
+    for store, section in results.get("lease", {}).items():
+        for name, spread in section["ratio"].items():
+            if not name.startswith("anarchon"):
+                out[f"lease.{store}.vs_{name}"] = spread["median"]
     return out
+
+
+def _section(name: str) -> Any:
+    """The module of a section that reports its own ratios, targets and Markdown."""
+    from . import fleet, fleet_kill
+
+    return fleet if name == "fleet" else fleet_kill
 
 
 def targets(results: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +110,9 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         from .scale import targets as scale_targets
 
         out.update(scale_targets(results["scale"]))
+    for name in ("fleet", "fleet_kill"):
+        if results.get(name):
+            out.update(_section(name).targets(results[name]))
     for key, cell in results.get("burst", {}).items():
         for figure, target in (("round_trips", BURST_ROUND_TRIPS_TARGET),
                                ("latency_ms", BURST_TIME_TARGET)):
@@ -101,6 +122,18 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
                     "target": target, "median": spread["median"],
                     "spread": [spread["min"], spread["max"]], "rounds": spread["rounds"],
                     "met": spread["median"] >= target}
+        if cell.get("balance"):
+            out[f"burst_{key}_balance"] = {
+                "target": "<= 1.5", "median": cell["balance"]["median"],
+                "spread": [cell["balance"]["min"], cell["balance"]["max"]],
+                "met": cell["targets_met"]["balance"]}
+    for store, section in results.get("lease", {}).items():
+        for name, spread in section["ratio"].items():
+            if not name.startswith("anarchon"):  # issue 19: >= 1.0x acquire + release
+                out[f"lease_{store}_vs_{name}"] = {
+                    "target": 1.0, "median": spread["median"],
+                    "spread": [spread["min"], spread["max"]], "rounds": spread["rounds"],
+                    "met": spread["median"] >= 1.0}
     load = [r for r in results.get("load", []) if r["store"] == "pg" and r.get("reduction")]
     if load:
         biggest = max(load, key=lambda r: r["jobs"])
@@ -419,6 +452,13 @@ def write_markdown(results: dict[str, Any], path: Path, images: list[str]) -> No
             for figure, r in cell["ratio_peer_over_anarchon"].items():
                 lines.append(f"| {key} | ratio {figure} | {r['median']:.2f} "
                              f"[{r['min']:.2f}, {r['max']:.2f}] | | | | |")
+            b = cell.get("balance")
+            if b:
+                lines.append(f"| {key} | anarchon balance (busiest ÷ fair share) | "
+                             f"{b['median']:.2f} [{b['min']:.2f}, {b['max']:.2f}] | | | | |")
+    for name in ("fleet", "fleet_kill"):
+        if results.get(name):
+            lines += ["", *_section(name).markdown(results[name])]
     if images:
         lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in images]
     path.write_text("\n".join(lines) + "\n")

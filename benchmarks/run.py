@@ -19,7 +19,7 @@ from . import report
 from ._util import environment, pg_servers
 
 SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "cluster", "scale",
-            "burst")
+            "burst", "lease", "fleet", "fleet_kill")
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -84,12 +84,33 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
             servers, sizes=(100,) if quick else (100, 1000),
             stores=("redis",) if quick else ("redis", "pg"), rounds=3 if quick else 5,
             log=log)
+    if "lease" in only:
+        from .lease import run_lease
+
+        log("lease: acquire + release against redis-py Lock and ShedLock")
+        results["lease"] = await run_lease(
+            servers, seconds=0.15 if quick else 0.3, rounds=9 if quick else 15, log=log)
+    if "fleet" in only:
+        from .fleet import run_fleet
+
+        log("fleet: claims per run as the fleet grows, beside every instance claiming")
+        results["fleet"] = await run_fleet(
+            servers, sizes=(10,) if quick else (3, 10, 30),
+            stores=("pg", "redis"),
+            slots=2 if quick else 4, log=log)
+    if "fleet_kill" in only:
+        from .fleet_kill import run_fleet_kill
+
+        log("fleet kill: one of 5 scheduler processes killed")
+        results["fleet_kill"] = await run_fleet_kill(
+            servers, trials=1 if quick else 2, stores=("pg",) if quick else ("pg", "redis"),
+            log=log)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run, write the outputs; 0 when every target was met."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="short subset (under 3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="short subset (about 3 minutes)")
     parser.add_argument("--only", help=f"comma-separated sections of {', '.join(SECTIONS)}")
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/out/"
                         "full.json or quick.json)")

@@ -253,9 +253,9 @@ class RedisAsyncio(Variant):
         """The same script and SADD in one non-transactional pipeline."""
         tag = "{" + self.prefix + "/" + quote(job, safe="") + "}"
         keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
-                f"{tag}:done", f"{tag}:orphan"]
-        args = [slot, INSTANCE, uuid.uuid4().hex, LEASE_MS, "scheduled", 1, "", HISTORY, "",
-                f"{tag}:run:", self.markers.get(job, ""), LEASE_MS]
+                f"{tag}:done"]
+        args = [slot, INSTANCE, uuid.uuid4().hex, LEASE_MS, "scheduled", 1, "", f"{tag}:run:",
+                self.markers.get(job, ""), LEASE_MS]
         if job in self.listed:
             reply = await self.client.evalsha(self.sha, len(keys), *keys, *args)
             status, *_, marker, _instance = reply.split(b"|", 7)

@@ -14,9 +14,13 @@ SIGKILLed by the parent):
     A scheduler with JOBS jobs every INTERVAL seconds, their offsets spread evenly over
     the interval, handlers of HANDLER seconds, heartbeat HEARTBEAT seconds (lease three
     heartbeats). Prints held and watched runs, its RSS and CPU seconds and how many
-    times a call of the backend's ``heartbeat``, ``check`` and ``claim`` returned, every
-    second.
+    times a call of the backend's ``heartbeat``, ``check``, ``claim`` and ``claim_many``
+    returned, and the claims sent (``claims_sent``), every second.
     With INTERVAL 3600 the jobs hardly fire: the process's memory per declared job.
+``fleet URL NAME PREFIX JOBS INTERVAL LEASE HEARTBEAT``
+    A fleet member: JOBS jobs ``k0`` ... every INTERVAL seconds (offsets spread over the
+    interval), handlers of 20 ms, the lease and heartbeat given. Prints the fleet size it
+    knows every half second.
 ``failover URL NAME FIRE_AT_MS LEASE HEARTBEAT``
     One job ``fo`` firing at FIRE_AT_MS (store time); the handler runs until cancelled.
     On SIGTERM it prints the store time at which ``stop()`` was called.
@@ -24,6 +28,7 @@ SIGKILLed by the parent):
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import signal
@@ -192,6 +197,37 @@ async def failover(url: str, name: str, fire_at_ms: int, lease: str, heartbeat: 
         await _until_sigterm(scheduler, lambda: None)
 
 
+async def fleet(url: str, name: str, prefix: str, jobs: int, interval: float, lease: str,
+                heartbeat: str) -> None:
+    """A member of the fleet-kill benchmark (see module docs)."""
+    backend, _ = make_backend(url, prefix)
+    scheduler = Scheduler(backend, instance_id=name, lease=lease, heartbeat=heartbeat,
+                          history_size=50)
+
+    async def handler(ctx: RunContext) -> None:
+        await anyio.sleep(0.02)
+
+    period_ms = int(interval * 1000)
+    for i in range(jobs):
+        scheduler.every(f"k{i}", f"{interval:g}s", handler,
+                        offset=f"{(i * period_ms) // max(jobs, 1)}ms", catch_up="none")
+    async with scheduler:
+        emit(event="started")
+        async with anyio.create_task_group() as tg:
+            async def reporter() -> None:
+                while True:
+                    emit(event="status", fleet_size=scheduler.health().fleet_size,
+                         store_ms=scheduler.store_now_ms())
+                    await anyio.sleep(0.5)
+
+            tg.start_soon(reporter)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            tg.cancel_scope.cancel()
+        await scheduler.stop(grace=0)
+
+
 def cpu_seconds() -> float:
     """User + system CPU seconds of this process, from /proc."""
     with open("/proc/self/stat") as f:
@@ -203,17 +239,30 @@ async def scale(url: str, jobs: int, name: str, prefix: str, interval: float,
                 handler_s: float, heartbeat: float) -> None:
     """A fleet member of the scale benchmark (see module docs)."""
     backend, counter = make_backend(url, prefix)
-    calls = {"heartbeat": 0, "check": 0, "claim": 0}
+    calls = {"heartbeat": 0, "check": 0, "claim": 0, "claim_many": 0, "claims_sent": 0}
+
+    within_claim: contextvars.ContextVar[bool] = contextvars.ContextVar("within_claim",
+                                                                        default=False)
 
     def counted(op: str, method: Any) -> Any:
         async def call(*args: Any, **kwargs: Any) -> Any:
-            result = await method(*args, **kwargs)
+            # a backend's claim may be its claim_many of one: count the claim once
+            token = None
+            if op in ("claim", "claim_many") and not within_claim.get():
+                calls["claims_sent"] += len(args[0]) if op == "claim_many" else 1
+                token = within_claim.set(True)
+            try:
+                result = await method(*args, **kwargs)
+            finally:
+                if token is not None:
+                    within_claim.reset(token)
             calls[op] += 1
             return result
         return call
 
-    # count the scheduler's calls of the backend that returned (one per tick or claim)
-    for op in calls:
+    # count the scheduler's calls of the backend that returned (one per tick or claim),
+    # and the claims sent (a batch counting each of its claims)
+    for op in ("heartbeat", "check", "claim", "claim_many"):
         setattr(backend, op, counted(op, getattr(backend, op)))
     scheduler = Scheduler(backend, instance_id=name, lease=f"{3 * heartbeat}s",
                           heartbeat=f"{heartbeat}s")
@@ -249,6 +298,8 @@ def main(argv: list[str]) -> None:
     elif mode == "scale":
         anyio.run(scale, url, int(rest[0]), rest[1], rest[2], float(rest[3]), float(rest[4]),
                   float(rest[5]))
+    elif mode == "fleet":
+        anyio.run(fleet, url, rest[0], rest[1], int(rest[2]), float(rest[3]), rest[4], rest[5])
     elif mode == "failover":
         anyio.run(failover, url, rest[0], int(rest[1]), rest[2], rest[3], rest[4])
     else:

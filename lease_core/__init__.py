@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from ._registry import backend_from_url
     from .abc import Backend
     from .context import Checkpoint, RunContext
+    from .lease import Lease, SyncLease
     from .operations import Admin
     from .scheduler import Health, Scheduler, SchedulerState
     from .sync import SyncScheduler
@@ -74,6 +75,7 @@ __all__ = [
     "HandedOver",
     "Health",
     "HistoryTrimmed",
+    "Lease",
     "LeaseLost",
     "Lost",
     "MemoryBackend",
@@ -95,6 +97,7 @@ __all__ = [
     "StoreFormatError",
     "StoreNotFound",
     "StoreUnreachable",
+    "SyncLease",
     "SyncScheduler",
     "TakenOver",
     "TimedOut",
@@ -114,6 +117,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Health": ("lease_core.scheduler", ""),
     "SyncScheduler": ("lease_core.sync", ""),
     "Workflow": ("lease_core.workflows", ""),
+    "Lease": ("lease_core.lease", ""),
+    "SyncLease": ("lease_core.lease", ""),
     "RunContext": ("lease_core.context", ""),
     "Checkpoint": ("lease_core.context", ""),
     "Backend": ("lease_core.abc", ""),

@@ -89,6 +89,8 @@ from typing import Any, Self
 
 import anyio
 
+from ._named_leases import LeaseAnswer, NamedLeaseStore
+from ._operations_store import OperationsStore
 from ._structures import (
     Attempt,
     CheckResult,
@@ -105,7 +107,6 @@ from ._structures import (
     RunStatus,
 )
 from .errors import ConfigurationError
-from .operations import Operation, OperationResult
 
 #: How many attempts the default :meth:`Backend.jobs` and :meth:`Backend.runs` read.
 _DERIVED_LIMIT = 10_000
@@ -124,6 +125,7 @@ __all__ = [
     "HeartbeatResult",
     "JobInfo",
     "Lease",
+    "LeaseAnswer",
     "Outcome",
     "Reason",
     "RunInfo",
@@ -243,7 +245,7 @@ def finish_status(outcome: object) -> RunStatus:
     )
 
 
-class Backend(ABC):
+class Backend(NamedLeaseStore, OperationsStore, ABC):
     """The store a :class:`~lease_core.Scheduler` coordinates through.
 
     A backend may be shared by several schedulers in one process. :meth:`start` and
@@ -252,7 +254,9 @@ class Backend(ABC):
     user passed in are never closed.
 
     A subclass implements the abstract methods and one method of each pair of
-    :data:`TWINS` (see *Single and batch twins* in the module docs).
+    :data:`TWINS` (see *Single and batch twins* in the module docs), and may implement
+    the named leases of :class:`~lease_core._named_leases.NamedLeaseStore` and the
+    operations of :class:`~lease_core._operations_store.OperationsStore`.
     """
 
     #: The URL schemes :func:`~lease_core.backend_from_url` maps to this backend.
@@ -273,7 +277,7 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self._users = 0
-        self._start_lock = anyio.Lock()
+        self._start_lock = anyio.Lock(fast_acquire=True)  # leases start it per hold
 
     async def start(self, *, create: bool = True) -> None:
         """Open connections and create the store's structures when missing.
@@ -558,22 +562,6 @@ class Backend(ABC):
             found = [r for r in found if not r.status.finished]
         found.sort(key=lambda r: (-r.slot, r.job))
         return found[:limit]
-
-    async def operate(self, op: Operation) -> OperationResult:
-        """Make the operation ``op`` atomically, or refuse it changing nothing.
-
-        See :mod:`lease_core.operations`; the default raises ConfigurationError.
-        """
-        raise ConfigurationError(f"{type(self).__name__} has no operations ({op.kind!s})")
-
-    async def paused(self) -> dict[str, str]:
-        """Return the paused jobs, each with who paused it (the default: none)."""
-        return {}
-
-    async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
-        """Return the ``handed_over`` runs of ``jobs`` (read once per heartbeat)."""
-        return [(r.job, r.slot) for r in await self.runs(open_only=True, limit=1000)
-                if r.job in jobs and r.status is RunStatus.HANDED_OVER]
 
     @abstractmethod
     async def get_checkpoint(self, job: str, slot: int) -> Any:

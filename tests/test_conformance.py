@@ -10,5 +10,6 @@ from __future__ import annotations
 import pytest
 
 from lease_core.testing.conformance import *  # noqa: F403 - every test_* check is collected here
+from lease_core.testing.lease_checks import *  # noqa: F403 - and the named leases' checks
 
 pytestmark = pytest.mark.anyio

@@ -121,9 +121,10 @@ def summary(out: str) -> dict[str, int]:
 
 @pytest.mark.timeout(115)
 def test_a_third_party_backend_passes_the_shipped_suite(tmp_path: Path) -> None:
-    from lease_core.testing import conformance
+    from lease_core.testing import conformance, lease_checks
 
-    checks = [name for name in vars(conformance) if name.startswith("test_")]
+    checks = [name for module in (conformance, lease_checks) for name in vars(module)
+              if name.startswith("test_")]
     out = run_suite(tmp_path, "toy")
     assert out.returncode == 0, out.stdout + out.stderr
     # Every check on both loops, and the differential test once.
@@ -173,4 +174,34 @@ async def test_membership_checks_skip_a_backend_that_keeps_no_membership() -> No
     assert len(checks) == 4
     for check in checks:
         with pytest.raises(pytest.skip.Exception, match="keeps no membership"):
+            await check(Shared())
+
+
+@pytest.mark.anyio
+async def test_lease_checks_skip_a_backend_without_named_leases() -> None:
+    from backends.memory import MemoryBackend
+    from lease_core._named_leases import LeaseAnswer, NamedLeaseStore
+    from lease_core.abc import Backend
+    from lease_core.errors import ConfigurationError
+    from lease_core.testing import Store, lease_checks
+
+    class NoLeases(MemoryBackend):
+        """The memory backend with the contract's default named leases: none."""
+
+        async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
+            return await NamedLeaseStore.acquire_lease(self, name, holder, ttl_ms)
+
+    class Shared(Store):
+        def __init__(self) -> None:
+            self.shared = NoLeases()
+
+        def backend(self) -> Backend:
+            return self.shared
+
+    with pytest.raises(ConfigurationError, match="NoLeases has no named leases"):
+        await NoLeases().acquire_lease("n", "h", 1_000)
+    checks = [check for name, check in vars(lease_checks).items() if name.startswith("test_")]
+    assert len(checks) == 6
+    for check in checks:
+        with pytest.raises(pytest.skip.Exception, match="has no named leases"):
             await check(Shared())

@@ -45,6 +45,7 @@ from lease_core.abc import (
 from lease_core.errors import ConfigurationError
 
 from .fenced import FencedTransaction, fenced_transaction
+from .leases import PostgresNamedLeases
 from .operations import StoreOperations
 from .schema import StoreSchema
 from .statements import LOCK_NOT_AVAILABLE, Statements, split_table, sqlstate
@@ -116,7 +117,7 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
     return split_url_options(url, _URL_OPTIONS)
 
 
-class PostgresBackend(StoreOperations):
+class PostgresBackend(PostgresNamedLeases, StoreOperations):
     """Coordinate through PostgreSQL (tested: 15, 16, 18; see the module docs for the SQL).
 
     ``connection`` is anything :func:`adapters.sql.adapter_for` accepts: ``None``

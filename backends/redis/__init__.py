@@ -12,7 +12,8 @@ The scripts live in ``backends/redis_lua/*.lua`` (each prefixed with ``_prelude.
 are registered with the driver (``register_script``) and run with ``EVALSHA``; a
 ``NOSCRIPT`` reply (after ``SCRIPT FLUSH`` or a restart) loads the script and retries (see
 :mod:`adapters.redis`). A claim or a finish is one script call (a claim adds ``SADD`` to
-the jobs set, in the same round trip, the first time this process claims its job).
+the jobs set, in the same round trip, the first time this process claims its job); a lone
+command is sent without a pipeline.
 Batched calls (claim_many, heartbeat, hand-over, check, register) send one
 non-transactional pipeline: one round trip, and valid on a Cluster because each command
 touches one slot (the Cluster client groups them by slot). A heartbeat sends one script
@@ -36,14 +37,27 @@ key                          type    content
                                      ``quiet`` (when a data loss was found, and the end
                                      of its quarantine; ms)
 ``{P/E}:run:<slot>``         hash    ``st`` status, ``att`` attempt, ``tok`` token, ``inst``
-                                     instance, ``exp`` expiry (ms), ``cp`` checkpoint JSON,
-                                     ``n`` attempts still in the history
+                                     instance, ``exp`` expiry (ms; ``tok`` and ``exp`` are
+                                     ``''`` once the run ended), ``cp`` checkpoint JSON,
+                                     ``n`` attempts still in the history, ``tk``
+                                     takeovers; the current attempt's record: ``r``
+                                     reason, ``c`` claimed, ``o`` outcome, ``e`` error,
+                                     ``f`` finished (ms); ``h<attempt>`` the JSON record
+                                     of each earlier attempt
 ``{P/E}:open``               zset    slots of runs ``running`` or ``handed_over``
 ``{P/E}:hist``               zset    attempt ids ``<slot>:<attempt>`` by insertion order
-``{P/E}:att``                hash    attempt id -> JSON record
+``{P/E}:att``                hash    attempt id -> JSON record (store format 1 only: read,
+                                     never written by format 2)
 ``{P/E}:done``               zset    finished attempt ids by finish time (for the TTL)
 ``{P/E}:orphan``             set     slots whose attempts were all trimmed
 ===========================  ======  =====================================================
+
+Store format 2 (:data:`STORE_FORMAT`) keeps the attempt records in the run hashes, so a
+claim that wins a new run is 8 commands inside its script (``TIME``, ``HMGET`` of the job
+and of the run, ``ZRANGEBYSCORE`` of the open runs for the overlap check, ``HSET`` of the
+run, ``ZADD`` open, ``HSET`` of the job, ``ZADD`` history) and a finish 5 (``TIME``,
+``HMGET`` and ``HSET`` of the run, ``ZREM`` open, ``ZADD`` done). Format 1 kept them in
+``{P/E}:att``; the scripts read both, and opening a format-1 store marks it format 2.
 
 History is trimmed by :meth:`RedisBackend.prune` (``trim.lua``), which the scheduler's
 ticker calls for every job (``history_size`` newest, and ``history_ttl``), never by a

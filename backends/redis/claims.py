@@ -9,9 +9,11 @@ from lease_core._structures import ClaimRequest, ClaimResult, ClaimStatus, JobIn
 
 from .core import RedisStore
 from .replies import as_text, claim_fields, claim_result, counted_replies
-from .scripts import SCRIPT_BATCH
+from .scripts import SCRIPT_BATCH, SCRIPTS
 
 __all__ = ["RedisClaims"]
+
+_CLAIM_SHA = SCRIPTS["claim"].sha
 
 
 class RedisClaims(RedisStore):
@@ -34,6 +36,30 @@ class RedisClaims(RedisStore):
             out[name] = JobInfo(name, int(first), int(last) if last else None,
                                 tuple(sorted(int(s) for s in slots)), new == "1")
         return out
+
+    async def claim(self, request: ClaimRequest) -> ClaimResult:
+        """Make one claim: one ``claim.lua`` call, as a batch of one would.
+
+        The common case (a job this process listed already, no ``wait_replicas``) skips
+        the batch's bookkeeping; the others go through :meth:`claim_many`.
+        """
+        if self.wait_replicas is not None or request.job not in self._listed:
+            (result,) = await self.claim_many([request])
+            return result
+        lease_ms = int(request.lease_ms)
+        if lease_ms > self._longest_ms:
+            self._longest_ms = lease_ms
+        (reply,) = await self._run((self._claim_command(request),))
+        fields = claim_fields(reply)
+        result = claim_result(request, fields)
+        markers = self._markers
+        if len(markers) > 100_000:  # a bound for processes that make up job names
+            markers.clear()
+            self._quiet.clear()
+        markers[request.job] = as_text(fields[6])
+        if result.status is ClaimStatus.RUNNING and result.run_status is None:
+            self._quiet[request.job] = result.expires_ms or 0
+        return result
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
         """Make the claims in order, in one pipelined round trip.
@@ -105,18 +131,12 @@ class RedisClaims(RedisStore):
         return self._eval("claim_many", keys, args)
 
     def _claim_command(self, request: ClaimRequest) -> Command:
+        """One ``claim.lua`` call for ``request`` (a Cluster, or a token holding ``|``)."""
         tag = self._tag(request.job)
-        args: list[str | int] = [
-            int(request.slot), request.instance_id, request.token, int(request.lease_ms),
-            request.reason.value, 1 if request.overlap_skip else 0,
-            "" if request.max_attempts is None else int(request.max_attempts),
-            max(0, int(request.history_size)),
-            "" if request.history_ttl_ms is None else int(request.history_ttl_ms),
-            f"{tag}:run:",
-            # the script reads these two from the end of its arguments
-            self._markers.get(request.job, ""), self._longest_ms,
-        ]
-        return self._eval("claim", [f"{tag}:job", f"{tag}:run:{int(request.slot)}",
-                                    f"{tag}:open", f"{tag}:hist", f"{tag}:att", f"{tag}:done",
-                                    f"{tag}:orphan"], args)
-
+        limit = request.max_attempts
+        return ("EVALSHA", _CLAIM_SHA, 6, f"{tag}:job", f"{tag}:run:{int(request.slot)}",
+                f"{tag}:open", f"{tag}:hist", f"{tag}:att", f"{tag}:done",
+                int(request.slot), request.instance_id, request.token, int(request.lease_ms),
+                request.reason.value, 1 if request.overlap_skip else 0,
+                "" if limit is None else int(limit), f"{tag}:run:",
+                self._markers.get(request.job, ""), self._longest_ms)

@@ -243,7 +243,7 @@ class RedisStore(Backend):
 
     async def _run(self, commands: Sequence[Command]) -> list[Any]:
         """Send ``commands`` in one round trip (the adapter loads scripts the server lost)."""
-        adapter = await self._require()
+        adapter = self._adapter or await self._require()
         replies = await adapter.execute(commands)
         for reply in replies:
             if isinstance(reply, Exception):

@@ -11,9 +11,14 @@ from lease_core.abc import decode_checkpoint, encode_checkpoint, finish_status
 
 from .core import RedisStore
 from .replies import as_text, time_ms
-from .scripts import HEARTBEAT_BATCH
+from .scripts import HEARTBEAT_BATCH, SCRIPTS
 
 __all__ = ["RedisLeases"]
+
+_FINISH_SHA = SCRIPTS["finish"].sha
+#: The run status each outcome finish() takes ends a run with (finish_status, cached).
+_FINISH_STATUS: dict[object, str] = {
+    o: finish_status(o).value for o in (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT)}
 
 
 class RedisLeases(RedisStore):
@@ -58,6 +63,14 @@ class RedisLeases(RedisStore):
             self._check_wait(replies[-1], f"the heartbeat of {len(held)} lease(s)")
         return HeartbeatResult(now, frozenset(held))
 
+    async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
+        """End the attempt with ``outcome``: one ``finish.lua`` call (see
+        :meth:`~lease_core.abc.Backend.finish`)."""
+        status = (_FINISH_STATUS.get(outcome) if isinstance(outcome, str) else None
+                  ) or finish_status(outcome).value
+        (done,) = await self._run((self._finish_command(lease, status, error),))
+        return int(done) == 1
+
     async def finish_many(
         self, items: Sequence[tuple[Lease, Outcome, str | None]]
     ) -> list[bool]:
@@ -71,11 +84,12 @@ class RedisLeases(RedisStore):
 
     def _finish_command(self, lease: Lease, status: str, error: str | None) -> Command:
         tag = self._tag(lease.job)
-        return self._eval(
-            "finish",
-            [f"{tag}:run:{int(lease.slot)}", f"{tag}:open", f"{tag}:att", f"{tag}:done"],
-            [lease.token, int(lease.slot), status, 0 if error is None else 1, error or ""],
-        )
+        slot = int(lease.slot)
+        if error is None:
+            return ("EVALSHA", _FINISH_SHA, 4, f"{tag}:run:{slot}", f"{tag}:open",
+                    f"{tag}:att", f"{tag}:done", lease.token, slot, status)
+        return ("EVALSHA", _FINISH_SHA, 4, f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:att",
+                f"{tag}:done", lease.token, slot, status, error)
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Mark each held run ``handed_over``, in one pipelined round trip."""

@@ -43,7 +43,8 @@ class RedisRecords(RedisStore):
         commands = []
         for name in jobs:
             keys = self._job_keys(name)
-            commands.append(self._eval("history", [keys["hist"], keys["att"]], [int(limit)]))
+            commands.append(self._eval("history", [keys["hist"], keys["att"]],
+                                       [int(limit), f"{self._tag(name)}:run:"]))
         items = []
         for name, records in zip(jobs, await self._run(commands), strict=True):
             items += [attempt_record(name, as_text(raw)) for raw in records]

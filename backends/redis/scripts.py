@@ -12,16 +12,21 @@ from importlib import resources
 
 __all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "Script"]
 
-#: The store format this version writes; a store with a newer one is refused.
-STORE_FORMAT = 1
+#: The store format this version writes; a store with a newer one is refused, an older one
+#: (1: every attempt record in the ``{P/E}:att`` hash) is read as it is and marked 2.
+STORE_FORMAT = 2
 
 _SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
             "checkpoint", "register", "history", "trim", "members")
 #: Files prepended to a script after the prelude (the claim function it calls).
-_INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",)}
+_INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",), "trim": ("_trim",)}
 #: Claims per ``claim_many.lua`` call at most: one script call keeps the server busy, so
 #: a large batch goes as several calls (in the same pipeline).
 SCRIPT_BATCH = 100
+#: The named leases' scripts (backends/redis/named.py), one key each, prefixed with the
+#: short ``_lease_prelude.lua`` (the server's clock only).
+_LEASE_SCRIPTS = ("lease_acquire", "lease_renew", "lease_release")
+
 #: Leases one ``heartbeat.lua`` call renews at most on a server that is not a Cluster.
 HEARTBEAT_BATCH = 1000
 
@@ -42,10 +47,12 @@ class Script:
 def _load_scripts() -> dict[str, Script]:
     folder = resources.files("backends") / "redis_lua"
     prelude = (folder / "_prelude.lua").read_text(encoding="utf-8")
+    lease_prelude = (folder / "_lease_prelude.lua").read_text(encoding="utf-8")
     scripts = {}
-    for name in _SCRIPTS:
-        parts = [prelude] + [(folder / f"{part}.lua").read_text(encoding="utf-8")
-                             for part in (*_INCLUDES.get(name, ()), name)]
+    for name in (*_SCRIPTS, *_LEASE_SCRIPTS):
+        first = lease_prelude if name in _LEASE_SCRIPTS else prelude
+        parts = [first] + [(folder / f"{part}.lua").read_text(encoding="utf-8")
+                           for part in (*_INCLUDES.get(name, ()), name)]
         source = "\n".join(parts)
         sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
         scripts[name] = Script(name, source, sha)

@@ -4,10 +4,10 @@
 --               data), lost and quiet (after a data loss, see 0.)
 -- run hash      {p/job}:run:<slot>  st, att, tok, inst, exp, cp, n, tk (tk: takeovers,
 --               the attempts max_attempts counts besides the first; absent on runs
---               written before it was kept)
+--               written before it was kept); the attempts' records (see _prelude.lua)
 -- open zset     {p/job}:open   slots of running / handed_over runs
 -- history zset  {p/job}:hist   attempt id -> insertion sequence
--- attempts hash {p/job}:att    attempt id -> JSON record
+-- attempts hash {p/job}:att    attempt id -> JSON record (store format 1 only)
 -- done zset     {p/job}:done   finished attempt id -> finish time
 -- slot, inst, token: the run's slot (text), the claiming instance, the claim's token;
 -- lease_ms, max_attempts (nil = none): numbers; reason: text; overlap_skip: boolean;
@@ -15,14 +15,35 @@
 -- longest: the longest lease the caller knows (ms).
 -- Returns 'status|now|attempt|reason|expires|run_status|marker|instance' ('' = none):
 -- one string, which a client reads at a fraction of the cost of an array of eight.
-local function reply(...)
-  local parts = {...}
-  for k, v in ipairs(parts) do
-    if type(v) == 'number' then
-      parts[k] = string.format('%d', v)
-    end
+-- A first win costs 8 commands: TIME, HMGET job, HMGET run, ZRANGEBYSCORE open (with
+-- overlap_skip), HSET run, ZADD open, HSET job, ZADD hist.
+local function num(v)
+  if type(v) == 'number' then
+    return string.format('%d', v)
   end
-  return table.concat(parts, '|')
+  return v or ''
+end
+
+local function reply(status, attempt, why, expires, run_status, sid, instance)
+  return status .. '|' .. string.format('%d', now) .. '|' .. num(attempt or 0) .. '|'
+    .. (why or '') .. '|' .. num(expires) .. '|' .. (run_status or '') .. '|'
+    .. (sid or '') .. '|' .. (instance or '')
+end
+
+-- Write the job's fields gathered by the claim (jf: field, value, ...), if any.
+local function write_job(job, jf)
+  if #jf > 0 then
+    redis.call('HSET', job, unpack(jf))
+  end
+end
+
+-- Add attempt `id` to the history, its sequence number written with the job's fields.
+local function add_history(job, hist, jf, seq, id)
+  seq = (tonumber(seq) or 0) + 1
+  jf[#jf + 1] = 'seq'
+  jf[#jf + 1] = seq
+  redis.call('HSET', job, unpack(jf))
+  redis.call('ZADD', hist, seq, id)
 end
 
 local function claim(job, run, open, hist, att, done, slot, inst, token, lease_ms, reason,
@@ -34,8 +55,10 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   -- leases lost with the data may still be running, so no attempt starts before the loss
   -- plus the longest lease the callers know ('quiet'; a later caller with a longer lease
   -- extends it, never shortens it). `seen` is the marker the caller saw ('' = none
-  -- yet), `longest` the longest lease it knows (ms).
-  local sid, lost, quiet = unpack(redis.call('HMGET', job, 'sid', 'lost', 'quiet'))
+  -- yet), `longest` the longest lease it knows (ms). The same HMGET reads the job's
+  -- registration, watermark and history sequence.
+  local sid, lost, quiet, first, last, seq = unpack(redis.call('HMGET', job, 'sid', 'lost',
+    'quiet', 'first_seen', 'last_slot', 'seq'))
   quiet = tonumber(quiet)
   if seen ~= '' and sid ~= seen then
     if not sid then
@@ -52,49 +75,27 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     end
   end
   if quiet and quiet > now then
-    return reply('running', now, 0, '', quiet, '', sid, '')  -- no run: claim again after quiet
+    return reply('running', 0, '', quiet, '', sid, '')  -- no run: claim again after quiet
   end
-  if not sid then  -- the job's first claim in this store
+
+  -- 1. the job's fields to write, in one HSET whatever the answer: its marker (the
+  -- job's first claim in this store), its registration, its last slot raised
+  local jf = {}
+  if not sid then
     sid = redis.sha1hex(token)
-    redis.call('HSET', job, 'sid', sid)
+    jf = {'sid', sid}
+  end
+  if not first then
+    jf[#jf + 1] = 'first_seen'
+    jf[#jf + 1] = now
+  end
+  if not last or tonumber(last) < slot_n then
+    jf[#jf + 1] = 'last_slot'
+    jf[#jf + 1] = slot
   end
 
-  local function record(attempt, why, outcome, err)
-    local id = slot .. ':' .. attempt
-    local seq = redis.call('HINCRBY', job, 'seq', 1)
-    local rec = {s = slot, a = attempt, i = inst, r = why, c = now}
-    if outcome then
-      rec.o = outcome
-      rec.e = err
-      rec.f = now
-      redis.call('ZADD', done, now, id)
-    end
-    redis.call('ZADD', hist, seq, id)
-    redis.call('HSET', att, id, cjson.encode(rec))
-    redis.call('HINCRBY', run, 'n', 1)
-  end
-
-  -- 1. register the job and raise its last slot
-  local first, last = unpack(redis.call('HMGET', job, 'first_seen', 'last_slot'))
-  local raise = not last or tonumber(last) < slot_n
-  if not first and raise then
-    redis.call('HSET', job, 'first_seen', now, 'last_slot', slot)
-  elseif not first then
-    redis.call('HSET', job, 'first_seen', now)
-  elseif raise then
-    redis.call('HSET', job, 'last_slot', slot)
-  end
-
-  local st, attempt, exp, holder, tok = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst',
-    'tok'))
-
-  -- the reply, from the run as it is now (read back), or as the caller knows it to be
-  local function result(status, why, s, a, e, i)
-    if not s then
-      s, a, e, i = unpack(redis.call('HMGET', run, 'st', 'att', 'exp', 'inst'))
-    end
-    return reply(status, now, a or 0, why or '', e or '', s or '', sid, i or '')
-  end
+  local st, attempt, exp, holder, tok, tk, n, c, r, o, e, f = unpack(redis.call('HMGET', run,
+    'st', 'att', 'exp', 'inst', 'tok', 'tk', 'n', 'c', 'r', 'o', 'e', 'f'))
 
   -- 2. a new run: skipped behind a live earlier run, or won
   if not st then
@@ -102,46 +103,62 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       for _, other in ipairs(redis.call('ZRANGEBYSCORE', open, '-inf', '(' .. slot)) do
         local ost, oexp = unpack(redis.call('HMGET', run_prefix .. other, 'st', 'exp'))
         if ost == 'running' and oexp and tonumber(oexp) > now then
-          redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst)
-          record(1, reason, 'skipped', 'an earlier run of the job still holds its lease')
-          return result('skipped')
+          redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst, 'n', 1,
+            'r', reason, 'c', now, 'o', 'skipped',
+            'e', 'an earlier run of the job still holds its lease', 'f', now)
+          redis.call('ZADD', done, now, slot .. ':1')
+          add_history(job, hist, jf, seq, slot .. ':1')
+          return reply('skipped', 1, '', nil, 'skipped', sid, inst)
         end
       end
     end
+    local expires = now + lease_ms
     redis.call('HSET', run, 'st', 'running', 'att', 1, 'tok', token, 'inst', inst,
-      'exp', now + lease_ms, 'tk', 0)
+      'exp', expires, 'tk', 0, 'n', 1, 'r', reason, 'c', now)
     redis.call('ZADD', open, slot, slot)
-    record(1, reason)
-    return result('won', reason, 'running', 1, now + lease_ms, inst)
+    add_history(job, hist, jf, seq, slot .. ':1')
+    return reply('won', 1, reason, expires, 'running', sid, inst)
   end
 
   -- A claim sent again with the token that holds the run (its first try took effect and
   -- the reply was lost with the connection) answers as the first try did.
   if st == 'running' and tok == token then
-    local rec = redis.call('HGET', att, slot .. ':' .. attempt)
-    return result('won', rec and cjson.decode(rec).r or reason, st, attempt, exp, holder)
+    write_job(job, jf)
+    local why = r
+    if not why then  -- a record of store format 1 (or trimmed)
+      local rec = redis.call('HGET', att, slot .. ':' .. attempt)
+      why = rec and cjson.decode(rec).r or reason
+    end
+    return reply('won', attempt, why, exp, st, sid, holder)
   end
 
   -- 3. finished; 4. live lease held by another attempt
   if FINISHED[st] then
-    return result('finished', nil, st, attempt, exp, holder)
+    write_job(job, jf)
+    return reply('finished', attempt, '', exp, st, sid, holder)
   end
   attempt = tonumber(attempt)
   if st == 'running' and exp and tonumber(exp) > now then
-    return result('running', nil, st, attempt, exp, holder)
+    write_job(job, jf)
+    return reply('running', attempt, '', exp, st, sid, holder)
   end
 
   -- 5. handed over; 6. expired (escalate when the first attempt and the takeovers reach
   -- max_attempts, hand-overs not counted; else take over)
   local why
   local last_id = slot .. ':' .. attempt
-  local takeovers = tonumber(redis.call('HGET', run, 'tk') or '')
+  local takeovers = tonumber(tk or '')
   if not takeovers then
     -- a run written before 'tk' was kept: count the takeovers its history recorded
     takeovers = 0
     for a = 2, attempt do
-      local raw = redis.call('HGET', att, slot .. ':' .. a)
-      if raw and cjson.decode(raw).r == 'takeover' then
+      local why_a = a == attempt and r
+      if not why_a then
+        local raw = redis.call('HGET', run, 'h' .. a) or redis.call('HGET', att,
+          slot .. ':' .. a)
+        why_a = raw and cjson.decode(raw).r
+      end
+      if why_a == 'takeover' then
         takeovers = takeovers + 1
       end
     end
@@ -150,21 +167,44 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     why = 'hand-over'
   else
     if max_attempts and 1 + takeovers >= max_attempts then
-      redis.call('HSET', run, 'tk', takeovers)
-      end_attempt(att, done, last_id, 'escalated', 'lease lost on attempt ' .. attempt
-        .. ' of max_attempts=' .. max_attempts .. ' (hand-overs not counted); escalated')
-      redis.call('HSET', run, 'st', 'escalated')
+      local err = 'lease lost on attempt ' .. attempt .. ' of max_attempts=' .. max_attempts
+        .. ' (hand-overs not counted); escalated'
+      if c and not o then
+        redis.call('HSET', run, 'tk', takeovers, 'st', 'escalated', 'o', 'escalated',
+          'e', err, 'f', now)
+        redis.call('ZADD', done, now, last_id)
+      else
+        redis.call('HSET', run, 'tk', takeovers, 'st', 'escalated')
+        if not c then
+          end_attempt(att, done, last_id, 'escalated', err)
+        end
+      end
       redis.call('HDEL', run, 'tok', 'exp')
       redis.call('ZREM', open, slot)
-      return result('escalated', nil, 'escalated', attempt, nil, holder)
+      write_job(job, jf)
+      return reply('escalated', attempt, '', nil, 'escalated', sid, holder)
     end
-    end_attempt(att, done, last_id, 'lost', 'lease expired without renewal')
+    if c then
+      if not o then
+        o, e, f = 'lost', 'lease expired without renewal', now
+        redis.call('ZADD', done, now, last_id)
+      end
+    else
+      end_attempt(att, done, last_id, 'lost', 'lease expired without renewal')
+    end
     why = 'takeover'
     takeovers = takeovers + 1
   end
-  redis.call('HSET', run, 'st', 'running', 'att', attempt + 1, 'tok', token, 'inst', inst,
-    'exp', now + lease_ms, 'tk', takeovers)
+  local expires = now + lease_ms
+  local fields = {'st', 'running', 'att', attempt + 1, 'tok', token, 'inst', inst,
+    'exp', expires, 'tk', takeovers, 'n', (tonumber(n) or 0) + 1, 'r', why, 'c', now}
+  if c then  -- the ended attempt's record is kept as JSON (format 1's, read by history)
+    fields[#fields + 1] = 'h' .. attempt
+    fields[#fields + 1] = record_json(slot, attempt, holder, r, c, o, e, f)
+    redis.call('HDEL', run, 'o', 'e', 'f')
+  end
+  redis.call('HSET', run, unpack(fields))
   redis.call('ZADD', open, slot, slot)
-  record(attempt + 1, why)
-  return result('won', why, 'running', attempt + 1, now + lease_ms, inst)
+  add_history(job, hist, jf, seq, slot .. ':' .. (attempt + 1))
+  return reply('won', attempt + 1, why, expires, 'running', sid, inst)
 end

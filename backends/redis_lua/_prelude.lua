@@ -6,14 +6,19 @@ if redis.replicate_commands then
 end
 
 -- The store's clock, in epoch milliseconds. Leases never use the client's clock.
-local function server_now()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local now = server_now()
+local FINISHED = {completed = true, failed = true, timed_out = true, escalated = true,
+  skipped = true}
 
--- Set outcome, error and finished time on an attempt record that has no outcome yet.
+-- Store format 2 keeps the record of a run's current attempt in the run hash (r reason,
+-- c claimed at, o outcome, e error, f finished at; instance and attempt are the run's
+-- inst and att) and the records of its earlier attempts as JSON under h<attempt>.
+-- Format 1 kept every record as JSON in the attempts hash {p/job}:att; a run it wrote
+-- has no 'c', and its records are read (and ended) there.
+
+-- End a format-1 attempt record that has no outcome yet (outcome, error, finish time).
 -- att: hash of attempt id -> JSON; done: zset of finished attempt ids by finish time.
 local function end_attempt(att, done, id, outcome, err)
   local raw = redis.call('HGET', att, id)
@@ -31,62 +36,9 @@ local function end_attempt(att, done, id, outcome, err)
   redis.call('ZADD', done, now, id)
 end
 
-local FINISHED = {completed = true, failed = true, timed_out = true, escalated = true,
-  skipped = true}
-
--- Trim one job's history: beyond its newest history_size attempts (nil: no limit), and
--- attempts that finished history_ttl ms ago or more (nil: none), at most `limit` ids of
--- each kind per call; then delete finished runs left with no attempt. Returns how many
--- attempts it deleted.
-local function trim_history(hist, att, done, orphan, run_prefix, history_size,
-                            history_ttl, limit)
-  local removed = {}
-  if history_size then
-    local excess = redis.call('ZCARD', hist) - history_size
-    if excess > 0 then
-      for _, id in ipairs(redis.call('ZRANGE', hist, 0, math.min(excess, limit) - 1)) do
-        removed[#removed + 1] = id
-      end
-    end
-  end
-  if history_ttl then
-    local old = redis.call('ZRANGEBYSCORE', done, '-inf', '(' .. (now - history_ttl),
-      'LIMIT', 0, limit)
-    for _, id in ipairs(old) do
-      removed[#removed + 1] = id
-    end
-  end
-  if #removed == 0 then
-    return 0
-  end
-  local count = 0
-  for _, id in ipairs(removed) do
-    if redis.call('ZREM', hist, id) == 1 then
-      count = count + 1
-      redis.call('HDEL', att, id)
-      redis.call('ZREM', done, id)
-      local s = string.match(id, '^(.*):%d+$')
-      local rk = run_prefix .. s
-      if redis.call('EXISTS', rk) == 1 and redis.call('HINCRBY', rk, 'n', -1) <= 0 then
-        if FINISHED[redis.call('HGET', rk, 'st')] then
-          redis.call('DEL', rk)  -- a finished run left with no attempt goes at once
-        else
-          redis.call('SADD', orphan, s)
-        end
-      end
-    end
-  end
-  -- finished runs that no longer have any attempt are deleted
-  for _, s in ipairs(redis.call('SMEMBERS', orphan)) do
-    local rk = run_prefix .. s
-    local st, n = unpack(redis.call('HMGET', rk, 'st', 'n'))
-    if not st or tonumber(n or '0') > 0 then
-      redis.call('SREM', orphan, s)
-    elseif FINISHED[st] then
-      redis.call('DEL', rk)
-      redis.call('SREM', orphan, s)
-    end
-  end
-  return count
+-- A format-2 record as the JSON of a format-1 one (what history() reads); a missing
+-- field (false, as HMGET gives it) is left out.
+local function record_json(slot, attempt, inst, r, c, o, e, f)
+  return cjson.encode({s = tonumber(slot), a = tonumber(attempt), i = inst or nil,
+    r = r or nil, c = tonumber(c), o = o or nil, e = e or nil, f = tonumber(f)})
 end
-

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 # Plain asserts in the shipped checks report their values as a test module's asserts do.
-pytest.register_assert_rewrite("lease_core.testing.conformance", "lease_core.testing.differential")
+pytest.register_assert_rewrite("lease_core.testing.conformance", "lease_core.testing.differential",
+                               "lease_core.testing.lease_checks")
 
 from ._suite import BackendConformance  # noqa: E402
 from ._tools import Store, wait_for  # noqa: E402

@@ -12,15 +12,17 @@ import pytest
 
 from lease_core.abc import Backend
 
-from . import conformance
+from . import conformance, lease_checks
 from ._tools import Store
 
 Check = Callable[[Store], Awaitable[None]]
 
 
 def _checks() -> dict[str, Check]:
-    """Every ``test_*`` coroutine function of :mod:`lease_core.testing.conformance`, in order."""
-    return {name: value for name, value in vars(conformance).items()
+    """Every ``test_*`` coroutine function of :mod:`lease_core.testing.conformance` and
+    :mod:`lease_core.testing.lease_checks` (named leases), in order."""
+    return {name: value for module in (conformance, lease_checks)
+            for name, value in vars(module).items()
             if name.startswith("test_") and inspect.iscoroutinefunction(value)}
 
 

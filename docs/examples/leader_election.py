@@ -1,0 +1,45 @@
+"""Leader election with a Lease: one process of the fleet leads, the others wait.
+
+Run it in several terminals against one store; exactly one prints "leading". Stop the
+leader (Ctrl-C, or kill it) and another takes over: at once after a clean exit (the lease
+is released), within the ttl after a crash.
+
+    python docs/examples/leader_election.py redis://localhost:6379/0
+    python docs/examples/leader_election.py postgresql://localhost/postgres
+"""
+
+from __future__ import annotations
+
+import sys
+
+import anyio
+
+from lease_core import Lease, LeaseLost, backend_from_url
+from lease_core.abc import Backend
+
+
+async def lead(lease: Lease) -> None:
+    """The leader's work; ``lease.token`` fences what it writes elsewhere."""
+    print(f"leading with token {lease.token}", flush=True)
+    await anyio.sleep_forever()
+
+
+async def elect(backend: Backend, name: str = "leader", *, ttl: str = "10s",
+                terms: int | None = None) -> list[int]:
+    """Hold ``name`` for the life of the process, again after each loss; return the
+    tokens of the terms served (``terms`` ends it after that many, for tests)."""
+    tokens: list[int] = []
+    while terms is None or len(tokens) < terms:
+        lease = Lease(backend, name, ttl=ttl)
+        try:
+            async with lease:  # waits until this process leads
+                assert lease.token is not None
+                tokens.append(lease.token)
+                await lead(lease)
+        except LeaseLost as exc:  # the store stopped answering: the body was cancelled
+            print(f"lost the lead: {exc}", flush=True)
+    return tokens
+
+
+if __name__ == "__main__":
+    anyio.run(elect, backend_from_url(sys.argv[1] if len(sys.argv) > 1 else "memory://"))

@@ -1,0 +1,91 @@
+"""The named-lease part of the backend contract (:class:`~lease_core.Lease` builds on it).
+
+A *named lease* is a hold on a name, such as ``"leader"``, by one holder at a time,
+for a TTL measured on **the store's clock**. It keeps no history: one record per name,
+holding the current token, the expiry and the holder.
+
+*Acquire* (:meth:`NamedLeaseStore.acquire_lease`), atomically:
+
+- when the name is free (never held, released, or its expiry ``<= now``), the caller
+  takes it: ``token`` becomes the previous token + 1 (1 for a new name), ``expires =
+  now + ttl_ms``, ``held`` is true;
+- when ``holder`` already holds it live (the same call sent again after its reply was
+  lost), the hold is renewed with the **same** token;
+- otherwise nothing changes and the answer describes the current hold (``held`` false).
+
+So the token grows strictly with every new holder of a name, across releases and
+expiries, and a holder can pass it to other systems as a fencing token.
+
+*Renew* (:meth:`~NamedLeaseStore.renew_lease`) sets ``expires = now + ttl_ms`` (an
+absolute expiry, never an addition to the remaining time), only where ``token`` still
+holds the name live. *Release* (:meth:`~NamedLeaseStore.release_lease`) frees the name
+at once, only where ``token`` still holds it live, keeping the token for the next holder
+to grow from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigurationError
+
+__all__ = ["LeaseAnswer", "NamedLeaseStore", "check_lease"]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseAnswer:
+    """A store's answer to :meth:`NamedLeaseStore.acquire_lease`.
+
+    ``held``: whether the caller holds the name now. ``token``, ``expires_ms`` and
+    ``holder`` describe the current hold (the caller's when ``held``; ``token`` 0 and
+    ``holder`` ``None`` for a name never held). ``now_ms`` is the store's clock when it
+    answered. Every time is in epoch milliseconds on the store's clock.
+    """
+
+    held: bool
+    token: int
+    expires_ms: int
+    now_ms: int
+    holder: str | None
+
+
+def check_lease(name: object, *, holder: object = "-", ttl_ms: object = 1,
+                token: object = 1) -> None:
+    """Validate the arguments of the named-lease calls (``ConfigurationError`` naming them)."""
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"lease name={name!r} must be a non-empty string")
+    if not isinstance(holder, str) or not holder:
+        raise ConfigurationError(f"holder={holder!r} must be a non-empty string")
+    for what, value in (("ttl_ms", ttl_ms), ("token", token)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"{what}={value!r} must be a whole number, 1 or more")
+
+
+class NamedLeaseStore:
+    """The named-lease calls of :class:`~lease_core.abc.Backend` (see the module docs).
+
+    The built-in backends implement all three in one store call each (one statement on
+    PostgreSQL, one script on Redis, one lock on memory). The defaults here raise
+    :class:`~lease_core.errors.ConfigurationError`: a backend of your own that does not
+    implement them has no named leases, and the conformance suite skips their checks.
+    """
+
+    def _no_leases(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"{type(self).__name__} has no named leases; implement acquire_lease(), "
+            "renew_lease() and release_lease() (see lease_core._named_leases) or use a "
+            "built-in backend"
+        )
+
+    async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
+        """Take ``name`` for ``holder`` for ``ttl_ms`` when it is free (see module docs)."""
+        raise self._no_leases()
+
+    async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
+        """Set the hold of ``token`` on ``name`` to end at ``now + ttl_ms``; return that
+        expiry (ms, store clock), or ``None`` when ``token`` no longer holds it live."""
+        raise self._no_leases()
+
+    async def release_lease(self, name: str, token: int) -> bool:
+        """Free ``name`` now if ``token`` holds it live; return whether it did."""
+        raise self._no_leases()

@@ -1,0 +1,482 @@
+"""Leases for other libraries: :class:`Lease` (async) and :class:`SyncLease` (sync).
+
+A lease is a hold on a name (``"leader"``, ``"nightly-export"``) by one process at a
+time, through any backend: the engine's lease, offered on its own. Its expiry is on the
+store's clock (the backend's named-lease calls, :mod:`lease_core._named_leases`); this
+process only measures how long ago the store last confirmed it, with
+:func:`time.monotonic`, so a process clock that is far off changes nothing.
+
+While held, a background task renews the lease every ``ttl / 3``. When a renewal is
+refused (another holder has it), or no renewal has succeeded for a whole ``ttl`` (the
+store stopped answering), the lease is **lost**, loudly: :attr:`Lease.lost` is set, a
+warning is logged to the ``anarchon`` logger, the body of ``async with`` is cancelled,
+and the ``async with`` raises :class:`~lease_core.errors.LeaseLost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from functools import partial
+from types import TracebackType
+from typing import Any, ClassVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import sniffio
+
+from ._durations import Duration, parse_duration, to_ms
+from ._named_leases import check_lease
+from .abc import Backend
+from .errors import ConfigurationError, LeaseLost
+
+__all__ = ["Lease", "SyncLease"]
+
+logger = logging.getLogger("anarchon")
+
+
+_HOLDERS: tuple[int, str, itertools.count[int]] | None = None
+
+
+def _holder_id() -> str:
+    """A holder id unique to one Lease object: host, process, a random part made once per
+    process, and a counter (cheap: leases may be made per call)."""
+    global _HOLDERS
+    pid = os.getpid()
+    if _HOLDERS is None or _HOLDERS[0] != pid:  # once per process, and after a fork
+        _HOLDERS = (pid, f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:8]}",
+                    itertools.count(1))
+    return f"{_HOLDERS[1]}:{next(_HOLDERS[2])}"
+
+
+_TASKS: set[asyncio.Task[None]] = set()  # strong references to the keepers' tasks
+
+
+def _spawn(fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+    """Run ``fn`` beside every other task of the event loop, owned by none of them.
+
+    So a lease acquired with ``await lease.acquire()`` outside any task group is still
+    renewed: the keeper is a task of the loop itself (asyncio) or a system task (trio).
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio.lowlevel
+
+        trio.lowlevel.spawn_system_task(fn, name=name)
+    else:
+        task = asyncio.get_running_loop().create_task(fn(), name=name)
+        _TASKS.add(task)
+        task.add_done_callback(_TASKS.discard)
+
+
+class _Hold:
+    """One hold of a :class:`Lease`, from the acquire that won it to its release or loss."""
+
+    __slots__ = ("_lost", "alive_until", "error", "over", "scope", "token")
+
+    def __init__(self, token: int, alive_until: float) -> None:
+        self.token = token
+        self.alive_until = alive_until  # monotonic: surely live in the store until then
+        self._lost: anyio.Event | None = None  # made when first asked for or set
+        self.error: LeaseLost | None = None
+        self.over = False  # released or lost
+        self.scope: anyio.CancelScope | None = None  # the renewal in flight
+
+    @property
+    def lost(self) -> anyio.Event:
+        """Set when this hold is lost."""
+        if self._lost is None:
+            self._lost = anyio.Event()
+        return self._lost
+
+
+class _Keeper:
+    """The one task per event loop that renews every lease held on that loop.
+
+    It sleeps until the earliest renewal is due and runs each due renewal as a task of
+    its own (a store that hangs delays no other lease's renewal). Acquiring and releasing
+    cost no task of their own: a hold is pushed on the heap, a released one skipped.
+    """
+
+    loops: ClassVar[dict[object, _Keeper]] = {}
+
+    def __init__(self) -> None:
+        self.due: list[tuple[float, int, Lease, _Hold]] = []
+        self.order = itertools.count()
+        self.wake = anyio.Event()
+        self.next = math.inf
+
+    @classmethod
+    def schedule(cls, lease: Lease, hold: _Hold, at: float) -> None:
+        """Renew ``hold`` of ``lease`` at monotonic time ``at`` (on the current loop)."""
+        loop = anyio.lowlevel.current_token()
+        keeper = cls.loops.get(loop)
+        if keeper is None:
+            keeper = cls.loops[loop] = _Keeper()
+            _spawn(partial(keeper.run, loop), "anarchon-lease-keeper")
+        heapq.heappush(keeper.due, (at, next(keeper.order), lease, hold))
+        if at < keeper.next:
+            keeper.wake.set()
+
+    async def run(self, loop: object) -> None:
+        """Renew what is due, then sleep until the next renewal or a new earlier one."""
+        try:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    now = time.monotonic()
+                    while self.due and self.due[0][0] <= now:
+                        _, _, lease, hold = heapq.heappop(self.due)
+                        if not hold.over:
+                            tg.start_soon(lease._renew_hold, hold)
+                    self.next = self.due[0][0] if self.due else math.inf
+                    self.wake = anyio.Event()
+                    with anyio.move_on_after(self.next - now):
+                        await self.wake.wait()
+        except Exception:  # pragma: no cover - the renewals catch their own errors
+            logger.exception("the lease keeper failed; leases held on this loop are lost")
+            for _, _, lease, hold in self.due:
+                lease._mark_lost(hold, "the lease keeper failed")
+        finally:
+            if self.loops.get(loop) is self:
+                del self.loops[loop]
+
+
+class Lease:
+    """Hold ``name`` on ``backend`` for ``ttl``, renewed in the background.
+
+    ::
+
+        async with Lease(backend, "leader", ttl="30s") as lease:
+            ...  # this process alone holds "leader"; lease.token fences what it writes
+
+    ``async with`` waits until the lease is held (:meth:`acquire` with no timeout),
+    renews it every ``ttl / 3`` and releases it on exit. When the lease is lost (see the
+    module docs) the body is cancelled and ``async with`` raises
+    :class:`~lease_core.errors.LeaseLost`. Without ``async with``: ``if await
+    lease.acquire(timeout=0): ... finally: await lease.release()`` (renewed the same way,
+    but nothing is cancelled: watch :attr:`lost`).
+
+    ``ttl`` is a duration (``"30s"``, a ``timedelta``, seconds). ``poll`` is how often a
+    blocking :meth:`acquire` tries again while another holder has the name (default: a
+    tenth of the ttl, between 50 ms and 1 s). ``holder`` names this holder in the store
+    (default: host, process id and a random part, unique to this object).
+
+    .. note:: The lease starts ``backend`` when it acquires and closes it when it
+       releases; both are counted (see :class:`~lease_core.abc.Backend`), so a backend
+       started by its owner stays open, and one backend serves a scheduler and any number
+       of leases. What the backend was given (a pool, a client) is never closed.
+    """
+
+    def __init__(self, backend: Backend, name: str, ttl: Duration = "30s", *,
+                 poll: Duration | None = None, holder: str | None = None) -> None:
+        if not isinstance(backend, Backend):
+            raise ConfigurationError(
+                f"backend={backend!r} is not a lease_core Backend; pass MemoryBackend(), "
+                "PostgresBackend(...), RedisBackend(...) or backend_from_url(url)")
+        self.backend = backend
+        """The backend the lease is held through."""
+        self.holder = _holder_id() if holder is None else holder
+        """This holder's id in the store (shown to other holders)."""
+        check_lease(name, holder=self.holder)
+        self.name = name
+        """The name held."""
+        self.ttl = parse_duration(ttl, what="ttl")
+        """The lease's time to live, in seconds (renewed every third of it)."""
+        self._ttl_ms = to_ms(self.ttl)
+        self.poll = (min(max(self.ttl / 10, 0.05), 1.0) if poll is None
+                     else parse_duration(poll, what="poll"))
+        """How often a blocking :meth:`acquire` tries again, in seconds."""
+        self._last: _Hold | None = None  # the latest hold, held or not
+        self._never: anyio.Event | None = None  # lost, before any hold (never set)
+        self._body: anyio.CancelScope | None = None
+        self._opened = False  # whether this lease holds a start() of the backend
+
+    def __repr__(self) -> str:
+        state = f"token={self.token}" if self.held else "not held"
+        return f"Lease({self.name!r}, ttl={self.ttl:g}s, {state})"
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token of the current hold: it grows with every new holder of the
+        name, across releases and expiries. ``None`` before the first acquire; after a
+        release or a loss, the last hold's token."""
+        return None if self._last is None else self._last.token
+
+    @property
+    def lost(self) -> anyio.Event:
+        """Set when the current hold is lost: a renewal was refused, or none succeeded for
+        a whole ttl. A new event at every acquire."""
+        if self._last is not None:
+            return self._last.lost
+        if self._never is None:
+            self._never = anyio.Event()
+        return self._never
+
+    @property
+    def lost_error(self) -> LeaseLost | None:
+        """Why the latest hold was lost, as the error ``async with`` raises; else None."""
+        return None if self._last is None else self._last.error
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lease now (acquired, not released, not lost)."""
+        return self._last is not None and not self._last.over
+
+    async def acquire(self, timeout: Duration | None = None) -> bool:  # noqa: ASYNC109
+        """Take the lease; return whether it is held.
+
+        ``timeout=None`` waits as long as it takes, ``timeout=0`` tries once, and any
+        other duration waits at most that long. Already held: True at once. Errors of
+        the store (:class:`~lease_core.errors.BackendUnavailable`) are raised.
+        """
+        wait = None if timeout is None else parse_duration(timeout, what="timeout",
+                                                           allow_zero=True)
+        if self.held:
+            return True
+        await self.release()  # a hold lost earlier: let go of its start of the backend
+        give_up = None if wait is None else time.monotonic() + wait
+        await self.backend.start()
+        self._opened = True
+        try:
+            while True:
+                sent = time.monotonic()
+                answer = await self.backend.acquire_lease(self.name, self.holder,
+                                                          self._ttl_ms)
+                if answer.held:
+                    hold = self._last = _Hold(answer.token, sent + self.ttl)
+                    _Keeper.schedule(self, hold, sent + self.ttl / 3)
+                    return True
+                now = time.monotonic()
+                if give_up is not None and now >= give_up:
+                    await self._close_backend()
+                    return False
+                pause = min(self.poll, max(answer.expires_ms - answer.now_ms, 1) / 1000)
+                if give_up is not None:
+                    pause = min(pause, give_up - now)
+                await anyio.sleep(pause)
+        except BaseException:
+            if not self.held:
+                with anyio.CancelScope(shield=True):
+                    await self._close_backend()
+            raise
+
+    async def release(self) -> None:
+        """Stop renewing and free the name in the store, so a waiter takes it at once.
+
+        Does nothing when not acquired; a lost lease is not freed in the store (another
+        holder may have it), only let go. Closes the backend's start made by
+        :meth:`acquire`.
+        """
+        if not self._opened:
+            return
+        hold = self._last
+        with anyio.CancelScope(shield=True):
+            try:
+                if hold is not None and not hold.over:
+                    hold.over = True
+                    if hold.scope is not None:
+                        hold.scope.cancel()
+                    await self.backend.release_lease(self.name, hold.token)
+            finally:
+                await self._close_backend()
+
+    async def _close_backend(self) -> None:
+        if self._opened:
+            self._opened = False
+            await self.backend.close()
+
+    async def _renew_hold(self, hold: _Hold) -> None:
+        """Renew ``hold`` once (the keeper calls it when due): scheduled again, or lost."""
+        why: str | None = None
+        with anyio.CancelScope() as scope:
+            hold.scope = scope
+            why = await self._renew(hold)
+        hold.scope = None
+        if hold.over:
+            return  # released meanwhile: the answer means nothing
+        if why is not None:
+            self._mark_lost(hold, why)
+        else:
+            _Keeper.schedule(self, hold, hold.alive_until - self.ttl * 2 / 3)
+
+    async def _renew(self, hold: _Hold) -> str | None:
+        """One renewal, retried until it succeeds or the ttl since the last one passes.
+
+        Returns None when renewed, else why the lease is lost.
+        """
+        failure: BaseException | None = None
+        with anyio.move_on_after(max(0.0, hold.alive_until - time.monotonic())):
+            while True:
+                sent = time.monotonic()
+                try:
+                    expires = await self.backend.renew_lease(self.name, hold.token,
+                                                             self._ttl_ms)
+                except Exception as exc:
+                    if failure is None:
+                        logger.warning("lease %r: renewal failed (%s); retrying until its "
+                                       "ttl runs out", self.name, exc)
+                    failure = exc
+                    await anyio.sleep(min(self.poll, self.ttl / 10))
+                    continue
+                if expires is None:
+                    return "the store no longer lists this holder's token (expired or taken)"
+                hold.alive_until = sent + self.ttl
+                return None
+        return f"no renewal succeeded within the ttl ({failure or 'no answer'})"
+
+    def _mark_lost(self, hold: _Hold, why: str) -> None:
+        """Record ``hold`` as lost, loudly: the error, a warning, :attr:`lost`, and the
+        body of ``async with`` cancelled."""
+        hold.over = True
+        hold.error = LeaseLost(f"lease {self.name!r} (token {hold.token}) was lost: {why}")
+        logger.warning("%s", hold.error)
+        hold.lost.set()
+        if self._body is not None and self._last is hold:
+            self._body.cancel()
+
+    async def __aenter__(self) -> Lease:
+        """Wait until the lease is held; the body runs in a scope cancelled on loss."""
+        await self.acquire()
+        self._body = anyio.CancelScope()
+        self._body.__enter__()
+        if self.lost.is_set():
+            self._body.cancel()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> bool:
+        """Release the lease; raise :class:`LeaseLost` when it was lost during the body."""
+        body, self._body = self._body, None
+        swallowed = body is not None and body.__exit__(exc_type, exc, tb)
+        lost = self.lost_error
+        await self.release()
+        if lost is not None and (exc is None or swallowed):
+            raise lost
+        return bool(swallowed)
+
+
+class _Loop:
+    """The one background event loop (a blocking portal) every :class:`SyncLease` uses,
+    so that a backend shared by several of them is used from one loop."""
+
+    lock = threading.Lock()
+    portal: anyio.from_thread.BlockingPortal | None = None
+    manager: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+    pid = 0
+
+    @classmethod
+    def get(cls) -> anyio.from_thread.BlockingPortal:
+        """The running loop's portal, started on first use (and again after a fork)."""
+        with cls.lock:
+            if cls.portal is None or cls.pid != os.getpid():
+                cls.manager = anyio.from_thread.start_blocking_portal()
+                cls.portal = cls.manager.__enter__()
+                cls.pid = os.getpid()
+            return cls.portal
+
+    @classmethod
+    def close(cls) -> None:
+        """Stop the loop (at interpreter exit), cancelling what still runs on it."""
+        with cls.lock:
+            manager, portal = cls.manager, cls.portal
+            cls.manager = cls.portal = None
+            if manager is None or portal is None or cls.pid != os.getpid():
+                return
+            with contextlib.suppress(RuntimeError):
+                portal.call(portal.stop, True)  # a lease still held: nothing waits for it
+            manager.__exit__(None, None, None)
+
+
+atexit.register(_Loop.close)
+
+
+class SyncLease:
+    """A :class:`Lease` for sync code (Django, Flask, scripts): the same calls, blocking.
+
+    ::
+
+        with SyncLease(backend, "nightly-export", ttl="1m") as lease:
+            export(fence=lease.token)
+
+    The lease lives on one background thread with its own event loop, shared by every
+    SyncLease of the process, and is renewed there every ``ttl / 3``. A sync body cannot
+    be cancelled: check :attr:`lost` (a :class:`threading.Event`) between steps; when the
+    lease was lost during the body, ``with`` raises
+    :class:`~lease_core.errors.LeaseLost` at its end. Options as for :class:`Lease`.
+
+    .. note:: The backend is started and closed on the background loop, so an async pool
+       or client passed in must not be bound to another loop (a DSN, a URL, a blocking
+       driver object or a MemoryBackend always works).
+    """
+
+    def __init__(self, backend: Backend, name: str, ttl: Duration = "30s", *,
+                 poll: Duration | None = None, holder: str | None = None) -> None:
+        self._lease = Lease(backend, name, ttl, poll=poll, holder=holder)
+        self.lost = threading.Event()
+        """Set when the current hold is lost (cleared by the next :meth:`acquire`)."""
+        self._mirror: Future[None] | None = None
+
+    def __repr__(self) -> str:
+        return "Sync" + repr(self._lease)
+
+    @property
+    def name(self) -> str:
+        """The name held."""
+        return self._lease.name
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token of the current hold (see :attr:`Lease.token`)."""
+        return self._lease.token
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lease now."""
+        return self._lease.held
+
+    def acquire(self, timeout: Duration | None = None) -> bool:
+        """Take the lease, blocking (see :meth:`Lease.acquire`); return whether held."""
+        portal = _Loop.get()
+        got = portal.call(self._lease.acquire, timeout)
+        if got:
+            self.lost.clear()
+            self._mirror = portal.start_task_soon(self._mirror_lost, self._lease.lost)
+        return got
+
+    async def _mirror_lost(self, event: anyio.Event) -> None:
+        await event.wait()
+        self.lost.set()
+
+    def release(self) -> None:
+        """Stop renewing and free the name (see :meth:`Lease.release`)."""
+        portal = _Loop.get()
+        portal.call(self._lease.release)
+        mirror, self._mirror = self._mirror, None
+        if mirror is not None:
+            mirror.cancel()
+
+    def __enter__(self) -> SyncLease:
+        """Block until the lease is held."""
+        self.acquire()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Release the lease; raise :class:`LeaseLost` when it was lost during the body."""
+        lost = self._lease.lost_error
+        self.release()
+        if lost is not None and exc is None:
+            raise lost

@@ -1,0 +1,165 @@
+"""The named-lease part of the backend contract as checks (see lease_core/_named_leases.py).
+
+Collected with :mod:`lease_core.testing.conformance` by
+:class:`~lease_core.testing.BackendConformance`; a backend that keeps the contract's
+default (no named leases: :class:`~lease_core.errors.ConfigurationError`) skips them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lease_core import ConfigurationError
+from lease_core._named_leases import LeaseAnswer
+from lease_core.abc import Backend
+
+from ._tools import Store, wait_for
+
+pytestmark = pytest.mark.anyio
+
+SHORT = 300  # ms: a lease we wait out
+LONG = 60_000
+
+
+async def _started(store: Store) -> Backend:
+    backend = store.backend()
+    await backend.start()
+    return backend
+
+
+async def _acquire_or_skip(backend: Backend, name: str, holder: str,
+                           ttl_ms: int = LONG) -> LeaseAnswer:
+    """``backend.acquire_lease(...)``, or skip the check for a backend without leases."""
+    try:
+        return await backend.acquire_lease(name, holder, ttl_ms)
+    except ConfigurationError as exc:
+        if "has no named leases" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+async def test_lease_is_exclusive_and_its_token_grows_with_each_holder(store: Store) -> None:
+    a, b = await _started(store), await _started(store)
+    try:
+        first = await _acquire_or_skip(a, "L", "h1")
+        assert first.held and first.token >= 1 and first.holder == "h1"
+        assert first.expires_ms - first.now_ms == LONG  # the store's clock, both ends
+        other = await b.acquire_lease("L", "h2", LONG)
+        assert not other.held
+        assert (other.token, other.holder, other.expires_ms) == (first.token, "h1",
+                                                                  first.expires_ms)
+        again = await a.acquire_lease("L", "h1", LONG)  # sent again: same hold, renewed
+        assert again.held and again.token == first.token
+        assert await b.release_lease("L", first.token + 1) is False  # not its token
+        assert await a.release_lease("L", first.token) is True
+        assert await a.release_lease("L", first.token) is False  # released already
+        second = await b.acquire_lease("L", "h2", LONG)
+        assert second.held and second.token > first.token
+        assert await a.renew_lease("L", first.token, LONG) is None  # stale token
+        assert not (await a.acquire_lease("L", "h1", LONG)).held
+        # the old holder again, after a release: a new holder, so a new token
+        assert await b.release_lease("L", second.token) is True
+        third = await b.acquire_lease("L", "h2", LONG)
+        assert third.held and third.token > second.token
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_lease_expiry_frees_the_name_and_fences_the_old_holder(store: Store) -> None:
+    a, b = await _started(store), await _started(store)
+    try:
+        first = await _acquire_or_skip(a, "E", "old", SHORT)
+        assert first.held
+
+        async def taken() -> LeaseAnswer | None:
+            answer = await b.acquire_lease("E", "new", LONG)
+            return answer if answer.held else None
+
+        second = await wait_for(taken, timeout=5, what="the lapsed lease to be free")
+        assert second.token > first.token
+        assert await a.renew_lease("E", first.token, LONG) is None
+        assert await a.release_lease("E", first.token) is False
+        assert not (await a.acquire_lease("E", "old", LONG)).held
+        assert await b.renew_lease("E", second.token, LONG) is not None
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_lease_renewal_sets_an_absolute_expiry(store: Store) -> None:
+    a = await _started(store)
+    try:
+        held = await _acquire_or_skip(a, "R", "h", LONG)
+        before = await a.now_ms()
+        expires = await a.renew_lease("R", held.token, 5_000)
+        after = await a.now_ms()
+        assert expires is not None
+        assert before + 5_000 <= expires <= after + 5_000  # now + ttl, not added to the rest
+        answer = await a.acquire_lease("R", "other", LONG)
+        assert not answer.held and answer.expires_ms == expires
+    finally:
+        await a.close()
+
+
+async def test_lease_expired_is_not_revived_by_renewal(store: Store) -> None:
+    a = await _started(store)
+    try:
+        held = await _acquire_or_skip(a, "X", "h", SHORT)
+
+        async def lapsed() -> bool:
+            return await a.now_ms() > held.expires_ms  # by the store's clock
+
+        await wait_for(lapsed, timeout=5, what="the lease to lapse")
+        assert await a.renew_lease("X", held.token, LONG) is None
+        assert await a.release_lease("X", held.token) is False
+        again = await a.acquire_lease("X", "h", LONG)  # the same holder, after expiry
+        assert again.held and again.token > held.token
+    finally:
+        await a.close()
+
+
+async def test_lease_names_are_isolated_and_round_trip(store: Store) -> None:
+    a = await _started(store)
+    try:
+        names = ["n", "host 1 pid 2", "zürich-β-東京", "a:b", "{tag}", "x/y", "%s", "'; --",
+                 "lease:n", "member:n"]
+        tokens = {}
+        for name in names:
+            answer = await _acquire_or_skip(a, name, f"holder of {name}")
+            assert answer.held, name
+            tokens[name] = answer.token
+        for name in names:
+            other = await a.acquire_lease(name, "someone else", LONG)
+            assert not other.held and other.holder == f"holder of {name}", name
+        assert await a.release_lease("n", tokens["n"]) is True
+        assert not (await a.acquire_lease("lease:n", "someone else", LONG)).held
+        assert (await a.acquire_lease("n", "someone else", LONG)).held
+        # a lease does not touch a job or a member of the same name
+        assert await a.members("n", LONG) in (None, ["n"])
+        assert await a.jobs() == []
+    finally:
+        await a.close()
+
+
+async def test_lease_calls_refuse_bad_arguments(store: Store) -> None:
+    a = await _started(store)
+    try:
+        await _acquire_or_skip(a, "ok", "h")
+        for name in ["", None, 7]:
+            with pytest.raises(ConfigurationError, match="name="):
+                await a.acquire_lease(name, "h", LONG)  # type: ignore[arg-type]
+        for holder in ["", None]:
+            with pytest.raises(ConfigurationError, match="holder="):
+                await a.acquire_lease("ok", holder, LONG)  # type: ignore[arg-type]
+        for ttl in [0, -1, 1.5, True, "100"]:
+            with pytest.raises(ConfigurationError, match=f"ttl_ms={ttl!r}"):
+                await a.acquire_lease("ok", "h", ttl)  # type: ignore[arg-type]
+            with pytest.raises(ConfigurationError, match=f"ttl_ms={ttl!r}"):
+                await a.renew_lease("ok", 1, ttl)  # type: ignore[arg-type]
+        for token in [0, -3, "1", None]:
+            with pytest.raises(ConfigurationError, match=f"token={token!r}"):
+                await a.release_lease("ok", token)  # type: ignore[arg-type]
+        assert not (await a.acquire_lease("ok", "other", LONG)).held  # still held by "h"
+    finally:
+        await a.close()

@@ -1,0 +1,461 @@
+"""Lease and SyncLease (lease_core/lease.py) on every scenario store and both event loops.
+
+The store fixture gives memory, PostgreSQL (direct, and through PgBouncer in transaction
+mode) and Redis; the named-lease calls themselves are checked by the conformance suite
+(lease_core/testing/lease_checks.py). Every wait has a deadline; the store's clock
+decides every expiry.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import ModuleType
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import pytest
+import sniffio
+
+from backends.postgres import PostgresBackend
+from backends.redis import RedisBackend
+from lease_core import ConfigurationError, Lease, LeaseLost, MemoryBackend, SyncLease
+from lease_core.abc import Backend
+from lease_core.testing import Store, backend_users, wait_for
+from tests.chaos.proxy import Proxy
+from tests.stores.memory import MemoryStore
+from tests.stores.postgres import PgServer, PostgresStore, drop_tables, unique_table
+from tests.stores.redis import RedisStore
+
+pytestmark = pytest.mark.anyio
+
+TTL = 0.6  # s: short leases, waited out with deadlines
+
+
+def _with_port(url: str, port: int) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit(":", 1)[0] + f":{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _loop() -> str | None:
+    try:
+        return sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return None  # sync code (SyncLease runs it on its own asyncio loop)
+
+
+def url_backend(store: Store, port: int | None = None) -> Backend:
+    """A new backend on ``store`` made from its URL (bound to no event loop), through
+    127.0.0.1:``port`` when given (a proxy). Memory: the store's one shared object."""
+    if isinstance(store, PostgresStore):
+        dsn = store.server.dsn
+        if port is not None:
+            dsn = _with_port(dsn, port)
+        if _loop() == "trio":  # psycopg's async pool needs asyncio
+            dsn = "postgresql+pg8000://" + dsn.split("://", 1)[1]
+        return PostgresBackend(dsn, table=store.table)
+    if isinstance(store, RedisStore):
+        url = store.url if port is None else _with_port(store.url, port)
+        return RedisBackend(url, prefix=store.prefix)
+    assert isinstance(store, MemoryStore) and port is None
+    return store.backend()
+
+
+@asynccontextmanager
+async def proxy_to(store: Store) -> AsyncIterator[Proxy]:
+    """A pausable TCP proxy in front of the store's server (PostgreSQL, PgBouncer, Redis)."""
+    url = store.server.dsn if isinstance(store, PostgresStore) else getattr(store, "url", "")
+    port = urlsplit(url).port
+    assert port is not None, url
+    proxy = Proxy(port)
+    await anyio.to_thread.run_sync(proxy.start)
+    try:
+        yield proxy
+    finally:
+        proxy.resume()
+        await anyio.to_thread.run_sync(proxy.close)
+
+
+async def test_one_holder_at_a_time_and_the_token_grows(store: Store) -> None:
+    a = Lease(store.backend(), "job-x", ttl="10s")
+    b = Lease(store.backend(), "job-x", ttl="10s")
+    async with a:
+        assert a.held and a.token is not None and not a.lost.is_set()
+        assert await b.acquire(timeout=0) is False
+        assert await b.acquire(timeout=0.2) is False
+        assert not b.held
+    assert not a.held
+    assert await b.acquire(timeout=0) is True
+    try:
+        assert b.token is not None and b.token > a.token
+    finally:
+        await b.release()
+    tokens = [b.token]
+    for lease in (a, b, a):  # every new holder, and the same object again, grows it
+        async with lease:
+            tokens.append(lease.token)
+    assert tokens == sorted(set(tokens)) and len(tokens) == 4
+
+
+async def test_blocking_acquire_gets_it_when_the_holder_releases(store: Store) -> None:
+    holder = Lease(store.backend(), "handoff", ttl="10s", poll="50ms")
+    waiter = Lease(store.backend(), "handoff", ttl="10s", poll="50ms")
+    calls = 0
+    real = waiter.backend.acquire_lease
+
+    async def counted(*args: object) -> object:
+        nonlocal calls
+        calls += 1
+        return await real(*args)  # type: ignore[arg-type]
+
+    await holder.acquire()
+    got = anyio.Event()
+    async with anyio.create_task_group() as tg:
+
+        async def wait_for_it() -> None:
+            waiter.backend.acquire_lease = counted  # type: ignore[method-assign]
+            async with waiter:
+                got.set()
+                await anyio.sleep_forever()
+
+        tg.start_soon(wait_for_it)
+        await wait_for(lambda: calls >= 2, timeout=5, what="the waiter to try twice")
+        assert not got.is_set()
+        await holder.release()
+        with anyio.fail_after(5):
+            await got.wait()
+        assert waiter.token is not None and holder.token is not None
+        assert waiter.token > holder.token
+        tg.cancel_scope.cancel()
+    assert not waiter.held
+
+
+async def test_blocking_acquire_gets_it_when_the_holder_ttl_passes(store: Store) -> None:
+    backend = store.backend()
+    await backend.start()
+    try:  # a holder that took the name and died: it never renews
+        dead = await backend.acquire_lease("orphan", "dead holder", int(TTL * 1000))
+        assert dead.held
+        lease = Lease(store.backend(), "orphan", ttl="10s", poll="50ms")
+        assert await lease.acquire(timeout=0) is False
+        assert await lease.acquire(timeout=10) is True
+        try:
+            assert lease.token is not None and lease.token > dead.token
+            assert await backend.now_ms() >= dead.expires_ms  # by the store's clock
+        finally:
+            await lease.release()
+    finally:
+        await backend.close()
+
+
+async def test_timeout_zero_tries_once(store: Store) -> None:
+    a = Lease(store.backend(), "once", ttl="10s")
+    b = Lease(store.backend(), "once", ttl="10s")
+    calls: list[str] = []
+    real = b.backend.acquire_lease
+
+    async def counted(name: str, holder: str, ttl_ms: int) -> object:
+        calls.append(holder)
+        return await real(name, holder, ttl_ms)
+
+    async with a:
+        b.backend.acquire_lease = counted  # type: ignore[method-assign]
+        try:
+            assert await b.acquire(timeout=0) is False
+        finally:
+            del b.backend.acquire_lease
+    assert calls == [b.holder]
+
+
+async def test_renewal_keeps_it_past_the_ttl(store: Store) -> None:
+    a = Lease(store.backend(), "kept", ttl=TTL)
+    b = Lease(store.backend(), "kept", ttl=TTL)
+    probe = store.backend()
+    await probe.start()
+    try:
+        async with a:
+            start = await probe.now_ms()
+
+            async def past_three_ttls() -> bool:
+                return await probe.now_ms() > start + 3 * TTL * 1000
+
+            await wait_for(past_three_ttls, timeout=10, what="three ttls on the store clock")
+            assert a.held and not a.lost.is_set()
+            assert await b.acquire(timeout=0) is False
+    finally:
+        await probe.close()
+
+
+async def test_a_process_clock_far_off_changes_nothing(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 365 * 86400.0)  # a year ahead
+    a = Lease(store.backend(), "skewed", ttl=TTL)
+    b = Lease(store.backend(), "skewed", ttl=TTL, poll="50ms")
+    probe = store.backend()
+    await probe.start()
+    try:
+        async with a:
+            first = a.token
+            start = await probe.now_ms()
+
+            async def past_two_ttls() -> bool:  # only renewals keep it that long
+                return await probe.now_ms() > start + 2 * TTL * 1000
+
+            await wait_for(past_two_ttls, timeout=10, what="two ttls on the store clock")
+            assert a.held and await b.acquire(timeout=0) is False
+    finally:
+        await probe.close()
+    assert await b.acquire(timeout=5) is True
+    try:
+        assert b.token is not None and first is not None and b.token > first
+    finally:
+        await b.release()
+
+
+async def test_lost_when_the_store_stops_answering_cancels_the_body(
+        store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    """Renewals that never answer (the store's calls hang): lost after one ttl."""
+    lease = Lease(store.backend(), "cut", ttl=TTL)
+    cancelled = anyio.Event()
+    cut = anyio.Event()
+    real = lease.backend.renew_lease
+
+    async def hanging(name: str, token: int, ttl_ms: int) -> int | None:
+        if cut.is_set():
+            await anyio.sleep_forever()
+        return await real(name, token, ttl_ms)
+
+    lease.backend.renew_lease = hanging  # type: ignore[method-assign]
+    caplog.set_level(logging.WARNING, logger="anarchon")
+    try:
+        with anyio.fail_after(10), pytest.raises(LeaseLost, match="'cut'"):
+            async with lease:
+                cut.set()
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    cancelled.set()
+    finally:
+        del lease.backend.renew_lease
+    assert cancelled.is_set() and lease.lost.is_set() and not lease.held
+    assert any("was lost" in r.getMessage() for r in caplog.records)
+    # it was not released (it may be someone else's by now), and expires on its own
+    other = Lease(store.backend(), "cut", ttl="10s")
+    assert await other.acquire(timeout=10) is True
+    try:
+        assert other.token is not None and lease.token is not None
+        assert other.token > lease.token
+    finally:
+        await other.release()
+
+
+async def test_lost_when_a_renewal_is_refused(store: Store) -> None:
+    lease = Lease(store.backend(), "refused", ttl=TTL)
+
+    async def refused(name: str, token: int, ttl_ms: int) -> int | None:
+        return None
+
+    await lease.acquire()
+    try:
+        lease.backend.renew_lease = refused  # type: ignore[method-assign]
+        with anyio.fail_after(5):
+            await lease.lost.wait()
+        assert not lease.held
+        assert lease.lost_error is not None and "no longer lists" in str(lease.lost_error)
+    finally:
+        del lease.backend.renew_lease
+        await lease.release()
+
+
+async def test_lost_through_a_network_partition(store: Store) -> None:
+    """A real partition: a proxy that stops forwarding without closing."""
+    if isinstance(store, MemoryStore):
+        pytest.skip("the memory store has no network")
+    async with proxy_to(store) as proxy:
+        lease = Lease(url_backend(store, proxy.port), "partition", ttl=TTL)
+        cancelled = anyio.Event()
+        with anyio.fail_after(20), pytest.raises(LeaseLost):
+            async with lease:
+                proxy.pause()
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    cancelled.set()
+                    proxy.resume()
+        assert cancelled.is_set() and lease.lost.is_set()
+    other = Lease(url_backend(store), "partition", ttl="10s")
+    assert await other.acquire(timeout=10) is True
+    try:
+        assert other.token is not None and lease.token is not None
+        assert other.token > lease.token
+    finally:
+        await other.release()
+
+
+async def test_sync_lease_excludes_an_async_one_and_reports_a_loss(store: Store) -> None:
+    # Sync code has no event loop: its objects are made in the worker thread.
+    other = Lease(url_backend(store), "sync", ttl="10s")
+    made: list[SyncLease] = []
+
+    def hold_then_check() -> int | None:
+        sync = SyncLease(url_backend(store), "sync", ttl="10s")
+        made.append(sync)
+        with sync as held:
+            assert held.held and not held.lost.is_set()
+            inside = anyio.from_thread.run(other.acquire, 0)
+            assert inside is False
+            return held.token
+
+    token = await anyio.to_thread.run_sync(hold_then_check)
+    assert token is not None and not made[0].held
+    assert await other.acquire(timeout=0) is True
+    try:
+        assert other.token is not None and other.token > token
+    finally:
+        await other.release()
+
+    seen: list[bool] = []
+
+    def lose() -> None:
+        refusing = url_backend(store)
+        lost = SyncLease(refusing, "sync-lost", ttl=TTL)
+        made.append(lost)
+        with pytest.raises(LeaseLost, match="'sync-lost'"), lost:
+            refusing.renew_lease = _refuse  # type: ignore[method-assign]
+            seen.append(lost.lost.wait(5))
+
+    await anyio.to_thread.run_sync(lose)
+    assert seen == [True] and not made[1].held
+
+
+async def _refuse(name: str, token: int, ttl_ms: int) -> int | None:
+    return None
+
+
+async def test_a_lease_starts_and_closes_only_its_own_hold_of_the_backend(
+        store: Store) -> None:
+    backend = store.backend()
+    assert backend_users(backend) == 0
+    async with Lease(backend, "owned", ttl="10s"):
+        assert backend_users(backend) == 1
+    assert backend_users(backend) == 0
+    await backend.start()  # the owner's own start: a lease leaves it open
+    try:
+        async with Lease(backend, "owned", ttl="10s"), Lease(backend, "other", ttl="10s"):
+            assert backend_users(backend) == 3
+        assert backend_users(backend) == 1
+        again = Lease(backend, "owned")
+        assert await again.acquire(timeout=0) is True
+        assert backend_users(backend) == 2
+        await again.release()
+        assert backend_users(backend) == 1
+    finally:
+        await backend.close()
+
+
+async def test_bad_input_is_refused_naming_the_value() -> None:
+    backend = MemoryBackend()
+    for name in ["", None, 3]:
+        with pytest.raises(ConfigurationError, match=f"name={name!r}"):
+            Lease(backend, name)  # type: ignore[arg-type]
+    for ttl in ["0s", -1, 0, "soon", True]:
+        with pytest.raises(ValueError, match=f"ttl={ttl!r}"):
+            Lease(backend, "x", ttl=ttl)
+    with pytest.raises(ValueError, match="poll=0"):
+        Lease(backend, "x", poll=0)
+    with pytest.raises(ValueError, match="holder=''"):
+        Lease(backend, "x", holder="")
+    with pytest.raises(ValueError, match="backend=None"):
+        Lease(None, "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout=-1"):
+        await Lease(backend, "x").acquire(timeout=-1)
+    assert backend_users(backend) == 0
+
+
+def _example(name: str) -> ModuleType:
+    path = Path(__file__).resolve().parent.parent / "docs" / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_the_leader_election_example_hands_the_lead_over(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    example = _example("leader_election")
+    leading: list[int] = []
+    step_down = anyio.Event()
+
+    async def lead(lease: Lease) -> None:
+        assert lease.token is not None
+        leading.append(lease.token)
+        if len(leading) == 1:
+            await step_down.wait()  # the first leader leads until told to stop
+
+    monkeypatch.setattr(example, "lead", lead)
+    served: list[list[int]] = []
+
+    async def elector() -> None:
+        served.append(await example.elect(store.backend(), "example-leader", ttl="10s",
+                                          terms=1))
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(elector)
+            tg.start_soon(elector)
+            await wait_for(lambda: leading, what="a leader")
+            probe = Lease(store.backend(), "example-leader")
+            assert await probe.acquire(timeout=0) is False  # it is held
+            assert len(leading) == 1  # and the other elector waits
+            step_down.set()
+    assert len(leading) == 2 and leading[1] > leading[0]
+    assert sorted(served) == sorted([[leading[0]], [leading[1]]])
+
+
+def test_a_process_exits_while_a_sync_lease_is_held() -> None:
+    """The SyncLease loop is stopped at interpreter exit, whatever it still runs."""
+    code = ("from lease_core import MemoryBackend, SyncLease\n"
+            "lease = SyncLease(MemoryBackend(), 'x', ttl='10s')\n"
+            "assert lease.acquire(0)\n"
+            "print('held', lease.held)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "held True"
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_through_pgbouncer_on_trio(pgbouncer_server: PgServer) -> None:
+    """The store matrix has PgBouncer on asyncio only: trio here, through pg8000."""
+    table = unique_table()
+    dsn = "postgresql+pg8000://" + pgbouncer_server.dsn.split("://", 1)[1]
+    probe = PostgresBackend(dsn, table=table)
+    await probe.start()
+    try:
+        a = Lease(PostgresBackend(dsn, table=table), "bouncer", ttl=TTL)
+        b = Lease(PostgresBackend(dsn, table=table), "bouncer", ttl=TTL, poll="50ms")
+        async with a:
+            start = await probe.now_ms()
+
+            async def past_two_ttls() -> bool:  # only renewals keep it that long
+                return await probe.now_ms() > start + 2 * TTL * 1000
+
+            await wait_for(past_two_ttls, timeout=10, what="two ttls on the store clock")
+            assert a.held and await b.acquire(timeout=0) is False
+        assert await b.acquire(timeout=5) is True
+        try:
+            assert b.token is not None and a.token is not None and b.token > a.token
+        finally:
+            await b.release()
+    finally:
+        await probe.close()
+        await drop_tables(pgbouncer_server.admin_dsn, table)
