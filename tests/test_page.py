@@ -323,3 +323,66 @@ def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path) -> 
     wait.until(lambda d: d.find_element(By.ID, "page").text == "page 1 of 7, 333 jobs")
     rows = browser.execute_script(_ROWS)
     assert len(rows) == 50 and all(row["running"] == 1 for row in rows)
+
+
+def test_page_operations_buttons_act_through_the_store(
+        browser: Any, served: tuple[str, str], pg16_server: PgServer) -> None:
+    """With the token: trigger/pause/resume on a job, retry/cancel on a run, paused rows."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    base, table = served
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
+
+    def click(operation: str) -> str:
+        browser.find_element(By.CSS_SELECTOR, f'button[data-operation="{operation}"]').click()
+        wait.until(lambda d: d.find_elements(By.ID, "op-result") and d.find_element(
+            By.ID, "op-result").text.startswith(operation + ":"))
+        return str(browser.find_element(By.ID, "op-result").text)
+
+    browser.get(f"{base}/#token={TOKEN}&job=export")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="pause"]'))
+    assert click("pause") == "pause: done"
+    browser.get(f"{base}/#token={TOKEN}")
+    rows = {row["name"]: row for row in _rows(browser, wait, ["close", "export"])}
+    assert rows["export"]["cells"][0] == "export paused"
+    assert rows["close"]["cells"][0] == "close"
+
+    browser.get(f"{base}/#token={TOKEN}&job=export")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="trigger"]'))
+    text = click("trigger")
+    assert text.startswith("trigger: done (export@")
+    triggered = text.split("(", 1)[1].rstrip(")")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-run="{triggered}"]'))
+    assert click("resume") == "resume: done"
+
+    # A completed run cannot be retried: the answer (409) is shown, nothing changes.
+    browser.get(f"{base}/#token={TOKEN}&run=export@{SLOT}")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="retry"]'))
+    assert "it is completed" in click("retry")
+    # The handed-over run is cancelled.
+    browser.get(f"{base}/#token={TOKEN}&run=export@{NEXT}")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="cancel"]'))
+    assert click("cancel") == f"cancel: done (export@{NEXT})"
+    wait.until(lambda d: d.find_elements(
+        By.CSS_SELECTOR, f'section[data-run="export@{NEXT}"] .status.cancelled'))
+
+    async def stored() -> tuple[dict[int, str], dict[str, str]]:
+        backend = PostgresBackend(pg16_server.dsn, table=table)
+        await backend.start()
+        try:
+            runs = {r.slot: str(r.status) for r in await backend.runs("export")}
+            return runs, await backend.paused()
+        finally:
+            await backend.close()
+
+    runs, paused = anyio.run(stored)
+    assert paused == {}
+    assert runs[SLOT] == "completed" and runs[NEXT] == "cancelled"
+    assert runs[int(triggered.split("@")[1])] == "handed_over"
+
+    # The overview no longer marks the job.
+    browser.get(f"{base}/#token={TOKEN}")
+    rows = {row["name"]: row for row in _rows(browser, wait, ["close", "export"])}
+    assert rows["export"]["cells"][0] == "export"
