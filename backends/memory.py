@@ -67,6 +67,7 @@ class _Run:
     # asked for it (backends/memory_operations.py).
     queued: Reason | None = None
     queued_by: str | None = None
+    heartbeat_ms: int | None = None  # the last renewal (the status API's heartbeat_at)
 
 
 @dataclass
@@ -121,7 +122,7 @@ class _NamedLeases:
             return True
 
 
-class MemoryBackend(_NamedLeases, Backend):
+class MemoryBackend(_NamedLeases, memory_operations.MemoryOperations, Backend):
     """Keep runs, attempts and checkpoints in this process's memory.
 
     ``clock`` returns the store's time in seconds since the epoch; it defaults to the
@@ -393,6 +394,7 @@ class MemoryBackend(_NamedLeases, Backend):
                 run = self._held(lease, now, live=True)
                 if run is not None:
                     run.expires_ms = now + lease.lease_ms
+                    run.heartbeat_ms = now
                     held.add(lease.token)
             return HeartbeatResult(now, frozenset(held))
 
@@ -489,10 +491,6 @@ class MemoryBackend(_NamedLeases, Backend):
             now = self._now()
             return memory_operations.operate(self, op, now, lambda by: _Run(
                 RunStatus.HANDED_OVER, 0, None, by, now, queued=Reason.MANUAL, queued_by=by))
-
-    async def paused(self) -> dict[str, str]:
-        """Return the paused jobs, each with who paused it."""
-        return {n: j.paused_by for n, j in list(self._jobs.items()) if j.paused_by}
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:
         """Return the run's checkpoint."""

@@ -7,7 +7,8 @@ lock, as one atomic step, like every call of that backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -22,9 +23,9 @@ from lease_core._structures import (
 from lease_core.operations import RETRYABLE, Operation, OperationKind, OperationResult
 
 if TYPE_CHECKING:
-    from .memory import MemoryBackend, _Run
+    from .memory import MemoryBackend, _Job, _Run
 
-__all__ = ["PAUSABLE", "operate", "paused_attempt"]
+__all__ = ["PAUSABLE", "MemoryOperations", "operate", "paused_attempt"]
 
 #: The reasons of claims a paused job refuses (a trigger's or retry's run exists already).
 PAUSABLE = frozenset({Reason.SCHEDULED, Reason.CATCH_UP})
@@ -80,3 +81,22 @@ def operate(store: MemoryBackend, op: Operation, now: int,
     run.status, run.token, run.expires_ms = RunStatus.CANCELLED, None, None
     run.queued = run.queued_by = None
     return OperationResult(slot=op.slot, status=before)
+
+
+class MemoryOperations:
+    """The reads of :class:`~backends.memory.MemoryBackend` about operations and heartbeats."""
+
+    _lock: threading.Lock
+    _jobs: dict[str, _Job]
+    _runs: dict[tuple[str, int], _Run]
+
+    async def paused(self) -> dict[str, str]:
+        """Return the paused jobs, each with who paused it."""
+        with self._lock:
+            return {name: j.paused_by for name, j in self._jobs.items() if j.paused_by}
+
+    async def heartbeats(self, runs: Sequence[tuple[str, int]],
+                         ) -> dict[tuple[str, int], int | None]:
+        """Return when each run's lease was last renewed (``None``: not since its claim)."""
+        with self._lock:
+            return {key: self._runs[key].heartbeat_ms for key in runs if key in self._runs}

@@ -38,6 +38,15 @@ class OperationsStore:
         """Return the paused jobs, each with who paused it (the default: none)."""
         return {}
 
+    async def heartbeats(self, runs: Sequence[tuple[str, int]],
+                         ) -> dict[tuple[str, int], int | None]:
+        """Return when the lease of each run was last renewed, for the status API.
+
+        ``None`` for a run not renewed since its claim; the runs of a store that keeps no
+        such record are left out (the default: every run).
+        """
+        return {}
+
     async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
         """Return the ``handed_over`` runs of ``jobs``: what an instance may claim now.
 

@@ -209,3 +209,41 @@ async def test_bad_input_is_refused_and_changes_nothing(store: Store) -> None:
             await admin.cancel("known", done.slot, grace="-1s")
         with pytest.raises(ValueError, match="slot 'soon'"):
             await admin.retry("known", "soon")
+
+
+async def test_heartbeat_at_of_a_running_run_is_its_last_renewal(store: Store) -> None:
+    from lease_core._status import read_run
+
+    backend = store.backend()
+    if type(backend).heartbeats is Backend.heartbeats:
+        pytest.skip(f"{type(backend).__name__} keeps no heartbeat record")
+    offset = await quiet(store)
+    entered, release = anyio.Event(), anyio.Event()
+    s = make(store, "a")
+
+    async def slow(ctx: RunContext) -> None:
+        entered.set()
+        await release.wait()
+
+    s.every("slow", "1h", slow, offset=offset)
+    async with s:
+        slot = await store_now_ms(store.backend()) - 1000
+        assert await claim_now(s, "slow", slot) is not None
+        with anyio.fail_after(10):
+            await entered.wait()
+        await backend.start()
+        try:
+            first = await read_run(backend, "slow", slot)
+            assert first is not None and first["status"] == "running"
+            assert first["heartbeat_at"] >= first["started_at"]  # the claim, or a renewal
+
+            async def renewed() -> Any:
+                run = await read_run(backend, "slow", slot)
+                assert run is not None
+                return run if run["heartbeat_at"] > run["started_at"] else None
+
+            later = await wait_for(renewed, what="a renewal after the claim")
+            assert later["heartbeat_at"] < later["lease_expires_at"]
+        finally:
+            release.set()
+            await backend.close()

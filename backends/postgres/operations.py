@@ -37,3 +37,11 @@ class StoreOperations(StoreDescriptions):
         """Return the ``handed_over`` runs of ``jobs`` (one read of the open runs' index)."""
         rows = await self._adapter.all(self._sql.queued, (list(jobs),))
         return [(str(job), int(slot)) for job, slot in rows]
+
+    async def heartbeats(self, runs: Sequence[tuple[str, int]],
+                         ) -> dict[tuple[str, int], int | None]:
+        """Return each run's last renewal (``heartbeat_ms``), in one read."""
+        rows = await self._adapter.all(self._sql.heartbeats,
+                                       ([job for job, _ in runs], [slot for _, slot in runs]))
+        return {(str(job), int(slot)): None if at is None else int(at)
+                for job, slot, at in rows}

@@ -10,9 +10,11 @@ SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
 
 -- name: add_operations_runs
 -- queued: the reason of the next attempt of a triggered or retried run ('manual',
--- 'retry'), queued_by who asked; nullable without default: catalog only.
+-- 'retry'), queued_by who asked; heartbeat_ms: the lease's last renewal (the status
+-- API's heartbeat_at). Nullable without default: catalog only.
 ALTER TABLE {runs} ADD COLUMN IF NOT EXISTS queued text,
-                   ADD COLUMN IF NOT EXISTS queued_by text
+                   ADD COLUMN IF NOT EXISTS queued_by text,
+                   ADD COLUMN IF NOT EXISTS heartbeat_ms bigint
 
 -- name: add_operations_jobs
 ALTER TABLE {jobs} ADD COLUMN IF NOT EXISTS paused_by text
@@ -43,3 +45,10 @@ SELECT r.job, r.slot FROM {runs} r
 WHERE r.status = 'handed_over' AND r.job = ANY(%s::text[])
 ORDER BY r.job, r.slot
 LIMIT 1000
+
+-- name: heartbeats
+-- The last renewal of each run, for the status API; through to_jsonb, as a store of
+-- older code, read as it is, has no heartbeat_ms column.
+SELECT r.job, r.slot, to_jsonb(r) ->> 'heartbeat_ms'
+FROM {runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
+  ON r.job = u.job AND r.slot = u.slot

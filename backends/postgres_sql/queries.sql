@@ -185,7 +185,7 @@ lockable AS (
 -- The update reads only the locked rows (never joins two CTEs, whose row counts the
 -- planner cannot estimate: a nested loop over both is quadratic in the leases).
 renewed AS (
-    UPDATE {runs} r SET expires_ms = {now} + k.lease_ms
+    UPDATE {runs} r SET expires_ms = {now} + k.lease_ms, heartbeat_ms = {now}
     FROM lockable k
     WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
     RETURNING r.token)
