@@ -31,8 +31,8 @@ class OperationsStore:
         :class:`~lease_core.errors.ConfigurationError`: a backend without operations.
         """
         raise ConfigurationError(
-            f"{type(self).__name__} has no operations ({op.kind} of {op.job!r}); use the "
-            "memory or PostgreSQL backend")
+            f"{type(self).__name__} has no operations ({op.kind} of {op.job!r}); the "
+            "memory, PostgreSQL and Redis backends have them")
 
     async def paused(self) -> dict[str, str]:
         """Return the paused jobs, each with who paused it (the default: none)."""

@@ -32,7 +32,7 @@ first), and for a workflow ``steps``, each with ``name``, ``status``, ``attempt`
 ``instance_id`` (the holder, or the last one), ``started_at``, ``finished_at``,
 ``heartbeat_at`` and ``lease_expires_at``. A job's run has those step fields itself.
 ``heartbeat_at`` is when the holder last renewed the lease (or claimed the run), on the
-stores that record it (memory, PostgreSQL); ``lease_expires_at`` tells whether it is
+stores that record it (memory, PostgreSQL, Redis); ``lease_expires_at`` tells whether it is
 alive. ``store_status`` is the run's status as stored (``handed_over``, ``timed_out``, ...).
 
 With a ``token``, every request needs the header ``Authorization: Bearer <token>`` and

@@ -1,12 +1,14 @@
 """``anarchon trigger|pause|resume JOB`` and ``anarchon retry|cancel JOB@SLOT``.
 
-On PostgreSQL, directly and through PgBouncer in transaction mode. The store's runs are
-written through the backend contract (a claim and a finish, as an instance would); each
-command's effect is read back from the store. A refusal exits 2 and changes nothing.
+On PostgreSQL, directly and through PgBouncer in transaction mode, and on Redis. The
+store's runs are written through the backend contract (a claim and a finish, as an
+instance would); each command's effect is read back from the store. A refusal exits 2
+and changes nothing.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,10 +19,17 @@ from lease_core import Outcome, RunStatus, backend_from_url
 from lease_core.abc import ClaimRequest, Lease
 from lease_core.cli import main
 from tests.stores.postgres import PgServer, drop_tables, unique_table
+from tests.stores.redis import delete_prefix
 
 
-@pytest.fixture(params=["pg16_server", "pgbouncer_server"])
+@pytest.fixture(params=["pg16_server", "pgbouncer_server", "redis62_server"])
 def url(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "redis62_server":
+        base = request.getfixturevalue("redis62_server").url
+        prefix = f"anarchon_t_{uuid.uuid4().hex[:12]}"
+        yield f"{base}?prefix={prefix}"
+        delete_prefix(base, prefix)
+        return
     server: PgServer = request.getfixturevalue(request.param)
     table = unique_table()
     yield f"{server.dsn}?table={table}"

@@ -1,6 +1,6 @@
 """The status API's operations (``POST``) through Starlette's test client, on real stores.
 
-Memory and PostgreSQL, on asyncio and trio. Runs are seeded through the backend contract
+Memory, PostgreSQL and Redis, on asyncio and trio. Runs are seeded through the backend contract
 on the client's event loop; each answer is checked against what the store holds after.
 """
 
@@ -16,15 +16,17 @@ from starlette.testclient import TestClient
 
 from backends.memory import MemoryBackend
 from backends.postgres import PostgresBackend
+from backends.redis import RedisBackend
 from lease_core.abc import Backend, ClaimRequest, Lease, Outcome
 from lease_core.http import create_app
 from tests.stores.postgres import drop_tables, unique_table
+from tests.stores.redis import delete_prefix
 
 TOKEN = "0ps-Token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LEASE = 60_000
 STORES = [("memory", "asyncio"), ("memory", "trio"), ("pg16-psycopg", "asyncio"),
-          ("pg16-pg8000", "trio")]
+          ("pg16-pg8000", "trio"), ("redis62", "asyncio"), ("redis62", "trio")]
 
 
 @pytest.fixture(params=STORES, ids=[f"{k}-{loop}" for k, loop in STORES])
@@ -32,6 +34,14 @@ def backend_and_loop(request: pytest.FixtureRequest) -> Iterator[tuple[Backend, 
     kind, loop = request.param
     if kind == "memory":
         yield MemoryBackend(), loop
+        return
+    if kind == "redis62":
+        url = request.getfixturevalue("redis62_server").url
+        prefix = f"anarchon_t_{uuid.uuid4().hex[:12]}"
+        try:
+            yield RedisBackend(url, prefix=prefix), loop
+        finally:
+            delete_prefix(url, prefix)
         return
     server = request.getfixturevalue("pg16_server")
     table = unique_table()

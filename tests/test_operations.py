@@ -31,7 +31,7 @@ def make(store: Store, name: str, **kw: Any) -> Scheduler:
 def admin_for(store: Store, by: str = "cli") -> Admin:
     backend = store.backend()
     if type(backend).operate is Backend.operate:
-        pytest.skip(f"{type(backend).__name__} has no operations yet")
+        pytest.skip(f"{type(backend).__name__} has no operations")
     return Admin(backend, by=by)
 
 
