@@ -9,6 +9,10 @@ The fleet churns: a fault on a worker hits the member ranked first for a job dra
 random (the coordinator ranks the live instances as the workers do), and workers join
 (a new process, a new proxy) and leave (a graceful stop, not replaced) between
 ``min_workers`` and ``max_workers``.
+
+Operators act too: a ``cancel`` cancels a running run drawn at random through the store
+(:class:`~lease_core.Admin`, as ``chaos``), and the audit checks that no attempt of a
+cancelled run starts after the cancel, none completes it, and it stays ``cancelled``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 
 import anyio
 
-from lease_core import Attempt, Outcome, backend_from_url
+from lease_core import Admin, Attempt, OperationRefused, Outcome, backend_from_url
 from lease_core.abc import Backend, RunInfo, RunStatus
 from lease_core.engine.fleet import rendezvous_rank
 
@@ -42,7 +46,7 @@ from .stores import ChaosStore, PostgresChaosStore, make_store
 __all__ = ["FAULTS", "ChaosConfig", "Fault", "Observed", "Report", "audit", "judge", "run_chaos"]
 
 #: The faults a run draws from.
-FAULTS = ("kill", "stop", "partition", "restart", "skew", "join", "leave")
+FAULTS = ("kill", "stop", "partition", "restart", "skew", "join", "leave", "cancel")
 #: The faults that hit one worker: each hits the first-ranked member of a random job.
 ON_OWNER = ("kill", "stop", "partition", "skew", "leave")
 SKEW_S = 3600.0
@@ -111,6 +115,9 @@ class Fault:
     end: float = 0.0
     jobs: tuple[str, ...] = ()
     """The jobs the target ranked first for among the live instances, when it was hit."""
+    run: tuple[str, int] | None = None
+    """A ``cancel``'s run, when the store made the cancel (``None``: refused, or no run
+    was running)."""
 
 
 @dataclass
@@ -145,6 +152,13 @@ class Report:
     missed_store_unreachable: int = 0
     """Of :attr:`missed_slots`, those from which the store answered no request until the
     job's next slot was due (see :class:`StoreProbe`)."""
+    cancels: int = 0
+    """Runs cancelled through the store while the fleet ran them."""
+    cancelled_taken_over: list[tuple[str, int, int]] = field(default_factory=list)
+    """Attempts of a cancelled run claimed after the cancel (an invariant: none)."""
+    cancelled_completed: list[tuple[str, int, str]] = field(default_factory=list)
+    """Cancelled runs that some attempt completed, or whose status is not ``cancelled``
+    (an invariant: none)."""
     missed_while_answered: list[tuple[str, int]] = field(default_factory=list)
     """The other missed slots: the store answered the probe before the job's next slot
     was due, and nobody claimed the slot (an invariant: none)."""
@@ -174,6 +188,8 @@ class Report:
             "checkpoint went backwards": self.checkpoint_backwards,
             "runs left running": self.left_running,
             "slots never claimed while the store answered": self.missed_while_answered,
+            "cancelled runs taken over": self.cancelled_taken_over,
+            "cancelled runs completed": self.cancelled_completed,
         }
         return {k: v for k, v in found.items() if v}
 
@@ -227,6 +243,9 @@ class Report:
             "skewed_completions": self.skewed_completions,
             "open_at_shutdown": self.open_at_shutdown,
             "recovery_s": round(self.recovery_s, 1),
+            "cancels": self.cancels,
+            "cancelled_taken_over": len(self.cancelled_taken_over),
+            "cancelled_completed": len(self.cancelled_completed),
         }
 
 
@@ -444,6 +463,8 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         answered = probe.wait_answer(restarted, RESTART_RECOVERY_S)
         fault.end = answered if answered is not None else time.time()
         return fault
+    if kind == "cancel":
+        return _cancel(rng, store)
     if kind == "join":
         worker = Worker(max(w.index for w in workers) + 1, store, config, workers[0].logdir)
         fault = Fault(kind, "", time.time())
@@ -483,6 +504,28 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         retired.append(worker)
     else:
         raise ValueError(f"fault {kind!r} is unknown; use one of {FAULTS}")
+    fault.end = time.time()
+    return fault
+
+
+def _cancel(rng: random.Random, store: ChaosStore) -> Fault:
+    """Cancel a running run drawn at random, through the store, as an operator would."""
+    fault = Fault("cancel", "", time.time())
+
+    async def cancel(backend: Backend) -> tuple[str, int] | None:
+        running = [r for r in await backend.runs(open_only=True, limit=1_000_000)
+                   if r.status is RunStatus.RUNNING]
+        if not running:
+            return None
+        run = rng.choice(sorted(running, key=lambda r: (r.job, r.slot)))
+        try:
+            await Admin(backend, by="chaos").cancel(run.job, run.slot, grace="1s")
+        except OperationRefused:
+            return None  # it finished in between
+        return run.job, run.slot
+
+    fault.run = _read_store(store, cancel)
+    fault.target = "" if fault.run is None else f"{fault.run[0]}@{fault.run[1]}"
     fault.end = time.time()
     return fault
 
@@ -756,8 +799,29 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                     report.missed_store_unreachable += 1
                 else:
                     report.missed_while_answered.append((job, s))
+    _judge_cancels(report, faults, runs, seen.open_after)
     report.left_running.sort()
     return report
+
+
+def _judge_cancels(report: Report, faults: list[Fault],
+                   runs: dict[tuple[str, int], list[Attempt]],
+                   open_after: list[RunInfo]) -> None:
+    """A cancelled run is never taken over, never completed, and stays ``cancelled``."""
+    still_open = {(r.job, r.slot) for r in open_after}
+    for f in faults:
+        if f.kind != "cancel" or f.run is None:
+            continue
+        report.cancels += 1
+        attempts = runs.get(f.run, [])
+        for a in attempts:
+            if a.claimed_at.timestamp() > f.end:
+                report.cancelled_taken_over.append((*f.run, a.attempt))
+        if any(a.outcome is Outcome.COMPLETED for a in attempts):
+            report.cancelled_completed.append((*f.run, "completed"))
+        elif f.run in still_open or (attempts and not any(
+                a.outcome is Outcome.CANCELLED for a in attempts)):
+            report.cancelled_completed.append((*f.run, "not cancelled"))
 
 
 def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
