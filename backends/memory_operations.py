@@ -95,6 +95,14 @@ class MemoryOperations:
         with self._lock:
             return {name: j.paused_by for name, j in self._jobs.items() if j.paused_by}
 
+    async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
+        """Return the triggered and retried runs of ``jobs`` not claimed yet."""
+        wanted = set(jobs)
+        with self._lock:
+            return sorted(key for key, run in self._runs.items()
+                          if key[0] in wanted and run.queued is not None
+                          and run.status is RunStatus.HANDED_OVER)
+
     async def heartbeats(self, runs: Sequence[tuple[str, int]],
                          ) -> dict[tuple[str, int], int | None]:
         """Return when each run's lease was last renewed (``None``: not since its claim)."""

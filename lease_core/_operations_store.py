@@ -48,10 +48,12 @@ class OperationsStore:
         return {}
 
     async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
-        """Return the ``handed_over`` runs of ``jobs``: what an instance may claim now.
+        """Return the triggered and retried runs of ``jobs`` that no attempt claimed yet.
 
-        The engine reads it once per heartbeat to run triggered and retried runs that no
-        instance watches. The default derives it from :meth:`runs`.
+        The engine reads it once per heartbeat to run them (no instance watches them).
+        The built-in backends return only those; the default, derived from :meth:`runs`,
+        returns every ``handed_over`` run (a plain hand-over too, which the backups
+        watching it claim anyway).
         """
         wanted = set(jobs)
         return [(r.job, r.slot) for r in await self.runs(open_only=True, limit=1000)

@@ -130,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--job", default=None, help="only this job (default: every job)")
     _namespace_options(prune)
     serve = sub.add_parser(
-        "serve", help="serve the read-only status API and page over HTTP (extra 'http')")
+        "serve", help="serve the status API and page over HTTP (extra 'http'); operations "
+                      "(POST) need the token")
     serve.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; any other needs a token)")

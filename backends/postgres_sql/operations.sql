@@ -40,9 +40,10 @@ SELECT p.job, p.by FROM (SELECT j.job, to_jsonb(j) ->> 'paused_by' AS by FROM {j
 WHERE p.by IS NOT NULL ORDER BY p.job
 
 -- name: queued
--- Through the runs' partial index of open runs.
+-- Triggered and retried runs not claimed yet (not plain hand-overs, which the backups
+-- watching them claim), through the runs' partial index of open runs.
 SELECT r.job, r.slot FROM {runs} r
-WHERE r.status = 'handed_over' AND r.job = ANY(%s::text[])
+WHERE r.status = 'handed_over' AND r.queued IS NOT NULL AND r.job = ANY(%s::text[])
 ORDER BY r.job, r.slot
 LIMIT 1000
 

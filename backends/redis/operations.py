@@ -44,6 +44,22 @@ class RedisOperations(RedisStore):
         return {name: as_text(by) for name, by in zip(names, found, strict=True)
                 if by is not None}
 
+    async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
+        """Return the triggered and retried runs of ``jobs`` not claimed yet: the open
+        slots of each job, then their ``st`` and ``q``, in two round trips."""
+        if not jobs:
+            return []
+        opened = await self._run([("ZRANGE", self._job_keys(job)["open"], 0, -1)
+                                  for job in jobs])
+        keys = [(job, int(as_text(s))) for job, slots in zip(jobs, opened, strict=True)
+                for s in slots]
+        if not keys:
+            return []
+        rows = await self._run([("HMGET", self._run_key(job, slot), "st", "q")
+                                for job, slot in keys])
+        return [key for key, (st, q) in zip(keys, rows, strict=True)
+                if q is not None and st is not None and as_text(st) == "handed_over"]
+
     async def heartbeats(self, runs: Sequence[tuple[str, int]],
                          ) -> dict[tuple[str, int], int | None]:
         """Return each run's last renewal (the run hash's ``hb``), in one round trip."""

@@ -10,9 +10,12 @@ random (the coordinator ranks the live instances as the workers do), and workers
 (a new process, a new proxy) and leave (a graceful stop, not replaced) between
 ``min_workers`` and ``max_workers``.
 
-Operators act too: a ``cancel`` cancels a running run drawn at random through the store
-(:class:`~lease_core.Admin`, as ``chaos``), and the audit checks that no attempt of a
-cancelled run starts after the cancel, none completes it, and it stays ``cancelled``.
+An operator acts too, beside the faults, from its own thread and RNG (so the faults'
+draws are the same with or without it): ``cancels`` times, evenly over the faults'
+window, it cancels a running run drawn at random through the store
+(:class:`~lease_core.Admin`, as ``chaos``; recorded as a fault ``cancel``). The audit
+checks that no attempt of a cancelled run starts after the cancel, none completes it,
+and it stays ``cancelled``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from .stores import ChaosStore, PostgresChaosStore, make_store
 __all__ = ["FAULTS", "ChaosConfig", "Fault", "Observed", "Report", "audit", "judge", "run_chaos"]
 
 #: The faults a run draws from.
-FAULTS = ("kill", "stop", "partition", "restart", "skew", "join", "leave", "cancel")
+FAULTS = ("kill", "stop", "partition", "restart", "skew", "join", "leave")
 #: The faults that hit one worker: each hits the first-ranked member of a random job.
 ON_OWNER = ("kill", "stop", "partition", "skew", "leave")
 SKEW_S = 3600.0
@@ -91,6 +94,9 @@ class ChaosConfig:
     verbose: bool = False
     """Workers log the library's INFO records (claims, retries, leases lost) to their
     ``.stderr`` file in the run's directory."""
+
+    cancels: int = 2
+    """How many running runs the operator cancels during the faults (evenly spread)."""
 
     spread: bool = False
     """Spread the jobs' slots evenly over the interval (offsets) instead of all together."""
@@ -463,8 +469,6 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         answered = probe.wait_answer(restarted, RESTART_RECOVERY_S)
         fault.end = answered if answered is not None else time.time()
         return fault
-    if kind == "cancel":
-        return _cancel(rng, store)
     if kind == "join":
         worker = Worker(max(w.index for w in workers) + 1, store, config, workers[0].logdir)
         fault = Fault(kind, "", time.time())
@@ -530,6 +534,38 @@ def _cancel(rng: random.Random, store: ChaosStore) -> Fault:
     return fault
 
 
+class Operator:
+    """Cancels ``config.cancels`` running runs through the store, evenly over the faults'
+    window, from its own thread and RNG; :attr:`faults` records each try."""
+
+    def __init__(self, store: ChaosStore, config: ChaosConfig) -> None:
+        self.store, self.config = store, config
+        self.rng = random.Random(config.seed * 7919 + 1)
+        self.faults: list[Fault] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-operator", daemon=True)
+
+    def _run(self) -> None:
+        n = self.config.cancels
+        began = time.monotonic()
+        for k in range(n):
+            at = began + self.config.seconds * (k + 1) / (n + 1)
+            if self._stop.wait(max(0.0, at - time.monotonic())):
+                return
+            with contextlib.suppress(Exception):  # the store may be down: a fault's doing
+                self.faults.append(_cancel(self.rng, self.store))
+
+    def start(self) -> None:
+        """Start the operator's thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the operator (a cancel in flight completes) and wait for its thread."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(60)
+
+
 def run_chaos(config: ChaosConfig, workdir: Path | None = None,
               progress: Any = None) -> Report:
     """Run one chaos run end to end and return its audited report."""
@@ -545,6 +581,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
     """Workers that left the fleet (their records still count)."""
     faults: list[Fault] = []
     probe = StoreProbe(store)
+    operator = Operator(store, config)
     try:
         workers = [Worker(i, store, config, logdir) for i in range(config.workers)]
         for w in workers:
@@ -553,6 +590,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         for w in workers:
             w.wait_started()
         probe.start()
+        operator.start()
         started = time.time()
         say(f"{config.store}: {config.workers} workers started; faults for {config.seconds:g}s")
         skew_sign = [1.0]
@@ -566,6 +604,8 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
             kind = first.pop(0) if first else rng.choice(kinds)
             faults.append(_inject(rng, kind, workers, store, config, skew_sign, probe,
                                   retired))
+        operator.stop()
+        faults = sorted(faults + operator.faults, key=lambda f: f.start)
         faults_over = time.time()
         time.sleep(config.settle_leases * config.lease)
         # On a starved machine the fleet may need longer to take every run over: wait
@@ -594,6 +634,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         report.wall_s = time.monotonic() - t0
         return report
     finally:
+        operator.stop()
         probe.stop()
         for w in workers + retired:
             w.close()

@@ -1,8 +1,8 @@
 """The short chaos run of ``make test``: ~1,000 slots across three stores, about 2 minutes.
 
 Every store's run opens with membership churn (a worker joining, a first-ranked member
-leaving, and a kill, SIGSTOP or partition of one) and two cancels of running runs
-through the store, then draws its faults at random.
+leaving, and a kill, SIGSTOP or partition of one), then draws its faults at random; an
+operator cancels two running runs through the store meanwhile.
 
 Each store gets its own test (each well under the 120 s per-test limit). ``make chaos``
 runs the same code at full size (``python -m tests.chaos``).
@@ -45,8 +45,8 @@ def _check(report: Report, config: ChaosConfig, logdir: Path) -> None:
     assert report.faults.get("join", 0) + report.faults.get("leave", 0) >= 1, (
         f"no worker joined or left {detail}")
     assert report.owner_faults >= 1, f"no fault hit a job's first-ranked member {detail}"
-    # Operators cancel running runs (two tries open each run; a try may find its run
-    # finished in between, which the store refuses).
+    # The operator cancels running runs (two tries; a try may find its run finished in
+    # between, which the store refuses).
     assert report.cancels >= 1, f"no run was cancelled {detail}"
     # Worker 0 runs an hour ahead from the start: leases follow the store's clock only.
     assert report.skewed_completions >= 10, f"the skewed worker completed too few {detail}"
@@ -70,19 +70,19 @@ def _config(store: str, seed: int, first: tuple[str, ...],
 @pytest.mark.timeout(110)
 def test_chaos_postgres(tmp_path: Path) -> None:
     """PostgreSQL direct: every fault kind, every invariant holds."""
-    config = _config("postgres", 11, ("join", "cancel", "leave", "kill", "cancel"))
+    config = _config("postgres", 11, ("join", "leave", "kill"))
     _check(_run(config, tmp_path), config, tmp_path)
 
 
 @pytest.mark.timeout(110)
 def test_chaos_redis(tmp_path: Path) -> None:
     """Redis (Valkey 8): every fault kind, every invariant holds."""
-    config = _config("redis", 12, ("leave", "cancel", "join", "stop", "cancel"))
+    config = _config("redis", 12, ("leave", "join", "stop"))
     _check(_run(config, tmp_path), config, tmp_path)
 
 
 @pytest.mark.timeout(110)
 def test_chaos_pgbouncer(tmp_path: Path) -> None:
     """PostgreSQL through PgBouncer: every fault kind, restarts of the database included."""
-    config = _config("pgbouncer", 13, ("join", "cancel", "partition", "leave", "cancel"))
+    config = _config("pgbouncer", 13, ("join", "partition", "leave"))
     _check(_run(config, tmp_path), config, tmp_path)
