@@ -370,6 +370,7 @@ def _attempt_json(a: Attempt, step: str | None) -> dict[str, Any]:
         "finished_at": iso(a.finished_at),
         "outcome": None if a.outcome is None else str(a.outcome),
         "error": a.error,
+        "requested_by": a.requested_by,
     }
 
 

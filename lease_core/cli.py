@@ -420,7 +420,7 @@ async def _history(args: argparse.Namespace) -> int:
          "instance_id": a.instance_id, "reason": str(a.reason),
          "outcome": str(a.outcome) if a.outcome is not None else None,
          "claimed_at": _iso(a.claimed_at), "finished_at": _iso(a.finished_at),
-         "error": a.error}
+         "error": a.error, "requested_by": a.requested_by}
         for a in attempts
     ]
     if args.json:

@@ -71,6 +71,16 @@ async def test_trigger_runs_once_within_a_heartbeat_with_reason_manual(store: St
     log = await schedulers[0].recovery_log(("report", slot))
     assert [e.event for e in log] == ["started", "completed"]
     assert "manual" in log[0].detail and "cli" in log[0].detail
+    from lease_core._status import read_run
+
+    backend = store.backend()
+    await backend.start()
+    try:
+        shown = await read_run(backend, "report", slot)
+    finally:
+        await backend.close()
+    assert shown is not None
+    assert [(a["reason"], a["requested_by"]) for a in shown["attempts"]] == [("manual", "cli")]
 
 
 async def test_pause_skips_new_slots_until_resume(store: Store) -> None:
