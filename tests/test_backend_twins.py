@@ -83,14 +83,24 @@ class OnlyBatches(MemoryBackend):
         return await super().prune_many(jobs, **options)
 
 
+#: Single calls a built-in backend implements beside its batch, as a measured fast path:
+#: Redis sends a lone claim or finish as one script call without the batch's bookkeeping
+#: (client CPU per claim + finish, benchmarks/RESULTS.md). Each shares its reply handling
+#: with the batch; the conformance suite runs both.
+FAST_PATHS = {("RedisBackend", "claim"), ("RedisBackend", "finish")}
+
+
 def test_the_built_in_backends_implement_only_the_batches() -> None:
     from backends.postgres import PostgresBackend
     from backends.redis import RedisBackend
 
     for backend in (MemoryBackend, PostgresBackend, RedisBackend):
         for single, batch in TWINS:
-            assert single not in _defined(backend), f"{backend.__name__}.{single}"
             assert batch in _defined(backend), f"{backend.__name__}.{batch}"
+            if (backend.__name__, single) in FAST_PATHS:
+                assert single in _defined(backend), f"{backend.__name__}.{single} is listed"
+                continue
+            assert single not in _defined(backend), f"{backend.__name__}.{single}"
             assert getattr(backend, single) is getattr(Backend, single)
 
 

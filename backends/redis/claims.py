@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from adapters.redis import Command
 from lease_core._structures import ClaimRequest, ClaimResult, ClaimStatus, JobInfo
@@ -52,13 +53,7 @@ class RedisClaims(RedisStore):
         (reply,) = await self._run((self._claim_command(request),))
         fields = claim_fields(reply)
         result = claim_result(request, fields)
-        markers = self._markers
-        if len(markers) > 100_000:  # a bound for processes that make up job names
-            markers.clear()
-            self._quiet.clear()
-        markers[request.job] = as_text(fields[6])
-        if result.status is ClaimStatus.RUNNING and result.run_status is None:
-            self._quiet[request.job] = result.expires_ms or 0
+        self._remember([request], [fields], [result])
         return result
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
@@ -102,6 +97,17 @@ class RedisClaims(RedisStore):
         fields = [claim_fields(reply) for reply in replies[:len(requests)]]
         results = [claim_result(request, f)
                    for request, f in zip(requests, fields, strict=True)]
+        self._remember(requests, fields, results)
+        won = [r for r in results if r.status is ClaimStatus.WON]
+        if won and self.wait_replicas is not None:
+            what = (f"the claim of {won[0].job!r} slot {won[0].slot}" if len(won) == 1
+                    else f"the claims of {len(won)} runs")
+            self._check_wait(replies[-1], what)
+        return results
+
+    def _remember(self, requests: Sequence[ClaimRequest], fields: Sequence[Sequence[Any]],
+                  results: Sequence[ClaimResult]) -> None:
+        """Keep each job's data marker and quarantine end, as the claims' replies say."""
         if len(self._markers) > 100_000:  # a bound for processes that make up job names
             self._markers.clear()
             self._quiet.clear()
@@ -110,12 +116,6 @@ class RedisClaims(RedisStore):
         for result in results:
             if result.status is ClaimStatus.RUNNING and result.run_status is None:
                 self._quiet[result.job] = result.expires_ms or 0
-        won = [r for r in results if r.status is ClaimStatus.WON]
-        if won and self.wait_replicas is not None:
-            what = (f"the claim of {won[0].job!r} slot {won[0].slot}" if len(won) == 1
-                    else f"the claims of {len(won)} runs")
-            self._check_wait(replies[-1], what)
-        return results
 
     def _claims_command(self, requests: Sequence[ClaimRequest]) -> Command:
         """One ``claim_many.lua`` call for ``requests`` (a server that is not a Cluster)."""
