@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from ._durations import parse_duration
 from ._structures import RunStatus, format_slot
+from .recovery import step_job
 from .errors import ConfigurationError, OperationRefused
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ __all__ = ["RETRYABLE", "Admin", "Operation", "OperationKind", "OperationResult"
 
 #: The statuses a retry applies to.
 RETRYABLE = frozenset({RunStatus.FAILED, RunStatus.TIMED_OUT, RunStatus.ESCALATED})
+#: The statuses a cancel applies to.
+OPEN = frozenset({RunStatus.RUNNING, RunStatus.HANDED_OVER})
 
 
 class OperationKind(StrEnum):
@@ -138,14 +141,19 @@ class Admin:
         await self._operate(OperationKind.RESUME, job, None)
 
     async def retry(self, job: str, slot: int | str | datetime) -> None:
-        """Run a ``failed``, ``timed_out`` or ``escalated`` run again (reason ``retry``)."""
+        """Run a ``failed``, ``timed_out`` or ``escalated`` run again (reason ``retry``).
+
+        ``job`` may name a workflow: its run resumes at the step that failed (that step's
+        run is retried; the steps after it follow as usual).
+        """
         await self._operate(OperationKind.RETRY, job, _slot(slot, job))
 
     async def cancel(self, job: str, slot: int | str | datetime,
                      grace: float | str | object = "10s") -> None:
         """End a running or handed-over run ``cancelled``; nobody takes it over.
 
-        The run ends in the store at once. Its holder finds its lease gone at its next
+        ``job`` may name a workflow: the step in progress is cancelled, so the workflow
+        stops there. The run ends in the store at once. Its holder finds its lease gone at its next
         heartbeat: the handler gets ``ctx.stopping`` and is cancelled. ``grace`` is
         validated; this release cancels the handler at that heartbeat, without waiting
         ``grace``.
@@ -166,12 +174,30 @@ class Admin:
             raise ConfigurationError(f"job {job!r} must be a non-empty job name")
         await self.backend.start()  # counted: cheap when the backend runs already
         try:
+            if slot is not None:
+                job = await self._step_of(job, slot, kind)
             result = await self.backend.operate(Operation(kind, job, slot, self.by))
         finally:
             await self.backend.close()
         if result.refused is not None:
             raise OperationRefused(result.refused, _refusal(kind, job, slot, result))
         return result
+
+
+    async def _step_of(self, name: str, slot: int, kind: OperationKind) -> str:
+        """The job a run operation acts on: ``name`` itself, or for a workflow the step
+        run it concerns (a retry: the step that failed; a cancel: the step in progress)."""
+        steps = (await self.backend.workflows()).get(name)
+        if not steps:
+            return name
+        jobs = [step_job(name, step) for step in steps]
+        found = (await self.backend.check([(job, slot) for job in jobs])).runs
+        wanted = RETRYABLE if kind is OperationKind.RETRY else OPEN
+        for job in jobs:
+            state = found.get((job, slot))
+            if state is not None and state.status in wanted:
+                return job
+        return next((job for job in reversed(jobs) if (job, slot) in found), jobs[0])
 
 
 def _refusal(kind: OperationKind, job: str, slot: int | None, result: OperationResult) -> str:

@@ -16,7 +16,15 @@ import pytest
 from lease_core import Admin, OperationRefused, RunContext, RunStatus, Scheduler
 from lease_core.abc import Backend
 from lease_core.testing import claim_now
-from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_for, wait_history
+from tests.helpers import (
+    Instance,
+    quiet_offset,
+    quiet_offset_now,
+    stop_all,
+    store_now_ms,
+    wait_for,
+    wait_history,
+)
 from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
@@ -257,3 +265,46 @@ async def test_heartbeat_at_of_a_running_run_is_its_last_renewal(store: Store) -
         finally:
             release.set()
             await backend.close()
+
+
+async def test_retry_of_a_failed_workflow_resumes_at_the_step_that_failed(
+        store: Store) -> None:
+    admin = admin_for(store, by="ops")
+    ran: list[str] = []
+    s = make(store, "a")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+
+    @close.step("snapshot")
+    async def snapshot(ctx: RunContext) -> int:
+        ran.append("snapshot")
+        return 3
+
+    @close.step("interest")
+    async def interest(ctx: RunContext) -> int:
+        ran.append("interest")
+        if ran.count("interest") == 1:
+            raise RuntimeError("rates missing")
+        return ctx.results["snapshot"] * 2
+
+    @close.step("publish")
+    async def publish(ctx: RunContext) -> None:
+        ran.append(f"publish {ctx.results['interest']}")
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        slot = close.schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "close", slot)
+        await wait_history(s, lambda h: any(a.outcome == "failed" for a in h),
+                           job="close/interest", what="the interest step failed")
+        await admin.retry("close", slot)
+        await wait_for(lambda: "publish 6" in ran, what="the workflow resumed and finished")
+        await stop_all([instance])
+    assert ran == ["snapshot", "interest", "interest", "publish 6"]
+    log = await s.recovery_log(f"close@{slot}")
+    assert [(e.step, e.attempt, e.event) for e in log] == [
+        ("snapshot", 1, "started"), ("snapshot", 1, "completed"),
+        ("interest", 1, "started"), ("interest", 1, "failed"),
+        ("interest", 2, "started"), ("interest", 2, "completed"),
+        ("publish", 1, "started"), ("publish", 1, "completed")]
+    assert log[4].detail == "retry, requested by ops"

@@ -26,6 +26,7 @@ SCENARIOS: list[Callable[[Store], Awaitable[None]]] = [
     scenarios.test_cancel_stops_the_holder_and_nobody_takes_over,
     scenarios.test_bad_input_is_refused_and_changes_nothing,
     scenarios.test_heartbeat_at_of_a_running_run_is_its_last_renewal,
+    scenarios.test_retry_of_a_failed_workflow_resumes_at_the_step_that_failed,
 ]
 
 
