@@ -54,7 +54,7 @@ def operate(store: MemoryBackend, op: Operation, now: int,
         job.paused_by = None
         return OperationResult()
     if op.kind is OperationKind.TRIGGER:
-        slot = now
+        slot = now + (now % 1000 == 0)  # off the whole second, where schedules put slots
         while (op.job, slot) in store._runs:
             slot += 1
         store._runs[(op.job, slot)] = queued_run(op.by)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from ._durations import parse_duration
 from ._structures import RunStatus, format_slot
-from .recovery import step_job
 from .errors import ConfigurationError, OperationRefused
+from .recovery import step_job
 
 if TYPE_CHECKING:
     from .abc import Backend
@@ -123,7 +123,9 @@ class Admin:
     async def trigger(self, job: str) -> int:
         """Make one extra run of ``job`` now (reason ``manual``); return its slot.
 
-        An instance that declares the job claims it within one heartbeat.
+        The slot is the store's now in epoch ms, moved off a whole second (where
+        schedules put their slots) and off any slot the job has a run at. An instance
+        that declares the job claims it within one heartbeat.
         """
         result = await self._operate(OperationKind.TRIGGER, job, None)
         assert result.slot is not None

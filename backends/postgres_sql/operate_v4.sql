@@ -4,7 +4,8 @@
 -- nothing. o_refused is NULL when made, else 'unknown_job', 'no_run' or 'conflict';
 -- o_slot the run's slot (a trigger's new one); o_status the run's status before.
 --
--- - trigger: a new run at the store's now (the next free millisecond), 'handed_over'
+-- - trigger: a new run at the store's now (never on a whole second, where schedules put
+--   their slots; the next free millisecond), 'handed_over'
 --   with attempt 0, so that its first claim (by any instance declaring the job) is
 --   attempt 1, with reason 'manual' (runs.queued) and requested_by p_by.
 -- - retry: a failed, timed_out or escalated run becomes 'handed_over' again, its next
@@ -38,7 +39,8 @@ BEGIN
         RETURN;
     END IF;
     IF p_kind = 'trigger' THEN
-        o_slot := v_now;
+        -- Off the whole second, where schedules put their slots; then the next free ms.
+        o_slot := v_now + CASE WHEN mod(v_now, 1000) = 0 THEN 1 ELSE 0 END;
         WHILE EXISTS (SELECT 1 FROM {runs} r WHERE r.job = p_job AND r.slot = o_slot) LOOP
             o_slot := o_slot + 1;
         END LOOP;

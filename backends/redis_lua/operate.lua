@@ -22,7 +22,10 @@ elseif kind == 'resume' then
   redis.call('HDEL', job, 'paused')
   return '||'
 elseif kind == 'trigger' then
-  local at = now
+  local at = now  -- off the whole second, where schedules put their slots
+  if at % 1000 == 0 then
+    at = at + 1
+  end
   while redis.call('EXISTS', prefix .. at) == 1 do
     at = at + 1
   end
