@@ -308,3 +308,33 @@ async def test_retry_of_a_failed_workflow_resumes_at_the_step_that_failed(
         ("interest", 2, "started"), ("interest", 2, "completed"),
         ("publish", 1, "started"), ("publish", 1, "completed")]
     assert log[4].detail == "retry, requested by ops"
+
+
+async def test_queued_lists_triggered_and_retried_runs_not_plain_hand_overs(
+        store: Store) -> None:
+    from lease_core.abc import ClaimRequest, Lease, Outcome
+
+    admin = admin_for(store)
+    backend = store.backend()
+    await backend.start()
+    try:
+        await backend.register_jobs(["q"])
+        for slot, end in ((1000, "hand_over"), (2000, "fail")):
+            await backend.claim(ClaimRequest("q", slot, "i-1", f"t{slot}", 30_000))
+            lease = Lease("q", slot, f"t{slot}", 30_000)
+            if end == "hand_over":
+                assert await backend.hand_over([lease])
+            else:
+                assert await backend.finish(lease, Outcome.FAILED, "boom")
+        assert await backend.queued(["q"]) == []  # the backups claim a hand-over
+        triggered = await admin.trigger("q")
+        assert triggered % 1000 != 0
+        await admin.retry("q", 2000)
+        assert sorted(await backend.queued(["q", "other"])) == sorted([(
+            "q", triggered), ("q", 2000)])
+        assert await backend.queued(["other"]) == []
+        won = await backend.claim(ClaimRequest("q", 2000, "i-2", "t-retry", 30_000))
+        assert (won.status, won.reason, won.attempt) == ("won", "retry", 2)
+        assert await backend.queued(["q"]) == [("q", triggered)]
+    finally:
+        await backend.close()
