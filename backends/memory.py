@@ -122,7 +122,66 @@ class _NamedLeases:
             return True
 
 
-class MemoryBackend(_NamedLeases, memory_operations.MemoryOperations, Backend):
+def _clock_option(url: str, options: dict[str, Any]) -> Callable[[], float] | None:
+    """The ``clock`` of ``memory://`` options; any option but ``namespace`` is refused."""
+    left, from_url = split_url_options(url, ("namespace",))
+    rest = [key for key, _ in parse_qsl(urlsplit(left).query, keep_blank_values=True)]
+    if rest:
+        raise ConfigurationError(
+            f"memory:// does not accept the query parameter {', '.join(map(repr, rest))}; "
+            "it accepts: namespace"
+        )
+    merged = merge_options("MemoryBackend", options, from_url, ("namespace", "clock"))
+    clock: Callable[[], float] | None = merged.get("clock")
+    return clock
+
+
+class _Fleet:
+    """The fleet's records of :class:`MemoryBackend`: maintenance periods and members."""
+
+    _lock: threading.Lock
+    #: When the current maintenance period ends (ms), and who won it.
+    _maintenance: tuple[int, str] | None
+    #: The fleet's members: instance id -> end of its membership (ms, this clock).
+    _members: dict[str, int]
+
+    def _now(self) -> int:
+        raise NotImplementedError  # pragma: no cover - MemoryBackend's own
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period for ``instance_id`` if none is running (one lock)."""
+        check_every(every_ms)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            if self._maintenance is not None and now < self._maintenance[0]:
+                return False
+            self._maintenance = (now + every_ms, instance_id)
+            return True
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
+        """Renew ``instance_id``'s membership and list the live members (one lock).
+
+        Members whose membership has ended are deleted at once: nothing else reads them.
+        """
+        check_members(instance_id, ttl_ms)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            self._members[instance_id] = now + ttl_ms
+            for name in [name for name, until in self._members.items() if until <= now]:
+                del self._members[name]
+            return sorted(self._members)
+
+    async def leave(self, instance_id: str) -> None:
+        """End ``instance_id``'s membership now (one lock)."""
+        check_leave(instance_id)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._members.pop(instance_id, None)
+
+
+class MemoryBackend(_NamedLeases, _Fleet, memory_operations.MemoryOperations, Backend):
     """Keep runs, attempts and checkpoints in this process's memory.
 
     ``clock`` returns the store's time in seconds since the epoch; it defaults to the
@@ -153,15 +212,7 @@ class MemoryBackend(_NamedLeases, memory_operations.MemoryOperations, Backend):
         ``clock`` is passed on. Any other option raises
         :class:`~lease_core.errors.ConfigurationError`.
         """
-        left, from_url = split_url_options(url, ("namespace",))
-        rest = [key for key, _ in parse_qsl(urlsplit(left).query, keep_blank_values=True)]
-        if rest:
-            raise ConfigurationError(
-                f"memory:// does not accept the query parameter {', '.join(map(repr, rest))}; "
-                "it accepts: namespace"
-            )
-        merged = merge_options("MemoryBackend", options, from_url, ("namespace", "clock"))
-        return cls(clock=merged.get("clock"))
+        return cls(clock=_clock_option(url, options))
 
     async def start(self, *, create: bool = True) -> None:
         """Count a user; there is nothing to open (safe from any event loop or thread).
@@ -344,38 +395,6 @@ class MemoryBackend(_NamedLeases, memory_operations.MemoryOperations, Backend):
             return {job: self._trim_job(job, keep, older_than_ms, now, batch)
                     for job in dict.fromkeys(jobs)}
 
-    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
-        """Win the maintenance period for ``instance_id`` if none is running (one lock)."""
-        check_every(every_ms)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            now = self._now()
-            if self._maintenance is not None and now < self._maintenance[0]:
-                return False
-            self._maintenance = (now + every_ms, instance_id)
-            return True
-
-    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
-        """Renew ``instance_id``'s membership and list the live members (one lock).
-
-        Members whose membership has ended are deleted at once: nothing else reads them.
-        """
-        check_members(instance_id, ttl_ms)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            now = self._now()
-            self._members[instance_id] = now + ttl_ms
-            for name in [name for name, until in self._members.items() if until <= now]:
-                del self._members[name]
-            return sorted(self._members)
-
-    async def leave(self, instance_id: str) -> None:
-        """End ``instance_id``'s membership now (one lock)."""
-        check_leave(instance_id)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            self._members.pop(instance_id, None)
-
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:
         run = self._runs.get((lease.job, lease.slot))
         if run is None or run.token != lease.token or run.status is not RunStatus.RUNNING:
@@ -488,9 +507,7 @@ class MemoryBackend(_NamedLeases, memory_operations.MemoryOperations, Backend):
         """Make an operation (see :mod:`backends.memory_operations`)."""
         await anyio.lowlevel.checkpoint()
         with self._lock:
-            now = self._now()
-            return memory_operations.operate(self, op, now, lambda by: _Run(
-                RunStatus.HANDED_OVER, 0, None, by, now, queued=Reason.MANUAL, queued_by=by))
+            return memory_operations.operate(self, op, self._now(), _Run)
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:
         """Return the run's checkpoint."""

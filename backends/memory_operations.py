@@ -39,10 +39,10 @@ def paused_attempt(req: ClaimRequest, now: int, by: str) -> Attempt:
 
 
 def operate(store: MemoryBackend, op: Operation, now: int,
-            queued_run: Callable[[str], _Run]) -> OperationResult:
+            new_run: Callable[..., _Run]) -> OperationResult:
     """Make ``op`` on ``store`` (whose lock the caller holds), or refuse it.
 
-    ``queued_run(by)`` makes the record of a triggered run.
+    ``new_run`` is the store's run record type (which makes a triggered run's record).
     """
     job = store._jobs.get(op.job)
     if job is None:
@@ -57,7 +57,8 @@ def operate(store: MemoryBackend, op: Operation, now: int,
         slot = now + (now % 1000 == 0)  # off the whole second, where schedules put slots
         while (op.job, slot) in store._runs:
             slot += 1
-        store._runs[(op.job, slot)] = queued_run(op.by)
+        store._runs[(op.job, slot)] = new_run(RunStatus.HANDED_OVER, 0, None, op.by, now,
+                                              queued=Reason.MANUAL, queued_by=op.by)
         job.last_slot = slot if job.last_slot is None else max(job.last_slot, slot)
         return OperationResult(slot=slot)
     assert op.slot is not None
