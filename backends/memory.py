@@ -63,6 +63,8 @@ class _Run:
     #: Attempts that started by taking over an expired lease (max_attempts counts them
     #: and the first attempt, never hand-overs).
     takeovers: int = 0
+    #: Attempts that started by retry (issue 19, part 1).
+    retries: int = 0
     # Operations: the reason of the next attempt of a triggered or retried run, and who
     # asked for it (backends/memory_operations.py).
     queued: Reason | None = None
@@ -70,11 +72,64 @@ class _Run:
     heartbeat_ms: int | None = None  # the last renewal (the status API's heartbeat_at)
 
 
+def _retrying(run: _Run | None, now: int, delays: Sequence[int]) -> int:
+    """Mark a just-failed run ``retrying`` if retries remain: the retry's number, else 0."""
+    if run is None or run.retries >= len(delays):
+        return 0
+    run.status, run.expires_ms = RunStatus.RETRYING, now + delays[run.retries]
+    return run.retries + 1
+
+
 @dataclass
 class _Job:
     first_seen_ms: int
     last_slot: int | None = None
     paused_by: str | None = None  # operations: who paused the job
+
+
+class _Fleet:
+    """The fleet's records of :class:`MemoryBackend`: maintenance periods and members."""
+
+    _lock: threading.Lock
+    #: (end of the period in ms on the backend's clock, the instance that won it), or None.
+    _maintenance: tuple[int, str] | None
+    #: instance id -> end of its membership in ms on the backend's clock.
+    _members: dict[str, int]
+
+    def _now(self) -> int:
+        raise NotImplementedError  # pragma: no cover - MemoryBackend's own
+
+    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
+        """Win the maintenance period for ``instance_id`` if none is running (one lock)."""
+        check_every(every_ms)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            if self._maintenance is not None and now < self._maintenance[0]:
+                return False
+            self._maintenance = (now + every_ms, instance_id)
+            return True
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
+        """Renew ``instance_id``'s membership and list the live members (one lock).
+
+        Members whose membership has ended are deleted at once: nothing else reads them.
+        """
+        check_members(instance_id, ttl_ms)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            now = self._now()
+            self._members[instance_id] = now + ttl_ms
+            for name in [name for name, until in self._members.items() if until <= now]:
+                del self._members[name]
+            return sorted(self._members)
+
+    async def leave(self, instance_id: str) -> None:
+        """End ``instance_id``'s membership now (one lock)."""
+        check_leave(instance_id)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._members.pop(instance_id, None)
 
 
 class _NamedLeases:
@@ -136,52 +191,7 @@ def _clock_option(url: str, options: dict[str, Any]) -> Callable[[], float] | No
     return clock
 
 
-class _Fleet:
-    """The fleet's records of :class:`MemoryBackend`: maintenance periods and members."""
-
-    _lock: threading.Lock
-    #: When the current maintenance period ends (ms), and who won it.
-    _maintenance: tuple[int, str] | None
-    #: The fleet's members: instance id -> end of its membership (ms, this clock).
-    _members: dict[str, int]
-
-    def _now(self) -> int:
-        raise NotImplementedError  # pragma: no cover - MemoryBackend's own
-
-    async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
-        """Win the maintenance period for ``instance_id`` if none is running (one lock)."""
-        check_every(every_ms)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            now = self._now()
-            if self._maintenance is not None and now < self._maintenance[0]:
-                return False
-            self._maintenance = (now + every_ms, instance_id)
-            return True
-
-    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
-        """Renew ``instance_id``'s membership and list the live members (one lock).
-
-        Members whose membership has ended are deleted at once: nothing else reads them.
-        """
-        check_members(instance_id, ttl_ms)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            now = self._now()
-            self._members[instance_id] = now + ttl_ms
-            for name in [name for name, until in self._members.items() if until <= now]:
-                del self._members[name]
-            return sorted(self._members)
-
-    async def leave(self, instance_id: str) -> None:
-        """End ``instance_id``'s membership now (one lock)."""
-        check_leave(instance_id)
-        await anyio.lowlevel.checkpoint()
-        with self._lock:
-            self._members.pop(instance_id, None)
-
-
-class MemoryBackend(_NamedLeases, _Fleet, memory_operations.MemoryOperations, Backend):
+class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Backend):
     """Keep runs, attempts and checkpoints in this process's memory.
 
     ``clock`` returns the store's time in seconds since the epoch; it defaults to the
@@ -196,6 +206,9 @@ class MemoryBackend(_NamedLeases, _Fleet, memory_operations.MemoryOperations, Ba
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._runs: dict[tuple[str, int], _Run] = {}
+        #: Per job, the slots whose runs may be running (a superset, pruned as it is
+        #: read): the overlap check reads these, not every run in the store.
+        self._maybe_running: dict[str, set[int]] = {}
         self._attempts: dict[str, list[Attempt]] = {}
         #: When the current maintenance period ends (ms), and who won it.
         self._maintenance: tuple[int, str] | None = None
@@ -291,11 +304,7 @@ class MemoryBackend(_NamedLeases, _Fleet, memory_operations.MemoryOperations, Ba
                 run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
                 history.append(memory_operations.paused_attempt(req, now, job.paused_by))
                 return result(ClaimStatus.SKIPPED, run)
-            if req.overlap_skip and any(
-                j == req.job and s < req.slot and r.status is RunStatus.RUNNING
-                and r.expires_ms is not None and r.expires_ms > now
-                for (j, s), r in self._runs.items()
-            ):
+            if req.overlap_skip and self._earlier_live(req.job, req.slot, now):
                 run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
                 at = ms_to_datetime(now)
                 history.append(
@@ -306,6 +315,7 @@ class MemoryBackend(_NamedLeases, _Fleet, memory_operations.MemoryOperations, Ba
             run = self._runs[key] = _Run(
                 RunStatus.RUNNING, 1, req.token, req.instance_id, now + req.lease_ms
             )
+            self._maybe_running.setdefault(req.job, set()).add(req.slot)
             history.append(
                 Attempt(req.job, req.slot, 1, req.instance_id, req.reason, ms_to_datetime(now))
             )
@@ -320,7 +330,13 @@ class MemoryBackend(_NamedLeases, _Fleet, memory_operations.MemoryOperations, Ba
         if run.status is RunStatus.RUNNING and run.expires_ms is not None and run.expires_ms > now:
             return result(ClaimStatus.RUNNING, run)
         requested_by = run.queued_by
-        if run.status is RunStatus.HANDED_OVER:
+        if run.status is RunStatus.RETRYING:
+            # -- retries within a run (issue 19, part 1): due once the backoff passed
+            if run.expires_ms is not None and run.expires_ms > now:
+                return result(ClaimStatus.RUNNING, run)
+            reason = Reason.RETRY
+            run.retries += 1
+        elif run.status is RunStatus.HANDED_OVER:
             reason = run.queued or Reason.HAND_OVER  # operations: manual or retry
             run.queued = run.queued_by = None
         else:
@@ -338,6 +354,7 @@ class MemoryBackend(_NamedLeases, _Fleet, memory_operations.MemoryOperations, Ba
             reason = Reason.TAKEOVER
             run.takeovers += 1
         run.status = RunStatus.RUNNING
+        self._maybe_running.setdefault(req.job, set()).add(req.slot)
         run.attempt += 1
         run.token = req.token
         run.instance_id = req.instance_id
@@ -347,6 +364,20 @@ class MemoryBackend(_NamedLeases, _Fleet, memory_operations.MemoryOperations, Ba
                     requested_by=requested_by if reason is not Reason.HAND_OVER else None)
         )
         return result(ClaimStatus.WON, run, reason)
+
+    def _earlier_live(self, job: str, slot: int, now: int) -> bool:
+        """True when a run of ``job`` before ``slot`` holds a live lease."""
+        slots = self._maybe_running.get(job)
+        if not slots:
+            return False
+        found = False
+        for s in list(slots):
+            r = self._runs.get((job, s))
+            if r is None or r.status is not RunStatus.RUNNING:
+                slots.discard(s)
+            elif s < slot and r.expires_ms is not None and r.expires_ms > now:
+                found = True
+        return found
 
     def _end_attempt(
         self, job: str, slot: int, attempt: int, now: int, outcome: Outcome, error: str | None
@@ -440,6 +471,18 @@ class MemoryBackend(_NamedLeases, _Fleet, memory_operations.MemoryOperations, Ba
         run.expires_ms = None
         self._end_attempt(lease.job, lease.slot, run.attempt, now, Outcome(status.value), error)
         return True
+
+    # -- retries within a run (issue 19, part 1)
+    async def retry_later(
+        self, items: Sequence[tuple[Lease, Outcome, str | None, Sequence[int]]]
+    ) -> list[int]:
+        """End the failed attempts; runs with retries left wait, ``retrying`` (one lock)."""
+        statuses = [finish_status(outcome) for _, outcome, _, _ in items]
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return [_retrying(self._runs.get((lease.job, lease.slot)), self._now(), delays)
+                    if self._finish(lease, status, error) else -1
+                    for (lease, _, error, delays), status in zip(items, statuses, strict=True)]
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Mark each held run ``handed_over`` so a backup claims it at once."""

@@ -413,9 +413,8 @@ async def profile_pg(servers: Servers, n: int, rounds: int, cprof: bool) -> dict
                             done = await backend.finish(Lease(job, i + 1, tokens[i],
                                                               LEASE_MS), Outcome.COMPLETED)
                         else:
-                            row = await execute(backend._sql.finish, {
-                                "outcome": "completed", "job": job, "slot": i + 1,
-                                "token": tokens[i], "error": None})
+                            row = await execute(backend._sql.finish, (
+                                job, i + 1, tokens[i], "completed", None))
                             done = row is not None and int(row[0]) == 1
                         if not done:
                             raise RuntimeError("finish did not end the attempt")

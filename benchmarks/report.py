@@ -11,6 +11,9 @@ __all__ = ["plots", "ratios", "targets", "write_markdown"]
 
 #: library / raw in every claim cell (pg8000 included).
 CLAIM_TARGET = 0.8
+#: Issue 18: runs per client CPU-second with spread slots, and highest/lowest load.
+CPU_RUNS_TARGET = 3000
+CPU_FLAT_TARGET = 0.8
 #: anarchon claim+finish / redis-py asyncio Lock acquire+release (median per round).
 REDIS_PEER_TARGET = 1.0
 #: anarchon claim+finish / ShedLock upsert+unlock through raw psycopg (median per round).
@@ -65,6 +68,10 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
         for name, spread in section["ratio"].items():
             if not name.startswith("anarchon"):
                 out[f"lease.{store}.vs_{name}"] = spread["median"]
+    cpu = results.get("cpu", {})
+    for cell in cpu.get("cells", []):
+        out[f"cpu.{cell['store']}.r{cell['offered_runs_s']}.runs_per_cpu_s_vs_raw"] = (
+            cell["ratio_vs_raw"]["median"])
     return out
 
 
@@ -140,6 +147,16 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         out["store_load_10x_below_model"] = {
             "jobs": biggest["jobs"], "reduction": biggest["reduction"],
             "target": REDUCTION_TARGET, "met": biggest["reduction"] >= REDUCTION_TARGET}
+    cpu = results.get("cpu", {})
+    for store, flatness in cpu.get("flatness", {}).items():
+        cells = [c for c in cpu.get("cells", []) if c["store"] == store]
+        if store == "redis" or not cells or flatness is None:
+            continue  # issue 18 sets the targets on memory and PostgreSQL
+        worst = min(c["runs_per_cpu_s"] for c in cells)
+        out[f"cpu_{store}_runs_per_cpu_s"] = {
+            "target": CPU_RUNS_TARGET, "worst": worst, "met": worst >= CPU_RUNS_TARGET}
+        out[f"cpu_{store}_flat"] = {"target": CPU_FLAT_TARGET, "flatness": flatness,
+                                    "met": flatness >= CPU_FLAT_TARGET}
     return out
 
 

@@ -19,7 +19,7 @@ from . import report
 from ._util import environment, pg_servers
 
 SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "cluster", "scale",
-            "burst", "lease", "fleet", "fleet_kill")
+            "burst", "lease", "fleet", "fleet_kill", "cpu")
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -105,6 +105,11 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
         results["fleet_kill"] = await run_fleet_kill(
             servers, trials=1 if quick else 2, stores=("pg",) if quick else ("pg", "redis"),
             log=log)
+    if "cpu" in only:
+        from .cpu import run_cpu
+
+        log("cpu: client CPU per run, one scheduler, slots spread over each second")
+        results["cpu"] = await run_cpu(servers, quick=quick, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from .events import (
     HandedOver,
     HistoryTrimmed,
     Lost,
+    Retried,
     RunEvent,
     Skipped,
     StandingBy,
@@ -42,6 +43,7 @@ from .events import (
     TakenOver,
     TimedOut,
 )
+from .retry import Retry
 
 if TYPE_CHECKING:
     from backends.memory import MemoryBackend
@@ -84,6 +86,8 @@ __all__ = [
     "PostgresBackend",
     "Reason",
     "RedisBackend",
+    "Retried",
+    "Retry",
     "RunContext",
     "RunEvent",
     "RunInfo",

@@ -60,7 +60,8 @@ class _Batch(Generic[Req, Res]):
     def __init__(self) -> None:
         self.requests: list[Req] = []
         self.results: list[Res | Exception] = []
-        self.done = anyio.Event()
+        # Made by the first follower: most batches of spread slots have none.
+        self.done: anyio.Event | None = None
 
 
 class Batcher(Generic[Req, Res]):
@@ -93,6 +94,8 @@ class Batcher(Generic[Req, Res]):
         if batch is not None:
             start = len(batch.requests)
             batch.requests.extend(requests)
+            if batch.done is None:
+                batch.done = anyio.Event()
             await batch.done.wait()
             return batch.results[start:start + len(requests)]
         batch = self._open = _Batch()
@@ -112,7 +115,8 @@ class Batcher(Generic[Req, Res]):
                 self._open = None
             missing = len(batch.requests) - len(batch.results)
             batch.results += [Abandoned("the batch's sender was cancelled")] * missing
-            batch.done.set()
+            if batch.done is not None:
+                batch.done.set()
         return batch.results[:len(requests)]
 
     async def _send(self, batch: _Batch[Req, Res]) -> None:

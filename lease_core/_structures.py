@@ -45,7 +45,9 @@ class Reason(StrEnum):
     TAKEOVER = "takeover"
     HAND_OVER = "hand-over"
     CATCH_UP = "catch-up"
+    # -- retries within a run (issue 19, part 1); also an operation's retry (part 2)
     RETRY = "retry"
+    # -- operations (issue 19, part 2)
     MANUAL = "manual"
 
 
@@ -72,12 +74,17 @@ class RunStatus(StrEnum):
     TIMED_OUT = "timed_out"
     ESCALATED = "escalated"
     SKIPPED = "skipped"
+    # -- operations (issue 19, part 2)
     CANCELLED = "cancelled"
+    # -- retries within a run (issue 19, part 1)
+    RETRYING = "retrying"
+    """A failed attempt left retries: the next attempt (reason ``retry``) is due at the
+    run's ``expires_ms`` (store clock); no lease is held meanwhile."""
 
     @property
     def finished(self) -> bool:
         """True for the statuses a run never leaves."""
-        return self not in (RunStatus.RUNNING, RunStatus.HANDED_OVER)
+        return self not in (RunStatus.RUNNING, RunStatus.HANDED_OVER, RunStatus.RETRYING)
 
 
 class ClaimStatus(StrEnum):
@@ -163,6 +170,8 @@ class RunState:
         """True when a backup may take the run over at store time ``now_ms``."""
         if self.status is RunStatus.HANDED_OVER:
             return True
+        if self.status is RunStatus.RETRYING:  # due once its backoff has passed
+            return self.expires_ms is None or self.expires_ms <= now_ms
         return self.status is RunStatus.RUNNING and (
             self.expires_ms is None or self.expires_ms <= now_ms
         )

@@ -35,6 +35,8 @@ jobs never wait for each other):
    never escalated for it. (The attempt number still counts every attempt.)
    Otherwise the last attempt's outcome becomes ``lost`` (if it had none), and the next
    attempt takes the run with reason ``takeover``; return ``WON``.
+6b. If it is ``retrying``: ``RUNNING`` while ``expires > now``; then the next attempt
+   takes it, reason ``retry`` (never counted by ``max_attempts``); return ``WON``.
 7. A claim trims no history (the request's ``history_size`` and ``history_ttl_ms`` are
    for backends of their own that still do): :meth:`Backend.prune` does, called by the
    scheduler's maintenance for every job of the store, one instance at a time
@@ -394,6 +396,15 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         for _, outcome, _ in items:
             finish_status(outcome)
         return [await self.finish(lease, outcome, error) for lease, outcome, error in items]
+
+    # -- retries within a run (issue 19, part 1)
+    async def retry_later(self, items: Sequence[tuple[Lease, Outcome, str | None, Sequence[int]]]
+                          ) -> list[int]:
+        """End failed attempts ``(lease, outcome, error, delays_ms)``, fenced as :meth:`finish`;
+        with ``n`` retries made, ``n < len(delays_ms)`` leaves the run ``retrying`` until
+        ``now + delays_ms[n]`` (answer ``n + 1``), else ends it (0); -1: not held. Without
+        it, ``retry=`` is refused (:func:`lease_core.retry.supports_retries`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement retry_later()")
 
     @abstractmethod
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:

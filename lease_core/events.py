@@ -4,7 +4,8 @@ Every event is a frozen dataclass. Run events name the run (``job``, ``slot``); 
 end an attempt (:class:`Completed`, :class:`Failed`, :class:`TimedOut`, :class:`Lost`,
 :class:`HandedOver`) derive from :class:`AttemptEnded` and carry its ``outcome`` and
 ``duration``. Each won claim is reported as :class:`Claimed`; one that took a run over from
-another instance is reported as :class:`TakenOver` too.
+another instance is reported as :class:`TakenOver` too. A failure its job's ``retry=``
+retries is reported as :class:`Failed` (or :class:`TimedOut`), then :class:`Retried`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "HandedOver",
     "HistoryTrimmed",
     "Lost",
+    "Retried",
     "RunEvent",
     "Skipped",
     "StandingBy",
@@ -182,6 +184,25 @@ class StoreBack(Event):
 
     downtime: float
     """Seconds since the first failed call."""
+
+
+# -- retries within a run (issue 19, part 1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Retried(RunEvent):
+    """Attempt ``attempt`` failed (or timed out) and the run will be tried again.
+
+    Reported after the attempt's :class:`Failed` (or :class:`TimedOut`): retry number
+    ``retry`` of the job's ``retry=`` policy is due ``delay`` seconds from now, on the
+    store's clock, and whichever instance claims it first makes it (reason ``retry``).
+    """
+
+    attempt: int
+    retry: int
+    """1 for the first retry of the run, 2 for the second, ..."""
+    delay: float
+    """Seconds until the retry is due."""
+    error: str
+    """The failure's error text, as the history records it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

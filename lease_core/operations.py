@@ -33,7 +33,7 @@ __all__ = ["RETRYABLE", "Admin", "Operation", "OperationKind", "OperationResult"
 #: The statuses a retry applies to.
 RETRYABLE = frozenset({RunStatus.FAILED, RunStatus.TIMED_OUT, RunStatus.ESCALATED})
 #: The statuses a cancel applies to.
-OPEN = frozenset({RunStatus.RUNNING, RunStatus.HANDED_OVER})
+OPEN = frozenset({RunStatus.RUNNING, RunStatus.HANDED_OVER, RunStatus.RETRYING})
 
 
 class OperationKind(StrEnum):

@@ -14,6 +14,8 @@ entry                  when
                        for it: the detail says which)
 ``taken_over``         an attempt claimed the run after the previous one's lease
                        expired (reason takeover)
+``retried``            an attempt claimed the run to retry the previous one's failure
+                       (reason retry; the detail is that failure's error)
 ``completed``,         the attempt ended so (``lost``: its lease expired unrenewed;
 ``failed``,            ``handed_over``: its instance stopped and released the run;
 ``timed_out``,         ``escalated``: it was the last attempt ``max_attempts`` allows)
@@ -58,7 +60,7 @@ class RecoveryEntry:
     attempt: int
     event: str
     """``started``, ``completed``, ``failed``, ``timed_out``, ``lost``, ``taken_over``,
-    ``handed_over``, ``escalated`` or ``skipped``."""
+    ``retried``, ``handed_over``, ``escalated`` or ``skipped``."""
     instance_id: str
     detail: str | None = None
 
@@ -86,6 +88,8 @@ def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
     entries: list[tuple[datetime, int, int, int, RecoveryEntry]] = []
     prefix = None if workflow is None else workflow + STEP_SEPARATOR
     order = {name: i for i, name in enumerate(steps)}
+    attempts = list(attempts)
+    errors = {(a.job, a.attempt): a.error for a in attempts}
     for a in attempts:
         step = a.job[len(prefix):] if prefix and a.job.startswith(prefix) else None
         rank = order.get(step, len(order)) if step is not None else 0
@@ -95,6 +99,9 @@ def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
             continue
         if a.reason is Reason.TAKEOVER:
             start, detail = "taken_over", "the previous attempt's lease expired"
+        elif a.reason is Reason.RETRY:
+            start = "retried"
+            detail = errors.get((a.job, a.attempt - 1)) or "the previous attempt failed"
         else:
             start, detail = "started", str(a.reason)
             if a.requested_by is not None:  # an operation: trigger (manual) or retry

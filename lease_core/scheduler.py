@@ -45,6 +45,7 @@ from .recovery import RecoveryEntry, read_recovery_log
 from .schedules import CronSchedule, IntervalSchedule
 
 if TYPE_CHECKING:
+    from .retry import RetryOption
     from .workflows import Workflow
 
 __all__ = [
@@ -184,7 +185,7 @@ class Scheduler:
         self, name: str, interval: Duration, handler: None = None, *,
         timeout: Duration | None = ..., overlap: str = ..., catch_up: str = ...,
         max_attempts: int | None = ..., lease: Duration | None = ...,
-        offset: Duration | None = ...,
+        offset: Duration | None = ..., retry: RetryOption = ...,
     ) -> Callable[[H], H]: ...
 
     @overload
@@ -192,50 +193,51 @@ class Scheduler:
         self, name: str, interval: Duration, handler: H, *,
         timeout: Duration | None = ..., overlap: str = ..., catch_up: str = ...,
         max_attempts: int | None = ..., lease: Duration | None = ...,
-        offset: Duration | None = ...,
+        offset: Duration | None = ..., retry: RetryOption = ...,
     ) -> H: ...
 
     def every(
         self, name: str, interval: Duration, handler: H | None = None, *,
         timeout: Duration | None = None, overlap: str = "skip", catch_up: str = "latest",
         max_attempts: int | None = None, lease: Duration | None = None,
-        offset: Duration | None = None,
+        offset: Duration | None = None, retry: RetryOption = None,
     ) -> Any:
         """Declare a job that runs every ``interval``; slots are aligned to the epoch.
 
         ``offset`` shifts the slots (e.g. ``every("x", "1h", offset="5m")`` runs at :05).
-        Without ``handler`` this returns a decorator.
+        ``retry`` (a number of retries or a :class:`~lease_core.Retry`) retries a failure
+        within its run. Without ``handler`` this returns a decorator.
         """
         schedule = IntervalSchedule(interval, offset or 0)
         return self._registry.declare(name, schedule, handler, timeout, overlap, catch_up,
-                                      max_attempts, lease)
+                                      max_attempts, lease, retry)
 
     @overload
     def cron(
         self, name: str, expression: str, handler: None = None, *, tz: str = ...,
         timeout: Duration | None = ..., overlap: str = ..., catch_up: str = ...,
-        max_attempts: int | None = ..., lease: Duration | None = ...,
+        max_attempts: int | None = ..., lease: Duration | None = ..., retry: RetryOption = ...,
     ) -> Callable[[H], H]: ...
 
     @overload
     def cron(
         self, name: str, expression: str, handler: H, *, tz: str = ...,
         timeout: Duration | None = ..., overlap: str = ..., catch_up: str = ...,
-        max_attempts: int | None = ..., lease: Duration | None = ...,
+        max_attempts: int | None = ..., lease: Duration | None = ..., retry: RetryOption = ...,
     ) -> H: ...
 
     def cron(
         self, name: str, expression: str, handler: H | None = None, *, tz: str = "UTC",
         timeout: Duration | None = None, overlap: str = "skip", catch_up: str = "latest",
-        max_attempts: int | None = None, lease: Duration | None = None,
+        max_attempts: int | None = None, lease: Duration | None = None, retry: RetryOption = None,
     ) -> Any:
         """Declare a job that runs at the fire times of a cron ``expression`` in ``tz``.
 
-        Without ``handler`` this returns a decorator.
+        ``retry`` as for :meth:`every`. Without ``handler`` this returns a decorator.
         """
         schedule = CronSchedule(expression, tz)
         return self._registry.declare(name, schedule, handler, timeout, overlap, catch_up,
-                                      max_attempts, lease)
+                                      max_attempts, lease, retry)
 
     # ----------------------------------------------------------------- workflows
 
@@ -247,7 +249,7 @@ class Scheduler:
         cron: str | None = None,
         tz: str = "UTC",
         offset: Duration | None = None,
-        max_attempts: int | None = None,
+        max_attempts: int | None = None, retry: RetryOption = None,
         timeout: Duration | None = None,
         lease: Duration | None = None,
         catch_up: str = "latest",
@@ -255,14 +257,14 @@ class Scheduler:
         """Declare a workflow that runs ``every`` interval or on a ``cron`` expression.
 
         Exactly one of ``every`` and ``cron`` is required (``tz`` applies to ``cron``,
-        ``offset`` to ``every``). ``max_attempts``, ``timeout`` and ``lease`` are the
+        ``offset`` to ``every``). ``max_attempts``, ``retry``, ``timeout`` and ``lease`` are the
         defaults of its steps; ``catch_up`` applies to workflow runs missed while no
         instance was up, as for jobs. Add steps with :meth:`Workflow.step
         <lease_core.workflows.Workflow.step>`, in order; see :mod:`lease_core.workflows`.
         """
         return self._registry.workflow(
             name, every=every, cron=cron, tz=tz, offset=offset, max_attempts=max_attempts,
-            timeout=timeout, lease=lease, catch_up=catch_up)
+            timeout=timeout, lease=lease, catch_up=catch_up, retry=retry)
 
     @property
     def workflows(self) -> dict[str, Workflow]:

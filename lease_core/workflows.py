@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from ._durations import Duration
 from .errors import ConfigurationError
 from .recovery import step_job
+from .retry import Retry, RetryOption
 from .schedules import Schedule
 
 if TYPE_CHECKING:
@@ -94,6 +95,9 @@ class Workflow:
         """The default lease of each step (``None``: the scheduler's)."""
         self.catch_up = catch_up
         """What happens to workflow runs missed while no instance was up."""
+        self.retry: Retry | None = None
+        """The default ``retry=`` of each step: a failed step is retried, never the
+        steps already completed."""
         self._registry = registry
         self._steps: list[Job] = []
 
@@ -126,11 +130,12 @@ class Workflow:
     @overload
     def step(self, name: str, handler: None = None, *, timeout: Duration | None = ...,
              max_attempts: int | None = ..., lease: Duration | None = ...,
-             ) -> Callable[[H], H]: ...
+             retry: RetryOption = ...) -> Callable[[H], H]: ...
 
     @overload
     def step(self, name: str, handler: H, *, timeout: Duration | None = ...,
-             max_attempts: int | None = ..., lease: Duration | None = ...) -> H: ...
+             max_attempts: int | None = ..., lease: Duration | None = ...,
+             retry: RetryOption = ...) -> H: ...
 
     def step(
         self,
@@ -140,12 +145,15 @@ class Workflow:
         timeout: Duration | None = None,
         max_attempts: int | None = None,
         lease: Duration | None = None,
+        retry: RetryOption = None,
     ) -> Any:
         """Add the next step; without ``handler`` this returns a decorator.
 
         The handler gets a :class:`~lease_core.RunContext` with ``ctx.step`` and
         ``ctx.results`` (the results of the steps before it) and may return a JSON value,
-        its result. ``timeout``, ``max_attempts`` and ``lease`` override the workflow's.
+        its result. ``timeout``, ``max_attempts``, ``lease`` and ``retry`` override the
+        workflow's (a failed step with retries left is tried again, alone: the steps
+        already completed never run again).
         Steps run in the order they are added; a duplicate name, or a step added after
         the scheduler started, raises :class:`ConfigurationError`.
         """
@@ -164,6 +172,7 @@ class Workflow:
                 max_attempts=self.max_attempts if max_attempts is None else max_attempts,
                 lease=self.lease if lease is None else lease,
                 first=not self._steps,
+                retry=self.retry if retry is None else retry,
             )
             self._steps.append(job)
             return fn

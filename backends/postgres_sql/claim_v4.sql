@@ -25,6 +25,10 @@
 --   its attempts recorded with reason 'takeover'.
 -- - The job row gets a new version only when last_slot grows or an attempt is written
 --   (which takes the next seq, the order trimming keeps), in one UPDATE at most.
+-- - Retries within a run (issue 19, part 1): a 'retrying' run (a failed attempt left
+--   retries, see retry_later in queries.sql) stands by like a live lease until its
+--   expires_ms, the retry's due time; then the next attempt takes it with reason 'retry'
+--   (neither counted by max_attempts nor escalated).
 -- - It trims no history (v2 did, after every attempt it wrote): the scheduler's ticker
 --   trims every job in bounded batches (the trim_job statement), off the claim path.
 --
@@ -67,9 +71,10 @@ BEGIN
         c_reason := COALESCE(c_reason, p_reason);
         RETURN;
     END IF;
-    IF v_found AND (v_status NOT IN ('running', 'handed_over')
-                    OR (v_status = 'running' AND v_expires > v_now)) THEN
-        c_status := CASE WHEN v_status = 'running' THEN 'running' ELSE 'finished' END;
+    IF v_found AND (v_status NOT IN ('running', 'handed_over', 'retrying')
+                    OR (v_status IN ('running', 'retrying') AND v_expires > v_now)) THEN
+        c_status := CASE WHEN v_status IN ('running', 'retrying') THEN 'running'
+                         ELSE 'finished' END;
         c_now := v_now; c_attempt := v_attempt; c_expires := v_expires;
         c_run_status := v_status; c_instance := v_instance;
         RETURN;
@@ -104,7 +109,7 @@ BEGIN
       INTO v_status, v_attempt, v_instance, v_expires, v_takeovers
       FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
     v_found := FOUND;
-    IF v_found AND v_status IN ('running', 'handed_over') THEN
+    IF v_found AND v_status IN ('running', 'handed_over', 'retrying') THEN
         SELECT r.status, r.attempt, r.instance_id, r.expires_ms, r.takeovers
           INTO v_status, v_attempt, v_instance, v_expires, v_takeovers
           FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot FOR UPDATE SKIP LOCKED;
@@ -116,8 +121,8 @@ BEGIN
               FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
             v_found := FOUND;
             IF v_found THEN
-                c_status := CASE WHEN v_status IN ('running', 'handed_over') THEN 'running'
-                                 ELSE 'finished' END;
+                c_status := CASE WHEN v_status IN ('running', 'handed_over', 'retrying')
+                                 THEN 'running' ELSE 'finished' END;
                 c_attempt := v_attempt; c_expires := v_expires;
                 c_run_status := v_status; c_instance := v_instance;
                 RETURN;
@@ -162,10 +167,10 @@ BEGIN
             c_status := 'won'; c_attempt := 1; c_reason := p_reason;
             c_run_status := 'running'; c_instance := p_instance;
         END IF;
-    ELSIF v_status NOT IN ('running', 'handed_over') THEN
+    ELSIF v_status NOT IN ('running', 'handed_over', 'retrying') THEN
         c_status := 'finished'; c_attempt := v_attempt; c_expires := v_expires;
         c_run_status := v_status; c_instance := v_instance;
-    ELSIF v_status = 'running' AND v_expires > v_now THEN
+    ELSIF v_status IN ('running', 'retrying') AND v_expires > v_now THEN
         c_status := 'running'; c_attempt := v_attempt; c_expires := v_expires;
         c_run_status := v_status; c_instance := v_instance;
     ELSE
@@ -195,6 +200,8 @@ BEGIN
                 SELECT r.queued, r.queued_by INTO v_queued, v_queued_by
                   FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
                 v_reason := COALESCE(v_queued, v_reason);
+            ELSIF v_status = 'retrying' THEN
+                v_reason := 'retry';  -- retries within a run (issue 19, part 1)
             ELSE
                 v_reason := 'takeover';
                 v_takeovers := v_takeovers + 1;

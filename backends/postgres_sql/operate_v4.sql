@@ -10,7 +10,7 @@
 --   attempt 1, with reason 'manual' (runs.queued) and requested_by p_by.
 -- - retry: a failed, timed_out or escalated run becomes 'handed_over' again, its next
 --   claim with reason 'retry'.
--- - cancel: a running or handed-over run ends 'cancelled' (its open attempt too, error
+-- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
 --   'cancelled by <p_by>'); a claim then finds it finished (no takeover), and its
 --   holder's heartbeat finds its token gone.
 -- - pause / resume: set or clear the job row's paused_by; a claim of a new slot of a
@@ -69,7 +69,7 @@ BEGIN
         WHERE job = p_job AND slot = p_slot;
         RETURN;
     END IF;
-    IF v_status NOT IN ('running', 'handed_over') THEN
+    IF v_status NOT IN ('running', 'handed_over', 'retrying') THEN
         o_refused := 'conflict';
         RETURN;
     END IF;

@@ -166,7 +166,8 @@ WITH j AS (
     RETURNING j.job, j.first_seen_ms, j.last_slot, (j.xmax = 0) AS new)
 SELECT j.job, j.first_seen_ms, j.last_slot, j.new,
        ARRAY(SELECT r.slot FROM {runs} r
-             WHERE r.job = j.job AND r.status IN ('running', 'handed_over') ORDER BY r.slot)
+             WHERE r.job = j.job AND r.status IN ('running', 'handed_over', 'retrying')
+             ORDER BY r.slot)
 FROM j
 
 -- name: heartbeat
@@ -194,8 +195,7 @@ SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
 -- name: finish
 -- One call of the finish function (finish_v<N>.sql), whose plans are cached per
 -- connection: 1 when the token held the run and ended it, else 0.
-SELECT {finish}(%(job)s::text, %(slot)s::bigint, %(token)s::text, %(outcome)s::text,
-                %(error)s::text)
+SELECT {finish}(%s::text, %s::bigint, %s::text, %s::text, %s::text)
 
 -- name: finish_many
 -- Each (job, slot, token) at most once (the backend sends a token's first item only).
@@ -214,6 +214,37 @@ att AS (
       AND a.outcome IS NULL
     RETURNING 1)
 SELECT token FROM run
+
+-- name: retry_later
+-- Retries within a run (issue 19, part 1): the fenced end of a failed attempt, as the
+-- finish function ends it, leaving the run 'retrying' (no token; expires_ms the retry's
+-- due time, on the store's clock) while it had fewer retries (attempts with reason
+-- 'retry') than there are delays, else ending the run with the outcome. One row, the
+-- retry's number (0: the run ended); none when the token no longer holds the run.
+-- Parameters: job, slot, token, outcome, error, delays (ms, one per retry allowed).
+WITH p AS (
+    SELECT %s::text AS job, %s::bigint AS slot, %s::text AS token, %s::text AS outcome,
+           %s::text AS error, %s::bigint[] AS delays),
+n AS (
+    SELECT count(*)::integer AS retries FROM {attempts} a, p
+    WHERE a.job = p.job AND a.slot = p.slot AND a.reason = 'retry'),
+run AS (
+    UPDATE {runs} r
+    SET status = CASE WHEN n.retries < cardinality(p.delays) THEN 'retrying'
+                      ELSE p.outcome END,
+        token = NULL,
+        expires_ms = CASE WHEN n.retries < cardinality(p.delays)
+                          THEN {now} + p.delays[n.retries + 1] END
+    FROM p, n
+    WHERE r.job = p.job AND r.slot = p.slot AND r.token = p.token AND r.status = 'running'
+    RETURNING r.attempt, r.status, n.retries),
+att AS (
+    UPDATE {attempts} a SET outcome = p.outcome, error = p.error, finished_ms = {now}
+    FROM p, run
+    WHERE a.job = p.job AND a.slot = p.slot AND a.attempt = run.attempt
+      AND a.outcome IS NULL
+    RETURNING 1)
+SELECT CASE WHEN run.status = 'retrying' THEN run.retries + 1 ELSE 0 END FROM run
 
 -- name: hand_over
 WITH u AS (
@@ -282,7 +313,7 @@ gone AS (
 runs_gone AS (
     DELETE FROM {runs} r
     WHERE r.job = %(job)s::text AND r.slot IN (SELECT g.slot FROM gone g)
-      AND r.status NOT IN ('running', 'handed_over')
+      AND r.status NOT IN ('running', 'handed_over', 'retrying')
       AND NOT EXISTS (
           SELECT 1 FROM {attempts} a
           WHERE a.job = r.job AND a.slot = r.slot
@@ -320,7 +351,7 @@ gone AS (
 runs_gone AS (
     DELETE FROM {runs} r
     WHERE (r.job, r.slot) IN (SELECT g.job, g.slot FROM gone g)
-      AND r.status NOT IN ('running', 'handed_over')
+      AND r.status NOT IN ('running', 'handed_over', 'retrying')
       AND NOT EXISTS (
           SELECT 1 FROM {attempts} a
           WHERE a.job = r.job AND a.slot = r.slot
@@ -378,8 +409,8 @@ WHERE left(m.key, 7) = 'member:'
 
 -- name: leave
 -- End one instance's membership of the fleet now (a graceful stop): delete its row.
--- Parameters: instance.
-DELETE FROM {meta} WHERE key = 'member:' || %(instance)s::text RETURNING 1
+-- Parameters: the instance id.
+DELETE FROM {meta} WHERE key = 'member:' || %s::text RETURNING 1
 
 -- name: write_workflows
 -- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.
@@ -394,7 +425,7 @@ SELECT substr(key, 10), value FROM {meta} WHERE left(key, 9) = 'workflow:' ORDER
 -- name: list_runs
 SELECT job, slot, status, attempt, instance_id, expires_ms FROM {runs}
 WHERE (%(job)s::text IS NULL OR job = %(job)s::text)
-  AND (NOT %(open_only)s::boolean OR status IN ('running', 'handed_over'))
+  AND (NOT %(open_only)s::boolean OR status IN ('running', 'handed_over', 'retrying'))
 ORDER BY slot DESC, job LIMIT %(limit)s::bigint
 
 -- name: get_checkpoint

@@ -91,6 +91,20 @@ class RedisLeases(RedisStore):
         return ("EVALSHA", _FINISH_SHA, 4, f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:att",
                 f"{tag}:done", lease.token, slot, status, error)
 
+    # -- retries within a run (issue 19, part 1)
+    async def retry_later(
+        self, items: Sequence[tuple[Lease, Outcome, str | None, Sequence[int]]]
+    ) -> list[int]:
+        """End the failed attempts, one ``retry_later.lua`` call each, in one round trip."""
+        commands = []
+        for lease, outcome, error, delays in items:
+            tag, slot = self._tag(lease.job), int(lease.slot)
+            commands.append(self._eval(
+                "retry_later", [f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:att", f"{tag}:done"],
+                [lease.token, slot, finish_status(outcome).value, error or "",
+                 *(int(d) for d in delays)]))
+        return [int(answer) for answer in await self._run(commands)] if commands else []
+
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Mark each held run ``handed_over``, in one pipelined round trip."""
         if not leases:

@@ -5,7 +5,8 @@
 -- run hash      {p/job}:run:<slot>  st, att, tok, inst, exp, cp, n, tk (tk: takeovers,
 --               the attempts max_attempts counts besides the first; absent on runs
 --               written before it was kept); the attempts' records (see _prelude.lua)
--- open zset     {p/job}:open   slots of running / handed_over runs
+-- open zset     {p/job}:open   slots of running / handed_over / retrying runs
+--               (rt in the run hash: the retries made, see retry_later.lua)
 -- history zset  {p/job}:hist   attempt id -> insertion sequence
 -- attempts hash {p/job}:att    attempt id -> JSON record (store format 1 only)
 -- done zset     {p/job}:done   finished attempt id -> finish time
@@ -147,7 +148,8 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     return reply('finished', attempt, '', exp, st, sid, holder)
   end
   attempt = tonumber(attempt)
-  if st == 'running' and exp and tonumber(exp) > now then
+  -- (a 'retrying' run waits for its retry's due time like a live lease: issue 19)
+  if (st == 'running' or st == 'retrying') and exp and tonumber(exp) > now then
     write_job(job, jf)
     return reply('running', attempt, '', exp, st, sid, holder)
   end
@@ -182,6 +184,9 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       why, queued_by = q, qb
       redis.call('HDEL', run, 'q', 'qb')
     end
+  elseif st == 'retrying' then  -- retries within a run (issue 19, part 1)
+    why = 'retry'
+    redis.call('HINCRBY', run, 'rt', 1)
   else
     if max_attempts and 1 + takeovers >= max_attempts then
       local err = 'lease lost on attempt ' .. attempt .. ' of max_attempts=' .. max_attempts

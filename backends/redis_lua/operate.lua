@@ -7,7 +7,7 @@
 -- - trigger: a run at the store's now (the next free millisecond), handed_over with
 --   attempt 0, whose first claim is attempt 1 with reason 'manual' (q) and 'b' = by (qb);
 -- - retry: a failed, timed_out or escalated run is handed_over again, next reason retry;
--- - cancel: a running or handed-over run ends 'cancelled' (its open attempt too, error
+-- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
 --   'cancelled by <by>'); claims then find it finished, its holder's token is gone;
 -- - pause / resume: the job hash's 'paused' (who), read by every claim (_claim.lua).
 local job, open, att, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -53,7 +53,7 @@ if kind == 'retry' then
   redis.call('ZADD', open, tonumber(slot), slot)
   return '|' .. slot .. '|' .. st
 end
-if st ~= 'running' and st ~= 'handed_over' then
+if st ~= 'running' and st ~= 'handed_over' and st ~= 'retrying' then
   return 'conflict|' .. slot .. '|' .. st
 end
 local err = 'cancelled by ' .. by

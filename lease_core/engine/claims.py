@@ -18,7 +18,7 @@ from .. import events as ev
 from .._batch import Abandoned, ClaimBatcher
 from .._structures import ClaimRequest, ClaimResult, ClaimStatus, Lease, Reason, format_slot
 from .base import logger
-from .runs import AttemptInfo
+from .runs import AttemptInfo, Run
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -44,9 +44,15 @@ class Claimer:
         return result
 
     async def claim_many(
-        self, claims: Sequence[tuple[Job, int, Reason]]
+        self, claims: Sequence[tuple[Job, int, Reason]], *,
+        deferred: list[Run] | None = None,
     ) -> list[ClaimResult | None]:
-        """Claim several runs at once; each answer as :meth:`claim` gives it."""
+        """Claim several runs at once; each answer as :meth:`claim` gives it.
+
+        With ``deferred``, the runs won are held but their handlers not started: they are
+        appended there for the caller to start (see :meth:`Executor.launch
+        <lease_core.engine.execution.Executor.launch>`).
+        """
         s = self._s
         if not claims:
             return []
@@ -56,7 +62,7 @@ class Claimer:
         if settings.max_running is not None:
             free = settings.max_running - s.runs.held_count - self._claims_in_flight
             if free < len(claims):
-                return await self._claim_within(claims, max(0, free))
+                return await self._claim_within(claims, max(0, free), deferred)
         requests = [
             ClaimRequest(
                 job.name, slot, settings.instance_id, os.urandom(16).hex(), job.lease_ms,
@@ -98,17 +104,17 @@ class Claimer:
                         f"claim of {job.name} slot {format_slot(slot)} (will retry)", answer)
                 answer = None
             results.append(self._settle(job, slot, reason, requests[i].token, answer,
-                                        received - sent, sent_loop))
+                                        received - sent, sent_loop, deferred))
         return results
 
-    async def _claim_within(self, claims: Sequence[tuple[Job, int, Reason]],
-                            free: int) -> list[ClaimResult | None]:
+    async def _claim_within(self, claims: Sequence[tuple[Job, int, Reason]], free: int,
+                            deferred: list[Run] | None) -> list[ClaimResult | None]:
         # At capacity: claim what fits; the rest wait, pending, until a handler ends (the
         # member ranked next takes them meanwhile if it can).
         now = self._s.clock.now_ms()
         for job, slot, reason in claims[free:]:
             self._s.runs.pending(job, slot, claim_after=now, reason=reason)
-        results = await self.claim_many(claims[:free]) if free else []
+        results = await self.claim_many(claims[:free], deferred=deferred) if free else []
         return results + [None] * (len(claims) - free)
 
     async def drain(self, seconds: float) -> None:
@@ -119,8 +125,8 @@ class Claimer:
                 await self._idle.wait()
 
     def _settle(self, job: Job, slot: int, reason: Reason, token: str,
-                result: ClaimResult | None, took: float,
-                sent_loop: float) -> ClaimResult | None:
+                result: ClaimResult | None, took: float, sent_loop: float,
+                deferred: list[Run] | None = None) -> ClaimResult | None:
         s = self._s
         if result is None:
             # Unknown outcome (error or too slow): retry, or take it over if it was won.
@@ -130,8 +136,9 @@ class Claimer:
         # Events are made only for subscribers: in a burst, thousands of claims are settled
         # in one go, and every object made costs the garbage collector too.
         events = s.bus.wanted
-        run: dict[str, Any] = {"instance_id": s.settings.instance_id, "job": job.name,
-                               "slot": slot}
+        run: dict[str, Any] = {}
+        if events:
+            run = {"instance_id": s.settings.instance_id, "job": job.name, "slot": slot}
         if result.status is ClaimStatus.WON:
             won = result.reason or Reason.SCHEDULED
             info = AttemptInfo(result.attempt, won, sent_loop)
@@ -143,7 +150,7 @@ class Claimer:
             if s.stopping or s.tg is None:
                 s.runs.hand_over_later(job, lease, info)
             else:
-                s.execution.launch(job, lease, result, sent_loop, info)
+                s.execution.launch(job, lease, result, sent_loop, info, deferred=deferred)
         elif result.status is ClaimStatus.RUNNING and result.run_status is None:
             # No run: the store is in quarantine after losing its data; claim again at
             # the next tick (the claim writes nothing until the quarantine ends).
@@ -163,12 +170,14 @@ class Claimer:
             if result.status is ClaimStatus.SKIPPED:
                 logger.info("%s slot %s skipped: an earlier run still holds its lease",
                             job.name, format_slot(slot))
-                s.bus.emit(ev.Skipped(**run, reason=reason, claim_duration=took))
+                if events:
+                    s.bus.emit(ev.Skipped(**run, reason=reason, claim_duration=took))
             elif result.status is ClaimStatus.ESCALATED:
                 logger.error("%s slot %s escalated after %d attempts", job.name,
                              format_slot(slot), result.attempt)
-                s.bus.emit(ev.Escalated(**run, attempt=result.attempt, reason=reason,
-                                        claim_duration=took))
+                if events:
+                    s.bus.emit(ev.Escalated(**run, attempt=result.attempt, reason=reason,
+                                            claim_duration=took))
             elif result.status is ClaimStatus.FINISHED:
                 s.steps.seen_finished(job, slot, result.run_status)
         return result

@@ -20,6 +20,7 @@ from . import base
 
 if TYPE_CHECKING:
     from .jobs import Job
+    from .runs import Run
     from .session import Session
 
 __all__ = ["Dispatcher"]
@@ -114,9 +115,17 @@ class Dispatcher:
                 s.runs.pending(job, slot, claim_after=slot + rank * interval,
                                reason=Reason.SCHEDULED)
         # A job's next slot is queued once its claim is settled, as a loop per job would.
-        await s.claims.claim_many(first)
+        won: list[Run] = []
+        await s.claims.claim_many(first, deferred=won)
         for job, _, last in claims:
             self.schedule_next(job, last)
+        # The handlers start now, in tasks of their own but the last, which runs in this
+        # task: at spread slots most claims win one run, and a task per run was a good
+        # part of what a run cost.
+        for run in won[:-1]:
+            s.execution.start(run)
+        if won:
+            await s.execution.execute(won[-1])
 
     async def _catch_up_then_next(self, job: Job, slot: int, due: int) -> None:
         with self._s.stoppable():

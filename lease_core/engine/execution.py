@@ -10,7 +10,6 @@ one ``finish_many`` call), or backs the run up when its lease was lost.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +50,12 @@ class Executor:
         self._finisher = FinishBatcher(session.settings.backend)
 
     def launch(self, job: Job, lease: Lease, result: ClaimResult, sent_loop: float,
-               attempt: AttemptInfo | None) -> None:
-        """Start the handler of a run whose claim ``result`` won ``lease``."""
+               attempt: AttemptInfo | None, *, deferred: list[Run] | None = None) -> None:
+        """Start the handler of a run whose claim ``result`` won ``lease``.
+
+        With ``deferred``, the run is held and appended there instead, for the caller to
+        start (:meth:`start`) or to run in its own task (:meth:`execute`) at once.
+        """
         s = self._s
         assert s.tg is not None
         reason = result.reason or Reason.SCHEDULED
@@ -72,7 +75,20 @@ class Executor:
             logger.info("%s slot %s (%d): %s won attempt %d (%s)", job.name,
                         format_slot(lease.slot), lease.slot, s.settings.instance_id,
                         result.attempt, reason)
-        s.tg.start_soon(self._execute, run)
+        if deferred is None:
+            s.tg.start_soon(self._execute, run)
+        else:
+            deferred.append(run)
+
+    def start(self, run: Run) -> None:
+        """Run a deferred run's handler in a task of its own."""
+        assert self._s.tg is not None
+        self._s.tg.start_soon(self._execute, run)
+
+    async def execute(self, run: Run) -> None:
+        """Run a deferred run's handler in the calling task (a task of the session's group,
+        about to end: one task fewer per claim batch) and record its outcome."""
+        await self._execute(run)
 
     def deadline(self, sent_loop: float, job: Job) -> float:
         """The local deadline of a lease whose claim or renewal was sent at ``sent_loop``."""
@@ -136,6 +152,9 @@ class Executor:
             elif not stored:
                 return
         self._report(run, outcome, error, ran.raised)
+        if s.retries.wanted(job, outcome, ran.raised):  # retries within a run (issue 19)
+            await s.retries.fail(run, outcome, error or str(outcome))
+            return
         finished = outcome is Outcome.COMPLETED and execution.ctx.completed_by_transaction
         if not finished:
             finished = await self._finish(run, outcome, error)
@@ -148,22 +167,25 @@ class Executor:
         ctx = execution.ctx
         with execution.scope:
             try:
-                with anyio.move_on_after(job.timeout or math.inf) as timeout_scope:
-                    if job.workflow is not None:
-                        ctx.results = await self._s.steps.load_results(job, slot)
-                    if job.is_async:
-                        ran.value = await job.handler(ctx)
-                    else:
-                        ran.value = await anyio.to_thread.run_sync(
-                            job.handler, ctx, abandon_on_cancel=True,
-                            limiter=self._s.handler_threads,
-                        )
-                ran.timed_out = timeout_scope.cancelled_caught
+                if not job.timeout:  # no scope that could never fire: one fewer per run
+                    ran.value = await self._call(job, ctx, slot)
+                else:
+                    with anyio.move_on_after(job.timeout) as timeout_scope:
+                        ran.value = await self._call(job, ctx, slot)
+                    ran.timed_out = timeout_scope.cancelled_caught
             except Exception as exc:
                 ran.raised = exc
         if execution.scope.cancelled_caught:
             ran.interrupted = execution.cancel_reason or Interruption.DEADLINE
         return ran
+
+    async def _call(self, job: Job, ctx: RunContext, slot: int) -> Any:
+        if job.workflow is not None:
+            ctx.results = await self._s.steps.load_results(job, slot)
+        if job.is_async:
+            return await job.handler(ctx)
+        return await anyio.to_thread.run_sync(
+            job.handler, ctx, abandon_on_cancel=True, limiter=self._s.handler_threads)
 
     def _lost(self, run: Run, error: str, interrupted: Interruption | None) -> None:
         execution, lease = run.execution, run.lease

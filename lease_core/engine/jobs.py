@@ -11,6 +11,7 @@ from .._durations import Duration, parse_duration, to_ms
 from ..context import RunContext
 from ..errors import ConfigurationError
 from ..recovery import step_job
+from ..retry import Retry, to_retry
 from ..schedules import CronSchedule, IntervalSchedule, Schedule
 from ..workflows import Workflow, check_name
 from .base import is_async
@@ -42,6 +43,8 @@ class Job:
     """For a workflow step's job (``<workflow>/<step>``): its workflow."""
     step: str | None = None
     """For a workflow step's job: the step's name."""
+    retry: Retry | None = None
+    """How failures are retried within the run (``None``: never)."""
 
     @property
     def next_step(self) -> Job | None:
@@ -102,6 +105,7 @@ class JobRegistry:
         catch_up: str,
         max_attempts: int | None,
         lease: Duration | None,
+        retry: object = None,
     ) -> Any:
         """Declare a job; without ``handler``, return a decorator that declares it."""
         if not isinstance(name, str) or not _JOB_NAME.match(name):
@@ -118,6 +122,7 @@ class JobRegistry:
         if catch_up not in _CATCH_UP:
             raise ConfigurationError(f"catch_up={catch_up!r} is unknown; use one of {_CATCH_UP}")
         _check_max_attempts(max_attempts)
+        policy = to_retry(retry)
         timeout_s = None if timeout is None else parse_duration(timeout, what="timeout")
         lease_s = self.lease if lease is None else parse_duration(lease, what="lease")
         self.check_lease(lease_s, "lease", lease)
@@ -129,7 +134,7 @@ class JobRegistry:
                 raise ConfigurationError(f"job {name!r} is already declared")
             self.jobs[name] = Job(
                 name, schedule, fn, timeout_s, overlap, catch_up, max_attempts,  # type: ignore[arg-type]
-                to_ms(lease_s), is_async(fn),
+                to_ms(lease_s), is_async(fn), retry=policy,
             )
             return fn
 
@@ -149,6 +154,7 @@ class JobRegistry:
         timeout: Duration | None,
         lease: Duration | None,
         catch_up: str,
+        retry: object = None,
     ) -> Workflow:
         """Declare a workflow (see :meth:`Scheduler.workflow <lease_core.Scheduler.workflow>`)."""
         check_name("workflow", name)
@@ -175,6 +181,7 @@ class JobRegistry:
             self.check_lease(parse_duration(lease, what="lease"), "lease", lease)
         wf = Workflow(self, name, schedule, timeout=timeout_s, max_attempts=max_attempts,
                       lease=lease, catch_up=catch_up)
+        wf.retry = to_retry(retry)
         self.workflows[name] = wf
         return wf
 
@@ -188,6 +195,7 @@ class JobRegistry:
         max_attempts: int | None,
         lease: Duration | None,
         first: bool,
+        retry: object = None,
     ) -> Job:
         """Declare the job of a workflow's step (called by :meth:`Workflow.step`)."""
         name = step_job(workflow.name, step)
@@ -206,6 +214,7 @@ class JobRegistry:
             "skip" if first else "allow",
             workflow.catch_up,  # type: ignore[arg-type]
             max_attempts, to_ms(lease_s), is_async(handler), workflow=workflow, step=step,
+            retry=to_retry(retry),
         )
         self.jobs[name] = job
         return job

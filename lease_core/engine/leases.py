@@ -127,7 +127,12 @@ class LeaseKeeper:
             assert run.reclaim_reason is not None
             again.append((run.job, run.slot, run.reclaim_reason))
         await s.claims.claim_many(again)
-        backups = [run for run in s.runs.watched() if run.phase is not Phase.RECLAIM]
+        # A run ranked to another member is read only once its own turn is near: until
+        # then its state does not matter here (the members ranked before this one back
+        # it up), and at a burst those reads were most of what a tick cost.
+        horizon = s.clock.now_ms() + to_ms(s.settings.heartbeat) // 2
+        backups = [run for run in s.runs.watched() if run.phase is not Phase.RECLAIM
+                   and (run.phase is not Phase.PENDING or run.claim_after <= horizon)]
         if not backups:
             return
         keys = [run.key for run in backups]

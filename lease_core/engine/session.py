@@ -12,7 +12,8 @@ owns the components, each with one job, and wires them together:
 - :class:`~.execution.Executor`: the handlers, their cancellation and their outcome;
 - :class:`~.leases.LeaseKeeper`: renewals and backup checks, once per heartbeat;
 - :class:`~.steps.StepCoordinator`: the steps of workflows, one after another;
-- :class:`~.retention.Retention`: the fleet's history trimming.
+- :class:`~.retention.Retention`: the fleet's history trimming;
+- :class:`~.retries.Retrier`: retries within a run (failed attempts that wait, unleased).
 
 The components import none of each other; they reach each other through the session.
 """
@@ -47,6 +48,7 @@ from .fleet import Fleet
 from .jobs import JobRegistry
 from .leases import LeaseKeeper
 from .retention import Retention
+from .retries import Retrier
 from .runs import RunTable
 from .steps import StepCoordinator
 
@@ -101,6 +103,7 @@ class Session:
         self.leases = LeaseKeeper(self)
         self.steps = StepCoordinator(self)
         self.retention = Retention(self)
+        self.retries = Retrier(self)
         self._failure: BaseException | None = None
         self._host_task: object | None = None
         """The asyncio task hosting a run started by spawn() (kept from the GC)."""

@@ -15,6 +15,7 @@ import pytest
 from lease_core import ConfigurationError, Outcome, Reason, RunStatus
 from lease_core._structures import Attempt, ClaimRequest, ClaimResult, ClaimStatus, Lease
 from lease_core.abc import Backend
+from lease_core.retry import supports_retries
 
 from ._tools import Store, wait_for
 
@@ -886,3 +887,43 @@ async def test_members_round_trip_odd_instance_ids(store: Store) -> None:
         assert await a.members(odd[0], 60_000) == sorted(odd)
     finally:
         await a.close()
+
+
+# -- retries within a run (issue 19, part 1)
+async def test_retry_later_leaves_the_run_retrying_until_due(store: Store) -> None:
+    a, b = await started(store), await started(store)
+    try:
+        if not supports_retries(a):
+            pytest.skip(f"{type(a).__name__} implements no retry_later()")
+        first = req("j", instance="a", max_attempts=1)
+        assert (await a.claim(first)).status is ClaimStatus.WON
+        stale = Lease("j", SLOT, "not-the-token", first.lease_ms)
+        delays = [SHORT, SHORT]
+        assert await a.retry_later([(stale, Outcome.FAILED, "x", delays)]) == [-1]
+        assert await a.retry_later([(lease_of(first), Outcome.FAILED, "boom", delays)]) == [1]
+        assert await a.retry_later([(lease_of(first), Outcome.FAILED, "boom", delays)]) == [-1]
+        waiting = await b.claim(req("j", instance="b", max_attempts=1))
+        assert (waiting.status, waiting.run_status) == (ClaimStatus.RUNNING, RunStatus.RETRYING)
+        assert SLOT in (await a.register_jobs(["j"]))["j"].open_slots
+        assert [r.slot for r in await a.runs("j", open_only=True)] == [SLOT]
+        await wait_expired(b, "j")
+        second = req("j", instance="b", max_attempts=1)  # a retry is never escalated
+        won = await b.claim(second)
+        assert (won.status, won.attempt, won.reason) == (ClaimStatus.WON, 2, Reason.RETRY)
+        assert await b.retry_later([(lease_of(second), Outcome.TIMED_OUT, "slow", delays)]) == [2]
+        await wait_expired(a, "j")
+        third = req("j", instance="a")
+        assert (await a.claim(third)).reason is Reason.RETRY
+        assert await a.retry_later([(lease_of(third), Outcome.FAILED, "again", delays)]) == [0]
+        done = await b.claim(req("j", instance="b"))
+        assert (done.status, done.run_status) == (ClaimStatus.FINISHED, RunStatus.FAILED)
+        history = sorted(await a.history("j"), key=lambda h: h.attempt)
+        assert [(h.attempt, h.instance_id, h.reason, h.outcome, h.error) for h in history] == [
+            (1, "a", Reason.SCHEDULED, Outcome.FAILED, "boom"),
+            (2, "b", Reason.RETRY, Outcome.TIMED_OUT, "slow"),
+            (3, "a", Reason.RETRY, Outcome.FAILED, "again")]
+        with pytest.raises(ConfigurationError, match="skipped"):
+            await a.retry_later([(lease_of(third), Outcome.SKIPPED, None, delays)])
+    finally:
+        await a.close()
+        await b.close()

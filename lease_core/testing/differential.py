@@ -1,10 +1,11 @@
 """A differential, stateful model test: a store behaves like MemoryBackend.
 
 A hypothesis state machine sends the same random claims, heartbeats, finishes,
-hand-overs, checkpoint writes and reads, checks, history and run reads, job registrations
-and clock advances to a real store and to a :class:`MemoryBackend` on an injected clock,
-and requires identical observable results (statuses, attempt numbers, reasons, instances,
-tokens held, checkpoint values, history outcomes), never exact times.
+failures left to retry (``retry_later``), hand-overs, checkpoint writes and reads, checks,
+history and run reads, job registrations and clock advances to a real store and to a
+:class:`MemoryBackend` on an injected clock, and requires identical observable results
+(statuses, attempt numbers, reasons, instances, tokens held, checkpoint values, history
+outcomes), never exact times.
 
 Time: a claim takes a long lease (30 s, which never expires during an example on the
 real store) or a short one (0.8 s). "Advance" waits on the real store until every short
@@ -35,6 +36,7 @@ from hypothesis.stateful import (
 
 from backends.memory import MemoryBackend
 from lease_core.abc import Attempt, Backend, ClaimRequest, Lease, Outcome
+from lease_core.retry import supports_retries
 
 SHORT_MS = 800
 LONG_MS = 30_000
@@ -166,6 +168,18 @@ def _make_machine(real: Backend, portal: anyio.from_thread.BlockingPortal,
             error = None if outcome is Outcome.COMPLETED else f"{outcome} on purpose"
             mem, got = self.both(lambda b: b.finish(lease, outcome, error))
             assert got == mem, f"finish {lease} {outcome}: real {got}, memory {mem}"
+
+        # -- retries within a run (issue 19, part 1)
+        @rule(index=st.integers(0, 99), outcome=st.sampled_from(FINAL[1:]),
+              delays=st.lists(st.sampled_from([SHORT_MS, LONG_MS]), max_size=2))
+        def retry_later(self, index: int, outcome: Outcome, delays: list[int]) -> None:
+            lease = self.pick(index)
+            if lease is None or not supports_retries(real):
+                return
+            mem, got = self.both(lambda b: b.retry_later([(lease, outcome, "again", delays)]))
+            assert got == mem, f"retry_later {lease} {delays}: real {got}, memory {mem}"
+            if mem[0] > 0:
+                self._short_restarted(delays[mem[0] - 1])
 
         @rule(indexes=st.lists(st.integers(0, 99), min_size=1, max_size=3))
         def hand_over(self, indexes: list[int]) -> None:

@@ -56,6 +56,8 @@ SKEW_S = 3600.0
 #: Seconds a restarted store may take to answer again before the run goes on regardless.
 RESTART_RECOVERY_S = 30.0
 _FINAL = (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT)
+#: The job that fails transiently and is retried within its run (see tests/chaos/worker.py).
+FLAKY_JOB = "flaky"
 
 
 @dataclass
@@ -95,6 +97,9 @@ class ChaosConfig:
     """Workers log the library's INFO records (claims, retries, leases lost) to their
     ``.stderr`` file in the run's directory."""
 
+    flaky: bool = True
+    """Workers also run :data:`FLAKY_JOB`, whose every other run fails transiently and is
+    retried within its run (``retry=``)."""
     cancels: int = 2
     """How many running runs the operator cancels during the faults (evenly spread)."""
 
@@ -153,6 +158,12 @@ class Report:
     takeovers: int = 0
     takeover_latency: list[float] = field(default_factory=list)
     late_takeovers: list[tuple[str, int, int, float]] = field(default_factory=list)
+    retries: int = 0
+    """Attempts made by retry (reason ``retry``)."""
+    retry_overlaps: list[tuple[str, int, int]] = field(default_factory=list)
+    """Retries that began before the attempt they retry had ended: claimed before its
+    failure was recorded, after an attempt that did not fail, or whose handler started
+    before the failed handler's last record (an invariant: none)."""
     handover_latency: list[float] = field(default_factory=list)
     missed_slots: int = 0
     missed_store_unreachable: int = 0
@@ -194,6 +205,7 @@ class Report:
             "checkpoint went backwards": self.checkpoint_backwards,
             "runs left running": self.left_running,
             "slots never claimed while the store answered": self.missed_while_answered,
+            "retry overlapping the attempt it retries": self.retry_overlaps,
             "cancelled runs taken over": self.cancelled_taken_over,
             "cancelled runs completed": self.cancelled_completed,
         }
@@ -236,6 +248,8 @@ class Report:
             "takeover_p99_ms": ms(self.percentile(self.takeover_latency, 0.99)),
             "takeover_max_ms": ms(max(self.takeover_latency, default=None)),
             "late_takeovers": len(self.late_takeovers),
+            "retries": self.retries,
+            "retry_overlaps": len(self.retry_overlaps),
             "handover_p50_ms": ms(self.percentile(self.handover_latency, 0.5)),
             "handover_p99_ms": ms(self.percentile(self.handover_latency, 0.99)),
             "missed_slots": self.missed_slots,
@@ -297,7 +311,7 @@ class Worker:
             "jobs": [[f"job{n}", c.interval_ms, "skip" if n % 2 else "allow",
                       c.offset_ms(n)] for n in range(c.jobs)],
             "log": str(self.logdir / f"{self.instance}.jsonl"), "skew": skew,
-            "grace": "5s", "verbose": c.verbose,
+            "grace": "5s", "verbose": c.verbose, "flaky": c.flaky,
         }
         self.stderr = open(self.logdir / f"{self.instance}.stderr", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -717,6 +731,27 @@ def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fau
     return report
 
 
+def _audit_retries(report: Report, key: tuple[str, int], attempts: list[Attempt],
+                   evs: list[dict[str, Any]]) -> None:
+    """A retried run never runs twice at once: each retry begins after the failed attempt
+    it retries ended, in the store's records and in the handlers' own."""
+    last_record: dict[int, float] = {}
+    for e in evs:
+        if e["e"] in ("rstart", "rfail", "rdone"):
+            last_record[e["a"]] = max(last_record.get(e["a"], 0.0), float(e["t"]))
+    for prev, nxt in itertools.pairwise(attempts):
+        if nxt.reason != "retry":
+            continue
+        report.retries += 1
+        if (prev.outcome not in (Outcome.FAILED, Outcome.TIMED_OUT)
+                or prev.finished_at is None or prev.finished_at > nxt.claimed_at):
+            report.retry_overlaps.append((*key, nxt.attempt))
+            continue
+        starts = [float(e["t"]) for e in evs if e["e"] == "rstart" and e["a"] == nxt.attempt]
+        if starts and prev.attempt in last_record and min(starts) < last_record[prev.attempt]:
+            report.retry_overlaps.append((*key, nxt.attempt))
+
+
 def judge(config: ChaosConfig, seen: Observed) -> Report:
     """Count every broken invariant, and the figures, in what a run left behind."""
     report = Report(config.store, "", config.seconds)
@@ -761,9 +796,13 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
         report.claim_delay.append(attempts[0].claimed_at.timestamp() - key[1] / 1000)
         if sum(1 for a in attempts if a.outcome is Outcome.COMPLETED) > 1:
             report.double_completions.append(key)
+        retried = {a.attempt - 1 for a in attempts if a.reason == "retry"}
         for a in attempts:
-            if a.attempt < top and a.outcome in _FINAL:
+            # A failure followed by its retry is no superseded finish.
+            if a.attempt < top and a.outcome in _FINAL and not (
+                    a.attempt in retried and a.outcome is not Outcome.COMPLETED):
                 report.stale_finish.append((*key, a.attempt))
+        _audit_retries(report, key, attempts, events.get(key, []))
         # Takeover latency: from the fault of the previous holder to the new claim.
         for prev, nxt in itertools.pairwise(attempts):
             if nxt.reason == "takeover":

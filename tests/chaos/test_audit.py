@@ -165,6 +165,37 @@ def test_a_new_run_keeps_the_notes_written_below_the_figures(tmp_path: Path) -> 
     assert _notes_of(results) == ""
 
 
+def _retried(second_claimed: float, first_outcome: Outcome = Outcome.FAILED,
+             events: list[dict[str, Any]] | None = None) -> Observed:
+    """Attempt 1 fails at 0.3 s (its record says so), attempt 2 retries it."""
+    return observed(
+        history=[attempt(1, "w1", 0.0, first_outcome),
+                 attempt(2, "w2", second_claimed, Outcome.COMPLETED, Reason.RETRY)],
+        effects=[], checkpoints={},
+        events={KEY: events if events is not None else [
+            event("rstart", 1, r="scheduled"), {**event("rfail", 1), "t": T0 + 0.29},
+            {**event("rstart", 2, r="retry"), "t": T0 + second_claimed + 0.01},
+            {**event("rdone", 2), "t": T0 + second_claimed + 0.2}]},
+        faults=[])
+
+
+def test_a_clean_retry_breaks_nothing_and_is_counted() -> None:
+    report = judge(CONFIG, _retried(0.5))
+    assert report.violations == {}  # the failure before its retry is no superseded finish
+    assert (report.retries, report.stale_finish) == (1, [])
+
+
+def test_a_retry_before_its_failure_ended_is_reported() -> None:
+    early = judge(CONFIG, _retried(0.2))  # claimed before attempt 1's failure was recorded
+    assert early.violations == {"retry overlapping the attempt it retries": [(*KEY, 2)]}
+    not_failed = judge(CONFIG, _retried(0.5, Outcome.LOST))
+    assert not_failed.retry_overlaps == [(*KEY, 2)]
+    running = judge(CONFIG, _retried(0.5, events=[  # the failed handler wrote after
+        event("rstart", 1, r="scheduled"), {**event("rfail", 1), "t": T0 + 0.9},
+        {**event("rstart", 2, r="retry"), "t": T0 + 0.6}]))
+    assert running.retry_overlaps == [(*KEY, 2)]
+
+
 def cancelled(*history: Attempt) -> Observed:
     """Attempt 1 (w1) cancelled through the store at 0.2 s (the cancel returned at 0.25 s)."""
     return observed(history=list(history), effects=[], events={}, checkpoints={},

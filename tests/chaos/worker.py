@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-from lease_core import LeaseLost, RunContext, Scheduler, backend_from_url
+from lease_core import LeaseLost, Retry, RunContext, Scheduler, backend_from_url
 
 __all__ = ["main"]
 
@@ -41,6 +41,10 @@ class EventLog:
         record = {"e": event, "j": ctx.job, "s": ctx.slot, "a": ctx.attempt,
                   "i": self.instance, "t": _real_time(), **fields}
         os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+
+class TransientFailure(Exception):
+    """The flaky job's failure, which its retry policy retries."""
 
 
 def build(config: dict[str, Any], log: EventLog) -> Scheduler:
@@ -90,6 +94,21 @@ def build(config: dict[str, Any], log: EventLog) -> Scheduler:
                 raise
             log.write("tx", ctx)
         log.write("done", ctx)
+
+    flaky_ms = int(config["jobs"][0][1])
+
+    async def flaky(ctx: RunContext) -> None:
+        # Every other run fails on its first try, transiently: retried within its run.
+        log.write("rstart", ctx, r=str(ctx.reason))
+        await anyio.sleep(step_s)
+        if ctx.reason != "retry" and (ctx.slot // flaky_ms) % 2 == 0:
+            log.write("rfail", ctx)
+            raise TransientFailure("the ledger is busy (chaos)")
+        log.write("rdone", ctx)
+
+    if config.get("flaky"):
+        scheduler.every("flaky", f"{flaky_ms}ms", flaky, timeout=config.get("timeout", "20s"),
+                        retry=Retry(retries=3, backoff="100ms", jitter=0.2))
 
     for name, interval_ms, overlap, offset_ms in config["jobs"]:
         scheduler.every(name, f"{interval_ms}ms", handler, overlap=overlap,

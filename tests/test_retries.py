@@ -1,0 +1,242 @@
+"""Retries within a run (issue 19, part 1), through the public API, on every scenario store.
+
+Jobs are hourly (far from "now"); each test starts a run by claiming it at the current
+slot with the documented hook, as the schedule would. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from lease_core import Event, Retried, Retry, RunContext, RunStatus, Scheduler
+from lease_core._status import workflow_status
+from lease_core.retry import supports_retries
+from lease_core.testing import claim_now
+from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
+from tests.stores import Store
+
+pytestmark = pytest.mark.anyio
+
+FAST = {"lease": "0.9s", "heartbeat": "0.2s"}
+
+
+class Transient(Exception):
+    """A failure worth retrying."""
+
+
+class Fatal(Exception):
+    """A failure never retried (``no_retry``)."""
+
+
+def make(store: Store, name: str, **kw: Any) -> Scheduler:
+    s = Scheduler(store.backend(), instance_id=name, **{**FAST, **kw})
+    if not supports_retries(s.backend):
+        pytest.skip(f"{type(s.backend).__name__} has no retry_later() yet")
+    return s
+
+
+def slot_of(s: Scheduler, job: str) -> int:
+    slot = s.jobs[job].schedule.previous_at_or_before(s.store_now_ms())
+    assert slot is not None
+    return slot
+
+
+async def run_status(s: Scheduler, job: str, slot: int) -> RunStatus | None:
+    state = (await s.backend.check([(job, slot)])).runs.get((job, slot))
+    return None if state is None else state.status
+
+
+async def wait_status(s: Scheduler, job: str, slot: int, want: RunStatus) -> None:
+    async def done() -> bool:
+        return await run_status(s, job, slot) == want
+
+    await wait_for(done, timeout=15, what=f"{job}@{slot} {want}")
+
+
+async def test_a_transient_failure_is_retried_within_its_run(store: Store) -> None:
+    tries: list[tuple[int, str]] = []
+    events: list[Event] = []
+    s = make(store, "a")
+    s.subscribe(events.append)
+
+    @s.every("flaky", "1h", offset=quiet_offset_now(),
+             retry=Retry(retries=3, backoff="0.1s", jitter=0))
+    async def flaky(ctx: RunContext) -> None:
+        tries.append((ctx.attempt, ctx.reason))
+        if len(tries) < 3:
+            raise Transient(f"try {len(tries)}")
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = slot_of(s, "flaky")
+        await claim_now(s, "flaky", slot)
+        await wait_status(s, "flaky", slot, RunStatus.COMPLETED)
+        await wait_for(lambda: sum(isinstance(e, Retried) for e in events) == 2,
+                       what="two Retried events")
+        await i.stop()
+    assert tries == [(1, "scheduled"), (2, "retry"), (3, "retry")]
+    history = sorted((a for a in await s.history("flaky") if a.slot == slot),
+                     key=lambda a: a.attempt)
+    assert [(a.attempt, a.reason, a.outcome) for a in history] == [
+        (1, "scheduled", "failed"), (2, "retry", "failed"), (3, "retry", "completed")]
+    assert "Transient: try 1" in (history[0].error or "")
+    retried = [e for e in events if isinstance(e, Retried)]
+    assert [(e.attempt, e.retry, e.delay) for e in retried] == [(1, 1, 0.1), (2, 2, 0.2)]
+    assert "try 2" in retried[1].error
+    log = await s.recovery_log(("flaky", slot))
+    assert [(e.attempt, e.event) for e in log] == [
+        (1, "started"), (1, "failed"), (2, "retried"), (2, "failed"), (3, "retried"),
+        (3, "completed")]
+    assert "try 1" in (log[2].detail or "")
+
+
+async def test_the_last_failure_ends_the_run_failed(store: Store) -> None:
+    tries: list[int] = []
+    s = make(store, "a")
+
+    @s.every("doomed", "1h", offset=quiet_offset_now(), retry=Retry(retries=2, backoff=0))
+    async def doomed(ctx: RunContext) -> None:
+        tries.append(ctx.attempt)
+        raise Transient("always")
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = slot_of(s, "doomed")
+        await claim_now(s, "doomed", slot)
+        await wait_status(s, "doomed", slot, RunStatus.FAILED)
+        await i.stop()
+    assert tries == [1, 2, 3]
+    outcomes = [a.outcome for a in await s.history("doomed") if a.slot == slot]
+    assert outcomes == ["failed"] * 3
+
+
+async def test_no_retry_types_and_timeouts(store: Store) -> None:
+    fatal: list[int] = []
+    slow: list[int] = []
+    s = make(store, "a")
+
+    @s.every("fatal", "1h", offset=quiet_offset_now(),
+             retry=Retry(retries=3, backoff=0, no_retry=(Fatal,)))
+    async def fatal_job(ctx: RunContext) -> None:
+        fatal.append(ctx.attempt)
+        raise Fatal("do not retry me")
+
+    @s.every("slow", "1h", offset=quiet_offset_now(), timeout="0.1s", retry=1)
+    async def slow_job(ctx: RunContext) -> None:
+        slow.append(ctx.attempt)
+        if len(slow) == 1:
+            await anyio.sleep(5)  # a timeout counts as a failure: retried
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = slot_of(s, "fatal")
+        await claim_now(s, "fatal", slot)
+        await claim_now(s, "slow", slot)
+        await wait_status(s, "fatal", slot, RunStatus.FAILED)
+        await wait_status(s, "slow", slot, RunStatus.COMPLETED)
+        await i.stop()
+    assert fatal == [1]
+    assert slow == [1, 2]
+    history = sorted((a for a in await s.history("slow") if a.slot == slot),
+                     key=lambda a: a.attempt)
+    assert [(a.reason, a.outcome) for a in history] == [
+        ("scheduled", "timed_out"), ("retry", "completed")]
+
+
+async def test_a_crash_while_a_retry_waits_loses_nothing(store: Store) -> None:
+    tries: list[tuple[str, int, str]] = []
+    failed = anyio.Event()
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+
+        @s.every("bank", "1h", offset=quiet_offset_now(), retry=Retry(backoff="0.6s"))
+        async def bank(ctx: RunContext) -> None:
+            tries.append((name, ctx.attempt, ctx.reason))
+            if name == "a":
+                failed.set()
+                raise Transient("the ledger is busy")
+
+        return s
+
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = slot_of(a, "bank")
+        await claim_now(a, "bank", slot)
+        await claim_now(b, "bank", slot)  # held by a: b backs it up
+        with anyio.fail_after(10):
+            await failed.wait()
+        await wait_status(a, "bank", slot, RunStatus.RETRYING)
+        ia.crash()  # while the retry waits: nothing is held, nothing is lost
+        await wait_status(b, "bank", slot, RunStatus.COMPLETED)
+        await ib.stop()
+    assert tries == [("a", 1, "scheduled"), ("b", 2, "retry")]
+    history = await wait_history(b, lambda h: len(h) == 2, job="bank")
+    assert {(h.attempt, h.instance_id, h.outcome) for h in history} == {
+        (1, "a", "failed"), (2, "b", "completed")}
+
+
+async def test_a_workflow_retries_the_failed_step_only(store: Store) -> None:
+    ran: list[tuple[str | None, int, str]] = []
+    s = make(store, "a")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now(),
+                       retry=Retry(retries=2, backoff="0.1s"))
+
+    @close.step("snapshot")
+    async def snapshot(ctx: RunContext) -> Any:
+        ran.append((ctx.step, ctx.attempt, ctx.reason))
+        return [1, 2]
+
+    @close.step("interest")
+    async def interest(ctx: RunContext) -> Any:
+        ran.append((ctx.step, ctx.attempt, ctx.reason))
+        if ctx.attempt == 1:
+            raise Transient("the rates service timed out")
+        return sum(ctx.results["snapshot"])
+
+    @close.step("publish", retry=0)
+    async def publish(ctx: RunContext) -> None:
+        ran.append((ctx.step, ctx.attempt, ctx.reason))
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = slot_of(s, "close/snapshot")
+        await claim_now(s, "close", slot)
+        await wait_status(s, "close/publish", slot, RunStatus.COMPLETED)
+        await i.stop()
+    assert ran == [("snapshot", 1, "scheduled"), ("interest", 1, "scheduled"),
+                   ("interest", 2, "retry"), ("publish", 1, "scheduled")]
+    assert s.jobs["close/publish"].retry is None
+    log = await s.recovery_log(("close", slot))
+    assert [(e.step, e.event) for e in log if e.step == "interest"] == [
+        ("interest", "started"), ("interest", "failed"), ("interest", "retried"),
+        ("interest", "completed")]
+
+
+async def test_a_step_s_last_failure_fails_the_workflow(store: Store) -> None:
+    ran: list[tuple[str | None, int]] = []
+    s = make(store, "a")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+    close.step("snapshot", lambda ctx: ran.append((ctx.step, ctx.attempt)))
+
+    @close.step("interest", retry=Retry(retries=1, backoff=0))
+    async def interest(ctx: RunContext) -> None:
+        ran.append((ctx.step, ctx.attempt))
+        raise Transient("still down")
+
+    close.step("publish", lambda ctx: ran.append((ctx.step, ctx.attempt)))
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = slot_of(s, "close/snapshot")
+        await claim_now(s, "close", slot)
+        await wait_status(s, "close/interest", slot, RunStatus.FAILED)
+        await i.stop()
+    assert ran == [("snapshot", 1), ("interest", 1), ("interest", 2)]
+    assert await run_status(s, "close/publish", slot) is None
+    steps = [await run_status(s, job.name, slot) for job in close.jobs]
+    assert workflow_status(steps) == "failed"

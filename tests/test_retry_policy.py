@@ -1,0 +1,89 @@
+"""The Retry policy on its own: its checks, its backoff, and retry= at declaration time."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from lease_core import ConfigurationError, MemoryBackend, Retry, Scheduler
+from lease_core.abc import Backend
+from lease_core.retry import supports_retries, to_retry
+
+
+def test_backoff_grows_by_the_factor_up_to_the_cap() -> None:
+    policy = Retry(retries=6, backoff="1s", factor=3, max_backoff="30s", jitter=0)
+    assert policy.delays_ms() == (1000, 3000, 9000, 27000, 30000, 30000)
+    assert Retry(retries=2, backoff=timedelta(milliseconds=250), jitter=0).delays_ms() == (
+        250, 500)
+
+
+def test_jitter_spreads_each_wait_within_its_bounds() -> None:
+    policy = Retry(retries=1, backoff="10s", jitter=0.2)
+    waits = {policy.delay_ms(1) for _ in range(200)}
+    assert all(8000 <= w <= 12000 for w in waits)
+    assert len(waits) > 1  # spread, not one value
+
+
+def test_no_retry_types_and_timeouts() -> None:
+    policy = Retry(no_retry=(KeyError,))
+    assert not policy.retries_error(KeyError("x"))
+    assert policy.retries_error(ValueError("x"))
+    assert policy.retries_error(None)  # a timeout
+    assert Retry(no_retry=KeyError).no_retry == (KeyError,)
+
+
+def test_retry_option_forms() -> None:
+    assert to_retry(None) is None
+    assert to_retry(0) is None
+    assert to_retry(3) == Retry(retries=3)
+    policy = Retry(retries=1)
+    assert to_retry(policy) is policy
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"retries": -1}, "retries=-1"),
+    ({"retries": True}, "retries=True"),
+    ({"backoff": "soon"}, "backoff='soon'"),
+    ({"max_backoff": -1}, "max_backoff=-1"),
+    ({"factor": 0.5}, "factor=0.5"),
+    ({"jitter": 2}, "jitter=2"),
+    ({"no_retry": ("KeyError",)}, "no_retry="),
+])
+def test_bad_policies_name_the_value(kwargs: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        Retry(**kwargs)  # type: ignore[arg-type]
+    assert named in str(caught.value)
+
+
+def test_bad_retry_options_are_refused_at_declaration() -> None:
+    s = Scheduler(MemoryBackend())
+    with pytest.raises(ConfigurationError, match=r"retry=-2"):
+        s.every("a", "1h", lambda ctx: None, retry=-2)
+    with pytest.raises(ConfigurationError, match=r"retry='3'"):
+        s.cron("b", "0 * * * *", lambda ctx: None, retry="3")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"retry=1.5"):
+        s.workflow("w", every="1h", retry=1.5)  # type: ignore[arg-type]
+    wf = s.workflow("w2", every="1h", retry=2)
+    with pytest.raises(ConfigurationError, match=r"retry=\[\]"):
+        wf.step("one", lambda ctx: None, retry=[])  # type: ignore[arg-type]
+    s.every("c", "1h", lambda ctx: None, retry=Retry(retries=2, backoff=0))
+    assert s.jobs["c"].retry == Retry(retries=2, backoff=0)
+
+
+class NoRetries(MemoryBackend):
+    """A backend without retries: the contract's default retry_later()."""
+
+    retry_later = Backend.retry_later
+
+
+@pytest.mark.anyio
+async def test_a_backend_without_retry_later_refuses_retry_at_start() -> None:
+    backend = NoRetries()
+    assert not supports_retries(backend) and supports_retries(MemoryBackend())
+    s = Scheduler(backend)
+    s.every("plain", "1h", lambda ctx: None)
+    s.every("flaky", "1h", lambda ctx: None, retry=2)
+    with pytest.raises(ConfigurationError, match=r"job 'flaky' has retry=.*NoRetries"):
+        await s.start()
+    assert str(s.state) == "stopped"
