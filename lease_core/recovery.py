@@ -104,8 +104,8 @@ def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
             detail = errors.get((a.job, a.attempt - 1)) or "the previous attempt failed"
         else:
             start, detail = "started", str(a.reason)
-            if a.requested_by is not None:  # an operation: trigger (manual) or retry
-                detail += f", requested by {a.requested_by}"
+        if a.requested_by is not None:  # an operation: a trigger (manual) or a retry
+            detail += f", requested by {a.requested_by}"
         entries.append((a.claimed_at, rank, a.attempt, 0,
                         RecoveryEntry(a.claimed_at, step, a.attempt, start, a.instance_id,
                                       detail)))
