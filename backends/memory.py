@@ -45,6 +45,9 @@ from lease_core.abc import (
     finish_status,
 )
 from lease_core.errors import ConfigurationError
+from lease_core.operations import Operation, OperationResult
+
+from . import memory_operations
 
 __all__ = ["MemoryBackend"]
 
@@ -62,6 +65,11 @@ class _Run:
     takeovers: int = 0
     #: Attempts that started by retry (issue 19, part 1).
     retries: int = 0
+    # Operations: the reason of the next attempt of a triggered or retried run, and who
+    # asked for it (backends/memory_operations.py).
+    queued: Reason | None = None
+    queued_by: str | None = None
+    heartbeat_ms: int | None = None  # the last renewal (the status API's heartbeat_at)
 
 
 def _retrying(run: _Run | None, now: int, delays: Sequence[int]) -> int:
@@ -76,6 +84,7 @@ def _retrying(run: _Run | None, now: int, delays: Sequence[int]) -> int:
 class _Job:
     first_seen_ms: int
     last_slot: int | None = None
+    paused_by: str | None = None  # operations: who paused the job
 
 
 class _Fleet:
@@ -168,7 +177,21 @@ class _NamedLeases:
             return True
 
 
-class MemoryBackend(_Fleet, _NamedLeases, Backend):
+def _clock_option(url: str, options: dict[str, Any]) -> Callable[[], float] | None:
+    """The ``clock`` of ``memory://`` options; any option but ``namespace`` is refused."""
+    left, from_url = split_url_options(url, ("namespace",))
+    rest = [key for key, _ in parse_qsl(urlsplit(left).query, keep_blank_values=True)]
+    if rest:
+        raise ConfigurationError(
+            f"memory:// does not accept the query parameter {', '.join(map(repr, rest))}; "
+            "it accepts: namespace"
+        )
+    merged = merge_options("MemoryBackend", options, from_url, ("namespace", "clock"))
+    clock: Callable[[], float] | None = merged.get("clock")
+    return clock
+
+
+class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Backend):
     """Keep runs, attempts and checkpoints in this process's memory.
 
     ``clock`` returns the store's time in seconds since the epoch; it defaults to the
@@ -202,15 +225,7 @@ class MemoryBackend(_Fleet, _NamedLeases, Backend):
         ``clock`` is passed on. Any other option raises
         :class:`~lease_core.errors.ConfigurationError`.
         """
-        left, from_url = split_url_options(url, ("namespace",))
-        rest = [key for key, _ in parse_qsl(urlsplit(left).query, keep_blank_values=True)]
-        if rest:
-            raise ConfigurationError(
-                f"memory:// does not accept the query parameter {', '.join(map(repr, rest))}; "
-                "it accepts: namespace"
-            )
-        merged = merge_options("MemoryBackend", options, from_url, ("namespace", "clock"))
-        return cls(clock=merged.get("clock"))
+        return cls(clock=_clock_option(url, options))
 
     async def start(self, *, create: bool = True) -> None:
         """Count a user; there is nothing to open (safe from any event loop or thread).
@@ -284,6 +299,11 @@ class MemoryBackend(_Fleet, _NamedLeases, Backend):
             )
 
         if run is None:
+            # Operations: a paused job's new slot is skipped (a trigger's run exists).
+            if job.paused_by is not None and req.reason in memory_operations.PAUSABLE:
+                run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
+                history.append(memory_operations.paused_attempt(req, now, job.paused_by))
+                return result(ClaimStatus.SKIPPED, run)
             if req.overlap_skip and self._earlier_live(req.job, req.slot, now):
                 run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
                 at = ms_to_datetime(now)
@@ -309,6 +329,7 @@ class MemoryBackend(_Fleet, _NamedLeases, Backend):
             return result(ClaimStatus.FINISHED, run)
         if run.status is RunStatus.RUNNING and run.expires_ms is not None and run.expires_ms > now:
             return result(ClaimStatus.RUNNING, run)
+        requested_by = run.queued_by
         if run.status is RunStatus.RETRYING:
             # -- retries within a run (issue 19, part 1): due once the backoff passed
             if run.expires_ms is not None and run.expires_ms > now:
@@ -316,7 +337,8 @@ class MemoryBackend(_Fleet, _NamedLeases, Backend):
             reason = Reason.RETRY
             run.retries += 1
         elif run.status is RunStatus.HANDED_OVER:
-            reason = Reason.HAND_OVER
+            reason = run.queued or Reason.HAND_OVER  # operations: manual or retry
+            run.queued = run.queued_by = None
         else:
             if req.max_attempts is not None and 1 + run.takeovers >= req.max_attempts:
                 self._end_attempt(req.job, req.slot, run.attempt, now, Outcome.ESCALATED,
@@ -338,7 +360,8 @@ class MemoryBackend(_Fleet, _NamedLeases, Backend):
         run.instance_id = req.instance_id
         run.expires_ms = now + req.lease_ms
         history.append(
-            Attempt(req.job, req.slot, run.attempt, req.instance_id, reason, ms_to_datetime(now))
+            Attempt(req.job, req.slot, run.attempt, req.instance_id, reason, ms_to_datetime(now),
+                    requested_by=requested_by if reason is not Reason.HAND_OVER else None)
         )
         return result(ClaimStatus.WON, run, reason)
 
@@ -421,6 +444,7 @@ class MemoryBackend(_Fleet, _NamedLeases, Backend):
                 run = self._held(lease, now, live=True)
                 if run is not None:
                     run.expires_ms = now + lease.lease_ms
+                    run.heartbeat_ms = now
                     held.add(lease.token)
             return HeartbeatResult(now, frozenset(held))
 
@@ -521,6 +545,12 @@ class MemoryBackend(_Fleet, _NamedLeases, Backend):
             ]
         found.sort(key=lambda r: (-r.slot, r.job))
         return found[:limit]
+
+    async def operate(self, op: Operation) -> OperationResult:
+        """Make an operation (see :mod:`backends.memory_operations`)."""
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            return memory_operations.operate(self, op, self._now(), _Run)
 
     async def get_checkpoint(self, job: str, slot: int) -> Any:
         """Return the run's checkpoint."""

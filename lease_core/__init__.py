@@ -19,6 +19,7 @@ from .errors import (
     BackendUnavailable,
     ConfigurationError,
     LeaseLost,
+    OperationRefused,
     StopRequested,
     StoreFormatError,
     StoreNotFound,
@@ -53,11 +54,13 @@ if TYPE_CHECKING:
     from .abc import Backend
     from .context import Checkpoint, RunContext
     from .lease import Lease, SyncLease
+    from .operations import Admin
     from .scheduler import Health, Scheduler, SchedulerState
     from .sync import SyncScheduler
     from .workflows import Workflow
 
 __all__ = [
+    "Admin",
     "AnarchonError",
     "Attempt",
     "AttemptEnded",
@@ -78,6 +81,7 @@ __all__ = [
     "LeaseLost",
     "Lost",
     "MemoryBackend",
+    "OperationRefused",
     "Outcome",
     "PostgresBackend",
     "Reason",
@@ -111,6 +115,7 @@ __version__ = "0.1.0"
 logging.getLogger("anarchon").addHandler(logging.NullHandler())
 
 _LAZY: dict[str, tuple[str, str]] = {
+    "Admin": ("lease_core.operations", ""),
     "Scheduler": ("lease_core.scheduler", ""),
     "SchedulerState": ("lease_core.scheduler", ""),
     "Health": ("lease_core.scheduler", ""),

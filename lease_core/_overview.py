@@ -5,7 +5,8 @@ and schedules the store records, every open run, and the newest attempts of all 
 one read each (a job whose last finished attempt is older than that window is read on its
 own). A row shows the job's kind, schedule and next slot (from the schedule the store
 recorded at the declaring instances' start), its last finished run (outcome, when, how
-long), and its runs in progress with their holder and the lease left.
+long), its runs in progress with their holder and the lease left, and ``paused``: who
+paused the job (an operation), else ``None``.
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ async def read_overview(backend: Backend, *, status: str = "all", query: str = "
     for run in await backend.runs(None, open_only=True, limit=100_000):
         open_runs[run.job].append(run)
     finished = await _finished_attempts(backend, [*jobs, *steps])
+    paused = await backend.paused()  # operations: who paused which job
 
-    rows = [_job_row(name, schedules.get(name), open_runs[name], finished[name], now)
-            for name in jobs]
-    rows += [_workflow_row(name, names, schedules, open_runs, finished, now)
+    rows = [dict(_job_row(name, schedules.get(name), open_runs[name], finished[name], now),
+                 paused=paused.get(name)) for name in jobs]
+    rows += [dict(_workflow_row(name, names, schedules, open_runs, finished, now), paused=None)
              for name, names in workflows.items()]
     rows.sort(key=lambda row: (row["name"], row["kind"]))
     needle = query.strip().lower()

@@ -296,12 +296,32 @@ async def _read(backend: Backend, name: str, slot: int,
         attempts = {s: (await _attempts(backend, job)).get(slot, [])
                     for s, job in zip(steps, jobs, strict=True)}
         run = _workflow_run_json(name, steps, slot, states, attempts)
+        for step, job in zip(run["steps"], jobs, strict=True):
+            await _heartbeat(backend, step, job, slot, attempts[step["name"]])
         return run, [a for s in steps for a in attempts[s]]
     state = _info((await backend.check([(name, slot)])).runs.get((name, slot)))
     if state is None:
         return None
     job_attempts = (await _attempts(backend, name)).get(slot, [])
-    return _job_run_json(name, state, job_attempts), job_attempts
+    run = _job_run_json(name, state, job_attempts)
+    await _heartbeat(backend, run, name, slot, job_attempts)
+    return run, job_attempts
+
+
+async def _heartbeat(backend: Backend, fields: dict[str, Any], job: str, slot: int,
+                     attempts: list[Attempt]) -> None:
+    """Fill ``heartbeat_at`` of a running run or step: its lease's last renewal, or its
+    claim when not renewed since (left ``None`` where the store keeps no such record)."""
+    if fields.get("store_status") != "running":
+        return
+    beats = await backend.heartbeats([(job, slot)])
+    if (job, slot) not in beats:
+        return
+    current = [a for a in attempts if a.attempt == fields.get("attempt")]
+    claimed = int(current[-1].claimed_at.timestamp() * 1000) if current else None
+    beat = beats[(job, slot)]
+    latest = max((t for t in (beat, claimed) if t is not None), default=None)
+    fields["heartbeat_at"] = None if latest is None else iso(ms_to_datetime(latest))
 
 
 def _info(state: RunState | None) -> RunInfo | None:
@@ -325,8 +345,7 @@ async def _attempts(backend: Backend, job: str) -> dict[int, list[Attempt]]:
 def _run_fields(run: RunInfo | None, attempts: list[Attempt]) -> dict[str, Any]:
     """What a job's run and a workflow's step show alike.
 
-    ``heartbeat_at`` is always ``None``: the store keeps a run's lease expiry, not its
-    last heartbeat; ``lease_expires_at`` is shown instead (a live holder renews it).
+    ``heartbeat_at`` is ``None`` here; the view of one run fills it (:func:`_heartbeat`).
     """
     open_run = run is not None and not run.status.finished
     return {
@@ -351,6 +370,7 @@ def _attempt_json(a: Attempt, step: str | None) -> dict[str, Any]:
         "finished_at": iso(a.finished_at),
         "outcome": None if a.outcome is None else str(a.outcome),
         "error": a.error,
+        "requested_by": a.requested_by,
     }
 
 

@@ -45,8 +45,10 @@ class Reason(StrEnum):
     TAKEOVER = "takeover"
     HAND_OVER = "hand-over"
     CATCH_UP = "catch-up"
-    # -- retries within a run (issue 19, part 1)
+    # -- retries within a run (issue 19, part 1); also an operation's retry (part 2)
     RETRY = "retry"
+    # -- operations (issue 19, part 2)
+    MANUAL = "manual"
 
 
 class Outcome(StrEnum):
@@ -59,6 +61,7 @@ class Outcome(StrEnum):
     HANDED_OVER = "handed_over"
     ESCALATED = "escalated"
     SKIPPED = "skipped"
+    CANCELLED = "cancelled"
 
 
 class RunStatus(StrEnum):
@@ -71,6 +74,8 @@ class RunStatus(StrEnum):
     TIMED_OUT = "timed_out"
     ESCALATED = "escalated"
     SKIPPED = "skipped"
+    # -- operations (issue 19, part 2)
+    CANCELLED = "cancelled"
     # -- retries within a run (issue 19, part 1)
     RETRYING = "retrying"
     """A failed attempt left retries: the next attempt (reason ``retry``) is due at the
@@ -224,6 +229,9 @@ class Attempt:
     finished_at: datetime | None = None
     outcome: Outcome | None = None
     error: str | None = None
+    requested_by: str | None = None
+    """Who asked for this attempt through an operation (``trigger`` or ``retry``): an
+    instance id, ``cli`` or ``http``; ``None`` for an attempt the schedule made."""
 
     @property
     def scheduled_at(self) -> datetime:

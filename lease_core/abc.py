@@ -92,6 +92,7 @@ from typing import Any, Self
 import anyio
 
 from ._named_leases import LeaseAnswer, NamedLeaseStore
+from ._operations_store import OperationsStore
 from ._structures import (
     Attempt,
     CheckResult,
@@ -246,7 +247,7 @@ def finish_status(outcome: object) -> RunStatus:
     )
 
 
-class Backend(NamedLeaseStore, ABC):
+class Backend(NamedLeaseStore, OperationsStore, ABC):
     """The store a :class:`~lease_core.Scheduler` coordinates through.
 
     A backend may be shared by several schedulers in one process. :meth:`start` and
@@ -256,7 +257,8 @@ class Backend(NamedLeaseStore, ABC):
 
     A subclass implements the abstract methods and one method of each pair of
     :data:`TWINS` (see *Single and batch twins* in the module docs), and may implement
-    the named leases of :class:`~lease_core._named_leases.NamedLeaseStore`.
+    the named leases of :class:`~lease_core._named_leases.NamedLeaseStore` and the
+    operations of :class:`~lease_core._operations_store.OperationsStore`.
     """
 
     #: The URL schemes :func:`~lease_core.backend_from_url` maps to this backend.

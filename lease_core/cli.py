@@ -1,5 +1,5 @@
-"""The ``anarchon`` command line: ``demo``, ``migrate``, ``history``, ``status``, ``prune``
-and ``serve``.
+"""The ``anarchon`` command line: ``demo``, ``migrate``, ``history``, ``status``, ``prune``,
+``serve``, and the operations ``trigger``, ``pause``, ``resume``, ``retry`` and ``cancel``.
 
 A mistake of the user's (a bad flag, URL, option or password, a missing extra) is reported
 in one line on stderr, never as a traceback. Exit codes, the same for every subcommand:
@@ -7,7 +7,9 @@ in one line on stderr, never as a traceback. Exit codes, the same for every subc
 - 0: success (also when the reader of the output went away: ``anarchon history | head``);
 - 1: the command failed at run time (store unreachable, login refused, unexpected error, a
   failed demo verdict, ``serve``'s port already in use);
-- 2: the command line or the configuration is wrong;
+- 2: the command line or the configuration is wrong, or an operation does not apply (an
+  unknown job, a slot with no run, a retry of a completed run, a cancel of a finished one:
+  nothing changed);
 - 3: no anarchon store at the URL (``status``, ``history``, ``prune`` and ``serve`` never
   create one: they only read, and work with SELECT-only rights);
 - 130: interrupted (Ctrl-C); ``serve`` stopped by SIGTERM stops gracefully and exits 143.
@@ -32,9 +34,12 @@ from typing import Any, NoReturn
 import anyio
 
 from . import __version__
+from ._cli_operations import COMMANDS as OPERATIONS
+from ._cli_operations import add_parsers as add_operation_parsers
+from ._cli_operations import run_operation
 from ._redact import redact
 from ._status import iso as _iso
-from .errors import AnarchonError, ConfigurationError, StoreNotFound
+from .errors import AnarchonError, ConfigurationError, OperationRefused, StoreNotFound
 
 __all__ = ["main"]
 
@@ -125,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--job", default=None, help="only this job (default: every job)")
     _namespace_options(prune)
     serve = sub.add_parser(
-        "serve", help="serve the read-only status API and page over HTTP (extra 'http')")
+        "serve", help="serve the status API and page over HTTP (extra 'http'); operations "
+                      "(POST) need the token")
     serve.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; any other needs a token)")
@@ -134,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"bearer token every request must send (default: ${TOKEN_ENV}, "
                             "which unlike this flag does not show in ps)")
     _namespace_options(serve)
+    add_operation_parsers(sub, url_help, _namespace_options)
     return parser
 
 
@@ -171,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreNotFound as exc:
         print(f"{prog}: {_line(exc)}", file=sys.stderr)
         return EXIT_NO_STORE
-    except ConfigurationError as exc:
+    except (ConfigurationError, OperationRefused) as exc:
         print(f"{prog}: {_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except AnarchonError as exc:
@@ -226,10 +233,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"anarchon migrate: the tables for {table!r} are ready "
               f"(store code v{CODE_VERSION})")
         return 0
-    if args.url is None and args.command in ("history", "status", "prune", "serve"):
+    if args.url is None and args.command in ("history", "status", "prune", "serve",
+                                             *OPERATIONS):
         raise ConfigurationError(f"which store? give --url, or set ${URL_ENV}")
     if args.command == "serve":
         return _serve(args)
+    if args.command in OPERATIONS:
+        return int(anyio.run(run_operation, args, _backend(args)))
     command = {"status": _status, "prune": _prune}.get(args.command, _history)
     result: int = anyio.run(command, args)
     return result
@@ -410,7 +420,7 @@ async def _history(args: argparse.Namespace) -> int:
          "instance_id": a.instance_id, "reason": str(a.reason),
          "outcome": str(a.outcome) if a.outcome is not None else None,
          "claimed_at": _iso(a.claimed_at), "finished_at": _iso(a.finished_at),
-         "error": a.error}
+         "error": a.error, "requested_by": a.requested_by}
         for a in attempts
     ]
     if args.json:

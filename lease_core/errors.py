@@ -12,6 +12,7 @@ __all__ = [
     "BackendUnavailable",
     "ConfigurationError",
     "LeaseLost",
+    "OperationRefused",
     "StopRequested",
     "StoreFormatError",
     "StoreNotFound",
@@ -60,3 +61,17 @@ class StopRequested(AnarchonError):
     The scheduler treats it as a request to stop: the run is handed over to a backup when
     the scheduler is stopping, and is not recorded as failed.
     """
+
+
+class OperationRefused(AnarchonError):
+    """Raised when an operation (:class:`~lease_core.Admin`) does not apply; nothing changed.
+
+    ``kind`` says why: ``unknown_job`` (the store has never seen the job), ``no_run`` (the
+    slot has no run) or ``conflict`` (the run's status does not allow the operation, such as
+    a retry of a completed run or a cancel of a finished one). The CLI exits with 2 and the
+    HTTP API answers 404 (the first two) or 409 (a conflict).
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind

@@ -1,4 +1,5 @@
-"""The status API: a read-only HTTP view of the jobs, workflows and recovery logs of a store.
+"""The status API: an HTTP view of the jobs, workflows and recovery logs of a store, and
+the operations (``POST``, always with the token: see :mod:`lease_core._http_operations`).
 
 :func:`create_app` returns an ASGI application built on Starlette (extra ``http``:
 ``pip install 'anarchon[http]'``); ``anarchon serve --url URL`` runs it with uvicorn.
@@ -30,10 +31,9 @@ or ``workflow``), ``slot``, ``scheduled_at``, ``status`` (``pending``, ``running
 first), and for a workflow ``steps``, each with ``name``, ``status``, ``attempt``,
 ``instance_id`` (the holder, or the last one), ``started_at``, ``finished_at``,
 ``heartbeat_at`` and ``lease_expires_at``. A job's run has those step fields itself.
-``heartbeat_at`` is always ``null``: stores keep a run's lease expiry, not its last
-heartbeat, and a holder renews the lease at each heartbeat, so ``lease_expires_at`` tells
-whether it is alive. ``store_status`` is the run's status as stored (``handed_over``,
-``timed_out``, ...).
+``heartbeat_at`` is when the holder last renewed the lease (or claimed the run), on the
+stores that record it (memory, PostgreSQL, Redis); ``lease_expires_at`` tells whether it is
+alive. ``store_status`` is the run's status as stored (``handed_over``, ``timed_out``, ...).
 
 With a ``token``, every request needs the header ``Authorization: Bearer <token>`` and
 gets 401 without it. The page asked without it answers 401 too, with the page itself,
@@ -60,6 +60,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ._http_operations import operation_routes
 from ._overview import read_overview
 from ._redact import redact
 from ._status import list_jobs, parse_run_id, read_recovery_log, read_run, read_runs
@@ -153,6 +154,7 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
     middleware = [] if token is None else [Middleware(_BearerAuth, token=token, page=page)]
     return Starlette(
         routes=[
+            *operation_routes(backend, token=token),
             Route("/", index, methods=["GET"]),
             Route("/jobs", jobs, methods=["GET"]),
             Route("/overview", overview, methods=["GET"]),

@@ -9,8 +9,9 @@ Each attempt gives one entry when it starts and one when it ends:
 =====================  ==============================================================
 entry                  when
 =====================  ==============================================================
-``started``            an attempt claimed the run (reason scheduled, catch-up or
-                       hand-over: the detail says which)
+``started``            an attempt claimed the run (reason scheduled, catch-up,
+                       hand-over, or an operation's manual or retry with who asked
+                       for it: the detail says which)
 ``taken_over``         an attempt claimed the run after the previous one's lease
                        expired (reason takeover)
 ``retried``            an attempt claimed the run to retry the previous one's failure
@@ -21,7 +22,8 @@ entry                  when
 ``lost``,
 ``handed_over``,
 ``escalated``,
-``skipped``
+``skipped``,
+``cancelled``          (``cancelled``: an operation ended it; the detail names who)
 =====================  ==============================================================
 """
 
@@ -102,6 +104,8 @@ def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
             detail = errors.get((a.job, a.attempt - 1)) or "the previous attempt failed"
         else:
             start, detail = "started", str(a.reason)
+        if a.requested_by is not None:  # an operation: a trigger (manual) or a retry
+            detail += f", requested by {a.requested_by}"
         entries.append((a.claimed_at, rank, a.attempt, 0,
                         RecoveryEntry(a.claimed_at, step, a.attempt, start, a.instance_id,
                                       detail)))

@@ -40,6 +40,7 @@ from .engine.bus import EventBus
 from .engine.jobs import Handler, Job, JobRegistry
 from .engine.session import Session
 from .errors import AnarchonError, ConfigurationError
+from .operations import Admin
 from .recovery import RecoveryEntry, read_recovery_log
 from .schedules import CronSchedule, IntervalSchedule
 
@@ -308,7 +309,10 @@ class Scheduler:
             fleet_size=None if s is None or s.fleet.members is None else len(s.fleet.members),
         )
 
-    # ----------------------------------------------------------------- store clock
+    @property
+    def admin(self) -> Admin:
+        """Fleet-wide operations (:class:`~lease_core.Admin`), made as this instance."""
+        return Admin(self.backend, by=self.instance_id)
 
     def store_now_ms(self) -> int:
         """The store's clock as this instance estimates it, in epoch milliseconds."""
@@ -473,11 +477,9 @@ class Scheduler:
     async def recovery_log(self, run: str | tuple[str, int | str]) -> list[RecoveryEntry]:
         """Return the recovery log of one run, oldest entry first.
 
-        ``run`` is ``"<name>@<slot>"`` or ``(name, slot)``, the slot in epoch milliseconds
-        or ISO-8601 UTC (``2026-11-30T02:00:00Z``). For a workflow (declared here, or
-        recorded in the store), the log gathers the attempts of every step at that slot;
-        for a job, the attempts of that run. A run the store has no attempt of (never run,
-        or trimmed like history) gives an empty list; a malformed ``run`` raises
+        ``run`` is ``"<name>@<slot>"`` or ``(name, slot)``, the slot in epoch ms or
+        ISO-8601 UTC. A workflow's log gathers the attempts of every step at that slot.
+        A run without attempts gives ``[]``; a malformed ``run`` raises
         :class:`ConfigurationError`. See :mod:`lease_core.recovery`.
         """
         name, slot = parse_run_id(run)

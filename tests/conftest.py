@@ -23,7 +23,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - module not written yet
 SPECS = {spec.id: spec for spec in all_specs()}
 # Modules that run whole schedulers: only on stores with ``scenarios=True``.
 SCENARIO_MODULES = ("test_scenarios", "test_lifecycle", "test_events", "test_workflows",
-                    "test_retention", "test_burst", "test_fleet", "test_retries")
+                    "test_retention", "test_burst", "test_fleet", "test_retries",
+                    "test_operations")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,30 +81,32 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         chrome.quit()
 
 
-@pytest.fixture
-def served(pg16_server: PgServer, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """``anarchon serve`` on 127.0.0.1 over a seeded table: its base URL and the table."""
+@contextmanager
+def _serve(server: PgServer, tmp_path: Path, token: str | None) -> Iterator[tuple[str, str]]:
+    """``anarchon serve`` on 127.0.0.1 over a seeded table (with ``token`` when given)."""
     table = unique_table()
-    anyio.run(_seed, pg16_server.dsn, table)
+    anyio.run(_seed, server.dsn, table)
     port = find_free_port()
     base = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "serve.log").open("w")
+    log = (tmp_path / f"serve-{port}.log").open("w")
+    env = {k: v for k, v in os.environ.items() if k != "ANARCHON_TOKEN"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lease_core.cli", "serve", "--url", pg16_server.dsn,
+        [sys.executable, "-m", "lease_core.cli", "serve", "--url", server.dsn,
          "--table", table, "--port", str(port)],
-        env={**os.environ, "ANARCHON_TOKEN": TOKEN}, stdout=log, stderr=subprocess.STDOUT)
+        env=env if token is None else {**env, "ANARCHON_TOKEN": token},
+        stdout=log, stderr=subprocess.STDOUT)
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                response = httpx2.get(f"{base}/jobs",
-                                      headers={"Authorization": f"Bearer {TOKEN}"})
+                response = httpx2.get(f"{base}/jobs", headers=headers)
                 if response.status_code == 200:
                     break
             except httpx2.TransportError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                output = (tmp_path / "serve.log").read_text()
+                output = (tmp_path / f"serve-{port}.log").read_text()
                 pytest.fail(f"anarchon serve did not answer: {output}")
             time.sleep(0.1)
         yield base, table
@@ -111,7 +114,14 @@ def served(pg16_server: PgServer, tmp_path: Path) -> Iterator[tuple[str, str]]:
         proc.terminate()
         proc.wait(10)
         log.close()
-        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+        anyio.run(drop_tables, server.admin_dsn, table)
+
+
+@pytest.fixture
+def served(pg16_server: PgServer, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """``anarchon serve`` on 127.0.0.1 over a seeded table: its base URL and the table."""
+    with _serve(pg16_server, tmp_path, TOKEN) as found:
+        yield found
 
 
 _READ_RUN = """
@@ -323,3 +333,84 @@ def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path) -> 
     wait.until(lambda d: d.find_element(By.ID, "page").text == "page 1 of 7, 333 jobs")
     rows = browser.execute_script(_ROWS)
     assert len(rows) == 50 and all(row["running"] == 1 for row in rows)
+
+
+def test_page_operations_buttons_act_through_the_store(
+        browser: Any, served: tuple[str, str], pg16_server: PgServer) -> None:
+    """With the token: trigger/pause/resume on a job, retry/cancel on a run, paused rows."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    base, table = served
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
+
+    def click(operation: str) -> str:
+        browser.find_element(By.CSS_SELECTOR, f'button[data-operation="{operation}"]').click()
+        wait.until(lambda d: d.find_elements(By.ID, "op-result") and d.find_element(
+            By.ID, "op-result").text.startswith(operation + ":"))
+        return str(browser.find_element(By.ID, "op-result").text)
+
+    browser.get(f"{base}/#token={TOKEN}&job=export")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="pause"]'))
+    assert click("pause") == "pause: done"
+    browser.get(f"{base}/#token={TOKEN}")
+    rows = {row["name"]: row for row in _rows(browser, wait, ["close", "export"])}
+    assert rows["export"]["cells"][0] == "export paused"
+    assert rows["close"]["cells"][0] == "close"
+
+    browser.get(f"{base}/#token={TOKEN}&job=export")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="trigger"]'))
+    text = click("trigger")
+    assert text.startswith("trigger: done (export@")
+    triggered = text.split("(", 1)[1].rstrip(")")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-run="{triggered}"]'))
+    assert click("resume") == "resume: done"
+
+    # A completed run cannot be retried: the answer (409) is shown, nothing changes.
+    browser.get(f"{base}/#token={TOKEN}&run=export@{SLOT}")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="retry"]'))
+    assert "it is completed" in click("retry")
+    # The handed-over run is cancelled.
+    browser.get(f"{base}/#token={TOKEN}&run=export@{NEXT}")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="cancel"]'))
+    assert click("cancel") == f"cancel: done (export@{NEXT})"
+    wait.until(lambda d: d.find_elements(
+        By.CSS_SELECTOR, f'section[data-run="export@{NEXT}"] .status.cancelled'))
+
+    async def stored() -> tuple[dict[int, str], dict[str, str]]:
+        backend = PostgresBackend(pg16_server.dsn, table=table)
+        await backend.start()
+        try:
+            runs = {r.slot: str(r.status) for r in await backend.runs("export")}
+            return runs, await backend.paused()
+        finally:
+            await backend.close()
+
+    runs, paused = anyio.run(stored)
+    assert paused == {}
+    assert runs[SLOT] == "completed" and runs[NEXT] == "cancelled"
+    assert runs[int(triggered.split("@")[1])] == "handed_over"
+
+    # The overview no longer marks the job.
+    browser.get(f"{base}/#token={TOKEN}")
+    rows = {row["name"]: row for row in _rows(browser, wait, ["close", "export"])}
+    assert rows["export"]["cells"][0] == "export"
+
+
+def test_page_without_a_token_shows_no_operations(
+        browser: Any, pg16_server: PgServer, tmp_path: Path) -> None:
+    """A server without a token (127.0.0.1): the page reads, but offers no operation."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, 30)
+    with _serve(pg16_server, tmp_path, None) as (base, _):
+        browser.get(f"{base}/#job=export")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-run="export@{SLOT}"]'))
+        assert browser.find_elements(By.CSS_SELECTOR, "button[data-operation]") == []
+        browser.get(f"{base}/#run=export@{SLOT}")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'section[data-run="export@{SLOT}"]'))
+        assert browser.find_elements(By.CSS_SELECTOR, "button[data-operation]") == []
+        response = httpx2.post(f"{base}/jobs/export/pause")
+        assert response.status_code == 403 and "ANARCHON_TOKEN" in response.json()["error"]

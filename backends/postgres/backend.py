@@ -45,9 +45,9 @@ from lease_core.abc import (
 )
 from lease_core.errors import ConfigurationError
 
-from .descriptions import StoreDescriptions
 from .fenced import FencedTransaction, fenced_transaction
 from .leases import PostgresNamedLeases
+from .operations import StoreOperations
 from .retries import StoreRetries
 from .schema import StoreSchema
 from .statements import LOCK_NOT_AVAILABLE, Statements, split_table, sqlstate
@@ -123,7 +123,7 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
     return split_url_options(url, _URL_OPTIONS)
 
 
-class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreDescriptions):
+class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
     """Coordinate through PostgreSQL (tested: 15, 16, 18; see the module docs for the SQL).
 
     ``connection`` is anything :func:`adapters.sql.adapter_for` accepts: ``None``
@@ -402,8 +402,8 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreDescriptions):
                     ms_to_datetime(int(claimed)),
                     None if finished is None else ms_to_datetime(int(finished)),
                     None if outcome is None else Outcome(outcome),
-                    None if error is None else str(error))
-            for j, slot, attempt, instance, reason, claimed, finished, outcome, error in rows
+                    None if error is None else str(error), None if by is None else str(by))
+            for j, slot, attempt, instance, reason, claimed, finished, outcome, error, by in rows
         ]
 
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,

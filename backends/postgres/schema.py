@@ -25,6 +25,7 @@ from .statements import (
     FINISH_SUFFIX,
     FORMAT_VERSION,
     LOCK_NOT_AVAILABLE,
+    OPERATE_SUFFIX,
     Statements,
     sqlstate,
 )
@@ -55,7 +56,8 @@ class StoreSchema:
         """The store's tables that exist, and whether this release's functions all exist."""
         rows = await tx.all(self._sql.find_tables, (
             self._table_names(),
-            [self._name + suffix for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX)],
+            [self._name + suffix
+             for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX)],
             self._schema))
         if not rows:
             if self._schema is None:
@@ -195,6 +197,13 @@ class StoreSchema:
         [(has_takeovers,)] = await tx.all(self._sql.has_takeovers, (self._sql.runs_table,))
         if not has_takeovers:
             await tx.all(self._sql.add_takeovers)
+        # Operations: nullable columns (catalog only) and the generated claimed_at.
+        [(has_operations,)] = await tx.all(self._sql.has_operations,
+                                           (self._sql.attempts_table,))
+        if not has_operations:
+            for statement in (self._sql.add_operations_runs, self._sql.add_operations_jobs,
+                              self._sql.add_operations_attempts):
+                await tx.all(statement)
         # SECURITY INVOKER: the caller's table privileges apply. EXECUTE is PUBLIC by
         # default; granted explicitly in case default privileges revoke it.
         if not function:
@@ -204,6 +213,8 @@ class StoreSchema:
             await tx.all(self._sql.grant_batch)
             await tx.all(self._sql.create_finish_function)
             await tx.all(self._sql.grant_finish)
+            await tx.all(self._sql.create_operate_function)
+            await tx.all(self._sql.grant_operate)
         if code < 4:
             # Ending an attempt then changes no indexed column (see finish_v4.sql).
             await tx.all(self._sql.drop_attempts_finished)

@@ -24,6 +24,7 @@ __all__ = [
     "FORMAT_VERSION",
     "LOCK_NOT_AVAILABLE",
     "NOW",
+    "OPERATE_SUFFIX",
     "QUERIES",
     "TRIM_BATCH",
     "Statements",
@@ -48,6 +49,9 @@ BATCH_SUFFIX = f"_batch_v{CODE_VERSION}"
 #: The suffix of this release's finish function, ``<table>_end_v<CODE_VERSION>`` (store
 #: code v4 and later; short, so that it limits the table name no more than the others).
 FINISH_SUFFIX = f"_end_v{CODE_VERSION}"
+#: The suffix of this release's operations function, ``<table>_op_v<CODE_VERSION>``
+#: (``postgres_sql/operate_v<N>.sql``; lease_core/operations.py).
+OPERATE_SUFFIX = f"_op_v{CODE_VERSION}"
 #: The trim batch older releases pass to the claim function (the current one ignores it).
 TRIM_BATCH = 100
 #: SQLSTATE of a lock wait that ran out (``lock_timeout``) or a NOWAIT lock refused.
@@ -58,7 +62,7 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
              "_a_fin", "_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3",
-             CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX)
+             CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX)
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
@@ -107,6 +111,10 @@ BATCH_FUNCTION = _sql_file(f"batch_v{CODE_VERSION}.sql")
 #: The finish function of this release (``postgres_sql/finish_v<CODE_VERSION>.sql``), as a
 #: template.
 FINISH_FUNCTION = _sql_file(f"finish_v{CODE_VERSION}.sql")
+# Operations: their statements (postgres_sql/operations.sql) and function.
+QUERIES.update(parse_queries(_sql_file("operations.sql")))
+#: The operations function of this release (``postgres_sql/operate_v<CODE_VERSION>.sql``).
+OPERATE_FUNCTION = _sql_file(f"operate_v{CODE_VERSION}.sql")
 #: The v1 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
 #: The v2 name of the claim function, redefined as a call of the current one.
@@ -190,6 +198,7 @@ class Statements:
             "claim_v3": prefix + quote_ident(name + "_claim_v3"),
             "batch_v3": prefix + quote_ident(name + "_batch_v3"),
             "finish": prefix + quote_ident(name + FINISH_SUFFIX),
+            "operate": prefix + quote_ident(name + OPERATE_SUFFIX),
             "claim": prefix + quote_ident(name + CLAIM_SUFFIX),
             "batch": prefix + quote_ident(name + BATCH_SUFFIX),
             "claim_args": CLAIM_ARGS,
@@ -208,12 +217,14 @@ class Statements:
         self.create_claim_function = fill(CLAIM_FUNCTION)
         self.create_batch_function = fill(BATCH_FUNCTION)
         self.create_finish_function = fill(FINISH_FUNCTION)
+        self.create_operate_function = fill(OPERATE_FUNCTION)
         self.create_claim_v1 = fill(CLAIM_FUNCTION_V1)
         self.create_claim_v2 = fill(CLAIM_FUNCTION_V2)
         self.create_batch_v2 = fill(BATCH_FUNCTION_V2)
         self.create_claim_v3 = fill(CLAIM_FUNCTION_V3)
         self.create_batch_v3 = fill(BATCH_FUNCTION_V3)
         self.runs_table = names["runs"]
+        self.attempts_table = names["attempts"]
 
     def __getattr__(self, name: str) -> str:
         """Typed access to the statements set from ``queries.sql`` (unknown: AttributeError)."""

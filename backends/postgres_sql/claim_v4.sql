@@ -53,6 +53,9 @@ DECLARE
     v_row_seq bigint;
     v_reason text;
     v_set text;
+    v_paused text;     -- operations: who paused the job
+    v_queued text;     -- operations: the reason a trigger or retry queued
+    v_queued_by text;  -- operations: who asked for it
 BEGIN
     SELECT r.status, r.attempt, r.instance_id, r.expires_ms, r.token
       INTO v_status, v_attempt, v_instance, v_expires, v_token
@@ -80,7 +83,7 @@ BEGIN
     -- an assignment, which PL/pgSQL evaluates as a simple expression (PERFORM runs a query)
     v_set := set_config('lock_timeout', GREATEST(LEAST(p_lease_ms / 8, 4000), 10)::text, true);
 
-    SELECT j.last_slot, j.seq INTO v_last, v_seq
+    SELECT j.last_slot, j.seq, j.paused_by INTO v_last, v_seq, v_paused
       FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
     IF FOUND THEN
         v_row_seq := v_seq;
@@ -91,7 +94,7 @@ BEGIN
         IF FOUND THEN
             v_last := p_slot; v_seq := 0; v_row_seq := 1;
         ELSE
-            SELECT j.last_slot, j.seq INTO v_last, v_seq
+            SELECT j.last_slot, j.seq, j.paused_by INTO v_last, v_seq, v_paused
               FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
             v_row_seq := v_seq;
         END IF;
@@ -129,7 +132,19 @@ BEGIN
 
     IF NOT v_found THEN
         v_seq := v_seq + 1;
-        IF p_overlap_skip AND EXISTS (
+        -- Operations: a paused job's new slot is recorded skipped, never run nor caught
+        -- up (a trigger's run exists already, so it is never a new one here).
+        IF v_paused IS NOT NULL AND p_reason IN ('scheduled', 'catch-up') THEN
+            INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms,
+                                takeovers)
+            VALUES (p_job, p_slot, 'skipped', 1, NULL, p_instance, NULL, 0);
+            INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
+                                    finished_ms, outcome, error)
+            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now, v_now, 'skipped',
+                    'job paused by ' || v_paused);
+            c_status := 'skipped'; c_attempt := 1; c_run_status := 'skipped';
+            c_instance := p_instance;
+        ELSIF p_overlap_skip AND EXISTS (
                 SELECT 1 FROM {runs} o
                 WHERE o.job = p_job AND o.slot < p_slot AND o.status = 'running'
                   AND o.expires_ms > v_now) THEN
@@ -180,6 +195,11 @@ BEGIN
         ELSE
             IF v_status = 'handed_over' THEN
                 v_reason := 'hand-over';
+                -- Operations: a triggered or retried run's attempt says why (manual,
+                -- retry) and who asked (see operate_v4.sql).
+                SELECT r.queued, r.queued_by INTO v_queued, v_queued_by
+                  FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
+                v_reason := COALESCE(v_queued, v_reason);
             ELSIF v_status = 'retrying' THEN
                 v_reason := 'retry';  -- retries within a run (issue 19, part 1)
             ELSE
@@ -199,6 +219,13 @@ BEGIN
             WHERE job = p_job AND slot = p_slot;
             INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms)
             VALUES (p_job, p_slot, v_attempt + 1, v_seq, p_instance, v_reason, v_now);
+            IF v_queued IS NOT NULL THEN
+                -- Operations: the queued reason is used once.
+                UPDATE {runs} SET queued = NULL, queued_by = NULL
+                WHERE job = p_job AND slot = p_slot;
+                UPDATE {attempts} SET requested_by = v_queued_by
+                WHERE job = p_job AND slot = p_slot AND attempt = v_attempt + 1;
+            END IF;
             c_status := 'won'; c_attempt := v_attempt + 1; c_reason := v_reason;
             c_run_status := 'running'; c_instance := p_instance;
         END IF;

@@ -186,7 +186,7 @@ lockable AS (
 -- The update reads only the locked rows (never joins two CTEs, whose row counts the
 -- planner cannot estimate: a nested loop over both is quadratic in the leases).
 renewed AS (
-    UPDATE {runs} r SET expires_ms = {now} + k.lease_ms
+    UPDATE {runs} r SET expires_ms = {now} + k.lease_ms, heartbeat_ms = {now}
     FROM lockable k
     WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
     RETURNING r.token)
@@ -269,13 +269,17 @@ LEFT JOIN ({runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
            ON r.job = u.job AND r.slot = u.slot) ON true
 
 -- name: history_of_job
-SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error
-FROM {attempts}
+-- requested_by through to_jsonb: a store of older code, read as it is, has no such column.
+SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error,
+       to_jsonb(a) ->> 'requested_by'
+FROM {attempts} a
 WHERE job = %s::text ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint
 
 -- name: history_all
-SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error
-FROM {attempts}
+-- requested_by through to_jsonb: a store of older code, read as it is, has no such column.
+SELECT job, slot, attempt, instance_id, reason, claimed_ms, finished_ms, outcome, error,
+       to_jsonb(a) ->> 'requested_by'
+FROM {attempts} a
 ORDER BY claimed_ms DESC, slot DESC, attempt DESC LIMIT %s::bigint
 
 -- name: list_jobs

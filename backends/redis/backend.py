@@ -8,12 +8,13 @@ from __future__ import annotations
 from .claims import RedisClaims
 from .leases import RedisLeases
 from .named import RedisNamedLeases
+from .operations import RedisOperations
 from .records import RedisRecords
 
 __all__ = ["RedisBackend"]
 
 
-class RedisBackend(RedisNamedLeases, RedisClaims, RedisLeases, RedisRecords):
+class RedisBackend(RedisNamedLeases, RedisOperations, RedisClaims, RedisLeases, RedisRecords):
     """Coordinate through Redis (or Valkey), 6.2 or newer, standalone or Cluster.
 
     ``connection`` is ``None`` (``redis://localhost:6379/0``), a URL, a redis-py or

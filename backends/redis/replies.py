@@ -98,5 +98,5 @@ def attempt_record(job: str, raw: str) -> Attempt:
         job, int(rec["s"]), int(rec["a"]), str(rec["i"]), Reason(rec["r"]),
         ms_to_datetime(int(rec["c"])),
         ms_to_datetime(int(finished)) if finished is not None else None,
-        Outcome(outcome) if outcome else None, rec.get("e"),
+        Outcome(outcome) if outcome else None, rec.get("e"), rec.get("b"),
     )

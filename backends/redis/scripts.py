@@ -17,7 +17,8 @@ __all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "Script
 STORE_FORMAT = 2
 
 _SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
-            "checkpoint", "register", "history", "trim", "members", "retry_later")
+            "checkpoint", "register", "history", "trim", "members", "retry_later",
+            "operate")
 #: Files prepended to a script after the prelude (the claim function it calls).
 _INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",), "trim": ("_trim",)}
 #: Claims per ``claim_many.lua`` call at most: one script call keeps the server busy, so

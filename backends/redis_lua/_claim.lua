@@ -58,8 +58,8 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   -- extends it, never shortens it). `seen` is the marker the caller saw ('' = none
   -- yet), `longest` the longest lease it knows (ms). The same HMGET reads the job's
   -- registration, watermark and history sequence.
-  local sid, lost, quiet, first, last, seq = unpack(redis.call('HMGET', job, 'sid', 'lost',
-    'quiet', 'first_seen', 'last_slot', 'seq'))
+  local sid, lost, quiet, first, last, seq, paused = unpack(redis.call('HMGET', job, 'sid',
+    'lost', 'quiet', 'first_seen', 'last_slot', 'seq', 'paused'))
   quiet = tonumber(quiet)
   if seen ~= '' and sid ~= seen then
     if not sid then
@@ -100,6 +100,15 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
 
   -- 2. a new run: skipped behind a live earlier run, or won
   if not st then
+    -- Operations: a paused job's new slot is recorded skipped, never run nor caught up
+    -- (a trigger's run exists already, so it is never a new one here).
+    if paused and (reason == 'scheduled' or reason == 'catch-up') then
+      redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst, 'n', 1,
+        'r', reason, 'c', now, 'o', 'skipped', 'e', 'job paused by ' .. paused, 'f', now)
+      redis.call('ZADD', done, now, slot .. ':1')
+      add_history(job, hist, jf, seq, slot .. ':1')
+      return reply('skipped', 1, '', nil, 'skipped', sid, inst)
+    end
     if overlap_skip then
       for _, other in ipairs(redis.call('ZRANGEBYSCORE', open, '-inf', '(' .. slot)) do
         local ost, oexp = unpack(redis.call('HMGET', run_prefix .. other, 'st', 'exp'))
@@ -165,8 +174,16 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       end
     end
   end
+  local queued_by
   if st == 'handed_over' then
     why = 'hand-over'
+    -- Operations: a triggered or retried run's attempt says why (manual, retry) and who
+    -- asked (operate.lua), once.
+    local q, qb = unpack(redis.call('HMGET', run, 'q', 'qb'))
+    if q then
+      why, queued_by = q, qb
+      redis.call('HDEL', run, 'q', 'qb')
+    end
   elseif st == 'retrying' then  -- retries within a run (issue 19, part 1)
     why = 'retry'
     redis.call('HINCRBY', run, 'rt', 1)
@@ -205,8 +222,13 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     'exp', expires, 'tk', takeovers, 'n', (tonumber(n) or 0) + 1, 'r', why, 'c', now}
   if c then  -- the ended attempt's record is kept as JSON (format 1's, read by history)
     fields[#fields + 1] = 'h' .. attempt
-    fields[#fields + 1] = record_json(slot, attempt, holder, r, c, o, e, f)
-    redis.call('HDEL', run, 'o', 'e', 'f')
+    fields[#fields + 1] = record_json(slot, attempt, holder, r, c, o, e, f,
+      redis.call('HGET', run, 'b'))  -- operations: who asked for it
+    redis.call('HDEL', run, 'o', 'e', 'f', 'b')
+  end
+  if queued_by then  -- operations: who asked for the new attempt
+    fields[#fields + 1] = 'b'
+    fields[#fields + 1] = queued_by
   end
   redis.call('HSET', run, unpack(fields))
   redis.call('ZADD', open, slot, slot)

@@ -10,7 +10,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local FINISHED = {completed = true, failed = true, timed_out = true, escalated = true,
-  skipped = true}
+  skipped = true, cancelled = true}
 
 -- Store format 2 keeps the record of a run's current attempt in the run hash (r reason,
 -- c claimed at, o outcome, e error, f finished at; instance and attempt are the run's
@@ -37,8 +37,10 @@ local function end_attempt(att, done, id, outcome, err)
 end
 
 -- A format-2 record as the JSON of a format-1 one (what history() reads); a missing
--- field (false, as HMGET gives it) is left out.
-local function record_json(slot, attempt, inst, r, c, o, e, f)
+-- field (false, as HMGET gives it) is left out. b: who asked for the attempt (an
+-- operation's trigger or retry; the run hash's 'b').
+local function record_json(slot, attempt, inst, r, c, o, e, f, b)
   return cjson.encode({s = tonumber(slot), a = tonumber(attempt), i = inst or nil,
-    r = r or nil, c = tonumber(c), o = o or nil, e = e or nil, f = tonumber(f)})
+    r = r or nil, c = tonumber(c), o = o or nil, e = e or nil, f = tonumber(f),
+    b = b or nil})
 end

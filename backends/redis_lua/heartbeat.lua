@@ -11,7 +11,7 @@ for i, key in ipairs(KEYS) do
   if st ~= 'running' or tok ~= token or not exp or tonumber(exp) <= now then
     flags[i] = '0'
   else
-    redis.call('HSET', key, 'exp', now + tonumber(lease_ms))
+    redis.call('HSET', key, 'exp', now + tonumber(lease_ms), 'hb', now)  -- hb: heartbeat_at
     flags[i] = '1'
   end
 end

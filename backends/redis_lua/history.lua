@@ -4,11 +4,11 @@
 local out = {}
 for _, id in ipairs(redis.call('ZREVRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
   local slot, a = string.match(id, '^(.*):(%d+)$')
-  local current, inst, r, c, o, e, f, old = unpack(redis.call('HMGET', ARGV[2] .. slot,
-    'att', 'inst', 'r', 'c', 'o', 'e', 'f', 'h' .. a))
+  local current, inst, r, c, o, e, f, old, b = unpack(redis.call('HMGET', ARGV[2] .. slot,
+    'att', 'inst', 'r', 'c', 'o', 'e', 'f', 'h' .. a, 'b'))
   local raw
   if current == a and c then
-    raw = record_json(slot, a, inst, r, c, o, e, f)
+    raw = record_json(slot, a, inst, r, c, o, e, f, b)
   else
     raw = old or redis.call('HGET', KEYS[2], id)
   end

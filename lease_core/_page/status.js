@@ -4,6 +4,8 @@
 //   #job=NAME              one job's or workflow's latest runs
 //   #run=NAME@SLOT         one run, its steps and its recovery log
 // Built with textContent only, so names from the store are never parsed as HTML.
+// With a token, the job view has trigger/pause/resume buttons, a run's view retry/cancel
+// (POST operations, which always need the token), and the overview marks paused jobs.
 "use strict";
 
 const REFRESH_MS = 3000;
@@ -47,6 +49,40 @@ async function getJson(path) {
     throw new Error((body.error || response.statusText) + hint);
   }
   return body;
+}
+
+// --- operations (only with a token: every POST needs it) --------------------------------
+
+let notice = null;  // what the last operation answered, shown until the next one
+
+async function postJson(path) {
+  const token = params().get("token");
+  window.anarchonRequests += 1;
+  const response = await fetch(path, { method: "POST", cache: "no-store",
+                                       headers: { Authorization: "Bearer " + token } });
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+
+function operations(buttons) {
+  if (!params().get("token")) return el("span", {});
+  const bar = el("p", { class: "operations" }, ...buttons.map(([label, path]) => {
+    const button = el("button", { type: "button", "data-operation": label }, label);
+    button.addEventListener("click", async () => {
+      try {
+        const answer = await postJson(path);
+        notice = { ok: true, text: `${label}: done` + (answer.id ? ` (${answer.id})` : "") };
+      } catch (error) {
+        notice = { ok: false, text: `${label}: ${error.message}` };
+      }
+      refresh();
+    });
+    return button;
+  }));
+  if (notice) bar.append(el("span", { id: "op-result", class: notice.ok ? "ok" : "error" },
+                            notice.text));
+  return bar;
 }
 
 function el(tag, attrs, ...children) {
@@ -104,7 +140,10 @@ function overviewRow(row) {
   const last = row.last;
   return el("tr", { "data-job": row.name, "data-kind": row.kind, "data-state": row.state,
                     "data-running": String(row.running.length) },
-    el("td", {}, link(row.name, { job: row.name })),
+    el("td", {}, link(row.name, { job: row.name }),
+      ...(row.paused && params().get("token")
+        ? [" ", el("span", { class: "paused", title: `paused by ${row.paused}` }, "paused")]
+        : [])),
     el("td", {}, el("span", { class: "kind" }, row.kind)),
     el("td", {}, row.schedule ?? "-"),
     el("td", {}, last ? link(status(last.status), { run: last.id }) : el("span", { class: "muted" }, "never")),
@@ -182,6 +221,8 @@ async function job(name) {
   document.getElementById("view").replaceChildren(el("article", { "data-job": data.name },
     el("p", {}, link("‹ every job", {})),
     el("h2", {}, data.name, " ", el("span", { class: "kind" }, data.kind)),
+    data.kind === "job" ? operations(["trigger", "pause", "resume"].map(
+      (op) => [op, "jobs/" + encodeURIComponent(data.name) + "/" + op])) : el("span", {}),
     rows.length ? table(["slot", "status", data.kind === "workflow" ? "steps" : "attempt",
                          "started", "finished"], rows)
       : el("p", { class: "empty" }, "no runs recorded")));
@@ -197,6 +238,8 @@ async function run(id) {
   } else {
     const stored = data.store_status === data.status ? "" : ` (${data.store_status.replace("_", " ")})`;
     card.append(el("p", { class: "muted" }, `attempt ${data.attempt} by ${data.instance_id}${stored}`));
+    card.append(operations(["retry", "cancel"].map(
+      (op) => [op, "jobs/" + encodeURIComponent(data.id) + "/" + op])));
   }
   card.append(el("h3", {}, "recovery log"), logTable(data.recovery_log));
   document.getElementById("view").replaceChildren(el("article", { "data-job": data.name },

@@ -61,6 +61,7 @@ class LeaseKeeper:
         s = self._s
         await self._renew()
         await self._check_watched()
+        await self._pick_up()
         # An idle instance still asks the store once per heartbeat, so health() knows it
         # answers; the clock is sampled at least every minute.
         if s.settings.clock() - s.clock.last_sample > min(60.0, s.settings.heartbeat / 2):
@@ -169,3 +170,19 @@ class LeaseKeeper:
             elif state.claimable(result.now_ms):
                 claims.append((run.job, key[1], Reason.TAKEOVER))
         await s.claims.claim_many(claims)
+
+    async def _pick_up(self) -> None:
+        """Claim the handed-over runs of declared jobs that this instance does not watch.
+
+        What operations leave (a triggered or retried run, see
+        :mod:`lease_core.operations`) is claimed so within one heartbeat; the store gives
+        the attempt its reason (``manual`` or ``retry``).
+        """
+        s = self._s
+        if s.stopping or not s.jobs:
+            return
+        queued = await s.settings.backend.queued(list(s.jobs))
+        claims = [(s.jobs[job], slot, Reason.HAND_OVER) for job, slot in queued
+                  if job in s.jobs and s.runs.get((job, slot)) is None]
+        if claims:
+            await s.claims.claim_many(claims)

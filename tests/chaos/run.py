@@ -9,6 +9,13 @@ The fleet churns: a fault on a worker hits the member ranked first for a job dra
 random (the coordinator ranks the live instances as the workers do), and workers join
 (a new process, a new proxy) and leave (a graceful stop, not replaced) between
 ``min_workers`` and ``max_workers``.
+
+An operator acts too, beside the faults, from its own thread and RNG (so the faults'
+draws are the same with or without it): ``cancels`` times, evenly over the faults'
+window, it cancels a running run drawn at random through the store
+(:class:`~lease_core.Admin`, as ``chaos``; recorded as a fault ``cancel``). The audit
+checks that no attempt of a cancelled run starts after the cancel, none completes it,
+and it stays ``cancelled``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any
 
 import anyio
 
-from lease_core import Attempt, Outcome, backend_from_url
+from lease_core import Admin, Attempt, OperationRefused, Outcome, backend_from_url
 from lease_core.abc import Backend, RunInfo, RunStatus
 from lease_core.engine.fleet import rendezvous_rank
 
@@ -93,6 +100,8 @@ class ChaosConfig:
     flaky: bool = True
     """Workers also run :data:`FLAKY_JOB`, whose every other run fails transiently and is
     retried within its run (``retry=``)."""
+    cancels: int = 2
+    """How many running runs the operator cancels during the faults (evenly spread)."""
 
     spread: bool = False
     """Spread the jobs' slots evenly over the interval (offsets) instead of all together."""
@@ -117,6 +126,9 @@ class Fault:
     end: float = 0.0
     jobs: tuple[str, ...] = ()
     """The jobs the target ranked first for among the live instances, when it was hit."""
+    run: tuple[str, int] | None = None
+    """A ``cancel``'s run, when the store made the cancel (``None``: refused, or no run
+    was running)."""
 
 
 @dataclass
@@ -157,6 +169,13 @@ class Report:
     missed_store_unreachable: int = 0
     """Of :attr:`missed_slots`, those from which the store answered no request until the
     job's next slot was due (see :class:`StoreProbe`)."""
+    cancels: int = 0
+    """Runs cancelled through the store while the fleet ran them."""
+    cancelled_taken_over: list[tuple[str, int, int]] = field(default_factory=list)
+    """Attempts of a cancelled run claimed after the cancel (an invariant: none)."""
+    cancelled_completed: list[tuple[str, int, str]] = field(default_factory=list)
+    """Cancelled runs that some attempt completed, or whose status is not ``cancelled``
+    (an invariant: none)."""
     missed_while_answered: list[tuple[str, int]] = field(default_factory=list)
     """The other missed slots: the store answered the probe before the job's next slot
     was due, and nobody claimed the slot (an invariant: none)."""
@@ -187,6 +206,8 @@ class Report:
             "runs left running": self.left_running,
             "slots never claimed while the store answered": self.missed_while_answered,
             "retry overlapping the attempt it retries": self.retry_overlaps,
+            "cancelled runs taken over": self.cancelled_taken_over,
+            "cancelled runs completed": self.cancelled_completed,
         }
         return {k: v for k, v in found.items() if v}
 
@@ -242,6 +263,9 @@ class Report:
             "skewed_completions": self.skewed_completions,
             "open_at_shutdown": self.open_at_shutdown,
             "recovery_s": round(self.recovery_s, 1),
+            "cancels": self.cancels,
+            "cancelled_taken_over": len(self.cancelled_taken_over),
+            "cancelled_completed": len(self.cancelled_completed),
         }
 
 
@@ -502,6 +526,60 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
     return fault
 
 
+def _cancel(rng: random.Random, store: ChaosStore) -> Fault:
+    """Cancel a running run drawn at random, through the store, as an operator would."""
+    fault = Fault("cancel", "", time.time())
+
+    async def cancel(backend: Backend) -> tuple[str, int] | None:
+        running = [r for r in await backend.runs(open_only=True, limit=1_000_000)
+                   if r.status is RunStatus.RUNNING]
+        if not running:
+            return None
+        run = rng.choice(sorted(running, key=lambda r: (r.job, r.slot)))
+        try:
+            await Admin(backend, by="chaos").cancel(run.job, run.slot, grace="1s")
+        except OperationRefused:
+            return None  # it finished in between
+        return run.job, run.slot
+
+    fault.run = _read_store(store, cancel)
+    fault.target = "" if fault.run is None else f"{fault.run[0]}@{fault.run[1]}"
+    fault.end = time.time()
+    return fault
+
+
+class Operator:
+    """Cancels ``config.cancels`` running runs through the store, evenly over the faults'
+    window, from its own thread and RNG; :attr:`faults` records each try."""
+
+    def __init__(self, store: ChaosStore, config: ChaosConfig) -> None:
+        self.store, self.config = store, config
+        self.rng = random.Random(config.seed * 7919 + 1)
+        self.faults: list[Fault] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-operator", daemon=True)
+
+    def _run(self) -> None:
+        n = self.config.cancels
+        began = time.monotonic()
+        for k in range(n):
+            at = began + self.config.seconds * (k + 1) / (n + 1)
+            if self._stop.wait(max(0.0, at - time.monotonic())):
+                return
+            with contextlib.suppress(Exception):  # the store may be down: a fault's doing
+                self.faults.append(_cancel(self.rng, self.store))
+
+    def start(self) -> None:
+        """Start the operator's thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the operator (a cancel in flight completes) and wait for its thread."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(60)
+
+
 def run_chaos(config: ChaosConfig, workdir: Path | None = None,
               progress: Any = None) -> Report:
     """Run one chaos run end to end and return its audited report."""
@@ -517,6 +595,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
     """Workers that left the fleet (their records still count)."""
     faults: list[Fault] = []
     probe = StoreProbe(store)
+    operator = Operator(store, config)
     try:
         workers = [Worker(i, store, config, logdir) for i in range(config.workers)]
         for w in workers:
@@ -525,6 +604,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         for w in workers:
             w.wait_started()
         probe.start()
+        operator.start()
         started = time.time()
         say(f"{config.store}: {config.workers} workers started; faults for {config.seconds:g}s")
         skew_sign = [1.0]
@@ -538,6 +618,8 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
             kind = first.pop(0) if first else rng.choice(kinds)
             faults.append(_inject(rng, kind, workers, store, config, skew_sign, probe,
                                   retired))
+        operator.stop()
+        faults = sorted(faults + operator.faults, key=lambda f: f.start)
         faults_over = time.time()
         time.sleep(config.settle_leases * config.lease)
         # On a starved machine the fleet may need longer to take every run over: wait
@@ -566,6 +648,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         report.wall_s = time.monotonic() - t0
         return report
     finally:
+        operator.stop()
         probe.stop()
         for w in workers + retired:
             w.close()
@@ -796,8 +879,29 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                     report.missed_store_unreachable += 1
                 else:
                     report.missed_while_answered.append((job, s))
+    _judge_cancels(report, faults, runs, seen.open_after)
     report.left_running.sort()
     return report
+
+
+def _judge_cancels(report: Report, faults: list[Fault],
+                   runs: dict[tuple[str, int], list[Attempt]],
+                   open_after: list[RunInfo]) -> None:
+    """A cancelled run is never taken over, never completed, and stays ``cancelled``."""
+    still_open = {(r.job, r.slot) for r in open_after}
+    for f in faults:
+        if f.kind != "cancel" or f.run is None:
+            continue
+        report.cancels += 1
+        attempts = runs.get(f.run, [])
+        for a in attempts:
+            if a.claimed_at.timestamp() > f.end:
+                report.cancelled_taken_over.append((*f.run, a.attempt))
+        if any(a.outcome is Outcome.COMPLETED for a in attempts):
+            report.cancelled_completed.append((*f.run, "completed"))
+        elif f.run in still_open or (attempts and not any(
+                a.outcome is Outcome.CANCELLED for a in attempts)):
+            report.cancelled_completed.append((*f.run, "not cancelled"))
 
 
 def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:

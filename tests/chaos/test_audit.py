@@ -194,3 +194,35 @@ def test_a_retry_before_its_failure_ended_is_reported() -> None:
         event("rstart", 1, r="scheduled"), {**event("rfail", 1), "t": T0 + 0.9},
         {**event("rstart", 2, r="retry"), "t": T0 + 0.6}]))
     assert running.retry_overlaps == [(*KEY, 2)]
+
+
+def cancelled(*history: Attempt) -> Observed:
+    """Attempt 1 (w1) cancelled through the store at 0.2 s (the cancel returned at 0.25 s)."""
+    return observed(history=list(history), effects=[], events={}, checkpoints={},
+                    faults=[Fault("cancel", f"job0@{SLOT}", T0 + 0.2, T0 + 0.25, run=KEY)])
+
+
+def test_a_cancelled_run_that_stays_cancelled_breaks_nothing() -> None:
+    report = judge(CONFIG, cancelled(attempt(1, "w1", 0.0, Outcome.CANCELLED)))
+    assert report.violations == {}
+    assert report.cancels == 1 and report.outcomes == {"cancelled": 1}
+
+
+def test_a_cancelled_run_taken_over_or_completed_breaks_the_invariant() -> None:
+    report = judge(CONFIG, cancelled(
+        attempt(1, "w1", 0.0, Outcome.CANCELLED),
+        attempt(2, "w2", 1.7, Outcome.COMPLETED, Reason.TAKEOVER)))
+    assert report.violations["cancelled runs taken over"] == [(*KEY, 2)]
+    assert report.violations["cancelled runs completed"] == [(*KEY, "completed")]
+
+
+def test_a_cancel_the_store_did_not_keep_is_reported() -> None:
+    report = judge(CONFIG, cancelled(attempt(1, "w1", 0.0, Outcome.LOST)))
+    assert report.violations["cancelled runs completed"] == [(*KEY, "not cancelled")]
+
+
+def test_a_refused_cancel_is_not_judged() -> None:
+    seen = cancelled(attempt(1, "w1", 0.0, Outcome.COMPLETED))
+    seen.faults = [Fault("cancel", "", T0 + 0.2, T0 + 0.25)]
+    report = judge(CONFIG, seen)
+    assert report.violations == {} and report.cancels == 0

@@ -1,7 +1,8 @@
 """The short chaos run of ``make test``: ~1,000 slots across three stores, about 2 minutes.
 
 Every store's run opens with membership churn (a worker joining, a first-ranked member
-leaving, and a kill, SIGSTOP or partition of one), then draws its faults at random.
+leaving, and a kill, SIGSTOP or partition of one), then draws its faults at random; an
+operator cancels two running runs through the store meanwhile.
 
 Each store gets its own test (each well under the 120 s per-test limit). ``make chaos``
 runs the same code at full size (``python -m tests.chaos``).
@@ -44,6 +45,9 @@ def _check(report: Report, config: ChaosConfig, logdir: Path) -> None:
     assert report.faults.get("join", 0) + report.faults.get("leave", 0) >= 1, (
         f"no worker joined or left {detail}")
     assert report.owner_faults >= 1, f"no fault hit a job's first-ranked member {detail}"
+    # The operator cancels running runs (two tries; a try may find its run finished in
+    # between, which the store refuses).
+    assert report.cancels >= 1, f"no run was cancelled {detail}"
     # Worker 0 runs an hour ahead from the start: leases follow the store's clock only.
     assert report.skewed_completions >= 10, f"the skewed worker completed too few {detail}"
     bound = config.lease + config.heartbeat + LATENCY_SLACK_S

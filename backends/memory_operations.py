@@ -1,0 +1,111 @@
+"""Operations (trigger, pause, resume, retry, cancel) on the in-memory store.
+
+The memory backend's half of :meth:`~lease_core.abc.Backend.operate`, kept apart from
+:mod:`backends.memory` so that the claim path stays short; it runs under the backend's
+lock, as one atomic step, like every call of that backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from lease_core._structures import (
+    Attempt,
+    ClaimRequest,
+    Outcome,
+    Reason,
+    RunStatus,
+    ms_to_datetime,
+)
+from lease_core.operations import RETRYABLE, Operation, OperationKind, OperationResult
+
+if TYPE_CHECKING:
+    from .memory import MemoryBackend, _Job, _Run
+
+__all__ = ["PAUSABLE", "MemoryOperations", "operate", "paused_attempt"]
+
+#: The reasons of claims a paused job refuses (a trigger's or retry's run exists already).
+PAUSABLE = frozenset({Reason.SCHEDULED, Reason.CATCH_UP})
+
+
+def paused_attempt(req: ClaimRequest, now: int, by: str) -> Attempt:
+    """The attempt recording that a paused job's new slot was skipped."""
+    at = ms_to_datetime(now)
+    return Attempt(req.job, req.slot, 1, req.instance_id, req.reason, at, at, Outcome.SKIPPED,
+                   f"job paused by {by}")
+
+
+def operate(store: MemoryBackend, op: Operation, now: int,
+            new_run: Callable[..., _Run]) -> OperationResult:
+    """Make ``op`` on ``store`` (whose lock the caller holds), or refuse it.
+
+    ``new_run`` is the store's run record type (which makes a triggered run's record).
+    """
+    job = store._jobs.get(op.job)
+    if job is None:
+        return OperationResult("unknown_job")
+    if op.kind is OperationKind.PAUSE:
+        job.paused_by = op.by
+        return OperationResult()
+    if op.kind is OperationKind.RESUME:
+        job.paused_by = None
+        return OperationResult()
+    if op.kind is OperationKind.TRIGGER:
+        slot = now + (now % 1000 == 0)  # off the whole second, where schedules put slots
+        while (op.job, slot) in store._runs:
+            slot += 1
+        store._runs[(op.job, slot)] = new_run(RunStatus.HANDED_OVER, 0, None, op.by, now,
+                                              queued=Reason.MANUAL, queued_by=op.by)
+        job.last_slot = slot if job.last_slot is None else max(job.last_slot, slot)
+        return OperationResult(slot=slot)
+    assert op.slot is not None
+    run = store._runs.get((op.job, op.slot))
+    if run is None:
+        return OperationResult("no_run", op.slot)
+    if op.kind is OperationKind.RETRY:
+        if run.status not in RETRYABLE:
+            return OperationResult("conflict", op.slot, run.status)
+        run.status, run.token, run.expires_ms = RunStatus.HANDED_OVER, None, now
+        run.queued, run.queued_by = Reason.RETRY, op.by
+        return OperationResult(slot=op.slot, status=RunStatus(run.status))
+    if run.status.finished:
+        return OperationResult("conflict", op.slot, run.status)
+    before = run.status
+    history = store._attempts.get(op.job, [])
+    for i, a in enumerate(history):
+        if a.slot == op.slot and a.attempt == run.attempt and a.outcome is None:
+            history[i] = replace(a, outcome=Outcome.CANCELLED, error=f"cancelled by {op.by}",
+                                 finished_at=ms_to_datetime(now))
+    run.status, run.token, run.expires_ms = RunStatus.CANCELLED, None, None
+    run.queued = run.queued_by = None
+    return OperationResult(slot=op.slot, status=before)
+
+
+class MemoryOperations:
+    """The reads of :class:`~backends.memory.MemoryBackend` about operations and heartbeats."""
+
+    _lock: threading.Lock
+    _jobs: dict[str, _Job]
+    _runs: dict[tuple[str, int], _Run]
+
+    async def paused(self) -> dict[str, str]:
+        """Return the paused jobs, each with who paused it."""
+        with self._lock:
+            return {name: j.paused_by for name, j in self._jobs.items() if j.paused_by}
+
+    async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
+        """Return the triggered and retried runs of ``jobs`` not claimed yet."""
+        wanted = set(jobs)
+        with self._lock:
+            return sorted(key for key, run in self._runs.items()
+                          if key[0] in wanted and run.queued is not None
+                          and run.status is RunStatus.HANDED_OVER)
+
+    async def heartbeats(self, runs: Sequence[tuple[str, int]],
+                         ) -> dict[tuple[str, int], int | None]:
+        """Return when each run's lease was last renewed (``None``: not since its claim)."""
+        with self._lock:
+            return {key: self._runs[key].heartbeat_ms for key in runs if key in self._runs}

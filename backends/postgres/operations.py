@@ -1,0 +1,47 @@
+"""Operations on a PostgreSQL store (lease_core/operations.py): one function call each.
+
+An operation is one call of ``<table>_op_v<N>`` (``postgres_sql/operate_v4.sql``), made
+under the job row's lock that every claim of the job takes first; the engine's read of
+queued runs and the status API's read of paused jobs are one statement each
+(``postgres_sql/operations.sql``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lease_core._structures import RunStatus
+from lease_core.operations import Operation, OperationResult
+
+from .descriptions import StoreDescriptions
+
+__all__ = ["StoreOperations"]
+
+
+class StoreOperations(StoreDescriptions):
+    """The operations of :class:`~backends.postgres.PostgresBackend`."""
+
+    async def operate(self, op: Operation) -> OperationResult:
+        """Make ``op`` in one call of the operations function, or refuse it (see there)."""
+        [(refused, slot, status)] = await self._adapter.all(
+            self._sql.operate, (str(op.kind), op.job, op.slot, op.by))
+        return OperationResult(None if refused is None else str(refused),
+                               None if slot is None else int(slot),
+                               None if status is None else RunStatus(status))
+
+    async def paused(self) -> dict[str, str]:
+        """Return the paused jobs, each with who paused it."""
+        return {str(job): str(by) for job, by in await self._adapter.all(self._sql.paused)}
+
+    async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
+        """Return the ``handed_over`` runs of ``jobs`` (one read of the open runs' index)."""
+        rows = await self._adapter.all(self._sql.queued, (list(jobs),))
+        return [(str(job), int(slot)) for job, slot in rows]
+
+    async def heartbeats(self, runs: Sequence[tuple[str, int]],
+                         ) -> dict[tuple[str, int], int | None]:
+        """Return each run's last renewal (``heartbeat_ms``), in one read."""
+        rows = await self._adapter.all(self._sql.heartbeats,
+                                       ([job for job, _ in runs], [slot for _, slot in runs]))
+        return {(str(job), int(slot)): None if at is None else int(at)
+                for job, slot, at in rows}

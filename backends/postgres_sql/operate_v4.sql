@@ -1,0 +1,83 @@
+-- Operations (lease_core/operations.py) as one PL/pgSQL function (store code v4): a
+-- trigger, pause, resume, retry or cancel is one statement, made atomically under the
+-- job row's lock (the lock every claim of the job takes first), or refused changing
+-- nothing. o_refused is NULL when made, else 'unknown_job', 'no_run' or 'conflict';
+-- o_slot the run's slot (a trigger's new one); o_status the run's status before.
+--
+-- - trigger: a new run at the store's now (never on a whole second, where schedules put
+--   their slots; the next free millisecond), 'handed_over'
+--   with attempt 0, so that its first claim (by any instance declaring the job) is
+--   attempt 1, with reason 'manual' (runs.queued) and requested_by p_by.
+-- - retry: a failed, timed_out or escalated run becomes 'handed_over' again, its next
+--   claim with reason 'retry'.
+-- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
+--   'cancelled by <p_by>'); a claim then finds it finished (no takeover), and its
+--   holder's heartbeat finds its token gone.
+-- - pause / resume: set or clear the job row's paused_by; a claim of a new slot of a
+--   paused job records it 'skipped' (claim_v4.sql).
+--
+-- The text has no percent sign and no braces other than the str.format placeholders.
+CREATE OR REPLACE FUNCTION {operate}(
+    p_kind text, p_job text, p_slot bigint, p_by text,
+    OUT o_refused text, OUT o_slot bigint, OUT o_status text)
+LANGUAGE plpgsql VOLATILE SECURITY INVOKER
+AS $anarchon$
+DECLARE
+    v_now bigint;
+    v_status text;
+    v_attempt integer;
+BEGIN
+    PERFORM 1 FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
+    IF NOT FOUND THEN
+        o_refused := 'unknown_job';
+        RETURN;
+    END IF;
+    v_now := {now};
+    IF p_kind IN ('pause', 'resume') THEN
+        UPDATE {jobs} SET paused_by = CASE WHEN p_kind = 'pause' THEN p_by END
+        WHERE job = p_job;
+        RETURN;
+    END IF;
+    IF p_kind = 'trigger' THEN
+        -- Off the whole second, where schedules put their slots; then the next free ms.
+        o_slot := v_now + CASE WHEN mod(v_now, 1000) = 0 THEN 1 ELSE 0 END;
+        WHILE EXISTS (SELECT 1 FROM {runs} r WHERE r.job = p_job AND r.slot = o_slot) LOOP
+            o_slot := o_slot + 1;
+        END LOOP;
+        INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms,
+                            takeovers, queued, queued_by)
+        VALUES (p_job, o_slot, 'handed_over', 0, NULL, p_by, v_now, 0, 'manual', p_by);
+        UPDATE {jobs} SET last_slot = GREATEST(COALESCE(last_slot, o_slot), o_slot)
+        WHERE job = p_job;
+        RETURN;
+    END IF;
+    o_slot := p_slot;
+    SELECT r.status, r.attempt INTO v_status, v_attempt
+      FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot FOR UPDATE;
+    IF NOT FOUND THEN
+        o_refused := 'no_run';
+        RETURN;
+    END IF;
+    o_status := v_status;
+    IF p_kind = 'retry' THEN
+        IF v_status NOT IN ('failed', 'timed_out', 'escalated') THEN
+            o_refused := 'conflict';
+            RETURN;
+        END IF;
+        UPDATE {runs} SET status = 'handed_over', token = NULL, expires_ms = v_now,
+                          queued = 'retry', queued_by = p_by
+        WHERE job = p_job AND slot = p_slot;
+        RETURN;
+    END IF;
+    IF v_status NOT IN ('running', 'handed_over', 'retrying') THEN
+        o_refused := 'conflict';
+        RETURN;
+    END IF;
+    UPDATE {attempts} SET outcome = 'cancelled', error = 'cancelled by ' || p_by,
+                          finished_ms = v_now
+    WHERE job = p_job AND slot = p_slot AND attempt = v_attempt AND outcome IS NULL;
+    UPDATE {runs} SET status = 'cancelled', token = NULL, expires_ms = NULL, queued = NULL,
+                      queued_by = NULL
+    WHERE job = p_job AND slot = p_slot;
+END
+$anarchon$

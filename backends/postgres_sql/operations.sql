@@ -1,0 +1,55 @@
+-- The statements of operations (backends/postgres/operations.py), each under a
+-- `-- name: <name>` header, filled as queries.sql is. Kept apart from queries.sql so that
+-- the feature's statements are in one place.
+
+-- name: has_operations
+-- Whether the store has the columns of operations (store code v4 with operations).
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+               WHERE attrelid = %s::regclass AND attname = 'requested_by'
+                 AND NOT attisdropped)
+
+-- name: add_operations_runs
+-- queued: the reason of the next attempt of a triggered or retried run ('manual',
+-- 'retry'), queued_by who asked; heartbeat_ms: the lease's last renewal (the status
+-- API's heartbeat_at). Nullable without default: catalog only.
+ALTER TABLE {runs} ADD COLUMN IF NOT EXISTS queued text,
+                   ADD COLUMN IF NOT EXISTS queued_by text,
+                   ADD COLUMN IF NOT EXISTS heartbeat_ms bigint
+
+-- name: add_operations_jobs
+ALTER TABLE {jobs} ADD COLUMN IF NOT EXISTS paused_by text
+
+-- name: add_operations_attempts
+-- requested_by: who asked for the attempt (trigger, retry). claimed_at: the claim time as
+-- a timestamp, for hand-written history queries (seed 004's); generated, so it is never
+-- written apart from claimed_ms.
+ALTER TABLE {attempts} ADD COLUMN IF NOT EXISTS requested_by text,
+    ADD COLUMN IF NOT EXISTS claimed_at timestamptz
+        GENERATED ALWAYS AS (to_timestamp(claimed_ms / 1000.0)) STORED
+
+-- name: grant_operate
+GRANT EXECUTE ON FUNCTION {operate}(text, text, bigint, text) TO PUBLIC
+
+-- name: operate
+SELECT o_refused, o_slot, o_status
+FROM {operate}(%s::text, %s::text, %s::bigint, %s::text)
+
+-- name: paused
+-- Through to_jsonb: a store of older code, read as it is, has no paused_by column.
+SELECT p.job, p.by FROM (SELECT j.job, to_jsonb(j) ->> 'paused_by' AS by FROM {jobs} j) p
+WHERE p.by IS NOT NULL ORDER BY p.job
+
+-- name: queued
+-- Triggered and retried runs not claimed yet (not plain hand-overs, which the backups
+-- watching them claim), through the runs' partial index of open runs.
+SELECT r.job, r.slot FROM {runs} r
+WHERE r.status = 'handed_over' AND r.queued IS NOT NULL AND r.job = ANY(%s::text[])
+ORDER BY r.job, r.slot
+LIMIT 1000
+
+-- name: heartbeats
+-- The last renewal of each run, for the status API; through to_jsonb, as a store of
+-- older code, read as it is, has no heartbeat_ms column.
+SELECT r.job, r.slot, to_jsonb(r) ->> 'heartbeat_ms'
+FROM {runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
+  ON r.job = u.job AND r.slot = u.slot

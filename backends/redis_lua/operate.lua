@@ -1,0 +1,71 @@
+-- Operations (lease_core/operations.py) on one job's keys, atomically: trigger, pause,
+-- resume, retry and cancel, or a refusal that changes nothing.
+-- KEYS[1] job hash, KEYS[2] open zset, KEYS[3] attempts hash (store format 1),
+-- KEYS[4] done zset; ARGV: kind, slot ('' for a job operation), by, run key prefix
+-- ({p/job}:run:; the run of a trigger is made at a slot found here, in the job's slot).
+-- Returns 'refused|slot|status' ('' = none): refused is unknown_job, no_run or conflict.
+-- - trigger: a run at the store's now (the next free millisecond), handed_over with
+--   attempt 0, whose first claim is attempt 1 with reason 'manual' (q) and 'b' = by (qb);
+-- - retry: a failed, timed_out or escalated run is handed_over again, next reason retry;
+-- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
+--   'cancelled by <by>'); claims then find it finished, its holder's token is gone;
+-- - pause / resume: the job hash's 'paused' (who), read by every claim (_claim.lua).
+local job, open, att, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local kind, slot, by, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+if redis.call('EXISTS', job) == 0 then
+  return 'unknown_job||'
+end
+if kind == 'pause' then
+  redis.call('HSET', job, 'paused', by)
+  return '||'
+elseif kind == 'resume' then
+  redis.call('HDEL', job, 'paused')
+  return '||'
+elseif kind == 'trigger' then
+  local at = now  -- off the whole second, where schedules put their slots
+  if at % 1000 == 0 then
+    at = at + 1
+  end
+  while redis.call('EXISTS', prefix .. at) == 1 do
+    at = at + 1
+  end
+  local s = string.format('%d', at)
+  redis.call('HSET', prefix .. s, 'st', 'handed_over', 'att', 0, 'inst', by, 'exp', now,
+    'tk', 0, 'n', 0, 'q', 'manual', 'qb', by)
+  redis.call('ZADD', open, at, s)
+  local last = tonumber(redis.call('HGET', job, 'last_slot'))
+  if not last or last < at then
+    redis.call('HSET', job, 'last_slot', s)
+  end
+  return '|' .. s .. '|'
+end
+local run = prefix .. slot
+local st, attempt, c, o = unpack(redis.call('HMGET', run, 'st', 'att', 'c', 'o'))
+if not st then
+  return 'no_run|' .. slot .. '|'
+end
+if kind == 'retry' then
+  if st ~= 'failed' and st ~= 'timed_out' and st ~= 'escalated' then
+    return 'conflict|' .. slot .. '|' .. st
+  end
+  redis.call('HSET', run, 'st', 'handed_over', 'tok', '', 'exp', now, 'q', 'retry',
+    'qb', by)
+  redis.call('ZADD', open, tonumber(slot), slot)
+  return '|' .. slot .. '|' .. st
+end
+if st ~= 'running' and st ~= 'handed_over' and st ~= 'retrying' then
+  return 'conflict|' .. slot .. '|' .. st
+end
+local err = 'cancelled by ' .. by
+if c then
+  if not o then
+    redis.call('HSET', run, 'o', 'cancelled', 'e', err, 'f', now)
+    redis.call('ZADD', done, now, slot .. ':' .. attempt)
+  end
+elseif tonumber(attempt) > 0 then
+  end_attempt(att, done, slot .. ':' .. attempt, 'cancelled', err)
+end
+redis.call('HSET', run, 'st', 'cancelled', 'tok', '', 'exp', '')
+redis.call('HDEL', run, 'q', 'qb')
+redis.call('ZREM', open, slot)
+return '|' .. slot .. '|' .. st

@@ -1,0 +1,68 @@
+"""The CLI's operations: ``anarchon trigger|pause|resume JOB`` and ``retry|cancel JOB@SLOT``.
+
+Each acts through the store (:class:`~lease_core.Admin`, recorded as made by ``cli``), so
+the whole fleet sees it. Operations write, so the store is opened with ``start()`` (not
+``create=False`` as the read-only commands do). A refusal (an unknown job, a slot with no
+run, a retry of a completed run, a cancel of a finished one) exits 2 and changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ._status import parse_run_id
+from ._structures import format_slot
+
+__all__ = ["COMMANDS", "add_parsers", "run_operation"]
+
+#: The operation subcommands.
+COMMANDS = ("trigger", "pause", "resume", "retry", "cancel")
+
+_HELP = {
+    "trigger": "run JOB once more now, on an instance that declares it (reason manual)",
+    "pause": "no instance claims new slots of JOB until resume (runs in progress go on)",
+    "resume": "let the fleet claim the slots of JOB again",
+    "retry": "run a failed, timed-out or escalated run JOB@SLOT again (reason retry)",
+    "cancel": "end the run JOB@SLOT cancelled; its holder's handler is cancelled",
+}
+
+
+def add_parsers(sub: Any, url_help: str, namespace_options: Any) -> None:
+    """Add the operation subcommands to the ``anarchon`` parser's subparsers ``sub``."""
+    for name in COMMANDS:
+        command = sub.add_parser(name, help=_HELP[name])
+        if name in ("retry", "cancel"):
+            command.add_argument("run", metavar="JOB@SLOT",
+                                 help="the run: job name, '@', slot in epoch ms or ISO-8601")
+        else:
+            command.add_argument("job", metavar="JOB", help="the job's name")
+        if name == "cancel":
+            command.add_argument("--grace", default="10s",
+                                 help="how long the handler may take to stop (default 10s)")
+        command.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
+        namespace_options(command)
+
+
+async def run_operation(args: argparse.Namespace, backend: Any) -> int:
+    """Make the operation ``args.command`` on ``backend``; print what was done."""
+    from .operations import Admin
+
+    async with Admin(backend, by="cli") as admin:
+        if args.command == "trigger":
+            slot = await admin.trigger(args.job)
+            print(f"anarchon trigger: {args.job}@{slot} ({format_slot(slot)}) queued; an "
+                  "instance declaring the job runs it within one heartbeat")
+        elif args.command in ("pause", "resume"):
+            await (admin.pause if args.command == "pause" else admin.resume)(args.job)
+            print(f"anarchon {args.command}: job {args.job!r} "
+                  f"{'paused' if args.command == 'pause' else 'resumed'}")
+        else:
+            job, slot = parse_run_id(args.run)
+            if args.command == "retry":
+                await admin.retry(job, slot)
+                print(f"anarchon retry: {job}@{slot} queued again (reason retry)")
+            else:
+                await admin.cancel(job, slot, grace=args.grace)
+                print(f"anarchon cancel: {job}@{slot} cancelled")
+    return 0

@@ -1,0 +1,217 @@
+"""Fleet-wide operations through the store: trigger, pause, resume, retry and cancel.
+
+:class:`Admin` acts on the store only, so any process with the store's URL can act, and
+every instance sees the result: a claim of a paused job's new slot records it
+``skipped``; a triggered or retried run is a run any instance declaring the job claims
+at its next heartbeat (reason ``manual`` or ``retry``, with who asked in the attempt's
+``requested_by``); a cancelled run is finished ``cancelled`` at once, so nobody takes it
+over, and its holder's next heartbeat finds its lease gone and cancels the handler.
+
+Each backend implements one call, :meth:`~lease_core.abc.Backend.operate`, which answers
+an :class:`OperationResult`; :class:`Admin` turns a refusal into
+:class:`~lease_core.errors.OperationRefused`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from ._durations import parse_duration
+from ._structures import RunStatus, format_slot
+from .errors import ConfigurationError, OperationRefused
+from .recovery import step_job
+
+if TYPE_CHECKING:
+    from .abc import Backend
+
+__all__ = ["RETRYABLE", "Admin", "Operation", "OperationKind", "OperationResult"]
+
+#: The statuses a retry applies to.
+RETRYABLE = frozenset({RunStatus.FAILED, RunStatus.TIMED_OUT, RunStatus.ESCALATED})
+#: The statuses a cancel applies to.
+OPEN = frozenset({RunStatus.RUNNING, RunStatus.HANDED_OVER, RunStatus.RETRYING})
+
+
+class OperationKind(StrEnum):
+    """What an operation does."""
+
+    TRIGGER = "trigger"
+    PAUSE = "pause"
+    RESUME = "resume"
+    RETRY = "retry"
+    CANCEL = "cancel"
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One operation as a backend receives it (validated by :class:`Admin`)."""
+
+    kind: OperationKind
+    job: str
+    slot: int | None
+    """The run's slot (retry, cancel); ``None`` for job operations."""
+    by: str
+    """Who asks: an instance id, ``cli`` or ``http``; recorded with the run."""
+
+
+@dataclass(frozen=True, slots=True)
+class OperationResult:
+    """A backend's answer to :meth:`~lease_core.abc.Backend.operate`.
+
+    ``refused`` is ``None`` when the operation was made, else ``unknown_job``, ``no_run``
+    or ``conflict`` (then nothing changed). ``slot`` is the run's (a trigger's new slot);
+    ``status`` the run's status before the operation (for a refusal's message).
+    """
+
+    refused: str | None = None
+    slot: int | None = None
+    status: RunStatus | None = None
+
+
+def _slot(value: object, where: object) -> int:
+    if isinstance(value, bool):
+        raise ConfigurationError(f"slot {value!r} of {where!r} is not a slot")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ConfigurationError(f"slot {value!r} is a naive datetime; give a tz-aware one")
+        return int(value.timestamp() * 1000)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lstrip("-").isdigit():
+            return int(text)
+        try:
+            parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            parsed = None
+        if parsed is not None and parsed.tzinfo is not None:
+            return int(parsed.timestamp() * 1000)
+    raise ConfigurationError(
+        f"slot {value!r} of {where!r} is neither epoch milliseconds nor a tz-aware ISO time")
+
+
+class Admin:
+    """Operations on the runs of a store, for the whole fleet (DESIGN 4c, "Operations").
+
+    ``by`` names who acts (recorded with each operation): ``scheduler.admin`` uses the
+    scheduler's instance id, the CLI ``cli`` and the HTTP API ``http``. The backend is
+    started for each call (creating the store when missing) and released after it, as
+    :meth:`~lease_core.Scheduler.history` does: a backend started already stays open, and
+    ``async with Admin(backend) as admin:`` keeps it open across calls.
+    Every refusal raises :class:`~lease_core.errors.OperationRefused` and changes nothing.
+    """
+
+    def __init__(self, backend: Backend, *, by: str = "admin") -> None:
+        if not isinstance(by, str) or not by.strip():
+            raise ConfigurationError(f"by={by!r} must name who acts (a non-empty string)")
+        self.backend = backend
+        self.by = by
+
+    async def __aenter__(self) -> Admin:
+        await self.backend.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.backend.close()
+
+    async def trigger(self, job: str) -> int:
+        """Make one extra run of ``job`` now (reason ``manual``); return its slot.
+
+        The slot is the store's now in epoch ms, moved off a whole second (where
+        schedules put their slots) and off any slot the job has a run at. An instance
+        that declares the job claims it within one heartbeat.
+        """
+        result = await self._operate(OperationKind.TRIGGER, job, None)
+        assert result.slot is not None
+        return result.slot
+
+    async def pause(self, job: str) -> None:
+        """Stop every instance claiming new slots of ``job``; runs in progress go on.
+
+        Slots due while paused are recorded ``skipped`` and never caught up.
+        """
+        await self._operate(OperationKind.PAUSE, job, None)
+
+    async def resume(self, job: str) -> None:
+        """Let the fleet claim the slots of ``job`` again (a job not paused: no change)."""
+        await self._operate(OperationKind.RESUME, job, None)
+
+    async def retry(self, job: str, slot: int | str | datetime) -> None:
+        """Run a ``failed``, ``timed_out`` or ``escalated`` run again (reason ``retry``).
+
+        ``job`` may name a workflow: its run resumes at the step that failed (that step's
+        run is retried; the steps after it follow as usual).
+        """
+        await self._operate(OperationKind.RETRY, job, _slot(slot, job))
+
+    async def cancel(self, job: str, slot: int | str | datetime,
+                     grace: float | str | object = "10s") -> None:
+        """End a running or handed-over run ``cancelled``; nobody takes it over.
+
+        ``job`` may name a workflow: the step in progress is cancelled, so the workflow
+        stops there. The run ends in the store at once. Its holder finds its lease gone at its next
+        heartbeat: the handler gets ``ctx.stopping`` and is cancelled. ``grace`` is
+        validated; this release cancels the handler at that heartbeat, without waiting
+        ``grace``.
+        """
+        parse_duration(grace, what="grace", allow_zero=True)
+        await self._operate(OperationKind.CANCEL, job, _slot(slot, job))
+
+    async def paused(self) -> dict[str, str]:
+        """The paused jobs, each with who paused it."""
+        await self.backend.start()
+        try:
+            return await self.backend.paused()
+        finally:
+            await self.backend.close()
+
+    async def _operate(self, kind: OperationKind, job: str, slot: int | None) -> OperationResult:
+        if not isinstance(job, str) or not job:
+            raise ConfigurationError(f"job {job!r} must be a non-empty job name")
+        await self.backend.start()  # counted: cheap when the backend runs already
+        try:
+            if slot is not None:
+                job = await self._step_of(job, slot, kind)
+            result = await self.backend.operate(Operation(kind, job, slot, self.by))
+        finally:
+            await self.backend.close()
+        if result.refused is not None:
+            raise OperationRefused(result.refused, _refusal(kind, job, slot, result))
+        return result
+
+
+    async def _step_of(self, name: str, slot: int, kind: OperationKind) -> str:
+        """The job a run operation acts on: ``name`` itself, or for a workflow the step
+        run it concerns (a retry: the step that failed; a cancel: the step in progress)."""
+        steps = (await self.backend.workflows()).get(name)
+        if not steps:
+            return name
+        jobs = [step_job(name, step) for step in steps]
+        found = (await self.backend.check([(job, slot) for job in jobs])).runs
+        wanted = RETRYABLE if kind is OperationKind.RETRY else OPEN
+        for job in jobs:
+            state = found.get((job, slot))
+            if state is not None and state.status in wanted:
+                return job
+        return next((job for job in reversed(jobs) if (job, slot) in found), jobs[0])
+
+
+def _refusal(kind: OperationKind, job: str, slot: int | None, result: OperationResult) -> str:
+    run = f"{job}@{slot}" if slot is None else f"{job}@{slot} ({format_slot(slot)})"
+    if result.refused == "unknown_job":
+        return (f"cannot {kind} job {job!r}: the store has never seen it; check the name "
+                "(`anarchon jobs` lists them)")
+    if result.refused == "no_run":
+        return f"cannot {kind} run {run}: the store has no run of {job!r} at that slot"
+    status = "" if result.status is None else str(result.status)
+    if kind is OperationKind.RETRY:
+        return (f"cannot retry run {run}: it is {status}; only failed, timed_out or "
+                "escalated runs are retried")
+    return f"cannot {kind} run {run}: it is {status} (already finished)"
+

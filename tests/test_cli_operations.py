@@ -1,0 +1,106 @@
+"""``anarchon trigger|pause|resume JOB`` and ``anarchon retry|cancel JOB@SLOT``.
+
+On PostgreSQL, directly and through PgBouncer in transaction mode, and on Redis. The
+store's runs are written through the backend contract (a claim and a finish, as an
+instance would); each command's effect is read back from the store. A refusal exits 2
+and changes nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+from lease_core import Outcome, RunStatus, backend_from_url
+from lease_core.abc import ClaimRequest, Lease
+from lease_core.cli import main
+from tests.stores.postgres import PgServer, drop_tables, unique_table
+from tests.stores.redis import delete_prefix
+
+
+@pytest.fixture(params=["pg16_server", "pgbouncer_server", "redis62_server"])
+def url(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "redis62_server":
+        base = request.getfixturevalue("redis62_server").url
+        prefix = f"anarchon_t_{uuid.uuid4().hex[:12]}"
+        yield f"{base}?prefix={prefix}"
+        delete_prefix(base, prefix)
+        return
+    server: PgServer = request.getfixturevalue(request.param)
+    table = unique_table()
+    yield f"{server.dsn}?table={table}"
+    admin: PgServer = request.getfixturevalue("pg16_server")
+    anyio.run(drop_tables, admin.admin_dsn, table)
+
+
+def store(url: str, action: Any) -> Any:
+    async def run() -> Any:
+        backend = backend_from_url(url)
+        await backend.start()
+        try:
+            return await action(backend)
+        finally:
+            await backend.close()
+    return anyio.run(run)
+
+
+def run_ending(url: str, slot: int, outcome: Outcome) -> None:
+    async def action(backend: Any) -> None:
+        await backend.register_jobs(["sync"])
+        await backend.claim(ClaimRequest("sync", slot, "i-1", f"t{slot}", 30_000))
+        if outcome is not Outcome.LOST:  # LOST: left running
+            assert await backend.finish(Lease("sync", slot, f"t{slot}", 30_000), outcome,
+                                        "boom" if outcome is Outcome.FAILED else None)
+    store(url, action)
+
+
+def statuses(url: str) -> dict[int, RunStatus]:
+    async def action(backend: Any) -> dict[int, RunStatus]:
+        return {r.slot: r.status for r in await backend.runs("sync", limit=100)}
+    return dict(store(url, action))
+
+
+def test_operations_act_on_the_store(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    run_ending(url, 1000, Outcome.FAILED)
+    run_ending(url, 2000, Outcome.COMPLETED)
+    run_ending(url, 3000, Outcome.LOST)
+    assert main(["pause", "sync", "--url", url]) == 0
+    assert store(url, lambda b: b.paused()) == {"sync": "cli"}
+    assert main(["resume", "sync", "--url", url]) == 0
+    assert store(url, lambda b: b.paused()) == {}
+    assert main(["trigger", "sync", "--url", url]) == 0
+    out = capsys.readouterr().out
+    triggered = int(out.split("sync@", 1)[1].split()[0])
+    assert main(["retry", "sync@1000", "--url", url]) == 0
+    assert main(["cancel", "sync@3000", "--url", url, "--grace", "1s"]) == 0
+    found = statuses(url)
+    assert found[1000] == "handed_over" and found[triggered] == "handed_over"
+    assert found[2000] == "completed" and found[3000] == "cancelled"
+    history = store(url, lambda b: b.history("sync", 100))
+    cancelled = [a for a in history if a.slot == 3000]
+    assert [(a.outcome, a.error) for a in cancelled] == [("cancelled", "cancelled by cli")]
+
+
+def test_refusals_exit_2_and_change_nothing(url: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run_ending(url, 2000, Outcome.COMPLETED)
+    before = statuses(url)
+    capsys.readouterr()
+    for argv, text in (
+            (["trigger", "nope"], "never seen"),
+            (["pause", "nope"], "never seen"),
+            (["retry", "sync@2000"], "it is completed"),
+            (["cancel", "sync@2000"], "already finished"),
+            (["retry", "sync@5"], "no run of 'sync'"),
+            (["cancel", "sync"], "malformed"),
+            (["cancel", "sync@2000", "--grace", "soon"], "grace")):
+        assert main([*argv, "--url", url]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"anarchon {argv[0]}: " in err and text in err, (argv, err)
+        assert "Traceback" not in err
+    assert statuses(url) == before
+    assert store(url, lambda b: b.paused()) == {}

@@ -1,0 +1,341 @@
+"""Fleet-wide operations (DESIGN 4c): trigger, pause, resume, retry and cancel.
+
+Through the public API (``Admin``, ``scheduler.admin``) on every store that runs scenarios
+and implements operations, on asyncio and trio. Jobs are hourly with their next slot half
+an hour away, so only the operations (and the tests' own claims) make runs; every wait
+has a deadline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from lease_core import Admin, OperationRefused, RunContext, RunStatus, Scheduler
+from lease_core.abc import Backend
+from lease_core.testing import claim_now
+from tests.helpers import (
+    Instance,
+    quiet_offset,
+    quiet_offset_now,
+    stop_all,
+    store_now_ms,
+    wait_for,
+    wait_history,
+)
+from tests.stores import Store
+
+pytestmark = pytest.mark.anyio
+
+FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
+
+
+def make(store: Store, name: str, **kw: Any) -> Scheduler:
+    return Scheduler(store.backend(), instance_id=name, **{**FAST, **kw})
+
+
+def admin_for(store: Store, by: str = "cli") -> Admin:
+    backend = store.backend()
+    if type(backend).operate is Backend.operate:
+        pytest.skip(f"{type(backend).__name__} has no operations")
+    return Admin(backend, by=by)
+
+
+async def quiet(store: Store) -> float:
+    return quiet_offset(await store_now_ms(store.backend()))
+
+
+async def status_of(backend: Backend, job: str, slot: int) -> RunStatus | None:
+    await backend.start()
+    try:
+        runs = {r.slot: r.status for r in await backend.runs(job, limit=1000)}
+    finally:
+        await backend.close()
+    return runs.get(slot)
+
+
+async def test_trigger_runs_once_within_a_heartbeat_with_reason_manual(store: Store) -> None:
+    admin = admin_for(store)
+    offset = await quiet(store)
+    ran: list[tuple[str, int]] = []
+    schedulers = [make(store, name) for name in ("a", "b")]
+    for s in schedulers:
+        async def work(ctx: RunContext, name: str = s.instance_id) -> None:
+            ran.append((name, ctx.slot))
+        s.every("report", "1h", work, offset=offset)
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in schedulers]
+        slot = await admin.trigger("report")
+        history = await wait_history(
+            schedulers[0], lambda h: any(a.slot == slot and a.outcome == "completed" for a in h),
+            job="report", what="the triggered run completed")
+        await stop_all(instances)
+    mine = [a for a in history if a.slot == slot]
+    assert len(mine) == 1, mine
+    assert (mine[0].reason, mine[0].requested_by, mine[0].attempt) == ("manual", "cli", 1)
+    assert [s for _, s in ran] == [slot]
+    log = await schedulers[0].recovery_log(("report", slot))
+    assert [e.event for e in log] == ["started", "completed"]
+    assert "manual" in log[0].detail and "cli" in log[0].detail
+    from lease_core._status import read_run
+
+    backend = store.backend()
+    await backend.start()
+    try:
+        shown = await read_run(backend, "report", slot)
+    finally:
+        await backend.close()
+    assert shown is not None
+    assert [(a["reason"], a["requested_by"]) for a in shown["attempts"]] == [("manual", "cli")]
+
+
+async def test_pause_skips_new_slots_until_resume(store: Store) -> None:
+    admin = admin_for(store, by="ops-1")
+    ran: list[int] = []
+    s = make(store, "a")
+
+    async def tick(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    s.every("tick", "1s", tick)
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        await admin.pause("tick")
+        assert await admin.paused() == {"tick": "ops-1"}
+        first_paused = len(ran)
+        history = await wait_history(
+            s, lambda h: sum(a.outcome == "skipped" for a in h) >= 2, job="tick",
+            what="two slots skipped while paused")
+        skipped = [a for a in history if a.outcome == "skipped"]
+        assert all(a.error == "job paused by ops-1" for a in skipped)
+        # a run already claimed when the pause came may have run; none after the skips
+        assert not any(slot > min(a.slot for a in skipped) for slot in ran[first_paused:])
+        await admin.resume("tick")
+        assert await admin.paused() == {}
+        after = max(a.slot for a in skipped)
+        await wait_for(lambda: any(slot > after for slot in ran), what="a run after resume")
+        await stop_all([instance])
+    # slots skipped while paused are not caught up
+    assert not {a.slot for a in skipped} & set(ran)
+
+
+async def test_retry_runs_a_failed_run_again_with_reason_retry(store: Store) -> None:
+    admin = admin_for(store, by="http")
+    offset = await quiet(store)
+    calls: list[int] = []
+    s = make(store, "a")
+
+    async def flaky(ctx: RunContext) -> None:
+        calls.append(ctx.attempt)
+        if len(calls) == 1:
+            raise RuntimeError("disk full")
+
+    s.every("flaky", "1h", flaky, offset=offset)
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        slot = await store_now_ms(store.backend()) - 1000
+        assert await claim_now(s, "flaky", slot) is not None
+        await wait_history(s, lambda h: any(a.outcome == "failed" for a in h), job="flaky",
+                           what="the run failed")
+        await admin.retry("flaky", slot)
+        history = await wait_history(
+            s, lambda h: any(a.outcome == "completed" for a in h), job="flaky",
+            what="the retried run completed")
+        with pytest.raises(OperationRefused, match="completed; only failed") as refused:
+            await admin.retry("flaky", slot)
+        assert refused.value.kind == "conflict"
+        await stop_all([instance])
+    mine = sorted((a for a in history if a.slot == slot), key=lambda a: a.attempt)
+    assert [(a.attempt, a.reason, a.outcome) for a in mine] == [
+        (1, "scheduled", "failed"), (2, "retry", "completed")]
+    assert mine[1].requested_by == "http" and mine[0].error and "disk full" in mine[0].error
+    assert calls == [1, 2]
+
+
+async def test_cancel_stops_the_holder_and_nobody_takes_over(store: Store) -> None:
+    admin = admin_for(store, by="ops")
+    offset = await quiet(store)
+    stopped = anyio.Event()
+    entered = anyio.Event()
+    holder, backup = make(store, "holder"), make(store, "backup")
+
+    async def slow(ctx: RunContext) -> None:
+        entered.set()
+        try:
+            await anyio.sleep(60)
+        finally:
+            if ctx.stopping.is_set():
+                stopped.set()
+
+    for s in (holder, backup):
+        s.every("slow", "1h", slow, offset=offset)
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in (holder, backup)]
+        slot = await store_now_ms(store.backend()) - 1000
+        assert await claim_now(holder, "slow", slot) is not None
+        with anyio.fail_after(10):
+            await entered.wait()
+        await claim_now(backup, "slow", slot)
+        await wait_for(lambda: ("slow", slot) in backup.watching, what="backup watches")
+        await admin.cancel("slow", slot, grace="1s")
+        with anyio.fail_after(10):
+            await stopped.wait()
+        assert await status_of(store.backend(), "slow", slot) == "cancelled"
+        # the backup sees the run finished and stops watching it, claiming nothing
+        await wait_for(lambda: ("slow", slot) not in backup.watching and not holder.running,
+                       what="nobody holds or watches the cancelled run")
+        with pytest.raises(OperationRefused, match="cancelled") as refused:
+            await admin.cancel("slow", slot)
+        assert refused.value.kind == "conflict"
+        await stop_all(instances)
+    history = [a for a in await holder.history("slow") if a.slot == slot]
+    assert [(a.attempt, a.outcome, a.error) for a in history] == [
+        (1, "cancelled", "cancelled by ops")]
+    log = await holder.recovery_log(("slow", slot))
+    assert log[-1].event == "cancelled"
+
+
+async def test_bad_input_is_refused_and_changes_nothing(store: Store) -> None:
+    admin = admin_for(store)
+    offset = await quiet(store)
+    s = make(store, "a")
+
+    async def work(ctx: RunContext) -> None:
+        pass
+
+    s.every("known", "1h", work, offset=offset)
+    async with s:
+        done = await claim_now(s, "known", await store_now_ms(store.backend()) - 1000)
+        assert done is not None
+        await wait_history(s, lambda h: any(a.outcome == "completed" for a in h),
+                           job="known", what="one completed run")
+        for call, kind, text in (
+                (admin.trigger("nope"), "unknown_job", "never seen"),
+                (admin.pause("nope"), "unknown_job", "'nope'"),
+                (admin.retry("known", 12345), "no_run", "known@12345"),
+                (admin.cancel("known", 12345), "no_run", "no run"),
+                (admin.retry("known", done.slot), "conflict", "it is completed"),
+                (admin.cancel("known", done.slot), "conflict", "already finished")):
+            with pytest.raises(OperationRefused, match=text) as refused:
+                await call
+            assert refused.value.kind == kind
+        assert await admin.paused() == {}
+        assert [r.slot for r in await s.backend.runs("known")] == [done.slot]
+        with pytest.raises(ValueError, match="grace"):
+            await admin.cancel("known", done.slot, grace="-1s")
+        with pytest.raises(ValueError, match="slot 'soon'"):
+            await admin.retry("known", "soon")
+
+
+async def test_heartbeat_at_of_a_running_run_is_its_last_renewal(store: Store) -> None:
+    from lease_core._status import read_run
+
+    backend = store.backend()
+    if type(backend).heartbeats is Backend.heartbeats:
+        pytest.skip(f"{type(backend).__name__} keeps no heartbeat record")
+    offset = await quiet(store)
+    entered, release = anyio.Event(), anyio.Event()
+    s = make(store, "a")
+
+    async def slow(ctx: RunContext) -> None:
+        entered.set()
+        await release.wait()
+
+    s.every("slow", "1h", slow, offset=offset)
+    async with s:
+        slot = await store_now_ms(store.backend()) - 1000
+        assert await claim_now(s, "slow", slot) is not None
+        with anyio.fail_after(10):
+            await entered.wait()
+        await backend.start()
+        try:
+            first = await read_run(backend, "slow", slot)
+            assert first is not None and first["status"] == "running"
+            assert first["heartbeat_at"] >= first["started_at"]  # the claim, or a renewal
+
+            async def renewed() -> Any:
+                run = await read_run(backend, "slow", slot)
+                assert run is not None
+                return run if run["heartbeat_at"] > run["started_at"] else None
+
+            later = await wait_for(renewed, what="a renewal after the claim")
+            assert later["heartbeat_at"] < later["lease_expires_at"]
+        finally:
+            release.set()
+            await backend.close()
+
+
+async def test_retry_of_a_failed_workflow_resumes_at_the_step_that_failed(
+        store: Store) -> None:
+    admin = admin_for(store, by="ops")
+    ran: list[str] = []
+    s = make(store, "a")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+
+    @close.step("snapshot")
+    async def snapshot(ctx: RunContext) -> int:
+        ran.append("snapshot")
+        return 3
+
+    @close.step("interest")
+    async def interest(ctx: RunContext) -> int:
+        ran.append("interest")
+        if ran.count("interest") == 1:
+            raise RuntimeError("rates missing")
+        return ctx.results["snapshot"] * 2
+
+    @close.step("publish")
+    async def publish(ctx: RunContext) -> None:
+        ran.append(f"publish {ctx.results['interest']}")
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        slot = close.schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "close", slot)
+        await wait_history(s, lambda h: any(a.outcome == "failed" for a in h),
+                           job="close/interest", what="the interest step failed")
+        await admin.retry("close", slot)
+        await wait_for(lambda: "publish 6" in ran, what="the workflow resumed and finished")
+        await stop_all([instance])
+    assert ran == ["snapshot", "interest", "interest", "publish 6"]
+    log = await s.recovery_log(f"close@{slot}")
+    assert [(e.step, e.attempt, e.event) for e in log] == [
+        ("snapshot", 1, "started"), ("snapshot", 1, "completed"),
+        ("interest", 1, "started"), ("interest", 1, "failed"),
+        ("interest", 2, "retried"), ("interest", 2, "completed"),
+        ("publish", 1, "started"), ("publish", 1, "completed")]
+    assert log[4].detail is not None and "rates missing" in log[4].detail
+    assert log[4].detail.endswith(", requested by ops")
+
+
+async def test_queued_lists_triggered_and_retried_runs_not_plain_hand_overs(
+        store: Store) -> None:
+    from lease_core.abc import ClaimRequest, Lease, Outcome
+
+    admin = admin_for(store)
+    backend = store.backend()
+    await backend.start()
+    try:
+        await backend.register_jobs(["q"])
+        for slot, end in ((1000, "hand_over"), (2000, "fail")):
+            await backend.claim(ClaimRequest("q", slot, "i-1", f"t{slot}", 30_000))
+            lease = Lease("q", slot, f"t{slot}", 30_000)
+            if end == "hand_over":
+                assert await backend.hand_over([lease])
+            else:
+                assert await backend.finish(lease, Outcome.FAILED, "boom")
+        assert await backend.queued(["q"]) == []  # the backups claim a hand-over
+        triggered = await admin.trigger("q")
+        assert triggered % 1000 != 0
+        await admin.retry("q", 2000)
+        assert sorted(await backend.queued(["q", "other"])) == sorted([(
+            "q", triggered), ("q", 2000)])
+        assert await backend.queued(["other"]) == []
+        won = await backend.claim(ClaimRequest("q", 2000, "i-2", "t-retry", 30_000))
+        assert (won.status, won.reason, won.attempt) == ("won", "retry", 2)
+        assert await backend.queued(["q"]) == [("q", triggered)]
+    finally:
+        await backend.close()
