@@ -18,8 +18,11 @@ def test_fixed_public_names_import_from_lease_core() -> None:
 def test_reasons_and_outcomes_compare_equal_to_strings() -> None:
     assert Reason.HAND_OVER == "hand-over" and Reason.CATCH_UP == "catch-up"
     assert {o.value for o in Outcome} == {
-        "completed", "failed", "timed_out", "lost", "handed_over", "escalated", "skipped"
+        "completed", "failed", "timed_out", "lost", "handed_over", "escalated", "skipped",
+        "cancelled",
     }
+    assert {r.value for r in Reason} == {
+        "scheduled", "takeover", "hand-over", "catch-up", "retry", "manual"}  # DESIGN 2.6
 
 
 def test_every_public_name_has_a_docstring() -> None:

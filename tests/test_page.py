@@ -346,10 +346,22 @@ def test_page_operations_buttons_act_through_the_store(
     wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
 
     def click(operation: str) -> str:
-        browser.find_element(By.CSS_SELECTOR, f'button[data-operation="{operation}"]').click()
-        wait.until(lambda d: d.find_elements(By.ID, "op-result") and d.find_element(
-            By.ID, "op-result").text.startswith(operation + ":"))
-        return str(browser.find_element(By.ID, "op-result").text)
+        # The view redraws itself every few seconds: a button found just before a redraw
+        # is stale when clicked, so finding and clicking are tried again together.
+        def press(driver: Any) -> bool:
+            driver.find_element(By.CSS_SELECTOR, f'button[data-operation="{operation}"]').click()
+            return True
+
+        wait.until(press)
+        shown: list[str] = []
+
+        def answered(driver: Any) -> bool:
+            found = driver.find_elements(By.ID, "op-result")
+            shown[:] = [found[0].text] if found else []
+            return bool(shown) and shown[0].startswith(operation + ":")
+
+        wait.until(answered)
+        return shown[0]
 
     browser.get(f"{base}/#token={TOKEN}&job=export")
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="pause"]'))
