@@ -566,8 +566,17 @@ class Operator:
             at = began + self.config.seconds * (k + 1) / (n + 1)
             if self._stop.wait(max(0.0, at - time.monotonic())):
                 return
-            with contextlib.suppress(Exception):  # the store may be down: a fault's doing
-                self.faults.append(_cancel(self.rng, self.store))
+            # A try may find no run running, see its run finish first, or meet the store
+            # down (a fault's doing): it tries again, a few times, before giving up.
+            for _ in range(20):
+                fault: Fault | None = None
+                with contextlib.suppress(Exception):
+                    fault = _cancel(self.rng, self.store)
+                if fault is not None and fault.run is not None:
+                    self.faults.append(fault)
+                    break
+                if self._stop.wait(0.1):
+                    return
 
     def start(self) -> None:
         """Start the operator's thread."""
