@@ -37,6 +37,7 @@ from typing import Any
 
 import anyio
 
+from backends.postgres.statements import quote_ident
 from lease_core import Backend, RunContext, Scheduler, backend_from_url
 from lease_core.errors import ConfigurationError
 from lease_core.recovery import recovery_log, step_job
@@ -61,8 +62,12 @@ DUE_IN_S = 5
 
 
 def tables(namespace: str) -> dict[str, str]:
-    """The quoted names of the demo's tables in ``namespace`` (a validated name)."""
-    return {name: f'"{namespace}_{name}"' for name in TABLES}
+    """The quoted names of the demo's tables in ``namespace`` (a validated name).
+
+    Quoted by :func:`backends.postgres.statements.quote_ident`, the one helper that turns
+    identifiers into SQL text; the demo's statements only compose these quoted names.
+    """
+    return {name: quote_ident(f"{namespace}_{name}") for name in TABLES}
 
 
 def credit_sql(t: dict[str, str]) -> str:

@@ -34,6 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
+from backends.postgres.statements import quote_ident
 from lease_core._redact import MASK, redact
 from lease_core._registry import split_url_options
 from lease_core.errors import AnarchonError, BackendUnavailable, ConfigurationError
@@ -194,7 +195,7 @@ class PostgresNamespace(Namespace):
 
     def table(self, what: str) -> str:
         """The quoted name of the demo's table ``what``: ``"<ns>_<what>"``."""
-        return f'"{self.name}_{what}"'
+        return quote_ident(f"{self.name}_{what}")
 
     @property
     def marker(self) -> str:
