@@ -275,7 +275,7 @@ async def test_a_lone_instance_at_capacity_runs_the_slot_once_a_handler_ends(
     async def hold(ctx: RunContext) -> None:
         await release.wait()
 
-    @s.every("next", "1h", offset=offset + 60)
+    @s.every("next", "1h", offset=(offset + 60) % 3600)
     async def after(ctx: RunContext) -> None:
         ran.append(ctx.slot)
 
