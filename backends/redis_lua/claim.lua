@@ -3,7 +3,8 @@
 -- ARGV: slot, instance, token, lease_ms, reason, overlap_skip (1/0),
 --       max_attempts ('' = none), run key prefix ({p/job}:run:), marker seen
 --       ('' = none), longest lease (ms)
--- Returns 'status|now|attempt|reason|expires|run_status|marker|instance' (see _claim.lua).
+-- Returns 'status|now|attempt|reason|expires|run_status|marker|epoch|instance' (see
+-- _claim.lua).
 return claim(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[1], ARGV[2], ARGV[3],
   tonumber(ARGV[4]), ARGV[5], ARGV[6] == '1', tonumber(ARGV[7]), ARGV[8], ARGV[9],
   tonumber(ARGV[10]))
