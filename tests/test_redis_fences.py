@@ -1,0 +1,150 @@
+"""Fences on Redis across a real data loss (issue 21, item 1).
+
+Each test starts its own server without persistence and restarts it for real: the store
+then numbers attempts (and named-lease tokens) again from scratch, but the fences
+(:func:`lease_core.fence_of` of the claim's epoch and attempt; the lease's token) stay
+above every fence issued before the loss.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import anyio
+import pytest
+import redis
+
+from backends.embedded.redis import EmbeddedRedis, find_server
+from backends.redis import RedisBackend
+from lease_core import fence_of
+from lease_core._structures import FENCE_NUMBER_BITS, ClaimRequest, ClaimResult, ClaimStatus
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedRedis]:
+    """A server of its own, without persistence."""
+    binary = find_server("redis")
+    assert binary is not None, "no redis server installed"
+    with EmbeddedRedis(binary, appendonly=False) as made:
+        yield made
+
+
+@pytest.fixture
+def raw(server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    """A plain sync client, for reading the server behind the backend's back."""
+    client = redis.Redis.from_url(server.url)
+    yield client
+    client.close()
+
+
+def _server_ms(raw: redis.Redis) -> int:
+    seconds, micros = raw.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def _restart_empty(server: EmbeddedRedis, raw: redis.Redis) -> int:
+    await anyio.to_thread.run_sync(server.stop)
+    await anyio.to_thread.run_sync(server.start)
+    assert raw.dbsize() == 0, "the server kept data across the restart"
+    return _server_ms(raw)
+
+
+def _request(job: str, token: str, lease_ms: int = 300) -> ClaimRequest:
+    return ClaimRequest(job, 1_000, "inst", token, lease_ms, overlap_skip=False)
+
+
+def _fence(result: ClaimResult) -> int:
+    assert result.status is ClaimStatus.WON, result
+    return fence_of(result.epoch, result.attempt)
+
+
+async def _after(raw: redis.Redis, ms: int | None) -> None:
+    assert ms is not None
+    await wait_for(lambda: _server_ms(raw) > ms, what=f"the server's clock past {ms}")
+
+
+async def test_attempts_numbered_again_after_a_loss_are_fenced_above_the_lost_ones(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
+    await backend.start()
+    try:
+        jobs = ["single", "b1", "b2"]
+        fences: dict[str, list[int]] = {job: [] for job in jobs}
+        # attempts 1 and 2 of each run (a takeover after the first lease expired): the
+        # single job through claim.lua, the two others through one claim_many.lua call
+        for round_ in ("t1", "t2"):
+            one = await backend.claim(_request("single", f"s-{round_}"))
+            batch = await backend.claim_many([_request("b1", f"b1-{round_}"),
+                                              _request("b2", f"b2-{round_}")])
+            for result in (one, *batch):
+                assert result.epoch == 0  # no loss yet: the fence is the attempt
+                fences[result.job].append(_fence(result))
+            await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
+        assert all(f == [1, 2] for f in fences.values())
+
+        restarted = await _restart_empty(server, raw)
+        held = await backend.claim_many([_request(job, f"{job}-q") for job in jobs])
+        assert all((r.status, r.run_status) == (ClaimStatus.RUNNING, None) for r in held)
+        await _after(raw, max(r.expires_ms or 0 for r in held))  # the quarantine
+
+        for round_ in ("t3", "t4"):
+            one = await backend.claim(_request("single", f"s-{round_}"))
+            batch = await backend.claim_many([_request("b1", f"b1-{round_}"),
+                                              _request("b2", f"b2-{round_}")])
+            for result in (one, *batch):
+                lost = int(raw.hget("{" + backend.prefix + "/" + result.job + "}:job",
+                                    "lost") or 0)
+                assert result.epoch == lost >= restarted
+                fences[result.job].append(_fence(result))
+            await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
+        for job, issued in fences.items():
+            # the store numbered attempts 1 and 2 again, but every fence is new and grows
+            assert issued[2] & ((1 << FENCE_NUMBER_BITS) - 1) == 1, job
+            assert issued == sorted(set(issued)) and len(issued) == 4, (job, issued)
+    finally:
+        await backend.close()
+
+
+async def test_a_lease_token_after_a_loss_is_above_every_earlier_one(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
+    await backend.start()
+    try:
+        before = _server_ms(raw)
+        first = await backend.acquire_lease("leader", "h1", 60_000)
+        assert first.held and first.token >> FENCE_NUMBER_BITS >= before
+        assert await backend.release_lease("leader", first.token)
+        second = await backend.acquire_lease("leader", "h2", 60_000)
+        assert second.held and second.token == first.token + 1
+        assert await backend.renew_lease("leader", second.token, 60_000) is not None
+
+        restarted = await _restart_empty(server, raw)
+        third = await backend.acquire_lease("leader", "h3", 60_000)
+        assert third.held and third.token > second.token
+        assert third.token >= restarted << FENCE_NUMBER_BITS
+        # the old holder's token is refused; the new one renews and releases
+        assert await backend.renew_lease("leader", second.token, 60_000) is None
+        assert not await backend.release_lease("leader", second.token)
+        assert await backend.renew_lease("leader", third.token, 60_000) is not None
+        assert await backend.release_lease("leader", third.token)
+    finally:
+        await backend.close()
+
+
+async def test_a_lease_key_written_before_epochs_moves_to_a_new_epoch(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
+    await backend.start()
+    try:
+        legacy = _server_ms(raw) + 5  # the old scripts' token: the clock in ms, then + 1
+        raw.hset("{" + backend.prefix + "/lease/old}",
+                 mapping={"tok": legacy, "exp": 0, "hold": ""})
+        taken = await backend.acquire_lease("old", "h1", 60_000)
+        assert taken.held and taken.token > legacy
+        assert taken.token >> FENCE_NUMBER_BITS >= legacy - 5
+    finally:
+        await backend.close()
