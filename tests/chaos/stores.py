@@ -7,6 +7,8 @@ because it restarts them.
 from __future__ import annotations
 
 import os
+import signal
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -15,14 +17,14 @@ import redis
 
 from backends.embedded import EmbeddedServerError
 from backends.embedded.postgres import EmbeddedPostgres
-from backends.embedded.redis import EmbeddedRedis, find_server
+from backends.embedded.redis import EmbeddedRedis, EmbeddedSentinel, find_server
 from lease_core.errors import BackendUnavailable
 from tests.stores.postgres import PGBOUNCER, PgBouncer
 
 __all__ = ["KINDS", "ChaosStore", "Unavailable", "make_store"]
 
 #: Store kinds a chaos run knows.
-KINDS = ("postgres", "pgbouncer", "redis")
+KINDS = ("postgres", "pgbouncer", "redis", "redis-sentinel")
 
 EFFECTS = "chaos_effects"
 TABLE = "chaos_runs"
@@ -39,6 +41,10 @@ class ChaosStore(ABC):
     kind: str
     fenced_transactions = False
     version = ""
+    proxied = True
+    """Workers reach the store through their own proxy (so partitions can be injected)."""
+    replicated = False
+    """:meth:`restart` is a failover: the primary is killed and a replica promoted."""
 
     @property
     @abstractmethod
@@ -183,6 +189,127 @@ class RedisChaosStore(ChaosStore):
         self.server.close()
 
 
+# -- Redis with a replica and Sentinel (issue 21, item 5) --------------------------------
+
+
+class RedisSentinelChaosStore(ChaosStore):
+    """A Redis primary, its replica and a Sentinel; workers use the ``redis+sentinel://``
+    URL (so no proxy: Sentinel hands out the servers' own addresses).
+
+    :meth:`restart` is a failover: the primary is killed (SIGKILL, no persistence, so
+    writes the replica never got are lost), Sentinel promotes the replica, and the old
+    primary comes back empty as the new primary's replica, ready for the next failover.
+    """
+
+    kind = "redis-sentinel"
+    proxied = False
+    replicated = True
+
+    def __init__(self) -> None:
+        binary = find_server("system") or find_server("redis") or find_server("valkey")
+        if binary is None:
+            raise Unavailable("redis-server (Sentinel mode)")
+        self.binary = binary
+        fast = ("--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0")
+        self.primary = EmbeddedRedis(binary, extra_args=fast)
+        self.replica: EmbeddedRedis | None = None
+        self.sentinel: EmbeddedSentinel | None = None
+        self.fast = fast
+        self.failovers: list[tuple[float, float]] = []
+        """(killed, promoted) wall times of each failover."""
+        try:
+            self.primary.start()
+            self.replica = self._replica_of(self.primary)
+            self.sentinel = EmbeddedSentinel(binary, self.primary.port)
+            self.sentinel.start()
+        except BackendUnavailable as exc:
+            self.close()
+            raise Unavailable(f"{binary}: {exc}") from None
+        self.version = " ".join(self.primary.version().split()[:3]) + " + Sentinel"
+        self._probe: redis.Redis | None = None
+
+    def _replica_of(self, primary: EmbeddedRedis,
+                    server: EmbeddedRedis | None = None) -> EmbeddedRedis:
+        args = (*self.fast, "--replicaof", "127.0.0.1", str(primary.port))
+        if server is None:
+            server = EmbeddedRedis(self.binary, extra_args=args)
+        else:
+            server.extra_args = args
+        server.start()
+        client = redis.Redis(port=primary.port, socket_timeout=2)
+        try:
+            deadline = time.monotonic() + 30
+            while client.info("replication").get("slave0", {}).get("state") != "online":
+                if time.monotonic() > deadline:
+                    raise Unavailable("the replica did not get in sync within 30 s")
+                time.sleep(0.05)
+        finally:
+            client.close()
+        return server
+
+    def _sentinel_primary(self) -> int:
+        assert self.sentinel is not None
+        client = redis.Redis(port=self.sentinel.port, socket_timeout=2)
+        try:
+            _, port = client.execute_command("SENTINEL", "get-master-addr-by-name",
+                                             self.sentinel.service)
+        finally:
+            client.close()
+        return int(port)
+
+    @property
+    def port(self) -> int:
+        return self.primary.port
+
+    def url(self, port: int) -> str:
+        assert self.sentinel is not None
+        return self.sentinel.url + "?socket_timeout=1&socket_connect_timeout=1"
+
+    def options(self) -> dict[str, Any]:
+        return {"prefix": PREFIX}
+
+    def restart(self) -> None:
+        assert self.replica is not None and self.primary.process is not None
+        old, new = self.primary, self.replica
+        killed = time.time()
+        old.process.send_signal(signal.SIGKILL)
+        old.process.wait()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if self._sentinel_primary() == new.port:
+                    break
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("Sentinel promoted no replica within 30 s")
+            time.sleep(0.05)
+        self.failovers.append((killed, time.time()))
+        self.primary, self.replica = new, old
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        self._replica_of(new, old)
+
+    def ping(self) -> None:
+        if self._probe is None:
+            self._probe = redis.Redis(host="127.0.0.1", port=self._sentinel_primary(),
+                                      socket_timeout=2, socket_connect_timeout=2)
+        try:
+            self._probe.set("chaos-probe", "1")  # a write: only the primary answers it
+        except redis.RedisError:
+            self._probe.close()
+            self._probe = None
+            raise
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+        for server in (self.sentinel, self.replica, self.primary):
+            if server is not None:
+                server.close()
+
+
 def make_store(kind: str) -> ChaosStore:
     """Start the servers of ``kind`` (one of :data:`KINDS`)."""
     if kind == "postgres":
@@ -191,4 +318,6 @@ def make_store(kind: str) -> ChaosStore:
         return PostgresChaosStore(bouncer=True)
     if kind == "redis":
         return RedisChaosStore()
+    if kind == "redis-sentinel":
+        return RedisSentinelChaosStore()
     raise ValueError(f"store kind {kind!r} is unknown; use one of {KINDS}")
