@@ -64,11 +64,17 @@ ticker calls for every job (``history_size`` newest, and ``history_ttl``), never
 claim; finished runs with no attempt left are deleted, so a job's keys stay bounded.
 Open runs are never deleted.
 
-``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim or a
-heartbeat. When fewer replicas acknowledge, the claim does **not** count as won and the
-heartbeat is not counted as renewed: both raise
-:class:`~lease_core.errors.BackendUnavailable`. The unacknowledged claim stays in the
-primary, unheld, until its lease expires; a backup then takes it over.
+``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim, a
+heartbeat, a finish (single or batched), a retry, a checkpoint or an operation. When
+fewer replicas acknowledge a call that wrote, the claim does **not** count as won, the
+heartbeat is not counted as renewed, the finish is not taken as done: each raises
+:class:`~lease_core.errors.BackendUnavailable`. The unacknowledged write stays in the
+primary; an unheld claim until its lease expires (a backup then takes it over).
+
+Fences (issue 21): every claim reply carries the job's ``lost`` (below) as
+``ClaimResult.epoch``, so an attempt numbered again after a detected loss has a fence
+(:func:`lease_core.fence_of`) above every earlier one; named leases, see
+:mod:`~backends.redis.named`.
 
 Data loss. Data survives a server restart only as far as the server persists it (RDB or
 AOF), and a failover to a lagging replica loses the newest writes. The first claim of a
