@@ -148,3 +148,37 @@ async def test_a_lease_key_written_before_epochs_moves_to_a_new_epoch(
         assert taken.token >> FENCE_NUMBER_BITS >= legacy - 5
     finally:
         await backend.close()
+
+
+async def test_a_loss_of_only_the_newest_writes_is_found_by_a_caller_that_saw_them(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    """The server comes back from an older snapshot: the job's keys and marker survive,
+    its newest claim does not (as when a replica a little behind is promoted)."""
+    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
+    await backend.start()
+    try:
+        first = await backend.claim(ClaimRequest("job", 1_000, "inst", "a", 300,
+                                                 overlap_skip=False))
+        assert _fence(first) == 1
+        raw.save()  # the snapshot the server comes back from
+        second = await backend.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                                  overlap_skip=False))
+        assert _fence(second) == 1
+        await anyio.to_thread.run_sync(server.stop)
+        await anyio.to_thread.run_sync(server.start)
+        restarted = _server_ms(raw)
+        key = "{" + backend.prefix + "/job}:job"
+        assert raw.hget(key, "sid") is not None and raw.hget(key, "lost") is None
+
+        held = await backend.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                overlap_skip=False))
+        assert (held.status, held.run_status) == (ClaimStatus.RUNNING, None)  # quarantine
+        assert held.epoch == int(raw.hget(key, "lost") or 0) >= restarted
+        await _after(raw, held.expires_ms)
+        again = await backend.claim(ClaimRequest("job", 2_000, "inst", "d", 300,
+                                                 overlap_skip=False))
+        # attempt 1 of slot 2000 is numbered again, with a fence above the lost one
+        assert again.attempt == 1 and _fence(again) > _fence(second)
+        assert again.epoch == held.epoch
+    finally:
+        await backend.close()

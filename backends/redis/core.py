@@ -127,6 +127,9 @@ class RedisStore(Backend):
         # Per job, the end of the quarantine its last claim found: until then every
         # missing run of the job was lost with the data (nothing is deleted meanwhile).
         self._quiet: dict[str, int] = {}
+        # Fences (issue 21): per job, the highest history sequence ('seq') a claim
+        # answered with the current marker: a store below it lost writes.
+        self._seqs: dict[str, int] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:

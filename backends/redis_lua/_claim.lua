@@ -29,10 +29,12 @@ end
 -- Fences (issue 21): `epoch` is the job's 'lost' (the store's clock, ms, when a loss of
 -- its data was found; '' = never), sent with every reply so that each attempt numbered
 -- after the loss carries it (lease_core.fence_of).
-local function reply(status, attempt, why, expires, run_status, sid, instance, epoch)
+-- `seq` is the job's history sequence after the claim, which the caller remembers: a
+-- store whose sequence is below one a caller saw lost writes (see 0.).
+local function reply(status, attempt, why, expires, run_status, sid, instance, epoch, seq)
   return status .. '|' .. string.format('%d', now) .. '|' .. num(attempt or 0) .. '|'
     .. (why or '') .. '|' .. num(expires) .. '|' .. (run_status or '') .. '|'
-    .. (sid or '') .. '|' .. num(epoch) .. '|' .. (instance or '')
+    .. (sid or '') .. '|' .. num(epoch) .. '|' .. num(seq) .. '|' .. (instance or '')
 end
 
 -- Write the job's fields gathered by the claim (jf: field, value, ...), if any.
@@ -42,17 +44,19 @@ local function write_job(job, jf)
   end
 end
 
--- Add attempt `id` to the history, its sequence number written with the job's fields.
+-- Add attempt `id` to the history, its sequence number written with the job's fields;
+-- returns the new sequence number.
 local function add_history(job, hist, jf, seq, id)
   seq = (tonumber(seq) or 0) + 1
   jf[#jf + 1] = 'seq'
   jf[#jf + 1] = seq
   redis.call('HSET', job, unpack(jf))
   redis.call('ZADD', hist, seq, id)
+  return seq
 end
 
 local function claim(job, run, open, hist, att, done, slot, inst, token, lease_ms, reason,
-                     overlap_skip, max_attempts, run_prefix, seen, longest)
+                     overlap_skip, max_attempts, run_prefix, seen, longest, seen_seq)
   local slot_n = tonumber(slot)
 
   -- 0. Data loss (a restart without persistence, a failover to a lagging replica): the
@@ -65,6 +69,22 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   local sid, lost, quiet, first, last, seq, paused = unpack(redis.call('HMGET', job, 'sid',
     'lost', 'quiet', 'first_seen', 'last_slot', 'seq', 'paused'))
   quiet = tonumber(quiet)
+  -- Fences (issue 21): a job whose keys survived with its marker can still have lost its
+  -- newest writes (a replica promoted a little behind, or while the old primary still
+  -- took writes). The caller's `seen_seq` is the highest history sequence it saw: a store
+  -- below it lost them. That is a new loss: a new marker (so that every other caller
+  -- finds it changed), 'lost' now (the epoch of the attempts numbered from now on), the
+  -- quarantine, and the sequence raised to the caller's (so that the callers that saw
+  -- no more than it do not find the same loss again).
+  if seen ~= '' and sid == seen and (seen_seq or 0) > (tonumber(seq) or 0) then
+    sid = redis.sha1hex(token)
+    lost = now
+    seq = seen_seq
+    if not quiet or quiet < lost + longest then
+      quiet = lost + longest
+    end
+    redis.call('HSET', job, 'sid', sid, 'lost', lost, 'quiet', quiet, 'seq', seq)
+  end
   if seen ~= '' and sid ~= seen then
     if not sid then
       sid = redis.sha1hex(token)  -- new and unique, and does not reveal the token
@@ -80,7 +100,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     end
   end
   if quiet and quiet > now then
-    return reply('running', 0, '', quiet, '', sid, '', lost)  -- no run: claim again after quiet
+    return reply('running', 0, '', quiet, '', sid, '', lost, seq)  -- no run: claim again after quiet
   end
 
   -- 1. the job's fields to write, in one HSET whatever the answer: its marker (the
@@ -110,8 +130,8 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst, 'n', 1,
         'r', reason, 'c', now, 'o', 'skipped', 'e', 'job paused by ' .. paused, 'f', now)
       redis.call('ZADD', done, now, slot .. ':1')
-      add_history(job, hist, jf, seq, slot .. ':1')
-      return reply('skipped', 1, '', nil, 'skipped', sid, inst, lost)
+      seq = add_history(job, hist, jf, seq, slot .. ':1')
+      return reply('skipped', 1, '', nil, 'skipped', sid, inst, lost, seq)
     end
     if overlap_skip then
       for _, other in ipairs(redis.call('ZRANGEBYSCORE', open, '-inf', '(' .. slot)) do
@@ -121,8 +141,8 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
             'r', reason, 'c', now, 'o', 'skipped',
             'e', 'an earlier run of the job still holds its lease', 'f', now)
           redis.call('ZADD', done, now, slot .. ':1')
-          add_history(job, hist, jf, seq, slot .. ':1')
-          return reply('skipped', 1, '', nil, 'skipped', sid, inst, lost)
+          seq = add_history(job, hist, jf, seq, slot .. ':1')
+          return reply('skipped', 1, '', nil, 'skipped', sid, inst, lost, seq)
         end
       end
     end
@@ -130,8 +150,8 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     redis.call('HSET', run, 'st', 'running', 'att', 1, 'tok', token, 'inst', inst,
       'exp', expires, 'tk', 0, 'n', 1, 'r', reason, 'c', now)
     redis.call('ZADD', open, slot, slot)
-    add_history(job, hist, jf, seq, slot .. ':1')
-    return reply('won', 1, reason, expires, 'running', sid, inst, lost)
+    seq = add_history(job, hist, jf, seq, slot .. ':1')
+    return reply('won', 1, reason, expires, 'running', sid, inst, lost, seq)
   end
 
   -- A claim sent again with the token that holds the run (its first try took effect and
@@ -143,19 +163,19 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       local rec = redis.call('HGET', att, slot .. ':' .. attempt)
       why = rec and cjson.decode(rec).r or reason
     end
-    return reply('won', attempt, why, exp, st, sid, holder, lost)
+    return reply('won', attempt, why, exp, st, sid, holder, lost, seq)
   end
 
   -- 3. finished; 4. live lease held by another attempt
   if FINISHED[st] then
     write_job(job, jf)
-    return reply('finished', attempt, '', exp, st, sid, holder, lost)
+    return reply('finished', attempt, '', exp, st, sid, holder, lost, seq)
   end
   attempt = tonumber(attempt)
   -- (a 'retrying' run waits for its retry's due time like a live lease: issue 19)
   if (st == 'running' or st == 'retrying') and exp and tonumber(exp) > now then
     write_job(job, jf)
-    return reply('running', attempt, '', exp, st, sid, holder, lost)
+    return reply('running', attempt, '', exp, st, sid, holder, lost, seq)
   end
 
   -- 5. handed over; 6. expired (escalate when the first attempt and the takeovers reach
@@ -208,7 +228,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       redis.call('HDEL', run, 'tok', 'exp')
       redis.call('ZREM', open, slot)
       write_job(job, jf)
-      return reply('escalated', attempt, '', nil, 'escalated', sid, holder, lost)
+      return reply('escalated', attempt, '', nil, 'escalated', sid, holder, lost, seq)
     end
     if c then
       if not o then
@@ -236,6 +256,6 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   end
   redis.call('HSET', run, unpack(fields))
   redis.call('ZADD', open, slot, slot)
-  add_history(job, hist, jf, seq, slot .. ':' .. (attempt + 1))
-  return reply('won', attempt + 1, why, expires, 'running', sid, inst, lost)
+  seq = add_history(job, hist, jf, seq, slot .. ':' .. (attempt + 1))
+  return reply('won', attempt + 1, why, expires, 'running', sid, inst, lost, seq)
 end

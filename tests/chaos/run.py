@@ -670,6 +670,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         say(f"{config.store}: workers stopped; auditing")
         every = workers + retired
         skewed = frozenset(i for w in every for i, skew in w.skews.items() if skew)
+        faults = _own_failovers(store, faults)
         report = audit(store, config, logdir, faults, started, faults_over, audit_at,
                        open_before, skewed, probe.answers)
         report.recovery_s = audit_at - faults_over
@@ -922,6 +923,16 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
 LOSS_WINDOW_S = 2.0
 
 
+def _own_failovers(store: ChaosStore, faults: list[Fault]) -> list[Fault]:
+    """``faults`` with the failovers the store made by itself (``failover-own``): those of
+    :meth:`ChaosStore.failovers` that no injected failover overlaps."""
+    injected = [f for f in faults if f.kind == "failover"]
+    own = [Fault("failover-own", store.kind, start, end)
+           for start, end in store.failovers()
+           if not any(f.start - 1 <= end and start <= f.end + 1 for f in injected)]
+    return sorted(faults + own, key=lambda f: f.start)
+
+
 def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
                   events: dict[tuple[str, int], list[dict[str, Any]]],
                   faults: list[Fault]) -> None:
@@ -930,7 +941,9 @@ def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
     order the attempts started. And every
     acknowledged claim and finish missing from the store is counted, and explained by a
     failover when it was acknowledged shortly before one."""
-    windows = [(f.start - LOSS_WINDOW_S, f.end) for f in faults if f.kind == "failover"]
+    # (the old primary, when alive, acknowledges writes until it learns it was demoted)
+    windows = [(f.start - LOSS_WINDOW_S, f.end + LOSS_WINDOW_S) for f in faults
+               if f.kind in ("failover", "failover-own")]
     for key, evs in events.items():
         first: dict[tuple[int, str, int], float] = {}
         for e in evs:

@@ -71,6 +71,11 @@ class ChaosStore(ABC):
     def close(self) -> None:
         """Stop every server this store started."""
 
+    def failovers(self) -> list[tuple[float, float]]:
+        """(start, end) wall times of every failover the store made, injected or its own
+        (a replicated store's monitor may fail over by itself on a loaded machine)."""
+        return []
+
 
 class PostgresChaosStore(ChaosStore):
     """Embedded PostgreSQL 16; with ``bouncer``, workers go through PgBouncer (transaction mode)."""
@@ -192,6 +197,10 @@ class RedisChaosStore(ChaosStore):
 # -- Redis with a replica and Sentinel (issue 21, item 5) --------------------------------
 
 
+#: Milliseconds of silence after which the chaos Sentinel calls a primary down.
+SENTINEL_DOWN_MS = 1500
+
+
 class RedisSentinelChaosStore(ChaosStore):
     """A Redis primary, its replica and a Sentinel; workers use the ``redis+sentinel://``
     URL (so no proxy: Sentinel hands out the servers' own addresses).
@@ -215,13 +224,19 @@ class RedisSentinelChaosStore(ChaosStore):
         self.replica: EmbeddedRedis | None = None
         self.sentinel: EmbeddedSentinel | None = None
         self.fast = fast
-        self.failovers: list[tuple[float, float]] = []
-        """(killed, promoted) wall times of each failover."""
+        self._seen: list[tuple[float, str]] = []
+        """(wall time, event) of the Sentinel's +try-failover and +switch-master."""
+        self._listener: Any = None
         try:
             self.primary.start()
             self.replica = self._replica_of(self.primary)
-            self.sentinel = EmbeddedSentinel(binary, self.primary.port)
+            # Sentinel waits SENTINEL_DOWN_MS before it calls a silent primary down: a
+            # shorter wait makes it fail over by itself from a primary that is only busy
+            # (forking for a replica's full sync on a loaded machine).
+            self.sentinel = EmbeddedSentinel(binary, self.primary.port,
+                                             down_after_ms=SENTINEL_DOWN_MS)
             self.sentinel.start()
+            self._listen()
         except BackendUnavailable as exc:
             self.close()
             raise Unavailable(f"{binary}: {exc}") from None
@@ -247,6 +262,27 @@ class RedisSentinelChaosStore(ChaosStore):
             client.close()
         return server
 
+    def _listen(self) -> None:
+        """Record the Sentinel's failovers as it announces them (its pub/sub events)."""
+        assert self.sentinel is not None
+        pubsub = redis.Redis(port=self.sentinel.port).pubsub(ignore_subscribe_messages=True)
+
+        def seen(message: dict[str, Any]) -> None:
+            self._seen.append((time.time(), message["channel"].decode()))
+
+        pubsub.subscribe(**{"+try-failover": seen, "+switch-master": seen})
+        self._listener = pubsub.run_in_thread(sleep_time=0.05, daemon=True)
+
+    def failovers(self) -> list[tuple[float, float]]:
+        out, start = [], None
+        for at, event in self._seen:
+            if event == "+try-failover":
+                start = at if start is None else start
+            elif event == "+switch-master":
+                out.append((start if start is not None else at, at))
+                start = None
+        return out
+
     def _sentinel_primary(self) -> int:
         assert self.sentinel is not None
         client = redis.Redis(port=self.sentinel.port, socket_timeout=2)
@@ -269,9 +305,11 @@ class RedisSentinelChaosStore(ChaosStore):
         return {"prefix": PREFIX}
 
     def restart(self) -> None:
-        assert self.replica is not None and self.primary.process is not None
+        assert self.replica is not None
+        if self._sentinel_primary() == self.replica.port:  # Sentinel failed over by itself
+            self.primary, self.replica = self.replica, self.primary
         old, new = self.primary, self.replica
-        killed = time.time()
+        assert old.process is not None
         old.process.send_signal(signal.SIGKILL)
         old.process.wait()
         deadline = time.monotonic() + 30
@@ -284,7 +322,6 @@ class RedisSentinelChaosStore(ChaosStore):
             if time.monotonic() > deadline:
                 raise RuntimeError("Sentinel promoted no replica within 30 s")
             time.sleep(0.05)
-        self.failovers.append((killed, time.time()))
         self.primary, self.replica = new, old
         if self._probe is not None:
             self._probe.close()
@@ -303,6 +340,8 @@ class RedisSentinelChaosStore(ChaosStore):
             raise
 
     def close(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
         if self._probe is not None:
             self._probe.close()
         for server in (self.sentinel, self.replica, self.primary):
