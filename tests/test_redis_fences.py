@@ -179,6 +179,57 @@ async def test_a_loss_of_only_the_newest_writes_is_found_by_a_caller_that_saw_th
                                                  overlap_skip=False))
         # attempt 1 of slot 2000 is numbered again, with a fence above the lost one
         assert again.attempt == 1 and _fence(again) > _fence(second)
-        assert again.epoch == held.epoch
+        assert again.epoch >= held.epoch
     finally:
         await backend.close()
+
+
+async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above() -> None:
+    """A replica promoted without the primary's newest claim: a backend that never saw
+    that claim wins the same attempt number again, with a fence above it (the job's data
+    is on a server with another replication id, so a new epoch)."""
+    binary = find_server("redis")
+    assert binary is not None
+    fast = ("--repl-diskless-sync-delay", "0")
+    with EmbeddedRedis(binary, extra_args=fast) as primary, EmbeddedRedis(
+            binary, extra_args=(*fast, "--replicaof", "127.0.0.1", str(primary.port))
+    ) as replica:
+        clients = [redis.Redis(port=s.port) for s in (primary, replica)]
+        try:
+            for client in clients:  # the backends log in as "app"; the replica as default
+                client.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all")
+            await wait_for(lambda: clients[0].info("replication").get("slave0", {}).get(
+                "state") == "online", timeout=15, what="the replica in sync")
+            prefix = f"f{uuid.uuid4().hex[:10]}"
+            old = RedisBackend(f"redis://app:pw@127.0.0.1:{primary.port}/0", prefix=prefix)
+            await old.start()
+            try:
+                assert _fence(await old.claim(_request("job", "a"))) == 1
+                assert clients[0].execute_command("WAIT", 1, 5000) == 1
+                # the replica can no longer sync: what the primary acknowledges now is lost
+                clients[0].execute_command("ACL", "SETUSER", "default", "off")
+                clients[0].execute_command("CLIENT", "KILL", "TYPE", "replica")
+                lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                                    overlap_skip=False))
+                assert _fence(lost) == 1
+            finally:
+                await old.close()
+            primary.stop()
+            clients[1].execute_command("REPLICAOF", "NO", "ONE")
+            promoted = _server_ms(clients[1])
+
+            new = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
+            await new.start()
+            try:
+                again = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                     overlap_skip=False))
+                assert again.attempt == lost.attempt == 1  # numbered again ...
+                assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
+                later = await new.claim(ClaimRequest("job", 3_000, "inst", "d", 300,
+                                                     overlap_skip=False))
+                assert later.epoch == again.epoch  # one new epoch per change of server
+            finally:
+                await new.close()
+        finally:
+            for client in clients:
+                client.close()

@@ -14,9 +14,9 @@
 -- lease_ms, max_attempts (nil = none): numbers; reason: text; overlap_skip: boolean;
 -- run_prefix: {p/job}:run:; seen: the marker the caller saw ('' = none yet);
 -- longest: the longest lease the caller knows (ms).
--- Returns 'status|now|attempt|reason|expires|run_status|marker|epoch|instance' ('' =
--- none; epoch: the job's 'lost'): one string, which a client reads at a fraction of the
--- cost of an array of nine.
+-- Returns 'status|now|attempt|reason|expires|run_status|marker|epoch|seq|instance' ('' =
+-- none; epoch: see reply()): one string, which a client reads at a fraction of the
+-- cost of an array of ten.
 -- A first win costs 8 commands: TIME, HMGET job, HMGET run, ZRANGEBYSCORE open (with
 -- overlap_skip), HSET run, ZADD open, HSET job, ZADD hist.
 local function num(v)
@@ -26,9 +26,10 @@ local function num(v)
   return v or ''
 end
 
--- Fences (issue 21): `epoch` is the job's 'lost' (the store's clock, ms, when a loss of
--- its data was found; '' = never), sent with every reply so that each attempt numbered
--- after the loss carries it (lease_core.fence_of).
+-- Fences (issue 21): `epoch` is the job's epoch (the store's clock, ms): the later of
+-- 'lost' (when a loss of its data was found) and 'ep' (when its data was found on
+-- another server, see identity_epoch); 0 = never. It is sent with every reply so that
+-- each attempt numbered after it carries it (lease_core.fence_of).
 -- `seq` is the job's history sequence after the claim, which the caller remembers: a
 -- store whose sequence is below one a caller saw lost writes (see 0.).
 local function reply(status, attempt, why, expires, run_status, sid, instance, epoch, seq)
@@ -55,6 +56,30 @@ local function add_history(job, hist, jf, seq, id)
   return seq
 end
 
+-- Fences (issue 21): the epoch of an attempt won now. The job hash keeps 'rid', the
+-- server's replication id at the job's last win: a promoted replica takes a new one (and
+-- so may a restarted server), so a different id means the job's data changed servers
+-- and may have lost writes that no marker can show (the newest claims of a job whose
+-- keys survived). The job then starts a new epoch, 'ep' = now: every attempt won from
+-- now on is fenced above every attempt won before, without a quarantine (the marker
+-- and the sequence find the losses that need one). A job with no 'rid' yet (new, or
+-- written before it was kept) just records it. INFO is read on wins only.
+-- jf: the job's fields to write; rid: the stored id; epoch: the job's epoch so far.
+local function identity_epoch(jf, rid, epoch)
+  local id = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+  if id == rid then
+    return epoch
+  end
+  jf[#jf + 1] = 'rid'
+  jf[#jf + 1] = id
+  if rid then
+    epoch = math.max(epoch, now)
+    jf[#jf + 1] = 'ep'
+    jf[#jf + 1] = epoch
+  end
+  return epoch
+end
+
 local function claim(job, run, open, hist, att, done, slot, inst, token, lease_ms, reason,
                      overlap_skip, max_attempts, run_prefix, seen, longest, seen_seq)
   local slot_n = tonumber(slot)
@@ -66,8 +91,8 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   -- extends it, never shortens it). `seen` is the marker the caller saw ('' = none
   -- yet), `longest` the longest lease it knows (ms). The same HMGET reads the job's
   -- registration, watermark and history sequence.
-  local sid, lost, quiet, first, last, seq, paused = unpack(redis.call('HMGET', job, 'sid',
-    'lost', 'quiet', 'first_seen', 'last_slot', 'seq', 'paused'))
+  local sid, lost, quiet, first, last, seq, paused, rid, ep = unpack(redis.call('HMGET', job,
+    'sid', 'lost', 'quiet', 'first_seen', 'last_slot', 'seq', 'paused', 'rid', 'ep'))
   quiet = tonumber(quiet)
   -- Fences (issue 21): a job whose keys survived with its marker can still have lost its
   -- newest writes (a replica promoted a little behind, or while the old primary still
@@ -99,8 +124,9 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       redis.call('HSET', job, 'quiet', quiet)
     end
   end
+  local epoch = math.max(tonumber(lost) or 0, tonumber(ep) or 0)
   if quiet and quiet > now then
-    return reply('running', 0, '', quiet, '', sid, '', lost, seq)  -- no run: claim again after quiet
+    return reply('running', 0, '', quiet, '', sid, '', epoch, seq)  -- no run: claim again after quiet
   end
 
   -- 1. the job's fields to write, in one HSET whatever the answer: its marker (the
@@ -131,7 +157,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
         'r', reason, 'c', now, 'o', 'skipped', 'e', 'job paused by ' .. paused, 'f', now)
       redis.call('ZADD', done, now, slot .. ':1')
       seq = add_history(job, hist, jf, seq, slot .. ':1')
-      return reply('skipped', 1, '', nil, 'skipped', sid, inst, lost, seq)
+      return reply('skipped', 1, '', nil, 'skipped', sid, inst, epoch, seq)
     end
     if overlap_skip then
       for _, other in ipairs(redis.call('ZRANGEBYSCORE', open, '-inf', '(' .. slot)) do
@@ -142,7 +168,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
             'e', 'an earlier run of the job still holds its lease', 'f', now)
           redis.call('ZADD', done, now, slot .. ':1')
           seq = add_history(job, hist, jf, seq, slot .. ':1')
-          return reply('skipped', 1, '', nil, 'skipped', sid, inst, lost, seq)
+          return reply('skipped', 1, '', nil, 'skipped', sid, inst, epoch, seq)
         end
       end
     end
@@ -150,8 +176,9 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     redis.call('HSET', run, 'st', 'running', 'att', 1, 'tok', token, 'inst', inst,
       'exp', expires, 'tk', 0, 'n', 1, 'r', reason, 'c', now)
     redis.call('ZADD', open, slot, slot)
+    epoch = identity_epoch(jf, rid, epoch)
     seq = add_history(job, hist, jf, seq, slot .. ':1')
-    return reply('won', 1, reason, expires, 'running', sid, inst, lost, seq)
+    return reply('won', 1, reason, expires, 'running', sid, inst, epoch, seq)
   end
 
   -- A claim sent again with the token that holds the run (its first try took effect and
@@ -163,19 +190,19 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       local rec = redis.call('HGET', att, slot .. ':' .. attempt)
       why = rec and cjson.decode(rec).r or reason
     end
-    return reply('won', attempt, why, exp, st, sid, holder, lost, seq)
+    return reply('won', attempt, why, exp, st, sid, holder, epoch, seq)
   end
 
   -- 3. finished; 4. live lease held by another attempt
   if FINISHED[st] then
     write_job(job, jf)
-    return reply('finished', attempt, '', exp, st, sid, holder, lost, seq)
+    return reply('finished', attempt, '', exp, st, sid, holder, epoch, seq)
   end
   attempt = tonumber(attempt)
   -- (a 'retrying' run waits for its retry's due time like a live lease: issue 19)
   if (st == 'running' or st == 'retrying') and exp and tonumber(exp) > now then
     write_job(job, jf)
-    return reply('running', attempt, '', exp, st, sid, holder, lost, seq)
+    return reply('running', attempt, '', exp, st, sid, holder, epoch, seq)
   end
 
   -- 5. handed over; 6. expired (escalate when the first attempt and the takeovers reach
@@ -228,7 +255,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       redis.call('HDEL', run, 'tok', 'exp')
       redis.call('ZREM', open, slot)
       write_job(job, jf)
-      return reply('escalated', attempt, '', nil, 'escalated', sid, holder, lost, seq)
+      return reply('escalated', attempt, '', nil, 'escalated', sid, holder, epoch, seq)
     end
     if c then
       if not o then
@@ -256,6 +283,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   end
   redis.call('HSET', run, unpack(fields))
   redis.call('ZADD', open, slot, slot)
+  epoch = identity_epoch(jf, rid, epoch)
   seq = add_history(job, hist, jf, seq, slot .. ':' .. (attempt + 1))
-  return reply('won', attempt + 1, why, expires, 'running', sid, inst, lost, seq)
+  return reply('won', attempt + 1, why, expires, 'running', sid, inst, epoch, seq)
 end

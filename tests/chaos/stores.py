@@ -199,6 +199,21 @@ class RedisChaosStore(ChaosStore):
 
 #: Milliseconds of silence after which the chaos Sentinel calls a primary down.
 SENTINEL_DOWN_MS = 1500
+#: Seconds the primary runs without its replica's link before a failover kills it.
+LAG_S = 0.3
+
+
+#: The user the workers log in as (the replica and Sentinel use the default user).
+USER, PASSWORD = "chaos", "chaos-pw"
+
+
+def _add_user(server: EmbeddedRedis) -> None:
+    client = redis.Redis(port=server.port, socket_timeout=2)
+    try:
+        client.execute_command("ACL", "SETUSER", USER, "on", f">{PASSWORD}", "~*", "&*",
+                               "+@all")
+    finally:
+        client.close()
 
 
 class RedisSentinelChaosStore(ChaosStore):
@@ -214,10 +229,11 @@ class RedisSentinelChaosStore(ChaosStore):
     proxied = False
     replicated = True
 
-    def __init__(self) -> None:
+    def __init__(self, lag_s: float = LAG_S) -> None:
         binary = find_server("system") or find_server("redis") or find_server("valkey")
         if binary is None:
             raise Unavailable("redis-server (Sentinel mode)")
+        self.lag_s = lag_s
         self.binary = binary
         fast = ("--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0")
         self.primary = EmbeddedRedis(binary, extra_args=fast)
@@ -229,6 +245,7 @@ class RedisSentinelChaosStore(ChaosStore):
         self._listener: Any = None
         try:
             self.primary.start()
+            _add_user(self.primary)
             self.replica = self._replica_of(self.primary)
             # Sentinel waits SENTINEL_DOWN_MS before it calls a silent primary down: a
             # shorter wait makes it fail over by itself from a primary that is only busy
@@ -251,6 +268,7 @@ class RedisSentinelChaosStore(ChaosStore):
         else:
             server.extra_args = args
         server.start()
+        _add_user(server)
         client = redis.Redis(port=primary.port, socket_timeout=2)
         try:
             deadline = time.monotonic() + 30
@@ -299,7 +317,8 @@ class RedisSentinelChaosStore(ChaosStore):
 
     def url(self, port: int) -> str:
         assert self.sentinel is not None
-        return self.sentinel.url + "?socket_timeout=1&socket_connect_timeout=1"
+        return (self.sentinel.url.replace("://", f"://{USER}:{PASSWORD}@")
+                + "?socket_timeout=1&socket_connect_timeout=1")
 
     def options(self) -> dict[str, Any]:
         return {"prefix": PREFIX}
@@ -310,6 +329,18 @@ class RedisSentinelChaosStore(ChaosStore):
             self.primary, self.replica = self.replica, self.primary
         old, new = self.primary, self.replica
         assert old.process is not None
+        if self.lag_s:
+            # Lag made real: the primary turns its default user off (the replica's; the
+            # workers log in as USER) and drops its replica's link, so the replica cannot
+            # sync again; the writes the primary acknowledges until it is killed are lost.
+            client = redis.Redis(port=old.port, socket_timeout=2)
+            try:
+                client.pipeline(transaction=False).execute_command(
+                    "ACL", "SETUSER", "default", "off").execute_command(
+                    "CLIENT", "KILL", "TYPE", "replica").execute()
+            finally:
+                client.close()
+            time.sleep(self.lag_s)
         old.process.send_signal(signal.SIGKILL)
         old.process.wait()
         deadline = time.monotonic() + 30

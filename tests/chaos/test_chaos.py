@@ -90,8 +90,6 @@ def test_chaos_pgbouncer(tmp_path: Path) -> None:
     _check(_run(config, tmp_path), config, tmp_path)
 
 
-@pytest.mark.xfail(strict=False, reason="a 40 s run finds repeated fences and unexplained "
-                   "lost commits after failovers (tests/chaos/RESULTS.md); not diagnosed yet")
 @pytest.mark.timeout(110)
 def test_chaos_redis_sentinel(tmp_path: Path) -> None:
     """Redis with a replica and Sentinel: the primary is killed (SIGKILL) and the replica
