@@ -169,6 +169,9 @@ class Report:
     lost_finishes: list[tuple[str, int, int, str]] = field(default_factory=list)
     """Finishes the store acknowledged but lost: the attempt's record shows no outcome, or
     another one."""
+    lost_checkpoints: list[tuple[str, int, int]] = field(default_factory=list)
+    """Checkpoints that went backwards because a checkpoint acknowledged in a failover's
+    window was lost with it (moved out of :attr:`checkpoint_backwards`)."""
     lost_unexplained: list[tuple[str, int, int, str]] = field(default_factory=list)
     """Of the lost commits, those acknowledged outside every failover's window (from
     :data:`LOSS_WINDOW_S` before the primary was killed to the promotion): an invariant,
@@ -284,6 +287,7 @@ class Report:
             "fences_repeated": len(self.fences_repeated),
             "lost_claims": len(self.lost_claims),
             "lost_finishes": len(self.lost_finishes),
+            "lost_checkpoints": len(self.lost_checkpoints),
             "lost_unexplained": len(self.lost_unexplained),
         }
 
@@ -944,6 +948,16 @@ def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
     # (the old primary, when alive, acknowledges writes until it learns it was demoted)
     windows = [(f.start - LOSS_WINDOW_S, f.end + LOSS_WINDOW_S) for f in faults
                if f.kind in ("failover", "failover-own")]
+    # A checkpoint that went backwards is a lost commit too when the run acknowledged a
+    # checkpoint within a failover's window (the newer one was lost with the primary).
+    kept = []
+    for entry in report.checkpoint_backwards:
+        cps = [float(e["t"]) for e in events.get(entry[:2], []) if e["e"] == "cp"]
+        if any(lo <= t <= hi for t in cps for lo, hi in windows):
+            report.lost_checkpoints.append(entry)
+        else:
+            kept.append(entry)
+    report.checkpoint_backwards = kept
     for key, evs in events.items():
         first: dict[tuple[int, str, int], float] = {}
         for e in evs:
@@ -1029,6 +1043,7 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("fence numbers issued twice", "fences_repeated"),
         ("acknowledged claims lost (failover)", "lost_claims"),
         ("acknowledged finishes lost (failover)", "lost_finishes"),
+        ("checkpoints gone backwards by a failover's loss", "lost_checkpoints"),
         ("lost commits not explained by a failover", "lost_unexplained"),
         ("fenced effects written", "fenced_effects"),
         ("runs whose handler started", "runs_with_handler"),

@@ -279,3 +279,17 @@ def test_an_acknowledged_finish_missing_from_the_store_is_counted() -> None:
     seen.events[KEY][-1]["t"] = T0 + 1.9  # acknowledged just before the failover
     report = judge(CONFIG, seen)
     assert report.lost_finishes == [(*KEY, 2, "w3")] and report.lost_unexplained == []
+
+
+def test_a_checkpoint_lost_with_the_primary_is_a_lost_commit_not_a_violation() -> None:
+    seen = _failover(new_fence=(1_800_000_002_000 << 20) + 2)
+    events = seen.events[KEY]
+    events.append({"e": "cp", "j": "job0", "s": SLOT, "a": 1, "i": "w1", "t": T0 + 0.15,
+                   "f": 1, "step": 3})  # acknowledged, then lost with the primary
+    events[5]["cp"] = {"a": 1, "step": 0}  # w3's attempt 2 read less
+    report = judge(CONFIG, seen)
+    # (both attempts 2 read less: the one lost with the primary, and w3's)
+    assert report.violations == {} and set(report.lost_checkpoints) == {(*KEY, 2)}
+    # with no failover near it, the same regression is a violation
+    seen.faults = [f for f in seen.faults if f.kind != "failover"]
+    assert set(judge(CONFIG, seen).violations["checkpoint went backwards"]) == {(*KEY, 2)}
