@@ -233,3 +233,56 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
         finally:
             for client in clients:
                 client.close()
+
+
+# -- schedulers ------------------------------------------------------------------------
+
+
+async def test_a_run_a_loss_reopened_is_watched_and_run_again(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    """The server comes back from a snapshot taken while a run was running, so the run
+    its scheduler then completed is open again, and nobody watches it: the new epoch of
+    the job's next claim makes the scheduler list the job's open runs and take it over."""
+    from lease_core import RunContext, Scheduler
+    from lease_core.testing import claim_now
+    from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_history
+
+    prefix = f"f{uuid.uuid4().hex[:10]}"
+    offset = quiet_offset(await store_now_ms(RedisBackend(server.url, prefix=prefix)))
+    scheduler = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id="one",
+                          lease="1s", heartbeat="0.2s")
+    release = anyio.Event()
+    fences: list[tuple[int, int, int]] = []
+
+    @scheduler.every("job", "1h", offset=offset)
+    async def job(ctx: RunContext) -> None:
+        fences.append((ctx.slot, ctx.attempt, ctx.fence))
+        if len(fences) == 1:
+            await release.wait()
+
+    async with anyio.create_task_group() as tg:
+        (instance,) = [await Instance(scheduler).start(tg)]
+        try:
+            slot = scheduler.jobs["job"].schedule.previous_at_or_before(
+                scheduler.store_now_ms())
+            assert slot is not None
+            assert (await claim_now(scheduler, "job", slot)) is not None
+            await wait_for(lambda: fences, what="the handler")
+            raw.save()  # the snapshot: the run is running
+            release.set()
+            await wait_history(scheduler, lambda h: h and h[0].outcome == "completed",
+                               job="job", what="the run completed")
+            await anyio.to_thread.run_sync(server.stop)
+            await anyio.to_thread.run_sync(server.start)
+            # the job's next claim (an earlier slot) finds the store changed servers
+            assert (await claim_now(scheduler, "job", slot - 3_600_000)) is not None
+            history = await wait_history(
+                scheduler, lambda h: any(a.slot == slot and a.attempt == 2
+                                         and a.outcome == "completed" for a in h),
+                job="job", timeout=15, what="the reopened run taken over and completed")
+        finally:
+            await stop_all([instance])
+    assert [(a.attempt, a.outcome) for a in history if a.slot == slot] == [
+        (2, "completed"), (1, "lost")]
+    first, again = (f for s, _, f in fences if s == slot)
+    assert again > first  # attempt 2 of the reopened run is fenced above attempt 1
