@@ -205,6 +205,7 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
             await old.start()
             try:
                 assert _fence(await old.claim(_request("job", "a"))) == 1
+                leader = await old.acquire_lease("leader", "h1", 200)
                 assert clients[0].execute_command("WAIT", 1, 5000) == 1
                 # the replica can no longer sync: what the primary acknowledges now is lost
                 clients[0].execute_command("ACL", "SETUSER", "default", "off")
@@ -212,6 +213,9 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
                 lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
                                                     overlap_skip=False))
                 assert _fence(lost) == 1
+                await _after(clients[0], leader.expires_ms)
+                taken = await old.acquire_lease("leader", "h2", 60_000)  # lost too
+                assert taken.held and taken.token == leader.token + 1
             finally:
                 await old.close()
             primary.stop()
@@ -228,6 +232,9 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
                 later = await new.claim(ClaimRequest("job", 3_000, "inst", "d", 300,
                                                      overlap_skip=False))
                 assert later.epoch == again.epoch  # one new epoch per change of server
+                await _after(clients[1], leader.expires_ms)
+                token = (await new.acquire_lease("leader", "h3", 60_000)).token
+                assert token > taken.token and token >> FENCE_NUMBER_BITS >= promoted
             finally:
                 await new.close()
         finally:

@@ -35,7 +35,9 @@ key                          type    content
 ``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count),
                                      ``sid`` (marker of the job's data), ``lost`` and
                                      ``quiet`` (when a data loss was found, and the end
-                                     of its quarantine; ms)
+                                     of its quarantine; ms), ``rid`` and ``ep`` (the
+                                     server's replication id at the last win, the epoch
+                                     from a change of it; ms)
 ``{P/E}:run:<slot>``         hash    ``st`` status, ``att`` attempt, ``tok`` token, ``inst``
                                      instance, ``exp`` expiry (ms; ``tok`` and ``exp`` are
                                      ``''`` once the run ended), ``cp`` checkpoint JSON,
@@ -71,10 +73,13 @@ heartbeat is not counted as renewed, the finish is not taken as done: each raise
 :class:`~lease_core.errors.BackendUnavailable`. The unacknowledged write stays in the
 primary; an unheld claim until its lease expires (a backup then takes it over).
 
-Fences (issue 21): every claim reply carries the job's ``lost`` (below) as
-``ClaimResult.epoch``, so an attempt numbered again after a detected loss has a fence
-(:func:`lease_core.fence_of`) above every earlier one; named leases, see
-:mod:`~backends.redis.named`.
+Fences (issue 21): every claim reply carries the job's epoch as ``ClaimResult.epoch``:
+the later of ``lost`` (below) and ``ep``, set when the job's first attempt won on a
+server whose replication id differs from the one the job hash recorded at its last win
+(``rid``; a promoted replica, a restarted server). An attempt numbered again after a
+failover so has a fence (:func:`lease_core.fence_of`) above every earlier one. A claim
+also finds a loss when the job's history sequence (``seq``) is below the highest one the
+caller saw. Named leases: see :mod:`~backends.redis.named`.
 
 Data loss. Data survives a server restart only as far as the server persists it (RDB or
 AOF), and a failover to a lagging replica loses the newest writes. The first claim of a

@@ -12,9 +12,10 @@ in ms, with number 1: its next token is at or above ``epoch << 20``, so above ev
 token the name had before the loss. The script does not tell a new name from a lost
 one (a marker per name would be lost with the name; a store-wide one could not be
 trusted on a Cluster): it treats every missing key as lost, which costs nothing but
-large tokens. A loss of only the newest writes of a key that survives (a replica that
-had an older hold) is not detected: the number can then repeat (see the replicated
-stores guide).
+large tokens. A key that survives without its newest holders (a replica promoted a
+little behind) is found by the server's replication id, kept in the key at each new
+holder: a new holder on a server with another id (a promoted replica, a restarted
+server) starts a new epoch too.
 """
 
 from __future__ import annotations

@@ -9,19 +9,27 @@
 -- a new epoch at now, the server's clock in ms, and token number 1, which is above every
 -- token the name had before (any earlier epoch is an earlier clock). A key written before
 -- epochs (no ep) starts a new epoch too. When the number would reach 2^20 a new epoch
--- starts likewise.
+-- starts likewise. And a key that survived on a promoted replica (or a restarted server)
+-- without its newest holders: 'rid' keeps the server's replication id at the last new
+-- holder, and a new holder on a server with another id starts a new epoch.
 -- ARGV: holder, ttl_ms. Returns {held (1/0), epoch, number, expires, now, holder}.
-local ep, tok, exp, hold = unpack(redis.call('HMGET', KEYS[1], 'ep', 'tok', 'exp', 'hold'))
+local ep, tok, exp, hold, rid = unpack(redis.call('HMGET', KEYS[1], 'ep', 'tok', 'exp', 'hold',
+  'rid'))
 local epoch, token, expires = tonumber(ep or '0'), tonumber(tok or '0'), tonumber(exp or '0')
 if expires > now and hold ~= ARGV[1] then
   return {0, epoch, token, expires, now, hold or ''}
 end
-if not ep or (expires <= now and token + 1 >= 1048576) then
-  epoch = math.max(now, epoch + 1)
-  token = 1
-elseif expires <= now then
-  token = token + 1
+if expires <= now then
+  local id = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+  if not ep or token + 1 >= 1048576 or (rid and rid ~= id) then
+    epoch = math.max(now, epoch + 1)
+    token = 1
+  else
+    token = token + 1
+  end
+  rid = id
 end
 expires = now + tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'ep', epoch, 'tok', token, 'exp', expires, 'hold', ARGV[1])
+redis.call('HSET', KEYS[1], 'ep', epoch, 'tok', token, 'exp', expires, 'hold', ARGV[1],
+  'rid', rid or '')
 return {1, epoch, token, expires, now, ARGV[1]}
