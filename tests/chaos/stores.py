@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 import redis
+from redis.sentinel import Sentinel
 
 from backends.embedded import EmbeddedServerError
 from backends.embedded.postgres import EmbeddedPostgres
@@ -360,9 +361,15 @@ class RedisSentinelChaosStore(ChaosStore):
         self._replica_of(new, old)
 
     def ping(self) -> None:
+        # Through the Sentinel, as the workers go (with their timeouts): the store answers
+        # when a Sentinel client can reach its primary, not just when one was promoted.
         if self._probe is None:
-            self._probe = redis.Redis(host="127.0.0.1", port=self._sentinel_primary(),
-                                      socket_timeout=2, socket_connect_timeout=2)
+            assert self.sentinel is not None
+            watcher = Sentinel([("127.0.0.1", self.sentinel.port)], socket_timeout=1,
+                               socket_connect_timeout=1)
+            self._probe = watcher.master_for(self.sentinel.service, socket_timeout=1,
+                                             socket_connect_timeout=1, username=USER,
+                                             password=PASSWORD)
         try:
             self._probe.set("chaos-probe", "1")  # a write: only the primary answers it
         except redis.RedisError:
