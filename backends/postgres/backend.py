@@ -61,13 +61,15 @@ _CLAIM_RETRIES = 5
 
 def _claim_result(req: ClaimRequest, row: Sequence[Any]) -> ClaimResult:
     """A claim function's row (status, now, attempt, reason, expires, run status,
-    instance) as the :class:`ClaimResult` of ``req``."""
-    status, now, attempt, reason, expires, run_status, instance = row
+    instance, epoch) as the :class:`ClaimResult` of ``req``; no run status during a
+    quarantine after a detected failover (see ``postgres_sql/failover_v4.sql``)."""
+    status, now, attempt, reason, expires, run_status, instance, epoch = row
     return ClaimResult(
         ClaimStatus(status), req.job, req.slot, int(now), int(attempt),
         None if reason is None else Reason(reason),
-        None if expires is None else int(expires), RunStatus(run_status),
-        None if instance is None else str(instance),
+        None if expires is None else int(expires),
+        None if run_status is None else RunStatus(run_status),
+        None if instance is None else str(instance), int(epoch or 0),
     )
 
 

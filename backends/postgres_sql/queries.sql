@@ -142,16 +142,30 @@ GRANT EXECUTE ON FUNCTION {claim_v3}({claim_arg_types}) TO PUBLIC
 GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[], text[],
                                      boolean[], bigint[]) TO PUBLIC
 
+-- name: grant_failover
+-- Failover detection (issue 21): the function claims and named leases call.
+GRANT EXECUTE ON FUNCTION {failover}(bigint) TO PUBLIC
+
+-- name: drop_claim_unfenced
+-- Failover (issue 21): the claim and batch functions of this code version before they
+-- returned the epoch (an unreleased store); CREATE OR REPLACE cannot change a result type.
+DROP FUNCTION IF EXISTS {claim}({claim_arg_types})
+
+-- name: drop_batch_unfenced
+DROP FUNCTION IF EXISTS {batch}(text[], bigint[], text[], text[], bigint[], text[],
+                                boolean[], bigint[])
+
 -- name: grant_claim_v1
 GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types_v2}) TO PUBLIC
 
 -- name: claim
-SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance, c_epoch
 FROM {claim}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
                 %s::boolean, %s::bigint)
 
 -- name: claim_many
-SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance,
+       c_epoch
 FROM {batch}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
                 %s::boolean[], %s::bigint[])
 
