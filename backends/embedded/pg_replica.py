@@ -60,7 +60,7 @@ def _one(dsn: str, sql: str) -> tuple[Any, ...]:
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
-        cur = conn.execute(sql)  # type: ignore[arg-type]
+        cur = conn.execute(sql)
         row = cur.fetchone() if cur.description else ()
     assert row is not None
     return tuple(row)
