@@ -44,11 +44,11 @@ class Pair:
         self.primary = EmbeddedPostgres(bindir)
         self.replica = EmbeddedReplica(self.primary)
 
-    def url(self) -> str:
+    def url(self, user: str = "postgres", password: str | None = None) -> str:
         """A multi-host URL listing the primary, then the replica (psycopg picks the writer)."""
         p, r = self.primary, self.replica
-        return (f"postgresql://postgres:{p.password}@{p.host}:{p.port},{r.host}:{r.port}"
-                "/postgres?target_session_attrs=read-write&connect_timeout=2")
+        return (f"postgresql://{user}:{password or p.password}@{p.host}:{p.port},"
+                f"{r.host}:{r.port}/postgres?target_session_attrs=read-write&connect_timeout=2")
 
     def fail_over(self) -> None:
         """Kill the primary and promote the replica (which is then on timeline 2)."""
@@ -121,8 +121,17 @@ def backend_for(url: str, anyio_backend: str, table: str) -> tuple[PostgresBacke
 async def test_a_promotion_is_detected_quarantined_and_fenced(pair: Pair,
                                                               anyio_backend: str) -> None:
     table = "failover_runs"
+    # The app's role has only its table privileges (the detection needs no more).
+    creator, creator_pool = backend_for(pair.primary.dsn, anyio_backend, table)
+    await creator.start()  # a superuser's start() creates the store
+    await creator.close()
+    if creator_pool is not None:
+        creator_pool.close()
+    pair.primary.psql_superuser(
+        "CREATE ROLE app LOGIN PASSWORD 'app-pw'; GRANT SELECT, INSERT, UPDATE, DELETE ON "
+        + ", ".join(table + s for s in ("", "_attempts", "_jobs", "_meta")) + " TO app")
     # The holder, before and after the failover, through the multi-host URL.
-    a, pool = backend_for(pair.url(), anyio_backend, table)
+    a, pool = backend_for(pair.url("app", "app-pw"), anyio_backend, table)
     await a.start()
     try:
         fences: list[int] = []
