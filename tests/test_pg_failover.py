@@ -7,11 +7,13 @@ The store then detects the promotion at its first claim (the timeline changed), 
 the epoch, quarantines every claim until the longest lease has passed, reports every
 lease held before as lost at its next heartbeat, and numbers the attempts after it in
 the new epoch: ``fence_of(epoch, attempt)`` grows although the attempt number repeats.
-Named-lease tokens after it are above every token before.
+Named-lease tokens after it are above every token before. A scheduler going through
+PgBouncer carries on once PgBouncer is pointed at the promoted replica.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,11 +27,13 @@ from psycopg_pool import ConnectionPool
 from backends.embedded import EmbeddedServerError
 from backends.embedded.pg_replica import EmbeddedReplica
 from backends.embedded.postgres import EmbeddedPostgres
-from lease_core import PostgresBackend, fence_of
+from lease_core import PostgresBackend, RunContext, Scheduler, fence_of
 from lease_core.abc import ClaimRequest, ClaimResult, ClaimStatus, Lease, Outcome
 from lease_core.errors import AnarchonError
+from lease_core.testing import claim_now, wait_for
+from tests.helpers import Instance, quiet_offset, store_now_ms
 from tests.stores import missing_service
-from tests.stores.postgres import SYSTEM_BINDIR
+from tests.stores.postgres import PGBOUNCER, SYSTEM_BINDIR, PgBouncer
 
 pytestmark = pytest.mark.anyio
 
@@ -220,3 +224,77 @@ async def test_a_promotion_is_detected_quarantined_and_fenced(pair: Pair,
         await a.close()
         if pool is not None:
             pool.close()
+
+
+@pytest.fixture
+def pgbouncer_binary() -> str:
+    """The pgbouncer binary (the test is skipped, or fails under CI, without one)."""
+    if not os.path.exists(PGBOUNCER):
+        missing_service("pgbouncer")
+    return PGBOUNCER
+
+
+@pytest.mark.asyncio_only
+@pytest.mark.usefixtures("pgbouncer_binary")
+async def test_a_scheduler_through_pgbouncer_goes_on_after_its_target_is_switched(
+        pair: Pair) -> None:
+    table = "bouncer_runs"
+    bouncer = PgBouncer(pair.primary, pool_size=4).start()
+    try:
+        backend = PostgresBackend(bouncer.dsn, table=table)
+        s = Scheduler(backend, instance_id="a", lease="1.5s", heartbeat="0.25s")
+        ticks: list[tuple[int, int]] = []  # (slot, fence) of every tick attempt
+        long_fences: list[int] = []
+        cancelled = anyio.Event()
+
+        @s.every("tick", "1s", overlap="allow")
+        async def tick(ctx: RunContext) -> None:
+            ticks.append((ctx.slot, ctx.fence))
+
+        # The next slot is half an hour away: the test claims the current one itself.
+        offset = quiet_offset(await store_now_ms(PostgresBackend(bouncer.dsn, table=table)))
+
+        @s.every("long", "1h", offset=offset)
+        async def long(ctx: RunContext) -> None:
+            long_fences.append(ctx.fence)
+            try:
+                await anyio.sleep_forever()
+            finally:
+                cancelled.set()
+
+        async with anyio.create_task_group() as tg:
+            instance = await Instance(s).start(tg)
+            slot = s.jobs["long"].schedule.previous_at_or_before(s.store_now_ms())
+            assert slot is not None
+            await claim_now(s, "long", slot)
+            await wait_for(lambda: long_fences and len(ticks) >= 2, timeout=10,
+                           what="the long run and two ticks")
+            pair.replica.wait_replayed()
+            pair.replica.detach()  # from here on nothing reaches the replica
+            lost = len(ticks)
+            await wait_for(lambda: len(ticks) > lost, timeout=10, what="an unreplicated tick")
+            before = max([fence for _, fence in ticks] + long_fences)
+            assert before == 1  # no loss detected yet: the fence is the attempt number
+
+            pair.fail_over()
+            bouncer.retarget(pair.replica)  # the same URL now reaches the new primary
+
+            await wait_for(lambda: any(f > before for _, f in ticks), timeout=30,
+                           what="a tick claimed on the new primary")
+            await wait_for(cancelled.is_set, timeout=10, what="the long run's loss")
+            await wait_for(lambda: len(long_fences) >= 2, timeout=30,
+                           what="the long run taken over after the quarantine")
+            await instance.stop()
+
+        timeline, epoch, quiet = meta_failover(pair.replica.dsn, table).split()
+        assert timeline == "00000002" and int(epoch) > 0
+        after = [fence for _, fence in ticks if fence > before] + long_fences[1:]
+        assert after and all(fence >= int(epoch) << 20 for fence in after)
+        assert long_fences[1] == fence_of(int(epoch), 2)
+        # No attempt started during the quarantine.
+        with psycopg.connect(pair.replica.dsn, autocommit=True) as conn:
+            row = conn.execute(f"SELECT count(*) FROM {table}_attempts WHERE claimed_ms >= "
+                               f"{int(epoch)} AND claimed_ms < {int(quiet)}").fetchone()
+        assert row == (0,)
+    finally:
+        bouncer.close()
