@@ -196,6 +196,9 @@ async def test_a_promotion_is_detected_quarantined_and_fenced(pair: Pair,
             answer = await a.claim(request(slot, "c", f"q{slot}"))
             assert answer.status is ClaimStatus.RUNNING and answer.run_status is None
             assert answer.epoch == int(epoch)
+        # A backup's check: a run missing during the quarantine was lost, not deleted.
+        seen = await a.check([("j", 3), ("j", 4)])
+        assert set(seen.runs) == {("j", 3)} and seen.lost == frozenset({("j", 4)})
         busy = await a.acquire_lease("n", "h3", LEASE_MS)
         assert not busy.held and busy.expires_ms >= int(quiet)
 
@@ -207,6 +210,7 @@ async def test_a_promotion_is_detected_quarantined_and_fenced(pair: Pair,
         assert retaken.attempt == 2 and retaken.epoch == int(epoch)
         assert retaken.now_ms >= int(quiet)
         assert fence_of(retaken.epoch, retaken.attempt) > before
+        assert (await a.check([("j", 9)])).lost == frozenset()  # the quarantine is over
         took_over = won(await a.claim(request(2, "c", "c2")))
         assert took_over.attempt == 2 and fence_of(took_over.epoch, 2) > before
         history = await a.history("j", limit=10)

@@ -378,20 +378,26 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         return frozenset(str(row[0]) for row in rows)
 
     async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
-        """Read the watched runs with one plain ``SELECT``."""
+        """Read the watched runs with one plain ``SELECT``.
+
+        During the quarantine after a detected failover, a missing run is reported lost
+        (``CheckResult.lost``), not deleted: the scheduler claims it again.
+        """
         rows = await self._adapter.all(self._sql.check, (
             [job for job, _ in runs], [slot for _, slot in runs],
         ))
-        now = int(rows[0][0])
+        now, quiet = int(rows[0][0]), rows[0][-1]
         found: dict[tuple[str, int], RunState] = {}
-        for _, job, slot, status, attempt, expires, instance in rows:
+        for _, job, slot, status, attempt, expires, instance, _ in rows:
             if job is None:
                 continue
             key = (str(job), int(slot))
             found[key] = RunState(key[0], key[1], RunStatus(status), int(attempt),
                                   None if expires is None else int(expires),
                                   None if instance is None else str(instance))
-        return CheckResult(now, found)
+        lost = (frozenset((job, int(slot)) for job, slot in runs) - found.keys()
+                if quiet is not None and now < int(quiet) else frozenset())
+        return CheckResult(now, found, lost)
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return attempts, newest claim first."""

@@ -277,8 +277,13 @@ att AS (
 SELECT token FROM run
 
 -- name: check
-SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id
-FROM (SELECT {now} AS now) AS n
+-- Failover (issue 21): n.quiet is the end of the quarantine after a detected promotion
+-- (failover_v4.sql; NULL before any): a watched run missing before it was lost with the
+-- old primary's commits, not deleted.
+SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id, n.quiet
+FROM (SELECT {now} AS now,
+             (SELECT split_part(m.value, ' ', 3)::bigint FROM {meta} m
+              WHERE m.key = 'failover') AS quiet) AS n
 LEFT JOIN ({runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
            ON r.job = u.job AND r.slot = u.slot) ON true
 
