@@ -39,6 +39,7 @@ pytestmark = pytest.mark.anyio
 
 LEASE_MS = 2_000
 SHORT_MS = 300
+NAMED_MS = 3_000
 
 
 class Pair:
@@ -155,6 +156,8 @@ async def test_a_promotion_is_detected_quarantined_and_fenced(pair: Pair,
         first = await a.acquire_lease("n", "h1", SHORT_MS)
         assert first.held
         tokens.append(first.token)
+        kept = await a.acquire_lease("m", "h1", NAMED_MS)  # still live at the failover
+        assert kept.held
         assert meta_failover(pair.primary.dsn, table).startswith("00000001 0 ")
         pair.replica.wait_replayed()
 
@@ -187,9 +190,12 @@ async def test_a_promotion_is_detected_quarantined_and_fenced(pair: Pair,
         assert int(epoch) <= quarantined.now_ms < int(quiet) == quarantined.expires_ms
         assert int(quiet) >= int(epoch) + LEASE_MS
 
-        # The holder of slot 2 learns at its next heartbeat that its lease is gone.
+        # The holder of slot 2 learns at its next heartbeat that its lease is gone, and
+        # the holder of the named lease at its next renewal.
         beat = await a.heartbeat([held])
         assert beat.renewed == frozenset() and beat.held == frozenset()
+        assert await a.renew_lease("m", kept.token, NAMED_MS) is None
+        assert int(quiet) >= kept.expires_ms  # the quarantine outlasts every live lease
 
         # No attempt starts during the quarantine, on any run, nor a named lease.
         for slot in (2, 3, 4):
