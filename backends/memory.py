@@ -434,19 +434,29 @@ class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Ba
             return None
         return run
 
+    def _cancelled(self, lease: Lease, now: int) -> dict[str, int]:
+        # cancel(grace=): the run keeps the holder's token, its expiry the grace's end.
+        run = self._runs.get((lease.job, lease.slot))
+        if run is None or run.token != lease.token or run.status is not RunStatus.CANCELLED:
+            return {}
+        return {lease.token: max(0, (run.expires_ms or now) - now)}
+
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
         """Renew every live lease in ``leases`` to ``now + lease_ms``."""
         await anyio.lowlevel.checkpoint()
         with self._lock:
             now = self._now()
             held = set()
+            cancelled: dict[str, int] = {}
             for lease in leases:
                 run = self._held(lease, now, live=True)
                 if run is not None:
                     run.expires_ms = now + lease.lease_ms
                     run.heartbeat_ms = now
                     held.add(lease.token)
-            return HeartbeatResult(now, frozenset(held))
+                else:
+                    cancelled.update(self._cancelled(lease, now))
+            return HeartbeatResult(now, frozenset(held), cancelled=cancelled)
 
     async def finish_many(
         self, items: Sequence[tuple[Lease, Outcome, str | None]]

@@ -5,7 +5,8 @@ every instance sees the result: a claim of a paused job's new slot records it
 ``skipped``; a triggered or retried run is a run any instance declaring the job claims
 at its next heartbeat (reason ``manual`` or ``retry``, with who asked in the attempt's
 ``requested_by``); a cancelled run is finished ``cancelled`` at once, so nobody takes it
-over, and its holder's next heartbeat finds its lease gone and cancels the handler.
+over, and its holder's next heartbeat answers "cancelled": the handler is asked to stop,
+and cancelled once the cancel's grace has passed.
 
 Each backend implements one call, :meth:`~lease_core.abc.Backend.operate`, which answers
 an :class:`OperationResult`; :class:`Admin` turns a refusal into
@@ -56,6 +57,9 @@ class Operation:
     """The run's slot (retry, cancel); ``None`` for job operations."""
     by: str
     """Who asks: an instance id, ``cli`` or ``http``; recorded with the run."""
+    grace_ms: int = 0
+    """A cancel's grace: the holder's handler may finish for this long (see
+    :meth:`Admin.cancel`); the store keeps when it ends as the cancelled run's expiry."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,16 +156,19 @@ class Admin:
 
     async def cancel(self, job: str, slot: int | str | datetime,
                      grace: float | str | object = "10s") -> None:
-        """End a running or handed-over run ``cancelled``; nobody takes it over.
+        """End a running, handed-over or retrying run ``cancelled``; nobody takes it over.
 
         ``job`` may name a workflow: the step in progress is cancelled, so the workflow
-        stops there. The run ends in the store at once. Its holder finds its lease gone at its next
-        heartbeat: the handler gets ``ctx.stopping`` and is cancelled. ``grace`` is
-        validated; this release cancels the handler at that heartbeat, without waiting
-        ``grace``.
+        stops there. The run ends ``cancelled`` in the store at once. Its holder learns
+        of it at its next heartbeat (the heartbeat answers "cancelled", not "lost"): the
+        handler gets ``ctx.stopping`` (``ctx.stop_reason`` says it was cancelled), may
+        finish cooperatively within ``grace`` (default ``"10s"``; ``0`` cancels it at
+        that heartbeat) and is cancelled once the grace has passed. Either way the
+        attempt ends ``cancelled``, never ``completed``.
         """
-        parse_duration(grace, what="grace", allow_zero=True)
-        await self._operate(OperationKind.CANCEL, job, _slot(slot, job))
+        grace_s = parse_duration(grace, what="grace", allow_zero=True)
+        await self._operate(OperationKind.CANCEL, job, _slot(slot, job),
+                            grace_ms=int(grace_s * 1000))
 
     async def paused(self) -> dict[str, str]:
         """The paused jobs, each with who paused it."""
@@ -171,14 +178,15 @@ class Admin:
         finally:
             await self.backend.close()
 
-    async def _operate(self, kind: OperationKind, job: str, slot: int | None) -> OperationResult:
+    async def _operate(self, kind: OperationKind, job: str, slot: int | None, *,
+                       grace_ms: int = 0) -> OperationResult:
         if not isinstance(job, str) or not job:
             raise ConfigurationError(f"job {job!r} must be a non-empty job name")
         await self.backend.start()  # counted: cheap when the backend runs already
         try:
             if slot is not None:
                 job = await self._step_of(job, slot, kind)
-            result = await self.backend.operate(Operation(kind, job, slot, self.by))
+            result = await self.backend.operate(Operation(kind, job, slot, self.by, grace_ms))
         finally:
             await self.backend.close()
         if result.refused is not None:

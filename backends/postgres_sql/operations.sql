@@ -28,11 +28,11 @@ ALTER TABLE {attempts} ADD COLUMN IF NOT EXISTS requested_by text,
         GENERATED ALWAYS AS (to_timestamp(claimed_ms / 1000.0)) STORED
 
 -- name: grant_operate
-GRANT EXECUTE ON FUNCTION {operate}(text, text, bigint, text) TO PUBLIC
+GRANT EXECUTE ON FUNCTION {operate}(text, text, bigint, text, bigint) TO PUBLIC
 
 -- name: operate
 SELECT o_refused, o_slot, o_status
-FROM {operate}(%s::text, %s::text, %s::bigint, %s::text)
+FROM {operate}(%s::text, %s::text, %s::bigint, %s::text, %s::bigint)
 
 -- name: paused
 -- Through to_jsonb: a store of older code, read as it is, has no paused_by column.

@@ -171,7 +171,8 @@ SELECT j.job, j.first_seen_ms, j.last_slot, j.new,
 FROM j
 
 -- name: heartbeat
--- A run locked by a fenced transaction is skipped, not waited for.
+-- A run locked by a fenced transaction is skipped, not waited for. Answers the store's
+-- now, the tokens held, those renewed, and the cancelled ones with their grace left.
 WITH u AS (
     SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bigint[])
         AS u(job, slot, token, lease_ms)),
@@ -189,8 +190,15 @@ renewed AS (
     UPDATE {runs} r SET expires_ms = {now} + k.lease_ms, heartbeat_ms = {now}
     FROM lockable k
     WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
-    RETURNING r.token)
-SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
+    RETURNING r.token),
+-- cancel(grace=): a run an operator cancelled keeps its holder's token; its expires_ms is
+-- when the grace ends (operate_v4.sql).
+cancelled AS (
+    SELECT r.token, GREATEST(COALESCE(r.expires_ms, 0) - {now}, 0) AS grace_ms
+    FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
+    WHERE r.status = 'cancelled')
+SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed),
+       ARRAY(SELECT token FROM cancelled), ARRAY(SELECT grace_ms FROM cancelled)
 
 -- name: finish
 -- One call of the finish function (finish_v<N>.sql), whose plans are cached per

@@ -2,13 +2,16 @@
 -- resume, retry and cancel, or a refusal that changes nothing.
 -- KEYS[1] job hash, KEYS[2] open zset, KEYS[3] attempts hash (store format 1),
 -- KEYS[4] done zset; ARGV: kind, slot ('' for a job operation), by, run key prefix
--- ({p/job}:run:; the run of a trigger is made at a slot found here, in the job's slot).
+-- ({p/job}:run:; the run of a trigger is made at a slot found here, in the job's slot),
+-- a cancel's grace in ms.
 -- Returns 'refused|slot|status' ('' = none): refused is unknown_job, no_run or conflict.
 -- - trigger: a run at the store's now (the next free millisecond), handed_over with
 --   attempt 0, whose first claim is attempt 1 with reason 'manual' (q) and 'b' = by (qb);
 -- - retry: a failed, timed_out or escalated run is handed_over again, next reason retry;
 -- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
---   'cancelled by <by>'); claims then find it finished, its holder's token is gone;
+--   'cancelled by <by>'); claims then find it finished. cancel(grace=): the run keeps
+--   its holder's token and 'exp' becomes the end of the grace, so the holder's
+--   heartbeat answers "cancelled" with the grace left (heartbeat.lua);
 -- - pause / resume: the job hash's 'paused' (who), read by every claim (_claim.lua).
 local job, open, att, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local kind, slot, by, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -65,7 +68,8 @@ if c then
 elseif tonumber(attempt) > 0 then
   end_attempt(att, done, slot .. ':' .. attempt, 'cancelled', err)
 end
-redis.call('HSET', run, 'st', 'cancelled', 'tok', '', 'exp', '')
+-- cancel(grace=): the token stays; 'exp' is when the holder's grace ends.
+redis.call('HSET', run, 'st', 'cancelled', 'exp', now + math.max(tonumber(ARGV[5]) or 0, 0))
 redis.call('HDEL', run, 'q', 'qb')
 redis.call('ZREM', open, slot)
 return '|' .. slot .. '|' .. st
