@@ -127,6 +127,9 @@ class Admin:
     async def trigger(self, job: str) -> int:
         """Make one extra run of ``job`` now (reason ``manual``); return its slot.
 
+        ``job`` may name a workflow: the new run starts at its first step, and the later
+        steps follow as usual.
+
         The slot is the store's now in epoch ms, moved off a whole second (where
         schedules put their slots) and off any slot the job has a run at. An instance
         that declares the job claims it within one heartbeat.
@@ -138,12 +141,15 @@ class Admin:
     async def pause(self, job: str) -> None:
         """Stop every instance claiming new slots of ``job``; runs in progress go on.
 
-        Slots due while paused are recorded ``skipped`` and never caught up.
+        Slots due while paused are recorded ``skipped`` and never caught up. ``job`` may
+        name a workflow: its new slots are skipped (at its first step); a run in
+        progress goes on through its later steps.
         """
         await self._operate(OperationKind.PAUSE, job, None)
 
     async def resume(self, job: str) -> None:
-        """Let the fleet claim the slots of ``job`` again (a job not paused: no change)."""
+        """Let the fleet claim the slots of ``job`` (or a workflow) again (a job not
+        paused: no change)."""
         await self._operate(OperationKind.RESUME, job, None)
 
     async def retry(self, job: str, slot: int | str | datetime) -> None:
@@ -171,12 +177,15 @@ class Admin:
                             grace_ms=int(grace_s * 1000))
 
     async def paused(self) -> dict[str, str]:
-        """The paused jobs, each with who paused it."""
+        """The paused jobs and workflows (by their own names), each with who paused it."""
         await self.backend.start()
         try:
-            return await self.backend.paused()
+            paused = await self.backend.paused()
+            firsts = {step_job(name, steps[0]): name
+                      for name, steps in (await self.backend.workflows()).items() if steps}
         finally:
             await self.backend.close()
+        return {firsts.get(job, job): by for job, by in paused.items()}
 
     async def _operate(self, kind: OperationKind, job: str, slot: int | None, *,
                        grace_ms: int = 0) -> OperationResult:
@@ -186,6 +195,8 @@ class Admin:
         try:
             if slot is not None:
                 job = await self._step_of(job, slot, kind)
+            else:
+                job = await self._first_step(job)
             result = await self.backend.operate(Operation(kind, job, slot, self.by, grace_ms))
         finally:
             await self.backend.close()
@@ -193,6 +204,13 @@ class Admin:
             raise OperationRefused(result.refused, _refusal(kind, job, slot, result))
         return result
 
+
+    async def _first_step(self, name: str) -> str:
+        """The job a job operation acts on: ``name`` itself, or for a workflow its first
+        step (a trigger starts the workflow there; a pause skips its new slots there, and
+        a run in progress goes on through its later steps)."""
+        steps = (await self.backend.workflows()).get(name)
+        return step_job(name, steps[0]) if steps else name
 
     async def _step_of(self, name: str, slot: int, kind: OperationKind) -> str:
         """The job a run operation acts on: ``name`` itself, or for a workflow the step

@@ -428,3 +428,69 @@ async def test_queued_lists_triggered_and_retried_runs_not_plain_hand_overs(
         assert await backend.queued(["q"]) == [("q", triggered)]
     finally:
         await backend.close()
+
+
+async def test_trigger_of_a_workflow_by_its_name_runs_it_from_its_first_step(
+        store: Store) -> None:
+    admin = admin_for(store, by="ops")
+    ran: list[tuple[str, int]] = []
+    s = make(store, "a")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+
+    @close.step("snapshot")
+    async def snapshot(ctx: RunContext) -> int:
+        ran.append(("snapshot", ctx.slot))
+        return 3
+
+    @close.step("publish")
+    async def publish(ctx: RunContext) -> None:
+        ran.append((f"publish {ctx.results['snapshot']}", ctx.slot))
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        slot = await admin.trigger("close")
+        await wait_for(lambda: len(ran) == 2, what="the triggered workflow ran both steps")
+        await stop_all([instance])
+    assert ran == [("snapshot", slot), ("publish 3", slot)]
+    first = [a for a in await s.history("close/snapshot") if a.slot == slot]
+    assert [(a.attempt, a.reason, a.requested_by, a.outcome) for a in first] == [
+        (1, "manual", "ops", "completed")]
+    log = await s.recovery_log(f"close@{slot}")
+    assert [(e.step, e.event) for e in log] == [
+        ("snapshot", "started"), ("snapshot", "completed"),
+        ("publish", "started"), ("publish", "completed")]
+
+
+async def test_pause_of_a_workflow_by_its_name_skips_its_slots_until_resume(
+        store: Store) -> None:
+    admin = admin_for(store, by="ops-1")
+    ran: list[int] = []
+    s = make(store, "a")
+    flow = s.workflow("flow", every="1s")
+
+    @flow.step("one")
+    async def one(ctx: RunContext) -> None:
+        pass
+
+    @flow.step("two")
+    async def two(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        await admin.pause("flow")
+        assert await admin.paused() == {"flow": "ops-1"}
+        first_paused = len(ran)
+        history = await wait_history(
+            s, lambda h: sum(a.outcome == "skipped" for a in h) >= 2, job="flow/one",
+            what="two slots of the workflow skipped while paused")
+        skipped = [a for a in history if a.outcome == "skipped"]
+        assert all(a.error and a.error.startswith("job paused by ops-1") for a in skipped)
+        assert not any(slot > min(a.slot for a in skipped) for slot in ran[first_paused:])
+        await admin.resume("flow")
+        assert await admin.paused() == {}
+        after = max(a.slot for a in skipped)
+        await wait_for(lambda: any(slot > after for slot in ran),
+                       what="a whole workflow run after resume")
+        await stop_all([instance])
+    assert not {a.slot for a in skipped} & set(ran)
