@@ -51,6 +51,12 @@ def operate(store: MemoryBackend, op: Operation, now: int,
         job.paused_by = op.by
         return OperationResult()
     if op.kind is OperationKind.RESUME:
+        if job.paused_by:  # a resume leaves a record on the slots the pause skipped
+            mark = f"job paused by {job.paused_by}"
+            history = store._attempts.get(op.job, [])
+            for i, a in enumerate(history):
+                if a.outcome is Outcome.SKIPPED and a.error == mark:
+                    history[i] = replace(a, error=f"{mark}; resumed by {op.by}")
         job.paused_by = None
         return OperationResult()
     if op.kind is OperationKind.TRIGGER:

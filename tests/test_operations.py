@@ -120,13 +120,20 @@ async def test_pause_skips_new_slots_until_resume(store: Store) -> None:
         assert all(a.error == "job paused by ops-1" for a in skipped)
         # a run already claimed when the pause came may have run; none after the skips
         assert not any(slot > min(a.slot for a in skipped) for slot in ran[first_paused:])
-        await admin.resume("tick")
+        await admin_for(store, by="ops-2").resume("tick")
         assert await admin.paused() == {}
         after = max(a.slot for a in skipped)
         await wait_for(lambda: any(slot > after for slot in ran), what="a run after resume")
         await stop_all([instance])
     # slots skipped while paused are not caught up
     assert not {a.slot for a in skipped} & set(ran)
+    # the resume left its record, with who resumed, on the slots the pause skipped
+    paused_slots = {a.slot for a in skipped}
+    recorded = {a.slot: a.error for a in await s.history("tick") if a.slot in paused_slots}
+    assert set(recorded.values()) == {"job paused by ops-1; resumed by ops-2"}, recorded
+    log = await s.recovery_log(("tick", max(paused_slots)))
+    assert [(e.event, e.detail) for e in log][-1] == (
+        "skipped", "job paused by ops-1; resumed by ops-2")
 
 
 async def test_retry_runs_a_failed_run_again_with_reason_retry(store: Store) -> None:

@@ -16,7 +16,8 @@
 --   of the grace (now + p_grace_ms), so the holder's heartbeat answers "cancelled" with
 --   the grace left (queries.sql, heartbeat).
 -- - pause / resume: set or clear the job row's paused_by; a claim of a new slot of a
---   paused job records it 'skipped' (claim_v4.sql).
+--   paused job records it 'skipped' (claim_v4.sql). A resume appends '; resumed by
+--   <p_by>' to the error of the slots the pause skipped.
 --
 -- The text has no percent sign and no braces other than the str.format placeholders.
 CREATE OR REPLACE FUNCTION {operate}(
@@ -35,6 +36,14 @@ BEGIN
         RETURN;
     END IF;
     v_now := {now};
+    IF p_kind = 'resume' THEN
+        -- Resume leaves a record: each slot the pause skipped ('job paused by <who>')
+        -- gets '; resumed by <p_by>' in its attempt's error (history, recovery log).
+        UPDATE {attempts} a SET error = a.error || '; resumed by ' || p_by
+        FROM {jobs} j
+        WHERE j.job = p_job AND j.paused_by IS NOT NULL AND a.job = p_job
+          AND a.outcome = 'skipped' AND a.error = 'job paused by ' || j.paused_by;
+    END IF;
     IF p_kind IN ('pause', 'resume') THEN
         UPDATE {jobs} SET paused_by = CASE WHEN p_kind = 'pause' THEN p_by END
         WHERE job = p_job;

@@ -12,7 +12,9 @@
 --   'cancelled by <by>'); claims then find it finished. cancel(grace=): the run keeps
 --   its holder's token and 'exp' becomes the end of the grace, so the holder's
 --   heartbeat answers "cancelled" with the grace left (heartbeat.lua);
--- - pause / resume: the job hash's 'paused' (who), read by every claim (_claim.lua).
+-- - pause / resume: the job hash's 'paused' (who), read by every claim (_claim.lua), and
+--   'paused_at' (since when); a resume appends '; resumed by <by>' to the error of
+--   each slot the pause skipped (found in the done zset since 'paused_at').
 local job, open, att, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local kind, slot, by, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 if redis.call('EXISTS', job) == 0 then
@@ -20,9 +22,24 @@ if redis.call('EXISTS', job) == 0 then
 end
 if kind == 'pause' then
   redis.call('HSET', job, 'paused', by)
+  redis.call('HSETNX', job, 'paused_at', now)
   return '||'
 elseif kind == 'resume' then
-  redis.call('HDEL', job, 'paused')
+  -- A resume leaves a record: each slot the pause skipped gets '; resumed by <by>'.
+  local was, since = unpack(redis.call('HMGET', job, 'paused', 'paused_at'))
+  if was and since then
+    local mark = 'job paused by ' .. was
+    for _, id in ipairs(redis.call('ZRANGEBYSCORE', done, since, '+inf')) do
+      local s, a = string.match(id, '^(-?%d+):(%d+)$')
+      if a == '1' then
+        local o, e = unpack(redis.call('HMGET', prefix .. s, 'o', 'e'))
+        if o == 'skipped' and e == mark then
+          redis.call('HSET', prefix .. s, 'e', mark .. '; resumed by ' .. by)
+        end
+      end
+    end
+  end
+  redis.call('HDEL', job, 'paused', 'paused_at')
   return '||'
 elseif kind == 'trigger' then
   local at = now  -- off the whole second, where schedules put their slots
