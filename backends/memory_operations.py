@@ -85,9 +85,9 @@ def operate(store: MemoryBackend, op: Operation, now: int,
         if a.slot == op.slot and a.attempt == run.attempt and a.outcome is None:
             history[i] = replace(a, outcome=Outcome.CANCELLED, error=f"cancelled by {op.by}",
                                  finished_at=ms_to_datetime(now))
-    # cancel(grace=): the holder's token stays, and the expiry is when the grace ends, so
-    # the holder's next heartbeat answers "cancelled" with the grace left.
-    run.status, run.expires_ms = RunStatus.CANCELLED, now + op.grace_ms
+    # cancel(grace=): the holder's token stays, with the grace, so the holder's next
+    # heartbeat answers "cancelled" with it.
+    run.status, run.expires_ms, run.grace_ms = RunStatus.CANCELLED, None, op.grace_ms
     run.queued = run.queued_by = None
     return OperationResult(slot=op.slot, status=before)
 

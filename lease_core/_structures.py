@@ -201,8 +201,8 @@ class HeartbeatResult:
     stays held."""
     cancelled: dict[str, int] = field(default_factory=dict)
     """Tokens whose run an operator cancelled (:meth:`~lease_core.Admin.cancel`), each with
-    the milliseconds left of the cancel's grace: the holder asks its handler to stop and
-    cancels it once they have passed. Never in :attr:`held`. A backend without
+    the cancel's grace in milliseconds: the holder asks its handler to stop and cancels
+    it once the grace has passed. Never in :attr:`held`. A backend without
     operations leaves it empty (the holder then finds its lease lost)."""
 
 

@@ -58,8 +58,8 @@ class Operation:
     by: str
     """Who asks: an instance id, ``cli`` or ``http``; recorded with the run."""
     grace_ms: int = 0
-    """A cancel's grace: the holder's handler may finish for this long (see
-    :meth:`Admin.cancel`); the store keeps when it ends as the cancelled run's expiry."""
+    """A cancel's grace: the holder's handler may finish for this long once asked to stop
+    (see :meth:`Admin.cancel`); the store keeps it with the cancelled run."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@
 --   claim with reason 'retry'.
 -- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
 --   'cancelled by <p_by>'); a claim then finds it finished (no takeover).
---   cancel(grace=): the run keeps its holder's token and its expires_ms becomes the end
---   of the grace (now + p_grace_ms), so the holder's heartbeat answers "cancelled" with
---   the grace left (queries.sql, heartbeat).
+--   cancel(grace=): the run keeps its holder's token and its expires_ms becomes
+--   now + p_grace_ms (now: the cancelled attempt's finished_ms), so the holder's
+--   heartbeat answers "cancelled" with the grace (queries.sql, heartbeat).
 -- - pause / resume: set or clear the job row's paused_by; a claim of a new slot of a
 --   paused job records it 'skipped' (claim_v4.sql). A resume appends '; resumed by
 --   <p_by>' to the error of the slots the pause skipped.
@@ -87,7 +87,7 @@ BEGIN
     UPDATE {attempts} SET outcome = 'cancelled', error = 'cancelled by ' || p_by,
                           finished_ms = v_now
     WHERE job = p_job AND slot = p_slot AND attempt = v_attempt AND outcome IS NULL;
-    -- cancel(grace=): the token stays, expires_ms is when the holder's grace ends.
+    -- cancel(grace=): the token stays, expires_ms is now + the holder's grace.
     UPDATE {runs} SET status = 'cancelled', expires_ms = v_now + GREATEST(p_grace_ms, 0),
                       queued = NULL, queued_by = NULL
     WHERE job = p_job AND slot = p_slot;

@@ -172,7 +172,7 @@ FROM j
 
 -- name: heartbeat
 -- A run locked by a fenced transaction is skipped, not waited for. Answers the store's
--- now, the tokens held, those renewed, and the cancelled ones with their grace left.
+-- now, the tokens held, those renewed, and the cancelled ones with their grace.
 WITH u AS (
     SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bigint[])
         AS u(job, slot, token, lease_ms)),
@@ -192,11 +192,12 @@ renewed AS (
     WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
     RETURNING r.token),
 -- cancel(grace=): a run an operator cancelled keeps its holder's token; its expires_ms is
--- when the grace ends (operate_v4.sql).
+-- the cancel's time (its attempt's finished_ms) plus the grace (operate_v4.sql).
 cancelled AS (
-    SELECT r.token, GREATEST(COALESCE(r.expires_ms, 0) - {now}, 0) AS grace_ms
+    SELECT r.token, GREATEST(r.expires_ms - COALESCE(a.finished_ms, {now}), 0) AS grace_ms
     FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
-    WHERE r.status = 'cancelled')
+    LEFT JOIN {attempts} a ON a.job = r.job AND a.slot = r.slot AND a.attempt = r.attempt
+    WHERE r.status = 'cancelled' AND r.expires_ms IS NOT NULL)
 SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed),
        ARRAY(SELECT token FROM cancelled), ARRAY(SELECT grace_ms FROM cancelled)
 

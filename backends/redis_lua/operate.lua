@@ -10,8 +10,8 @@
 -- - retry: a failed, timed_out or escalated run is handed_over again, next reason retry;
 -- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
 --   'cancelled by <by>'); claims then find it finished. cancel(grace=): the run keeps
---   its holder's token and 'exp' becomes the end of the grace, so the holder's
---   heartbeat answers "cancelled" with the grace left (heartbeat.lua);
+--   its holder's token, 'g' the cancel's time and 'exp' g + the grace, so the holder's
+--   heartbeat answers "cancelled" with the grace (heartbeat.lua);
 -- - pause / resume: the job hash's 'paused' (who), read by every claim (_claim.lua), and
 --   'paused_at' (since when); a resume appends '; resumed by <by>' to the error of
 --   each slot the pause skipped (found in the done zset since 'paused_at').
@@ -85,8 +85,9 @@ if c then
 elseif tonumber(attempt) > 0 then
   end_attempt(att, done, slot .. ':' .. attempt, 'cancelled', err)
 end
--- cancel(grace=): the token stays; 'exp' is when the holder's grace ends.
-redis.call('HSET', run, 'st', 'cancelled', 'exp', now + math.max(tonumber(ARGV[5]) or 0, 0))
+-- cancel(grace=): the token stays; 'g' is the cancel's time, 'exp' g + the holder's grace.
+redis.call('HSET', run, 'st', 'cancelled', 'exp', now + math.max(tonumber(ARGV[5]) or 0, 0),
+  'g', now)
 redis.call('HDEL', run, 'q', 'qb')
 redis.call('ZREM', open, slot)
 return '|' .. slot .. '|' .. st
