@@ -12,7 +12,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ._structures import Attempt, Outcome, Reason, RunInfo, RunStatus
+from ._structures import Attempt, Outcome, Reason, RunInfo, RunStatus, fence_of
 from .errors import (
     AnarchonError,
     AuthenticationFailed,
@@ -109,6 +109,7 @@ __all__ = [
     "TimedOut",
     "Workflow",
     "backend_from_url",
+    "fence_of",
 ]
 
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ import anyio.to_thread
 from .. import events as ev
 from .._batch import Abandoned, FinishBatcher
 from .._outcome import Interruption, decide_outcome
-from .._structures import ClaimResult, Lease, Outcome, Reason, format_slot
+from .._structures import ClaimResult, Lease, Outcome, Reason, fence_of, format_slot
 from ..context import RunContext
 from ..errors import ConfigurationError
 from .base import INSIDE, logger
@@ -63,6 +63,7 @@ class Executor:
             backend=s.settings.backend, lease=lease, attempt=result.attempt, reason=reason,
             instance_id=s.settings.instance_id, logger=logger,
             workflow=None if job.workflow is None else job.workflow.name, step=job.step,
+            fence=fence_of(result.epoch, result.attempt),
         )
         if job.workflow is not None:
             ctx._before_commit = s.steps.result_in_transaction
