@@ -206,7 +206,7 @@ renewed AS (
     WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
     RETURNING r.token),
 -- cancel(grace=): a run an operator cancelled keeps its holder's token; its expires_ms is
--- the cancel's time (its attempt's finished_ms) plus the grace (operate_v4.sql).
+-- the cancel's time (its attempt's finished_ms) plus the grace (operate_v<N>.sql).
 cancelled AS (
     SELECT r.token, GREATEST(r.expires_ms - COALESCE(a.finished_ms, {now}), 0) AS grace_ms
     FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
@@ -246,7 +246,7 @@ SELECT token FROM run
 -- when the token no longer holds the run.
 -- Retry counter: the run row's retries (NULL: none yet) counts the retries this
 -- statement granted, so trimming history never allows extra ones (memory and Redis keep
--- theirs in the run too); an operator's retry (operate_v4.sql) does not count.
+-- theirs in the run too); an operator's retry (operate_v<N>.sql) does not count.
 -- Parameters: job, slot, token, outcome, error, delays (ms, one per retry allowed).
 WITH p AS (
     SELECT %s::text AS job, %s::bigint AS slot, %s::text AS token, %s::text AS outcome,
@@ -289,7 +289,7 @@ SELECT token FROM run
 
 -- name: check
 -- Failover (issue 21): n.quiet is the end of the quarantine after a detected promotion
--- (failover_v4.sql; NULL before any): a watched run missing before it was lost with the
+-- (failover_v<N>.sql; NULL before any): a watched run missing before it was lost with the
 -- old primary's commits, not deleted.
 SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id, n.quiet
 FROM (SELECT {now} AS now,
