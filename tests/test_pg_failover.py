@@ -308,3 +308,40 @@ async def test_a_scheduler_through_pgbouncer_goes_on_after_its_target_is_switche
         assert row == (0,)
     finally:
         bouncer.close()
+
+
+@pytest.mark.asyncio_only
+async def test_a_second_failover_raises_the_epoch_again(pair: Pair) -> None:
+    table = "twice_runs"
+    backend = PostgresBackend(pair.url(), table=table)
+    await backend.start()
+    second: EmbeddedReplica | None = None
+    try:
+        assert (await backend.claim(request(1, "a", "a1", SHORT_MS))).epoch == 0
+        pair.replica.wait_replayed()
+        pair.fail_over()
+        first = await until("the first epoch", lambda: backend.claim(request(1, "b", "b1")),
+                            lambda r: r.status is ClaimStatus.WON, timeout=30)
+        assert isinstance(first, ClaimResult) and first.epoch > 0 and first.attempt == 2
+        # A replica of the promoted server, then a second failover to it.
+        second = EmbeddedReplica(pair.replica)
+        second.start()
+        second.wait_replayed()
+        pair.replica.kill()
+        second.promote()
+        assert second.timeline() == 3
+        moved = PostgresBackend(second.dsn, table=table)
+        await moved.start()
+        try:
+            again = await until("the second epoch", lambda: moved.claim(request(1, "c", "c1")),
+                                lambda r: r.status is ClaimStatus.WON, timeout=30)
+        finally:
+            await moved.close()
+        assert isinstance(again, ClaimResult) and again.epoch > first.epoch
+        assert again.attempt == 3
+        assert fence_of(again.epoch, 3) > fence_of(first.epoch, 2) > 1
+        assert meta_failover(second.dsn, table).startswith(f"00000003 {again.epoch} ")
+    finally:
+        await backend.close()
+        if second is not None:
+            second.stop()
