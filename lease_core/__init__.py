@@ -26,6 +26,7 @@ from .errors import (
 )
 from .events import (
     AttemptEnded,
+    Cancelled,
     Claimed,
     Completed,
     Escalated,
@@ -67,6 +68,7 @@ __all__ = [
     "AuthenticationFailed",
     "Backend",
     "BackendUnavailable",
+    "Cancelled",
     "Checkpoint",
     "Claimed",
     "Completed",

@@ -229,6 +229,11 @@ class HeartbeatResult:
     """Tokens whose lease was renewed now; ``None`` means all of :attr:`held`. A backend
     may skip renewing a run that a transaction has locked (a fenced transaction), which
     stays held."""
+    cancelled: dict[str, int] = field(default_factory=dict)
+    """Tokens whose run an operator cancelled (:meth:`~lease_core.Admin.cancel`), each with
+    the cancel's grace in milliseconds: the holder asks its handler to stop and cancels
+    it once the grace has passed. Never in :attr:`held`. A backend without
+    operations leaves it empty (the holder then finds its lease lost)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,8 @@ class RedisOperations(RedisStore):
         (reply,) = await self._run_acked([self._eval(
             "operate", [keys["job"], keys["open"], keys["att"], keys["done"]],
             [str(op.kind), "" if op.slot is None else int(op.slot), op.by,
-             f"{self._tag(op.job)}:run:"])], f"the operation {op.kind} of {op.job!r}",
+             f"{self._tag(op.job)}:run:", int(op.grace_ms)])],
+            f"the operation {op.kind} of {op.job!r}",
             lambda replies: as_text(replies[0]).startswith("|"))  # refused: 'why|...'
         refused, slot, status = as_text(reply).split("|")
         return OperationResult(refused or None, int(slot) if slot else None,

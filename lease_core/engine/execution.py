@@ -109,6 +109,21 @@ class Executor:
         logger.warning("%s slot %s: %s; handler cancelled", run.job.name,
                        format_slot(lease.slot), why)
 
+    def cancel_after(self, run: Run, grace_ms: int) -> None:
+        """An operator cancelled the held run (its heartbeat answered "cancelled"): ask
+        its handler to stop now (``ctx.stopping``), cancel it ``grace_ms`` later."""
+        execution, lease = run.execution, run.lease
+        assert execution is not None and lease is not None
+        if execution.cancelled:
+            return
+        execution.cancelled = True
+        execution.cancel_reason = Interruption.CANCELLED
+        execution.ctx._request_stop("run cancelled by an operator")
+        # Nobody takes a cancelled run over: the lease's own deadline no longer applies.
+        execution.set_deadline(anyio.current_time() + grace_ms / 1000)
+        logger.warning("%s slot %s: cancelled by an operator; the handler has %gs to stop",
+                       run.job.name, format_slot(lease.slot), grace_ms / 1000)
+
     def ended(self, kind: type[ev.AttemptEnded], lease: Lease, **extra: Any) -> None:
         """Report the end of the attempt holding ``lease`` (once)."""
         s = self._s
@@ -133,10 +148,14 @@ class Executor:
         ending = decide_outcome(
             raised=ran.raised, timed_out=ran.timed_out, timeout=job.timeout,
             interrupted=ran.interrupted, lost=execution.lost, stopping=s.stopping,
-            crashed=s.crashed,
+            crashed=s.crashed, cancelled=execution.cancelled,
         )
         outcome, error = ending.outcome, ending.error
         if outcome is None:
+            return
+        if outcome is Outcome.CANCELLED:  # the store ended the run already (Admin.cancel)
+            self.ended(ev.Cancelled, lease)
+            s.runs.release(run)
             return
         if outcome is Outcome.LOST:
             self._lost(run, error or "lease lost", ran.interrupted)

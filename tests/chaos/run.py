@@ -929,10 +929,10 @@ LOSS_WINDOW_S = 2.0
 
 def _own_failovers(store: ChaosStore, faults: list[Fault]) -> list[Fault]:
     """``faults`` with the failovers the store made by itself (``failover-own``): those of
-    :meth:`ChaosStore.failovers` that no injected failover overlaps."""
+    :meth:`ChaosStore.failover_windows` that no injected failover overlaps."""
     injected = [f for f in faults if f.kind == "failover"]
     own = [Fault("failover-own", store.kind, start, end)
-           for start, end in store.failovers()
+           for start, end in store.failover_windows()
            if not any(f.start - 1 <= end and start <= f.end + 1 for f in injected)]
     return sorted(faults + own, key=lambda f: f.start)
 
