@@ -286,7 +286,8 @@ class RedisSentinelChaosStore(ChaosStore):
     def _listen(self) -> None:
         """Record the Sentinel's failovers as it announces them (its pub/sub events)."""
         assert self.sentinel is not None
-        pubsub = redis.Redis(port=self.sentinel.port).pubsub(ignore_subscribe_messages=True)
+        pubsub = redis.Redis(host="127.0.0.1", port=self.sentinel.port).pubsub(
+            ignore_subscribe_messages=True)
 
         def seen(message: dict[str, Any]) -> None:
             self._seen.append((time.time(), message["channel"].decode()))
@@ -382,6 +383,7 @@ class RedisSentinelChaosStore(ChaosStore):
     def close(self) -> None:
         if self._listener is not None:
             self._listener.stop()
+            self._listener.join(timeout=5)
         if self._probe is not None:
             self._probe.close()
         for server in (self.sentinel, self.replica, self.primary):
