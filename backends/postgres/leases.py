@@ -22,14 +22,16 @@ __all__ = ["PostgresNamedLeases", "lease_statements"]
 
 def lease_statements(schema: str | None, name: str) -> dict[str, str]:
     """The named-lease statements of the store ``table`` (``schema``, ``name``), filled:
-    ``lease_call`` (parameters op, name, holder, token, ttl_ms) and ``grant_lease``.
+    ``lease_acquire``, ``lease_renew``, ``lease_release`` (see ``leases.sql``) and
+    ``grant_lease``.
 
     Public for the benchmarks, which run the very same statements through a raw driver.
     """
     prefix = quote_ident(schema) + "." if schema else ""
     names = {"lease": prefix + quote_ident(name + LEASE_SUFFIX),
              "meta": prefix + quote_ident(name + "_meta"), "now": NOW}
-    return {key: QUERIES[key].format(**names).strip() for key in ("lease_call", "grant_lease")}
+    return {key: QUERIES[key].format(**names).strip()
+            for key in ("lease_acquire", "lease_renew", "lease_release", "grant_lease")}
 
 
 class PostgresNamedLeases:
@@ -46,20 +48,19 @@ class PostgresNamedLeases:
         ``<table>_meta``)."""
         check_lease(name, holder=holder, ttl_ms=ttl_ms)
         [(held, token, expires, now, current)] = await self._adapter.all(
-            self._sql.lease_call, ("acquire", name, holder, None, ttl_ms))
+            self._sql.lease_acquire, (name, holder, ttl_ms))
         return LeaseAnswer(bool(held), int(token), int(expires), int(now), current)
 
     async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
         """Extend the live hold of ``token``: one call (an ``UPDATE`` on ``<table>_meta``)."""
         check_lease(name, ttl_ms=ttl_ms, token=token)
-        [(held, _, expires, _, _)] = await self._adapter.all(
-            self._sql.lease_call, ("renew", name, None, str(token), ttl_ms))
-        return int(expires) if held else None
+        [(expires,)] = await self._adapter.all(self._sql.lease_renew,
+                                               (name, str(token), ttl_ms))
+        return None if expires is None else int(expires)
 
     async def release_lease(self, name: str, token: int) -> bool:
         """Free ``name`` if ``token`` holds it live: one call (an ``UPDATE`` on
         ``<table>_meta``)."""
         check_lease(name, token=token)
-        [(held, *_)] = await self._adapter.all(
-            self._sql.lease_call, ("release", name, None, str(token), None))
+        [(held,)] = await self._adapter.all(self._sql.lease_release, (name, str(token)))
         return bool(held)
