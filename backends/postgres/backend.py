@@ -323,9 +323,11 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
             [lease.job for lease in leases], [lease.slot for lease in leases],
             [lease.token for lease in leases], [lease.lease_ms for lease in leases],
         ))
-        now, held, renewed = rows[0]
+        now, held, renewed, cancelled, graces = rows[0]
         return HeartbeatResult(int(now), frozenset(str(t) for t in held or ()),
-                               frozenset(str(t) for t in renewed or ()))
+                               frozenset(str(t) for t in renewed or ()),
+                               {str(t): int(g) for t, g in zip(cancelled or (), graces or (),
+                                                               strict=True)})
 
     async def _finish_one(self, lease: Lease, status: RunStatus, error: str | None) -> bool:
         """End the attempt in one fenced ``UPDATE`` (the attempt row in the same statement)."""

@@ -206,6 +206,11 @@ class StoreSchema:
             for statement in (self._sql.add_operations_runs, self._sql.add_operations_jobs,
                               self._sql.add_operations_attempts):
                 await tx.all(statement)
+        # Retries within a run: the run row's retry counter (queries.sql, retry_later).
+        [(has_retry_counter,)] = await tx.all(self._sql.has_retry_counter,
+                                              (self._sql.runs_table,))
+        if not has_retry_counter:
+            await tx.all(self._sql.add_retry_counter)
         # SECURITY INVOKER: the caller's table privileges apply. EXECUTE is PUBLIC by
         # default; granted explicitly in case default privileges revoke it.
         if not function:

@@ -171,7 +171,8 @@ SELECT j.job, j.first_seen_ms, j.last_slot, j.new,
 FROM j
 
 -- name: heartbeat
--- A run locked by a fenced transaction is skipped, not waited for.
+-- A run locked by a fenced transaction is skipped, not waited for. Answers the store's
+-- now, the tokens held, those renewed, and the cancelled ones with their grace.
 WITH u AS (
     SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bigint[])
         AS u(job, slot, token, lease_ms)),
@@ -189,8 +190,16 @@ renewed AS (
     UPDATE {runs} r SET expires_ms = {now} + k.lease_ms, heartbeat_ms = {now}
     FROM lockable k
     WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
-    RETURNING r.token)
-SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
+    RETURNING r.token),
+-- cancel(grace=): a run an operator cancelled keeps its holder's token; its expires_ms is
+-- the cancel's time (its attempt's finished_ms) plus the grace (operate_v4.sql).
+cancelled AS (
+    SELECT r.token, GREATEST(r.expires_ms - COALESCE(a.finished_ms, {now}), 0) AS grace_ms
+    FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
+    LEFT JOIN {attempts} a ON a.job = r.job AND a.slot = r.slot AND a.attempt = r.attempt
+    WHERE r.status = 'cancelled' AND r.expires_ms IS NOT NULL)
+SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed),
+       ARRAY(SELECT token FROM cancelled), ARRAY(SELECT grace_ms FROM cancelled)
 
 -- name: finish
 -- One call of the finish function (finish_v<N>.sql), whose plans are cached per
@@ -218,33 +227,35 @@ SELECT token FROM run
 -- name: retry_later
 -- Retries within a run (issue 19, part 1): the fenced end of a failed attempt, as the
 -- finish function ends it, leaving the run 'retrying' (no token; expires_ms the retry's
--- due time, on the store's clock) while it had fewer retries (attempts with reason
--- 'retry') than there are delays, else ending the run with the outcome. One row, the
--- retry's number (0: the run ended); none when the token no longer holds the run.
+-- due time, on the store's clock) while it had fewer retries than there are delays, else
+-- ending the run with the outcome. One row, the retry's number (0: the run ended); none
+-- when the token no longer holds the run.
+-- Retry counter: the run row's retries (NULL: none yet) counts the retries this
+-- statement granted, so trimming history never allows extra ones (memory and Redis keep
+-- theirs in the run too); an operator's retry (operate_v4.sql) does not count.
 -- Parameters: job, slot, token, outcome, error, delays (ms, one per retry allowed).
 WITH p AS (
     SELECT %s::text AS job, %s::bigint AS slot, %s::text AS token, %s::text AS outcome,
            %s::text AS error, %s::bigint[] AS delays),
-n AS (
-    SELECT count(*)::integer AS retries FROM {attempts} a, p
-    WHERE a.job = p.job AND a.slot = p.slot AND a.reason = 'retry'),
 run AS (
     UPDATE {runs} r
-    SET status = CASE WHEN n.retries < cardinality(p.delays) THEN 'retrying'
+    SET status = CASE WHEN COALESCE(r.retries, 0) < cardinality(p.delays) THEN 'retrying'
                       ELSE p.outcome END,
         token = NULL,
-        expires_ms = CASE WHEN n.retries < cardinality(p.delays)
-                          THEN {now} + p.delays[n.retries + 1] END
-    FROM p, n
+        expires_ms = CASE WHEN COALESCE(r.retries, 0) < cardinality(p.delays)
+                          THEN {now} + p.delays[COALESCE(r.retries, 0) + 1] END,
+        retries = CASE WHEN COALESCE(r.retries, 0) < cardinality(p.delays)
+                       THEN COALESCE(r.retries, 0) + 1 ELSE r.retries END
+    FROM p
     WHERE r.job = p.job AND r.slot = p.slot AND r.token = p.token AND r.status = 'running'
-    RETURNING r.attempt, r.status, n.retries),
+    RETURNING r.attempt, r.status, r.retries),
 att AS (
     UPDATE {attempts} a SET outcome = p.outcome, error = p.error, finished_ms = {now}
     FROM p, run
     WHERE a.job = p.job AND a.slot = p.slot AND a.attempt = run.attempt
       AND a.outcome IS NULL
     RETURNING 1)
-SELECT CASE WHEN run.status = 'retrying' THEN run.retries + 1 ELSE 0 END FROM run
+SELECT CASE WHEN run.status = 'retrying' THEN run.retries ELSE 0 END FROM run
 
 -- name: hand_over
 WITH u AS (
