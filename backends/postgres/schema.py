@@ -22,6 +22,7 @@ from .statements import (
     BATCH_SUFFIX,
     CLAIM_SUFFIX,
     CODE_VERSION,
+    FAILOVER_SUFFIX,
     FINISH_SUFFIX,
     FORMAT_VERSION,
     LEASE_SUFFIX,
@@ -59,7 +60,7 @@ class StoreSchema:
             self._table_names(),
             [self._name + suffix
              for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
-                            LEASE_SUFFIX)],
+                            FAILOVER_SUFFIX, LEASE_SUFFIX)],
             self._schema))
         if not rows:
             if self._schema is None:
@@ -214,6 +215,12 @@ class StoreSchema:
         # SECURITY INVOKER: the caller's table privileges apply. EXECUTE is PUBLIC by
         # default; granted explicitly in case default privileges revoke it.
         if not function:
+            # Failover (issue 21): the detection function the claims call, and the claim
+            # functions of an unreleased store of this version (without the epoch) dropped first.
+            await tx.all(self._sql.create_failover_function)
+            await tx.all(self._sql.grant_failover)
+            await tx.all(self._sql.drop_claim_unfenced)
+            await tx.all(self._sql.drop_batch_unfenced)
             await tx.all(self._sql.create_claim_function)
             await tx.all(self._sql.grant_claim)
             await tx.all(self._sql.create_batch_function)

@@ -19,6 +19,7 @@ __all__ = [
     "BATCH_SUFFIX",
     "CLAIM_SUFFIX",
     "CODE_VERSION",
+    "FAILOVER_SUFFIX",
     "FINISH_FUNCTION",
     "FINISH_SUFFIX",
     "FORMAT_VERSION",
@@ -53,6 +54,9 @@ FINISH_SUFFIX = f"_end_v{CODE_VERSION}"
 #: The suffix of this release's operations function, ``<table>_op_v<CODE_VERSION>``
 #: (``postgres_sql/operate_v<N>.sql``; lease_core/operations.py).
 OPERATE_SUFFIX = f"_op_v{CODE_VERSION}"
+#: The suffix of the failover detection function, ``<table>_fo_v<CODE_VERSION>``
+#: (``postgres_sql/failover_v<N>.sql``; issue 21).
+FAILOVER_SUFFIX = f"_fo_v{CODE_VERSION}"
 #: The suffix of this release's named-lease function, ``<table>_lease_v<CODE_VERSION>``
 #: (``postgres_sql/lease_v<N>.sql``; lease_core/lease.py).
 LEASE_SUFFIX = f"_lease_v{CODE_VERSION}"
@@ -66,7 +70,8 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
              "_a_fin", "_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3",
-             CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX, LEASE_SUFFIX)
+             CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
+             FAILOVER_SUFFIX, LEASE_SUFFIX)
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
@@ -119,6 +124,8 @@ FINISH_FUNCTION = _sql_file(f"finish_v{CODE_VERSION}.sql")
 QUERIES.update(parse_queries(_sql_file("operations.sql")))
 #: The operations function of this release (``postgres_sql/operate_v<CODE_VERSION>.sql``).
 OPERATE_FUNCTION = _sql_file(f"operate_v{CODE_VERSION}.sql")
+#: Failover detection (issue 21): the function the claims and named leases call.
+FAILOVER_FUNCTION = _sql_file(f"failover_v{CODE_VERSION}.sql")
 # Named leases: their calls (postgres_sql/leases.sql) and function.
 QUERIES.update(parse_queries(_sql_file("leases.sql")))
 #: The named-lease function of this release (``postgres_sql/lease_v<CODE_VERSION>.sql``).
@@ -207,6 +214,7 @@ class Statements:
             "batch_v3": prefix + quote_ident(name + "_batch_v3"),
             "finish": prefix + quote_ident(name + FINISH_SUFFIX),
             "operate": prefix + quote_ident(name + OPERATE_SUFFIX),
+            "failover": prefix + quote_ident(name + FAILOVER_SUFFIX),
             "lease": prefix + quote_ident(name + LEASE_SUFFIX),
             "claim": prefix + quote_ident(name + CLAIM_SUFFIX),
             "batch": prefix + quote_ident(name + BATCH_SUFFIX),
@@ -227,6 +235,7 @@ class Statements:
         self.create_batch_function = fill(BATCH_FUNCTION)
         self.create_finish_function = fill(FINISH_FUNCTION)
         self.create_operate_function = fill(OPERATE_FUNCTION)
+        self.create_failover_function = fill(FAILOVER_FUNCTION)
         self.create_lease_function = fill(LEASE_FUNCTION)
         self.create_claim_v1 = fill(CLAIM_FUNCTION_V1)
         self.create_claim_v2 = fill(CLAIM_FUNCTION_V2)

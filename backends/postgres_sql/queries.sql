@@ -142,16 +142,30 @@ GRANT EXECUTE ON FUNCTION {claim_v3}({claim_arg_types}) TO PUBLIC
 GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[], text[],
                                      boolean[], bigint[]) TO PUBLIC
 
+-- name: grant_failover
+-- Failover detection (issue 21): the function claims and named leases call.
+GRANT EXECUTE ON FUNCTION {failover}(bigint) TO PUBLIC
+
+-- name: drop_claim_unfenced
+-- Failover (issue 21): the claim and batch functions of this code version before they
+-- returned the epoch (an unreleased store); CREATE OR REPLACE cannot change a result type.
+DROP FUNCTION IF EXISTS {claim}({claim_arg_types})
+
+-- name: drop_batch_unfenced
+DROP FUNCTION IF EXISTS {batch}(text[], bigint[], text[], text[], bigint[], text[],
+                                boolean[], bigint[])
+
 -- name: grant_claim_v1
 GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types_v2}) TO PUBLIC
 
 -- name: claim
-SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance, c_epoch
 FROM {claim}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
                 %s::boolean, %s::bigint)
 
 -- name: claim_many
-SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance,
+       c_epoch
 FROM {batch}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
                 %s::boolean[], %s::bigint[])
 
@@ -192,7 +206,7 @@ renewed AS (
     WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
     RETURNING r.token),
 -- cancel(grace=): a run an operator cancelled keeps its holder's token; its expires_ms is
--- the cancel's time (its attempt's finished_ms) plus the grace (operate_v4.sql).
+-- the cancel's time (its attempt's finished_ms) plus the grace (operate_v<N>.sql).
 cancelled AS (
     SELECT r.token, GREATEST(r.expires_ms - COALESCE(a.finished_ms, {now}), 0) AS grace_ms
     FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
@@ -232,7 +246,7 @@ SELECT token FROM run
 -- when the token no longer holds the run.
 -- Retry counter: the run row's retries (NULL: none yet) counts the retries this
 -- statement granted, so trimming history never allows extra ones (memory and Redis keep
--- theirs in the run too); an operator's retry (operate_v4.sql) does not count.
+-- theirs in the run too); an operator's retry (operate_v<N>.sql) does not count.
 -- Parameters: job, slot, token, outcome, error, delays (ms, one per retry allowed).
 WITH p AS (
     SELECT %s::text AS job, %s::bigint AS slot, %s::text AS token, %s::text AS outcome,
@@ -274,8 +288,13 @@ att AS (
 SELECT token FROM run
 
 -- name: check
-SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id
-FROM (SELECT {now} AS now) AS n
+-- Failover (issue 21): n.quiet is the end of the quarantine after a detected promotion
+-- (failover_v<N>.sql; NULL before any): a watched run missing before it was lost with the
+-- old primary's commits, not deleted.
+SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id, n.quiet
+FROM (SELECT {now} AS now,
+             (SELECT split_part(m.value, ' ', 3)::bigint FROM {meta} m
+              WHERE m.key = 'failover') AS quiet) AS n
 LEFT JOIN ({runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
            ON r.job = u.job AND r.slot = u.slot) ON true
 
