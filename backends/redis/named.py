@@ -20,6 +20,7 @@ server) starts a new epoch too.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from urllib.parse import quote
 
 from lease_core._named_leases import LeaseAnswer, check_lease
@@ -31,8 +32,12 @@ from .replies import as_text
 __all__ = ["RedisNamedLeases", "lease_key"]
 
 
+@lru_cache(maxsize=1024)
 def lease_key(prefix: str, name: str) -> str:
-    """The key of the named lease ``name`` under ``prefix`` (public for the benchmarks)."""
+    """The key of the named lease ``name`` under ``prefix`` (public for the benchmarks).
+
+    Cached: a process takes the same few names again and again.
+    """
     return "{" + prefix + "/lease/" + quote(name, safe="") + "}"
 
 
@@ -47,12 +52,15 @@ class RedisNamedLeases(RedisStore):
     async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
         """Take ``name`` when it is free: one ``lease_acquire.lua`` call."""
         check_lease(name, holder=holder, ttl_ms=ttl_ms)
-        ((held, epoch, number, expires, now, current),) = await self._run([self._eval(
+        (reply,) = await self._run([self._eval(
             "lease_acquire", [lease_key(self.prefix, name)], [holder, ttl_ms])])
         # (not fence_of(): a key written before epochs has epoch 0 and a larger number)
-        token = (int(epoch) << FENCE_NUMBER_BITS) + int(number)
-        return LeaseAnswer(int(held) == 1, token, int(expires), int(now),
-                           as_text(current) or None)
+        token = (int(reply[0]) << FENCE_NUMBER_BITS) + int(reply[1])
+        if len(reply) == 3:  # taken or renewed: {epoch, number, expires}
+            expires = int(reply[2])
+            return LeaseAnswer(True, token, expires, expires - ttl_ms, holder)
+        _, _, expires, now, current = reply
+        return LeaseAnswer(False, token, int(expires), int(now), as_text(current) or None)
 
     async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
         """Extend the live hold of ``token``: one ``lease_renew.lua`` call."""

@@ -12,12 +12,14 @@
 -- starts likewise. And a key that survived on a promoted replica (or a restarted server)
 -- without its newest holders: 'rid' keeps the server's replication id at the last new
 -- holder, and a new holder on a server with another id starts a new epoch.
--- ARGV: holder, ttl_ms. Returns {held (1/0), epoch, number, expires, now, holder}.
+-- ARGV: holder, ttl_ms. Returns {epoch, number, expires} when the caller holds the name
+-- (its holder is ARGV[1] and now is expires - ttl: a short reply, the hot path), else
+-- {epoch, number, expires, now, holder} of the current hold.
 local ep, tok, exp, hold, rid = unpack(redis.call('HMGET', KEYS[1], 'ep', 'tok', 'exp', 'hold',
   'rid'))
 local epoch, token, expires = tonumber(ep or '0'), tonumber(tok or '0'), tonumber(exp or '0')
 if expires > now and hold ~= ARGV[1] then
-  return {0, epoch, token, expires, now, hold or ''}
+  return {epoch, token, expires, now, hold or ''}
 end
 if expires <= now then
   local id = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
@@ -32,4 +34,4 @@ end
 expires = now + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'ep', epoch, 'tok', token, 'exp', expires, 'hold', ARGV[1],
   'rid', rid or '')
-return {1, epoch, token, expires, now, ARGV[1]}
+return {epoch, token, expires}
