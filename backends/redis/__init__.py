@@ -35,7 +35,9 @@ key                          type    content
 ``{P/E}:job``                hash    ``first_seen``, ``last_slot``, ``seq`` (attempt count),
                                      ``sid`` (marker of the job's data), ``lost`` and
                                      ``quiet`` (when a data loss was found, and the end
-                                     of its quarantine; ms)
+                                     of its quarantine; ms), ``rid`` and ``ep`` (the
+                                     server's replication id at the last win, the epoch
+                                     from a change of it; ms)
 ``{P/E}:run:<slot>``         hash    ``st`` status, ``att`` attempt, ``tok`` token, ``inst``
                                      instance, ``exp`` expiry (ms; ``tok`` and ``exp`` are
                                      ``''`` once the run ended), ``cp`` checkpoint JSON,
@@ -64,11 +66,20 @@ ticker calls for every job (``history_size`` newest, and ``history_ttl``), never
 claim; finished runs with no attempt left are deleted, so a job's keys stay bounded.
 Open runs are never deleted.
 
-``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim or a
-heartbeat. When fewer replicas acknowledge, the claim does **not** count as won and the
-heartbeat is not counted as renewed: both raise
-:class:`~lease_core.errors.BackendUnavailable`. The unacknowledged claim stays in the
-primary, unheld, until its lease expires; a backup then takes it over.
+``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim, a
+heartbeat, a finish (single or batched), a retry, a checkpoint or an operation. When
+fewer replicas acknowledge a call that wrote, the claim does **not** count as won, the
+heartbeat is not counted as renewed, the finish is not taken as done: each raises
+:class:`~lease_core.errors.BackendUnavailable`. The unacknowledged write stays in the
+primary; an unheld claim until its lease expires (a backup then takes it over).
+
+Fences (issue 21): every claim reply carries the job's epoch as ``ClaimResult.epoch``:
+the later of ``lost`` (below) and ``ep``, set when the job's first attempt won on a
+server whose replication id differs from the one the job hash recorded at its last win
+(``rid``; a promoted replica, a restarted server). An attempt numbered again after a
+failover so has a fence (:func:`lease_core.fence_of`) above every earlier one. A claim
+also finds a loss when the job's history sequence (``seq``) is below the highest one the
+caller saw. Named leases: see :mod:`~backends.redis.named`.
 
 Data loss. Data survives a server restart only as far as the server persists it (RDB or
 AOF), and a failover to a lagging replica loses the newest writes. The first claim of a

@@ -25,9 +25,10 @@ class RedisBackend(RedisNamedLeases, RedisOperations, RedisClaims, RedisLeases, 
 
     ``prefix`` starts every key (see the module docs for the layout); ``namespace`` is
     another name for it (the keyword every backend accepts). ``wait_replicas``
-    makes claims and heartbeats wait, up to ``wait_timeout``, for that many replicas to
-    acknowledge them; a short count raises
-    :class:`~lease_core.errors.BackendUnavailable` instead of winning or renewing.
+    makes claims, heartbeats, finishes, checkpoints and operations wait, up to
+    ``wait_timeout``, for that many replicas to acknowledge them; a short count raises
+    :class:`~lease_core.errors.BackendUnavailable` instead of winning, renewing or
+    finishing.
 
     A call made before :meth:`start` starts the backend itself; :meth:`close` then
     releases that hold like any other.

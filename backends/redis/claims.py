@@ -111,8 +111,15 @@ class RedisClaims(RedisStore):
         if len(self._markers) > 100_000:  # a bound for processes that make up job names
             self._markers.clear()
             self._quiet.clear()
+            self._seqs.clear()
+        seqs = self._seqs
         for request, f in zip(requests, fields, strict=True):
-            self._markers[request.job] = as_text(f[6])
+            job = request.job
+            if self._markers.get(job) != (marker := as_text(f[6])):
+                self._markers[job] = marker
+                seqs.pop(job, None)  # a new marker: a new sequence
+            if f[8] and int(f[8]) > seqs.get(job, 0):
+                seqs[job] = int(f[8])
         for result in results:
             if result.status is ClaimStatus.RUNNING and result.run_status is None:
                 self._quiet[result.job] = result.expires_ms or 0
@@ -121,13 +128,14 @@ class RedisClaims(RedisStore):
         """One ``claim_many.lua`` call for ``requests`` (a server that is not a Cluster)."""
         args: list[str | int] = [requests[0].instance_id, self._longest_ms]
         keys = []
-        markers = self._markers
+        markers, seqs = self._markers, self._seqs
         for request in requests:
             keys.append(f"{self._tag(request.job)}:job")
             limit = request.max_attempts
             args.append(f"{int(request.slot)}|{request.token}|{int(request.lease_ms)}|"
                         f"{request.reason.value}|{1 if request.overlap_skip else 0}|"
-                        f"{'' if limit is None else int(limit)}|{markers.get(request.job, '')}")
+                        f"{'' if limit is None else int(limit)}|{markers.get(request.job, '')}|"
+                        f"{seqs.get(request.job, '')}")
         return self._eval("claim_many", keys, args)
 
     def _claim_command(self, request: ClaimRequest) -> Command:
@@ -139,4 +147,5 @@ class RedisClaims(RedisStore):
                 int(request.slot), request.instance_id, request.token, int(request.lease_ms),
                 request.reason.value, 1 if request.overlap_skip else 0,
                 "" if limit is None else int(limit), f"{tag}:run:",
-                self._markers.get(request.job, ""), self._longest_ms)
+                self._markers.get(request.job, ""), self._longest_ms,
+                self._seqs.get(request.job, ""))

@@ -10,7 +10,7 @@ records), combined in :class:`~backends.redis.RedisBackend`.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 from urllib.parse import quote
 
@@ -127,6 +127,9 @@ class RedisStore(Backend):
         # Per job, the end of the quarantine its last claim found: until then every
         # missing run of the job was lost with the data (nothing is deleted meanwhile).
         self._quiet: dict[str, int] = {}
+        # Fences (issue 21): per job, the highest history sequence ('seq') a claim
+        # answered with the current marker: a store below it lost writes.
+        self._seqs: dict[str, int] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -254,6 +257,19 @@ class RedisStore(Backend):
         if self.wait_replicas is None:
             return []
         return [("WAIT", self.wait_replicas, self._wait_timeout_ms)]
+
+    # -- wait_replicas on finishes, checkpoints and operations (issue 21, item 3)
+    async def _run_acked(self, commands: Sequence[Command], what: str,
+                         wrote: Callable[[list[Any]], bool]) -> list[Any]:
+        """:meth:`_run`, then ``WAIT`` in the same round trip (with ``wait_replicas``):
+        when ``wrote(replies)`` and fewer replicas acknowledged, raise
+        :class:`~lease_core.errors.BackendUnavailable` naming ``what``."""
+        if self.wait_replicas is None:
+            return await self._run(commands)
+        replies = await self._run([*commands, *self._wait()])
+        if wrote(replies[:-1]):
+            self._check_wait(replies[-1], what)
+        return replies[:-1]
 
     def _check_wait(self, reply: Any, what: str) -> None:
         acks = int(reply)

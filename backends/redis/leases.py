@@ -21,6 +21,11 @@ _FINISH_STATUS: dict[object, str] = {
     o: finish_status(o).value for o in (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT)}
 
 
+def _any_done(replies: list[Any]) -> bool:
+    """True when a script of ``replies`` wrote (answered a number other than 0)."""
+    return any(int(reply) != 0 for reply in replies)
+
+
 class RedisLeases(RedisStore):
     """What a :class:`~backends.redis.RedisBackend` does with the runs it holds or watches."""
 
@@ -73,7 +78,9 @@ class RedisLeases(RedisStore):
         :meth:`~lease_core.abc.Backend.finish`)."""
         status = (_FINISH_STATUS.get(outcome) if isinstance(outcome, str) else None
                   ) or finish_status(outcome).value
-        (done,) = await self._run((self._finish_command(lease, status, error),))
+        (done,) = await self._run_acked(
+            (self._finish_command(lease, status, error),),
+            f"the finish of {lease.job!r} slot {lease.slot}", _any_done)
         return int(done) == 1
 
     async def finish_many(
@@ -85,7 +92,9 @@ class RedisLeases(RedisStore):
                     for lease, outcome, error in items]
         if not commands:
             return []
-        return [int(done) == 1 for done in await self._run(commands)]
+        replies = await self._run_acked(commands, f"the finishes of {len(commands)} runs",
+                                        _any_done)
+        return [int(done) == 1 for done in replies]
 
     def _finish_command(self, lease: Lease, status: str, error: str | None) -> Command:
         tag = self._tag(lease.job)
@@ -108,7 +117,11 @@ class RedisLeases(RedisStore):
                 "retry_later", [f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:att", f"{tag}:done"],
                 [lease.token, slot, finish_status(outcome).value, error or "",
                  *(int(d) for d in delays)]))
-        return [int(answer) for answer in await self._run(commands)] if commands else []
+        if not commands:
+            return []
+        replies = await self._run_acked(commands, f"the retries of {len(commands)} runs",
+                                        lambda found: any(int(r) >= 0 for r in found))
+        return [int(answer) for answer in replies]
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
         """Mark each held run ``handed_over``, in one pipelined round trip."""
@@ -166,14 +179,14 @@ class RedisLeases(RedisStore):
     async def set_checkpoint(self, lease: Lease, value: Any) -> bool:
         """Store the checkpoint as JSON text, fenced by the lease's token."""
         text = encode_checkpoint(value)
-        (done,) = await self._run([self._eval(
+        (done,) = await self._run_acked([self._eval(
             "checkpoint", [self._run_key(lease.job, lease.slot)], [lease.token, "set", text]
-        )])
+        )], f"the checkpoint of {lease.job!r} slot {lease.slot}", _any_done)
         return int(done) == 1
 
     async def delete_checkpoint(self, lease: Lease) -> bool:
         """Remove the checkpoint, fenced by the lease's token."""
-        (done,) = await self._run([self._eval(
+        (done,) = await self._run_acked([self._eval(
             "checkpoint", [self._run_key(lease.job, lease.slot)], [lease.token, "del", ""]
-        )])
+        )], f"the checkpoint deletion of {lease.job!r} slot {lease.slot}", _any_done)
         return int(done) == 1

@@ -25,10 +25,12 @@ class RedisOperations(RedisStore):
     async def operate(self, op: Operation) -> OperationResult:
         """Make ``op`` in one call of ``operate.lua``, or refuse it (see there)."""
         keys = self._job_keys(op.job)
-        (reply,) = await self._run([self._eval(
+        (reply,) = await self._run_acked([self._eval(
             "operate", [keys["job"], keys["open"], keys["att"], keys["done"]],
             [str(op.kind), "" if op.slot is None else int(op.slot), op.by,
-             f"{self._tag(op.job)}:run:", int(op.grace_ms)])])
+             f"{self._tag(op.job)}:run:", int(op.grace_ms)])],
+            f"the operation {op.kind} of {op.job!r}",
+            lambda replies: as_text(replies[0]).startswith("|"))  # refused: 'why|...'
         refused, slot, status = as_text(reply).split("|")
         return OperationResult(refused or None, int(slot) if slot else None,
                                RunStatus(status) if status else None)

@@ -48,8 +48,8 @@ _RUN_STATUS = _members(RunStatus)
 
 def claim_fields(reply: Any) -> list[Any]:
     """The claim script's reply, ``status|now|attempt|reason|expires|run_status|marker|
-    instance`` (``''`` for none; the instance last, whatever it holds), split."""
-    fields: list[Any] = reply.split(b"|" if isinstance(reply, bytes) else "|", 7)
+    epoch|seq|instance`` (``''`` for none; the instance last, whatever it holds), split."""
+    fields: list[Any] = reply.split(b"|" if isinstance(reply, bytes) else "|", 9)
     return fields
 
 
@@ -76,11 +76,11 @@ def counted_replies(blob: Any, encoding: str = "utf-8",
 
 def claim_result(request: ClaimRequest, fields: list[Any]) -> ClaimResult:
     """A claim's :func:`claim_fields` as a :class:`ClaimResult`."""
-    status, now, attempt, reason, expires, run_status, _marker, instance = fields
+    status, now, attempt, reason, expires, run_status, _marker, epoch, _seq, instance = fields
     return ClaimResult(
         _CLAIM_STATUS[status], request.job, request.slot, int(now), int(attempt),
         _REASON[reason], int(expires) if expires else None, _RUN_STATUS[run_status],
-        as_text(instance) or None,
+        as_text(instance) or None, epoch=int(epoch) if epoch else 0,
     )
 
 

@@ -14,8 +14,9 @@
 -- lease_ms, max_attempts (nil = none): numbers; reason: text; overlap_skip: boolean;
 -- run_prefix: {p/job}:run:; seen: the marker the caller saw ('' = none yet);
 -- longest: the longest lease the caller knows (ms).
--- Returns 'status|now|attempt|reason|expires|run_status|marker|instance' ('' = none):
--- one string, which a client reads at a fraction of the cost of an array of eight.
+-- Returns 'status|now|attempt|reason|expires|run_status|marker|epoch|seq|instance' ('' =
+-- none; epoch: see reply()): one string, which a client reads at a fraction of the
+-- cost of an array of ten.
 -- A first win costs 8 commands: TIME, HMGET job, HMGET run, ZRANGEBYSCORE open (with
 -- overlap_skip), HSET run, ZADD open, HSET job, ZADD hist.
 local function num(v)
@@ -25,10 +26,16 @@ local function num(v)
   return v or ''
 end
 
-local function reply(status, attempt, why, expires, run_status, sid, instance)
+-- Fences (issue 21): `epoch` is the job's epoch (the store's clock, ms): the later of
+-- 'lost' (when a loss of its data was found) and 'ep' (when its data was found on
+-- another server, see identity_epoch); 0 = never. It is sent with every reply so that
+-- each attempt numbered after it carries it (lease_core.fence_of).
+-- `seq` is the job's history sequence after the claim, which the caller remembers: a
+-- store whose sequence is below one a caller saw lost writes (see 0.).
+local function reply(status, attempt, why, expires, run_status, sid, instance, epoch, seq)
   return status .. '|' .. string.format('%d', now) .. '|' .. num(attempt or 0) .. '|'
     .. (why or '') .. '|' .. num(expires) .. '|' .. (run_status or '') .. '|'
-    .. (sid or '') .. '|' .. (instance or '')
+    .. (sid or '') .. '|' .. num(epoch) .. '|' .. num(seq) .. '|' .. (instance or '')
 end
 
 -- Write the job's fields gathered by the claim (jf: field, value, ...), if any.
@@ -38,17 +45,43 @@ local function write_job(job, jf)
   end
 end
 
--- Add attempt `id` to the history, its sequence number written with the job's fields.
+-- Add attempt `id` to the history, its sequence number written with the job's fields;
+-- returns the new sequence number.
 local function add_history(job, hist, jf, seq, id)
   seq = (tonumber(seq) or 0) + 1
   jf[#jf + 1] = 'seq'
   jf[#jf + 1] = seq
   redis.call('HSET', job, unpack(jf))
   redis.call('ZADD', hist, seq, id)
+  return seq
+end
+
+-- Fences (issue 21): the epoch of an attempt won now. The job hash keeps 'rid', the
+-- server's replication id at the job's last win: a promoted replica takes a new one (and
+-- so may a restarted server), so a different id means the job's data changed servers
+-- and may have lost writes that no marker can show (the newest claims of a job whose
+-- keys survived). The job then starts a new epoch, 'ep' = now: every attempt won from
+-- now on is fenced above every attempt won before, without a quarantine (the marker
+-- and the sequence find the losses that need one). A job with no 'rid' yet (new, or
+-- written before it was kept) just records it. INFO is read on wins only.
+-- jf: the job's fields to write; rid: the stored id; epoch: the job's epoch so far.
+local function identity_epoch(jf, rid, epoch)
+  local id = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+  if id == rid then
+    return epoch
+  end
+  jf[#jf + 1] = 'rid'
+  jf[#jf + 1] = id
+  if rid then
+    epoch = math.max(epoch, now)
+    jf[#jf + 1] = 'ep'
+    jf[#jf + 1] = epoch
+  end
+  return epoch
 end
 
 local function claim(job, run, open, hist, att, done, slot, inst, token, lease_ms, reason,
-                     overlap_skip, max_attempts, run_prefix, seen, longest)
+                     overlap_skip, max_attempts, run_prefix, seen, longest, seen_seq)
   local slot_n = tonumber(slot)
 
   -- 0. Data loss (a restart without persistence, a failover to a lagging replica): the
@@ -58,9 +91,25 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   -- extends it, never shortens it). `seen` is the marker the caller saw ('' = none
   -- yet), `longest` the longest lease it knows (ms). The same HMGET reads the job's
   -- registration, watermark and history sequence.
-  local sid, lost, quiet, first, last, seq, paused = unpack(redis.call('HMGET', job, 'sid',
-    'lost', 'quiet', 'first_seen', 'last_slot', 'seq', 'paused'))
+  local sid, lost, quiet, first, last, seq, paused, rid, ep = unpack(redis.call('HMGET', job,
+    'sid', 'lost', 'quiet', 'first_seen', 'last_slot', 'seq', 'paused', 'rid', 'ep'))
   quiet = tonumber(quiet)
+  -- Fences (issue 21): a job whose keys survived with its marker can still have lost its
+  -- newest writes (a replica promoted a little behind, or while the old primary still
+  -- took writes). The caller's `seen_seq` is the highest history sequence it saw: a store
+  -- below it lost them. That is a new loss: a new marker (so that every other caller
+  -- finds it changed), 'lost' now (the epoch of the attempts numbered from now on), the
+  -- quarantine, and the sequence raised to the caller's (so that the callers that saw
+  -- no more than it do not find the same loss again).
+  if seen ~= '' and sid == seen and (seen_seq or 0) > (tonumber(seq) or 0) then
+    sid = redis.sha1hex(token)
+    lost = now
+    seq = seen_seq
+    if not quiet or quiet < lost + longest then
+      quiet = lost + longest
+    end
+    redis.call('HSET', job, 'sid', sid, 'lost', lost, 'quiet', quiet, 'seq', seq)
+  end
   if seen ~= '' and sid ~= seen then
     if not sid then
       sid = redis.sha1hex(token)  -- new and unique, and does not reveal the token
@@ -75,8 +124,9 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       redis.call('HSET', job, 'quiet', quiet)
     end
   end
+  local epoch = math.max(tonumber(lost) or 0, tonumber(ep) or 0)
   if quiet and quiet > now then
-    return reply('running', 0, '', quiet, '', sid, '')  -- no run: claim again after quiet
+    return reply('running', 0, '', quiet, '', sid, '', epoch, seq)  -- no run: claim again after quiet
   end
 
   -- 1. the job's fields to write, in one HSET whatever the answer: its marker (the
@@ -106,8 +156,8 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst, 'n', 1,
         'r', reason, 'c', now, 'o', 'skipped', 'e', 'job paused by ' .. paused, 'f', now)
       redis.call('ZADD', done, now, slot .. ':1')
-      add_history(job, hist, jf, seq, slot .. ':1')
-      return reply('skipped', 1, '', nil, 'skipped', sid, inst)
+      seq = add_history(job, hist, jf, seq, slot .. ':1')
+      return reply('skipped', 1, '', nil, 'skipped', sid, inst, epoch, seq)
     end
     if overlap_skip then
       for _, other in ipairs(redis.call('ZRANGEBYSCORE', open, '-inf', '(' .. slot)) do
@@ -117,8 +167,8 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
             'r', reason, 'c', now, 'o', 'skipped',
             'e', 'an earlier run of the job still holds its lease', 'f', now)
           redis.call('ZADD', done, now, slot .. ':1')
-          add_history(job, hist, jf, seq, slot .. ':1')
-          return reply('skipped', 1, '', nil, 'skipped', sid, inst)
+          seq = add_history(job, hist, jf, seq, slot .. ':1')
+          return reply('skipped', 1, '', nil, 'skipped', sid, inst, epoch, seq)
         end
       end
     end
@@ -126,8 +176,9 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     redis.call('HSET', run, 'st', 'running', 'att', 1, 'tok', token, 'inst', inst,
       'exp', expires, 'tk', 0, 'n', 1, 'r', reason, 'c', now)
     redis.call('ZADD', open, slot, slot)
-    add_history(job, hist, jf, seq, slot .. ':1')
-    return reply('won', 1, reason, expires, 'running', sid, inst)
+    epoch = identity_epoch(jf, rid, epoch)
+    seq = add_history(job, hist, jf, seq, slot .. ':1')
+    return reply('won', 1, reason, expires, 'running', sid, inst, epoch, seq)
   end
 
   -- A claim sent again with the token that holds the run (its first try took effect and
@@ -139,19 +190,19 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       local rec = redis.call('HGET', att, slot .. ':' .. attempt)
       why = rec and cjson.decode(rec).r or reason
     end
-    return reply('won', attempt, why, exp, st, sid, holder)
+    return reply('won', attempt, why, exp, st, sid, holder, epoch, seq)
   end
 
   -- 3. finished; 4. live lease held by another attempt
   if FINISHED[st] then
     write_job(job, jf)
-    return reply('finished', attempt, '', exp, st, sid, holder)
+    return reply('finished', attempt, '', exp, st, sid, holder, epoch, seq)
   end
   attempt = tonumber(attempt)
   -- (a 'retrying' run waits for its retry's due time like a live lease: issue 19)
   if (st == 'running' or st == 'retrying') and exp and tonumber(exp) > now then
     write_job(job, jf)
-    return reply('running', attempt, '', exp, st, sid, holder)
+    return reply('running', attempt, '', exp, st, sid, holder, epoch, seq)
   end
 
   -- 5. handed over; 6. expired (escalate when the first attempt and the takeovers reach
@@ -204,7 +255,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       redis.call('HDEL', run, 'tok', 'exp')
       redis.call('ZREM', open, slot)
       write_job(job, jf)
-      return reply('escalated', attempt, '', nil, 'escalated', sid, holder)
+      return reply('escalated', attempt, '', nil, 'escalated', sid, holder, epoch, seq)
     end
     if c then
       if not o then
@@ -232,6 +283,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   end
   redis.call('HSET', run, unpack(fields))
   redis.call('ZADD', open, slot, slot)
-  add_history(job, hist, jf, seq, slot .. ':' .. (attempt + 1))
-  return reply('won', attempt + 1, why, expires, 'running', sid, inst)
+  epoch = identity_epoch(jf, rid, epoch)
+  seq = add_history(job, hist, jf, seq, slot .. ':' .. (attempt + 1))
+  return reply('won', attempt + 1, why, expires, 'running', sid, inst, epoch, seq)
 end

@@ -1,21 +1,37 @@
 -- Take a named lease when it is free (lease_core.Lease; see lease_core/_named_leases.py).
--- KEYS[1] the lease hash ({P/lease/E}): tok token, exp expiry (ms, server clock), hold
--- holder ('' once released). It is never deleted, so tokens keep growing; a name new to
--- the server (or after the server lost its data) starts at now, the server's clock in
--- ms, which is larger than any token the name had before.
--- ARGV: holder, ttl_ms. Returns {token, expires} when the caller holds the name (its
--- holder is ARGV[1] and now is expires - ttl: a short reply, the hot path), else {token,
--- expires, now, holder} of the current hold.
-local tok, exp, hold = unpack(redis.call('HMGET', KEYS[1], 'tok', 'exp', 'hold'))
-local token, expires = tonumber(tok or '0'), tonumber(exp or '0')
+-- KEYS[1] the lease hash ({P/lease/E}): ep epoch, tok number in the epoch, exp expiry
+-- (ms, server clock), hold holder ('' once released). The token handed out is
+-- lease_core.fence_of(ep, tok) = ep * 2^20 + tok, made by the client: Lua's numbers are
+-- doubles, exact only below 2^53.
+-- Fences (issue 21): the hash is never deleted, so a missing one is a name new to the
+-- server or a name whose key the server lost (a restart without persistence, a failover
+-- to a lagging replica). The script cannot tell them apart and does not try: both start
+-- a new epoch at now, the server's clock in ms, and token number 1, which is above every
+-- token the name had before (any earlier epoch is an earlier clock). A key written before
+-- epochs (no ep) starts a new epoch too. When the number would reach 2^20 a new epoch
+-- starts likewise. And a key that survived on a promoted replica (or a restarted server)
+-- without its newest holders: 'rid' keeps the server's replication id at the last new
+-- holder, and a new holder on a server with another id starts a new epoch.
+-- ARGV: holder, ttl_ms. Returns {epoch, number, expires} when the caller holds the name
+-- (its holder is ARGV[1] and now is expires - ttl: a short reply, the hot path), else
+-- {epoch, number, expires, now, holder} of the current hold.
+local ep, tok, exp, hold, rid = unpack(redis.call('HMGET', KEYS[1], 'ep', 'tok', 'exp', 'hold',
+  'rid'))
+local epoch, token, expires = tonumber(ep or '0'), tonumber(tok or '0'), tonumber(exp or '0')
 if expires > now and hold ~= ARGV[1] then
-  return {token, expires, now, hold or ''}
+  return {epoch, token, expires, now, hold or ''}
 end
-if not tok then
-  token = now
-elseif expires <= now then
-  token = token + 1
+if expires <= now then
+  local id = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+  if not ep or token + 1 >= 1048576 or (rid and rid ~= id) then
+    epoch = math.max(now, epoch + 1)
+    token = 1
+  else
+    token = token + 1
+  end
+  rid = id
 end
 expires = now + tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'tok', token, 'exp', expires, 'hold', ARGV[1])
-return {token, expires}
+redis.call('HSET', KEYS[1], 'ep', epoch, 'tok', token, 'exp', expires, 'hold', ARGV[1],
+  'rid', rid or '')
+return {epoch, token, expires}

@@ -37,6 +37,8 @@ class Claimer:
         self._claims_in_flight = 0
         self._idle: anyio.Event | None = None
         self._quarantine_logged = session.carry.quarantine_logged
+        # Fences (issue 21): the highest store epoch each job's claims answered with.
+        self._epochs: dict[str, int] = {}
 
     async def claim(self, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
         """Claim one run; ``None`` when the answer is unknown (claimed again next tick)."""
@@ -124,6 +126,30 @@ class Claimer:
                 self._idle = anyio.Event()
                 await self._idle.wait()
 
+    # -- a new store epoch (issue 21) ---------------------------------------------------
+    def _new_epoch(self, job: Job, epoch: int) -> None:
+        """The store found that ``job``'s data may have lost writes (a failover, a restart
+        without persistence): runs it had ended can be open again, with nobody watching
+        them. List the job's open runs again, as at start, and watch them."""
+        if epoch < self._epochs[job.name]:
+            return
+        self._epochs[job.name] = epoch
+        s = self._s
+        if s.stopping or s.tg is None:
+            return
+
+        async def rescan() -> None:
+            try:
+                infos = await s.settings.backend.register_jobs([job.name])
+            except Exception as exc:  # the next epoch change, or a restart, lists them
+                s.clock.failed(f"listing the open runs of {job.name}", exc)
+                return
+            for open_slot in infos[job.name].open_slots:
+                if s.runs.get((job.name, open_slot)) is None:  # tracked ones go on as they are
+                    s.runs.watch(job, open_slot)
+
+        s.tg.start_soon(rescan)
+
     def _settle(self, job: Job, slot: int, reason: Reason, token: str,
                 result: ClaimResult | None, took: float, sent_loop: float,
                 deferred: list[Run] | None = None) -> ClaimResult | None:
@@ -132,6 +158,8 @@ class Claimer:
             # Unknown outcome (error or too slow): retry, or take it over if it was won.
             s.runs.watch(job, slot, reclaim=reason)
             return None
+        if result.epoch != self._epochs.setdefault(job.name, result.epoch):
+            self._new_epoch(job, result.epoch)
         lease = Lease(job.name, slot, token, job.lease_ms)
         # Events are made only for subscribers: in a burst, thousands of claims are settled
         # in one go, and every object made costs the garbage collector too.

@@ -160,6 +160,22 @@ class Report:
     late_takeovers: list[tuple[str, int, int, float]] = field(default_factory=list)
     retries: int = 0
     """Attempts made by retry (reason ``retry``)."""
+    fences_repeated: list[tuple[str, int, int]] = field(default_factory=list)
+    """Runs where an attempt that ran got a fence (``ctx.fence``) not above the fence of
+    every attempt that started before it: (job, slot, fence) (an invariant: none)."""
+    lost_claims: list[tuple[str, int, int, str]] = field(default_factory=list)
+    """Claims the store acknowledged as won but lost: no such attempt (attempt, instance)
+    in its history after the run: (job, slot, attempt, instance)."""
+    lost_finishes: list[tuple[str, int, int, str]] = field(default_factory=list)
+    """Finishes the store acknowledged but lost: the attempt's record shows no outcome, or
+    another one."""
+    lost_checkpoints: list[tuple[str, int, int]] = field(default_factory=list)
+    """Checkpoints that went backwards because a checkpoint acknowledged in a failover's
+    window was lost with it (moved out of :attr:`checkpoint_backwards`)."""
+    lost_unexplained: list[tuple[str, int, int, str]] = field(default_factory=list)
+    """Of the lost commits, those acknowledged outside every failover's window (from
+    :data:`LOSS_WINDOW_S` before the primary was killed to the promotion): an invariant,
+    none."""
     retry_overlaps: list[tuple[str, int, int]] = field(default_factory=list)
     """Retries that began before the attempt they retry had ended: claimed before its
     failure was recorded, after an attempt that did not fail, or whose handler started
@@ -208,6 +224,8 @@ class Report:
             "retry overlapping the attempt it retries": self.retry_overlaps,
             "cancelled runs taken over": self.cancelled_taken_over,
             "cancelled runs completed": self.cancelled_completed,
+            "fence numbers issued twice": self.fences_repeated,
+            "lost commits not explained by a failover": self.lost_unexplained,
         }
         return {k: v for k, v in found.items() if v}
 
@@ -266,6 +284,11 @@ class Report:
             "cancels": self.cancels,
             "cancelled_taken_over": len(self.cancelled_taken_over),
             "cancelled_completed": len(self.cancelled_completed),
+            "fences_repeated": len(self.fences_repeated),
+            "lost_claims": len(self.lost_claims),
+            "lost_finishes": len(self.lost_finishes),
+            "lost_checkpoints": len(self.lost_checkpoints),
+            "lost_unexplained": len(self.lost_unexplained),
         }
 
 
@@ -462,8 +485,9 @@ def _owner(rng: random.Random, workers: list[Worker],
 
 def _kinds(config: ChaosConfig, workers: list[Worker]) -> list[str]:
     """The fault kinds that can be drawn now (joins and leaves keep the fleet's bounds)."""
+    proxied = not workers or workers[0].store.proxied
     return [k for k in config.faults
-            if (config.proxy or k != "partition")
+            if ((config.proxy and proxied) or k != "partition")
             and (k != "join" or len(workers) < config.max_workers)
             and (k != "leave" or len(workers) > config.min_workers)]
 
@@ -473,7 +497,8 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
             retired: list[Worker]) -> Fault:
     long = config.lease * rng.uniform(1.5, 2.5)
     if kind == "restart":
-        fault = Fault(kind, store.kind, time.time())
+        # (a replicated store's restart is a failover: the primary killed, a replica promoted)
+        fault = Fault("failover" if store.replicated else kind, store.kind, time.time())
         store.restart()
         restarted = time.time()
         # The fault lasts until the store answers again where the workers connect: behind
@@ -649,6 +674,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
         say(f"{config.store}: workers stopped; auditing")
         every = workers + retired
         skewed = frozenset(i for w in every for i, skew in w.skews.items() if skew)
+        faults = _own_failovers(store, faults)
         report = audit(store, config, logdir, faults, started, faults_over, audit_at,
                        open_before, skewed, probe.answers)
         report.recovery_s = audit_at - faults_over
@@ -889,8 +915,83 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                 else:
                     report.missed_while_answered.append((job, s))
     _judge_cancels(report, faults, runs, seen.open_after)
+    _judge_fences(report, runs, events, faults)
     report.left_running.sort()
     return report
+
+
+# -- fences and lost commits (issue 21, item 5) -----------------------------------------
+
+#: Seconds before a failover's kill in which an acknowledged write may be lost with it
+#: (the replica's lag; generous for a loaded machine).
+LOSS_WINDOW_S = 2.0
+
+
+def _own_failovers(store: ChaosStore, faults: list[Fault]) -> list[Fault]:
+    """``faults`` with the failovers the store made by itself (``failover-own``): those of
+    :meth:`ChaosStore.failover_windows` that no injected failover overlaps."""
+    injected = [f for f in faults if f.kind == "failover"]
+    own = [Fault("failover-own", store.kind, start, end)
+           for start, end in store.failover_windows()
+           if not any(f.start - 1 <= end and start <= f.end + 1 for f in injected)]
+    return sorted(faults + own, key=lambda f: f.start)
+
+
+def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
+                  events: dict[tuple[str, int], list[dict[str, Any]]],
+                  faults: list[Fault]) -> None:
+    """Fences never repeat: per run, the fences of the attempts that were won or ran (the
+    acknowledged claim, else the handler's first record) are all distinct and grow in the
+    order the attempts started. And every
+    acknowledged claim and finish missing from the store is counted, and explained by a
+    failover when it was acknowledged shortly before one."""
+    # (the old primary, when alive, acknowledges writes until it learns it was demoted)
+    windows = [(f.start - LOSS_WINDOW_S, f.end + LOSS_WINDOW_S) for f in faults
+               if f.kind in ("failover", "failover-own")]
+    # A checkpoint that went backwards is a lost commit too when the run acknowledged a
+    # checkpoint within a failover's window (the newer one was lost with the primary).
+    kept = []
+    for entry in report.checkpoint_backwards:
+        cps = [float(e["t"]) for e in events.get(entry[:2], []) if e["e"] == "cp"]
+        if any(lo <= t <= hi for t in cps for lo, hi in windows):
+            report.lost_checkpoints.append(entry)
+        else:
+            kept.append(entry)
+    report.checkpoint_backwards = kept
+    for key, evs in events.items():
+        first: dict[tuple[int, str, int], float] = {}
+        for e in evs:
+            if e["e"] in ("claim", "start", "rstart"):
+                ran = (int(e["a"]), str(e["i"]), int(e.get("f", e["a"])))
+                first[ran] = min(first.get(ran, float(e["t"])), float(e["t"]))
+        top = 0
+        for (_, _, fence), _t in sorted(first.items(), key=lambda item: item[1]):
+            if fence <= top:
+                report.fences_repeated.append((*key, fence))
+            top = max(top, fence)
+        stored = {(a.attempt, a.instance_id): a for a in runs.get(key, [])}
+        claimed = {}
+        for e in evs:
+            if e["e"] == "claim":
+                claimed[e["k"]] = (int(e["a"]), str(e["i"]), float(e["t"]))
+        for attempt, instance, at in claimed.values():
+            if (attempt, instance) not in stored:
+                lost = (*key, attempt, instance)
+                report.lost_claims.append(lost)
+                if not any(lo <= at <= hi for lo, hi in windows):
+                    report.lost_unexplained.append(lost)
+        for e in evs:
+            if e["e"] != "fin" or e["k"] not in claimed:
+                continue
+            attempt, instance, _ = claimed[e["k"]]
+            record = stored.get((attempt, instance))
+            if record is None:
+                continue  # its claim was lost already (counted above)
+            if str(record.outcome) != e["o"]:
+                lost = (*key, attempt, instance)
+                report.lost_finishes.append(lost)
+                if not any(lo <= float(e["t"]) <= hi for lo, hi in windows):
+                    report.lost_unexplained.append(lost)
 
 
 def _judge_cancels(report: Report, faults: list[Fault],
@@ -939,6 +1040,11 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("transaction from a superseded attempt", "stale_transaction"),
         ("checkpoint went backwards", "checkpoint_backwards"),
         ("runs left running", "left_running"),
+        ("fence numbers issued twice", "fences_repeated"),
+        ("acknowledged claims lost (failover)", "lost_claims"),
+        ("acknowledged finishes lost (failover)", "lost_finishes"),
+        ("checkpoints gone backwards by a failover's loss", "lost_checkpoints"),
+        ("lost commits not explained by a failover", "lost_unexplained"),
         ("fenced effects written", "fenced_effects"),
         ("runs whose handler started", "runs_with_handler"),
         ("runs completed by a worker skewed by an hour", "skewed_completions"),

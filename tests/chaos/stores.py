@@ -8,23 +8,26 @@ because it restarts them.
 from __future__ import annotations
 
 import os
+import signal
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
 import psycopg
 import redis
+from redis.sentinel import Sentinel
 
 from backends.embedded import EmbeddedServerError
 from backends.embedded.pg_replica import EmbeddedReplica
 from backends.embedded.postgres import EmbeddedPostgres
-from backends.embedded.redis import EmbeddedRedis, find_server
+from backends.embedded.redis import EmbeddedRedis, EmbeddedSentinel, find_server
 from lease_core.errors import BackendUnavailable
 from tests.stores.postgres import PGBOUNCER, PgBouncer
 
 __all__ = ["KINDS", "ChaosStore", "Unavailable", "make_store"]
 
 #: Store kinds a chaos run knows.
-KINDS = ("postgres", "pgbouncer", "redis", "pgreplica")
+KINDS = ("postgres", "pgbouncer", "redis", "pgreplica", "redis-sentinel")
 
 EFFECTS = "chaos_effects"
 TABLE = "chaos_runs"
@@ -41,6 +44,10 @@ class ChaosStore(ABC):
     kind: str
     fenced_transactions = False
     version = ""
+    proxied = True
+    """Workers reach the store through their own proxy (so partitions can be injected)."""
+    replicated = False
+    """:meth:`restart` is a failover: the primary is killed and a replica promoted."""
 
     @property
     @abstractmethod
@@ -66,6 +73,11 @@ class ChaosStore(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop every server this store started."""
+
+    def failover_windows(self) -> list[tuple[float, float]]:
+        """(start, end) wall times of every failover the store made, injected or its own
+        (a replicated store's monitor may fail over by itself on a loaded machine)."""
+        return []
 
 
 class PostgresChaosStore(ChaosStore):
@@ -185,6 +197,200 @@ class RedisChaosStore(ChaosStore):
         self.server.close()
 
 
+# -- Redis with a replica and Sentinel (issue 21, item 5) --------------------------------
+
+
+#: Milliseconds of silence after which the chaos Sentinel calls a primary down.
+SENTINEL_DOWN_MS = 1500
+#: Seconds the primary runs without its replica's link before a failover kills it.
+LAG_S = 0.3
+
+
+#: The user the workers log in as (the replica and Sentinel use the default user).
+USER, PASSWORD = "chaos", "chaos-pw"
+
+
+def _add_user(server: EmbeddedRedis) -> None:
+    client = redis.Redis(port=server.port, socket_timeout=2)
+    try:
+        client.execute_command("ACL", "SETUSER", USER, "on", f">{PASSWORD}", "~*", "&*",
+                               "+@all")
+    finally:
+        client.close()
+
+
+class RedisSentinelChaosStore(ChaosStore):
+    """A Redis primary, its replica and a Sentinel; workers use the ``redis+sentinel://``
+    URL (so no proxy: Sentinel hands out the servers' own addresses).
+
+    :meth:`restart` is a failover: the primary is killed (SIGKILL, no persistence, so
+    writes the replica never got are lost), Sentinel promotes the replica, and the old
+    primary comes back empty as the new primary's replica, ready for the next failover.
+    """
+
+    kind = "redis-sentinel"
+    proxied = False
+    replicated = True
+
+    def __init__(self, lag_s: float = LAG_S) -> None:
+        binary = find_server("system") or find_server("redis") or find_server("valkey")
+        if binary is None:
+            raise Unavailable("redis-server (Sentinel mode)")
+        self.lag_s = lag_s
+        self.binary = binary
+        fast = ("--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0")
+        self.primary = EmbeddedRedis(binary, extra_args=fast)
+        self.replica: EmbeddedRedis | None = None
+        self.sentinel: EmbeddedSentinel | None = None
+        self.fast = fast
+        self._seen: list[tuple[float, str]] = []
+        """(wall time, event) of the Sentinel's +try-failover and +switch-master."""
+        self._listener: Any = None
+        try:
+            self.primary.start()
+            _add_user(self.primary)
+            self.replica = self._replica_of(self.primary)
+            # Sentinel waits SENTINEL_DOWN_MS before it calls a silent primary down: a
+            # shorter wait makes it fail over by itself from a primary that is only busy
+            # (forking for a replica's full sync on a loaded machine).
+            self.sentinel = EmbeddedSentinel(binary, self.primary.port,
+                                             down_after_ms=SENTINEL_DOWN_MS)
+            self.sentinel.start()
+            self._listen()
+        except BackendUnavailable as exc:
+            self.close()
+            raise Unavailable(f"{binary}: {exc}") from None
+        self.version = " ".join(self.primary.version().split()[:3]) + " + Sentinel"
+        self._probe: redis.Redis | None = None
+
+    def _replica_of(self, primary: EmbeddedRedis,
+                    server: EmbeddedRedis | None = None) -> EmbeddedRedis:
+        args = (*self.fast, "--replicaof", "127.0.0.1", str(primary.port))
+        if server is None:
+            server = EmbeddedRedis(self.binary, extra_args=args)
+        else:
+            server.extra_args = args
+        server.start()
+        _add_user(server)
+        client = redis.Redis(port=primary.port, socket_timeout=2)
+        try:
+            deadline = time.monotonic() + 30
+            while client.info("replication").get("slave0", {}).get("state") != "online":
+                if time.monotonic() > deadline:
+                    raise Unavailable("the replica did not get in sync within 30 s")
+                time.sleep(0.05)
+        finally:
+            client.close()
+        return server
+
+    def _listen(self) -> None:
+        """Record the Sentinel's failovers as it announces them (its pub/sub events)."""
+        assert self.sentinel is not None
+        pubsub = redis.Redis(host="127.0.0.1", port=self.sentinel.port).pubsub(
+            ignore_subscribe_messages=True)
+
+        def seen(message: dict[str, Any]) -> None:
+            self._seen.append((time.time(), message["channel"].decode()))
+
+        pubsub.subscribe(**{"+try-failover": seen, "+switch-master": seen})
+        self._listener = pubsub.run_in_thread(sleep_time=0.05, daemon=True)
+
+    def failover_windows(self) -> list[tuple[float, float]]:
+        out, start = [], None
+        for at, event in self._seen:
+            if event == "+try-failover":
+                start = at if start is None else start
+            elif event == "+switch-master":
+                out.append((start if start is not None else at, at))
+                start = None
+        return out
+
+    def _sentinel_primary(self) -> int:
+        assert self.sentinel is not None
+        client = redis.Redis(port=self.sentinel.port, socket_timeout=2)
+        try:
+            _, port = client.execute_command("SENTINEL", "get-master-addr-by-name",
+                                             self.sentinel.service)
+        finally:
+            client.close()
+        return int(port)
+
+    @property
+    def port(self) -> int:
+        return self.primary.port
+
+    def url(self, port: int) -> str:
+        assert self.sentinel is not None
+        return (self.sentinel.url.replace("://", f"://{USER}:{PASSWORD}@")
+                + "?socket_timeout=1&socket_connect_timeout=1")
+
+    def options(self) -> dict[str, Any]:
+        return {"prefix": PREFIX}
+
+    def restart(self) -> None:
+        assert self.replica is not None
+        if self._sentinel_primary() == self.replica.port:  # Sentinel failed over by itself
+            self.primary, self.replica = self.replica, self.primary
+        old, new = self.primary, self.replica
+        assert old.process is not None
+        if self.lag_s:
+            # Lag made real: the primary turns its default user off (the replica's; the
+            # workers log in as USER) and drops its replica's link, so the replica cannot
+            # sync again; the writes the primary acknowledges until it is killed are lost.
+            client = redis.Redis(port=old.port, socket_timeout=2)
+            try:
+                client.pipeline(transaction=False).execute_command(
+                    "ACL", "SETUSER", "default", "off").execute_command(
+                    "CLIENT", "KILL", "TYPE", "replica").execute()
+            finally:
+                client.close()
+            time.sleep(self.lag_s)
+        old.process.send_signal(signal.SIGKILL)
+        old.process.wait()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if self._sentinel_primary() == new.port:
+                    break
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("Sentinel promoted no replica within 30 s")
+            time.sleep(0.05)
+        self.primary, self.replica = new, old
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        self._replica_of(new, old)
+
+    def ping(self) -> None:
+        # Through the Sentinel, as the workers go (with their timeouts): the store answers
+        # when a Sentinel client can reach its primary, not just when one was promoted.
+        if self._probe is None:
+            assert self.sentinel is not None
+            watcher = Sentinel([("127.0.0.1", self.sentinel.port)], socket_timeout=1,
+                               socket_connect_timeout=1)
+            self._probe = watcher.master_for(self.sentinel.service, socket_timeout=1,
+                                             socket_connect_timeout=1, username=USER,
+                                             password=PASSWORD)
+        try:
+            self._probe.set("chaos-probe", "1")  # a write: only the primary answers it
+        except redis.RedisError:
+            self._probe.close()
+            self._probe = None
+            raise
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener.join(timeout=5)
+        if self._probe is not None:
+            self._probe.close()
+        for server in (self.sentinel, self.replica, self.primary):
+            if server is not None:
+                server.close()
+
+
 # --- Failover (issue 21, pgfailover): PostgreSQL with a streaming replica -------------------
 class ReplicatedPostgresChaosStore(PostgresChaosStore):
     """PostgreSQL 16 with a streaming replica, workers behind PgBouncer; its ``restart``
@@ -230,6 +436,8 @@ def make_store(kind: str) -> ChaosStore:
         return PostgresChaosStore(bouncer=True)
     if kind == "redis":
         return RedisChaosStore()
+    if kind == "redis-sentinel":
+        return RedisSentinelChaosStore()
     if kind == "pgreplica":  # failover (issue 21)
         return ReplicatedPostgresChaosStore()
     raise ValueError(f"store kind {kind!r} is unknown; use one of {KINDS}")

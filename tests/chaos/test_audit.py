@@ -226,3 +226,70 @@ def test_a_refused_cancel_is_not_judged() -> None:
     seen.faults = [Fault("cancel", "", T0 + 0.2, T0 + 0.25)]
     report = judge(CONFIG, seen)
     assert report.violations == {} and report.cancels == 0
+
+
+# -- fences and lost commits across a failover (issue 21) ------------------------------
+
+
+def _failover(new_fence: int) -> Observed:
+    """Attempt 2 (w2) is acknowledged, then lost with the primary; the promoted replica
+    numbers w3's attempt 2 again, with fence ``new_fence``."""
+    def ev(kind: str, n: int, instance: str, t: float, fence: int, **more: Any) -> Any:
+        return {"e": kind, "j": "job0", "s": SLOT, "a": n, "i": instance, "t": T0 + t,
+                "f": fence, **more}
+    return observed(
+        history=[attempt(1, "w1", 0.0, Outcome.LOST),
+                 attempt(2, "w3", 4.0, Outcome.COMPLETED, Reason.TAKEOVER)],
+        effects=[], checkpoints={},
+        events={KEY: [
+            ev("claim", 1, "w1", 0.0, 1, k="t1"), ev("start", 1, "w1", 0.1, 1, cp=None),
+            ev("claim", 2, "w2", 1.7, 2, k="t2"), ev("start", 2, "w2", 1.8, 2, cp=None),
+            ev("claim", 2, "w3", 4.0, new_fence, k="t3"),
+            ev("start", 2, "w3", 4.1, new_fence, cp=None),
+            ev("fin", 2, "w3", 4.5, new_fence, k="t3", o="completed")]},
+        faults=[Fault("kill", "w1", T0 + 0.2, T0 + 0.5),
+                Fault("failover", "redis-sentinel", T0 + 2.0, T0 + 3.0)])
+
+
+def test_a_fence_issued_twice_across_a_failover_is_found() -> None:
+    report = judge(CONFIG, _failover(new_fence=2))
+    assert report.violations == {"fence numbers issued twice": [(*KEY, 2)]}
+    # the lost claim is counted, and explained by the failover just after it
+    assert report.lost_claims == [(*KEY, 2, "w2")] and report.lost_unexplained == []
+
+
+def test_a_fence_above_the_lost_attempts_breaks_nothing() -> None:
+    report = judge(CONFIG, _failover(new_fence=(1_800_000_002_000 << 20) + 2))
+    assert report.violations == {}
+    assert report.lost_claims == [(*KEY, 2, "w2")]
+
+
+def test_a_lost_commit_with_no_failover_near_it_is_a_violation() -> None:
+    seen = _failover(new_fence=(1_800_000_002_000 << 20) + 2)
+    seen.faults = [f for f in seen.faults if f.kind != "failover"]
+    report = judge(CONFIG, seen)
+    assert report.violations == {
+        "lost commits not explained by a failover": [(*KEY, 2, "w2")]}
+
+
+def test_an_acknowledged_finish_missing_from_the_store_is_counted() -> None:
+    seen = _failover(new_fence=(1_800_000_002_000 << 20) + 2)
+    seen.history = [attempt(1, "w1", 0.0, Outcome.LOST),
+                    attempt(2, "w3", 4.0, None, Reason.TAKEOVER)]
+    seen.events[KEY][-1]["t"] = T0 + 1.9  # acknowledged just before the failover
+    report = judge(CONFIG, seen)
+    assert report.lost_finishes == [(*KEY, 2, "w3")] and report.lost_unexplained == []
+
+
+def test_a_checkpoint_lost_with_the_primary_is_a_lost_commit_not_a_violation() -> None:
+    seen = _failover(new_fence=(1_800_000_002_000 << 20) + 2)
+    events = seen.events[KEY]
+    events.append({"e": "cp", "j": "job0", "s": SLOT, "a": 1, "i": "w1", "t": T0 + 0.15,
+                   "f": 1, "step": 3})  # acknowledged, then lost with the primary
+    events[5]["cp"] = {"a": 1, "step": 0}  # w3's attempt 2 read less
+    report = judge(CONFIG, seen)
+    # (both attempts 2 read less: the one lost with the primary, and w3's)
+    assert report.violations == {} and set(report.lost_checkpoints) == {(*KEY, 2)}
+    # with no failover near it, the same regression is a violation
+    seen.faults = [f for f in seen.faults if f.kind != "failover"]
+    assert set(judge(CONFIG, seen).violations["checkpoint went backwards"]) == {(*KEY, 2)}

@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-from lease_core import LeaseLost, Retry, RunContext, Scheduler, backend_from_url
+from lease_core import LeaseLost, Retry, RunContext, Scheduler, backend_from_url, fence_of
 
 __all__ = ["main"]
 
@@ -38,9 +38,47 @@ class EventLog:
 
     def write(self, event: str, ctx: RunContext, **fields: Any) -> None:
         """Record ``event`` of the attempt ``ctx`` with the real (unskewed) wall time."""
-        record = {"e": event, "j": ctx.job, "s": ctx.slot, "a": ctx.attempt,
-                  "i": self.instance, "t": _real_time(), **fields}
+        self.raw({"e": event, "j": ctx.job, "s": ctx.slot, "a": ctx.attempt,
+                  "f": ctx.fence, "i": self.instance, "t": _real_time(), **fields})
+
+    def raw(self, record: dict[str, Any]) -> None:
+        """Append one record as it is."""
         os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+
+def acknowledged(backend: Any, log: EventLog) -> None:
+    """Record every claim the store acknowledged as won (``claim``: with its token and
+    fence) and every finish it acknowledged (``fin``: by token), so the audit can find
+    the acknowledged commits a failover lost."""
+    claim_many, finish_many = backend.claim_many, backend.finish_many
+
+    async def claims(requests: Any) -> Any:
+        results = await claim_many(requests)
+        for request, result in zip(requests, results, strict=True):
+            if str(result.status) == "won":
+                log.raw({"e": "claim", "j": result.job, "s": result.slot, "a": result.attempt,
+                         "f": fence_of(result.epoch, result.attempt), "k": request.token,
+                         "i": log.instance, "t": _real_time()})
+        return results
+
+    async def finishes(items: Any) -> Any:
+        done = await finish_many(items)
+        for (lease, outcome, _), ok in zip(items, done, strict=True):
+            if ok:
+                log.raw({"e": "fin", "j": lease.job, "s": lease.slot, "k": lease.token,
+                         "o": str(outcome), "i": log.instance, "t": _real_time()})
+        return done
+
+    async def claim(request: Any) -> Any:
+        (result,) = await claims([request])
+        return result
+
+    async def finish(lease: Any, outcome: Any, error: Any = None) -> Any:
+        (ok,) = await finishes([(lease, outcome, error)])
+        return ok
+
+    backend.claim_many, backend.finish_many = claims, finishes
+    backend.claim, backend.finish = claim, finish
 
 
 class TransientFailure(Exception):
@@ -50,6 +88,7 @@ class TransientFailure(Exception):
 def build(config: dict[str, Any], log: EventLog) -> Scheduler:
     """The scheduler of one worker, with the chaos jobs declared."""
     backend = backend_from_url(config["url"], **config["options"])
+    acknowledged(backend, log)
     skew = float(config.get("skew", 0.0))
     scheduler = Scheduler(
         backend, instance_id=config["instance"], lease=config["lease"],

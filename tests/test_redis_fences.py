@@ -1,0 +1,295 @@
+"""Fences on Redis across a real data loss (issue 21, item 1).
+
+Each test starts its own server without persistence and restarts it for real: the store
+then numbers attempts (and named-lease tokens) again from scratch, but the fences
+(:func:`lease_core.fence_of` of the claim's epoch and attempt; the lease's token) stay
+above every fence issued before the loss.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import anyio
+import pytest
+import redis
+
+from backends.embedded.redis import EmbeddedRedis, find_server
+from backends.redis import RedisBackend
+from lease_core import fence_of
+from lease_core._structures import FENCE_NUMBER_BITS, ClaimRequest, ClaimResult, ClaimStatus
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedRedis]:
+    """A server of its own, without persistence."""
+    binary = find_server("redis")
+    assert binary is not None, "no redis server installed"
+    with EmbeddedRedis(binary, appendonly=False) as made:
+        yield made
+
+
+@pytest.fixture
+def raw(server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    """A plain sync client, for reading the server behind the backend's back."""
+    client = redis.Redis.from_url(server.url)
+    yield client
+    client.close()
+
+
+def _server_ms(raw: redis.Redis) -> int:
+    seconds, micros = raw.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def _restart_empty(server: EmbeddedRedis, raw: redis.Redis) -> int:
+    await anyio.to_thread.run_sync(server.stop)
+    await anyio.to_thread.run_sync(server.start)
+    assert raw.dbsize() == 0, "the server kept data across the restart"
+    return _server_ms(raw)
+
+
+def _request(job: str, token: str, lease_ms: int = 300) -> ClaimRequest:
+    return ClaimRequest(job, 1_000, "inst", token, lease_ms, overlap_skip=False)
+
+
+def _fence(result: ClaimResult) -> int:
+    assert result.status is ClaimStatus.WON, result
+    return fence_of(result.epoch, result.attempt)
+
+
+async def _after(raw: redis.Redis, ms: int | None) -> None:
+    assert ms is not None
+    await wait_for(lambda: _server_ms(raw) > ms, what=f"the server's clock past {ms}")
+
+
+async def test_attempts_numbered_again_after_a_loss_are_fenced_above_the_lost_ones(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
+    await backend.start()
+    try:
+        jobs = ["single", "b1", "b2"]
+        fences: dict[str, list[int]] = {job: [] for job in jobs}
+        # attempts 1 and 2 of each run (a takeover after the first lease expired): the
+        # single job through claim.lua, the two others through one claim_many.lua call
+        for round_ in ("t1", "t2"):
+            one = await backend.claim(_request("single", f"s-{round_}"))
+            batch = await backend.claim_many([_request("b1", f"b1-{round_}"),
+                                              _request("b2", f"b2-{round_}")])
+            for result in (one, *batch):
+                assert result.epoch == 0  # no loss yet: the fence is the attempt
+                fences[result.job].append(_fence(result))
+            await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
+        assert all(f == [1, 2] for f in fences.values())
+
+        restarted = await _restart_empty(server, raw)
+        held = await backend.claim_many([_request(job, f"{job}-q") for job in jobs])
+        assert all((r.status, r.run_status) == (ClaimStatus.RUNNING, None) for r in held)
+        await _after(raw, max(r.expires_ms or 0 for r in held))  # the quarantine
+
+        for round_ in ("t3", "t4"):
+            one = await backend.claim(_request("single", f"s-{round_}"))
+            batch = await backend.claim_many([_request("b1", f"b1-{round_}"),
+                                              _request("b2", f"b2-{round_}")])
+            for result in (one, *batch):
+                lost = int(raw.hget("{" + backend.prefix + "/" + result.job + "}:job",
+                                    "lost") or 0)
+                assert result.epoch == lost >= restarted
+                fences[result.job].append(_fence(result))
+            await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
+        for job, issued in fences.items():
+            # the store numbered attempts 1 and 2 again, but every fence is new and grows
+            assert issued[2] & ((1 << FENCE_NUMBER_BITS) - 1) == 1, job
+            assert issued == sorted(set(issued)) and len(issued) == 4, (job, issued)
+    finally:
+        await backend.close()
+
+
+async def test_a_lease_token_after_a_loss_is_above_every_earlier_one(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
+    await backend.start()
+    try:
+        before = _server_ms(raw)
+        first = await backend.acquire_lease("leader", "h1", 60_000)
+        assert first.held and first.token >> FENCE_NUMBER_BITS >= before
+        assert await backend.release_lease("leader", first.token)
+        second = await backend.acquire_lease("leader", "h2", 60_000)
+        assert second.held and second.token == first.token + 1
+        assert await backend.renew_lease("leader", second.token, 60_000) is not None
+
+        restarted = await _restart_empty(server, raw)
+        third = await backend.acquire_lease("leader", "h3", 60_000)
+        assert third.held and third.token > second.token
+        assert third.token >= restarted << FENCE_NUMBER_BITS
+        # the old holder's token is refused; the new one renews and releases
+        assert await backend.renew_lease("leader", second.token, 60_000) is None
+        assert not await backend.release_lease("leader", second.token)
+        assert await backend.renew_lease("leader", third.token, 60_000) is not None
+        assert await backend.release_lease("leader", third.token)
+    finally:
+        await backend.close()
+
+
+async def test_a_lease_key_written_before_epochs_moves_to_a_new_epoch(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
+    await backend.start()
+    try:
+        legacy = _server_ms(raw) + 5  # the old scripts' token: the clock in ms, then + 1
+        raw.hset("{" + backend.prefix + "/lease/old}",
+                 mapping={"tok": legacy, "exp": 0, "hold": ""})
+        taken = await backend.acquire_lease("old", "h1", 60_000)
+        assert taken.held and taken.token > legacy
+        assert taken.token >> FENCE_NUMBER_BITS >= legacy - 5
+    finally:
+        await backend.close()
+
+
+async def test_a_loss_of_only_the_newest_writes_is_found_by_a_caller_that_saw_them(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    """The server comes back from an older snapshot: the job's keys and marker survive,
+    its newest claim does not (as when a replica a little behind is promoted)."""
+    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
+    await backend.start()
+    try:
+        first = await backend.claim(ClaimRequest("job", 1_000, "inst", "a", 300,
+                                                 overlap_skip=False))
+        assert _fence(first) == 1
+        raw.save()  # the snapshot the server comes back from
+        second = await backend.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                                  overlap_skip=False))
+        assert _fence(second) == 1
+        await anyio.to_thread.run_sync(server.stop)
+        await anyio.to_thread.run_sync(server.start)
+        restarted = _server_ms(raw)
+        key = "{" + backend.prefix + "/job}:job"
+        assert raw.hget(key, "sid") is not None and raw.hget(key, "lost") is None
+
+        held = await backend.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                overlap_skip=False))
+        assert (held.status, held.run_status) == (ClaimStatus.RUNNING, None)  # quarantine
+        assert held.epoch == int(raw.hget(key, "lost") or 0) >= restarted
+        await _after(raw, held.expires_ms)
+        again = await backend.claim(ClaimRequest("job", 2_000, "inst", "d", 300,
+                                                 overlap_skip=False))
+        # attempt 1 of slot 2000 is numbered again, with a fence above the lost one
+        assert again.attempt == 1 and _fence(again) > _fence(second)
+        assert again.epoch >= held.epoch
+    finally:
+        await backend.close()
+
+
+async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above() -> None:
+    """A replica promoted without the primary's newest claim: a backend that never saw
+    that claim wins the same attempt number again, with a fence above it (the job's data
+    is on a server with another replication id, so a new epoch)."""
+    binary = find_server("redis")
+    assert binary is not None
+    fast = ("--repl-diskless-sync-delay", "0")
+    with EmbeddedRedis(binary, extra_args=fast) as primary, EmbeddedRedis(
+            binary, extra_args=(*fast, "--replicaof", "127.0.0.1", str(primary.port))
+    ) as replica:
+        clients = [redis.Redis(port=s.port) for s in (primary, replica)]
+        try:
+            for client in clients:  # the backends log in as "app"; the replica as default
+                client.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all")
+            await wait_for(lambda: clients[0].info("replication").get("slave0", {}).get(
+                "state") == "online", timeout=15, what="the replica in sync")
+            prefix = f"f{uuid.uuid4().hex[:10]}"
+            old = RedisBackend(f"redis://app:pw@127.0.0.1:{primary.port}/0", prefix=prefix)
+            await old.start()
+            try:
+                assert _fence(await old.claim(_request("job", "a"))) == 1
+                leader = await old.acquire_lease("leader", "h1", 200)
+                assert clients[0].execute_command("WAIT", 1, 5000) == 1
+                # the replica can no longer sync: what the primary acknowledges now is lost
+                clients[0].execute_command("ACL", "SETUSER", "default", "off")
+                clients[0].execute_command("CLIENT", "KILL", "TYPE", "replica")
+                lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                                    overlap_skip=False))
+                assert _fence(lost) == 1
+                await _after(clients[0], leader.expires_ms)
+                taken = await old.acquire_lease("leader", "h2", 60_000)  # lost too
+                assert taken.held and taken.token == leader.token + 1
+            finally:
+                await old.close()
+            primary.stop()
+            clients[1].execute_command("REPLICAOF", "NO", "ONE")
+            promoted = _server_ms(clients[1])
+
+            new = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
+            await new.start()
+            try:
+                again = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                     overlap_skip=False))
+                assert again.attempt == lost.attempt == 1  # numbered again ...
+                assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
+                later = await new.claim(ClaimRequest("job", 3_000, "inst", "d", 300,
+                                                     overlap_skip=False))
+                assert later.epoch == again.epoch  # one new epoch per change of server
+                await _after(clients[1], leader.expires_ms)
+                token = (await new.acquire_lease("leader", "h3", 60_000)).token
+                assert token > taken.token and token >> FENCE_NUMBER_BITS >= promoted
+            finally:
+                await new.close()
+        finally:
+            for client in clients:
+                client.close()
+
+
+# -- schedulers ------------------------------------------------------------------------
+
+
+async def test_a_run_a_loss_reopened_is_watched_and_run_again(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    """The server comes back from a snapshot taken while a run was running, so the run
+    its scheduler then completed is open again, and nobody watches it: the new epoch of
+    the job's next claim makes the scheduler list the job's open runs and take it over."""
+    from lease_core import RunContext, Scheduler
+    from lease_core.testing import claim_now
+    from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_history
+
+    prefix = f"f{uuid.uuid4().hex[:10]}"
+    offset = quiet_offset(await store_now_ms(RedisBackend(server.url, prefix=prefix)))
+    scheduler = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id="one",
+                          lease="1s", heartbeat="0.2s")
+    release = anyio.Event()
+    fences: list[tuple[int, int, int]] = []
+
+    @scheduler.every("job", "1h", offset=offset)
+    async def job(ctx: RunContext) -> None:
+        fences.append((ctx.slot, ctx.attempt, ctx.fence))
+        if len(fences) == 1:
+            await release.wait()
+
+    async with anyio.create_task_group() as tg:
+        (instance,) = [await Instance(scheduler).start(tg)]
+        try:
+            slot = scheduler.jobs["job"].schedule.previous_at_or_before(
+                scheduler.store_now_ms())
+            assert slot is not None
+            assert (await claim_now(scheduler, "job", slot)) is not None
+            await wait_for(lambda: fences, what="the handler")
+            raw.save()  # the snapshot: the run is running
+            release.set()
+            await wait_history(scheduler, lambda h: h and h[0].outcome == "completed",
+                               job="job", what="the run completed")
+            await anyio.to_thread.run_sync(server.stop)
+            await anyio.to_thread.run_sync(server.start)
+            # the job's next claim (an earlier slot) finds the store changed servers
+            assert (await claim_now(scheduler, "job", slot - 3_600_000)) is not None
+            history = await wait_history(
+                scheduler, lambda h: any(a.slot == slot and a.attempt == 2
+                                         and a.outcome == "completed" for a in h),
+                job="job", timeout=15, what="the reopened run taken over and completed")
+        finally:
+            await stop_all([instance])
+    assert [(a.attempt, a.outcome) for a in history if a.slot == slot] == [
+        (2, "completed"), (1, "lost")]
+    first, again = (f for s, _, f in fences if s == slot)
+    assert again > first  # attempt 2 of the reopened run is fenced above attempt 1
