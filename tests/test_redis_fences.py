@@ -185,9 +185,10 @@ async def test_a_loss_of_only_the_newest_writes_is_found_by_a_caller_that_saw_th
 
 
 async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above() -> None:
-    """A replica promoted without the primary's newest claim: a backend that never saw
-    that claim wins the same attempt number again, with a fence above it (the job's data
-    is on a server with another replication id, so a new epoch)."""
+    """A replica promoted without the primary's newest claim: its holder may still run,
+    so no attempt wins before that lease has passed (the quarantine of a server with
+    another replication id); then a backend that never saw that claim wins the same
+    attempt number again, with a fence above it (a new epoch)."""
     binary = find_server("redis")
     assert binary is not None
     fast = ("--repl-diskless-sync-delay", "0")
@@ -225,8 +226,20 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
             new = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
             await new.start()
             try:
+                # the lost claim's holder ("b") may still run: nobody wins until its
+                # lease (300 ms, the longest known) has surely passed (sentinelfix)
+                quiet = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                     overlap_skip=False))
+                assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None)
+                assert quiet.expires_ms is not None
+                assert quiet.expires_ms >= promoted + 300 > lost.expires_ms  # type: ignore[operator]
+                assert quiet.epoch >= promoted
+                assert (await new.claim(ClaimRequest("job", 3_000, "inst", "e", 300,
+                                                     overlap_skip=False))).run_status is None
+                await _after(clients[1], quiet.expires_ms)
                 again = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
                                                      overlap_skip=False))
+                assert again.status is ClaimStatus.WON
                 assert again.attempt == lost.attempt == 1  # numbered again ...
                 assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
                 later = await new.claim(ClaimRequest("job", 3_000, "inst", "d", 300,
