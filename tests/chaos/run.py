@@ -182,6 +182,9 @@ class Report:
     before the failed handler's last record (an invariant: none)."""
     handover_latency: list[float] = field(default_factory=list)
     missed_slots: int = 0
+    missed_lost_commit: int = 0
+    """Of :attr:`missed_slots`, those whose claim or skip the store acknowledged in a
+    failover's window (a lost commit, explained by it; sentinelfix)."""
     missed_store_unreachable: int = 0
     """Of :attr:`missed_slots`, those from which the store answered no request until the
     job's next slot was due (see :class:`StoreProbe`)."""
@@ -272,6 +275,7 @@ class Report:
             "handover_p99_ms": ms(self.percentile(self.handover_latency, 0.99)),
             "missed_slots": self.missed_slots,
             "missed_store_unreachable": self.missed_store_unreachable,
+            "missed_lost_commit": self.missed_lost_commit,
             "missed_while_answered": len(self.missed_while_answered),
             "owner_faults": self.owner_faults,
             "claim_delay_p50_ms": ms(self.percentile(self.claim_delay, 0.5)),
@@ -901,6 +905,8 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
     # store returns, only the newest slot missed while it was unreachable is claimed.
     first = min((k[1] for k in runs), default=0)
     step = config.interval_ms
+    windows = [(f.start - LOSS_WINDOW_S, f.end + LOSS_WINDOW_S) for f in faults
+               if f.kind in ("failover", "failover-own")]
     answered = sorted(done * 1000 for _, done in seen.answers or ())
     for n in range(config.jobs):
         job = f"job{n}"
@@ -910,7 +916,11 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
         report.missed_slots += len(missed)
         if seen.answers is not None:
             for s in missed:
-                if bisect.bisect_left(answered, s) == bisect.bisect_left(answered, s + step):
+                acked = [float(e["t"]) for e in events.get((job, s), [])
+                         if e["e"] in ("claim", "skip")]
+                if any(lo <= t <= hi for t in acked for lo, hi in windows):
+                    report.missed_lost_commit += 1
+                elif bisect.bisect_left(answered, s) == bisect.bisect_left(answered, s + step):
                     report.missed_store_unreachable += 1
                 else:
                     report.missed_while_answered.append((job, s))
@@ -1056,6 +1066,7 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("hand-over latency p50 / p99 (ms)", None),
         ("slots nobody claimed", "missed_slots"),
         ("of which the store answered nothing until the next slot", "missed_store_unreachable"),
+        ("of which a failover lost the acknowledged claim or skip", "missed_lost_commit"),
         ("slots never claimed while the store answered", "missed_while_answered"),
         ("faults on a job's first-ranked member", "owner_faults"),
         ("first claim after its slot p50 / p99 / max (ms)", None),
