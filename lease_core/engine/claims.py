@@ -45,13 +45,15 @@ class Claimer:
 
     async def claim_many(
         self, claims: Sequence[tuple[Job, int, Reason]], *,
-        deferred: list[Run] | None = None,
+        deferred: list[Run] | None = None, gathered: bool = False,
     ) -> list[ClaimResult | None]:
         """Claim several runs at once; each answer as :meth:`claim` gives it.
 
         With ``deferred``, the runs won are held but their handlers not started: they are
         appended there for the caller to start (see :meth:`Executor.launch
-        <lease_core.engine.execution.Executor.launch>`).
+        <lease_core.engine.execution.Executor.launch>`). ``gathered`` says the caller
+        already gathered the claims of its instant (the dispatcher): they are sent at
+        once, without waiting turns of the event loop for others.
         """
         s = self._s
         if not claims:
@@ -62,7 +64,7 @@ class Claimer:
         if settings.max_running is not None:
             free = settings.max_running - s.runs.held_count - self._claims_in_flight
             if free < len(claims):
-                return await self._claim_within(claims, max(0, free), deferred)
+                return await self._claim_within(claims, max(0, free), deferred, gathered)
         requests = [
             ClaimRequest(
                 job.name, slot, settings.instance_id, os.urandom(16).hex(), job.lease_ms,
@@ -85,7 +87,7 @@ class Claimer:
         try:
             with anyio.move_on_after(min(job.lease_ms for job, _, _ in claims) / 2000,
                                      shield=True):
-                answers = await self._batcher.claim_many(requests)
+                answers = await self._batcher.claim_many(requests, collect=not gathered)
         finally:
             self._in_flight -= 1
             self._claims_in_flight -= len(claims)
@@ -108,13 +110,15 @@ class Claimer:
         return results
 
     async def _claim_within(self, claims: Sequence[tuple[Job, int, Reason]], free: int,
-                            deferred: list[Run] | None) -> list[ClaimResult | None]:
+                            deferred: list[Run] | None,
+                            gathered: bool) -> list[ClaimResult | None]:
         # At capacity: claim what fits; the rest wait, pending, until a handler ends (the
         # member ranked next takes them meanwhile if it can).
         now = self._s.clock.now_ms()
         for job, slot, reason in claims[free:]:
             self._s.runs.pending(job, slot, claim_after=now, reason=reason)
-        results = await self.claim_many(claims[:free], deferred=deferred) if free else []
+        results = (await self.claim_many(claims[:free], deferred=deferred, gathered=gathered)
+                   if free else [])
         return results + [None] * (len(claims) - free)
 
     async def drain(self, seconds: float) -> None:

@@ -8,11 +8,13 @@ suspended, are caught up by the job's ``catch_up`` policy, in a task of their ow
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 from typing import TYPE_CHECKING
 
 import anyio
+import sniffio
 
 from .._durations import to_ms
 from .._structures import ClaimStatus, JobInfo, Reason, format_slot
@@ -23,7 +25,53 @@ if TYPE_CHECKING:
     from .runs import Run
     from .session import Session
 
-__all__ = ["Dispatcher"]
+__all__ = ["COALESCE_MS", "Dispatcher"]
+
+#: A slot due at most this many milliseconds after the next one is woken with it: at
+#: spread slots, one timer wake-up cost about as much process CPU as a run's own work.
+COALESCE_MS = 1
+
+
+class _Alarm:
+    """Sleeps until a timeout or an earlier :meth:`wake`, the dispatcher's one timer.
+
+    On asyncio, a future and a timer handle: a wake-up at the timeout takes no cancel
+    scope and no cancellation (``move_on_after`` around an event cost both, at every slot).
+    Cancelled as any sleep (by stop()'s scope). On trio, an event and a native timeout.
+    """
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[None] | None = None
+        self._event: anyio.Event | None = None
+
+    async def sleep(self, seconds: float) -> None:
+        """Return after ``seconds``, or once :meth:`wake` is called."""
+        if sniffio.current_async_library() == "asyncio":
+            loop = asyncio.get_running_loop()
+            future = self._future = loop.create_future()
+            timer = loop.call_later(seconds, _resolve, future)
+            try:
+                await future
+            finally:
+                timer.cancel()
+                self._future = None
+        else:
+            self._event = anyio.Event()
+            with anyio.move_on_after(seconds):
+                await self._event.wait()
+            self._event = None
+
+    def wake(self) -> None:
+        """End the current sleep now (if any)."""
+        if self._future is not None:
+            _resolve(self._future)
+        elif self._event is not None:
+            self._event.set()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class Dispatcher:
@@ -35,7 +83,9 @@ class Dispatcher:
         # dealt with).
         self._due: list[tuple[int, int, Job, int]] = []
         self._order = itertools.count()
-        self._added: anyio.Event | None = None
+        self._alarm = _Alarm()
+        self._wake_at = float("inf")
+        """The slot (store ms) the current sleep ends at."""
         # Per job, the last slot a catch-up claimed (it may still run).
         self._caught_up: dict[str, int] = {}
 
@@ -45,8 +95,8 @@ class Dispatcher:
             return
         slot = job.schedule.next_after(last)
         heapq.heappush(self._due, (slot, next(self._order), job, last))
-        if self._added is not None and self._due[0][0] == slot:
-            self._added.set()
+        if slot < self._wake_at:
+            self._alarm.wake()
 
     async def start_job(self, job: Job, info: JobInfo) -> None:
         """Catch up a job the store knew before this start, then queue its next slot."""
@@ -78,12 +128,14 @@ class Dispatcher:
                 local_now = s.settings.clock() * 1000 + s.clock.offset_ms
                 wait = s.settings.heartbeat
                 if self._due:
-                    wait = min(wait, (self._due[0][0] - local_now) / 1000)
+                    wake_at = self._wake_slot()
+                    wait = min(wait, (wake_at - local_now) / 1000)
                 if wait > 0:
-                    self._added = anyio.Event()
-                    with anyio.move_on_after(wait):
-                        await self._added.wait()
-                    self._added = None
+                    self._wake_at = (local_now + wait * 1000) if self._due else float("inf")
+                    try:
+                        await self._alarm.sleep(wait)
+                    finally:
+                        self._wake_at = float("inf")
                     continue
                 now = s.clock.now_ms()
                 claims: list[tuple[Job, int, int]] = []
@@ -101,6 +153,14 @@ class Dispatcher:
                     assert s.tg is not None
                     s.tg.start_soon(self._claim_due, claims)
 
+    def _wake_slot(self) -> int:
+        # The next slot, or the one after it when that is due within COALESCE_MS: both are
+        # then claimed in one wake-up (the first up to COALESCE_MS late, never early).
+        due = self._due
+        head = due[0][0]
+        after = min((due[i][0] for i in (1, 2) if i < len(due)), default=head)
+        return after if after - head <= COALESCE_MS else head
+
     async def _claim_due(self, claims: list[tuple[Job, int, int]]) -> None:
         # The member ranked first for a job claims at once; the one ranked k only if the
         # run is still unclaimed k check intervals later (see lease_core.engine.fleet).
@@ -116,7 +176,7 @@ class Dispatcher:
                                reason=Reason.SCHEDULED)
         # A job's next slot is queued once its claim is settled, as a loop per job would.
         won: list[Run] = []
-        await s.claims.claim_many(first, deferred=won)
+        await s.claims.claim_many(first, deferred=won, gathered=True)
         for job, _, last in claims:
             self.schedule_next(job, last)
         # The handlers start now, in tasks of their own but the last, which runs in this

@@ -224,8 +224,11 @@ class Executor:
         finished = False
         name, slot = run.job.name, lease.slot
         with anyio.move_on_after(10, shield=True) as finish_scope:
-            # With the other finishes of this instant, in one finish_many call.
-            (answer,) = await self._finisher.call_many([(lease, outcome, error)])
+            # With the other finishes of this instant, in one finish_many call. Only a
+            # handler still running here can end in the next turns: with none, waiting
+            # turns for their finishes would be a loop turn per run for nothing.
+            (answer,) = await self._finisher.call_many(
+                [(lease, outcome, error)], collect=self._s.runs.held_count > 0)
             if isinstance(answer, Exception):
                 if not isinstance(answer, Abandoned):
                     self._s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
