@@ -8,16 +8,15 @@ suspended, are caught up by the job's ``catch_up`` policy, in a task of their ow
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
 from typing import TYPE_CHECKING
 
 import anyio
-import sniffio
 
 from .._durations import to_ms
 from .._structures import ClaimStatus, JobInfo, Reason, format_slot
+from .._wakeups import Alarm, WorkerPool
 from . import base
 
 if TYPE_CHECKING:
@@ -32,48 +31,6 @@ __all__ = ["COALESCE_MS", "Dispatcher"]
 COALESCE_MS = 1
 
 
-class _Alarm:
-    """Sleeps until a timeout or an earlier :meth:`wake`, the dispatcher's one timer.
-
-    On asyncio, a future and a timer handle: a wake-up at the timeout takes no cancel
-    scope and no cancellation (``move_on_after`` around an event cost both, at every slot).
-    Cancelled as any sleep (by stop()'s scope). On trio, an event and a native timeout.
-    """
-
-    def __init__(self) -> None:
-        self._future: asyncio.Future[None] | None = None
-        self._event: anyio.Event | None = None
-
-    async def sleep(self, seconds: float) -> None:
-        """Return after ``seconds``, or once :meth:`wake` is called."""
-        if sniffio.current_async_library() == "asyncio":
-            loop = asyncio.get_running_loop()
-            future = self._future = loop.create_future()
-            timer = loop.call_later(seconds, _resolve, future)
-            try:
-                await future
-            finally:
-                timer.cancel()
-                self._future = None
-        else:
-            self._event = anyio.Event()
-            with anyio.move_on_after(seconds):
-                await self._event.wait()
-            self._event = None
-
-    def wake(self) -> None:
-        """End the current sleep now (if any)."""
-        if self._future is not None:
-            _resolve(self._future)
-        elif self._event is not None:
-            self._event.set()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 class Dispatcher:
     """Claims the slots of one scheduler's scheduled jobs as they fall due."""
 
@@ -83,7 +40,10 @@ class Dispatcher:
         # dealt with).
         self._due: list[tuple[int, int, Job, int]] = []
         self._order = itertools.count()
-        self._alarm = _Alarm()
+        self._alarm = Alarm()
+        # The tasks that claim each wake-up's runs and run their handlers, kept for the
+        # next wake-up rather than a new task each time.
+        self._workers: WorkerPool[list[tuple[Job, int, int]] | Run] = WorkerPool(self._work)
         self._wake_at = float("inf")
         """The slot (store ms) the current sleep ends at."""
         # Per job, the last slot a catch-up claimed (it may still run).
@@ -151,7 +111,7 @@ class Dispatcher:
                         claims.append((job, slot, max(due, slot)))
                 if claims:
                     assert s.tg is not None
-                    s.tg.start_soon(self._claim_due, claims)
+                    self._workers.submit(s.tg, claims)
 
     def _wake_slot(self) -> int:
         # The next slot, or the one after it when that is due within COALESCE_MS: both are
@@ -160,6 +120,12 @@ class Dispatcher:
         head = due[0][0]
         after = min((due[i][0] for i in (1, 2) if i < len(due)), default=head)
         return after if after - head <= COALESCE_MS else head
+
+    async def _work(self, item: list[tuple[Job, int, int]] | Run) -> None:
+        if isinstance(item, list):
+            await self._claim_due(item)
+        else:
+            await self._s.execution.execute(item)
 
     async def _claim_due(self, claims: list[tuple[Job, int, int]]) -> None:
         # The member ranked first for a job claims at once; the one ranked k only if the
@@ -179,11 +145,12 @@ class Dispatcher:
         await s.claims.claim_many(first, deferred=won, gathered=True)
         for job, _, last in claims:
             self.schedule_next(job, last)
-        # The handlers start now, in tasks of their own but the last, which runs in this
-        # task: at spread slots most claims win one run, and a task per run was a good
-        # part of what a run cost.
+        # The handlers start now, in workers of their own but the last, which runs in
+        # this one: at spread slots most claims win one run, and a task per run was a
+        # good part of what a run cost.
+        assert s.tg is not None
         for run in won[:-1]:
-            s.execution.start(run)
+            self._workers.submit(s.tg, run)
         if won:
             await s.execution.execute(won[-1])
 
