@@ -11,9 +11,9 @@ PostgreSQL, one pipelined round trip on Redis, in chunks of at most :data:`CLAIM
 Collection adds no timer: the first call of a batch (its *leader*) yields to the event
 loop until a turn adds no call (at most :data:`COLLECT_TURNS` turns), so every task woken
 at the same instant adds its call first. A call that arrives while a batch is being sent
-starts the next batch. A caller that knows no other call can come in those turns (it
-gathered the calls of its instant itself, or no other caller is active) passes
-``collect=False``: its batch is sent at once, with no turn of the event loop before it.
+starts the next batch. A caller that knows no other call can come in those turns (no
+other caller is active) passes ``collect=False``: its batch is sent at once, with no turn
+of the event loop before it.
 Each caller awaits its own result; a failed chunk fails each of
 its calls, as if each had failed alone. A batch of one is sent with the single-call
 method (:meth:`~lease_core.abc.Backend.claim`, :meth:`~lease_core.abc.Backend.finish`),
@@ -150,10 +150,9 @@ class ClaimBatcher(Batcher[ClaimRequest, ClaimResult]):
     async def _many(self, requests: Sequence[ClaimRequest]) -> Sequence[ClaimResult]:
         return await self.backend.claim_many(requests)
 
-    async def claim_many(self, requests: Sequence[ClaimRequest], *,
-                         collect: bool = True) -> list[ClaimResult | Exception]:
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult | Exception]:
         """Claim ``requests`` with the other claims of this instant (see :meth:`call_many`)."""
-        return await self.call_many(requests, collect=collect)
+        return await self.call_many(requests)
 
 
 class FinishBatcher(Batcher[FinishItem, bool]):

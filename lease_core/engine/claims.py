@@ -38,6 +38,11 @@ class Claimer:
         self._idle: anyio.Event | None = None
         self._quarantine_logged = session.carry.quarantine_logged
 
+    @property
+    def in_flight(self) -> int:
+        """Claims sent and not answered yet (runs whose handlers may start any moment)."""
+        return self._claims_in_flight
+
     async def claim(self, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
         """Claim one run; ``None`` when the answer is unknown (claimed again next tick)."""
         (result,) = await self.claim_many([(job, slot, reason)])
@@ -45,15 +50,13 @@ class Claimer:
 
     async def claim_many(
         self, claims: Sequence[tuple[Job, int, Reason]], *,
-        deferred: list[Run] | None = None, gathered: bool = False,
+        deferred: list[Run] | None = None,
     ) -> list[ClaimResult | None]:
         """Claim several runs at once; each answer as :meth:`claim` gives it.
 
         With ``deferred``, the runs won are held but their handlers not started: they are
         appended there for the caller to start (see :meth:`Executor.launch
-        <lease_core.engine.execution.Executor.launch>`). ``gathered`` says the caller
-        already gathered the claims of its instant (the dispatcher): they are sent at
-        once, without waiting turns of the event loop for others.
+        <lease_core.engine.execution.Executor.launch>`).
         """
         s = self._s
         if not claims:
@@ -64,7 +67,7 @@ class Claimer:
         if settings.max_running is not None:
             free = settings.max_running - s.runs.held_count - self._claims_in_flight
             if free < len(claims):
-                return await self._claim_within(claims, max(0, free), deferred, gathered)
+                return await self._claim_within(claims, max(0, free), deferred)
         requests = [
             ClaimRequest(
                 job.name, slot, settings.instance_id, os.urandom(16).hex(), job.lease_ms,
@@ -87,7 +90,7 @@ class Claimer:
         try:
             with anyio.move_on_after(min(job.lease_ms for job, _, _ in claims) / 2000,
                                      shield=True):
-                answers = await self._batcher.claim_many(requests, collect=not gathered)
+                answers = await self._batcher.claim_many(requests)
         finally:
             self._in_flight -= 1
             self._claims_in_flight -= len(claims)
@@ -110,15 +113,13 @@ class Claimer:
         return results
 
     async def _claim_within(self, claims: Sequence[tuple[Job, int, Reason]], free: int,
-                            deferred: list[Run] | None,
-                            gathered: bool) -> list[ClaimResult | None]:
+                            deferred: list[Run] | None) -> list[ClaimResult | None]:
         # At capacity: claim what fits; the rest wait, pending, until a handler ends (the
         # member ranked next takes them meanwhile if it can).
         now = self._s.clock.now_ms()
         for job, slot, reason in claims[free:]:
             self._s.runs.pending(job, slot, claim_after=now, reason=reason)
-        results = (await self.claim_many(claims[:free], deferred=deferred, gathered=gathered)
-                   if free else [])
+        results = await self.claim_many(claims[:free], deferred=deferred) if free else []
         return results + [None] * (len(claims) - free)
 
     async def drain(self, seconds: float) -> None:

@@ -142,7 +142,7 @@ class Dispatcher:
                                reason=Reason.SCHEDULED)
         # A job's next slot is queued once its claim is settled, as a loop per job would.
         won: list[Run] = []
-        await s.claims.claim_many(first, deferred=won, gathered=True)
+        await s.claims.claim_many(first, deferred=won)
         for job, _, last in claims:
             self.schedule_next(job, last)
         # The handlers start now, in workers of their own but the last, which runs in

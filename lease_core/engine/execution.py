@@ -225,10 +225,13 @@ class Executor:
         name, slot = run.job.name, lease.slot
         with anyio.move_on_after(10, shield=True) as finish_scope:
             # With the other finishes of this instant, in one finish_many call. Only a
-            # handler still running here can end in the next turns: with none, waiting
-            # turns for their finishes would be a loop turn per run for nothing.
+            # handler still running here, or one whose claim is being answered, can end
+            # in the next turns: with none, waiting turns for their finishes would be a
+            # loop turn per run for nothing.
+            s = self._s
             (answer,) = await self._finisher.call_many(
-                [(lease, outcome, error)], collect=self._s.runs.held_count > 0)
+                [(lease, outcome, error)],
+                collect=s.runs.held_count > 0 or s.claims.in_flight > 0)
             if isinstance(answer, Exception):
                 if not isinstance(answer, Abandoned):
                     self._s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
