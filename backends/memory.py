@@ -70,6 +70,7 @@ class _Run:
     queued: Reason | None = None
     queued_by: str | None = None
     heartbeat_ms: int | None = None  # the last renewal (the status API's heartbeat_at)
+    grace_ms: int = 0  # a cancel's grace (Admin.cancel), told to the holder's heartbeat
 
 
 def _retrying(run: _Run | None, now: int, delays: Sequence[int]) -> int:
@@ -434,19 +435,29 @@ class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Ba
             return None
         return run
 
+    def _cancelled(self, lease: Lease) -> dict[str, int]:
+        # cancel(grace=): the run keeps the holder's token, and the grace.
+        run = self._runs.get((lease.job, lease.slot))
+        if run is None or run.token != lease.token or run.status is not RunStatus.CANCELLED:
+            return {}
+        return {lease.token: run.grace_ms}
+
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
         """Renew every live lease in ``leases`` to ``now + lease_ms``."""
         await anyio.lowlevel.checkpoint()
         with self._lock:
             now = self._now()
             held = set()
+            cancelled: dict[str, int] = {}
             for lease in leases:
                 run = self._held(lease, now, live=True)
                 if run is not None:
                     run.expires_ms = now + lease.lease_ms
                     run.heartbeat_ms = now
                     held.add(lease.token)
-            return HeartbeatResult(now, frozenset(held))
+                else:
+                    cancelled.update(self._cancelled(lease))
+            return HeartbeatResult(now, frozenset(held), cancelled=cancelled)
 
     async def finish_many(
         self, items: Sequence[tuple[Lease, Outcome, str | None]]

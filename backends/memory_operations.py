@@ -51,6 +51,12 @@ def operate(store: MemoryBackend, op: Operation, now: int,
         job.paused_by = op.by
         return OperationResult()
     if op.kind is OperationKind.RESUME:
+        if job.paused_by:  # a resume leaves a record on the slots the pause skipped
+            mark = f"job paused by {job.paused_by}"
+            history = store._attempts.get(op.job, [])
+            for i, a in enumerate(history):
+                if a.outcome is Outcome.SKIPPED and a.error == mark:
+                    history[i] = replace(a, error=f"{mark}; resumed by {op.by}")
         job.paused_by = None
         return OperationResult()
     if op.kind is OperationKind.TRIGGER:
@@ -79,7 +85,9 @@ def operate(store: MemoryBackend, op: Operation, now: int,
         if a.slot == op.slot and a.attempt == run.attempt and a.outcome is None:
             history[i] = replace(a, outcome=Outcome.CANCELLED, error=f"cancelled by {op.by}",
                                  finished_at=ms_to_datetime(now))
-    run.status, run.token, run.expires_ms = RunStatus.CANCELLED, None, None
+    # cancel(grace=): the holder's token stays, with the grace, so the holder's next
+    # heartbeat answers "cancelled" with it.
+    run.status, run.expires_ms, run.grace_ms = RunStatus.CANCELLED, None, op.grace_ms
     run.queued = run.queued_by = None
     return OperationResult(slot=op.slot, status=before)
 

@@ -12,7 +12,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ._structures import Attempt, Outcome, Reason, RunInfo, RunStatus
+from ._structures import Attempt, Outcome, Reason, RunInfo, RunStatus, fence_of
 from .errors import (
     AnarchonError,
     AuthenticationFailed,
@@ -26,6 +26,7 @@ from .errors import (
 )
 from .events import (
     AttemptEnded,
+    Cancelled,
     Claimed,
     Completed,
     Escalated,
@@ -67,6 +68,7 @@ __all__ = [
     "AuthenticationFailed",
     "Backend",
     "BackendUnavailable",
+    "Cancelled",
     "Checkpoint",
     "Claimed",
     "Completed",
@@ -107,6 +109,7 @@ __all__ = [
     "TimedOut",
     "Workflow",
     "backend_from_url",
+    "fence_of",
 ]
 
 __version__ = "0.1.0"

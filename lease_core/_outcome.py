@@ -21,6 +21,8 @@ class Interruption(StrEnum):
     """A heartbeat found that another attempt holds the run."""
     DEADLINE = "lease not renewed in time"
     """The lease could not be renewed before it would expire in the store."""
+    CANCELLED = "cancelled"
+    """An operator cancelled the run and its grace ended (:meth:`Admin.cancel`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,7 @@ def decide_outcome(
     lost: bool = False,
     stopping: bool = False,
     crashed: bool = False,
+    cancelled: bool = False,
 ) -> Ending:
     """Decide how an attempt ended.
 
@@ -72,11 +75,15 @@ def decide_outcome(
     job's ``timeout`` cancelled it; ``interrupted`` says why the scheduler cancelled it;
     ``lost`` is true when a heartbeat already found the lease lost; ``stopping`` when the
     scheduler is stopping gracefully; ``crashed`` when it was cancelled from outside or
-    aborted. The checks run in that order of precedence: crash, lost lease, hand-over,
+    aborted; ``cancelled`` when an operator cancelled the run (whatever the handler did
+    then, within its grace or not, the run ended ``cancelled``: the store recorded it).
+    The checks run in that order of precedence: crash, cancel, lost lease, hand-over,
     failure, time-out, completion.
     """
     if crashed:
         return Ending(None)
+    if cancelled:
+        return Ending(Outcome.CANCELLED, "cancelled")
     kind = None if raised is None else classify(raised)
     if interrupted in (Interruption.LEASE_LOST, Interruption.DEADLINE):
         return Ending(Outcome.LOST, str(interrupted))

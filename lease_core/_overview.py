@@ -70,8 +70,9 @@ async def read_overview(backend: Backend, *, status: str = "all", query: str = "
 
     rows = [dict(_job_row(name, schedules.get(name), open_runs[name], finished[name], now),
                  paused=paused.get(name)) for name in jobs]
-    rows += [dict(_workflow_row(name, names, schedules, open_runs, finished, now), paused=None)
-             for name, names in workflows.items()]
+    rows += [dict(_workflow_row(name, names, schedules, open_runs, finished, now),
+                  paused=paused.get(step_job(name, names[0])) if names else None)
+             for name, names in workflows.items()]  # a workflow is paused at its first step
     rows.sort(key=lambda row: (row["name"], row["kind"]))
     needle = query.strip().lower()
     searched = [row for row in rows if needle in row["name"].lower()]

@@ -88,7 +88,8 @@ def _run_json(run: RunInfo) -> dict[str, Any]:
         "status": str(run.status),
         "attempt": run.attempt,
         "instance_id": run.instance_id,
-        "lease_expires_at": iso(run.expires_at),
+        # a cancelled run keeps the end of its holder's grace there (Admin.cancel): no lease
+        "lease_expires_at": None if run.status.finished else iso(run.expires_at),
     }
 
 

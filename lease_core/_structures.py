@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 
 __all__ = [
+    "FENCE_NUMBER_BITS",
     "Attempt",
     "CheckResult",
     "ClaimRequest",
@@ -20,6 +21,7 @@ __all__ = [
     "RunInfo",
     "RunState",
     "RunStatus",
+    "fence_of",
     "format_slot",
     "ms_to_datetime",
 ]
@@ -28,6 +30,31 @@ __all__ = [
 def ms_to_datetime(ms: int) -> datetime:
     """Return epoch milliseconds as a tz-aware UTC datetime."""
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+FENCE_NUMBER_BITS = 20
+"""Bits of a fence (:func:`fence_of`) that hold the attempt number, or a lease's counter."""
+
+
+def fence_of(epoch: int, number: int) -> int:
+    """Return the fence of attempt ``number`` of a run, issued in store ``epoch``.
+
+    A fence is one integer that only grows for a run, across failovers too: it is what to
+    hand to a system outside the store that rejects "anything below the highest fence
+    seen". ``epoch`` is 0 until the store detects a loss of acknowledged data (a failover
+    to a lagging replica, a restart without persistence); after that it is the store's
+    clock, in milliseconds, when the loss was detected, so every attempt numbered after
+    the loss fences above every attempt numbered before it, even when the lost writes
+    make the store number an attempt again. With epoch 0 the fence is the attempt number.
+
+    A standalone lease's integer token follows the same rule without this function: after
+    a detected loss, the store issues the next token at or above ``epoch << FENCE_NUMBER_BITS``.
+    """
+    if epoch < 0 or not 0 <= number < 1 << FENCE_NUMBER_BITS:
+        raise ValueError(
+            f"fence_of({epoch!r}, {number!r}): the epoch must be >= 0 and the number "
+            f"between 0 and {(1 << FENCE_NUMBER_BITS) - 1}")
+    return (epoch << FENCE_NUMBER_BITS) + number
 
 
 def format_slot(ms: int) -> str:
@@ -153,6 +180,9 @@ class ClaimResult:
     run_status: RunStatus | None = None
     instance_id: str | None = None
     """The instance holding the run."""
+    epoch: int = 0
+    """The store epoch the attempt number was issued in (see :func:`fence_of`): 0 unless
+    the store detected a loss of acknowledged data that may have affected this job."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +229,11 @@ class HeartbeatResult:
     """Tokens whose lease was renewed now; ``None`` means all of :attr:`held`. A backend
     may skip renewing a run that a transaction has locked (a fenced transaction), which
     stays held."""
+    cancelled: dict[str, int] = field(default_factory=dict)
+    """Tokens whose run an operator cancelled (:meth:`~lease_core.Admin.cancel`), each with
+    the cancel's grace in milliseconds: the holder asks its handler to stop and cancels
+    it once the grace has passed. Never in :attr:`held`. A backend without
+    operations leaves it empty (the holder then finds its lease lost)."""
 
 
 @dataclass(frozen=True, slots=True)

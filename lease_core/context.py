@@ -123,6 +123,7 @@ class RunContext:
         logger: logging.Logger,
         workflow: str | None = None,
         step: str | None = None,
+        fence: int | None = None,
     ) -> None:
         self.job: str = lease.job
         """The job's name."""
@@ -133,7 +134,14 @@ class RunContext:
         self.attempt: int = attempt
         """1, 2, 3 ...: increases on every takeover or hand-over of the run."""
         self.token: str = lease.token
-        """This attempt's fencing token."""
+        """This attempt's token inside the store: random, it fences every call to the
+        store (checkpoint, transaction, finish)."""
+        self.fence: int = attempt if fence is None else fence
+        """The number to hand to systems outside the store: it grows with every attempt of
+        the run, across a failover that lost acknowledged writes too (see
+        :func:`lease_core.fence_of`), so such a system can refuse any write carrying a
+        fence below the highest it has seen. Equal to :attr:`attempt` until the store has
+        detected a loss."""
         self.reason: Reason = reason
         """Why this attempt claimed the run."""
         self.instance_id: str = instance_id

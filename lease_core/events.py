@@ -2,10 +2,11 @@
 
 Every event is a frozen dataclass. Run events name the run (``job``, ``slot``); events that
 end an attempt (:class:`Completed`, :class:`Failed`, :class:`TimedOut`, :class:`Lost`,
-:class:`HandedOver`) derive from :class:`AttemptEnded` and carry its ``outcome`` and
-``duration``. Each won claim is reported as :class:`Claimed`; one that took a run over from
-another instance is reported as :class:`TakenOver` too. A failure its job's ``retry=``
-retries is reported as :class:`Failed` (or :class:`TimedOut`), then :class:`Retried`.
+:class:`HandedOver`, :class:`Cancelled`) derive from :class:`AttemptEnded` and carry its
+``outcome`` and ``duration``. Each won claim is reported as :class:`Claimed`; one that
+took a run over from another instance is reported as :class:`TakenOver` too. A failure
+its job's ``retry=`` retries is reported as :class:`Failed` (or :class:`TimedOut`), then
+:class:`Retried`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ._structures import Outcome, Reason, ms_to_datetime
 
 __all__ = [
     "AttemptEnded",
+    "Cancelled",
     "Claimed",
     "Completed",
     "Escalated",
@@ -169,6 +171,17 @@ class HandedOver(AttemptEnded):
     def outcome(self) -> Outcome:
         """``handed_over``."""
         return Outcome.HANDED_OVER
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancelled(AttemptEnded):
+    """An operator cancelled the run (:meth:`~lease_core.Admin.cancel`) while this
+    attempt held it: the handler returned within the grace, or was cancelled after it."""
+
+    @property
+    def outcome(self) -> Outcome:
+        """``cancelled``."""
+        return Outcome.CANCELLED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

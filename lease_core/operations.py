@@ -5,7 +5,8 @@ every instance sees the result: a claim of a paused job's new slot records it
 ``skipped``; a triggered or retried run is a run any instance declaring the job claims
 at its next heartbeat (reason ``manual`` or ``retry``, with who asked in the attempt's
 ``requested_by``); a cancelled run is finished ``cancelled`` at once, so nobody takes it
-over, and its holder's next heartbeat finds its lease gone and cancels the handler.
+over, and its holder's next heartbeat answers "cancelled": the handler is asked to stop,
+and cancelled once the cancel's grace has passed.
 
 Each backend implements one call, :meth:`~lease_core.abc.Backend.operate`, which answers
 an :class:`OperationResult`; :class:`Admin` turns a refusal into
@@ -56,6 +57,9 @@ class Operation:
     """The run's slot (retry, cancel); ``None`` for job operations."""
     by: str
     """Who asks: an instance id, ``cli`` or ``http``; recorded with the run."""
+    grace_ms: int = 0
+    """A cancel's grace: the holder's handler may finish for this long once asked to stop
+    (see :meth:`Admin.cancel`); the store keeps it with the cancelled run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,9 @@ class Admin:
     async def trigger(self, job: str) -> int:
         """Make one extra run of ``job`` now (reason ``manual``); return its slot.
 
+        ``job`` may name a workflow: the new run starts at its first step, and the later
+        steps follow as usual.
+
         The slot is the store's now in epoch ms, moved off a whole second (where
         schedules put their slots) and off any slot the job has a run at. An instance
         that declares the job claims it within one heartbeat.
@@ -134,12 +141,15 @@ class Admin:
     async def pause(self, job: str) -> None:
         """Stop every instance claiming new slots of ``job``; runs in progress go on.
 
-        Slots due while paused are recorded ``skipped`` and never caught up.
+        Slots due while paused are recorded ``skipped`` and never caught up. ``job`` may
+        name a workflow: its new slots are skipped (at its first step); a run in
+        progress goes on through its later steps.
         """
         await self._operate(OperationKind.PAUSE, job, None)
 
     async def resume(self, job: str) -> None:
-        """Let the fleet claim the slots of ``job`` again (a job not paused: no change)."""
+        """Let the fleet claim the slots of ``job`` (or a workflow) again (a job not
+        paused: no change)."""
         await self._operate(OperationKind.RESUME, job, None)
 
     async def retry(self, job: str, slot: int | str | datetime) -> None:
@@ -152,39 +162,55 @@ class Admin:
 
     async def cancel(self, job: str, slot: int | str | datetime,
                      grace: float | str | object = "10s") -> None:
-        """End a running or handed-over run ``cancelled``; nobody takes it over.
+        """End a running, handed-over or retrying run ``cancelled``; nobody takes it over.
 
         ``job`` may name a workflow: the step in progress is cancelled, so the workflow
-        stops there. The run ends in the store at once. Its holder finds its lease gone at its next
-        heartbeat: the handler gets ``ctx.stopping`` and is cancelled. ``grace`` is
-        validated; this release cancels the handler at that heartbeat, without waiting
-        ``grace``.
+        stops there. The run ends ``cancelled`` in the store at once. Its holder learns
+        of it at its next heartbeat (the heartbeat answers "cancelled", not "lost"): the
+        handler gets ``ctx.stopping`` (``ctx.stop_reason`` says it was cancelled), may
+        finish cooperatively within ``grace`` (default ``"10s"``; ``0`` cancels it at
+        that heartbeat) and is cancelled once the grace has passed. Either way the
+        attempt ends ``cancelled``, never ``completed``.
         """
-        parse_duration(grace, what="grace", allow_zero=True)
-        await self._operate(OperationKind.CANCEL, job, _slot(slot, job))
+        grace_s = parse_duration(grace, what="grace", allow_zero=True)
+        await self._operate(OperationKind.CANCEL, job, _slot(slot, job),
+                            grace_ms=int(grace_s * 1000))
 
     async def paused(self) -> dict[str, str]:
-        """The paused jobs, each with who paused it."""
+        """The paused jobs and workflows (by their own names), each with who paused it."""
         await self.backend.start()
         try:
-            return await self.backend.paused()
+            paused = await self.backend.paused()
+            firsts = {step_job(name, steps[0]): name
+                      for name, steps in (await self.backend.workflows()).items() if steps}
         finally:
             await self.backend.close()
+        return {firsts.get(job, job): by for job, by in paused.items()}
 
-    async def _operate(self, kind: OperationKind, job: str, slot: int | None) -> OperationResult:
+    async def _operate(self, kind: OperationKind, job: str, slot: int | None, *,
+                       grace_ms: int = 0) -> OperationResult:
         if not isinstance(job, str) or not job:
             raise ConfigurationError(f"job {job!r} must be a non-empty job name")
         await self.backend.start()  # counted: cheap when the backend runs already
         try:
             if slot is not None:
                 job = await self._step_of(job, slot, kind)
-            result = await self.backend.operate(Operation(kind, job, slot, self.by))
+            else:
+                job = await self._first_step(job)
+            result = await self.backend.operate(Operation(kind, job, slot, self.by, grace_ms))
         finally:
             await self.backend.close()
         if result.refused is not None:
             raise OperationRefused(result.refused, _refusal(kind, job, slot, result))
         return result
 
+
+    async def _first_step(self, name: str) -> str:
+        """The job a job operation acts on: ``name`` itself, or for a workflow its first
+        step (a trigger starts the workflow there; a pause skips its new slots there, and
+        a run in progress goes on through its later steps)."""
+        steps = (await self.backend.workflows()).get(name)
+        return step_job(name, steps[0]) if steps else name
 
     async def _step_of(self, name: str, slot: int, kind: OperationKind) -> str:
         """The job a run operation acts on: ``name`` itself, or for a workflow the step

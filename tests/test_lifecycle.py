@@ -321,6 +321,14 @@ BOOM = ValueError("boom")
         ({"raised": BOOM, "stopping": True}, Ending(Outcome.FAILED, "ValueError: boom")),
         ({"raised": BOOM, "crashed": True}, Ending(None)),
         ({"interrupted": Interruption.STOPPED, "crashed": True}, Ending(None)),
+        # cancel(grace=): whatever the handler did, the operator's cancel ended the run
+        ({"cancelled": True}, Ending(Outcome.CANCELLED, "cancelled")),
+        ({"cancelled": True, "raised": BOOM}, Ending(Outcome.CANCELLED, "cancelled")),
+        ({"cancelled": True, "interrupted": Interruption.CANCELLED, "stopping": True},
+         Ending(Outcome.CANCELLED, "cancelled")),
+        ({"cancelled": True, "raised": LeaseLost("x"), "lost": True},
+         Ending(Outcome.CANCELLED, "cancelled")),
+        ({"cancelled": True, "crashed": True}, Ending(None)),
     ],
 )
 def test_decide_outcome(given: dict[str, Any], expected: Ending) -> None:

@@ -13,7 +13,15 @@ from typing import Any
 import anyio
 import pytest
 
-from lease_core import Admin, OperationRefused, RunContext, RunStatus, Scheduler
+from lease_core import (
+    Admin,
+    AttemptEnded,
+    Cancelled,
+    OperationRefused,
+    RunContext,
+    RunStatus,
+    Scheduler,
+)
 from lease_core.abc import Backend
 from lease_core.testing import claim_now
 from tests.helpers import (
@@ -112,13 +120,20 @@ async def test_pause_skips_new_slots_until_resume(store: Store) -> None:
         assert all(a.error == "job paused by ops-1" for a in skipped)
         # a run already claimed when the pause came may have run; none after the skips
         assert not any(slot > min(a.slot for a in skipped) for slot in ran[first_paused:])
-        await admin.resume("tick")
+        await admin_for(store, by="ops-2").resume("tick")
         assert await admin.paused() == {}
         after = max(a.slot for a in skipped)
         await wait_for(lambda: any(slot > after for slot in ran), what="a run after resume")
         await stop_all([instance])
     # slots skipped while paused are not caught up
     assert not {a.slot for a in skipped} & set(ran)
+    # the resume left its record, with who resumed, on the slots the pause skipped
+    paused_slots = {a.slot for a in skipped}
+    recorded = {a.slot: a.error for a in await s.history("tick") if a.slot in paused_slots}
+    assert set(recorded.values()) == {"job paused by ops-1; resumed by ops-2"}, recorded
+    log = await s.recovery_log(("tick", max(paused_slots)))
+    assert [(e.event, e.detail) for e in log][-1] == (
+        "skipped", "job paused by ops-1; resumed by ops-2")
 
 
 async def test_retry_runs_a_failed_run_again_with_reason_retry(store: Store) -> None:
@@ -195,6 +210,87 @@ async def test_cancel_stops_the_holder_and_nobody_takes_over(store: Store) -> No
         (1, "cancelled", "cancelled by ops")]
     log = await holder.recovery_log(("slow", slot))
     assert log[-1].event == "cancelled"
+
+
+async def _cancel_while_running(store: Store, handler: Any, grace: str,
+                                entered: anyio.Event) -> tuple[Scheduler, int, list[Any]]:
+    """Run ``handler`` (job "graced") on a holder with a backup, cancel it with ``grace``
+    once it runs, and wait until nobody holds or watches the run any more."""
+    admin = admin_for(store, by="ops")
+    offset = await quiet(store)
+    holder, backup = make(store, "holder"), make(store, "backup")
+    events: list[Any] = []
+    holder.subscribe(events.append)
+    for s in (holder, backup):
+        s.every("graced", "1h", handler, offset=offset)
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in (holder, backup)]
+        slot = await store_now_ms(store.backend()) - 1000
+        assert await claim_now(holder, "graced", slot) is not None
+        with anyio.fail_after(10):
+            await entered.wait()
+        await claim_now(backup, "graced", slot)
+        await wait_for(lambda: ("graced", slot) in backup.watching, what="backup watches")
+        await admin.cancel("graced", slot, grace=grace)
+        assert await status_of(store.backend(), "graced", slot) == "cancelled"
+        await wait_for(lambda: ("graced", slot) not in backup.watching and not holder.running,
+                       what="nobody holds or watches the cancelled run", timeout=20)
+        await stop_all(instances)
+    return holder, slot, events
+
+
+async def test_cancel_lets_a_cooperative_handler_finish_within_its_grace(
+        store: Store) -> None:
+    entered = anyio.Event()
+    seen: list[str | None] = []
+
+    async def cooperative(ctx: RunContext) -> str:
+        entered.set()
+        with anyio.fail_after(30):  # a long grace: the handler returns well within it
+            await ctx.stopping.wait()
+        seen.append(ctx.stop_reason)
+        await anyio.sleep(0.3)  # some cleanup, still within the grace
+        seen.append("returned")
+        return "done"
+
+    holder, slot, events = await _cancel_while_running(store, cooperative, "60s", entered)
+    assert seen == ["run cancelled by an operator", "returned"]
+    history = [a for a in await holder.history("graced") if a.slot == slot]
+    assert [(a.attempt, a.outcome, a.error) for a in history] == [
+        (1, "cancelled", "cancelled by ops")]  # not completed, and nobody took it over
+    assert await status_of(store.backend(), "graced", slot) == "cancelled"
+    ended = [e for e in events if isinstance(e, AttemptEnded) and e.slot == slot]
+    assert [type(e) for e in ended] == [Cancelled], ended
+
+
+async def test_cancel_cancels_a_stubborn_handler_once_its_grace_has_passed(
+        store: Store) -> None:
+    entered = anyio.Event()
+    marks: dict[str, float] = {}
+
+    async def stubborn(ctx: RunContext) -> None:
+        entered.set()
+
+        async def note_stop() -> None:
+            await ctx.stopping.wait()
+            marks["stopping"] = anyio.current_time()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(note_stop)
+                await anyio.sleep(60)  # ignores ctx.stopping
+        except anyio.get_cancelled_exc_class():
+            marks["cancelled"] = anyio.current_time()
+            raise
+
+    holder, slot, events = await _cancel_while_running(store, stubborn, "1.5s", entered)
+    assert set(marks) == {"stopping", "cancelled"}, marks
+    # asked to stop first, cancelled only once the grace had passed
+    assert 1.3 <= marks["cancelled"] - marks["stopping"] < 10, marks
+    history = [a for a in await holder.history("graced") if a.slot == slot]
+    assert [(a.attempt, a.outcome) for a in history] == [(1, "cancelled")]
+    ended = [e for e in events if isinstance(e, AttemptEnded) and e.slot == slot]
+    assert [type(e) for e in ended] == [Cancelled], ended
 
 
 async def test_bad_input_is_refused_and_changes_nothing(store: Store) -> None:
@@ -339,3 +435,69 @@ async def test_queued_lists_triggered_and_retried_runs_not_plain_hand_overs(
         assert await backend.queued(["q"]) == [("q", triggered)]
     finally:
         await backend.close()
+
+
+async def test_trigger_of_a_workflow_by_its_name_runs_it_from_its_first_step(
+        store: Store) -> None:
+    admin = admin_for(store, by="ops")
+    ran: list[tuple[str, int]] = []
+    s = make(store, "a")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+
+    @close.step("snapshot")
+    async def snapshot(ctx: RunContext) -> int:
+        ran.append(("snapshot", ctx.slot))
+        return 3
+
+    @close.step("publish")
+    async def publish(ctx: RunContext) -> None:
+        ran.append((f"publish {ctx.results['snapshot']}", ctx.slot))
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        slot = await admin.trigger("close")
+        await wait_for(lambda: len(ran) == 2, what="the triggered workflow ran both steps")
+        await stop_all([instance])
+    assert ran == [("snapshot", slot), ("publish 3", slot)]
+    first = [a for a in await s.history("close/snapshot") if a.slot == slot]
+    assert [(a.attempt, a.reason, a.requested_by, a.outcome) for a in first] == [
+        (1, "manual", "ops", "completed")]
+    log = await s.recovery_log(f"close@{slot}")
+    assert [(e.step, e.event) for e in log] == [
+        ("snapshot", "started"), ("snapshot", "completed"),
+        ("publish", "started"), ("publish", "completed")]
+
+
+async def test_pause_of_a_workflow_by_its_name_skips_its_slots_until_resume(
+        store: Store) -> None:
+    admin = admin_for(store, by="ops-1")
+    ran: list[int] = []
+    s = make(store, "a")
+    flow = s.workflow("flow", every="1s")
+
+    @flow.step("one")
+    async def one(ctx: RunContext) -> None:
+        pass
+
+    @flow.step("two")
+    async def two(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        await admin.pause("flow")
+        assert await admin.paused() == {"flow": "ops-1"}
+        first_paused = len(ran)
+        history = await wait_history(
+            s, lambda h: sum(a.outcome == "skipped" for a in h) >= 2, job="flow/one",
+            what="two slots of the workflow skipped while paused")
+        skipped = [a for a in history if a.outcome == "skipped"]
+        assert all(a.error and a.error.startswith("job paused by ops-1") for a in skipped)
+        assert not any(slot > min(a.slot for a in skipped) for slot in ran[first_paused:])
+        await admin.resume("flow")
+        assert await admin.paused() == {}
+        after = max(a.slot for a in skipped)
+        await wait_for(lambda: any(slot > after for slot in ran),
+                       what="a whole workflow run after resume")
+        await stop_all([instance])
+    assert not {a.slot for a in skipped} & set(ran)

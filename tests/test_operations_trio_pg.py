@@ -27,6 +27,10 @@ SCENARIOS: list[Callable[[Store], Awaitable[None]]] = [
     scenarios.test_bad_input_is_refused_and_changes_nothing,
     scenarios.test_heartbeat_at_of_a_running_run_is_its_last_renewal,
     scenarios.test_retry_of_a_failed_workflow_resumes_at_the_step_that_failed,
+    scenarios.test_cancel_lets_a_cooperative_handler_finish_within_its_grace,
+    scenarios.test_cancel_cancels_a_stubborn_handler_once_its_grace_has_passed,
+    scenarios.test_trigger_of_a_workflow_by_its_name_runs_it_from_its_first_step,
+    scenarios.test_pause_of_a_workflow_by_its_name_skips_its_slots_until_resume,
 ]
 
 

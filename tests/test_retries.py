@@ -240,3 +240,36 @@ async def test_a_step_s_last_failure_fails_the_workflow(store: Store) -> None:
     assert await run_status(s, "close/publish", slot) is None
     steps = [await run_status(s, job.name, slot) for job in close.jobs]
     assert workflow_status(steps) == "failed"
+
+
+async def test_trimming_history_mid_retries_allows_no_extra_retry(store: Store) -> None:
+    """The retry count lives in the run, not in its history (PostgreSQL too): trimming
+    the attempts of the retries already made grants no extra retry."""
+    from lease_core.abc import ClaimRequest, Lease, Outcome
+
+    backend = store.backend()
+    if not supports_retries(backend):
+        pytest.skip(f"{type(backend).__name__} has no retry_later() yet")
+    await backend.start()
+    try:
+        await backend.register_jobs(["trimmed"])
+        delays = [0, 0]  # two retries, each due at once
+        answers = []
+        for attempt in (1, 2, 3):
+            won = await backend.claim(
+                ClaimRequest("trimmed", 1000, "i-1", f"t{attempt}", 30_000))
+            assert (won.status, won.attempt) == ("won", attempt)
+            if attempt == 3:
+                # the retention path trims all but the newest attempt (the open one): the
+                # two failures and the first retry leave no row
+                await backend.prune("trimmed", keep=1)
+                assert [h.attempt for h in await backend.history("trimmed")] == [3]
+            lease = Lease("trimmed", 1000, f"t{attempt}", 30_000)
+            answers.append(await backend.retry_later([(lease, Outcome.FAILED, "boom", delays)]))
+        assert answers == [[1], [2], [0]]  # the third failure ends the run: no third retry
+        state = (await backend.check([("trimmed", 1000)])).runs[("trimmed", 1000)]
+        assert state.status is RunStatus.FAILED
+        late = await backend.claim(ClaimRequest("trimmed", 1000, "i-2", "t4", 30_000))
+        assert (late.status, late.run_status) == ("finished", RunStatus.FAILED)
+    finally:
+        await backend.close()

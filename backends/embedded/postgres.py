@@ -29,6 +29,7 @@ import pwd
 import secrets
 import shlex
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -304,6 +305,24 @@ class EmbeddedPostgres:
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
+
+    def kill(self) -> None:
+        """Kill the server's postmaster with SIGKILL (a crash), leaving its data in place.
+
+        Its backends exit on their own once they notice the postmaster is gone; :meth:`stop`
+        still removes the directory.
+        """
+        pidfile = self.datadir / "postmaster.pid"
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+            pid = int(pidfile.read_text().split("\n", 1)[0])
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                os.kill(pid, 0)  # ProcessLookupError once it is gone
+                with contextlib.suppress(OSError):  # a zombie nobody reaps is gone too
+                    if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                        return
+                time.sleep(0.02)
 
     def restart(self) -> None:
         """Stop the server and start it again on the same port and data."""

@@ -61,13 +61,15 @@ _CLAIM_RETRIES = 5
 
 def _claim_result(req: ClaimRequest, row: Sequence[Any]) -> ClaimResult:
     """A claim function's row (status, now, attempt, reason, expires, run status,
-    instance) as the :class:`ClaimResult` of ``req``."""
-    status, now, attempt, reason, expires, run_status, instance = row
+    instance, epoch) as the :class:`ClaimResult` of ``req``; no run status during a
+    quarantine after a detected failover (see ``postgres_sql/failover_v4.sql``)."""
+    status, now, attempt, reason, expires, run_status, instance, epoch = row
     return ClaimResult(
         ClaimStatus(status), req.job, req.slot, int(now), int(attempt),
         None if reason is None else Reason(reason),
-        None if expires is None else int(expires), RunStatus(run_status),
-        None if instance is None else str(instance),
+        None if expires is None else int(expires),
+        None if run_status is None else RunStatus(run_status),
+        None if instance is None else str(instance), int(epoch or 0),
     )
 
 
@@ -323,9 +325,11 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
             [lease.job for lease in leases], [lease.slot for lease in leases],
             [lease.token for lease in leases], [lease.lease_ms for lease in leases],
         ))
-        now, held, renewed = rows[0]
+        now, held, renewed, cancelled, graces = rows[0]
         return HeartbeatResult(int(now), frozenset(str(t) for t in held or ()),
-                               frozenset(str(t) for t in renewed or ()))
+                               frozenset(str(t) for t in renewed or ()),
+                               {str(t): int(g) for t, g in zip(cancelled or (), graces or (),
+                                                               strict=True)})
 
     async def _finish_one(self, lease: Lease, status: RunStatus, error: str | None) -> bool:
         """End the attempt in one fenced ``UPDATE`` (the attempt row in the same statement)."""
@@ -376,20 +380,26 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         return frozenset(str(row[0]) for row in rows)
 
     async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
-        """Read the watched runs with one plain ``SELECT``."""
+        """Read the watched runs with one plain ``SELECT``.
+
+        During the quarantine after a detected failover, a missing run is reported lost
+        (``CheckResult.lost``), not deleted: the scheduler claims it again.
+        """
         rows = await self._adapter.all(self._sql.check, (
             [job for job, _ in runs], [slot for _, slot in runs],
         ))
-        now = int(rows[0][0])
+        now, quiet = int(rows[0][0]), rows[0][-1]
         found: dict[tuple[str, int], RunState] = {}
-        for _, job, slot, status, attempt, expires, instance in rows:
+        for _, job, slot, status, attempt, expires, instance, _ in rows:
             if job is None:
                 continue
             key = (str(job), int(slot))
             found[key] = RunState(key[0], key[1], RunStatus(status), int(attempt),
                                   None if expires is None else int(expires),
                                   None if instance is None else str(instance))
-        return CheckResult(now, found)
+        lost = (frozenset((job, int(slot)) for job, slot in runs) - found.keys()
+                if quiet is not None and now < int(quiet) else frozenset())
+        return CheckResult(now, found, lost)
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return attempts, newest claim first."""

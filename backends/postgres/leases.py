@@ -13,7 +13,7 @@ import importlib.resources
 from adapters.sql import SqlAdapter
 from lease_core._named_leases import LeaseAnswer, check_lease
 
-from .statements import NOW, parse_queries, quote_ident
+from .statements import FAILOVER_SUFFIX, NOW, parse_queries, quote_ident
 
 __all__ = ["LEASE_QUERIES", "PostgresNamedLeases", "lease_statements"]
 
@@ -28,7 +28,9 @@ def lease_statements(schema: str | None, name: str) -> dict[str, str]:
     Public for the benchmarks, which run the very same statements through a raw driver.
     """
     meta = (quote_ident(schema) + "." if schema else "") + quote_ident(name + "_meta")
-    return {key: template.format(meta=meta, now=NOW).strip()
+    failover = (quote_ident(schema) + "." if schema else "") + quote_ident(
+        name + FAILOVER_SUFFIX)
+    return {key: template.format(meta=meta, now=NOW, failover=failover).strip()
             for key, template in LEASE_QUERIES.items()}
 
 
@@ -58,13 +60,15 @@ class PostgresNamedLeases:
     async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
         """Take ``name`` when it is free: one ``INSERT … ON CONFLICT`` on ``<table>_meta``."""
         check_lease(name, holder=holder, ttl_ms=ttl_ms)
-        [(won, before, now)] = await self._adapter.all(
+        [(won, before, now, quiet)] = await self._adapter.all(
             self._lease_sql()["lease_acquire"],
             {"name": name, "holder": holder, "ttl_ms": ttl_ms})
         if won is not None:
             token, expires, _ = _parse(won)
             return LeaseAnswer(True, token, expires, int(now), holder)
         token, expires, current = _parse(before) if before is not None else (0, 0, None)
+        if quiet is not None:  # failover quarantine: free no earlier than its end
+            expires = max(expires, int(quiet))
         return LeaseAnswer(False, token, expires, int(now), current)
 
     async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:

@@ -24,7 +24,7 @@ class StoreOperations(StoreDescriptions):
     async def operate(self, op: Operation) -> OperationResult:
         """Make ``op`` in one call of the operations function, or refuse it (see there)."""
         [(refused, slot, status)] = await self._adapter.all(
-            self._sql.operate, (str(op.kind), op.job, op.slot, op.by))
+            self._sql.operate, (str(op.kind), op.job, op.slot, op.by, op.grace_ms))
         return OperationResult(None if refused is None else str(refused),
                                None if slot is None else int(slot),
                                None if status is None else RunStatus(status))

@@ -22,6 +22,7 @@ from .statements import (
     BATCH_SUFFIX,
     CLAIM_SUFFIX,
     CODE_VERSION,
+    FAILOVER_SUFFIX,
     FINISH_SUFFIX,
     FORMAT_VERSION,
     LOCK_NOT_AVAILABLE,
@@ -57,7 +58,8 @@ class StoreSchema:
         rows = await tx.all(self._sql.find_tables, (
             self._table_names(),
             [self._name + suffix
-             for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX)],
+             for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
+                            FAILOVER_SUFFIX)],
             self._schema))
         if not rows:
             if self._schema is None:
@@ -204,9 +206,20 @@ class StoreSchema:
             for statement in (self._sql.add_operations_runs, self._sql.add_operations_jobs,
                               self._sql.add_operations_attempts):
                 await tx.all(statement)
+        # Retries within a run: the run row's retry counter (queries.sql, retry_later).
+        [(has_retry_counter,)] = await tx.all(self._sql.has_retry_counter,
+                                              (self._sql.runs_table,))
+        if not has_retry_counter:
+            await tx.all(self._sql.add_retry_counter)
         # SECURITY INVOKER: the caller's table privileges apply. EXECUTE is PUBLIC by
         # default; granted explicitly in case default privileges revoke it.
         if not function:
+            # Failover (issue 21): the detection function the claims call, and the claim
+            # functions of an unreleased store of this version (without the epoch) dropped first.
+            await tx.all(self._sql.create_failover_function)
+            await tx.all(self._sql.grant_failover)
+            await tx.all(self._sql.drop_claim_unfenced)
+            await tx.all(self._sql.drop_batch_unfenced)
             await tx.all(self._sql.create_claim_function)
             await tx.all(self._sql.grant_claim)
             await tx.all(self._sql.create_batch_function)

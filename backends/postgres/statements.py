@@ -19,6 +19,7 @@ __all__ = [
     "BATCH_SUFFIX",
     "CLAIM_SUFFIX",
     "CODE_VERSION",
+    "FAILOVER_SUFFIX",
     "FINISH_FUNCTION",
     "FINISH_SUFFIX",
     "FORMAT_VERSION",
@@ -52,6 +53,9 @@ FINISH_SUFFIX = f"_end_v{CODE_VERSION}"
 #: The suffix of this release's operations function, ``<table>_op_v<CODE_VERSION>``
 #: (``postgres_sql/operate_v<N>.sql``; lease_core/operations.py).
 OPERATE_SUFFIX = f"_op_v{CODE_VERSION}"
+#: The suffix of the failover detection function, ``<table>_fo_v<CODE_VERSION>``
+#: (``postgres_sql/failover_v<N>.sql``; issue 21).
+FAILOVER_SUFFIX = f"_fo_v{CODE_VERSION}"
 #: The trim batch older releases pass to the claim function (the current one ignores it).
 TRIM_BATCH = 100
 #: SQLSTATE of a lock wait that ran out (``lock_timeout``) or a NOWAIT lock refused.
@@ -62,7 +66,8 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
              "_a_fin", "_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3",
-             CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX)
+             CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
+             FAILOVER_SUFFIX)
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
@@ -115,6 +120,8 @@ FINISH_FUNCTION = _sql_file(f"finish_v{CODE_VERSION}.sql")
 QUERIES.update(parse_queries(_sql_file("operations.sql")))
 #: The operations function of this release (``postgres_sql/operate_v<CODE_VERSION>.sql``).
 OPERATE_FUNCTION = _sql_file(f"operate_v{CODE_VERSION}.sql")
+#: Failover detection (issue 21): the function the claims and named leases call.
+FAILOVER_FUNCTION = _sql_file(f"failover_v{CODE_VERSION}.sql")
 #: The v1 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
 #: The v2 name of the claim function, redefined as a call of the current one.
@@ -199,6 +206,7 @@ class Statements:
             "batch_v3": prefix + quote_ident(name + "_batch_v3"),
             "finish": prefix + quote_ident(name + FINISH_SUFFIX),
             "operate": prefix + quote_ident(name + OPERATE_SUFFIX),
+            "failover": prefix + quote_ident(name + FAILOVER_SUFFIX),
             "claim": prefix + quote_ident(name + CLAIM_SUFFIX),
             "batch": prefix + quote_ident(name + BATCH_SUFFIX),
             "claim_args": CLAIM_ARGS,
@@ -218,6 +226,7 @@ class Statements:
         self.create_batch_function = fill(BATCH_FUNCTION)
         self.create_finish_function = fill(FINISH_FUNCTION)
         self.create_operate_function = fill(OPERATE_FUNCTION)
+        self.create_failover_function = fill(FAILOVER_FUNCTION)
         self.create_claim_v1 = fill(CLAIM_FUNCTION_V1)
         self.create_claim_v2 = fill(CLAIM_FUNCTION_V2)
         self.create_batch_v2 = fill(BATCH_FUNCTION_V2)

@@ -8,6 +8,7 @@ RETURNS TABLE(c_index integer, c_status text, c_now bigint, c_attempt integer,
               c_reason text, c_expires bigint, c_run_status text, c_instance text)
 LANGUAGE sql VOLATILE SECURITY INVOKER
 AS $anarchon$
-SELECT * FROM {batch}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
+SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+FROM {batch}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
                          p_overlap_skip, p_max_attempts)
 $anarchon$

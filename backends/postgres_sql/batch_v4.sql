@@ -12,7 +12,8 @@ CREATE OR REPLACE FUNCTION {batch}(
     p_job text[], p_slot bigint[], p_instance text[], p_token text[], p_lease_ms bigint[],
     p_reason text[], p_overlap_skip boolean[], p_max_attempts bigint[])
 RETURNS TABLE(c_index integer, c_status text, c_now bigint, c_attempt integer,
-              c_reason text, c_expires bigint, c_run_status text, c_instance text)
+              c_reason text, c_expires bigint, c_run_status text, c_instance text,
+              c_epoch bigint)
 LANGUAGE plpgsql VOLATILE SECURITY INVOKER
 AS $anarchon$
 DECLARE

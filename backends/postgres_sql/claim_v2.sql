@@ -9,6 +9,7 @@ CREATE OR REPLACE FUNCTION {claim_v2}(
     OUT c_expires bigint, OUT c_run_status text, OUT c_instance text)
 LANGUAGE sql VOLATILE SECURITY INVOKER
 AS $anarchon$
-SELECT * FROM {claim}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
+SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+FROM {claim}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
                          p_overlap_skip, p_max_attempts)
 $anarchon$

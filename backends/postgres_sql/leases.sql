@@ -8,20 +8,33 @@
 -- Take the name when it is free (no row, released, or expired), with the next token;
 -- renew it with the same token when this holder holds it live; otherwise change
 -- nothing. ON CONFLICT re-checks the condition on the row's latest version, so two
--- callers never both take it. EXCLUDED.value is '1 <now + ttl> <holder>': its second
--- field less the ttl is the statement's now. Returns the row as written (NULL when not
--- taken), the row before the statement, and now. Parameters: name, holder, ttl_ms.
+-- callers never both take it. EXCLUDED.value is '<token> <now + ttl> <holder>': its
+-- second field less the ttl is the statement's now. Returns the row as written (NULL when
+-- not taken), the row before the statement, now, and the end of a failover quarantine
+-- (NULL when none).
+-- Failover (issue 21): {failover} (failover_v4.sql) detects a promotion. After one, a
+-- new token is at least epoch << 20 (fence_of in lease_core), and nothing is taken until
+-- the quarantine is over: the epoch plus this ttl, or the longest lease then live.
+-- Parameters: name, holder, ttl_ms.
 WITH t AS (SELECT {now} AS now),
+f AS (SELECT fo.f_epoch AS epoch,
+             CASE WHEN fo.f_epoch > 0
+                  THEN GREATEST(fo.f_quiet, fo.f_epoch + %(ttl_ms)s::bigint) END AS quiet
+      FROM {failover}(%(ttl_ms)s::bigint) fo),
 won AS (
     INSERT INTO {meta} AS m (key, value)
     SELECT 'lease:' || %(name)s::text,
-           '1 ' || (t.now + %(ttl_ms)s::bigint)::text || ' ' || %(holder)s::text
-    FROM t
+           GREATEST(1, f.epoch * 1048576)::text || ' '
+           || (t.now + %(ttl_ms)s::bigint)::text || ' ' || %(holder)s::text
+    FROM t, f
+    WHERE f.quiet IS NULL OR f.quiet <= t.now
     ON CONFLICT (key) DO UPDATE
-    SET value = (split_part(m.value, ' ', 1)::bigint
-                 + CASE WHEN split_part(m.value, ' ', 2)::bigint
-                             > split_part(EXCLUDED.value, ' ', 2)::bigint - %(ttl_ms)s::bigint
-                        THEN 0 ELSE 1 END)::text || ' ' || substr(EXCLUDED.value, 3)
+    SET value = CASE WHEN split_part(m.value, ' ', 2)::bigint
+                          > split_part(EXCLUDED.value, ' ', 2)::bigint - %(ttl_ms)s::bigint
+                     THEN split_part(m.value, ' ', 1)::bigint
+                     ELSE GREATEST(split_part(m.value, ' ', 1)::bigint + 1,
+                                   split_part(EXCLUDED.value, ' ', 1)::bigint) END::text
+                || ' ' || substr(EXCLUDED.value, length(split_part(EXCLUDED.value, ' ', 1)) + 2)
     WHERE split_part(m.value, ' ', 2)::bigint
           <= split_part(EXCLUDED.value, ' ', 2)::bigint - %(ttl_ms)s::bigint
        OR substr(m.value, length(split_part(m.value, ' ', 1))
@@ -29,7 +42,8 @@ won AS (
     RETURNING m.value)
 SELECT (SELECT value FROM won),
        (SELECT value FROM {meta} WHERE key = 'lease:' || %(name)s::text),
-       (SELECT now FROM t)
+       (SELECT now FROM t),
+       (SELECT quiet FROM f)
 
 -- name: lease_renew
 -- Set the live hold of a token to end at now + ttl. Parameters: name, token, ttl_ms.

@@ -11,14 +11,17 @@
 -- - retry: a failed, timed_out or escalated run becomes 'handed_over' again, its next
 --   claim with reason 'retry'.
 -- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
---   'cancelled by <p_by>'); a claim then finds it finished (no takeover), and its
---   holder's heartbeat finds its token gone.
+--   'cancelled by <p_by>'); a claim then finds it finished (no takeover).
+--   cancel(grace=): the run keeps its holder's token and its expires_ms becomes
+--   now + p_grace_ms (now: the cancelled attempt's finished_ms), so the holder's
+--   heartbeat answers "cancelled" with the grace (queries.sql, heartbeat).
 -- - pause / resume: set or clear the job row's paused_by; a claim of a new slot of a
---   paused job records it 'skipped' (claim_v4.sql).
+--   paused job records it 'skipped' (claim_v4.sql). A resume appends '; resumed by
+--   <p_by>' to the error of the slots the pause skipped.
 --
 -- The text has no percent sign and no braces other than the str.format placeholders.
 CREATE OR REPLACE FUNCTION {operate}(
-    p_kind text, p_job text, p_slot bigint, p_by text,
+    p_kind text, p_job text, p_slot bigint, p_by text, p_grace_ms bigint,
     OUT o_refused text, OUT o_slot bigint, OUT o_status text)
 LANGUAGE plpgsql VOLATILE SECURITY INVOKER
 AS $anarchon$
@@ -33,6 +36,14 @@ BEGIN
         RETURN;
     END IF;
     v_now := {now};
+    IF p_kind = 'resume' THEN
+        -- Resume leaves a record: each slot the pause skipped ('job paused by <who>')
+        -- gets '; resumed by <p_by>' in its attempt's error (history, recovery log).
+        UPDATE {attempts} a SET error = a.error || '; resumed by ' || p_by
+        FROM {jobs} j
+        WHERE j.job = p_job AND j.paused_by IS NOT NULL AND a.job = p_job
+          AND a.outcome = 'skipped' AND a.error = 'job paused by ' || j.paused_by;
+    END IF;
     IF p_kind IN ('pause', 'resume') THEN
         UPDATE {jobs} SET paused_by = CASE WHEN p_kind = 'pause' THEN p_by END
         WHERE job = p_job;
@@ -76,8 +87,9 @@ BEGIN
     UPDATE {attempts} SET outcome = 'cancelled', error = 'cancelled by ' || p_by,
                           finished_ms = v_now
     WHERE job = p_job AND slot = p_slot AND attempt = v_attempt AND outcome IS NULL;
-    UPDATE {runs} SET status = 'cancelled', token = NULL, expires_ms = NULL, queued = NULL,
-                      queued_by = NULL
+    -- cancel(grace=): the token stays, expires_ms is now + the holder's grace.
+    UPDATE {runs} SET status = 'cancelled', expires_ms = v_now + GREATEST(p_grace_ms, 0),
+                      queued = NULL, queued_by = NULL
     WHERE job = p_job AND slot = p_slot;
 END
 $anarchon$

@@ -16,6 +16,16 @@ ALTER TABLE {runs} ADD COLUMN IF NOT EXISTS queued text,
                    ADD COLUMN IF NOT EXISTS queued_by text,
                    ADD COLUMN IF NOT EXISTS heartbeat_ms bigint
 
+-- name: has_retry_counter
+-- Whether the runs table has the retry counter (retries within a run, store code v4).
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+               WHERE attrelid = %s::regclass AND attname = 'retries' AND NOT attisdropped)
+
+-- name: add_retry_counter
+-- The retries retry_later granted the run (queries.sql); nullable without default:
+-- catalog only.
+ALTER TABLE {runs} ADD COLUMN IF NOT EXISTS retries integer
+
 -- name: add_operations_jobs
 ALTER TABLE {jobs} ADD COLUMN IF NOT EXISTS paused_by text
 
@@ -28,11 +38,11 @@ ALTER TABLE {attempts} ADD COLUMN IF NOT EXISTS requested_by text,
         GENERATED ALWAYS AS (to_timestamp(claimed_ms / 1000.0)) STORED
 
 -- name: grant_operate
-GRANT EXECUTE ON FUNCTION {operate}(text, text, bigint, text) TO PUBLIC
+GRANT EXECUTE ON FUNCTION {operate}(text, text, bigint, text, bigint) TO PUBLIC
 
 -- name: operate
 SELECT o_refused, o_slot, o_status
-FROM {operate}(%s::text, %s::text, %s::bigint, %s::text)
+FROM {operate}(%s::text, %s::text, %s::bigint, %s::text, %s::bigint)
 
 -- name: paused
 -- Through to_jsonb: a store of older code, read as it is, has no paused_by column.

@@ -142,16 +142,30 @@ GRANT EXECUTE ON FUNCTION {claim_v3}({claim_arg_types}) TO PUBLIC
 GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[], text[],
                                      boolean[], bigint[]) TO PUBLIC
 
+-- name: grant_failover
+-- Failover detection (issue 21): the function claims and named leases call.
+GRANT EXECUTE ON FUNCTION {failover}(bigint) TO PUBLIC
+
+-- name: drop_claim_unfenced
+-- Failover (issue 21): the claim and batch functions of this code version before they
+-- returned the epoch (an unreleased store); CREATE OR REPLACE cannot change a result type.
+DROP FUNCTION IF EXISTS {claim}({claim_arg_types})
+
+-- name: drop_batch_unfenced
+DROP FUNCTION IF EXISTS {batch}(text[], bigint[], text[], text[], bigint[], text[],
+                                boolean[], bigint[])
+
 -- name: grant_claim_v1
 GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types_v2}) TO PUBLIC
 
 -- name: claim
-SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance, c_epoch
 FROM {claim}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
                 %s::boolean, %s::bigint)
 
 -- name: claim_many
-SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
+SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance,
+       c_epoch
 FROM {batch}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
                 %s::boolean[], %s::bigint[])
 
@@ -171,7 +185,8 @@ SELECT j.job, j.first_seen_ms, j.last_slot, j.new,
 FROM j
 
 -- name: heartbeat
--- A run locked by a fenced transaction is skipped, not waited for.
+-- A run locked by a fenced transaction is skipped, not waited for. Answers the store's
+-- now, the tokens held, those renewed, and the cancelled ones with their grace.
 WITH u AS (
     SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bigint[])
         AS u(job, slot, token, lease_ms)),
@@ -189,8 +204,16 @@ renewed AS (
     UPDATE {runs} r SET expires_ms = {now} + k.lease_ms, heartbeat_ms = {now}
     FROM lockable k
     WHERE r.job = k.job AND r.slot = k.slot AND r.token = k.token AND r.status = 'running'
-    RETURNING r.token)
-SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed)
+    RETURNING r.token),
+-- cancel(grace=): a run an operator cancelled keeps its holder's token; its expires_ms is
+-- the cancel's time (its attempt's finished_ms) plus the grace (operate_v<N>.sql).
+cancelled AS (
+    SELECT r.token, GREATEST(r.expires_ms - COALESCE(a.finished_ms, {now}), 0) AS grace_ms
+    FROM {runs} r JOIN u ON r.job = u.job AND r.slot = u.slot AND r.token = u.token
+    LEFT JOIN {attempts} a ON a.job = r.job AND a.slot = r.slot AND a.attempt = r.attempt
+    WHERE r.status = 'cancelled' AND r.expires_ms IS NOT NULL)
+SELECT {now}, ARRAY(SELECT token FROM live), ARRAY(SELECT token FROM renewed),
+       ARRAY(SELECT token FROM cancelled), ARRAY(SELECT grace_ms FROM cancelled)
 
 -- name: finish
 -- One call of the finish function (finish_v<N>.sql), whose plans are cached per
@@ -218,33 +241,35 @@ SELECT token FROM run
 -- name: retry_later
 -- Retries within a run (issue 19, part 1): the fenced end of a failed attempt, as the
 -- finish function ends it, leaving the run 'retrying' (no token; expires_ms the retry's
--- due time, on the store's clock) while it had fewer retries (attempts with reason
--- 'retry') than there are delays, else ending the run with the outcome. One row, the
--- retry's number (0: the run ended); none when the token no longer holds the run.
+-- due time, on the store's clock) while it had fewer retries than there are delays, else
+-- ending the run with the outcome. One row, the retry's number (0: the run ended); none
+-- when the token no longer holds the run.
+-- Retry counter: the run row's retries (NULL: none yet) counts the retries this
+-- statement granted, so trimming history never allows extra ones (memory and Redis keep
+-- theirs in the run too); an operator's retry (operate_v<N>.sql) does not count.
 -- Parameters: job, slot, token, outcome, error, delays (ms, one per retry allowed).
 WITH p AS (
     SELECT %s::text AS job, %s::bigint AS slot, %s::text AS token, %s::text AS outcome,
            %s::text AS error, %s::bigint[] AS delays),
-n AS (
-    SELECT count(*)::integer AS retries FROM {attempts} a, p
-    WHERE a.job = p.job AND a.slot = p.slot AND a.reason = 'retry'),
 run AS (
     UPDATE {runs} r
-    SET status = CASE WHEN n.retries < cardinality(p.delays) THEN 'retrying'
+    SET status = CASE WHEN COALESCE(r.retries, 0) < cardinality(p.delays) THEN 'retrying'
                       ELSE p.outcome END,
         token = NULL,
-        expires_ms = CASE WHEN n.retries < cardinality(p.delays)
-                          THEN {now} + p.delays[n.retries + 1] END
-    FROM p, n
+        expires_ms = CASE WHEN COALESCE(r.retries, 0) < cardinality(p.delays)
+                          THEN {now} + p.delays[COALESCE(r.retries, 0) + 1] END,
+        retries = CASE WHEN COALESCE(r.retries, 0) < cardinality(p.delays)
+                       THEN COALESCE(r.retries, 0) + 1 ELSE r.retries END
+    FROM p
     WHERE r.job = p.job AND r.slot = p.slot AND r.token = p.token AND r.status = 'running'
-    RETURNING r.attempt, r.status, n.retries),
+    RETURNING r.attempt, r.status, r.retries),
 att AS (
     UPDATE {attempts} a SET outcome = p.outcome, error = p.error, finished_ms = {now}
     FROM p, run
     WHERE a.job = p.job AND a.slot = p.slot AND a.attempt = run.attempt
       AND a.outcome IS NULL
     RETURNING 1)
-SELECT CASE WHEN run.status = 'retrying' THEN run.retries + 1 ELSE 0 END FROM run
+SELECT CASE WHEN run.status = 'retrying' THEN run.retries ELSE 0 END FROM run
 
 -- name: hand_over
 WITH u AS (
@@ -263,8 +288,13 @@ att AS (
 SELECT token FROM run
 
 -- name: check
-SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id
-FROM (SELECT {now} AS now) AS n
+-- Failover (issue 21): n.quiet is the end of the quarantine after a detected promotion
+-- (failover_v<N>.sql; NULL before any): a watched run missing before it was lost with the
+-- old primary's commits, not deleted.
+SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id, n.quiet
+FROM (SELECT {now} AS now,
+             (SELECT split_part(m.value, ' ', 3)::bigint FROM {meta} m
+              WHERE m.key = 'failover') AS quiet) AS n
 LEFT JOIN ({runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
            ON r.job = u.job AND r.slot = u.slot) ON true
 

@@ -54,14 +54,19 @@ class RedisLeases(RedisStore):
                 "heartbeat", [self._run_key(lease.job, lease.slot) for lease in group], args))
         replies = await self._run([*commands, *self._wait()])
         held: set[str] = set()
+        cancelled: dict[str, int] = {}
         now = 0
-        for group, (at, flags) in zip(groups, replies, strict=False):
+        for group, (at, flags, graces) in zip(groups, replies, strict=False):
             now = max(now, int(at))
-            held.update(lease.token for lease, flag in zip(group, as_text(flags), strict=True)
-                        if flag == "1")
+            left = iter(graces)
+            for lease, flag in zip(group, as_text(flags), strict=True):
+                if flag == "1":
+                    held.add(lease.token)
+                elif flag == "c":  # cancel(grace=): the grace left, in order
+                    cancelled[lease.token] = int(next(left))
         if held and self.wait_replicas is not None:
             self._check_wait(replies[-1], f"the heartbeat of {len(held)} lease(s)")
-        return HeartbeatResult(now, frozenset(held))
+        return HeartbeatResult(now, frozenset(held), cancelled=cancelled)
 
     async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
         """End the attempt with ``outcome``: one ``finish.lua`` call (see

@@ -28,7 +28,7 @@ class RedisOperations(RedisStore):
         (reply,) = await self._run([self._eval(
             "operate", [keys["job"], keys["open"], keys["att"], keys["done"]],
             [str(op.kind), "" if op.slot is None else int(op.slot), op.by,
-             f"{self._tag(op.job)}:run:"])])
+             f"{self._tag(op.job)}:run:", int(op.grace_ms)])])
         refused, slot, status = as_text(reply).split("|")
         return OperationResult(refused or None, int(slot) if slot else None,
                                RunStatus(status) if status else None)

@@ -2,14 +2,19 @@
 -- resume, retry and cancel, or a refusal that changes nothing.
 -- KEYS[1] job hash, KEYS[2] open zset, KEYS[3] attempts hash (store format 1),
 -- KEYS[4] done zset; ARGV: kind, slot ('' for a job operation), by, run key prefix
--- ({p/job}:run:; the run of a trigger is made at a slot found here, in the job's slot).
+-- ({p/job}:run:; the run of a trigger is made at a slot found here, in the job's slot),
+-- a cancel's grace in ms.
 -- Returns 'refused|slot|status' ('' = none): refused is unknown_job, no_run or conflict.
 -- - trigger: a run at the store's now (the next free millisecond), handed_over with
 --   attempt 0, whose first claim is attempt 1 with reason 'manual' (q) and 'b' = by (qb);
 -- - retry: a failed, timed_out or escalated run is handed_over again, next reason retry;
 -- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
---   'cancelled by <by>'); claims then find it finished, its holder's token is gone;
--- - pause / resume: the job hash's 'paused' (who), read by every claim (_claim.lua).
+--   'cancelled by <by>'); claims then find it finished. cancel(grace=): the run keeps
+--   its holder's token, 'g' the cancel's time and 'exp' g + the grace, so the holder's
+--   heartbeat answers "cancelled" with the grace (heartbeat.lua);
+-- - pause / resume: the job hash's 'paused' (who), read by every claim (_claim.lua), and
+--   'paused_at' (since when); a resume appends '; resumed by <by>' to the error of
+--   each slot the pause skipped (found in the done zset since 'paused_at').
 local job, open, att, done = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local kind, slot, by, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 if redis.call('EXISTS', job) == 0 then
@@ -17,9 +22,24 @@ if redis.call('EXISTS', job) == 0 then
 end
 if kind == 'pause' then
   redis.call('HSET', job, 'paused', by)
+  redis.call('HSETNX', job, 'paused_at', now)
   return '||'
 elseif kind == 'resume' then
-  redis.call('HDEL', job, 'paused')
+  -- A resume leaves a record: each slot the pause skipped gets '; resumed by <by>'.
+  local was, since = unpack(redis.call('HMGET', job, 'paused', 'paused_at'))
+  if was and since then
+    local mark = 'job paused by ' .. was
+    for _, id in ipairs(redis.call('ZRANGEBYSCORE', done, since, '+inf')) do
+      local s, a = string.match(id, '^(-?%d+):(%d+)$')
+      if a == '1' then
+        local o, e = unpack(redis.call('HMGET', prefix .. s, 'o', 'e'))
+        if o == 'skipped' and e == mark then
+          redis.call('HSET', prefix .. s, 'e', mark .. '; resumed by ' .. by)
+        end
+      end
+    end
+  end
+  redis.call('HDEL', job, 'paused', 'paused_at')
   return '||'
 elseif kind == 'trigger' then
   local at = now  -- off the whole second, where schedules put their slots
@@ -65,7 +85,9 @@ if c then
 elseif tonumber(attempt) > 0 then
   end_attempt(att, done, slot .. ':' .. attempt, 'cancelled', err)
 end
-redis.call('HSET', run, 'st', 'cancelled', 'tok', '', 'exp', '')
+-- cancel(grace=): the token stays; 'g' is the cancel's time, 'exp' g + the holder's grace.
+redis.call('HSET', run, 'st', 'cancelled', 'exp', now + math.max(tonumber(ARGV[5]) or 0, 0),
+  'g', now)
 redis.call('HDEL', run, 'q', 'qb')
 redis.call('ZREM', open, slot)
 return '|' .. slot .. '|' .. st

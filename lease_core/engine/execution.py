@@ -19,7 +19,7 @@ import anyio.to_thread
 from .. import events as ev
 from .._batch import Abandoned, FinishBatcher
 from .._outcome import Interruption, decide_outcome
-from .._structures import ClaimResult, Lease, Outcome, Reason, format_slot
+from .._structures import ClaimResult, Lease, Outcome, Reason, fence_of, format_slot
 from ..context import RunContext
 from ..errors import ConfigurationError
 from .base import INSIDE, logger
@@ -63,6 +63,7 @@ class Executor:
             backend=s.settings.backend, lease=lease, attempt=result.attempt, reason=reason,
             instance_id=s.settings.instance_id, logger=logger,
             workflow=None if job.workflow is None else job.workflow.name, step=job.step,
+            fence=fence_of(result.epoch, result.attempt),
         )
         if job.workflow is not None:
             ctx._before_commit = s.steps.result_in_transaction
@@ -108,6 +109,21 @@ class Executor:
         logger.warning("%s slot %s: %s; handler cancelled", run.job.name,
                        format_slot(lease.slot), why)
 
+    def cancel_after(self, run: Run, grace_ms: int) -> None:
+        """An operator cancelled the held run (its heartbeat answered "cancelled"): ask
+        its handler to stop now (``ctx.stopping``), cancel it ``grace_ms`` later."""
+        execution, lease = run.execution, run.lease
+        assert execution is not None and lease is not None
+        if execution.cancelled:
+            return
+        execution.cancelled = True
+        execution.cancel_reason = Interruption.CANCELLED
+        execution.ctx._request_stop("run cancelled by an operator")
+        # Nobody takes a cancelled run over: the lease's own deadline no longer applies.
+        execution.set_deadline(anyio.current_time() + grace_ms / 1000)
+        logger.warning("%s slot %s: cancelled by an operator; the handler has %gs to stop",
+                       run.job.name, format_slot(lease.slot), grace_ms / 1000)
+
     def ended(self, kind: type[ev.AttemptEnded], lease: Lease, **extra: Any) -> None:
         """Report the end of the attempt holding ``lease`` (once)."""
         s = self._s
@@ -132,10 +148,14 @@ class Executor:
         ending = decide_outcome(
             raised=ran.raised, timed_out=ran.timed_out, timeout=job.timeout,
             interrupted=ran.interrupted, lost=execution.lost, stopping=s.stopping,
-            crashed=s.crashed,
+            crashed=s.crashed, cancelled=execution.cancelled,
         )
         outcome, error = ending.outcome, ending.error
         if outcome is None:
+            return
+        if outcome is Outcome.CANCELLED:  # the store ended the run already (Admin.cancel)
+            self.ended(ev.Cancelled, lease)
+            s.runs.release(run)
             return
         if outcome is Outcome.LOST:
             self._lost(run, error or "lease lost", ran.interrupted)

@@ -79,7 +79,7 @@ class LeaseKeeper:
         # whatever its expiry, so it needs no renewal and is never reported lost here.
         helds = [run for run in s.runs.held()
                  if run.execution is not None and not run.execution.lost
-                 and not run.execution.in_transaction]
+                 and not run.execution.in_transaction and not run.execution.cancelled]
         if not helds:
             return
         clock = s.settings.clock
@@ -96,6 +96,8 @@ class LeaseKeeper:
                 execution.set_deadline(s.execution.deadline(sent_loop, run.job))
             elif lease.token in result.held:
                 pass  # held but locked by its fenced transaction; renewed next time
+            elif lease.token in result.cancelled:
+                s.execution.cancel_after(run, result.cancelled[lease.token])
             elif s.runs.holds(lease.token) and not execution.in_transaction:
                 s.execution.lose(run, Interruption.LEASE_LOST)
 

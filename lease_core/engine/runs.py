@@ -85,6 +85,8 @@ class Execution:
     deadline: float = math.inf
     """The local lease deadline; the scope's, except while a fenced transaction is open."""
     in_transaction: bool = False
+    cancelled: bool = False
+    """An operator cancelled the run (its heartbeat said so): it runs out its grace."""
 
     def set_deadline(self, deadline: float) -> None:
         """Move the local lease deadline (after a claim or a renewal)."""

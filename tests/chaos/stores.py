@@ -1,4 +1,5 @@
-"""The servers a chaos run uses: PostgreSQL (direct or behind PgBouncer) and Redis/Valkey.
+"""The servers a chaos run uses: PostgreSQL (direct, behind PgBouncer, or with a streaming
+replica that a store restart promotes) and Redis/Valkey.
 
 Each chaos run starts its own servers (not the session fixtures of the rest of the suite),
 because it restarts them.
@@ -14,6 +15,7 @@ import psycopg
 import redis
 
 from backends.embedded import EmbeddedServerError
+from backends.embedded.pg_replica import EmbeddedReplica
 from backends.embedded.postgres import EmbeddedPostgres
 from backends.embedded.redis import EmbeddedRedis, find_server
 from lease_core.errors import BackendUnavailable
@@ -22,7 +24,7 @@ from tests.stores.postgres import PGBOUNCER, PgBouncer
 __all__ = ["KINDS", "ChaosStore", "Unavailable", "make_store"]
 
 #: Store kinds a chaos run knows.
-KINDS = ("postgres", "pgbouncer", "redis")
+KINDS = ("postgres", "pgbouncer", "redis", "pgreplica")
 
 EFFECTS = "chaos_effects"
 TABLE = "chaos_runs"
@@ -183,6 +185,43 @@ class RedisChaosStore(ChaosStore):
         self.server.close()
 
 
+# --- Failover (issue 21, pgfailover): PostgreSQL with a streaming replica -------------------
+class ReplicatedPostgresChaosStore(PostgresChaosStore):
+    """PostgreSQL 16 with a streaming replica, workers behind PgBouncer; its ``restart``
+    is a failover.
+
+    The primary is shut down (fast: its WAL is all sent first, so nothing it acknowledged
+    is lost), the replica promoted (a new timeline, which the store detects: it sets its
+    epoch and quarantines its claims for the longest lease), PgBouncer pointed at it
+    (``RELOAD``), and a new replica copied from it for the next failover. The audit's
+    invariants then hold across failovers as across restarts.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(bouncer=True)
+        self.kind = "pgreplica"
+        self.replica = EmbeddedReplica(self.server)
+        self.replica.start()
+        self.version += " with a streaming replica"
+        self.failovers = 0
+
+    def restart(self) -> None:
+        old = self.server
+        old.stop(remove=False)
+        self.replica.promote()
+        self.server, self.replica = self.replica, EmbeddedReplica(self.replica)
+        self.admin_dsn = self.server.dsn
+        assert self.bouncer is not None
+        self.bouncer.retarget(self.server)
+        old.stop()
+        self.replica.start()
+        self.failovers += 1
+
+    def close(self) -> None:
+        self.replica.stop()
+        super().close()
+
+
 def make_store(kind: str) -> ChaosStore:
     """Start the servers of ``kind`` (one of :data:`KINDS`)."""
     if kind == "postgres":
@@ -191,4 +230,6 @@ def make_store(kind: str) -> ChaosStore:
         return PostgresChaosStore(bouncer=True)
     if kind == "redis":
         return RedisChaosStore()
+    if kind == "pgreplica":  # failover (issue 21)
+        return ReplicatedPostgresChaosStore()
     raise ValueError(f"store kind {kind!r} is unknown; use one of {KINDS}")

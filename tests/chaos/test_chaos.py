@@ -88,3 +88,13 @@ def test_chaos_pgbouncer(tmp_path: Path) -> None:
     """PostgreSQL through PgBouncer: every fault kind, restarts of the database included."""
     config = _config("pgbouncer", 13, ("join", "partition", "leave"))
     _check(_run(config, tmp_path), config, tmp_path)
+
+
+@pytest.mark.timeout(110)
+def test_chaos_pgreplica(tmp_path: Path) -> None:
+    """PostgreSQL with a streaming replica behind PgBouncer: store restarts are failovers
+    (the replica promoted, PgBouncer pointed at it), detected by the store (issue 21)."""
+    config = _config("pgreplica", 14, ("join", "restart", "leave"))
+    report = _run(config, tmp_path)
+    _check(report, config, tmp_path)
+    assert report.faults.get("restart", 0) >= 1, f"no failover {report.summary()}"

@@ -215,6 +215,16 @@ class PgBouncer:
             names = [c.name for c in cur.description or ()]
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
+    def retarget(self, server: EmbeddedPostgres) -> None:
+        """Point PgBouncer at ``server`` (a promoted replica): rewrite ``pgbouncer.ini``
+        and ``RELOAD``. Clients keep their connections to PgBouncer; its connections to
+        the old server are closed and new ones reach ``server`` (failover, issue 21)."""
+        ini = self.root / "pgbouncer.ini"
+        ini.write_text(ini.read_text().replace(
+            f"host=127.0.0.1 port={self.server.port} ", f"host=127.0.0.1 port={server.port} "))
+        self.server = server
+        self.admin("RELOAD")
+
     def close(self) -> None:
         """Stop PgBouncer and remove its directory."""
         if self.proc is not None:
