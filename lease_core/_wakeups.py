@@ -31,7 +31,7 @@ from anyio.abc import TaskGroup
 __all__ = ["SPARE_WORKERS", "Alarm", "WorkerPool", "in_context"]
 
 #: Idle workers a pool keeps; one that ends its work while that many wait ends too.
-SPARE_WORKERS = 8
+SPARE_WORKERS = 64
 
 T = TypeVar("T")
 
