@@ -167,7 +167,10 @@ def _where_of(conn: Any) -> str:
 @asynccontextmanager
 async def _transaction(conn: Any, where: str) -> AsyncIterator[Executor]:
     tx = _Tx(conn, where)
-    await tx.control("BEGIN")
+    # BEGIN travels whole (the simple protocol): outside a transaction, PgBouncer in
+    # transaction mode may hand the extended protocol's parse and bind to different
+    # server connections. Once BEGIN ran, the transaction keeps its server connection.
+    await _Tx(conn, where, alone=True).control("BEGIN")
     try:
         yield tx
     except BaseException:

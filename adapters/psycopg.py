@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -368,6 +369,18 @@ class PsycopgPoolAdapter(SqlAdapter):
                       params: Params) -> list[Row]:
         with _mapped(self._where, self._secret):
             conn = await pool.getconn()
+            if anyio.current_effective_deadline() == math.inf:
+                # No deadline: the statement's settle scope would be a shield without end,
+                # as the give-back's is, so one scope serves both (the same protection, one
+                # scope less per call: the named leases' hot path); a cancellation that came
+                # meanwhile is delivered once the connection is back.
+                with anyio.CancelScope(shield=True):
+                    try:
+                        rows = await _async_single(conn, sql, params)
+                    finally:
+                        await pool.putconn(conn)
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                return rows
             try:
                 return await _single_settled(conn, self._where, sql, params)
             finally:

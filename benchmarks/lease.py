@@ -4,8 +4,12 @@ Redis: ``Lease.acquire(timeout=0)`` + ``Lease.release()`` (one script each, the 
 task started and stopped) against redis-py's asyncio ``Lock`` (``SET NX PX`` + its
 release script), the same work: neither keeps history. PostgreSQL: the same ``Lease``
 calls on a psycopg pool of one connection, against ShedLock's upsert + unlock on one raw
-psycopg connection (:mod:`benchmarks.peers`). One sequential client each, uncontended
-(a new holder every time, so every acquire takes the name).
+psycopg connection (:mod:`benchmarks.peers`): the issue's figure. The ``Lease`` borrows
+a pooled connection for each statement, so ShedLock's same two statements through the
+same kind of pool (a ``psycopg_pool`` checkout per statement, as the adapter makes) are a
+fourth contender, the fairer peer (``report.LEASE_FAIRER_PEERS``: reported, not a
+target). One sequential client each, uncontended (a new holder every time, so every
+acquire takes the name).
 
 Contenders run interleaved (order rotated every round); each round's ratio is taken
 within the round, and the median and spread of the per-round ratios are reported, as
@@ -149,9 +153,19 @@ async def _pg(servers: Servers, seconds: float, rounds: int) -> dict[str, Any]:
                     raise RuntimeError("ShedLock lock not acquired")
                 await conn.execute(SHEDLOCK_UNLOCK, (f"lb-{tag}",), prepare=False)
 
+            async def shedlock_pooled(i: int) -> None:
+                async with pool.connection() as pooled:
+                    cur = await pooled.execute(SHEDLOCK_LOCK, (f"lp-{tag}", TTL_MS, "bench",
+                                                               TTL_MS, "bench"), prepare=False)
+                    if cur.rowcount != 1:
+                        raise RuntimeError("ShedLock lock not acquired")
+                async with pool.connection() as pooled:
+                    await pooled.execute(SHEDLOCK_UNLOCK, (f"lp-{tag}",), prepare=False)
+
             return await _interleaved({"anarchon_lease": lease,
                                        "anarchon_contract_calls": contract,
-                                       "shedlock_upsert_raw_psycopg": shedlock},
+                                       "shedlock_upsert_raw_psycopg": shedlock,
+                                       "shedlock_upsert_psycopg_pool": shedlock_pooled},
                                       "anarchon_lease", rounds=rounds, seconds=seconds)
     finally:
         await backend.close()

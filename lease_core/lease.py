@@ -246,7 +246,8 @@ class Lease:
                                                            allow_zero=True)
         if self.held:
             return True
-        await self.release()  # a hold lost earlier: let go of its start of the backend
+        if self._opened:  # a hold lost earlier: let go of its start of the backend
+            await self.release()
         give_up = None if wait is None else time.monotonic() + wait
         await self.backend.start()
         self._opened = True

@@ -119,3 +119,39 @@ async def test_each_store_call_is_one_worker_thread_call(
         monkeypatch.undo()
         await backend.close()
         await drop_tables(pgbouncer_server.admin_dsn, table)
+
+
+@pytest.mark.anyio
+async def test_a_transaction_begins_in_one_message(
+    pgbouncer_server: PgServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BEGIN goes by the simple protocol: pg8000's extended protocol syncs between parse
+    and bind, and outside a transaction PgBouncer may give the two halves to different
+    server connections ("bind message supplies 0 parameters, but prepared statement
+    requires 5", seen under load). Inside the transaction the extended protocol is safe."""
+    from adapters._pg8000_params import pg8000_params
+    from adapters.pg8000 import Pg8000PoolAdapter
+
+    extended: list[str] = []
+    simple: list[str] = []
+    core = pg8000.core.CoreConnection
+    unnamed, whole = core.execute_unnamed, core.execute_simple
+
+    def spy_unnamed(self: object, statement: str, *args: object, **kwargs: object) -> object:
+        extended.append(statement.strip())
+        return unnamed(self, statement, *args, **kwargs)
+
+    def spy_simple(self: object, statement: str, *args: object, **kwargs: object) -> object:
+        simple.append(statement.strip())
+        return whole(self, statement, *args, **kwargs)
+
+    monkeypatch.setattr(core, "execute_unnamed", spy_unnamed)
+    monkeypatch.setattr(core, "execute_simple", spy_simple)
+    adapter = Pg8000PoolAdapter(pg8000_params(pgbouncer_server.dsn), max_size=2)
+    try:
+        async with adapter.transaction() as tx:
+            assert await tx.all("SELECT %s::int + 1", (41,)) == [(42,)]
+    finally:
+        await adapter.close()
+    assert "BEGIN" in simple and "BEGIN" not in extended
+    assert "SELECT $1::int + 1" in extended  # inside the transaction: the extended protocol

@@ -25,6 +25,7 @@ from .statements import (
     FAILOVER_SUFFIX,
     FINISH_SUFFIX,
     FORMAT_VERSION,
+    LEASE_SUFFIX,
     LOCK_NOT_AVAILABLE,
     OPERATE_SUFFIX,
     Statements,
@@ -59,7 +60,7 @@ class StoreSchema:
             self._table_names(),
             [self._name + suffix
              for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
-                            FAILOVER_SUFFIX)],
+                            FAILOVER_SUFFIX, LEASE_SUFFIX)],
             self._schema))
         if not rows:
             if self._schema is None:
@@ -228,6 +229,9 @@ class StoreSchema:
             await tx.all(self._sql.grant_finish)
             await tx.all(self._sql.create_operate_function)
             await tx.all(self._sql.grant_operate)
+            # Named leases (lease_core.Lease): one function call per acquire/renew/release.
+            await tx.all(self._sql.create_lease_function)
+            await tx.all(self._sql.grant_lease)
         if code < 4:
             # Ending an attempt then changes no indexed column (see finish_v4.sql).
             await tx.all(self._sql.drop_attempts_finished)

@@ -23,6 +23,7 @@ __all__ = [
     "FINISH_FUNCTION",
     "FINISH_SUFFIX",
     "FORMAT_VERSION",
+    "LEASE_SUFFIX",
     "LOCK_NOT_AVAILABLE",
     "NOW",
     "OPERATE_SUFFIX",
@@ -56,6 +57,9 @@ OPERATE_SUFFIX = f"_op_v{CODE_VERSION}"
 #: The suffix of the failover detection function, ``<table>_fo_v<CODE_VERSION>``
 #: (``postgres_sql/failover_v<N>.sql``; issue 21).
 FAILOVER_SUFFIX = f"_fo_v{CODE_VERSION}"
+#: The suffix of this release's named-lease function, ``<table>_lease_v<CODE_VERSION>``
+#: (``postgres_sql/lease_v<N>.sql``; lease_core/lease.py).
+LEASE_SUFFIX = f"_lease_v{CODE_VERSION}"
 #: The trim batch older releases pass to the claim function (the current one ignores it).
 TRIM_BATCH = 100
 #: SQLSTATE of a lock wait that ran out (``lock_timeout``) or a NOWAIT lock refused.
@@ -67,7 +71,7 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
              "_a_fin", "_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3",
              CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
-             FAILOVER_SUFFIX)
+             FAILOVER_SUFFIX, LEASE_SUFFIX)
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
@@ -122,6 +126,10 @@ QUERIES.update(parse_queries(_sql_file("operations.sql")))
 OPERATE_FUNCTION = _sql_file(f"operate_v{CODE_VERSION}.sql")
 #: Failover detection (issue 21): the function the claims and named leases call.
 FAILOVER_FUNCTION = _sql_file(f"failover_v{CODE_VERSION}.sql")
+# Named leases: their calls (postgres_sql/leases.sql) and function.
+QUERIES.update(parse_queries(_sql_file("leases.sql")))
+#: The named-lease function of this release (``postgres_sql/lease_v<CODE_VERSION>.sql``).
+LEASE_FUNCTION = _sql_file(f"lease_v{CODE_VERSION}.sql")
 #: The v1 name of the claim function, redefined as a call of the current one.
 CLAIM_FUNCTION_V1 = _sql_file("claim_v1.sql")
 #: The v2 name of the claim function, redefined as a call of the current one.
@@ -207,6 +215,7 @@ class Statements:
             "finish": prefix + quote_ident(name + FINISH_SUFFIX),
             "operate": prefix + quote_ident(name + OPERATE_SUFFIX),
             "failover": prefix + quote_ident(name + FAILOVER_SUFFIX),
+            "lease": prefix + quote_ident(name + LEASE_SUFFIX),
             "claim": prefix + quote_ident(name + CLAIM_SUFFIX),
             "batch": prefix + quote_ident(name + BATCH_SUFFIX),
             "claim_args": CLAIM_ARGS,
@@ -227,6 +236,7 @@ class Statements:
         self.create_finish_function = fill(FINISH_FUNCTION)
         self.create_operate_function = fill(OPERATE_FUNCTION)
         self.create_failover_function = fill(FAILOVER_FUNCTION)
+        self.create_lease_function = fill(LEASE_FUNCTION)
         self.create_claim_v1 = fill(CLAIM_FUNCTION_V1)
         self.create_claim_v2 = fill(CLAIM_FUNCTION_V2)
         self.create_batch_v2 = fill(BATCH_FUNCTION_V2)

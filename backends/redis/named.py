@@ -10,6 +10,7 @@ server lost its data.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from urllib.parse import quote
 
 from lease_core._named_leases import LeaseAnswer, check_lease
@@ -20,8 +21,12 @@ from .replies import as_text
 __all__ = ["RedisNamedLeases", "lease_key"]
 
 
+@lru_cache(maxsize=1024)
 def lease_key(prefix: str, name: str) -> str:
-    """The key of the named lease ``name`` under ``prefix`` (public for the benchmarks)."""
+    """The key of the named lease ``name`` under ``prefix`` (public for the benchmarks).
+
+    Cached: a process takes the same few names again and again.
+    """
     return "{" + prefix + "/lease/" + quote(name, safe="") + "}"
 
 
@@ -31,10 +36,13 @@ class RedisNamedLeases(RedisStore):
     async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
         """Take ``name`` when it is free: one ``lease_acquire.lua`` call."""
         check_lease(name, holder=holder, ttl_ms=ttl_ms)
-        ((held, token, expires, now, current),) = await self._run([self._eval(
+        (reply,) = await self._run([self._eval(
             "lease_acquire", [lease_key(self.prefix, name)], [holder, ttl_ms])])
-        return LeaseAnswer(int(held) == 1, int(token), int(expires), int(now),
-                           as_text(current) or None)
+        if len(reply) == 2:  # taken or renewed: {token, expires}
+            expires = int(reply[1])
+            return LeaseAnswer(True, int(reply[0]), expires, expires - ttl_ms, holder)
+        token, expires, now, current = reply
+        return LeaseAnswer(False, int(token), int(expires), int(now), as_text(current) or None)
 
     async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
         """Extend the live hold of ``token``: one ``lease_renew.lua`` call."""
