@@ -6,8 +6,7 @@ on asyncio. Over a window after a warm-up it counts, per run whose handler start
 
 - task spawns (``asyncio.Task`` objects made);
 - cancel scopes entered (anyio's ``CancelScope.__enter__``);
-- event-loop turns (``BaseEventLoop._run_once``) and timer wake-ups (turns that ran a
-  timer handle);
+- event-loop turns (``BaseEventLoop._run_once``);
 - CPU microseconds (``time.process_time``).
 
 ``--floor`` measures, the same way, an empty loop that only wakes at the same pace
@@ -42,7 +41,6 @@ class Counts:
         self.tasks = 0
         self.scopes = 0
         self.turns = 0
-        self.timers = 0
         self.on = False
 
     def install(self) -> None:
@@ -54,9 +52,6 @@ class Counts:
         def _run_once(loop: Any) -> None:
             if counts.on:
                 counts.turns += 1
-                sched = loop._scheduled
-                if sched and sched[0].when() <= loop.time() + loop._clock_resolution:
-                    counts.timers += 1
             run_once(loop)
 
         loop_cls._run_once = _run_once
@@ -131,8 +126,7 @@ async def _measure(seconds: float, count: Any, counts: Counts,
     per = max(1, runs)
     return {"runs": runs, "runs_per_cpu_s": runs / cpu if cpu else 0.0,
             "cpu_us_per_run": cpu / per * 1e6, "tasks": counts.tasks / per,
-            "cancel_scopes": counts.scopes / per, "loop_turns": counts.turns / per,
-            "timer_wakeups": counts.timers / per}
+            "cancel_scopes": counts.scopes / per, "loop_turns": counts.turns / per}
 
 
 def main() -> None:
