@@ -11,7 +11,10 @@ PostgreSQL, one pipelined round trip on Redis, in chunks of at most :data:`CLAIM
 Collection adds no timer: the first call of a batch (its *leader*) yields to the event
 loop until a turn adds no call (at most :data:`COLLECT_TURNS` turns), so every task woken
 at the same instant adds its call first. A call that arrives while a batch is being sent
-starts the next batch. Each caller awaits its own result; a failed chunk fails each of
+starts the next batch. A caller that knows no other call can come in those turns (no
+other caller is active) passes ``collect=False``: its batch is sent at once, with no turn
+of the event loop before it.
+Each caller awaits its own result; a failed chunk fails each of
 its calls, as if each had failed alone. A batch of one is sent with the single-call
 method (:meth:`~lease_core.abc.Backend.claim`, :meth:`~lease_core.abc.Backend.finish`),
 so that a wrapper instrumenting it still sees lone calls. (A backend that implements
@@ -84,11 +87,14 @@ class Batcher(Generic[Req, Res]):
     async def _many(self, requests: Sequence[Req]) -> Sequence[Res]:
         raise NotImplementedError
 
-    async def call_many(self, requests: Sequence[Req]) -> list[Res | Exception]:
+    async def call_many(self, requests: Sequence[Req], *,
+                        collect: bool = True) -> list[Res | Exception]:
         """Send ``requests`` with the other calls of this instant; one result each.
 
         A result is the store's answer, or the exception that failed its chunk
-        (:class:`Abandoned` when the batch's sender was cancelled).
+        (:class:`Abandoned` when the batch's sender was cancelled). With
+        ``collect=False``, a new batch is sent without waiting for more calls (a batch
+        already collecting is still joined).
         """
         batch = self._open
         if batch is not None:
@@ -102,7 +108,7 @@ class Batcher(Generic[Req, Res]):
         batch.requests.extend(requests)
         try:
             seen = 0
-            for _ in range(COLLECT_TURNS):
+            for _ in range(COLLECT_TURNS if collect else 0):
                 if len(batch.requests) == seen:
                     break
                 seen = len(batch.requests)

@@ -3,17 +3,26 @@
 A claim batch runs its last won handler in its own task (the others in tasks of their
 own), so the handlers of one instant must still run side by side; the memory store's
 overlap check reads an index of the job's possibly-running slots, which must follow
-every way a run starts and stops running.
+every way a run starts and stops running. The dispatcher sleeps on one timer and wakes
+slots due within a millisecond of each other together: they must be claimed in one call,
+never before their slot, and a slot queued during a long sleep must end it. The workers
+that claim and run handlers are reused, so each run must get a fresh context and a busy
+worker must never delay another run's start.
 """
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Sequence
+
 import anyio
+import anyio.lowlevel
 import pytest
 
 from backends.memory import MemoryBackend
 from lease_core import Outcome, RunContext, Scheduler
-from lease_core.abc import ClaimRequest, ClaimStatus, Lease
+from lease_core._wakeups import Alarm, WorkerPool, in_context
+from lease_core.abc import ClaimRequest, ClaimResult, ClaimStatus, Lease
 from tests.helpers import wait_history
 
 pytestmark = pytest.mark.anyio
@@ -79,3 +88,164 @@ async def test_the_memory_overlap_check_follows_runs_that_stop_and_start_running
     # Finished: nothing holds the job back either.
     assert await store.finish(Lease("job", 1_004_000, "t6", 10_000), Outcome.COMPLETED)
     assert (await store.claim(_request(1_005_000, "t7"))).status is ClaimStatus.WON
+
+
+class _Batches(MemoryBackend):
+    """A memory store that records the slots of each claim call it gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[tuple[str, int]]] = []
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        self.batches.append([(r.job, r.slot) for r in requests])
+        return await super().claim_many(requests)
+
+
+async def test_slots_due_within_a_millisecond_are_claimed_in_one_wake_up() -> None:
+    # Two jobs whose slots are 1 ms apart (within COALESCE_MS), and a third 300 ms later.
+    store = _Batches()
+    scheduler = Scheduler(store, instance_id="coalesce")
+
+    async def handler(ctx: RunContext) -> None:
+        pass
+
+    scheduler.every("near-a", "1s", handler, offset="100ms")
+    scheduler.every("near-b", "1s", handler, offset="101ms")
+    scheduler.every("far", "1s", handler, offset="400ms")
+    async with anyio.create_task_group() as tg:
+        await tg.start(scheduler.run)
+        await wait_history(
+            scheduler, lambda h: len({a.job for a in h if a.outcome is not None}) >= 3
+            and sum(a.job == "near-b" and a.outcome is not None for a in h) >= 2,
+            timeout=10, what="two runs of near-b, one of each other job")
+        await scheduler.stop(grace=1)
+    near = [sorted(job for job, _ in batch) for batch in store.batches
+            if any(job.startswith("near") for job, _ in batch)]
+    assert near and all(jobs == ["near-a", "near-b"] for jobs in near), store.batches
+    assert all(len(batch) == 1 for batch in store.batches if ("far", batch[0][1]) in batch)
+    # Never early: each claim is made at or after its slot (store time).
+    history = await store.history()
+    assert all(a.claimed_at >= a.scheduled_at for a in history), history
+
+
+async def test_a_slot_queued_while_the_dispatcher_sleeps_long_wakes_it() -> None:
+    # The heartbeat (the dispatcher's longest sleep) is 5 s and the only other job is an
+    # hour away: while a fast job's claim is in flight, the dispatcher sleeps for seconds.
+    # The fast job's next slot, queued then, must end that sleep: otherwise it would run
+    # once per heartbeat.
+    scheduler = Scheduler(MemoryBackend(), instance_id="early-wake", heartbeat="5s",
+                          lease="30s")
+    runs: list[int] = []
+    five = anyio.Event()
+
+    async def handler(ctx: RunContext) -> None:
+        runs.append(ctx.slot)
+        if len(runs) >= 5:
+            five.set()
+
+    scheduler.every("hourly", "1h", handler)
+    scheduler.every("fast", "200ms", handler)
+    async with anyio.create_task_group() as tg:
+        await tg.start(scheduler.run)
+        with anyio.fail_after(4):
+            await five.wait()
+        await scheduler.stop(grace=1)
+    assert len(set(runs)) >= 5
+
+
+LEAK: contextvars.ContextVar[str] = contextvars.ContextVar("leak", default="unset")
+
+
+async def test_a_handler_does_not_see_what_an_earlier_handler_set_in_a_context_variable() -> None:
+    # Handlers run in reused workers; each run gets a fresh copy of the worker's context,
+    # as a new task would.
+    scheduler = Scheduler(MemoryBackend(), instance_id="contextvars")
+    seen: list[str] = []
+    enough = anyio.Event()
+
+    async def handler(ctx: RunContext) -> None:
+        seen.append(LEAK.get())
+        LEAK.set(f"set by slot {ctx.slot}")
+        if len(seen) >= 6:
+            enough.set()
+
+    scheduler.every("cv", "200ms", handler)
+    async with anyio.create_task_group() as tg:
+        await tg.start(scheduler.run)
+        with anyio.fail_after(5):
+            await enough.wait()
+        await scheduler.stop(grace=1)
+    assert seen and set(seen) == {"unset"}, seen
+
+
+async def test_the_worker_pool_reuses_idle_workers_and_starts_one_when_none_is_idle() -> None:
+    release = anyio.Event()
+    done: list[str] = []
+
+    async def work(item: str) -> None:
+        if item == "slow":
+            await release.wait()
+        done.append(item)
+
+    pool: WorkerPool[str] = WorkerPool(work)
+    async with anyio.create_task_group() as tg:
+        for i in range(5):  # one after another: one worker does them all
+            pool.submit(tg, f"quick-{i}")
+            with anyio.fail_after(2):
+                while pool.idle < 1:
+                    await anyio.lowlevel.checkpoint()
+        assert pool.started == 1
+        pool.submit(tg, "slow")  # takes the idle worker...
+        pool.submit(tg, "other")  # ... so this one starts a worker, and is not delayed
+        with anyio.fail_after(2):
+            while "other" not in done:
+                await anyio.lowlevel.checkpoint()
+        assert pool.started == 2 and "slow" not in done
+        release.set()
+        with anyio.fail_after(2):
+            while "slow" not in done:
+                await anyio.lowlevel.checkpoint()
+        tg.cancel_scope.cancel()  # idle workers end with their task group
+    assert done == [f"quick-{i}" for i in range(5)] + ["other", "slow"]
+
+
+async def test_in_context_runs_each_step_in_the_context_and_passes_cancellation_on() -> None:
+    context = contextvars.copy_context()
+    steps: list[str] = []
+
+    async def inner() -> str:
+        LEAK.set("inside")
+        await anyio.lowlevel.checkpoint()
+        steps.append(LEAK.get())
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await anyio.sleep_forever()
+        steps.append(f"cancelled {scope.cancelled_caught}")
+        return "result"
+
+    assert await in_context(inner(), context) == "result"
+    assert steps == ["inside", "cancelled True"]
+    assert LEAK.get() == "unset" and context[LEAK] == "inside"
+    with anyio.move_on_after(0.05) as outer:  # cancelled from outside, while awaiting
+        await in_context(anyio.sleep_forever(), contextvars.copy_context())
+    assert outer.cancelled_caught
+
+
+async def test_the_alarm_ends_at_its_timeout_or_when_woken() -> None:
+    alarm = Alarm()
+    start = anyio.current_time()
+    await alarm.sleep(0.05)
+    assert anyio.current_time() - start >= 0.04
+    woken = anyio.Event()
+
+    async def sleeper() -> None:
+        await alarm.sleep(30)
+        woken.set()
+
+    with anyio.fail_after(5):  # a 30 s sleep, ended by wake()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sleeper)
+            while not woken.is_set():
+                alarm.wake()
+                await anyio.lowlevel.checkpoint()

@@ -40,6 +40,11 @@ class Claimer:
         # Fences (issue 21): the highest store epoch each job's claims answered with.
         self._epochs: dict[str, int] = {}
 
+    @property
+    def in_flight(self) -> int:
+        """Claims sent and not answered yet (runs whose handlers may start any moment)."""
+        return self._claims_in_flight
+
     async def claim(self, job: Job, slot: int, reason: Reason) -> ClaimResult | None:
         """Claim one run; ``None`` when the answer is unknown (claimed again next tick)."""
         (result,) = await self.claim_many([(job, slot, reason)])

@@ -16,6 +16,7 @@ import anyio
 
 from .._durations import to_ms
 from .._structures import ClaimStatus, JobInfo, Reason, format_slot
+from .._wakeups import Alarm, WorkerPool
 from . import base
 
 if TYPE_CHECKING:
@@ -23,7 +24,11 @@ if TYPE_CHECKING:
     from .runs import Run
     from .session import Session
 
-__all__ = ["Dispatcher"]
+__all__ = ["COALESCE_MS", "Dispatcher"]
+
+#: A slot due at most this many milliseconds after the next one is woken with it: at
+#: spread slots, one timer wake-up cost about as much process CPU as a run's own work.
+COALESCE_MS = 1
 
 
 class Dispatcher:
@@ -35,7 +40,12 @@ class Dispatcher:
         # dealt with).
         self._due: list[tuple[int, int, Job, int]] = []
         self._order = itertools.count()
-        self._added: anyio.Event | None = None
+        self._alarm = Alarm()
+        # The tasks that claim each wake-up's runs and run their handlers, kept for the
+        # next wake-up rather than a new task each time.
+        self._workers: WorkerPool[list[tuple[Job, int, int]] | Run] = WorkerPool(self._work)
+        self._wake_at = float("inf")
+        """The slot (store ms) the current sleep ends at."""
         # Per job, the last slot a catch-up claimed (it may still run).
         self._caught_up: dict[str, int] = {}
 
@@ -45,8 +55,8 @@ class Dispatcher:
             return
         slot = job.schedule.next_after(last)
         heapq.heappush(self._due, (slot, next(self._order), job, last))
-        if self._added is not None and self._due[0][0] == slot:
-            self._added.set()
+        if slot < self._wake_at:
+            self._alarm.wake()
 
     async def start_job(self, job: Job, info: JobInfo) -> None:
         """Catch up a job the store knew before this start, then queue its next slot."""
@@ -78,12 +88,14 @@ class Dispatcher:
                 local_now = s.settings.clock() * 1000 + s.clock.offset_ms
                 wait = s.settings.heartbeat
                 if self._due:
-                    wait = min(wait, (self._due[0][0] - local_now) / 1000)
+                    wake_at = self._wake_slot()
+                    wait = min(wait, (wake_at - local_now) / 1000)
                 if wait > 0:
-                    self._added = anyio.Event()
-                    with anyio.move_on_after(wait):
-                        await self._added.wait()
-                    self._added = None
+                    self._wake_at = (local_now + wait * 1000) if self._due else float("inf")
+                    try:
+                        await self._alarm.sleep(wait)
+                    finally:
+                        self._wake_at = float("inf")
                     continue
                 now = s.clock.now_ms()
                 claims: list[tuple[Job, int, int]] = []
@@ -99,7 +111,21 @@ class Dispatcher:
                         claims.append((job, slot, max(due, slot)))
                 if claims:
                     assert s.tg is not None
-                    s.tg.start_soon(self._claim_due, claims)
+                    self._workers.submit(s.tg, claims)
+
+    def _wake_slot(self) -> int:
+        # The next slot, or the one after it when that is due within COALESCE_MS: both are
+        # then claimed in one wake-up (the first up to COALESCE_MS late, never early).
+        due = self._due
+        head = due[0][0]
+        after = min((due[i][0] for i in (1, 2) if i < len(due)), default=head)
+        return after if after - head <= COALESCE_MS else head
+
+    async def _work(self, item: list[tuple[Job, int, int]] | Run) -> None:
+        if isinstance(item, list):
+            await self._claim_due(item)
+        else:
+            await self._s.execution.execute(item)
 
     async def _claim_due(self, claims: list[tuple[Job, int, int]]) -> None:
         # The member ranked first for a job claims at once; the one ranked k only if the
@@ -119,11 +145,12 @@ class Dispatcher:
         await s.claims.claim_many(first, deferred=won)
         for job, _, last in claims:
             self.schedule_next(job, last)
-        # The handlers start now, in tasks of their own but the last, which runs in this
-        # task: at spread slots most claims win one run, and a task per run was a good
-        # part of what a run cost.
+        # The handlers start now, in workers of their own but the last, which runs in
+        # this one: at spread slots most claims win one run, and a task per run was a
+        # good part of what a run cost.
+        assert s.tg is not None
         for run in won[:-1]:
-            s.execution.start(run)
+            self._workers.submit(s.tg, run)
         if won:
             await s.execution.execute(won[-1])
 

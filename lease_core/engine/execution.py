@@ -54,7 +54,7 @@ class Executor:
         """Start the handler of a run whose claim ``result`` won ``lease``.
 
         With ``deferred``, the run is held and appended there instead, for the caller to
-        start (:meth:`start`) or to run in its own task (:meth:`execute`) at once.
+        run at once (:meth:`execute`, in a task of the caller's choosing).
         """
         s = self._s
         assert s.tg is not None
@@ -81,14 +81,9 @@ class Executor:
         else:
             deferred.append(run)
 
-    def start(self, run: Run) -> None:
-        """Run a deferred run's handler in a task of its own."""
-        assert self._s.tg is not None
-        self._s.tg.start_soon(self._execute, run)
-
     async def execute(self, run: Run) -> None:
-        """Run a deferred run's handler in the calling task (a task of the session's group,
-        about to end: one task fewer per claim batch) and record its outcome."""
+        """Run a deferred run's handler in the calling task (a worker of the dispatcher's,
+        or a task of the session's group) and record its outcome."""
         await self._execute(run)
 
     def deadline(self, sent_loop: float, job: Job) -> float:
@@ -244,8 +239,14 @@ class Executor:
         finished = False
         name, slot = run.job.name, lease.slot
         with anyio.move_on_after(10, shield=True) as finish_scope:
-            # With the other finishes of this instant, in one finish_many call.
-            (answer,) = await self._finisher.call_many([(lease, outcome, error)])
+            # With the other finishes of this instant, in one finish_many call. Only a
+            # handler still running here, or one whose claim is being answered, can end
+            # in the next turns: with none, waiting turns for their finishes would be a
+            # loop turn per run for nothing.
+            s = self._s
+            (answer,) = await self._finisher.call_many(
+                [(lease, outcome, error)],
+                collect=s.runs.held_count > 0 or s.claims.in_flight > 0)
             if isinstance(answer, Exception):
                 if not isinstance(answer, Abandoned):
                     self._s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
