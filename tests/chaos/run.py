@@ -770,14 +770,23 @@ def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fau
     return report
 
 
+#: Seconds by which a worker's record may precede its attempt's claim time in the store
+#: (the workers' and the store's clocks are this machine's; a margin for rounding).
+CLOCK_SLACK_S = 0.05
+
+
 def _audit_retries(report: Report, key: tuple[str, int], attempts: list[Attempt],
                    evs: list[dict[str, Any]]) -> None:
     """A retried run never runs twice at once: each retry begins after the failed attempt
     it retries ended, in the store's records and in the handlers' own."""
-    last_record: dict[int, float] = {}
-    for e in evs:
-        if e["e"] in ("rstart", "rfail", "rdone"):
-            last_record[e["a"]] = max(last_record.get(e["a"], 0.0), float(e["t"]))
+    # An attempt's own records: its number, its instance, from its claim in the store on
+    # (a failover may number an attempt again: the lost one's records are not its own).
+    def own(attempt: Attempt) -> list[dict[str, Any]]:
+        since = attempt.claimed_at.timestamp() - CLOCK_SLACK_S
+        return [e for e in evs if e["e"] in ("rstart", "rfail", "rdone")
+                and e["a"] == attempt.attempt and e["i"] == attempt.instance_id
+                and float(e["t"]) >= since]
+
     for prev, nxt in itertools.pairwise(attempts):
         if nxt.reason != "retry":
             continue
@@ -786,8 +795,9 @@ def _audit_retries(report: Report, key: tuple[str, int], attempts: list[Attempt]
                 or prev.finished_at is None or prev.finished_at > nxt.claimed_at):
             report.retry_overlaps.append((*key, nxt.attempt))
             continue
-        starts = [float(e["t"]) for e in evs if e["e"] == "rstart" and e["a"] == nxt.attempt]
-        if starts and prev.attempt in last_record and min(starts) < last_record[prev.attempt]:
+        starts = [float(e["t"]) for e in own(nxt) if e["e"] == "rstart"]
+        ended = [float(e["t"]) for e in own(prev)]
+        if starts and ended and min(starts) < max(ended):
             report.retry_overlaps.append((*key, nxt.attempt))
 
 
