@@ -104,3 +104,29 @@ async def test_claims_reach_the_new_primary_after_a_failover(
             (2_000, None), (1_000, Outcome.COMPLETED)]  # replicated before the failover
     finally:
         await backend.close()
+
+
+async def test_calls_beyond_the_pool_wait_for_a_connection_through_sentinel(
+        sentinel_group: tuple[EmbeddedRedis, EmbeddedRedis, EmbeddedSentinel]) -> None:
+    """More calls at once than the pool holds wait for a free connection, as through a
+    ``redis://`` URL: redis-py's own Sentinel pool raised "Too many connections", which
+    read as the store being unreachable while it answered (sentinelfix)."""
+    import anyio
+
+    from adapters.redis import MAX_CONNECTIONS, redis_adapter
+
+    _, _, sentinel = sentinel_group
+    adapter = redis_adapter(sentinel.url)
+    key = "pool_" + uuid.uuid4().hex[:8]
+    replies: list[object] = []
+
+    async def blocked() -> None:  # holds its connection for 0.2 s
+        replies.extend(await adapter.execute([("BLPOP", key, "0.2")]))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(MAX_CONNECTIONS + 4):
+                tg.start_soon(blocked)
+    finally:
+        await adapter.aclose()
+    assert replies == [None] * (MAX_CONNECTIONS + 4)
