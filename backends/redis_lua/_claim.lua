@@ -63,20 +63,26 @@ end
 -- job whose keys survived). The job then starts a new epoch, 'ep' = now: every attempt
 -- won from now on is fenced above every attempt won before. A job with no 'rid' yet
 -- (new, or written before it was kept) just records it. INFO is read before wins only.
--- Quarantine on a new server (issue 21, sentinelfix): the holder of a lease the
+-- Quarantine on a promoted server (issue 21, sentinelfix): the holder of a lease the
 -- failover lost (its claim, or the renewals that kept it live) still runs until its next
--- heartbeat, so the win that finds the new id does not take effect: like a found loss
--- (see 0.), no attempt starts before now + the longest lease known ('quiet'; this
--- claim's own lease when the caller knows none), when every such lease has expired.
+-- heartbeat, so the win that finds the new id on a server that was promoted (it has a
+-- 'master_replid2': it took over another server's history, so it may have missed its
+-- newest writes) does not take effect: like a found loss (see 0.), no attempt starts
+-- before now + the longest lease known ('quiet'; this claim's own lease when the caller
+-- knows none), when every such lease has expired. A plain restart (no replid2) keeps
+-- what it persisted: a new epoch only, as PostgreSQL quarantines at a promotion only.
 -- Returns the end of that quarantine (nil: no change of server, the claim may win) and
 -- the job's epoch; the job's fields gathered so far (jf) are written with it.
 -- rid: the stored id; epoch: the job's epoch so far; lease_ms, longest: ms.
 local function server_id()
-  return string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+  local info = redis.call('INFO', 'replication')
+  local id = string.match(info, 'master_replid:(%w+)') or ''
+  local before = string.match(info, 'master_replid2:(%w+)') or ''
+  return id, string.find(before, '[1-9a-f]') ~= nil  -- (promoted: a non-zero replid2)
 end
 
 local function server_moved(job, jf, rid, epoch, lease_ms, longest)
-  local id = server_id()
+  local id, promoted = server_id()
   if id == rid then
     return nil, epoch
   end
@@ -86,9 +92,12 @@ local function server_moved(job, jf, rid, epoch, lease_ms, longest)
     return nil, epoch
   end
   epoch = math.max(epoch, now)
-  local quiet = now + math.max(longest or 0, lease_ms)
   jf[#jf + 1] = 'ep'
   jf[#jf + 1] = epoch
+  if not promoted then
+    return nil, epoch
+  end
+  local quiet = now + math.max(longest or 0, lease_ms)
   jf[#jf + 1] = 'quiet'
   jf[#jf + 1] = quiet
   write_job(job, jf)
@@ -142,7 +151,7 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   -- (sentinelfix) a quarantine found here covers the server's change too: its id is
   -- recorded, so that the win after it is not held back a second time
   if seen ~= '' and sid ~= seen and quiet and quiet > now then
-    rid = server_id()
+    rid = server_id()  -- (its first value: the id)
     redis.call('HSET', job, 'rid', rid)
   end
   local epoch = math.max(tonumber(lost) or 0, tonumber(ep) or 0)
