@@ -20,7 +20,13 @@ from lease_core import (
     Scheduler,
     SchedulerState,
 )
-from lease_core._structures import ClaimRequest, ClaimResult, HeartbeatResult, Lease
+from lease_core._structures import (
+    CheckResult,
+    ClaimRequest,
+    ClaimResult,
+    HeartbeatResult,
+    Lease,
+)
 from lease_core.testing import awaiting_hand_over, backend_users, claim_now
 from tests.helpers import Instance, quiet_offset, wait_for, wait_history
 
@@ -56,6 +62,16 @@ class FlakyBackend(MemoryBackend):
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
         self._fail()
         return await super().heartbeat(leases)
+
+    # an unreachable store answers nothing: not the checks nor the clock either (a slot
+    # whose claim failed after the store answered is claimed whatever comes after it)
+    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
+        self._fail()
+        return await super().check(runs)
+
+    async def now_ms(self) -> int:
+        self._fail()
+        return await super().now_ms()
 
 
 @pytest.mark.parametrize("error", [BackendUnavailable, RuntimeError])
