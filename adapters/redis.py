@@ -408,19 +408,40 @@ class _SyncSentinelAdapter(SyncClientAdapter):
 
 
 def _from_sentinel_url(url: str) -> RedisAdapter:
-    """The primary of a Sentinel-watched service, found again after each failover."""
+    """The primary of a Sentinel-watched service, found again after each failover.
+
+    Its pool is bounded like a ``redis://`` URL's: a call that finds every connection busy
+    waits for one (``POOL_TIMEOUT``). redis-py's own Sentinel pool raises "Too many
+    connections" at once instead, which read as the store being unreachable while it
+    answered: at a burst of takeovers after a failover, handlers failed and ranked
+    members' claims were lost (sentinelfix).
+    """
     sentinels, service, kwargs = sentinel_parts(url)
     watch = {"sentinel_kwargs": kwargs.pop("sentinel_kwargs", None)}
+    bounds: dict[str, Any] = {"max_connections": MAX_CONNECTIONS, "timeout": POOL_TIMEOUT}
     if _under_asyncio():
+        import redis.asyncio
         from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+        from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
+
+        class AsyncBlockingSentinelPool(
+                AsyncSentinelPool, redis.asyncio.BlockingConnectionPool):
+            """The Sentinel's primary's pool; waits for a free connection."""
 
         watcher: Any = AsyncSentinel(sentinels, **watch)  # type: ignore[no-untyped-call]
-        client = watcher.master_for(service, max_connections=MAX_CONNECTIONS, **kwargs)
+        client = watcher.master_for(service, connection_pool_class=AsyncBlockingSentinelPool,
+                                    **bounds, **kwargs)
         return _AsyncSentinelAdapter(client, watcher)
-    from redis.sentinel import Sentinel
+    import redis
+    from redis.sentinel import Sentinel, SentinelConnectionPool
+
+    class BlockingSentinelPool(
+            SentinelConnectionPool, redis.BlockingConnectionPool):
+        """The Sentinel's primary's pool; waits for a free connection."""
 
     sync_watcher: Any = Sentinel(sentinels, **watch)  # type: ignore[no-untyped-call]
-    sync_client = sync_watcher.master_for(service, max_connections=MAX_CONNECTIONS, **kwargs)
+    sync_client = sync_watcher.master_for(service, connection_pool_class=BlockingSentinelPool,
+                                          **bounds, **kwargs)
     return _SyncSentinelAdapter(sync_client, sync_watcher)
 
 

@@ -20,7 +20,13 @@ from lease_core import (
     Scheduler,
     SchedulerState,
 )
-from lease_core._structures import ClaimRequest, ClaimResult, HeartbeatResult, Lease
+from lease_core._structures import (
+    CheckResult,
+    ClaimRequest,
+    ClaimResult,
+    HeartbeatResult,
+    Lease,
+)
 from lease_core.testing import awaiting_hand_over, backend_users, claim_now
 from tests.helpers import Instance, quiet_offset, wait_for, wait_history
 
@@ -56,6 +62,16 @@ class FlakyBackend(MemoryBackend):
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
         self._fail()
         return await super().heartbeat(leases)
+
+    # an unreachable store answers nothing: not the checks nor the clock either (a slot
+    # whose claim failed after the store answered is claimed whatever comes after it)
+    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
+        self._fail()
+        return await super().check(runs)
+
+    async def now_ms(self) -> int:
+        self._fail()
+        return await super().now_ms()
 
 
 @pytest.mark.parametrize("error", [BackendUnavailable, RuntimeError])
@@ -294,3 +310,53 @@ async def test_a_takeover_that_failed_during_an_outage_is_not_forgotten() -> Non
 
         await wait_for(first_finished, timeout=10, what="the dead holder's run to end")
         await i.stop()
+
+
+class ClaimsFail(FlakyBackend):
+    """Claims fail while ``claims_down`` is set; every other call answers (as when a
+    client's pool was exhausted: the store answered, a claim did not get through)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims_down = False
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        if self.claims_down:
+            self.failed_claims += [r.slot for r in requests]
+            raise BackendUnavailable("claims fail (test)")
+        return await super().claim_many(requests)
+
+    async def claim(self, request: ClaimRequest) -> ClaimResult:
+        if self.claims_down:
+            self.failed_claims.append(request.slot)
+            raise BackendUnavailable("claims fail (test)")
+        return await super().claim(request)
+
+
+async def test_slots_whose_claims_failed_while_the_store_answered_are_all_claimed() -> None:
+    """The store answered (heartbeats, checks) while claims failed for several slots:
+    none of them was missed while the store was unreachable, so each is claimed once
+    claims get through again, not only the newest (sentinelfix)."""
+    backend = ClaimsFail()
+    s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
+    ran: list[int] = []
+
+    async def tick(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    s.every("tick", "0.5s", tick)  # catch_up="latest", overlap="skip"
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        await wait_for(lambda: ran, timeout=10, what="a first run")
+        backend.claims_down = True
+        await wait_for(lambda: len(set(backend.failed_claims)) >= 3, timeout=10,
+                       what="three slots' claims failed")
+        failed = sorted(set(backend.failed_claims))
+        backend.claims_down = False
+        await wait_for(lambda: any(slot > failed[-1] for slot in ran), timeout=10,
+                       what="a slot after the failures")
+        history = await s.history("tick")
+        await i.stop()
+    recorded = {a.slot for a in history}
+    # each one run, or recorded skipped behind a run of an earlier one
+    assert all(slot in recorded for slot in failed), (failed, sorted(recorded))

@@ -185,9 +185,10 @@ async def test_a_loss_of_only_the_newest_writes_is_found_by_a_caller_that_saw_th
 
 
 async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above() -> None:
-    """A replica promoted without the primary's newest claim: a backend that never saw
-    that claim wins the same attempt number again, with a fence above it (the job's data
-    is on a server with another replication id, so a new epoch)."""
+    """A replica promoted without the primary's newest claim: its holder may still run,
+    so no attempt wins before that lease has passed (the quarantine of a server with
+    another replication id); then a backend that never saw that claim wins the same
+    attempt number again, with a fence above it (a new epoch)."""
     binary = find_server("redis")
     assert binary is not None
     fast = ("--repl-diskless-sync-delay", "0")
@@ -225,8 +226,20 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
             new = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
             await new.start()
             try:
+                # the lost claim's holder ("b") may still run: nobody wins until its
+                # lease (300 ms, the longest known) has surely passed (sentinelfix)
+                quiet = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                     overlap_skip=False))
+                assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None)
+                assert quiet.expires_ms is not None
+                assert quiet.expires_ms >= promoted + 300 > lost.expires_ms  # type: ignore[operator]
+                assert quiet.epoch >= promoted
+                assert (await new.claim(ClaimRequest("job", 3_000, "inst", "e", 300,
+                                                     overlap_skip=False))).run_status is None
+                await _after(clients[1], quiet.expires_ms)
                 again = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
                                                      overlap_skip=False))
+                assert again.status is ClaimStatus.WON
                 assert again.attempt == lost.attempt == 1  # numbered again ...
                 assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
                 later = await new.claim(ClaimRequest("job", 3_000, "inst", "d", 300,
@@ -293,3 +306,42 @@ async def test_a_run_a_loss_reopened_is_watched_and_run_again(
         (2, "completed"), (1, "lost")]
     first, again = (f for s, _, f in fences if s == slot)
     assert again > first  # attempt 2 of the reopened run is fenced above attempt 1
+
+
+async def test_slots_due_in_a_quarantine_are_all_claimed_after_it(
+        server: EmbeddedRedis, raw: redis.Redis) -> None:
+    """The store restarts empty: the scheduler's claims find the loss and wait out the
+    quarantine (a lease). The store answered all along, so every slot that fell due
+    during it is claimed once it ends, not only the newest (sentinelfix)."""
+    from lease_core import RunContext, Scheduler
+    from tests.helpers import Instance, stop_all, wait_history
+
+    prefix = f"f{uuid.uuid4().hex[:10]}"
+    scheduler = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id="one",
+                          lease="1.5s", heartbeat="0.2s")
+
+    @scheduler.every("job", "0.4s", overlap="allow")
+    async def job(ctx: RunContext) -> None:
+        pass
+
+    async with anyio.create_task_group() as tg:
+        (instance,) = [await Instance(scheduler).start(tg)]
+        try:
+            await wait_history(scheduler, lambda h: any(a.outcome == "completed" for a in h),
+                               job="job", what="a run completed before the restart")
+            restarted = await _restart_empty(server, raw)
+            key = "{" + prefix + "/job}:job"
+            await wait_for(lambda: raw.hget(key, "quiet"), timeout=10, what="the quarantine")
+            quiet = int(raw.hget(key, "quiet") or 0)
+            assert quiet >= restarted + 1_000
+            history = await wait_history(
+                scheduler, lambda h: any(a.slot > quiet + 400 for a in h), job="job",
+                timeout=15, what="slots after the quarantine")
+        finally:
+            await stop_all([instance])
+    slots = {a.slot for a in history}
+    # the slots due in the quarantine, after the first claim that found it
+    first_held = min(s for s in slots if s > restarted)
+    during = range(first_held, quiet - 400, 400)
+    assert len(during) >= 2
+    assert all(s in slots for s in during), (sorted(slots), list(during))

@@ -76,9 +76,9 @@ async def test_claims_reach_the_new_primary_after_a_failover(
     backend = backend_from_url(sentinel.url, namespace=prefix)
     await backend.start()
     try:
-        first = ClaimRequest("nightly", 1_000, "a", "t1", 60_000)
+        first = ClaimRequest("nightly", 1_000, "a", "t1", 500)
         assert (await backend.claim(first)).status is ClaimStatus.WON
-        assert await backend.finish(Lease("nightly", 1_000, "t1", 60_000), Outcome.COMPLETED)
+        assert await backend.finish(Lease("nightly", 1_000, "t1", 500), Outcome.COMPLETED)
         direct = redis.Redis(port=primary.port)
         assert direct.execute_command("WAIT", 1, 5000) == 1  # the replica has it all
         direct.close()
@@ -89,14 +89,21 @@ async def test_claims_reach_the_new_primary_after_a_failover(
         await wait_for(lambda: _primary_port(sentinel) == replica.port, timeout=30,
                        what="the Sentinel to promote the replica")
 
+        quarantined: list[int | None] = []
+
         async def claimed() -> bool:
             try:
-                again = ClaimRequest("nightly", 2_000, "b", "t2", 60_000)
-                return (await backend.claim(again)).status is ClaimStatus.WON
+                again = ClaimRequest("nightly", 2_000, "b", "t2", 500)
+                result = await backend.claim(again)
             except BackendUnavailable:
                 return False  # still on the old primary's connections; asked again
+            if result.status is ClaimStatus.RUNNING and result.run_status is None:
+                quarantined.append(result.expires_ms)
+            return result.status is ClaimStatus.WON
 
         await wait_for(claimed, timeout=30, what="a claim on the new primary")
+        # the first win on the new server (another replication id) waited a lease first
+        assert quarantined, "no quarantine on the promoted replica"
         print(f"claims reached the new primary {time.monotonic() - started:.1f} s "
               "after the primary was killed")
         history = await backend.history("nightly")
@@ -104,3 +111,29 @@ async def test_claims_reach_the_new_primary_after_a_failover(
             (2_000, None), (1_000, Outcome.COMPLETED)]  # replicated before the failover
     finally:
         await backend.close()
+
+
+async def test_calls_beyond_the_pool_wait_for_a_connection_through_sentinel(
+        sentinel_group: tuple[EmbeddedRedis, EmbeddedRedis, EmbeddedSentinel]) -> None:
+    """More calls at once than the pool holds wait for a free connection, as through a
+    ``redis://`` URL: redis-py's own Sentinel pool raised "Too many connections", which
+    read as the store being unreachable while it answered (sentinelfix)."""
+    import anyio
+
+    from adapters.redis import MAX_CONNECTIONS, redis_adapter
+
+    _, _, sentinel = sentinel_group
+    adapter = redis_adapter(sentinel.url)
+    key = "pool_" + uuid.uuid4().hex[:8]
+    replies: list[object] = []
+
+    async def blocked() -> None:  # holds its connection for 0.2 s
+        replies.extend(await adapter.execute([("BLPOP", key, "0.2")]))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(MAX_CONNECTIONS + 4):
+                tg.start_soon(blocked)
+    finally:
+        await adapter.aclose()
+    assert replies == [None] * (MAX_CONNECTIONS + 4)

@@ -77,7 +77,11 @@ Fences (issue 21): every claim reply carries the job's epoch as ``ClaimResult.ep
 the later of ``lost`` (below) and ``ep``, set when the job's first attempt won on a
 server whose replication id differs from the one the job hash recorded at its last win
 (``rid``; a promoted replica, a restarted server). An attempt numbered again after a
-failover so has a fence (:func:`lease_core.fence_of`) above every earlier one. A claim
+failover so has a fence (:func:`lease_core.fence_of`) above every earlier one. On a
+promoted server (one with a ``master_replid2``) that win does not take effect: the job is
+quarantined (``quiet``, below) for the longest lease known (at least the claim's own),
+since a holder whose claim or renewals the failover lost may still run until its next
+heartbeat; a plain restart starts the epoch only. A claim
 also finds a loss when the job's history sequence (``seq``) is below the highest one the
 caller saw. Named leases: see :mod:`~backends.redis.named`.
 

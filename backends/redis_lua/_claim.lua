@@ -28,7 +28,7 @@ end
 
 -- Fences (issue 21): `epoch` is the job's epoch (the store's clock, ms): the later of
 -- 'lost' (when a loss of its data was found) and 'ep' (when its data was found on
--- another server, see identity_epoch); 0 = never. It is sent with every reply so that
+-- another server, see server_moved); 0 = never. It is sent with every reply so that
 -- each attempt numbered after it carries it (lease_core.fence_of).
 -- `seq` is the job's history sequence after the claim, which the caller remembers: a
 -- store whose sequence is below one a caller saw lost writes (see 0.).
@@ -56,28 +56,52 @@ local function add_history(job, hist, jf, seq, id)
   return seq
 end
 
--- Fences (issue 21): the epoch of an attempt won now. The job hash keeps 'rid', the
+-- Fences (issue 21): a win's check of the server. The job hash keeps 'rid', the
 -- server's replication id at the job's last win: a promoted replica takes a new one (and
 -- so may a restarted server), so a different id means the job's data changed servers
--- and may have lost writes that no marker can show (the newest claims of a job whose
--- keys survived). The job then starts a new epoch, 'ep' = now: every attempt won from
--- now on is fenced above every attempt won before, without a quarantine (the marker
--- and the sequence find the losses that need one). A job with no 'rid' yet (new, or
--- written before it was kept) just records it. INFO is read on wins only.
--- jf: the job's fields to write; rid: the stored id; epoch: the job's epoch so far.
-local function identity_epoch(jf, rid, epoch)
-  local id = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+-- and may have lost writes that no marker can show (the newest claims or renewals of a
+-- job whose keys survived). The job then starts a new epoch, 'ep' = now: every attempt
+-- won from now on is fenced above every attempt won before. A job with no 'rid' yet
+-- (new, or written before it was kept) just records it. INFO is read before wins only.
+-- Quarantine on a promoted server (issue 21, sentinelfix): the holder of a lease the
+-- failover lost (its claim, or the renewals that kept it live) still runs until its next
+-- heartbeat, so the win that finds the new id on a server that was promoted (it has a
+-- 'master_replid2': it took over another server's history, so it may have missed its
+-- newest writes) does not take effect: like a found loss (see 0.), no attempt starts
+-- before now + the longest lease known ('quiet'; this claim's own lease when the caller
+-- knows none), when every such lease has expired. A plain restart (no replid2) keeps
+-- what it persisted: a new epoch only, as PostgreSQL quarantines at a promotion only.
+-- Returns the end of that quarantine (nil: no change of server, the claim may win) and
+-- the job's epoch; the job's fields gathered so far (jf) are written with it.
+-- rid: the stored id; epoch: the job's epoch so far; lease_ms, longest: ms.
+local function server_id()
+  local info = redis.call('INFO', 'replication')
+  local id = string.match(info, 'master_replid:(%w+)') or ''
+  local before = string.match(info, 'master_replid2:(%w+)') or ''
+  return id, string.find(before, '[1-9a-f]') ~= nil  -- (promoted: a non-zero replid2)
+end
+
+local function server_moved(job, jf, rid, epoch, lease_ms, longest)
+  local id, promoted = server_id()
   if id == rid then
-    return epoch
+    return nil, epoch
   end
   jf[#jf + 1] = 'rid'
   jf[#jf + 1] = id
-  if rid then
-    epoch = math.max(epoch, now)
-    jf[#jf + 1] = 'ep'
-    jf[#jf + 1] = epoch
+  if not rid then
+    return nil, epoch
   end
-  return epoch
+  epoch = math.max(epoch, now)
+  jf[#jf + 1] = 'ep'
+  jf[#jf + 1] = epoch
+  if not promoted then
+    return nil, epoch
+  end
+  local quiet = now + math.max(longest or 0, lease_ms)
+  jf[#jf + 1] = 'quiet'
+  jf[#jf + 1] = quiet
+  write_job(job, jf)
+  return quiet, epoch
 end
 
 local function claim(job, run, open, hist, att, done, slot, inst, token, lease_ms, reason,
@@ -123,6 +147,12 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       quiet = tonumber(lost) + longest
       redis.call('HSET', job, 'quiet', quiet)
     end
+  end
+  -- (sentinelfix) a quarantine found here covers the server's change too: its id is
+  -- recorded, so that the win after it is not held back a second time
+  if seen ~= '' and sid ~= seen and quiet and quiet > now then
+    rid = server_id()  -- (its first value: the id)
+    redis.call('HSET', job, 'rid', rid)
   end
   local epoch = math.max(tonumber(lost) or 0, tonumber(ep) or 0)
   if quiet and quiet > now then
@@ -172,11 +202,15 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
         end
       end
     end
+    local moved
+    moved, epoch = server_moved(job, jf, rid, epoch, lease_ms, longest)
+    if moved then
+      return reply('running', 0, '', moved, '', sid, '', epoch, seq)  -- claim again after it
+    end
     local expires = now + lease_ms
     redis.call('HSET', run, 'st', 'running', 'att', 1, 'tok', token, 'inst', inst,
       'exp', expires, 'tk', 0, 'n', 1, 'r', reason, 'c', now)
     redis.call('ZADD', open, slot, slot)
-    epoch = identity_epoch(jf, rid, epoch)
     seq = add_history(job, hist, jf, seq, slot .. ':1')
     return reply('won', 1, reason, expires, 'running', sid, inst, epoch, seq)
   end
@@ -203,6 +237,13 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   if (st == 'running' or st == 'retrying') and exp and tonumber(exp) > now then
     write_job(job, jf)
     return reply('running', attempt, '', exp, st, sid, holder, epoch, seq)
+  end
+
+  -- (a new server: no attempt before its quarantine, see server_moved)
+  local moved
+  moved, epoch = server_moved(job, jf, rid, epoch, lease_ms, longest)
+  if moved then
+    return reply('running', 0, '', moved, '', sid, '', epoch, seq)
   end
 
   -- 5. handed over; 6. expired (escalate when the first attempt and the takeovers reach
@@ -283,7 +324,6 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   end
   redis.call('HSET', run, unpack(fields))
   redis.call('ZADD', open, slot, slot)
-  epoch = identity_epoch(jf, rid, epoch)
   seq = add_history(job, hist, jf, seq, slot .. ':' .. (attempt + 1))
   return reply('won', attempt + 1, why, expires, 'running', sid, inst, epoch, seq)
 end

@@ -161,7 +161,12 @@ class Claimer:
         s = self._s
         if result is None:
             # Unknown outcome (error or too slow): retry, or take it over if it was won.
-            s.runs.watch(job, slot, reclaim=reason)
+            # Kept (claimed even once a newer slot is due) when the store had answered
+            # after the slot was due: a member ranked after the first, or a claim retried,
+            # whose turn came as the store went away (issue 21, sentinelfix).
+            answered = s.clock.last_answer
+            kept = answered is not None and answered * 1000 + s.clock.offset_ms >= slot
+            s.runs.watch(job, slot, reclaim=reason, kept=kept)
             return None
         if result.epoch != self._epochs.setdefault(job.name, result.epoch):
             self._new_epoch(job, result.epoch)
@@ -186,8 +191,9 @@ class Claimer:
                 s.execution.launch(job, lease, result, sent_loop, info, deferred=deferred)
         elif result.status is ClaimStatus.RUNNING and result.run_status is None:
             # No run: the store is in quarantine after losing its data; claim again at
-            # the next tick (the claim writes nothing until the quarantine ends).
-            s.runs.watch(job, slot, reclaim=reason)
+            # the next tick (the claim writes nothing until the quarantine ends). The store
+            # answered: the slot is claimed after it even if a newer one is due by then.
+            s.runs.watch(job, slot, reclaim=reason, kept=True)
             if self._quarantine_logged.get(job.name) != result.expires_ms:
                 self._quarantine_logged[job.name] = result.expires_ms
                 logger.warning(

@@ -115,12 +115,13 @@ class LeaseKeeper:
             newest[run.job.name] = max(run.slot, newest.get(run.job.name, run.slot))
         for run in retries:
             older = run.slot < newest[run.job.name]
-            if (older and run.reclaim_reason is not Reason.TAKEOVER
+            if (older and not run.kept and run.reclaim_reason is not Reason.TAKEOVER
                     and (run.job.catch_up != "all" or run.job.overlap == "skip")):
                 # The store was unreachable for several slots: as with catch-up, only
                 # the newest missed slot is claimed (all of them only for a job with
                 # catch_up="all" whose runs may overlap). The older run is still watched,
-                # in case an unanswered claim won it.
+                # in case an unanswered claim won it. A kept run was due while the store
+                # answered (a quarantine, a ranked member's turn): it is claimed.
                 s.runs.watch(run.job, run.slot)
                 logger.warning("%s slot %s not claimed while the store was unreachable; "
                                "claiming the newer slot instead", run.job.name,

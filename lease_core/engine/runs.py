@@ -119,6 +119,10 @@ class Run:
     """The reason to claim with (``RECLAIM``, ``PENDING``)."""
     claim_after: int = 0
     """Store time (ms) from which a ``PENDING`` run is claimed here if still unclaimed."""
+    kept: bool = False
+    """A ``RECLAIM`` run the store answered for after its slot was due (a quarantine, or
+    a claim that failed after the store had answered): claimed again even once a newer
+    slot of its job is due, since it was not missed while the store was unreachable."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -201,14 +205,18 @@ class RunTable:
         run.phase, run.execution = Phase.HANDING_OVER, None
         self._held.pop(lease.token, None)
 
-    def watch(self, job: Job, slot: int, *, reclaim: Reason | None = None) -> None:
-        """Back the run up, or (``reclaim``) claim it again with that reason next tick."""
+    def watch(self, job: Job, slot: int, *, reclaim: Reason | None = None,
+              kept: bool = False) -> None:
+        """Back the run up, or (``reclaim``) claim it again with that reason next tick
+        (``kept``: even once a newer slot is due, see :attr:`Run.kept`; once kept, a
+        run stays kept)."""
         key = (job.name, slot)
         run = self._runs.get(key)
         if run is not None and run.phase in _OWN:
             return
+        kept = bool(reclaim) and (kept or (run is not None and run.kept))
         self._runs[key] = Run(job, slot, Phase.RECLAIM if reclaim else Phase.WATCHING,
-                              reclaim_reason=reclaim)
+                              reclaim_reason=reclaim, kept=kept)
 
     def pending(self, job: Job, slot: int, *, claim_after: int, reason: Reason) -> None:
         """Claim the run at ``claim_after`` (store ms) if the store has none by then."""

@@ -182,6 +182,9 @@ class Report:
     before the failed handler's last record (an invariant: none)."""
     handover_latency: list[float] = field(default_factory=list)
     missed_slots: int = 0
+    missed_lost_commit: int = 0
+    """Of :attr:`missed_slots`, those whose claim or skip the store acknowledged in a
+    failover's window (a lost commit, explained by it; sentinelfix)."""
     missed_store_unreachable: int = 0
     """Of :attr:`missed_slots`, those from which the store answered no request until the
     job's next slot was due (see :class:`StoreProbe`)."""
@@ -272,6 +275,7 @@ class Report:
             "handover_p99_ms": ms(self.percentile(self.handover_latency, 0.99)),
             "missed_slots": self.missed_slots,
             "missed_store_unreachable": self.missed_store_unreachable,
+            "missed_lost_commit": self.missed_lost_commit,
             "missed_while_answered": len(self.missed_while_answered),
             "owner_faults": self.owner_faults,
             "claim_delay_p50_ms": ms(self.percentile(self.claim_delay, 0.5)),
@@ -766,14 +770,23 @@ def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fau
     return report
 
 
+#: Seconds by which a worker's record may precede its attempt's claim time in the store
+#: (the workers' and the store's clocks are this machine's; a margin for rounding).
+CLOCK_SLACK_S = 0.05
+
+
 def _audit_retries(report: Report, key: tuple[str, int], attempts: list[Attempt],
                    evs: list[dict[str, Any]]) -> None:
     """A retried run never runs twice at once: each retry begins after the failed attempt
     it retries ended, in the store's records and in the handlers' own."""
-    last_record: dict[int, float] = {}
-    for e in evs:
-        if e["e"] in ("rstart", "rfail", "rdone"):
-            last_record[e["a"]] = max(last_record.get(e["a"], 0.0), float(e["t"]))
+    # An attempt's own records: its number, its instance, from its claim in the store on
+    # (a failover may number an attempt again: the lost one's records are not its own).
+    def own(attempt: Attempt) -> list[dict[str, Any]]:
+        since = attempt.claimed_at.timestamp() - CLOCK_SLACK_S
+        return [e for e in evs if e["e"] in ("rstart", "rfail", "rdone")
+                and e["a"] == attempt.attempt and e["i"] == attempt.instance_id
+                and float(e["t"]) >= since]
+
     for prev, nxt in itertools.pairwise(attempts):
         if nxt.reason != "retry":
             continue
@@ -782,8 +795,9 @@ def _audit_retries(report: Report, key: tuple[str, int], attempts: list[Attempt]
                 or prev.finished_at is None or prev.finished_at > nxt.claimed_at):
             report.retry_overlaps.append((*key, nxt.attempt))
             continue
-        starts = [float(e["t"]) for e in evs if e["e"] == "rstart" and e["a"] == nxt.attempt]
-        if starts and prev.attempt in last_record and min(starts) < last_record[prev.attempt]:
+        starts = [float(e["t"]) for e in own(nxt) if e["e"] == "rstart"]
+        ended = [float(e["t"]) for e in own(prev)]
+        if starts and ended and min(starts) < max(ended):
             report.retry_overlaps.append((*key, nxt.attempt))
 
 
@@ -901,6 +915,8 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
     # store returns, only the newest slot missed while it was unreachable is claimed.
     first = min((k[1] for k in runs), default=0)
     step = config.interval_ms
+    windows = [(f.start - LOSS_WINDOW_S, f.end + LOSS_WINDOW_S) for f in faults
+               if f.kind in ("failover", "failover-own")]
     answered = sorted(done * 1000 for _, done in seen.answers or ())
     for n in range(config.jobs):
         job = f"job{n}"
@@ -910,7 +926,11 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
         report.missed_slots += len(missed)
         if seen.answers is not None:
             for s in missed:
-                if bisect.bisect_left(answered, s) == bisect.bisect_left(answered, s + step):
+                acked = [float(e["t"]) for e in events.get((job, s), [])
+                         if e["e"] in ("claim", "skip")]
+                if any(lo <= t <= hi for t in acked for lo, hi in windows):
+                    report.missed_lost_commit += 1
+                elif bisect.bisect_left(answered, s) == bisect.bisect_left(answered, s + step):
                     report.missed_store_unreachable += 1
                 else:
                     report.missed_while_answered.append((job, s))
@@ -1056,6 +1076,7 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("hand-over latency p50 / p99 (ms)", None),
         ("slots nobody claimed", "missed_slots"),
         ("of which the store answered nothing until the next slot", "missed_store_unreachable"),
+        ("of which a failover lost the acknowledged claim or skip", "missed_lost_commit"),
         ("slots never claimed while the store answered", "missed_while_answered"),
         ("faults on a job's first-ranked member", "owner_faults"),
         ("first claim after its slot p50 / p99 / max (ms)", None),

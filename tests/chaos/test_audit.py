@@ -196,6 +196,22 @@ def test_a_retry_before_its_failure_ended_is_reported() -> None:
     assert running.retry_overlaps == [(*KEY, 2)]
 
 
+def test_records_of_an_attempt_a_failover_lost_are_not_the_retry_s() -> None:
+    """Before a failover, w9 ran a retry numbered 2 whose claim the failover lost; the
+    store numbered the next retry 2 again (w2): w9's records are not w2's (sentinelfix)."""
+    lost = [{**event("rstart", 2, r="retry"), "i": "w9", "t": T0 - 3.0},
+            {**event("rstart", 1, r="scheduled"), "i": "w9", "t": T0 - 3.5}]
+    report = judge(CONFIG, _retried(0.5, events=[
+        *lost, event("rstart", 1, r="scheduled"), {**event("rfail", 1), "t": T0 + 0.29},
+        {**event("rstart", 2, r="retry"), "t": T0 + 0.51}]))
+    assert report.retry_overlaps == []
+    # and the same records as the store's attempts' own still show an overlap
+    overlapping = judge(CONFIG, _retried(0.5, events=[
+        event("rstart", 1, r="scheduled"), {**event("rfail", 1), "t": T0 + 0.9},
+        {**event("rstart", 2, r="retry"), "t": T0 + 0.6}]))
+    assert overlapping.retry_overlaps == [(*KEY, 2)]
+
+
 def cancelled(*history: Attempt) -> Observed:
     """Attempt 1 (w1) cancelled through the store at 0.2 s (the cancel returned at 0.25 s)."""
     return observed(history=list(history), effects=[], events={}, checkpoints={},

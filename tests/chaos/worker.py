@@ -59,6 +59,9 @@ def acknowledged(backend: Any, log: EventLog) -> None:
                 log.raw({"e": "claim", "j": result.job, "s": result.slot, "a": result.attempt,
                          "f": fence_of(result.epoch, result.attempt), "k": request.token,
                          "i": log.instance, "t": _real_time()})
+            elif str(result.status) == "skipped":  # a skip recorded (sentinelfix)
+                log.raw({"e": "skip", "j": result.job, "s": result.slot,
+                         "i": log.instance, "t": _real_time()})
         return results
 
     async def finishes(items: Any) -> Any:
