@@ -176,6 +176,9 @@ class Report:
     """Fenced transactions (PostgreSQL) committed in a failover's window whose effect row
     the store no longer has, because the failover lost it with the run's finish (moved out
     of :attr:`double_fenced` and :attr:`stale_transaction`; pglossy)."""
+    lost_cancels: list[tuple[str, int]] = field(default_factory=list)
+    """Cancels the store acknowledged in a failover's window and lost with it: no attempt
+    of the run is ``cancelled`` (not judged as cancelled runs; pglossy)."""
     lost_unexplained: list[tuple[str, int, int, str]] = field(default_factory=list)
     """Of the lost commits, those acknowledged outside every failover's window (from
     :data:`LOSS_WINDOW_S` before the primary was killed to the promotion): an invariant,
@@ -297,6 +300,7 @@ class Report:
             "lost_finishes": len(self.lost_finishes),
             "lost_checkpoints": len(self.lost_checkpoints),
             "lost_effects": len(self.lost_effects),
+            "lost_cancels": len(self.lost_cancels),
             "lost_unexplained": len(self.lost_unexplained),
         }
 
@@ -1096,6 +1100,11 @@ def _judge_cancels(report: Report, faults: list[Fault],
             continue
         report.cancels += 1
         attempts = runs.get(f.run, [])
+        # (pglossy) a cancel acknowledged in a failover's window may be lost with it
+        if _in_windows(f.end, faults) and not any(
+                a.outcome is Outcome.CANCELLED for a in attempts):
+            report.lost_cancels.append(f.run)
+            continue
         for a in attempts:
             if a.claimed_at.timestamp() > f.end:
                 report.cancelled_taken_over.append((*f.run, a.attempt))
@@ -1137,6 +1146,7 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("acknowledged finishes lost (failover)", "lost_finishes"),
         ("checkpoints gone backwards by a failover's loss", "lost_checkpoints"),
         ("fenced effects lost (failover)", "lost_effects"),
+        ("cancels lost (failover)", "lost_cancels"),
         ("lost commits not explained by a failover", "lost_unexplained"),
         ("fenced effects written", "fenced_effects"),
         ("runs whose handler started", "runs_with_handler"),

@@ -355,3 +355,13 @@ def test_a_checkpoint_read_back_older_after_a_failover_is_a_lost_commit() -> Non
     seen.events[KEY][3]["seen"] = {"a": 2, "step": 1}
     assert judge(CONFIG, seen).violations == {
         "checkpoint from a superseded attempt": [(*KEY, 1)]}
+
+
+def test_a_cancel_lost_with_the_primary_is_a_lost_commit() -> None:
+    seen = cancelled(attempt(1, "w1", 0.0, Outcome.LOST),
+                     attempt(2, "w2", 4.0, Outcome.COMPLETED, Reason.TAKEOVER))
+    broken = judge(CONFIG, seen).violations
+    assert "cancelled runs taken over" in broken and "cancelled runs completed" in broken
+    seen.faults.append(Fault("failover", "pgreplica", T0 + 1.0, T0 + 3.0))
+    report = judge(CONFIG, seen)
+    assert report.violations == {} and report.lost_cancels == [KEY]
