@@ -172,6 +172,13 @@ class Report:
     lost_checkpoints: list[tuple[str, int, int]] = field(default_factory=list)
     """Checkpoints that went backwards because a checkpoint acknowledged in a failover's
     window was lost with it (moved out of :attr:`checkpoint_backwards`)."""
+    lost_effects: list[tuple[str, int, int, str]] = field(default_factory=list)
+    """Fenced transactions (PostgreSQL) committed in a failover's window whose effect row
+    the store no longer has, because the failover lost it with the run's finish (moved out
+    of :attr:`double_fenced` and :attr:`stale_transaction`; pglossy)."""
+    lost_cancels: list[tuple[str, int]] = field(default_factory=list)
+    """Cancels the store acknowledged in a failover's window and lost with it: no attempt
+    of the run is ``cancelled`` (not judged as cancelled runs; pglossy)."""
     lost_unexplained: list[tuple[str, int, int, str]] = field(default_factory=list)
     """Of the lost commits, those acknowledged outside every failover's window (from
     :data:`LOSS_WINDOW_S` before the primary was killed to the promotion): an invariant,
@@ -292,6 +299,8 @@ class Report:
             "lost_claims": len(self.lost_claims),
             "lost_finishes": len(self.lost_finishes),
             "lost_checkpoints": len(self.lost_checkpoints),
+            "lost_effects": len(self.lost_effects),
+            "lost_cancels": len(self.lost_cancels),
             "lost_unexplained": len(self.lost_unexplained),
         }
 
@@ -936,6 +945,7 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                     report.missed_while_answered.append((job, s))
     _judge_cancels(report, faults, runs, seen.open_after)
     _judge_fences(report, runs, events, faults)
+    _judge_lost_effects(report, events, effects, faults)
     report.left_running.sort()
     return report
 
@@ -1014,6 +1024,72 @@ def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
                     report.lost_unexplained.append(lost)
 
 
+# -- effects and checkpoints a PostgreSQL failover lost (issue 21, item 5; pglossy) ------
+
+
+def _in_windows(at: float, faults: list[Fault]) -> bool:
+    return any(f.start - LOSS_WINDOW_S <= at <= f.end + LOSS_WINDOW_S for f in faults
+               if f.kind in ("failover", "failover-own"))
+
+
+def _judge_lost_effects(report: Report, events: dict[tuple[str, int], list[dict[str, Any]]],
+                        effects: list[tuple[str, int, int, str]],
+                        faults: list[Fault]) -> None:
+    """Lost commits the fenced transactions and checkpoint reads show (a lossy failover).
+
+    A fenced transaction lives in the store's own database, so a failover that loses a
+    run's finish loses its effect row too, and the run's next attempt writes the effect
+    once more: two "tx" records, one row. A record whose (attempt, instance) is not the
+    row the store kept, committed in a failover's window, is such a lost effect
+    (:attr:`Report.lost_effects`), not a double effect; a duplicate-key refusal, or two
+    kept-or-unexplained records, still is. Likewise a handler that reads back a
+    checkpoint older than its own last write, when that write was acknowledged in a
+    failover's window and what it read was acknowledged before it (or nothing), saw a lost
+    checkpoint (:attr:`Report.lost_checkpoints`), not a foreign writer's.
+    """
+    row = {(job, slot): (attempt, instance) for job, slot, attempt, instance in effects}
+    for key in list(report.double_fenced):
+        evs = events.get(key, [])
+        if any(e["e"] == "tx_dup" for e in evs):
+            continue
+        lost, other = set(), set()
+        for e in evs:
+            if e["e"] == "tx":
+                ran = (int(e["a"]), str(e["i"]))
+                if ran != row.get(key) and _in_windows(float(e["t"]), faults):
+                    lost.add(ran)
+                else:
+                    other.add(ran)
+        if len(other - lost) <= 1:
+            report.double_fenced.remove(key)
+            report.lost_effects += [(*key, a, i) for a, i in sorted(lost - other)]
+    for entry in list(report.stale_transaction):
+        key, attempt = entry[:2], entry[2]
+        if (row.get(key) or (None,))[0] == attempt:
+            continue  # the kept row's own attempt: judged on the store, not on records
+        txs = [e for e in events.get(key, []) if e["e"] == "tx" and int(e["a"]) == attempt]
+        if txs and all(_in_windows(float(e["t"]), faults) for e in txs):
+            report.stale_transaction.remove(entry)
+            lost = [(*key, attempt, str(e["i"])) for e in txs]
+            report.lost_effects += [x for x in lost if x not in report.lost_effects]
+    for e in [e for evs in events.values() for e in evs if e["e"] == "cp_foreign"]:
+        key, attempt, at = (str(e["j"]), int(e["s"])), int(e["a"]), float(e["t"])
+        entry = (*key, attempt)
+        cps = [c for c in events.get(key, []) if c["e"] == "cp"]
+        mine = [float(c["t"]) for c in cps if int(c["a"]) == attempt and c["i"] == e["i"]
+                and float(c["t"]) <= at]
+        if entry not in report.stale_checkpoint or not mine:
+            continue
+        last = max(mine)
+        seen = e.get("seen")
+        older = seen is None or any(
+            {"a": int(c["a"]), "step": int(c["step"])} == seen and float(c["t"]) < last
+            for c in cps)
+        if older and _in_windows(last, faults):
+            report.stale_checkpoint.remove(entry)
+            report.lost_checkpoints.append(entry)
+
+
 def _judge_cancels(report: Report, faults: list[Fault],
                    runs: dict[tuple[str, int], list[Attempt]],
                    open_after: list[RunInfo]) -> None:
@@ -1024,6 +1100,11 @@ def _judge_cancels(report: Report, faults: list[Fault],
             continue
         report.cancels += 1
         attempts = runs.get(f.run, [])
+        # (pglossy) a cancel acknowledged in a failover's window may be lost with it
+        if _in_windows(f.end, faults) and not any(
+                a.outcome is Outcome.CANCELLED for a in attempts):
+            report.lost_cancels.append(f.run)
+            continue
         for a in attempts:
             if a.claimed_at.timestamp() > f.end:
                 report.cancelled_taken_over.append((*f.run, a.attempt))
@@ -1064,6 +1145,8 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("acknowledged claims lost (failover)", "lost_claims"),
         ("acknowledged finishes lost (failover)", "lost_finishes"),
         ("checkpoints gone backwards by a failover's loss", "lost_checkpoints"),
+        ("fenced effects lost (failover)", "lost_effects"),
+        ("cancels lost (failover)", "lost_cancels"),
         ("lost commits not explained by a failover", "lost_unexplained"),
         ("fenced effects written", "fenced_effects"),
         ("runs whose handler started", "runs_with_handler"),

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -22,12 +23,12 @@ from backends.embedded.pg_replica import EmbeddedReplica
 from backends.embedded.postgres import EmbeddedPostgres
 from backends.embedded.redis import EmbeddedRedis, EmbeddedSentinel, find_server
 from lease_core.errors import BackendUnavailable
-from tests.stores.postgres import PGBOUNCER, PgBouncer
+from tests.stores.postgres import PGBOUNCER, SYSTEM_BINDIR, SYSTEM_VERSION, PgBouncer
 
 __all__ = ["KINDS", "ChaosStore", "Unavailable", "make_store"]
 
 #: Store kinds a chaos run knows.
-KINDS = ("postgres", "pgbouncer", "redis", "pgreplica", "redis-sentinel")
+KINDS = ("postgres", "pgbouncer", "redis", "pgreplica", "redis-sentinel", "pgreplica15")
 
 EFFECTS = "chaos_effects"
 TABLE = "chaos_runs"
@@ -85,14 +86,16 @@ class PostgresChaosStore(ChaosStore):
 
     fenced_transactions = True
 
-    def __init__(self, bouncer: bool) -> None:
+    def __init__(self, bouncer: bool, bindir: Path | None = None) -> None:
         self.kind = "pgbouncer" if bouncer else "postgres"
         if bouncer and not os.path.exists(PGBOUNCER):
             raise Unavailable("pgbouncer")
+        if bindir is not None and not (bindir / "postgres").exists():
+            raise Unavailable(f"a system PostgreSQL in {bindir} (apt-get install postgresql)")
         try:
-            self.server = EmbeddedPostgres()
+            self.server = EmbeddedPostgres(bindir)
         except (FileNotFoundError, ImportError, EmbeddedServerError) as exc:
-            raise Unavailable(f"PostgreSQL 16 (pgserver): {exc}") from None
+            raise Unavailable(f"PostgreSQL {bindir or '16 (pgserver)'}: {exc}") from None
         self.server.start()
         self.version = self.server.version()
         self.admin_dsn = self.server.dsn
@@ -391,21 +394,33 @@ class RedisSentinelChaosStore(ChaosStore):
                 server.close()
 
 
-# --- Failover (issue 21, pgfailover): PostgreSQL with a streaming replica -------------------
-class ReplicatedPostgresChaosStore(PostgresChaosStore):
-    """PostgreSQL 16 with a streaming replica, workers behind PgBouncer; its ``restart``
-    is a failover.
+# --- Failover (issue 21, pgfailover; lossy since pglossy): PostgreSQL with a streaming replica
+#: Seconds the PostgreSQL primary runs with its replica cut off before a failover kills it.
+PG_LAG_S = 0.3
 
-    The primary is shut down (fast: its WAL is all sent first, so nothing it acknowledged
-    is lost), the replica promoted (a new timeline, which the store detects: it sets its
-    epoch and quarantines its claims for the longest lease), PgBouncer pointed at it
-    (``RELOAD``), and a new replica copied from it for the next failover. The audit's
-    invariants then hold across failovers as across restarts.
+
+class ReplicatedPostgresChaosStore(PostgresChaosStore):
+    """PostgreSQL with a streaming replica, workers behind PgBouncer; its ``restart`` is a
+    lossy failover, as :class:`RedisSentinelChaosStore`'s.
+
+    The replica is cut off (:meth:`EmbeddedReplica.detach`: no more WAL reaches it) and the
+    primary runs on for ``lag_s``, so the commits it acknowledges then (and any WAL not yet
+    sent) are really lost; the primary is SIGKILLed, the replica promoted (a new timeline,
+    which the store detects: it sets its epoch and quarantines its claims for the longest
+    lease), PgBouncer pointed at it (``RELOAD``), and a new replica copied from it for the
+    next failover. The audit counts the lost commits and explains them by the failover's
+    window (the injected fault, from before the cut to the first answer after it).
+
+    ``bindir`` picks the binaries: None for PostgreSQL 16 (pgserver), the system's
+    (Debian's PostgreSQL 15) for ``pgreplica15``.
     """
 
-    def __init__(self) -> None:
-        super().__init__(bouncer=True)
-        self.kind = "pgreplica"
+    replicated = True
+
+    def __init__(self, bindir: Path | None = None, lag_s: float = PG_LAG_S) -> None:
+        super().__init__(bouncer=True, bindir=bindir)
+        self.kind = "pgreplica" if bindir is None else f"pgreplica{SYSTEM_VERSION}"
+        self.lag_s = lag_s
         self.replica = EmbeddedReplica(self.server)
         self.replica.start()
         self.version += " with a streaming replica"
@@ -413,7 +428,12 @@ class ReplicatedPostgresChaosStore(PostgresChaosStore):
 
     def restart(self) -> None:
         old = self.server
-        old.stop(remove=False)
+        if self.lag_s:
+            # Lag made real: pausing replay would lose nothing (a promotion replays all
+            # the WAL received), so streaming is cut instead.
+            self.replica.detach()
+            time.sleep(self.lag_s)
+        old.kill()
         self.replica.promote()
         self.server, self.replica = self.replica, EmbeddedReplica(self.replica)
         self.admin_dsn = self.server.dsn
@@ -440,4 +460,8 @@ def make_store(kind: str) -> ChaosStore:
         return RedisSentinelChaosStore()
     if kind == "pgreplica":  # failover (issue 21)
         return ReplicatedPostgresChaosStore()
+    if kind == "pgreplica15":  # the same on the system's PostgreSQL 15 (pglossy)
+        if SYSTEM_VERSION != "15":
+            raise Unavailable(f"PostgreSQL 15 in /usr/lib/postgresql (found {SYSTEM_VERSION})")
+        return ReplicatedPostgresChaosStore(SYSTEM_BINDIR)
     raise ValueError(f"store kind {kind!r} is unknown; use one of {KINDS}")

@@ -309,3 +309,59 @@ def test_a_checkpoint_lost_with_the_primary_is_a_lost_commit_not_a_violation() -
     # with no failover near it, the same regression is a violation
     seen.faults = [f for f in seen.faults if f.kind != "failover"]
     assert set(judge(CONFIG, seen).violations["checkpoint went backwards"]) == {(*KEY, 2)}
+
+
+# -- effects and checkpoint reads a lossy PostgreSQL failover lost (issue 21; pglossy) -----
+
+
+def _lost_effect() -> Observed:
+    """w1's attempt 1 commits its fenced effect at +1.5 s, then the failover (+2..+3 s)
+    loses the effect with the finish; w2's takeover writes it again: two records, one row."""
+    seen = observed(
+        history=[attempt(1, "w1", 0.0, Outcome.LOST),
+                 attempt(2, "w2", 4.0, Outcome.COMPLETED, Reason.TAKEOVER)],
+        faults=[Fault("failover", "pgreplica", T0 + 2.0, T0 + 3.0)])
+    seen.events[KEY] = [
+        event("start", 1, cp=None), event("cp", 1, step=1), event("tx", 1, t=T0 + 1.5),
+        event("start", 2, cp=None, t=T0 + 4.0), event("cp", 2, step=1, t=T0 + 4.1),
+        event("tx", 2, t=T0 + 4.5), event("done", 2, t=T0 + 4.5)]
+    seen.checkpoints = {KEY: {"a": 2, "step": 1}}
+    return seen
+
+
+def test_a_fenced_effect_lost_with_the_primary_is_a_lost_commit_not_a_double() -> None:
+    report = judge(CONFIG, _lost_effect())
+    assert report.violations == {} and report.lost_effects == [(*KEY, 1, "w1")]
+    # with no failover near it, the same records are a double effect
+    seen = _lost_effect()
+    seen.faults = []
+    broken = judge(CONFIG, seen).violations
+    assert broken["double fenced effects"] == [KEY]
+    assert broken["transaction from a superseded attempt"] == [(*KEY, 1)]
+    # and a duplicate-key refusal stays one, failover or not
+    seen = _lost_effect()
+    seen.events[KEY].append(event("tx_dup", 2, t=T0 + 4.4))
+    assert judge(CONFIG, seen).violations["double fenced effects"] == [KEY]
+
+
+def test_a_checkpoint_read_back_older_after_a_failover_is_a_lost_commit() -> None:
+    seen = observed(faults=[Fault("failover", "pgreplica", T0 + 2.0, T0 + 3.0)])
+    seen.events[KEY] = [*seen.events[KEY][:3],  # w1 wrote step 1 at T0, within the window
+                        event("cp_foreign", 1, t=T0 + 3.5, seen=None,
+                              expected={"a": 1, "step": 1}), *seen.events[KEY][3:]]
+    report = judge(CONFIG, seen)
+    assert report.violations == {} and report.lost_checkpoints == [(*KEY, 1)]
+    # a value nobody had written before (a foreign writer's) is still a violation
+    seen.events[KEY][3]["seen"] = {"a": 2, "step": 1}
+    assert judge(CONFIG, seen).violations == {
+        "checkpoint from a superseded attempt": [(*KEY, 1)]}
+
+
+def test_a_cancel_lost_with_the_primary_is_a_lost_commit() -> None:
+    seen = cancelled(attempt(1, "w1", 0.0, Outcome.LOST),
+                     attempt(2, "w2", 4.0, Outcome.COMPLETED, Reason.TAKEOVER))
+    broken = judge(CONFIG, seen).violations
+    assert "cancelled runs taken over" in broken and "cancelled runs completed" in broken
+    seen.faults.append(Fault("failover", "pgreplica", T0 + 1.0, T0 + 3.0))
+    report = judge(CONFIG, seen)
+    assert report.violations == {} and report.lost_cancels == [KEY]
