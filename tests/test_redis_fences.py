@@ -9,7 +9,7 @@ above every fence issued before the loss.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import pytest
@@ -31,6 +31,17 @@ def server() -> Iterator[EmbeddedRedis]:
     assert binary is not None, "no redis server installed"
     with EmbeddedRedis(binary, appendonly=False) as made:
         yield made
+
+
+@pytest.fixture
+async def backend(server: EmbeddedRedis) -> AsyncIterator[RedisBackend]:
+    """A started backend on the server, under a prefix of its own."""
+    made = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
+    await made.start()
+    try:
+        yield made
+    finally:
+        await made.close()
 
 
 @pytest.fixture
@@ -68,120 +79,100 @@ async def _after(raw: redis.Redis, ms: int | None) -> None:
 
 
 async def test_attempts_numbered_again_after_a_loss_are_fenced_above_the_lost_ones(
-        server: EmbeddedRedis, raw: redis.Redis) -> None:
-    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
-    await backend.start()
-    try:
-        jobs = ["single", "b1", "b2"]
-        fences: dict[str, list[int]] = {job: [] for job in jobs}
-        # attempts 1 and 2 of each run (a takeover after the first lease expired): the
-        # single job through claim.lua, the two others through one claim_many.lua call
-        for round_ in ("t1", "t2"):
-            one = await backend.claim(_request("single", f"s-{round_}"))
-            batch = await backend.claim_many([_request("b1", f"b1-{round_}"),
-                                              _request("b2", f"b2-{round_}")])
-            for result in (one, *batch):
-                assert result.epoch == 0  # no loss yet: the fence is the attempt
-                fences[result.job].append(_fence(result))
-            await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
-        assert all(f == [1, 2] for f in fences.values())
+        server: EmbeddedRedis, backend: RedisBackend, raw: redis.Redis) -> None:
+    jobs = ["single", "b1", "b2"]
+    fences: dict[str, list[int]] = {job: [] for job in jobs}
+    # attempts 1 and 2 of each run (a takeover after the first lease expired): the
+    # single job through claim.lua, the two others through one claim_many.lua call
+    for round_ in ("t1", "t2"):
+        one = await backend.claim(_request("single", f"s-{round_}"))
+        batch = await backend.claim_many([_request("b1", f"b1-{round_}"),
+                                          _request("b2", f"b2-{round_}")])
+        for result in (one, *batch):
+            assert result.epoch == 0  # no loss yet: the fence is the attempt
+            fences[result.job].append(_fence(result))
+        await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
+    assert all(f == [1, 2] for f in fences.values())
 
-        restarted = await _restart_empty(server, raw)
-        held = await backend.claim_many([_request(job, f"{job}-q") for job in jobs])
-        assert all((r.status, r.run_status) == (ClaimStatus.RUNNING, None) for r in held)
-        await _after(raw, max(r.expires_ms or 0 for r in held))  # the quarantine
+    restarted = await _restart_empty(server, raw)
+    held = await backend.claim_many([_request(job, f"{job}-q") for job in jobs])
+    assert all((r.status, r.run_status) == (ClaimStatus.RUNNING, None) for r in held)
+    await _after(raw, max(r.expires_ms or 0 for r in held))  # the quarantine
 
-        for round_ in ("t3", "t4"):
-            one = await backend.claim(_request("single", f"s-{round_}"))
-            batch = await backend.claim_many([_request("b1", f"b1-{round_}"),
-                                              _request("b2", f"b2-{round_}")])
-            for result in (one, *batch):
-                lost = int(raw.hget("{" + backend.prefix + "/" + result.job + "}:job",
-                                    "lost") or 0)
-                assert result.epoch == lost >= restarted
-                fences[result.job].append(_fence(result))
-            await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
-        for job, issued in fences.items():
-            # the store numbered attempts 1 and 2 again, but every fence is new and grows
-            assert issued[2] & ((1 << FENCE_NUMBER_BITS) - 1) == 1, job
-            assert issued == sorted(set(issued)) and len(issued) == 4, (job, issued)
-    finally:
-        await backend.close()
+    for round_ in ("t3", "t4"):
+        one = await backend.claim(_request("single", f"s-{round_}"))
+        batch = await backend.claim_many([_request("b1", f"b1-{round_}"),
+                                          _request("b2", f"b2-{round_}")])
+        for result in (one, *batch):
+            lost = int(raw.hget("{" + backend.prefix + "/" + result.job + "}:job",
+                                "lost") or 0)
+            assert result.epoch == lost >= restarted
+            fences[result.job].append(_fence(result))
+        await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
+    for job, issued in fences.items():
+        # the store numbered attempts 1 and 2 again, but every fence is new and grows
+        assert issued[2] & ((1 << FENCE_NUMBER_BITS) - 1) == 1, job
+        assert issued == sorted(set(issued)) and len(issued) == 4, (job, issued)
 
 
 async def test_a_lease_token_after_a_loss_is_above_every_earlier_one(
-        server: EmbeddedRedis, raw: redis.Redis) -> None:
-    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
-    await backend.start()
-    try:
-        before = _server_ms(raw)
-        first = await backend.acquire_lease("leader", "h1", 60_000)
-        assert first.held and first.token >> FENCE_NUMBER_BITS >= before
-        assert await backend.release_lease("leader", first.token)
-        second = await backend.acquire_lease("leader", "h2", 60_000)
-        assert second.held and second.token == first.token + 1
-        assert await backend.renew_lease("leader", second.token, 60_000) is not None
+        server: EmbeddedRedis, backend: RedisBackend, raw: redis.Redis) -> None:
+    before = _server_ms(raw)
+    first = await backend.acquire_lease("leader", "h1", 60_000)
+    assert first.held and first.token >> FENCE_NUMBER_BITS >= before
+    assert await backend.release_lease("leader", first.token)
+    second = await backend.acquire_lease("leader", "h2", 60_000)
+    assert second.held and second.token == first.token + 1
+    assert await backend.renew_lease("leader", second.token, 60_000) is not None
 
-        restarted = await _restart_empty(server, raw)
-        third = await backend.acquire_lease("leader", "h3", 60_000)
-        assert third.held and third.token > second.token
-        assert third.token >= restarted << FENCE_NUMBER_BITS
-        # the old holder's token is refused; the new one renews and releases
-        assert await backend.renew_lease("leader", second.token, 60_000) is None
-        assert not await backend.release_lease("leader", second.token)
-        assert await backend.renew_lease("leader", third.token, 60_000) is not None
-        assert await backend.release_lease("leader", third.token)
-    finally:
-        await backend.close()
+    restarted = await _restart_empty(server, raw)
+    third = await backend.acquire_lease("leader", "h3", 60_000)
+    assert third.held and third.token > second.token
+    assert third.token >= restarted << FENCE_NUMBER_BITS
+    # the old holder's token is refused; the new one renews and releases
+    assert await backend.renew_lease("leader", second.token, 60_000) is None
+    assert not await backend.release_lease("leader", second.token)
+    assert await backend.renew_lease("leader", third.token, 60_000) is not None
+    assert await backend.release_lease("leader", third.token)
 
 
 async def test_a_lease_key_written_before_epochs_moves_to_a_new_epoch(
-        server: EmbeddedRedis, raw: redis.Redis) -> None:
-    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
-    await backend.start()
-    try:
-        legacy = _server_ms(raw) + 5  # the old scripts' token: the clock in ms, then + 1
-        raw.hset("{" + backend.prefix + "/lease/old}",
-                 mapping={"tok": legacy, "exp": 0, "hold": ""})
-        taken = await backend.acquire_lease("old", "h1", 60_000)
-        assert taken.held and taken.token > legacy
-        assert taken.token >> FENCE_NUMBER_BITS >= legacy - 5
-    finally:
-        await backend.close()
+        backend: RedisBackend, raw: redis.Redis) -> None:
+    legacy = _server_ms(raw) + 5  # the old scripts' token: the clock in ms, then + 1
+    raw.hset("{" + backend.prefix + "/lease/old}",
+             mapping={"tok": legacy, "exp": 0, "hold": ""})
+    taken = await backend.acquire_lease("old", "h1", 60_000)
+    assert taken.held and taken.token > legacy
+    assert taken.token >> FENCE_NUMBER_BITS >= legacy - 5
 
 
 async def test_a_loss_of_only_the_newest_writes_is_found_by_a_caller_that_saw_them(
-        server: EmbeddedRedis, raw: redis.Redis) -> None:
+        server: EmbeddedRedis, backend: RedisBackend, raw: redis.Redis) -> None:
     """The server comes back from an older snapshot: the job's keys and marker survive,
     its newest claim does not (as when a replica a little behind is promoted)."""
-    backend = RedisBackend(server.url, prefix=f"f{uuid.uuid4().hex[:10]}")
-    await backend.start()
-    try:
-        first = await backend.claim(ClaimRequest("job", 1_000, "inst", "a", 300,
-                                                 overlap_skip=False))
-        assert _fence(first) == 1
-        raw.save()  # the snapshot the server comes back from
-        second = await backend.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
-                                                  overlap_skip=False))
-        assert _fence(second) == 1
-        await anyio.to_thread.run_sync(server.stop)
-        await anyio.to_thread.run_sync(server.start)
-        restarted = _server_ms(raw)
-        key = "{" + backend.prefix + "/job}:job"
-        assert raw.hget(key, "sid") is not None and raw.hget(key, "lost") is None
+    first = await backend.claim(ClaimRequest("job", 1_000, "inst", "a", 300,
+                                             overlap_skip=False))
+    assert _fence(first) == 1
+    raw.save()  # the snapshot the server comes back from
+    second = await backend.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                              overlap_skip=False))
+    assert _fence(second) == 1
+    await anyio.to_thread.run_sync(server.stop)
+    await anyio.to_thread.run_sync(server.start)
+    restarted = _server_ms(raw)
+    key = "{" + backend.prefix + "/job}:job"
+    assert raw.hget(key, "sid") is not None and raw.hget(key, "lost") is None
 
-        held = await backend.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
-                                                overlap_skip=False))
-        assert (held.status, held.run_status) == (ClaimStatus.RUNNING, None)  # quarantine
-        assert held.epoch == int(raw.hget(key, "lost") or 0) >= restarted
-        await _after(raw, held.expires_ms)
-        again = await backend.claim(ClaimRequest("job", 2_000, "inst", "d", 300,
-                                                 overlap_skip=False))
-        # attempt 1 of slot 2000 is numbered again, with a fence above the lost one
-        assert again.attempt == 1 and _fence(again) > _fence(second)
-        assert again.epoch >= held.epoch
-    finally:
-        await backend.close()
+    held = await backend.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                            overlap_skip=False))
+    assert (held.status, held.run_status) == (ClaimStatus.RUNNING, None)  # quarantine
+    assert held.epoch == int(raw.hget(key, "lost") or 0) >= restarted
+    await _after(raw, held.expires_ms)
+    again = await backend.claim(ClaimRequest("job", 2_000, "inst", "d", 300,
+                                             overlap_skip=False))
+    # attempt 1 of slot 2000 is numbered again, with a fence above the lost one
+    assert again.attempt == 1 and _fence(again) > _fence(second)
+    assert again.epoch >= held.epoch
 
 
 async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above() -> None:

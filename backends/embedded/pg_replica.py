@@ -35,15 +35,11 @@ Example::
 
 from __future__ import annotations
 
-import os
-import pwd
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from . import EmbeddedServerError
-from .postgres import EmbeddedPostgres, find_free_port, shared_dir
+from .postgres import EmbeddedPostgres, find_free_port, owned_dir
 
 __all__ = ["EmbeddedReplica", "timeline_of"]
 
@@ -89,12 +85,7 @@ class EmbeddedReplica(EmbeddedPostgres):
             return self.dsn
         if self.primary.root is None:
             raise EmbeddedServerError("start the primary before its replica")
-        self.root = Path(tempfile.mkdtemp(prefix="anarchon-pgreplica-",
-                                          dir=shared_dir(self.os_user)))
-        self.root.chmod(0o755)
-        if self.os_user is not None:
-            entry = pwd.getpwnam(self.os_user)
-            os.chown(self.root, entry.pw_uid, entry.pw_gid)
+        self.root = owned_dir("anarchon-pgreplica-", self.os_user)
         self.conninfo = (f"host={self.primary.host} port={self.primary.port} user=postgres "
                          f"password={self.primary.password} application_name=anarchon_replica")
         self._run("pg_basebackup", "-D", str(self.datadir), "-R", "-X", "stream", "-c", "fast",

