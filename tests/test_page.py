@@ -3,7 +3,7 @@
 
 The page's three views are checked (the overview with its filters, search and pages; one
 job's runs; one run's steps and recovery log), that a refresh sends one request, and a
-store of 1,000 jobs, whose render time is printed. With ``ANARCHON_SCREENSHOTS=DIR`` the
+store of 1,000 jobs, whose render time is reported in the terminal summary. With ``ANARCHON_SCREENSHOTS=DIR`` the
 screenshots are also written to ``DIR`` (``docs/pages/images`` holds the committed ones).
 
 ``.ci/system-deps.sh`` installs both packages; without them the test skips, or fails under
@@ -33,6 +33,7 @@ from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.test_http import NEXT, SLOT, seed
 
 TOKEN = "page-Test-t0ken"
+REPORTED = "reported"  # printed in the terminal summary (tests/conftest.py)
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--window-size=1200,1500")
@@ -318,9 +319,11 @@ def served_many(pg16_server: PgServer, tmp_path: Path) -> Iterator[str]:
         anyio.run(drop_tables, pg16_server.admin_dsn, table)
 
 
-def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path) -> None:
+def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path,
+                            record_property: Any) -> None:
     """A store of 1,000 jobs: pages of 50 rows, filters with their counts; the render time
-    is printed (``-s``), not asserted (speed is measured in benchmarks/, not in tests)."""
+    is reported in pytest's terminal summary ("reported measurements"), not asserted (speed
+    is measured in benchmarks/, not in tests)."""
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -336,8 +339,8 @@ def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path) -> 
     assert counts == {"all": "all (1000)", "running": "running (333)", "failed": "failed (333)",
                       "ok": "ok (334)", "never": "never (333)"}
     render_ms = browser.execute_script("return anarchonRenderMs")
-    print(f"1,000 jobs: first page shown {shown * 1000:.0f} ms after navigation, "
-          f"rendered in {render_ms:.1f} ms")
+    record_property(REPORTED, f"1,000 jobs: first page shown {shown * 1000:.0f} ms after "
+                              f"navigation, rendered in {render_ms:.1f} ms")
     _shoot(browser, tmp_path, "status-1000-jobs.png")
     browser.find_element(By.ID, "next").click()
     wait.until(lambda d: d.execute_script(_ROWS)[0]["name"] == "job-0050")
