@@ -3,7 +3,7 @@
 The blocks of one page run in order, in one namespace (a page may build on its earlier
 blocks), in a fresh interpreter, with the stores supplied here: ``ANARCHON_URL`` names a
 PostgreSQL database whose ``search_path`` is a fresh schema, and ``REDIS_URL`` a Redis
-(Valkey) server. A block that only includes a recipe of ``docs/examples/``
+(Valkey) server with a key prefix of the page's own. A block that only includes a recipe of ``docs/examples/``
 (``--8<-- "docs/examples/..."``) is run by tests/test_examples.py instead. The site itself
 is built by ``make docs`` (``mkdocs build --strict``), also run here.
 """
@@ -27,6 +27,7 @@ import pytest
 
 from backends.embedded.redis import EmbeddedRedis
 from tests.stores.postgres import PgServer
+from tests.stores.redis import delete_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "pages"
@@ -87,14 +88,16 @@ for line, code in blocks:
 
 @pytest.fixture
 def docs_env(pg16_server: PgServer, valkey8_server: EmbeddedRedis) -> Iterator[dict[str, str]]:
-    """The stores a page's blocks use: a fresh PostgreSQL schema, and a Redis server."""
+    """The stores a page's blocks use: a fresh PostgreSQL schema, and a key prefix of its
+    own on a Redis server (both removed afterwards)."""
     schema = f"docs_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
         conn.execute(psycopg.sql.SQL("CREATE SCHEMA {}").format(psycopg.sql.Identifier(schema)))
     try:
         yield {"ANARCHON_URL": f"{pg16_server.dsn}?options={quote(f'-csearch_path={schema}')}",
-               "REDIS_URL": valkey8_server.url}
+               "REDIS_URL": f"{valkey8_server.url}?prefix={schema}"}
     finally:
+        delete_prefix(valkey8_server.url, schema)
         with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
             conn.execute(psycopg.sql.SQL("DROP SCHEMA {} CASCADE").format(
                 psycopg.sql.Identifier(schema)))
