@@ -300,6 +300,51 @@ def test_anarchon_url_replaces_the_flag(
     assert "$ANARCHON_URL" in capsys.readouterr().err
 
 
+def test_anarchon_url_serves_prune_serve_migrate_and_operations(
+    pg16_server: PgServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every subcommand reads the store from ``$ANARCHON_URL``: each of these reaches the
+    table the variable names, without --url."""
+    table = unique_table()
+    monkeypatch.setenv("ANARCHON_URL", f"{pg16_server.dsn}?table={table}")
+    monkeypatch.delenv("ANARCHON_TOKEN", raising=False)
+    try:
+        for command in (["prune", "--older-than", "1d"], ["serve", "--port", str(_free_port())]):
+            assert main(command) == EXIT_NO_STORE, command
+            assert repr(table) in capsys.readouterr().err
+        assert _tables_like(pg16_server.admin_dsn, table) == []
+        assert main(["migrate"]) == 0
+        assert repr(table) in capsys.readouterr().out
+        assert len(_tables_like(pg16_server.admin_dsn, table)) == 4
+        assert main(["pause", "report"]) == 2  # the store in the variable never saw it
+        assert "'report'" in capsys.readouterr().err
+        anyio.run(_seed_store, pg16_server.dsn, table)
+        assert main(["pause", "report"]) == 0
+        capsys.readouterr()
+
+        async def paused() -> dict[str, str]:
+            backend = backend_from_url(pg16_server.dsn, namespace=table)
+            await backend.start()
+            try:
+                return await backend.paused()
+            finally:
+                await backend.close()
+
+        assert list(anyio.run(paused)) == ["report"]
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+def test_an_empty_anarchon_token_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ANARCHON_TOKEN=""`` is a mistake (a secret that did not arrive), not "no token"."""
+    monkeypatch.setenv("ANARCHON_TOKEN", "  ")
+    assert main(["serve", "--url", "memory://", "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "$ANARCHON_TOKEN" in err and "empty" in err
+
+
 # --- one validation of URL options ------------------------------------------------------
 
 

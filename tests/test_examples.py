@@ -109,6 +109,38 @@ def test_fastapi_lifespan(example_env: dict[str, str]) -> None:
     assert_nothing_left_running(example_env["ANARCHON_URL"])
 
 
+def test_fastapi_under_uvicorn_logs_to_the_console_with_iso_times(
+    example_env: dict[str, str],
+) -> None:
+    """As the Flask recipe's: served by uvicorn, the handler's log line reaches the
+    console (uvicorn configures only its own loggers) and /runs shows ISO times."""
+    import urllib.request
+
+    from backends.embedded.postgres import find_free_port
+
+    port = find_free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(EXAMPLES), "fastapi_app:app",
+         "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def completed_runs() -> list[dict[str, Any]]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/runs", timeout=5) as r:
+                    rows: list[dict[str, Any]] = json.load(r)
+            except OSError:
+                return []
+            return [row for row in rows if row["outcome"] == "completed"]
+
+        runs = wait_until(completed_runs, timeout=60, what="a completed run through /runs")
+        scheduled = datetime.fromisoformat(runs[0]["scheduled_at"])  # ISO, not epoch ms
+        assert scheduled.tzinfo is not None and isinstance(runs[0]["slot"], int)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "INFO anarchon" in err and "refreshing the report due at 20" in err, err[-2000:]
+
+
 def test_flask_app_factory(example_env: dict[str, str]) -> None:
     module = load(EXAMPLES / "flask_app.py")
     app = module.create_app({"TESTING": True})
