@@ -74,8 +74,20 @@ def _positive(text: str) -> int:
     return value
 
 
+#: The exit codes, as ``anarchon --help`` lists them (the module's docstring explains them).
+EXIT_CODES = """exit codes (the same for every subcommand):
+  0    success (also when the reader of the output went away: anarchon history | head)
+  1    failed at run time: store unreachable, login refused, unexpected error, a failed
+       demo verdict, serve's port already in use
+  2    usage or configuration error, or an operation that does not apply (nothing changed)
+  3    no anarchon store at the URL (status, history, prune and serve never create one)
+  130  interrupted (Ctrl-C)
+  143  serve stopped by SIGTERM, after a graceful shutdown"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="anarchon", description="Lease coordination for scheduled jobs.")
+    parser = _Parser(prog="anarchon", description="Lease coordination for scheduled jobs.",
+                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"anarchon {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an unexpected error (also ANARCHON_DEBUG=1)")

