@@ -3,8 +3,9 @@
 
 The page's three views are checked (the overview with its filters, search and pages; one
 job's runs; one run's steps and recovery log), that a refresh sends one request, and a
-store of 1,000 jobs, whose render time is reported in the terminal summary. With ``ANARCHON_SCREENSHOTS=DIR`` the
-screenshots are also written to ``DIR`` (``docs/pages/images`` holds the committed ones).
+store of 1,000 jobs, whose render time is in the terminal summary. With
+``ANARCHON_SCREENSHOTS=DIR`` the screenshots are also written to ``DIR``
+(``docs/pages/images`` holds the committed ones: ``make screenshots``).
 
 ``.ci/system-deps.sh`` installs both packages; without them the test skips, or fails under
 ``CI=true``.
