@@ -11,6 +11,13 @@ fourth contender, the fairer peer (``report.LEASE_FAIRER_PEERS``: reported, not 
 target). One sequential client each, uncontended (a new holder every time, so every
 acquire takes the name).
 
+Two more peers hand out a **fencing token**, as the ``Lease`` does (the issue's peers do
+not): on Redis, a fenced lock in the way of Redisson's ``RFencedLock`` (one script: ``SET
+NX PX`` and, when taken, ``INCR`` of the name's counter; released by redis-py's release
+script); on PostgreSQL, ShedLock's upsert with a counter column incremented on every
+take and returned (``RETURNING``), on the raw connection. Reported beside the others,
+not targets (``report.LEASE_FAIRER_PEERS``).
+
 Contenders run interleaved (order rotated every round); each round's ratio is taken
 within the round, and the median and spread of the per-round ratios are reported, as
 for the peers. Also measured per operation: this process's CPU time
@@ -39,9 +46,35 @@ from lease_core.abc import Backend
 from ._util import Servers
 from .peers import SHEDLOCK_LOCK, SHEDLOCK_TABLE, SHEDLOCK_UNLOCK
 
-__all__ = ["run_lease"]
+__all__ = ["FENCED_LOCK_SCRIPT", "run_lease"]
 
 TTL_MS = 30_000
+#: A Redis lock that hands out a fencing token: taken with ``SET NX PX``, then the
+#: name's counter incremented and returned (nil when the name is held).
+FENCED_LOCK_SCRIPT = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+return false"""
+#: ShedLock's table and upsert with a fencing counter, incremented at every take.
+SHEDLOCK_FENCED_TABLE = """
+CREATE TABLE IF NOT EXISTS shedlock_fenced (
+    name VARCHAR(64) NOT NULL PRIMARY KEY, lock_until TIMESTAMP NOT NULL,
+    locked_at TIMESTAMP NOT NULL, locked_by VARCHAR(255) NOT NULL,
+    fence BIGINT NOT NULL DEFAULT 1)"""
+SHEDLOCK_FENCED_LOCK = """
+INSERT INTO shedlock_fenced (name, lock_until, locked_at, locked_by)
+VALUES (%s, timezone('utc', CURRENT_TIMESTAMP) + %s * interval '1 millisecond',
+        timezone('utc', CURRENT_TIMESTAMP), %s)
+ON CONFLICT (name) DO UPDATE
+SET lock_until = timezone('utc', CURRENT_TIMESTAMP) + %s * interval '1 millisecond',
+    locked_at = timezone('utc', CURRENT_TIMESTAMP), locked_by = %s,
+    fence = shedlock_fenced.fence + 1
+WHERE shedlock_fenced.lock_until <= timezone('utc', CURRENT_TIMESTAMP)
+RETURNING fence"""
+SHEDLOCK_FENCED_UNLOCK = """
+UPDATE shedlock_fenced SET lock_until = GREATEST(locked_at, timezone('utc', CURRENT_TIMESTAMP))
+WHERE name = %s"""
 Op = Callable[[int], Awaitable[None]]
 
 
@@ -125,8 +158,20 @@ async def _redis(servers: Servers, seconds: float, rounds: int) -> dict[str, Any
                 raise RuntimeError("redis-py lock not acquired")
             await lock.release()
 
+        fenced_take = client.register_script(FENCED_LOCK_SCRIPT)
+        fence_key = f"leasebench:{tag}:fenced:fence"
+
+        async def fenced_lock(i: int) -> None:
+            lock = client.lock(f"leasebench:{tag}:fenced", timeout=TTL_MS / 1000)
+            token = f"holder-{i}"
+            if not await fenced_take([lock.name, fence_key], [token, TTL_MS]):
+                raise RuntimeError("fenced lock not acquired")
+            lock.local.token = token.encode()  # released by redis-py's own script
+            await lock.release()
+
         return await _interleaved({"anarchon_lease": lease, "anarchon_contract_calls": contract,
-                                   "redis_py_asyncio_lock": redis_py_lock},
+                                   "redis_py_asyncio_lock": redis_py_lock,
+                                   "fenced_lock_script": fenced_lock},
                                   "anarchon_lease", rounds=rounds, seconds=seconds)
     finally:
         await backend.close()
@@ -143,8 +188,16 @@ async def _pg(servers: Servers, seconds: float, rounds: int) -> dict[str, Any]:
     try:
         async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as conn:
             await conn.execute(SHEDLOCK_TABLE)
+            await conn.execute(SHEDLOCK_FENCED_TABLE)
             tag = uuid.uuid4().hex[:6]
             lease, contract = _ours(backend, tag)
+
+            async def shedlock_fenced(i: int) -> None:
+                cur = await conn.execute(SHEDLOCK_FENCED_LOCK, (
+                    f"lf-{tag}", TTL_MS, "bench", TTL_MS, "bench"), prepare=False)
+                if await cur.fetchone() is None:
+                    raise RuntimeError("fenced ShedLock lock not acquired")
+                await conn.execute(SHEDLOCK_FENCED_UNLOCK, (f"lf-{tag}",), prepare=False)
 
             async def shedlock(i: int) -> None:
                 cur = await conn.execute(SHEDLOCK_LOCK, (f"lb-{tag}", TTL_MS, "bench", TTL_MS,
@@ -165,7 +218,8 @@ async def _pg(servers: Servers, seconds: float, rounds: int) -> dict[str, Any]:
             return await _interleaved({"anarchon_lease": lease,
                                        "anarchon_contract_calls": contract,
                                        "shedlock_upsert_raw_psycopg": shedlock,
-                                       "shedlock_upsert_psycopg_pool": shedlock_pooled},
+                                       "shedlock_upsert_psycopg_pool": shedlock_pooled,
+                                       "shedlock_fenced_raw_psycopg": shedlock_fenced},
                                       "anarchon_lease", rounds=rounds, seconds=seconds)
     finally:
         await backend.close()

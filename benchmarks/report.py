@@ -14,10 +14,11 @@ CLAIM_TARGET = 0.8
 #: Issue 18: runs per client CPU-second with spread slots, and highest/lowest load.
 CPU_RUNS_TARGET = 3000
 CPU_FLAT_TARGET = 0.8
-#: Lease peers doing the same work on the same kind of connection as the ``Lease``
-#: (benchmarks/lease.py): their ratios are reported, but the issue's targets are against
-#: the other peers.
-LEASE_FAIRER_PEERS = frozenset({"shedlock_upsert_psycopg_pool"})
+#: Lease peers doing the same work as the ``Lease`` (on the same kind of connection, or
+#: handing out a fencing token too; benchmarks/lease.py): their ratios are reported, but
+#: the issue's targets are against the other peers.
+LEASE_FAIRER_PEERS = frozenset({"shedlock_upsert_psycopg_pool", "fenced_lock_script",
+                                "shedlock_fenced_raw_psycopg"})
 #: anarchon claim+finish / redis-py asyncio Lock acquire+release (median per round).
 REDIS_PEER_TARGET = 1.0
 #: anarchon claim+finish / ShedLock upsert+unlock through raw psycopg (median per round).
