@@ -56,6 +56,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import anyio.to_thread
 
+from adapters.redis_lean import lean_sender
 from lease_core._redact import redact
 from lease_core.errors import (
     AnarchonError,
@@ -260,11 +261,19 @@ class RedisAdapter(ABC):
 class AsyncClientAdapter(RedisAdapter):
     """Drive an asyncio client (``redis.asyncio.Redis``, ``valkey.asyncio.Valkey``)."""
 
+    def __init__(self, client: Any, *, owned: bool) -> None:
+        super().__init__(client, owned=owned)
+        # redislean: a plain client's single commands skip execute_command's machinery
+        # (adapters/redis_lean.py); None for any other client
+        self._lean = lean_sender(client)
+
     async def _execute(self, commands: Sequence[Command]) -> list[Any]:
         if len(commands) == 1 and not self.cluster:
             # one command, no pipeline: a lost script's NOSCRIPT reply is returned, and
             # execute() loads the script and sends the command again
             try:
+                if self._lean is not None:
+                    return [await self._lean(commands[0])]
                 return [await self.client.execute_command(*commands[0])]
             except Exception as exc:
                 if not _is_reply_error(exc):
