@@ -49,6 +49,31 @@ _CLIENTS = {("redis", "Redis"), ("valkey", "Valkey")}
 _POOLS = ("ConnectionPool", "BlockingConnectionPool")
 
 
+def _pack(command: tuple[Any, ...], encoder: Any) -> bytes | None:
+    """``command`` in the protocol, as the driver's ``pack_command`` packs it, or ``None``
+    (the driver packs it) for an argument that is not a ``str``, ``int`` (``bool`` is
+    refused by the driver) or ``bytes``, or a name of two words ("CONFIG GET").
+
+    The driver's packer costs 13 µs for a claim's 20 arguments, this one 5.
+    """
+    if " " in command[0]:
+        return None
+    encoding, errors = encoder.encoding, encoder.encoding_errors
+    parts = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        kind = type(arg)
+        if kind is str:
+            data = arg.encode(encoding, errors)
+        elif kind is int:
+            data = b"%d" % arg
+        elif kind is bytes:
+            data = arg
+        else:
+            return None
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
 async def _no_record(**_: Any) -> None:
     """Stands in for redis-py's metric recorders on a driver without them."""
 
@@ -94,6 +119,7 @@ def lean_sender(client: Any) -> LeanSender | None:
         conn = await (get_connection(name) if named else get_connection())
         start = time.monotonic()
         retry = conn.retry
+        encoder = conn.encoder
         failures = 0
 
         async def attempt() -> Any:
@@ -101,7 +127,9 @@ def lean_sender(client: Any) -> LeanSender | None:
             if writer is None or conn.health_check_interval or writer.transport.is_closing():
                 await conn.send_command(*command)  # connects, checks health, ...
             else:
-                writer.writelines(conn.pack_command(*command))
+                packed = _pack(command, encoder)
+                writer.writelines([packed] if packed is not None
+                                  else conn.pack_command(*command))
                 if writer.transport.get_write_buffer_size():
                     # the socket did not take it all: the driver waits for the rest (up to
                     # socket_timeout) and translates a failure, as for any command
