@@ -267,6 +267,11 @@ class AsyncClientAdapter(RedisAdapter):
         # (adapters/redis_lean.py); None for any other client
         self._lean = lean_sender(client)
 
+    @property
+    def lean(self) -> bool:
+        """Whether a single command skips ``execute_command`` (:mod:`adapters.redis_lean`)."""
+        return self._lean is not None
+
     async def _execute(self, commands: Sequence[Command]) -> list[Any]:
         if len(commands) == 1 and not self.cluster:
             # one command, no pipeline: a lost script's NOSCRIPT reply is returned, and
