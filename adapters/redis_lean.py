@@ -26,6 +26,11 @@ driver's own objects:
 - redis-py's own operation metrics (``record_operation_duration``,
   ``record_error_count``), which cost nothing unless its observability is switched on.
 
+And, where it is safe (see :class:`LeanSender`), the connection of a call that
+succeeded is kept for the next call rather than given back to the pool and taken again
+(the pool's lock, its accounting and its check of the connection cost as much as the
+rest of the call).
+
 It applies only to a client of exactly ``redis.asyncio.Redis`` or
 ``valkey.asyncio.Valkey`` (not a subclass, whose ``execute_command`` may do more),
 neither a single-connection client nor one holding a connection, on a pool of exactly
@@ -40,10 +45,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["LeanSender", "lean_sender"]
+__all__ = ["KEEP_MIN_CONNECTIONS", "LeanSender", "lean_sender"]
 
-#: Sends one command (a tuple of its name and arguments) and returns its parsed reply.
-LeanSender = Callable[[tuple[Any, ...]], Awaitable[Any]]
+#: A pool passed in (a ``ConnectionPool``, which raises when it has no connection left
+#: rather than wait) lends a connection to be kept between calls only if it allows at
+#: least this many.
+KEEP_MIN_CONNECTIONS = 100
 
 _CLIENTS = {("redis", "Redis"), ("valkey", "Valkey")}
 _POOLS = ("ConnectionPool", "BlockingConnectionPool")
@@ -74,6 +81,14 @@ def _pack(command: tuple[Any, ...], encoder: Any) -> bytes | None:
     return b"".join(parts)
 
 
+def _open(conn: Any) -> bool:
+    """Whether a kept connection is still open: the server has not closed it (its stream
+    is not at EOF) and neither has the driver, as the pool's own check would find."""
+    reader, writer = getattr(conn, "_reader", None), getattr(conn, "_writer", None)
+    return not (reader is None or writer is None or reader.at_eof()
+                or writer.transport.is_closing())
+
+
 async def _no_record(**_: Any) -> None:
     """Stands in for redis-py's metric recorders on a driver without them."""
 
@@ -93,8 +108,11 @@ def _recorders(root: str) -> tuple[Callable[..., Awaitable[None]],
     return record_operation_duration, record_error_count
 
 
-def lean_sender(client: Any) -> LeanSender | None:
-    """A lean sender of single commands for ``client``, or ``None`` (see the module docs)."""
+def lean_sender(client: Any, *, owned: bool) -> LeanSender | None:
+    """A lean sender of single commands for ``client``, or ``None`` (see the module docs).
+
+    ``owned``: the adapter opened the client, so nothing but the adapter uses its pool.
+    """
     kind = type(client)
     root = kind.__module__.split(".")[0]
     if (root, kind.__name__) not in _CLIENTS or kind.__module__ != f"{root}.asyncio.client":
@@ -107,18 +125,71 @@ def lean_sender(client: Any) -> LeanSender | None:
     options = getattr(pool, "connection_kwargs", None) or {}
     if options.get("cache_enabled") or options.get("client_cache") is not None:
         return None  # valkey-py's client-side cache answers some commands itself
-    callbacks: dict[Any, Any] = client.response_callbacks
-    get_connection = pool.get_connection
-    release = pool.release
-    # redis-py 5.3+ deprecates naming the command to get_connection; valkey-py needs it
-    named = root != "redis"
-    record_duration, record_error = _recorders(root)
+    # Keeping a connection between calls (see LeanSender): on a pool only the adapter
+    # uses, or on a pool passed in that never makes a caller wait (not a
+    # BlockingConnectionPool) and is not bounded tightly (redis-py 8's default bound, 100,
+    # or more: one connection counted in use while idle is then no one else's loss); and
+    # on RESP2 only, where a connection between two replies has nothing to read.
+    roomy = type(pool).__name__ == "ConnectionPool" and (
+        getattr(pool, "max_connections", 0) or 0) >= KEEP_MIN_CONNECTIONS
+    keep = (owned or roomy) and str(options.get("protocol") or 2) == "2"
+    return LeanSender(client, root, keep=keep)
 
-    async def send(command: tuple[Any, ...]) -> Any:
+
+class LeanSender:
+    """Sends single commands of one plain asyncio client (see the module docs).
+
+    With ``keep``, the connection of a call that succeeded is kept for the next call
+    instead of going back to the pool: it stays counted as in use by the pool (so the
+    pool's bound holds), it is given back (:meth:`give_back`) before the adapter uses the
+    client in any other way and when the adapter closes, and a call finishing while
+    another call of the adapter waits for the pool gives it back too. A kept connection
+    is checked before it is used as the pool checks an idle connection: one the server
+    (or the driver) closed meanwhile goes back to the pool, which reconnects it (and fails
+    at once, outside the driver's retry, if the server is down, as before). RESP2 only,
+    where a connection between two replies has nothing to read.
+    """
+
+    def __init__(self, client: Any, root: str, *, keep: bool) -> None:
+        pool = client.connection_pool
+        self._pool = pool
+        #: Whether a connection is kept between calls.
+        self.keep = keep
+        self._kept: Any = None
+        #: The adapter's calls waiting for (or holding) connections of the pool outside
+        #: this sender: while any does, no connection is kept.
+        self.waiting = 0
+        self._get_connection = pool.get_connection
+        self._release = pool.release
+        self._callbacks: dict[Any, Any] = client.response_callbacks
+        # redis-py 5.3+ deprecates naming the command to get_connection; valkey-py needs it
+        self._named = root != "redis"
+        self._record_duration, self._record_error = _recorders(root)
+
+    async def give_back(self) -> None:
+        """Return the kept connection to the pool, if there is one."""
+        conn, self._kept = self._kept, None
+        if conn is not None:
+            await self._release(conn)
+
+    async def send(self, command: tuple[Any, ...]) -> Any:
+        """Send ``command`` and return its reply, as ``execute_command(*command)`` would."""
         name = command[0]
-        conn = await (get_connection(name) if named else get_connection())
+        conn = self._kept
+        if conn is not None:
+            self._kept = None
+            if not _open(conn):  # closed while kept: the pool checks and reconnects it
+                await self._release(conn)
+                conn = None
+        if conn is None:
+            self.waiting += 1
+            try:
+                conn = await (self._get_connection(name) if self._named
+                              else self._get_connection())
+            finally:
+                self.waiting -= 1
+        named = self._named
         start = time.monotonic()
-        retry = conn.retry
         encoder = conn.encoder
         failures = 0
 
@@ -146,26 +217,32 @@ def lean_sender(client: Any) -> LeanSender | None:
                           or not isinstance(error, tuple(conn.retry_on_error))):
                 raise error  # valkey-py retries only the errors it was told to
 
+        done = False
         try:
             try:
-                reply = await retry.call_with_retry(attempt, failed)
+                reply = await conn.retry.call_with_retry(attempt, failed)
             except Exception as exc:
-                await record_error(server_address=getattr(conn, "host", None),
-                                   server_port=getattr(conn, "port", None),
-                                   network_peer_address=getattr(conn, "host", None),
-                                   network_peer_port=getattr(conn, "port", None),
-                                   error_type=exc, retry_attempts=failures, is_internal=False)
+                await self._record_error(
+                    server_address=getattr(conn, "host", None),
+                    server_port=getattr(conn, "port", None),
+                    network_peer_address=getattr(conn, "host", None),
+                    network_peer_port=getattr(conn, "port", None),
+                    error_type=exc, retry_attempts=failures, is_internal=False)
                 raise
-            await record_duration(command_name=name, duration_seconds=time.monotonic() - start,
-                                  server_address=getattr(conn, "host", None),
-                                  server_port=getattr(conn, "port", None),
-                                  db_namespace=str(conn.db))
+            await self._record_duration(
+                command_name=name, duration_seconds=time.monotonic() - start,
+                server_address=getattr(conn, "host", None),
+                server_port=getattr(conn, "port", None), db_namespace=str(conn.db))
+            done = True
         finally:
-            await release(conn)
-        callback = callbacks.get(name)
+            # a failed or cancelled call's connection goes back to the pool (which checks
+            # it before handing it out again), as execute_command's does
+            if done and self.keep and self._kept is None and not self.waiting:
+                self._kept = conn
+            else:
+                await self._release(conn)
+        callback = self._callbacks.get(name)
         if callback is None:
             return reply
         parsed = callback(reply)
         return await parsed if isinstance(parsed, Awaitable) else parsed
-
-    return send

@@ -189,9 +189,96 @@ async def test_a_bounded_pool_waits_for_a_connection_then_gives_up(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(call)
-            await anyio.sleep(0.05)  # the call is waiting for the only connection
+            await anyio.wait_all_tasks_blocked()  # the call waits for the only connection
             assert replies == []
             await pool.release(held)
         assert replies == [True]
     finally:
         await client.aclose()
+
+
+def _in_use(pool: Any) -> int:
+    """The connections ``pool`` counts as in use (its public count, by state)."""
+    from redis.observability.attributes import DB_CLIENT_CONNECTION_STATE, ConnectionState
+
+    return sum(count for count, attributes in pool.get_connection_count()
+               if attributes.get(DB_CLIENT_CONNECTION_STATE) == ConnectionState.USED.value)
+
+
+async def test_which_pools_lend_a_connection_to_keep(system_redis_server: EmbeddedRedis) -> None:
+    url = system_redis_server.url
+    clients = {
+        "default": redis.asyncio.Redis.from_url(url),
+        "small": redis.asyncio.Redis.from_url(url, max_connections=4),
+        "blocking": redis.asyncio.Redis.from_pool(
+            redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=200)),
+        "resp3": redis.asyncio.Redis.from_url(url, protocol=3),
+    }
+    try:
+        keeps = {name: _adapter(client).keeps_connection for name, client in clients.items()}
+        owned = _adapter(url)
+        keeps["owned url"] = owned.keeps_connection
+        await owned.aclose()
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    assert keeps == {"default": True, "small": False, "blocking": False, "resp3": False,
+                     "owned url": True}
+
+
+async def test_a_kept_connection_is_given_back_on_close(
+        system_redis_server: EmbeddedRedis) -> None:
+    client = redis.asyncio.Redis.from_url(system_redis_server.url)
+    adapter = _adapter(client)
+    try:
+        assert await adapter.execute([("PING",)]) == [True]
+        assert _in_use(client.connection_pool) == 1  # kept for the next call
+        assert await adapter.execute([("PING",)]) == [True]
+        assert _in_use(client.connection_pool) == 1  # the same one
+        await adapter.aclose()
+        assert _in_use(client.connection_pool) == 0
+        assert await client.ping()  # the client passed in still works
+    finally:
+        await client.aclose()
+
+
+async def test_a_server_gone_while_a_connection_is_kept_fails_at_once(
+        own_server: EmbeddedRedis) -> None:
+    adapter = _adapter(own_server.url)
+    try:
+        assert adapter.keeps_connection
+        assert await adapter.execute([("SET", "k", "v")]) == [True]
+        own_server.stop()  # returns once the server process has exited
+        await anyio.wait_all_tasks_blocked()  # a loop turn: the closed connection's EOF is read
+        started = anyio.current_time()
+        with pytest.raises(BackendUnavailable, match="cannot reach Redis"):
+            await adapter.execute([("GET", "k")])
+        # as through the pool: no driver retries with backoff against a server that is down
+        assert anyio.current_time() - started < 1.0
+        own_server.start()
+        assert await adapter.execute([("PING",)]) == [True]
+    finally:
+        await adapter.aclose()
+
+
+async def test_one_connection_serves_lean_calls_and_batches_at_once(
+        own_server: EmbeddedRedis) -> None:
+    adapter = _adapter(f"{own_server.url}?max_connections=1&timeout=5")
+    replies: list[Any] = []
+    try:
+        assert adapter.keeps_connection
+
+        async def lean(i: int) -> None:
+            replies.append(await adapter.execute([("SET", f"k{i}", i)]))
+
+        async def batch(i: int) -> None:
+            replies.append(await adapter.execute([("SET", f"b{i}", i), ("GET", f"b{i}")]))
+
+        with anyio.fail_after(10):  # a kept connection never starves the pool's waiters
+            async with anyio.create_task_group() as tg:
+                for i in range(20):
+                    tg.start_soon(lean if i % 3 else batch, i)
+        assert sorted(map(str, replies)) == sorted(
+            str([True, str(i).encode()] if i % 3 == 0 else [True]) for i in range(20))
+    finally:
+        await adapter.aclose()
