@@ -28,7 +28,8 @@ The asyncio clients of redis-py and valkey-py work only under asyncio. Sync clie
 ``anyio.to_thread`` worker threads and so work under trio as well.
 
 Scripts are registered with the driver (``register_script``). A batch of one command is
-sent with the client's ``execute_command``, no pipeline (on a Cluster client a lone script
+sent with the client's ``execute_command``, no pipeline (on a plain asyncio client, by
+:mod:`adapters.redis_lean`, which does the same with less; on a Cluster client a lone script
 call goes through the driver's script object, which routes it and loads the script itself
 on a ``NOSCRIPT`` reply). A longer batch is one pipeline. A script the server lost (after
 ``SCRIPT FLUSH`` or a restart) is loaded through the driver and the affected commands sent
