@@ -45,6 +45,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
+
 __all__ = ["KEEP_MIN_CONNECTIONS", "LeanSender", "lean_sender"]
 
 #: A pool passed in (a ``ConnectionPool``, which raises when it has no connection left
@@ -130,9 +132,11 @@ def lean_sender(client: Any, *, owned: bool) -> LeanSender | None:
     # BlockingConnectionPool) and is not bounded tightly (redis-py 8's default bound, 100,
     # or more: one connection counted in use while idle is then no one else's loss); and
     # on RESP2 only, where a connection between two replies has nothing to read.
-    roomy = type(pool).__name__ == "ConnectionPool" and (
-        getattr(pool, "max_connections", 0) or 0) >= KEEP_MIN_CONNECTIONS
-    keep = (owned or roomy) and str(options.get("protocol") or 2) == "2"
+    # A pool of one connection (?max_connections=1) is never held: the kept connection
+    # would be all of it, for whoever else takes from the client's pool.
+    bound = getattr(pool, "max_connections", 0) or 0
+    roomy = type(pool).__name__ == "ConnectionPool" and bound >= KEEP_MIN_CONNECTIONS
+    keep = ((owned and bound > 1) or roomy) and str(options.get("protocol") or 2) == "2"
     return LeanSender(client, root, keep=keep)
 
 
@@ -170,7 +174,8 @@ class LeanSender:
         """Return the kept connection to the pool, if there is one."""
         conn, self._kept = self._kept, None
         if conn is not None:
-            await self._release(conn)
+            with anyio.CancelScope(shield=True):  # a cancelled give-back would lose it
+                await self._release(conn)
 
     async def send(self, command: tuple[Any, ...]) -> Any:
         """Send ``command`` and return its reply, as ``execute_command(*command)`` would."""
@@ -179,7 +184,8 @@ class LeanSender:
         if conn is not None:
             self._kept = None
             if not _open(conn):  # closed while kept: the pool checks and reconnects it
-                await self._release(conn)
+                with anyio.CancelScope(shield=True):
+                    await self._release(conn)
                 conn = None
         if conn is None:
             self.waiting += 1

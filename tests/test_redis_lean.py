@@ -216,14 +216,15 @@ async def test_which_pools_lend_a_connection_to_keep(system_redis_server: Embedd
     }
     try:
         keeps = {name: _adapter(client).keeps_connection for name, client in clients.items()}
-        owned = _adapter(url)
-        keeps["owned url"] = owned.keeps_connection
-        await owned.aclose()
+        for name, owned in {"owned url": _adapter(url),
+                            "owned pool of 1": _adapter(f"{url}?max_connections=1")}.items():
+            keeps[name] = owned.keeps_connection
+            await owned.aclose()
     finally:
         for client in clients.values():
             await client.aclose()
     assert keeps == {"default": True, "small": False, "blocking": False, "resp3": False,
-                     "owned url": True}
+                     "owned url": True, "owned pool of 1": False}
 
 
 async def test_a_kept_connection_is_given_back_on_close(
@@ -263,7 +264,7 @@ async def test_a_server_gone_while_a_connection_is_kept_fails_at_once(
 
 async def test_one_connection_serves_lean_calls_and_batches_at_once(
         own_server: EmbeddedRedis) -> None:
-    adapter = _adapter(f"{own_server.url}?max_connections=1&timeout=5")
+    adapter = _adapter(f"{own_server.url}?max_connections=2&timeout=5")
     replies: list[Any] = []
     try:
         assert adapter.keeps_connection
@@ -274,7 +275,8 @@ async def test_one_connection_serves_lean_calls_and_batches_at_once(
         async def batch(i: int) -> None:
             replies.append(await adapter.execute([("SET", f"b{i}", i), ("GET", f"b{i}")]))
 
-        with anyio.fail_after(10):  # a kept connection never starves the pool's waiters
+        # two connections for 20 calls at once: a kept one never starves the pool's waiters
+        with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 for i in range(20):
                     tg.start_soon(lean if i % 3 else batch, i)
