@@ -4,8 +4,8 @@ The Redis backend's hot calls (a claim, a finish, a named lease's acquire and re
 are one command each. redis-py's ``execute_command`` spends 15-25 % of such a call's
 client CPU on what those commands never use: the single-connection client's lock,
 ``HIMPORT SET`` detection, the per-call options, closures for its retry. :func:`lean_sender`
-returns a coroutine function that does the rest of it, in the same order, with the
-driver's own objects:
+returns a :class:`LeanSender`, whose :meth:`~LeanSender.send` does the rest of it, in the
+same order, with the driver's own objects:
 
 - a connection from the client's pool (``get_connection``: a bounded pool still waits,
   up to its timeout; the pool's health check of the connection still runs) and back to
