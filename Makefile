@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-pythons docs lint system-deps bench bench-quick bench-ci chaos clean
+.PHONY: demo test test-pythons docs screenshots lint system-deps bench bench-quick bench-ci chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,14 @@ test: $(STAMP) system-deps
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict -f docs/mkdocs.yml
 
-## A representative part of the suite and both embedded demos on Python 3.12 and 3.13
+## The status page's screenshots in docs/pages/images/ (status-*.png), taken afresh by
+## its browser test (tests/test_page.py, headless chromium) with ANARCHON_SCREENSHOTS set:
+## run it after changing the page, and commit the images.
+screenshots: $(STAMP) system-deps
+	ANARCHON_SCREENSHOTS=docs/pages/images $(PY) -m pytest -q -p no:cacheprovider \
+		tests/test_page.py -k "overview_drill_down or 1000_jobs"
+
+## A representative part of the suite and the demos of `make demo` on Python 3.12 and 3.13
 ## (pyenv's, or pythonX.Y on PATH), each in a venv of its own under .venv/pythons/.
 PYTHONS ?= 3.12 3.13
 test-pythons: system-deps

@@ -1,5 +1,6 @@
 #!/bin/sh
-# A representative part of the suite, and both embedded demos, on each other Python the
+# A representative part of the suite, and the demos `make demo` runs (the fleet demo on
+# both embedded stores, the bank-close workflow demo), on each other Python the
 # classifiers name (default: 3.12 and 3.13; the whole suite runs on 3.11 in `make test`).
 # Each Python gets its own venv under .venv/pythons/, made and reused here. An interpreter
 # is found on PATH (python3.12) or in pyenv's versions folder; a missing one fails.
@@ -35,4 +36,5 @@ for version in "$@"; do
         tests/test_memory.py tests/test_sync_scheduler.py -k "not pg16 and not redis6"
     env -u ANARCHON_URL "$venv/bin/anarchon" demo
     env -u ANARCHON_URL "$venv/bin/anarchon" demo --backend redis
+    env -u ANARCHON_URL "$venv/bin/anarchon" demo --workflow bank-close
 done

@@ -12,12 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 import anyio.lowlevel
 
 from lease_core._named_leases import LeaseAnswer, check_lease
-from lease_core._registry import merge_options, split_url_options
+from lease_core._registry import check_url, merge_options, split_url_options
 from lease_core._structures import (
     Attempt,
     CheckResult,
@@ -179,14 +178,10 @@ class _NamedLeases:
 
 
 def _clock_option(url: str, options: dict[str, Any]) -> Callable[[], float] | None:
-    """The ``clock`` of ``memory://`` options; any option but ``namespace`` is refused."""
-    left, from_url = split_url_options(url, ("namespace",))
-    rest = [key for key, _ in parse_qsl(urlsplit(left).query, keep_blank_values=True)]
-    if rest:
-        raise ConfigurationError(
-            f"memory:// does not accept the query parameter {', '.join(map(repr, rest))}; "
-            "it accepts: namespace"
-        )
+    """The ``clock`` of ``memory://`` options; any option but ``namespace`` is refused
+    (by :func:`lease_core._registry.check_url`, as every backend's)."""
+    check_url("memory", url, ("namespace",), ())
+    _, from_url = split_url_options(url, ("namespace",))
     merged = merge_options("MemoryBackend", options, from_url, ("namespace", "clock"))
     clock: Callable[[], float] | None = merged.get("clock")
     return clock

@@ -21,6 +21,7 @@ __all__ = [
     "check_url",
     "known_schemes",
     "merge_options",
+    "positive_whole",
     "split_url_options",
 ]
 
@@ -235,10 +236,11 @@ def check_url(
         pairs = [(m.group(1), m.group(2).strip("'")) for m in _PAIR.finditer(url)]
     unknown = [key for key, _ in pairs if key not in own and key not in driver]
     if unknown:
+        drivers = f"; the driver's: {', '.join(sorted(driver))}" if driver else ""
         raise ConfigurationError(
             f"the {kind} URL {redact(url)!r} has the unknown parameter "
-            f"{', '.join(map(repr, unknown))}; anarchon's own: {', '.join(sorted(own))}; "
-            f"the driver's: {', '.join(sorted(driver))}"
+            f"{', '.join(map(repr, unknown))}; anarchon's own: {', '.join(sorted(own))}"
+            + drivers
         )
     for key, value in pairs:
         reader = (read or {}).get(key)
@@ -247,7 +249,25 @@ def check_url(
         try:
             reader(value)
         except (TypeError, ValueError) as exc:
+            # One wording for every backend: "max_size='-1' must be a whole number, at
+            # least 1". A reader raises ValueError("a whole number, at least 1"); a
+            # driver's own int/float parser is described here, never by Python's text.
+            what = _DESCRIBED.get(reader) or str(exc) or "a valid value"
             raise ConfigurationError(
-                f"the {kind} URL {redact(url)!r} has {key}={value!r}, which is not valid"
-                + (f" ({exc})" if str(exc) else "")
+                f"{key}={value!r} must be {what} (in the {kind} URL {redact(url)!r})"
             ) from None
+
+
+#: How :func:`check_url` words a bad value for a driver's plain parsers.
+_DESCRIBED: dict[object, str] = {int: "a whole number", float: "a number"}
+
+
+def positive_whole(text: str) -> int:
+    """A URL option's text read as a whole number of at least 1 (for :func:`check_url`)."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError("a whole number, at least 1")
+    return number

@@ -15,7 +15,8 @@ in one line on stderr, never as a traceback. Exit codes, the same for every subc
 - 130: interrupted (Ctrl-C); ``serve`` stopped by SIGTERM stops gracefully and exits 143.
 
 ``--url`` defaults to ``$ANARCHON_URL`` for every subcommand, and ``serve``'s ``--token``
-to ``$ANARCHON_TOKEN``: neither then shows in ``ps``. ``--debug`` (or ``ANARCHON_DEBUG=1``)
+to ``$ANARCHON_TOKEN``: neither then shows in ``ps``. An empty ``$ANARCHON_TOKEN`` is a
+usage error (exit 2), not "no token". ``--debug`` (or ``ANARCHON_DEBUG=1``)
 adds the traceback of an unexpected error.
 """
 
@@ -73,8 +74,20 @@ def _positive(text: str) -> int:
     return value
 
 
+#: The exit codes, as ``anarchon --help`` lists them (the module's docstring explains them).
+EXIT_CODES = """exit codes (the same for every subcommand):
+  0    success (also when the reader of the output went away: anarchon history | head)
+  1    failed at run time: store unreachable, login refused, unexpected error, a failed
+       demo verdict, serve's port already in use
+  2    usage or configuration error, or an operation that does not apply (nothing changed)
+  3    no anarchon store at the URL (status, history, prune and serve never create one)
+  130  interrupted (Ctrl-C)
+  143  serve stopped by SIGTERM, after a graceful shutdown"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="anarchon", description="Lease coordination for scheduled jobs.")
+    parser = _Parser(prog="anarchon", description="Lease coordination for scheduled jobs.",
+                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"anarchon {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an unexpected error (also ANARCHON_DEBUG=1)")
@@ -275,6 +288,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             f"--token is empty: give the token clients must send, or leave --token out "
             f"(and ${TOKEN_ENV} unset) to serve without one on 127.0.0.1")
+    if args.token is None and TOKEN_ENV in os.environ and not os.environ[TOKEN_ENV].strip():
+        # A secret that did not arrive: serving without a token would be a surprise.
+        raise ConfigurationError(
+            f"${TOKEN_ENV} is set but empty: give it the token clients must send, or unset "
+            "it to serve without one on 127.0.0.1")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     if token is None and not _loopback(args.host):
         raise ConfigurationError(

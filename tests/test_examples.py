@@ -109,6 +109,38 @@ def test_fastapi_lifespan(example_env: dict[str, str]) -> None:
     assert_nothing_left_running(example_env["ANARCHON_URL"])
 
 
+def test_fastapi_under_uvicorn_logs_to_the_console_with_iso_times(
+    example_env: dict[str, str],
+) -> None:
+    """As the Flask recipe's: served by uvicorn, the handler's log line reaches the
+    console (uvicorn configures only its own loggers) and /runs shows ISO times."""
+    import urllib.request
+
+    from backends.embedded.postgres import find_free_port
+
+    port = find_free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(EXAMPLES), "fastapi_app:app",
+         "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def completed_runs() -> list[dict[str, Any]]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/runs", timeout=5) as r:
+                    rows: list[dict[str, Any]] = json.load(r)
+            except OSError:
+                return []
+            return [row for row in rows if row["outcome"] == "completed"]
+
+        runs = wait_until(completed_runs, timeout=60, what="a completed run through /runs")
+        scheduled = datetime.fromisoformat(runs[0]["scheduled_at"])  # ISO, not epoch ms
+        assert scheduled.tzinfo is not None and isinstance(runs[0]["slot"], int)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "INFO anarchon" in err and "refreshing the report due at 20" in err, err[-2000:]
+
+
 def test_flask_app_factory(example_env: dict[str, str]) -> None:
     module = load(EXAMPLES / "flask_app.py")
     app = module.create_app({"TESTING": True})
@@ -169,6 +201,52 @@ def test_flask_debug_reloader_starts_one_scheduler(example_env: dict[str, str]) 
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert "anarchon" in err and "refreshing the report due at 20" in err, err[-2000:]
+
+
+_WSGI = ("from wsgiref.simple_server import make_server; from flask_app import create_app; "
+         "make_server('127.0.0.1', {port}, create_app()).serve_forever()")
+_APP_RUN = ("from flask_app import create_app; "
+            "create_app().run(port={port}, debug=True, use_reloader=False)")
+
+
+@pytest.mark.parametrize(("how", "env"), [
+    (["-m", "flask", "--app", "flask_app", "run", "--debug", "--no-reload"], {}),
+    (["-m", "flask", "--app", "flask_app", "run", "--debug"], {"FLASK_RUN_RELOAD": "false"}),
+    (["-c", _APP_RUN], {}),
+    (["-c", _WSGI], {"FLASK_DEBUG": "1"}),  # as gunicorn serves it: no `flask run`
+], ids=["no-reload", "FLASK_RUN_RELOAD=false", "use_reloader=False", "wsgi-FLASK_DEBUG=1"])
+def test_flask_debug_without_the_reloader_starts_the_scheduler(
+    example_env: dict[str, str], how: list[str], env: dict[str, str]
+) -> None:
+    """Debug without the werkzeug reloader is one process: it starts the scheduler (the
+    watcher check applies only when the reloader is in use)."""
+    import urllib.request
+
+    from backends.embedded.postgres import find_free_port
+
+    port = find_free_port()
+    args = [arg.format(port=port) for arg in how]
+    if "flask" in args:
+        args += ["--port", str(port)]
+    proc = subprocess.Popen([sys.executable, *args], cwd=EXAMPLES, env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        def completed_runs() -> list[dict[str, Any]]:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited: {proc.communicate()[1][-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/runs", timeout=5) as r:
+                    rows: list[dict[str, Any]] = json.load(r)
+            except OSError:
+                return []
+            return [row for row in rows if row["outcome"] == "completed"]
+
+        runs = wait_until(completed_runs, timeout=60, what="a completed run through /runs")
+        assert runs[0]["job"] == "refresh-report"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=30)
 
 
 def _terminate(proc: subprocess.Popen[str]) -> str:

@@ -3,8 +3,9 @@
 
 The page's three views are checked (the overview with its filters, search and pages; one
 job's runs; one run's steps and recovery log), that a refresh sends one request, and a
-store of 1,000 jobs, whose render time is printed. With ``ANARCHON_SCREENSHOTS=DIR`` the
-screenshots are also written to ``DIR`` (``docs/pages/images`` holds the committed ones).
+store of 1,000 jobs, whose render time is in the terminal summary. With
+``ANARCHON_SCREENSHOTS=DIR`` the screenshots are also written to ``DIR``
+(``docs/pages/images`` holds the committed ones: ``make screenshots``).
 
 ``.ci/system-deps.sh`` installs both packages; without them the test skips, or fails under
 ``CI=true``.
@@ -33,16 +34,26 @@ from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.test_http import NEXT, SLOT, seed
 
 TOKEN = "page-Test-t0ken"
+REPORTED = "reported"  # printed in the terminal summary (tests/conftest.py)
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--window-size=1200,1500")
 
 
 async def _seed(dsn: str, table: str) -> None:
+    import json
+
+    from lease_core.schedules import CronSchedule, IntervalSchedule
+
     backend = PostgresBackend(dsn, table=table)
     await backend.start()
     try:
         await seed(backend)
+        # Schedules as a scheduler records them (a workflow's at its first step), so the
+        # overview shows each one and its next slot.
+        await backend.register_schedules({
+            "export": json.dumps(IntervalSchedule("15m").spec()),
+            "close/snapshot": json.dumps(CronSchedule("30 2 * * *").spec())})
     finally:
         await backend.close()
 
@@ -195,6 +206,9 @@ def test_page_overview_drill_down_and_recovery_log(
     assert "attempt 1 by b" in rows["close"]["cells"][7]  # interest@NEXT, held by b
     assert rows["export"]["state"] == "ok" and "handed over" in rows["export"]["cells"][7]
     assert "store time" in browser.find_element(By.ID, "state").text
+    # The recorded schedules, and the next slot of each.
+    assert rows["export"]["cells"][2] != "-" and rows["close"]["cells"][2] != "-"
+    assert rows["export"]["cells"][6] != "-" and rows["close"]["cells"][6] != "-"
     _shoot(browser, tmp_path, "status-overview.png")
 
     # Filters and search narrow the rows; the fragment keeps the token.
@@ -306,9 +320,11 @@ def served_many(pg16_server: PgServer, tmp_path: Path) -> Iterator[str]:
         anyio.run(drop_tables, pg16_server.admin_dsn, table)
 
 
-def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path) -> None:
+def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path,
+                            record_property: Any) -> None:
     """A store of 1,000 jobs: pages of 50 rows, filters with their counts; the render time
-    is printed (``-s``), not asserted (speed is measured in benchmarks/, not in tests)."""
+    is reported in pytest's terminal summary ("reported measurements"), not asserted (speed
+    is measured in benchmarks/, not in tests)."""
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -324,8 +340,8 @@ def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path) -> 
     assert counts == {"all": "all (1000)", "running": "running (333)", "failed": "failed (333)",
                       "ok": "ok (334)", "never": "never (333)"}
     render_ms = browser.execute_script("return anarchonRenderMs")
-    print(f"1,000 jobs: first page shown {shown * 1000:.0f} ms after navigation, "
-          f"rendered in {render_ms:.1f} ms")
+    record_property(REPORTED, f"1,000 jobs: first page shown {shown * 1000:.0f} ms after "
+                              f"navigation, rendered in {render_ms:.1f} ms")
     _shoot(browser, tmp_path, "status-1000-jobs.png")
     browser.find_element(By.ID, "next").click()
     wait.until(lambda d: d.execute_script(_ROWS)[0]["name"] == "job-0050")
@@ -333,6 +349,28 @@ def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path) -> 
     wait.until(lambda d: d.find_element(By.ID, "page").text == "page 1 of 7, 333 jobs")
     rows = browser.execute_script(_ROWS)
     assert len(rows) == 50 and all(row["running"] == 1 for row in rows)
+
+
+def _click(wait: Any, operation: str) -> str:
+    """Press the operation's button; what the page answered (``"<operation>: ..."``)."""
+    from selenium.webdriver.common.by import By
+
+    # The view redraws itself every few seconds: a button found just before a redraw
+    # is stale when clicked, so finding and clicking are tried again together.
+    def press(driver: Any) -> bool:
+        driver.find_element(By.CSS_SELECTOR, f'button[data-operation="{operation}"]').click()
+        return True
+
+    wait.until(press)
+    shown: list[str] = []
+
+    def answered(driver: Any) -> bool:
+        found = driver.find_elements(By.ID, "op-result")
+        shown[:] = [found[0].text] if found else []
+        return bool(shown) and shown[0].startswith(operation + ":")
+
+    wait.until(answered)
+    return shown[0]
 
 
 def test_page_operations_buttons_act_through_the_store(
@@ -346,22 +384,7 @@ def test_page_operations_buttons_act_through_the_store(
     wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
 
     def click(operation: str) -> str:
-        # The view redraws itself every few seconds: a button found just before a redraw
-        # is stale when clicked, so finding and clicking are tried again together.
-        def press(driver: Any) -> bool:
-            driver.find_element(By.CSS_SELECTOR, f'button[data-operation="{operation}"]').click()
-            return True
-
-        wait.until(press)
-        shown: list[str] = []
-
-        def answered(driver: Any) -> bool:
-            found = driver.find_elements(By.ID, "op-result")
-            shown[:] = [found[0].text] if found else []
-            return bool(shown) and shown[0].startswith(operation + ":")
-
-        wait.until(answered)
-        return shown[0]
+        return _click(wait, operation)
 
     browser.get(f"{base}/#token={TOKEN}&job=export")
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="pause"]'))
@@ -426,3 +449,75 @@ def test_page_without_a_token_shows_no_operations(
         assert browser.find_elements(By.CSS_SELECTOR, "button[data-operation]") == []
         response = httpx2.post(f"{base}/jobs/export/pause")
         assert response.status_code == 403 and "ANARCHON_TOKEN" in response.json()["error"]
+
+
+async def _stored(dsn: str, table: str, jobs: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``job@slot -> status`` of every run of ``jobs``, and the paused jobs by their names."""
+    from lease_core.operations import Admin
+
+    backend = PostgresBackend(dsn, table=table)
+    await backend.start()
+    try:
+        runs = {f"{job}@{r.slot}": str(r.status) for job in jobs for r in await backend.runs(job)}
+        return runs, await Admin(backend).paused()
+    finally:
+        await backend.close()
+
+
+def test_page_workflow_operations_act_through_the_store(
+        browser: Any, served: tuple[str, str], pg16_server: PgServer) -> None:
+    """A workflow's view has trigger/pause/resume, a workflow run's view retry/cancel: each
+    acts on the workflow by its name (the operations find the step)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    base, table = served
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
+    steps = ["close/snapshot", "close/interest", "close/publish"]
+
+    browser.get(f"{base}/#token={TOKEN}&job=close")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="pause"]'))
+    assert _click(wait, "pause") == "pause: done"
+    assert anyio.run(_stored, pg16_server.dsn, table, steps)[1] == {"close": "http"}
+    text = _click(wait, "trigger")
+    assert text.startswith("trigger: done (close@"), text
+    triggered = int(text.split("@", 1)[1].rstrip(")"))
+    runs = anyio.run(_stored, pg16_server.dsn, table, steps)[0]
+    assert runs[f"close/snapshot@{triggered}"] == "handed_over"  # waits for an instance
+    assert _click(wait, "resume") == "resume: done"
+    assert anyio.run(_stored, pg16_server.dsn, table, steps)[1] == {}
+
+    # The failed run resumes at the step that escalated; the running one is cancelled at
+    # its step in progress.
+    browser.get(f"{base}/#token={TOKEN}&run=close@{SLOT}")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="retry"]'))
+    assert _click(wait, "retry") == f"retry: done (close@{SLOT})"
+    browser.get(f"{base}/#token={TOKEN}&run=close@{NEXT}")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="cancel"]'))
+    assert _click(wait, "cancel") == f"cancel: done (close@{NEXT})"
+    runs = anyio.run(_stored, pg16_server.dsn, table, steps)[0]
+    assert runs[f"close/interest@{SLOT}"] not in ("escalated", "failed"), runs
+    assert runs[f"close/snapshot@{SLOT}"] == "completed"
+    assert runs[f"close/interest@{NEXT}"] == "cancelled"
+    assert runs[f"close/snapshot@{NEXT}"] == "completed"
+
+
+def test_page_shows_paused_without_a_token(
+        browser: Any, pg16_server: PgServer, tmp_path: Path) -> None:
+    """Paused is state, not an operation: the overview marks it without a token too."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from lease_core.operations import Admin
+
+    async def pause(table: str) -> None:
+        await Admin(PostgresBackend(pg16_server.dsn, table=table), by="ops").pause("close")
+
+    wait = WebDriverWait(browser, 30)
+    with _serve(pg16_server, tmp_path, None) as (base, table):
+        browser.get(f"{base}/")
+        rows = {row["name"]: row for row in _rows(browser, wait, ["close", "export"])}
+        assert rows["close"]["cells"][0] == "close"
+        anyio.run(pause, table)
+        wait.until(lambda d: {r["name"]: r["cells"][0] for r in d.execute_script(_ROWS)}
+                   == {"close": "close paused", "export": "export"})

@@ -103,6 +103,44 @@ def test_a_bad_pool_value_in_the_query_is_named(bad: str) -> None:
         backend_from_url(f"postgresql://db/app?{bad}")
 
 
+@pytest.mark.parametrize(
+    ("url", "value", "must"),
+    [
+        ("redis://db/0?max_connections=abc", "max_connections='abc'", ", at least 1"),
+        ("redis://db/0?max_connections=-1", "max_connections='-1'", ", at least 1"),
+        ("redis://db/0?socket_timeout=abc", "socket_timeout='abc'", "a number"),
+        ("redis://db/0?health_check_interval=x", "health_check_interval='x'", "a whole number"),
+        ("postgresql://db/app?max_size=-1", "max_size='-1'", ", at least 1"),
+        ("postgresql://db/app?min_size=abc", "min_size='abc'", ", at least 1"),
+        ("postgresql+pg8000://db/app?max_size=0", "max_size='0'", ", at least 1"),
+    ],
+)
+def test_a_bad_value_reads_the_same_on_every_backend(url: str, value: str, must: str) -> None:
+    """One wording, from the one check: the value, what it must be, the URL; never the
+    parser's own text ("invalid literal for int() with base 10")."""
+    with pytest.raises(ConfigurationError) as info:
+        backend_from_url(url)
+    text = str(info.value)
+    says = value + " must be " + ("a whole number" + must if must.startswith(",") else must)
+    assert text.startswith(says), text
+    assert "invalid literal" not in text and "could not convert" not in text
+    assert url.split("?")[0].split("://")[0] in text  # the URL is named
+
+
+def test_memory_urls_go_through_the_one_check() -> None:
+    """``memory://`` is checked by :func:`lease_core._registry.check_url`, as every backend's
+    URL is: the same wording of an unknown parameter."""
+    with pytest.raises(ConfigurationError) as memory:
+        backend_from_url("memory://?bogus=1")
+    with pytest.raises(ConfigurationError) as redis:
+        backend_from_url("redis://db/0?bogus=1")
+    assert str(memory.value) == (
+        "the memory URL 'memory://?bogus=1' has the unknown parameter 'bogus'; "
+        "anarchon's own: namespace")
+    assert str(redis.value).startswith(
+        "the Redis URL 'redis://db/0?bogus=1' has the unknown parameter 'bogus'; ")
+
+
 # --- on real servers ----------------------------------------------------------------------
 
 

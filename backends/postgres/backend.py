@@ -16,7 +16,7 @@ from adapters._pg8000_params import PG8000_PARAMS, refuse_multi_host
 from adapters.sql import Row, SqlAdapter, TransientError, adapter_for
 from lease_core._durations import parse_duration
 from lease_core._redact import redact
-from lease_core._registry import check_url, merge_options, split_url_options
+from lease_core._registry import check_url, merge_options, positive_whole, split_url_options
 from lease_core._structures import (
     Attempt,
     CheckResult,
@@ -121,7 +121,8 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
     if scheme is not None and scheme.endswith("+pg8000"):
         refuse_multi_host(url)
         driver = tuple(PG8000_PARAMS)  # pg8000 understands fewer parameters than libpq
-    check_url("PostgreSQL", url, _URL_OPTIONS, driver)
+    check_url("PostgreSQL", url, _URL_OPTIONS, driver,  # gaps20: one wording of bad values
+              read={"min_size": positive_whole, "max_size": positive_whole})
     return split_url_options(url, _URL_OPTIONS)
 
 

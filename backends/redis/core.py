@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from adapters.redis import Command, RedisAdapter, redis_adapter
 from lease_core._durations import Duration, parse_duration, to_ms
-from lease_core._registry import check_url, merge_options, split_url_options
+from lease_core._registry import check_url, merge_options, positive_whole, split_url_options
 from lease_core.abc import Backend
 from lease_core.errors import (
     BackendUnavailable,
@@ -39,13 +39,6 @@ _DRIVER_PARAMS = ("username", "password", "sentinel_password", "client_name", "l
                   "ssl_certfile", "ssl_keyfile", "ssl_password")
 
 
-def _positive(text: str) -> int:
-    number = int(text)
-    if number < 1:
-        raise ValueError("a whole number, at least 1")
-    return number
-
-
 def _check_url(url: str) -> None:
     """Refuse a bad port, a query parameter neither the backend nor redis-py knows, or a
     value either refuses (:func:`lease_core._registry.check_url`)."""
@@ -53,8 +46,8 @@ def _check_url(url: str) -> None:
         from redis.connection import URL_QUERY_ARGUMENT_PARSERS as parsers
     except ImportError:  # the driver's absence is reported when connecting
         parsers = {}
-    read: dict[str, Any] = {**parsers, "max_connections": _positive,
-                            "wait_replicas": _positive,
+    read: dict[str, Any] = {**parsers, "max_connections": positive_whole,
+                            "wait_replicas": positive_whole,
                             "wait_timeout": lambda text: parse_duration(text, what="wait_timeout")}
     check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
 

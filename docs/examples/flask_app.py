@@ -2,7 +2,9 @@
 
 Run it with ``ANARCHON_URL=postgresql://... flask --app flask_app run`` (``--debug`` too:
 under the debug reloader only the serving process starts a scheduler, not the watcher
-that restarts it). Under gunicorn, load the app in each worker (no ``--preload``), so that
+that restarts it; without the reloader the one process does). ``app.run(debug=True)``
+starts the reloader after the app is built, so pass it ``use_reloader=False`` (or use
+``flask run``). Under gunicorn, load the app in each worker (no ``--preload``), so that
 the scheduler starts after the fork. The scheduler stops with a hand-over at interpreter
 exit; gunicorn's ``worker_exit`` hook may stop it explicitly:
 ``app.extensions["anarchon"].stop()``.
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
 
 from flask import Flask
@@ -26,15 +27,29 @@ def refresh_report(ctx: RunContext) -> None:
 
 
 def serving_process(app: Flask) -> bool:
-    """Whether this process serves requests: false in the debug reloader's watcher.
+    """Whether this process serves requests: false only in the debug reloader's watcher.
 
-    ``flask run --debug`` loads the app twice: in a watcher process, which restarts the
-    server when a file changes and serves nothing, and in the server it starts with
-    ``WERKZEUG_RUN_MAIN=true``. A scheduler started in both would be two instances.
+    ``flask run`` with the reloader (``--debug`` turns it on) loads the app twice: in a
+    watcher process, which restarts the server when a file changes and serves nothing,
+    and in the server it starts with ``WERKZEUG_RUN_MAIN=true``. A scheduler started in
+    both would be two instances. Without the reloader (``--no-reload``,
+    ``FLASK_RUN_RELOAD=false``, ``app.run(debug=True, use_reloader=False)``, gunicorn with
+    ``FLASK_DEBUG=1``) there is one process, and it serves.
     """
-    if not app.debug or os.environ.get("WERKZEUG_RUN_MAIN") == "true":
-        return True
-    return "--no-reload" in sys.argv  # debug without the reloader: one process
+    if os.environ.get("WERKZEUG_RUN_MAIN") == "true":
+        return True  # the server the reloader started
+    return not _reloader_watcher(app)
+
+
+def _reloader_watcher(app: Flask) -> bool:
+    """True while ``flask run`` loads the app in a process that will run the reloader."""
+    import click
+
+    context = click.get_current_context(silent=True)
+    if context is None or context.info_name != "run" or "reload" not in context.params:
+        return False  # not under `flask run`: app.run(), gunicorn, a test client
+    reload = context.params["reload"]  # --reload/--no-reload or $FLASK_RUN_RELOAD, if given
+    return bool(app.debug if reload is None else reload)  # flask run's own default
 
 
 def create_app(config: dict[str, Any] | None = None) -> Flask:

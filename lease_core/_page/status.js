@@ -4,8 +4,9 @@
 //   #job=NAME              one job's or workflow's latest runs
 //   #run=NAME@SLOT         one run, its steps and its recovery log
 // Built with textContent only, so names from the store are never parsed as HTML.
-// With a token, the job view has trigger/pause/resume buttons, a run's view retry/cancel
-// (POST operations, which always need the token), and the overview marks paused jobs.
+// With a token, a job's or workflow's view has trigger/pause/resume buttons, a run's view
+// (a job's or a workflow's) retry/cancel: POST operations, which always need the token.
+// The overview marks paused jobs and workflows with or without a token (it is state).
 "use strict";
 
 const REFRESH_MS = 3000;
@@ -141,7 +142,7 @@ function overviewRow(row) {
   return el("tr", { "data-job": row.name, "data-kind": row.kind, "data-state": row.state,
                     "data-running": String(row.running.length) },
     el("td", {}, link(row.name, { job: row.name }),
-      ...(row.paused && params().get("token")
+      ...(row.paused
         ? [" ", el("span", { class: "paused", title: `paused by ${row.paused}` }, "paused")]
         : [])),
     el("td", {}, el("span", { class: "kind" }, row.kind)),
@@ -221,8 +222,8 @@ async function job(name) {
   document.getElementById("view").replaceChildren(el("article", { "data-job": data.name },
     el("p", {}, link("‹ every job", {})),
     el("h2", {}, data.name, " ", el("span", { class: "kind" }, data.kind)),
-    data.kind === "job" ? operations(["trigger", "pause", "resume"].map(
-      (op) => [op, "jobs/" + encodeURIComponent(data.name) + "/" + op])) : el("span", {}),
+    operations(["trigger", "pause", "resume"].map(
+      (op) => [op, "jobs/" + encodeURIComponent(data.name) + "/" + op])),
     rows.length ? table(["slot", "status", data.kind === "workflow" ? "steps" : "attempt",
                          "started", "finished"], rows)
       : el("p", { class: "empty" }, "no runs recorded")));
@@ -238,9 +239,11 @@ async function run(id) {
   } else {
     const stored = data.store_status === data.status ? "" : ` (${data.store_status.replace("_", " ")})`;
     card.append(el("p", { class: "muted" }, `attempt ${data.attempt} by ${data.instance_id}${stored}`));
-    card.append(operations(["retry", "cancel"].map(
-      (op) => [op, "jobs/" + encodeURIComponent(data.id) + "/" + op])));
   }
+  // A workflow's run too: a retry resumes it at the step that failed, a cancel cancels
+  // its step in progress (the operations find the step).
+  card.append(operations(["retry", "cancel"].map(
+    (op) => [op, "jobs/" + encodeURIComponent(data.id) + "/" + op])));
   card.append(el("h3", {}, "recovery log"), logTable(data.recovery_log));
   document.getElementById("view").replaceChildren(el("article", { "data-job": data.name },
     el("p", {}, link("‹ every job", {}), " · ", link(data.name, { job: data.name })),
