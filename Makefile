@@ -17,10 +17,11 @@ demo: $(STAMP)
 	env -u ANARCHON_URL $(VENV)/bin/anarchon demo
 	env -u ANARCHON_URL $(VENV)/bin/anarchon demo --workflow bank-close
 
-## Run the whole test suite against servers the harness starts itself (two workers: most
-## tests wait on leases and timers, not on the CPU).
+## Run the whole test suite against servers the harness starts itself. Three workers on
+## two cores: most tests wait on leases and timers, not on the CPU; the few that load it
+## for many seconds (tests/conftest.py HEAVY_MODULES) share one worker (--dist loadgroup).
 test: $(STAMP) system-deps
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 3 --dist loadgroup
 
 ## The documentation site (docs/mkdocs.yml, pages in docs/pages/) into build/docs; --strict
 ## fails on a broken link or a missing API page.

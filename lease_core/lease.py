@@ -113,11 +113,18 @@ class _Keeper:
 
     loops: ClassVar[dict[object, _Keeper]] = {}
 
+    #: The heap is compacted (released holds dropped) when it grows past this many
+    #: entries, and then past twice what it kept: a released hold stays queued until its
+    #: renewal would have been due, so leases taken and released at a high rate would
+    #: otherwise queue a ttl's worth of them.
+    COMPACT_AT = 1024
+
     def __init__(self) -> None:
         self.due: list[tuple[float, int, Lease, _Hold]] = []
         self.order = itertools.count()
         self.wake = anyio.Event()
         self.next = math.inf
+        self.compact_at = self.COMPACT_AT
 
     @classmethod
     def schedule(cls, lease: Lease, hold: _Hold, at: float) -> None:
@@ -128,6 +135,10 @@ class _Keeper:
             keeper = cls.loops[loop] = _Keeper()
             _spawn(partial(keeper.run, loop), "anarchon-lease-keeper")
         heapq.heappush(keeper.due, (at, next(keeper.order), lease, hold))
+        if len(keeper.due) > keeper.compact_at:
+            keeper.due = [entry for entry in keeper.due if not entry[3].over]
+            heapq.heapify(keeper.due)
+            keeper.compact_at = max(cls.COMPACT_AT, 2 * len(keeper.due))
         if at < keeper.next:
             keeper.wake.set()
 

@@ -88,3 +88,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("reported measurements")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+#: Modules whose tests each load the CPU for many seconds (whole fleets in subprocesses,
+#: fault storms): under ``make test``'s ``--dist loadgroup`` they share one worker, so two
+#: of them never starve each other's deadlines while the other workers run the rest.
+HEAVY_MODULES = ("tests/chaos/test_chaos.py", "tests/test_demo_namespace.py",
+                 "tests/test_differential.py", "tests/test_testing_kit.py",
+                 "tests/test_pg_storm.py", "tests/test_cli.py", "tests/test_bank_close.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the tests of :data:`HEAVY_MODULES` in one xdist group (``heavy``)."""
+    for item in items:
+        if item.nodeid.split("::", 1)[0] in HEAVY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("heavy"))

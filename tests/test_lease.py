@@ -380,6 +380,30 @@ async def test_bad_input_is_refused_naming_the_value() -> None:
     assert backend_users(backend) == 0
 
 
+async def test_leases_taken_and_released_at_a_high_rate_are_not_all_kept() -> None:
+    """A released hold waits in the renewal queue until its renewal would have been due;
+    the queue drops them as it grows, so 5,000 leases taken and released within one ttl
+    leave far fewer than 5,000 holds alive (each queued hold keeps its Lease too)."""
+    import gc
+
+    def queued() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o).__name__ == "_Hold")
+
+    backend = MemoryBackend()
+    before = queued()
+    for i in range(5000):
+        lease = Lease(backend, f"burst-{i % 10}", ttl="60s")
+        assert await lease.acquire(timeout=0)
+        await lease.release()
+    assert queued() - before <= 2100
+    held = Lease(backend, "still-held", ttl=TTL)
+    async with held:  # a live hold is still renewed after the compactions
+        first = held.token
+        await anyio.sleep(TTL * 1.5)
+        assert held.held and not held.lost.is_set() and held.token == first
+
+
 def _example(name: str) -> ModuleType:
     path = Path(__file__).resolve().parent.parent / "docs" / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)

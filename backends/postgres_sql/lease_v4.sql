@@ -42,11 +42,25 @@ BEGIN
         -- one, a new token is at least epoch << 20 (fence_of in lease_core), and nothing
         -- is taken until the quarantine is over: the epoch plus this ttl, or the longest
         -- lease then live.
-        SELECT fo.f_epoch,
-               CASE WHEN fo.f_epoch > 0
-                    THEN GREATEST(fo.f_quiet, fo.f_epoch + p_ttl_ms) END
-          INTO v_epoch, v_quiet
-          FROM {failover}(p_ttl_ms) fo;
+        -- pgcost (issue 19): the check's common case inline, as the claim does: the
+        -- 'failover' row read here and the timeline compared in a simple expression;
+        -- {failover} is called only when the row is missing or names another timeline.
+        SELECT m.value INTO v_value FROM {meta} m WHERE m.key = 'failover';
+        IF v_value IS NOT NULL
+           AND split_part(v_value, ' ', 1) = left(pg_walfile_name(pg_current_wal_lsn()), 8)
+        THEN
+            v_epoch := split_part(v_value, ' ', 2)::bigint;
+            v_quiet := CASE WHEN v_epoch > 0
+                            THEN GREATEST(split_part(v_value, ' ', 3)::bigint,
+                                          v_epoch + p_ttl_ms) END;
+        ELSE
+            SELECT fo.f_epoch,
+                   CASE WHEN fo.f_epoch > 0
+                        THEN GREATEST(fo.f_quiet, fo.f_epoch + p_ttl_ms) END
+              INTO v_epoch, v_quiet
+              FROM {failover}(p_ttl_ms) fo;
+        END IF;
+        v_value := NULL;
         IF v_quiet IS NULL OR v_quiet <= o_now THEN
             INSERT INTO {meta} AS m (key, value)
             VALUES (v_key, GREATEST(1, v_epoch * 1048576)::text || ' '
