@@ -28,7 +28,8 @@ The asyncio clients of redis-py and valkey-py work only under asyncio. Sync clie
 ``anyio.to_thread`` worker threads and so work under trio as well.
 
 Scripts are registered with the driver (``register_script``). A batch of one command is
-sent with the client's ``execute_command``, no pipeline (on a Cluster client a lone script
+sent with the client's ``execute_command``, no pipeline (on a plain asyncio client, by
+:mod:`adapters.redis_lean`, which does the same with less; on a Cluster client a lone script
 call goes through the driver's script object, which routes it and loads the script itself
 on a ``NOSCRIPT`` reply). A longer batch is one pipeline. A script the server lost (after
 ``SCRIPT FLUSH`` or a restart) is loaded through the driver and the affected commands sent
@@ -56,6 +57,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import anyio.to_thread
 
+from adapters.redis_lean import lean_sender
 from lease_core._redact import redact
 from lease_core.errors import (
     AnarchonError,
@@ -260,10 +262,46 @@ class RedisAdapter(ABC):
 class AsyncClientAdapter(RedisAdapter):
     """Drive an asyncio client (``redis.asyncio.Redis``, ``valkey.asyncio.Valkey``)."""
 
+    def __init__(self, client: Any, *, owned: bool) -> None:
+        super().__init__(client, owned=owned)
+        # redislean: a plain client's single commands skip execute_command's machinery
+        # and may keep a connection between calls (adapters/redis_lean.py); None for any
+        # other client
+        self._lean = lean_sender(client, owned=owned)
+
+    @property
+    def lean(self) -> bool:
+        """Whether a single command skips ``execute_command`` (:mod:`adapters.redis_lean`)."""
+        return self._lean is not None
+
+    @property
+    def keeps_connection(self) -> bool:
+        """Whether single commands keep a pooled connection between calls."""
+        return self._lean is not None and self._lean.keep
+
     async def _execute(self, commands: Sequence[Command]) -> list[Any]:
+        lean = self._lean
+        if len(commands) == 1 and lean is not None:
+            # one command on a plain client: a lost script's NOSCRIPT reply is returned,
+            # and execute() loads the script and sends the command again
+            try:
+                return [await lean.send(commands[0])]
+            except Exception as exc:
+                if not _is_reply_error(exc):
+                    raise
+                return [exc]
+        if lean is None:
+            return await self._execute_driver(commands)
+        lean.waiting += 1  # the pool's connections are the driver's for now
+        try:
+            await lean.give_back()
+            return await self._execute_driver(commands)
+        finally:
+            lean.waiting -= 1
+
+    async def _execute_driver(self, commands: Sequence[Command]) -> list[Any]:
         if len(commands) == 1 and not self.cluster:
-            # one command, no pipeline: a lost script's NOSCRIPT reply is returned, and
-            # execute() loads the script and sends the command again
+            # one command, no pipeline (as above)
             try:
                 return [await self.client.execute_command(*commands[0])]
             except Exception as exc:
@@ -286,8 +324,23 @@ class AsyncClientAdapter(RedisAdapter):
         return list(await pipe.execute(raise_on_error=False))
 
     async def _load(self, scripts: Sequence[Any]) -> None:
-        for script in scripts:
-            await self.client.script_load(script.script)
+        lean = self._lean
+        if lean is not None:
+            lean.waiting += 1
+        try:
+            if lean is not None:
+                await lean.give_back()
+            for script in scripts:
+                await self.client.script_load(script.script)
+        finally:
+            if lean is not None:
+                lean.waiting -= 1
+
+    async def aclose(self) -> None:
+        """Give back a kept connection; then close the client if the adapter opened it."""
+        if self._lean is not None:
+            await self._lean.give_back()
+        await super().aclose()
 
     async def _close(self) -> None:
         close = getattr(self.client, "aclose", None) or self.client.close
