@@ -54,7 +54,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e ".[dev,bench]"
 	touch $(BENCH_STAMP)
 
-## Every benchmark (under 15 minutes): benchmarks/out/full.{json,md} and PNG plots.
+## Every benchmark (about 26 minutes on 2 cores): benchmarks/out/full.{json,md} and PNG plots.
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.run
 
