@@ -29,9 +29,8 @@ object) are a third contender, to show what the object costs.
 from __future__ import annotations
 
 import statistics
-import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -43,6 +42,7 @@ from backends.redis import RedisBackend
 from lease_core import Lease
 from lease_core.abc import Backend
 
+from ._rounds import Op, interleave
 from ._util import Servers
 from .peers import SHEDLOCK_LOCK, SHEDLOCK_TABLE, SHEDLOCK_UNLOCK
 
@@ -75,19 +75,6 @@ RETURNING fence"""
 SHEDLOCK_FENCED_UNLOCK = """
 UPDATE shedlock_fenced SET lock_until = GREATEST(locked_at, timezone('utc', CURRENT_TIMESTAMP))
 WHERE name = %s"""
-Op = Callable[[int], Awaitable[None]]
-
-
-async def _turn(fn: Op, seconds: float, start_at: int) -> tuple[float, float, int]:
-    """Run ``fn`` for ``seconds``: operations per second, CPU seconds per op, next i."""
-    i = start_at
-    cpu, wall = time.process_time(), time.perf_counter()
-    while time.perf_counter() - wall < seconds:
-        await fn(i)
-        i += 1
-    elapsed, used = time.perf_counter() - wall, time.process_time() - cpu
-    done = max(1, i - start_at)
-    return done / elapsed, used / done, i
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -100,20 +87,8 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 async def _interleaved(contenders: dict[str, Op], ours: str, *, rounds: int,
                        seconds: float) -> dict[str, Any]:
+    rate, cpu = await interleave(contenders, rounds=rounds, seconds=seconds)
     names = list(contenders)
-    rate: dict[str, list[float]] = {n: [] for n in names}
-    cpu: dict[str, list[float]] = {n: [] for n in names}
-    nexts = dict.fromkeys(names, 0)
-    for name in names:  # warm-up: connections, scripts, plans
-        _, _, nexts[name] = await _turn(contenders[name], min(0.1, seconds), nexts[name])
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        if r % 2:
-            order.reverse()
-        for name in order:
-            ops, per_op, nexts[name] = await _turn(contenders[name], seconds, nexts[name])
-            rate[name].append(ops)
-            cpu[name].append(per_op)
     others = [n for n in names if n != ours]
     return {
         "ops_s": {n: round(statistics.median(v), 1) for n, v in rate.items()},

