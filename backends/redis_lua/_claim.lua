@@ -74,10 +74,21 @@ end
 -- Returns the end of that quarantine (nil: no change of server, the claim may win) and
 -- the job's epoch; the job's fields gathered so far (jf) are written with it.
 -- rid: the stored id; epoch: the job's epoch so far; lease_ms, longest: ms.
+-- The two ids are cut out with plain finds (the line's value runs to its CR), which cost
+-- the server less than the patterns did; a server that prints neither gives '' as before.
+local function info_value(info, name)
+  local at = string.find(info, name, 1, true)
+  if not at then
+    return ''
+  end
+  local stop = string.find(info, '\r', at, true) or (#info + 1)
+  return string.sub(info, at + #name, stop - 1)
+end
+
 local function server_id()
   local info = redis.call('INFO', 'replication')
-  local id = string.match(info, 'master_replid:(%w+)') or ''
-  local before = string.match(info, 'master_replid2:(%w+)') or ''
+  local id = info_value(info, '\nmaster_replid:')
+  local before = info_value(info, '\nmaster_replid2:')
   return id, string.find(before, '[1-9a-f]') ~= nil  -- (promoted: a non-zero replid2)
 end
 
