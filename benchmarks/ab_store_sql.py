@@ -4,9 +4,11 @@ One process, one server (``benchmarks._util.pg_servers``), interleaved rounds: t
 (tables ``ab_ref`` and ``ab_tree``), each on its own pool of one connection, the first
 with the functions of ``--ref`` (``git show <ref>:backends/postgres_sql/<file>``, default
 ``main``), the second with this tree's; ShedLock's upsert + unlock on a raw psycopg
-connection is the third contender. The Python code is this tree's for both stores, so a
-difference is the SQL's alone. ``--swap`` gives the ref's functions to the second store
-instead (a systematic difference between the two connections then changes sides).
+connection is the third contender. The first store also sends the ref's named-lease
+acquire and release statements (``leases.sql``; their parameters must match this tree's).
+The Python code is this tree's for both stores, so a difference is the SQL's alone.
+``--swap`` gives the ref's functions and statements to the second store instead (a
+systematic difference between the two connections then changes sides).
 
 Per contender: operations per second, this process's CPU per operation, and the CPU of
 the contender's server process per operation (``/proc/<pid>/schedstat``); per round the

@@ -1,11 +1,11 @@
 """Named leases on PostgreSQL (:class:`~lease_core.Lease`): :class:`PostgresNamedLeases`.
 
 A lease is one row of ``<table>_meta`` (key ``lease:<name>``), so it needs no table of its
-own; each call is one short statement in autocommit, keeping no session state (PgBouncer
-in transaction mode works): the acquire calls the store function ``<table>_lease_v4``
-(``postgres_sql/lease_v4.sql``, created with the store's other functions), the renewal
-and the release are that function's branches as plain ``UPDATE`` statements.
-See :mod:`lease_core._named_leases` for the contract.
+own; each call is one short statement, a call of the store function ``<table>_lease_v4``
+(``postgres_sql/lease_v4.sql``, created with the store's other functions), in autocommit,
+keeping no session state (PgBouncer in transaction mode works). The function's plans are
+kept per connection, so the server neither parses nor plans the lease's statements at
+every call. See :mod:`lease_core._named_leases` for the contract.
 """
 
 from __future__ import annotations
@@ -54,11 +54,13 @@ class PostgresNamedLeases:
     async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
         """Extend the live hold of ``token``: one call (an ``UPDATE`` on ``<table>_meta``)."""
         check_lease(name, ttl_ms=ttl_ms, token=token)
-        rows = await self._adapter.all(self._sql.lease_renew, (ttl_ms, name, str(token)))
-        return int(rows[0][0]) if rows else None
+        [(expires,)] = await self._adapter.all(self._sql.lease_renew,
+                                               (name, str(token), ttl_ms))
+        return None if expires is None else int(expires)
 
     async def release_lease(self, name: str, token: int) -> bool:
         """Free ``name`` if ``token`` holds it live: one call (an ``UPDATE`` on
         ``<table>_meta``)."""
         check_lease(name, token=token)
-        return bool(await self._adapter.all(self._sql.lease_release, (name, str(token))))
+        [(held,)] = await self._adapter.all(self._sql.lease_release, (name, str(token)))
+        return bool(held)
