@@ -4,9 +4,11 @@ One process, one server (``benchmarks._util.pg_servers``), interleaved rounds: t
 (tables ``ab_ref`` and ``ab_tree``), each on its own pool of one connection, the first
 with the functions of ``--ref`` (``git show <ref>:backends/postgres_sql/<file>``, default
 ``main``), the second with this tree's; ShedLock's upsert + unlock on a raw psycopg
-connection is the third contender. The Python code is this tree's for both stores, so a
-difference is the SQL's alone. ``--swap`` gives the ref's functions to the second store
-instead (a systematic difference between the two connections then changes sides).
+connection is the third contender. The first store also sends the ref's named-lease
+acquire and release statements (``leases.sql``; their parameters must match this tree's).
+The Python code is this tree's for both stores, so a difference is the SQL's alone.
+``--swap`` gives the ref's functions and statements to the second store instead (a
+systematic difference between the two connections then changes sides).
 
 Per contender: operations per second, this process's CPU per operation, and the CPU of
 the contender's server process per operation (``/proc/<pid>/schedstat``); per round the
@@ -58,16 +60,23 @@ def _ref_text(ref: str, name: str) -> str:
         check=True, capture_output=True, text=True).stdout
 
 
-async def _install_ref(dsn: str, table: str, ref: str) -> None:
-    """Replace the v4 functions of store ``table`` by those of git ``ref``."""
+async def _install_ref(dsn: str, backend: PostgresBackend, table: str, ref: str) -> None:
+    """Replace the v4 functions of store ``table`` by those of git ``ref``, and give
+    ``backend`` the ref's named-lease statements (``leases.sql``)."""
     saved = {key: getattr(st, key) for key in _TEMPLATES}
+    queries = dict(st.QUERIES)
     try:
         for key, name in _TEMPLATES.items():
             setattr(st, key, _ref_text(ref, name))
+        st.QUERIES.update(st.parse_queries(_ref_text(ref, "leases.sql")))
         sql = st.Statements(None, table)
     finally:
         for key, value in saved.items():
             setattr(st, key, value)
+        st.QUERIES.clear()
+        st.QUERIES.update(queries)
+    for key in ("lease_acquire", "lease_release"):  # same parameters on both sides
+        setattr(backend._sql, key, getattr(sql, key))
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         for create in (sql.create_failover_function, sql.create_claim_function,
                        sql.create_batch_function, sql.create_finish_function,
@@ -117,10 +126,10 @@ async def _run(args: argparse.Namespace) -> None:
         await ref_b.start()
         await tree_b.start()
         if args.swap:
-            await _install_ref(dsn, "ab_tree", args.ref)
+            await _install_ref(dsn, tree_b, "ab_tree", args.ref)
             ref_b, tree_b, pid_a, pid_b = tree_b, ref_b, pid_b, pid_a
         else:
-            await _install_ref(dsn, "ab_ref", args.ref)
+            await _install_ref(dsn, ref_b, "ab_ref", args.ref)
         raw = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
         try:
             await raw.execute(SHEDLOCK_TABLE)
