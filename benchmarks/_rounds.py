@@ -1,4 +1,5 @@
-"""Interleaved rounds of sequential contenders, the loop the lease and A/B benchmarks share.
+"""Interleaved rounds of sequential contenders, the loop the lease and A/B benchmarks share,
+and :func:`load_tree`, which the A/B tools use to import two checkouts side by side.
 
 Each contender is ``fn(i)``, called one after the other for a turn of ``seconds``; the
 rounds rotate the order (reversed every other round) so that a busy moment of a shared
@@ -7,12 +8,34 @@ machine moves one contender's turn, not always the same one's.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-__all__ = ["Op", "interleave", "turn"]
+__all__ = ["Op", "interleave", "load_tree", "turn"]
+
+T = TypeVar("T")
+
+#: The project's top-level packages, imported afresh from each tree.
+PACKAGES = ("adapters", "backends", "lease_core", "benchmarks")
 
 Op = Callable[[int], Awaitable[None]]
+
+
+def load_tree(tree: str, imports: Callable[[], T]) -> T:
+    """Call ``imports`` with the project's packages imported afresh from checkout ``tree``.
+
+    The modules already loaded stay alive through the objects that hold them, so two
+    trees' classes can run side by side in one process.
+    """
+    for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES]:
+        del sys.modules[name]
+    sys.path.insert(0, tree)
+    try:
+        return imports()
+    finally:
+        sys.path.remove(tree)
 
 
 async def turn(fn: Op, seconds: float, start_at: int) -> tuple[float, float, int]:

@@ -1,6 +1,6 @@
 """Paired A/B of one burst (benchmarks/burst.py's anarchon side) between two trees.
 
-``python -m benchmarks.burst_ab --base /work/main [--stores memory,redis,pg]
+``python -m benchmarks.burst_ab --base <checkout> [--stores memory,redis,pg]
 [--sizes 1000] [--rounds 6]``: both trees' ``lease_core`` and ``backends`` are imported
 side by side in one process; each round runs one burst per tree (3 schedulers, every job
 due at one slot after the fleet is known), in an order that alternates from round to
@@ -23,26 +23,27 @@ from typing import Any
 
 import anyio
 
+from ._rounds import load_tree
+from .burst import INSTANCES, _until, _wait_all
+
 ROOT = Path(__file__).resolve().parent.parent
-_OURS = {"lease_core", "backends", "adapters"}
+
+
+def _imports() -> SimpleNamespace:
+    """The classes a burst uses (imported by :func:`load_tree`)."""
+    import backends.memory
+    import backends.postgres
+    import backends.redis
+    import lease_core
+    return SimpleNamespace(Scheduler=lease_core.Scheduler,
+                           Memory=backends.memory.MemoryBackend,
+                           Redis=backends.redis.RedisBackend,
+                           Postgres=backends.postgres.PostgresBackend)
 
 
 def _load(tree: str) -> SimpleNamespace:
     """The classes a burst uses, imported from ``tree``."""
-    for name in [n for n in sys.modules if n.split(".")[0] in _OURS]:
-        del sys.modules[name]
-    sys.path.insert(0, tree)
-    try:
-        import backends.memory
-        import backends.postgres
-        import backends.redis
-        import lease_core
-        return SimpleNamespace(Scheduler=lease_core.Scheduler,
-                               Memory=backends.memory.MemoryBackend,
-                               Redis=backends.redis.RedisBackend,
-                               Postgres=backends.postgres.PostgresBackend)
-    finally:
-        sys.path.remove(tree)
+    return load_tree(tree, _imports)
 
 
 async def _burst(side: SimpleNamespace, servers: Any, store: str, n: int) -> dict[str, float]:
@@ -55,7 +56,7 @@ async def _burst(side: SimpleNamespace, servers: Any, store: str, n: int) -> dic
 
     memory = side.Memory()
     schedulers = []
-    for i in range(3):
+    for i in range(INSTANCES):
         backend = (memory if store == "memory"
                    else side.Redis(servers.redis_url, prefix=f"bab{tag}") if store == "redis"
                    else side.Postgres(servers.dsn, table="burst_ab_runs"))
@@ -67,17 +68,13 @@ async def _burst(side: SimpleNamespace, servers: Any, store: str, n: int) -> dic
     try:
         for s in schedulers:
             await s.start()
-        while not all(s.health().fleet_size == 3 for s in schedulers):
+        while not all(s.health().fleet_size == INSTANCES for s in schedulers):
             if time.time() * 1000 > slot - 100:
                 raise RuntimeError("the fleet was not known before the slot")
             await anyio.sleep(0.02)
-        await anyio.sleep(max(0.0, (slot - 50) / 1000 - time.time()))
+        await _until(slot - 50)
         cpu = time.process_time()
-        deadline = time.monotonic() + 60
-        while len(started) < n:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {len(started)} of {n} handlers started")
-            await anyio.sleep(0.002)
+        await _wait_all(started, n, 60)
         cpu = time.process_time() - cpu
     finally:
         for s in schedulers:
@@ -118,7 +115,7 @@ def main() -> None:
     from ._util import pg_servers
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--base", default="/work/main")
+    parser.add_argument("--base", required=True, help="the base side's checkout")
     parser.add_argument("--stores", default="memory,redis,pg")
     parser.add_argument("--sizes", default="1000")
     parser.add_argument("--rounds", type=int, default=6)

@@ -1,6 +1,6 @@
 """Paired A/B of two source trees on Redis, in one process: ``python -m benchmarks.redis_ab``.
 
-``python -m benchmarks.redis_ab --base /work/main [--url redis://...] [--rounds 15]``
+``python -m benchmarks.redis_ab --base <checkout> [--url redis://...] [--rounds 15]``
 imports the library twice, once from ``--base`` (the A side, e.g. main's checkout) and
 once from this checkout (B), and runs interleaved rounds (order rotated every round) of:
 ``Lease`` acquire + release, the contract's two calls alone
@@ -22,34 +22,31 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks._rounds import Op, interleave
+from benchmarks._rounds import Op, interleave, load_tree
 
 __all__ = ["main"]
 
-_OURS = ("adapters", "backends", "lease_core", "benchmarks")
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _imports() -> SimpleNamespace:
+    """The classes the contenders use (imported by :func:`load_tree`)."""
+    import backends.redis
+    import lease_core
+    import lease_core.abc
+    return SimpleNamespace(RedisBackend=backends.redis.RedisBackend,
+                           Lease=lease_core.Lease, abc=lease_core.abc,
+                           Outcome=lease_core.abc.Outcome)
 
 
 def _load(tree: str) -> SimpleNamespace:
     """The classes the contenders use, imported from ``tree``."""
-    for name in [n for n in sys.modules if n.split(".")[0] in _OURS]:
-        del sys.modules[name]
-    sys.path.insert(0, tree)
-    try:
-        import backends.redis
-        import lease_core
-        import lease_core.abc
-        return SimpleNamespace(RedisBackend=backends.redis.RedisBackend,
-                               Lease=lease_core.Lease, abc=lease_core.abc,
-                               Outcome=lease_core.abc.Outcome)
-    finally:
-        sys.path.remove(tree)
+    return load_tree(tree, _imports)
 
 
 def _contenders(side: SimpleNamespace, backend: Any, tag: str) -> dict[str, Op]:
