@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -27,6 +28,12 @@ REDUCTION_TARGET = 10.0
 #: A burst of jobs due at one instant: peer ÷ anarchon, round trips and time.
 BURST_ROUND_TRIPS_TARGET = 5.0
 BURST_TIME_TARGET = 3.0
+#: Below this much store CPU on either side (seconds, the median of the bursts), a burst's
+#: store-CPU ratio is reported but not tracked: a few milliseconds of redis-server CPU are
+#: within the kernel's accounting noise, so the ratio of two such figures is bimodal.
+BURST_STORE_CPU_FLOOR_S = 0.05
+#: The sections whose module reports its own ratios, targets and Markdown.
+SECTION_MODULES = ("fleet", "fleet_kill", "burst_fleet")
 #: The peer each store's target is judged against.
 PEER_OF_TARGET = {"redis": ("redis_py_asyncio_lock", REDIS_PEER_TARGET),
                   "pg": ("shedlock_upsert_raw_psycopg", PG_PEER_TARGET)}
@@ -60,13 +67,13 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
             # The first handler's start (a lock holder starts at once) and the new
             # connections (the locks' clients connect before the slot) are reported,
             # not tracked: they are near zero, so noise alone would move them by half.
-            if figure not in ("first_ms", "connections"):
+            if figure not in ("first_ms", "connections") and _tracked(cell, figure):
                 out[f"burst.{key}.{figure}_vs_{cell['peer']}"] = spread["median"]
         if cell.get("balance"):
             # fair share ÷ the busiest instance's handlers: 1.0 is a perfect spread
             out[f"burst.{key}.fair_share_over_busiest"] = round(
                 1 / cell["balance"]["median"], 3)
-    for name in ("fleet", "fleet_kill"):
+    for name in SECTION_MODULES:
         if results.get(name):
             out.update(_section(name).ratios(results[name]))
     for store, section in results.get("lease", {}).items():
@@ -80,11 +87,17 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _tracked(cell: dict[str, Any], figure: str) -> bool:
+    """False for a store-CPU ratio whose smaller side is below the floor."""
+    if figure != "store_cpu_s":
+        return True
+    sides = [m.get("store_cpu_s") or 0.0 for m in cell["median"].values()]
+    return min(sides) >= BURST_STORE_CPU_FLOOR_S
+
+
 def _section(name: str) -> Any:
     """The module of a section that reports its own ratios, targets and Markdown."""
-    from . import fleet, fleet_kill
-
-    return fleet if name == "fleet" else fleet_kill
+    return importlib.import_module(f".{name}", __package__)
 
 
 def targets(results: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +135,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         from .scale import targets as scale_targets
 
         out.update(scale_targets(results["scale"]))
-    for name in ("fleet", "fleet_kill"):
+    for name in SECTION_MODULES:
         if results.get(name):
             out.update(_section(name).targets(results[name]))
     for key, cell in results.get("burst", {}).items():
@@ -478,7 +491,7 @@ def write_markdown(results: dict[str, Any], path: Path, images: list[str]) -> No
             if b:
                 lines.append(f"| {key} | anarchon balance (busiest ÷ fair share) | "
                              f"{b['median']:.2f} [{b['min']:.2f}, {b['max']:.2f}] | | | | |")
-    for name in ("fleet", "fleet_kill"):
+    for name in SECTION_MODULES:
         if results.get(name):
             lines += ["", *_section(name).markdown(results[name])]
     if images:

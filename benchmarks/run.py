@@ -19,7 +19,7 @@ from . import report
 from ._util import environment, pg_servers
 
 SECTIONS = ("throughput", "heartbeat", "load", "rss", "failover", "peers", "cluster", "scale",
-            "burst", "lease", "fleet", "fleet_kill", "cpu")
+            "burst", "burst_fleet", "lease", "fleet", "fleet_kill", "cpu")
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -84,6 +84,11 @@ async def _run(servers: Any, args: argparse.Namespace, results: dict[str, Any]) 
             servers, sizes=(100,) if quick else (100, 1000),
             stores=("redis",) if quick else ("redis", "pg"), rounds=3 if quick else 5,
             log=log)
+    if "burst_fleet" in only and not quick:
+        from .burst_fleet import run_burst_fleet
+
+        log("burst: jobs due at one instant, 3 instances in 3 processes")
+        results["burst_fleet"] = await run_burst_fleet(servers, rounds=5, log=log)
     if "lease" in only:
         from .lease import run_lease
 
