@@ -21,19 +21,27 @@ processes, is checked. Round trips and store CPU are :mod:`benchmarks.burst`'s f
 (the children are not instrumented). The machine has 2 CPUs for the 3 children and the
 store, on both sides alike.
 
-``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS]``, e.g. ``100,1000 redis,pg 3``.
+``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS] [--rtt-ms MS] [--gc-freeze]
+[--profile DIR]``, e.g.
+``100,1000 redis,pg 3``. The store runs on the loopback device, whose round trip (tens of
+microseconds) is far shorter than between machines: ``--rtt-ms 0.5`` (root, ``tc``) adds
+a round-trip time such as one data centre's on the store's ports only, for both sides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,19 +81,24 @@ async def _child(spec: dict[str, Any]) -> None:
     started: dict[str, float] = {}
     doubles = [0]
     stop: Callable[[], Any]
-    if spec["contender"] == "anarchon":
-        stop = await _child_anarchon(spec, started, doubles)
-    else:
-        stop = await _child_locks(spec, started)
-    try:
-        async with anyio.wrap_file(sys.stdin) as commands:
-            async for line in commands:
-                if line.strip() == "report":
-                    print(json.dumps({"started": started, "doubles": doubles[0]}), flush=True)
-                elif line.strip() == "stop":
-                    break
-    finally:
-        await stop()
+    async with anyio.create_task_group() as tg:
+        if spec.get("profile"):
+            path = Path(spec["profile"]) / f"{spec['contender']}-{spec['index']}.prof"
+            tg.start_soon(_profile_window, spec["slot"], path)
+        if spec["contender"] == "anarchon":
+            stop = await _child_anarchon(spec, started, doubles)
+        else:
+            stop = await _child_locks(spec, started)
+        try:
+            async with anyio.wrap_file(sys.stdin) as commands:
+                async for line in commands:
+                    if line.strip() == "report":
+                        print(json.dumps({"started": started, "doubles": doubles[0]}),
+                              flush=True)
+                    elif line.strip() == "stop":
+                        break
+        finally:
+            await stop()
 
 
 async def _child_anarchon(spec: dict[str, Any], started: dict[str, float],
@@ -113,8 +126,42 @@ async def _child_anarchon(spec: dict[str, Any], started: dict[str, float],
             await scheduler.stop(grace=5)
             raise RuntimeError("the scheduler did not know the whole fleet before the slot")
         await anyio.sleep(0.02)
+    if spec.get("gc_freeze"):
+        import gc
+
+        gc.freeze()  # the fleet guide's advice for a service once it has started
     print("ready", flush=True)
     return lambda: scheduler.stop(grace=5)
+
+
+async def _profile_window(slot: int, path: Path) -> None:
+    """cProfile this process from just before the slot until 1 s after it, into ``path``
+    (``python -m pstats`` reads it), and the garbage collector's pauses in that window
+    into ``<path>.gc.json``."""
+    import cProfile
+    import gc
+
+    profiler = cProfile.Profile()
+    pauses: list[tuple[int, float]] = []
+    began = [0.0]
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], (time.perf_counter() - began[0]) * 1000))
+
+    await _until(slot - 2)
+    gc.callbacks.append(timed)
+    profiler.enable()
+    await _until(slot + 1000)
+    profiler.disable()
+    gc.callbacks.remove(timed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(path)
+    path.with_suffix(".gc.json").write_text(json.dumps({
+        "collections": pauses, "ms_by_generation": {
+            g: round(sum(ms for gen, ms in pauses if gen == g), 2) for g in (0, 1, 2)}}))
 
 
 async def _child_locks(spec: dict[str, Any], started: dict[str, float]) -> Callable[[], Any]:
@@ -168,7 +215,8 @@ async def _spawn(spec: dict[str, Any]) -> _Child:
     return _Child(process)
 
 
-async def _burst(servers: Servers, store: str, contender: str, n: int) -> dict[str, Any]:
+async def _burst(servers: Servers, store: str, contender: str, n: int,
+                 extra: dict[str, Any]) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
     lead = CHILD_START_MS + (int(FLEET_LEAD_S * 1000) + 4 * n if contender == "anarchon"
                              else 300)
@@ -178,7 +226,8 @@ async def _burst(servers: Servers, store: str, contender: str, n: int) -> dict[s
     try:
         for i in range(INSTANCES):
             children.append(await _spawn({"contender": contender, "store": store, "url": url,
-                                          "index": i, "jobs": n, "tag": tag, "slot": slot}))
+                                          "index": i, "jobs": n, "tag": tag, "slot": slot,
+                                          **extra}))
         with anyio.fail_after(lead / 1000 + 5):
             for child in children:
                 if (await child.line()).strip() != "ready":
@@ -234,7 +283,8 @@ def _spread(values: list[float]) -> dict[str, Any]:
             "max": round(ordered[-1], 2), "rounds": len(ordered)}
 
 
-async def _cell(servers: Servers, store: str, n: int, rounds: int) -> dict[str, Any]:
+async def _cell(servers: Servers, store: str, n: int, rounds: int, *,
+                profile: Path | None, gc_freeze: bool) -> dict[str, Any]:
     peer = "redis_py_lock" if store == "redis" else "shedlock_raw_psycopg"
     if store == "pg":
         async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as c:
@@ -242,7 +292,9 @@ async def _cell(servers: Servers, store: str, n: int, rounds: int) -> dict[str, 
     runs: dict[str, list[dict[str, Any]]] = {"anarchon": [], peer: []}
     for r in range(rounds):
         for name in (["anarchon", peer] if r % 2 == 0 else [peer, "anarchon"]):
-            runs[name].append(await _burst(servers, store, name, n))
+            where = profile and str(profile / f"{store}.{n}.r{r}")
+            runs[name].append(await _burst(servers, store, name, n,
+                                           {"profile": where, "gc_freeze": gc_freeze}))
     ratios = {key: _spread([p[key] / a[key] for a, p in zip(runs["anarchon"], runs[peer],
                                                             strict=True) if a[key] > 0])
               for key in ("latency_ms", "first_ms")}
@@ -258,14 +310,22 @@ async def _cell(servers: Servers, store: str, n: int, rounds: int) -> dict[str, 
 
 async def run_burst_fleet(servers: Servers, *, sizes: tuple[int, ...] = (100, 1000),
                           stores: tuple[str, ...] = ("redis", "pg"), rounds: int = 5,
-                          log: Callable[[str], None] = print) -> dict[str, Any]:
+                          log: Callable[[str], None] = print,
+                          profile: Path | None = None,
+                          gc_freeze: bool = False) -> dict[str, Any]:
     """Every (store, size) cell, one process per instance; returns the cells by
-    ``<store>.<jobs>.processes`` (the keys :mod:`benchmarks.burst`'s section takes)."""
+    ``<store>.<jobs>.processes`` (the keys :mod:`benchmarks.burst`'s section takes).
+
+    With ``profile``, each child writes cProfile statistics of its burst window (from the
+    slot to 1 s after it) to ``profile/<store>.<jobs>.r<round>/<contender>-<i>.prof``.
+    With ``gc_freeze``, anarchon's children call ``gc.freeze()`` once started.
+    """
     out: dict[str, Any] = {}
     for store in stores:
         for n in sizes:
             key = f"{store}.{n}.processes"
-            cell = out[key] = await _cell(servers, store, n, rounds)
+            cell = out[key] = await _cell(servers, store, n, rounds, profile=profile,
+                                          gc_freeze=gc_freeze)
             a, p = cell["median"]["anarchon"], cell["median"][cell["peer"]]
             log(f"  burst {key:<15} latency anarchon {a['latency_ms']:.0f} ms, {cell['peer']} "
                 f"{p['latency_ms']:.0f} ms; ratio {cell['ratio_peer_over_anarchon']['latency_ms']}"
@@ -319,22 +379,85 @@ def markdown(section: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    """``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS]``, or a child."""
+    """``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS] [--rtt-ms MS]``, or a
+    child."""
     if len(sys.argv) > 2 and sys.argv[1] == "child":
         anyio.run(_child, json.loads(sys.argv[2]))
         return
+    import argparse
+
     from ._util import pg_servers
 
-    sizes = tuple(int(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "100").split(","))
-    stores = tuple((sys.argv[2] if len(sys.argv) > 2 else "redis,pg").split(","))
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.burst_fleet",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("sizes", nargs="?", default="100", help="jobs per burst, e.g. 100,1000")
+    parser.add_argument("stores", nargs="?", default="redis,pg", help="redis, pg or both")
+    parser.add_argument("rounds", nargs="?", type=int, default=3, help="bursts per contender")
+    parser.add_argument("--rtt-ms", type=float, default=0.0,
+                        help="add this round-trip time between the instances and the store "
+                             "(tc netem on the loopback device, on the store's port only; "
+                             "needs root and tc)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="anarchon's children call gc.freeze() once started, as the "
+                             "fleet guide advises a service where bursts matter")
+    parser.add_argument("--profile", type=Path, help="write each child's cProfile "
+                        "statistics of its burst window under this folder")
+    args = parser.parse_args()
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    stores = tuple(args.stores.split(","))
     with pg_servers() as servers:
-        result = anyio.run(lambda: run_burst_fleet(
-            servers, sizes=sizes, stores=stores, rounds=rounds,
-            log=lambda t: print(t, file=sys.stderr)))
+        ports = [p for p in (_port(servers.redis_url) if "redis" in stores else None,
+                             _port(servers.dsn) if "pg" in stores else None) if p]
+        with _delayed(ports, args.rtt_ms):
+            result = anyio.run(lambda: run_burst_fleet(
+                servers, sizes=sizes, stores=stores, rounds=args.rounds,
+                log=lambda t: print(t, file=sys.stderr), profile=args.profile,
+                gc_freeze=args.gc_freeze))
     for cell in result.values():
         cell.pop("runs")
+        cell["rtt_ms_added"] = args.rtt_ms
+        cell["gc_freeze"] = args.gc_freeze
     print(json.dumps(result, indent=1))
+
+
+def _port(url: str) -> int:
+    """The TCP port of a ``redis://`` URL or a PostgreSQL DSN (URL or key=value)."""
+    if "://" in url:
+        port = urllib.parse.urlsplit(url).port
+    else:
+        port = int(dict(kv.split("=", 1) for kv in url.split()).get("port", 5432))
+    if port is None:
+        raise ValueError(f"no port in {url!r}")
+    return port
+
+
+@contextlib.contextmanager
+def _delayed(ports: list[int], rtt_ms: float) -> Iterator[None]:
+    """Delay every packet to and from 127.0.0.1 on ``ports`` by half of ``rtt_ms``.
+
+    A prio qdisc on ``lo`` with a fourth band under ``netem``; u32 filters send the
+    ports' packets (either direction) there, everything else keeps the first three bands.
+    Removed on the way out. Nothing is changed when ``rtt_ms`` is 0.
+    """
+    if not rtt_ms:
+        yield
+        return
+    if shutil.which("tc") is None:
+        raise SystemExit("--rtt-ms needs tc (Debian's iproute2) and root")
+    half = f"{rtt_ms * 500:.0f}us"
+    commands = [
+        "qdisc add dev lo root handle 1: prio bands 4 priomap 1 2 2 2 1 2 0 0 1 1 1 1 1 1 1 1",
+        f"qdisc add dev lo parent 1:4 handle 40: netem delay {half} limit 100000"]
+    for port in ports:
+        for side in ("dport", "sport"):
+            commands.append(f"filter add dev lo parent 1: protocol ip prio 1 u32 match ip "
+                            f"{side} {port} 0xffff flowid 1:4")
+    try:
+        for command in commands:
+            subprocess.run(["tc", *command.split()], check=True)
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
 
 
 if __name__ == "__main__":
