@@ -21,8 +21,8 @@ processes, is checked. Round trips and store CPU are :mod:`benchmarks.burst`'s f
 (the children are not instrumented). The machine has 2 CPUs for the 3 children and the
 store, on both sides alike.
 
-``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS] [--rtt-ms MS] [--gc-freeze]
-[--profile DIR]``, e.g.
+``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS] [--rtt-ms MS]
+[--gc collect|freeze] [--profile DIR]``, e.g.
 ``100,1000 redis,pg 3``. The store runs on the loopback device, whose round trip (tens of
 microseconds) is far shorter than between machines: ``--rtt-ms 0.5`` (root, ``tc``) adds
 a round-trip time such as one data centre's on the store's ports only, for both sides.
@@ -126,12 +126,19 @@ async def _child_anarchon(spec: dict[str, Any], started: dict[str, float],
             await scheduler.stop(grace=5)
             raise RuntimeError("the scheduler did not know the whole fleet before the slot")
         await anyio.sleep(0.02)
-    if spec.get("gc_freeze"):
-        import gc
-
-        gc.freeze()  # the fleet guide's advice for a service once it has started
-    print("ready", flush=True)
+    _ready(spec)
     return lambda: scheduler.stop(grace=5)
+
+
+def _ready(spec: dict[str, Any]) -> None:
+    """Apply the ``gc`` setting (see :func:`run_burst_fleet`), then tell the parent."""
+    import gc
+
+    if spec.get("gc") == "collect":
+        gc.collect()
+    elif spec.get("gc") == "freeze":
+        gc.freeze()
+    print("ready", flush=True)
 
 
 async def _profile_window(slot: int, path: Path) -> None:
@@ -169,7 +176,7 @@ async def _child_locks(spec: dict[str, Any], started: dict[str, float]) -> Calla
     if spec["store"] == "redis":
         client = redis.asyncio.Redis.from_url(spec["url"])
         await client.ping()  # connected before the slot, as a running service would be
-        print("ready", flush=True)
+        _ready(spec)
         await _until(slot)
         for j in range(n):
             lock = client.lock(f"burst{tag}:lock:{j}:{slot}", timeout=30)
@@ -177,7 +184,7 @@ async def _child_locks(spec: dict[str, Any], started: dict[str, float]) -> Calla
                 started.setdefault(f"{tag}-{j}", time.time() * 1000)
         return client.aclose
     conn = await psycopg.AsyncConnection.connect(spec["url"], autocommit=True)
-    print("ready", flush=True)
+    _ready(spec)
     await _until(slot)
     for j in range(n):
         cur = await conn.execute(SHEDLOCK_LOCK, (f"{tag}-{j}", 30_000, f"i{i}", 30_000,
@@ -284,7 +291,7 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 
 async def _cell(servers: Servers, store: str, n: int, rounds: int, *,
-                profile: Path | None, gc_freeze: bool) -> dict[str, Any]:
+                profile: Path | None, gc: str) -> dict[str, Any]:
     peer = "redis_py_lock" if store == "redis" else "shedlock_raw_psycopg"
     if store == "pg":
         async with await psycopg.AsyncConnection.connect(servers.dsn, autocommit=True) as c:
@@ -294,7 +301,7 @@ async def _cell(servers: Servers, store: str, n: int, rounds: int, *,
         for name in (["anarchon", peer] if r % 2 == 0 else [peer, "anarchon"]):
             where = profile and str(profile / f"{store}.{n}.r{r}")
             runs[name].append(await _burst(servers, store, name, n,
-                                           {"profile": where, "gc_freeze": gc_freeze}))
+                                           {"profile": where, "gc": gc}))
     ratios = {key: _spread([p[key] / a[key] for a, p in zip(runs["anarchon"], runs[peer],
                                                             strict=True) if a[key] > 0])
               for key in ("latency_ms", "first_ms")}
@@ -312,20 +319,23 @@ async def run_burst_fleet(servers: Servers, *, sizes: tuple[int, ...] = (100, 10
                           stores: tuple[str, ...] = ("redis", "pg"), rounds: int = 5,
                           log: Callable[[str], None] = print,
                           profile: Path | None = None,
-                          gc_freeze: bool = False) -> dict[str, Any]:
+                          gc: str = "none") -> dict[str, Any]:
     """Every (store, size) cell, one process per instance; returns the cells by
     ``<store>.<jobs>.processes`` (the keys :mod:`benchmarks.burst`'s section takes).
 
     With ``profile``, each child writes cProfile statistics of its burst window (from the
     slot to 1 s after it) to ``profile/<store>.<jobs>.r<round>/<contender>-<i>.prof``.
-    With ``gc_freeze``, anarchon's children call ``gc.freeze()`` once started.
+    ``gc``: ``"collect"``, every child (both sides) runs one full collection once
+    started, as a service that has run for a while has had its start-up objects walked
+    once; ``"freeze"``, every child calls ``gc.freeze()`` once started, as the fleet guide
+    advises a service where bursts matter; ``"none"`` (the default) neither.
     """
     out: dict[str, Any] = {}
     for store in stores:
         for n in sizes:
             key = f"{store}.{n}.processes"
             cell = out[key] = await _cell(servers, store, n, rounds, profile=profile,
-                                          gc_freeze=gc_freeze)
+                                          gc=gc)
             a, p = cell["median"]["anarchon"], cell["median"][cell["peer"]]
             log(f"  burst {key:<15} latency anarchon {a['latency_ms']:.0f} ms, {cell['peer']} "
                 f"{p['latency_ms']:.0f} ms; ratio {cell['ratio_peer_over_anarchon']['latency_ms']}"
@@ -397,9 +407,9 @@ def main() -> None:
                         help="add this round-trip time between the instances and the store "
                              "(tc netem on the loopback device, on the store's port only; "
                              "needs root and tc)")
-    parser.add_argument("--gc-freeze", action="store_true",
-                        help="anarchon's children call gc.freeze() once started, as the "
-                             "fleet guide advises a service where bursts matter")
+    parser.add_argument("--gc", choices=("none", "collect", "freeze"), default="none",
+                        help="once started, every child runs gc.collect() or gc.freeze() "
+                             "(see run_burst_fleet)")
     parser.add_argument("--profile", type=Path, help="write each child's cProfile "
                         "statistics of its burst window under this folder")
     args = parser.parse_args()
@@ -412,11 +422,11 @@ def main() -> None:
             result = anyio.run(lambda: run_burst_fleet(
                 servers, sizes=sizes, stores=stores, rounds=args.rounds,
                 log=lambda t: print(t, file=sys.stderr), profile=args.profile,
-                gc_freeze=args.gc_freeze))
+                gc=args.gc))
     for cell in result.values():
         cell.pop("runs")
         cell["rtt_ms_added"] = args.rtt_ms
-        cell["gc_freeze"] = args.gc_freeze
+        cell["gc"] = args.gc
     print(json.dumps(result, indent=1))
 
 
