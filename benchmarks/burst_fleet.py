@@ -21,27 +21,22 @@ processes, is checked. Round trips and store CPU are :mod:`benchmarks.burst`'s f
 (the children are not instrumented). The machine has 2 CPUs for the 3 children and the
 store, on both sides alike.
 
-``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS] [--rtt-ms MS]
-[--gc collect|freeze] [--profile DIR]``, e.g.
-``100,1000 redis,pg 3``. The store runs on the loopback device, whose round trip (tens of
-microseconds) is far shorter than between machines: ``--rtt-ms 0.5`` (root, ``tc``) adds
-a round-trip time such as one data centre's on the store's ports only, for both sides.
+``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS] [--gc collect|freeze]
+[--profile DIR]``, e.g. ``100,1000 redis,pg 3``. The store runs on the loopback device,
+whose round trip (tens of microseconds) is far shorter than between machines; the lock
+side pays one per job and instance, anarchon one per batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
-import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -389,8 +384,8 @@ def markdown(section: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    """``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS] [--rtt-ms MS]``, or a
-    child."""
+    """``python -m benchmarks.burst_fleet [SIZES] [STORES] [ROUNDS] [--gc ...]
+    [--profile DIR]``, or a child."""
     if len(sys.argv) > 2 and sys.argv[1] == "child":
         anyio.run(_child, json.loads(sys.argv[2]))
         return
@@ -403,10 +398,6 @@ def main() -> None:
     parser.add_argument("sizes", nargs="?", default="100", help="jobs per burst, e.g. 100,1000")
     parser.add_argument("stores", nargs="?", default="redis,pg", help="redis, pg or both")
     parser.add_argument("rounds", nargs="?", type=int, default=3, help="bursts per contender")
-    parser.add_argument("--rtt-ms", type=float, default=0.0,
-                        help="add this round-trip time between the instances and the store "
-                             "(tc netem on the loopback device, on the store's port only; "
-                             "needs root and tc)")
     parser.add_argument("--gc", choices=("none", "collect", "freeze"), default="none",
                         help="once started, every child runs gc.collect() or gc.freeze() "
                              "(see run_burst_fleet)")
@@ -416,58 +407,13 @@ def main() -> None:
     sizes = tuple(int(s) for s in args.sizes.split(","))
     stores = tuple(args.stores.split(","))
     with pg_servers() as servers:
-        ports = [p for p in (_port(servers.redis_url) if "redis" in stores else None,
-                             _port(servers.dsn) if "pg" in stores else None) if p]
-        with _delayed(ports, args.rtt_ms):
-            result = anyio.run(lambda: run_burst_fleet(
-                servers, sizes=sizes, stores=stores, rounds=args.rounds,
-                log=lambda t: print(t, file=sys.stderr), profile=args.profile,
-                gc=args.gc))
+        result = anyio.run(lambda: run_burst_fleet(
+            servers, sizes=sizes, stores=stores, rounds=args.rounds,
+            log=lambda t: print(t, file=sys.stderr), profile=args.profile, gc=args.gc))
     for cell in result.values():
         cell.pop("runs")
-        cell["rtt_ms_added"] = args.rtt_ms
         cell["gc"] = args.gc
     print(json.dumps(result, indent=1))
-
-
-def _port(url: str) -> int:
-    """The TCP port of a ``redis://`` URL or a PostgreSQL DSN (URL or key=value)."""
-    if "://" in url:
-        port = urllib.parse.urlsplit(url).port
-    else:
-        port = int(dict(kv.split("=", 1) for kv in url.split()).get("port", 5432))
-    if port is None:
-        raise ValueError(f"no port in {url!r}")
-    return port
-
-
-@contextlib.contextmanager
-def _delayed(ports: list[int], rtt_ms: float) -> Iterator[None]:
-    """Delay every packet to and from 127.0.0.1 on ``ports`` by half of ``rtt_ms``.
-
-    A prio qdisc on ``lo`` with a fourth band under ``netem``; u32 filters send the
-    ports' packets (either direction) there, everything else keeps the first three bands.
-    Removed on the way out. Nothing is changed when ``rtt_ms`` is 0.
-    """
-    if not rtt_ms:
-        yield
-        return
-    if shutil.which("tc") is None:
-        raise SystemExit("--rtt-ms needs tc (Debian's iproute2) and root")
-    half = f"{rtt_ms * 500:.0f}us"
-    commands = [
-        "qdisc add dev lo root handle 1: prio bands 4 priomap 1 2 2 2 1 2 0 0 1 1 1 1 1 1 1 1",
-        f"qdisc add dev lo parent 1:4 handle 40: netem delay {half} limit 100000"]
-    for port in ports:
-        for side in ("dport", "sport"):
-            commands.append(f"filter add dev lo parent 1: protocol ip prio 1 u32 match ip "
-                            f"{side} {port} 0xffff flowid 1:4")
-    try:
-        for command in commands:
-            subprocess.run(["tc", *command.split()], check=True)
-        yield
-    finally:
-        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
 
 
 if __name__ == "__main__":
