@@ -46,6 +46,10 @@ import psycopg
 import redis.asyncio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from backends.postgres import PostgresBackend
+from backends.redis import RedisBackend
+from lease_core import Scheduler
+
 from ._util import Servers
 from .burst import (
     FLEET_LEAD_S,
@@ -56,6 +60,7 @@ from .burst import (
     SHEDLOCK_TABLE,
     TARGET_BALANCE,
     TARGET_TIME,
+    _spread,
     _until,
 )
 
@@ -98,10 +103,6 @@ async def _child(spec: dict[str, Any]) -> None:
 
 async def _child_anarchon(spec: dict[str, Any], started: dict[str, float],
                           doubles: list[int]) -> Callable[[], Any]:
-    from backends.postgres import PostgresBackend
-    from backends.redis import RedisBackend
-    from lease_core import Scheduler
-
     slot, tag, url = spec["slot"], spec["tag"], spec["url"]
 
     async def handler(ctx: Any) -> None:
@@ -277,12 +278,6 @@ async def _collect(children: list[_Child], n: int) -> list[dict[str, Any]]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {count} of {n} handlers started within {LIMIT_S}s")
         await anyio.sleep(0.2)
-
-
-def _spread(values: list[float]) -> dict[str, Any]:
-    ordered = sorted(values)
-    return {"median": round(statistics.median(ordered), 2), "min": round(ordered[0], 2),
-            "max": round(ordered[-1], 2), "rounds": len(ordered)}
 
 
 async def _cell(servers: Servers, store: str, n: int, rounds: int, *,
