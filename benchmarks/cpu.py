@@ -15,6 +15,13 @@ CPU-second is taken within each round; the report gives the median of the per-ro
 ratios and their spread, the runs per second achieved against offered, and the
 *flatness*: library runs per CPU-second at the highest load ÷ at the lowest.
 
+The library runs twice per round: with the scheduler's default ``timer_slack`` (slots
+close together share a wake-up, and so their claims and finishes go in one call each) and
+with ``timer_slack=0`` (every slot claimed at its own instant, as the raw client does).
+Each handler notes how late it started (the local wall clock minus its slot), and each
+cell reports the median and 99th percentile of that lateness for both, which is what the
+slack costs.
+
 The servers are other processes: only the client's CPU is counted (on the memory backend
 the store lives in the client, in both the library and the raw runs).
 """
@@ -69,25 +76,33 @@ async def _window(seconds: float, count: Callable[[], int]) -> tuple[float, floa
     return time.process_time() - cpu, time.monotonic() - wall, count() - runs
 
 
-async def _library(backend: Backend, n: int, tag: str, warmup: float,
-                   seconds: float) -> dict[str, float]:
-    """One scheduler with ``n`` no-op jobs, measured over ``seconds`` after ``warmup``."""
+async def _library(backend: Backend, n: int, tag: str, warmup: float, seconds: float,
+                   timer_slack: float | None = None) -> dict[str, Any]:
+    """One scheduler with ``n`` no-op jobs, measured over ``seconds`` after ``warmup``.
+
+    ``timer_slack`` is the scheduler's (``None``: its default). Each handler also notes
+    how late it started (local wall clock minus its slot), for the lateness the slack
+    costs.
+    """
     # One instance id for every round: the members of earlier rounds would otherwise stay
     # live in the store for a lease, and rank first for some of the jobs.
-    scheduler = Scheduler(backend, instance_id="cpu-bench")
-    started = [0]
+    options = {} if timer_slack is None else {"timer_slack": timer_slack}
+    scheduler = Scheduler(backend, instance_id="cpu-bench", **options)
+    late: list[float] = []
 
     async def handler(ctx: Any) -> None:
-        started[0] += 1
+        late.append(time.time() * 1000 - ctx.slot)
 
     for i, offset in enumerate(_offsets(n)):
         scheduler.every(f"{tag}-{i}", "1s", handler, offset=offset / 1000)
     async with anyio.create_task_group() as tg:
         await tg.start(scheduler.run)
         await anyio.sleep(warmup)
-        cpu, wall, runs = await _window(seconds, lambda: started[0])
+        first = len(late)
+        cpu, wall, runs = await _window(seconds, lambda: len(late))
         await scheduler.stop(grace=5)
-    return {"cpu_s": cpu, "wall_s": wall, "runs": runs}
+    return {"cpu_s": cpu, "wall_s": wall, "runs": runs,
+            "late_ms": late[first:first + runs]}
 
 
 RunOp = Callable[[int, str, int], Awaitable[None]]
@@ -237,18 +252,22 @@ STORES: dict[str, type[_Store]] = {"memory": _Memory, "pg": _Postgres, "redis": 
 
 async def _cell(store: _Store, n: int, rounds: int, warmup: float, seconds: float,
                 log: Callable[[str], None]) -> dict[str, Any]:
-    lib: list[dict[str, float]] = []
-    raw: list[dict[str, float]] = []
+    lib: list[dict[str, Any]] = []
+    exact: list[dict[str, Any]] = []
+    raw: list[dict[str, Any]] = []
     for r in range(rounds):
         tag = f"c{n}r{r}{uuid.uuid4().hex[:4]}"
-        sides = [("lib", lib), ("raw", raw)]
+        sides = [("lib", lib), ("exact", exact), ("raw", raw)]
         for side, out in sides if r % 2 == 0 else sides[::-1]:
             if side == "lib":
                 out.append(await _library(store.backend(), n, tag, warmup, seconds))
+            elif side == "exact":
+                out.append(await _library(store.backend(), n, tag + "x", warmup, seconds,
+                                          timer_slack=0))
             else:
                 out.append(await _raw(store.raw, n, tag + "raw", warmup, seconds))
 
-    def per_cpu(m: dict[str, float]) -> float:
+    def per_cpu(m: dict[str, Any]) -> float:
         return m["runs"] / m["cpu_s"] if m["cpu_s"] > 0 else 0.0
 
     ratios = [per_cpu(a) / per_cpu(b) for a, b in zip(lib, raw, strict=True) if per_cpu(b)]
@@ -262,14 +281,29 @@ async def _cell(store: _Store, n: int, rounds: int, warmup: float, seconds: floa
         "achieved_runs_s": round(statistics.median(m["runs"] / m["wall_s"] for m in lib), 1),
         "raw_achieved_runs_s": round(statistics.median(m["runs"] / m["wall_s"] for m in raw), 1),
         "ratio_vs_raw": _spread(ratios),
+        "exact_runs_per_cpu_s": round(statistics.median(per_cpu(m) for m in exact), 1),
+        "late_ms": _lateness(lib),
+        "exact_late_ms": _lateness(exact),
         "library_rounds": [round(per_cpu(m), 1) for m in lib],
         "raw_rounds": [round(per_cpu(m), 1) for m in raw],
     }
     spread = cell["ratio_vs_raw"]
     log(f"  {store.name:<6} {n:>5}/s offered: {cell['achieved_runs_s']:>7.1f}/s achieved, "
         f"{cell['runs_per_cpu_s']:>7.1f} runs/CPU-s (raw {cell['raw_runs_per_cpu_s']:.1f}), "
-        f"lib/raw {spread['median']:.2f} [{spread['min']:.2f}, {spread['max']:.2f}]")
+        f"lib/raw {spread['median']:.2f} [{spread['min']:.2f}, {spread['max']:.2f}]; "
+        f"timer_slack=0: {cell['exact_runs_per_cpu_s']:.1f} runs/CPU-s; late p50/p99 "
+        f"{cell['late_ms']['p50']}/{cell['late_ms']['p99']} ms "
+        f"(timer_slack=0: {cell['exact_late_ms']['p50']}/{cell['exact_late_ms']['p99']})")
     return cell
+
+
+def _lateness(sides: list[dict[str, Any]]) -> dict[str, float]:
+    """Median and 99th percentile (ms) of how late the handlers of every round started."""
+    late = sorted(x for m in sides for x in m["late_ms"])
+    if not late:
+        return {"p50": 0.0, "p99": 0.0}
+    return {"p50": round(late[len(late) // 2], 1),
+            "p99": round(late[min(len(late) - 1, len(late) * 99 // 100)], 1)}
 
 
 async def run_cpu(servers: Servers, *, quick: bool, log: Callable[[str], None],

@@ -66,6 +66,9 @@ def test_errors_are_anarchon_errors_and_value_errors() -> None:
         ({"history_size": 0}, "history_size=0"),
         ({"history_ttl": "forever"}, "history_ttl='forever'"),
         ({"instance_id": ""}, "instance_id=''"),
+        ({"timer_slack": "-1ms"}, "timer_slack='-1ms'"),
+        ({"timer_slack": "soon"}, "timer_slack='soon'"),
+        ({"timer_slack": "5s", "heartbeat": "5s"}, "timer_slack='5s' must be shorter"),
     ],
 )
 def test_bad_scheduler_options(kwargs: dict[str, object], needle: str) -> None:

@@ -4,8 +4,10 @@ A claim batch runs its last won handler in its own task (the others in tasks of 
 own), so the handlers of one instant must still run side by side; the memory store's
 overlap check reads an index of the job's possibly-running slots, which must follow
 every way a run starts and stops running. The dispatcher sleeps on one timer and wakes
-slots due within a millisecond of each other together: they must be claimed in one call,
-never before their slot, and a slot queued during a long sleep must end it. The workers
+slots due within the scheduler's ``timer_slack`` of each other together: they must be
+claimed in one call, never before their slot nor later than each slot's own slack allows
+(at most a quarter of its job's period), and a slot queued during a long sleep must end
+it. The workers
 that claim and run handlers are reused, so each run must get a fresh context and a busy
 worker must never delay another run's start.
 """
@@ -13,6 +15,8 @@ worker must never delay another run's start.
 from __future__ import annotations
 
 import contextvars
+import heapq
+import random
 from collections.abc import Sequence
 
 import anyio
@@ -20,9 +24,10 @@ import anyio.lowlevel
 import pytest
 
 from backends.memory import MemoryBackend
-from lease_core import Outcome, RunContext, Scheduler
+from lease_core import ConfigurationError, Outcome, RunContext, Scheduler
 from lease_core._wakeups import Alarm, WorkerPool, in_context
 from lease_core.abc import ClaimRequest, ClaimResult, ClaimStatus, Lease
+from lease_core.engine.dispatch import WINDOW_LIMIT, wake_slot
 from tests.helpers import wait_history
 
 pytestmark = pytest.mark.anyio
@@ -102,8 +107,9 @@ class _Batches(MemoryBackend):
         return await super().claim_many(requests)
 
 
-async def test_slots_due_within_a_millisecond_are_claimed_in_one_wake_up() -> None:
-    # Two jobs whose slots are 1 ms apart (within COALESCE_MS), and a third 300 ms later.
+async def test_slots_due_within_the_timer_slack_are_claimed_in_one_wake_up() -> None:
+    # Three jobs whose slots lie within the default timer_slack (50 ms) of the first, and
+    # a fourth 300 ms later.
     store = _Batches()
     scheduler = Scheduler(store, instance_id="coalesce")
 
@@ -112,21 +118,83 @@ async def test_slots_due_within_a_millisecond_are_claimed_in_one_wake_up() -> No
 
     scheduler.every("near-a", "1s", handler, offset="100ms")
     scheduler.every("near-b", "1s", handler, offset="101ms")
+    scheduler.every("near-c", "1s", handler, offset="140ms")
     scheduler.every("far", "1s", handler, offset="400ms")
     async with anyio.create_task_group() as tg:
         await tg.start(scheduler.run)
         await wait_history(
-            scheduler, lambda h: len({a.job for a in h if a.outcome is not None}) >= 3
+            scheduler, lambda h: len({a.job for a in h if a.outcome is not None}) >= 4
             and sum(a.job == "near-b" and a.outcome is not None for a in h) >= 2,
             timeout=10, what="two runs of near-b, one of each other job")
         await scheduler.stop(grace=1)
     near = [sorted(job for job, _ in batch) for batch in store.batches
             if any(job.startswith("near") for job, _ in batch)]
-    assert near and all(jobs == ["near-a", "near-b"] for jobs in near), store.batches
+    assert near and all(jobs == ["near-a", "near-b", "near-c"] for jobs in near), store.batches
     assert all(len(batch) == 1 for batch in store.batches if ("far", batch[0][1]) in batch)
     # Never early: each claim is made at or after its slot (store time).
     history = await store.history()
     assert all(a.claimed_at >= a.scheduled_at for a in history), history
+
+
+def _brute_wake_slot(entries: list[tuple[int, int]]) -> int:
+    # The latest slot W such that every slot at or before W may wait until W.
+    slots = sorted({slot for slot, _ in entries})
+    return max(w for w in slots
+               if all(w - slot <= slack for slot, slack in entries if slot <= w))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_the_wake_up_is_the_latest_slot_every_earlier_slot_may_wait_for(seed: int) -> None:
+    rng = random.Random(seed)
+    due: list[tuple[int, int, None, int, int]] = []
+    for order in range(rng.randint(1, 60)):
+        slot = rng.randint(0, 300)
+        slack = rng.choice((0, 1, 5, 25, 50, 50, 50))
+        heapq.heappush(due, (slot, order, None, slot, slack))
+    wake = wake_slot(due)
+    assert wake == _brute_wake_slot([(e[0], e[4]) for e in due]), due
+    assert wake >= due[0][0]  # never before the next slot: nothing is claimed early
+
+
+def test_a_window_of_more_slots_than_the_limit_wakes_at_the_next_slot() -> None:
+    due = [(1000, i, None, 0, 50) for i in range(WINDOW_LIMIT)] + [(1040, -1, None, 0, 50)]
+    heapq.heapify(due)
+    assert wake_slot(due) == 1000
+    assert wake_slot(due[:WINDOW_LIMIT - 1] + [(1040, -1, None, 0, 50)]) == 1040
+
+
+def test_a_zero_slack_wakes_every_slot_at_its_own_instant() -> None:
+    due = [(1000, 0, None, 0, 0), (1001, 1, None, 0, 0), (1002, 2, None, 0, 50)]
+    assert wake_slot(due) == 1000
+    # A slot with no slack inside the window ends it at its own instant, and the first
+    # slot's slack bounds it whatever the later slots' are.
+    assert wake_slot([(1000, 0, None, 0, 50), (1010, 1, None, 0, 0),
+                      (1030, 2, None, 0, 50)]) == 1010
+    assert wake_slot([(1000, 0, None, 0, 20), (1010, 1, None, 0, 50),
+                      (1030, 2, None, 0, 50)]) == 1010
+
+
+async def test_the_slack_never_exceeds_a_quarter_of_the_period_or_heartbeat() -> None:
+    # every="100ms": at most 25 ms late, whatever timer_slack says; the job must run every
+    # slot (a slot claimed past the next one would be caught up, not run on time).
+    store = _Batches()
+    scheduler = Scheduler(store, instance_id="fast", timer_slack="90ms", heartbeat="1s",
+                          lease="3s")
+
+    async def handler(ctx: RunContext) -> None:
+        pass
+
+    scheduler.every("fast", "100ms", handler)
+    async with anyio.create_task_group() as tg:
+        await tg.start(scheduler.run)
+        await wait_history(scheduler, lambda h: sum(a.outcome is not None for a in h) >= 10,
+                           timeout=10, what="ten runs of a 100 ms job")
+        await scheduler.stop(grace=1)
+    slots = sorted(slot for batch in store.batches for _, slot in batch)
+    assert slots == list(range(slots[0], slots[-1] + 1, 100)), slots
+    assert all(a.reason.value == "scheduled" for a in await store.history())
+    with pytest.raises(ConfigurationError, match="timer_slack='1s' must be shorter"):
+        Scheduler(store, timer_slack="1s", heartbeat="1s", lease="3s")
 
 
 async def test_a_slot_queued_while_the_dispatcher_sleeps_long_wakes_it() -> None:

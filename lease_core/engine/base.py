@@ -94,6 +94,8 @@ class Settings:
     """The scheduler these settings belong to (the value of :data:`INSIDE` in its tasks)."""
     max_running: int | None = None
     """The most handlers this instance runs at once; at that number it claims nothing."""
+    timer_slack_ms: int = 0
+    """How late (ms) a slot may be claimed so that it shares a wake-up with later ones."""
 
 
 @dataclass

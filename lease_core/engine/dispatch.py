@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -24,11 +25,36 @@ if TYPE_CHECKING:
     from .runs import Run
     from .session import Session
 
-__all__ = ["COALESCE_MS", "Dispatcher"]
+__all__ = ["WINDOW_LIMIT", "Dispatcher", "wake_slot"]
 
-#: A slot due at most this many milliseconds after the next one is woken with it: at
-#: spread slots, one timer wake-up cost about as much process CPU as a run's own work.
-COALESCE_MS = 1
+#: The most slots one wake-up's window is searched through: past it (thousands of jobs
+#: due at one instant, which share their wake-up anyway) the next slot alone sets it.
+WINDOW_LIMIT = 1000
+
+
+def wake_slot(due: Sequence[tuple[int, int, Any, int, int]]) -> int:
+    """The slot (store ms) to wake at for the heap ``due`` of (slot, ..., slack ms) entries.
+
+    It is the latest slot that every slot before it may wait for: each slot up to it is
+    then claimed in one wake-up, none later than its own slack and none early. Only the
+    heap's entries inside that window are walked, at most :data:`WINDOW_LIMIT` of them
+    (past that, the next slot alone). ``due`` must not be empty.
+    """
+    head = due[0]
+    bound = head[0] + head[4]
+    inside = [head[0]]
+    size = len(due)
+    stack = [1, 2]
+    while stack:
+        i = stack.pop()
+        if i < size and due[i][0] <= bound:
+            if len(inside) == WINDOW_LIMIT:
+                return int(head[0])
+            inside.append(due[i][0])
+            bound = min(bound, due[i][0] + due[i][4])
+            stack += (2 * i + 1, 2 * i + 2)
+    # The bound only shrinks, so a slot visited early may lie past its final value.
+    return max(slot for slot in inside if slot <= bound)
 
 
 class Dispatcher:
@@ -37,8 +63,12 @@ class Dispatcher:
     def __init__(self, session: Session) -> None:
         self._s = session
         # The scheduled jobs' next slots, earliest first: (slot, order, job, last slot
-        # dealt with).
-        self._due: list[tuple[int, int, Job, int]] = []
+        # dealt with, how late the slot may be claimed in ms).
+        self._due: list[tuple[int, int, Job, int, int]] = []
+        # At spread slots one timer wake-up costs about as much process CPU as a run's
+        # own work: slots close together share one (see Scheduler's timer_slack).
+        self._slack = min(session.settings.timer_slack_ms,
+                          to_ms(session.settings.heartbeat) // 4)
         self._order = itertools.count()
         self._alarm = Alarm()
         # The tasks that claim each wake-up's runs and run their handlers, kept for the
@@ -54,8 +84,9 @@ class Dispatcher:
         if self._s.stopping:
             return
         slot = job.schedule.next_after(last)
-        heapq.heappush(self._due, (slot, next(self._order), job, last))
-        if slot < self._wake_at:
+        slack = min(self._slack, job.schedule.period_ms // 4)
+        heapq.heappush(self._due, (slot, next(self._order), job, last, slack))
+        if slot + slack < self._wake_at:
             self._alarm.wake()
 
     async def start_job(self, job: Job, info: JobInfo) -> None:
@@ -88,7 +119,9 @@ class Dispatcher:
                 local_now = s.settings.clock() * 1000 + s.clock.offset_ms
                 wait = s.settings.heartbeat
                 if self._due:
-                    wake_at = self._wake_slot()
+                    wake_at = self._due[0][0]
+                    if wake_at - local_now < wait * 1000:
+                        wake_at = wake_slot(self._due)
                     wait = min(wait, (wake_at - local_now) / 1000)
                 if wait > 0:
                     self._wake_at = (local_now + wait * 1000) if self._due else float("inf")
@@ -100,7 +133,7 @@ class Dispatcher:
                 now = s.clock.now_ms()
                 claims: list[tuple[Job, int, int]] = []
                 while self._due and self._due[0][0] <= local_now:
-                    slot, _, job, _ = heapq.heappop(self._due)
+                    slot, _, job, _, _ = heapq.heappop(self._due)
                     due = job.schedule.previous_at_or_before(now) or slot
                     if due > slot:
                         # The job fell behind (a suspended process): its catch-up policy.
@@ -112,14 +145,6 @@ class Dispatcher:
                 if claims:
                     assert s.tg is not None
                     self._workers.submit(s.tg, claims)
-
-    def _wake_slot(self) -> int:
-        # The next slot, or the one after it when that is due within COALESCE_MS: both are
-        # then claimed in one wake-up (the first up to COALESCE_MS late, never early).
-        due = self._due
-        head = due[0][0]
-        after = min((due[i][0] for i in (1, 2) if i < len(due)), default=head)
-        return after if after - head <= COALESCE_MS else head
 
     async def _work(self, item: list[tuple[Job, int, int]] | Run) -> None:
         if isinstance(item, list):
