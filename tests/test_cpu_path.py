@@ -160,7 +160,7 @@ def test_a_window_of_more_slots_than_the_limit_wakes_at_the_next_slot() -> None:
     due = [(1000, i, None, 0, 50) for i in range(WINDOW_LIMIT)] + [(1040, -1, None, 0, 50)]
     heapq.heapify(due)
     assert wake_slot(due) == 1000
-    assert wake_slot(due[:WINDOW_LIMIT - 1] + [(1040, -1, None, 0, 50)]) == 1040
+    assert wake_slot([*due[:WINDOW_LIMIT - 1], (1040, -1, None, 0, 50)]) == 1040
 
 
 def test_a_zero_slack_wakes_every_slot_at_its_own_instant() -> None:
