@@ -35,6 +35,7 @@ from .engine.base import (
     SchedulerState,
     Settings,
     check_options,
+    timer_slack_ms,
 )
 from .engine.bus import EventBus
 from .engine.jobs import Handler, Job, JobRegistry
@@ -102,14 +103,9 @@ class Scheduler:
     keeps a membership, the live instances are ranked per job (rendezvous hashing): the
     first claims each slot, the next ones only if it is still unclaimed a check interval
     later, so a slot costs about one claim whatever the fleet's size. ``max_running``
-    caps the handlers this instance runs at once: at that number it claims nothing new,
-    and the next-ranked instance takes the slot.
-
-    Slots due close together share one wake-up, and so one claim and one finish round
-    trip: a slot may be claimed up to ``timer_slack`` after it is due (never before), and
-    never later than a quarter of its job's period or of the heartbeat. With many jobs
-    whose slots are spread over each second this divides the client's CPU per run; ``0``
-    claims every slot at its own instant.
+    caps the handlers this instance runs at once (at that number it claims nothing new;
+    the next-ranked instance takes the slot). Slots due within ``timer_slack`` of each
+    other share a wake-up, claim and finish (never early; ``0``: each at its instant).
 
     ``lease`` is the default lease of every job; heartbeats renew held leases every
     ``heartbeat``, and each instance checks the runs it backs up at the same interval. The
@@ -160,25 +156,17 @@ class Scheduler:
                                      is_open=lambda: self.state is SchedulerState.STOPPED)
         self._registry.check_lease(self.lease, "lease", lease)
         self.history_size = history_size
-        self.history_ttl_ms = (
-            None if history_ttl is None else to_ms(parse_duration(history_ttl, what="history_ttl"))
-        )
+        self.history_ttl_ms = None if history_ttl is None else to_ms(
+            parse_duration(history_ttl, what="history_ttl"))
         self.prune_every: float | None = (
             None if prune_every is None else parse_duration(prune_every, what="prune_every")
         )
         """Seconds between the fleet's history trimmings, or ``None`` for none."""
-        self.timer_slack: float = parse_duration(timer_slack, what="timer_slack",
-                                                 allow_zero=True)
-        """Seconds a slot may be claimed late to share a wake-up with the slots after it."""
-        if self.timer_slack >= self.heartbeat:
-            raise ConfigurationError(
-                f"timer_slack={timer_slack!r} must be shorter than the heartbeat "
-                f"({heartbeat!r}); the default is 50ms, 0 claims every slot at its instant")
         self._clock = clock or time.monotonic
         self._settings = Settings(
             backend, self.instance_id, self.heartbeat, self.lease, history_size,
             self.history_ttl_ms, self.prune_every, self._clock, self, max_running,
-            to_ms(self.timer_slack))
+            timer_slack_ms(timer_slack, heartbeat=(self.heartbeat, heartbeat)))
         self._bus = EventBus(self)
         self._carry = Carry()
         self._session: Session | None = None

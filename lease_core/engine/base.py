@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from .._durations import parse_duration, to_ms
 from ..abc import Backend
 from ..errors import AnarchonError, ConfigurationError
 
@@ -29,6 +30,7 @@ __all__ = [
     "is_async",
     "log_failure",
     "logger",
+    "timer_slack_ms",
 ]
 
 logger = logging.getLogger("anarchon")
@@ -127,6 +129,20 @@ def check_options(backend: object, instance_id: object, history_size: object,
     ):
         raise ConfigurationError(
             f"max_running={max_running!r} must be an integer >= 1, or None for no limit")
+
+
+def timer_slack_ms(value: object, *, heartbeat: tuple[float, object]) -> int:
+    """``Scheduler(timer_slack=value)`` in milliseconds, or a :class:`ConfigurationError`.
+
+    ``heartbeat`` is the scheduler's heartbeat in seconds and as it was given: the slack
+    must be shorter (the dispatcher never uses more than a quarter of it anyway).
+    """
+    seconds = parse_duration(value, what="timer_slack", allow_zero=True)
+    if seconds >= heartbeat[0]:
+        raise ConfigurationError(
+            f"timer_slack={value!r} must be shorter than the heartbeat ({heartbeat[1]!r}); "
+            "the default is 50ms, and 0 claims every slot at its own instant")
+    return to_ms(seconds)
 
 
 def log_failure(what: str, exc: Exception) -> None:
