@@ -9,6 +9,12 @@ give the store calls per second (design section 6, the fleet):
   one is late, so ``claims_per_slot`` (about 1, not ``instances``) claims per slot; the
   winner finishes the run (``jobs / interval_s`` finishes/s), the others find the run
   claimed at their next check and watch it;
+- an instance wakes once for the slots due within its ``timer_slack`` (``slack_s``,
+  never more than a quarter of the interval or of the heartbeat) of the first: with
+  slots spread evenly, ``k = floor(slack / spacing) + 1`` slots per wake-up, of which
+  it claims those ranked first for it in one call (a call when any is, chance
+  ``1 - (1 - 1/instances)^k``), and their handlers, of equal length, end together and
+  are finished in one call too;
 - each instance renews its membership every half lease: ``2 x instances / lease_s``
   ``members`` calls/s;
 - each instance renews **all** its leases with one heartbeat call per tick, and only in
@@ -36,6 +42,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lease_core.engine.dispatch import WINDOW_LIMIT
+
 __all__ = ["Costs", "Fleet", "predict"]
 
 #: The calls the model counts, in the order it reports them.
@@ -59,6 +67,8 @@ class Fleet:
     """``fleet`` (ranked members, membership) or ``every_instance`` (before it)."""
     claims_per_slot: float = 1.0
     """Claims per slot in the fleet design (the ``fleet`` section measures it)."""
+    slack_s: float = 0.05
+    """The schedulers' ``timer_slack`` (their default, 50 ms; 0: a wake-up per slot)."""
 
     def __post_init__(self) -> None:
         if self.design not in DESIGNS:
@@ -103,10 +113,14 @@ def predict(costs: Costs, fleet: Fleet) -> dict[str, Any]:
     # check) until the first tick after the run ended
     watched_each = slots_s * (m - 1) / m * (fleet.handler_s + h / 2)
     every = fleet.design == "every_instance"
+    per_wake = _slots_per_wake_up(fleet)
+    # the wake-ups of the fleet in which an instance claims (and later finishes) any slot
+    busy_wakes = m * slots_s / per_wake * (1 - (1 - 1 / m) ** per_wake)
     # an instance holding (watching) a Poisson number of runs holds none with e^-mean
     calls = {
-        "claim": m * slots_s if every else min(m, fleet.claims_per_slot) * slots_s,
-        "finish": slots_s,
+        "claim": m * slots_s / per_wake if every
+        else min(m, fleet.claims_per_slot) * busy_wakes,
+        "finish": busy_wakes,
         "heartbeat": m / h * (1 - math.exp(-held_each)),
         "check": m / h * (1 - math.exp(-watched_each)),
         "members": 0.0 if every or m < 2 else 2 * m / lease,
@@ -138,6 +152,15 @@ def predict(costs: Costs, fleet: Fleet) -> dict[str, Any]:
         "watched_per_instance": round(watched_each, 1),
         "rss_mb_per_instance": round(costs.rss_mb + costs.kb_per_job * fleet.jobs / 1024, 1),
     }
+
+
+def _slots_per_wake_up(fleet: Fleet) -> int:
+    """Slots one wake-up of an instance claims: those within its slack of the first."""
+    if fleet.jobs == 0:
+        return 1
+    slack = max(0.0, min(fleet.slack_s, fleet.interval_s / 4, fleet.heartbeat_s / 4))
+    spacing = fleet.interval_s / fleet.jobs
+    return max(1, min(fleet.jobs, WINDOW_LIMIT, math.floor(slack / spacing + 1e-9) + 1))
 
 
 def error(predicted: float | None, measured: float | None) -> float | None:
