@@ -113,13 +113,13 @@ def predict(costs: Costs, fleet: Fleet) -> dict[str, Any]:
     # check) until the first tick after the run ended
     watched_each = slots_s * (m - 1) / m * (fleet.handler_s + h / 2)
     every = fleet.design == "every_instance"
-    per_wake = _slots_per_wake_up(fleet)
+    # the design before the fleet woke once per slot: it had no timer_slack
+    per_wake = 1 if every else _slots_per_wake_up(fleet)
     # the wake-ups of the fleet in which an instance claims (and later finishes) any slot
     busy_wakes = m * slots_s / per_wake * (1 - (1 - 1 / m) ** per_wake)
     # an instance holding (watching) a Poisson number of runs holds none with e^-mean
     calls = {
-        "claim": m * slots_s / per_wake if every
-        else min(m, fleet.claims_per_slot) * busy_wakes,
+        "claim": m * slots_s if every else min(m, fleet.claims_per_slot) * busy_wakes,
         "finish": busy_wakes,
         "heartbeat": m / h * (1 - math.exp(-held_each)),
         "check": m / h * (1 - math.exp(-watched_each)),

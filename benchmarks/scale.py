@@ -535,11 +535,10 @@ def targets(scale: dict[str, Any]) -> dict[str, Any]:
             "statements_s": r["statements_s"], "predicted": r["predicted"]["statements_s"],
             "statements_error": err, "calls_s": r.get("calls_s"), "calls_error": calls_err,
             "claims_per_run": r.get("claims_per_run"), "kept_up": r["kept_up"],
-            # the model counts one statement per call; claims and finishes of one instant
-            # share a statement, so the store runs fewer: judged on the calls
-            "judged_on": "calls_error",
-            "met": bool(r["kept_up"]) and calls_err is not None
-            and abs(calls_err) <= MODEL_ERROR}
+            # the model counts the statements the instances send: the claims and the
+            # finishes of one wake-up (timer_slack) share one (benchmarks/model.py)
+            "judged_on": "statements_error",
+            "met": bool(r["kept_up"]) and err is not None and abs(err) <= MODEL_ERROR}
     t = scale["prediction"]
     out["scale_model_100000x100"] = {
         "statements_s": t["statements_s"], "store_cpu_cores": t["store_cpu_cores"],
