@@ -17,6 +17,7 @@ import redis.asyncio
 from psycopg_pool import AsyncConnectionPool
 
 from backends.postgres import PostgresBackend, Statements
+from backends.postgres.statements import int_array, text_array
 from backends.redis import HEARTBEAT_BATCH, SCRIPTS, RedisBackend
 from lease_core.abc import Lease
 
@@ -80,17 +81,22 @@ async def _pg(servers: Servers, sizes: tuple[int, ...], budget: float,
                     "FROM generate_series(0, %s - 1) AS g", (SLOT, n))
                 await raw.execute(f"ANALYZE {TABLE}")
                 leases = _leases(n)
-                params = ([x.job for x in leases], [x.slot for x in leases],
-                          [x.token for x in leases], [x.lease_ms for x in leases])
+                params = (text_array([x.job for x in leases]),
+                          int_array([x.slot for x in leases]),
+                          text_array([x.token for x in leases]),
+                          int_array([x.lease_ms for x in leases]))
 
                 async def lib(leases: list[Lease] = leases) -> int:
                     return len((await backend.heartbeat(leases)).held)
 
-                async def raw_tick(params: tuple[list[Any], ...] = params,
+                async def raw_tick(params: tuple[str, ...] = params,
                                    leases: list[Lease] = leases) -> int:
-                    # the library builds its four arrays on every tick; so does this loop
-                    args = ([x.job for x in leases], [x.slot for x in leases],
-                            [x.token for x in leases], [x.lease_ms for x in leases])
+                    # the library builds its four array literals on every tick; so does
+                    # this loop, with the same public helpers
+                    args = (text_array([x.job for x in leases]),
+                            int_array([x.slot for x in leases]),
+                            text_array([x.token for x in leases]),
+                            int_array([x.lease_ms for x in leases]))
                     assert len(args[0]) == len(params[0])
                     cur = await raw.execute(s.heartbeat, args, prepare=False)  # type: ignore[arg-type]
                     row = await cur.fetchone()

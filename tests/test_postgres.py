@@ -698,3 +698,49 @@ async def test_a_finish_is_one_fenced_call_that_ends_the_attempt_in_place(
         assert [(r.slot, r.status.value) for r in await backend.runs("j")] == [(1, "failed")]
     finally:
         await backend.close()
+
+
+#: Texts an array literal must keep exactly: quotes, backslashes, separators, braces, the
+#: word NULL, spaces at the ends, an empty string, a newline and non-ASCII letters.
+AWKWARD = ['a"b', "c\\d", "e,f", "{g}", "NULL", " h ", "", "i\nj", "ünï", '\\"']
+
+
+@pytest.mark.parametrize(
+    ("anyio_backend", "spec"),
+    [(loop, spec) for spec in STORES for loop in spec.anyio_backends],
+    ids=[f"{spec.id}-{loop}" for spec in STORES for loop in spec.anyio_backends],
+)
+async def test_batched_calls_keep_every_character_of_their_texts(
+    request: pytest.FixtureRequest, spec: Any, anyio_backend: str
+) -> None:
+    # The batched statements take their arrays as literals built by the backend
+    # (statements.text_array): each text comes back as it was sent, on every driver.
+    store = await spec.make(request)
+    try:
+        backend = store.backend()
+        await backend.start()
+        jobs = [f"job{i}{text}" for i, text in enumerate(AWKWARD)]
+        requests = [ClaimRequest(job, 7, f"tok{i}{text}", f"inst{text}", 60_000,
+                                 max_attempts=None if i % 2 else 3)
+                    for i, (job, text) in enumerate(zip(jobs, AWKWARD, strict=True))]
+        claimed = await backend.claim_many(requests)
+        assert [c.status for c in claimed] == [ClaimStatus.WON] * len(AWKWARD)
+        leases = [Lease(r.job, r.slot, r.token, r.lease_ms) for r in requests]
+        beat = await backend.heartbeat(leases)
+        assert beat.held == {r.token for r in requests}
+        state = await backend.check([(job, 7) for job in jobs])
+        assert {job: run.instance_id for (job, _), run in state.runs.items()} == {
+            r.job: r.instance_id for r in requests}
+        errors = [None if i % 3 == 0 else f"boom {text}" for i, text in enumerate(AWKWARD)]
+        assert await backend.hand_over(leases[:1]) == {requests[0].token}
+        finished = await backend.finish_many(
+            [(lease, Outcome.FAILED, error) for lease, error in zip(leases, errors,
+                                                                     strict=True)])
+        assert finished == [False] + [True] * (len(AWKWARD) - 1)
+        history = {(h.job, h.outcome, h.error) for h in await backend.history(limit=100)}
+        assert {(job, Outcome.FAILED, error) for job, error in zip(
+            jobs[1:], errors[1:], strict=True)} <= history
+        assert (jobs[0], Outcome.HANDED_OVER, None) in history
+        await backend.close()
+    finally:
+        await store.cleanup()

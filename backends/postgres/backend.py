@@ -50,7 +50,15 @@ from .leases import PostgresNamedLeases
 from .operations import StoreOperations
 from .retries import StoreRetries
 from .schema import StoreSchema
-from .statements import LOCK_NOT_AVAILABLE, Statements, split_table, sqlstate
+from .statements import (
+    LOCK_NOT_AVAILABLE,
+    Statements,
+    bool_array,
+    int_array,
+    split_table,
+    sqlstate,
+    text_array,
+)
 
 __all__ = ["PostgresBackend", "migrate"]
 
@@ -293,10 +301,12 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         order = sorted(range(len(requests)), key=lambda i: requests[i].job)
         reqs = [requests[i] for i in order]
         params = (
-            [r.job for r in reqs], [int(r.slot) for r in reqs], [r.instance_id for r in reqs],
-            [r.token for r in reqs], [int(r.lease_ms) for r in reqs],
-            [Reason(r.reason).value for r in reqs], [bool(r.overlap_skip) for r in reqs],
-            [r.max_attempts for r in reqs],
+            text_array([r.job for r in reqs]), int_array([r.slot for r in reqs]),
+            text_array([r.instance_id for r in reqs]), text_array([r.token for r in reqs]),
+            int_array([r.lease_ms for r in reqs]),
+            text_array([Reason(r.reason).value for r in reqs]),
+            bool_array([bool(r.overlap_skip) for r in reqs]),
+            int_array([r.max_attempts for r in reqs]),
         )
         try:
             rows = await self._all_retrying(self._sql.claim_many, params)
@@ -323,8 +333,10 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         # On the adapter's reserved connection: renewals never queue behind claims and
         # fenced transactions for the pool's connections.
         rows = await self._adapter.all_reserved(self._sql.heartbeat, (
-            [lease.job for lease in leases], [lease.slot for lease in leases],
-            [lease.token for lease in leases], [lease.lease_ms for lease in leases],
+            text_array([lease.job for lease in leases]),
+            int_array([lease.slot for lease in leases]),
+            text_array([lease.token for lease in leases]),
+            int_array([lease.lease_ms for lease in leases]),
         ))
         now, held, renewed, cancelled, graces = rows[0]
         return HeartbeatResult(int(now), frozenset(str(t) for t in held or ()),
@@ -362,9 +374,11 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
                      else set())
         else:
             rows = await self._all_retrying(self._sql.finish_many, (
-                [items[i][0].job for i in sent], [items[i][0].slot for i in sent],
-                [items[i][0].token for i in sent], [statuses[i].value for i in sent],
-                [items[i][2] for i in sent],
+                text_array([items[i][0].job for i in sent]),
+                int_array([items[i][0].slot for i in sent]),
+                text_array([items[i][0].token for i in sent]),
+                text_array([statuses[i].value for i in sent]),
+                text_array([items[i][2] for i in sent]),
             ))
             ended = {str(row[0]) for row in rows}
         return [first[lease.token] == i and lease.token in ended
@@ -375,8 +389,9 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         if not leases:
             return frozenset()
         rows = await self._adapter.all(self._sql.hand_over, (
-            [lease.job for lease in leases], [lease.slot for lease in leases],
-            [lease.token for lease in leases],
+            text_array([lease.job for lease in leases]),
+            int_array([lease.slot for lease in leases]),
+            text_array([lease.token for lease in leases]),
         ))
         return frozenset(str(row[0]) for row in rows)
 
@@ -387,7 +402,7 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         (``CheckResult.lost``), not deleted: the scheduler claims it again.
         """
         rows = await self._adapter.all(self._sql.check, (
-            [job for job, _ in runs], [slot for _, slot in runs],
+            text_array([job for job, _ in runs]), int_array([slot for _, slot in runs]),
         ))
         now, quiet = int(rows[0][0]), rows[0][-1]
         found: dict[tuple[str, int], RunState] = {}

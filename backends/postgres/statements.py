@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.resources
 import re
+from collections.abc import Iterable
 
 from lease_core.errors import ConfigurationError
 
@@ -30,10 +31,13 @@ __all__ = [
     "QUERIES",
     "TRIM_BATCH",
     "Statements",
+    "bool_array",
+    "int_array",
     "parse_queries",
     "quote_ident",
     "split_table",
     "sqlstate",
+    "text_array",
 ]
 
 #: The store format this code writes (the tables' layout, which an older release can still
@@ -149,6 +153,30 @@ DDL = tuple(QUERIES[name] for name in (
 def quote_ident(name: str) -> str:
     """Quote one SQL identifier (the only place identifiers are turned into SQL text)."""
     return '"' + name.replace('"', '""') + '"'
+
+
+# Array parameters are sent as PostgreSQL array literals (text), which every statement
+# casts (``%s::text[]``): the drivers' own list adaptation inspects every element and
+# builds a dumper per array at each call (psycopg: 250 µs of client CPU for a claim batch
+# of 13, against 133 µs sent as literals; 724 against 220 µs for 100).
+
+
+def text_array(values: Iterable[str | None]) -> str:
+    """``values`` as a PostgreSQL ``text[]`` literal: each element quoted (``\\`` and
+    ``"`` escaped), None as NULL."""
+    return "{" + ",".join(
+        "NULL" if v is None else '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        for v in values) + "}"
+
+
+def int_array(values: Iterable[int | None]) -> str:
+    """``values`` as a PostgreSQL integer array literal (``bigint[]``), None as NULL."""
+    return "{" + ",".join("NULL" if v is None else str(int(v)) for v in values) + "}"
+
+
+def bool_array(values: Iterable[bool | None]) -> str:
+    """``values`` as a PostgreSQL ``boolean[]`` literal, None as NULL."""
+    return "{" + ",".join("NULL" if v is None else "t" if v else "f" for v in values) + "}"
 
 
 def split_table(table: object) -> tuple[str | None, str]:
