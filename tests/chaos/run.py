@@ -989,17 +989,24 @@ def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
             kept.append(entry)
     report.checkpoint_backwards = kept
     for key, evs in events.items():
+        stored = {(a.attempt, a.instance_id): a for a in runs.get(key, [])}
         first: dict[tuple[int, str, int], float] = {}
         for e in evs:
             if e["e"] in ("claim", "start", "rstart"):
                 ran = (int(e["a"]), str(e["i"]), int(e.get("f", e["a"])))
                 first[ran] = min(first.get(ran, float(e["t"])), float(e["t"]))
+        # In the order the store issued them: an attempt it kept by its claim time (a
+        # worker stopped between the store's answer and reading it logs the claim late),
+        # else (lost with a failover) by the worker's first record.
+        for ran in first:
+            kept = stored.get(ran[:2])
+            if kept is not None and kept.claimed_at is not None:
+                first[ran] = kept.claimed_at.timestamp()
         top = 0
         for (_, _, fence), _t in sorted(first.items(), key=lambda item: item[1]):
             if fence <= top:
                 report.fences_repeated.append((*key, fence))
             top = max(top, fence)
-        stored = {(a.attempt, a.instance_id): a for a in runs.get(key, [])}
         claimed = {}
         for e in evs:
             if e["e"] == "claim":

@@ -280,6 +280,20 @@ def test_a_fence_above_the_lost_attempts_breaks_nothing() -> None:
     assert report.lost_claims == [(*KEY, 2, "w2")]
 
 
+def test_a_claim_read_late_by_a_stopped_worker_repeats_no_fence() -> None:
+    # w1 was stopped (SIGSTOP) between the store's answer and reading it: it logs its
+    # claim of attempt 1 after w2's takeover (attempt 2); the store's claim times order
+    # the fences, so nothing repeats.
+    seen = observed()
+    seen.events[KEY] = [
+        {**event("claim", 2, k="t2", f=2), "t": T0 + 1.7},
+        {**event("start", 2, cp=None, f=2), "t": T0 + 1.8},
+        {**event("claim", 1, k="t1", f=1), "t": T0 + 3.0},
+        {**event("start", 1, cp=None, f=1), "t": T0 + 3.0}]
+    seen.checkpoints, seen.effects = {}, []
+    assert judge(CONFIG, seen).violations == {}
+
+
 def test_a_lost_commit_with_no_failover_near_it_is_a_violation() -> None:
     seen = _failover(new_fence=(1_800_000_002_000 << 20) + 2)
     seen.faults = [f for f in seen.faults if f.kind != "failover"]
