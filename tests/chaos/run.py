@@ -1118,7 +1118,11 @@ def _judge_cancels(report: Report, faults: list[Fault],
         if any(a.outcome is Outcome.COMPLETED for a in attempts):
             report.cancelled_completed.append((*f.run, "completed"))
         elif f.run in still_open or (attempts and not any(
-                a.outcome is Outcome.CANCELLED for a in attempts)):
+                a.outcome is Outcome.CANCELLED for a in attempts) and any(
+                a.finished_at is None or a.finished_at.timestamp() > f.end
+                for a in attempts)):
+            # (a run waiting for its retry is cancelled with no attempt open: its
+            # attempts all ended before the cancel, none of them 'cancelled')
             report.cancelled_completed.append((*f.run, "not cancelled"))
 
 

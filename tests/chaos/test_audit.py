@@ -237,6 +237,14 @@ def test_a_cancel_the_store_did_not_keep_is_reported() -> None:
     assert report.violations["cancelled runs completed"] == [(*KEY, "not cancelled")]
 
 
+def test_a_cancel_of_a_run_waiting_for_its_retry_is_kept() -> None:
+    # attempt 1 failed and the run waited for its retry when the cancel came: the store
+    # ends the run 'cancelled' and has no open attempt to mark
+    seen = cancelled(attempt(1, "w1", -1.0, Outcome.FAILED))  # ended at -0.7 s
+    report = judge(CONFIG, seen)
+    assert report.violations == {} and report.cancels == 1
+
+
 def test_a_refused_cancel_is_not_judged() -> None:
     seen = cancelled(attempt(1, "w1", 0.0, Outcome.COMPLETED))
     seen.faults = [Fault("cancel", "", T0 + 0.2, T0 + 0.25)]
