@@ -42,6 +42,12 @@ pytestmark = pytest.mark.anyio
 LOOP_SCHEMES = [("asyncio", "postgresql://"), ("asyncio", "postgresql+pg8000://"),
                 ("trio", "postgresql+pg8000://")]
 LOOP_DRIVERS = [("asyncio", "psycopg"), ("asyncio", "pg8000"), ("trio", "pg8000")]
+#: Each store of the suite, on each event loop it supports.
+EVERY_STORE = pytest.mark.parametrize(
+    ("anyio_backend", "spec"),
+    [(loop, spec) for spec in STORES for loop in spec.anyio_backends],
+    ids=[f"{spec.id}-{loop}" for spec in STORES for loop in spec.anyio_backends],
+)
 #: Stores built on one connection: no fenced transactions there.
 ONE_CONNECTION = ("pg16-psycopg-conn", "pg16-pg8000")
 
@@ -76,11 +82,7 @@ def admin(server: PgServer, sql: str, params: Any = None) -> list[tuple[Any, ...
         return cur.fetchall() if cur.description else []
 
 
-@pytest.mark.parametrize(
-    ("anyio_backend", "spec"),
-    [(loop, spec) for spec in STORES for loop in spec.anyio_backends],
-    ids=[f"{spec.id}-{loop}" for spec in STORES for loop in spec.anyio_backends],
-)
+@EVERY_STORE
 async def test_contract_round_trip_on_every_store(
     request: pytest.FixtureRequest, spec: Any, anyio_backend: str
 ) -> None:
@@ -705,11 +707,7 @@ async def test_a_finish_is_one_fenced_call_that_ends_the_attempt_in_place(
 AWKWARD = ['a"b', "c\\d", "e,f", "{g}", "NULL", " h ", "", "i\nj", "ünï", '\\"']
 
 
-@pytest.mark.parametrize(
-    ("anyio_backend", "spec"),
-    [(loop, spec) for spec in STORES for loop in spec.anyio_backends],
-    ids=[f"{spec.id}-{loop}" for spec in STORES for loop in spec.anyio_backends],
-)
+@EVERY_STORE
 async def test_batched_calls_keep_every_character_of_their_texts(
     request: pytest.FixtureRequest, spec: Any, anyio_backend: str
 ) -> None:
