@@ -153,6 +153,43 @@ async def test_claims_wait_out_the_longest_lease_after_a_loss(
         await long.close()
 
 
+async def test_a_backup_that_only_registered_the_job_finds_the_loss(
+    server: EmbeddedRedis, raw: redis.Redis
+) -> None:
+    # The backup never won the job nor watched one of its runs: it learnt the job's
+    # marker from the registration every scheduler makes at start. Its first claim after
+    # the loss (made because the owner's claims failed while the server was down) must
+    # start the quarantine, not win attempt 1 of a job it takes for new.
+    prefix = _prefix()
+    owner, backup = RedisBackend(server.url, prefix=prefix), RedisBackend(server.url, prefix=prefix)
+    await owner.start()
+    await backup.start()
+    try:
+        await owner.register_jobs(["job", "other"])
+        marker = _job_hash(raw, prefix, "job")["sid"]
+        assert set(await backup.register_jobs(["job", "other"])) == {"job", "other"}
+        assert _job_hash(raw, prefix, "job")["sid"] == marker  # registering keeps it
+        assert (await owner.claim(_request("job", 1, "a", 800))).status is ClaimStatus.WON
+        assert _job_hash(raw, prefix, "job")["sid"] == marker  # the first win keeps it
+        restarted = await _restart_empty(server, raw)
+
+        found = await backup.claim(_request("job", 2, "b", 800))
+        assert (found.status, found.run_status, found.attempt) == (ClaimStatus.RUNNING, None, 0)
+        quiet = int(_job_hash(raw, prefix, "job")["quiet"])
+        assert found.expires_ms == quiet >= restarted + 800
+        assert await backup.history("job") == []
+        # A listing after the loss (as after a new epoch) gives a job a new marker; the
+        # owner keeps the one it knew, so its next claim still finds the loss.
+        await owner.register_jobs(["other"])
+        assert "sid" in _job_hash(raw, prefix, "other")
+        held = await owner.claim(_request("other", 2, "c", 800))
+        assert (held.status, held.run_status) == (ClaimStatus.RUNNING, None)
+        assert held.expires_ms == int(_job_hash(raw, prefix, "other")["quiet"]) >= restarted + 800
+    finally:
+        await owner.close()
+        await backup.close()
+
+
 # -- schedulers ------------------------------------------------------------------------
 
 

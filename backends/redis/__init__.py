@@ -86,9 +86,11 @@ also finds a loss when the job's history sequence (``seq``) is below the highest
 caller saw. Named leases: see :mod:`~backends.redis.named`.
 
 Data loss. Data survives a server restart only as far as the server persists it (RDB or
-AOF), and a failover to a lagging replica loses the newest writes. The first claim of a
-job writes a random marker into the job's hash (``sid``), and every claim returns it;
-the backend remembers it per job and sends it with its next claim of the job, with the
+AOF), and a failover to a lagging replica loses the newest writes. The first
+registration or claim of a job writes a random marker into the job's hash (``sid``),
+and every registration and claim returns it; the backend remembers it per job (from the
+registration at start, so a backup that never won the job knows it too) and sends it
+with its next claim of the job, with the
 longest lease it has claimed or renewed. A claim that finds the marker missing or
 different knows the job's data was lost, and the script writes, atomically, a new marker,
 the loss time ``lost`` (now, unless recorded already) and a quarantine ``quiet`` = ``lost``
@@ -102,8 +104,8 @@ or whose quarantine is not over, was lost, not deleted (``CheckResult.lost``), a
 scheduler claims it again. The
 marker lives with the job's keys, so on a Cluster the loss of one shard is found for
 exactly the jobs on it.
-A process that never claimed the job before the loss cannot tell a lost job from a new
-one: until a process that did claims it (or finds it at its next slot), such a fresh
+A process that started after the loss (it never registered the job before it) cannot
+tell a lost job from a new one: until a process that did claims it, such a fresh
 process may win attempt 1 of a run whose old holder has not yet learnt of the loss.
 """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,19 +22,29 @@ class RedisClaims(RedisStore):
     """The claims of a :class:`~backends.redis.RedisBackend` (and the jobs' registration)."""
 
     async def register_jobs(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
-        """Record the jobs as seen and list their open runs, in one round trip."""
+        """Record the jobs as seen and list their open runs, in one round trip.
+
+        The same scripts give each job its data marker if it has none, and this backend
+        keeps the marker of each job it did not know yet: its first claim after a loss
+        of the job's data finds the loss (see "Data loss" in the module docs), even if
+        it never won the job. A marker it knows is kept, so that a listing made after a
+        loss (the marker new) does not hide the loss from its claims.
+        """
         names = list(dict.fromkeys(jobs))
         if not names:
             return {}
         commands = []
+        seed = secrets.token_hex(16)
         for name in names:
             keys = self._job_keys(name)
-            commands.append(self._eval("register", [keys["job"], keys["open"]], []))
+            commands.append(self._eval("register", [keys["job"], keys["open"]], [seed]))
         commands.append(("SADD", self._jobs_key, *names))
         replies = await self._run(commands)
         out = {}
+        markers = self._markers
         for name, reply in zip(names, replies, strict=False):
-            first, last, new, *slots = (as_text(v) for v in reply)
+            first, last, new, marker, *slots = (as_text(v) for v in reply)
+            markers.setdefault(name, marker)
             out[name] = JobInfo(name, int(first), int(last) if last else None,
                                 tuple(sorted(int(s) for s in slots)), new == "1")
         return out

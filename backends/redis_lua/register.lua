@@ -1,9 +1,17 @@
--- Record a job as seen, keeping an earlier first_seen, and list its open runs.
--- KEYS[1] job hash, KEYS[2] open zset.
--- Returns {first_seen, last_slot or '', 1 if new else 0, open slot, ...}.
+-- Record a job as seen, keeping an earlier first_seen, give it its data marker ('sid',
+-- see _claim.lua section 0) if it has none yet, and list its open runs.
+-- Every process that registers a job so knows its marker before it claims anything: a
+-- backup that never won the job still finds a loss of its data at its first claim after
+-- it, instead of taking the lost job for a new one and skipping the quarantine.
+-- KEYS[1] job hash, KEYS[2] open zset; ARGV[1] a random seed of the caller's.
+-- Returns {first_seen, last_slot or '', 1 if new else 0, marker, open slot, ...}.
 local new = redis.call('HSETNX', KEYS[1], 'first_seen', now)
-local first, last = unpack(redis.call('HMGET', KEYS[1], 'first_seen', 'last_slot'))
-local out = {first, last or '', new}
+local first, last, sid = unpack(redis.call('HMGET', KEYS[1], 'first_seen', 'last_slot', 'sid'))
+if not sid then
+  sid = redis.sha1hex(ARGV[1] .. KEYS[1])  -- new and unique, as a claim's (see 0.)
+  redis.call('HSET', KEYS[1], 'sid', sid)
+end
+local out = {first, last or '', new, sid}
 for _, slot in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   out[#out + 1] = slot
 end
