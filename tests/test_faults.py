@@ -7,6 +7,7 @@ missed slot runs unless the job asked for ``catch_up="all"``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import anyio
@@ -16,6 +17,7 @@ from lease_core import (
     BackendUnavailable,
     MemoryBackend,
     Outcome,
+    Reason,
     RunContext,
     Scheduler,
     SchedulerState,
@@ -24,6 +26,7 @@ from lease_core._structures import (
     CheckResult,
     ClaimRequest,
     ClaimResult,
+    ClaimStatus,
     HeartbeatResult,
     Lease,
 )
@@ -216,6 +219,53 @@ async def test_local_deadline_counts_from_when_the_claim_was_sent() -> None:
         await i.stop()
     claimed = (await backend.history("j"))[-1].claimed_at.timestamp() * 1000
     assert stopped_at[0] < claimed + 1500, (stopped_at[0] - claimed)
+
+
+class FrozenReader(MemoryBackend):
+    """Claims win at once in the store; then the process freezes for ``freeze`` seconds
+    (its loop blocked, as under SIGSTOP) before it reads the answer, once."""
+
+    def __init__(self, freeze: float) -> None:
+        super().__init__()
+        self.freeze = freeze
+
+    async def claim(self, request: ClaimRequest) -> ClaimResult:
+        (result,) = await self.claim_many([request])
+        return result
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        results = await super().claim_many(requests)
+        if self.freeze:
+            time.sleep(self.freeze)  # noqa: ASYNC251 (the freeze: nothing else runs)
+            self.freeze = 0
+        return results
+
+
+async def test_a_win_read_after_the_local_deadline_starts_no_handler() -> None:
+    # Local deadline: sent + 1 s - 0.2 s / 2 = 0.9 s; the answer is read after 1.3 s,
+    # when the store's lease has expired. No handler code of attempt 1 may run (a
+    # backup could own the run); the run is taken over (here by the same instance).
+    backend = FrozenReader(1.3)
+    s = Scheduler(backend, instance_id="a", lease="1s", heartbeat="0.2s")
+    started: list[int] = []
+
+    @s.every("j", "1h", offset=quiet_offset(await backend.now_ms()))
+    async def j(ctx: RunContext) -> None:
+        started.append(ctx.attempt)  # before any checkpoint: runs if the handler starts
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        won = await claim_now(s, "j", slot)
+        assert won is not None and (won.status, won.attempt) == (ClaimStatus.WON, 1)
+        await wait_for(lambda: started, timeout=5, what="the takeover's handler")
+        await i.stop()
+    assert started == [2]
+    attempts = {a.attempt: a for a in await backend.history("j")}
+    assert attempts[1].outcome is Outcome.LOST
+    assert attempts[2].reason is Reason.TAKEOVER
 
 
 async def test_stop_with_a_claim_in_flight_hands_the_run_over() -> None:

@@ -180,6 +180,15 @@ class Executor:
     async def _run_handler(self, job: Job, execution: Execution, slot: int) -> _Ran:
         ran = _Ran()
         ctx = execution.ctx
+        if execution.deadline <= anyio.current_time():
+            # The claim's answer was read after the lease's local deadline (the process
+            # was frozen, or its loop blocked, between the store's answer and reading
+            # it): a backup may own the run by now, so no handler code runs at all.
+            ran.interrupted = execution.cancel_reason = Interruption.DEADLINE
+            execution.lost = True
+            logger.warning("%s slot %s: the claim was answered after its lease's local "
+                           "deadline; handler not started", job.name, format_slot(slot))
+            return ran
         with execution.scope:
             try:
                 if not job.timeout:  # no scope that could never fire: one fewer per run
