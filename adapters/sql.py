@@ -20,6 +20,8 @@ this module adds the factory, so that no driver module imports it.
   closed;
 - an object with ``all(sql, params)`` and ``transaction(fn)``: your own adapter
   (:mod:`adapters.custom` states the protocol).
+
+A subclass of a driver's pool or connection is taken as the driver's own.
 """
 
 from __future__ import annotations
@@ -60,8 +62,16 @@ __all__ = [
 ]
 
 
+_DRIVERS = ("psycopg_pool", "psycopg", "pg8000")
+
+
 def _module_of(obj: object) -> str:
-    return type(obj).__module__.split(".")[0]
+    """The driver package of ``obj``'s class, or of its nearest base from one: a
+    subclass of a driver's pool or connection is used as one ("" = none)."""
+    for cls in type(obj).__mro__:
+        if (top := cls.__module__.split(".")[0]) in _DRIVERS:
+            return top
+    return ""
 
 
 def adapter_for(connection: Any, *, driver: str | None = None, **options: Any) -> SqlAdapter:

@@ -9,8 +9,10 @@ import inspect
 import time
 from typing import Any
 
+import anyio
 import pytest
 
+from adapters.psycopg import PsycopgDsnAdapter
 from adapters.redis import MAX_CONNECTIONS, redis_adapter
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
@@ -75,3 +77,36 @@ async def test_a_full_postgres_pool_fails_clearly_in_bounded_time(
         assert await backend.now_ms() > 0
     finally:
         await backend.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the psycopg pool: asyncio only
+async def test_the_psycopg_pool_lends_the_connection_given_back_last(pg16_server: Any) -> None:
+    # psycopg_pool lends in turn: after a burst grew the pool, sequential statements
+    # would go round every server process. The pool the library opens lends the one
+    # given back last, so they stay on one.
+    adapter = PsycopgDsnAdapter(pg16_server.dsn, min_size=1, max_size=3)
+    await adapter.open()
+    try:
+        grown: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(grown) < 3:  # a burst of three statements at once, until three servers
+            assert time.monotonic() < deadline, f"the pool did not grow: {grown}"
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(_pid_after, adapter, 0.3, grown)
+        assert adapter.pool.get_stats()["pool_size"] == 3
+        last = await _pid(adapter)
+        sequential = [await _pid(adapter) for _ in range(6)]
+        assert sequential == [last] * 6, sequential
+    finally:
+        await adapter.close()
+
+
+async def _pid(adapter: PsycopgDsnAdapter) -> int:
+    ((pid,),) = await adapter.all("SELECT pg_backend_pid()")
+    return int(pid)
+
+
+async def _pid_after(adapter: PsycopgDsnAdapter, seconds: float, into: set[int]) -> None:
+    ((pid,),) = await adapter.all("SELECT pg_backend_pid() FROM pg_sleep(%s)", (seconds,))
+    into.add(int(pid))

@@ -494,6 +494,42 @@ def test_dsn_options_are_validated() -> None:
     assert PostgresBackend.from_url("postgresql://u:p@h/db").table == "anarchon_runs"
 
 
+class _OwnPool(AsyncConnectionPool[Any]):
+    """A user's subclass of psycopg's pool."""
+
+
+class _OwnConnection(psycopg.AsyncConnection[Any]):
+    """A user's subclass of psycopg's connection."""
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_subclasses_of_a_drivers_pool_or_connection_are_accepted(
+    pg16_server: PgServer, table: str,
+) -> None:
+    # Their classes live in the user's module, not the driver's: the adapter is chosen
+    # by the nearest driver class among their bases.
+    pool = _OwnPool(pg16_server.dsn, min_size=1, max_size=2, open=False,
+                    kwargs={"autocommit": True})
+    await pool.open(wait=True)
+    conn = await _OwnConnection.connect(pg16_server.dsn, autocommit=True)
+    try:
+        for slot, given in enumerate((pool, conn), start=1):
+            backend = PostgresBackend(given, table=table)
+            await backend.start()
+            try:
+                won = await backend.claim(ClaimRequest("sub", slot, "i", "t", 10_000))
+                assert won.status is ClaimStatus.WON
+                assert await backend.finish(Lease("sub", slot, "t", 10_000), Outcome.COMPLETED)
+            finally:
+                await backend.close()
+        assert not pool.closed and not conn.closed  # given, so never closed here
+        with pytest.raises(ConfigurationError, match="cannot use"):
+            PostgresBackend(type("NotADriver", (), {})())
+    finally:
+        await conn.close()
+        await pool.close()
+
+
 @pytest.mark.parametrize(("anyio_backend", "driver"), LOOP_DRIVERS)
 async def test_nothing_means_localhost_with_pg_variables(
     pg16_server: PgServer, table: str, driver: str, anyio_backend: str,
