@@ -9,6 +9,9 @@ Exits 1 when any ratio regressed, 2 on unusable input, else 0.
 Given several NEW files (repeated measurements of the same code), each ratio takes its
 best value among them: a ratio counts as regressed only when every measurement regressed,
 which keeps a noisy, shared machine from failing the comparison by chance.
+``--sections-file F`` writes the benchmark sections (``benchmarks.run --only``) that
+measure the regressed ratios to ``F``, comma-separated, so that only those are measured
+again.
 """
 
 from __future__ import annotations
@@ -18,6 +21,20 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+#: The ``benchmarks.run`` section that measures the ratios under each key prefix.
+SECTION_OF_PREFIX = {"claim": "throughput", "heartbeat": "heartbeat", "load": "load",
+                     "peers": "peers", "batch": "peers", "cluster": "cluster",
+                     "burst": "burst", "lease": "lease", "fleet": "fleet",
+                     "fleet_kill": "fleet_kill", "cpu": "cpu"}
+
+
+def sections_of(keys: list[str]) -> list[str]:
+    """The sections to run again to measure ``keys`` anew, in a stable order."""
+    found = {SECTION_OF_PREFIX.get(key.split(".", 1)[0]) for key in keys}
+    if None in found:  # a ratio of an unknown section: measure everything again
+        return []
+    return sorted(s for s in found if s)
 
 
 def load_ratios(path: Path) -> dict[str, float]:
@@ -37,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("new", type=Path, nargs="+")
     parser.add_argument("--threshold", type=float, default=0.2,
                         help="allowed relative drop of a ratio (default 0.2 = 20%%)")
+    parser.add_argument("--sections-file", type=Path,
+                        help="write the sections measuring the regressed ratios here "
+                             "(empty: every section)")
     args = parser.parse_args(argv)
     try:
         old = load_ratios(args.old)
@@ -70,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if regressed:
         print(f"\n{len(regressed)} of {len(common)} ratios regressed by more than "
               f"{args.threshold:.0%}: {', '.join(regressed)}")
+        if args.sections_file:
+            args.sections_file.write_text(",".join(sections_of(regressed)) + "\n")
         return 1
     print(f"\nno ratio regressed by more than {args.threshold:.0%} ({len(common)} compared)")
     return 0

@@ -1,0 +1,45 @@
+"""The CI benchmark gate (benchmarks/compare.py): which ratios fail, and what is measured again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import compare
+
+
+def _write(path: Path, ratios: dict[str, float]) -> Path:
+    path.write_text(json.dumps({"ratios": ratios}))
+    return path
+
+
+def test_a_ratio_fails_only_when_every_measurement_regressed(tmp_path: Path) -> None:
+    old = _write(tmp_path / "old.json", {"cpu.pg.r250.x": 2.0, "lease.pg.vs_y": 1.0})
+    bad = _write(tmp_path / "bad.json", {"cpu.pg.r250.x": 1.0, "lease.pg.vs_y": 1.0})
+    good = _write(tmp_path / "good.json", {"cpu.pg.r250.x": 1.9})
+    assert compare.main([str(old), str(bad)]) == 1
+    assert compare.main([str(old), str(bad), str(good)]) == 0
+    assert compare.main([str(old), str(bad), str(bad)]) == 1
+
+
+def test_the_sections_behind_the_regressed_ratios_are_written(tmp_path: Path) -> None:
+    old = _write(tmp_path / "old.json", {"cpu.memory.r2000.x": 1.0, "claim.pg.a": 1.0,
+                                         "batch.pg.b": 1.0, "heartbeat.pg.n1.c": 1.0})
+    new = _write(tmp_path / "new.json", {"cpu.memory.r2000.x": 0.5, "claim.pg.a": 0.5,
+                                         "batch.pg.b": 0.5, "heartbeat.pg.n1.c": 1.0})
+    sections = tmp_path / "sections.txt"
+    assert compare.main([str(old), str(new), "--sections-file", str(sections)]) == 1
+    assert sections.read_text().strip() == "cpu,peers,throughput"
+
+
+def test_an_unknown_prefix_asks_for_every_section() -> None:
+    assert compare.sections_of(["fleet_kill.pg.i5.t", "cpu.pg.r250.x"]) == ["cpu", "fleet_kill"]
+    assert compare.sections_of(["somethingnew.pg.x", "cpu.pg.r250.x"]) == []
+
+
+def test_every_tracked_prefix_names_a_real_section() -> None:
+    from benchmarks.run import SECTIONS
+
+    assert set(compare.SECTION_OF_PREFIX.values()) <= set(SECTIONS)
+    baseline = compare.load_ratios(Path(compare.__file__).parent / "baseline-quick.json")
+    assert compare.sections_of(sorted(baseline)), "a baseline ratio has no known section"
