@@ -486,6 +486,68 @@ async def test_a_batch_answers_any_holder_and_token_as_single_claims_do(
         await client.aclose()
 
 
+@pytest.mark.asyncio_only
+@pytest.mark.parametrize(("decode", "encoding"),
+                         [(False, "utf-8"), (True, "utf-8"), (True, "latin-1")])
+async def test_a_batch_of_finishes_ends_each_attempt_as_single_finishes_do(
+    url: str, raw: redis.Redis, decode: bool, encoding: str,
+) -> None:
+    # One finish_many.lua call per SCRIPT_BATCH finishes (one argument each, answered
+    # as one string of flags): any error text (the field separator, a newline, an empty
+    # text, non-ASCII) is recorded whole, a stale token or a second finish of a run
+    # changes nothing, and a token holding the separator sends the batch through
+    # finish.lua instead. Each side is checked against the same finishes made one at a
+    # time.
+    client: Any = redis.asyncio.Redis.from_url(url, decode_responses=decode,
+                                               encoding=encoding)
+    backend = RedisBackend(client, prefix=_prefix())
+    await backend.start()
+    errors = [None, "a|b|c", "line\nbreak", "", "Eé ü" if encoding == "latin-1" else "Eπ 空|"]
+
+    def script_calls() -> int:  # the server's count since the last reset
+        stats: dict[str, Any] = raw.info("commandstats")
+        return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+    async def finishes(side: str, count: int, token: str) -> list[Any]:
+        claims = [ClaimRequest(f"{side}{i % 7}", i, "b", f"{token}{i}", 30_000,
+                               overlap_skip=False) for i in range(count)]
+        assert {r.status for r in await backend.claim_many(claims)} == {ClaimStatus.WON}
+        items: list[Any] = [(Lease(c.job, c.slot, c.token, 30_000),
+                             Outcome.FAILED if i % 2 else Outcome.COMPLETED,
+                             errors[i % len(errors)]) for i, c in enumerate(claims)]
+        stale = claims[0]
+        return [*items, items[1], (Lease(stale.job, stale.slot, "x", 30_000),
+                                   Outcome.COMPLETED, None)]
+
+    def trail(attempts: list[Any], side: str) -> list[tuple[Any, ...]]:
+        return sorted((a.job[len(side):], a.slot, a.outcome, a.error)
+                      for a in attempts if a.job.startswith(side))
+
+    try:
+        one, many = await finishes("one", 205, "t"), await finishes("many", 205, "t")
+        expected = [await backend.finish(*item) for item in one]
+        assert expected == [True] * 205 + [False, False]
+        raw.config_resetstat()
+        assert await backend.finish_many(many) == expected
+        assert script_calls() == 3  # 207 finishes, at most SCRIPT_BATCH per call
+        history = await backend.history(limit=1000)
+        assert trail(history, "many") == trail(history, "one")
+        recorded = {a.error for a in history if a.job.startswith("many")}
+        assert set(errors) - {None} <= recorded
+
+        piped = await finishes("pipe", 3, "t|")
+        raw.config_resetstat()
+        assert await backend.finish_many(piped) == [True] * 3 + [False, False]
+        assert script_calls() == 5  # one finish.lua call each
+        history = await backend.history(limit=1000)
+        assert trail(history, "pipe") == [(str(i), i, item[1], item[2])
+                                          for i, item in enumerate(piped[:3])]
+    finally:
+        await backend.close()
+        delete_prefix(url, backend.prefix)
+        await client.aclose()
+
+
 async def test_from_url_and_unix_socket() -> None:
     binary = find_server("valkey")
     assert binary is not None

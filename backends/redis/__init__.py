@@ -14,9 +14,11 @@ are registered with the driver (``register_script``) and run with ``EVALSHA``; a
 :mod:`adapters.redis`). A claim or a finish is one script call (a claim adds ``SADD`` to
 the jobs set, in the same round trip, the first time this process claims its job); a lone
 command is sent without a pipeline.
-Batched calls (claim_many, heartbeat, hand-over, check, register) send one
+Batched calls (claim_many, finish_many, heartbeat, hand-over, check, register) send one
 non-transactional pipeline: one round trip, and valid on a Cluster because each command
-touches one slot (the Cluster client groups them by slot). A heartbeat sends one script
+touches one slot (the Cluster client groups them by slot). On a server that is not a
+Cluster, ``claim_many.lua`` and ``finish_many.lua`` make up to ``SCRIPT_BATCH`` claims or
+finishes of any jobs per script call. A heartbeat sends one script
 call per job, renewing all of that job's leases (they share the job's hash tag).
 
 Key layout, for ``prefix`` ``P`` and job ``J``; ``E`` is ``J`` percent-encoded

@@ -16,13 +16,15 @@ __all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "Script
 #: (1: every attempt record in the ``{P/E}:att`` hash) is read as it is and marked 2.
 STORE_FORMAT = 2
 
-_SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "hand_over",
-            "checkpoint", "register", "history", "trim", "members", "retry_later",
-            "operate")
-#: Files prepended to a script after the prelude (the claim function it calls).
-_INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",), "trim": ("_trim",)}
-#: Claims per ``claim_many.lua`` call at most: one script call keeps the server busy, so
-#: a large batch goes as several calls (in the same pipeline).
+_SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "finish_many",
+            "hand_over", "checkpoint", "register", "history", "trim", "members",
+            "retry_later", "operate")
+#: Files prepended to a script after the prelude (the function it calls).
+_INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",), "finish": ("_finish",),
+             "finish_many": ("_finish",), "trim": ("_trim",)}
+#: Claims per ``claim_many.lua`` call, and finishes per ``finish_many.lua`` call, at most:
+#: one script call keeps the server busy, so a large batch goes as several calls (in the
+#: same pipeline).
 SCRIPT_BATCH = 100
 #: The named leases' scripts (backends/redis/named.py), one key each, prefixed with the
 #: short ``_lease_prelude.lua`` (the server's clock only).
