@@ -481,7 +481,9 @@ def _from_sentinel_url(url: str) -> RedisAdapter:
                 AsyncSentinelPool, redis.asyncio.BlockingConnectionPool):
             """The Sentinel's primary's pool; waits for a free connection."""
 
-        watcher: Any = AsyncSentinel(sentinels, **watch)  # type: ignore[no-untyped-call]
+        # Called through Any: redis-py types Sentinel's constructor from 8.2 on, not before.
+        sentinel: Any = AsyncSentinel
+        watcher: Any = sentinel(sentinels, **watch)
         client = watcher.master_for(service, connection_pool_class=AsyncBlockingSentinelPool,
                                     **bounds, **kwargs)
         return _AsyncSentinelAdapter(client, watcher)
@@ -492,7 +494,8 @@ def _from_sentinel_url(url: str) -> RedisAdapter:
             SentinelConnectionPool, redis.BlockingConnectionPool):
         """The Sentinel's primary's pool; waits for a free connection."""
 
-    sync_watcher: Any = Sentinel(sentinels, **watch)  # type: ignore[no-untyped-call]
+    sync_sentinel: Any = Sentinel
+    sync_watcher: Any = sync_sentinel(sentinels, **watch)
     sync_client = sync_watcher.master_for(service, connection_pool_class=BlockingSentinelPool,
                                           **bounds, **kwargs)
     return _SyncSentinelAdapter(sync_client, sync_watcher)
