@@ -62,6 +62,7 @@ from .burst import (
     TARGET_TIME,
     _spread,
     _until,
+    declare_jobs,
 )
 
 __all__ = ["markdown", "ratios", "run_burst_fleet", "targets"]
@@ -114,8 +115,7 @@ async def _child_anarchon(spec: dict[str, Any], started: dict[str, float],
                else PostgresBackend(url, table="burst_runs"))
     scheduler = Scheduler(backend, instance_id=f"i{spec['index']}", lease=LEASE,
                           heartbeat=HEARTBEAT, history_size=10)
-    for j in range(spec["jobs"]):
-        scheduler.every(f"{tag}-{j}", "1h", handler, offset=(slot % 3_600_000) / 1000)
+    declare_jobs(scheduler, tag, spec["jobs"], slot, handler)
     await scheduler.start()
     while scheduler.health().fleet_size != INSTANCES:
         if time.time() * 1000 > slot - 100:

@@ -7,7 +7,8 @@ every way a run starts and stops running. The dispatcher sleeps on one timer and
 slots due within the scheduler's ``timer_slack`` of each other together: they must be
 claimed in one call, never before their slot nor later than each slot's own slack allows
 (at most a quarter of its job's period), and a slot queued during a long sleep must end
-it. The workers
+it; a long sleep until a slot is cut in two legs, so that the kernel's slack on a long
+timeout (0.1 % of it) does not make the slot late. The workers
 that claim and run handlers are reused, so each run must get a fresh context and a busy
 worker must never delay another run's start.
 """
@@ -25,7 +26,7 @@ import pytest
 
 from backends.memory import MemoryBackend
 from lease_core import ConfigurationError, Outcome, RunContext, Scheduler
-from lease_core._wakeups import Alarm, WorkerPool, in_context
+from lease_core._wakeups import PRECISE_FROM, Alarm, WorkerPool, first_leg, in_context
 from lease_core.abc import ClaimRequest, ClaimResult, ClaimStatus, Lease
 from lease_core.engine.dispatch import WINDOW_LIMIT, wake_slot
 from tests.helpers import wait_history
@@ -321,3 +322,19 @@ async def test_the_alarm_ends_at_its_timeout_or_when_woken() -> None:
             while not woken.is_set():
                 alarm.wake()
                 await anyio.lowlevel.checkpoint()
+
+
+@pytest.mark.parametrize("wait", [0.0, 0.001, 0.049, 0.05, 0.2, 1.0, 5.0, 60.0, 3600.0])
+def test_a_long_wait_for_a_slot_ends_early_enough_for_a_short_exact_rest(wait: float) -> None:
+    first = first_leg(wait)
+    if wait < PRECISE_FROM:
+        assert first == wait  # slept whole: one wake-up, as before
+        return
+    rest = wait - first
+    assert 0 < first < wait
+    # The first leg ends early by more than its own slack (0.2 % of it, a niced process)
+    # plus the millisecond of rounding, so it never ends after the slot ...
+    assert rest > min(first * 0.002, 0.1) + 0.001
+    # ... and the rest is short (slept whole, or once more in two legs past 33 s)
+    assert rest <= 0.152 + 1e-9
+    assert rest == pytest.approx(0.002 + min(wait * 0.003, 0.15))
