@@ -36,8 +36,9 @@ __all__ = ["PRECISE_FROM", "SPARE_WORKERS", "Alarm", "WorkerPool", "first_leg", 
 SPARE_WORKERS = 256
 
 #: Waits this long (seconds) or longer that must end on time are slept in two legs (see
-#: :func:`first_leg`).
-PRECISE_FROM = 0.05
+#: :func:`first_leg`); a shorter one ends at most 0.5 ms late for the kernel's slack,
+#: about what the millisecond rounding costs anyway, and is not worth a second wake-up.
+PRECISE_FROM = 0.5
 
 T = TypeVar("T")
 
