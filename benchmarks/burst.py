@@ -56,7 +56,6 @@ import redis.asyncio.connection
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core import Scheduler
-from lease_core._wakeups import first_leg
 
 from ._util import Servers
 
@@ -253,13 +252,13 @@ def declare_jobs(scheduler: Scheduler, tag: str, n: int, slot: int,
 
 
 async def _until(epoch_ms: int) -> None:
-    """Sleep until ``epoch_ms`` (wall clock), on time: a long sleep ends late by 0.1 % of
-    its length (:func:`lease_core._wakeups.first_leg`), which gave a lock instance that
-    slept 4 s before its slot a 4 ms handicap over the schedulers, which wake at least
-    every heartbeat."""
+    """Sleep until ``epoch_ms`` (wall clock), on time: a long sleep on the event loop ends
+    late by 0.1 % of its length (Linux's slack on a poll timeout), which gave a lock
+    instance that slept 4 s before its slot a 4 ms handicap over the schedulers, which
+    wake at least every heartbeat (and sleep in two legs as here, see the CHANGELOG)."""
     delay = epoch_ms / 1000 - time.time()
-    if delay > 0:
-        await anyio.sleep(first_leg(delay))
+    if delay > 0.5:  # a first leg that ends 2 ms + 0.3 % (at most 152 ms) early
+        await anyio.sleep(delay - 0.002 - min(delay * 0.003, 0.15))
     rest = epoch_ms / 1000 - time.time()  # the short second leg
     if rest > 0:
         await anyio.sleep(rest)
