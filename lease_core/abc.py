@@ -290,6 +290,9 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         rights too): :class:`~lease_core.errors.StoreNotFound` when there is no store
         there. ``create`` matters only to the first user; later ones share what it opened.
         """
+        if self._users and not self._start_lock.locked():
+            self._users += 1  # already open, no open or close under way: no lock needed
+            return
         async with self._start_lock:
             if self._users == 0:
                 await (self._open() if create else self._open_existing())
@@ -297,12 +300,29 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
 
     async def close(self) -> None:
         """Release this user's hold; the last one closes what the backend opened."""
+        if self._drop_user_now():
+            return
         async with self._start_lock:
             if self._users == 0:
                 return
             self._users -= 1
             if self._users == 0:
                 await self._close()
+
+    def _drop_user_now(self) -> bool:
+        """Release this user's hold at once when that closes nothing (it is not the last
+        user, and no start or close is under way); return whether it did.
+
+        What :meth:`close` does first, without awaiting (so nothing can cancel it
+        half-way): a :class:`~lease_core.Lease` lets go of its hold this way at every
+        release. False for a subclass with a :meth:`close` of its own, which is then
+        always called.
+        """
+        if (type(self).close is not Backend.close or self._users <= 1
+                or self._start_lock.locked()):
+            return False
+        self._users -= 1
+        return True
 
     @abstractmethod
     async def _open(self) -> None:

@@ -129,7 +129,10 @@ class _Keeper:
     @classmethod
     def schedule(cls, lease: Lease, hold: _Hold, at: float) -> None:
         """Renew ``hold`` of ``lease`` at monotonic time ``at`` (on the current loop)."""
-        loop = anyio.lowlevel.current_token()
+        try:
+            loop: object = asyncio.get_running_loop()  # anyio's token on asyncio, faster
+        except RuntimeError:
+            loop = anyio.lowlevel.current_token()
         keeper = cls.loops.get(loop)
         if keeper is None:
             keeper = cls.loops[loop] = _Keeper()
@@ -146,16 +149,25 @@ class _Keeper:
         """Renew what is due, then sleep until the next renewal or a new earlier one."""
         try:
             async with anyio.create_task_group() as tg:
+                timed_out = False
                 while True:
                     now = time.monotonic()
-                    while self.due and self.due[0][0] <= now:
+                    # After a timed wake-up, released holds ahead of the first live one
+                    # are dropped too, not each when its renewal would have been due: so
+                    # leases taken and released at a high rate wake the keeper about
+                    # twice per ttl / 3, not once per lease. (After a wake-up by a new
+                    # hold, they stay: that hold is often released by now, and dropping
+                    # it would make the next new hold wake the keeper again.)
+                    while self.due and (self.due[0][0] <= now
+                                        or (timed_out and self.due[0][3].over)):
                         _, _, lease, hold = heapq.heappop(self.due)
                         if not hold.over:
                             tg.start_soon(lease._renew_hold, hold)
                     self.next = self.due[0][0] if self.due else math.inf
                     self.wake = anyio.Event()
-                    with anyio.move_on_after(self.next - now):
+                    with anyio.move_on_after(self.next - now) as sleep:
                         await self.wake.wait()
+                    timed_out = sleep.cancelled_caught
         except Exception:  # pragma: no cover - the renewals catch their own errors
             logger.exception("the lease keeper failed; leases held on this loop are lost")
             for _, _, lease, hold in self.due:
@@ -290,19 +302,40 @@ class Lease:
 
         Does nothing when not acquired; a lost lease is not freed in the store (another
         holder may have it), only let go. Closes the backend's start made by
-        :meth:`acquire`.
+        :meth:`acquire`. A cancellation does not stop it half-way: a release cancelled on
+        its way to the store is sent again, shielded, before the cancellation goes on.
         """
         if not self._opened:
             return
         hold = self._last
-        with anyio.CancelScope(shield=True):
-            try:
-                if hold is not None and not hold.over:
-                    hold.over = True
-                    if hold.scope is not None:
-                        hold.scope.cancel()
-                    await self.backend.release_lease(self.name, hold.token)
-            finally:
+        token = None
+        if hold is not None and not hold.over:
+            hold.over = True
+            token = hold.token
+            if hold.scope is not None:
+                hold.scope.cancel()
+        # No cancel scope around the usual path: shielding every release cost more client
+        # CPU than the rest of the lease's own work (issue 19's benchmark). Only a
+        # release that was interrupted pays for one.
+        try:
+            if token is not None:
+                await self.backend.release_lease(self.name, token)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                try:
+                    if token is not None:
+                        await self.backend.release_lease(self.name, token)
+                finally:
+                    await self._close_backend()
+            raise
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._close_backend()
+            raise
+        if self.backend._drop_user_now():  # not its last user: nothing to await
+            self._opened = False
+        else:
+            with anyio.CancelScope(shield=True):
                 await self._close_backend()
 
     async def _close_backend(self) -> None:

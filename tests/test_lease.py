@@ -404,6 +404,66 @@ async def test_leases_taken_and_released_at_a_high_rate_are_not_all_kept() -> No
         assert held.held and not held.lost.is_set() and held.token == first
 
 
+async def test_a_release_cancelled_on_its_way_still_frees_the_name(store: Store) -> None:
+    """A release is not shielded on its usual path. Cancelled while its call waits for the
+    store, or before the call could be sent (trio raises at the first await), it still
+    frees the name at once, not after its ttl (a call interrupted is sent again,
+    shielded), and closes the lease's start of the backend."""
+    if isinstance(store, MemoryStore):
+        pytest.skip("the memory store has no network")
+    async with proxy_to(store) as proxy:
+        backend = url_backend(store, proxy.port)
+        lease = Lease(backend, "cancelled-release", ttl="60s")
+        assert await lease.acquire(timeout=10) is True
+        proxy.pause()  # the release's call waits for an answer that does not come
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lease.release)
+                await wait_for(lambda: not lease.held, what="the release to start")
+                await anyio.sleep(0.05)  # let its call reach the paused proxy
+                tg.cancel_scope.cancel()
+                proxy.resume()
+        assert backend_users(backend) == 0
+    other = Lease(url_backend(store), "cancelled-release", ttl="10s")
+    assert await other.acquire(timeout=0) is True
+    with anyio.CancelScope() as scope:  # cancelled before its call could be sent
+        scope.cancel()
+        await other.release()
+    assert backend_users(other.backend) == 0
+    third = Lease(url_backend(store), "cancelled-release", ttl="10s")
+    assert await third.acquire(timeout=0) is True
+    await third.release()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_leases_taken_and_released_one_by_one_wake_the_keeper_rarely() -> None:
+    """The renewal keeper drops released holds ahead of the first live one when it wakes,
+    rather than waking for each when its renewal would have been due: 50 leases taken and
+    released 2 ms apart, all due within 0.2 s, wake it a few times, not 50 (counted with
+    trio's instruments: the steps of the keeper's task)."""
+    import trio
+
+    class Steps(trio.abc.Instrument):
+        count = 0
+
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            if task.name == "anarchon-lease-keeper":
+                Steps.count += 1
+
+    trio.lowlevel.add_instrument(Steps())
+    backend = MemoryBackend()
+    last = None
+    for _ in range(50):
+        lease = Lease(backend, "one-by-one", ttl=0.3)
+        assert await lease.acquire(timeout=0)
+        await lease.release()
+        last = time.monotonic()
+        await anyio.sleep(0.002)
+    assert last is not None
+    await anyio.sleep(max(0.0, last + 0.3 / 3 + 0.1 - time.monotonic()))  # all now due
+    assert Steps.count <= 8, Steps.count
+
+
 def _example(name: str) -> ModuleType:
     path = Path(__file__).resolve().parent.parent / "docs" / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)

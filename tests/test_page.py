@@ -351,14 +351,16 @@ def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path,
     assert len(rows) == 50 and all(row["running"] == 1 for row in rows)
 
 
-def _click(wait: Any, operation: str) -> str:
-    """Press the operation's button; what the page answered (``"<operation>: ..."``)."""
+def _click(wait: Any, operation: str, within: str = "") -> str:
+    """Press the operation's button (inside the CSS selector ``within``, when given); what
+    the page answered (``"<operation>: ..."``)."""
     from selenium.webdriver.common.by import By
 
     # The view redraws itself every few seconds: a button found just before a redraw
     # is stale when clicked, so finding and clicking are tried again together.
     def press(driver: Any) -> bool:
-        driver.find_element(By.CSS_SELECTOR, f'button[data-operation="{operation}"]').click()
+        driver.find_element(By.CSS_SELECTOR,
+                            f'{within} button[data-operation="{operation}"]'.strip()).click()
         return True
 
     wait.until(press)
@@ -383,8 +385,8 @@ def test_page_operations_buttons_act_through_the_store(
     base, table = served
     wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
 
-    def click(operation: str) -> str:
-        return _click(wait, operation)
+    def click(operation: str, within: str = "") -> str:
+        return _click(wait, operation, within)
 
     browser.get(f"{base}/#token={TOKEN}&job=export")
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="pause"]'))
@@ -403,13 +405,19 @@ def test_page_operations_buttons_act_through_the_store(
     assert click("resume") == "resume: done"
 
     # A completed run cannot be retried: the answer (409) is shown, nothing changes.
+    # (Only the hash changes, so the view of the previous address stays until the new one
+    # is drawn: each button is looked for inside the section of its own run.)
     browser.get(f"{base}/#token={TOKEN}&run=export@{SLOT}")
-    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="retry"]'))
-    assert "it is completed" in click("retry")
+    done_run = f'section[data-run="export@{SLOT}"]'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
+                                         f'{done_run} button[data-operation="retry"]'))
+    assert "it is completed" in click("retry", done_run)
     # The handed-over run is cancelled.
     browser.get(f"{base}/#token={TOKEN}&run=export@{NEXT}")
-    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="cancel"]'))
-    assert click("cancel") == f"cancel: done (export@{NEXT})"
+    next_run = f'section[data-run="export@{NEXT}"]'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
+                                         f'{next_run} button[data-operation="cancel"]'))
+    assert click("cancel", next_run) == f"cancel: done (export@{NEXT})"
     wait.until(lambda d: d.find_elements(
         By.CSS_SELECTOR, f'section[data-run="export@{NEXT}"] .status.cancelled'))
 
