@@ -91,6 +91,13 @@ from typing import Any, Self
 
 import anyio
 
+from ._checks import (
+    MEMBER_RETENTION_MS,
+    check_every,
+    check_leave,
+    check_members,
+    check_prune,
+)
 from ._named_leases import LeaseAnswer, NamedLeaseStore
 from ._operations_store import OperationsStore
 from ._structures import (
@@ -157,39 +164,6 @@ def encode_checkpoint(value: object) -> str:
 def decode_checkpoint(text: str | None) -> Any:
     """Parse checkpoint JSON text; ``None`` (no checkpoint) stays ``None``."""
     return None if text is None else json.loads(text)
-
-
-def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None:
-    """Validate the arguments of :meth:`Backend.prune` (``ConfigurationError`` naming them)."""
-    for name, value in (("keep", keep), ("older_than_ms", older_than_ms)):
-        if value is not None and (not isinstance(value, int) or value < 0):
-            raise ConfigurationError(f"{name}={value!r} must be a whole number, 0 or more")
-    if not isinstance(batch, int) or batch < 1:
-        raise ConfigurationError(f"batch={batch!r} must be a whole number, 1 or more")
-
-
-def check_every(every_ms: int) -> None:
-    """Validate the period of :meth:`Backend.maintenance_due` (``ConfigurationError``)."""
-    if isinstance(every_ms, bool) or not isinstance(every_ms, int) or every_ms < 1:
-        raise ConfigurationError(f"every_ms={every_ms!r} must be a whole number, 1 or more")
-
-
-#: How long after its expiry a member's record is kept at most: :meth:`Backend.members`
-#: deletes older ones (a cheap, bounded sweep of the records it reads anyway).
-MEMBER_RETENTION_MS = 3_600_000
-
-
-def check_leave(instance_id: str) -> None:
-    """Validate the argument of :meth:`Backend.leave` (``ConfigurationError`` naming it)."""
-    if not isinstance(instance_id, str) or not instance_id:
-        raise ConfigurationError(f"instance_id={instance_id!r} must be a non-empty string")
-
-
-def check_members(instance_id: str, ttl_ms: int) -> None:
-    """Validate the arguments of :meth:`Backend.members` (``ConfigurationError`` naming them)."""
-    check_leave(instance_id)
-    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
-        raise ConfigurationError(f"ttl_ms={ttl_ms!r} must be a whole number, 1 or more")
 
 
 def _run_status(attempt: Attempt) -> RunStatus:
