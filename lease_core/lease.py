@@ -129,10 +129,7 @@ class _Keeper:
     @classmethod
     def schedule(cls, lease: Lease, hold: _Hold, at: float) -> None:
         """Renew ``hold`` of ``lease`` at monotonic time ``at`` (on the current loop)."""
-        try:
-            loop: object = asyncio.get_running_loop()  # anyio's token on asyncio, faster
-        except RuntimeError:
-            loop = anyio.lowlevel.current_token()
+        loop = anyio.lowlevel.current_token()
         keeper = cls.loops.get(loop)
         if keeper is None:
             keeper = cls.loops[loop] = _Keeper()
@@ -302,8 +299,9 @@ class Lease:
 
         Does nothing when not acquired; a lost lease is not freed in the store (another
         holder may have it), only let go. Closes the backend's start made by
-        :meth:`acquire`. A cancellation does not stop it half-way: a release cancelled on
-        its way to the store is sent again, shielded, before the cancellation goes on.
+        :meth:`acquire`. A cancellation does not stop it half-way: a release cancelled
+        before the store answered is sent again, shielded, before the cancellation goes
+        on (an error of the store is raised as it is).
         """
         if not self._opened:
             return
@@ -332,11 +330,12 @@ class Lease:
             with anyio.CancelScope(shield=True):
                 await self._close_backend()
             raise
-        if self.backend._drop_user_now():  # not its last user: nothing to await
-            self._opened = False
-        else:
+        if not self._opened:
+            return  # a release made meanwhile (another task's) has let go of it
+        self._opened = False
+        if not self.backend._drop_user_now():  # its last user: the close is awaited
             with anyio.CancelScope(shield=True):
-                await self._close_backend()
+                await self.backend.close()
 
     async def _close_backend(self) -> None:
         if self._opened:
