@@ -28,7 +28,8 @@ import anyio
 import sniffio
 from anyio.abc import TaskGroup
 
-__all__ = ["PRECISE_FROM", "SPARE_WORKERS", "Alarm", "WorkerPool", "first_leg", "in_context"]
+__all__ = ["PRECISE_FROM", "SPARE_WORKERS", "Alarm", "WorkerPool", "first_leg", "in_context",
+           "slot_wait"]
 
 #: Idle workers a pool keeps; one that ends its work while that many wait ends too. A
 #: pool grows only as far as its busiest moment needed (spread slots at 2,000 runs/s
@@ -36,8 +37,9 @@ __all__ = ["PRECISE_FROM", "SPARE_WORKERS", "Alarm", "WorkerPool", "first_leg", 
 SPARE_WORKERS = 256
 
 #: Waits this long (seconds) or longer that must end on time are slept in two legs (see
-#: :func:`first_leg`); a shorter one ends at most 0.5 ms late for the kernel's slack,
-#: about what the millisecond rounding costs anyway, and is not worth a second wake-up.
+#: :func:`first_leg`); a shorter one ends at most 0.5 ms late for the kernel's slack (2.5
+#: ms in a niced process), about what the millisecond rounding costs anyway, and is not
+#: worth a second wake-up.
 PRECISE_FROM = 0.5
 
 T = TypeVar("T")
@@ -47,15 +49,28 @@ def first_leg(seconds: float) -> float:
     """How long to sleep first of a wait of ``seconds`` that must end on time.
 
     A sleep on asyncio or trio is an ``epoll`` timeout, which Linux lets end late by 0.1 %
-    of its length (0.2 % in a niced process, at most 100 ms), on top of the timeout's
-    rounding up to a whole millisecond: a 5 s wait ended 5.3 ms late (measured). So a wait
-    of :data:`PRECISE_FROM` or more is cut in two: this long one, which ends 2 ms + 0.3 %
-    (at most 152 ms) early, and the short rest (late by the rounding alone: 0.65 ms
+    of its length (0.5 % in a niced process: ``select_estimate_accuracy`` divides its
+    factor by 5; at most 100 ms), on top of the timeout's rounding up to a whole
+    millisecond: a 5 s wait ended 5.3 ms late (measured). So a wait of
+    :data:`PRECISE_FROM` or more is cut in two: this long one, which ends 2 ms + 0.6 % (at
+    most 152 ms) early, and the short rest (late by the rounding alone: 0.4-1.3 ms
     measured after 5 s). A shorter wait is slept whole.
     """
     if seconds < PRECISE_FROM:
         return seconds
-    return seconds - 0.002 - min(seconds * 0.003, 0.15)
+    return seconds - 0.002 - min(seconds * 0.006, 0.15)
+
+
+def slot_wait(until_slot: float, longest: float) -> float:
+    """How long to sleep now when the next slot is ``until_slot`` seconds away and no
+    sleep may last more than ``longest`` (the heartbeat): the whole way, or the first leg
+    of it (:func:`first_leg`), or ``longest``. Also a slot a little over ``longest``
+    away gets a first leg: a sleep of ``longest`` would end after it. Zero or less: the
+    slot is due.
+    """
+    if until_slot <= 0:
+        return until_slot
+    return min(longest, first_leg(until_slot))
 
 
 def _resolve(future: asyncio.Future[Any], value: Any = None) -> bool:

@@ -17,7 +17,7 @@ import anyio
 
 from .._durations import to_ms
 from .._structures import ClaimStatus, JobInfo, Reason, format_slot
-from .._wakeups import Alarm, WorkerPool, first_leg
+from .._wakeups import Alarm, WorkerPool, slot_wait
 from . import base
 
 if TYPE_CHECKING:
@@ -122,11 +122,9 @@ class Dispatcher:
                     wake_at = self._due[0][0]
                     if wake_at - local_now < wait * 1000:
                         wake_at = wake_slot(self._due)
-                    until_slot = (wake_at - local_now) / 1000
-                    if until_slot <= wait:
-                        # A long wait for a slot ends early, and the rest is slept
-                        # again: a sleep ends late by 0.1 % of its length (first_leg).
-                        wait = until_slot if until_slot <= 0 else first_leg(until_slot)
+                    # A long wait for a slot ends early, and the rest is slept again: a
+                    # sleep ends late by 0.1 % of its length (slot_wait, first_leg).
+                    wait = slot_wait((wake_at - local_now) / 1000, wait)
                 if wait > 0:
                     self._wake_at = (local_now + wait * 1000) if self._due else float("inf")
                     try:
