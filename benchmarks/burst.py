@@ -257,8 +257,8 @@ async def _until(epoch_ms: int) -> None:
     instance that slept 4 s before its slot a 4 ms handicap over the schedulers, which
     wake at least every heartbeat (and sleep in two legs as here, see the CHANGELOG)."""
     delay = epoch_ms / 1000 - time.time()
-    if delay > 0.5:  # a first leg that ends 2 ms + 0.3 % (at most 152 ms) early
-        await anyio.sleep(delay - 0.002 - min(delay * 0.003, 0.15))
+    if delay > 0.5:  # a first leg that ends 2 ms + 0.6 % (at most 152 ms) early
+        await anyio.sleep(delay - 0.002 - min(delay * 0.006, 0.15))
     rest = epoch_ms / 1000 - time.time()  # the short second leg
     if rest > 0:
         await anyio.sleep(rest)
