@@ -1,9 +1,10 @@
 """The CLI's operations: ``anarchon trigger|pause|resume JOB`` and ``retry|cancel JOB@SLOT``.
 
 Each acts through the store (:class:`~lease_core.Admin`, recorded as made by ``cli``), so
-the whole fleet sees it. Operations write, so the store is opened with ``start()`` (not
-``create=False`` as the read-only commands do). A refusal (an unknown job, a slot with no
-run, a retry of a completed run, a cancel of a finished one) exits 2 and changes nothing.
+the whole fleet sees it. Every operation needs a job the store knows, so the store is
+opened with ``start(create=False)``: a mistyped namespace exits 3 (no store there) and
+creates none. A refusal (an unknown job, a slot with no run, a retry of a completed run,
+a cancel of a finished one) exits 2 and changes nothing.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ._structures import Attempt, RunInfo, RunState, RunStatus, ms_to_datetime
+from ._structures import LAST_SLOT, Attempt, RunInfo, RunState, RunStatus, ms_to_datetime
 from .abc import Backend
 from .errors import ConfigurationError
 from .recovery import recovery_log, step_job
@@ -143,8 +143,6 @@ def _describe_open(run: RunInfo, now_ms: int) -> str:
 _HISTORY = 1_000
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MS = timedelta(milliseconds=1)
-#: The last millisecond of year 9999, the latest slot an id may name.
-_LAST_SLOT = 253_402_300_799_999
 
 
 def run_id(name: str, slot: int) -> str:
@@ -164,14 +162,14 @@ def parse_run_id(text: str) -> tuple[str, int]:
         raise ConfigurationError(
             f"run id {text!r} is malformed: expected <name>@<slot>, the slot in epoch "
             "milliseconds or ISO-8601 UTC (export@1764460800000, export@2025-11-30T00:00:00Z)")
-    if slot.isdigit() and int(slot) <= _LAST_SLOT:
+    if slot.isascii() and slot.isdigit() and int(slot) <= LAST_SLOT:
         return name, int(slot)
     try:
         moment = datetime.fromisoformat(slot)
     except ValueError:
         raise ConfigurationError(
             f"run id {text!r} has a malformed slot {slot!r}: give epoch milliseconds (up to "
-            f"{_LAST_SLOT}) or an ISO-8601 time such as 2025-11-30T00:00:00Z") from None
+            f"{LAST_SLOT}) or an ISO-8601 time such as 2025-11-30T00:00:00Z") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return name, (moment - _EPOCH) // _MS

@@ -8,6 +8,7 @@ from enum import StrEnum
 
 __all__ = [
     "FENCE_NUMBER_BITS",
+    "LAST_SLOT",
     "Attempt",
     "CheckResult",
     "ClaimRequest",
@@ -25,6 +26,10 @@ __all__ = [
     "format_slot",
     "ms_to_datetime",
 ]
+
+
+#: The last millisecond of year 9999, the latest slot a run id or an operation may name.
+LAST_SLOT = 253_402_300_799_999
 
 
 def ms_to_datetime(ms: int) -> datetime:

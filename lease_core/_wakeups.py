@@ -29,7 +29,7 @@ import sniffio
 from anyio.abc import TaskGroup
 
 __all__ = ["PRECISE_FROM", "SPARE_WORKERS", "Alarm", "WorkerPool", "first_leg", "in_context",
-           "slot_wait"]
+           "late_by", "slot_wait"]
 
 #: Idle workers a pool keeps; one that ends its work while that many wait ends too. A
 #: pool grows only as far as its busiest moment needed (spread slots at 2,000 runs/s
@@ -58,7 +58,13 @@ def first_leg(seconds: float) -> float:
     """
     if seconds < PRECISE_FROM:
         return seconds
-    return seconds - 0.002 - min(seconds * 0.006, 0.15)
+    return seconds - late_by(seconds)
+
+
+def late_by(seconds: float) -> float:
+    """How late a sleep of ``seconds`` may end at most: the margin :func:`first_leg`
+    leaves (the kernel's slack, niced, and the millisecond's rounding)."""
+    return 0.002 + min(seconds * 0.006, 0.15)
 
 
 def slot_wait(until_slot: float, longest: float) -> float:

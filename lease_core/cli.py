@@ -10,8 +10,9 @@ in one line on stderr, never as a traceback. Exit codes, the same for every subc
 - 2: the command line or the configuration is wrong, or an operation does not apply (an
   unknown job, a slot with no run, a retry of a completed run, a cancel of a finished one:
   nothing changed);
-- 3: no anarchon store at the URL (``status``, ``history``, ``prune`` and ``serve`` never
-  create one: they only read, and work with SELECT-only rights);
+- 3: no anarchon store at the URL (``status``, ``history``, ``prune``, ``serve`` and the
+  operations never create one; the first four only read, and work with SELECT-only
+  rights);
 - 130: interrupted (Ctrl-C); ``serve`` stopped by SIGTERM stops gracefully and exits 143.
 
 ``--url`` defaults to ``$ANARCHON_URL`` for every subcommand, and ``serve``'s ``--token``
@@ -80,7 +81,8 @@ EXIT_CODES = """exit codes (the same for every subcommand):
   1    failed at run time: store unreachable, login refused, unexpected error, a failed
        demo verdict, serve's port already in use
   2    usage or configuration error, or an operation that does not apply (nothing changed)
-  3    no anarchon store at the URL (status, history, prune and serve never create one)
+  3    no anarchon store at the URL (status, history, prune, serve and the operations
+       never create one)
   130  interrupted (Ctrl-C)
   143  serve stopped by SIGTERM, after a graceful shutdown"""
 

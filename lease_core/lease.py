@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager
 from functools import partial
 from types import TracebackType
@@ -85,7 +85,7 @@ def _spawn(fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
 class _Hold:
     """One hold of a :class:`Lease`, from the acquire that won it to its release or loss."""
 
-    __slots__ = ("_lost", "alive_until", "error", "over", "scope", "token")
+    __slots__ = ("_lost", "alive_until", "error", "over", "released", "scope", "token")
 
     def __init__(self, token: int, alive_until: float) -> None:
         self.token = token
@@ -93,6 +93,7 @@ class _Hold:
         self._lost: anyio.Event | None = None  # made when first asked for or set
         self.error: LeaseLost | None = None
         self.over = False  # released or lost
+        self.released = False  # its release sent (a lost hold's too: the token fences it)
         self.scope: anyio.CancelScope | None = None  # the renewal in flight
 
     @property
@@ -125,6 +126,14 @@ class _Keeper:
         self.wake = anyio.Event()
         self.next = math.inf
         self.compact_at = self.COMPACT_AT
+        self.renewing: dict[_Hold, Lease] = {}  # the renewals in flight
+
+    async def _renew(self, lease: Lease, hold: _Hold) -> None:
+        self.renewing[hold] = lease
+        try:
+            await lease._renew_hold(hold)
+        finally:
+            del self.renewing[hold]
 
     @classmethod
     def schedule(cls, lease: Lease, hold: _Hold, at: float) -> None:
@@ -159,7 +168,7 @@ class _Keeper:
                                         or (timed_out and self.due[0][3].over)):
                         _, _, lease, hold = heapq.heappop(self.due)
                         if not hold.over:
-                            tg.start_soon(lease._renew_hold, hold)
+                            tg.start_soon(self._renew, lease, hold)
                     self.next = self.due[0][0] if self.due else math.inf
                     self.wake = anyio.Event()
                     with anyio.move_on_after(self.next - now) as sleep:
@@ -167,11 +176,16 @@ class _Keeper:
                     timed_out = sleep.cancelled_caught
         except Exception:  # pragma: no cover - the renewals catch their own errors
             logger.exception("the lease keeper failed; leases held on this loop are lost")
-            for _, _, lease, hold in self.due:
-                lease._mark_lost(hold, "the lease keeper failed")
         finally:
             if self.loops.get(loop) is self:
                 del self.loops[loop]
+            # Cancelled (its loop shutting down, a task cancelling every other) or failed:
+            # nothing renews these holds any more, so they are lost, not silently held.
+            live = [*((lease, hold) for _, _, lease, hold in self.due),
+                    *((lease, hold) for hold, lease in self.renewing.items())]
+            for lease, hold in live:
+                if not hold.over:
+                    lease._mark_lost(hold, "its renewal task ended (its event loop closing?)")
 
 
 class Lease:
@@ -192,7 +206,9 @@ class Lease:
     ``ttl`` is a duration (``"30s"``, a ``timedelta``, seconds). ``poll`` is how often a
     blocking :meth:`acquire` tries again while another holder has the name (default: a
     tenth of the ttl, between 50 ms and 1 s). ``holder`` names this holder in the store
-    (default: host, process id and a random part, unique to this object).
+    (default: host, process id and a random part, unique to this object); one given
+    must be unique to this object too: the store gives a live hold back to the holder
+    that has it, so two leases given one holder would share a hold.
 
     .. note:: The lease starts ``backend`` when it acquires and closes it when it
        releases; both are counted (see :class:`~lease_core.abc.Backend`), so a backend
@@ -252,8 +268,26 @@ class Lease:
 
     @property
     def held(self) -> bool:
-        """Whether this object holds the lease now (acquired, not released, not lost)."""
-        return self._last is not None and not self._last.over
+        """Whether this object holds the lease now (acquired, not released, not lost).
+
+        A hold not renewed for a whole ttl (a process stalled, a renewal failing) is lost
+        as soon as this is asked, even before the renewal task runs again: the store may
+        have given the name to another holder by then.
+        """
+        return self._live(mark=True)
+
+    def _live(self, *, mark: bool) -> bool:
+        """Whether the latest hold is live; past its ttl, it is marked lost if ``mark``
+        (only on the lease's own event loop: the loss sets an event and cancels a scope)."""
+        hold = self._last
+        if hold is None or hold.over:
+            return False
+        if time.monotonic() >= hold.alive_until:
+            if mark:
+                self._mark_lost(hold, "no renewal succeeded within the ttl (the process "
+                                "stalled?)")
+            return False
+        return True
 
     async def acquire(self, timeout: Duration | None = None) -> bool:  # noqa: ASYNC109
         """Take the lease; return whether it is held.
@@ -274,8 +308,12 @@ class Lease:
         try:
             while True:
                 sent = time.monotonic()
-                answer = await self.backend.acquire_lease(self.name, self.holder,
-                                                          self._ttl_ms)
+                try:
+                    answer = await self.backend.acquire_lease(self.name, self.holder,
+                                                              self._ttl_ms)
+                except anyio.get_cancelled_exc_class():
+                    await self._free_unanswered()
+                    raise
                 if answer.held:
                     hold = self._last = _Hold(answer.token, sent + self.ttl)
                     _Keeper.schedule(self, hold, sent + self.ttl / 3)
@@ -294,21 +332,35 @@ class Lease:
                     await self._close_backend()
             raise
 
+    async def _free_unanswered(self) -> None:
+        """An acquire cancelled before the store answered: the store may have given this
+        holder the name, which nothing would renew nor release (held until its ttl).
+        Asked again, the store gives a live hold of this holder back (or the free name),
+        and it is released at once. Shielded, for a few seconds at most."""
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            with anyio.move_on_after(min(self.ttl, 5.0)):
+                answer = await self.backend.acquire_lease(self.name, self.holder,
+                                                          self._ttl_ms)
+                if answer.held:
+                    await self.backend.release_lease(self.name, answer.token)
+
     async def release(self) -> None:
         """Stop renewing and free the name in the store, so a waiter takes it at once.
 
-        Does nothing when not acquired; a lost lease is not freed in the store (another
-        holder may have it), only let go. Closes the backend's start made by
-        :meth:`acquire`. A cancellation does not stop it half-way: a release cancelled
-        before the store answered is sent again, shielded, before the cancellation goes
-        on (an error of the store is raised as it is).
+        Does nothing when not acquired. A lost lease's release is sent too: its token
+        frees the name only if it still holds it live, never another holder's. Closes
+        the backend's start made by :meth:`acquire`. A cancellation does not stop it
+        half-way: a release cancelled before the store answered is sent again, shielded,
+        before the cancellation goes on (an error of the store is raised as it is).
         """
         if not self._opened:
             return
         hold = self._last
         token = None
-        if hold is not None and not hold.over:
-            hold.over = True
+        if hold is not None and not hold.released:
+            # A lost hold is freed too: the token frees the name only if it still holds
+            # it live (a renewal task ended, a stall the store has not noticed yet).
+            hold.over = hold.released = True
             token = hold.token
             if hold.scope is not None:
                 hold.scope.cancel()
@@ -340,7 +392,8 @@ class Lease:
     async def _close_backend(self) -> None:
         if self._opened:
             self._opened = False
-            await self.backend.close()
+            with anyio.CancelScope(shield=True):  # its user count is already taken off
+                await self.backend.close()
 
     async def _renew_hold(self, hold: _Hold) -> None:
         """Renew ``hold`` once (the keeper calls it when due): scheduled again, or lost."""
@@ -488,13 +541,24 @@ class SyncLease:
 
     @property
     def held(self) -> bool:
-        """Whether this object holds the lease now."""
-        return self._lease.held
+        """Whether this object holds the lease now (see :attr:`Lease.held`)."""
+        return self._lease._live(mark=False)  # not on the lease's loop: only looked at
 
     def acquire(self, timeout: Duration | None = None) -> bool:
         """Take the lease, blocking (see :meth:`Lease.acquire`); return whether held."""
         portal = _Loop.get()
-        got = portal.call(self._lease.acquire, timeout)
+        pending = portal.start_task_soon(self._lease.acquire, timeout)
+        try:
+            got = pending.result()
+        except BaseException:
+            # Interrupted here (Ctrl-C, a signal): the acquire on the background loop is
+            # cancelled, and a hold it may have won meanwhile is released, not renewed
+            # with nobody to release it.
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                wait([pending])
+                portal.call(self._lease.release)
+            raise
         if got:
             self.lost.clear()
             self._mirror = portal.start_task_soon(self._mirror_lost, self._lease.lost)

@@ -15,6 +15,7 @@ an :class:`OperationResult`; :class:`Admin` turns a refusal into
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -22,7 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ._durations import parse_duration
-from ._structures import RunStatus, format_slot
+from ._structures import LAST_SLOT, RunStatus, format_slot
 from .errors import ConfigurationError, OperationRefused
 from .recovery import step_job
 
@@ -76,25 +77,38 @@ class OperationResult:
     status: RunStatus | None = None
 
 
+#: The longest ``grace`` of a cancel: 30 days (a longer one is surely a mistake, and
+#: would overflow the stores' expiry arithmetic).
+MAX_GRACE_S = 30 * 86400
+
+
 def _slot(value: object, where: object) -> int:
     if isinstance(value, bool):
         raise ConfigurationError(f"slot {value!r} of {where!r} is not a slot")
+    slot: int | None = None
     if isinstance(value, int):
-        return value
-    if isinstance(value, datetime):
+        slot = value
+    elif isinstance(value, datetime):
         if value.tzinfo is None:
             raise ConfigurationError(f"slot {value!r} is a naive datetime; give a tz-aware one")
-        return int(value.timestamp() * 1000)
-    if isinstance(value, str):
+        slot = int(value.timestamp() * 1000)
+    elif isinstance(value, str):
         text = value.strip()
-        if text.lstrip("-").isdigit():
-            return int(text)
-        try:
-            parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
-        except ValueError:
-            parsed = None
-        if parsed is not None and parsed.tzinfo is not None:
-            return int(parsed.timestamp() * 1000)
+        if re.fullmatch(r"-?[0-9]+", text):  # ASCII digits: "²".isdigit() is True
+            slot = int(text)
+        else:
+            try:
+                parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+            except ValueError:
+                parsed = None
+            if parsed is not None and parsed.tzinfo is not None:
+                slot = int(parsed.timestamp() * 1000)
+    if slot is not None:
+        if 0 <= slot <= LAST_SLOT:
+            return slot
+        raise ConfigurationError(
+            f"slot {value!r} of {where!r} is out of range: epoch milliseconds from 0 to "
+            f"{LAST_SLOT} (9999-12-31)")
     raise ConfigurationError(
         f"slot {value!r} of {where!r} is neither epoch milliseconds nor a tz-aware ISO time")
 
@@ -104,7 +118,8 @@ class Admin:
 
     ``by`` names who acts (recorded with each operation): ``scheduler.admin`` uses the
     scheduler's instance id, the CLI ``cli`` and the HTTP API ``http``. The backend is
-    started for each call (creating the store when missing) and released after it, as
+    started for each call (never creating a store: an operation on a store that does not
+    exist raises :class:`~lease_core.errors.StoreNotFound`) and released after it, as
     :meth:`~lease_core.Scheduler.history` does: a backend started already stays open, and
     ``async with Admin(backend) as admin:`` keeps it open across calls.
     Every refusal raises :class:`~lease_core.errors.OperationRefused` and changes nothing.
@@ -117,7 +132,7 @@ class Admin:
         self.by = by
 
     async def __aenter__(self) -> Admin:
-        await self.backend.start()
+        await self.backend.start(create=False)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
@@ -173,12 +188,16 @@ class Admin:
         attempt ends ``cancelled``, never ``completed``.
         """
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
+        if grace_s > MAX_GRACE_S:
+            raise ConfigurationError(
+                f"grace={grace!r} is longer than {MAX_GRACE_S // 86400:g} days; a cancelled "
+                "handler is given at most that long to stop")
         await self._operate(OperationKind.CANCEL, job, _slot(slot, job),
                             grace_ms=int(grace_s * 1000))
 
     async def paused(self) -> dict[str, str]:
         """The paused jobs and workflows (by their own names), each with who paused it."""
-        await self.backend.start()
+        await self.backend.start(create=False)
         try:
             paused = await self.backend.paused()
             firsts = {step_job(name, steps[0]): name
@@ -191,7 +210,7 @@ class Admin:
                        grace_ms: int = 0) -> OperationResult:
         if not isinstance(job, str) or not job:
             raise ConfigurationError(f"job {job!r} must be a non-empty job name")
-        await self.backend.start()  # counted: cheap when the backend runs already
+        await self.backend.start(create=False)  # counted: cheap when the backend runs already
         try:
             if slot is not None:
                 job = await self._step_of(job, slot, kind)
@@ -232,7 +251,7 @@ def _refusal(kind: OperationKind, job: str, slot: int | None, result: OperationR
     run = f"{job}@{slot}" if slot is None else f"{job}@{slot} ({format_slot(slot)})"
     if result.refused == "unknown_job":
         return (f"cannot {kind} job {job!r}: the store has never seen it; check the name "
-                "(`anarchon jobs` lists them)")
+                "(`anarchon status` lists them)")
     if result.refused == "no_run":
         return f"cannot {kind} run {run}: the store has no run of {job!r} at that slot"
     status = "" if result.status is None else str(result.status)

@@ -18,6 +18,11 @@ from .errors import ConfigurationError
 
 __all__ = ["Retry", "RetryOption", "supports_retries", "to_retry"]
 
+#: The longest ``backoff`` or ``max_backoff``: 30 days (a longer one is surely a
+#: mistake, and would overflow the stores' expiry arithmetic).
+MAX_BACKOFF_S = 30 * 86400
+
+
 @dataclass(frozen=True)
 class Retry:
     """How many times, and how long after, a failed run is tried again within its run.
@@ -40,8 +45,11 @@ class Retry:
         retries = self.retries
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ConfigurationError(f"retries={retries!r} must be a whole number, 0 or more")
-        parse_duration(self.backoff, what="backoff", allow_zero=True)
-        parse_duration(self.max_backoff, what="max_backoff", allow_zero=True)
+        for what, value in (("backoff", self.backoff), ("max_backoff", self.max_backoff)):
+            if parse_duration(value, what=what, allow_zero=True) > MAX_BACKOFF_S:
+                raise ConfigurationError(
+                    f"{what}={value!r} is longer than {MAX_BACKOFF_S // 86400} days; a retry "
+                    "waits at most that long")
         factor = self.factor
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 1:
             raise ConfigurationError(f"factor={factor!r} must be a number, 1 or more")

@@ -97,10 +97,27 @@ def test_refusals_exit_2_and_change_nothing(url: str,
             (["cancel", "sync@2000"], "already finished"),
             (["retry", "sync@5"], "no run of 'sync'"),
             (["cancel", "sync"], "malformed"),
-            (["cancel", "sync@2000", "--grace", "soon"], "grace")):
+            (["cancel", "sync@2000", "--grace", "soon"], "grace"),
+            (["cancel", "sync@2000", "--grace", "999999h"], "longer than 30 days"),
+            (["retry", "sync@²"], "malformed slot")):
         assert main([*argv, "--url", url]) == 2, argv
         err = capsys.readouterr().err
         assert f"anarchon {argv[0]}: " in err and text in err, (argv, err)
         assert "Traceback" not in err
     assert statuses(url) == before
     assert store(url, lambda b: b.paused()) == {}
+
+
+def test_an_operation_on_a_store_that_does_not_exist_creates_none(
+        url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped namespace: the operation exits 3 (no store there), and the store is
+    still not there afterwards (status, which never creates one, exits 3 too)."""
+    base, _, query = url.partition("?")
+    option = query.partition("=")[0]
+    missing = f"{base}?{option}=anarchon_t_missing_{uuid.uuid4().hex[:8]}"
+    capsys.readouterr()
+    for argv in (["pause", "nope"], ["trigger", "nope"], ["retry", "nope@1000"],
+                 ["cancel", "nope@1000"]):
+        assert main([*argv, "--url", missing]) == 3, argv
+        assert "Traceback" not in capsys.readouterr().err
+    assert main(["status", "--url", missing]) == 3

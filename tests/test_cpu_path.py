@@ -234,6 +234,31 @@ async def test_a_slot_queued_while_the_dispatcher_sleeps_long_wakes_it() -> None
     assert len(set(runs)) >= 5
 
 
+async def test_a_slot_due_just_before_a_heartbeats_sleep_ends_is_claimed_on_time() -> None:
+    # After each claim the dispatcher sleeps a whole heartbeat (500 ms: the only other job
+    # is an hour away). The job's next slot, 20 ms before that sleep ends and so within
+    # its 50 ms slack, must end the sleep: a slack is for slots that share a wake-up at
+    # a slot, and that sleep ends at none (each slot was claimed 20 ms late).
+    scheduler = Scheduler(MemoryBackend(), instance_id="heartbeat-sleep", heartbeat="0.5s",
+                          lease="2s")
+
+    async def handler(ctx: RunContext) -> None:
+        pass
+
+    scheduler.every("hourly", "1h", handler)
+    scheduler.every("often", "480ms", handler)
+    async with anyio.create_task_group() as tg:
+        await tg.start(scheduler.run)
+        await wait_history(
+            scheduler, lambda h: sum(a.job == "often" and a.outcome is not None
+                                     for a in h) >= 7, timeout=10, what="seven runs")
+        await scheduler.stop(grace=1)
+    late_ms = sorted((a.claimed_at - a.scheduled_at).total_seconds() * 1000
+                     for a in await scheduler.history("often", 100)
+                     if a.reason.value == "scheduled")
+    assert late_ms[len(late_ms) // 2] < 12, late_ms
+
+
 LEAK: contextvars.ContextVar[str] = contextvars.ContextVar("leak", default="unset")
 
 

@@ -16,7 +16,14 @@ import pytest
 from lease_core import ConfigurationError, RunContext, Scheduler
 from lease_core.engine.fleet import rendezvous_rank
 from lease_core.testing import claim_now, renew_membership
-from tests.helpers import Instance, quiet_offset, stop_all, store_now_ms, wait_for
+from tests.helpers import (
+    Instance,
+    quiet_offset,
+    stop_all,
+    store_now_ms,
+    wait_for,
+    wait_history,
+)
 from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
@@ -216,11 +223,16 @@ async def capacity(store: Store) -> None:
         await wait_for(lambda: len([r for r in ran if r[1] >= since]) >= 3, timeout=10,
                        what="three slots of the due job")
         assert full.running == [("hold", slot)]
+        history = [x for x in await spare.history(job, 100) if x.slot >= since]
         release.set()
         await stop_all([i_full, i_spare])
     late = [r for r in ran if r[1] >= since]
     assert {name for _, _, name in late} == {"spare"}, late
     assert Counter(s for _, s, _ in ran).most_common(1)[0][1] == 1
+    # Ranked second, spare claims one check interval (200 ms) after the slot: at its
+    # turn, not at its first tick after it (up to a whole interval later).
+    late_ms = [x.claimed_at.timestamp() * 1000 - x.slot for x in history]
+    assert len(late_ms) >= 3 and all(150 <= late < 300 for late in late_ms), late_ms
 
 
 async def test_a_gracefully_stopped_members_next_slot_is_claimed_at_the_slot(
@@ -294,6 +306,70 @@ async def test_a_lone_instance_at_capacity_runs_the_slot_once_a_handler_ends(
         await wait_for(lambda: ran == [next_slot], timeout=10,
                        what="the deferred run once capacity is free")
         await inst.stop()
+
+
+async def test_a_sync_handler_past_its_timeout_still_counts_against_max_running() -> None:
+    """A sync handler's thread cannot be cancelled: its run ends at the timeout, but the
+    thread goes on, and the instance must not start another handler beside it."""
+    import threading
+
+    from lease_core import MemoryBackend
+
+    backend = MemoryBackend()
+    offset = quiet_offset(await store_now_ms(backend))
+    go = threading.Event()
+    ran: list[int] = []
+    s = Scheduler(backend, instance_id="alone", max_running=1, **FAST)
+
+    @s.every("hold", "1h", offset=offset, timeout="0.1s")
+    def hold(ctx: RunContext) -> None:
+        go.wait(10)
+
+    @s.every("next", "1h", offset=(offset + 60) % 3600)
+    async def after(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        hold_slot = s.jobs["hold"].schedule.previous_at_or_before(s.store_now_ms())
+        next_slot = s.jobs["next"].schedule.previous_at_or_before(s.store_now_ms())
+        assert hold_slot is not None and next_slot is not None
+        await claim_now(s, "hold", hold_slot)
+        await wait_history(s, lambda h: any(a.job == "hold" and a.outcome is not None
+                                            for a in h), timeout=5, what="hold timed out")
+        assert s.running == []
+        assert await claim_now(s, "next", next_slot) is None  # its thread still runs
+        assert ran == []
+        go.set()
+        await wait_for(lambda: ran == [next_slot], timeout=10,
+                       what="the deferred run once the thread returned")
+        await inst.stop()
+
+
+async def test_a_failed_membership_renewal_is_tried_again_at_the_next_tick() -> None:
+    """A renewal that failed is not put off for half a lease (5 s here): the membership
+    lasts one lease, so a second failure could let it lapse while the instance lives."""
+    from lease_core import MemoryBackend
+
+    calls: list[float] = []
+
+    class FailingOnce(MemoryBackend):
+        async def members(self, instance_id: str, lease_ms: int) -> list[str] | None:
+            calls.append(anyio.current_time())
+            if len(calls) == 2:
+                raise ConnectionError("the store did not answer")
+            return await super().members(instance_id, lease_ms)
+
+    s = Scheduler(FailingOnce(), instance_id="m", lease="10s", heartbeat="0.2s")
+    s.every("job", "1h", lambda ctx: None)
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        # Renewals every half lease (5 s): the second is the first the ticks make.
+        await wait_for(lambda: len(calls) >= 2, timeout=10, what="a second renewal")
+        await wait_for(lambda: len(calls) >= 3, timeout=2,
+                       what="the failed renewal tried again")
+        await inst.stop()
+    assert calls[2] - calls[1] < 1.0, calls
 
 
 # ----------------------------------------------------------------- on a Redis Cluster

@@ -435,6 +435,96 @@ async def test_a_release_cancelled_on_its_way_still_frees_the_name(store: Store)
     await third.release()
 
 
+async def test_an_acquire_cancelled_on_its_way_leaves_the_name_free(store: Store) -> None:
+    """An acquire cancelled while its call waits for the store: the store may still give
+    it the name (the call arrives, or a PostgreSQL statement runs to its end), which
+    nothing would renew nor release. It is asked again and released, shielded, so the
+    name is free at once, not after its 60 s ttl. (Cancelled after its call ended, it
+    returns the hold; its caller releases it.)"""
+    if isinstance(store, MemoryStore):
+        pytest.skip("the memory store has no network")
+    async with proxy_to(store) as proxy:
+        backend = url_backend(store, proxy.port)
+        await backend.start()  # connected before the pause
+        try:
+            lease = Lease(backend, "cancelled-acquire", ttl="60s")
+            proxy.pause()
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lease.acquire, 0)
+                    await anyio.sleep(0.05)  # let its call reach the paused proxy
+                    tg.cancel_scope.cancel()
+                    proxy.resume()
+            # A call made in a thread (a sync driver) is not interrupted: it may have
+            # ended, and then the acquire returned the hold, for its caller to release.
+            if lease.held:
+                await lease.release()
+            assert not lease.held and backend_users(backend) == 1
+        finally:
+            await backend.close()
+    other = Lease(url_backend(store), "cancelled-acquire", ttl="10s")
+    assert await other.acquire(timeout=0) is True
+    await other.release()
+
+
+async def test_a_stalled_holder_knows_it_lost_the_lease_before_its_keeper_runs(
+        store: Store) -> None:
+    """A process stalled past the ttl (a long GC, a blocking call, SIGSTOP): the store
+    may have given the name to another holder, so the lease is not held any more, even
+    before its renewal task wakes to find out."""
+    lease = Lease(store.backend(), "stalled", ttl=TTL)
+    assert await lease.acquire(timeout=0) is True
+    try:
+        time.sleep(TTL + 0.2)  # noqa: ASYNC251 - the stall itself: the event loop blocked
+        assert not lease.held and lease.lost.is_set()
+        assert lease.lost_error is not None and "within the ttl" in str(lease.lost_error)
+        assert await lease.acquire(timeout=0) is True  # taken again, with a new token
+    finally:
+        await lease.release()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_a_lease_held_when_its_event_loop_ends_is_lost(loop: str) -> None:
+    """Nothing renews a lease once its loop ended: it reports itself lost, not held."""
+    async def leave_held() -> Lease:
+        lease = Lease(MemoryBackend(), "loop-ends", ttl="10s")
+        assert await lease.acquire(timeout=0) is True
+        return lease
+
+    lease = anyio.run(leave_held, backend=loop)
+    assert not lease.held
+    assert lease.lost_error is not None and "renewal task ended" in str(lease.lost_error)
+
+
+def test_an_interrupted_sync_acquire_leaves_nothing_behind() -> None:
+    """Ctrl-C (here a signal's exception) in a blocking SyncLease.acquire(): the acquire
+    on the background loop is cancelled and its start of the backend closed, so it can
+    take no hold later that nobody would release."""
+    import signal
+
+    backend = MemoryBackend()
+    holder = SyncLease(backend, "interrupted", ttl="10s")
+    waiter = SyncLease(backend, "interrupted", ttl="10s", poll="50ms")
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    assert holder.acquire(timeout=0) is True
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            waiter.acquire()  # blocks: the holder keeps the name
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        holder.release()
+    assert not waiter.held and backend_users(backend) == 0
+    other = SyncLease(backend, "interrupted", ttl="10s")
+    assert other.acquire(timeout=0) is True
+    other.release()
+
+
 async def test_a_lease_released_twice_at_once_lets_go_of_the_backend_once(
         store: Store) -> None:
     """Two tasks releasing one lease together (an explicit release beside the end of

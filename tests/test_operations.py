@@ -323,6 +323,14 @@ async def test_bad_input_is_refused_and_changes_nothing(store: Store) -> None:
             await admin.cancel("known", done.slot, grace="-1s")
         with pytest.raises(ValueError, match="slot 'soon'"):
             await admin.retry("known", "soon")
+        # Not digits to int(): "²".isdigit() is true; and slots past year 9999 or before
+        # 1970, which the stores cannot hold, are refused by name too.
+        for bad in ("²", "--5", 2**63, -1):
+            with pytest.raises(ValueError, match=f"slot {bad!r}"):
+                await admin.retry("known", bad)
+        with pytest.raises(ValueError, match="grace='999999h' is longer than 30 days"):
+            await admin.cancel("known", done.slot, grace="999999h")
+        assert [r.slot for r in await s.backend.runs("known")] == [done.slot]
 
 
 async def test_heartbeat_at_of_a_running_run_is_its_last_renewal(store: Store) -> None:

@@ -46,6 +46,8 @@ def test_retry_option_forms() -> None:
     ({"retries": True}, "retries=True"),
     ({"backoff": "soon"}, "backoff='soon'"),
     ({"max_backoff": -1}, "max_backoff=-1"),
+    ({"max_backoff": "99999999h"}, "max_backoff='99999999h' is longer than 30 days"),
+    ({"backoff": "31d"}, "backoff='31d'"),
     ({"factor": 0.5}, "factor=0.5"),
     ({"jitter": 2}, "jitter=2"),
     ({"no_retry": ("KeyError",)}, "no_retry="),

@@ -67,7 +67,8 @@ class Claimer:
             return [None] * len(claims)
         settings = s.settings
         if settings.max_running is not None:
-            free = settings.max_running - s.runs.held_count - self._claims_in_flight
+            free = (settings.max_running - s.runs.held_count - self._claims_in_flight
+                    - s.execution.abandoned_threads)
             if free < len(claims):
                 return await self._claim_within(claims, max(0, free), deferred)
         requests = [

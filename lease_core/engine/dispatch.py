@@ -17,7 +17,7 @@ import anyio
 
 from .._durations import to_ms
 from .._structures import ClaimStatus, JobInfo, Reason, format_slot
-from .._wakeups import Alarm, WorkerPool, slot_wait
+from .._wakeups import Alarm, WorkerPool, late_by, slot_wait
 from . import base
 
 if TYPE_CHECKING:
@@ -75,7 +75,10 @@ class Dispatcher:
         # next wake-up rather than a new task each time.
         self._workers: WorkerPool[list[tuple[Job, int, int]] | Run] = WorkerPool(self._work)
         self._wake_at = float("inf")
-        """The slot (store ms) the current sleep ends at."""
+        """When (store ms) the current sleep ends."""
+        self._wake_margin = 0.0
+        """How late (ms) the current sleep may end; 0 when it ends at a slot (one a little
+        earlier, within its slack, shares that wake-up)."""
         # Per job, the last slot a catch-up claimed (it may still run).
         self._caught_up: dict[str, int] = {}
 
@@ -86,7 +89,12 @@ class Dispatcher:
         slot = job.schedule.next_after(last)
         slack = min(self._slack, job.schedule.period_ms // 4)
         heapq.heappush(self._due, (slot, next(self._order), job, last, slack))
-        if slot + slack < self._wake_at:
+        if self._wake_margin:
+            # The sleep ends at no slot (a heartbeat, or a first leg): a slot due before
+            # its latest end would be claimed late, and the next one queued after it.
+            if slot < self._wake_at + self._wake_margin:
+                self._alarm.wake()
+        elif slot + slack < self._wake_at:
             self._alarm.wake()
 
     async def start_job(self, job: Job, info: JobInfo) -> None:
@@ -118,19 +126,24 @@ class Dispatcher:
                 # a heartbeat, so a changed estimate of the store's clock is followed.
                 local_now = s.settings.clock() * 1000 + s.clock.offset_ms
                 wait = s.settings.heartbeat
+                at_slot = False
                 if self._due:
                     wake_at = self._due[0][0]
                     if wake_at - local_now < wait * 1000:
                         wake_at = wake_slot(self._due)
                     # A long wait for a slot ends early, and the rest is slept again: a
                     # sleep ends late by 0.1 % of its length (slot_wait, first_leg).
-                    wait = slot_wait((wake_at - local_now) / 1000, wait)
+                    until = (wake_at - local_now) / 1000
+                    wait = slot_wait(until, wait)
+                    at_slot = wait == until
                 if wait > 0:
-                    self._wake_at = (local_now + wait * 1000) if self._due else float("inf")
+                    if self._due:
+                        self._wake_at = local_now + wait * 1000
+                        self._wake_margin = 0.0 if at_slot else late_by(wait) * 1000
                     try:
                         await self._alarm.sleep(wait)
                     finally:
-                        self._wake_at = float("inf")
+                        self._wake_at, self._wake_margin = float("inf"), 0.0
                     continue
                 now = s.clock.now_ms()
                 claims: list[tuple[Job, int, int]] = []

@@ -42,12 +42,30 @@ class _Ran:
     interrupted: Interruption | None = None
 
 
+class _Thread:
+    """A sync handler's call in a worker thread, which says when it has returned."""
+
+    __slots__ = ("running",)
+
+    def __init__(self) -> None:
+        self.running = True
+
+    def call(self, handler: Any, ctx: RunContext) -> Any:
+        try:
+            return handler(ctx)
+        finally:
+            self.running = False
+
+
 class Executor:
     """Runs the handlers of one scheduler's won runs, and records how each attempt ended."""
 
     def __init__(self, session: Session) -> None:
         self._s = session
         self._finisher = FinishBatcher(session.settings.backend)
+        # Sync handlers whose run stopped waiting for them (a timeout, a stop, a lost
+        # lease) while their thread still runs: they still count against max_running.
+        self._abandoned: set[_Thread] = set()
 
     def launch(self, job: Job, lease: Lease, result: ClaimResult, sent_loop: float,
                attempt: AttemptInfo | None, *, deferred: list[Run] | None = None) -> None:
@@ -208,8 +226,23 @@ class Executor:
             ctx.results = await self._s.steps.load_results(job, slot)
         if job.is_async:
             return await job.handler(ctx)
-        return await anyio.to_thread.run_sync(
-            job.handler, ctx, abandon_on_cancel=True, limiter=self._s.handler_threads)
+        thread = _Thread()
+        try:
+            return await anyio.to_thread.run_sync(
+                thread.call, job.handler, ctx, abandon_on_cancel=True,
+                limiter=self._s.handler_threads)
+        except BaseException:
+            if thread.running:  # abandoned: the thread goes on
+                self._abandoned.add(thread)
+            raise
+
+    @property
+    def abandoned_threads(self) -> int:
+        """Sync handlers still running in their threads after their runs stopped waiting
+        (a timeout, a stop, a lost lease); they count against ``max_running``."""
+        ended = [thread for thread in self._abandoned if not thread.running]
+        self._abandoned.difference_update(ended)
+        return len(self._abandoned)
 
     def _lost(self, run: Run, error: str, interrupted: Interruption | None) -> None:
         execution, lease = run.execution, run.lease

@@ -70,8 +70,15 @@ class Fleet:
         settings = self._s.settings
         if self._left:
             return  # a stopping instance's ticks must not join again
-        self._renewed = settings.clock()
-        members = await settings.backend.members(settings.instance_id, to_ms(settings.lease))
+        previous, self._renewed = self._renewed, settings.clock()
+        try:
+            members = await settings.backend.members(settings.instance_id,
+                                                     to_ms(settings.lease))
+        except BaseException:
+            # Tried again at the next tick, not half a lease later: the membership may
+            # lapse meanwhile, and the others would rank without this live member.
+            self._renewed = previous
+            raise
         if self._left:
             # It left while this renewal was in flight: the renewal may have landed after.
             await settings.backend.leave(settings.instance_id)

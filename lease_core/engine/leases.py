@@ -19,7 +19,9 @@ from .base import logger
 from .runs import Phase
 
 if TYPE_CHECKING:
+    from .._structures import RunState
     from .jobs import Job
+    from .runs import Run
     from .session import Session
 
 __all__ = ["LeaseKeeper"]
@@ -130,10 +132,10 @@ class LeaseKeeper:
             assert run.reclaim_reason is not None
             again.append((run.job, run.slot, run.reclaim_reason))
         await s.claims.claim_many(again)
-        # A run ranked to another member is read only once its own turn is near: until
-        # then its state does not matter here (the members ranked before this one back
-        # it up), and at a burst those reads were most of what a tick cost.
-        horizon = s.clock.now_ms() + to_ms(s.settings.heartbeat) // 2
+        # A run ranked to another member is read only once its own turn comes before the
+        # next tick: until then its state does not matter here (the members ranked before
+        # this one back it up), and at a burst those reads were most of what a tick cost.
+        horizon = s.clock.now_ms() + to_ms(s.settings.heartbeat)
         backups = [run for run in s.runs.watched() if run.phase is not Phase.RECLAIM
                    and (run.phase is not Phase.PENDING or run.claim_after <= horizon)]
         if not backups:
@@ -144,6 +146,7 @@ class LeaseKeeper:
         result = await s.settings.backend.check(keys)
         s.clock.note(result.now_ms, sent, clock())
         claims: list[tuple[Job, int, Reason]] = []
+        later: dict[int, list[tuple[str, int]]] = {}
         for key in keys:
             current = s.runs.get(key)
             if current is None or current.phase not in (Phase.WATCHING, Phase.RECLAIM,
@@ -151,13 +154,11 @@ class LeaseKeeper:
                 continue
             run = current
             state = result.runs.get(key)
-            if run.phase is Phase.PENDING and state is None:
-                # Not claimed yet by the member ranked before this one: its turn came?
-                if result.now_ms >= run.claim_after:
-                    claims.append((run.job, key[1], run.reclaim_reason or Reason.SCHEDULED))
-                continue
-            if run.phase is Phase.PENDING and state is not None and not state.status.finished:
-                s.runs.watch(run.job, key[1])  # claimed by another member: back it up
+            if run.phase is Phase.PENDING:
+                if self._settle_pending(run, state, result.now_ms, claims):
+                    later.setdefault(run.claim_after, []).append(key)
+                if state is None:
+                    continue
             if key in result.lost:
                 # Lost with the store's data while its holder may still run it: claim it
                 # again; the claim waits out the store's quarantine.
@@ -172,7 +173,54 @@ class LeaseKeeper:
                     claims.append((next_step, key[1], Reason.SCHEDULED))
             elif state.claimable(result.now_ms):
                 claims.append((run.job, key[1], Reason.TAKEOVER))
+        for at, due in later.items():
+            assert s.tg is not None
+            s.tg.start_soon(self._cover_at, at, due)
         await s.claims.claim_many(claims)
+
+    def _settle_pending(self, run: Run, state: RunState | None, now_ms: int,
+                        claims: list[tuple[Job, int, Reason]]) -> bool:
+        """Act on what the store says of a ``PENDING`` run: claimed by another member
+        (back it up), unclaimed with its turn come (claim it: appended to ``claims``).
+        True when it is unclaimed and its turn comes later (a timer claims it then)."""
+        if state is not None:
+            if not state.status.finished:
+                self._s.runs.watch(run.job, run.slot)  # claimed by another: back it up
+            return False
+        if now_ms >= run.claim_after:
+            claims.append((run.job, run.slot, run.reclaim_reason or Reason.SCHEDULED))
+            return False
+        return True
+
+    async def _cover_at(self, at_ms: int, keys: list[tuple[str, int]]) -> None:
+        """At ``at_ms`` (store ms), claim the runs of ``keys`` still pending and unclaimed.
+
+        A tick finds a run its turn reaches before the next tick: waiting for that tick
+        would cover a late member up to a whole check interval after its turn.
+        """
+        s = self._s
+        with s.stoppable():
+            await anyio.sleep(max(0.0, (at_ms - s.clock.now_ms()) / 1000))
+            runs = [run for run in map(s.runs.get, keys)
+                    if run is not None and run.phase is Phase.PENDING]
+            if not runs:
+                return
+            sent = s.settings.clock()
+            try:
+                result = await s.settings.backend.check([run.key for run in runs])
+            except Exception as exc:  # the next tick checks them again
+                s.clock.failed("check of runs ranked to another member", exc)
+                return
+            s.clock.note(result.now_ms, sent, s.settings.clock())
+            claims: list[tuple[Job, int, Reason]] = []
+            for run in runs:
+                if s.runs.get(run.key) is run and run.phase is Phase.PENDING:
+                    state = result.runs.get(run.key)
+                    if state is not None and state.status.finished:
+                        s.runs.forget(run.key)
+                    else:
+                        self._settle_pending(run, state, max(result.now_ms, at_ms), claims)
+            await s.claims.claim_many(claims)
 
     async def _pick_up(self) -> None:
         """Claim the handed-over runs of declared jobs that this instance does not watch.
