@@ -38,10 +38,13 @@ add a ``SCRIPT EXISTS`` round trip to every batch.)
 
 A batch that fails because its pooled connection was closed under it (after a server
 restart, or the server's idle ``timeout``) is sent once more on a fresh connection; this
-applies to clients passed in too. Every script is safe to send again: the fenced ones
+applies to clients passed in too. Most scripts are safe to send again: the fenced ones
 change nothing for a token that no longer holds its run, and a claim sent again with the
-token that now holds the run answers ``WON`` as the first try would have. Timeouts are
-never retried.
+token that now holds the run answers ``WON`` as the first try would have. The callers of
+the two that are not (an operation: a trigger sent twice makes two runs; a retry's end of
+an attempt: sent twice, it answers that the token lost its run) pass ``resend=False``: a
+connection that failed after the server ran the batch is not told apart from one that
+never sent it. Timeouts are never retried.
 """
 
 from __future__ import annotations
@@ -170,19 +173,20 @@ class RedisAdapter(ABC):
     async def _load(self, scripts: Sequence[Any]) -> None:
         """Load the driver's script objects into the server (every primary of a Cluster)."""
 
-    async def execute(self, commands: Sequence[Command]) -> list[Any]:
+    async def execute(self, commands: Sequence[Command], *, resend: bool = True) -> list[Any]:
         """Send ``commands`` in one pipelined round trip; return one reply each.
 
         A command the server rejected gives its exception object as its reply (the
         caller decides, for instance to load a missing script). A failure of the whole
         batch (unreachable server, refused credentials) raises
-        :class:`~lease_core.errors.BackendUnavailable`.
+        :class:`~lease_core.errors.BackendUnavailable`. ``resend=False``: a batch that
+        is not safe to run twice is not sent again after a failed connection.
         """
         try:
             try:
                 return await self._execute_loading(commands)
             except Exception as exc:
-                if not _stale(exc):
+                if not (resend and _stale(exc)):
                     raise
             # The connection was closed under us (the server restarted, or closed an idle
             # connection): the batch never ran, so it is sent once more on a fresh one.

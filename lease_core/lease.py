@@ -15,31 +15,25 @@ and the ``async with`` raises :class:`~lease_core.errors.LeaseLost`.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
-import heapq
 import itertools
 import logging
-import math
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager
-from functools import partial
 from types import TracebackType
-from typing import Any, ClassVar
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
-import sniffio
 
 from ._durations import Duration, parse_duration, to_ms
+from ._lease_keeper import _Hold, _Keeper
 from ._named_leases import check_lease
 from .abc import Backend
 from .errors import ConfigurationError, LeaseLost
@@ -61,131 +55,6 @@ def _holder_id() -> str:
         _HOLDERS = (pid, f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:8]}",
                     itertools.count(1))
     return f"{_HOLDERS[1]}:{next(_HOLDERS[2])}"
-
-
-_TASKS: set[asyncio.Task[None]] = set()  # strong references to the keepers' tasks
-
-
-def _spawn(fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
-    """Run ``fn`` beside every other task of the event loop, owned by none of them.
-
-    So a lease acquired with ``await lease.acquire()`` outside any task group is still
-    renewed: the keeper is a task of the loop itself (asyncio) or a system task (trio).
-    """
-    if sniffio.current_async_library() == "trio":
-        import trio.lowlevel
-
-        trio.lowlevel.spawn_system_task(fn, name=name)
-    else:
-        task = asyncio.get_running_loop().create_task(fn(), name=name)
-        _TASKS.add(task)
-        task.add_done_callback(_TASKS.discard)
-
-
-class _Hold:
-    """One hold of a :class:`Lease`, from the acquire that won it to its release or loss."""
-
-    __slots__ = ("_lost", "alive_until", "error", "over", "released", "scope", "token")
-
-    def __init__(self, token: int, alive_until: float) -> None:
-        self.token = token
-        self.alive_until = alive_until  # monotonic: surely live in the store until then
-        self._lost: anyio.Event | None = None  # made when first asked for or set
-        self.error: LeaseLost | None = None
-        self.over = False  # released or lost
-        self.released = False  # its release sent (a lost hold's too: the token fences it)
-        self.scope: anyio.CancelScope | None = None  # the renewal in flight
-
-    @property
-    def lost(self) -> anyio.Event:
-        """Set when this hold is lost."""
-        if self._lost is None:
-            self._lost = anyio.Event()
-        return self._lost
-
-
-class _Keeper:
-    """The one task per event loop that renews every lease held on that loop.
-
-    It sleeps until the earliest renewal is due and runs each due renewal as a task of
-    its own (a store that hangs delays no other lease's renewal). Acquiring and releasing
-    cost no task of their own: a hold is pushed on the heap, a released one skipped.
-    """
-
-    loops: ClassVar[dict[object, _Keeper]] = {}
-
-    #: The heap is compacted (released holds dropped) when it grows past this many
-    #: entries, and then past twice what it kept: a released hold stays queued until its
-    #: renewal would have been due, so leases taken and released at a high rate would
-    #: otherwise queue a ttl's worth of them.
-    COMPACT_AT = 1024
-
-    def __init__(self) -> None:
-        self.due: list[tuple[float, int, Lease, _Hold]] = []
-        self.order = itertools.count()
-        self.wake = anyio.Event()
-        self.next = math.inf
-        self.compact_at = self.COMPACT_AT
-        self.renewing: dict[_Hold, Lease] = {}  # the renewals in flight
-
-    async def _renew(self, lease: Lease, hold: _Hold) -> None:
-        self.renewing[hold] = lease
-        try:
-            await lease._renew_hold(hold)
-        finally:
-            del self.renewing[hold]
-
-    @classmethod
-    def schedule(cls, lease: Lease, hold: _Hold, at: float) -> None:
-        """Renew ``hold`` of ``lease`` at monotonic time ``at`` (on the current loop)."""
-        loop = anyio.lowlevel.current_token()
-        keeper = cls.loops.get(loop)
-        if keeper is None:
-            keeper = cls.loops[loop] = _Keeper()
-            _spawn(partial(keeper.run, loop), "anarchon-lease-keeper")
-        heapq.heappush(keeper.due, (at, next(keeper.order), lease, hold))
-        if len(keeper.due) > keeper.compact_at:
-            keeper.due = [entry for entry in keeper.due if not entry[3].over]
-            heapq.heapify(keeper.due)
-            keeper.compact_at = max(cls.COMPACT_AT, 2 * len(keeper.due))
-        if at < keeper.next:
-            keeper.wake.set()
-
-    async def run(self, loop: object) -> None:
-        """Renew what is due, then sleep until the next renewal or a new earlier one."""
-        try:
-            async with anyio.create_task_group() as tg:
-                timed_out = False
-                while True:
-                    now = time.monotonic()
-                    # After a timed wake-up, released holds ahead of the first live one
-                    # are dropped too, not each when its renewal would have been due: so
-                    # leases taken and released at a high rate wake the keeper about
-                    # twice per ttl / 3, not once per lease. (After a wake-up by a new
-                    # hold, they stay: that hold is often released by now, and dropping
-                    # it would make the next new hold wake the keeper again.)
-                    while self.due and (self.due[0][0] <= now
-                                        or (timed_out and self.due[0][3].over)):
-                        _, _, lease, hold = heapq.heappop(self.due)
-                        if not hold.over:
-                            tg.start_soon(self._renew, lease, hold)
-                    self.next = self.due[0][0] if self.due else math.inf
-                    self.wake = anyio.Event()
-                    with anyio.move_on_after(self.next - now) as sleep:
-                        await self.wake.wait()
-                    timed_out = sleep.cancelled_caught
-        except Exception:  # pragma: no cover - the renewals catch their own errors
-            logger.exception("the lease keeper failed; leases held on this loop are lost")
-        finally:
-            if self.loops.get(loop) is self:
-                del self.loops[loop]
-            # Cancelled (its loop shutting down, a task cancelling every other) or failed:
-            # nothing renews these holds any more, so they are lost, not silently held.
-            live = [*((lease, hold) for _, _, lease, hold in self.due),
-                    *((lease, hold) for hold, lease in self.renewing.items())]
-            for lease, hold in live:
-                if not hold.over:
-                    lease._mark_lost(hold, "its renewal task ended (its event loop closing?)")
 
 
 class Lease:
@@ -239,6 +108,10 @@ class Lease:
         self._never: anyio.Event | None = None  # lost, before any hold (never set)
         self._body: anyio.CancelScope | None = None
         self._opened = False  # whether this lease holds a start() of the backend
+        self._acquiring = False  # an acquire() runs (in some task)
+        self._abort = False  # a release() asked the running acquire() to give up
+        self._acquired: anyio.Event | None = None  # set when that acquire() has ended
+        self._pause: anyio.CancelScope | None = None  # a blocking acquire's wait
 
     def __repr__(self) -> str:
         state = f"token={self.token}" if self.held else "not held"
@@ -300,8 +173,22 @@ class Lease:
                                                            allow_zero=True)
         if self.held:
             return True
+        if self._acquiring:
+            raise RuntimeError(
+                f"Lease {self.name!r}: acquire() is already running in another task; one "
+                "Lease is one holder: give each task a Lease of its own")
+        self._acquiring = True
+        try:
+            return await self._acquire(wait)
+        finally:
+            self._acquiring = self._abort = False
+            done, self._acquired = self._acquired, None
+            if done is not None:
+                done.set()
+
+    async def _acquire(self, wait: float | None) -> bool:
         if self._opened:  # a hold lost earlier: let go of its start of the backend
-            await self.release()
+            await self._release()
         give_up = None if wait is None else time.monotonic() + wait
         await self.backend.start()
         self._opened = True
@@ -314,6 +201,11 @@ class Lease:
                 except anyio.get_cancelled_exc_class():
                     await self._free_unanswered()
                     raise
+                if self._abort:  # released meanwhile (by another task): give up
+                    if answer.held:
+                        await self.backend.release_lease(self.name, answer.token)
+                    await self._close_backend()
+                    return False
                 if answer.held:
                     hold = self._last = _Hold(answer.token, sent + self.ttl)
                     _Keeper.schedule(self, hold, sent + self.ttl / 3)
@@ -325,7 +217,12 @@ class Lease:
                 pause = min(self.poll, max(answer.expires_ms - answer.now_ms, 1) / 1000)
                 if give_up is not None:
                     pause = min(pause, give_up - now)
-                await anyio.sleep(pause)
+                with anyio.CancelScope() as self._pause:  # a release() ends it early
+                    await anyio.sleep(pause)
+                self._pause = None
+                if self._abort:
+                    await self._close_backend()
+                    return False
         except BaseException:
             if not self.held:
                 with anyio.CancelScope(shield=True):
@@ -347,12 +244,26 @@ class Lease:
     async def release(self) -> None:
         """Stop renewing and free the name in the store, so a waiter takes it at once.
 
+        While another task's :meth:`acquire` of this lease waits, it makes that acquire
+        give up (return False, holding nothing) and waits for it.
+
         Does nothing when not acquired. A lost lease's release is sent too: its token
         frees the name only if it still holds it live, never another holder's. Closes
         the backend's start made by :meth:`acquire`. A cancellation does not stop it
         half-way: a release cancelled before the store answered is sent again, shielded,
         before the cancellation goes on (an error of the store is raised as it is).
         """
+        if self._acquiring:
+            self._abort = True
+            if self._pause is not None:
+                self._pause.cancel()
+            if self._acquired is None:
+                self._acquired = anyio.Event()
+            await self._acquired.wait()
+            return
+        await self._release()
+
+    async def _release(self) -> None:
         if not self._opened:
             return
         hold = self._last
@@ -560,12 +471,17 @@ class SyncLease:
                 portal.call(self._lease.release)
             raise
         if got:
+            mirror, self._mirror = self._mirror, None
+            if mirror is not None:  # held already: one task watches the current hold
+                mirror.cancel()
             self.lost.clear()
-            self._mirror = portal.start_task_soon(self._mirror_lost, self._lease.lost)
+            self._mirror = portal.start_task_soon(self._mirror_lost)
         return got
 
-    async def _mirror_lost(self, event: anyio.Event) -> None:
-        await event.wait()
+    async def _mirror_lost(self) -> None:
+        # The hold's event is read here, on the lease's loop: made lazily, it must not be
+        # made from the caller's thread at the same time as the loop makes it.
+        await self._lease.lost.wait()
         self.lost.set()
 
     def release(self) -> None:

@@ -16,9 +16,9 @@ import psycopg
 import pytest
 
 from lease_core import LeaseLost, Outcome, PostgresBackend, Reason, RunContext, Scheduler
-from lease_core.abc import ClaimRequest, Lease, RunStatus
+from lease_core.abc import ClaimRequest, ClaimStatus, Lease, RunStatus
 from lease_core.testing import claim_now
-from tests.helpers import Instance, quiet_offset, store_now_ms, wait_history
+from tests.helpers import Instance, quiet_offset, store_now_ms, wait_for, wait_history
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 
 pytestmark = [pytest.mark.anyio, pytest.mark.asyncio_only]
@@ -125,3 +125,58 @@ async def test_batches_commit_with_their_progress_and_a_late_attempt_writes_neit
     finally:
         await backend.close()
         _admin(pg16_server, f"DROP TABLE IF EXISTS {effects}")
+
+
+async def test_a_cancel_waiting_for_a_fenced_transaction_holds_no_claim_back(
+    pg16_server: PgServer, table: str
+) -> None:
+    """A cancel of a run inside its fenced transaction waits for the transaction's row
+    lock: it must not hold the job's lock meanwhile, or every claim of the job's other
+    slots would wait (and time out) behind it."""
+    from lease_core import Admin, OperationRefused
+
+    s = Scheduler(PostgresBackend(pg16_server.dsn, table=table), instance_id="a",
+                  lease="10s", heartbeat="0.25s")
+    offset = quiet_offset(await store_now_ms(PostgresBackend(pg16_server.dsn, table=table)))
+    inside, leave = anyio.Event(), anyio.Event()
+
+    @s.every("tx", "1h", offset=offset)
+    async def tx(ctx: RunContext) -> None:
+        async with ctx.transaction():
+            inside.set()
+            await leave.wait()
+
+    answers: list[str] = []
+    admin = Admin(PostgresBackend(pg16_server.dsn, table=table), by="test")
+
+    async def cancel(slot: int) -> None:
+        try:
+            await admin.cancel("tx", slot)
+            answers.append("cancelled")
+        except OperationRefused as refused:
+            answers.append(refused.kind)
+
+    async def waiting_locks() -> int:
+        async with await psycopg.AsyncConnection.connect(pg16_server.dsn) as conn:
+            cur = await conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            row = await cur.fetchone()
+            return 0 if row is None else int(row[0])
+
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        slot = s.jobs["tx"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "tx", slot)
+        with anyio.fail_after(10):
+            await inside.wait()
+        tg.start_soon(cancel, slot)
+        await wait_for(waiting_locks, what="the cancel waiting for the run's row lock")
+        with anyio.fail_after(3):  # not the claim's own timeout (half the lease)
+            other = await claim_now(s, "tx", slot - 3_600_000)
+        assert other is not None and other.status is ClaimStatus.WON
+        assert answers == []
+        leave.set()
+        await wait_for(lambda: answers, what="the cancel's answer")
+        await inst.stop()
+    # The transaction completed the run before the cancel could act on it.
+    assert answers == ["conflict"]

@@ -525,6 +525,38 @@ def test_an_interrupted_sync_acquire_leaves_nothing_behind() -> None:
     other.release()
 
 
+async def test_a_release_during_another_tasks_acquire_makes_it_give_up(store: Store) -> None:
+    """A task waits in acquire() (the name is held) while another releases the same
+    Lease, at shutdown say: the acquire gives up, holding nothing, before release()
+    returns, so it cannot take the name later with nobody left to release it. A second
+    acquire() of the same object at the same time is refused by name."""
+    holder = Lease(store.backend(), "given-up", ttl="10s")
+    waiter = Lease(url_backend(store), "given-up", ttl="10s", poll="50ms")
+    assert await holder.acquire(timeout=0) is True
+    results: list[bool] = []
+
+    async def wait_for_it() -> None:
+        results.append(await waiter.acquire())
+
+    shared = int(waiter.backend is holder.backend)  # memory: one backend for all
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for_it)
+            await wait_for(lambda: backend_users(waiter.backend) == 1 + shared,
+                           what="the waiter's acquire under way")
+            with pytest.raises(RuntimeError, match="already running in another task"):
+                await waiter.acquire(timeout=0)
+            with anyio.fail_after(10):
+                await waiter.release()
+            assert results == [False] and not waiter.held
+            assert backend_users(waiter.backend) == shared
+    finally:
+        await holder.release()
+    other = Lease(store.backend(), "given-up", ttl="10s")
+    assert await other.acquire(timeout=0) is True
+    await other.release()
+
+
 async def test_a_lease_released_twice_at_once_lets_go_of_the_backend_once(
         store: Store) -> None:
     """Two tasks releasing one lease together (an explicit release beside the end of

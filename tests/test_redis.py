@@ -187,9 +187,9 @@ async def test_every_script_touches_one_slot(backend: RedisBackend, raw: redis.R
     sent: list[tuple[Any, ...]] = []
     execute = adapter.execute
 
-    async def spy(commands: Any) -> list[Any]:
+    async def spy(commands: Any, **options: Any) -> list[Any]:
         sent.extend(commands)
-        return await execute(commands)
+        return await execute(commands, **options)
 
     adapter.execute = spy  # type: ignore[method-assign]
     await backend.register_jobs(ODD_JOBS)
@@ -297,9 +297,9 @@ async def test_heartbeat_is_one_script_call_and_claims_batch(
     batches: list[list[Any]] = []
     execute = adapter.execute
 
-    async def spy(commands: Any) -> list[Any]:
+    async def spy(commands: Any, **options: Any) -> list[Any]:
         batches.append(list(commands))
-        return await execute(commands)
+        return await execute(commands, **options)
 
     adapter.execute = spy  # type: ignore[method-assign]
     won = await backend.claim_many([_request(x.job, x.slot, x.token, overlap_skip=False)
@@ -325,10 +325,10 @@ async def test_batched_calls_take_one_round_trip(backend: RedisBackend) -> None:
     calls = 0
     execute = adapter.execute
 
-    async def counting(commands: Any) -> list[Any]:
+    async def counting(commands: Any, **options: Any) -> list[Any]:
         nonlocal calls
         calls += 1
-        return await execute(commands)
+        return await execute(commands, **options)
 
     adapter.execute = counting  # type: ignore[method-assign]
     assert (await backend.heartbeat(leases)).held == {lease.token for lease in leases}
@@ -677,6 +677,53 @@ async def test_calls_after_a_restart_do_not_fail_on_stale_connections(
                 close = getattr(connection, "aclose", None)
                 await close() if close is not None else connection.close()
 
+
+
+class _LosingReplies(redis.Redis):
+    """A client whose next ``lose`` script calls run on the server and then fail as a
+    connection closed before the reply (the one failure a resend cannot tell apart)."""
+
+    lose = 0
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        reply = super().execute_command(*args, **options)
+        if self.lose and args[0] == "EVALSHA":
+            self.lose -= 1
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return reply
+
+
+async def test_calls_not_safe_twice_are_not_sent_again_when_their_reply_is_lost(
+        url: str) -> None:
+    """A batch whose connection failed is sent once more, as the batch of a connection
+    closed while idle never ran. An operation and a retry's end of an attempt are not:
+    a trigger sent twice made two runs, and an attempt ended twice answered that its
+    token had lost the run (the engine then released a run it should have watched)."""
+    from lease_core.operations import Operation, OperationKind
+
+    client = _LosingReplies.from_url(url)
+    backend = RedisBackend(client, prefix=_prefix())
+    await backend.start()
+    try:
+        won = await backend.claim(_request("job", 1, "a"))
+        assert won.status is ClaimStatus.WON
+        client.lose = 1
+        with pytest.raises(BackendUnavailable):
+            await backend.operate(Operation(OperationKind.TRIGGER, "job", None, "test", 0))
+        assert len(await backend.queued(["job"])) == 1  # one triggered run, not two
+        client.lose = 1
+        with pytest.raises(BackendUnavailable):
+            await backend.retry_later([(Lease("job", 1, "a", 30_000), Outcome.FAILED, "boom",
+                                        [60_000])])
+        state = (await backend.check([("job", 1)])).runs[("job", 1)]
+        assert state.status is RunStatus.RETRYING
+        client.lose = 1  # a fenced call is safe twice: sent again, it succeeds
+        assert (await backend.claim(_request("job", 2, "b", overlap_skip=False))).status \
+            is ClaimStatus.WON
+    finally:
+        await backend.close()
+        client.close()
+        delete_prefix(url, backend.prefix)
 
 
 # -- replication acknowledgement -------------------------------------------------------

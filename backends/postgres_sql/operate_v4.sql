@@ -1,6 +1,7 @@
 -- Operations (lease_core/operations.py) as one PL/pgSQL function (store code v4): a
 -- trigger, pause, resume, retry or cancel is one statement, made atomically under the
--- job row's lock (the lock every claim of the job takes first), or refused changing
+-- job row's lock (the lock every claim of the job takes first; a retry or a cancel takes
+-- its run row's lock before it, see below), or refused changing
 -- nothing. o_refused is NULL when made, else 'unknown_job', 'no_run' or 'conflict';
 -- o_slot the run's slot (a trigger's new one); o_status the run's status before.
 --
@@ -29,7 +30,18 @@ DECLARE
     v_now bigint;
     v_status text;
     v_attempt integer;
+    v_found boolean := false;
 BEGIN
+    IF p_kind IN ('retry', 'cancel') THEN
+        -- The run row first, the job row after: a run inside its fenced transaction
+        -- (ctx.transaction(), fenced.py's lock_held_run) holds its row until it commits,
+        -- and waiting for it while holding the job row held back every claim of the job
+        -- meanwhile. Nothing that holds a job row waits for a run row (claims, heartbeats
+        -- and finishes skip locked ones), so this order cannot deadlock.
+        SELECT r.status, r.attempt INTO v_status, v_attempt
+          FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot FOR UPDATE;
+        v_found := FOUND;
+    END IF;
     PERFORM 1 FROM {jobs} j WHERE j.job = p_job FOR UPDATE;
     IF NOT FOUND THEN
         o_refused := 'unknown_job';
@@ -63,9 +75,7 @@ BEGIN
         RETURN;
     END IF;
     o_slot := p_slot;
-    SELECT r.status, r.attempt INTO v_status, v_attempt
-      FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot FOR UPDATE;
-    IF NOT FOUND THEN
+    IF NOT v_found THEN
         o_refused := 'no_run';
         RETURN;
     END IF;

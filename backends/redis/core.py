@@ -237,10 +237,11 @@ class RedisStore(Backend):
     def _eval(name: str, keys: Sequence[str], args: Sequence[str | int]) -> Command:
         return ("EVALSHA", SCRIPTS[name].sha, len(keys), *keys, *args)
 
-    async def _run(self, commands: Sequence[Command]) -> list[Any]:
-        """Send ``commands`` in one round trip (the adapter loads scripts the server lost)."""
+    async def _run(self, commands: Sequence[Command], *, resend: bool = True) -> list[Any]:
+        """Send ``commands`` in one round trip (the adapter loads scripts the server lost);
+        ``resend=False`` for a batch not safe to run twice (see :mod:`adapters.redis`)."""
         adapter = self._adapter or await self._require()
-        replies = await adapter.execute(commands)
+        replies = await adapter.execute(commands, resend=resend)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise adapter.translate(reply) or reply
@@ -253,13 +254,14 @@ class RedisStore(Backend):
 
     # -- wait_replicas on finishes, checkpoints and operations (issue 21, item 3)
     async def _run_acked(self, commands: Sequence[Command], what: str,
-                         wrote: Callable[[list[Any]], bool]) -> list[Any]:
+                         wrote: Callable[[list[Any]], bool], *,
+                         resend: bool = True) -> list[Any]:
         """:meth:`_run`, then ``WAIT`` in the same round trip (with ``wait_replicas``):
         when ``wrote(replies)`` and fewer replicas acknowledged, raise
         :class:`~lease_core.errors.BackendUnavailable` naming ``what``."""
         if self.wait_replicas is None:
-            return await self._run(commands)
-        replies = await self._run([*commands, *self._wait()])
+            return await self._run(commands, resend=resend)
+        replies = await self._run([*commands, *self._wait()], resend=resend)
         if wrote(replies[:-1]):
             self._check_wait(replies[-1], what)
         return replies[:-1]

@@ -30,7 +30,8 @@ class RedisOperations(RedisStore):
             [str(op.kind), "" if op.slot is None else int(op.slot), op.by,
              f"{self._tag(op.job)}:run:", int(op.grace_ms)])],
             f"the operation {op.kind} of {op.job!r}",
-            lambda replies: as_text(replies[0]).startswith("|"))  # refused: 'why|...'
+            lambda replies: as_text(replies[0]).startswith("|"),  # refused: 'why|...'
+            resend=False)  # a trigger sent twice would make two runs
         refused, slot, status = as_text(reply).split("|")
         return OperationResult(refused or None, int(slot) if slot else None,
                                RunStatus(status) if status else None)

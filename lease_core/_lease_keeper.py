@@ -1,0 +1,155 @@
+"""The renewal of :class:`~lease_core.Lease` holds: one task per event loop (private).
+
+:class:`_Hold` is one hold of a lease, from the acquire that won it to its release or
+loss; :class:`_Keeper` is the task of an event loop that renews every hold on that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Coroutine
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+import anyio.lowlevel
+import sniffio
+
+from .errors import LeaseLost
+
+if TYPE_CHECKING:
+    from .lease import Lease
+
+__all__: list[str] = []  # private: lease.py uses _Hold and _Keeper
+
+logger = logging.getLogger("anarchon")
+
+
+_TASKS: set[asyncio.Task[None]] = set()  # strong references to the keepers' tasks
+
+
+def _spawn(fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+    """Run ``fn`` beside every other task of the event loop, owned by none of them.
+
+    So a lease acquired with ``await lease.acquire()`` outside any task group is still
+    renewed: the keeper is a task of the loop itself (asyncio) or a system task (trio).
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio.lowlevel
+
+        trio.lowlevel.spawn_system_task(fn, name=name)
+    else:
+        task = asyncio.get_running_loop().create_task(fn(), name=name)
+        _TASKS.add(task)
+        task.add_done_callback(_TASKS.discard)
+
+
+class _Hold:
+    """One hold of a :class:`Lease`, from the acquire that won it to its release or loss."""
+
+    __slots__ = ("_lost", "alive_until", "error", "over", "released", "scope", "token")
+
+    def __init__(self, token: int, alive_until: float) -> None:
+        self.token = token
+        self.alive_until = alive_until  # monotonic: surely live in the store until then
+        self._lost: anyio.Event | None = None  # made when first asked for or set
+        self.error: LeaseLost | None = None
+        self.over = False  # released or lost
+        self.released = False  # its release sent (a lost hold's too: the token fences it)
+        self.scope: anyio.CancelScope | None = None  # the renewal in flight
+
+    @property
+    def lost(self) -> anyio.Event:
+        """Set when this hold is lost."""
+        if self._lost is None:
+            self._lost = anyio.Event()
+        return self._lost
+
+
+class _Keeper:
+    """The one task per event loop that renews every lease held on that loop.
+
+    It sleeps until the earliest renewal is due and runs each due renewal as a task of
+    its own (a store that hangs delays no other lease's renewal). Acquiring and releasing
+    cost no task of their own: a hold is pushed on the heap, a released one skipped.
+    """
+
+    loops: ClassVar[dict[object, _Keeper]] = {}
+
+    #: The heap is compacted (released holds dropped) when it grows past this many
+    #: entries, and then past twice what it kept: a released hold stays queued until its
+    #: renewal would have been due, so leases taken and released at a high rate would
+    #: otherwise queue a ttl's worth of them.
+    COMPACT_AT = 1024
+
+    def __init__(self) -> None:
+        self.due: list[tuple[float, int, Lease, _Hold]] = []
+        self.order = itertools.count()
+        self.wake = anyio.Event()
+        self.next = math.inf
+        self.compact_at = self.COMPACT_AT
+        self.renewing: dict[_Hold, Lease] = {}  # the renewals in flight
+
+    async def _renew(self, lease: Lease, hold: _Hold) -> None:
+        self.renewing[hold] = lease
+        try:
+            await lease._renew_hold(hold)
+        finally:
+            del self.renewing[hold]
+
+    @classmethod
+    def schedule(cls, lease: Lease, hold: _Hold, at: float) -> None:
+        """Renew ``hold`` of ``lease`` at monotonic time ``at`` (on the current loop)."""
+        loop = anyio.lowlevel.current_token()
+        keeper = cls.loops.get(loop)
+        if keeper is None:
+            keeper = cls.loops[loop] = _Keeper()
+            _spawn(partial(keeper.run, loop), "anarchon-lease-keeper")
+        heapq.heappush(keeper.due, (at, next(keeper.order), lease, hold))
+        if len(keeper.due) > keeper.compact_at:
+            keeper.due = [entry for entry in keeper.due if not entry[3].over]
+            heapq.heapify(keeper.due)
+            keeper.compact_at = max(cls.COMPACT_AT, 2 * len(keeper.due))
+        if at < keeper.next:
+            keeper.wake.set()
+
+    async def run(self, loop: object) -> None:
+        """Renew what is due, then sleep until the next renewal or a new earlier one."""
+        try:
+            async with anyio.create_task_group() as tg:
+                timed_out = False
+                while True:
+                    now = time.monotonic()
+                    # After a timed wake-up, released holds ahead of the first live one
+                    # are dropped too, not each when its renewal would have been due: so
+                    # leases taken and released at a high rate wake the keeper about
+                    # twice per ttl / 3, not once per lease. (After a wake-up by a new
+                    # hold, they stay: that hold is often released by now, and dropping
+                    # it would make the next new hold wake the keeper again.)
+                    while self.due and (self.due[0][0] <= now
+                                        or (timed_out and self.due[0][3].over)):
+                        _, _, lease, hold = heapq.heappop(self.due)
+                        if not hold.over:
+                            tg.start_soon(self._renew, lease, hold)
+                    self.next = self.due[0][0] if self.due else math.inf
+                    self.wake = anyio.Event()
+                    with anyio.move_on_after(self.next - now) as sleep:
+                        await self.wake.wait()
+                    timed_out = sleep.cancelled_caught
+        except Exception:  # pragma: no cover - the renewals catch their own errors
+            logger.exception("the lease keeper failed; leases held on this loop are lost")
+        finally:
+            if self.loops.get(loop) is self:
+                del self.loops[loop]
+            # Cancelled (its loop shutting down, a task cancelling every other) or failed:
+            # nothing renews these holds any more, so they are lost, not silently held.
+            live = [*((lease, hold) for _, _, lease, hold in self.due),
+                    *((lease, hold) for hold, lease in self.renewing.items())]
+            for lease, hold in live:
+                if not hold.over:
+                    lease._mark_lost(hold, "its renewal task ended (its event loop closing?)")
