@@ -65,7 +65,8 @@ def operate(store: MemoryBackend, op: Operation, now: int,
             slot += 1
         store._runs[(op.job, slot)] = new_run(RunStatus.HANDED_OVER, 0, None, op.by, now,
                                               queued=Reason.MANUAL, queued_by=op.by)
-        job.last_slot = slot if job.last_slot is None else max(job.last_slot, slot)
+        # The job's last slot stays: it is where a starting scheduler catches up from,
+        # and a triggered run is no slot of the schedule (its claim raises it).
         return OperationResult(slot=slot)
     assert op.slot is not None
     run = store._runs.get((op.job, op.slot))

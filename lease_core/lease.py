@@ -285,7 +285,10 @@ class Lease:
             with anyio.CancelScope(shield=True):
                 try:
                     if token is not None:
-                        await self.backend.release_lease(self.name, token)
+                        # Bounded: a cancellation is not held up for a driver's timeout
+                        # (unanswered, the name is free when its ttl runs out).
+                        with anyio.move_on_after(min(self.ttl, 5.0)):
+                            await self.backend.release_lease(self.name, token)
                 finally:
                     await self._close_backend()
             raise

@@ -293,6 +293,35 @@ async def test_cancel_cancels_a_stubborn_handler_once_its_grace_has_passed(
     assert [type(e) for e in ended] == [Cancelled], ended
 
 
+async def test_a_trigger_does_not_move_the_catch_up_watermark(store: Store) -> None:
+    """A job's last slot is where a starting scheduler catches up from: a trigger made
+    while no instance runs (its run is not a slot of the schedule) must not make the
+    slots missed meanwhile vanish from the catch-up."""
+    admin = admin_for(store)
+    backend = store.backend()
+    offset = await quiet(store)
+    s = make(store, "a")
+
+    async def work(ctx: RunContext) -> None:
+        pass
+
+    s.every("watermark", "1h", work, offset=offset)
+    async with s:
+        slot = await store_now_ms(backend) - 1000
+        assert await claim_now(s, "watermark", slot) is not None
+        await wait_history(s, lambda h: any(a.outcome == "completed" for a in h),
+                           job="watermark", what="the scheduled run")
+    triggered = await admin.trigger("watermark")  # no instance runs the job now
+    assert triggered > slot
+    await backend.start()
+    try:
+        info = (await backend.register_jobs(["watermark"]))["watermark"]
+    finally:
+        await backend.close()
+    assert info.last_slot == slot, (info.last_slot, slot, triggered)
+    assert triggered in info.open_slots
+
+
 async def test_bad_input_is_refused_and_changes_nothing(store: Store) -> None:
     admin = admin_for(store)
     offset = await quiet(store)

@@ -70,8 +70,8 @@ BEGIN
         INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms,
                             takeovers, queued, queued_by)
         VALUES (p_job, o_slot, 'handed_over', 0, NULL, p_by, v_now, 0, 'manual', p_by);
-        UPDATE {jobs} SET last_slot = GREATEST(COALESCE(last_slot, o_slot), o_slot)
-        WHERE job = p_job;
+        -- The job's last_slot stays: it is where a starting scheduler catches up from,
+        -- and a triggered run is no slot of the schedule (its claim raises it).
         RETURN;
     END IF;
     o_slot := p_slot;

@@ -53,10 +53,8 @@ elseif kind == 'trigger' then
   redis.call('HSET', prefix .. s, 'st', 'handed_over', 'att', 0, 'inst', by, 'exp', now,
     'tk', 0, 'n', 0, 'q', 'manual', 'qb', by)
   redis.call('ZADD', open, at, s)
-  local last = tonumber(redis.call('HGET', job, 'last_slot'))
-  if not last or last < at then
-    redis.call('HSET', job, 'last_slot', s)
-  end
+  -- The job's last_slot stays: it is where a starting scheduler catches up from, and a
+  -- triggered run is no slot of the schedule (its claim raises it).
   return '|' .. s .. '|'
 end
 local run = prefix .. slot

@@ -52,7 +52,8 @@ class Retrier:
 
     async def fail(self, run: Run, outcome: Outcome, error: str) -> int | None:
         """End the failed attempt; the retry's number, 0 when the run ended, ``None``
-        when the store did not record it (the run is then backed up)."""
+        when the store did not record it: unanswered (the run is then backed up), or
+        refused because the token no longer holds the run (another instance has it)."""
         s, job, lease = self._s, run.job, run.lease
         assert lease is not None and job.retry is not None
         delays = job.retry.delays_ms()
