@@ -44,7 +44,10 @@ token that now holds the run answers ``WON`` as the first try would have. The ca
 the two that are not (an operation: a trigger sent twice makes two runs; a retry's end of
 an attempt: sent twice, it answers that the token lost its run) pass ``resend=False``: a
 connection that failed after the server ran the batch is not told apart from one that
-never sent it. Timeouts are never retried.
+never sent it. Timeouts are never retried here. The driver's own retries are another
+matter: a client passed in that retries (redis-py's default for a client made with
+arguments, not from a URL) may still send those two again; give it
+``retry=Retry(NoBackoff(), 0)`` to rule that out.
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ __all__: list[str] = []  # private: lease.py uses _Hold and _Keeper
 
 logger = logging.getLogger("anarchon")
 
+_ENDED = "its renewal task ended (its event loop closing?)"
+
 
 _TASKS: set[asyncio.Task[None]] = set()  # strong references to the keepers' tasks
 
@@ -99,6 +101,12 @@ class _Keeper:
         self.renewing[hold] = lease
         try:
             await lease._renew_hold(hold)
+        except BaseException:
+            # Cancelled with the keeper (a release cancels only the renewal's own scope,
+            # which ends it quietly): nothing renews the hold any more.
+            if not hold.over:
+                lease._mark_lost(hold, _ENDED)
+            raise
         finally:
             del self.renewing[hold]
 
@@ -152,4 +160,4 @@ class _Keeper:
                     *((lease, hold) for hold, lease in self.renewing.items())]
             for lease, hold in live:
                 if not hold.over:
-                    lease._mark_lost(hold, "its renewal task ended (its event loop closing?)")
+                    lease._mark_lost(hold, _ENDED)

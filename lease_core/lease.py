@@ -114,7 +114,7 @@ class Lease:
         self._pause: anyio.CancelScope | None = None  # a blocking acquire's wait
 
     def __repr__(self) -> str:
-        state = f"token={self.token}" if self.held else "not held"
+        state = f"token={self.token}" if self._live(mark=False) else "not held"
         return f"Lease({self.name!r}, ttl={self.ttl:g}s, {state})"
 
     @property
@@ -203,7 +203,9 @@ class Lease:
                     raise
                 if self._abort:  # released meanwhile (by another task): give up
                     if answer.held:
-                        await self.backend.release_lease(self.name, answer.token)
+                        with anyio.CancelScope(shield=True), anyio.move_on_after(
+                                min(self.ttl, 5.0)):
+                            await self.backend.release_lease(self.name, answer.token)
                     await self._close_backend()
                     return False
                 if answer.held:
@@ -217,9 +219,11 @@ class Lease:
                 pause = min(self.poll, max(answer.expires_ms - answer.now_ms, 1) / 1000)
                 if give_up is not None:
                     pause = min(pause, give_up - now)
-                with anyio.CancelScope() as self._pause:  # a release() ends it early
-                    await anyio.sleep(pause)
-                self._pause = None
+                try:
+                    with anyio.CancelScope() as self._pause:  # a release() ends it early
+                        await anyio.sleep(pause)
+                finally:
+                    self._pause = None
                 if self._abort:
                     await self._close_backend()
                     return False

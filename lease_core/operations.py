@@ -131,8 +131,21 @@ class Admin:
         self.backend = backend
         self.by = by
 
-    async def __aenter__(self) -> Admin:
+    async def _start(self) -> None:
+        """Start the backend on an existing store, upgraded in place when it is older.
+
+        ``start(create=False)`` raises StoreNotFound where there is none (an operation
+        never creates a store). It reads an older store as it is, so it is closed again
+        and ``start()`` follows, which upgrades it (the operations need this release's
+        store code) and creates nothing, the store being there. (A backend its owner
+        started already stays open throughout: both are counted.)
+        """
         await self.backend.start(create=False)
+        await self.backend.close()
+        await self.backend.start()
+
+    async def __aenter__(self) -> Admin:
+        await self._start()
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
@@ -197,7 +210,7 @@ class Admin:
 
     async def paused(self) -> dict[str, str]:
         """The paused jobs and workflows (by their own names), each with who paused it."""
-        await self.backend.start(create=False)
+        await self._start()
         try:
             paused = await self.backend.paused()
             firsts = {step_job(name, steps[0]): name
@@ -210,7 +223,7 @@ class Admin:
                        grace_ms: int = 0) -> OperationResult:
         if not isinstance(job, str) or not job:
             raise ConfigurationError(f"job {job!r} must be a non-empty job name")
-        await self.backend.start(create=False)  # counted: cheap when the backend runs already
+        await self._start()  # counted: cheap when the backend runs already
         try:
             if slot is not None:
                 job = await self._step_of(job, slot, kind)

@@ -158,7 +158,9 @@ async def test_a_cancel_waiting_for_a_fenced_transaction_holds_no_claim_back(
 
     async def waiting_locks() -> int:
         async with await psycopg.AsyncConnection.connect(pg16_server.dsn) as conn:
-            cur = await conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            cur = await conn.execute(  # this test's operate call, waiting for a lock
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE %s", (f"%{table}_op_v%",))
             row = await cur.fetchone()
             return 0 if row is None else int(row[0])
 

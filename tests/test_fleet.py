@@ -232,7 +232,7 @@ async def capacity(store: Store) -> None:
     # Ranked second, spare claims one check interval (200 ms) after the slot: at its
     # turn, not at its first tick after it (up to a whole interval later).
     late_ms = [x.claimed_at.timestamp() * 1000 - x.slot for x in history]
-    assert len(late_ms) >= 3 and all(150 <= late < 300 for late in late_ms), late_ms
+    assert len(late_ms) >= 3 and all(150 <= late < 320 for late in late_ms), late_ms
 
 
 async def test_a_gracefully_stopped_members_next_slot_is_claimed_at_the_slot(

@@ -495,12 +495,33 @@ def test_a_lease_held_when_its_event_loop_ends_is_lost(loop: str) -> None:
     assert not lease.held
     assert lease.lost_error is not None and "renewal task ended" in str(lease.lost_error)
 
+    async def leave_renewing() -> Lease:  # its renewal in flight (a store that hangs)
+        backend = MemoryBackend()
+        renewing = anyio.Event()
+
+        async def hang(name: str, token: int, ttl_ms: int) -> int | None:
+            renewing.set()
+            await anyio.sleep_forever()
+            return None
+
+        backend.renew_lease = hang  # type: ignore[method-assign]
+        lease = Lease(backend, "loop-ends", ttl="3s")
+        assert await lease.acquire(timeout=0) is True
+        with anyio.fail_after(5):
+            await renewing.wait()
+        return lease
+
+    lease = anyio.run(leave_renewing, backend=loop)
+    assert lease.lost_error is not None and "renewal task ended" in str(lease.lost_error)
+
 
 def test_an_interrupted_sync_acquire_leaves_nothing_behind() -> None:
     """Ctrl-C (here a signal's exception) in a blocking SyncLease.acquire(): the acquire
     on the background loop is cancelled and its start of the backend closed, so it can
     take no hold later that nobody would release."""
+    import os
     import signal
+    import threading
 
     backend = MemoryBackend()
     holder = SyncLease(backend, "interrupted", ttl="10s")
@@ -509,15 +530,17 @@ def test_an_interrupted_sync_acquire_leaves_nothing_behind() -> None:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGALRM, interrupt)
+    # SIGUSR1, not SIGALRM: pytest-timeout's guard uses that one.
+    previous = signal.signal(signal.SIGUSR1, interrupt)
     assert holder.acquire(timeout=0) is True
+    later = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        later.start()
         with pytest.raises(KeyboardInterrupt):
             waiter.acquire()  # blocks: the holder keeps the name
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        later.cancel()
+        signal.signal(signal.SIGUSR1, previous)
         holder.release()
     assert not waiter.held and backend_users(backend) == 0
     other = SyncLease(backend, "interrupted", ttl="10s")

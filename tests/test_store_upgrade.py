@@ -543,3 +543,25 @@ async def test_migrate_upgrades_a_v3_store_keeping_its_history(
         await drop_tables(server.admin_dsn, table)
         sql(server.admin_dsn, f"DROP OWNED BY {role}")
         sql(server.admin_dsn, f"DROP ROLE {role}")
+
+
+async def test_an_operation_on_a_v3_store_upgrades_it_and_acts(
+    server: PgServer, anyio_backend: str
+) -> None:
+    """Operations need this release's store code (the operate function, the columns it
+    writes): on an older store an operation upgrades it in place, as a privileged start
+    does, rather than failing on a function that is not there."""
+    from lease_core import Admin
+
+    table = unique_table()
+    sql(server.admin_dsn, FIXTURE_V3.read_text().format(**names_v3(table)))
+    try:
+        old = v3_release(server.dsn, table)
+        assert old.claim(1, "done", 60_000)[0] == "won"  # the store knows job "j"
+        admin = Admin(PostgresBackend(server.dsn, table=table), by="test")
+        await admin.pause("j")
+        assert await admin.paused() == {"j": "test"}
+        await admin.resume("j")
+        assert await admin.paused() == {}
+    finally:
+        await drop_tables(server.admin_dsn, table)

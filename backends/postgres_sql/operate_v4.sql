@@ -36,8 +36,10 @@ BEGIN
         -- The run row first, the job row after: a run inside its fenced transaction
         -- (ctx.transaction(), fenced.py's lock_held_run) holds its row until it commits,
         -- and waiting for it while holding the job row held back every claim of the job
-        -- meanwhile. Nothing that holds a job row waits for a run row (claims, heartbeats
-        -- and finishes skip locked ones), so this order cannot deadlock.
+        -- meanwhile. Claims, heartbeats and finishes holding a job row skip locked run
+        -- rows, so they never wait for this one. (A retry or cancel racing both a resume
+        -- or takeover of the job and a trim deleting this run can still close a cycle
+        -- through an attempt row: PostgreSQL then fails one of them, which is retried.)
         SELECT r.status, r.attempt INTO v_status, v_attempt
           FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot FOR UPDATE;
         v_found := FOUND;

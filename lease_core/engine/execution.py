@@ -43,18 +43,20 @@ class _Ran:
 
 
 class _Thread:
-    """A sync handler's call in a worker thread, which says when it has returned."""
+    """A sync handler's call in a worker thread, which says when it runs: 0 not started
+    (a call cancelled before its thread took it never starts), 1 running, 2 returned."""
 
-    __slots__ = ("running",)
+    __slots__ = ("state",)
 
     def __init__(self) -> None:
-        self.running = True
+        self.state = 0
 
     def call(self, handler: Any, ctx: RunContext) -> Any:
+        self.state = 1
         try:
             return handler(ctx)
         finally:
-            self.running = False
+            self.state = 2
 
 
 class Executor:
@@ -232,15 +234,15 @@ class Executor:
                 thread.call, job.handler, ctx, abandon_on_cancel=True,
                 limiter=self._s.handler_threads)
         except BaseException:
-            if thread.running:  # abandoned: the thread goes on
-                self._abandoned.add(thread)
+            if thread.state == 1 and self._s.settings.max_running is not None:
+                self._abandoned.add(thread)  # abandoned: the thread goes on
             raise
 
     @property
     def abandoned_threads(self) -> int:
         """Sync handlers still running in their threads after their runs stopped waiting
         (a timeout, a stop, a lost lease); they count against ``max_running``."""
-        ended = [thread for thread in self._abandoned if not thread.running]
+        ended = [thread for thread in self._abandoned if thread.state != 1]
         self._abandoned.difference_update(ended)
         return len(self._abandoned)
 
