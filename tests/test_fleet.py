@@ -278,6 +278,13 @@ async def leaving_on_stop(store: Store) -> None:
     assert all(late < 400 for late in late_ms), late_ms
 
 
+def current_slots(s: Scheduler, *jobs: str) -> list[int]:
+    """Each job's slot at or before the store's now."""
+    slots = [s.jobs[job].schedule.previous_at_or_before(s.store_now_ms()) for job in jobs]
+    assert all(slot is not None for slot in slots), slots
+    return [slot for slot in slots if slot is not None]
+
+
 async def test_a_lone_instance_at_capacity_runs_the_slot_once_a_handler_ends(
         store: Store) -> None:
     offset = quiet_offset(await store_now_ms(store.backend()))
@@ -295,9 +302,7 @@ async def test_a_lone_instance_at_capacity_runs_the_slot_once_a_handler_ends(
 
     async with anyio.create_task_group() as tg:
         inst = await Instance(s).start(tg)
-        hold_slot = s.jobs["hold"].schedule.previous_at_or_before(s.store_now_ms())
-        next_slot = s.jobs["next"].schedule.previous_at_or_before(s.store_now_ms())
-        assert hold_slot is not None and next_slot is not None
+        hold_slot, next_slot = current_slots(s, "hold", "next")
         await claim_now(s, "hold", hold_slot)
         assert await claim_now(s, "next", next_slot) is None  # at capacity: deferred
         assert ("next", next_slot) in s.watching
@@ -331,9 +336,7 @@ async def test_a_sync_handler_past_its_timeout_still_counts_against_max_running(
 
     async with anyio.create_task_group() as tg:
         inst = await Instance(s).start(tg)
-        hold_slot = s.jobs["hold"].schedule.previous_at_or_before(s.store_now_ms())
-        next_slot = s.jobs["next"].schedule.previous_at_or_before(s.store_now_ms())
-        assert hold_slot is not None and next_slot is not None
+        hold_slot, next_slot = current_slots(s, "hold", "next")
         await claim_now(s, "hold", hold_slot)
         await wait_history(s, lambda h: any(a.job == "hold" and a.outcome is not None
                                             for a in h), timeout=5, what="hold timed out")
