@@ -86,6 +86,16 @@ def operate(store: MemoryBackend, op: Operation, now: int,
         if a.slot == op.slot and a.attempt == run.attempt and a.outcome is None:
             history[i] = replace(a, outcome=Outcome.CANCELLED, error=f"cancelled by {op.by}",
                                  finished_at=ms_to_datetime(now))
+    if before in (RunStatus.HANDED_OVER, RunStatus.RETRYING):
+        # Nobody holds the run: the cancel is recorded as the attempt it prevents (who
+        # cancelled it, and the reason and requester its claim would have had).
+        queued = run.queued or Reason.HAND_OVER
+        reason = Reason.RETRY if before is RunStatus.RETRYING else queued
+        run.attempt, run.instance_id = run.attempt + 1, op.by
+        at = ms_to_datetime(now)
+        store._attempts.setdefault(op.job, []).append(Attempt(
+            op.job, op.slot, run.attempt, op.by, reason, at, at, Outcome.CANCELLED,
+            f"cancelled by {op.by}", run.queued_by if run.queued else None))
     # cancel(grace=): the holder's token stays, with the grace, so the holder's next
     # heartbeat answers "cancelled" with it.
     run.status, run.expires_ms, run.grace_ms = RunStatus.CANCELLED, None, op.grace_ms

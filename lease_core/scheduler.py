@@ -81,8 +81,8 @@ class Health:
     runs_watched: int
     """Runs this instance backs up (or must claim again)."""
     fleet_size: int | None = None
-    """The live instances this one knows, itself included (``None``: unknown, or the
-    backend keeps no membership)."""
+    """The live instances this one knows that declare the same jobs, itself included
+    (``None``: unknown, or the backend keeps no membership)."""
 
     @property
     def ready(self) -> bool:

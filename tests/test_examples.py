@@ -175,7 +175,8 @@ def test_flask_debug_reloader_starts_one_scheduler(example_env: dict[str, str]) 
             finally:
                 await backend.close()
             assert found is not None
-            return [m for m in found if m != "probe"]
+            # a member is "<instance id>#<its group>" (the digest of its job names)
+            return [m.rpartition("#")[0] for m in found if m != "probe"]
 
         # the watcher and the server both load the app; only the server's scheduler is
         # a member of the fleet (each scheduler joins at its start)

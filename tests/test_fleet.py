@@ -278,6 +278,44 @@ async def leaving_on_stop(store: Store) -> None:
     assert all(late < 400 for late in late_ms), late_ms
 
 
+async def test_a_job_only_one_instance_declares_is_claimed_at_its_slots(
+        store: Store) -> None:
+    await groups(store)
+
+
+async def groups(store: Store) -> None:
+    """Instances declaring different jobs rank only the members that declare the same:
+    ``a``, alone to declare a job it would rank last for among all three members, claims
+    its slots at the slot, not two check intervals (400 ms) after it."""
+    job = next(f"own-{n}" for n in range(100)
+               if rendezvous_rank(f"own-{n}", "a", ("a", "b", "c")) == 2)
+    ran: list[tuple[str, int, str]] = []
+    schedulers = []
+    for name, jobs in (("a", (job, "shared")), ("b", ("other", "shared")),
+                       ("c", ("other", "shared"))):
+        s = Scheduler(store.backend(), instance_id=name, **FAST)
+        for declared in jobs:
+            async def tick(ctx: RunContext, name: str = name) -> None:
+                ran.append((ctx.job, ctx.slot, name))
+            s.every(declared, "1s", tick)
+        schedulers.append(s)
+    a, b, c = schedulers
+    async with anyio.create_task_group() as tg:
+        fleet = [await Instance(s).start(tg) for s in schedulers]
+        assert await renew_membership(a) == ("a",)
+        assert await renew_membership(b) == await renew_membership(c) == ("b", "c")
+        since = (a.store_now_ms() // 1000 + 1) * 1000
+        await wait_for(lambda: len({s for j, s, _ in ran if j == job and s >= since}) >= 3,
+                       timeout=10, what="three slots of a's own job")
+        history = [x for x in await a.history(job, 100) if x.slot >= since]
+        await stop_all(fleet)
+    assert {(x.instance_id, str(x.reason)) for x in history} == {("a", "scheduled")}
+    late_ms = [x.claimed_at.timestamp() * 1000 - x.slot for x in history]
+    assert len(late_ms) >= 3 and all(late < 150 for late in late_ms), late_ms
+    # The jobs both groups declare still run once a slot (each group claims them).
+    assert all(n == 1 for n in Counter((j, s) for j, s, _ in ran).values()), ran
+
+
 def current_slots(s: Scheduler, *jobs: str) -> list[int]:
     """Each job's slot at or before the store's now."""
     slots = [s.jobs[job].schedule.previous_at_or_before(s.store_now_ms()) for job in jobs]
@@ -402,3 +440,9 @@ async def test_on_a_redis_cluster_an_instance_at_capacity_claims_nothing(
 async def test_on_a_redis_cluster_a_gracefully_stopped_members_next_slot_is_claimed_at_once(
         redis_cluster_store: Store) -> None:
     await leaving_on_stop(redis_cluster_store)
+
+
+@pytest.mark.asyncio_only
+async def test_on_a_redis_cluster_instances_declaring_other_jobs_rank_apart(
+        redis_cluster_store: Store) -> None:
+    await groups(redis_cluster_store)

@@ -538,3 +538,53 @@ async def test_pause_of_a_workflow_by_its_name_skips_its_slots_until_resume(
                        what="a whole workflow run after resume")
         await stop_all([instance])
     assert not {a.slot for a in skipped} & set(ran)
+
+
+async def test_a_cancel_of_a_run_nobody_holds_is_recorded_as_an_attempt(
+        store: Store) -> None:
+    """A triggered, retried, handed-over or retrying run cancelled before any instance
+    claimed it: its history records the cancel (who, the reason and requester the claim
+    would have had), and its run says the same attempt."""
+    from lease_core.abc import ClaimRequest, ClaimStatus, Lease, Outcome
+
+    cli, http = admin_for(store, by="cli"), admin_for(store, by="http")
+    backend = store.backend()
+    await backend.start()
+    try:
+        await backend.register_jobs(["c"])
+        for slot, end in ((1000, "hand_over"), (2000, "fail"), (3000, "retry_later")):
+            await backend.claim(ClaimRequest("c", slot, "i-1", f"t{slot}", 30_000))
+            lease = Lease("c", slot, f"t{slot}", 30_000)
+            if end == "hand_over":
+                assert await backend.hand_over([lease])
+            elif end == "fail":
+                assert await backend.finish(lease, Outcome.FAILED, "boom")
+            else:
+                assert await backend.retry_later([(lease, Outcome.FAILED, "boom",
+                                                   [60_000])]) == [1]
+        await http.retry("c", 2000)
+        triggered = await http.trigger("c")
+        for slot in (1000, 2000, 3000, triggered):
+            await cli.cancel("c", slot)
+        history = await backend.history("c", 100)
+        runs = {r.slot: r for r in await backend.runs("c", limit=100)}
+        for slot in (1000, 2000, 3000, triggered):
+            claimed = await backend.claim(ClaimRequest("c", slot, "i-2", "t-late", 30_000))
+            assert claimed.status is ClaimStatus.FINISHED, (slot, claimed)
+    finally:
+        await backend.close()
+    last = {a.slot: a for a in sorted(history, key=lambda a: a.attempt)}
+    assert {slot: (a.attempt, a.instance_id, str(a.reason), str(a.outcome), a.error,
+                   a.requested_by) for slot, a in last.items()} == {
+        1000: (2, "cli", "hand-over", "cancelled", "cancelled by cli", None),
+        2000: (2, "cli", "retry", "cancelled", "cancelled by cli", "http"),
+        3000: (2, "cli", "retry", "cancelled", "cancelled by cli", None),
+        triggered: (1, "cli", "manual", "cancelled", "cancelled by cli", "http")}
+    assert all(a.finished_at is not None and a.finished_at == a.claimed_at
+               for a in last.values())
+    # The attempts before the cancel are kept as they ended.
+    assert sorted((a.slot, a.attempt, str(a.outcome)) for a in history
+                  if a.attempt == 1 and a.slot != triggered) == [
+        (1000, 1, "handed_over"), (2000, 1, "failed"), (3000, 1, "failed")]
+    assert {slot: (str(r.status), r.attempt, r.instance_id) for slot, r in runs.items()} == {
+        slot: ("cancelled", a.attempt, "cli") for slot, a in last.items()}

@@ -693,12 +693,13 @@ class _LosingReplies(redis.Redis):
         return reply
 
 
-async def test_calls_not_safe_twice_are_not_sent_again_when_their_reply_is_lost(
+async def test_calls_sent_again_after_a_lost_reply_answer_as_the_first_did(
         url: str) -> None:
     """A batch whose connection failed is sent once more, as the batch of a connection
-    closed while idle never ran. An operation and a retry's end of an attempt are not:
-    a trigger sent twice made two runs, and an attempt ended twice answered that its
-    token had lost the run (the engine then released a run it should have watched)."""
+    closed while idle never ran. An operation and a retry's end of an attempt ran the
+    first time too: sent again they answer as they did and change nothing (a trigger
+    sent twice made two runs, and an attempt ended twice answered that its token had lost
+    the run, and the engine then released a run it should have retried)."""
     from lease_core.operations import Operation, OperationKind
 
     client = _LosingReplies.from_url(url)
@@ -708,15 +709,17 @@ async def test_calls_not_safe_twice_are_not_sent_again_when_their_reply_is_lost(
         won = await backend.claim(_request("job", 1, "a"))
         assert won.status is ClaimStatus.WON
         client.lose = 1
-        with pytest.raises(BackendUnavailable):
-            await backend.operate(Operation(OperationKind.TRIGGER, "job", None, "test", 0))
-        assert len(await backend.queued(["job"])) == 1  # one triggered run, not two
+        result = await backend.operate(Operation(OperationKind.TRIGGER, "job", None, "test", 0))
+        assert result.refused is None and result.slot is not None
+        assert await backend.queued(["job"]) == [("job", result.slot)]  # one run, not two
         client.lose = 1
-        with pytest.raises(BackendUnavailable):
-            await backend.retry_later([(Lease("job", 1, "a", 30_000), Outcome.FAILED, "boom",
-                                        [60_000])])
+        assert await backend.retry_later([(Lease("job", 1, "a", 30_000), Outcome.FAILED,
+                                           "boom", [60_000])]) == [1]
         state = (await backend.check([("job", 1)])).runs[("job", 1)]
         assert state.status is RunStatus.RETRYING
+        # Another token still gets the plain refusal.
+        assert await backend.retry_later([(Lease("job", 1, "z", 30_000), Outcome.FAILED,
+                                           "boom", [60_000])]) == [-1]
         client.lose = 1  # a fenced call is safe twice: sent again, it succeeds
         assert (await backend.claim(_request("job", 2, "b", overlap_skip=False))).status \
             is ClaimStatus.WON

@@ -12,7 +12,8 @@
 -- - retry: a failed, timed_out or escalated run becomes 'handed_over' again, its next
 --   claim with reason 'retry'.
 -- - cancel: a running, handed-over or retrying run ends 'cancelled' (its open attempt too, error
---   'cancelled by <p_by>'); a claim then finds it finished (no takeover).
+--   'cancelled by <p_by>'; a run nobody holds gets an attempt of its own, instance
+--   p_by, so the cancel is in its history); a claim then finds it finished (no takeover).
 --   cancel(grace=): the run keeps its holder's token and its expires_ms becomes
 --   now + p_grace_ms (now: the cancelled attempt's finished_ms), so the holder's
 --   heartbeat answers "cancelled" with the grace (queries.sql, heartbeat).
@@ -30,6 +31,7 @@ DECLARE
     v_now bigint;
     v_status text;
     v_attempt integer;
+    v_seq bigint;
     v_found boolean := false;
 BEGIN
     IF p_kind IN ('retry', 'cancel') THEN
@@ -99,6 +101,21 @@ BEGIN
     UPDATE {attempts} SET outcome = 'cancelled', error = 'cancelled by ' || p_by,
                           finished_ms = v_now
     WHERE job = p_job AND slot = p_slot AND attempt = v_attempt AND outcome IS NULL;
+    IF v_status IN ('handed_over', 'retrying') THEN
+        -- Nobody holds the run: the cancel is recorded as the attempt it prevents (who
+        -- cancelled it, and the reason and requester its claim would have had), with the
+        -- job's next history sequence, as a claim takes it.
+        UPDATE {jobs} SET seq = seq + 1 WHERE job = p_job RETURNING seq INTO v_seq;
+        INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
+                                finished_ms, outcome, error, requested_by)
+        SELECT p_job, p_slot, v_attempt + 1, v_seq, p_by,
+               CASE WHEN v_status = 'retrying' THEN 'retry'
+                    ELSE COALESCE(r.queued, 'hand-over') END,
+               v_now, v_now, 'cancelled', 'cancelled by ' || p_by, r.queued_by
+          FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
+        UPDATE {runs} SET attempt = v_attempt + 1, instance_id = p_by
+        WHERE job = p_job AND slot = p_slot;
+    END IF;
     -- cancel(grace=): the token stays, expires_ms is now + the holder's grace.
     UPDATE {runs} SET status = 'cancelled', expires_ms = v_now + GREATEST(p_grace_ms, 0),
                       queued = NULL, queued_by = NULL

@@ -146,11 +146,9 @@ class RedisLeases(RedisStore):
                  *(int(d) for d in delays)]))
         if not commands:
             return []
-        # Not sent again after a failed connection: a second end of the same attempt
-        # would answer that the token lost its run (the engine then watches it instead).
+        # Safe to send again: a second end of the same attempt answers as the first did.
         replies = await self._run_acked(commands, f"the retries of {len(commands)} runs",
-                                        lambda found: any(int(r) >= 0 for r in found),
-                                        resend=False)
+                                        lambda found: any(int(r) >= 0 for r in found))
         return [int(answer) for answer in replies]
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:

@@ -1,13 +1,16 @@
 """Operations on a Redis store (lease_core/operations.py): one script call each.
 
 An operation is one call of ``operate.lua`` on the job's keys (one hash slot, so a Redis
-Cluster runs it on one node), atomic like every script. The paused jobs are read from
+Cluster runs it on one node), atomic like every script, with a key of its own that keeps
+its answer for 10 minutes: sent again after a failed connection, it answers again and
+changes nothing (a trigger sent twice makes one run). The paused jobs are read from
 each job hash's ``paused`` field, in one pipelined round trip after the job list; the
 last renewal of a run (``heartbeat.lua`` writes it) from the run hash's ``hb``.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 from lease_core._structures import RunStatus
@@ -25,13 +28,14 @@ class RedisOperations(RedisStore):
     async def operate(self, op: Operation) -> OperationResult:
         """Make ``op`` in one call of ``operate.lua``, or refuse it (see there)."""
         keys = self._job_keys(op.job)
+        # The operation's own key makes the call safe to send twice (see operate.lua).
+        once = f"{self._tag(op.job)}:op:{uuid.uuid4().hex}"
         (reply,) = await self._run_acked([self._eval(
-            "operate", [keys["job"], keys["open"], keys["att"], keys["done"]],
+            "operate", [keys["job"], keys["open"], keys["att"], keys["done"], once, keys["hist"]],
             [str(op.kind), "" if op.slot is None else int(op.slot), op.by,
              f"{self._tag(op.job)}:run:", int(op.grace_ms)])],
             f"the operation {op.kind} of {op.job!r}",
-            lambda replies: as_text(replies[0]).startswith("|"),  # refused: 'why|...'
-            resend=False)  # a trigger sent twice would make two runs
+            lambda replies: as_text(replies[0]).startswith("|"))  # refused: 'why|...'
         refused, slot, status = as_text(reply).split("|")
         return OperationResult(refused or None, int(slot) if slot else None,
                                RunStatus(status) if status else None)

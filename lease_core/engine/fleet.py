@@ -12,12 +12,20 @@ leaving moves only its share of jobs. An instance stopping gracefully leaves at 
 their next renewal rather than once its membership lapses. Members that disagree about
 the membership cost an extra claim or an interval's delay, never a second winner (the
 store decides the claim).
+
+Instances that declare different jobs form *groups*: each registers as
+``<instance id>#<digest of its job names>`` and ranks only the members of its own group.
+A member that does not declare a job is never ranked ahead of one that does (which would
+make every slot of that job wait for the next in rank), at the cost of one claim per group
+for a job that several groups declare (during a rolling deploy that adds a job, for
+instance). The ranks use the instance ids, so every member of a group agrees on them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from .._durations import to_ms
@@ -25,7 +33,9 @@ from .._durations import to_ms
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["Fleet", "rendezvous_rank"]
+__all__ = ["Fleet", "group_of", "member_name", "rendezvous_rank"]
+
+_GROUP_CHARS = 8
 
 
 def _score(job: str, member: str) -> bytes:
@@ -38,6 +48,24 @@ def rendezvous_rank(job: str, member: str, members: tuple[str, ...]) -> int:
     return sum(1 for other in members if other != member and (_score(job, other), other) > mine)
 
 
+def group_of(jobs: Iterable[str]) -> str:
+    """The group of an instance declaring ``jobs``: a digest of their sorted names."""
+    names = "\x00".join(sorted(jobs)).encode()
+    return hashlib.blake2b(names, digest_size=_GROUP_CHARS // 2).hexdigest()
+
+
+def member_name(instance_id: str, group: str) -> str:
+    """The id under which an instance of ``group`` renews its membership."""
+    return f"{instance_id}#{group}"
+
+
+def _in_group(members: Iterable[str], group: str) -> set[str]:
+    """The instance ids of the ``members`` of ``group`` (other groups, and ids without
+    one, are left out)."""
+    suffix = f"#{group}"
+    return {m[:-len(suffix)] for m in members if m.endswith(suffix) and len(m) > len(suffix)}
+
+
 class Fleet:
     """This instance's view of the live members, and its rank per job."""
 
@@ -48,6 +76,8 @@ class Fleet:
         self._ranks: dict[str, int] = {}
         self._renewed = -math.inf
         self._left = False
+        self._group = ""
+        """This instance's group, once it first renews (its jobs are declared by then)."""
 
     def renewal_due(self) -> bool:
         """True when half a lease passed since the last renewal (the membership lasts one)."""
@@ -71,9 +101,9 @@ class Fleet:
         if self._left:
             return  # a stopping instance's ticks must not join again
         previous, self._renewed = self._renewed, settings.clock()
+        self._group = self._group or group_of(self._s.jobs)
         try:
-            members = await settings.backend.members(settings.instance_id,
-                                                     to_ms(settings.lease))
+            members = await settings.backend.members(self._name, to_ms(settings.lease))
         except BaseException:
             # Tried again at the next tick, not half a lease later: the membership may
             # lapse meanwhile, and the others would rank without this live member.
@@ -81,17 +111,23 @@ class Fleet:
             raise
         if self._left:
             # It left while this renewal was in flight: the renewal may have landed after.
-            await settings.backend.leave(settings.instance_id)
+            await settings.backend.leave(self._name)
             return
         if members is None:
             self.members = None
         else:
-            found = tuple(sorted({*members, settings.instance_id}))
+            found = tuple(sorted({*_in_group(members, self._group),
+                                  settings.instance_id}))
             if found != self.members:
                 self.members, self._ranks = found, {}
+
+    @property
+    def _name(self) -> str:
+        return member_name(self._s.settings.instance_id,
+                           self._group or group_of(self._s.jobs))
 
     async def leave(self) -> None:
         """End this instance's membership (a graceful stop, as it stops claiming)."""
         settings = self._s.settings
         self._left = True
-        await settings.backend.leave(settings.instance_id)
+        await settings.backend.leave(self._name)
