@@ -21,7 +21,7 @@ from typing import Any
 from ._structures import LAST_SLOT, Attempt, RunInfo, RunState, RunStatus, ms_to_datetime
 from .abc import Backend
 from .errors import ConfigurationError
-from .recovery import recovery_log, step_job
+from .recovery import cancelled_unclaimed, recovery_log, step_job
 
 __all__ = [
     "JobStatus",
@@ -352,7 +352,8 @@ def _run_fields(run: RunInfo | None, attempts: list[Attempt]) -> dict[str, Any]:
         "store_status": None if run is None else str(run.status),
         "attempt": None if run is None else run.attempt,
         "instance_id": None if run is None else run.instance_id,
-        "started_at": iso(attempts[0].claimed_at) if attempts else None,
+        "started_at": next((iso(a.claimed_at) for a in attempts
+                            if not cancelled_unclaimed(a)), None),
         "finished_at": None if open_run or not attempts else iso(attempts[-1].finished_at),
         "heartbeat_at": None,
         "lease_expires_at": iso(run.expires_at) if open_run and run is not None else None,

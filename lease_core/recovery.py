@@ -25,6 +25,9 @@ entry                  when
 ``skipped``,
 ``cancelled``          (``cancelled``: an operation ended it; the detail names who)
 =====================  ==============================================================
+
+A run cancelled while nobody held it has one entry for that attempt, ``cancelled``, whose
+detail says so (and for what it was waiting): no attempt started.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from ._structures import Attempt, Outcome, Reason
 if TYPE_CHECKING:
     from .abc import Backend
 
-__all__ = ["STEP_SEPARATOR", "RecoveryEntry", "read_recovery_log", "recovery_log", "step_job"]
+__all__ = ["STEP_SEPARATOR", "RecoveryEntry", "cancelled_unclaimed", "read_recovery_log",
+           "recovery_log", "step_job"]
 
 #: Separates a workflow's name from a step's in the job name of the step's runs.
 STEP_SEPARATOR = "/"
@@ -97,6 +101,12 @@ def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
             entries.append((a.claimed_at, rank, a.attempt, 1, RecoveryEntry(
                 a.claimed_at, step, a.attempt, "skipped", a.instance_id, a.error)))
             continue
+        if cancelled_unclaimed(a):
+            detail = f"{a.error} before any instance claimed it ({a.reason}"
+            detail += f", requested by {a.requested_by})" if a.requested_by else ")"
+            entries.append((a.claimed_at, rank, a.attempt, 1, RecoveryEntry(
+                a.claimed_at, step, a.attempt, "cancelled", a.instance_id, detail)))
+            continue
         if a.reason is Reason.TAKEOVER:
             start, detail = "taken_over", "the previous attempt's lease expired"
         elif a.reason is Reason.RETRY:
@@ -115,6 +125,14 @@ def recovery_log(attempts: Iterable[Attempt], *, workflow: str | None = None,
                 at, step, a.attempt, str(a.outcome), a.instance_id, a.error)))
     entries.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
     return [e[4] for e in entries]
+
+
+def cancelled_unclaimed(a: Attempt) -> bool:
+    """True for the record of a cancel of a run nobody held (triggered or retried and not
+    claimed yet, handed over, or waiting for a retry): the store records it as an
+    attempt of its own, its instance the canceller, claimed and finished at the cancel."""
+    return (a.outcome is Outcome.CANCELLED and a.finished_at == a.claimed_at
+            and a.error == f"cancelled by {a.instance_id}")
 
 
 async def read_recovery_log(backend: Backend, name: str, slot: int, *, limit: int,

@@ -568,11 +568,17 @@ async def test_a_cancel_of_a_run_nobody_holds_is_recorded_as_an_attempt(
             await cli.cancel("c", slot)
         history = await backend.history("c", 100)
         runs = {r.slot: r for r in await backend.runs("c", limit=100)}
+        # Trimming the attempts before the cancels keeps the cancelled runs and their
+        # records: a run is deleted only once none of its attempts is left.
+        assert await backend.prune("c", keep=4) == 3
+        kept = await backend.history("c", 100)
         for slot in (1000, 2000, 3000, triggered):
             claimed = await backend.claim(ClaimRequest("c", slot, "i-2", "t-late", 30_000))
             assert claimed.status is ClaimStatus.FINISHED, (slot, claimed)
     finally:
         await backend.close()
+    assert sorted((a.slot, a.attempt, str(a.outcome)) for a in kept) == sorted(
+        (a.slot, a.attempt, "cancelled") for a in history if a.outcome == "cancelled")
     last = {a.slot: a for a in sorted(history, key=lambda a: a.attempt)}
     assert {slot: (a.attempt, a.instance_id, str(a.reason), str(a.outcome), a.error,
                    a.requested_by) for slot, a in last.items()} == {

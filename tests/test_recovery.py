@@ -94,3 +94,25 @@ def test_entries_of_one_millisecond_keep_their_order() -> None:
         ("interest", 1, "completed", "a"),
         ("publish", 1, "started", "a"),
     ]
+
+
+def test_a_cancel_of_a_run_nobody_held_is_one_cancelled_entry() -> None:
+    """The store records a cancel of a run waiting for its retry as an attempt of its own
+    (instance: the canceller, claimed and finished at the cancel): no attempt started."""
+    history = [
+        attempt("export", 2, "cli", Reason.RETRY, 50, 50, Outcome.CANCELLED,
+                "cancelled by cli"),
+        attempt("export", 1, "a", Reason.SCHEDULED, 0, 10, Outcome.FAILED, "disk full"),
+    ]
+    log = recovery_log(history)
+    assert events(log) == [
+        (None, 1, "started", "a"),
+        (None, 1, "failed", "a"),
+        (None, 2, "cancelled", "cli"),
+    ]
+    assert log[-1].detail == "cancelled by cli before any instance claimed it (retry)"
+    triggered = Attempt("export", SLOT, 1, "ops", Reason.MANUAL, at(5), at(5),
+                        Outcome.CANCELLED, "cancelled by ops", requested_by="http")
+    assert [(e.event, e.detail) for e in recovery_log([triggered])] == [
+        ("cancelled", "cancelled by ops before any instance claimed it (manual, requested "
+                      "by http)")]

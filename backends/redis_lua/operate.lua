@@ -89,11 +89,14 @@ local function operate()
     -- Nobody holds the run: the cancel is recorded as the attempt it prevents (who
     -- cancelled it, and the reason and requester its claim would have had), with the
     -- job's next history sequence, as a claim records one (_claim.lua).
-    local inst, r, e, f, b, q, qb = unpack(redis.call('HMGET', run, 'inst', 'r', 'e', 'f',
-      'b', 'q', 'qb'))
+    local inst, r, e, f, b, q, qb, n = unpack(redis.call('HMGET', run, 'inst', 'r', 'e',
+      'f', 'b', 'q', 'qb', 'n'))
     local next_attempt = tonumber(attempt) + 1
+    -- 'n' counts the run's attempts in the history: trimming deletes a finished run
+    -- whose count falls to 0 (_trim.lua).
     local fields = {'att', next_attempt, 'inst', by, 'c', now, 'o', 'cancelled', 'e', err,
-      'f', now, 'r', st == 'retrying' and 'retry' or (q or 'hand-over')}
+      'f', now, 'r', st == 'retrying' and 'retry' or (q or 'hand-over'),
+      'n', (tonumber(n) or 0) + 1}
     if c then  -- the ended attempt's record is kept as JSON, as a claim keeps it
       fields[#fields + 1] = 'h' .. attempt
       fields[#fields + 1] = record_json(slot, attempt, inst, r, c, o, e, f, b)
