@@ -38,16 +38,16 @@ add a ``SCRIPT EXISTS`` round trip to every batch.)
 
 A batch that fails because its pooled connection was closed under it (after a server
 restart, or the server's idle ``timeout``) is sent once more on a fresh connection; this
-applies to clients passed in too. A driver may also retry on its own (redis-py does by
-default for a client made with arguments). Either way every script is safe to send
-again: the
-fenced ones change nothing for a token that no longer holds its run; a claim sent again
-with the token that now holds the run answers ``WON`` as the first try would have; an
-operation carries a key of its own that keeps its answer (a trigger sent twice makes one
-run); and a retry's end of an attempt answers again for the token that ended it.
-``execute(..., resend=False)`` is there for a batch that would not be: a connection that
-failed after the server ran the batch is not told apart from one that never sent it.
-Timeouts are never retried here.
+applies to clients passed in too. Most scripts are safe to send again: the fenced ones
+change nothing for a token that no longer holds its run; a claim sent again with the
+token that now holds the run answers ``WON`` as the first try would have; an operation
+carries a key of its own that keeps its answer (a trigger sent twice makes one run).
+A retry's end of an attempt is not: sent twice, it answers that the token lost its run.
+Its caller passes ``resend=False``: a connection that failed after the server ran the
+batch is not told apart from one that never sent it. Timeouts are never retried here.
+The driver's own retries are another matter: a client passed in that retries (redis-py's
+default for a client made with arguments, not from a URL) may still send a retry's end
+again; give it ``retry=Retry(NoBackoff(), 0)`` to rule that out.
 """
 
 from __future__ import annotations

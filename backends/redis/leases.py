@@ -146,9 +146,11 @@ class RedisLeases(RedisStore):
                  *(int(d) for d in delays)]))
         if not commands:
             return []
-        # Safe to send again: a second end of the same attempt answers as the first did.
+        # Not sent again after a failed connection: a second end of the same attempt
+        # would answer that the token lost its run (the engine then watches it instead).
         replies = await self._run_acked(commands, f"the retries of {len(commands)} runs",
-                                        lambda found: any(int(r) >= 0 for r in found))
+                                        lambda found: any(int(r) >= 0 for r in found),
+                                        resend=False)
         return [int(answer) for answer in replies]
 
     async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:

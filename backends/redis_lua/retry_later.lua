@@ -4,16 +4,11 @@
 -- no token. KEYS[1] run hash, KEYS[2] open zset, KEYS[3] attempts hash, KEYS[4] done zset
 -- ARGV: token, slot, outcome, error, then one delay (ms) per retry allowed.
 -- Returns the retry's number (0: the run ended with the outcome); -1 when the token no
--- longer holds the run (nothing changed). The run keeps the token that ended it ('lt')
--- and this answer ('la'), so a call sent again with that token (a resend after a failed
--- connection) answers the same and changes nothing.
+-- longer holds the run (nothing changed).
 local run, slot, outcome, err = KEYS[1], ARGV[2], ARGV[3], ARGV[4]
-local st, tok, attempt, claimed, rt, lt, la = unpack(redis.call('HMGET', run, 'st', 'tok',
-  'att', 'c', 'rt', 'lt', 'la'))
+local st, tok, attempt, claimed, rt = unpack(redis.call('HMGET', run, 'st', 'tok', 'att', 'c',
+  'rt'))
 if st ~= 'running' or tok ~= ARGV[1] then
-  if lt == ARGV[1] and la then
-    return tonumber(la)
-  end
   return -1
 end
 rt = tonumber(rt or '') or 0
@@ -29,9 +24,8 @@ else  -- a record of store format 1, or none (trimmed)
   redis.call('HSET', run, 'st', status, 'tok', '', 'exp', exp)
   end_attempt(KEYS[3], KEYS[4], id, outcome, err)
 end
-local answer = retry and rt + 1 or 0
-redis.call('HSET', run, 'lt', ARGV[1], 'la', answer)
-if not retry then
-  redis.call('ZREM', KEYS[2], slot)
+if retry then
+  return rt + 1
 end
-return answer
+redis.call('ZREM', KEYS[2], slot)
+return 0
