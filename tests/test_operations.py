@@ -545,6 +545,7 @@ async def test_a_cancel_of_a_run_nobody_holds_is_recorded_as_an_attempt(
     """A triggered, retried, handed-over or retrying run cancelled before any instance
     claimed it: its history records the cancel (who, the reason and requester the claim
     would have had), and its run says the same attempt."""
+    from lease_core._status import read_run
     from lease_core.abc import ClaimRequest, ClaimStatus, Lease, Outcome
 
     cli, http = admin_for(store, by="cli"), admin_for(store, by="http")
@@ -572,6 +573,10 @@ async def test_a_cancel_of_a_run_nobody_holds_is_recorded_as_an_attempt(
         # records: a run is deleted only once none of its attempts is left.
         assert await backend.prune("c", keep=4) == 3
         kept = await backend.history("c", 100)
+        # The status API: the cancelled triggered run never started.
+        view = await read_run(backend, "c", triggered)
+        assert view is not None and view["status"] == "cancelled", view
+        assert view["started_at"] is None and view["finished_at"] is not None, view
         for slot in (1000, 2000, 3000, triggered):
             claimed = await backend.claim(ClaimRequest("c", slot, "i-2", "t-late", 30_000))
             assert claimed.status is ClaimStatus.FINISHED, (slot, claimed)
