@@ -46,6 +46,11 @@ logger = logging.getLogger("anarchon")
 _HOLDERS: tuple[int, str, itertools.count[int]] | None = None
 
 
+def _gave_up(name: str) -> LeaseLost:
+    return LeaseLost(f"lease {name!r} was released while this holder waited for it (by "
+                     "another task or thread); the body did not run")
+
+
 def _holder_id() -> str:
     """A holder id unique to one Lease object: host, process, a random part made once per
     process, and a counter (cheap: leases may be made per call)."""
@@ -198,7 +203,9 @@ class Lease:
                 try:
                     answer = await self.backend.acquire_lease(self.name, self.holder,
                                                               self._ttl_ms)
-                except anyio.get_cancelled_exc_class():
+                except BaseException:
+                    # Cancelled, or failed (a reply lost with its connection): the store
+                    # may have given this holder the name all the same.
                     await self._free_unanswered()
                     raise
                 if self._abort:  # released meanwhile (by another task): give up
@@ -234,8 +241,9 @@ class Lease:
             raise
 
     async def _free_unanswered(self) -> None:
-        """An acquire cancelled before the store answered: the store may have given this
-        holder the name, which nothing would renew nor release (held until its ttl).
+        """An acquire cancelled or failed before the store answered: the store may have
+        given this holder the name, which nothing would renew nor release (held until its
+        ttl).
         Asked again, the store gives a live hold of this holder back (or the free name),
         and it is released at once. Shielded, for a few seconds at most."""
         with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
@@ -363,8 +371,12 @@ class Lease:
             self._body.cancel()
 
     async def __aenter__(self) -> Lease:
-        """Wait until the lease is held; the body runs in a scope cancelled on loss."""
-        await self.acquire()
+        """Wait until the lease is held; the body runs in a scope cancelled on loss.
+
+        Raises :class:`~lease_core.errors.LeaseLost` when another task's :meth:`release`
+        made the wait give up: the body never runs without the lease."""
+        if not await self.acquire():
+            raise _gave_up(self.name)
         self._body = anyio.CancelScope()
         self._body.__enter__()
         if self.lost.is_set():
@@ -469,6 +481,8 @@ class SyncLease:
         try:
             got = pending.result()
         except BaseException:
+            if pending.done() and not pending.cancelled():
+                raise  # the acquire's own error (it let go of what it had)
             # Interrupted here (Ctrl-C, a signal): the acquire on the background loop is
             # cancelled, and a hold it may have won meanwhile is released, not renewed
             # with nobody to release it.
@@ -500,8 +514,10 @@ class SyncLease:
             mirror.cancel()
 
     def __enter__(self) -> SyncLease:
-        """Block until the lease is held."""
-        self.acquire()
+        """Block until the lease is held (:class:`~lease_core.errors.LeaseLost` when a
+        :meth:`release` from another thread made the wait give up)."""
+        if not self.acquire():
+            raise _gave_up(self._lease.name)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

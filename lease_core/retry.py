@@ -9,6 +9,7 @@ next attempt, with reason ``retry``. ``max_attempts`` still counts takeovers onl
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -21,13 +22,16 @@ __all__ = ["Retry", "RetryOption", "supports_retries", "to_retry"]
 #: The longest ``backoff`` or ``max_backoff``: 30 days (a longer one is surely a
 #: mistake, and would overflow the stores' expiry arithmetic).
 MAX_BACKOFF_S = 30 * 86400
+#: The most retries of one run: each retry's delay is sent to the store with the failure.
+MAX_RETRIES = 1000
 
 
 @dataclass(frozen=True)
 class Retry:
     """How many times, and how long after, a failed run is tried again within its run.
 
-    ``retries``: the most retries of one run (``Retry(retries=3)`` runs it 4 times at most).
+    ``retries``: the most retries of one run (``Retry(retries=3)`` runs it 4 times at
+    most; 1,000 at most).
     The ``n``-th retry waits ``backoff * factor ** (n - 1)``, at most ``max_backoff``,
     then spread by ``jitter`` (0.1: up to 10 % shorter or longer), on the store's clock.
     Exceptions that are instances of a type in ``no_retry`` are never retried: the run
@@ -43,8 +47,10 @@ class Retry:
 
     def __post_init__(self) -> None:
         retries = self.retries
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ConfigurationError(f"retries={retries!r} must be a whole number, 0 or more")
+        if (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0
+                or retries > MAX_RETRIES):
+            raise ConfigurationError(
+                f"retries={retries!r} must be a whole number from 0 to {MAX_RETRIES}")
         for what, value in (("backoff", self.backoff), ("max_backoff", self.max_backoff)):
             if parse_duration(value, what=what, allow_zero=True) > MAX_BACKOFF_S:
                 raise ConfigurationError(
@@ -73,7 +79,11 @@ class Retry:
         """The wait before retry number ``retry`` (1 for the first), jitter applied."""
         base = parse_duration(self.backoff, what="backoff", allow_zero=True)
         cap = parse_duration(self.max_backoff, what="max_backoff", allow_zero=True)
-        seconds = min(cap, base * self.factor ** (retry - 1))
+        try:
+            grown = base * self.factor ** (retry - 1)
+        except OverflowError:  # past any cap long before (factor ** 1000)
+            grown = math.inf
+        seconds = min(cap, grown)
         if self.jitter:
             seconds *= 1 + self.jitter * (2 * random.random() - 1)
         return max(0, to_ms(seconds))

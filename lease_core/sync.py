@@ -129,6 +129,17 @@ class SyncScheduler:
         """
         return self._on_loop(self.scheduler.health)
 
+    def _live_portal(self) -> anyio.from_thread.BlockingPortal | None:
+        """The loop's portal while the scheduler runs or stops, else ``None``.
+
+        Read without the lifecycle lock, which :meth:`stop` holds for its whole grace: a
+        handler reading the history while its scheduler stops must not wait for the
+        stop, which waits for the handler. A portal whose loop ended meanwhile raises
+        ``RuntimeError``, and its callers then read on a short-lived loop."""
+        portal = self._portal
+        running = self._state in (SchedulerState.RUNNING, SchedulerState.STOPPING)
+        return portal if running else None
+
     def _on_loop(self, read: Callable[[], _T]) -> _T:
         """Call ``read`` on the loop's thread, which changes what it reads."""
         self._check_process()
@@ -276,8 +287,7 @@ class SyncScheduler:
         (while running, the subscription is made on the scheduler's own thread).
         """
         self._check_process()
-        with self._lock:
-            portal = self._portal if self._state is SchedulerState.RUNNING else None
+        portal = self._live_portal()
         if portal is None or threading.current_thread() is self._loop_thread:
             return self.scheduler.subscribe(callback)
         unsubscribe: Callable[[], None] = portal.call(self.scheduler.subscribe, callback)
@@ -300,8 +310,7 @@ class SyncScheduler:
         """
         self._check_process()
         self._check_thread("history")
-        with self._lock:
-            portal = self._portal if self._state is SchedulerState.RUNNING else None
+        portal = self._live_portal()
         if portal is not None:
             try:
                 return portal.call(self.scheduler.history, job, limit)
@@ -318,8 +327,7 @@ class SyncScheduler:
         """
         self._check_process()
         self._check_thread("recovery_log")
-        with self._lock:
-            portal = self._portal if self._state is SchedulerState.RUNNING else None
+        portal = self._live_portal()
         if portal is not None:
             try:
                 return portal.call(self.scheduler.recovery_log, run)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -711,3 +712,98 @@ async def test_through_pgbouncer_on_trio(pgbouncer_server: PgServer) -> None:
     finally:
         await probe.close()
         await drop_tables(pgbouncer_server.admin_dsn, table)
+
+
+async def test_async_with_given_up_by_a_release_raises_and_skips_the_body() -> None:
+    """A task waiting in ``async with`` (the name is held) whose Lease another task
+    releases: the wait gives up, and the body never runs without the lease."""
+    backend = MemoryBackend()
+    holder = Lease(backend, "given-up-with", ttl="10s")
+    waiter = Lease(backend, "given-up-with", ttl="10s", poll="50ms")
+    assert await holder.acquire(timeout=0)
+    ran: list[bool] = []
+    raised: list[BaseException] = []
+
+    async def enter() -> None:
+        try:
+            async with waiter:
+                ran.append(waiter.held)
+        except LeaseLost as exc:
+            raised.append(exc)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(enter)
+            await wait_for(lambda: backend_users(backend) == 2,
+                           what="the waiter's acquire under way")
+            with anyio.fail_after(10):
+                await waiter.release()
+    finally:
+        await holder.release()
+    assert ran == [] and len(raised) == 1
+    assert "released while this holder waited" in str(raised[0])
+
+
+def test_sync_with_survives_a_refused_second_acquire_and_gives_up_on_release() -> None:
+    """Thread A waits in ``with lease:``; thread B's acquire() of the same object is
+    refused by name and leaves A waiting (it used to release, and A's body ran without
+    the lease); B's release() then makes A's ``with`` raise, its body never run."""
+    import threading
+
+    backend = MemoryBackend()
+    holder = SyncLease(backend, "sync-given-up", ttl="10s")
+    waiter = SyncLease(backend, "sync-given-up", ttl="10s", poll="50ms")
+    assert holder.acquire(timeout=0)
+    outcome: list[object] = []
+
+    def enter() -> None:
+        try:
+            with waiter:
+                outcome.append(("ran", waiter.held))
+        except LeaseLost as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=enter)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while backend_users(backend) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend_users(backend) == 2, "the waiter's acquire under way"
+        with pytest.raises(RuntimeError, match="already running"):
+            waiter.acquire(timeout=0)
+        assert thread.is_alive()  # still waiting (its body never ran: checked below)
+        waiter.release()
+        thread.join(10)
+    finally:
+        holder.release()
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], LeaseLost), outcome
+
+
+class _LostAcquireReply(MemoryBackend):
+    """A store whose next ``acquire_lease`` is made, then its reply lost."""
+
+    lose = 0
+
+    async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> Any:
+        answer = await super().acquire_lease(name, holder, ttl_ms)
+        if self.lose:
+            self.lose -= 1
+            raise ConnectionError("reply lost")
+        return answer
+
+
+async def test_an_acquire_whose_reply_was_lost_leaves_the_name_free() -> None:
+    """The store gave the name, the reply failed: the acquire raises, and the hold it
+    cannot know of is asked again and released, so the name is free at once, not after
+    its ttl."""
+    backend = _LostAcquireReply()
+    backend.lose = 1
+    lease = Lease(backend, "lost-reply", ttl="60s")
+    with pytest.raises(ConnectionError, match="reply lost"):
+        await lease.acquire(timeout=0)
+    assert not lease.held
+    other = Lease(backend, "lost-reply", ttl="10s")
+    assert await other.acquire(timeout=0) is True
+    await other.release()

@@ -146,6 +146,42 @@ async def test_no_retry_types_and_timeouts(store: Store) -> None:
         ("scheduled", "timed_out"), ("retry", "completed")]
 
 
+async def test_a_sync_handler_past_its_timeout_is_retried_only_once_its_thread_returns(
+        store: Store) -> None:
+    """A thread cannot be cancelled: a timed-out sync handler's retry waits until its
+    thread returns (the lease held meanwhile), so the run never runs twice at once, with
+    or without max_running. It used to start 0.3 s after the timeout, beside it."""
+    import threading
+    import time
+
+    lock = threading.Lock()
+    spans: list[tuple[int, float, float]] = []
+    s = make(store, "a")
+
+    @s.every("stuck", "1h", offset=quiet_offset_now(), timeout="0.2s",
+             retry=Retry(retries=1, backoff=0))
+    def stuck(ctx: RunContext) -> None:
+        began = time.monotonic()
+        if ctx.attempt == 1:
+            time.sleep(1.2)  # ignores ctx.stopping, as blocking code does
+        with lock:
+            spans.append((ctx.attempt, began, time.monotonic()))
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = slot_of(s, "stuck")
+        await claim_now(s, "stuck", slot)
+        await wait_status(s, "stuck", slot, RunStatus.COMPLETED)
+        await i.stop()
+    (first, _, ended1), (second, began2, _) = sorted(spans)
+    assert (first, second) == (1, 2)
+    assert began2 >= ended1, spans  # never both at once
+    history = sorted((a for a in await s.history("stuck") if a.slot == slot),
+                     key=lambda a: a.attempt)
+    assert [(a.reason, a.outcome) for a in history] == [
+        ("scheduled", "timed_out"), ("retry", "completed")]
+
+
 async def test_a_crash_while_a_retry_waits_loses_nothing(store: Store) -> None:
     tries: list[tuple[str, int, str]] = []
     failed = anyio.Event()

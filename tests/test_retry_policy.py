@@ -44,6 +44,7 @@ def test_retry_option_forms() -> None:
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"retries": -1}, "retries=-1"),
     ({"retries": True}, "retries=True"),
+    ({"retries": 1001}, "retries=1001 must be a whole number from 0 to 1000"),
     ({"backoff": "soon"}, "backoff='soon'"),
     ({"max_backoff": -1}, "max_backoff=-1"),
     ({"max_backoff": "99999999h"}, "max_backoff='99999999h' is longer than 30 days"),
@@ -89,3 +90,13 @@ async def test_a_backend_without_retry_later_refuses_retry_at_start() -> None:
     with pytest.raises(ConfigurationError, match=r"job 'flaky' has retry=.*NoRetries"):
         await s.start()
     assert str(s.state) == "stopped"
+
+
+def test_a_long_policy_is_capped_not_overflowed() -> None:
+    """``factor ** (n - 1)`` passes any float long before the last of 1,000 retries: the
+    cap applies (it raised OverflowError at the failure, which ended the scheduler)."""
+    for factor in (2, 2.0, 10):
+        policy = Retry(retries=1000, backoff="10ms", factor=factor, max_backoff="50ms",
+                       jitter=0)
+        delays = policy.delays_ms()
+        assert len(delays) == 1000 and delays[0] == 10 and set(delays[10:]) == {50}

@@ -36,7 +36,8 @@ from lease_core import (
     SyncScheduler,
 )
 from lease_core.abc import Backend
-from tests.helpers import quiet_cron
+from lease_core.testing import claim_now_sync
+from tests.helpers import quiet_cron, quiet_offset_now
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.stores.redis import delete_prefix
 
@@ -353,3 +354,32 @@ def test_use_in_a_forked_child_raises_instead_of_hanging() -> None:
         print("ok")
     """
     assert _run_script(script, {}, timeout=60).strip() == "ok"
+
+
+def test_a_handler_reading_the_history_while_its_scheduler_stops_is_not_held_up() -> None:
+    """stop() holds its lock for the whole grace; a handler calling history() meanwhile
+    waited for it (and so the stop waited for the handler, and handed its run over at
+    the end of the grace). The history is read at once and the run completes."""
+    backend = MemoryBackend()
+    s = SyncScheduler(backend, instance_id="a", **FAST)
+    waited: list[float] = []
+    started = threading.Event()
+
+    def reads(ctx: RunContext) -> None:
+        started.set()
+        wait_until(lambda: s.state is SchedulerState.STOPPING, what="the stop under way")
+        began = time.monotonic()
+        s.history("reads")
+        waited.append(time.monotonic() - began)
+
+    s.every("reads", "1h", reads, offset=quiet_offset_now())
+    s.start()
+    try:
+        slot = s.jobs["reads"].schedule.previous_at_or_before(int(time.time() * 1000))
+        assert slot is not None
+        claim_now_sync(s, "reads", slot)
+        wait_until(started.is_set, what="the handler started")
+    finally:
+        s.stop(grace="20s")
+    assert len(waited) == 1 and waited[0] < 5, waited
+    assert runs_of(s.history("reads"), slot) == [(1, Reason.SCHEDULED, Outcome.COMPLETED)]

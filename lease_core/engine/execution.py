@@ -40,6 +40,8 @@ class _Ran:
     raised: Exception | None = None
     timed_out: bool = False
     interrupted: Interruption | None = None
+    thread: _Thread | None = None
+    """A sync handler's call (its thread may outlive a timeout)."""
 
 
 class _Thread:
@@ -158,6 +160,9 @@ class Executor:
         INSIDE.set(s.settings.owner)
         try:
             ran = await self._run_handler(job, execution, lease.slot)
+            if (ran.timed_out and ran.thread is not None and job.retry is not None
+                    and job.retry.retries_error(None)):
+                await self._outlived(ran.thread, execution)
         finally:
             s.runs.finishing(run)
         ending = decide_outcome(
@@ -197,6 +202,26 @@ class Executor:
         if finished and outcome is Outcome.COMPLETED:
             await s.steps.completed(job, lease.slot)
 
+    async def _outlived(self, thread: _Thread, execution: Execution) -> None:
+        """A sync handler timed out, and its run may be retried: the retry waits until its
+        thread returns (asked to stop through ``ctx.stopping``), the run's lease still
+        held and renewed, so that the run never runs twice at once. A lost lease or a
+        stop ends the wait (the run is then backed up or handed over as usual)."""
+        if thread.state != 1:
+            return
+        self._abandoned.discard(thread)  # its run, still held, counts against max_running
+        execution.ctx._request_stop("timed out")
+        logger.warning("%s: a sync handler timed out and its thread still runs; its retry "
+                       "waits until it returns", execution.ctx.job)
+        try:
+            # Polled: three conditions end the wait (the thread, a lost lease, a stop), on
+            # a rare path; an event set from the worker thread would need the loop alive.
+            while thread.state == 1 and not execution.lost and not self._s.stopping:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        finally:
+            if thread.state == 1 and self._s.settings.max_running is not None:
+                self._abandoned.add(thread)
+
     async def _run_handler(self, job: Job, execution: Execution, slot: int) -> _Ran:
         ran = _Ran()
         ctx = execution.ctx
@@ -212,10 +237,10 @@ class Executor:
         with execution.scope:
             try:
                 if not job.timeout:  # no scope that could never fire: one fewer per run
-                    ran.value = await self._call(job, ctx, slot)
+                    ran.value = await self._call(job, ctx, slot, ran)
                 else:
                     with anyio.move_on_after(job.timeout) as timeout_scope:
-                        ran.value = await self._call(job, ctx, slot)
+                        ran.value = await self._call(job, ctx, slot, ran)
                     ran.timed_out = timeout_scope.cancelled_caught
             except Exception as exc:
                 ran.raised = exc
@@ -223,12 +248,12 @@ class Executor:
             ran.interrupted = execution.cancel_reason or Interruption.DEADLINE
         return ran
 
-    async def _call(self, job: Job, ctx: RunContext, slot: int) -> Any:
+    async def _call(self, job: Job, ctx: RunContext, slot: int, ran: _Ran) -> Any:
         if job.workflow is not None:
             ctx.results = await self._s.steps.load_results(job, slot)
         if job.is_async:
             return await job.handler(ctx)
-        thread = _Thread()
+        thread = ran.thread = _Thread()
         try:
             return await anyio.to_thread.run_sync(
                 thread.call, job.handler, ctx, abandon_on_cancel=True,

@@ -998,9 +998,16 @@ def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
         # In the order the store issued them: an attempt it kept by its claim time (a
         # worker stopped between the store's answer and reading it logs the claim late),
         # else (lost with a failover) by the worker's first record.
+        # The store keeps one record per attempt number: when one worker had the same
+        # number before and after a failover, the record is the later claim's (the
+        # highest fence); the earlier, lost, keeps its worker's time.
+        newest: dict[tuple[int, str], int] = {}
+        for attempt_no, instance, fence in first:
+            newest[attempt_no, instance] = max(fence, newest.get((attempt_no, instance), fence))
         for ran in first:
             kept = stored.get(ran[:2])
-            if kept is not None and kept.claimed_at is not None:
+            if (kept is not None and kept.claimed_at is not None
+                    and ran[2] == newest[ran[:2]]):
                 first[ran] = kept.claimed_at.timestamp()
         top = 0
         for (_, _, fence), _t in sorted(first.items(), key=lambda item: item[1]):

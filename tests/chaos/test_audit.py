@@ -288,6 +288,34 @@ def test_a_fence_above_the_lost_attempts_breaks_nothing() -> None:
     assert report.lost_claims == [(*KEY, 2, "w2")]
 
 
+def test_one_worker_with_the_same_attempt_before_and_after_a_failover_repeats_no_fence(
+        ) -> None:
+    """w2's attempt 2 (fence 2) is lost with the primary; the promoted replica, in a new
+    epoch, gives w2 attempt 2 again (a far higher fence). The store's one record of
+    attempt 2 by w2 is the later claim's: the lost one is ordered by its own time, not by
+    that record's (which put fence 2 after the new epoch's fences, as if issued twice)."""
+    big = (1_800_000_002_000 << 20)
+
+    def ev(kind: str, n: int, instance: str, t: float, fence: int, **more: Any) -> Any:
+        return {"e": kind, "j": "job0", "s": SLOT, "a": n, "i": instance, "t": T0 + t,
+                "f": fence, **more}
+    seen = observed(
+        history=[attempt(1, "w1", 3.5, Outcome.FAILED),
+                 attempt(2, "w2", 4.0, Outcome.COMPLETED, Reason.RETRY)],
+        effects=[], checkpoints={},
+        events={KEY: [
+            ev("claim", 1, "w2", 0.0, 1, k="t1"), ev("start", 1, "w2", 0.1, 1, cp=None),
+            ev("claim", 2, "w2", 1.7, 2, k="t2"), ev("start", 2, "w2", 1.8, 2, cp=None),
+            ev("claim", 1, "w1", 3.5, big + 1, k="t3"),
+            ev("start", 1, "w1", 3.6, big + 1, cp=None),
+            ev("claim", 2, "w2", 4.0, big + 2, k="t4"),
+            ev("start", 2, "w2", 4.1, big + 2, cp=None),
+            ev("fin", 2, "w2", 4.5, big + 2, k="t4", o="completed")]},
+        faults=[Fault("failover", "pgreplica", T0 + 2.0, T0 + 3.0)])
+    report = judge(CONFIG, seen)
+    assert "fence numbers issued twice" not in report.violations, report.violations
+
+
 def test_a_claim_read_late_by_a_stopped_worker_repeats_no_fence() -> None:
     # w1 was stopped (SIGSTOP) between the store's answer and reading it: it logs its
     # claim of attempt 1 after w2's takeover (attempt 2); the store's claim times order
