@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -414,17 +415,33 @@ class _Loop:
                 cls.pid = os.getpid()
             return cls.portal
 
+    leases: weakref.WeakSet[Lease] = weakref.WeakSet()
+    """The leases of the SyncLeases that acquired on this loop (released at exit)."""
+
     @classmethod
     def close(cls) -> None:
-        """Stop the loop (at interpreter exit), cancelling what still runs on it."""
+        """Stop the loop (at interpreter exit): the leases still held are released first,
+        together, for 5 s at most (a store that does not answer keeps them until their
+        ttl); then what still runs on it is cancelled."""
         with cls.lock:
             manager, portal = cls.manager, cls.portal
             cls.manager = cls.portal = None
             if manager is None or portal is None or cls.pid != os.getpid():
                 return
+            held = [lease for lease in cls.leases if lease.held]
+            if held:
+                with contextlib.suppress(Exception):
+                    portal.call(_release_all, held)
             with contextlib.suppress(RuntimeError):
                 portal.call(portal.stop, True)  # a lease still held: nothing waits for it
             manager.__exit__(None, None, None)
+
+
+async def _release_all(leases: list[Lease]) -> None:
+    with anyio.move_on_after(5):
+        async with anyio.create_task_group() as tg:
+            for lease in leases:
+                tg.start_soon(lease.release)
 
 
 atexit.register(_Loop.close)
@@ -442,7 +459,9 @@ class SyncLease:
     SyncLease of the process, and is renewed there every ``ttl / 3``. A sync body cannot
     be cancelled: check :attr:`lost` (a :class:`threading.Event`) between steps; when the
     lease was lost during the body, ``with`` raises
-    :class:`~lease_core.errors.LeaseLost` at its end. Options as for :class:`Lease`.
+    :class:`~lease_core.errors.LeaseLost` at its end. Options as for :class:`Lease`. A
+    lease still held when the interpreter exits is released then (5 s at most, for all
+    of them together), so the name is free at once, not after its ttl.
 
     .. note:: The backend is started and closed on the background loop, so an async pool
        or client passed in must not be bound to another loop (a DSN, a URL, a blocking
@@ -492,6 +511,7 @@ class SyncLease:
                 portal.call(self._lease.release)
             raise
         if got:
+            _Loop.leases.add(self._lease)
             mirror, self._mirror = self._mirror, None
             if mirror is not None:  # held already: one task watches the current hold
                 mirror.cancel()

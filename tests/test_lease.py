@@ -807,3 +807,24 @@ async def test_an_acquire_whose_reply_was_lost_leaves_the_name_free() -> None:
     other = Lease(backend, "lost-reply", ttl="10s")
     assert await other.acquire(timeout=0) is True
     await other.release()
+
+
+def test_a_sync_lease_held_at_a_clean_exit_is_released(valkey8_server: Any) -> None:
+    """A process that exits holding a SyncLease frees the name then: another holder
+    takes it at once, not after its 30 s ttl."""
+    import uuid
+
+    url, prefix = valkey8_server.url, f"x{uuid.uuid4().hex[:10]}"
+    code = ("from lease_core import RedisBackend, SyncLease\n"
+            f"lease = SyncLease(RedisBackend({url!r}, prefix={prefix!r}), 'x', ttl='30s')\n"
+            "assert lease.acquire(0)\n"
+            "print('held', lease.held)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "held True"
+    other = SyncLease(RedisBackend(url, prefix=prefix), "x", ttl="10s")
+    try:
+        assert other.acquire(timeout=0) is True
+    finally:
+        other.release()
