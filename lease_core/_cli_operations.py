@@ -49,21 +49,22 @@ async def run_operation(args: argparse.Namespace, backend: Any) -> int:
     """Make the operation ``args.command`` on ``backend``; print what was done."""
     from .operations import Admin
 
-    async with Admin(backend, by="cli") as admin:
-        if args.command == "trigger":
-            slot = await admin.trigger(args.job)
-            print(f"anarchon trigger: {args.job}@{slot} ({format_slot(slot)}) queued; an "
-                  "instance declaring the job runs it within one heartbeat")
-        elif args.command in ("pause", "resume"):
-            await (admin.pause if args.command == "pause" else admin.resume)(args.job)
-            print(f"anarchon {args.command}: job {args.job!r} "
-                  f"{'paused' if args.command == 'pause' else 'resumed'}")
+    # One call, no ``async with``: the store is upgraded only if the operation is made.
+    admin = Admin(backend, by="cli")
+    if args.command == "trigger":
+        slot = await admin.trigger(args.job)
+        print(f"anarchon trigger: {args.job}@{slot} ({format_slot(slot)}) queued; an "
+              "instance declaring the job runs it within one heartbeat")
+    elif args.command in ("pause", "resume"):
+        await (admin.pause if args.command == "pause" else admin.resume)(args.job)
+        print(f"anarchon {args.command}: job {args.job!r} "
+              f"{'paused' if args.command == 'pause' else 'resumed'}")
+    else:
+        job, slot = parse_run_id(args.run)
+        if args.command == "retry":
+            await admin.retry(job, slot)
+            print(f"anarchon retry: {job}@{slot} queued again (reason retry)")
         else:
-            job, slot = parse_run_id(args.run)
-            if args.command == "retry":
-                await admin.retry(job, slot)
-                print(f"anarchon retry: {job}@{slot} queued again (reason retry)")
-            else:
-                await admin.cancel(job, slot, grace=args.grace)
-                print(f"anarchon cancel: {job}@{slot} cancelled")
+            await admin.cancel(job, slot, grace=args.grace)
+            print(f"anarchon cancel: {job}@{slot} cancelled")
     return 0

@@ -87,7 +87,8 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
        application's lifespan, since a backend must be started to be read.
 
     With ``token``, every request must carry ``Authorization: Bearer <token>`` (compared in
-    constant time) or gets 401.
+    constant time) or gets 401. Spaces and newlines around the token are ignored, on both
+    sides (a secret read from a file or an environment variable with its newline).
     """
     if token is not None and not token.strip():
         raise ConfigurationError("the status API token is empty: give a non-empty token, or "
@@ -234,7 +235,8 @@ class _BearerAuth:
 
     def __init__(self, app: ASGIApp, *, token: str, page: _Page) -> None:
         self.app = app
-        self.token = token.encode()
+        # Stripped as the header's value is: a secret read with its newline still matches.
+        self.token = token.strip().encode()
         self.page = page
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

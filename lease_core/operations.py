@@ -80,6 +80,8 @@ class OperationResult:
 #: The longest ``grace`` of a cancel: 30 days (a longer one is surely a mistake, and
 #: would overflow the stores' expiry arithmetic).
 MAX_GRACE_S = 30 * 86400
+#: A grace given as text without a unit: a number of seconds.
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
 
 
 def _slot(value: object, where: object) -> int:
@@ -121,7 +123,9 @@ class Admin:
     started for each call (never creating a store: an operation on a store that does not
     exist raises :class:`~lease_core.errors.StoreNotFound`) and released after it, as
     :meth:`~lease_core.Scheduler.history` does: a backend started already stays open, and
-    ``async with Admin(backend) as admin:`` keeps it open across calls.
+    ``async with Admin(backend) as admin:`` keeps it open across calls. An older store is
+    upgraded in place when an operation is made on it (each call), or at the start of
+    ``async with``; a refused call leaves it as it is.
     Every refusal raises :class:`~lease_core.errors.OperationRefused` and changes nothing.
     """
 
@@ -196,10 +200,13 @@ class Admin:
         stops there. The run ends ``cancelled`` in the store at once. Its holder learns
         of it at its next heartbeat (the heartbeat answers "cancelled", not "lost"): the
         handler gets ``ctx.stopping`` (``ctx.stop_reason`` says it was cancelled), may
-        finish cooperatively within ``grace`` (default ``"10s"``; ``0`` cancels it at
-        that heartbeat) and is cancelled once the grace has passed. Either way the
-        attempt ends ``cancelled``, never ``completed``.
+        finish cooperatively within ``grace`` (default ``"10s"``; a number of seconds,
+        even as text, also works; ``0`` cancels it at that heartbeat) and is cancelled
+        once the grace has passed. Either way the attempt ends ``cancelled``, never
+        ``completed``.
         """
+        if isinstance(grace, str) and _SECONDS.fullmatch(grace.strip()):
+            grace = float(grace)  # "0", "30": seconds, as the CLI and HTTP pass them
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
         if grace_s > MAX_GRACE_S:
             raise ConfigurationError(
@@ -223,19 +230,50 @@ class Admin:
                        grace_ms: int = 0) -> OperationResult:
         if not isinstance(job, str) or not job:
             raise ConfigurationError(f"job {job!r} must be a non-empty job name")
-        await self._start()  # counted: cheap when the backend runs already
+        # The store as it is (an older one is read, not upgraded), counted: cheap when
+        # the backend runs already.
+        await self.backend.start(create=False)
+        started = True
         try:
             if slot is not None:
                 job = await self._step_of(job, slot, kind)
             else:
                 job = await self._first_step(job)
-            result = await self.backend.operate(Operation(kind, job, slot, self.by, grace_ms))
+            refused = await self._refusal_read(kind, job, slot)
+            if refused is not None:
+                result = refused
+            else:
+                # Upgraded only now that the operation will be made: a refused one (a
+                # typo) must not change an older store that older instances still use.
+                await self.backend.close()
+                started = False
+                await self.backend.start()
+                started = True
+                result = await self.backend.operate(
+                    Operation(kind, job, slot, self.by, grace_ms))
         finally:
-            await self.backend.close()
+            if started:
+                await self.backend.close()
         if result.refused is not None:
             raise OperationRefused(result.refused, _refusal(kind, job, slot, result))
         return result
 
+
+    async def _refusal_read(self, kind: OperationKind, job: str,
+                            slot: int | None) -> OperationResult | None:
+        """The refusal the store would answer, read without writing (``None``: the
+        operation looks possible; the store still decides, atomically)."""
+        if slot is None:
+            known = job in await self.backend.jobs()
+            return None if known else OperationResult("unknown_job")
+        state = (await self.backend.check([(job, slot)])).runs.get((job, slot))
+        if state is None:
+            known = job in await self.backend.jobs()
+            return OperationResult("no_run" if known else "unknown_job", slot)
+        wanted = RETRYABLE if kind is OperationKind.RETRY else OPEN
+        if state.status not in wanted:
+            return OperationResult("conflict", slot, state.status)
+        return None
 
     async def _first_step(self, name: str) -> str:
         """The job a job operation acts on: ``name`` itself, or for a workflow its first

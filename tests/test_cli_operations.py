@@ -77,8 +77,10 @@ def test_operations_act_on_the_store(url: str, capsys: pytest.CaptureFixture[str
     triggered = int(out.split("sync@", 1)[1].split()[0])
     assert main(["retry", "sync@1000", "--url", url]) == 0
     assert main(["cancel", "sync@3000", "--url", url, "--grace", "1s"]) == 0
+    # A grace without a unit is seconds, as the guide writes grace=0.
+    assert main(["cancel", f"sync@{triggered}", "--url", url, "--grace", "0"]) == 0
     found = statuses(url)
-    assert found[1000] == "handed_over" and found[triggered] == "handed_over"
+    assert found[1000] == "handed_over" and found[triggered] == "cancelled"
     assert found[2000] == "completed" and found[3000] == "cancelled"
     history = store(url, lambda b: b.history("sync", 100))
     cancelled = [a for a in history if a.slot == 3000]

@@ -271,6 +271,17 @@ def test_the_token_opens_every_route(scheme: str) -> None:
         assert client.get("/").status_code == 200
 
 
+def test_a_token_read_with_its_newline_still_opens_the_routes() -> None:
+    """A secret read from a file or an environment variable often ends with a newline:
+    the header's value is stripped, so the configured token is too (it used to answer
+    401 to everyone)."""
+    for configured in (f"{TOKEN}\n", f" {TOKEN}"):
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        with TestClient(create_app(MemoryBackend(), token=configured),
+                        headers=headers) as client:
+            assert client.get("/jobs").status_code == 200, repr(configured)
+
+
 def test_empty_token_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="token is empty"):
         create_app(MemoryBackend(), token=" ")

@@ -459,6 +459,26 @@ def test_page_without_a_token_shows_no_operations(
         assert response.status_code == 403 and "ANARCHON_TOKEN" in response.json()["error"]
 
 
+def test_page_takes_a_base64_token_with_plus_signs_as_typed(
+        browser: Any, pg16_server: PgServer, tmp_path: Path) -> None:
+    """``#token=`` as pasted from ``openssl rand -base64``: its "+" is not a space (the
+    page sent "Bearer a b..." and every request got 401). A search with a space still
+    goes through the fragment and back."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    token = "Zm9v+YmFy/w+=="
+    wait = WebDriverWait(browser, 30)
+    with _serve(pg16_server, tmp_path, token) as (base, _):
+        browser.get(f"{base}/#token={token}&job=export")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-run="export@{SLOT}"]'))
+        assert browser.find_elements(By.CSS_SELECTOR, "button[data-operation]") != []
+        browser.execute_script("go({q: 'no such'})")
+        wait.until(lambda d: "q=no%20such" in d.current_url)
+        assert browser.execute_script("return params().get('q')") == "no such"
+        assert browser.execute_script("return params().get('token')") == token
+
+
 async def _stored(dsn: str, table: str, jobs: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """``job@slot -> status`` of every run of ``jobs``, and the paused jobs by their names."""
     from lease_core.operations import Admin

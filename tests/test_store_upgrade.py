@@ -551,7 +551,7 @@ async def test_an_operation_on_a_v3_store_upgrades_it_and_acts(
     """Operations need this release's store code (the operate function, the columns it
     writes): on an older store an operation upgrades it in place, as a privileged start
     does, rather than failing on a function that is not there."""
-    from lease_core import Admin
+    from lease_core import Admin, OperationRefused
 
     table = unique_table()
     sql(server.admin_dsn, FIXTURE_V3.read_text().format(**names_v3(table)))
@@ -559,7 +559,16 @@ async def test_an_operation_on_a_v3_store_upgrades_it_and_acts(
         old = v3_release(server.dsn, table)
         assert old.claim(1, "done", 60_000)[0] == "won"  # the store knows job "j"
         admin = Admin(PostgresBackend(server.dsn, table=table), by="test")
+        code = f"SELECT value FROM {table}_meta WHERE key = 'code'"
+        # A refused operation (a typo) leaves the older store, which older instances
+        # still use, as it is.
+        with pytest.raises(OperationRefused, match="never seen"):
+            await admin.trigger("no-such-job")
+        with pytest.raises(OperationRefused, match="no run"):
+            await admin.cancel("j", 2)
+        assert sql(server.admin_dsn, code) == [("3",)]
         await admin.pause("j")
+        assert sql(server.admin_dsn, code) != [("3",)]  # made: upgraded, then made
         assert await admin.paused() == {"j": "test"}
         await admin.resume("j")
         assert await admin.paused() == {}

@@ -4,8 +4,8 @@
 -- KEYS[4] done zset; ARGV: kind, slot ('' for a job operation), by, run key prefix
 -- ({p/job}:run:; the run of a trigger is made at a slot found here, in the job's slot),
 -- a cancel's grace in ms.
--- KEYS[5] the operation's own key ({p/job}:op:<random id>): it keeps the answer for 10
--- minutes, and a call sent again with the same key (a resend after a failed connection,
+-- KEYS[5] the operation's own key ({p/job}:op:<random id>): it keeps the answer of an
+-- operation made for 10 minutes, and a call sent again with the same key (a resend after a failed connection,
 -- by this library or by the driver) answers it again and changes nothing.
 -- Returns 'refused|slot|status' ('' = none): refused is unknown_job, no_run or conflict.
 -- - trigger: a run at the store's now (the next free millisecond), handed_over with
@@ -126,5 +126,7 @@ local function operate()
   return '|' .. slot .. '|' .. st
 end
 local answer = operate()
-redis.call('SET', op, answer, 'PX', 600000)
+if string.sub(answer, 1, 1) == '|' then  -- made (a refusal changed nothing: not kept)
+  redis.call('SET', op, answer, 'PX', 600000)
+end
 return answer

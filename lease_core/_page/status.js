@@ -19,8 +19,10 @@ window.anarchonRenderMs = null; // how long the last render took
 
 // The fragment holds the view and, when the server needs one, the bearer token
 // (#token=...): the fragment never leaves the browser; the token is sent as a header.
+// A "+" in the fragment is itself (a base64 token has them), not a space as in a query:
+// the page writes spaces as %20 (go), so a "+" there was typed or pasted.
 function params() {
-  return new URLSearchParams(location.hash.slice(1));
+  return new URLSearchParams(location.hash.slice(1).replace(/\+/g, "%2B"));
 }
 
 function go(changes) {
@@ -30,7 +32,8 @@ function go(changes) {
   for (const [key, value] of Object.entries(changes)) {
     if (value !== null && value !== "" && value !== undefined) next.set(key, value);
   }
-  location.hash = next.toString();
+  notice = null;  // an operation's answer belongs to the view it was made in
+  location.hash = next.toString().replace(/\+/g, "%20");
 }
 
 function link(text, changes, attrs) {
@@ -54,7 +57,7 @@ async function getJson(path) {
 
 // --- operations (only with a token: every POST needs it) --------------------------------
 
-let notice = null;  // what the last operation answered, shown until the next one
+let notice = null;  // what the last operation answered, shown until the next one or go()
 
 async function postJson(path) {
   const token = params().get("token");
