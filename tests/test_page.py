@@ -522,8 +522,12 @@ def test_page_workflow_operations_act_through_the_store(
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="retry"]'))
     assert _click(wait, "retry") == f"retry: done (close@{SLOT})"
     browser.get(f"{base}/#token={TOKEN}&run=close@{NEXT}")
-    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'button[data-operation="cancel"]'))
-    assert _click(wait, "cancel") == f"cancel: done (close@{NEXT})"
+    # The view of close@SLOT, redrawn after the retry, has a cancel button too (its run is
+    # open again) until this view replaces it: the button is looked for in this view.
+    view = f'section[data-run="close@{NEXT}"]'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
+                                         f'{view} button[data-operation="cancel"]'))
+    assert _click(wait, "cancel", view) == f"cancel: done (close@{NEXT})"
     runs = anyio.run(_stored, pg16_server.dsn, table, steps)[0]
     assert runs[f"close/interest@{SLOT}"] not in ("escalated", "failed"), runs
     assert runs[f"close/snapshot@{SLOT}"] == "completed"
