@@ -674,16 +674,22 @@ async def test_the_leader_election_example_hands_the_lead_over(
     assert sorted(served) == sorted([[leading[0]], [leading[1]]])
 
 
-def test_a_process_exits_while_a_sync_lease_is_held() -> None:
-    """The SyncLease loop is stopped at interpreter exit, whatever it still runs."""
-    code = ("from lease_core import MemoryBackend, SyncLease\n"
-            "lease = SyncLease(MemoryBackend(), 'x', ttl='10s')\n"
+def _exit_holding(backend: str, ttl: str) -> None:
+    """Run a process that takes SyncLease 'x' on ``backend`` (its Python expression) and
+    exits holding it; check that it held it and exited cleanly."""
+    code = ("from lease_core import MemoryBackend, RedisBackend, SyncLease\n"
+            f"lease = SyncLease({backend}, 'x', ttl={ttl!r})\n"
             "assert lease.acquire(0)\n"
             "print('held', lease.held)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "held True"
+
+
+def test_a_process_exits_while_a_sync_lease_is_held() -> None:
+    """The SyncLease loop is stopped at interpreter exit, whatever it still runs."""
+    _exit_holding("MemoryBackend()", "10s")
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
@@ -815,14 +821,7 @@ def test_a_sync_lease_held_at_a_clean_exit_is_released(valkey8_server: Any) -> N
     import uuid
 
     url, prefix = valkey8_server.url, f"x{uuid.uuid4().hex[:10]}"
-    code = ("from lease_core import RedisBackend, SyncLease\n"
-            f"lease = SyncLease(RedisBackend({url!r}, prefix={prefix!r}), 'x', ttl='30s')\n"
-            "assert lease.acquire(0)\n"
-            "print('held', lease.held)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "held True"
+    _exit_holding(f"RedisBackend({url!r}, prefix={prefix!r})", "30s")
     other = SyncLease(RedisBackend(url, prefix=prefix), "x", ttl="10s")
     try:
         assert other.acquire(timeout=0) is True

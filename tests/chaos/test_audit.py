@@ -255,12 +255,15 @@ def test_a_refused_cancel_is_not_judged() -> None:
 # -- fences and lost commits across a failover (issue 21) ------------------------------
 
 
+def ev(kind: str, n: int, instance: str, t: float, fence: int, **more: Any) -> Any:
+    """A worker's record of attempt ``n`` of KEY, ``t`` s after T0, with its fence."""
+    return {"e": kind, "j": "job0", "s": SLOT, "a": n, "i": instance, "t": T0 + t,
+            "f": fence, **more}
+
+
 def _failover(new_fence: int) -> Observed:
     """Attempt 2 (w2) is acknowledged, then lost with the primary; the promoted replica
     numbers w3's attempt 2 again, with fence ``new_fence``."""
-    def ev(kind: str, n: int, instance: str, t: float, fence: int, **more: Any) -> Any:
-        return {"e": kind, "j": "job0", "s": SLOT, "a": n, "i": instance, "t": T0 + t,
-                "f": fence, **more}
     return observed(
         history=[attempt(1, "w1", 0.0, Outcome.LOST),
                  attempt(2, "w3", 4.0, Outcome.COMPLETED, Reason.TAKEOVER)],
@@ -295,10 +298,6 @@ def test_one_worker_with_the_same_attempt_before_and_after_a_failover_repeats_no
     attempt 2 by w2 is the later claim's: the lost one is ordered by its own time, not by
     that record's (which put fence 2 after the new epoch's fences, as if issued twice)."""
     big = (1_800_000_002_000 << 20)
-
-    def ev(kind: str, n: int, instance: str, t: float, fence: int, **more: Any) -> Any:
-        return {"e": kind, "j": "job0", "s": SLOT, "a": n, "i": instance, "t": T0 + t,
-                "f": fence, **more}
     seen = observed(
         history=[attempt(1, "w1", 3.5, Outcome.FAILED),
                  attempt(2, "w2", 4.0, Outcome.COMPLETED, Reason.RETRY)],
