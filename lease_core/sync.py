@@ -117,9 +117,15 @@ class SyncScheduler:
 
         ``STARTING`` while :meth:`start` waits for the background thread, ``STOPPING``
         while :meth:`stop` hands runs over; ``STOPPED`` in a forked child, where the
-        background thread does not exist.
+        background thread does not exist, and once the scheduler has ended on its own (a
+        bug, logged when it happened; :meth:`stop` then raises it and frees the thread).
         """
-        return self._state if self._pid in (None, os.getpid()) else SchedulerState.STOPPED
+        if self._pid not in (None, os.getpid()):
+            return SchedulerState.STOPPED
+        state = self._state
+        if state is SchedulerState.RUNNING and self.scheduler.state is SchedulerState.STOPPED:
+            return SchedulerState.STOPPED
+        return state
 
     def health(self) -> Health:
         """Whether the store answered within the last lease, and what this instance holds.
@@ -155,8 +161,9 @@ class SyncScheduler:
 
     @property
     def started(self) -> bool:
-        """Whether the scheduler runs in this process (between :meth:`start` and :meth:`stop`)."""
-        return self._state is SchedulerState.RUNNING and self._pid == os.getpid()
+        """Whether the scheduler runs in this process (between :meth:`start` and :meth:`stop`,
+        unless it ended on its own: see :attr:`state`)."""
+        return self.state is SchedulerState.RUNNING and self._pid == os.getpid()
 
     # ----------------------------------------------------------------- lifecycle
 

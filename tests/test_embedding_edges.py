@@ -138,6 +138,48 @@ def test_sync_scheduler_subscribe_from_the_caller_thread_and_stop_from_a_handler
     assert not s.started
 
 
+def test_a_sync_scheduler_that_ended_on_its_own_says_stopped_and_stop_raises_why() -> None:
+    s = SyncScheduler(MemoryBackend(), lease="3s", heartbeat="0.2s")
+    runs: list[int] = []
+
+    @s.every("j", "0.2s")
+    def job(ctx: object) -> None:
+        runs.append(1)
+
+    async def subscriber(event: ev.Event) -> None:
+        if isinstance(event, ev.Completed):
+            raise _Boom("a bug")
+
+    off = s.scheduler.subscribe(subscriber)
+    s.start()
+    try:
+        deadline = time.monotonic() + 10
+        while s.state is not SchedulerState.STOPPED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.state is SchedulerState.STOPPED
+        assert not s.started
+        with pytest.raises(AnarchonError, match="already started; call stop"):
+            s.start()
+        with pytest.raises(AnarchonError, match="ended unexpectedly"):
+            s.stop()
+        assert s.state is SchedulerState.STOPPED
+        s.stop()  # reported once
+    finally:
+        s.stop()
+    off()
+    done = len(runs)
+    assert done >= 1
+    s.start()  # and it starts again
+    try:
+        deadline = time.monotonic() + 10
+        while len(runs) == done and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(runs) > done
+        assert s.state is SchedulerState.RUNNING
+    finally:
+        s.stop()
+
+
 def test_a_group_of_lease_lost_and_stop_requested_is_lease_lost() -> None:
     group = BaseExceptionGroup("both", [StopRequested("stop"), LeaseLost("lost")])
     assert classify(group) is LeaseLost
