@@ -546,7 +546,9 @@ class PsycopgConnectionAdapter(SqlAdapter):
     def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
         super().__init__(owned=False)
         self.conn = conn
-        self._lock = anyio.Lock()
+        # Taken without a yield when free (the statement yields anyway): one event loop
+        # pass less per statement.
+        self._lock = anyio.Lock(fast_acquire=True)
         self._where = _where_of(conn)
         self._secret = _secret_of(conn)
 
@@ -576,7 +578,9 @@ class PsycopgSyncConnectionAdapter(SqlAdapter):
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         super().__init__(owned=False)
         self.conn = conn
-        self._lock = anyio.Lock()
+        # Taken without a yield when free (the statement yields anyway): one event loop
+        # pass less per statement.
+        self._lock = anyio.Lock(fast_acquire=True)
         self._where = _where_of(conn)
         self._secret = _secret_of(conn)
 
