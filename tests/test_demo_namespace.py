@@ -25,6 +25,7 @@ import redis
 from backends.embedded.redis import EmbeddedRedis
 from lease_core.cli import main
 from lease_core.demo import run_demo
+from lease_core.demo.namespace import namespace_for
 from tests.stores.postgres import PgServer
 
 #: Every object of a database outside the system schemas: relations (tables, indexes,
@@ -368,4 +369,78 @@ def test_redis_namespace_in_use_is_refused(redis_url: str,
     assert main(["demo", "--url", redis_url, "--remove", "mine"]) == 2
     assert "no demo marker" in capsys.readouterr().err
     assert main(["demo", "--url", redis_url, "--remove", "anarchon_demo"]) == 2
+    assert keys(redis_url) == before
+
+
+# --------------------------------------------------------------------------- removal edges
+
+
+def run_job_once(url: str, job: str, **options: str) -> None:
+    """One run of ``job`` recorded in the store at ``url`` (``namespace=...`` and so on)."""
+    import anyio
+
+    from lease_core import Scheduler, backend_from_url
+
+    async def main_() -> None:
+        done = anyio.Event()
+        s = Scheduler(backend_from_url(url, **options), lease="3s", heartbeat="0.2s")
+
+        @s.every(job, "0.2s")
+        async def handler(ctx: object) -> None:
+            done.set()
+
+        with anyio.fail_after(30):
+            async with s:
+                await done.wait()
+
+    anyio.run(main_)
+
+
+def test_remove_leaves_a_store_of_yours_named_with_the_namespace_as_prefix(
+    database: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A demo kept under namespace ``anarchon``, then the default store ``anarchon_runs``
+    made beside it: removing the demo drops the demo's store, not the user's."""
+    namespace_for(database, "anarchon").claim("fleet")  # as the fleet demo does, kept
+    run_job_once(database, "report", namespace="anarchon")
+    run_job_once(database, "nightly")  # the default store: anarchon_runs
+    before = catalog(database)
+    mine = [row for row in before if "anarchon_runs" in row[2]]
+    assert len(mine) >= 5, mine
+    assert main(["demo", "--url", database, "--remove", "anarchon"]) == 0
+    out = capsys.readouterr().out
+    assert "removed namespace anarchon:" in out
+    assert "left anarchon_runs" in out and "which no demo makes (not removed)" in out, out
+    after = catalog(database)
+    assert [row for row in after if "anarchon_runs" in row[2]] == mine
+    assert not any(row[2] in ("anarchon", "anarchon_demo", "anarchon_meta") for row in after)
+    with psycopg.connect(database) as conn:
+        row = conn.execute("SELECT count(*) FROM anarchon_runs_attempts "
+                           "WHERE job = 'nightly'").fetchone()
+    assert row is not None and row[0] >= 1
+
+
+def test_remove_refuses_a_demo_namespace_a_scheduler_of_yours_uses(
+    database: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    namespace_for(database, "shared").claim("fleet")  # as the fleet demo does, kept
+    run_job_once(database, "report", namespace="shared")
+    run_job_once(database, "nightly", namespace="shared")
+    before = catalog(database)
+    assert main(["demo", "--url", database, "--remove", "shared"]) == 2
+    err = capsys.readouterr().err
+    assert "jobs no demo declares (nightly)" in err and "nothing was removed" in err, err
+    assert catalog(database) == before
+
+
+def test_remove_on_redis_refuses_a_demo_namespace_a_scheduler_of_yours_uses(
+    redis_url: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    namespace_for(redis_url, "shared").claim("fleet")  # as the fleet demo does, kept
+    run_job_once(redis_url, "report", namespace="shared")
+    run_job_once(redis_url, "nightly", namespace="shared")
+    before = keys(redis_url)
+    assert main(["demo", "--url", redis_url, "--remove", "shared"]) == 2
+    err = capsys.readouterr().err
+    assert "jobs no demo declares (nightly)" in err and "nothing was removed" in err, err
     assert keys(redis_url) == before

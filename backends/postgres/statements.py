@@ -37,6 +37,7 @@ __all__ = [
     "quote_ident",
     "split_table",
     "sqlstate",
+    "store_names",
     "text_array",
 ]
 
@@ -76,6 +77,14 @@ _SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed",
              "_a_fin", "_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3",
              CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
              FAILOVER_SUFFIX, LEASE_SUFFIX)
+
+
+
+def store_names(table: str) -> tuple[str, ...]:
+    """Every name a store whose runs table is ``table`` may create in its schema (tables,
+    sequences, indexes and functions, of this release and the earlier ones it upgrades)."""
+    return tuple(table + suffix for suffix in _SUFFIXES)
+
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 

@@ -43,7 +43,7 @@ from lease_core.errors import ConfigurationError
 from lease_core.recovery import recovery_log, step_job
 
 from .fleet import ProcessFleet
-from .namespace import PostgresNamespace, claimed, namespace_for, new_name
+from .namespace import DEMO_TABLES, PostgresNamespace, claimed, namespace_for, new_name
 
 __all__ = ["build_scheduler", "run_bank_close", "worker_main"]
 
@@ -56,7 +56,7 @@ BATCH_PAUSE_S = 0.12
 LEASE = "3s"
 HEARTBEAT = "0.5s"
 #: The demo's own tables, each named ``<namespace>_<name>``.
-TABLES = ("accounts", "opening", "snapshot", "interest", "statements")
+TABLES = DEMO_TABLES
 #: How long after the demo starts the workflow run is due (seconds).
 DUE_IN_S = 5
 

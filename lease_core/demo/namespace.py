@@ -17,10 +17,14 @@ namespace, it raises :class:`NamespaceInUse` and has changed nothing. Otherwise 
 creates the marker (and, on PostgreSQL, its own tables) in one transaction, which
 fails, and so changes nothing, if another session took one of the names meanwhile.
 
-:meth:`Namespace.remove` deletes a namespace only while its marker is there, and only
-names of the namespace: on PostgreSQL its tables, sequences and functions in one
-transaction, without ``CASCADE`` (an object of someone else's that depends on them makes
-it fail and change nothing); on Redis its keys, the marker last.
+:meth:`Namespace.remove` deletes a namespace only while its marker is there, only while
+the store under it holds no job but the demos' own (:data:`DEMO_JOBS`: a scheduler of
+yours pointed at it would otherwise lose its history), and only what a demo creates: on
+PostgreSQL the names a demo's store and tables have (:func:`demo_names`; another object
+that merely starts with ``<ns>_``, such as a store of yours named ``<ns>_runs``, is left
+and reported), dropped in one transaction without ``CASCADE`` (an object of someone
+else's that depends on them makes it fail and change nothing); on Redis its keys, the
+marker last.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
-from backends.postgres.statements import quote_ident
+from backends.postgres.statements import quote_ident, store_names
 from lease_core._redact import MASK, redact
 from lease_core._registry import split_url_options
 from lease_core.errors import AnarchonError, BackendUnavailable, ConfigurationError
 
-__all__ = ["PREFIX", "Namespace", "NamespaceInUse", "NotADemoNamespace", "claimed",
-           "namespace_for", "new_name", "validate_name"]
+__all__ = ["DEMO_JOBS", "DEMO_TABLES", "PREFIX", "Namespace", "NamespaceInUse",
+           "NotADemoNamespace", "claimed", "demo_names", "namespace_for", "new_name",
+           "validate_name"]
 
 #: The start of every namespace a demo picks itself.
 PREFIX = "anarchon_demo_"
@@ -52,6 +57,23 @@ _NAME = re.compile(r"[a-z_][a-z0-9_]{0,39}")
 MARKER = "demo"
 #: The store options a URL may carry that would name the store's tables or keys.
 _NAME_OPTIONS = ("table", "prefix", "namespace")
+#: The tables of its own a demo may create, ``<ns>_<name>`` (the bank-close demo's).
+DEMO_TABLES = ("accounts", "opening", "snapshot", "interest", "statements")
+#: The jobs and workflows the demos declare (a workflow's steps are ``<workflow>/<step>``):
+#: a store holding any other is not only a demo's, and :meth:`Namespace.remove` refuses it.
+DEMO_JOBS = frozenset({"report", "export", "bank-close"})
+
+
+def _demo_job(job: str) -> bool:
+    return job in DEMO_JOBS or job.split("/", 1)[0] in DEMO_JOBS
+
+
+def demo_names(name: str) -> frozenset[str]:
+    """Every name a demo may create in its namespace ``name`` on PostgreSQL: its store's
+    (runs table ``name``), its own tables and the marker; :meth:`PostgresNamespace.remove`
+    drops only these."""
+    return frozenset((*store_names(name), f"{name}_{MARKER}",
+                      *(f"{name}_{table}" for table in DEMO_TABLES)))
 
 
 class NamespaceInUse(ConfigurationError):
@@ -166,17 +188,24 @@ FROM pg_catalog.pg_namespace n WHERE n.nspname = current_schema()
 """
 
 #: The tables and sequences (``regclass``) and functions (``regprocedure``) of the
-#: namespace in the current schema, which ``remove`` drops.
+#: namespace in the current schema, with whether a demo makes that name (``remove``
+#: drops only those).
 _PG_OWNED = """
-SELECT CASE c.relkind WHEN 'S' THEN 'sequence' ELSE 'table' END, c.oid::regclass::text
-FROM pg_catalog.pg_class c
-WHERE c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = current_schema())
-  AND c.relkind IN ('r', 'p', 'S')
-  AND (c.relname = %(ns)s OR left(c.relname, %(length)s) = %(under)s)
-UNION ALL
-SELECT 'function', p.oid::regprocedure::text FROM pg_catalog.pg_proc p
-WHERE p.pronamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = current_schema())
-  AND (p.proname = %(ns)s OR left(p.proname, %(length)s) = %(under)s)
+SELECT kind, object, name = ANY(%(ours)s) FROM (
+    SELECT CASE c.relkind WHEN 'S' THEN 'sequence' ELSE 'table' END AS kind,
+           c.oid::regclass::text AS object, c.relname::text AS name
+    FROM pg_catalog.pg_class c
+    WHERE c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace
+                            WHERE nspname = current_schema())
+      AND c.relkind IN ('r', 'p', 'S')
+      AND (c.relname = %(ns)s OR left(c.relname, %(length)s) = %(under)s)
+    UNION ALL
+    SELECT 'function', p.oid::regprocedure::text, p.proname::text
+    FROM pg_catalog.pg_proc p
+    WHERE p.pronamespace = (SELECT oid FROM pg_catalog.pg_namespace
+                            WHERE nspname = current_schema())
+      AND (p.proname = %(ns)s OR left(p.proname, %(length)s) = %(under)s)
+) AS o
 ORDER BY 1, 2
 """
 
@@ -203,7 +232,8 @@ class PostgresNamespace(Namespace):
         return f"{self.name}_{MARKER}"
 
     def _params(self) -> dict[str, Any]:
-        return {"ns": self.name, "length": len(self.name) + 1, "under": self.name + "_"}
+        return {"ns": self.name, "length": len(self.name) + 1, "under": self.name + "_",
+                "ours": sorted(demo_names(self.name))}
 
     def _connect(self) -> Any:
         try:
@@ -289,16 +319,24 @@ class PostgresNamespace(Namespace):
 
         with self._connect() as conn:
             conn.execute(f"SET LOCAL lock_timeout = '{_PG_LOCK_TIMEOUT}'")
-            owned = conn.execute(_PG_OWNED, self._params()).fetchall()
+            found = conn.execute(_PG_OWNED, self._params()).fetchall()
             if not self._is_marker(conn):
-                if owned:
-                    shown = ", ".join(name for _, name in owned[:5]) + (
-                        f" and {len(owned) - 5} more" if len(owned) > 5 else "")
+                if found:
                     raise NotADemoNamespace(
                         f"namespace {self.name} has no demo marker (table {self.marker}), so "
-                        f"what it holds ({shown}) was not made by anarchon demo: nothing "
-                        "was removed")
+                        f"what it holds ({_shown([name for _, name, _ in found])}) was not "
+                        "made by anarchon demo: nothing was removed")
                 return f"nothing to remove under namespace {self.name}"
+            owned = [(kind, name) for kind, name, ours in found if ours]
+            others = [name for _, name, ours in found if not ours]
+            jobs_table = f"{self.name}_jobs"
+            if any(name == jobs_table for kind, name in owned if kind == "table"):
+                foreign = [job for (job,) in conn.execute(
+                    f"SELECT job FROM {quote_ident(jobs_table)} WHERE job <> ALL(%(jobs)s) "
+                    "AND split_part(job, '/', 1) <> ALL(%(jobs)s) ORDER BY job",
+                    {"jobs": sorted(DEMO_JOBS)}).fetchall()]
+                if foreign:
+                    raise _foreign_jobs(self.name, foreign)
             names = {kind: [name for k, name in owned if k == kind]
                      for kind in ("table", "sequence", "function")}
             try:
@@ -316,13 +354,27 @@ class PostgresNamespace(Namespace):
                     f"{str(exc).strip().splitlines()[0]}") from None
         counts = [f"{len(names[kind])} {kind}s" for kind in ("table", "sequence", "function")
                   if names[kind]]
-        return f"removed namespace {self.name}: {' and '.join(counts)}"
+        left = (f"; left {_shown(others)}, which no demo makes (not removed)" if others
+                else "")
+        return f"removed namespace {self.name}: {' and '.join(counts)}{left}"
 
     def look_commands(self, url: str) -> list[str]:
         quoted = _shell(url)
         return [f"anarchon status --url {quoted} --namespace {self.name}",
                 f"anarchon history --url {quoted} --namespace {self.name}",
                 f"psql {quoted} -c '\\dt {self.name}*'"]
+
+
+def _shown(names: list[str]) -> str:
+    """The first five of ``names``, and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _foreign_jobs(name: str, jobs: list[str]) -> NotADemoNamespace:
+    return NotADemoNamespace(
+        f"namespace {name} holds the history of jobs no demo declares ({_shown(jobs)}): a "
+        "scheduler of yours uses it, so nothing was removed (point that scheduler at a "
+        "store of its own first)")
 
 
 def _shell(text: str) -> str:
@@ -415,6 +467,15 @@ class RedisNamespace(Namespace):
                         f"its keys ({shown}) were not made by anarchon demo: nothing was "
                         "removed")
                 return f"nothing to remove under namespace {self.name}"
+            jobs = "{" + self.name + "}:jobs"
+            if client.type(jobs) not in (b"set", b"none"):
+                raise NotADemoNamespace(f"namespace {self.name}'s key {jobs} is not a demo "
+                                        "store's set of jobs: nothing was removed")
+            foreign = sorted(job for job in (j.decode(errors="replace")
+                                             for j in client.smembers(jobs))
+                             if not _demo_job(job))
+            if foreign:
+                raise _foreign_jobs(self.name, foreign)
             removed = 0
             while True:  # the marker last, so an interrupted removal can be run again
                 keys = [k for k in self._keys(client) if k != self.marker.encode()]
