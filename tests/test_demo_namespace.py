@@ -444,3 +444,25 @@ def test_remove_on_redis_refuses_a_demo_namespace_a_scheduler_of_yours_uses(
     err = capsys.readouterr().err
     assert "jobs no demo declares (nightly)" in err and "nothing was removed" in err, err
     assert keys(redis_url) == before
+
+
+@pytest.mark.anyio
+async def test_demo_workers_get_the_url_without_showing_its_password_in_ps(
+    database: str,
+) -> None:
+    import anyio
+
+    from lease_core.demo.fleet import ProcessFleet
+
+    password = psycopg.conninfo.conninfo_to_dict(database)["password"]
+    assert isinstance(password, str) and password
+    ns = namespace_for(database, "psdemo")
+    ns.claim("fleet")
+    fleet = ProcessFleet(database, ns.name)
+    try:
+        await fleet.start("A")  # returns once the worker's scheduler has started
+        (proc,) = fleet.procs.values()
+        cmdline = (await anyio.Path(f"/proc/{proc.pid}/cmdline").read_bytes()).decode()
+        assert "psdemo" in cmdline and password not in cmdline, cmdline
+    finally:
+        fleet.close()

@@ -272,7 +272,7 @@ async def _scenario(url: str, ns: PostgresNamespace, out: Any, serve: bool) -> b
             timeline.say(f"{ACCOUNTS} accounts; run {WORKFLOW}@{slot} is due in "
                          f"{(slot - now) / 1000:.1f}s; starting instances {', '.join(NAMES)} "
                          f"(lease {LEASE}, heartbeat {HEARTBEAT})")
-            fleet.command = ["-m", "lease_core.demo", "bank-worker", url, "{name}", str(offset),
+            fleet.command = ["-m", "lease_core.demo", "bank-worker", "-", "{name}", str(offset),
                              ns.name]
             async with anyio.create_task_group() as starting:
                 for name in NAMES:

@@ -21,6 +21,7 @@ removed when the demo ends unless kept.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from lease_core.errors import ConfigurationError
 
 from .namespace import claimed, namespace_for
 
-__all__ = ["run_demo", "worker_main"]
+__all__ = ["URL_VARIABLE", "run_demo", "worker_main"]
 
 NAMES = ("A", "B", "C")
 LEASE = "3s"
@@ -94,14 +95,20 @@ class Fleet(ABC):
         """Instances still running."""
 
 
+#: The variable a worker reads the store's URL from (its URL argument is ``-``), so a
+#: password in the URL does not show in ``ps``.
+URL_VARIABLE = "ANARCHON_DEMO_URL"
+
+
 class ProcessFleet(Fleet):
     """Each instance is a separate OS process running :func:`worker_main`."""
 
     def __init__(self, url: str, namespace: str = "") -> None:
         self.url = url
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.command = ["-m", "lease_core.demo", "worker", url, "{name}", namespace]
-        """The worker's arguments after the interpreter; ``{name}`` is the instance."""
+        self.command = ["-m", "lease_core.demo", "worker", "-", "{name}", namespace]
+        """The worker's arguments after the interpreter; ``{name}`` is the instance, and
+        the URL ``-`` (given in :data:`URL_VARIABLE`)."""
 
     async def start(self, name: str) -> None:
         """Start a worker process; return once its scheduler has started."""
@@ -109,6 +116,7 @@ class ProcessFleet(Fleet):
         proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
             [sys.executable, *args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env={**os.environ, URL_VARIABLE: self.url},
         )
         self.procs[name] = proc
         assert proc.stdout is not None
