@@ -7,7 +7,7 @@ import re
 from collections.abc import Collection
 from importlib.metadata import entry_points
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ._packages import require_own
 from ._redact import redact
@@ -149,15 +149,18 @@ def split_url_options(url: str, names: Collection[str]) -> tuple[str, dict[str, 
     parts = urlsplit(url)
     if not parts.query:
         return url, taken
-    kept_pairs = []
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if key in names:
-            _take(taken, key, value, url)
-        else:
-            kept_pairs.append((key, value))
+    kept = []
+    for piece in parts.query.split("&"):
+        # Each parameter the driver gets is kept as written: decoded and encoded again, a
+        # space (%20) would become '+', which libpq does not decode.
+        pairs = parse_qsl(piece, keep_blank_values=True)
+        if len(pairs) == 1 and pairs[0][0] in names:
+            _take(taken, pairs[0][0], pairs[0][1], url)
+        elif piece:
+            kept.append(piece)
     if not taken:
         return url, taken
-    return urlunsplit(parts._replace(query=urlencode(kept_pairs))), taken
+    return urlunsplit(parts._replace(query="&".join(kept))), taken
 
 
 def _take(taken: dict[str, str], key: str, value: str, url: str) -> None:

@@ -408,7 +408,10 @@ _COLUMNS = ("job", "scheduled_at", "attempt", "instance_id", "reason", "outcome"
 def _backend(args: argparse.Namespace) -> Any:
     from ._registry import backend_from_url
 
-    options = {k: v for k in ("table", "prefix", "namespace") if (v := getattr(args, k))}
+    # An empty value is passed on, and refused by the backend: dropped, it would name the
+    # default store (a script's `--table "$T"` with T unset pruning the default store).
+    options = {k: v for k in ("table", "prefix", "namespace")
+               if (v := getattr(args, k, None)) is not None}
     return backend_from_url(args.url, **options)
 
 

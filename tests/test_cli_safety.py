@@ -404,3 +404,16 @@ def test_serve_stops_gracefully_on_sigterm_and_dies_of_it() -> None:
     rest = server.communicate(timeout=30)[1]
     assert server.returncode == -signal.SIGTERM, (server.returncode, rest)
     assert "Shutting down" in rest and "Traceback" not in rest
+
+
+@pytest.mark.parametrize("argv", [
+    ["prune", "--url", "postgresql://u@127.0.0.1:1/x", "--table", "", "--older-than", "1d"],
+    ["status", "--url", "redis://127.0.0.1:1/0", "--prefix", ""],
+    ["history", "--url", "postgresql://u@127.0.0.1:1/x", "--namespace", ""],
+])
+def test_an_empty_store_name_is_a_usage_error_not_the_default_store(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """`prune --table "$T"` with T unset must not prune the default store."""
+    assert main(argv) == 2
+    assert "''" in capsys.readouterr().err
