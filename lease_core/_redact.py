@@ -13,6 +13,11 @@ MASK = "***"
 _USERINFO = re.compile(
     r"""(?:(?<=://)|(?<![^\s'"(<\[,=]))([^:/@\s'"]*):([^\s/?#]*)@"""
 )
+# A password written with an unescaped ``/``, ``?`` or ``#`` (which end the userinfo for a
+# URL parser, so a driver would refuse the URL): up to the last ``@`` of the word.
+_USERINFO_UNESCAPED = re.compile(
+    r"""(?<=://)([^:/@\s'"]*):(?!\*\*\*@)([^\s'"]*)@(?=[^\s'"@]*(?:[\s'"]|$))"""
+)
 # ``password=...`` in a key/value DSN (``password='a b'`` quoted, or up to a space) and in a
 # URL query (up to ``&`` or ``#``); also ``sslpassword=`` and friends.
 _PASSWORD_PAIR = re.compile(
@@ -32,4 +37,5 @@ def redact(text: str, *secrets: str | None) -> str:
         if secret:
             text = text.replace(secret, MASK)
     text = _USERINFO.sub(lambda m: f"{m.group(1)}:{MASK}@", text)
+    text = _USERINFO_UNESCAPED.sub(lambda m: f"{m.group(1)}:{MASK}@", text)
     return _PASSWORD_PAIR.sub(lambda m: m.group(1) + MASK, text)

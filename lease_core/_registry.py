@@ -231,6 +231,14 @@ def check_url(
         for host in port.split(","):  # a multi-host URL: host1:5432,host2:5433
             text = host.rpartition("]")[2].partition(":")[2] if ":" in host else ""
             if text and not (text.isdigit() and 1 <= int(text) <= 65535):
+                if "@" in url.split("://", 1)[1] and "@" not in parts.netloc:
+                    # user:pa#ss@host: the URL parser ended the host at '#' ('/', '?'),
+                    # so the "port" is a piece of the password: never show it.
+                    raise ConfigurationError(
+                        f"the {kind} URL {redact(url)!r} cannot be read: a password (or "
+                        "user name) with '/', '?', '#' or '@' in it must be "
+                        "percent-encoded ('#' as %23, '/' as %2F, '?' as %3F, '@' as %40)"
+                    )
                 raise ConfigurationError(
                     f"the {kind} URL {redact(url)!r} has the port {text!r}, which is not a "
                     "number from 1 to 65535"

@@ -56,6 +56,10 @@ def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
         (f"host=db password = '{SECRET} \\' x' dbname=jobs", "host=db password = *** dbname=jobs"),
         (f"url 'host=db password={SECRET}' is bad", "url 'host=db password=***' is bad"),
         (f"app:{SECRET}@db:5432", "app:***@db:5432"),
+        # unescaped '#', '/', '?' in the password (a URL parser ends the userinfo there)
+        ("postgresql://app:s3cr#et@db:5432/jobs", "postgresql://app:***@db:5432/jobs"),
+        ("redis://:pa/ss?w@cache/0 was refused", "redis://:***@cache/0 was refused"),
+        ("postgresql://app:pw@db/jobs?note=a@b", "postgresql://app:***@db/jobs?note=a@b"),
         ("cannot reach 127.0.0.1:6379 (check the user and password)",
          "cannot reach 127.0.0.1:6379 (check the user and password)"),
     ],
@@ -90,6 +94,19 @@ def test_configuration_errors_hide_the_password(
     with pytest.raises(ConfigurationError, match=error) as info:
         backend_from_url(url, **options)
     assert_hidden(info.value, caplog)
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://app:Pw#c3e9f-SeCrEt@db:5432/x", "redis://:Pw/c3e9f-SeCrEt@cache:6379/0",
+    "postgresql://app:Pw?c3e9f-SeCrEt@db/x",
+])
+def test_an_unescaped_password_is_named_as_the_problem_and_never_shown(url: str) -> None:
+    """The URL parser ends the host at the '#' ('/', '?'): the "port" it then reads is a
+    piece of the password, which the message used to quote."""
+    with pytest.raises(ConfigurationError, match="must be percent-encoded") as info:
+        backend_from_url(url)
+    shown = "".join(traceback.format_exception(info.value))
+    assert "Pw" not in shown and "SeCrEt" not in shown, shown
 
 
 def test_repr_of_a_backend_hides_the_password() -> None:
