@@ -6,6 +6,7 @@ import traceback
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ._redact import redact
 from ._structures import Outcome
 from .errors import LeaseLost, StopRequested
 
@@ -92,7 +93,10 @@ def decide_outcome(
     if interrupted is Interruption.STOPPED or (kind is StopRequested and stopping):
         return Ending(Outcome.HANDED_OVER)
     if raised is not None:
-        return Ending(Outcome.FAILED, "".join(traceback.format_exception_only(raised)).strip())
+        # Kept in the store and shown by history, the status API and the recovery log: a
+        # password in a driver's message (a DSN) is masked before it is written.
+        return Ending(Outcome.FAILED,
+                      redact("".join(traceback.format_exception_only(raised)).strip()))
     if timed_out:
         return Ending(Outcome.TIMED_OUT, f"timed out after {timeout or 0:g}s")
     return Ending(Outcome.COMPLETED)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from ._redact import redact
 from ._structures import LAST_SLOT, Attempt, RunInfo, RunState, RunStatus, ms_to_datetime
 from .abc import Backend
 from .errors import ConfigurationError
@@ -369,7 +370,7 @@ def _attempt_json(a: Attempt, step: str | None) -> dict[str, Any]:
         "claimed_at": iso(a.claimed_at),
         "finished_at": iso(a.finished_at),
         "outcome": None if a.outcome is None else str(a.outcome),
-        "error": a.error,
+        "error": None if a.error is None else redact(a.error),
         "requested_by": a.requested_by,
     }
 

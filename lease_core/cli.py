@@ -362,8 +362,9 @@ async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
 
 
 def _workflow_demo(args: argparse.Namespace) -> int:
-    if args.backend != "postgres" or (
-            args.url is not None and not args.url.startswith(("postgres", "host=", "dbname="))):
+    scheme = (args.url.split("://", 1)[0].lower().split("+")[0]
+              if args.url is not None and "://" in args.url else "postgresql")  # or key/value
+    if args.backend != "postgres" or scheme not in ("postgresql", "postgres"):
         raise ConfigurationError(
             f"--workflow {args.workflow} runs on PostgreSQL only (its steps commit in fenced "
             "transactions); drop --backend, or give --url of a PostgreSQL server")
@@ -443,7 +444,8 @@ async def _history(args: argparse.Namespace) -> int:
          "instance_id": a.instance_id, "reason": str(a.reason),
          "outcome": str(a.outcome) if a.outcome is not None else None,
          "claimed_at": _iso(a.claimed_at), "finished_at": _iso(a.finished_at),
-         "error": a.error, "requested_by": a.requested_by}
+         "error": None if a.error is None else redact(a.error),
+         "requested_by": a.requested_by}
         for a in attempts
     ]
     if args.json:

@@ -127,9 +127,12 @@ def objects_named(objects: list[tuple[Any, ...]], namespace: str) -> bool:
 
 
 def test_bank_close_leaves_the_users_tables_and_nothing_of_its_own(database: str) -> None:
+    """Also: a driver-qualified URL with pool options, as the backend accepts it (the
+    demo's own statements went to psycopg as written, which refused both)."""
     make_user_tables(database, USER_TABLES, USER_ROWS)
     before, data = catalog(database), user_data(database)
-    done = run_cli("demo", "--workflow", "bank-close", "--url", database)
+    url = database.replace("postgresql://", "postgresql+pg8000://", 1) + "?max_size=4"
+    done = run_cli("demo", "--workflow", "bank-close", "--url", url)
     assert user_data(database) == data
     assert catalog(database) == before
     assert done.returncode == 0, done.stdout + done.stderr
@@ -466,3 +469,11 @@ async def test_demo_workers_get_the_url_without_showing_its_password_in_ps(
         assert "psdemo" in cmdline and password not in cmdline, cmdline
     finally:
         fleet.close()
+
+
+def test_bank_close_takes_a_key_value_dsn(capsys: pytest.CaptureFixture[str]) -> None:
+    """It was refused as "runs on PostgreSQL only"; here it gets as far as connecting."""
+    code = main(["demo", "--workflow", "bank-close", "--url",
+                 "host=127.0.0.1 port=1 dbname=x user=u connect_timeout=2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "could not connect to 'host=127.0.0.1 port=1" in err, (code, err)

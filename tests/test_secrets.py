@@ -200,3 +200,34 @@ def test_missing_driver_hides_the_password(blocked: str, url: str, extra: str) -
                          timeout=60)
     assert f"anarchon[{extra}]" in out.stdout, out.stdout + out.stderr
     assert SECRET not in out.stdout + out.stderr
+
+
+@pytest.mark.anyio
+async def test_a_failure_naming_a_dsn_is_stored_and_shown_without_its_password() -> None:
+    from lease_core import MemoryBackend, Outcome, Scheduler
+    from lease_core._status import read_run
+    from lease_core._structures import ClaimRequest, Lease
+    from tests.helpers import wait_history
+
+    s = Scheduler(MemoryBackend(), lease="3s", heartbeat="0.2s")
+
+    @s.every("sync", "0.2s")
+    async def job(ctx: object) -> None:
+        raise RuntimeError(f"cannot reach postgresql://app:{SECRET}@db/x")
+
+    async with s:
+        attempts = await wait_history(s, lambda found: any(a.outcome for a in found))
+    failed = next(a for a in attempts if a.outcome is not None)
+    assert failed.error is not None
+    assert SECRET not in failed.error and "postgresql://app:***@db/x" in failed.error
+    # A row written before (or by another client) is masked when shown.
+    backend = MemoryBackend()
+    await backend.start()
+    try:
+        await backend.claim(ClaimRequest("old", 1, "i", "t", 60_000))
+        assert await backend.finish(Lease("old", 1, "t", 60_000), Outcome.FAILED,
+                                    f"redis://:{SECRET}@cache/0 refused")
+        shown = await read_run(backend, "old", 1)
+    finally:
+        await backend.close()
+    assert shown is not None and SECRET not in repr(shown) and "redis://:***@" in repr(shown)

@@ -70,7 +70,7 @@ from lease_core._packages import require_own
 
 require_own("adapters")  # before importing from it: a foreign one may shadow it
 
-from .backend import PostgresBackend, migrate
+from .backend import PostgresBackend, driver_dsn, migrate
 from .fenced import FencedTransaction
 from .schema import MIGRATION_LOCK_TIMEOUT_MS, StoreSchema
 from .statements import (
@@ -123,6 +123,7 @@ __all__ = [
     "PostgresBackend",
     "Statements",
     "StoreSchema",
+    "driver_dsn",
     "migrate",
     "parse_queries",
     "quote_ident",

@@ -8,6 +8,7 @@ the store is :class:`~backends.postgres.schema.StoreSchema`'s, fenced transactio
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -60,7 +61,7 @@ from .statements import (
     text_array,
 )
 
-__all__ = ["PostgresBackend", "migrate"]
+__all__ = ["PostgresBackend", "driver_dsn", "migrate"]
 
 #: OFFSET for "keep every attempt" (a NULL offset would keep none).
 _NO_LIMIT = 2**62
@@ -132,6 +133,14 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
     check_url("PostgreSQL", url, _URL_OPTIONS, driver,  # gaps20: one wording of bad values
               read={"min_size": positive_whole, "max_size": positive_whole})
     return split_url_options(url, _URL_OPTIONS)
+
+
+def driver_dsn(url: str) -> str:
+    """``url`` (a PostgreSQL URL or key/value DSN this backend accepts) as psycopg and
+    libpq read it: anarchon's own parameters (``table``, ``min_size``...) taken out, and a
+    driver-qualified scheme (``postgresql+pg8000://``) made plain ``postgresql://``."""
+    plain, _ = _split_url(url, PostgresBackend.schemes)
+    return re.sub(r"^postgres(?:ql)?\+\w+://", "postgresql://", plain)
 
 
 class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):

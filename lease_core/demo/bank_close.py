@@ -37,6 +37,7 @@ from typing import Any
 
 import anyio
 
+from backends.postgres import driver_dsn
 from backends.postgres.statements import quote_ident
 from lease_core import Backend, RunContext, Scheduler, backend_from_url
 from lease_core.errors import ConfigurationError
@@ -111,12 +112,13 @@ def setup_sql(t: dict[str, str]) -> list[str]:
     ]
 
 
-def build_scheduler(backend: Backend, name: str, dsn: str, offset_ms: int,
+def build_scheduler(backend: Backend, name: str, url: str, offset_ms: int,
                     namespace: str) -> Scheduler:
     """The scheduler every demo instance runs: the workflow, hourly at ``offset_ms``.
 
-    Its steps use the demo's tables in ``namespace``.
+    Its steps use the demo's tables in ``namespace``, on the server at ``url``.
     """
+    dsn = driver_dsn(url)
     t = tables(namespace)
     credit = credit_sql(t)
     scheduler = Scheduler(backend, instance_id=name, lease=LEASE, heartbeat=HEARTBEAT)
@@ -203,10 +205,10 @@ def worker_main(url: str, name: str, offset_ms: str, namespace: str) -> None:
 # --------------------------------------------------------------------------- the parent
 
 
-def _sql(dsn: str, statements: list[str], params: tuple[Any, ...] = ()) -> list[Any]:
+def _sql(url: str, statements: list[str], params: tuple[Any, ...] = ()) -> list[Any]:
     import psycopg
 
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(driver_dsn(url), autocommit=True) as conn:
         rows: list[Any] = []
         for statement in statements:
             cur = conn.execute(statement, params or None)

@@ -241,10 +241,10 @@ class PostgresNamespace(Namespace):
         except ImportError:
             raise ConfigurationError("the demo on PostgreSQL needs psycopg: "
                                      "pip install 'anarchon[postgres]'") from None
-        # psycopg reads postgresql:// (and key/value DSNs), not the driver-qualified schemes.
-        url = re.sub(r"^postgres(ql)?\+\w+://", "postgresql://", self.url)
+        from backends.postgres import driver_dsn
+
         try:
-            return psycopg.connect(url)
+            return psycopg.connect(driver_dsn(self.url))
         except psycopg.OperationalError as exc:
             raise BackendUnavailable(
                 f"could not connect to {redact(self.url)!r}: "
