@@ -230,7 +230,7 @@ def check_url(
         port = parts.netloc.rpartition("@")[2]
         for host in port.split(","):  # a multi-host URL: host1:5432,host2:5433
             text = host.rpartition("]")[2].partition(":")[2] if ":" in host else ""
-            if text and not (text.isdigit() and 1 <= int(text) <= 65535):
+            if text and not (text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
                 if "@" in url.split("://", 1)[1] and "@" not in parts.netloc:
                     # user:pa#ss@host: the URL parser ended the host at '#' ('/', '?'),
                     # so the "port" is a piece of the password: never show it.

@@ -65,13 +65,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {redact(message)} (see {self.prog} --help)\n")
 
 
+#: The largest count or duration (in ms) a command takes: 2**53, far beyond any store's
+#: history, and within every store's integers.
+_LARGEST = 2**53
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    if not 1 <= value <= _LARGEST:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number from 1 to {_LARGEST:,}")
     return value
 
 
@@ -160,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _port(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number from 1 to 65535")
     return int(text)
 
@@ -264,6 +270,10 @@ async def _prune(args: argparse.Namespace) -> int:
     from ._durations import parse_duration, to_ms
 
     older_than = to_ms(parse_duration(args.older_than, what="--older-than"))
+    if older_than > _LARGEST:
+        raise ConfigurationError(
+            f"--older-than {args.older_than!r} is longer than any history can be; give at "
+            f"most {_LARGEST // 86_400_000:,}d")
     backend = _backend(args)
     await backend.start(create=False)
     try:

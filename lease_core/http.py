@@ -104,7 +104,7 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
 
     async def jobs(request: Request) -> Response:
         text = request.query_params.get("limit", "5")
-        if not text.isdigit() or not 1 <= int(text) <= MAX_RUNS:
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_RUNS:
             return _error(400, f"limit={text!r} is not a whole number from 1 to {MAX_RUNS}")
         return _json(await list_jobs(backend, int(text)))
 
@@ -122,7 +122,7 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
         numbers = {}
         for key, default in (("page", "1"), ("per_page", "50")):
             text = params.get(key, default)
-            if not text.isdigit():
+            if not (text.isascii() and text.isdigit()):
                 return _error(400, f"{key}={text!r} is not a whole number")
             numbers[key] = int(text)
         try:
@@ -134,7 +134,7 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
 
     async def runs_of(request: Request) -> Response:
         text = request.query_params.get("limit", "20")
-        if not text.isdigit() or not 1 <= int(text) <= MAX_RUNS:
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_RUNS:
             return _error(400, f"limit={text!r} is not a whole number from 1 to {MAX_RUNS}")
         name = request.path_params["name"]
         found = await read_runs(backend, name, int(text))

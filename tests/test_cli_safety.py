@@ -356,6 +356,8 @@ def test_an_empty_anarchon_token_is_a_usage_error(
     ("postgresql://u@127.0.0.1:1/db?max_size=0", ["max_size='0'", "at least 1"]),
     ("postgres://u:pw@h:notaport/db", ["'notaport'", "1 to 65535"]),
     ("redis://h:99999/0", ["'99999'", "1 to 65535"]),
+    ("redis://h:\u00b9\u00b2/0", ["'\u00b9\u00b2'", "1 to 65535"]),
+    ("postgresql://u@127.0.0.1:1/db?min_size=5&max_size=2", ["min_size=5", "max_size=2"]),
 ])
 def test_a_bad_url_option_is_a_usage_error_naming_it(
     capsys: pytest.CaptureFixture[str], url: str, named: list[str]
@@ -417,3 +419,18 @@ def test_an_empty_store_name_is_a_usage_error_not_the_default_store(
     """`prune --table "$T"` with T unset must not prune the default store."""
     assert main(argv) == 2
     assert "''" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["history", "--url", "memory://", "--limit", "99999999999999999999"], "--limit"),
+    (["prune", "--url", "memory://", "--older-than", "999999999999d"], "--older-than"),
+])
+def test_a_count_or_duration_beyond_any_store_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2
+    assert says in capsys.readouterr().err

@@ -211,6 +211,9 @@ def test_recovery_log_oldest_first(client: TestClient) -> None:
     ("/jobs/close@2025-13-01T00:00:00Z/recovery-log", 400, "malformed slot"),
     ("/jobs?limit=0", 400, "limit='0'"),
     ("/jobs?limit=many", 400, "limit='many'"),
+    ("/jobs?limit=%C2%B2", 400, "limit='\u00b2'"),  # "²".isdigit() is True, int("²") fails
+    ("/overview?page=%C2%B2", 400, "page='\u00b2'"),
+    ("/runs/close?limit=%C2%B2", 400, "limit='\u00b2'"),
     ("/nosuch", 404, "Not Found"),
 ])
 @pytest.mark.parametrize("backend_and_loop", [STORES[0]], indirect=True)

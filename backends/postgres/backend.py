@@ -178,6 +178,13 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
             )
         options = {k: _POOL_OPTIONS[k](k, v) if k in _POOL_OPTIONS else v
                    for k, v in merged.items()}
+        low, high = options.get("min_size", 1), options.get("max_size", 4)
+        if low > high:
+            raise ConfigurationError(
+                f"min_size={low} is more than max_size={high}"
+                + ("" if "max_size" in options else " (its default)")
+                + "; the pool keeps min_size connections open and opens up to max_size"
+            )
         self.table = names[0] if names else "anarchon_runs"
         self._schema, self._name = split_table(self.table)
         self._sql = Statements(self._schema, self._name)
