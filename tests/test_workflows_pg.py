@@ -114,3 +114,41 @@ async def test_a_step_s_effect_result_and_completion_commit_together_and_a_zombi
     history = {(h.job, h.attempt): h.outcome for h in await a.history()}
     assert history[("close/interest", 1)] == "lost"
     assert history[("close/interest", 2)] == "completed"
+
+
+async def test_a_step_that_raises_after_its_completing_transaction_stays_completed(
+    pg16_server: PgServer, table: str,
+) -> None:
+    """The store recorded the step completed at the commit: a later error (a notification
+    that fails) must not report it failed, nor stop the workflow before its next step."""
+    from lease_core import events as ev
+
+    s = Scheduler(PostgresBackend(pg16_server.dsn, table=table), instance_id="a", **FAST)
+    wf = s.workflow("wf", every="1h", offset=quiet_offset_now())
+    ran: list[str] = []
+
+    @wf.step("one")
+    async def one(ctx: RunContext) -> None:
+        async with ctx.transaction() as tx:
+            await tx.execute(f"INSERT INTO {table}_fx VALUES (%s, 1, 'a')", (ctx.slot,))
+            ctx.set_result("r1")
+        ran.append("one")
+        raise RuntimeError("the notification after the commit failed")
+
+    @wf.step("two")
+    async def two(ctx: RunContext) -> None:
+        ran.append(f"two saw {ctx.results['one']}")
+
+    kinds: list[tuple[str, str]] = []
+    s.subscribe(lambda e: kinds.append((type(e).__name__, getattr(e, "job", ""))))
+    async with s:
+        slot = s.workflows["wf"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "wf", slot)
+        await wait_for(lambda: "two saw r1" in ran, what="step two")
+        await wait_for(lambda: ("Completed", "wf/two") in kinds, what="two's event")
+    assert ran == ["one", "two saw r1"]
+    assert ("Completed", "wf/one") in kinds and ("Failed", "wf/one") not in kinds
+    history = {(h.job, h.attempt): h.outcome for h in await s.history()}
+    assert history == {("wf/one", 1): "completed", ("wf/two", 1): "completed"}
+    assert ev.Failed.__name__ == "Failed"

@@ -173,6 +173,15 @@ class Executor:
         outcome, error = ending.outcome, ending.error
         if outcome is None:
             return
+        if (execution.ctx.completed_by_transaction
+                and outcome not in (Outcome.COMPLETED, Outcome.CANCELLED)):
+            # The store recorded the step completed in its fenced transaction: whatever
+            # the handler did after the commit (raised, timed out, was stopped or lost the
+            # lease) changes nothing; the next step runs.
+            logger.warning("%s slot %s: the step completed in its transaction, then %s; "
+                           "it stays completed", job.name, format_slot(lease.slot),
+                           error or outcome)
+            outcome, error, ran.raised = Outcome.COMPLETED, None, None
         if outcome is Outcome.CANCELLED:  # the store ended the run already (Admin.cancel)
             self.ended(ev.Cancelled, lease)
             s.runs.release(run)
