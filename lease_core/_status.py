@@ -195,12 +195,16 @@ def workflow_status(steps: Sequence[RunStatus | None]) -> str:
     """A workflow run's status from its steps' run statuses, in step order.
 
     ``failed`` when a step failed, timed out or escalated; ``completed`` when every step
-    completed; ``pending`` when no step has a run; ``skipped`` when a step was skipped
-    and none is running; ``running`` otherwise.
+    completed; ``pending`` when no step has a run; ``cancelled`` when a step was
+    cancelled and none is running (the later steps never run); ``skipped`` when a step
+    was skipped and none is running; ``running`` otherwise.
     """
     failed = (RunStatus.FAILED, RunStatus.TIMED_OUT, RunStatus.ESCALATED)
     if any(s in failed for s in steps):
         return "failed"
+    if any(s is RunStatus.CANCELLED for s in steps) and all(
+            s is None or s.finished for s in steps):
+        return "cancelled"
     if steps and all(s is RunStatus.COMPLETED for s in steps):
         return "completed"
     if all(s is None for s in steps):
@@ -357,7 +361,10 @@ def _run_fields(run: RunInfo | None, attempts: list[Attempt]) -> dict[str, Any]:
                             if not cancelled_unclaimed(a)), None),
         "finished_at": None if open_run or not attempts else iso(attempts[-1].finished_at),
         "heartbeat_at": None,
-        "lease_expires_at": iso(run.expires_at) if open_run and run is not None else None,
+        # Only a running run holds a lease: a retrying run's expiry is when its retry is
+        # due, a handed-over run's is past.
+        "lease_expires_at": (iso(run.expires_at)
+                             if run is not None and run.status is RunStatus.RUNNING else None),
     }
 
 

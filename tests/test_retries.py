@@ -309,3 +309,41 @@ async def test_trimming_history_mid_retries_allows_no_extra_retry(store: Store) 
         assert (late.status, late.run_status) == ("finished", RunStatus.FAILED)
     finally:
         await backend.close()
+
+
+async def test_a_retrying_run_shows_no_lease_and_a_cancelled_workflow_is_cancelled(
+    store: Store,
+) -> None:
+    from lease_core import Admin
+    from lease_core._status import read_run
+
+    s = make(store, "a")
+
+    @s.every("sync", "1h", offset=quiet_offset_now(), retry=Retry(3, backoff="60s"))
+    async def sync(ctx: RunContext) -> None:
+        raise Transient("down")
+
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+    close.step("one", lambda ctx: 1)
+
+    @close.step("two")
+    async def two(ctx: RunContext) -> None:
+        await anyio.sleep_forever()
+
+    close.step("three", lambda ctx: 3)
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = slot_of(s, "sync")
+        await claim_now(s, "sync", slot)
+        await wait_status(s, "sync", slot, RunStatus.RETRYING)
+        shown = await read_run(s.backend, "sync", slot)
+        assert shown is not None and shown["store_status"] == "retrying"
+        assert shown["lease_expires_at"] is None  # the retry's due time is not a lease
+        wslot = slot_of(s, "close/one")
+        await claim_now(s, "close", wslot)
+        await wait_status(s, "close/two", wslot, RunStatus.RUNNING)
+        await Admin(s.backend).cancel("close", wslot, grace=0)
+        await wait_status(s, "close/two", wslot, RunStatus.CANCELLED)
+        shown = await read_run(s.backend, "close", wslot)
+        assert shown is not None and shown["status"] == "cancelled", shown
+        await i.stop()
