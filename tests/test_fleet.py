@@ -387,6 +387,45 @@ async def test_a_sync_handler_past_its_timeout_still_counts_against_max_running(
         await inst.stop()
 
 
+async def test_a_sync_thread_left_running_by_a_stop_counts_after_a_restart() -> None:
+    """stop() abandons a sync handler's thread (it cannot be cancelled); started again,
+    the same scheduler must still count it against max_running."""
+    import threading
+
+    from lease_core import MemoryBackend
+
+    backend = MemoryBackend()
+    offset = quiet_offset(await store_now_ms(backend))
+    go, began = threading.Event(), threading.Event()
+    ran: list[int] = []
+    s = Scheduler(backend, instance_id="alone", max_running=1, **FAST)
+
+    @s.every("hold", "1h", offset=offset)
+    def hold(ctx: RunContext) -> None:
+        began.set()
+        go.wait(10)  # ignores ctx.stopping
+
+    @s.every("next", "1h", offset=(offset + 60) % 3600)
+    async def after(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    await s.start()
+    try:
+        hold_slot, next_slot = current_slots(s, "hold", "next")
+        await claim_now(s, "hold", hold_slot)
+        await wait_for(began.is_set, timeout=5, what="hold's thread")
+        await s.stop(grace=0)
+        await s.start()
+        assert await claim_now(s, "next", next_slot) is None  # hold's thread still runs
+        assert ran == []
+        go.set()
+        await wait_for(lambda: ran == [next_slot], timeout=10,
+                       what="the deferred run once the thread returned")
+    finally:
+        go.set()
+        await s.stop()
+
+
 async def test_a_failed_membership_renewal_is_tried_again_at_the_next_tick() -> None:
     """A renewal that failed is not put off for half a lease (5 s here): the membership
     lasts one lease, so a second failure could let it lapse while the instance lives."""

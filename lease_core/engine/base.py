@@ -108,6 +108,9 @@ class Carry:
     """The job the next history trimming starts with (where the last one's budget ran out)."""
     quarantine_logged: dict[str, int | None] = field(default_factory=dict)
     """Per job, the end of the store's quarantine last logged (logged once each)."""
+    abandoned: set[Any] = field(default_factory=set)
+    """Threads of sync handlers still running after their run stopped waiting for them (a
+    timeout, a stop): they count against ``max_running`` after a restart too."""
 
 
 def check_options(backend: object, instance_id: object, history_size: object,

@@ -68,8 +68,9 @@ class Executor:
         self._s = session
         self._finisher = FinishBatcher(session.settings.backend)
         # Sync handlers whose run stopped waiting for them (a timeout, a stop, a lost
-        # lease) while their thread still runs: they still count against max_running.
-        self._abandoned: set[_Thread] = set()
+        # lease) while their thread still runs: they still count against max_running,
+        # in the next session too (a stop and a start do not end a thread).
+        self._abandoned: set[_Thread] = session.carry.abandoned
 
     def launch(self, job: Job, lease: Lease, result: ClaimResult, sent_loop: float,
                attempt: AttemptInfo | None, *, deferred: list[Run] | None = None) -> None:
