@@ -182,6 +182,48 @@ async def test_a_sync_handler_past_its_timeout_is_retried_only_once_its_thread_r
         ("scheduled", "timed_out"), ("retry", "completed")]
 
 
+async def test_a_stop_while_a_timed_out_sync_handler_still_runs_starts_no_retry_beside_it(
+        store: Store) -> None:
+    """A stop's grace ends with the timed-out thread still running: the run is neither
+    retried nor handed over (either would start it again beside the thread); its lease
+    lapses and the backup takes it over. A retry used to start at the stop."""
+    import threading
+    import time
+
+    lock, told = threading.Lock(), threading.Event()
+    spans: list[tuple[int, str, float, float]] = []
+    a, b = make(store, "a"), make(store, "b")
+    for s in (a, b):
+        @s.every("stuck", "1h", offset=quiet_offset_now(), timeout="0.2s",
+                 retry=Retry(retries=1, backoff=0))
+        def stuck(ctx: RunContext) -> None:
+            began = time.monotonic()
+            if ctx.attempt == 1:
+                while not ctx.stopping.is_set() and time.monotonic() < began + 5:
+                    time.sleep(0.01)
+                told.set()  # timed out, and asked to stop: it goes on all the same
+                time.sleep(0.8)
+            with lock:
+                spans.append((ctx.attempt, ctx.instance_id, began, time.monotonic()))
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = slot_of(a, "stuck")
+        await claim_now(a, "stuck", slot)
+        await claim_now(b, "stuck", slot)  # b backs the run up
+        await wait_for(told.is_set, timeout=5, what="a's handler timed out")
+        await ia.stop(grace=0)
+        await wait_status(b, "stuck", slot, RunStatus.COMPLETED)
+        await ib.stop()
+    history = sorted((x.attempt, x.instance_id, str(x.reason))
+                     for x in await b.history("stuck") if x.slot == slot)
+    assert history == [(1, "a", "scheduled"), (2, "b", "takeover")], (spans, history)
+    (first, who1, _, ended1), (second, who2, began2, _) = sorted(spans)
+    assert (first, who1, second, who2) == (1, "a", 2, "b")
+    assert began2 >= ended1, spans  # never both at once
+
+
 async def test_a_crash_while_a_retry_waits_loses_nothing(store: Store) -> None:
     tries: list[tuple[str, int, str]] = []
     failed = anyio.Event()

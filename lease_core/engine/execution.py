@@ -159,13 +159,23 @@ class Executor:
         job, execution, lease = run.job, run.execution, run.lease
         assert execution is not None and lease is not None
         INSIDE.set(s.settings.owner)
+        outlived = False
         try:
             ran = await self._run_handler(job, execution, lease.slot)
             if (ran.timed_out and ran.thread is not None and job.retry is not None
                     and job.retry.retries_error(None)):
-                await self._outlived(ran.thread, execution)
+                outlived = await self._outlived(ran.thread, execution)
         finally:
             s.runs.finishing(run)
+        if outlived:
+            # A stop's grace ended with the timed-out thread still running: a retry now,
+            # or a hand-over, would start the run again beside it. Nothing is written;
+            # the lease lapses and a backup takes the run over (reason takeover).
+            logger.warning("%s slot %s: the stop's grace ended while the timed-out sync "
+                           "handler's thread still ran; its lease is left to lapse",
+                           job.name, format_slot(lease.slot))
+            s.runs.release(run)
+            return
         ending = decide_outcome(
             raised=ran.raised, timed_out=ran.timed_out, timeout=job.timeout,
             interrupted=ran.interrupted, lost=execution.lost, stopping=s.stopping,
@@ -212,13 +222,14 @@ class Executor:
         if finished and outcome is Outcome.COMPLETED:
             await s.steps.completed(job, lease.slot)
 
-    async def _outlived(self, thread: _Thread, execution: Execution) -> None:
+    async def _outlived(self, thread: _Thread, execution: Execution) -> bool:
         """A sync handler timed out, and its run may be retried: the retry waits until its
         thread returns (asked to stop through ``ctx.stopping``), the run's lease still
-        held and renewed, so that the run never runs twice at once. A lost lease or a
-        stop ends the wait (the run is then backed up or handed over as usual)."""
+        held and renewed, so that the run never runs twice at once. A lost lease ends the
+        wait (the run is then backed up as usual), and so does the end of a stop's grace:
+        then returns True, the thread still running."""
         if thread.state != 1:
-            return
+            return False
         self._abandoned.discard(thread)  # its run, still held, counts against max_running
         execution.ctx._request_stop("timed out")
         logger.warning("%s: a sync handler timed out and its thread still runs; its retry "
@@ -226,11 +237,13 @@ class Executor:
         try:
             # Polled: three conditions end the wait (the thread, a lost lease, a stop), on
             # a rare path; an event set from the worker thread would need the loop alive.
-            while thread.state == 1 and not execution.lost and not self._s.stopping:  # noqa: ASYNC110
+            while (thread.state == 1 and not execution.lost  # noqa: ASYNC110
+                   and execution.cancel_reason is not Interruption.STOPPED):
                 await anyio.sleep(0.05)
         finally:
             if thread.state == 1 and self._s.settings.max_running is not None:
                 self._abandoned.add(thread)
+        return thread.state == 1 and not execution.lost
 
     async def _run_handler(self, job: Job, execution: Execution, slot: int) -> _Ran:
         ran = _Ran()
