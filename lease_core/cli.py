@@ -28,6 +28,7 @@ import importlib.util
 import ipaddress
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -359,8 +360,16 @@ async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
     # application's lifespan holds it too, and the last close closes it. Read-only: a
     # store that is not there is an error, never created.
     await backend.start(create=False)
+    interrupted: list[int] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn shuts down on SIGINT as on SIGTERM; SIGINT's documented exit is 130.
+            interrupted.append(sig)
+            super().handle_exit(sig, frame)
+
     try:
-        server = uvicorn.Server(uvicorn.Config(
+        server = Server(uvicorn.Config(
             app, host=args.host, port=args.port, access_log=False, lifespan="on"))
         try:
             await server.serve()
@@ -368,6 +377,8 @@ async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
             return EXIT_FAILED
     finally:
         await backend.close()
+    if signal.SIGINT in interrupted:
+        return EXIT_INTERRUPTED
     return 0 if server.started else EXIT_FAILED
 
 

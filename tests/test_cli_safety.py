@@ -408,6 +408,33 @@ def test_serve_stops_gracefully_on_sigterm_and_dies_of_it() -> None:
     assert "Shutting down" in rest and "Traceback" not in rest
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_serve_stops_gracefully_on_sigint_and_exits_130(background: bool) -> None:
+    """The documented 130 for SIGINT, also when started in the background by a shell,
+    which ignores SIGINT in its children: uvicorn still stops on it, and exited 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    server = subprocess.Popen([ANARCHON, "serve", "--url", "memory://", "--port", str(port)],
+                              stderr=subprocess.PIPE, text=True,
+                              preexec_fn=ignore_sigint if background else None)
+    assert server.stderr is not None
+    lines: list[str] = []
+    for line in server.stderr:  # until uvicorn says it serves; bounded by the timeout below
+        lines.append(line)
+        if "startup complete" in line:
+            break
+    assert lines and "startup complete" in lines[-1], lines
+    server.send_signal(signal.SIGINT)
+    rest = server.communicate(timeout=30)[1]
+    assert server.returncode == 130, (server.returncode, rest)
+    assert "Shutting down" in rest and "Traceback" not in rest
+
+
 @pytest.mark.parametrize("argv", [
     ["prune", "--url", "postgresql://u@127.0.0.1:1/x", "--table", "", "--older-than", "1d"],
     ["status", "--url", "redis://127.0.0.1:1/0", "--prefix", ""],
