@@ -148,6 +148,39 @@ async def test_slots_missed_during_an_outage_follow_the_catch_up_policy(
         assert sorted(caught) == missed
 
 
+async def test_a_backup_member_follows_the_catch_up_policy_after_an_outage_too() -> None:
+    """The member ranked second kept a pending record of every slot of the outage, and
+    claimed them all once the store answered, whatever ``catch_up`` said."""
+    from lease_core.engine.fleet import rendezvous_rank
+
+    backend = FlakyBackend()
+    job = next(f"j{n}" for n in range(1000)
+               if rendezvous_rank(f"j{n}", "a", ("a", "b")) == 0)
+    ran: list[tuple[int, str]] = []
+    scheds = [Scheduler(backend, instance_id=name, lease="1.2s", heartbeat="0.2s")
+              for name in ("a", "b")]
+    for s in scheds:
+        async def tick(ctx: RunContext) -> None:
+            ran.append((ctx.slot, ctx.instance_id))
+
+        s.every(job, "1s", tick, catch_up="latest", overlap="allow")
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in scheds]
+        await wait_for(lambda: all(s.health().fleet_size == 2 for s in scheds),
+                       timeout=10, what="both members")
+        backend.down = BackendUnavailable
+        await wait_for(lambda: len(set(backend.failed_claims)) >= 3, timeout=10,
+                       what="three slots missed")
+        missed = sorted(set(backend.failed_claims))
+        backend.down = None
+        await wait_for(lambda: any(slot > missed[-1] + 1000 for slot, _ in ran), timeout=10,
+                       what="slots after the outage")
+        for instance in instances:
+            await instance.stop()
+    caught = sorted(slot for slot, _ in ran if slot in missed)
+    assert caught == [missed[-1]], (missed, sorted(ran))
+
+
 async def test_scheduler_survives_unexpected_errors_without_cancelling_its_host() -> None:
     backend = FlakyBackend()
     s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")

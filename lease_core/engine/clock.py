@@ -36,6 +36,8 @@ class StoreClock:
         self.last_answer: float | None = None
         """When the store last answered (local clock), for health()."""
         self._down_since: float | None = None
+        self.last_failure = -math.inf
+        """When a call to the store last failed (local clock)."""
 
     def now_ms(self) -> int:
         """The store's clock as this instance estimates it, in epoch milliseconds."""
@@ -64,6 +66,7 @@ class StoreClock:
         """A call to the store failed: log it, and report the outage when it begins."""
         if log:
             log_failure(what, exc)
+        self.last_failure = self._clock()
         if self._down_since is None:
             self._down_since = self._clock()
             self._emit(ev.StoreUnreachable(instance_id=self._instance_id, error=exc))

@@ -146,6 +146,7 @@ class LeaseKeeper:
         result = await s.settings.backend.check(keys)
         s.clock.note(result.now_ms, sent, clock())
         claims: list[tuple[Job, int, Reason]] = []
+        due: list[tuple[Job, int, Reason]] = []
         later: dict[int, list[tuple[str, int]]] = {}
         for key in keys:
             current = s.runs.get(key)
@@ -155,7 +156,7 @@ class LeaseKeeper:
             run = current
             state = result.runs.get(key)
             if run.phase is Phase.PENDING:
-                if self._settle_pending(run, state, result.now_ms, claims):
+                if self._settle_pending(run, state, result.now_ms, due):
                     later.setdefault(run.claim_after, []).append(key)
                 if state is None:
                     continue
@@ -173,10 +174,38 @@ class LeaseKeeper:
                     claims.append((next_step, key[1], Reason.SCHEDULED))
             elif state.claimable(result.now_ms):
                 claims.append((run.job, key[1], Reason.TAKEOVER))
-        for at, due in later.items():
+        for at, keys_due in later.items():
             assert s.tg is not None
-            s.tg.start_soon(self._cover_at, at, due)
-        await s.claims.claim_many(claims)
+            s.tg.start_soon(self._cover_at, at, keys_due)
+        await s.claims.claim_many(claims + self._newest_missed(due))
+
+    def _newest_missed(self, due: list[tuple[Job, int, Reason]]) -> list[tuple[Job, int, Reason]]:
+        """The claims of runs ranked to this member whose turn came, less the older slots
+        of a job whose turn came while the store did not answer: as for the top-ranked
+        member's claims (``RECLAIM``), only the newest slot of the job is claimed (all of
+        them only for a job with ``catch_up="all"`` whose runs may overlap), here or by
+        the member its turn is with."""
+        s = self._s
+        failed_ms = s.clock.last_failure * 1000 + s.clock.offset_ms
+        now_ms = s.clock.now_ms()
+        newest: dict[str, int] = {}
+        for job, slot, _ in due:  # the job's slot due now counts too, claimed or not
+            current = job.schedule.previous_at_or_before(now_ms)
+            newest[job.name] = max(slot, newest.get(job.name, slot),
+                                   slot if current is None else current)
+        kept: list[tuple[Job, int, Reason]] = []
+        for job, slot, reason in due:
+            record = s.runs.get((job.name, slot))
+            missed = record is not None and record.claim_after <= failed_ms
+            if (missed and slot < newest[job.name] and reason is Reason.SCHEDULED
+                    and job.scheduled
+                    and (job.catch_up != "all" or job.overlap == "skip")):
+                s.runs.watch(job, slot)  # forgotten at the next check unless claimed
+                logger.warning("%s slot %s not claimed while the store was unreachable; "
+                               "claiming the newer slot instead", job.name, format_slot(slot))
+                continue
+            kept.append((job, slot, reason))
+        return kept
 
     def _settle_pending(self, run: Run, state: RunState | None, now_ms: int,
                         claims: list[tuple[Job, int, Reason]]) -> bool:
