@@ -56,12 +56,14 @@ def test_backend_level_parameters_are_taken_out_of_the_url() -> None:
 def test_the_driver_gets_its_parameters_as_written() -> None:
     """A space written %20 stays %20 (re-encoded it became '+', which libpq does not
     decode: ``options=-c+statement_timeout...`` failed to connect)."""
+    from backends.postgres import driver_dsn
+    from lease_core._registry import split_url_options
+
     kept = "options=-c%20statement_timeout%3D5000&application_name=my%20app&sslmode=disable"
-    backend = backend_from_url(f"postgresql://app@db/app?table=jobs&{kept}&max_size=3")
-    assert isinstance(backend, PostgresBackend)
-    assert backend._connection == f"postgresql://app@db/app?{kept}"
-    redis = backend_from_url("redis://db/0?client_name=a%20b&prefix=p")
-    assert isinstance(redis, RedisBackend) and redis._connection == "redis://db/0?client_name=a%20b"
+    url = f"postgresql+psycopg://app@db/app?table=jobs&{kept}&max_size=3"
+    assert driver_dsn(url) == f"postgresql://app@db/app?{kept}"
+    assert split_url_options("redis://db/0?client_name=a%20b&prefix=p", ["prefix"]) == (
+        "redis://db/0?client_name=a%20b", {"prefix": "p"})
 
 
 @pytest.mark.parametrize(

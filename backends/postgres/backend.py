@@ -135,6 +135,20 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
     return split_url_options(url, _URL_OPTIONS)
 
 
+def _pool_options(merged: dict[str, Any]) -> dict[str, Any]:
+    """The backend's keyword options with the pool's read and checked."""
+    options = {k: _POOL_OPTIONS[k](k, v) if k in _POOL_OPTIONS else v
+               for k, v in merged.items()}
+    low, high = options.get("min_size", 1), options.get("max_size", 4)
+    if low > high:
+        raise ConfigurationError(
+            f"min_size={low} is more than max_size={high}"
+            + ("" if "max_size" in options else " (its default)")
+            + "; the pool keeps min_size connections open and opens up to max_size"
+        )
+    return options
+
+
 def driver_dsn(url: str) -> str:
     """``url`` (a PostgreSQL URL or key/value DSN this backend accepts) as psycopg and
     libpq read it: anarchon's own parameters (``table``, ``min_size``...) taken out, and a
@@ -176,15 +190,7 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
                 f"PostgresBackend got table={names[0]!r} and namespace={names[1]!r}; "
                 "give one of them"
             )
-        options = {k: _POOL_OPTIONS[k](k, v) if k in _POOL_OPTIONS else v
-                   for k, v in merged.items()}
-        low, high = options.get("min_size", 1), options.get("max_size", 4)
-        if low > high:
-            raise ConfigurationError(
-                f"min_size={low} is more than max_size={high}"
-                + ("" if "max_size" in options else " (its default)")
-                + "; the pool keeps min_size connections open and opens up to max_size"
-            )
+        options = _pool_options(merged)
         self.table = names[0] if names else "anarchon_runs"
         self._schema, self._name = split_table(self.table)
         self._sql = Statements(self._schema, self._name)
