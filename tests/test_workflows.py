@@ -491,3 +491,39 @@ async def test_a_result_that_is_not_json_fails_the_step(store: Store) -> None:
     assert attempt.outcome == Outcome.FAILED
     assert attempt.error is not None and "not JSON-serialisable" in attempt.error
     assert await s.history("close/interest") == []
+
+
+async def test_a_step_whose_previous_result_was_trimmed_fails_saying_so() -> None:
+    """A retry waiting while history is trimmed past the run: the later step used to read
+    the earlier step's result as None (and, in the bank-close, credit nothing)."""
+    from lease_core import MemoryBackend, Retry
+
+    backend = MemoryBackend()
+    s = Scheduler(backend, instance_id="a", history_size=3, **FAST)
+    wf = s.workflow("wf", every="1h", offset=quiet_offset_now())
+    seen: list[Any] = []
+    wf.step("snapshot", lambda ctx: {"positions": [1, 2, 3]})
+
+    @wf.step("interest", retry=Retry(retries=1, backoff="1.5s", jitter=0))
+    async def interest(ctx: RunContext) -> None:
+        seen.append((ctx.slot, ctx.attempt, ctx.results))
+        if ctx.attempt == 1 and ctx.slot == first:
+            raise RuntimeError("ledger unavailable")
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        first = current_slot(s, "wf")
+        await claim_now(s, "wf", first)
+        await wait_for(lambda: len(seen) == 1, what="interest's first attempt")
+        for n in range(3):  # later runs of the workflow meanwhile
+            await s.admin.trigger("wf")
+            await wait_for(lambda n=n: len(seen) == n + 2, what="a triggered run")
+        await backend.prune_many(["wf/snapshot", "wf/interest"], keep=3)
+        history = await wait_history(
+            s, lambda h: any(a.slot == first and a.attempt == 2 and a.outcome for a in h),
+            job="wf/interest", what="the retry")
+        await i.stop()
+    retry = next(a for a in history if a.slot == first and a.attempt == 2)
+    assert retry.outcome == "failed" and retry.error is not None
+    assert "'snapshot'" in retry.error and "no longer in the store" in retry.error
+    assert all(r == {"snapshot": {"positions": [1, 2, 3]}} for _, _, r in seen), seen

@@ -73,7 +73,16 @@ class StepCoordinator:
                         raise
                     s.clock.failed(f"reading the result of {name}", exc)
                     await anyio.sleep(s.settings.heartbeat)
-            results[step] = payload.get("result") if isinstance(payload, dict) else None
+            if not isinstance(payload, dict) or "result" not in payload:
+                # A completed step's result is stored before (or with) its completion:
+                # none means its run is gone (history trimmed past it). Running on with
+                # None would apply this step to nothing.
+                raise AnarchonError(
+                    f"the result of step {step!r} of {job.workflow.name} slot "
+                    f"{format_slot(slot)} is no longer in the store (its history was "
+                    "trimmed); keep more history (history_size, retention) for workflows "
+                    "whose steps run this long after each other")
+            results[step] = payload["result"]
         return results
 
     async def store_result(self, run: Run, value: Any) -> bool | ConfigurationError:
