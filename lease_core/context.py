@@ -168,7 +168,7 @@ class RunContext:
         self._backend = backend
         self._lease = lease
         self._stop_reason: str | None = None
-        self._transaction_hook: Callable[[bool], None] | None = None
+        self._transaction_hook: Callable[[bool, float | None], None] | None = None
         self._before_commit: Callable[[RunContext, Any], Awaitable[None]] | None = None
         self.completed_by_transaction = False
 
@@ -218,14 +218,18 @@ class RunContext:
         commits in the same transaction.
         """
         if self._transaction_hook is not None:
-            self._transaction_hook(True)
+            self._transaction_hook(True, None)
+        renewed: float | None = None
         try:
             async with self._backend.transaction(self._lease, complete=complete) as tx:
                 yield tx
                 if complete and self._before_commit is not None:
                     await self._before_commit(self, tx)
+                # Without completing, the backend renews the lease from here, in the
+                # commit: a transaction about as long as the lease does not lose it.
+                renewed = None if complete else anyio.current_time()
             if complete:
                 self.completed_by_transaction = True
         finally:
             if self._transaction_hook is not None:
-                self._transaction_hook(False)
+                self._transaction_hook(False, renewed)

@@ -152,3 +152,35 @@ async def test_a_step_that_raises_after_its_completing_transaction_stays_complet
     history = {(h.job, h.attempt): h.outcome for h in await s.history()}
     assert history == {("wf/one", 1): "completed", ("wf/two", 1): "completed"}
     assert ev.Failed.__name__ == "Failed"
+
+
+async def test_batch_transactions_about_as_long_as_the_lease_keep_the_run(
+    pg16_server: PgServer, table: str,
+) -> None:
+    """Heartbeats skip a run while its fenced transaction is open: each batch of 1.0 s on
+    a 1.2 s lease used to come back to a lapsed lease and lose the run, again and again."""
+    s = Scheduler(PostgresBackend(pg16_server.dsn, table=table), instance_id="a", **FAST)
+    log: list[str] = []
+
+    @s.every("batch", "1h", offset=quiet_offset_now())
+    async def batch(ctx: RunContext) -> None:
+        for i in range(3):
+            async with ctx.transaction(complete=False) as tx:
+                await tx.execute("SELECT pg_sleep(1.0)")
+                await ctx.checkpoint.set(i, tx=tx)
+            log.append(f"batch {i}")
+        log.append("done")
+
+    async with s:
+        slot = s.jobs["batch"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "batch", slot)
+        await wait_for(lambda: "done" in log, timeout=20, what="three batches")
+
+        async def ended() -> list[Any]:
+            found = [a for a in await s.history("batch") if a.slot == slot]
+            return found if all(a.outcome for a in found) else []
+
+        history = await wait_for(ended, timeout=10, what="the run's end")
+    assert log == ["batch 0", "batch 1", "batch 2", "done"]
+    assert [(a.attempt, a.outcome) for a in history] == [(1, "completed")]

@@ -76,6 +76,9 @@ async def fenced_transaction(adapter: SqlAdapter, sql: Statements, lease: Lease,
             )
         yield FencedTransaction(tx, lease, sql.set_checkpoint)
         if not complete:
+            # The lease runs from the commit (the lock kept backups out meanwhile).
+            await tx.all(sql.extend_held_run, (lease.lease_ms, lease.job, lease.slot,
+                                               lease.token))
             return
         done = await tx.all(sql.finish, (
             lease.job, lease.slot, lease.token, Outcome.COMPLETED.value, None))

@@ -471,6 +471,13 @@ SELECT attempt FROM {runs}
 WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
 FOR UPDATE
 
+-- name: extend_held_run
+-- At the end of a fenced transaction that does not complete its run, before the commit:
+-- the lease runs from now (the transaction's lock kept backups out, not the clock), so
+-- a transaction about as long as the lease does not cost the run.
+UPDATE {runs} SET expires_ms = GREATEST(expires_ms, {now} + %s::bigint), heartbeat_ms = {now}
+WHERE job = %s::text AND slot = %s::bigint AND token = %s::text AND status = 'running'
+
 -- name: write_schedules
 -- Each job's schedule spec (JSON) under the key 'schedule:<job>'.
 INSERT INTO {meta} (key, value)

@@ -94,7 +94,8 @@ class Executor:
         run = s.runs.hold(job, lease, execution, attempt)
         # The store's lease started no earlier than the claim was sent.
         execution.set_deadline(self.deadline(sent_loop, job))
-        ctx._transaction_hook = execution.transaction_hook
+        ctx._transaction_hook = lambda active, renewed: execution.transaction_hook(
+            active, None if renewed is None else self.deadline(renewed, job))
         if logger.isEnabledFor(logging.INFO):  # format_slot is not free, times a burst
             logger.info("%s slot %s (%d): %s won attempt %d (%s)", job.name,
                         format_slot(lease.slot), lease.slot, s.settings.instance_id,

@@ -94,11 +94,14 @@ class Execution:
         if not self.in_transaction:
             self.scope.deadline = deadline
 
-    def transaction_hook(self, active: bool) -> None:
-        """Called by the run's context as a fenced transaction opens and closes."""
+    def transaction_hook(self, active: bool, deadline: float | None = None) -> None:
+        """Called by the run's context as a fenced transaction opens and closes; with
+        ``deadline``, the local lease deadline of the renewal its commit made."""
         # An open fenced transaction locks the run: no backup can take it over, so the
         # local deadline waits until the transaction ends.
         self.in_transaction = active
+        if deadline is not None:
+            self.deadline = max(self.deadline, deadline)
         self.scope.deadline = math.inf if active else self.deadline
 
 
