@@ -278,6 +278,7 @@ async def _prune(args: argparse.Namespace) -> int:
     backend = _backend(args)
     await backend.start(create=False)
     try:
+        await _check_job(backend, args.job)
         jobs = [args.job] if args.job else await backend.jobs()
         total = 0
         for job in jobs:
@@ -437,12 +438,24 @@ def _backend(args: argparse.Namespace) -> Any:
     return backend_from_url(args.url, **options)
 
 
+async def _check_job(backend: Any, job: str | None) -> None:
+    """Refuse a ``--job`` the store has never seen (a typo read as "nothing to show")."""
+    if job is None:
+        return
+    known = await backend.jobs()
+    if job not in known and not any(name.startswith(job + "/") for name in known):
+        raise ConfigurationError(
+            f"the store has never seen job {job!r}; check the name (`anarchon status` "
+            "lists them)")
+
+
 async def _status(args: argparse.Namespace) -> int:
     from ._status import read_status, render_status
 
     backend = _backend(args)
     await backend.start(create=False)
     try:
+        await _check_job(backend, args.job)
         status = await read_status(backend, args.job)
     finally:
         await backend.close()

@@ -461,3 +461,34 @@ def test_a_count_or_duration_beyond_any_store_is_a_usage_error(
         code = exc.code
     assert code == 2
     assert says in capsys.readouterr().err
+
+
+def test_status_and_prune_of_a_job_the_store_never_saw_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], valkey8_server: EmbeddedRedis
+) -> None:
+    """A typo in --job read as "nothing to show" (status) or "deleted 0 ... from 1 job"
+    (prune), both exit 0; the operations already refused it."""
+    from lease_core import Scheduler
+
+    url, prefix = valkey8_server.url, f"typo{uuid.uuid4().hex[:8]}"
+
+    async def one_run() -> None:
+        done = anyio.Event()
+        s = Scheduler(backend_from_url(url, prefix=prefix), lease="3s", heartbeat="0.2s")
+
+        @s.every("nightly", "0.2s")
+        async def nightly(ctx: object) -> None:
+            done.set()
+
+        with anyio.fail_after(30):
+            async with s:
+                await done.wait()
+
+    anyio.run(one_run)
+    for argv in (["status", "--url", url, "--prefix", prefix, "--job", "nigthly"],
+                 ["prune", "--url", url, "--prefix", prefix, "--job", "nigthly",
+                  "--older-than", "1s"]):
+        assert main(argv) == 2
+        assert "never seen job 'nigthly'" in capsys.readouterr().err
+    assert main(["status", "--url", url, "--prefix", prefix, "--job", "nightly"]) == 0
+    assert "nightly" in capsys.readouterr().out
