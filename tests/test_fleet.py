@@ -8,6 +8,7 @@ unclaimed their rank's check intervals later.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -450,6 +451,30 @@ async def test_a_failed_membership_renewal_is_tried_again_at_the_next_tick() -> 
                        what="the failed renewal tried again")
         await inst.stop()
     assert calls[2] - calls[1] < 1.0, calls
+
+
+async def test_a_failing_check_does_not_put_the_membership_renewal_off() -> None:
+    """The renewal came last in a tick: a check that failed every tick (here the pick-up
+    of queued runs) skipped it, and a live member's membership lapsed."""
+    from lease_core import MemoryBackend
+
+    calls: list[float] = []
+
+    class FailingQueued(MemoryBackend):
+        async def members(self, instance_id: str, lease_ms: int) -> list[str] | None:
+            calls.append(anyio.current_time())
+            return await super().members(instance_id, lease_ms)
+
+        async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
+            raise ConnectionError("the store did not answer")
+
+    s = Scheduler(FailingQueued(), instance_id="m", lease="1s", heartbeat="0.2s")
+    s.every("job", "1h", lambda ctx: None)
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        # Renewals every half lease (0.5 s), whatever the pick-up does.
+        await wait_for(lambda: len(calls) >= 4, timeout=5, what="renewals")
+        await inst.stop()
 
 
 # ----------------------------------------------------------------- on a Redis Cluster

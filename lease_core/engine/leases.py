@@ -62,18 +62,20 @@ class LeaseKeeper:
         """Renew the held leases, check the backed-up runs, sample the store's clock."""
         s = self._s
         await self._renew()
+        try:
+            # Before the checks: a check that fails (or a slow tick cut short) must not
+            # put the renewal off, or a live member's membership could lapse.
+            if s.fleet.renewal_due():
+                await s.fleet.renew()
+        except Exception as exc:
+            # The last membership stands: a stale one costs an extra claim at most.
+            s.clock.failed("membership renewal", exc)
         await self._check_watched()
         await self._pick_up()
         # An idle instance still asks the store once per heartbeat, so health() knows it
         # answers; the clock is sampled at least every minute.
         if s.settings.clock() - s.clock.last_sample > min(60.0, s.settings.heartbeat / 2):
             await s.clock.sample()
-        try:
-            if s.fleet.renewal_due():
-                await s.fleet.renew()
-        except Exception as exc:
-            # The last membership stands: a stale one costs an extra claim at most.
-            s.clock.failed("membership renewal", exc)
 
     async def _renew(self) -> None:
         s = self._s
