@@ -165,3 +165,22 @@ class Instance:
     async def wait_done(self) -> None:
         """Wait until the instance's task ended."""
         await self._done.wait()
+
+
+def run_job_once(url: str, job: str, **options: str) -> None:
+    """One run of ``job`` recorded in the store at ``url`` (``namespace=...`` and so on)."""
+    from lease_core import backend_from_url
+
+    async def main_() -> None:
+        done = anyio.Event()
+        s = Scheduler(backend_from_url(url, **options), lease="3s", heartbeat="0.2s")
+
+        @s.every(job, "0.2s")
+        async def handler(ctx: object) -> None:
+            done.set()
+
+        with anyio.fail_after(30):
+            async with s:
+                await done.wait()
+
+    anyio.run(main_)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import redis
 from backends.embedded.redis import EmbeddedRedis
 from lease_core import StoreNotFound, backend_from_url
 from lease_core.cli import EXIT_NO_STORE, main
+from tests.helpers import run_job_once
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.stores.redis import delete_prefix
 
@@ -388,20 +389,26 @@ def test_serve_with_an_empty_token_says_what_to_do(capsys: pytest.CaptureFixture
     assert "--token" in err and "None" not in err
 
 
-def test_serve_stops_gracefully_on_sigterm_and_dies_of_it() -> None:
-    """The documented 143 (128 + SIGTERM): a graceful shutdown, then the signal's exit."""
+def serving(preexec: Callable[[], None] | None = None) -> subprocess.Popen[str]:
+    """`anarchon serve` on a memory store and a free port, once uvicorn says it serves."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen([ANARCHON, "serve", "--url", "memory://", "--port", str(port)],
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     assert server.stderr is not None
     lines: list[str] = []
-    for line in server.stderr:  # until uvicorn says it serves; bounded by the timeout below
+    for line in server.stderr:  # until uvicorn says it serves; bounded by the caller's wait
         lines.append(line)
         if "startup complete" in line:
             break
     assert lines and "startup complete" in lines[-1], lines
+    return server
+
+
+def test_serve_stops_gracefully_on_sigterm_and_dies_of_it() -> None:
+    """The documented 143 (128 + SIGTERM): a graceful shutdown, then the signal's exit."""
+    server = serving()
     server.send_signal(signal.SIGTERM)
     rest = server.communicate(timeout=30)[1]
     assert server.returncode == -signal.SIGTERM, (server.returncode, rest)
@@ -412,23 +419,10 @@ def test_serve_stops_gracefully_on_sigterm_and_dies_of_it() -> None:
 def test_serve_stops_gracefully_on_sigint_and_exits_130(background: bool) -> None:
     """The documented 130 for SIGINT, also when started in the background by a shell,
     which ignores SIGINT in its children: uvicorn still stops on it, and exited 0."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-
     def ignore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    server = subprocess.Popen([ANARCHON, "serve", "--url", "memory://", "--port", str(port)],
-                              stderr=subprocess.PIPE, text=True,
-                              preexec_fn=ignore_sigint if background else None)
-    assert server.stderr is not None
-    lines: list[str] = []
-    for line in server.stderr:  # until uvicorn says it serves; bounded by the timeout below
-        lines.append(line)
-        if "startup complete" in line:
-            break
-    assert lines and "startup complete" in lines[-1], lines
+    server = serving(ignore_sigint if background else None)
     server.send_signal(signal.SIGINT)
     rest = server.communicate(timeout=30)[1]
     assert server.returncode == 130, (server.returncode, rest)
@@ -468,23 +462,8 @@ def test_status_and_prune_of_a_job_the_store_never_saw_are_usage_errors(
 ) -> None:
     """A typo in --job read as "nothing to show" (status) or "deleted 0 ... from 1 job"
     (prune), both exit 0; the operations already refused it."""
-    from lease_core import Scheduler
-
     url, prefix = valkey8_server.url, f"typo{uuid.uuid4().hex[:8]}"
-
-    async def one_run() -> None:
-        done = anyio.Event()
-        s = Scheduler(backend_from_url(url, prefix=prefix), lease="3s", heartbeat="0.2s")
-
-        @s.every("nightly", "0.2s")
-        async def nightly(ctx: object) -> None:
-            done.set()
-
-        with anyio.fail_after(30):
-            async with s:
-                await done.wait()
-
-    anyio.run(one_run)
+    run_job_once(url, "nightly", prefix=prefix)
     for argv in (["status", "--url", url, "--prefix", prefix, "--job", "nigthly"],
                  ["prune", "--url", url, "--prefix", prefix, "--job", "nigthly",
                   "--older-than", "1s"]):

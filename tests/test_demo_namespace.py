@@ -26,6 +26,7 @@ from backends.embedded.redis import EmbeddedRedis
 from lease_core.cli import main
 from lease_core.demo import run_demo
 from lease_core.demo.namespace import namespace_for
+from tests.helpers import run_job_once
 from tests.stores.postgres import PgServer
 
 #: Every object of a database outside the system schemas: relations (tables, indexes,
@@ -376,27 +377,6 @@ def test_redis_namespace_in_use_is_refused(redis_url: str,
 
 
 # --------------------------------------------------------------------------- removal edges
-
-
-def run_job_once(url: str, job: str, **options: str) -> None:
-    """One run of ``job`` recorded in the store at ``url`` (``namespace=...`` and so on)."""
-    import anyio
-
-    from lease_core import Scheduler, backend_from_url
-
-    async def main_() -> None:
-        done = anyio.Event()
-        s = Scheduler(backend_from_url(url, **options), lease="3s", heartbeat="0.2s")
-
-        @s.every(job, "0.2s")
-        async def handler(ctx: object) -> None:
-            done.set()
-
-        with anyio.fail_after(30):
-            async with s:
-                await done.wait()
-
-    anyio.run(main_)
 
 
 def test_remove_leaves_a_store_of_yours_named_with_the_namespace_as_prefix(
