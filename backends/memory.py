@@ -85,6 +85,8 @@ class _Job:
     first_seen_ms: int
     last_slot: int | None = None
     paused_by: str | None = None  # operations: who paused the job
+    #: The newest slot whose run history trimming deleted (ClaimRequest.scheduled).
+    trimmed_slot: int | None = None
 
 
 class _Fleet:
@@ -175,6 +177,32 @@ class _NamedLeases:
                 return False
             self._named[name] = (token, 0, None)
             return True
+
+
+def _trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Run],
+              jobs: dict[str, _Job], job: str, size: int | None, ttl_ms: int | None,
+              now: int, batch: int) -> int:
+    """Trim ``job``'s history (:meth:`Backend.prune`); return the attempts deleted."""
+    history = attempts.get(job, [])
+    doomed: set[int] = set()
+    if size is not None and len(history) > size:
+        doomed.update(range(min(len(history) - size, batch)))
+    if ttl_ms is not None:
+        cutoff = ms_to_datetime(now - ttl_ms)
+        old = [i for i, a in enumerate(history)
+               if a.finished_at is not None and a.finished_at < cutoff]
+        doomed.update(old[:batch])
+    if doomed:
+        keep = [a for i, a in enumerate(history) if i not in doomed]
+        attempts[job] = keep
+        slots = {a.slot for a in keep}
+        record = jobs.get(job)
+        for key in [k for k, r in runs.items()
+                    if k[0] == job and r.status.finished and k[1] not in slots]:
+            del runs[key]
+            if record is not None:  # the newest slot trimmed (ClaimRequest.scheduled)
+                record.trimmed_slot = max(key[1], record.trimmed_slot or key[1])
+    return len(doomed)
 
 
 def _clock_option(url: str, options: dict[str, Any]) -> Callable[[], float] | None:
@@ -284,8 +312,14 @@ class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Ba
         now = self._now()
         key = (req.job, req.slot)
         job = self._jobs.setdefault(req.job, _Job(first_seen_ms=now))
-        job.last_slot = req.slot if job.last_slot is None else max(job.last_slot, req.slot)
         run = self._runs.get(key)
+        if (run is None and req.scheduled and req.reason in memory_operations.PAUSABLE
+                and job.last_slot is not None and req.slot <= job.last_slot
+                and job.trimmed_slot is not None and req.slot <= job.trimmed_slot):
+            # A slot at or before a run whose history was trimmed: it ran, or its turn
+            # passed while newer runs ran (ClaimRequest.scheduled). Never run again.
+            return ClaimResult(ClaimStatus.FINISHED, req.job, req.slot, now)
+        job.last_slot = req.slot if job.last_slot is None else max(job.last_slot, req.slot)
         history = self._attempts.setdefault(req.job, [])
 
         def result(status: ClaimStatus, run: _Run, reason: Reason | None = None) -> ClaimResult:
@@ -388,28 +422,6 @@ class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Ba
                     )
                 return
 
-    def _trim_job(self, job: str, size: int | None, ttl_ms: int | None, now: int,
-                  batch: int = 1000) -> int:
-        history = self._attempts.get(job, [])
-        doomed: set[int] = set()
-        if size is not None and len(history) > size:
-            doomed.update(range(min(len(history) - size, batch)))
-        if ttl_ms is not None:
-            cutoff = ms_to_datetime(now - ttl_ms)
-            old = [i for i, a in enumerate(history)
-                   if a.finished_at is not None and a.finished_at < cutoff]
-            doomed.update(old[:batch])
-        if doomed:
-            keep = [a for i, a in enumerate(history) if i not in doomed]
-            self._attempts[job] = keep
-            slots = {a.slot for a in keep}
-            for key in [
-                k for k, r in self._runs.items()
-                if k[0] == job and r.status.finished and k[1] not in slots
-            ]:
-                del self._runs[key]
-        return len(doomed)
-
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
                          older_than_ms: int | None = None,
                          batch: int = 1000) -> dict[str, int]:
@@ -419,7 +431,8 @@ class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Ba
         await anyio.lowlevel.checkpoint()
         with self._lock:
             now = self._now()
-            return {job: self._trim_job(job, keep, older_than_ms, now, batch)
+            return {job: _trim_job(self._attempts, self._runs, self._jobs, job, keep,
+                                   older_than_ms, now, batch)
                     for job in dict.fromkeys(jobs)}
 
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:

@@ -165,6 +165,14 @@ class ClaimRequest:
     max_attempts: int | None = None
     history_size: int = 100
     history_ttl_ms: int | None = None
+    scheduled: bool = True
+    """Whether the job's own schedule starts its runs (a job's, or a workflow's first
+    step's), as opposed to the step before it (a later workflow step: ``False``). A
+    ``scheduled`` or ``catch-up`` claim of such a run, when the store has no run for the
+    slot, has claimed the slot or a later one before, and trimmed the run of a slot at or
+    after it, finds it ``finished`` (attempt 0, no run status) and writes nothing: the
+    slot ran and was trimmed, or its turn passed while newer runs ran and were trimmed,
+    and it never runs a second time (see :mod:`lease_core.abc`, *Claim*)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -317,6 +317,47 @@ async def groups(store: Store) -> None:
     assert all(n == 1 for n in Counter((j, s) for j, s, _ in ran).values()), ran
 
 
+async def test_a_member_whose_turn_comes_after_trimming_never_runs_the_slot_again(
+        store: Store) -> None:
+    await trimmed_turns(store)
+
+
+async def trimmed_turns(store: Store) -> None:
+    """The member ranked third checks a slot first at its turn, two of its 1.5 s check
+    intervals after the slot. By then the two members ranked before it ran the slot and
+    the next ones, and history_size=1 trimmed the slot's run away. The store finds the
+    slot trimmed instead of never claimed: every slot runs once."""
+    names = ("top", "mid", "late")
+    job = next(f"trim-{n}" for n in range(1000)
+               if [rendezvous_rank(f"trim-{n}", name, names) for name in names] == [0, 1, 2])
+    ran: list[tuple[int, str]] = []
+    counts: Counter[str] = Counter()
+
+    def build(name: str, **settings: Any) -> Scheduler:
+        s = counted(store, name, counts, history_size=1, prune_every="0.3s", **settings)
+
+        @s.every(job, "1s")
+        async def tick(ctx: RunContext, name: str = name) -> None:
+            ran.append((ctx.slot, name))
+
+        return s
+
+    schedulers = [build("top"), build("mid"), build("late", lease="6s", heartbeat="1.5s")]
+    async with anyio.create_task_group() as tg:
+        fleet = [await Instance(s).start(tg) for s in schedulers]
+        await wait_for(lambda: all(s.health().fleet_size == 3 for s in schedulers),
+                       timeout=10, what="every member seeing the whole fleet")
+        counts.clear()
+        since = (schedulers[0].store_now_ms() // 1000 + 1) * 1000
+        # late's turn for a slot comes 3 s after it: wait for two turns of slots since.
+        await wait_for(lambda: counts["late"] >= 2, timeout=15,
+                       what="the last-ranked member's turn for two slots")
+        await stop_all(fleet)
+    runs = Counter(slot for slot, _ in ran if slot >= since)
+    assert runs and all(n == 1 for n in runs.values()), sorted(ran)
+    assert {name for slot, name in ran if slot >= since} == {"top"}, sorted(ran)
+
+
 def current_slots(s: Scheduler, *jobs: str) -> list[int]:
     """Each job's slot at or before the store's now."""
     slots = [s.jobs[job].schedule.previous_at_or_before(s.store_now_ms()) for job in jobs]

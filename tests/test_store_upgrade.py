@@ -314,6 +314,41 @@ async def test_a_store_without_the_batched_claim_gets_it_on_start(
         await drop_tables(pg16_server.admin_dsn, table)
 
 
+async def test_a_v4_store_of_an_earlier_build_gets_the_claim_that_knows_trimmed_slots(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """A v4 store made by an earlier build of this unreleased version has the claim
+    functions without ``p_scheduled``: a start replaces them (it does not take the
+    store for up to date because functions of those names exist)."""
+    table = unique_table()
+    first = PostgresBackend(pg16_server.dsn, table=table)
+    await first.start()
+    await first.close()
+    claim = quote_ident(f"{table}_claim_v{CODE_VERSION}")
+    batch = quote_ident(f"{table}_batch_v{CODE_VERSION}")
+    sql(pg16_server.admin_dsn, f"DROP FUNCTION {claim}, {batch}")
+    sql(pg16_server.admin_dsn, f"""
+        CREATE FUNCTION {claim}(text, bigint, text, text, bigint, text, boolean, bigint,
+                                OUT c_status text) LANGUAGE sql AS $$ SELECT 'won' $$""")
+    sql(pg16_server.admin_dsn, f"""
+        CREATE FUNCTION {batch}(text[], bigint[], text[], text[], bigint[], text[],
+                                boolean[], bigint[], OUT c_status text)
+        LANGUAGE sql AS $$ SELECT 'won' $$""")
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    try:
+        won = await backend.claim_many([ClaimRequest("j", 1, "a", "t1", 60_000),
+                                        ClaimRequest("j", 1, "b", "t2", 60_000)])
+        assert [r.status for r in won] == [ClaimStatus.WON, ClaimStatus.RUNNING]
+        assert sql(pg16_server.admin_dsn,
+                   "SELECT pronargs FROM pg_proc WHERE proname = ANY(%s) ORDER BY proname",
+                   ([f"{table}_batch_v{CODE_VERSION}", f"{table}_claim_v{CODE_VERSION}"],)
+                   ) == [(9,), (9,)]
+    finally:
+        await backend.close()
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
 # -- store code v2 -> v3: the claim stops trimming ----------------------------------------
 
 FIXTURE_V2 = Path(__file__).parent / "fixtures" / "store_v2.sql"

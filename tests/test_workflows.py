@@ -104,6 +104,32 @@ async def test_steps_run_in_order_and_read_earlier_results(store: Store) -> None
     assert all((h.attempt, h.reason) == (1, "scheduled") for h in await a.history())
 
 
+async def test_a_later_step_runs_although_newer_runs_of_it_were_trimmed(
+        store: Store) -> None:
+    """Workflow runs overlap: a later step of an older run can come after newer runs of
+    that step ran and were trimmed. It is started by the step before it, not by a
+    schedule, so the store's trimmed mark does not hold it back."""
+    s = make(store, "a")
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+    for step in STEPS:
+        close.step(step, lambda ctx: ctx.step)
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = current_slot(s)
+        interest = step_job("close", "interest")
+        for later in (slot + 3_600_000, slot + 7_200_000):  # newer runs of the step
+            request = ClaimRequest(interest, later, "elsewhere", f"t{later}", 60_000,
+                                   scheduled=False)
+            assert (await s.backend.claim(request)).attempt == 1
+            await s.backend.finish(Lease(interest, later, request.token, 60_000),
+                                   Outcome.COMPLETED)
+        assert await s.backend.prune(interest, keep=1) == 1  # trimmed past ``slot``
+        await begin(s, slot)
+        await wait_workflow(s, slot, "completed")
+        await i.stop()
+    assert sorted(h.slot for h in await s.history(interest)) == [slot, slot + 7_200_000]
+
+
 async def test_the_next_step_starts_without_waiting_for_a_tick(store: Store) -> None:
     s = make(store, "a", lease="9s", heartbeat="3s")
     close = s.workflow("close", every="1h", offset=quiet_offset_now())

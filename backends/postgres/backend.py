@@ -291,7 +291,8 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         """Win, take over or inspect the run with one statement (see the module docs)."""
         req = request
         params = (req.job, req.slot, req.instance_id, req.token, req.lease_ms,
-                  Reason(req.reason).value, bool(req.overlap_skip), req.max_attempts)
+                  Reason(req.reason).value, bool(req.overlap_skip), req.max_attempts,
+                  bool(req.scheduled))
         try:
             [row] = await self._all_retrying(self._sql.claim, params)
         except Exception as exc:
@@ -329,6 +330,7 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
             text_array([Reason(r.reason).value for r in reqs]),
             bool_array([bool(r.overlap_skip) for r in reqs]),
             int_array([r.max_attempts for r in reqs]),
+            bool_array([bool(r.scheduled) for r in reqs]),
         )
         try:
             rows = await self._all_retrying(self._sql.claim_many, params)

@@ -20,6 +20,7 @@ from lease_core.errors import (
 
 from .statements import (
     BATCH_SUFFIX,
+    CLAIM_ARG_COUNT,
     CLAIM_SUFFIX,
     CODE_VERSION,
     FAILOVER_SUFFIX,
@@ -56,12 +57,12 @@ class StoreSchema:
 
     async def _existing(self, tx: Executor | SqlAdapter) -> tuple[set[str], bool]:
         """The store's tables that exist, and whether this release's functions all exist."""
-        rows = await tx.all(self._sql.find_tables, (
-            self._table_names(),
-            [self._name + suffix
-             for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
-                            FAILOVER_SUFFIX, LEASE_SUFFIX)],
-            self._schema))
+        rows = await tx.all(self._sql.find_tables, {
+            "tables": self._table_names(),
+            "functions": [self._name + suffix
+                          for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX,
+                                         OPERATE_SUFFIX, FAILOVER_SUFFIX, LEASE_SUFFIX)],
+            "claim_args": CLAIM_ARG_COUNT, "schema": self._schema})
         if not rows:
             if self._schema is None:
                 raise ConfigurationError(

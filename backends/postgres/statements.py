@@ -18,6 +18,7 @@ from lease_core.errors import ConfigurationError
 
 __all__ = [
     "BATCH_SUFFIX",
+    "CLAIM_ARG_COUNT",
     "CLAIM_SUFFIX",
     "CODE_VERSION",
     "FAILOVER_SUFFIX",
@@ -88,16 +89,24 @@ def store_names(table: str) -> tuple[str, ...]:
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
 
+#: The parameters of the store code v3 claim function (and of v4's before it took
+#: ``p_scheduled``); its name now calls the current function.
+CLAIM_ARGS_V3 = ("p_job text, p_slot bigint, p_instance text, p_token text, "
+                 "p_lease_ms bigint, p_reason text, p_overlap_skip boolean, "
+                 "p_max_attempts bigint")
+CLAIM_ARG_TYPES_V3 = "text, bigint, text, text, bigint, text, boolean, bigint"
 #: The claim function's parameters, in order (also its signature for GRANT).
-CLAIM_ARGS = ("p_job text, p_slot bigint, p_instance text, p_token text, p_lease_ms bigint, "
-              "p_reason text, p_overlap_skip boolean, p_max_attempts bigint")
-CLAIM_ARG_TYPES = "text, bigint, text, text, bigint, text, boolean, bigint"
+CLAIM_ARGS = CLAIM_ARGS_V3 + ", p_scheduled boolean"
+CLAIM_ARG_TYPES = CLAIM_ARG_TYPES_V3 + ", boolean"
+#: How many parameters the claim function takes (``find_tables`` checks it: a v4 store
+#: made by an earlier build of this release has the claim without ``p_scheduled``).
+CLAIM_ARG_COUNT = CLAIM_ARG_TYPES.count(",") + 1
 #: The parameters of the store code v1 and v2 claim functions (which also took the
 #: history to keep and trimmed it); their names now call the current function.
-CLAIM_ARGS_V2 = (CLAIM_ARGS + ", p_history_size bigint, p_history_ttl_ms bigint, "
+CLAIM_ARGS_V2 = (CLAIM_ARGS_V3 + ", p_history_size bigint, p_history_ttl_ms bigint, "
                  "p_trim_batch bigint")
 #: Their argument types (for GRANT).
-CLAIM_ARG_TYPES_V2 = CLAIM_ARG_TYPES + ", bigint, bigint, bigint"
+CLAIM_ARG_TYPES_V2 = CLAIM_ARG_TYPES_V3 + ", bigint, bigint, bigint"
 
 # --- the SQL files ----------------------------------------------------------------------
 
@@ -257,6 +266,8 @@ class Statements:
             "batch": prefix + quote_ident(name + BATCH_SUFFIX),
             "claim_args": CLAIM_ARGS,
             "claim_arg_types": CLAIM_ARG_TYPES,
+            "claim_args_v3": CLAIM_ARGS_V3,
+            "claim_arg_types_v3": CLAIM_ARG_TYPES_V3,
             "claim_args_v2": CLAIM_ARGS_V2,
             "claim_arg_types_v2": CLAIM_ARG_TYPES_V2,
             "now": NOW,

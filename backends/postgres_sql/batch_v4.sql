@@ -10,7 +10,8 @@
 -- The text has no percent sign and no braces other than the str.format placeholders.
 CREATE OR REPLACE FUNCTION {batch}(
     p_job text[], p_slot bigint[], p_instance text[], p_token text[], p_lease_ms bigint[],
-    p_reason text[], p_overlap_skip boolean[], p_max_attempts bigint[])
+    p_reason text[], p_overlap_skip boolean[], p_max_attempts bigint[],
+    p_scheduled boolean[])
 RETURNS TABLE(c_index integer, c_status text, c_now bigint, c_attempt integer,
               c_reason text, c_expires bigint, c_run_status text, c_instance text,
               c_epoch bigint)
@@ -22,7 +23,7 @@ BEGIN
     FOR i IN 1 .. coalesce(array_length(p_job, 1), 0) LOOP
         RETURN QUERY SELECT i, c.* FROM {claim}(
             p_job[i], p_slot[i], p_instance[i], p_token[i], p_lease_ms[i], p_reason[i],
-            p_overlap_skip[i], p_max_attempts[i]) AS c;
+            p_overlap_skip[i], p_max_attempts[i], p_scheduled[i]) AS c;
     END LOOP;
 END
 $anarchon$

@@ -11,5 +11,5 @@ LANGUAGE sql VOLATILE SECURITY INVOKER
 AS $anarchon$
 SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance
 FROM {claim}(p_job, p_slot, p_instance, p_token, p_lease_ms, p_reason,
-                         p_overlap_skip, p_max_attempts)
+                         p_overlap_skip, p_max_attempts, NULL)
 $anarchon$

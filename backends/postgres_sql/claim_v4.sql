@@ -31,6 +31,15 @@
 --   (neither counted by max_attempts nor escalated).
 -- - It trims no history (v2 did, after every attempt it wrote): the scheduler's ticker
 --   trims every job in bounded batches (the trim_job statement), off the claim path.
+-- - Trimmed slots (issue 18): trimming records the newest slot whose run it deleted, in
+--   the row 'trimmed:<job>' of {meta}. A new run of a slot at or before it, for a job
+--   the schedule starts (p_scheduled: not a later workflow step) and a scheduled or
+--   catch-up claim, is answered 'finished' with no run (attempt 0, c_run_status NULL),
+--   writing nothing: the slot ran and was trimmed, or its turn passed while newer runs
+--   ran and were trimmed. The row is read under the job's lock, after the run was found
+--   missing, so a trimming that committed before that read is seen; only for a slot at
+--   or before the job's last_slot (a slot newer than every claim was never trimmed), so
+--   an on-time claim, the common case, reads nothing more.
 --
 -- - Failover (issue 21): past the fast path, the timeline the server writes is compared with
 --   the store's (the 'failover' row of {meta}; failover_v4.sql detects a promotion and
@@ -69,6 +78,7 @@ DECLARE
     v_queued_by text;  -- operations: who asked for it
     v_failover text;   -- failover: the 'failover' row of meta
     v_quiet bigint;    -- failover: the end of the quarantine
+    v_trimmed text;    -- trimmed slots: the 'trimmed:<job>' row of meta
 BEGIN
     SELECT r.status, r.attempt, r.instance_id, r.expires_ms, r.token
       INTO v_status, v_attempt, v_instance, v_expires, v_token
@@ -167,6 +177,15 @@ BEGIN
                 c_run_status := v_status; c_instance := v_instance;
                 RETURN;
             END IF;
+        END IF;
+    END IF;
+
+    IF NOT v_found AND p_scheduled AND p_slot <= v_last
+       AND p_reason IN ('scheduled', 'catch-up') THEN
+        SELECT m.value INTO v_trimmed FROM {meta} m WHERE m.key = 'trimmed:' || p_job;
+        IF v_trimmed IS NOT NULL AND p_slot <= v_trimmed::bigint THEN
+            c_status := 'finished'; c_attempt := 0;
+            RETURN;
         END IF;
     END IF;
 

@@ -13,15 +13,20 @@
 
 -- name: find_tables
 -- The schema, which of the four tables exist in it, and whether the claim functions of
--- this release all exist.
+-- this release all exist, the claim function (the first name) with its number of
+-- parameters (an earlier build of this unreleased version made it with fewer).
 SELECT n.nspname::text,
        ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c
-             WHERE c.relnamespace = n.oid AND c.relname = ANY(%s::text[])),
-       NOT EXISTS (SELECT 1 FROM unnest(%s::text[]) AS f(name)
+             WHERE c.relnamespace = n.oid AND c.relname = ANY(%(tables)s::text[])),
+       NOT EXISTS (SELECT 1 FROM unnest(%(functions)s::text[]) AS f(name)
                    WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
                                      WHERE p.pronamespace = n.oid AND p.proname = f.name))
+       AND EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
+                   WHERE p.pronamespace = n.oid
+                     AND p.proname = (%(functions)s::text[])[1]
+                     AND p.pronargs = %(claim_args)s::integer)
 FROM pg_catalog.pg_namespace n
-WHERE n.nspname = COALESCE(%s::text, current_schema())
+WHERE n.nspname = COALESCE(%(schema)s::text, current_schema())
 
 -- name: read_meta
 -- The table format and the store code version (absent before store code v2).
@@ -123,7 +128,7 @@ GRANT EXECUTE ON FUNCTION {claim}({claim_arg_types}) TO PUBLIC
 
 -- name: grant_batch
 GRANT EXECUTE ON FUNCTION {batch}(text[], bigint[], text[], text[], bigint[], text[],
-                                     boolean[], bigint[]) TO PUBLIC
+                                     boolean[], bigint[], boolean[]) TO PUBLIC
 
 -- name: grant_claim_v2
 GRANT EXECUTE ON FUNCTION {claim_v2}({claim_arg_types_v2}) TO PUBLIC
@@ -136,7 +141,7 @@ GRANT EXECUTE ON FUNCTION {batch_v2}(text[], bigint[], text[], text[], bigint[],
 GRANT EXECUTE ON FUNCTION {finish}(text, bigint, text, text, text) TO PUBLIC
 
 -- name: grant_claim_v3
-GRANT EXECUTE ON FUNCTION {claim_v3}({claim_arg_types}) TO PUBLIC
+GRANT EXECUTE ON FUNCTION {claim_v3}({claim_arg_types_v3}) TO PUBLIC
 
 -- name: grant_batch_v3
 GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[], text[],
@@ -147,13 +152,17 @@ GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[],
 GRANT EXECUTE ON FUNCTION {failover}(bigint) TO PUBLIC
 
 -- name: drop_claim_unfenced
--- Failover (issue 21): the claim and batch functions of this code version before they
--- returned the epoch (an unreleased store); CREATE OR REPLACE cannot change a result type.
-DROP FUNCTION IF EXISTS {claim}({claim_arg_types})
+-- The claim and batch functions of this code version made by earlier builds of this
+-- unreleased version: before they returned the epoch (failover, issue 21: CREATE OR
+-- REPLACE cannot change a result type), and before they took p_scheduled (the trimmed
+-- slots, issue 18).
+DROP FUNCTION IF EXISTS {claim}({claim_arg_types}), {claim}({claim_arg_types_v3})
 
 -- name: drop_batch_unfenced
 DROP FUNCTION IF EXISTS {batch}(text[], bigint[], text[], text[], bigint[], text[],
-                                boolean[], bigint[])
+                                boolean[], bigint[]),
+                        {batch}(text[], bigint[], text[], text[], bigint[], text[],
+                                boolean[], bigint[], boolean[])
 
 -- name: grant_claim_v1
 GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types_v2}) TO PUBLIC
@@ -161,13 +170,13 @@ GRANT EXECUTE ON FUNCTION {claim_v1}({claim_arg_types_v2}) TO PUBLIC
 -- name: claim
 SELECT c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance, c_epoch
 FROM {claim}(%s::text, %s::bigint, %s::text, %s::text, %s::bigint, %s::text,
-                %s::boolean, %s::bigint)
+                %s::boolean, %s::bigint, %s::boolean)
 
 -- name: claim_many
 SELECT c_index, c_status, c_now, c_attempt, c_reason, c_expires, c_run_status, c_instance,
        c_epoch
 FROM {batch}(%s::text[], %s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
-                %s::boolean[], %s::bigint[])
+                %s::boolean[], %s::bigint[], %s::boolean[])
 
 -- name: select_now
 SELECT {now}
@@ -318,8 +327,10 @@ SELECT job FROM {jobs} ORDER BY job
 -- name: trim_job
 -- One job's history trimmed outside a claim (the ticker's trimming, `anarchon prune`):
 -- attempts beyond the newest N and those finished more than M ms ago, at most a batch
--- of each, then the finished runs left with no attempt. Parameters: job, keep (N, a huge
--- number for no limit), older_than_ms (M, NULL for none), batch.
+-- of each, then the finished runs left with no attempt, the newest of whose slots is
+-- recorded in the row 'trimmed:<job>' of {meta} (never lowered; see the claim function: a
+-- scheduled claim of a slot at or before it starts no run). Parameters: job, keep (N, a
+-- huge number for no limit), older_than_ms (M, NULL for none), batch.
 WITH by_size AS (
     SELECT a.slot, a.attempt FROM {attempts} a WHERE a.job = %(job)s::text
     ORDER BY a.seq DESC OFFSET %(keep)s::bigint LIMIT %(batch)s::bigint
@@ -348,14 +359,22 @@ runs_gone AS (
           SELECT 1 FROM {attempts} a
           WHERE a.job = r.job AND a.slot = r.slot
             AND (a.slot, a.attempt) NOT IN (SELECT g.slot, g.attempt FROM gone g))
+    RETURNING r.slot),
+marked AS (
+    INSERT INTO {meta} AS m (key, value)
+    SELECT 'trimmed:' || %(job)s::text, max(d.slot)::text FROM runs_gone d
+    HAVING count(*) > 0
+    ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
+    WHERE m.value::bigint < EXCLUDED.value::bigint
     RETURNING 1)
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM runs_gone)
 
 -- name: trim_jobs
 -- The histories of many jobs trimmed in one statement, each job as trim_job trims it (at
--- most a batch by size and a batch by age per job). Parameters: jobs, keep (N, a huge
--- number for no limit), older_than_ms (M, NULL for none), batch. One row per job that
--- lost attempts.
+-- most a batch by size and a batch by age per job, its newest trimmed slot recorded; the
+-- 'trimmed:' rows are written in the order of the jobs, so two trimmings never wait for
+-- each other's rows in opposite orders). Parameters: jobs, keep (N, a huge number for no
+-- limit), older_than_ms (M, NULL for none), batch. One row per job that lost attempts.
 WITH j AS (
     SELECT DISTINCT x.job FROM unnest(%(jobs)s::text[]) AS x(job)),
 by_size AS (
@@ -387,6 +406,13 @@ runs_gone AS (
           WHERE a.job = r.job AND a.slot = r.slot
             AND (a.slot, a.attempt) NOT IN (
                 SELECT g.slot, g.attempt FROM gone g WHERE g.job = r.job))
+    RETURNING r.job, r.slot),
+marked AS (
+    INSERT INTO {meta} AS m (key, value)
+    SELECT 'trimmed:' || d.job, max(d.slot)::text FROM runs_gone d
+    GROUP BY d.job ORDER BY d.job
+    ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
+    WHERE m.value::bigint < EXCLUDED.value::bigint
     RETURNING 1)
 SELECT g.job, count(*) FROM gone g GROUP BY g.job
 

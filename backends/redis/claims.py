@@ -146,7 +146,7 @@ class RedisClaims(RedisStore):
             args.append(f"{int(request.slot)}|{request.token}|{int(request.lease_ms)}|"
                         f"{request.reason.value}|{1 if request.overlap_skip else 0}|"
                         f"{'' if limit is None else int(limit)}|{markers.get(request.job, '')}|"
-                        f"{seqs.get(request.job, '')}")
+                        f"{seqs.get(request.job, '')}|{1 if request.scheduled else 0}")
         return self._eval("claim_many", keys, args)
 
     def _claim_command(self, request: ClaimRequest) -> Command:
@@ -159,4 +159,4 @@ class RedisClaims(RedisStore):
                 request.reason.value, 1 if request.overlap_skip else 0,
                 "" if limit is None else int(limit), f"{tag}:run:",
                 self._markers.get(request.job, ""), self._longest_ms,
-                self._seqs.get(request.job, ""))
+                self._seqs.get(request.job, ""), 1 if request.scheduled else 0)

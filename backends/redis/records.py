@@ -102,7 +102,7 @@ class RedisRecords(RedisStore):
         for job in names:
             keys = self._job_keys(job)
             commands.append(self._eval(
-                "trim", [keys["hist"], keys["att"], keys["done"], keys["orphan"]],
+                "trim", [keys["hist"], keys["att"], keys["done"], keys["orphan"], keys["job"]],
                 ["" if keep is None else keep, "" if older_than_ms is None else older_than_ms,
                  f"{self._tag(job)}:run:", batch],
             ))

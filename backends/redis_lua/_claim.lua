@@ -1,7 +1,8 @@
 -- The claim of one run (the claim algorithm of lease_core.abc), as a function that
 -- claim.lua calls once and claim_many.lua once per claim.
 -- job hash      {p/job}:job    first_seen, last_slot, seq; sid (marker of the job's
---               data), lost and quiet (after a data loss, see 0.)
+--               data), lost and quiet (after a data loss, see 0.); trim (the newest
+--               slot whose run trimming deleted, see 2.)
 -- run hash      {p/job}:run:<slot>  st, att, tok, inst, exp, cp, n, tk (tk: takeovers,
 --               the attempts max_attempts counts besides the first; absent on runs
 --               written before it was kept); the attempts' records (see _prelude.lua)
@@ -116,7 +117,8 @@ local function server_moved(job, jf, rid, epoch, lease_ms, longest)
 end
 
 local function claim(job, run, open, hist, att, done, slot, inst, token, lease_ms, reason,
-                     overlap_skip, max_attempts, run_prefix, seen, longest, seen_seq)
+                     overlap_skip, max_attempts, run_prefix, seen, longest, seen_seq,
+                     scheduled)
   local slot_n = tonumber(slot)
 
   -- 0. Data loss (a restart without persistence, a failover to a lagging replica): the
@@ -126,8 +128,9 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   -- extends it, never shortens it). `seen` is the marker the caller saw ('' = none
   -- yet), `longest` the longest lease it knows (ms). The same HMGET reads the job's
   -- registration, watermark and history sequence.
-  local sid, lost, quiet, first, last, seq, paused, rid, ep = unpack(redis.call('HMGET', job,
-    'sid', 'lost', 'quiet', 'first_seen', 'last_slot', 'seq', 'paused', 'rid', 'ep'))
+  local sid, lost, quiet, first, last, seq, paused, rid, ep, trimmed = unpack(redis.call(
+    'HMGET', job, 'sid', 'lost', 'quiet', 'first_seen', 'last_slot', 'seq', 'paused', 'rid',
+    'ep', 'trim'))
   quiet = tonumber(quiet)
   -- Fences (issue 21): a job whose keys survived with its marker can still have lost its
   -- newest writes (a replica promoted a little behind, or while the old primary still
@@ -189,8 +192,18 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   local st, attempt, exp, holder, tok, tk, n, c, r, o, e, f = unpack(redis.call('HMGET', run,
     'st', 'att', 'exp', 'inst', 'tok', 'tk', 'n', 'c', 'r', 'o', 'e', 'f'))
 
-  -- 2. a new run: skipped behind a live earlier run, or won
+  -- 2. a new run: none for a slot trimmed past, skipped behind a live earlier run, or won
   if not st then
+    -- Trimmed slots (issue 18): 'trim' in the job hash is the newest slot whose run
+    -- trimming deleted (_trim.lua). A scheduled or catch-up claim of a slot at or before
+    -- it (and at or before the last slot claimed), for a job whose schedule starts its
+    -- runs (not a later workflow step), finds no run to start: the slot ran and was
+    -- trimmed, or its turn passed while newer runs ran and were trimmed.
+    if scheduled and trimmed and last and (reason == 'scheduled' or reason == 'catch-up')
+       and slot_n <= tonumber(last) and slot_n <= tonumber(trimmed) then
+      write_job(job, jf)
+      return reply('finished', 0, '', nil, '', sid, '', epoch, seq)
+    end
     -- Operations: a paused job's new slot is recorded skipped, never run nor caught up
     -- (a trigger's run exists already, so it is never a new one here).
     if paused and (reason == 'scheduled' or reason == 'catch-up') then

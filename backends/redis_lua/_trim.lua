@@ -1,10 +1,20 @@
 -- Trim one job's history: beyond its newest history_size attempts (nil: no limit), and
 -- attempts that finished history_ttl ms ago or more (nil: none), at most `limit` ids of
--- each kind per call; then delete finished runs left with no attempt. Returns how many
--- attempts it deleted. Reads both store formats (see _prelude.lua).
-local function trim_history(hist, att, done, orphan, run_prefix, history_size,
+-- each kind per call; then delete finished runs left with no attempt, and raise the
+-- job hash's 'trim' to the newest of their slots (never lowered; see _claim.lua, 2.: a
+-- scheduled claim of a slot at or before it starts no run). Returns how many attempts
+-- it deleted. Reads both store formats (see _prelude.lua).
+local function trim_history(job, hist, att, done, orphan, run_prefix, history_size,
                             history_ttl, limit)
   local removed = {}
+  local newest  -- the newest slot whose run is deleted here
+  local function delete_run(rk, s)
+    redis.call('DEL', rk)
+    local n = tonumber(s)
+    if n and (not newest or n > newest) then
+      newest = n
+    end
+  end
   if history_size then
     local excess = redis.call('ZCARD', hist) - history_size
     if excess > 0 then
@@ -40,7 +50,7 @@ local function trim_history(hist, att, done, orphan, run_prefix, history_size,
         end
         if redis.call('HINCRBY', rk, 'n', -1) <= 0 then
           if FINISHED[redis.call('HGET', rk, 'st')] then
-            redis.call('DEL', rk)  -- a finished run left with no attempt goes at once
+            delete_run(rk, s)  -- a finished run left with no attempt goes at once
           else
             redis.call('SADD', orphan, s)
           end
@@ -55,8 +65,14 @@ local function trim_history(hist, att, done, orphan, run_prefix, history_size,
     if not st or tonumber(n or '0') > 0 then
       redis.call('SREM', orphan, s)
     elseif FINISHED[st] then
-      redis.call('DEL', rk)
+      delete_run(rk, s)
       redis.call('SREM', orphan, s)
+    end
+  end
+  if newest then
+    local trimmed = tonumber(redis.call('HGET', job, 'trim'))
+    if not trimmed or trimmed < newest then
+      redis.call('HSET', job, 'trim', string.format('%d', newest))
     end
   end
   return count

@@ -75,7 +75,7 @@ class Claimer:
             ClaimRequest(
                 job.name, slot, settings.instance_id, os.urandom(16).hex(), job.lease_ms,
                 reason, job.overlap == "skip", job.max_attempts, settings.history_size,
-                settings.history_ttl_ms,
+                settings.history_ttl_ms, job.scheduled,
             )
             for job, slot, reason in claims
         ]
@@ -220,5 +220,11 @@ class Claimer:
                     s.bus.emit(ev.Escalated(**run, attempt=result.attempt, reason=reason,
                                             claim_duration=took))
             elif result.status is ClaimStatus.FINISHED:
+                if result.run_status is None:
+                    # No run, and the store trimmed the history of a run at or after
+                    # this slot: it ran and was trimmed, or its turn passed meanwhile.
+                    logger.info("%s slot %s not claimed: older than the history the "
+                                "store keeps, which was trimmed past it", job.name,
+                                format_slot(slot))
                 s.steps.seen_finished(job, slot, result.run_status)
         return result

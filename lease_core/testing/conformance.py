@@ -792,6 +792,41 @@ async def test_a_claim_leaves_trimming_to_prune(store: Store) -> None:
         await a.close()
 
 
+async def test_a_trimmed_slot_is_never_won_again(store: Store) -> None:
+    """A scheduled claim of a slot whose run finished and was trimmed away finds it
+    finished (attempt 0, no run status) instead of winning it a second time; so does one
+    of an older slot never claimed (its turn passed while newer runs ran and were
+    trimmed). A later workflow step's claim (``scheduled=False``) and a newer slot still
+    win, and so does a trigger's or a retry's claim of a run that exists."""
+    a = await started(store)
+    try:
+        for i in (1, 2, 3, 4):
+            r = req("tr", slot=SLOT + i, overlap_skip=False)
+            assert (await a.claim(r)).status is ClaimStatus.WON
+            await a.finish(lease_of(r), Outcome.COMPLETED)
+        assert await a.prune("tr", keep=2) == 2  # the runs of SLOT+1 and SLOT+2 go
+        assert ("tr", SLOT + 1) not in (await a.check([("tr", SLOT + 1)])).runs
+        for slot, reason in ((SLOT + 1, Reason.SCHEDULED), (SLOT + 2, Reason.CATCH_UP),
+                             (SLOT, Reason.SCHEDULED)):  # SLOT: never claimed, older
+            again = await a.claim(req("tr", slot=slot, reason=reason, instance="b"))
+            assert (again.status, again.attempt, again.run_status) == (
+                ClaimStatus.FINISHED, 0, None), (slot, again)
+        assert [h.slot for h in await a.history("tr")] == [SLOT + 4, SLOT + 3]
+        # A later workflow step's run is started by the step before it, not by a
+        # schedule: its store may have trimmed newer slots of the step already.
+        step = await a.claim(req("tr", slot=SLOT + 2, scheduled=False, overlap_skip=False))
+        assert step.status is ClaimStatus.WON and step.attempt == 1
+        newer = await a.claim(req("tr", slot=SLOT + 5, overlap_skip=False))
+        assert newer.status is ClaimStatus.WON
+        # Nothing trimmed yet: an older slot never claimed is still won (a late member
+        # covering a slot nobody claimed on time).
+        for i in (3, 1):
+            late = await a.claim(req("fresh", slot=SLOT + i, overlap_skip=False))
+            assert late.status is ClaimStatus.WON, late
+    finally:
+        await a.close()
+
+
 async def _members_or_skip(backend: Backend, instance_id: str, ttl_ms: int) -> list[str]:
     """``backend.members(...)``, or skip the check: a backend answering None keeps no
     membership (the contract's default), and has nothing else to check."""
