@@ -15,7 +15,6 @@ from typing import Any
 
 import anyio.lowlevel
 
-from lease_core._named_leases import LeaseAnswer, check_lease
 from lease_core._registry import check_url, merge_options, split_url_options
 from lease_core._structures import (
     Attempt,
@@ -47,6 +46,7 @@ from lease_core.errors import ConfigurationError
 from lease_core.operations import Operation, OperationResult
 
 from . import memory_operations
+from .memory_leases import MemoryNamedLeases
 
 __all__ = ["MemoryBackend"]
 
@@ -134,51 +134,6 @@ class _Fleet:
             self._members.pop(instance_id, None)
 
 
-class _NamedLeases:
-    """The named leases of :class:`MemoryBackend` (see :mod:`lease_core._named_leases`)."""
-
-    _lock: threading.Lock
-    #: name -> (token, expiry in ms on the backend's clock, holder or None).
-    _named: dict[str, tuple[int, int, str | None]]
-
-    def _now(self) -> int:
-        raise NotImplementedError  # pragma: no cover - MemoryBackend's own
-
-    async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
-        """Take ``name`` for ``holder`` when it is free, under the lock."""
-        check_lease(name, holder=holder, ttl_ms=ttl_ms)
-        with self._lock:
-            now = self._now()
-            token, expires, current = self._named.get(name, (0, 0, None))
-            live = expires > now
-            if live and current != holder:
-                return LeaseAnswer(False, token, expires, now, current)
-            token += 0 if live else 1
-            self._named[name] = (token, now + ttl_ms, holder)
-            return LeaseAnswer(True, token, now + ttl_ms, now, holder)
-
-    async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
-        """Extend the live hold of ``token`` to ``now + ttl_ms``, under the lock."""
-        check_lease(name, ttl_ms=ttl_ms, token=token)
-        with self._lock:
-            now = self._now()
-            held, expires, holder = self._named.get(name, (0, 0, None))
-            if held != token or expires <= now:
-                return None
-            self._named[name] = (token, now + ttl_ms, holder)
-            return now + ttl_ms
-
-    async def release_lease(self, name: str, token: int) -> bool:
-        """Free ``name`` if ``token`` holds it live, keeping the token, under the lock."""
-        check_lease(name, token=token)
-        with self._lock:
-            held, expires, _ = self._named.get(name, (0, 0, None))
-            if held != token or expires <= self._now():
-                return False
-            self._named[name] = (token, 0, None)
-            return True
-
-
 def _trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Run],
               jobs: dict[str, _Job], job: str, size: int | None, ttl_ms: int | None,
               now: int, batch: int) -> int:
@@ -215,7 +170,7 @@ def _clock_option(url: str, options: dict[str, Any]) -> Callable[[], float] | No
     return clock
 
 
-class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Backend):
+class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperations, Backend):
     """Keep runs, attempts and checkpoints in this process's memory.
 
     ``clock`` returns the store's time in seconds since the epoch; it defaults to the
@@ -238,7 +193,7 @@ class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Ba
         self._maintenance: tuple[int, str] | None = None
         #: The fleet's members: instance id -> end of its membership (ms, this clock).
         self._members: dict[str, int] = {}
-        self._named = {}  # the named leases (_NamedLeases)
+        self._named = {}  # the named leases (MemoryNamedLeases)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:
@@ -334,13 +289,12 @@ class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Ba
                 run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
                 history.append(memory_operations.paused_attempt(req, now, job.paused_by))
                 return result(ClaimStatus.SKIPPED, run)
-            if req.overlap_skip and self._earlier_live(req.job, req.slot, now):
+            why = req.overlap_skip and self._earlier_open(req.job, req.slot, now)
+            if why:
                 run = self._runs[key] = _Run(RunStatus.SKIPPED, 1, None, req.instance_id, None)
                 at = ms_to_datetime(now)
-                history.append(
-                    Attempt(req.job, req.slot, 1, req.instance_id, req.reason, at, at,
-                            Outcome.SKIPPED, "an earlier run of the job still holds its lease")
-                )
+                history.append(Attempt(req.job, req.slot, 1, req.instance_id, req.reason, at,
+                                       at, Outcome.SKIPPED, why))
                 return result(ClaimStatus.SKIPPED, run)
             run = self._runs[key] = _Run(
                 RunStatus.RUNNING, 1, req.token, req.instance_id, now + req.lease_ms
@@ -395,19 +349,24 @@ class MemoryBackend(_Fleet, _NamedLeases, memory_operations.MemoryOperations, Ba
         )
         return result(ClaimStatus.WON, run, reason)
 
-    def _earlier_live(self, job: str, slot: int, now: int) -> bool:
-        """True when a run of ``job`` before ``slot`` holds a live lease."""
+    def _earlier_open(self, job: str, slot: int, now: int) -> str | None:
+        """Why a new run of ``job`` at ``slot`` is skipped (overlap): a run before it holds
+        a live lease, or waits for its retry; None when neither."""
         slots = self._maybe_running.get(job)
         if not slots:
-            return False
-        found = False
+            return None
+        why = None
         for s in list(slots):
             r = self._runs.get((job, s))
-            if r is None or r.status is not RunStatus.RUNNING:
+            if r is None or r.status not in (RunStatus.RUNNING, RunStatus.RETRYING):
                 slots.discard(s)
-            elif s < slot and r.expires_ms is not None and r.expires_ms > now:
-                found = True
-        return found
+            elif s >= slot:
+                continue
+            elif r.status is RunStatus.RETRYING:
+                why = why or "an earlier run of the job waits for its retry"
+            elif r.expires_ms is not None and r.expires_ms > now:
+                why = "an earlier run of the job still holds its lease"
+        return why
 
     def _end_attempt(
         self, job: str, slot: int, attempt: int, now: int, outcome: Outcome, error: str | None

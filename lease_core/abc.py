@@ -22,8 +22,10 @@ jobs never wait for each other):
      7), return ``FINISHED`` with attempt 0 and no run status, writing nothing: the slot
      ran and its history was trimmed, or its turn passed while newer runs ran;
    - with ``overlap_skip``, when another run of the job with a smaller slot is
-     ``running`` with ``expires > now``, insert the run as ``skipped`` with one attempt
-     whose outcome is ``skipped`` and return ``SKIPPED``;
+     ``running`` with ``expires > now``, or ``retrying`` (whatever its due time: the run
+     has not ended), insert the run as ``skipped`` with one attempt whose outcome is
+     ``skipped`` (its error "an earlier run of the job still holds its lease", or, when
+     only retrying runs are earlier, "... waits for its retry") and return ``SKIPPED``;
    - otherwise insert it as ``running``, attempt 1, the request's token and reason,
      ``expires = now + lease``, and return ``WON``.
 

@@ -88,7 +88,8 @@ class StandingBy(RunEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Skipped(RunEvent):
-    """The run was recorded as skipped: an earlier run of the job still holds its lease."""
+    """The run was recorded as skipped: an earlier run of the job still holds its lease or
+    waits for its retry, or the job is paused."""
 
     reason: Reason
     claim_duration: float

@@ -93,6 +93,32 @@ async def test_a_transient_failure_is_retried_within_its_run(store: Store) -> No
     assert "try 1" in (log[2].detail or "")
 
 
+async def test_a_retry_never_runs_alongside_a_newer_slot_of_its_job(store: Store) -> None:
+    """overlap="skip" (the default): while a failed run waits 1.5 s for its retry, the
+    job's next slot (1 s later) is recorded skipped, not run beside the retry."""
+    runs: list[tuple[int, int, str]] = []
+    s = make(store, "a")
+
+    @s.every("each-second", "1s", retry=Retry(retries=1, backoff="1.5s", jitter=0))
+    async def each_second(ctx: RunContext) -> None:
+        runs.append((ctx.slot, ctx.attempt, ctx.reason))
+        if len(runs) == 1:
+            raise Transient("first")
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        await wait_for(lambda: bool(runs), timeout=5, what="the first run")
+        first = runs[0][0]
+        await wait_for(lambda: any(slot >= first + 2000 for slot, _, _ in runs), timeout=10,
+                       what="the slot after the skipped one")
+        await i.stop()
+    assert (first, 2, "retry") in runs, runs
+    assert not [r for r in runs if r[0] == first + 1000], runs
+    skipped = [a for a in await s.history("each-second") if a.slot == first + 1000]
+    assert [(a.outcome, a.error) for a in skipped] == [
+        ("skipped", "an earlier run of the job waits for its retry")]
+
+
 async def test_the_last_failure_ends_the_run_failed(store: Store) -> None:
     tries: list[int] = []
     s = make(store, "a")

@@ -318,8 +318,9 @@ async def test_a_v4_store_of_an_earlier_build_gets_the_claim_that_knows_trimmed_
     pg16_server: PgServer, anyio_backend: str
 ) -> None:
     """A v4 store made by an earlier build of this unreleased version has the claim
-    functions without ``p_scheduled``: a start replaces them (it does not take the
-    store for up to date because functions of those names exist)."""
+    functions without ``p_scheduled`` and the open runs' index without retrying runs: a
+    start replaces them (it does not take the store for up to date because functions of
+    those names exist), and the overlap check finds retrying runs through the index."""
     table = unique_table()
     first = PostgresBackend(pg16_server.dsn, table=table)
     await first.start()
@@ -334,6 +335,10 @@ async def test_a_v4_store_of_an_earlier_build_gets_the_claim_that_knows_trimmed_
         CREATE FUNCTION {batch}(text[], bigint[], text[], text[], bigint[], text[],
                                 boolean[], bigint[], OUT c_status text)
         LANGUAGE sql AS $$ SELECT 'won' $$""")
+    sql(pg16_server.admin_dsn, f"DROP INDEX {quote_ident(table + '_opens')}")
+    sql(pg16_server.admin_dsn, f"CREATE INDEX {quote_ident(table + '_open')} ON "
+                               f"{quote_ident(table)} (job, slot) "
+                               "WHERE status IN ('running', 'handed_over')")
     backend = PostgresBackend(pg16_server.dsn, table=table)
     await backend.start()
     try:
@@ -344,6 +349,16 @@ async def test_a_v4_store_of_an_earlier_build_gets_the_claim_that_knows_trimmed_
                    "SELECT pronargs FROM pg_proc WHERE proname = ANY(%s) ORDER BY proname",
                    ([f"{table}_batch_v{CODE_VERSION}", f"{table}_claim_v{CODE_VERSION}"],)
                    ) == [(9,), (9,)]
+        assert sql(pg16_server.admin_dsn,
+                   "SELECT indexname FROM pg_indexes WHERE tablename = %s ORDER BY 1",
+                   (table,)) == [(f"{table}_opens",), (f"{table}_pkey",)]
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            conn.execute("SET enable_seqscan = off")
+            plan = "\n".join(str(row[0]) for row in conn.execute(
+                f"EXPLAIN SELECT 1 FROM {quote_ident(table)} o WHERE o.job = 'j' "
+                "AND o.slot < 5 AND o.status IN ('running', 'retrying') "
+                "AND (o.status = 'retrying' OR o.expires_ms > 0)"))
+        assert f"{table}_opens" in plan, plan
     finally:
         await backend.close()
         await drop_tables(pg16_server.admin_dsn, table)

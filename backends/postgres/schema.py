@@ -28,6 +28,7 @@ from .statements import (
     FORMAT_VERSION,
     LEASE_SUFFIX,
     LOCK_NOT_AVAILABLE,
+    OPEN_SUFFIX,
     OPERATE_SUFFIX,
     Statements,
     sqlstate,
@@ -62,7 +63,8 @@ class StoreSchema:
             "functions": [self._name + suffix
                           for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX,
                                          OPERATE_SUFFIX, FAILOVER_SUFFIX, LEASE_SUFFIX)],
-            "claim_args": CLAIM_ARG_COUNT, "schema": self._schema})
+            "claim_args": CLAIM_ARG_COUNT, "open_index": self._name + OPEN_SUFFIX,
+            "schema": self._schema})
         if not rows:
             if self._schema is None:
                 raise ConfigurationError(
@@ -236,6 +238,9 @@ class StoreSchema:
         if code < 4:
             # Ending an attempt then changes no indexed column (see finish_v4.sql).
             await tx.all(self._sql.drop_attempts_finished)
+        # The open runs' index with 'retrying' (overlap skips behind a pending retry).
+        await tx.all(self._sql.create_runs_open)
+        await tx.all(self._sql.drop_runs_open_old)
         if code <= CODE_VERSION:
             # The names older releases call, as calls of this release's functions.
             for create, grant in ((self._sql.create_claim_v1, self._sql.grant_claim_v1),

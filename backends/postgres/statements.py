@@ -28,6 +28,7 @@ __all__ = [
     "LEASE_SUFFIX",
     "LOCK_NOT_AVAILABLE",
     "NOW",
+    "OPEN_SUFFIX",
     "OPERATE_SUFFIX",
     "QUERIES",
     "TRIM_BATCH",
@@ -57,6 +58,9 @@ BATCH_SUFFIX = f"_batch_v{CODE_VERSION}"
 #: The suffix of this release's finish function, ``<table>_end_v<CODE_VERSION>`` (store
 #: code v4 and later; short, so that it limits the table name no more than the others).
 FINISH_SUFFIX = f"_end_v{CODE_VERSION}"
+#: The suffix of the open runs' partial index (running, handed over, retrying), which
+#: replaced ``<table>_open`` (without retrying runs) in store code v4.
+OPEN_SUFFIX = "_opens"
 #: The suffix of this release's operations function, ``<table>_op_v<CODE_VERSION>``
 #: (``postgres_sql/operate_v<N>.sql``; lease_core/operations.py).
 OPERATE_SUFFIX = f"_op_v{CODE_VERSION}"
@@ -74,8 +78,8 @@ LOCK_NOT_AVAILABLE = "55P03"
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
-_SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", "_a_seq", "_a_claimed", "_a_job",
-             "_a_fin", "_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3",
+_SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", OPEN_SUFFIX, "_a_seq", "_a_claimed",
+             "_a_job", "_a_fin", "_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3",
              CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
              FAILOVER_SUFFIX, LEASE_SUFFIX)
 
@@ -247,7 +251,9 @@ class Statements:
             "attempts": prefix + quote_ident(name + "_attempts"),
             "jobs": prefix + quote_ident(name + "_jobs"),
             "meta": prefix + quote_ident(name + "_meta"),
-            "open_idx": quote_ident(name + "_open"),
+            "open_idx": quote_ident(name + OPEN_SUFFIX),
+            "open_idx_old": quote_ident(name + "_open"),
+            "open_idx_old_q": prefix + quote_ident(name + "_open"),
             "seq_idx": quote_ident(name + "_a_seq"),
             "claimed_idx": quote_ident(name + "_a_claimed"),
             "job_idx": quote_ident(name + "_a_job"),

@@ -203,17 +203,25 @@ BEGIN
                     'job paused by ' || v_paused);
             c_status := 'skipped'; c_attempt := 1; c_run_status := 'skipped';
             c_instance := p_instance;
+        -- Overlap: skipped while an earlier run holds a live lease or waits for its
+        -- retry (a retry is the same run going on: issue 19). Through the open runs'
+        -- partial index ({open_idx}), whose predicate the status list implies.
         ELSIF p_overlap_skip AND EXISTS (
                 SELECT 1 FROM {runs} o
-                WHERE o.job = p_job AND o.slot < p_slot AND o.status = 'running'
-                  AND o.expires_ms > v_now) THEN
+                WHERE o.job = p_job AND o.slot < p_slot AND o.status IN ('running', 'retrying')
+                  AND (o.status = 'retrying' OR o.expires_ms > v_now)) THEN
             INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms,
                                 takeovers)
             VALUES (p_job, p_slot, 'skipped', 1, NULL, p_instance, NULL, 0);
             INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
                                     finished_ms, outcome, error)
             VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now, v_now, 'skipped',
-                    'an earlier run of the job still holds its lease');
+                    CASE WHEN EXISTS (
+                             SELECT 1 FROM {runs} o
+                             WHERE o.job = p_job AND o.slot < p_slot AND o.status = 'running'
+                               AND o.expires_ms > v_now)
+                         THEN 'an earlier run of the job still holds its lease'
+                         ELSE 'an earlier run of the job waits for its retry' END);
             c_status := 'skipped'; c_attempt := 1; c_run_status := 'skipped';
             c_instance := p_instance;
         ELSE

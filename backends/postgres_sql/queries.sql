@@ -14,7 +14,8 @@
 -- name: find_tables
 -- The schema, which of the four tables exist in it, and whether the claim functions of
 -- this release all exist, the claim function (the first name) with its number of
--- parameters (an earlier build of this unreleased version made it with fewer).
+-- parameters (an earlier build of this unreleased version made it with fewer), and the
+-- open runs' index of this release (create_runs_open).
 SELECT n.nspname::text,
        ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c
              WHERE c.relnamespace = n.oid AND c.relname = ANY(%(tables)s::text[])),
@@ -25,6 +26,8 @@ SELECT n.nspname::text,
                    WHERE p.pronamespace = n.oid
                      AND p.proname = (%(functions)s::text[])[1]
                      AND p.pronargs = %(claim_args)s::integer)
+       AND EXISTS (SELECT 1 FROM pg_catalog.pg_class c
+                   WHERE c.relnamespace = n.oid AND c.relname = %(open_index)s::text)
 FROM pg_catalog.pg_namespace n
 WHERE n.nspname = COALESCE(%(schema)s::text, current_schema())
 
@@ -72,8 +75,14 @@ CREATE TABLE IF NOT EXISTS {runs} (
 )
 
 -- name: create_runs_open
+-- The open runs (running, handed over, or waiting for a retry), by job and slot: what a
+-- claim with overlap_skip, the heartbeat and the listing of open runs look for. It
+-- replaces {open_idx_old} (without 'retrying'), which drop_runs_open_old drops.
 CREATE INDEX IF NOT EXISTS {open_idx} ON {runs} (job, slot)
-WHERE status IN ('running', 'handed_over')
+WHERE status IN ('running', 'handed_over', 'retrying')
+
+-- name: drop_runs_open_old
+DROP INDEX IF EXISTS {open_idx_old_q}
 
 -- name: create_attempts
 CREATE TABLE IF NOT EXISTS {attempts} (

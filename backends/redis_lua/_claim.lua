@@ -213,17 +213,25 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
       seq = add_history(job, hist, jf, seq, slot .. ':1')
       return reply('skipped', 1, '', nil, 'skipped', sid, inst, epoch, seq)
     end
+    -- overlap: skipped while an earlier run holds a live lease, or waits for its retry
+    -- (a retry is the same run going on: issue 19)
     if overlap_skip then
+      local why
       for _, other in ipairs(redis.call('ZRANGEBYSCORE', open, '-inf', '(' .. slot)) do
         local ost, oexp = unpack(redis.call('HMGET', run_prefix .. other, 'st', 'exp'))
         if ost == 'running' and oexp and tonumber(oexp) > now then
-          redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst, 'n', 1,
-            'r', reason, 'c', now, 'o', 'skipped',
-            'e', 'an earlier run of the job still holds its lease', 'f', now)
-          redis.call('ZADD', done, now, slot .. ':1')
-          seq = add_history(job, hist, jf, seq, slot .. ':1')
-          return reply('skipped', 1, '', nil, 'skipped', sid, inst, epoch, seq)
+          why = 'an earlier run of the job still holds its lease'
+          break
+        elseif ost == 'retrying' then
+          why = 'an earlier run of the job waits for its retry'
         end
+      end
+      if why then
+        redis.call('HSET', run, 'st', 'skipped', 'att', 1, 'inst', inst, 'n', 1,
+          'r', reason, 'c', now, 'o', 'skipped', 'e', why, 'f', now)
+        redis.call('ZADD', done, now, slot .. ':1')
+        seq = add_history(job, hist, jf, seq, slot .. ':1')
+        return reply('skipped', 1, '', nil, 'skipped', sid, inst, epoch, seq)
       end
     end
     local moved

@@ -962,3 +962,26 @@ async def test_retry_later_leaves_the_run_retrying_until_due(store: Store) -> No
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_slot_is_skipped_while_an_earlier_run_waits_for_its_retry(
+        store: Store) -> None:
+    """``overlap_skip``: a new slot is skipped while an earlier run of the job waits for
+    its retry (the run goes on, holding no lease), as while one holds a live lease, and
+    the skip's error says which; a claim that allows overlap still wins."""
+    a = await started(store)
+    try:
+        if not supports_retries(a):
+            pytest.skip(f"{type(a).__name__} implements no retry_later()")
+        first = req("o")
+        assert (await a.claim(first)).status is ClaimStatus.WON
+        assert await a.retry_later([(lease_of(first), Outcome.FAILED, "boom", [60_000])]) == [1]
+        assert (await a.claim(req("o", slot=SLOT + 1))).status is ClaimStatus.SKIPPED
+        allowed = req("o", slot=SLOT + 2, overlap_skip=False)
+        assert (await a.claim(allowed)).status is ClaimStatus.WON
+        assert (await a.claim(req("o", slot=SLOT + 3))).status is ClaimStatus.SKIPPED
+        skipped = {h.slot: h.error for h in await a.history("o") if h.outcome is Outcome.SKIPPED}
+        assert skipped == {SLOT + 1: "an earlier run of the job waits for its retry",
+                           SLOT + 3: "an earlier run of the job still holds its lease"}
+    finally:
+        await a.close()
