@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from lease_core import ConfigurationError, RunContext, Scheduler
+from lease_core import Admin, ConfigurationError, RunContext, Scheduler
 from lease_core.engine.fleet import rendezvous_rank
 from lease_core.testing import claim_now, renew_membership
 from tests.helpers import (
@@ -356,6 +356,100 @@ async def trimmed_turns(store: Store) -> None:
     runs = Counter(slot for slot, _ in ran if slot >= since)
     assert runs and all(n == 1 for n in runs.values()), sorted(ran)
     assert {name for slot, name in ran if slot >= since} == {"top"}, sorted(ran)
+
+
+class ClaimsByJob:
+    """A backend wrapper counting, per job, the runs any instance asks to claim."""
+
+    def __init__(self, inner: Any, counts: Counter[str]) -> None:
+        self.inner, self.counts = inner, counts
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr in ("claim", "claim_many"):
+            async def claim(requests: Any) -> Any:
+                for request in requests if attr == "claim_many" else [requests]:
+                    self.counts[request.job] += 1
+                return await value(requests)
+            return claim
+        return value
+
+
+async def test_a_workflow_step_a_takeover_and_a_trigger_each_cost_about_one_claim(
+        store: Store) -> None:
+    await ranked_backups(store)
+
+
+async def ranked_backups(store: Store) -> None:
+    """On 5 members, the claims that follow a slot's first are ranked too (issue 18):
+    the next step of a workflow (claimed by its agent as it completes the step before;
+    the others only check it), the takeover of a crashed member's run, and the pick-up
+    of a triggered run each cost about one claim, not one per member."""
+    counts: Counter[str] = Counter()
+    ran: list[tuple[str, int, str]] = []
+    release, backed_up = anyio.Event(), anyio.Event()
+    names = [f"m{i}" for i in range(5)]
+    offset = quiet_offset(await store_now_ms(store.backend()))
+    schedulers = []
+    for name in names:
+        s = Scheduler(store.backend(), instance_id=name, **FAST)
+        s.backend = ClaimsByJob(s.backend, counts)  # type: ignore[assignment]
+        wf = s.workflow("wf", every="1h", offset=offset)
+        for step in ("one", "two", "three"):
+            async def run_step(ctx: RunContext, name: str = name) -> None:
+                ran.append((ctx.job, ctx.slot, name))
+                await backed_up.wait()  # every member backs the first step up
+            wf.step(step, run_step)
+
+        @s.every("held", "1h", offset=offset)
+        async def held(ctx: RunContext, name: str = name) -> None:
+            ran.append((ctx.job, ctx.slot, name))
+            if name == holder:
+                await release.wait()  # until its instance crashes
+
+        schedulers.append(s)
+    holder = next(n for n in names if rendezvous_rank("held", n, tuple(names)) == 0)
+    async with anyio.create_task_group() as tg:
+        fleet = [await Instance(s).start(tg) for s in schedulers]
+        await wait_for(lambda: all(s.health().fleet_size == 5 for s in schedulers),
+                       timeout=10, what="every member seeing the whole fleet")
+        first = schedulers[0]
+        slot = first.workflows["wf"].schedule.previous_at_or_before(first.store_now_ms())
+        assert slot is not None
+        counts.clear()
+        # A workflow run: every member backs its first step up, as at a scheduled slot.
+        for s in schedulers:
+            await claim_now(s, "wf", slot)
+        backed_up.set()
+        await wait_for(lambda: ("wf/three", slot) in {(j, sl) for j, sl, _ in ran},
+                       timeout=10, what="the workflow's last step")
+        # A run whose holder crashes: taken over by the next member in rank.
+        by_name = dict(zip(names, schedulers, strict=True))
+        for s in sorted(schedulers, key=lambda s: s.instance_id != holder):  # holder wins
+            await claim_now(s, "held", slot)
+        await wait_for(lambda: ("held", slot, holder) in ran, timeout=10, what="the held run")
+        fleet[names.index(holder)].crash()
+        await wait_for(lambda: [n for j, _, n in ran if j == "held"] != [holder], timeout=10,
+                       what="the takeover")
+        # A triggered run, picked up by one member.
+        triggered = await Admin(by_name[names[0]].backend).trigger("wf")
+        await wait_for(lambda: ("wf/three", triggered) in {(j, sl) for j, sl, _ in ran},
+                       timeout=10, what="the triggered run's last step")
+        live = [s for s in schedulers if s.instance_id != holder]
+        # Every member done backing them up: any late claim is made, and counted.
+        await wait_for(lambda: not any(s.watching for s in live), timeout=10,
+                       what="every member done with the runs")
+        release.set()
+        await stop_all([i for i, n in zip(fleet, names, strict=True) if n != holder])
+    steps = Counter((j, sl) for j, sl, _ in ran if j.startswith("wf/"))
+    assert all(n == 1 for n in steps.values()), steps
+    assert [n for j, _, n in ran if j == "held"].count(holder) == 1
+    # Each later step: its agent's claim, and at most one more (a member whose check
+    # came before the agent's claim). The first step of the triggered run is one
+    # pick-up, of the held run one takeover; each claimed by every member before.
+    assert counts["wf/two"] <= 2 * 2 and counts["wf/three"] <= 2 * 2, counts
+    assert counts["held"] <= 5 + 2, counts  # 5 first claims, about one takeover
+    assert counts["wf/one"] <= 5 + 2, counts  # 5 first claims, about one pick-up
 
 
 def current_slots(s: Scheduler, *jobs: str) -> list[int]:

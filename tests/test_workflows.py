@@ -17,6 +17,7 @@ from lease_core import ConfigurationError, LeaseLost, Outcome, Reason, RunContex
 from lease_core._status import workflow_status
 from lease_core._structures import ClaimRequest, Lease, RunStatus
 from lease_core.context import Checkpoint
+from lease_core.errors import BackendUnavailable
 from lease_core.recovery import step_job
 from lease_core.scheduler import parse_run_id
 from lease_core.testing import claim_now, claim_now_sync
@@ -128,6 +129,65 @@ async def test_a_later_step_runs_although_newer_runs_of_it_were_trimmed(
         await wait_workflow(s, slot, "completed")
         await i.stop()
     assert sorted(h.slot for h in await s.history(interest)) == [slot, slot + 7_200_000]
+
+
+class FinishFailsOnce:
+    """A backend wrapper whose first finish of ``job``'s runs does not reach the store."""
+
+    def __init__(self, inner: Any, job: str) -> None:
+        self.inner, self.job, self.failed = inner, job, False
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr not in ("finish", "finish_many"):
+            return value
+
+        async def finish(items: Any, *args: Any) -> Any:
+            leases = [item[0] for item in items] if attr == "finish_many" else [items]
+            if not self.failed and any(lease.job == self.job for lease in leases):
+                self.failed = True
+                raise BackendUnavailable("the finish did not reach the store")
+            return await value(items, *args)
+        return finish
+
+
+async def test_a_step_completed_before_its_lease_was_lost_does_not_run_again(
+        store: Store) -> None:
+    """The step's handler returned and its result was stored, fenced, but its finish did
+    not reach the store: the takeover's attempt completes the step with the stored
+    result instead of running the handler (and its effects) a second time."""
+    calls: list[tuple[str | None, int]] = []
+    seen: dict[str, Any] = {}
+    s = make(store, "a")
+    s.backend = FinishFailsOnce(s.backend, "close/interest")  # type: ignore[assignment]
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+
+    @close.step("snapshot")
+    async def snapshot(ctx: RunContext) -> int:
+        calls.append((ctx.step, ctx.attempt))
+        return 3
+
+    @close.step("interest")
+    async def interest(ctx: RunContext) -> int:
+        calls.append((ctx.step, ctx.attempt))
+        return ctx.results["snapshot"] * 2
+
+    @close.step("publish")
+    async def publish(ctx: RunContext) -> None:
+        calls.append((ctx.step, ctx.attempt))
+        seen.update(ctx.results)
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = current_slot(s)
+        await begin(s, slot)
+        await wait_workflow(s, slot, "completed")
+        await i.stop()
+    assert calls == [("snapshot", 1), ("interest", 1), ("publish", 1)]
+    assert seen == {"snapshot": 3, "interest": 6}
+    history = await s.history(step_job("close", "interest"))
+    assert sorted((h.attempt, h.reason, h.outcome) for h in history) == [
+        (1, "scheduled", "lost"), (2, "takeover", "completed")]
 
 
 async def test_the_next_step_starts_without_waiting_for_a_tick(store: Store) -> None:

@@ -208,8 +208,9 @@ class Claimer:
         else:
             s.runs.forget((job.name, slot))
             if result.status is ClaimStatus.SKIPPED:
-                logger.info("%s slot %s skipped: an earlier run still holds its lease, or "
-                            "the job is paused (its history says which)",
+                logger.info("%s slot %s skipped: an earlier run still holds its lease or "
+                            "waits for its retry, or the job is paused (its history says "
+                            "which)",
                             job.name, format_slot(slot))
                 if events:
                     s.bus.emit(ev.Skipped(**run, reason=reason, claim_duration=took))

@@ -274,6 +274,9 @@ class Executor:
 
     async def _call(self, job: Job, ctx: RunContext, slot: int, ran: _Ran) -> Any:
         if job.workflow is not None:
+            done, result = await self._s.steps.earlier_result(ctx)
+            if done:
+                return result
             ctx.results = await self._s.steps.load_results(job, slot)
         if job.is_async:
             return await job.handler(ctx)

@@ -150,6 +150,7 @@ class LeaseKeeper:
         claims: list[tuple[Job, int, Reason]] = []
         due: list[tuple[Job, int, Reason]] = []
         later: dict[int, list[tuple[str, int]]] = {}
+        interval = to_ms(s.settings.heartbeat)
         for key in keys:
             current = s.runs.get(key)
             if current is None or current.phase not in (Phase.WATCHING, Phase.RECLAIM,
@@ -157,25 +158,36 @@ class LeaseKeeper:
                 continue
             run = current
             state = result.runs.get(key)
-            if run.phase is Phase.PENDING:
-                if self._settle_pending(run, state, result.now_ms, due):
-                    later.setdefault(run.claim_after, []).append(key)
-                if state is None:
-                    continue
             if key in result.lost:
                 # Lost with the store's data while its holder may still run it: claim it
                 # again; the claim waits out the store's quarantine.
                 s.runs.forget(key)
                 await s.claims.claim(run.job, key[1], Reason.TAKEOVER)
+            elif run.phase is Phase.PENDING and not _ended(run, state):
+                if self._settle_pending(run, state, result.now_ms, due):
+                    later.setdefault(run.claim_after, []).append(key)
             elif state is None or state.status.finished:
                 s.runs.forget(key)
                 next_step = s.steps.successor(run.job, None if state is None else state.status)
                 if next_step is not None:
-                    # Supervisor: the step completed; make sure its successor is claimed
-                    # (by its agent, or by this instance if the agent died before).
-                    claims.append((next_step, key[1], Reason.SCHEDULED))
+                    # Supervisor: the step completed, and its agent claims the next step as
+                    # it completes it. The members make sure it was claimed in rank order:
+                    # the one ranked k claims it only if it is still unclaimed k + 1 check
+                    # intervals from now (issue 18: about one claim per step, not one per
+                    # member; an agent that died in between is covered an interval later).
+                    s.runs.pending(next_step, key[1], reason=Reason.SCHEDULED,
+                                   claim_after=result.now_ms
+                                   + (s.fleet.rank(next_step.name) + 1) * interval)
             elif state.claimable(result.now_ms):
-                claims.append((run.job, key[1], Reason.TAKEOVER))
+                # Expired, handed over, or its retry due: the live members but its holder
+                # take it over in rank order, the first at once (about one claim per
+                # takeover, not one per member).
+                rank = s.fleet.rank_after(run.job.name, state.instance_id)
+                if rank == 0:
+                    claims.append((run.job, key[1], Reason.TAKEOVER))
+                else:
+                    s.runs.take_turn(run.job, key[1], reason=Reason.TAKEOVER,
+                                     claim_after=result.now_ms + rank * interval)
         for at, keys_due in later.items():
             assert s.tg is not None
             s.tg.start_soon(self._cover_at, at, keys_due)
@@ -211,12 +223,12 @@ class LeaseKeeper:
 
     def _settle_pending(self, run: Run, state: RunState | None, now_ms: int,
                         claims: list[tuple[Job, int, Reason]]) -> bool:
-        """Act on what the store says of a ``PENDING`` run: claimed by another member
-        (back it up), unclaimed with its turn come (claim it: appended to ``claims``).
-        True when it is unclaimed and its turn comes later (a timer claims it then)."""
-        if state is not None:
-            if not state.status.finished:
-                self._s.runs.watch(run.job, run.slot)  # claimed by another: back it up
+        """Act on what the store says of a ``PENDING`` run that has not ended (see
+        :func:`_ended`): claimed by another member (back it up), unclaimed (no run, or
+        one to take over) with its turn come (claim it: appended to ``claims``). True when
+        it is unclaimed and its turn comes later (a timer claims it then)."""
+        if state is not None and not state.claimable(now_ms):
+            self._s.runs.watch(run.job, run.slot)  # claimed by another: back it up
             return False
         if now_ms >= run.claim_after:
             claims.append((run.job, run.slot, run.reclaim_reason or Reason.SCHEDULED))
@@ -247,8 +259,8 @@ class LeaseKeeper:
             for run in runs:
                 if s.runs.get(run.key) is run and run.phase is Phase.PENDING:
                     state = result.runs.get(run.key)
-                    if state is not None and state.status.finished:
-                        s.runs.forget(run.key)
+                    if _ended(run, state):
+                        s.runs.forget(run.key)  # (a next step is left to the ticks)
                     else:
                         self._settle_pending(run, state, max(result.now_ms, at_ms), claims)
             await s.claims.claim_many(claims)
@@ -264,7 +276,27 @@ class LeaseKeeper:
         if s.stopping or not s.jobs:
             return
         queued = await s.settings.backend.queued(list(s.jobs))
-        claims = [(s.jobs[job], slot, Reason.HAND_OVER) for job, slot in queued
-                  if job in s.jobs and s.runs.get((job, slot)) is None]
+        claims: list[tuple[Job, int, Reason]] = []
+        now_ms, interval = s.clock.now_ms(), to_ms(s.settings.heartbeat)
+        for name, slot in queued:
+            if name not in s.jobs or s.runs.get((name, slot)) is not None:
+                continue
+            # In rank order, as a takeover: the first member at once, the one ranked k
+            # only if the run is still queued k check intervals from now.
+            rank = s.fleet.rank(name)
+            if rank == 0:
+                claims.append((s.jobs[name], slot, Reason.HAND_OVER))
+            else:
+                s.runs.pending(s.jobs[name], slot, reason=Reason.HAND_OVER,
+                               claim_after=now_ms + rank * interval)
         if claims:
             await s.claims.claim_many(claims)
+
+
+def _ended(run: Run, state: RunState | None) -> bool:
+    """Whether a watched run is over: finished, or gone from the store (trimmed) when it
+    had been claimed before (a scheduled slot with no run is not: it is yet to claim)."""
+    if state is None:
+        return run.phase is not Phase.PENDING or run.reclaim_reason in (
+            Reason.TAKEOVER, Reason.HAND_OVER)
+    return state.status.finished

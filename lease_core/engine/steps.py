@@ -55,6 +55,26 @@ class StepCoordinator:
             # a burst) must not wait for that round trip.
             self._s.tg.start_soon(self._s.claims.claim, next_step, slot, Reason.SCHEDULED)
 
+    async def earlier_result(self, ctx: RunContext) -> tuple[bool, Any]:
+        """(True, its result) when an earlier attempt of this step completed it (its
+        handler returned and its result was stored, fenced) but lost its lease before
+        its finish was recorded: this attempt completes the step with that result,
+        without running the handler again (which would apply its effects twice).
+        (False, None) otherwise, or when the store does not answer (the handler runs)."""
+        if ctx.attempt < 2:
+            return False, None
+        try:
+            payload = await self._s.settings.backend.get_checkpoint(ctx.job, ctx.slot)
+        except AnarchonError as exc:
+            self._s.clock.failed(f"reading the checkpoint of {ctx.job}", exc)
+            return False, None
+        if not isinstance(payload, dict) or "result" not in payload:
+            return False, None
+        logger.warning("%s slot %s: completed by attempt %d before it lost its lease; "
+                       "attempt %d keeps its result and does not run the step again",
+                       ctx.job, format_slot(ctx.slot), ctx.attempt - 1, ctx.attempt)
+        return True, payload["result"]
+
     async def load_results(self, job: Job, slot: int) -> dict[str, Any]:
         """The results of the steps before ``job``'s, by step name."""
         assert job.workflow is not None
