@@ -15,12 +15,11 @@ jobs never wait for each other):
    the slot.
 2. If the run does not exist:
 
-   - for a ``scheduled`` request (:attr:`ClaimRequest.scheduled
-     <lease_core._structures.ClaimRequest.scheduled>`) with reason ``scheduled`` or
-     ``catch-up``, when the slot is at or before the job's ``last_slot`` as it was before
-     this claim and at or before the job's newest slot whose run trimming deleted (see
-     7), return ``FINISHED`` with attempt 0 and no run status, writing nothing: the slot
-     ran and its history was trimmed, or its turn passed while newer runs ran;
+   - for a request with ``scheduled`` set and reason ``scheduled`` or ``catch-up``, when
+     the slot is at or before the job's ``last_slot`` before this claim and at or before
+     its newest slot whose run trimming deleted (see 7), return ``FINISHED`` with attempt
+     0 and no run status, writing nothing: the slot ran and was trimmed, or its turn
+     passed while newer runs ran;
    - with ``overlap_skip``, when another run of the job with a smaller slot is
      ``running`` with ``expires > now``, or ``retrying`` (whatever its due time: the run
      has not ended), insert the run as ``skipped`` with one attempt whose outcome is
@@ -50,8 +49,7 @@ jobs never wait for each other):
    scheduler's maintenance for every job of the store, one instance at a time
    (:meth:`Backend.maintenance_due`). It keeps the newest ``history_size`` attempts,
    drops attempts that finished more than ``history_ttl`` ago, and deletes finished runs
-   that no longer have any attempt; open runs are never deleted. It keeps, per job, the
-   newest slot whose run it deleted (never lowered), atomically with the deletion, for 2.
+   with no attempt left (never open ones), keeping the newest slot it deleted per job, for 2.
 
 *Fencing.* :meth:`heartbeat`, :meth:`finish`, :meth:`hand_over` and
 :meth:`set_checkpoint` act only where the run's current token equals the caller's token
