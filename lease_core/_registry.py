@@ -35,6 +35,9 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "postgres": ("backends.postgres", "PostgresBackend", "postgres"),
     "postgresql+psycopg": ("backends.postgres", "PostgresBackend", "postgres"),
     "postgresql+pg8000": ("backends.postgres", "PostgresBackend", "pg8000"),
+    # the short scheme with a driver, as PostgresBackend accepts it
+    "postgres+psycopg": ("backends.postgres", "PostgresBackend", "postgres"),
+    "postgres+pg8000": ("backends.postgres", "PostgresBackend", "pg8000"),
     "redis": ("backends.redis", "RedisBackend", "redis"),
     "rediss": ("backends.redis", "RedisBackend", "redis"),
     "redis+sentinel": ("backends.redis", "RedisBackend", "redis"),
@@ -74,8 +77,9 @@ def _load_builtin(scheme: str) -> type[Backend]:
 def backend_from_url(url: str, **options: Any) -> Backend:
     """Make a backend from a URL; the scheme selects it.
 
-    Built in: ``memory://``, ``postgresql://`` and ``postgres://`` (also
-    ``postgresql+pg8000://``), ``redis://``, ``rediss://`` and ``unix://``; a libpq
+    Built in: ``memory://``, ``postgresql://`` and ``postgres://`` (also with a driver:
+    ``postgresql+pg8000://``, ``postgres+psycopg://``), ``redis://``, ``rediss://``,
+    ``redis+sentinel://`` and ``unix://``; a libpq
     key/value DSN (``host=db user=app password=...``) selects PostgreSQL. Other packages
     add schemes through the entry-point group ``anarchon.backends``; the entry point names
     the scheme and loads the backend class, which is built with ``cls.from_url(url,
@@ -245,6 +249,12 @@ def check_url(
                 )
     else:
         pairs = [(m.group(1), m.group(2).strip("'")) for m in _PAIR.finditer(url)]
+        for text in (v for key, value in pairs if key == "port" for v in value.split(",")):
+            if text and not (text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
+                raise ConfigurationError(
+                    f"the {kind} DSN {redact(url)!r} has the port {text!r}, which is not a "
+                    "number from 1 to 65535"
+                )
     unknown = [key for key, _ in pairs if key not in own and key not in driver]
     if unknown:
         drivers = f"; the driver's: {', '.join(sorted(driver))}" if driver else ""

@@ -15,6 +15,7 @@ from backends.memory import MemoryBackend
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core import ConfigurationError, backend_from_url
+from lease_core._registry import known_schemes
 from lease_core._structures import ClaimRequest, ClaimStatus
 from tests.helpers import install_toy_backend
 from tests.stores.postgres import PgServer, drop_tables, unique_table
@@ -138,6 +139,31 @@ def test_a_bad_value_reads_the_same_on_every_backend(url: str, value: str, must:
     assert text.startswith(says), text
     assert "invalid literal" not in text and "could not convert" not in text
     assert url.split("?")[0].split("://")[0] in text  # the URL is named
+
+
+def test_a_bad_duration_in_the_query_is_worded_for_a_url() -> None:
+    """``?timeout=`` names the value and what a URL may hold (no "timedelta")."""
+    with pytest.raises(ConfigurationError) as info:
+        backend_from_url("postgresql://db/app?timeout=soon")
+    assert str(info.value) == ("timeout='soon' must be a duration such as 30s, 500ms or 1m, "
+                               "or a number of seconds (?timeout=30s)")
+    assert isinstance(backend_from_url("postgresql://db/app?timeout=2.5"), PostgresBackend)
+
+
+@pytest.mark.parametrize("dsn", ["host=db port=abc dbname=app", "host=a,b port=5432,x",
+                                 "host=db port=70000"])
+def test_a_bad_port_in_a_key_value_dsn_is_refused_before_connecting(dsn: str) -> None:
+    """As in a URL: a configuration error (exit 2), not "cannot reach" (exit 1)."""
+    with pytest.raises(ConfigurationError, match="which is not a number from 1 to 65535"):
+        backend_from_url(dsn)
+
+
+def test_the_short_scheme_with_a_driver_is_known() -> None:
+    """``postgres+pg8000://`` and ``postgres+psycopg://``, which PostgresBackend takes, are
+    schemes of the registry too."""
+    for scheme in ("postgres+pg8000", "postgres+psycopg"):
+        assert scheme in known_schemes()
+        assert isinstance(backend_from_url(f"{scheme}://db/app"), PostgresBackend), scheme
 
 
 def test_memory_urls_go_through_the_one_check() -> None:

@@ -93,7 +93,20 @@ def _count(name: str, value: object) -> int:
 
 
 def _seconds(name: str, value: object) -> float:
-    return parse_duration(value, what=name)
+    if not isinstance(value, str):
+        return parse_duration(value, what=name)
+    try:  # text, as a URL's query gives it: a plain number is seconds there
+        number = float(value)
+    except ValueError:
+        number = None
+    if number is not None and number == number:  # (not NaN)
+        return parse_duration(number, what=name)
+    try:
+        return parse_duration(value, what=name)
+    except ConfigurationError:
+        raise ConfigurationError(
+            f"{name}={value!r} must be a duration such as 30s, 500ms or 1m, or a number of "
+            "seconds (?timeout=30s)") from None
 
 
 #: Options of the pool the backend opens from a DSN, and how their values are read.
