@@ -95,18 +95,6 @@ class Fleet:
                 job, self._s.settings.instance_id, members)
         return rank
 
-    def rank_after(self, job: str, holder: str | None) -> int:
-        """This instance's rank for ``job`` among the live members but ``holder`` (the
-        instance whose run is to be taken over, which is not to take it): 0 when it claims
-        first, or when unknown."""
-        members = self.members
-        if holder is None or members is None or holder not in members:
-            return self.rank(job)
-        others = tuple(m for m in members if m != holder)
-        if len(others) < 2:
-            return 0
-        return rendezvous_rank(job, self._s.settings.instance_id, others)
-
     async def renew(self) -> None:
         """Renew this instance's membership and learn the live members."""
         settings = self._s.settings

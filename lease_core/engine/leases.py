@@ -179,15 +179,9 @@ class LeaseKeeper:
                                    claim_after=result.now_ms
                                    + (s.fleet.rank(next_step.name) + 1) * interval)
             elif state.claimable(result.now_ms):
-                # Expired, handed over, or its retry due: the live members but its holder
-                # take it over in rank order, the first at once (about one claim per
-                # takeover, not one per member).
-                rank = s.fleet.rank_after(run.job.name, state.instance_id)
-                if rank == 0:
-                    claims.append((run.job, key[1], Reason.TAKEOVER))
-                else:
-                    s.runs.take_turn(run.job, key[1], reason=Reason.TAKEOVER,
-                                     claim_after=result.now_ms + rank * interval)
+                # Expired, handed over, or its retry due: every member backing it up
+                # claims it at once (the store decides; takeovers are rare).
+                claims.append((run.job, key[1], Reason.TAKEOVER))
         for at, keys_due in later.items():
             assert s.tg is not None
             s.tg.start_soon(self._cover_at, at, keys_due)

@@ -6,7 +6,6 @@ this instance has nothing to do with, or is done with::
     (none) --due, ranked after another member, or at capacity--> PENDING
     PENDING --still unclaimed when its turn comes--> CLAIMING
     PENDING --claimed by another--> WATCHING, or (none) once finished
-    WATCHING --to take over, ranked after another member--> PENDING
     (none) --claim sent--> CLAIMING --won--> HELD --handler ended--> FINISHING --> (none)
                               |  |             \\--won while stopping--> HANDING_OVER
                               |  \\--another holds it--> WATCHING --lease expired--> CLAIMING
@@ -227,15 +226,6 @@ class RunTable:
         key = (job.name, slot)
         run = self._runs.get(key)
         if run is None or run.phase in (Phase.CLAIMING, Phase.RECLAIM, Phase.PENDING):
-            self._runs[key] = Run(job, slot, Phase.PENDING, reclaim_reason=reason,
-                                  claim_after=claim_after)
-
-    def take_turn(self, job: Job, slot: int, *, claim_after: int, reason: Reason) -> None:
-        """A backed-up run to take over, ranked after another member: claim it at
-        ``claim_after`` (store ms) if it is still to take over then (``PENDING``)."""
-        key = (job.name, slot)
-        run = self._runs.get(key)
-        if run is None or run.phase in _WATCHED:
             self._runs[key] = Run(job, slot, Phase.PENDING, reclaim_reason=reason,
                                   claim_after=claim_after)
 
