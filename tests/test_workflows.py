@@ -17,6 +17,7 @@ from lease_core import ConfigurationError, LeaseLost, Outcome, Reason, RunContex
 from lease_core._status import workflow_status
 from lease_core._structures import ClaimRequest, Lease, RunStatus
 from lease_core.context import Checkpoint
+from lease_core.engine.fleet import group_of, member_name, rendezvous_rank
 from lease_core.errors import BackendUnavailable
 from lease_core.recovery import step_job
 from lease_core.scheduler import parse_run_id
@@ -151,15 +152,36 @@ class FinishFailsOnce:
         return finish
 
 
+class CheckpointReadFailsOnce:
+    """A backend wrapper whose first read of ``job``'s checkpoints does not answer."""
+
+    def __init__(self, inner: Any, job: str) -> None:
+        self.inner, self.job, self.failed = inner, job, False
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr != "get_checkpoint":
+            return value
+
+        async def read(job: str, slot: int) -> Any:
+            if job == self.job and not self.failed:
+                self.failed = True
+                raise BackendUnavailable("the read did not reach the store")
+            return await value(job, slot)
+        return read
+
+
 async def test_a_step_completed_before_its_lease_was_lost_does_not_run_again(
         store: Store) -> None:
     """The step's handler returned and its result was stored, fenced, but its finish did
     not reach the store: the takeover's attempt completes the step with the stored
-    result instead of running the handler (and its effects) a second time."""
+    result instead of running the handler (and its effects) a second time, even when
+    its first read of that result does not answer (it is read again)."""
     calls: list[tuple[str | None, int]] = []
     seen: dict[str, Any] = {}
     s = make(store, "a")
-    s.backend = FinishFailsOnce(s.backend, "close/interest")  # type: ignore[assignment]
+    s.backend = CheckpointReadFailsOnce(  # type: ignore[assignment]
+        FinishFailsOnce(s.backend, "close/interest"), "close/interest")
     close = s.workflow("close", every="1h", offset=quiet_offset_now())
 
     @close.step("snapshot")
@@ -188,6 +210,66 @@ async def test_a_step_completed_before_its_lease_was_lost_does_not_run_again(
     history = await s.history(step_job("close", "interest"))
     assert sorted((h.attempt, h.reason, h.outcome) for h in history) == [
         (1, "scheduled", "lost"), (2, "takeover", "completed")]
+
+
+async def test_a_backup_covers_the_step_after_one_completed_while_its_turn_was_coming(
+        store: Store) -> None:
+    """Member ``b`` backs up a workflow run whose agent is another member. Ranked second
+    for the next step, ``b`` checks it at its turn; the agent claims and completes that
+    step just before, then dies without claiming the one after: ``b`` must still back
+    that one up, and claim it (the run never stalls)."""
+    heartbeat = 0.5
+    ran: list[str | None] = []
+    b = make(store, "b", lease="3s", heartbeat=f"{heartbeat}s")
+    close = b.workflow("close", every="1h", offset=quiet_offset_now())
+    for step in STEPS:
+        close.step(step, lambda ctx: ran.append(ctx.step))
+    agent_id = next(f"agent-{n}" for n in range(100) if rendezvous_rank(
+        step_job("close", "interest"), "b", ("b", f"agent-{n}")) == 1)
+    agent = store.backend()
+    await agent.start()
+    alive = anyio.Event()
+
+    async def agent_membership() -> None:
+        name = member_name(agent_id, group_of(list(b.jobs)))
+        while not alive.is_set():
+            await agent.members(name, 3000)
+            await anyio.sleep(0.2)
+
+    async def complete(step: str, slot: int) -> None:
+        request = ClaimRequest(step_job("close", step), slot, agent_id, f"t-{step}", 60_000,
+                               scheduled=step == STEPS[0])
+        assert (await agent.claim(request)).attempt == 1
+        lease = Lease(request.job, slot, request.token, 60_000)
+        assert await agent.set_checkpoint(lease, {"result": step})
+        assert await agent.finish(lease, Outcome.COMPLETED)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(agent_membership)
+            i = await Instance(b).start(tg)
+            await wait_for(lambda: b.health().fleet_size == 2, timeout=10, what="two members")
+            slot = current_slot(b)
+            first = ClaimRequest(step_job("close", "snapshot"), slot, agent_id, "t-0", 60_000)
+            assert (await agent.claim(first)).attempt == 1
+            await begin(b, slot)  # b backs the agent's first step up
+            lease = Lease(first.job, slot, first.token, 60_000)
+            assert await agent.set_checkpoint(lease, {"result": "snapshot"})
+            assert await agent.finish(lease, Outcome.COMPLETED)
+            interest = (step_job("close", "interest"), slot)
+            await wait_for(lambda: interest in b.watching, timeout=5, interval=0.005,
+                           what="b backing the next step up")
+            # b's turn for it is two check intervals away: the agent completes it in the
+            # second interval, after b's next tick found it unclaimed, then dies.
+            await anyio.sleep(1.5 * heartbeat)
+            await complete("interest", slot)
+            alive.set()
+            await wait_workflow(b, slot, "completed", timeout=15)
+            await i.stop()
+            tg.cancel_scope.cancel()
+    finally:
+        await agent.close()
+    assert ran == ["publish"]
 
 
 async def test_the_next_step_starts_without_waiting_for_a_tick(store: Store) -> None:

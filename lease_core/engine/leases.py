@@ -150,7 +150,6 @@ class LeaseKeeper:
         claims: list[tuple[Job, int, Reason]] = []
         due: list[tuple[Job, int, Reason]] = []
         later: dict[int, list[tuple[str, int]]] = {}
-        interval = to_ms(s.settings.heartbeat)
         for key in keys:
             current = s.runs.get(key)
             if current is None or current.phase not in (Phase.WATCHING, Phase.RECLAIM,
@@ -167,17 +166,7 @@ class LeaseKeeper:
                 if self._settle_pending(run, state, result.now_ms, due):
                     later.setdefault(run.claim_after, []).append(key)
             elif state is None or state.status.finished:
-                s.runs.forget(key)
-                next_step = s.steps.successor(run.job, None if state is None else state.status)
-                if next_step is not None:
-                    # Supervisor: the step completed, and its agent claims the next step as
-                    # it completes it. The members make sure it was claimed in rank order:
-                    # the one ranked k claims it only if it is still unclaimed k + 1 check
-                    # intervals from now (issue 18: about one claim per step, not one per
-                    # member; an agent that died in between is covered an interval later).
-                    s.runs.pending(next_step, key[1], reason=Reason.SCHEDULED,
-                                   claim_after=result.now_ms
-                                   + (s.fleet.rank(next_step.name) + 1) * interval)
+                self._ended_run(run, state, result.now_ms)
             elif state.claimable(result.now_ms):
                 # Expired, handed over, or its retry due: every member backing it up
                 # claims it at once (the store decides; takeovers are rare).
@@ -214,6 +203,24 @@ class LeaseKeeper:
                 continue
             kept.append((job, slot, reason))
         return kept
+
+    def _ended_run(self, run: Run, state: RunState | None, now_ms: int) -> None:
+        """A backed-up run is over: stop backing it up, and back its workflow's next step
+        up if it completed.
+
+        Supervisor: the step completed, and its agent claims the next step as it completes
+        it. The members make sure it was claimed, in rank order: the one ranked k claims it
+        only if it is still unclaimed k + 1 check intervals from now (issue 18: about one
+        claim per step, not one per member; an agent that died in between is covered an
+        interval later).
+        """
+        s = self._s
+        s.runs.forget(run.key)
+        next_step = s.steps.successor(run.job, None if state is None else state.status)
+        if next_step is not None:
+            s.runs.pending(next_step, run.slot, reason=Reason.SCHEDULED,
+                           claim_after=now_ms + (s.fleet.rank(next_step.name) + 1)
+                           * to_ms(s.settings.heartbeat))
 
     def _settle_pending(self, run: Run, state: RunState | None, now_ms: int,
                         claims: list[tuple[Job, int, Reason]]) -> bool:
@@ -254,7 +261,7 @@ class LeaseKeeper:
                 if s.runs.get(run.key) is run and run.phase is Phase.PENDING:
                     state = result.runs.get(run.key)
                     if _ended(run, state):
-                        s.runs.forget(run.key)  # (a next step is left to the ticks)
+                        self._ended_run(run, state, result.now_ms)
                     else:
                         self._settle_pending(run, state, max(result.now_ms, at_ms), claims)
             await s.claims.claim_many(claims)
@@ -288,9 +295,9 @@ class LeaseKeeper:
 
 
 def _ended(run: Run, state: RunState | None) -> bool:
-    """Whether a watched run is over: finished, or gone from the store (trimmed) when it
-    had been claimed before (a scheduled slot with no run is not: it is yet to claim)."""
+    """Whether a watched run is over: finished, or gone from the store when it had been
+    claimed before: a watched one, or one an operation queued (a pending run to pick up,
+    see ``_pick_up``). Any other pending run with no run in the store is yet to claim."""
     if state is None:
-        return run.phase is not Phase.PENDING or run.reclaim_reason in (
-            Reason.TAKEOVER, Reason.HAND_OVER)
+        return run.phase is not Phase.PENDING or run.reclaim_reason is Reason.HAND_OVER
     return state.status.finished

@@ -60,14 +60,21 @@ class StepCoordinator:
         handler returned and its result was stored, fenced) but lost its lease before
         its finish was recorded: this attempt completes the step with that result,
         without running the handler again (which would apply its effects twice).
-        (False, None) otherwise, or when the store does not answer (the handler runs)."""
+        (False, None) otherwise. The read is tried again within the lease, as the earlier
+        steps' results are; a store that still does not answer fails the attempt (its
+        :class:`AnarchonError`) rather than run a step that may have completed."""
         if ctx.attempt < 2:
             return False, None
-        try:
-            payload = await self._s.settings.backend.get_checkpoint(ctx.job, ctx.slot)
-        except AnarchonError as exc:
-            self._s.clock.failed(f"reading the checkpoint of {ctx.job}", exc)
-            return False, None
+        s = self._s
+        for tries_left in (2, 1, 0):
+            try:
+                payload = await s.settings.backend.get_checkpoint(ctx.job, ctx.slot)
+                break
+            except AnarchonError as exc:
+                if not tries_left:
+                    raise
+                s.clock.failed(f"reading the checkpoint of {ctx.job}", exc)
+                await anyio.sleep(s.settings.heartbeat)
         if not isinstance(payload, dict) or "result" not in payload:
             return False, None
         logger.warning("%s slot %s: completed by attempt %d before it lost its lease; "
