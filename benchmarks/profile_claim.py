@@ -402,7 +402,7 @@ async def profile_pg(servers: Servers, n: int, rounds: int, cprof: bool) -> dict
                             won = result.status is ClaimStatus.WON
                         else:
                             params = (job, i + 1, INSTANCE, tokens[i], LEASE_MS, "scheduled",
-                                      True, None)
+                                      True, None, True)
                             row = await execute(backend._sql.claim, params)
                             won = row is not None and row[0] == "won"
                         if not won:

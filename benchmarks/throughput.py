@@ -111,7 +111,7 @@ class Variant:
 
 def _pg_claim_params(job: str, slot: int, token: str) -> tuple[Any, ...]:
     """The claim function's arguments, as the library sends them for the library's request."""
-    return (job, slot, INSTANCE, token, LEASE_MS, "scheduled", True, None)
+    return (job, slot, INSTANCE, token, LEASE_MS, "scheduled", True, None, True)
 
 
 async def raw_psycopg_claim(conn: psycopg.AsyncConnection[Any], s: Statements, job: str,
