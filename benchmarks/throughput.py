@@ -334,7 +334,7 @@ def pgbench_script(table: str) -> str:
     job = "('pgb' || :client_id || '-' || :r)"
     claim = _fill(s.claim, [
         job, str(SLOT), f"'{INSTANCE}'", "md5(:r::text)", str(LEASE_MS), "'scheduled'", "true",
-        "NULL"])
+        "NULL", "true"])
     return "\n".join([
         "\\set r random(1, 1000000000000)",
         claim + ";",
