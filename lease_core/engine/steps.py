@@ -65,16 +65,7 @@ class StepCoordinator:
         :class:`AnarchonError`) rather than run a step that may have completed."""
         if ctx.attempt < 2:
             return False, None
-        s = self._s
-        for tries_left in (2, 1, 0):
-            try:
-                payload = await s.settings.backend.get_checkpoint(ctx.job, ctx.slot)
-                break
-            except AnarchonError as exc:
-                if not tries_left:
-                    raise
-                s.clock.failed(f"reading the checkpoint of {ctx.job}", exc)
-                await anyio.sleep(s.settings.heartbeat)
+        payload = await self._read_checkpoint(ctx.job, ctx.slot)
         if not isinstance(payload, dict) or "result" not in payload:
             return False, None
         logger.warning("%s slot %s: completed by attempt %d before it lost its lease; "
@@ -82,24 +73,26 @@ class StepCoordinator:
                        ctx.job, format_slot(ctx.slot), ctx.attempt - 1, ctx.attempt)
         return True, payload["result"]
 
+    async def _read_checkpoint(self, job: str, slot: int) -> Any:
+        """A step run's checkpoint. A brief store outage must not fail the workflow run:
+        the read is tried again within the step's lease before its error is raised."""
+        s = self._s
+        for tries_left in (2, 1, 0):
+            try:
+                return await s.settings.backend.get_checkpoint(job, slot)
+            except AnarchonError as exc:
+                if not tries_left:
+                    raise
+                s.clock.failed(f"reading the checkpoint of {job}", exc)
+                await anyio.sleep(s.settings.heartbeat)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def load_results(self, job: Job, slot: int) -> dict[str, Any]:
         """The results of the steps before ``job``'s, by step name."""
         assert job.workflow is not None
-        s = self._s
         results: dict[str, Any] = {}
         for step in job.workflow.previous_steps(job):
-            name = step_job(job.workflow.name, step)
-            for tries_left in (2, 1, 0):
-                # A brief store outage must not fail the workflow run: try again within
-                # the step's lease before giving up.
-                try:
-                    payload = await s.settings.backend.get_checkpoint(name, slot)
-                    break
-                except AnarchonError as exc:
-                    if not tries_left:
-                        raise
-                    s.clock.failed(f"reading the result of {name}", exc)
-                    await anyio.sleep(s.settings.heartbeat)
+            payload = await self._read_checkpoint(step_job(job.workflow.name, step), slot)
             if not isinstance(payload, dict) or "result" not in payload:
                 # A completed step's result is stored before (or with) its completion:
                 # none means its run is gone (history trimmed past it). Running on with
