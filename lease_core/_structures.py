@@ -166,13 +166,15 @@ class ClaimRequest:
     history_size: int = 100
     history_ttl_ms: int | None = None
     scheduled: bool = True
-    """Whether the job's own schedule starts its runs (a job's, or a workflow's first
-    step's), as opposed to the step before it (a later workflow step: ``False``). A
-    ``scheduled`` or ``catch-up`` claim of such a run, when the store has no run for the
-    slot, has claimed the slot or a later one before, and trimmed the run of a slot at or
-    after it, finds it ``finished`` (attempt 0, no run status) and writes nothing: the
-    slot ran and was trimmed, or its turn passed while newer runs ran and were trimmed,
-    and it never runs a second time (see :mod:`lease_core.abc`, *Claim*)."""
+    """``False`` only for the first claim of a later workflow step by the instance that
+    has just completed the step before it: such a missing run is new even at or before
+    the job's trimmed history (steps of overlapping workflow runs come after newer runs
+    of the step were trimmed). Any other ``scheduled`` or ``catch-up`` claim, when the
+    store has no run for the slot, has claimed the slot or a later one before, and
+    trimmed the run of a slot at or after it, finds it ``finished`` (attempt 0, no run
+    status) and writes nothing: the slot ran and was trimmed, or its turn passed while
+    newer runs ran and were trimmed, and it never runs a second time (see
+    :mod:`lease_core.abc`, *Claim*)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import pytest
 
 from lease_core import ConfigurationError, LeaseLost, Outcome, Reason, RunContext, Scheduler
 from lease_core._status import workflow_status
-from lease_core._structures import ClaimRequest, Lease, RunStatus
+from lease_core._structures import ClaimRequest, ClaimStatus, Lease, RunStatus
 from lease_core.context import Checkpoint
 from lease_core.engine.fleet import group_of, member_name, rendezvous_rank
 from lease_core.errors import BackendUnavailable
@@ -130,6 +130,79 @@ async def test_a_later_step_runs_although_newer_runs_of_it_were_trimmed(
         await wait_workflow(s, slot, "completed")
         await i.stop()
     assert sorted(h.slot for h in await s.history(interest)) == [slot, slot + 7_200_000]
+
+
+class ClaimAnswers:
+    """A backend wrapper keeping the answers to claims of ``job``'s runs."""
+
+    def __init__(self, inner: Any, job: str) -> None:
+        self.inner, self.job = inner, job
+        self.answers: list[tuple[int, bool, Any]] = []  # (slot, scheduled, result)
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr not in ("claim", "claim_many"):
+            return value
+
+        async def claim(requests: Any) -> Any:
+            many = attr == "claim_many"
+            results = await value(requests)
+            pairs = zip(requests, results, strict=True) if many else [(requests, results)]
+            self.answers.extend((r.slot, r.scheduled, a) for r, a in pairs
+                                if r.job == self.job)
+            return results
+        return claim
+
+
+async def ran_elsewhere(backend: Any, step: str, slot: int, *, finish: bool = True) -> Lease:
+    """Run ``step`` of the close workflow's run ``slot`` as another instance would."""
+    job = step_job("close", step)
+    request = ClaimRequest(job, slot, "elsewhere", f"t-{step}-{slot}", 60_000,
+                           scheduled=step == STEPS[0])
+    assert (await backend.claim(request)).attempt == 1
+    lease = Lease(job, slot, request.token, 60_000)
+    if finish:
+        await backend.finish(lease, Outcome.COMPLETED)
+    return lease
+
+
+@pytest.mark.parametrize("seen", ["at start", "as a backup"])
+async def test_a_later_step_that_ran_and_was_trimmed_never_runs_again(
+        store: Store, seen: str) -> None:
+    """The step before completed; the step ran, and newer runs of it trimmed it away.
+    An instance that finds the step before completed, at start or as its backup at its
+    turn, does not run the step again: only the agent's own claim of the next step,
+    made as it completes the step before, starts a run past the trimmed history."""
+    s = make(store, "late")
+    ran: list[tuple[str | None, int]] = []
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+    for step in STEPS:
+        async def handler(ctx: RunContext) -> None:
+            ran.append((ctx.step, ctx.slot))
+        close.step(step, handler)
+    interest = step_job("close", "interest")
+    store_ = s.backend
+    wrapped = ClaimAnswers(store_, interest)  # the late instance's claims
+    s.backend = wrapped  # type: ignore[assignment]
+    slot = current_slot(s)
+    await store_.start()  # the tables, before the late instance starts
+    first = await ran_elsewhere(store_, "snapshot", slot, finish=seen == "at start")
+    await ran_elsewhere(store_, "interest", slot)
+    await ran_elsewhere(store_, "interest", slot + 3_600_000)  # a newer run of the step
+    assert await store_.prune(interest, keep=1) == 1  # trimmed past ``slot``
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        if seen == "as a backup":  # watched since start, completed now
+            await wrapped.finish(first, Outcome.COMPLETED)
+        await wait_for(lambda: any(at == slot for at, _, _ in wrapped.answers), timeout=10,
+                       what="the late instance's claim of the step")
+        await i.stop()
+    ((_, scheduled, answer),) = [a for a in wrapped.answers if a[0] == slot]
+    assert scheduled  # not the agent's claim
+    assert (answer.status, answer.attempt, answer.run_status) == (
+        ClaimStatus.FINISHED, 0, None)
+    assert ran == []
+    assert [h.slot for h in await s.history(interest)] == [slot + 3_600_000]
 
 
 class FinishFailsOnce:

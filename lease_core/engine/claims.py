@@ -52,13 +52,20 @@ class Claimer:
 
     async def claim_many(
         self, claims: Sequence[tuple[Job, int, Reason]], *,
-        deferred: list[Run] | None = None,
+        deferred: list[Run] | None = None, after_step: bool = False,
     ) -> list[ClaimResult | None]:
         """Claim several runs at once; each answer as :meth:`claim` gives it.
 
         With ``deferred``, the runs won are held but their handlers not started: they are
         appended there for the caller to start (see :meth:`Executor.launch
         <lease_core.engine.execution.Executor.launch>`).
+
+        ``after_step``: the claims are of later workflow steps, sent once by the instance
+        that has just completed the step before each. Only those start a run the store
+        finds missing past its trimmed history (:attr:`ClaimRequest.scheduled` False):
+        steps of overlapping workflow runs come after newer runs of the step were
+        trimmed. Any other claim of a later step (a backup's at its turn, a retry, at
+        start) may come after the run ran and was trimmed, and starts nothing then.
         """
         s = self._s
         if not claims:
@@ -70,12 +77,12 @@ class Claimer:
             free = (settings.max_running - s.runs.held_count - self._claims_in_flight
                     - s.execution.abandoned_threads)
             if free < len(claims):
-                return await self._claim_within(claims, max(0, free), deferred)
+                return await self._claim_within(claims, max(0, free), deferred, after_step)
         requests = [
             ClaimRequest(
                 job.name, slot, settings.instance_id, os.urandom(16).hex(), job.lease_ms,
                 reason, job.overlap == "skip", job.max_attempts, settings.history_size,
-                settings.history_ttl_ms, job.scheduled,
+                settings.history_ttl_ms, job.scheduled or not after_step,
             )
             for job, slot, reason in claims
         ]
@@ -116,13 +123,15 @@ class Claimer:
         return results
 
     async def _claim_within(self, claims: Sequence[tuple[Job, int, Reason]], free: int,
-                            deferred: list[Run] | None) -> list[ClaimResult | None]:
+                            deferred: list[Run] | None,
+                            after_step: bool) -> list[ClaimResult | None]:
         # At capacity: claim what fits; the rest wait, pending, until a handler ends (the
         # member ranked next takes them meanwhile if it can).
         now = self._s.clock.now_ms()
         for job, slot, reason in claims[free:]:
             self._s.runs.pending(job, slot, claim_after=now, reason=reason)
-        results = await self.claim_many(claims[:free], deferred=deferred) if free else []
+        results = (await self.claim_many(claims[:free], deferred=deferred,
+                                         after_step=after_step) if free else [])
         return results + [None] * (len(claims) - free)
 
     async def drain(self, seconds: float) -> None:
@@ -224,8 +233,15 @@ class Claimer:
                 if result.run_status is None:
                     # No run, and the store trimmed the history of a run at or after
                     # this slot: it ran and was trimmed, or its turn passed meanwhile.
-                    logger.info("%s slot %s not claimed: older than the history the "
-                                "store keeps, which was trimmed past it", job.name,
-                                format_slot(slot))
+                    if job.scheduled:
+                        logger.info("%s slot %s not claimed: older than the history the "
+                                    "store keeps, which was trimmed past it", job.name,
+                                    format_slot(slot))
+                    else:  # a later step whose agent did not claim it (ClaimRequest)
+                        logger.warning(
+                            "%s slot %s not claimed: the step's history was trimmed past "
+                            "this slot, so it ran already, or its workflow run stops "
+                            "here (keep more history than workflow runs overlap)",
+                            job.name, format_slot(slot))
                 s.steps.seen_finished(job, slot, result.run_status)
         return result

@@ -41,10 +41,15 @@ class StepCoordinator:
         return job.next_step if status is RunStatus.COMPLETED else None
 
     async def completed(self, job: Job, slot: int) -> None:
-        """This instance completed ``job``'s run: claim the next step now, without a tick."""
+        """This instance completed ``job``'s run: claim the next step now, without a tick.
+
+        The only claim of a later step that starts a run past the step's trimmed history
+        (``after_step``): this instance knows the step was never claimed before.
+        """
         next_step = job.next_step
         if next_step is not None:
-            await self._s.claims.claim(next_step, slot, Reason.SCHEDULED)
+            await self._s.claims.claim_many([(next_step, slot, Reason.SCHEDULED)],
+                                            after_step=True)
 
     def seen_finished(self, job: Job, slot: int, status: RunStatus | None) -> None:
         """A claim found ``job``'s run finished: back up the next step if it completed."""
