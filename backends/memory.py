@@ -140,8 +140,9 @@ def _trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _R
     """Trim ``job``'s history (:meth:`Backend.prune`); return the attempts deleted."""
     history = attempts.get(job, [])
     doomed: set[int] = set()
-    if size is not None and len(history) > size:
-        doomed.update(range(min(len(history) - size, batch)))
+    if size is not None and len(history) > size:  # never an open run's attempt
+        beyond = [i for i in range(len(history) - size) if history[i].finished_at is not None]
+        doomed.update(beyond[:batch])
     if ttl_ms is not None:
         cutoff = ms_to_datetime(now - ttl_ms)
         old = [i for i, a in enumerate(history)

@@ -47,9 +47,9 @@ jobs never wait for each other):
 7. A claim trims no history (the request's ``history_size`` and ``history_ttl_ms`` are
    for backends of their own that still do): :meth:`Backend.prune` does, called by the
    scheduler's maintenance for every job of the store, one instance at a time
-   (:meth:`Backend.maintenance_due`). It keeps the newest ``history_size`` attempts,
-   drops attempts that finished more than ``history_ttl`` ago, and deletes finished runs
-   with no attempt left (never open ones), keeping the newest slot it deleted per job, for 2.
+   (:meth:`Backend.maintenance_due`). It keeps the newest ``history_size`` attempts and
+   any not finished, drops those that finished ``history_ttl`` ago, and deletes finished
+   runs with no attempt left (never open ones), keeping their newest slot per job, for 2.
 
 *Fencing.* :meth:`heartbeat`, :meth:`finish`, :meth:`hand_over` and
 :meth:`set_checkpoint` act only where the run's current token equals the caller's token
@@ -456,12 +456,12 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
                     older_than_ms: int | None = None, batch: int = 1000) -> int:
         """Trim ``job``'s history now (the scheduler's maintenance, ``anarchon prune``).
 
-        Deletes the attempts beyond the newest ``keep`` (``None``: no limit) and those that
-        finished more than ``older_than_ms`` ago on the store's clock (``None``: none), at
-        most ``batch`` of each kind per call, then the finished runs (and checkpoints) left
-        with no attempt. Open runs are never deleted. Returns how many attempts were
-        deleted: call again while it returns a full batch. Implement this or
-        :meth:`prune_many`: the one inherited here is a batch of one,
+        Deletes the finished attempts beyond the newest ``keep`` (``None``: no limit; an
+        open run's stays) and those that finished more than ``older_than_ms`` ago on the
+        store's clock (``None``: none), at most ``batch`` of each kind per call, then the
+        finished runs (and checkpoints) left with no attempt; never an open run. Returns
+        how many attempts were deleted: call again while it returns a full batch.
+        Implement this or :meth:`prune_many`: the one inherited here is a batch of one,
         ``prune_many([job])``, and deletes nothing when neither is implemented. Every
         built-in backend implements :meth:`prune_many`.
         """

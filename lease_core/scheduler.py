@@ -115,8 +115,8 @@ class Scheduler:
     ``prune_every`` (``None``: never; run ``anarchon prune`` instead) one instance of the
     fleet, the one whose :meth:`Backend.maintenance_due
     <lease_core.abc.Backend.maintenance_due>` wins the period, trims every job in the store,
-    declared or not, to its newest ``history_size`` attempts and drops attempts finished
-    more than ``history_ttl`` ago, :data:`PRUNE_JOBS` jobs per
+    declared or not, to its newest ``history_size`` attempts (and any still running) and
+    drops attempts finished more than ``history_ttl`` ago, :data:`PRUNE_JOBS` jobs per
     :meth:`~lease_core.abc.Backend.prune_many` call and at most :data:`PRUNE_BATCH`
     attempts of each kind per job and call, for at most half the period (the next period
     goes on where it stopped). It reports

@@ -335,14 +335,20 @@ SELECT job FROM {jobs} ORDER BY job
 
 -- name: trim_job
 -- One job's history trimmed outside a claim (the ticker's trimming, `anarchon prune`):
--- attempts beyond the newest N and those finished more than M ms ago, at most a batch
+-- finished attempts beyond the newest N and those finished more than M ms ago, at most a batch
 -- of each, then the finished runs left with no attempt, the newest of whose slots is
 -- recorded in the row 'trimmed:<job>' of {meta} (never lowered; see the claim function: a
 -- scheduled claim of a slot at or before it starts no run). Parameters: job, keep (N, a
 -- huge number for no limit), older_than_ms (M, NULL for none), batch.
+-- by size: the attempts at or before the one just beyond the newest N, less those not
+-- finished (an open run's: deleting it would leave the run with nothing to trim once
+-- it ends), through the attempts' index by (job, seq)
 WITH by_size AS (
-    SELECT a.slot, a.attempt FROM {attempts} a WHERE a.job = %(job)s::text
-    ORDER BY a.seq DESC OFFSET %(keep)s::bigint LIMIT %(batch)s::bigint
+    SELECT a.slot, a.attempt FROM {attempts} a
+    WHERE a.job = %(job)s::text AND a.finished_ms IS NOT NULL
+      AND a.seq <= (SELECT b.seq FROM {attempts} b WHERE b.job = %(job)s::text
+                    ORDER BY b.seq DESC OFFSET %(keep)s::bigint LIMIT 1)
+    ORDER BY a.seq DESC LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
 -- by age: through the attempts' index by claim time (an attempt is claimed before it
 -- finishes); the attempts have no index by finish time (none after store code v3)
@@ -388,8 +394,11 @@ WITH j AS (
     SELECT DISTINCT x.job FROM unnest(%(jobs)s::text[]) AS x(job)),
 by_size AS (
     SELECT s.job, s.slot, s.attempt FROM j CROSS JOIN LATERAL (
-        SELECT a.job, a.slot, a.attempt FROM {attempts} a WHERE a.job = j.job
-        ORDER BY a.seq DESC OFFSET %(keep)s::bigint LIMIT %(batch)s::bigint
+        SELECT a.job, a.slot, a.attempt FROM {attempts} a
+        WHERE a.job = j.job AND a.finished_ms IS NOT NULL
+          AND a.seq <= (SELECT b.seq FROM {attempts} b WHERE b.job = j.job
+                        ORDER BY b.seq DESC OFFSET %(keep)s::bigint LIMIT 1)
+        ORDER BY a.seq DESC LIMIT %(batch)s::bigint
         FOR UPDATE SKIP LOCKED) s),
 by_age AS (
     SELECT s.job, s.slot, s.attempt FROM j CROSS JOIN LATERAL (

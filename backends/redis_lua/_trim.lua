@@ -1,6 +1,6 @@
--- Trim one job's history: beyond its newest history_size attempts (nil: no limit), and
--- attempts that finished history_ttl ms ago or more (nil: none), at most `limit` ids of
--- each kind per call; then delete finished runs left with no attempt, and raise the
+-- Trim one job's history: finished attempts beyond its newest history_size (nil: no
+-- limit), and attempts that finished history_ttl ms ago or more (nil: none), at most
+-- `limit` ids of each kind per call; then delete finished runs left with no attempt, and raise the
 -- job hash's 'trim' to the newest of their slots (never lowered; see _claim.lua, 2.: a
 -- scheduled claim of a slot at or before it starts no run). Returns how many attempts
 -- it deleted. Reads both store formats (see _prelude.lua).
@@ -16,11 +16,18 @@ local function trim_history(job, hist, att, done, orphan, run_prefix, history_si
     end
   end
   if history_size then
+    -- the oldest beyond the newest history_size, less those not finished (an open run's:
+    -- deleting it would leave the run with no history while it runs)
     local excess = redis.call('ZCARD', hist) - history_size
-    if excess > 0 then
-      for _, id in ipairs(redis.call('ZRANGE', hist, 0, math.min(excess, limit) - 1)) do
-        removed[#removed + 1] = id
+    local from = 0
+    while excess > from and #removed < limit do
+      local upto = math.min(excess, from + limit) - 1
+      for _, id in ipairs(redis.call('ZRANGE', hist, from, upto)) do
+        if #removed < limit and redis.call('ZSCORE', done, id) then
+          removed[#removed + 1] = id
+        end
       end
+      from = upto + 1
     end
   end
   if history_ttl then

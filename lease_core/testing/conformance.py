@@ -827,6 +827,31 @@ async def test_a_trimmed_slot_is_never_won_again(store: Store) -> None:
         await a.close()
 
 
+async def test_trimming_keeps_an_open_run_s_attempt_and_deletes_the_run_once_over(
+        store: Store) -> None:
+    """By size, trimming never deletes the attempt of a run still open (it would leave
+    the run with no history while it runs, and with nothing to trim once it ends): it
+    keeps it beyond the newest ``keep``, and deletes it, and the run, once the run has
+    finished."""
+    a = await started(store)
+    try:
+        long = req("orph", slot=SLOT, overlap_skip=False, lease_ms=60_000)
+        assert (await a.claim(long)).status is ClaimStatus.WON
+        for i in (1, 2, 3):
+            r = req("orph", slot=SLOT + i, overlap_skip=False)
+            await a.claim(r)
+            await a.finish(lease_of(r), Outcome.COMPLETED)
+        assert await a.prune("orph", keep=1) == 2  # SLOT+1 and SLOT+2, not the open one
+        assert [h.slot for h in await a.history("orph")] == [SLOT + 3, SLOT]
+        assert await a.finish(lease_of(long), Outcome.COMPLETED)
+        assert await a.prune("orph", keep=1) == 1
+        assert [h.slot for h in await a.history("orph")] == [SLOT + 3]
+        assert set((await a.check([("orph", SLOT), ("orph", SLOT + 3)])).runs) == {
+            ("orph", SLOT + 3)}
+    finally:
+        await a.close()
+
+
 async def _members_or_skip(backend: Backend, instance_id: str, ttl_ms: int) -> list[str]:
     """``backend.members(...)``, or skip the check: a backend answering None keeps no
     membership (the contract's default), and has nothing else to check."""
