@@ -147,8 +147,9 @@ class StoreSchema:
                     f"older than v{CODE_VERSION} this anarchon needs, and this user may not "
                     f"upgrade it; {command} ({reason})"
                 ) from exc
-            what = (f"the claim function {self._function_name()} of the anarchon tables for "
-                    f"{self.table!r} is missing and this user may not create it"
+            what = (f"the functions (such as {self._function_name()}) or the open runs' "
+                    f"index of the anarchon tables for {self.table!r} are missing or from an "
+                    "earlier build, and this user may not create them"
                     if len(tables) == 4 else
                     f"the anarchon tables for {self.table!r} are missing and this user may not "
                     "create them")
