@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from lease_core import Admin, ConfigurationError, RunContext, Scheduler
-from lease_core.engine.fleet import rendezvous_rank
+from lease_core.engine.fleet import group_of, member_name, rendezvous_rank
 from lease_core.testing import claim_now, renew_membership
 from tests.helpers import (
     Instance,
@@ -356,6 +356,36 @@ async def trimmed_turns(store: Store) -> None:
     runs = Counter(slot for slot, _ in ran if slot >= since)
     assert runs and all(n == 1 for n in runs.values()), sorted(ran)
     assert {name for slot, name in ran if slot >= since} == {"top"}, sorted(ran)
+
+
+async def test_members_ranked_behind_many_frozen_ones_claim_by_the_last_turn(
+        store: Store) -> None:
+    """Eight frozen members (in the membership, never claiming) rank ahead of the only
+    live one for its job. It does not wait eight check intervals (4 s): from the last
+    turn (half the 3 s lease in 0.5 s intervals, plus one: 2 s) every member left claims
+    a slot still unclaimed, so each slot is claimed within a lease of its time."""
+    frozen = [f"frozen-{n}" for n in range(8)]
+    names = (*frozen, "live")
+    job = next(f"deep-{n}" for n in range(10_000)
+               if rendezvous_rank(f"deep-{n}", "live", names) == 8)
+    s = Scheduler(store.backend(), instance_id="live", lease="3s", heartbeat="0.5s")
+
+    @s.every(job, "1s")
+    async def tick(ctx: RunContext) -> None:
+        pass
+
+    async with anyio.create_task_group() as tg:
+        live = await Instance(s).start(tg)
+        for name in frozen:  # members that renewed once, then froze
+            await s.backend.members(member_name(name, group_of([job])), 60_000)
+        assert await renew_membership(s) == tuple(sorted(names))
+        since = (s.store_now_ms() // 1000 + 1) * 1000
+        history = await wait_history(
+            s, lambda h: len([x for x in h if x.slot >= since]) >= 2, job=job, timeout=15)
+        await live.stop()
+    late_ms = [x.claimed_at.timestamp() * 1000 - x.slot for x in history if x.slot >= since]
+    # its turn (2 s), not its rank (4 s), and never more than the 3 s lease
+    assert all(1_500 <= late < 3_000 for late in late_ms), late_ms
 
 
 class ClaimsByJob:

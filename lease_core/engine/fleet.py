@@ -5,9 +5,11 @@ Every instance renews its membership every half lease, at a tick (:meth:`Backend
 learns the live members.
 For each job, the members are ranked by a hash of (job, instance id), the same on every
 instance: the first claims a due slot at once; the one ranked *k* claims it only if nobody
-has after *k* check intervals. A slot then costs about one claim whatever the number of
-instances, jobs (and so bursts) spread evenly over the members, and a member joining or
-leaving moves only its share of jobs. An instance stopping gracefully leaves at once
+has after *k* check intervals (*k* at most half a lease's intervals plus one, so that
+several members dying at once delay a slot by a bounded time: :meth:`Fleet.last_turn`).
+A slot then costs about one claim whatever the number of instances, jobs (and so
+bursts) spread evenly over the members, and a member joining or leaving moves only its
+share of jobs. An instance stopping gracefully leaves at once
 (:meth:`Backend.leave <lease_core.abc.Backend.leave>`), so the others re-rank its jobs at
 their next renewal rather than once its membership lapses. Members that disagree about
 the membership cost an extra claim or an interval's delay, never a second winner (the
@@ -85,15 +87,32 @@ class Fleet:
         return settings.clock() - self._renewed >= settings.lease / 2
 
     def rank(self, job: str) -> int:
-        """This instance's rank for ``job``: 0 when it claims first, or when unknown."""
+        """This instance's turn for ``job``, in check intervals: 0 when it claims first
+        (or when the membership is unknown), else its rank, at most :meth:`last_turn`."""
         members = self.members
         if members is None or len(members) < 2:
             return 0
         rank = self._ranks.get(job)
         if rank is None:
-            rank = self._ranks[job] = rendezvous_rank(
-                job, self._s.settings.instance_id, members)
+            rank = self._ranks[job] = min(self.last_turn(job), rendezvous_rank(
+                job, self._s.settings.instance_id, members))
         return rank
+
+    def last_turn(self, job: str) -> int:
+        """The latest turn of any member for ``job``: half its lease in check intervals,
+        plus one (4 with the defaults), at least 1.
+
+        Members that died or froze stay in the membership until it lapses, a lease after
+        their last renewal, so a member ranked after several of them at once would come
+        a check interval later for each. From this turn on, every member left covers a
+        slot still unclaimed together: that may cost extra claims (the store decides;
+        one wins), but a slot whose first members all died is claimed within half a
+        lease and a heartbeat of its time.
+        """
+        settings = self._s.settings
+        declared = self._s.jobs.get(job)
+        lease = settings.lease if declared is None else declared.lease_ms / 1000
+        return max(1, int(lease / (2 * settings.heartbeat)) + 1)
 
     async def renew(self) -> None:
         """Renew this instance's membership and learn the live members."""
