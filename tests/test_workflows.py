@@ -205,6 +205,93 @@ async def test_a_later_step_that_ran_and_was_trimmed_never_runs_again(
     assert [h.slot for h in await s.history(interest)] == [slot + 3_600_000]
 
 
+class FailsOnce:
+    """A backend wrapper whose first ``what`` ("claim" or "finish") of ``job``'s runs
+    fails: before reaching the store, or (``after``) once the store has done it."""
+
+    def __init__(self, inner: Any, job: str, what: str, *, after: bool = False) -> None:
+        self.inner, self.job, self.what, self.after, self.failed = inner, job, what, after, False
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr not in (self.what, f"{self.what}_many"):
+            return value
+
+        async def call(items: Any, *args: Any) -> Any:
+            many = attr.endswith("_many")
+            jobs = [getattr(item, "job", None) or item[0].job for item in items] if many \
+                else [getattr(items, "job", None)]
+            hit = not self.failed and self.job in jobs
+            if hit and not self.after:
+                self.failed = True
+                raise BackendUnavailable(f"the {self.what} did not reach the store")
+            result = await value(items, *args)
+            if hit:
+                self.failed = True
+                raise BackendUnavailable(f"the {self.what}'s answer was lost")
+            return result
+        return call
+
+
+async def trim_interest_past(backend: Any, slot: int) -> None:
+    """Newer runs of the interest step ran and trimmed the step's history past ``slot``
+    (workflow runs overlapping by more than the history kept)."""
+    interest = step_job("close", "interest")
+    for later in (slot + 3_600_000, slot + 7_200_000):
+        request = ClaimRequest(interest, later, "elsewhere", f"t{later}", 60_000,
+                               scheduled=False)
+        assert (await backend.claim(request)).attempt == 1
+        await backend.finish(Lease(interest, later, request.token, 60_000), Outcome.COMPLETED)
+    assert await backend.prune(interest, keep=1) == 1
+
+
+@pytest.mark.parametrize("fault", ["claim fails", "finish answer lost", "stop"])
+async def test_the_agent_claims_the_next_step_past_trimmed_history_through_faults(
+        store: Store, fault: str) -> None:
+    """The agent of a step is the one instance that may start the next step past the
+    step's trimmed history. It stays so when its claim of the next step fails (and is
+    retried), when its finish of the step was recorded but its answer lost (it finds the
+    step completed itself), and when it stops while the step runs (it claims the next
+    step and hands it over at once). Otherwise the workflow run would stop there."""
+    started = anyio.Event()
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
+
+        @close.step("snapshot")
+        async def snapshot(ctx: RunContext) -> Any:
+            if fault == "stop":  # it completes while its instance stops
+                started.set()
+                await ctx.stopping.wait()
+            return 1
+
+        close.step("interest", lambda ctx: ctx.step)
+        close.step("publish", lambda ctx: ctx.step)
+        return s
+
+    a, b = build("a"), build("b")
+    inner = a.backend
+    if fault == "claim fails":
+        a.backend = FailsOnce(inner, step_job("close", "interest"), "claim")  # type: ignore[assignment]
+    elif fault == "finish answer lost":
+        a.backend = FailsOnce(inner, step_job("close", "snapshot"), "finish",  # type: ignore[assignment]
+                              after=True)
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg) if fault == "stop" else None
+        slot = current_slot(a)
+        await trim_interest_past(inner, slot)
+        await begin(a, slot)
+        if ib is not None:
+            await begin(b, slot)  # b backs the step up
+            with anyio.fail_after(10):
+                await started.wait()
+            await ia.stop(grace=10)
+        await wait_workflow(b if ib is not None else a, slot, "completed")
+        await (ib or ia).stop()
+
+
 class FinishFailsOnce:
     """A backend wrapper whose first finish of ``job``'s runs does not reach the store."""
 

@@ -60,17 +60,20 @@ class Claimer:
         appended there for the caller to start (see :meth:`Executor.launch
         <lease_core.engine.execution.Executor.launch>`).
 
-        ``after_step``: the claims are of later workflow steps, sent once by the instance
-        that has just completed the step before each. Only those start a run the store
-        finds missing past its trimmed history (:attr:`ClaimRequest.scheduled` False):
-        steps of overlapping workflow runs come after newer runs of the step were
-        trimmed. Any other claim of a later step (a backup's at its turn, a retry, at
-        start) may come after the run ran and was trimmed, and starts nothing then.
+        ``after_step``: the claims are of later workflow steps, by the instance that has
+        just completed the step before each (:attr:`Run.successor
+        <lease_core.engine.runs.Run.successor>`, kept through the claim's retries and a
+        deferral at capacity). Only those start a run the store finds missing past its
+        trimmed history (:attr:`ClaimRequest.scheduled` False): steps of overlapping
+        workflow runs come after newer runs of the step were trimmed. Any other claim of
+        a later step (a backup's at its turn, at start) may come after the run ran and
+        was trimmed, and starts nothing then. They are sent while the scheduler stops
+        too: the run won is handed over at once, so that no backup has to start it.
         """
         s = self._s
         if not claims:
             return []
-        if s.stopping or s.tg is None:
+        if s.tg is None or (s.stopping and not after_step):
             return [None] * len(claims)
         settings = s.settings
         if settings.max_running is not None:
@@ -82,12 +85,11 @@ class Claimer:
             ClaimRequest(
                 job.name, slot, settings.instance_id, os.urandom(16).hex(), job.lease_ms,
                 reason, job.overlap == "skip", job.max_attempts, settings.history_size,
-                settings.history_ttl_ms, job.scheduled or not after_step,
+                settings.history_ttl_ms,
+                job.scheduled or not s.runs.claiming(job, slot, successor=after_step),
             )
             for job, slot, reason in claims
         ]
-        for job, slot, _ in claims:
-            s.runs.claiming(job, slot)
         clock = settings.clock
         sent = clock()
         sent_loop = anyio.current_time()
@@ -129,7 +131,8 @@ class Claimer:
         # member ranked next takes them meanwhile if it can).
         now = self._s.clock.now_ms()
         for job, slot, reason in claims[free:]:
-            self._s.runs.pending(job, slot, claim_after=now, reason=reason)
+            self._s.runs.pending(job, slot, claim_after=now, reason=reason,
+                                 successor=after_step)
         results = (await self.claim_many(claims[:free], deferred=deferred,
                                          after_step=after_step) if free else [])
         return results + [None] * (len(claims) - free)

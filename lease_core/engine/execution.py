@@ -71,6 +71,10 @@ class Executor:
         # lease) while their thread still runs: they still count against max_running,
         # in the next session too (a stop and a start do not end a thread).
         self._abandoned: set[_Thread] = session.carry.abandoned
+        # Runs whose handler, or what follows it (the finish, the next step's claim),
+        # is in progress; a stop waits for them before it hands over (drain).
+        self._executing = 0
+        self._none_executing: anyio.Event | None = None
 
     def launch(self, job: Job, lease: Lease, result: ClaimResult, sent_loop: float,
                attempt: AttemptInfo | None, *, deferred: list[Run] | None = None) -> None:
@@ -155,7 +159,24 @@ class Executor:
             duration=anyio.current_time() - info.started, **extra,
         ))
 
+    async def drain(self, seconds: float) -> None:
+        """Wait, for ``seconds`` at most, until no handler runs and none's ending is in
+        progress: its finish, and the next step's claim, whose run a stop hands over."""
+        with anyio.move_on_after(seconds):
+            while self._executing:
+                self._none_executing = anyio.Event()
+                await self._none_executing.wait()
+
     async def _execute(self, run: Run) -> None:
+        self._executing += 1
+        try:
+            await self._execute_run(run)
+        finally:
+            self._executing -= 1
+            if not self._executing and self._none_executing is not None:
+                self._none_executing.set()
+
+    async def _execute_run(self, run: Run) -> None:
         s = self._s
         job, execution, lease = run.job, run.execution, run.lease
         assert execution is not None and lease is not None
@@ -346,7 +367,7 @@ class Executor:
             if isinstance(answer, Exception):
                 if not isinstance(answer, Abandoned):
                     self._s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
-                self._s.runs.rewatch(run)
+                self._s.runs.rewatch(run, completed=outcome is Outcome.COMPLETED)
             else:
                 finished = answer
                 if not finished:
@@ -354,5 +375,5 @@ class Executor:
                                    name, format_slot(slot), outcome)
         if finish_scope.cancelled_caught:
             # Unknown whether it finished: watch it, so it is taken over if not.
-            self._s.runs.rewatch(run)
+            self._s.runs.rewatch(run, completed=outcome is Outcome.COMPLETED)
         return finished

@@ -126,6 +126,13 @@ class Run:
     """A ``RECLAIM`` run the store answered for after its slot was due (a quarantine, or
     a claim that failed after the store had answered): claimed again even once a newer
     slot of its job is due, since it was not missed while the store was unreachable."""
+    successor: bool = False
+    """A later workflow step's run that this instance claims as the agent of the step
+    before (it completed it): a missing run is new even past the step's trimmed history
+    (:attr:`ClaimRequest.scheduled <lease_core.abc.ClaimRequest.scheduled>` False), through
+    the claim's retries and a deferral at capacity too. On a ``WATCHING`` run: this
+    instance completed it but does not know whether the store recorded it, so its next
+    step's claim is the agent's."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -183,13 +190,17 @@ class RunTable:
 
     # -- transitions
 
-    def claiming(self, job: Job, slot: int) -> None:
-        """A claim of (job, slot) is sent."""
+    def claiming(self, job: Job, slot: int, *, successor: bool = False) -> bool:
+        """A claim of (job, slot) is sent; return whether it is the agent's claim of a
+        later step (:attr:`Run.successor`)."""
         run = self._runs.get((job.name, slot))
         if run is None:
-            self._runs[(job.name, slot)] = Run(job, slot, Phase.CLAIMING)
-        elif run.phase not in _OWN:
+            self._runs[(job.name, slot)] = Run(job, slot, Phase.CLAIMING, successor=successor)
+            return successor
+        if run.phase not in _OWN:
             run.phase, run.reclaim_reason = Phase.CLAIMING, None
+            run.successor = run.successor or successor
+        return run.successor
 
     def hold(self, job: Job, lease: Lease, execution: Execution,
              attempt: AttemptInfo | None) -> Run:
@@ -212,28 +223,33 @@ class RunTable:
               kept: bool = False) -> None:
         """Back the run up, or (``reclaim``) claim it again with that reason next tick
         (``kept``: even once a newer slot is due, see :attr:`Run.kept`; once kept, a
-        run stays kept)."""
+        run stays kept; so does the agent's claim of a later step, :attr:`Run.successor`)."""
         key = (job.name, slot)
         run = self._runs.get(key)
         if run is not None and run.phase in _OWN:
             return
         kept = bool(reclaim) and (kept or (run is not None and run.kept))
+        successor = bool(reclaim) and run is not None and run.successor
         self._runs[key] = Run(job, slot, Phase.RECLAIM if reclaim else Phase.WATCHING,
-                              reclaim_reason=reclaim, kept=kept)
+                              reclaim_reason=reclaim, kept=kept, successor=successor)
 
-    def pending(self, job: Job, slot: int, *, claim_after: int, reason: Reason) -> None:
-        """Claim the run at ``claim_after`` (store ms) if the store has none by then."""
+    def pending(self, job: Job, slot: int, *, claim_after: int, reason: Reason,
+                successor: bool = False) -> None:
+        """Claim the run at ``claim_after`` (store ms) if the store has none by then
+        (``successor``: as the agent of the step before, :attr:`Run.successor`)."""
         key = (job.name, slot)
         run = self._runs.get(key)
         if run is None or run.phase in (Phase.CLAIMING, Phase.RECLAIM, Phase.PENDING):
+            successor = successor or (run is not None and run.successor)
             self._runs[key] = Run(job, slot, Phase.PENDING, reclaim_reason=reason,
-                                  claim_after=claim_after)
+                                  claim_after=claim_after, successor=successor)
 
-    def rewatch(self, run: Run) -> None:
-        """The run's own attempt lost its lease, or its end is unknown: back it up."""
+    def rewatch(self, run: Run, *, completed: bool = False) -> None:
+        """The run's own attempt lost its lease, or its end is unknown: back it up
+        (``completed``: its handler completed it here, :attr:`Run.successor`)."""
         current = self._runs.get(run.key)
         if current is None or current is run:
-            self._runs[run.key] = Run(run.job, run.slot, Phase.WATCHING)
+            self._runs[run.key] = Run(run.job, run.slot, Phase.WATCHING, successor=completed)
 
     def finishing(self, run: Run) -> None:
         """The run's handler ended: its outcome is recorded next."""

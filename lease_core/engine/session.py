@@ -278,8 +278,11 @@ class Session:
             run.execution.cancel_reason = Interruption.STOPPED
             run.execution.scope.cancel()
         await self._wait_no_handler(max(self.settings.heartbeat, 1.0))
-        await self.claims.drain(max(j.lease_ms for j in self.jobs.values()) / 2000
-                                if self.jobs else 0)
+        longest = max(j.lease_ms for j in self.jobs.values()) / 2000 if self.jobs else 0
+        # The runs' endings: a step completed in the grace claims its next step (handed
+        # over below, so that no backup has to start it, see Claims.claim_many).
+        await self.execution.drain(longest)
+        await self.claims.drain(longest)
         leases = self.runs.handing_over()
         if leases:
             with anyio.move_on_after(10, shield=True):
