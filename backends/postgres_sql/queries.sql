@@ -340,15 +340,16 @@ SELECT job FROM {jobs} ORDER BY job
 -- recorded in the row 'trimmed:<job>' of {meta} (never lowered; see the claim function: a
 -- scheduled claim of a slot at or before it starts no run). Parameters: job, keep (N, a
 -- huge number for no limit), older_than_ms (M, NULL for none), batch.
--- by size: the attempts at or before the one just beyond the newest N, less those not
--- finished (an open run's: deleting it would leave the run with nothing to trim once
--- it ends), through the attempts' index by (job, seq)
+-- by size: the attempts at or before the one just beyond the newest N, oldest first (as
+-- memory and Redis trim), less those not finished (an open run's: deleting it would
+-- leave the run with nothing to trim once it ends), through the attempts' index by
+-- (job, seq)
 WITH by_size AS (
     SELECT a.slot, a.attempt FROM {attempts} a
     WHERE a.job = %(job)s::text AND a.finished_ms IS NOT NULL
       AND a.seq <= (SELECT b.seq FROM {attempts} b WHERE b.job = %(job)s::text
                     ORDER BY b.seq DESC OFFSET %(keep)s::bigint LIMIT 1)
-    ORDER BY a.seq DESC LIMIT %(batch)s::bigint
+    ORDER BY a.seq LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
 -- by age: through the attempts' index by claim time (an attempt is claimed before it
 -- finishes); the attempts have no index by finish time (none after store code v3)
@@ -398,7 +399,7 @@ by_size AS (
         WHERE a.job = j.job AND a.finished_ms IS NOT NULL
           AND a.seq <= (SELECT b.seq FROM {attempts} b WHERE b.job = j.job
                         ORDER BY b.seq DESC OFFSET %(keep)s::bigint LIMIT 1)
-        ORDER BY a.seq DESC LIMIT %(batch)s::bigint
+        ORDER BY a.seq LIMIT %(batch)s::bigint
         FOR UPDATE SKIP LOCKED) s),
 by_age AS (
     SELECT s.job, s.slot, s.attempt FROM j CROSS JOIN LATERAL (
@@ -422,8 +423,9 @@ runs_gone AS (
       AND NOT EXISTS (
           SELECT 1 FROM {attempts} a
           WHERE a.job = r.job AND a.slot = r.slot
-            AND (a.slot, a.attempt) NOT IN (
-                SELECT g.slot, g.attempt FROM gone g WHERE g.job = r.job))
+            -- not correlated, so hashed once (per run, a scan of every deleted attempt)
+            AND (a.job, a.slot, a.attempt) NOT IN (
+                SELECT g.job, g.slot, g.attempt FROM gone g))
     RETURNING r.job, r.slot),
 marked AS (
     INSERT INTO {meta} AS m (key, value)

@@ -457,6 +457,7 @@ async def test_prune_trims_a_job_without_claiming(store: Store) -> None:
             await a.prune("old", keep=-1)
         assert await a.prune("old", keep=10) == 0
         assert await a.prune("old", keep=4, batch=1) == 1  # bounded work per call
+        assert [h.slot for h in await a.history("old")][-1] == SLOT + 1  # oldest first
         assert await a.prune("old", keep=3) == 2
         left = await a.history("old")
         assert [h.slot for h in left] == [SLOT + 10, SLOT + 4, SLOT + 3]
