@@ -111,8 +111,8 @@ class Fleet:
         """
         settings = self._s.settings
         declared = self._s.jobs.get(job)
-        lease = settings.lease if declared is None else declared.lease_ms / 1000
-        return max(1, int(lease / (2 * settings.heartbeat)) + 1)
+        lease_ms = to_ms(settings.lease) if declared is None else declared.lease_ms
+        return max(1, lease_ms // (2 * to_ms(settings.heartbeat)) + 1)
 
     async def renew(self) -> None:
         """Renew this instance's membership and learn the live members."""

@@ -218,9 +218,10 @@ class LeaseKeeper:
         s.runs.forget(run.key)
         next_step = s.steps.successor(run.job, None if state is None else state.status)
         if next_step is not None:
-            # This instance's own handler completed it (its finish's answer was lost):
+            # This instance's own attempt completed it (its finish's answer was lost):
             # it is the agent, and claims the next step at once (Run.successor).
-            own = run.successor and run.phase is Phase.WATCHING
+            own = (run.phase is Phase.WATCHING and state is not None
+                   and run.completed_attempt == state.attempt)
             turn = 0 if own else s.fleet.rank(next_step.name) + 1
             s.runs.pending(next_step, run.slot, reason=Reason.SCHEDULED,
                            claim_after=now_ms + turn * to_ms(s.settings.heartbeat),

@@ -130,9 +130,12 @@ class Run:
     """A later workflow step's run that this instance claims as the agent of the step
     before (it completed it): a missing run is new even past the step's trimmed history
     (:attr:`ClaimRequest.scheduled <lease_core.abc.ClaimRequest.scheduled>` False), through
-    the claim's retries and a deferral at capacity too. On a ``WATCHING`` run: this
-    instance completed it but does not know whether the store recorded it, so its next
-    step's claim is the agent's."""
+    the claim's retries and a deferral at capacity too."""
+
+    completed_attempt: int | None = None
+    """On a ``WATCHING`` run: the attempt this instance completed, its finish unknown. If
+    the store shows that attempt completed, this instance is the agent of the next step
+    (:attr:`successor`); if another attempt completed it, the other instance is."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -246,10 +249,13 @@ class RunTable:
 
     def rewatch(self, run: Run, *, completed: bool = False) -> None:
         """The run's own attempt lost its lease, or its end is unknown: back it up
-        (``completed``: its handler completed it here, :attr:`Run.successor`)."""
+        (``completed``: its handler completed it here, :attr:`Run.completed_attempt`)."""
         current = self._runs.get(run.key)
         if current is None or current is run:
-            self._runs[run.key] = Run(run.job, run.slot, Phase.WATCHING, successor=completed)
+            attempt = (run.execution.ctx.attempt if completed and run.execution is not None
+                       else None)
+            self._runs[run.key] = Run(run.job, run.slot, Phase.WATCHING,
+                                      completed_attempt=attempt)
 
     def finishing(self, run: Run) -> None:
         """The run's handler ended: its outcome is recorded next."""
