@@ -349,6 +349,70 @@ async def test_stop_requested_inside_a_task_group_is_a_hand_over() -> None:
     ]
 
 
+class SlowFinish(MemoryBackend):
+    """A memory backend whose finishes of ``job``'s runs take ``delay`` seconds."""
+
+    def __init__(self, job: str, delay: float) -> None:
+        super().__init__()
+        self.job, self.delay = job, delay
+        self.finishing = anyio.Event()
+
+    async def finish(self, lease: Lease, outcome: Outcome, error: str | None = None) -> bool:
+        (done,) = await self.finish_many([(lease, outcome, error)])
+        return done
+
+    async def finish_many(
+            self, items: Sequence[tuple[Lease, Outcome, str | None]]) -> list[bool]:
+        if any(lease.job == self.job for lease, _, _ in items):
+            self.finishing.set()
+            await anyio.sleep(self.delay)
+        return await super().finish_many(items)
+
+
+async def test_a_stop_hands_a_short_lease_over_before_waiting_for_slower_endings() -> None:
+    """The stop waits for its runs' endings (a finish, a workflow's next step) before the
+    hand-over of what they give; a run that already waits for its hand-over goes first,
+    so that its lease, shorter than that wait, does not lapse: its backup starts it at
+    once, as a hand-over, instead of taking it over once it expired."""
+    backend = SlowFinish("slow", delay=3)
+    started: list[tuple[str, str]] = []
+
+    def build(name: str) -> Scheduler:
+        s = Scheduler(backend, instance_id=name, lease="30s", heartbeat="0.2s")
+
+        @s.every("short", "1h", offset=offset, lease="1s")
+        async def short(ctx: RunContext) -> None:
+            started.append((name, ctx.job))
+            if name == "a":
+                await anyio.sleep(100)  # cancelled by the stop: its run is handed over
+
+        @s.every("slow", "1h", offset=offset)
+        async def slow(ctx: RunContext) -> None:
+            started.append((name, ctx.job))
+            await ctx.stopping.wait()  # completes when asked to stop; its finish is slow
+        return s
+
+    offset = quiet_offset(await backend.now_ms())
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = a.jobs["short"].schedule.previous_at_or_before(a.store_now_ms())
+        assert slot is not None
+        for job in ("short", "slow"):
+            await claim_now(a, job, slot)
+        await claim_now(b, "short", slot)  # b backs the short run up
+        await wait_for(lambda: len(started) == 2, timeout=5, what="both handlers in a")
+        await ia.stop(grace=0.5)
+        assert backend.finishing.is_set()
+        await wait_for(lambda: ("b", "short") in started, timeout=5, what="b's short run")
+        await ib.stop()
+    assert [(x.attempt, x.reason, x.outcome) for x in await backend.history("short")] == [
+        (2, Reason.HAND_OVER, Outcome.COMPLETED), (1, Reason.SCHEDULED, Outcome.HANDED_OVER)]
+    assert [(x.attempt, x.outcome) for x in await backend.history("slow")] == [
+        (1, Outcome.COMPLETED)]
+
+
 async def test_a_cancelled_stop_still_cleans_up() -> None:
     backend = MemoryBackend()
     s = Scheduler(backend, instance_id="a", lease="3s", heartbeat="0.5s")

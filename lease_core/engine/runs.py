@@ -285,9 +285,11 @@ class RunTable:
         info, run.attempt = run.attempt, None
         return info
 
-    def handed_over(self) -> None:
-        """The runs to hand over were handed over (or could not be)."""
-        for key in [k for k, r in self._runs.items() if r.phase is Phase.HANDING_OVER]:
+    def handed_over(self, leases: list[Lease]) -> None:
+        """The runs of ``leases`` were handed over (or could not be): done with them."""
+        tokens = {lease.token for lease in leases}
+        for key in [k for k, r in self._runs.items() if r.phase is Phase.HANDING_OVER
+                    and r.lease is not None and r.lease.token in tokens]:
             del self._runs[key]
 
     def clear(self) -> None:

@@ -30,7 +30,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from .. import events as ev
 from .._outcome import Interruption
-from .._structures import JobInfo
+from .._structures import JobInfo, Lease
 from .base import (
     HANDLER_THREADS,
     SUBSCRIBER_THREADS,
@@ -278,27 +278,34 @@ class Session:
             run.execution.cancel_reason = Interruption.STOPPED
             run.execution.scope.cancel()
         await self._wait_no_handler(max(self.settings.heartbeat, 1.0))
+        # Hand-over in two rounds. First the runs already waiting for it, so that a short
+        # lease does not lapse while the stop waits for the other runs' endings.
+        await self._hand_over(self.runs.awaiting_hand_over())
+        # Then the runs those endings gave: a step completed in the grace claims its next
+        # step, which is won here and handed over (no backup has to start it, see
+        # Claims.claim_many); and the handlers that still run (threads).
         longest = max(j.lease_ms for j in self.jobs.values()) / 2000 if self.jobs else 0
-        # The runs' endings: a step completed in the grace claims its next step (handed
-        # over below, so that no backup has to start it, see Claims.claim_many).
         await self.execution.drain(longest)
         await self.claims.drain(longest)
-        leases = self.runs.handing_over()
-        if leases:
-            with anyio.move_on_after(10, shield=True):
-                done: frozenset[str] = frozenset()
-                try:
-                    done = await self.settings.backend.hand_over(leases)
-                    logger.info("instance %s handed over %d runs", self.settings.instance_id,
-                                len(done))
-                except Exception as exc:
-                    self.clock.failed("hand-over", exc)
-            for lease in leases:
-                if lease.token in done:
-                    self.execution.ended(ev.HandedOver, lease)
-                else:
-                    self.execution.ended(ev.Lost, lease, why="not handed over")
-        self.runs.handed_over()
+        await self._hand_over(self.runs.handing_over())
+
+    async def _hand_over(self, leases: list[Lease]) -> None:
+        if not leases:
+            return
+        with anyio.move_on_after(10, shield=True):
+            done: frozenset[str] = frozenset()
+            try:
+                done = await self.settings.backend.hand_over(leases)
+                logger.info("instance %s handed over %d runs", self.settings.instance_id,
+                            len(done))
+            except Exception as exc:
+                self.clock.failed("hand-over", exc)
+        for lease in leases:
+            if lease.token in done:
+                self.execution.ended(ev.HandedOver, lease)
+            else:
+                self.execution.ended(ev.Lost, lease, why="not handed over")
+        self.runs.handed_over(leases)
 
     async def _leave_fleet(self) -> None:
         # It claims nothing new from now on: the others re-rank its jobs at their next
