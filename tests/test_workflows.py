@@ -292,6 +292,72 @@ async def test_the_agent_claims_the_next_step_past_trimmed_history_through_fault
         await (ib or ia).stop()
 
 
+class FinishGate:
+    """A backend wrapper whose finishes of ``job``'s runs wait until ``open`` is set."""
+
+    def __init__(self, inner: Any, job: str) -> None:
+        self.inner, self.job = inner, job
+        self.reached, self.open = anyio.Event(), anyio.Event()
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr not in ("finish", "finish_many"):
+            return value
+
+        async def finish(items: Any, *args: Any) -> Any:
+            leases = [item[0] for item in items] if attr == "finish_many" else [items]
+            if any(lease.job == self.job for lease in leases):
+                self.reached.set()
+                await self.open.wait()
+            return await value(items, *args)
+        return finish
+
+
+async def test_the_agent_at_capacity_claims_the_next_step_past_trimmed_history_later(
+        store: Store) -> None:
+    """The agent completes a step while at ``max_running``: its claim of the next step
+    waits until a handler ends, and is still the agent's then (past the step's trimmed
+    history), so the workflow run goes on rather than stopping there."""
+    s = make(store, "a", max_running=1)
+    hog_started, hog_done = anyio.Event(), anyio.Event()
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+    close.step("snapshot", lambda ctx: ctx.step)
+    close.step("interest", lambda ctx: ctx.step)
+    close.step("publish", lambda ctx: ctx.step)
+
+    @s.every("hog", "1h", offset=quiet_offset_now())
+    async def hog(ctx: RunContext) -> None:
+        hog_started.set()
+        await hog_done.wait()
+
+    inner = s.backend
+    gate = FinishGate(inner, step_job("close", "snapshot"))
+    s.backend = gate  # type: ignore[assignment]
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = current_slot(s)
+        await trim_interest_past(inner, slot)
+        await begin(s, slot)
+        with anyio.fail_after(10):
+            await gate.reached.wait()  # the snapshot ended; its finish is on its way
+        hog_slot = s.jobs["hog"].schedule.previous_at_or_before(s.store_now_ms())
+        assert hog_slot is not None
+        await claim_now(s, "hog", hog_slot)
+        with anyio.fail_after(10):
+            await hog_started.wait()  # the one handler max_running allows
+        gate.open.set()
+
+        async def interest_waits() -> bool:
+            return (await statuses(s, slot) == ["completed", None, None]
+                    and (step_job("close", "interest"), slot) in s.watching)
+
+        await wait_for(interest_waits, timeout=10, what="the interest step deferred")
+        assert s.running == [("hog", hog_slot)]
+        hog_done.set()  # a handler ends: the agent's claim of the interest step goes out
+        await wait_workflow(s, slot, "completed")
+        await i.stop()
+
+
 class FinishFailsOnce:
     """A backend wrapper whose first finish of ``job``'s runs does not reach the store."""
 
