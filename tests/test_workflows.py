@@ -245,14 +245,16 @@ async def trim_interest_past(backend: Any, slot: int) -> None:
     assert await backend.prune(interest, keep=1) == 1
 
 
-@pytest.mark.parametrize("fault", ["claim fails", "finish answer lost", "stop"])
+@pytest.mark.parametrize("fault", ["claim fails", "finish answer lost", "stop",
+                                   "stop, claim fails"])
 async def test_the_agent_claims_the_next_step_past_trimmed_history_through_faults(
         store: Store, fault: str) -> None:
     """The agent of a step is the one instance that may start the next step past the
     step's trimmed history. It stays so when its claim of the next step fails (and is
     retried), when its finish of the step was recorded but its answer lost (it finds the
     step completed itself), and when it stops while the step runs (it claims the next
-    step and hands it over at once). Otherwise the workflow run would stop there."""
+    step and hands it over at once; a claim that fails then is made once more before
+    the last hand-over). Otherwise the workflow run would stop there."""
     started = anyio.Event()
 
     def build(name: str) -> Scheduler:
@@ -261,7 +263,7 @@ async def test_the_agent_claims_the_next_step_past_trimmed_history_through_fault
 
         @close.step("snapshot")
         async def snapshot(ctx: RunContext) -> Any:
-            if fault == "stop":  # it completes while its instance stops
+            if fault.startswith("stop"):  # it completes while its instance stops
                 started.set()
                 await ctx.stopping.wait()
             return 1
@@ -272,14 +274,14 @@ async def test_the_agent_claims_the_next_step_past_trimmed_history_through_fault
 
     a, b = build("a"), build("b")
     inner = a.backend
-    if fault == "claim fails":
+    if fault.endswith("claim fails"):
         a.backend = FailsOnce(inner, step_job("close", "interest"), "claim")  # type: ignore[assignment]
     elif fault == "finish answer lost":
         a.backend = FailsOnce(inner, step_job("close", "snapshot"), "finish",  # type: ignore[assignment]
                               after=True)
     async with anyio.create_task_group() as tg:
         ia = await Instance(a).start(tg)
-        ib = await Instance(b).start(tg) if fault == "stop" else None
+        ib = await Instance(b).start(tg) if fault.startswith("stop") else None
         slot = current_slot(a)
         await trim_interest_past(inner, slot)
         await begin(a, slot)

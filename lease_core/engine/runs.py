@@ -186,6 +186,13 @@ class RunTable:
         return [run.lease for run in self._runs.values()
                 if run.phase is Phase.HANDING_OVER and run.lease is not None]
 
+    def successors_waiting(self) -> list[tuple[Job, int, Reason]]:
+        """The agent's claims of later workflow steps (:attr:`Run.successor`) to make
+        again: unanswered, or deferred at capacity."""
+        return [(run.job, run.slot, run.reclaim_reason) for run in self._runs.values()
+                if run.successor and run.reclaim_reason is not None
+                and run.phase in (Phase.RECLAIM, Phase.PENDING)]
+
     def handing_over(self) -> list[Lease]:
         """The leases to hand over on stop: those awaiting it, and the held runs'."""
         return self.awaiting_hand_over() + [

@@ -287,6 +287,11 @@ class Session:
         longest = max(j.lease_ms for j in self.jobs.values()) / 2000 if self.jobs else 0
         await self.execution.drain(longest)
         await self.claims.drain(longest)
+        # An agent's claim of a next step that failed (or waited for capacity) in the stop
+        # is made once more: no other instance may start that step past its trimmed
+        # history (see Claims.claim_many), so the workflow run would stop there.
+        with anyio.move_on_after(longest):
+            await self.claims.claim_many(self.runs.successors_waiting(), after_step=True)
         await self._hand_over(self.runs.handing_over())
 
     async def _hand_over(self, leases: list[Lease]) -> None:
