@@ -79,6 +79,12 @@ class _Keeper:
     It sleeps until the earliest renewal is due and runs each due renewal as a task of
     its own (a store that hangs delays no other lease's renewal). Acquiring and releasing
     cost no task of their own: a hold is pushed on the heap, a released one skipped.
+
+    A renewal also queues its hold's *deadline*, the moment the hold may have expired in
+    the store (``alive_until``): a hold not renewed by then is lost at once, even while
+    its renewal still waits for the store. A driver call is not interrupted mid-statement
+    (see ``adapters.base.settle_scope``), so the renewal alone would report the loss only
+    once the driver gave up, seconds after another holder could have taken the name.
     """
 
     loops: ClassVar[dict[object, _Keeper]] = {}
@@ -90,7 +96,8 @@ class _Keeper:
     COMPACT_AT = 1024
 
     def __init__(self) -> None:
-        self.due: list[tuple[float, int, Lease, _Hold]] = []
+        # (when, order, lease, hold, is the hold's deadline rather than its renewal)
+        self.due: list[tuple[float, int, Lease, _Hold, bool]] = []
         self.order = itertools.count()
         self.wake = anyio.Event()
         self.next = math.inf
@@ -99,6 +106,7 @@ class _Keeper:
 
     async def _renew(self, lease: Lease, hold: _Hold) -> None:
         self.renewing[hold] = lease
+        self._push(hold.alive_until, lease, hold, deadline=True)
         try:
             await lease._renew_hold(hold)
         except BaseException:
@@ -118,13 +126,26 @@ class _Keeper:
         if keeper is None:
             keeper = cls.loops[loop] = _Keeper()
             _spawn(partial(keeper.run, loop), "anarchon-lease-keeper")
-        heapq.heappush(keeper.due, (at, next(keeper.order), lease, hold))
-        if len(keeper.due) > keeper.compact_at:
-            keeper.due = [entry for entry in keeper.due if not entry[3].over]
-            heapq.heapify(keeper.due)
-            keeper.compact_at = max(cls.COMPACT_AT, 2 * len(keeper.due))
-        if at < keeper.next:
-            keeper.wake.set()
+        keeper._push(at, lease, hold, deadline=False)
+
+    def _push(self, at: float, lease: Lease, hold: _Hold, *, deadline: bool) -> None:
+        heapq.heappush(self.due, (at, next(self.order), lease, hold, deadline))
+        if len(self.due) > self.compact_at:
+            self.due = [entry for entry in self.due if not entry[3].over]
+            heapq.heapify(self.due)
+            self.compact_at = max(self.COMPACT_AT, 2 * len(self.due))
+        if at < self.next:
+            self.wake.set()
+
+    @staticmethod
+    def _expire(lease: Lease, hold: _Hold, now: float) -> None:
+        """``hold``'s deadline came: lost if no renewal moved it since it was queued."""
+        if hold.over or hold.alive_until > now:
+            return
+        lease._mark_lost(hold, "no renewal succeeded within the ttl (the store has not "
+                               "answered yet)")
+        if hold.scope is not None:
+            hold.scope.cancel()  # the renewal in flight gives up as soon as it can
 
     async def run(self, loop: object) -> None:
         """Renew what is due, then sleep until the next renewal or a new earlier one."""
@@ -141,8 +162,10 @@ class _Keeper:
                     # it would make the next new hold wake the keeper again.)
                     while self.due and (self.due[0][0] <= now
                                         or (timed_out and self.due[0][3].over)):
-                        _, _, lease, hold = heapq.heappop(self.due)
-                        if not hold.over:
+                        _, _, lease, hold, deadline = heapq.heappop(self.due)
+                        if deadline:
+                            self._expire(lease, hold, now)
+                        elif not hold.over:
                             tg.start_soon(self._renew, lease, hold)
                     self.next = self.due[0][0] if self.due else math.inf
                     self.wake = anyio.Event()
@@ -156,7 +179,7 @@ class _Keeper:
                 del self.loops[loop]
             # Cancelled (its loop shutting down, a task cancelling every other) or failed:
             # nothing renews these holds any more, so they are lost, not silently held.
-            live = [*((lease, hold) for _, _, lease, hold in self.due),
+            live = [*((lease, hold) for _, _, lease, hold, _ in self.due),
                     *((lease, hold) for hold, lease in self.renewing.items())]
             for lease, hold in live:
                 if not hold.over:

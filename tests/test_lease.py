@@ -24,6 +24,7 @@ import anyio
 import pytest
 import sniffio
 
+from adapters.base import CANCEL_GRACE_S
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core import ConfigurationError, Lease, LeaseLost, MemoryBackend, SyncLease
@@ -277,21 +278,29 @@ async def test_lost_when_a_renewal_is_refused(store: Store) -> None:
 
 
 async def test_lost_through_a_network_partition(store: Store) -> None:
-    """A real partition: a proxy that stops forwarding without closing."""
+    """A real partition: a proxy that stops forwarding without closing. The body is
+    cancelled once the ttl since the last renewal has run out, while the renewal still
+    waits for the store: not once the driver gives the call up (``CANCEL_GRACE_S`` after
+    that, or its own timeout), seconds after another holder could take the name."""
     if isinstance(store, MemoryStore):
         pytest.skip("the memory store has no network")
     async with proxy_to(store) as proxy:
         lease = Lease(url_backend(store, proxy.port), "partition", ttl=TTL)
         cancelled = anyio.Event()
+        paused = ended = 0.0
         with anyio.fail_after(20), pytest.raises(LeaseLost):
             async with lease:
                 proxy.pause()
+                paused = time.monotonic()
                 try:
                     await anyio.sleep_forever()
                 finally:
+                    ended = time.monotonic()
                     cancelled.set()
                     proxy.resume()
         assert cancelled.is_set() and lease.lost.is_set()
+        # a bound of correctness, far from any timing noise: about TTL, against >= 5 s
+        assert ended - paused < TTL + CANCEL_GRACE_S / 2
     other = Lease(url_backend(store), "partition", ttl="10s")
     assert await other.acquire(timeout=10) is True
     try:
