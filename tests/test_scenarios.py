@@ -336,33 +336,41 @@ async def test_catch_up_after_downtime(store: Store) -> None:
 
 
 async def test_catch_up_all_and_none(store: Store) -> None:
-    results: dict[str, list[int]] = {}
-    for policy in ("all", "none"):
-        job = f"c-{policy}"
-        s = Scheduler(store.backend(), instance_id="one", **FAST)
-        s.every(job, "1s", lambda ctx: None, catch_up=policy)
-        async with anyio.create_task_group() as tg:
-            i = await Instance(s).start(tg)
+    """One instance ran both jobs, then none did for over 3 s: the next instance catches
+    up every missed slot of the ``catch_up="all"`` job and none of the other's."""
+    jobs = {"all": "c-all", "none": "c-none"}
+
+    def make_one(name: str) -> Scheduler:
+        s = Scheduler(store.backend(), instance_id=name, **FAST)
+        for policy, job in jobs.items():
+            s.every(job, "1s", lambda ctx: None, catch_up=policy)
+        return s
+
+    s = make_one("one")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        for job in jobs.values():
             await wait_history(s, lambda h: h, job=job)
-            await i.stop()
-        last_run = max(h.slot for h in await s.history(job))
-        await wait_for(lambda s=s, last_run=last_run: s.store_now_ms() > last_run + 3500,
-                       timeout=10, what="downtime")
-        s2 = Scheduler(store.backend(), instance_id="two", **FAST)
-        s2.every(job, "1s", lambda ctx: None, catch_up=policy)
-        async with anyio.create_task_group() as tg:
-            i = await Instance(s2).start(tg)
-            # Wait for one regular slot so catch-up (if any) has happened.
+        await i.stop()
+    last_run = max([h.slot for job in jobs.values() for h in await s.history(job)])
+    await wait_for(lambda: s.store_now_ms() > last_run + 3500, timeout=10, what="downtime")
+    s2 = make_one("two")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s2).start(tg)
+        # Wait for one regular slot of each so catch-up (if any) has happened.
+        for job in jobs.values():
             await wait_history(
                 s2,
                 lambda h: any(x.reason == "scheduled" and x.instance_id == "two" for x in h)
                 and all(x.outcome for x in h if x.reason == "catch-up"),
                 job=job,
             )
-            await i.stop()
+        await i.stop()
+    results: dict[str, list[int]] = {}
+    for policy, job in jobs.items():
         caught = [h for h in await s2.history(job) if h.reason == "catch-up"]
-        # Missed slots ran one after another: none was skipped for overlapping. (A slot the
-        # loop is still catching up on when the test stops it is handed over, not skipped.)
+        # Missed slots ran one after another: none was skipped for overlapping. (A slot
+        # the loop is still catching up on when the test stops it is handed over.)
         assert not [h for h in caught if h.outcome == Outcome.SKIPPED], caught
         assert any(h.outcome == Outcome.COMPLETED for h in caught) or policy == "none"
         results[policy] = [h.slot for h in caught]
