@@ -200,6 +200,7 @@ class Claimer:
                 s.bus.emit(ev.TakenOver(**run, attempt=result.attempt, reason=won))
             if s.stopping or s.tg is None:
                 s.runs.hand_over_later(job, lease, info)
+                s.hand_over_soon(lease)
             else:
                 s.execution.launch(job, lease, result, sent_loop, info, deferred=deferred)
         elif result.status is ClaimStatus.RUNNING and result.run_status is None:

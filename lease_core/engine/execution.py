@@ -223,7 +223,17 @@ class Executor:
             self._lost(run, error or "lease lost", ran.interrupted)
             return
         if outcome is Outcome.HANDED_OVER:
+            if ran.thread is not None and ran.thread.state == 1:
+                # A sync handler stopped by the stop whose thread still runs: a hand-over
+                # would start the run again beside it. The lease lapses instead.
+                logger.warning("%s slot %s: the stop's grace ended while the sync "
+                               "handler's thread still ran; its lease is left to lapse",
+                               job.name, format_slot(lease.slot))
+                self.ended(ev.Lost, lease, why="handler still running at the end of the stop")
+                s.runs.release(run)
+                return
             s.runs.hand_over_later(job, lease, None)
+            s.hand_over_soon(lease)
             return
         if (outcome is Outcome.COMPLETED and job.workflow is not None
                 and not execution.ctx.completed_by_transaction):

@@ -193,11 +193,6 @@ class RunTable:
                 if run.successor and run.reclaim_reason is not None
                 and run.phase in (Phase.RECLAIM, Phase.PENDING)]
 
-    def handing_over(self) -> list[Lease]:
-        """The leases to hand over on stop: those awaiting it, and the held runs'."""
-        return self.awaiting_hand_over() + [
-            run.lease for run in self._held.values() if run.lease is not None]
-
     # -- transitions
 
     def claiming(self, job: Job, slot: int, *, successor: bool = False) -> bool:

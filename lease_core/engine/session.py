@@ -83,6 +83,8 @@ class Session:
         self.state = SchedulerState.STARTING
         self.crashed = False
         """True once cancelled from outside or aborted: nothing is finished or handed over."""
+        self._eager_hand_over = False
+        self._handed: set[str] = set()  # the tokens a hand-over was sent for
         self.grace = 0.0
         self.tg: TaskGroup | None = None
         """The task group of the jobs, while the scheduler runs them."""
@@ -188,6 +190,10 @@ class Session:
                     async with anyio.create_task_group() as events_tg:
                         self.bus.open(events_tg, self.subscriber_threads)
                         await self._run_jobs(infos, task_status)
+                        # Runs won or stopped after the last round (their endings
+                        # outlived the drain): every execution and claim has ended now.
+                        if not self.crashed:
+                            await self._hand_over(self.runs.awaiting_hand_over())
                         # Deliver what is left, for a moment at most.
                         self.bus.close(senders_only=True)
                         events_tg.cancel_scope.deadline = (
@@ -281,9 +287,12 @@ class Session:
         # Hand-over in two rounds. First the runs already waiting for it, so that a short
         # lease does not lapse while the stop waits for the other runs' endings.
         await self._hand_over(self.runs.awaiting_hand_over())
+        # From now on a run to hand over goes at once (hand_over_soon): its lease is not
+        # renewed while the stop waits for the other runs' endings.
+        self._eager_hand_over = True
         # Then the runs those endings gave: a step completed in the grace claims its next
         # step, which is won here and handed over (no backup has to start it, see
-        # Claims.claim_many); and the handlers that still run (threads).
+        # Claims.claim_many).
         longest = max(j.lease_ms for j in self.jobs.values()) / 2000 if self.jobs else 0
         await self.execution.drain(longest)
         await self.claims.drain(longest)
@@ -292,11 +301,24 @@ class Session:
         # history (see Claims.claim_many), so the workflow run would stop there.
         with anyio.move_on_after(longest):
             await self.claims.claim_many(self.runs.successors_waiting(), after_step=True)
-        await self._hand_over(self.runs.handing_over())
+        await self._hand_over(self.runs.awaiting_hand_over())
+        # A handler still running (it ignored the cancellation) is not handed over: a
+        # backup would run the run beside it. Its lease lapses, as after a crash.
+        for run in self.runs.held():
+            if run.lease is not None:
+                self.execution.ended(ev.Lost, run.lease,
+                                     why="handler still running at the end of the stop")
+
+    def hand_over_soon(self, lease: Lease) -> None:
+        """A run to hand over once the stop's first round is done: hand it over now."""
+        if self._eager_hand_over and self.tg is not None:
+            self.tg.start_soon(self._hand_over, [lease])
 
     async def _hand_over(self, leases: list[Lease]) -> None:
+        leases = [lease for lease in leases if lease.token not in self._handed]
         if not leases:
             return
+        self._handed.update(lease.token for lease in leases)
         with anyio.move_on_after(10, shield=True):
             done: frozenset[str] = frozenset()
             try:

@@ -1,0 +1,257 @@
+"""The graceful stop's hand-over: runs won or stopped after its first round, and
+handlers still running at its end (on the memory store: the engine's logic, the same
+on every store; the store's hand-over itself is tested in the conformance suite)."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from lease_core import Outcome, Reason, RunContext, Scheduler
+from lease_core import events as ev
+from lease_core.recovery import step_job
+from tests.helpers import Instance, wait_for
+from tests.stores.memory import MemoryStore
+from tests.test_workflows import begin, current_slot, make, quiet_offset_now, wait_workflow
+
+pytestmark = pytest.mark.anyio
+
+DELAY = 0.8
+
+
+class SlowFinish:
+    """finish/finish_many of ``job``'s runs take ``delay`` seconds longer (store still answers)."""
+
+    def __init__(self, inner: Any, job: str, delay: float) -> None:
+        self.inner, self.job, self.delay = inner, job, delay
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr not in ("finish", "finish_many"):
+            return value
+
+        async def finish(items: Any, *args: Any) -> Any:
+            leases = [item[0] for item in items] if attr == "finish_many" else [items]
+            if any(lease.job == self.job for lease in leases):
+                await anyio.sleep(self.delay)
+            return await value(items, *args)
+        return finish
+
+
+async def test_a_next_step_won_after_the_last_round_is_handed_over() -> None:
+    """A step completes in the grace; its finish takes 0.8 s (under the finish's own 10 s
+    limit, over the stop's drain of lease/2 = 0.45 s). The agent claims the next step after
+    its last hand-over: nobody hands it over, it waits for its lease to lapse."""
+    store = MemoryStore()
+    started = anyio.Event()
+    runs: list[tuple[str, str | None, int, Reason]] = []
+    seen: list[ev.Event] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
+
+        @close.step("snapshot")
+        async def snapshot(ctx: RunContext) -> Any:
+            runs.append((name, ctx.step, ctx.attempt, ctx.reason))
+            started.set()
+            await ctx.stopping.wait()
+            return 1
+
+        @close.step("interest", max_attempts=1)  # a takeover would escalate it
+        async def interest(ctx: RunContext) -> Any:
+            runs.append((name, ctx.step, ctx.attempt, ctx.reason))
+            return 2
+
+        close.step("publish", lambda ctx: None)
+        return s
+
+    a, b = build("a"), build("b")
+    a.backend = SlowFinish(a.backend, step_job("close", "snapshot"), DELAY)  # type: ignore[assignment]
+    a.subscribe(seen.append)
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = current_slot(a)
+        await begin(a, slot)
+        await begin(b, slot)  # b backs the step up
+        with anyio.fail_after(10):
+            await started.wait()
+        await ia.stop(grace=10)
+        await wait_workflow(b, slot, "completed")
+        await ib.stop()
+    kinds = [(type(e).__name__, getattr(e, "job", None)) for e in seen
+             if type(e).__name__ in ("Claimed", "HandedOver", "Lost")]
+    assert ("HandedOver", step_job("close", "interest")) in kinds
+    interest_runs = [r for r in runs if r[1] == "interest"]
+    assert interest_runs == [("b", "interest", 2, Reason.HAND_OVER)], interest_runs
+
+
+class SlowFinishes:
+    """finish/finish_many of each job in ``delays`` take that many seconds longer."""
+
+    def __init__(self, inner: Any, delays: dict[str, float]) -> None:
+        self.inner, self.delays = inner, delays
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr not in ("finish", "finish_many"):
+            return value
+
+        async def finish(items: Any, *args: Any) -> Any:
+            leases = [item[0] for item in items] if attr == "finish_many" else [items]
+            await anyio.sleep(max(self.delays.get(lease.job, 0.0) for lease in leases))
+            return await value(items, *args)
+        return finish
+
+
+async def test_a_next_step_won_between_the_rounds_is_handed_over_at_once() -> None:
+    """The step's next step is won after the first round (its step's finish takes 0.3 s);
+    another job (lease 10 s) takes 3 s to finish. The stop waits for that one before the
+    second round; the next step (0.9 s lease, not renewed while it waits) is handed over
+    at once rather than at that round, when it would have lapsed."""
+    store = MemoryStore()
+    started = anyio.Event()
+    runs: list[tuple[str, str | None, int, Reason]] = []
+    seen: list[ev.Event] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
+
+        @close.step("snapshot")
+        async def snapshot(ctx: RunContext) -> Any:
+            started.set()
+            await ctx.stopping.wait()
+            return 1
+
+        @close.step("interest")
+        async def interest(ctx: RunContext) -> Any:
+            runs.append((name, ctx.step, ctx.attempt, ctx.reason))
+            return 2
+
+        close.step("publish", lambda ctx: None)
+
+        async def slow(ctx: RunContext) -> None:
+            await ctx.stopping.wait()
+
+        s.every("slow", "1h", slow, lease="10s", offset=quiet_offset_now())
+        return s
+
+    a, b = build("a"), build("b")
+    a.backend = SlowFinishes(a.backend, {step_job("close", "snapshot"): 0.3,  # type: ignore[assignment]
+                                         "slow": 3.0})
+    a.subscribe(seen.append)
+    from lease_core.testing import claim_now
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = current_slot(a)
+        await claim_now(a, "slow", a.jobs["slow"].schedule.previous_at_or_before(a.store_now_ms()))
+        await begin(a, slot)
+        await begin(b, slot)
+        with anyio.fail_after(10):
+            await started.wait()
+        await ia.stop(grace=10)
+        await wait_workflow(b, slot, "completed")
+        await ib.stop()
+    kinds = [(type(e).__name__, getattr(e, "job", None), getattr(e, "why", None)) for e in seen
+             if type(e).__name__ in ("Claimed", "HandedOver", "Lost")]
+    assert ("Lost", step_job("close", "interest"), "not handed over") not in kinds
+    # Run once, by b, never as a takeover of a lapsed lease: handed over by a (or, when
+    # a's claim came later than b's turn, claimed by b as the step's backup).
+    interest = [r for r in runs if r[1] == "interest"]
+    assert interest in ([("b", "interest", 2, Reason.HAND_OVER)],
+                        [("b", "interest", 1, Reason.SCHEDULED)]), interest
+
+
+async def test_a_run_is_not_handed_over_while_its_handler_still_runs() -> None:
+    """An async handler in a shielded section (4 s) outlives the grace and the stop's
+    drain: its run is not handed over while it runs (the backup would start it beside
+    the handler)."""
+    store = MemoryStore()
+    spans: dict[str, list[float]] = {}
+    started = anyio.Event()
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+
+        async def job(ctx: RunContext) -> None:
+            spans[name] = [time.monotonic()]
+            started.set()
+            try:
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(4 if name == "a" else 0.1)
+            finally:
+                spans[name].append(time.monotonic())
+
+        # A lease longer than the handler's run: only a hand-over could start the run
+        # beside it (a takeover comes once the lease lapsed, as after a crash).
+        s.every("j", "1h", job, offset=quiet_offset_now(), lease="6s")
+        return s
+
+    from lease_core.testing import claim_now
+    a, b = build("a"), build("b")
+    seen: list[ev.Event] = []
+    a.subscribe(seen.append)
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = a.jobs["j"].schedule.previous_at_or_before(a.store_now_ms())
+        await claim_now(a, "j", slot)
+        await claim_now(b, "j", slot)
+        with anyio.fail_after(10):
+            await started.wait()
+        await ia.stop(grace=0)
+        history = await store.shared.history("j")
+        await ib.stop()
+    # The handler outlived the stop's grace and drain: never handed over while it ran;
+    # it completed the run, never run by the backup.
+    assert [(h.attempt, h.outcome, h.instance_id) for h in history] == [
+        (1, Outcome.COMPLETED, "a")]
+    assert "b" not in spans
+    assert "HandedOver" not in [type(e).__name__ for e in seen]
+
+
+async def test_a_sync_handler_s_run_is_not_handed_over_while_its_thread_runs() -> None:
+    """A sync handler that ignores ctx.stopping (blocking code) outlives the grace: its
+    thread runs on, so its run is not handed over; its lease lapses instead."""
+    store = MemoryStore()
+    import threading
+    lock = threading.Lock()
+    spans: dict[str, list[float]] = {}
+    told = threading.Event()
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+
+        def job(ctx: RunContext) -> None:
+            with lock:
+                spans[name] = [time.monotonic()]
+            told.set()
+            if name == "a":
+                time.sleep(2.0)  # blocking code: ignores ctx.stopping
+            with lock:
+                spans[name].append(time.monotonic())
+
+        # A lease longer than the handler's run: only a hand-over could start the run
+        # beside it (a takeover comes once the lease lapsed, as after a crash).
+        s.every("j", "1h", job, offset=quiet_offset_now(), lease="6s")
+        return s
+
+    from lease_core.testing import claim_now
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = a.jobs["j"].schedule.previous_at_or_before(a.store_now_ms())
+        await claim_now(a, "j", slot)
+        await claim_now(b, "j", slot)
+        await wait_for(told.is_set, timeout=5, what="a runs")
+        await ia.stop(grace=0.2)
+        await wait_for(lambda: "b" in spans and len(spans["b"]) == 2, timeout=15, what="b ran")
+        await ib.stop()
+        await wait_for(lambda: len(spans["a"]) == 2, timeout=5, what="a's thread returned")
+    assert spans["b"][0] >= spans["a"][1], "b started the run while a's thread still ran"
