@@ -21,11 +21,11 @@ pytestmark = pytest.mark.anyio
 DELAY = 0.8
 
 
-class SlowFinish:
-    """finish/finish_many of ``job``'s runs take ``delay`` seconds longer (store still answers)."""
+class SlowFinishes:
+    """finish/finish_many of each job in ``delays`` take that many seconds longer."""
 
-    def __init__(self, inner: Any, job: str, delay: float) -> None:
-        self.inner, self.job, self.delay = inner, job, delay
+    def __init__(self, inner: Any, delays: dict[str, float]) -> None:
+        self.inner, self.delays = inner, delays
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self.inner, attr)
@@ -34,8 +34,7 @@ class SlowFinish:
 
         async def finish(items: Any, *args: Any) -> Any:
             leases = [item[0] for item in items] if attr == "finish_many" else [items]
-            if any(lease.job == self.job for lease in leases):
-                await anyio.sleep(self.delay)
+            await anyio.sleep(max(self.delays.get(lease.job, 0.0) for lease in leases))
             return await value(items, *args)
         return finish
 
@@ -69,7 +68,7 @@ async def test_a_next_step_won_after_the_last_round_is_handed_over() -> None:
         return s
 
     a, b = build("a"), build("b")
-    a.backend = SlowFinish(a.backend, step_job("close", "snapshot"), DELAY)  # type: ignore[assignment]
+    a.backend = SlowFinishes(a.backend, {step_job("close", "snapshot"): DELAY})  # type: ignore[assignment]
     a.subscribe(seen.append)
     async with anyio.create_task_group() as tg:
         ia = await Instance(a).start(tg)
@@ -87,24 +86,6 @@ async def test_a_next_step_won_after_the_last_round_is_handed_over() -> None:
     assert ("HandedOver", step_job("close", "interest")) in kinds
     interest_runs = [r for r in runs if r[1] == "interest"]
     assert interest_runs == [("b", "interest", 2, Reason.HAND_OVER)], interest_runs
-
-
-class SlowFinishes:
-    """finish/finish_many of each job in ``delays`` take that many seconds longer."""
-
-    def __init__(self, inner: Any, delays: dict[str, float]) -> None:
-        self.inner, self.delays = inner, delays
-
-    def __getattr__(self, attr: str) -> Any:
-        value = getattr(self.inner, attr)
-        if attr not in ("finish", "finish_many"):
-            return value
-
-        async def finish(items: Any, *args: Any) -> Any:
-            leases = [item[0] for item in items] if attr == "finish_many" else [items]
-            await anyio.sleep(max(self.delays.get(lease.job, 0.0) for lease in leases))
-            return await value(items, *args)
-        return finish
 
 
 async def test_a_next_step_won_between_the_rounds_is_handed_over_at_once() -> None:
