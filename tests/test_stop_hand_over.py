@@ -9,9 +9,10 @@ from typing import Any
 import anyio
 import pytest
 
-from lease_core import Outcome, Reason, RunContext, Scheduler
+from lease_core import Admin, Outcome, Reason, RunContext, Scheduler
 from lease_core import events as ev
 from lease_core.recovery import step_job
+from lease_core.testing import claim_now
 from tests.helpers import Instance, wait_for
 from tests.stores.memory import MemoryStore
 from tests.test_workflows import begin, current_slot, make, quiet_offset_now, wait_workflow
@@ -236,3 +237,53 @@ async def test_a_sync_handler_s_run_is_not_handed_over_while_its_thread_runs() -
         await ib.stop()
         await wait_for(lambda: len(spans["a"]) == 2, timeout=5, what="a's thread returned")
     assert spans["b"][0] >= spans["a"][1], "b started the run while a's thread still ran"
+
+
+class CancelBeforeHandOver:
+    """An operator cancels ``job``'s run at ``slot`` just before the stop's hand-over
+    reaches the store: after the handler stopped, before its heartbeat could tell."""
+
+    def __init__(self, inner: Any, job: str, slot: int) -> None:
+        self.inner, self.job, self.slot = inner, job, slot
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr != "hand_over":
+            return value
+
+        async def hand_over(leases: Any) -> Any:
+            if any(lease.job == self.job for lease in leases):
+                await Admin(self.inner, by="ops").cancel(self.job, self.slot, grace=0)
+            return await value(leases)
+        return hand_over
+
+
+async def test_a_cancel_that_lands_before_the_hand_over_is_reported_cancelled() -> None:
+    """The stop cancelled the handler once its grace had passed; the run waits for its
+    hand-over, and an operator cancels it meanwhile. The store refuses the hand-over (the
+    run is over): the attempt ended cancelled, not lost."""
+    store = MemoryStore()
+    started = anyio.Event()
+    seen: list[ev.Event] = []
+    s = make(store, "a")
+
+    async def report(ctx: RunContext) -> None:
+        started.set()
+        await anyio.sleep_forever()  # cancelled by the stop once its grace has passed
+
+    s.every("report", "1h", report, offset=quiet_offset_now())
+    slot = s.jobs["report"].schedule.previous_at_or_before(int(time.time() * 1000))
+    assert slot is not None
+    s.backend = CancelBeforeHandOver(s.backend, "report", slot)  # type: ignore[assignment]
+    s.subscribe(seen.append)
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(s).start(tg)
+        await claim_now(s, "report", slot)
+        with anyio.fail_after(10):
+            await started.wait()
+        await ia.stop(grace=0.2)
+    ended = [e for e in seen if isinstance(e, ev.AttemptEnded)]
+    assert [(type(e).__name__, e.outcome) for e in ended] == [
+        ("Cancelled", Outcome.CANCELLED)], ended
+    history = await store.backend().history("report")
+    assert [(a.slot, a.outcome) for a in history] == [(slot, "cancelled")], history

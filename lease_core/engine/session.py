@@ -30,7 +30,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from .. import events as ev
 from .._outcome import Interruption
-from .._structures import JobInfo, Lease
+from .._structures import JobInfo, Lease, RunStatus
 from .base import (
     HANDLER_THREADS,
     SUBSCRIBER_THREADS,
@@ -319,17 +319,29 @@ class Session:
         if not leases:
             return
         self._handed.update(lease.token for lease in leases)
+        backend = self.settings.backend
+        done: frozenset[str] = frozenset()
+        cancelled: set[tuple[str, int]] = set()
         with anyio.move_on_after(10, shield=True):
-            done: frozenset[str] = frozenset()
             try:
-                done = await self.settings.backend.hand_over(leases)
+                done = await backend.hand_over(leases)
                 logger.info("instance %s handed over %d runs", self.settings.instance_id,
                             len(done))
+                # A run the store did not hand over may have been cancelled by an
+                # operator since its last heartbeat: that attempt ended cancelled.
+                kept = [(lease.job, lease.slot) for lease in leases
+                        if lease.token not in done]
+                if kept:
+                    found = (await backend.check(kept)).runs
+                    cancelled = {key for key, state in found.items()
+                                 if state.status is RunStatus.CANCELLED}
             except Exception as exc:
                 self.clock.failed("hand-over", exc)
         for lease in leases:
             if lease.token in done:
                 self.execution.ended(ev.HandedOver, lease)
+            elif (lease.job, lease.slot) in cancelled:
+                self.execution.ended(ev.Cancelled, lease)
             else:
                 self.execution.ended(ev.Lost, lease, why="not handed over")
         self.runs.handed_over(leases)
