@@ -48,16 +48,23 @@ def operate(store: MemoryBackend, op: Operation, now: int,
     if job is None:
         return OperationResult("unknown_job")
     if op.kind is OperationKind.PAUSE:
+        if job.paused_by:  # another pause would hide who paused it (and its record)
+            return OperationResult("conflict", paused_by=job.paused_by)
         job.paused_by = op.by
         return OperationResult()
     if op.kind is OperationKind.RESUME:
-        if job.paused_by:  # a resume leaves a record on the slots the pause skipped
-            mark = f"job paused by {job.paused_by}"
-            history = store._attempts.get(op.job, [])
-            for i, a in enumerate(history):
-                if a.outcome is Outcome.SKIPPED and a.error == mark:
-                    history[i] = replace(a, error=f"{mark}; resumed by {op.by}")
+        if not job.paused_by:
+            return OperationResult("conflict")
+        # A resume leaves a record on the slots the pause skipped.
+        mark = f"job paused by {job.paused_by}"
+        history = store._attempts.get(op.job, [])
+        for i, a in enumerate(history):
+            if a.outcome is Outcome.SKIPPED and a.error == mark:
+                history[i] = replace(a, error=f"{mark}; resumed by {op.by}")
         job.paused_by = None
+        # The slots due while paused are never caught up, even those no instance was
+        # up to skip: a starting scheduler catches up from the job's last slot.
+        job.last_slot = now if job.last_slot is None else max(job.last_slot, now)
         return OperationResult()
     if op.kind is OperationKind.TRIGGER:
         slot = now + (now % 1000 == 0)  # off the whole second, where schedules put slots
@@ -75,9 +82,13 @@ def operate(store: MemoryBackend, op: Operation, now: int,
     if op.kind is OperationKind.RETRY:
         if run.status not in RETRYABLE:
             return OperationResult("conflict", op.slot, run.status)
+        before = run.status
         run.status, run.token, run.expires_ms = RunStatus.HANDED_OVER, None, now
         run.queued, run.queued_by = Reason.RETRY, op.by
-        return OperationResult(slot=op.slot, status=RunStatus(run.status))
+        # The retried run starts anew: max_attempts counts its takeovers from now, and
+        # its job's retry= grants its retries again.
+        run.takeovers = run.retries = 0
+        return OperationResult(slot=op.slot, status=before)
     if run.status.finished:
         return OperationResult("conflict", op.slot, run.status)
     before = run.status

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -68,13 +68,17 @@ class OperationResult:
     """A backend's answer to :meth:`~lease_core.abc.Backend.operate`.
 
     ``refused`` is ``None`` when the operation was made, else ``unknown_job``, ``no_run``
-    or ``conflict`` (then nothing changed). ``slot`` is the run's (a trigger's new slot);
+    or ``conflict`` (a run whose status forbids it, a pause of a paused job, a resume of
+    one not paused; then nothing changed). ``slot`` is the run's (a trigger's new slot);
     ``status`` the run's status before the operation (for a refusal's message).
     """
 
     refused: str | None = None
     slot: int | None = None
     status: RunStatus | None = None
+    paused_by: str | None = None
+    """Who paused the job, when a pause is refused because it is paused already (a
+    backend may leave it out: :class:`Admin` then reads it)."""
 
 
 #: The longest ``grace`` of a cancel: 30 days (a longer one is surely a mistake, and
@@ -82,6 +86,14 @@ class OperationResult:
 MAX_GRACE_S = 30 * 86400
 #: A grace given as text without a unit: a number of seconds.
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _epoch_ms(value: datetime) -> int:
+    """A tz-aware time in epoch ms, exactly (``timestamp() * 1000`` can be 1 ms off)."""
+    return (value - _EPOCH) // timedelta(milliseconds=1)
 
 
 def _slot(value: object, where: object) -> int:
@@ -93,7 +105,7 @@ def _slot(value: object, where: object) -> int:
     elif isinstance(value, datetime):
         if value.tzinfo is None:
             raise ConfigurationError(f"slot {value!r} is a naive datetime; give a tz-aware one")
-        slot = int(value.timestamp() * 1000)
+        slot = _epoch_ms(value)
     elif isinstance(value, str):
         text = value.strip()
         if re.fullmatch(r"-?[0-9]+", text):  # ASCII digits: "²".isdigit() is True
@@ -104,7 +116,7 @@ def _slot(value: object, where: object) -> int:
             except ValueError:
                 parsed = None
             if parsed is not None and parsed.tzinfo is not None:
-                slot = int(parsed.timestamp() * 1000)
+                slot = _epoch_ms(parsed)
     if slot is not None:
         if 0 <= slot <= LAST_SLOT:
             return slot
@@ -175,17 +187,25 @@ class Admin:
 
         Slots due while paused are recorded ``skipped`` and never caught up. ``job`` may
         name a workflow: its new slots are skipped (at its first step); a run in
-        progress goes on through its later steps.
+        progress goes on through its later steps. A job paused already is refused
+        (:class:`~lease_core.errors.OperationRefused`, ``conflict``, naming who paused
+        it): a second pause would hide the first one's author.
         """
         await self._operate(OperationKind.PAUSE, job, None)
 
     async def resume(self, job: str) -> None:
-        """Let the fleet claim the slots of ``job`` (or a workflow) again (a job not
-        paused: no change)."""
+        """Let the fleet claim the slots of ``job`` (or a workflow) again.
+
+        The slots due while it was paused are never caught up, even those no instance
+        was running to record ``skipped``. A job not paused is refused
+        (:class:`~lease_core.errors.OperationRefused`, ``conflict``)."""
         await self._operate(OperationKind.RESUME, job, None)
 
     async def retry(self, job: str, slot: int | str | datetime) -> None:
         """Run a ``failed``, ``timed_out`` or ``escalated`` run again (reason ``retry``).
+
+        The run starts anew: ``max_attempts`` counts its takeovers from now, and its
+        job's ``retry=`` grants its retries again.
 
         ``job`` may name a workflow: its run resumes at the step that failed (that step's
         run is retried; the steps after it follow as usual).
@@ -251,6 +271,10 @@ class Admin:
                 started = True
                 result = await self.backend.operate(
                     Operation(kind, job, slot, self.by, grace_ms))
+                if (result.refused == "conflict" and kind is OperationKind.PAUSE
+                        and result.paused_by is None):  # paused meanwhile: by whom
+                    result = OperationResult(
+                        "conflict", paused_by=(await self.backend.paused()).get(job))
         finally:
             if started:
                 await self.backend.close()
@@ -264,8 +288,13 @@ class Admin:
         """The refusal the store would answer, read without writing (``None``: the
         operation looks possible; the store still decides, atomically)."""
         if slot is None:
-            known = job in await self.backend.jobs()
-            return None if known else OperationResult("unknown_job")
+            if job not in await self.backend.jobs():
+                return OperationResult("unknown_job")
+            if kind in (OperationKind.PAUSE, OperationKind.RESUME):
+                by = (await self.backend.paused()).get(job)
+                if (by is None) is (kind is OperationKind.RESUME):
+                    return OperationResult("conflict", paused_by=by)
+            return None
         state = (await self.backend.check([(job, slot)])).runs.get((job, slot))
         if state is None:
             known = job in await self.backend.jobs()
@@ -305,6 +334,12 @@ def _refusal(kind: OperationKind, job: str, slot: int | None, result: OperationR
                 "(`anarchon status` lists them)")
     if result.refused == "no_run":
         return f"cannot {kind} run {run}: the store has no run of {job!r} at that slot"
+    if kind is OperationKind.PAUSE:
+        by = "" if result.paused_by is None else f" by {result.paused_by!r}"
+        return (f"cannot pause job {job!r}: it is paused already{by}; resume it first to "
+                "pause it in another name")
+    if kind is OperationKind.RESUME:
+        return f"cannot resume job {job!r}: it is not paused"
     status = "" if result.status is None else str(result.status)
     if kind is OperationKind.RETRY:
         return (f"cannot retry run {run}: it is {status}; only failed, timed_out or "

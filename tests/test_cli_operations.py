@@ -101,7 +101,8 @@ def test_refusals_exit_2_and_change_nothing(url: str,
             (["cancel", "sync"], "malformed"),
             (["cancel", "sync@2000", "--grace", "soon"], "grace"),
             (["cancel", "sync@2000", "--grace", "999999h"], "longer than 30 days"),
-            (["retry", "sync@²"], "malformed slot")):
+            (["retry", "sync@²"], "malformed slot"),
+            (["resume", "sync"], "it is not paused")):
         assert main([*argv, "--url", url]) == 2, argv
         err = capsys.readouterr().err
         assert f"anarchon {argv[0]}: " in err and text in err, (argv, err)

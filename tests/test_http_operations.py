@@ -108,6 +108,7 @@ def test_operations_answer_and_act(backend_and_loop: tuple[Backend, str]) -> Non
     ("/jobs/export@5/cancel", 404, "no run of 'export'"),
     ("/jobs/export@2000/retry", 409, "it is completed"),
     ("/jobs/export@2000/cancel", 409, "already finished"),
+    ("/jobs/export/resume", 409, "it is not paused"),
     ("/jobs/export/cancel", 400, "malformed"),
     ("/jobs/export@3000/cancel?grace=soon", 400, "grace"),
 ])

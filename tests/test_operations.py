@@ -8,6 +8,8 @@ has a deadline.
 
 from __future__ import annotations
 
+import uuid
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import anyio
@@ -22,7 +24,9 @@ from lease_core import (
     RunStatus,
     Scheduler,
 )
+from lease_core._structures import ClaimRequest
 from lease_core.abc import Backend
+from lease_core.operations import _slot
 from lease_core.testing import claim_now
 from tests.helpers import (
     Instance,
@@ -599,3 +603,131 @@ async def test_a_cancel_of_a_run_nobody_holds_is_recorded_as_an_attempt(
         (1000, 1, "handed_over"), (2000, 1, "failed"), (3000, 1, "failed")]
     assert {slot: (str(r.status), r.attempt, r.instance_id) for slot, r in runs.items()} == {
         slot: ("cancelled", a.attempt, "cli") for slot, a in last.items()}
+
+
+async def test_a_pause_of_a_paused_job_and_a_resume_of_a_job_not_paused_are_refused(
+        store: Store) -> None:
+    """A second pause would hide who paused the job (and the record its resume leaves on
+    the skipped slots): refused, naming the first, changing nothing. A resume of a job
+    not paused is refused too."""
+    offset = await quiet(store)
+    s = make(store, "a")
+    s.every("known", "1h", lambda ctx: None, offset=offset)
+    async with s:
+        with pytest.raises(OperationRefused, match="'known': it is not paused") as refused:
+            await admin_for(store, by="C").resume("known")
+        assert refused.value.kind == "conflict"
+        await admin_for(store, by="A").pause("known")
+        with pytest.raises(OperationRefused, match="paused already by 'A'") as refused:
+            await admin_for(store, by="B").pause("known")
+        assert refused.value.kind == "conflict"
+        assert await admin_for(store).paused() == {"known": "A"}
+        await admin_for(store, by="C").resume("known")
+        assert await admin_for(store).paused() == {}
+
+
+async def test_slots_due_while_paused_are_not_caught_up_when_no_instance_ran(
+        store: Store) -> None:
+    """Pause, every instance down, resume, start: the catch-up (policy "all") starts at
+    the resume; no slot due while the job was paused runs."""
+    ran: list[int] = []
+
+    async def tick(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    def build() -> Scheduler:
+        s = make(store, "a")
+        s.every("tick", "1s", tick, catch_up="all")
+        return s
+
+    backend = store.backend()
+    async with build():
+        await wait_for(lambda: ran, what="a first run")
+    admin = admin_for(store, by="ops")
+    await admin.pause("tick")
+    paused_at = await store_now_ms(backend)
+    # Three slots come due while paused and no instance runs.
+    await wait_for(lambda: _after(backend, paused_at + 3000), what="three slots due")
+    await admin.resume("tick")
+    resumed_at = await store_now_ms(backend)
+    s = build()
+    async with s:
+        await wait_history(s, lambda h: any(a.slot > resumed_at + 1000 and a.outcome == "completed"
+                                            for a in h),
+                           job="tick", what="a run of a slot after the resume")
+        history = await s.history("tick", limit=1000)
+    caught = [(a.slot, a.reason) for a in history
+              if paused_at < a.slot <= resumed_at and a.outcome != "skipped"]
+    assert caught == [], caught
+
+
+async def _after(backend: Backend, ms: int) -> bool:
+    return await store_now_ms(backend) >= ms
+
+
+async def test_a_cancel_after_the_handler_returned_is_reported_cancelled(store: Store) -> None:
+    """The cancel ends the run in the store after the handler returned, before its
+    holder's next heartbeat: the store refuses the finish, and the attempt is reported
+    Cancelled (not Completed), as the history records it."""
+    admin = admin_for(store, by="ops")
+    offset = await quiet(store)
+    go, entered = anyio.Event(), anyio.Event()
+    s = Scheduler(store.backend(), instance_id="h", lease="30s", heartbeat="5s")
+    events: list[Any] = []
+    s.subscribe(events.append)
+
+    async def work(ctx: RunContext) -> None:
+        entered.set()
+        await go.wait()
+
+    s.every("w", "1h", work, offset=offset)
+    async with s:
+        slot = await store_now_ms(store.backend()) - 1000
+        assert await claim_now(s, "w", slot) is not None
+        with anyio.fail_after(10):
+            await entered.wait()
+        await admin.cancel("w", slot, grace="10s")
+        go.set()
+        await wait_for(lambda: [e for e in events if isinstance(e, AttemptEnded)],
+                       what="the attempt's end")
+        history = [(a.attempt, a.outcome) for a in await s.history("w") if a.slot == slot]
+    ended = [type(e).__name__ for e in events if isinstance(e, AttemptEnded)]
+    assert ended == ["Cancelled"], ended
+    assert history == [(1, "cancelled")], history
+
+
+async def test_a_retried_run_counts_its_takeovers_and_retries_anew(store: Store) -> None:
+    """max_attempts=2: a takeover, then escalated. Retried by an operator, the run's first
+    crash is taken over again (not escalated at once)."""
+    backend = store.backend()
+    await backend.start()
+    try:
+        await backend.register_jobs(["j"])
+        slot = (await backend.now_ms()) - 60_000
+
+        async def claim(instance: str) -> tuple[str, int]:
+            async def answer() -> tuple[str, int] | None:
+                (r,) = await backend.claim_many([ClaimRequest(
+                    "j", slot, instance, uuid.uuid4().hex, 300, max_attempts=2)])
+                # 'running': the last holder's lease is still live; claim again
+                return None if r.status == "running" else (str(r.status), r.attempt)
+            found: tuple[str, int] = await wait_for(answer, what=f"{instance}'s claim")
+            return found
+
+        assert await claim("a") == ("won", 1)
+        assert await claim("b") == ("won", 2)  # a takeover: 2 of max_attempts=2
+        assert await claim("c") == ("escalated", 2)
+        await admin_for(store, by="ops").retry("j", slot)
+        assert await claim("d") == ("won", 3)  # the retry
+        assert await claim("e") == ("won", 4)  # its holder died: taken over, not escalated
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("ms", [0, 1_796_463_000_001, 2_166_817_981_930, 253_402_300_799_999])
+def test_a_slot_given_as_a_time_is_exact_to_the_millisecond(ms: int) -> None:
+    """``timestamp() * 1000`` is a float: 2166817981930 ms came out 1 ms early."""
+    at = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=ms)
+    assert _slot(at, "j") == ms
+    assert _slot(at.isoformat(), "j") == ms
+    assert _slot(at.astimezone(timezone(timedelta(hours=-3))).isoformat(), "j") == ms

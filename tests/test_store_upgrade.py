@@ -33,9 +33,12 @@ import pytest
 
 from backends import postgres
 from backends.postgres import CODE_VERSION, PostgresBackend, migrate, quote_ident
+from backends.postgres.statements import BODY_MARKS, OPERATE_SUFFIX
+from lease_core import Admin
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason
 from lease_core.cli import main
 from lease_core.errors import BackendUnavailable, ConfigurationError
+from lease_core.operations import Operation, OperationKind
 from tests.helpers import wait_for
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 
@@ -359,6 +362,39 @@ async def test_a_v4_store_of_an_earlier_build_gets_the_claim_that_knows_trimmed_
                 "AND o.slot < 5 AND o.status IN ('running', 'retrying') "
                 "AND (o.status = 'retrying' OR o.expires_ms > 0)"))
         assert f"{table}_opens" in plan, plan
+    finally:
+        await backend.close()
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
+async def test_a_v4_store_of_an_earlier_build_gets_the_operations_that_refuse_a_second_pause(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """A v4 store made by an earlier build has the operations function whose pause of a
+    paused job overwrote who paused it (its body lacks BODY_MARKS' text): a start makes it
+    again, and a second pause is refused."""
+    table = unique_table()
+    first = PostgresBackend(pg16_server.dsn, table=table)
+    await first.start()
+    await first.close()
+    operate = f"{table}{OPERATE_SUFFIX}"
+    mark = BODY_MARKS[OPERATE_SUFFIX]
+    [(definition,)] = sql(pg16_server.admin_dsn,
+                          "SELECT pg_get_functiondef(oid) FROM pg_proc WHERE proname = %s",
+                          (operate,))
+    assert mark in definition
+    sql(pg16_server.admin_dsn, definition.replace(mark, "an earlier build"))
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    try:
+        await backend.register_jobs(["j"])
+        assert sql(pg16_server.admin_dsn,
+                   "SELECT strpos(prosrc, %s) > 0 FROM pg_proc WHERE proname = %s",
+                   (mark, operate)) == [(True,)]
+        admin = Admin(backend, by="A")
+        await admin.pause("j")
+        await backend.operate(Operation(OperationKind.PAUSE, "j", None, "B"))
+        assert await backend.paused() == {"j": "A"}
     finally:
         await backend.close()
         await drop_tables(pg16_server.admin_dsn, table)

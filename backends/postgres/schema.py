@@ -20,6 +20,7 @@ from lease_core.errors import (
 
 from .statements import (
     BATCH_SUFFIX,
+    BODY_MARKS,
     CLAIM_ARG_COUNT,
     CLAIM_SUFFIX,
     CODE_VERSION,
@@ -64,6 +65,8 @@ class StoreSchema:
                           for suffix in (CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX,
                                          OPERATE_SUFFIX, FAILOVER_SUFFIX, LEASE_SUFFIX)],
             "claim_args": CLAIM_ARG_COUNT, "open_index": self._name + OPEN_SUFFIX,
+            "marked": [self._name + suffix for suffix in BODY_MARKS],
+            "marks": list(BODY_MARKS.values()),
             "schema": self._schema})
         if not rows:
             if self._schema is None:

@@ -18,6 +18,7 @@ from lease_core.errors import ConfigurationError
 
 __all__ = [
     "BATCH_SUFFIX",
+    "BODY_MARKS",
     "CLAIM_ARG_COUNT",
     "CLAIM_SUFFIX",
     "CODE_VERSION",
@@ -105,6 +106,9 @@ CLAIM_ARG_TYPES = CLAIM_ARG_TYPES_V3 + ", boolean"
 #: How many parameters the claim function takes (``find_tables`` checks it: a v4 store
 #: made by an earlier build of this release has the claim without ``p_scheduled``).
 CLAIM_ARG_COUNT = CLAIM_ARG_TYPES.count(",") + 1
+#: Function suffix -> a text its body of this build contains: a function of this store
+#: code whose body an earlier build of it made (without the text) is made again on start.
+BODY_MARKS = {OPERATE_SUFFIX: "operate body 2"}
 #: The parameters of the store code v1 and v2 claim functions (which also took the
 #: history to keep and trimmed it); their names now call the current function.
 CLAIM_ARGS_V2 = (CLAIM_ARGS_V3 + ", p_history_size bigint, p_history_ttl_ms bigint, "

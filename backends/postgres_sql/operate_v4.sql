@@ -61,8 +61,17 @@ BEGIN
           AND a.outcome = 'skipped' AND a.error = 'job paused by ' || j.paused_by;
     END IF;
     IF p_kind IN ('pause', 'resume') THEN
-        UPDATE {jobs} SET paused_by = CASE WHEN p_kind = 'pause' THEN p_by END
-        WHERE job = p_job;
+        -- A pause of a paused job (it would hide who paused it) and a resume of a job
+        -- not paused are refused. A resume raises the job's last_slot to now: the slots
+        -- due while paused are never caught up, even those no instance was up to skip
+        -- (a starting scheduler catches up from last_slot).
+        UPDATE {jobs} SET paused_by = CASE WHEN p_kind = 'pause' THEN p_by END,
+                          last_slot = CASE WHEN p_kind = 'pause' THEN last_slot
+                                           ELSE GREATEST(COALESCE(last_slot, v_now), v_now) END
+        WHERE job = p_job AND (paused_by IS NULL) = (p_kind = 'pause');  -- operate body 2
+        IF NOT FOUND THEN
+            o_refused := 'conflict';
+        END IF;
         RETURN;
     END IF;
     IF p_kind = 'trigger' THEN
@@ -89,8 +98,11 @@ BEGIN
             o_refused := 'conflict';
             RETURN;
         END IF;
+        -- The retried run starts anew: max_attempts counts its takeovers from now, and
+        -- its job's retry= grants its retries again.
         UPDATE {runs} SET status = 'handed_over', token = NULL, expires_ms = v_now,
-                          queued = 'retry', queued_by = p_by
+                          queued = 'retry', queued_by = p_by, takeovers = 0,
+                          retries = NULL
         WHERE job = p_job AND slot = p_slot;
         RETURN;
     END IF;

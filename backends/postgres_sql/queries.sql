@@ -14,8 +14,10 @@
 -- name: find_tables
 -- The schema, which of the four tables exist in it, and whether the claim functions of
 -- this release all exist, the claim function (the first name) with its number of
--- parameters (an earlier build of this unreleased version made it with fewer), and the
--- open runs' index of this release (create_runs_open).
+-- parameters (an earlier build of this unreleased version made it with fewer), the
+-- open runs' index of this release (create_runs_open), and the functions of BODY_MARKS
+-- (statements.py) with the text their body has in this build (an earlier build's body
+-- lacks it).
 SELECT n.nspname::text,
        ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c
              WHERE c.relnamespace = n.oid AND c.relname = ANY(%(tables)s::text[])),
@@ -28,6 +30,10 @@ SELECT n.nspname::text,
                      AND p.pronargs = %(claim_args)s::integer)
        AND EXISTS (SELECT 1 FROM pg_catalog.pg_class c
                    WHERE c.relnamespace = n.oid AND c.relname = %(open_index)s::text)
+       AND NOT EXISTS (SELECT 1 FROM unnest(%(marked)s::text[], %(marks)s::text[]) AS m(name, mark)
+                       WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
+                                         WHERE p.pronamespace = n.oid AND p.proname = m.name
+                                           AND strpos(p.prosrc, m.mark) > 0))
 FROM pg_catalog.pg_namespace n
 WHERE n.nspname = COALESCE(%(schema)s::text, current_schema())
 

@@ -7,7 +7,8 @@
 -- KEYS[5] the operation's own key ({p/job}:op:<random id>): it keeps the answer of an
 -- operation made for 10 minutes, and a call sent again with the same key (a resend after a failed connection,
 -- by this library or by the driver) answers it again and changes nothing.
--- Returns 'refused|slot|status' ('' = none): refused is unknown_job, no_run or conflict.
+-- Returns 'refused|slot|status' ('' = none): refused is unknown_job, no_run or conflict
+-- (a pause of a paused job, a resume of one not paused, a run whose status forbids it).
 -- - trigger: a run at the store's now (the next free millisecond), handed_over with
 --   attempt 0, whose first claim is attempt 1 with reason 'manual' (q) and 'b' = by (qb);
 -- - retry: a failed, timed_out or escalated run is handed_over again, next reason retry;
@@ -19,7 +20,8 @@
 --   heartbeat answers "cancelled" with the grace (heartbeat.lua);
 -- - pause / resume: the job hash's 'paused' (who), read by every claim (_claim.lua), and
 --   'paused_at' (since when); a resume appends '; resumed by <by>' to the error of
---   each slot the pause skipped (found in the done zset since 'paused_at').
+--   each slot the pause skipped (found in the done zset since 'paused_at') and raises
+--   the job's 'last_slot' to now (where a starting scheduler catches up from).
 local job, open, att, done, op, hist = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local kind, slot, by, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local answered = redis.call('GET', op)
@@ -31,13 +33,25 @@ local function operate()
     return 'unknown_job||'
   end
   if kind == 'pause' then
-    redis.call('HSET', job, 'paused', by)
-    redis.call('HSETNX', job, 'paused_at', now)
+    -- A pause of a paused job is refused: it would hide who paused it.
+    if redis.call('HSETNX', job, 'paused', by) == 0 then
+      return 'conflict||'
+    end
+    redis.call('HSET', job, 'paused_at', now)
     return '||'
   elseif kind == 'resume' then
     -- A resume leaves a record: each slot the pause skipped gets '; resumed by <by>'.
-    local was, since = unpack(redis.call('HMGET', job, 'paused', 'paused_at'))
-    if was and since then
+    local was, since, last = unpack(redis.call('HMGET', job, 'paused', 'paused_at',
+      'last_slot'))
+    if not was then
+      return 'conflict||'  -- not paused
+    end
+    -- The slots due while paused are never caught up, even those no instance was up to
+    -- skip: a starting scheduler catches up from the job's last slot.
+    if not last or tonumber(last) < now then
+      redis.call('HSET', job, 'last_slot', now)
+    end
+    if since then
       local mark = 'job paused by ' .. was
       for _, id in ipairs(redis.call('ZRANGEBYSCORE', done, since, '+inf')) do
         local s, a = string.match(id, '^(-?%d+):(%d+)$')
@@ -76,8 +90,11 @@ local function operate()
     if st ~= 'failed' and st ~= 'timed_out' and st ~= 'escalated' then
       return 'conflict|' .. slot .. '|' .. st
     end
+    -- The retried run starts anew: max_attempts counts its takeovers from now ('tk'),
+    -- and its job's retry= grants its retries again ('rt').
     redis.call('HSET', run, 'st', 'handed_over', 'tok', '', 'exp', now, 'q', 'retry',
-      'qb', by)
+      'qb', by, 'tk', 0)
+    redis.call('HDEL', run, 'rt')
     redis.call('ZADD', open, tonumber(slot), slot)
     return '|' .. slot .. '|' .. st
   end

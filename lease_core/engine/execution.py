@@ -19,7 +19,7 @@ import anyio.to_thread
 from .. import events as ev
 from .._batch import Abandoned, FinishBatcher
 from .._outcome import Interruption, decide_outcome
-from .._structures import ClaimResult, Lease, Outcome, Reason, fence_of, format_slot
+from .._structures import ClaimResult, Lease, Outcome, Reason, RunStatus, fence_of, format_slot
 from ..context import RunContext
 from ..errors import ConfigurationError
 from .base import INSIDE, logger
@@ -243,16 +243,38 @@ class Executor:
                 outcome, error = Outcome.FAILED, f"the step's result: {stored}"
             elif not stored:
                 return
-        self._report(run, outcome, error, ran.raised)
+        if outcome is Outcome.TIMED_OUT:
+            execution.ctx._request_stop("timed out")
         if s.retries.wanted(job, outcome, ran.raised):  # retries within a run (issue 19)
+            self._report(run, outcome, error, ran.raised)
             await s.retries.fail(run, outcome, error or str(outcome))
             return
-        finished = outcome is Outcome.COMPLETED and execution.ctx.completed_by_transaction
+        finished: bool | None = (outcome is Outcome.COMPLETED
+                                 and execution.ctx.completed_by_transaction)
         if not finished:
             finished = await self._finish(run, outcome, error)
+        # Reported once the store answered: an operator's cancel that ended the run after
+        # the handler returned (before its holder's heartbeat could tell) made the store
+        # refuse the finish, and the attempt ended cancelled, not as the handler did.
+        if finished is False and await self._cancelled_in_store(lease):
+            self.ended(ev.Cancelled, lease)
+        else:
+            self._report(run, outcome, error, ran.raised)
         s.runs.release(run)
         if finished and outcome is Outcome.COMPLETED:
             await s.steps.completed(job, lease.slot)
+
+    async def _cancelled_in_store(self, lease: Lease) -> bool:
+        """Whether the store shows ``lease``'s run cancelled (read after a refused finish)."""
+        with anyio.move_on_after(10, shield=True):
+            try:
+                found = (await self._s.settings.backend.check([(lease.job, lease.slot)])).runs
+            except Exception as exc:
+                self._s.clock.failed(f"check of {lease.job} slot {format_slot(lease.slot)}", exc)
+                return False
+            state = found.get((lease.job, lease.slot))
+            return state is not None and state.status is RunStatus.CANCELLED
+        return False
 
     async def _outlived(self, thread: _Thread, execution: Execution) -> bool:
         """A sync handler timed out, and its run may be retried: the retry waits until its
@@ -348,7 +370,6 @@ class Executor:
         execution, lease = run.execution, run.lease
         assert execution is not None and lease is not None
         if outcome is Outcome.TIMED_OUT:
-            execution.ctx._request_stop("timed out")
             self.ended(ev.TimedOut, lease)
         elif outcome is Outcome.COMPLETED:
             self.ended(ev.Completed, lease)
@@ -359,11 +380,12 @@ class Executor:
                            format_slot(lease.slot), lease.slot, execution.ctx.attempt, error,
                            exc_info=raised)
 
-    async def _finish(self, run: Run, outcome: Outcome, error: str | None) -> bool:
-        """Record the outcome in the store; True when it is recorded."""
+    async def _finish(self, run: Run, outcome: Outcome, error: str | None) -> bool | None:
+        """Record the outcome in the store: True when recorded, False when the store
+        refused it (the token no longer holds the run), None when unknown."""
         lease = run.lease
         assert lease is not None
-        finished = False
+        finished: bool | None = None
         name, slot = run.job.name, lease.slot
         with anyio.move_on_after(10, shield=True) as finish_scope:
             # With the other finishes of this instant, in one finish_many call. Only a
