@@ -49,16 +49,27 @@ class LeaseAnswer:
     holder: str | None
 
 
+#: The longest lease: 365 days (a longer one is surely a mistake, and would overflow the
+#: stores' expiry arithmetic).
+MAX_LEASE_TTL_MS = 365 * 86_400_000
+
+
 def check_lease(name: object, *, holder: object = "-", ttl_ms: object = 1,
                 token: object = 1) -> None:
     """Validate the arguments of the named-lease calls (``ConfigurationError`` naming them)."""
-    if not isinstance(name, str) or not name:
-        raise ConfigurationError(f"lease name={name!r} must be a non-empty string")
-    if not isinstance(holder, str) or not holder:
-        raise ConfigurationError(f"holder={holder!r} must be a non-empty string")
+    for what, text in (("lease name", name), ("holder", holder)):
+        if not isinstance(text, str) or not text:
+            raise ConfigurationError(f"{what}={text!r} must be a non-empty string")
+        if "\x00" in text:
+            raise ConfigurationError(f"{what}={text!r} contains a NUL character, which "
+                                     "PostgreSQL cannot store; remove it")
     for what, value in (("ttl_ms", ttl_ms), ("token", token)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"{what}={value!r} must be a whole number, 1 or more")
+    assert isinstance(ttl_ms, int)
+    if ttl_ms > MAX_LEASE_TTL_MS:
+        raise ConfigurationError(f"ttl_ms={ttl_ms!r} is longer than 365 days; a lease is "
+                                 "renewed while held, so give it a ttl of seconds or minutes")
 
 
 class NamedLeaseStore:

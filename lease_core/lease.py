@@ -27,6 +27,7 @@ import uuid
 import weakref
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager
+from functools import partial
 from types import TracebackType
 
 import anyio
@@ -35,7 +36,7 @@ import anyio.lowlevel
 
 from ._durations import Duration, parse_duration, to_ms
 from ._lease_keeper import _Hold, _Keeper
-from ._named_leases import check_lease
+from ._named_leases import LeaseAnswer, check_lease
 from .abc import Backend
 from .errors import ConfigurationError, LeaseLost
 
@@ -101,12 +102,12 @@ class Lease:
         """The backend the lease is held through."""
         self.holder = _holder_id() if holder is None else holder
         """This holder's id in the store (shown to other holders)."""
-        check_lease(name, holder=self.holder)
-        self.name = name
-        """The name held."""
         self.ttl = parse_duration(ttl, what="ttl")
         """The lease's time to live, in seconds (renewed every third of it)."""
         self._ttl_ms = to_ms(self.ttl)
+        check_lease(name, holder=self.holder, ttl_ms=self._ttl_ms)
+        self.name = name
+        """The name held."""
         self.poll = (min(max(self.ttl / 10, 0.05), 1.0) if poll is None
                      else parse_duration(poll, what="poll"))
         """How often a blocking :meth:`acquire` tries again, in seconds."""
@@ -172,7 +173,10 @@ class Lease:
         """Take the lease; return whether it is held.
 
         ``timeout=None`` waits as long as it takes, ``timeout=0`` tries once, and any
-        other duration waits at most that long. Already held: True at once. Errors of
+        other duration waits at most that long for the holder to let go. A store call in
+        flight is not cut short (its answer is used; cancelled, it would have to be
+        undone by another call): a store that answers slowly can make the acquire
+        last as long as that call. Already held: True at once. Errors of
         the store (:class:`~lease_core.errors.BackendUnavailable`) are raised.
         """
         wait = None if timeout is None else parse_duration(timeout, what="timeout",
@@ -201,14 +205,7 @@ class Lease:
         try:
             while True:
                 sent = time.monotonic()
-                try:
-                    answer = await self.backend.acquire_lease(self.name, self.holder,
-                                                              self._ttl_ms)
-                except BaseException:
-                    # Cancelled, or failed (a reply lost with its connection): the store
-                    # may have given this holder the name all the same.
-                    await self._free_unanswered()
-                    raise
+                answer = await self._try_acquire()
                 if self._abort:  # released meanwhile (by another task): give up
                     if answer.held:
                         with anyio.CancelScope(shield=True), anyio.move_on_after(
@@ -239,6 +236,16 @@ class Lease:
             if not self.held:
                 with anyio.CancelScope(shield=True):
                     await self._close_backend()
+            raise
+
+    async def _try_acquire(self) -> LeaseAnswer:
+        """One acquire call."""
+        try:
+            return await self.backend.acquire_lease(self.name, self.holder, self._ttl_ms)
+        except BaseException:
+            # Cancelled, or failed (a reply lost with its connection): the store may have
+            # given this holder the name all the same.
+            await self._free_unanswered()
             raise
 
     async def _free_unanswered(self) -> None:
@@ -389,6 +396,9 @@ class Lease:
         """Release the lease; raise :class:`LeaseLost` when it was lost during the body."""
         body, self._body = self._body, None
         swallowed = body is not None and body.__exit__(exc_type, exc, tb)
+        # A hold past its ttl is lost even if the keeper has not run since (the loop was
+        # blocked): the store may have given the name away while the body ran.
+        self._live(mark=True)
         lost = self.lost_error
         await self.release()
         if lost is not None and (exc is None or swallowed):
@@ -499,12 +509,12 @@ class SyncLease:
         pending = portal.start_task_soon(self._lease.acquire, timeout)
         try:
             got = pending.result()
-        except BaseException:
-            if pending.done() and not pending.cancelled():
+        except BaseException as exc:
+            if pending.done() and not pending.cancelled() and pending.exception() is exc:
                 raise  # the acquire's own error (it let go of what it had)
-            # Interrupted here (Ctrl-C, a signal): the acquire on the background loop is
-            # cancelled, and a hold it may have won meanwhile is released, not renewed
-            # with nobody to release it.
+            # Interrupted here (Ctrl-C, a signal; also just as the acquire ended): the
+            # acquire on the background loop is cancelled, and a hold it may have won
+            # is released, not renewed with nobody to release it.
             pending.cancel()
             with contextlib.suppress(BaseException):
                 wait([pending])
@@ -542,7 +552,12 @@ class SyncLease:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        """Release the lease; raise :class:`LeaseLost` when it was lost during the body."""
+        """Release the lease; raise :class:`LeaseLost` when it was lost during the body
+        (also when the body outlasted the ttl since the last renewal: a process stalled,
+        the store may have given the name away meanwhile)."""
+        hold = self._lease._last
+        if hold is not None and not hold.over and time.monotonic() >= hold.alive_until:
+            _Loop.get().call(partial(self._lease._live, mark=True))
         lost = self._lease.lost_error
         self.release()
         if lost is not None and exc is None:

@@ -387,6 +387,13 @@ async def test_bad_input_is_refused_naming_the_value() -> None:
         Lease(None, "x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout=-1"):
         await Lease(backend, "x").acquire(timeout=-1)
+    # PostgreSQL stores no NUL; the stores' expiry arithmetic holds no ttl of ages.
+    with pytest.raises(ValueError, match="NUL"):
+        Lease(backend, "a\x00b")
+    with pytest.raises(ValueError, match=r"holder='h\\x00'.*NUL"):
+        Lease(backend, "x", holder="h\x00")
+    with pytest.raises(ValueError, match="longer than 365 days"):
+        Lease(backend, "x", ttl=1e17)
     assert backend_users(backend) == 0
 
 
@@ -493,6 +500,30 @@ async def test_a_stalled_holder_knows_it_lost_the_lease_before_its_keeper_runs(
         await lease.release()
 
 
+async def test_a_body_that_stalled_past_the_ttl_ends_with_lease_lost() -> None:
+    """The body blocked the event loop past the ttl (its keeper never ran): the store may
+    have given the name to another holder meanwhile, so ``async with`` raises LeaseLost
+    at its end, and ``lost`` is set."""
+    backend = MemoryBackend()
+    lease = Lease(backend, "stall-in-body", ttl=0.2)
+    with pytest.raises(LeaseLost, match="within the ttl"):
+        async with lease:
+            time.sleep(0.5)  # noqa: ASYNC251 - the stall itself: the event loop blocked
+    assert lease.lost.is_set() and backend_users(backend) == 0
+
+
+def test_a_sync_body_that_outlasted_the_ttl_ends_with_lease_lost() -> None:
+    """As above for SyncLease (whose renewal runs on a loop of its own: here the hold's
+    deadline is moved into the past, as a stalled process finds it)."""
+    backend = MemoryBackend()
+    lease = SyncLease(backend, "stall-in-sync-body", ttl="30s")
+    with pytest.raises(LeaseLost, match="within the ttl"), lease:
+        hold = lease._lease._last
+        assert hold is not None
+        hold.alive_until = time.monotonic() - 1
+    assert lease.lost.is_set() or lease._lease.lost.is_set()
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
 def test_a_lease_held_when_its_event_loop_ends_is_lost(loop: str) -> None:
     """Nothing renews a lease once its loop ended: it reports itself lost, not held."""
@@ -554,6 +585,38 @@ def test_an_interrupted_sync_acquire_leaves_nothing_behind() -> None:
         holder.release()
     assert not waiter.held and backend_users(backend) == 0
     other = SyncLease(backend, "interrupted", ttl="10s")
+    assert other.acquire(timeout=0) is True
+    other.release()
+
+
+def test_an_interrupt_as_a_sync_acquire_wins_releases_the_hold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C landing just as the background acquire returned True: the hold it won is
+    released, not renewed on the background loop with nobody to release it."""
+    import concurrent.futures
+
+    from lease_core import lease as lease_module
+
+    portal = lease_module._Loop.get()
+    real_start = portal.start_task_soon
+
+    def start_task_soon(fn: Any, *args: Any, **kw: Any) -> Any:
+        future = real_start(fn, *args, **kw)
+        if getattr(fn, "__name__", "") == "acquire":
+            def result(timeout: float | None = None) -> Any:
+                concurrent.futures.wait([future])  # the acquire ended on the loop...
+                raise KeyboardInterrupt  # ... as the signal's handler ran
+            future.result = result
+        return future
+
+    backend = MemoryBackend()
+    lease = SyncLease(backend, "interrupted-as-won", ttl="10s")
+    monkeypatch.setattr(portal, "start_task_soon", start_task_soon)
+    with pytest.raises(KeyboardInterrupt):
+        lease.acquire()
+    monkeypatch.setattr(portal, "start_task_soon", real_start)
+    assert not lease.held and backend_users(backend) == 0
+    other = SyncLease(backend, "interrupted-as-won", ttl="10s")
     assert other.acquire(timeout=0) is True
     other.release()
 
