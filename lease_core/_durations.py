@@ -53,7 +53,8 @@ def parse_duration(value: object, *, what: str = "duration", allow_zero: bool = 
     if math.isnan(seconds) or math.isinf(seconds):
         raise ConfigurationError(f"{what}={value!r} must be a finite duration")
     if seconds < 0 or (seconds == 0 and not allow_zero):
-        raise ConfigurationError(f"{what}={value!r} must be greater than zero")
+        raise ConfigurationError(f"{what}={value!r} must be "
+                                 + ("0 or more" if allow_zero else "greater than zero"))
     return seconds
 
 

@@ -106,6 +106,10 @@ class Lease:
         """The lease's time to live, in seconds (renewed every third of it)."""
         self._ttl_ms = to_ms(self.ttl)
         check_lease(name, holder=self.holder, ttl_ms=self._ttl_ms)
+        # How long a hold surely lives in the store after the call that set it was sent:
+        # the store's expiry is its now (in whole ms, rounded down) + the ttl in whole ms,
+        # so 2 ms less, and 0.5 % less for a store clock that runs a little faster.
+        self._alive_s = max(self._ttl_ms * 0.995 - 2, self._ttl_ms / 2) / 1000
         self.name = name
         """The name held."""
         self.poll = (min(max(self.ttl / 10, 0.05), 1.0) if poll is None
@@ -214,7 +218,7 @@ class Lease:
                     await self._close_backend()
                     return False
                 if answer.held:
-                    hold = self._last = _Hold(answer.token, sent + self.ttl)
+                    hold = self._last = _Hold(answer.token, sent + self._alive_s)
                     _Keeper.schedule(self, hold, sent + self.ttl / 3)
                     return True
                 now = time.monotonic()
@@ -262,7 +266,8 @@ class Lease:
                     await self.backend.release_lease(self.name, answer.token)
 
     async def release(self) -> None:
-        """Stop renewing and free the name in the store, so a waiter takes it at once.
+        """Stop renewing and free the name in the store, so a waiter takes it at its next
+        try.
 
         While another task's :meth:`acquire` of this lease waits, it makes that acquire
         give up (return False, holding nothing) and waits for it.
@@ -289,6 +294,11 @@ class Lease:
         hold = self._last
         token = None
         if hold is not None and not hold.released:
+            if self._body is not None and not hold.over:
+                # Released while the body of ``async with`` runs (by another task, or the
+                # body itself): the body runs without the lease from now, so it is
+                # cancelled and ``async with`` raises, as after a loss.
+                self._mark_lost(hold, "released while the body of `async with` ran")
             # A lost hold is freed too: the token frees the name only if it still holds
             # it live (a renewal task ended, a stall the store has not noticed yet).
             hold.over = hold.released = True
@@ -341,7 +351,7 @@ class Lease:
         if why is not None:
             self._mark_lost(hold, why)
         else:
-            _Keeper.schedule(self, hold, hold.alive_until - self.ttl * 2 / 3)
+            _Keeper.schedule(self, hold, hold.alive_until - self._alive_s + self.ttl / 3)
 
     async def _renew(self, hold: _Hold) -> str | None:
         """One renewal, retried until it succeeds or the ttl since the last one passes.
@@ -364,7 +374,7 @@ class Lease:
                     continue
                 if expires is None:
                     return "the store no longer lists this holder's token (expired or taken)"
-                hold.alive_until = sent + self.ttl
+                hold.alive_until = sent + self._alive_s
                 return None
         return f"no renewal succeeded within the ttl ({failure or 'no answer'})"
 
@@ -383,6 +393,10 @@ class Lease:
 
         Raises :class:`~lease_core.errors.LeaseLost` when another task's :meth:`release`
         made the wait give up: the body never runs without the lease."""
+        if self._body is not None:
+            raise RuntimeError(
+                f"Lease {self.name!r} is already entered by `async with` (in another task?); "
+                "one Lease is one holder: give each task a Lease of its own")
         if not await self.acquire():
             raise _gave_up(self.name)
         self._body = anyio.CancelScope()
@@ -400,9 +414,20 @@ class Lease:
         # blocked): the store may have given the name away while the body ran.
         self._live(mark=True)
         lost = self.lost_error
-        await self.release()
-        if lost is not None and (exc is None or swallowed):
-            raise lost
+        if lost is None:
+            await self.release()
+            return bool(swallowed)
+        # Lost: the release is a courtesy (the token frees the name only if it still
+        # holds it), bounded and never in the way of the LeaseLost (a store that stopped
+        # answering made the loss, and would fail the release too).
+        failed: Exception | None = None
+        with anyio.move_on_after(min(self.ttl, 5.0)):
+            try:
+                await self.release()
+            except Exception as error:
+                failed = error
+        if exc is None or swallowed:
+            raise lost from failed
         return bool(swallowed)
 
 
@@ -414,6 +439,19 @@ class _Loop:
     portal: anyio.from_thread.BlockingPortal | None = None
     manager: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
     pid = 0
+
+    #: A forked child's inherited loop objects: their thread is not in the child, so
+    #: stopping (or collecting) them would wait forever. Kept, never used.
+    inherited: list[object] = []
+
+    @classmethod
+    def forked(cls) -> None:
+        """In a forked child: forget the parent's loop and leases (never release them:
+        the parent still holds its leases)."""
+        cls.lock = threading.Lock()
+        cls.inherited.append((cls.manager, cls.portal))
+        cls.manager = cls.portal = None
+        cls.leases = weakref.WeakSet()
 
     @classmethod
     def get(cls) -> anyio.from_thread.BlockingPortal:
@@ -434,9 +472,11 @@ class _Loop:
         together, for 5 s at most (a store that does not answer keeps them until their
         ttl); then what still runs on it is cancelled."""
         with cls.lock:
+            if cls.pid != os.getpid():
+                return  # a forked child's copy of the parent's loop (see forked)
             manager, portal = cls.manager, cls.portal
             cls.manager = cls.portal = None
-            if manager is None or portal is None or cls.pid != os.getpid():
+            if manager is None or portal is None:
                 return
             held = [lease for lease in cls.leases if lease.held]
             if held:
@@ -455,6 +495,8 @@ async def _release_all(leases: list[Lease]) -> None:
 
 
 atexit.register(_Loop.close)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Loop.forked)
 
 
 class SyncLease:
@@ -484,6 +526,8 @@ class SyncLease:
         self.lost = threading.Event()
         """Set when the current hold is lost (cleared by the next :meth:`acquire`)."""
         self._mirror: Future[None] | None = None
+        self._in_body = False  # within ``with``
+        self._released_in_body = False  # release() called meanwhile (another thread)
 
     def __repr__(self) -> str:
         return "Sync" + repr(self._lease)
@@ -536,18 +580,28 @@ class SyncLease:
         self.lost.set()
 
     def release(self) -> None:
-        """Stop renewing and free the name (see :meth:`Lease.release`)."""
+        """Stop renewing and free the name (see :meth:`Lease.release`).
+
+        Called while another thread runs the body of ``with``: :attr:`lost` is set and
+        ``with`` raises :class:`~lease_core.errors.LeaseLost` at its end (the body ran on
+        without the lease)."""
+        if self._in_body and self.held:
+            self._released_in_body = True
+            self.lost.set()
         portal = _Loop.get()
-        portal.call(self._lease.release)
-        mirror, self._mirror = self._mirror, None
-        if mirror is not None:
-            mirror.cancel()
+        try:
+            portal.call(self._lease.release)
+        finally:
+            mirror, self._mirror = self._mirror, None
+            if mirror is not None:
+                mirror.cancel()
 
     def __enter__(self) -> SyncLease:
         """Block until the lease is held (:class:`~lease_core.errors.LeaseLost` when a
         :meth:`release` from another thread made the wait give up)."""
         if not self.acquire():
             raise _gave_up(self._lease.name)
+        self._in_body, self._released_in_body = True, False
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -555,10 +609,21 @@ class SyncLease:
         """Release the lease; raise :class:`LeaseLost` when it was lost during the body
         (also when the body outlasted the ttl since the last renewal: a process stalled,
         the store may have given the name away meanwhile)."""
+        self._in_body = False
         hold = self._lease._last
         if hold is not None and not hold.over and time.monotonic() >= hold.alive_until:
             _Loop.get().call(partial(self._lease._live, mark=True))
         lost = self._lease.lost_error
-        self.release()
-        if lost is not None and exc is None:
-            raise lost
+        if lost is None and self._released_in_body:
+            lost = LeaseLost(f"lease {self.name!r} (token {self.token}) was released while "
+                             "the body of `with` ran (by another thread)")
+        if lost is None:
+            self.release()
+            return
+        failed: Exception | None = None
+        try:  # lost: the release is a courtesy, never in the way of the LeaseLost
+            self.release()
+        except Exception as error:
+            failed = error
+        if exc is None:
+            raise lost from failed

@@ -187,7 +187,8 @@ class Admin:
 
         Slots due while paused are recorded ``skipped`` and never caught up. ``job`` may
         name a workflow: its new slots are skipped (at its first step); a run in
-        progress goes on through its later steps. A job paused already is refused
+        progress goes on through its later steps. A trigger or a retry of a paused job
+        still runs: a pause stops the schedule, not an operator. A job paused already is refused
         (:class:`~lease_core.errors.OperationRefused`, ``conflict``, naming who paused
         it): a second pause would hide the first one's author.
         """

@@ -29,6 +29,7 @@ from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core import ConfigurationError, Lease, LeaseLost, MemoryBackend, SyncLease
 from lease_core.abc import Backend
+from lease_core.errors import BackendUnavailable
 from lease_core.testing import Store, backend_users, wait_for
 from tests.chaos.proxy import Proxy
 from tests.stores.memory import MemoryStore
@@ -385,7 +386,7 @@ async def test_bad_input_is_refused_naming_the_value() -> None:
         Lease(backend, "x", holder="")
     with pytest.raises(ValueError, match="backend=None"):
         Lease(None, "x")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="timeout=-1"):
+    with pytest.raises(ValueError, match="timeout=-1 must be 0 or more"):
         await Lease(backend, "x").acquire(timeout=-1)
     # PostgreSQL stores no NUL; the stores' expiry arithmetic holds no ttl of ages.
     with pytest.raises(ValueError, match="NUL"):
@@ -522,6 +523,110 @@ def test_a_sync_body_that_outlasted_the_ttl_ends_with_lease_lost() -> None:
         assert hold is not None
         hold.alive_until = time.monotonic() - 1
     assert lease.lost.is_set() or lease._lease.lost.is_set()
+
+
+async def test_the_local_deadline_comes_before_the_store_s_expiry() -> None:
+    """The store's expiry is its now in whole ms (rounded down) + the ttl: a holder
+    stalled (no await: its keeper cannot renew) until the store's expiry has passed must
+    not count itself live, while the store gives the name to another holder."""
+    backend = MemoryBackend()
+    both = 0
+    for trial in range(10):
+        name = f"deadline-{trial}"
+        a, b = Lease(backend, name, ttl=0.3), Lease(backend, name, ttl="10s")
+        assert await a.acquire(timeout=0) is True
+        expires = (await backend.acquire_lease(name, "probe", 1000)).expires_ms
+        while backend._now() < expires:  # the stall itself
+            pass
+        if await b.acquire(timeout=0) and a.held:
+            both += 1
+        await b.release()
+        await a.release()
+    assert both == 0
+
+
+async def test_a_loss_whose_release_fails_still_raises_lease_lost() -> None:
+    """The store stopped answering: renewals fail, the lease is lost and the body
+    cancelled; the release fails too, and async with raises LeaseLost (the release's
+    error as its cause), as the leader example expects."""
+    backend = MemoryBackend()
+
+    async def down(*args: Any) -> Any:
+        raise BackendUnavailable("the store does not answer")
+
+    lease = Lease(backend, "down", ttl=0.3)
+    with anyio.fail_after(5):
+        with pytest.raises(LeaseLost) as lost:
+            async with lease:
+                backend.renew_lease = down  # type: ignore[method-assign]
+                backend.release_lease = down  # type: ignore[method-assign]
+                await anyio.sleep_forever()
+    assert isinstance(lost.value.__cause__, BackendUnavailable)
+    assert backend_users(backend) == 0
+
+
+async def test_a_release_by_another_task_during_the_body_cancels_it() -> None:
+    """Another task releases the lease while the body runs: the body is cancelled and
+    async with raises LeaseLost (it ran without the lease from then on)."""
+    backend = MemoryBackend()
+    lease = Lease(backend, "released-meanwhile", ttl="10s")
+    other = Lease(backend, "released-meanwhile", ttl="10s")
+    reached = False
+    with anyio.fail_after(5):
+        with pytest.raises(LeaseLost, match="released while the body"):
+            async with lease, anyio.create_task_group() as tg:
+                tg.start_soon(lease.release)
+                await anyio.sleep_forever()
+                reached = True
+    assert not reached and lease.lost.is_set()
+    assert await other.acquire(timeout=0) is True
+    await other.release()
+    with pytest.raises(RuntimeError, match="already entered"):
+        async with lease, lease:
+            pass
+
+
+def test_a_release_by_another_thread_during_a_sync_body_raises_at_its_end() -> None:
+    import threading
+
+    backend = MemoryBackend()
+    lease = SyncLease(backend, "sync-released-meanwhile", ttl="10s")
+    with pytest.raises(LeaseLost, match="released while the body"), lease:
+        thread = threading.Thread(target=lease.release)
+        thread.start()
+        thread.join()
+        assert lease.lost.is_set()
+
+
+def test_a_forked_child_neither_hangs_nor_releases_the_parent_s_lease(tmp_path: Path) -> None:
+    """A child forked after the parent used a SyncLease: it exits normally (the parent's
+    loop thread is not in it), uses a SyncLease of its own, and never releases the
+    parent's hold."""
+    script = tmp_path / "fork.py"
+    script.write_text("""
+import os, sys
+from lease_core import MemoryBackend, SyncLease
+backend = MemoryBackend()
+parent = SyncLease(backend, "parent", ttl="10s")
+assert parent.acquire(timeout=0)
+warm = SyncLease(backend, "warm", ttl="10s")
+assert warm.acquire(timeout=0)
+warm.release()
+pid = os.fork()
+if pid == 0:
+    mine = SyncLease(backend, "child", ttl="10s")  # the child's copy of the store
+    assert mine.acquire(timeout=0)
+    mine.release()
+    sys.exit(0)  # the interpreter's exit: atexit, then the collection of the loop objects
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert parent.held
+parent.release()
+print("ok")
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
