@@ -514,15 +514,24 @@ async def test_a_body_that_stalled_past_the_ttl_ends_with_lease_lost() -> None:
 
 
 def test_a_sync_body_that_outlasted_the_ttl_ends_with_lease_lost() -> None:
-    """As above for SyncLease (whose renewal runs on a loop of its own: here the hold's
-    deadline is moved into the past, as a stalled process finds it)."""
-    backend = MemoryBackend()
-    lease = SyncLease(backend, "stall-in-sync-body", ttl="30s")
+    """As above for SyncLease, whose renewal runs on a loop of its own: here that loop is
+    blocked for 1.5 s (another SyncLease's store call that blocks it) while the body
+    runs 0.6 s with a 0.2 s ttl; the body's end finds the hold's deadline passed."""
+    import threading
+
+    class Blocking(MemoryBackend):
+        async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> Any:
+            time.sleep(1.5)  # noqa: ASYNC251 - the stall itself: the loop blocked
+            return await super().acquire_lease(name, holder, ttl_ms)
+
+    lease = SyncLease(MemoryBackend(), "stall-in-sync-body", ttl=0.2)
+    blocker = SyncLease(Blocking(), "blocker", ttl="10s")
     with pytest.raises(LeaseLost, match="within the ttl"), lease:
-        hold = lease._lease._last
-        assert hold is not None
-        hold.alive_until = time.monotonic() - 1
-    assert lease.lost.is_set() or lease._lease.lost.is_set()
+        thread = threading.Thread(target=blocker.acquire, args=(0,))
+        thread.start()
+        time.sleep(0.6)
+    thread.join()
+    blocker.release()
 
 
 async def test_the_local_deadline_comes_before_the_store_s_expiry() -> None:
@@ -536,7 +545,7 @@ async def test_the_local_deadline_comes_before_the_store_s_expiry() -> None:
         a, b = Lease(backend, name, ttl=0.3), Lease(backend, name, ttl="10s")
         assert await a.acquire(timeout=0) is True
         expires = (await backend.acquire_lease(name, "probe", 1000)).expires_ms
-        while backend._now() < expires:  # the stall itself
+        while time.time() * 1000 < expires:  # the stall itself (the store's clock)
             pass
         if await b.acquire(timeout=0) and a.held:
             both += 1

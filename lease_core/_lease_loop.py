@@ -1,0 +1,92 @@
+"""The background event loop every :class:`~lease_core.SyncLease` uses (private).
+
+One loop (a blocking portal) per process, started on first use, so that a backend shared
+by several SyncLeases is used from one loop; at interpreter exit the leases still held
+are released; a forked child forgets the parent's loop and leases.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import weakref
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.from_thread
+
+if TYPE_CHECKING:
+    from .lease import Lease
+
+__all__: list[str] = []  # private: lease.py uses _Loop
+
+
+class _Loop:
+    """The one background event loop (a blocking portal) every :class:`SyncLease` uses,
+    so that a backend shared by several of them is used from one loop."""
+
+    lock = threading.Lock()
+    portal: anyio.from_thread.BlockingPortal | None = None
+    manager: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+    pid = 0
+
+    #: A forked child's inherited loop objects: their thread is not in the child, so
+    #: stopping (or collecting) them would wait forever. Kept, never used.
+    inherited: list[object] = []
+
+    @classmethod
+    def forked(cls) -> None:
+        """In a forked child: forget the parent's loop and leases (never release them:
+        the parent still holds its leases)."""
+        cls.lock = threading.Lock()
+        cls.inherited.append((cls.manager, cls.portal))
+        cls.manager = cls.portal = None
+        cls.leases = weakref.WeakSet()
+
+    @classmethod
+    def get(cls) -> anyio.from_thread.BlockingPortal:
+        """The running loop's portal, started on first use (and again after a fork)."""
+        with cls.lock:
+            if cls.portal is None or cls.pid != os.getpid():
+                cls.manager = anyio.from_thread.start_blocking_portal()
+                cls.portal = cls.manager.__enter__()
+                cls.pid = os.getpid()
+            return cls.portal
+
+    leases: weakref.WeakSet[Lease] = weakref.WeakSet()
+    """The leases of the SyncLeases that acquired on this loop (released at exit)."""
+
+    @classmethod
+    def close(cls) -> None:
+        """Stop the loop (at interpreter exit): the leases still held are released first,
+        together, for 5 s at most (a store that does not answer keeps them until their
+        ttl); then what still runs on it is cancelled."""
+        with cls.lock:
+            if cls.pid != os.getpid():
+                return  # a forked child's copy of the parent's loop (see forked)
+            manager, portal = cls.manager, cls.portal
+            cls.manager = cls.portal = None
+            if manager is None or portal is None:
+                return
+            held = [lease for lease in cls.leases if lease.held]
+            if held:
+                with contextlib.suppress(Exception):
+                    portal.call(_release_all, held)
+            with contextlib.suppress(RuntimeError):
+                portal.call(portal.stop, True)  # a lease still held: nothing waits for it
+            manager.__exit__(None, None, None)
+
+
+async def _release_all(leases: list[Lease]) -> None:
+    with anyio.move_on_after(5):
+        async with anyio.create_task_group() as tg:
+            for lease in leases:
+                tg.start_soon(lease.release)
+
+
+atexit.register(_Loop.close)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Loop.forked)
