@@ -60,15 +60,18 @@ def _server_ms(raw: redis.Redis) -> int:
 
 
 async def _restart_empty(server: EmbeddedRedis, raw: redis.Redis) -> int:
-    """Restart the server, check it came back empty; return its clock just after.
+    """Restart the server, check it came back empty; return its clock just before the stop.
 
     A key written just before the restart must be gone (the server's size alone is not
-    checked: schedulers still running write again as soon as it is back)."""
+    checked: schedulers still running write again as soon as it is back). The clock is
+    read before the stop because a running scheduler's claim can find the loss, and date
+    it, before this test could read the clock again after the start."""
+    stopped = _server_ms(raw)
     raw.set("restart-witness", "1")
     await anyio.to_thread.run_sync(server.stop)
     await anyio.to_thread.run_sync(server.start)
     assert not raw.exists("restart-witness"), "the server kept data across the restart"
-    return _server_ms(raw)
+    return stopped
 
 
 def _job_hash(raw: redis.Redis, prefix: str, job: str) -> dict[str, str]:
@@ -114,14 +117,14 @@ async def test_claims_wait_out_the_longest_lease_after_a_loss(
         assert (await short.claim(_request("job", 1, "a", 400))).status is ClaimStatus.WON
         assert (await long.claim(_request("job", 2, "b", 1_200))).status is ClaimStatus.WON
         before = _job_hash(raw, prefix, "job")["sid"]
-        restarted = await _restart_empty(server, raw)
+        stopped = await _restart_empty(server, raw)
 
         found = await short.claim(_request("job", 3, "c", 400))
         assert (found.status, found.run_status, found.attempt) == (ClaimStatus.RUNNING, None, 0)
         assert found.instance_id is None
         marker = _job_hash(raw, prefix, "job")
         lost = int(marker["lost"])
-        assert restarted <= lost <= found.now_ms
+        assert stopped <= lost <= found.now_ms
         assert found.expires_ms == int(marker["quiet"]) == lost + 400
         assert marker["sid"] != before
         # nothing recorded while in quarantine
@@ -175,12 +178,12 @@ async def test_a_backup_that_only_registered_the_job_finds_the_loss(
         assert _job_hash(raw, prefix, "job")["sid"] == marker  # registering keeps it
         assert (await owner.claim(_request("job", 1, "a", 800))).status is ClaimStatus.WON
         assert _job_hash(raw, prefix, "job")["sid"] == marker  # the first win keeps it
-        restarted = await _restart_empty(server, raw)
+        stopped = await _restart_empty(server, raw)
 
         found = await backup.claim(_request("job", 2, "b", 800))
         assert (found.status, found.run_status, found.attempt) == (ClaimStatus.RUNNING, None, 0)
         quiet = int(_job_hash(raw, prefix, "job")["quiet"])
-        assert found.expires_ms == quiet >= restarted + 800
+        assert found.expires_ms == quiet >= stopped + 800
         assert await backup.history("job") == []
         # A listing after the loss (as after a new epoch) gives a job a new marker; the
         # owner keeps the one it knew, so its next claim still finds the loss.
@@ -188,7 +191,7 @@ async def test_a_backup_that_only_registered_the_job_finds_the_loss(
         assert "sid" in _job_hash(raw, prefix, "other")
         held = await owner.claim(_request("other", 2, "c", 800))
         assert (held.status, held.run_status) == (ClaimStatus.RUNNING, None)
-        assert held.expires_ms == int(_job_hash(raw, prefix, "other")["quiet"]) >= restarted + 800
+        assert held.expires_ms == int(_job_hash(raw, prefix, "other")["quiet"]) >= stopped + 800
     finally:
         await owner.close()
         await backup.close()
@@ -233,14 +236,14 @@ async def test_a_backup_starts_no_attempt_before_the_quarantine_ends(
             standing = await claim_now(backup, "long", slot)
             assert standing is not None and standing.status is ClaimStatus.RUNNING
 
-            restarted = await _restart_empty(server, raw)
+            stopped = await _restart_empty(server, raw)
             # The backup claims the run again (as when its claim went unanswered during
             # the restart): the store lost it, but its holder is still running it.
             held_back = await claim_now(backup, "long", slot)
             assert held_back is not None
             assert (held_back.status, held_back.run_status) == (ClaimStatus.RUNNING, None)
             quiet = int(_job_hash(raw, prefix, "long")["quiet"])
-            assert held_back.expires_ms == quiet >= restarted + lease_ms
+            assert held_back.expires_ms == quiet >= stopped + lease_ms
 
             # the holder learns of the loss at its next heartbeat
             await wait_for(lambda: ended, timeout=5, what="the holder cancelled")
@@ -280,11 +283,13 @@ async def test_scheduling_resumes_after_the_quarantine(
         instances = [await Instance(s).start(tg) for s in schedulers]
         try:
             await wait_for(lambda: len(runs) >= 2, what="runs before the restart")
-            restarted = await _restart_empty(server, raw)
+            stopped = await _restart_empty(server, raw)
+            restarted = _server_ms(raw)
             await wait_for(lambda: "quiet" in _job_hash(raw, prefix, "tick"),
                            what="the loss found by a claim")
-            quiet = int(_job_hash(raw, prefix, "tick")["quiet"])
-            assert quiet >= restarted + 1_000
+            marker = _job_hash(raw, prefix, "tick")
+            quiet = int(marker["quiet"])
+            assert quiet == int(marker["lost"]) + 1_000 >= stopped + 1_000
             await wait_for(lambda: len([s for s, _ in runs if s >= quiet]) >= 3, timeout=15,
                            what="three slots after the quarantine")
             history = await schedulers[0].history("tick", 1000)
@@ -335,7 +340,7 @@ async def test_the_run_lost_in_flight_runs_again_once_after_the_quarantine(
             assert standing is not None and standing.status is ClaimStatus.RUNNING
             assert backup.watching == [("long", slot)]
 
-            restarted = await _restart_empty(server, raw)
+            stopped = await _restart_empty(server, raw)
             # the instances watching the run find it lost, and wait out the quarantine
             await wait_for(lambda: first_ended, timeout=5, what="the holder cancelled")
             await wait_for(lambda: len(starts) == 2, timeout=15, what="the run again")
@@ -345,7 +350,7 @@ async def test_the_run_lost_in_flight_runs_again_once_after_the_quarantine(
         finally:
             await stop_all(instances)
     quiet = int(_job_hash(raw, prefix, "long")["quiet"])
-    assert quiet >= restarted + 1_500
+    assert quiet >= stopped + 1_500
     assert first_ended[0] < starts[1][1]
     assert len(starts) == 2
     assert [(a.slot, a.attempt, a.reason, a.outcome) for a in history] == [
