@@ -22,6 +22,8 @@ from enum import StrEnum
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+import anyio
+
 from ._durations import parse_duration
 from ._structures import LAST_SLOT, RunStatus, format_slot
 from .errors import ConfigurationError, OperationRefused
@@ -84,6 +86,10 @@ class OperationResult:
 #: The longest ``grace`` of a cancel: 30 days (a longer one is surely a mistake, and
 #: would overflow the stores' expiry arithmetic).
 MAX_GRACE_S = 30 * 86400
+#: How long a cancel of a workflow's run found between two steps waits for the next
+#: step's run to start (its agent claims it at once), and how often it looks.
+BETWEEN_STEPS_WAIT_S = 5.0
+BETWEEN_STEPS_POLL_S = 0.05
 #: A grace given as text without a unit: a number of seconds.
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
 
@@ -251,38 +257,52 @@ class Admin:
                        grace_ms: int = 0) -> OperationResult:
         if not isinstance(job, str) or not job:
             raise ConfigurationError(f"job {job!r} must be a non-empty job name")
+        name = job
         # The store as it is (an older one is read, not upgraded), counted: cheap when
         # the backend runs already.
         await self.backend.start(create=False)
-        started = True
+        started, upgraded = True, False
+        # A cancel that finds a workflow's run between two steps (one completed, the next
+        # not claimed yet: its agent claims it at once, unless the next step waits for
+        # capacity or the agent died) waits a little for the next step's run.
+        deadline = anyio.current_time() + BETWEEN_STEPS_WAIT_S
         try:
-            if slot is not None:
-                job = await self._step_of(job, slot, kind)
-            else:
-                job = await self._first_step(job)
-            refused = await self._refusal_read(kind, job, slot)
-            if refused is not None:
-                result = refused
-            else:
-                # Upgraded only now that the operation will be made: a refused one (a
-                # typo) must not change an older store that older instances still use.
-                await self.backend.close()
-                started = False
-                await self.backend.start()
-                started = True
-                result = await self.backend.operate(
-                    Operation(kind, job, slot, self.by, grace_ms))
-                if (result.refused == "conflict" and kind is OperationKind.PAUSE
-                        and result.paused_by is None):  # paused meanwhile: by whom
-                    result = OperationResult(
-                        "conflict", paused_by=(await self.backend.paused()).get(job))
+            while True:
+                after: str | None = None  # the step a workflow's run is between steps at
+                if slot is None:
+                    job = await self._first_step(name)
+                else:
+                    job, after = await self._step_of(name, slot, kind)
+                result = await self._refusal_read(kind, job, slot) or OperationResult()
+                if result.refused is None:
+                    if not upgraded:
+                        # Upgraded only now that the operation will be made: a refused
+                        # one (a typo) must not change an older store that older
+                        # instances still use.
+                        await self.backend.close()
+                        started = False
+                        await self.backend.start()
+                        started, upgraded = True, True
+                    result = await self.backend.operate(
+                        Operation(kind, job, slot, self.by, grace_ms))
+                    if (result.refused == "conflict" and kind is OperationKind.CANCEL
+                            and result.status is RunStatus.COMPLETED and name != job):
+                        continue  # the step completed meanwhile: look again
+                if after is None or anyio.current_time() >= deadline:
+                    break
+                await anyio.sleep(BETWEEN_STEPS_POLL_S)
+            if (result.refused == "conflict" and kind is OperationKind.PAUSE
+                    and result.paused_by is None):  # paused meanwhile: by whom
+                result = OperationResult(
+                    "conflict", paused_by=(await self.backend.paused()).get(job))
         finally:
             if started:
                 await self.backend.close()
+        if after is not None and slot is not None:
+            raise OperationRefused("conflict", _between_steps(name, slot, after))
         if result.refused is not None:
             raise OperationRefused(result.refused, _refusal(kind, job, slot, result))
         return result
-
 
     async def _refusal_read(self, kind: OperationKind, job: str,
                             slot: int | None) -> OperationResult | None:
@@ -312,20 +332,37 @@ class Admin:
         steps = (await self.backend.workflows()).get(name)
         return step_job(name, steps[0]) if steps else name
 
-    async def _step_of(self, name: str, slot: int, kind: OperationKind) -> str:
+    async def _step_of(self, name: str, slot: int,
+                       kind: OperationKind) -> tuple[str, str | None]:
         """The job a run operation acts on: ``name`` itself, or for a workflow the step
-        run it concerns (a retry: the step that failed; a cancel: the step in progress)."""
+        run it concerns (a retry: the step that failed; a cancel: the step in progress).
+
+        The second item, for a cancel only, is the step job whose run completed when the
+        workflow's run is between two steps (no step in progress, a later one to come);
+        else ``None``."""
         steps = (await self.backend.workflows()).get(name)
         if not steps:
-            return name
+            return name, None
         jobs = [step_job(name, step) for step in steps]
         found = (await self.backend.check([(job, slot) for job in jobs])).runs
         wanted = RETRYABLE if kind is OperationKind.RETRY else OPEN
         for job in jobs:
             state = found.get((job, slot))
             if state is not None and state.status in wanted:
-                return job
-        return next((job for job in reversed(jobs) if (job, slot) in found), jobs[0])
+                return job, None
+        last = next((job for job in reversed(jobs) if (job, slot) in found), jobs[0])
+        state = found.get((last, slot))
+        between = (kind is OperationKind.CANCEL and last != jobs[-1] and state is not None
+                   and state.status is RunStatus.COMPLETED)
+        return last, last if between else None
+
+
+def _between_steps(name: str, slot: int, done: str) -> str:
+    step = done.removeprefix(step_job(name, ""))
+    return (f"cannot cancel run {name}@{slot} ({format_slot(slot)}): the workflow is between "
+            f"two steps (step {step!r} completed, the next one has not started within "
+            f"{BETWEEN_STEPS_WAIT_S:g} s: it waits for capacity, or for an instance to "
+            "continue the workflow); cancel again once it has started")
 
 
 def _refusal(kind: OperationKind, job: str, slot: int | None, result: OperationResult) -> str:

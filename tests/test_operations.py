@@ -731,3 +731,52 @@ def test_a_slot_given_as_a_time_is_exact_to_the_millisecond(ms: int) -> None:
     assert _slot(at, "j") == ms
     assert _slot(at.isoformat(), "j") == ms
     assert _slot(at.astimezone(timezone(timedelta(hours=-3))).isoformat(), "j") == ms
+
+
+async def test_a_cancel_of_a_workflow_between_two_steps_waits_for_the_next_step(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel that finds a workflow's run between two steps (the first completed, the
+    second not claimed yet) cancels the second once it starts; when it does not start in
+    time, the refusal says so, not "completed"; a completed workflow is refused as such."""
+    from lease_core import operations
+    from lease_core.abc import ClaimRequest, ClaimStatus, Lease, Outcome
+
+    monkeypatch.setattr(operations, "BETWEEN_STEPS_WAIT_S", 0.5)
+    admin = admin_for(store)
+    backend = store.backend()
+    await backend.start()
+    first, second = "close/snapshot", "close/publish"
+
+    async def run_step(job: str, slot: int) -> None:
+        await backend.claim(ClaimRequest(job, slot, "i-1", f"t-{job}-{slot}", 30_000))
+        assert await backend.finish(Lease(job, slot, f"t-{job}-{slot}", 30_000),
+                                    Outcome.COMPLETED)
+
+    try:
+        await backend.register_jobs([first, second])
+        await backend.register_workflows({"close": ["snapshot", "publish"]})
+        # nobody claims the second step: refused, naming the step that completed
+        await run_step(first, 1000)
+        with pytest.raises(OperationRefused, match="between two steps") as refused:
+            await admin.cancel("close", 1000)
+        assert refused.value.kind == "conflict"
+        assert "step 'snapshot' completed" in str(refused.value)
+        assert (await backend.check([(second, 1000)])).runs == {}
+        # the second step's agent claims it while the cancel waits: cancelled
+        await run_step(first, 2000)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(admin.cancel, "close", 2000)
+            await anyio.sleep(0.2)
+            won = await backend.claim(ClaimRequest(second, 2000, "i-1", "t-late", 30_000))
+            assert won.status is ClaimStatus.WON
+        state = (await backend.check([(second, 2000)])).runs[(second, 2000)]
+        assert state.status is RunStatus.CANCELLED
+        # a workflow whose last step completed is refused as completed, at once
+        await run_step(first, 3000)
+        await run_step(second, 3000)
+        with anyio.fail_after(0.4):
+            with pytest.raises(OperationRefused, match="completed") as done:
+                await admin.cancel("close", 3000)
+        assert "between" not in str(done.value)
+    finally:
+        await backend.close()
