@@ -224,7 +224,10 @@ class Admin:
         """End a running, handed-over or retrying run ``cancelled``; nobody takes it over.
 
         ``job`` may name a workflow: the step in progress is cancelled, so the workflow
-        stops there. The run ends ``cancelled`` in the store at once. Its holder learns
+        stops there. Between two steps (one completed, the next not claimed yet) the
+        cancel waits up to :data:`BETWEEN_STEPS_WAIT_S` for the next step to start and
+        cancels it, else raises :class:`~lease_core.errors.OperationRefused`
+        (``conflict``) saying so. The run ends ``cancelled`` in the store at once. Its holder learns
         of it at its next heartbeat (the heartbeat answers "cancelled", not "lost"): the
         handler gets ``ctx.stopping`` (``ctx.stop_reason`` says it was cancelled), may
         finish cooperatively within ``grace`` (default ``"10s"``; a number of seconds,
