@@ -518,6 +518,43 @@ async def test_a_lone_instance_at_capacity_runs_the_slot_once_a_handler_ends(
         await inst.stop()
 
 
+async def test_slots_deferred_at_capacity_do_not_pile_up_and_run_oldest_first() -> None:
+    """At capacity, a job's deferred slots used to wait one record each and all run,
+    oldest first, once a handler ended, ahead of the slots due then (catch_up ignored).
+    As after a store failure, only the newest deferred slot of a job waits."""
+    from lease_core import MemoryBackend
+
+    backend = MemoryBackend()
+    offset = quiet_offset(await store_now_ms(backend))
+    release = anyio.Event()
+    ran: list[int] = []
+    s = Scheduler(backend, instance_id="alone", max_running=1, **FAST)
+
+    @s.every("hold", "1h", offset=offset)
+    async def hold(ctx: RunContext) -> None:
+        await release.wait()
+
+    @s.every("tick", "1h", offset=(offset + 60) % 3600)  # default catch_up="latest"
+    async def tick(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        hold_slot, newest = current_slots(s, "hold", "tick")
+        await claim_now(s, "hold", hold_slot)
+        stale = [newest - k * 3_600_000 for k in (3, 2, 1)]
+        for slot in [*stale, newest]:  # as the ticks of an hour each would defer them
+            assert await claim_now(s, "tick", slot) is None
+        release.set()
+        await wait_for(lambda: newest in ran, timeout=10,
+                       what="the newest deferred slot once capacity is free")
+        # the older ones are forgotten at the next check (nobody claimed them)
+        await wait_for(lambda: not any(("tick", slot) in s.watching for slot in stale),
+                       timeout=5, what="the superseded slots forgotten")
+        await inst.stop()
+    assert ran == [newest]
+
+
 async def test_a_sync_handler_past_its_timeout_still_counts_against_max_running() -> None:
     """A sync handler's thread cannot be cancelled: its run ends at the timeout, but the
     thread goes on, and the instance must not start another handler beside it."""

@@ -131,6 +131,13 @@ class Claimer:
         # member ranked next takes them meanwhile if it can).
         now = self._s.clock.now_ms()
         for job, slot, reason in claims[free:]:
+            if (reason is Reason.SCHEDULED and job.scheduled
+                    and (job.catch_up != "all" or job.overlap == "skip")):
+                # As after a store failure (leases.py, _newest_missed): a job's slots
+                # deferred at capacity do not pile up and run oldest first once a handler
+                # ends; only the newest waits (catch_up="all" with overlapping runs keeps
+                # them all). The older ones are backed up only if someone claimed them.
+                self._s.runs.superseded(job, slot)
             self._s.runs.pending(job, slot, claim_after=now, reason=reason,
                                  successor=after_step)
         results = (await self.claim_many(claims[:free], deferred=deferred,

@@ -249,6 +249,16 @@ class RunTable:
             self._runs[key] = Run(job, slot, Phase.PENDING, reclaim_reason=reason,
                                   claim_after=claim_after, successor=successor)
 
+    def superseded(self, job: Job, slot: int) -> None:
+        """``job``'s scheduled runs still pending at slots before ``slot`` are no longer
+        to claim: each is only backed up, and forgotten at the next check unless another
+        member claimed it."""
+        older = [run for (name, at), run in self._runs.items()
+                 if name == job.name and at < slot and run.phase is Phase.PENDING
+                 and run.reclaim_reason is Reason.SCHEDULED and not run.successor]
+        for run in older:
+            self.watch(run.job, run.slot)
+
     def rewatch(self, run: Run, *, completed: bool = False) -> None:
         """The run's own attempt lost its lease, or its end is unknown: back it up
         (``completed``: its handler completed it here, :attr:`Run.completed_attempt`)."""
