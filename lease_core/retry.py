@@ -32,10 +32,11 @@ class Retry:
 
     ``retries``: the most retries of one run (``Retry(retries=3)`` runs it 4 times at
     most; 1,000 at most).
-    The ``n``-th retry waits ``backoff * factor ** (n - 1)``, at most ``max_backoff``,
-    then spread by ``jitter`` (0.1: up to 10 % shorter or longer), on the store's clock.
-    Exceptions that are instances of a type in ``no_retry`` are never retried: the run
-    ends ``failed`` at once. A timeout counts as a failure.
+    The ``n``-th retry waits ``backoff * factor ** (n - 1)``, spread by ``jitter`` (0.1:
+    up to 10 % shorter or longer), never more than ``max_backoff``, on the store's clock.
+    Exceptions that are instances of a type in ``no_retry`` are never retried, also
+    when they come out of a task group (an exception group holding one): the run ends
+    ``failed`` at once. A timeout counts as a failure.
     """
 
     retries: int = 3
@@ -57,8 +58,9 @@ class Retry:
                     f"{what}={value!r} is longer than {MAX_BACKOFF_S // 86400} days; a retry "
                     "waits at most that long")
         factor = self.factor
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 1:
-            raise ConfigurationError(f"factor={factor!r} must be a number, 1 or more")
+        if (isinstance(factor, bool) or not isinstance(factor, int | float)
+                or not 1 <= factor < math.inf):
+            raise ConfigurationError(f"factor={factor!r} must be a finite number, 1 or more")
         jitter = self.jitter
         if isinstance(jitter, bool) or not isinstance(jitter, int | float) or not (
                 0 <= jitter <= 1):
@@ -73,19 +75,27 @@ class Retry:
 
     def retries_error(self, exc: BaseException | None) -> bool:
         """True when a failure with ``exc`` (``None``: a timeout) may be retried."""
-        return self.retries > 0 and not (exc is not None and isinstance(exc, self.no_retry))
+        if self.retries <= 0:
+            return False
+        if exc is None or not self.no_retry:
+            return True
+        if isinstance(exc, BaseExceptionGroup):  # from a task group: any of its errors
+            return exc.split(self.no_retry)[0] is None
+        return not isinstance(exc, self.no_retry)
 
     def delay_ms(self, retry: int) -> int:
         """The wait before retry number ``retry`` (1 for the first), jitter applied."""
         base = parse_duration(self.backoff, what="backoff", allow_zero=True)
         cap = parse_duration(self.max_backoff, what="max_backoff", allow_zero=True)
+        if base == 0:
+            return 0
         try:
             grown = base * self.factor ** (retry - 1)
         except OverflowError:  # past any cap long before (factor ** 1000)
             grown = math.inf
         seconds = min(cap, grown)
         if self.jitter:
-            seconds *= 1 + self.jitter * (2 * random.random() - 1)
+            seconds = min(cap, seconds * (1 + self.jitter * (2 * random.random() - 1)))
         return max(0, to_ms(seconds))
 
     def delays_ms(self) -> tuple[int, ...]:

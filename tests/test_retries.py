@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-from lease_core import Event, Retried, Retry, RunContext, RunStatus, Scheduler
+from lease_core import ConfigurationError, Event, Retried, Retry, RunContext, RunStatus, Scheduler
 from lease_core._status import workflow_status
 from lease_core.retry import supports_retries
 from lease_core.testing import claim_now
@@ -415,3 +415,68 @@ async def test_a_retrying_run_shows_no_lease_and_a_cancelled_workflow_is_cancell
         shown = await read_run(s.backend, "close", wslot)
         assert shown is not None and shown["status"] == "cancelled", shown
         await i.stop()
+
+
+async def test_a_no_retry_error_raised_through_a_task_group_is_not_retried(
+        store: Store) -> None:
+    """anyio's task groups raise exception groups: a ``no_retry`` type inside one is still
+    not retried (it was, until the retries ran out)."""
+    tries: list[int] = []
+    s = make(store, "a")
+
+    @s.every("grouped", "1h", offset=quiet_offset_now(),
+             retry=Retry(retries=3, backoff=0, no_retry=(Fatal,)))
+    async def grouped(ctx: RunContext) -> None:
+        tries.append(ctx.attempt)
+
+        async def part() -> None:
+            raise Fatal("a bug: never retried")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(part)
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        slot = slot_of(s, "grouped")
+        await claim_now(s, "grouped", slot)
+        await wait_status(s, "grouped", slot, RunStatus.FAILED)
+        await instance.stop()
+    assert tries == [1]
+
+
+async def test_a_step_whose_result_cannot_be_stored_is_not_run_again(store: Store) -> None:
+    """Its handler ran to its end (its effects applied): a retry would apply them again."""
+    effects: list[int] = []
+    s = make(store, "a")
+    flow = s.workflow("w", every="1h", offset=quiet_offset_now(), retry=Retry(2, backoff=0))
+
+    @flow.step("pay")
+    async def pay(ctx: RunContext) -> object:
+        effects.append(ctx.attempt)  # a payment sent
+        return object()  # not JSON
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(s).start(tg)
+        slot = slot_of(s, "w/pay")
+        await claim_now(s, "w", slot)
+        await wait_status(s, "w/pay", slot, RunStatus.FAILED)
+        await instance.stop()
+    assert effects == [1]
+    history = await s.history("w/pay")
+    assert history[0].error is not None and "the step's result" in history[0].error
+
+
+def test_the_policy_with_groups_zero_backoff_and_jitter_at_the_cap() -> None:
+    fatal = Retry(retries=1, no_retry=(Fatal,))
+    assert not fatal.retries_error(ExceptionGroup("g", [Transient("x"), Fatal("y")]))
+    assert fatal.retries_error(ExceptionGroup("g", [Transient("x")]))
+    assert fatal.retries_error(None) and not fatal.retries_error(Fatal("y"))
+    # no backoff stays none, even once factor ** n overflows
+    assert max(Retry(retries=1000, backoff=0, factor=3, jitter=0).delays_ms()) == 0
+    with pytest.raises(ConfigurationError, match="factor=inf"):
+        Retry(factor=float("inf"))
+    # jitter never takes a wait past max_backoff
+    capped = Retry(retries=1, backoff="5m", max_backoff="5m", jitter=0.1)
+    assert max(capped.delay_ms(1) for _ in range(500)) <= 300_000
+    spread = {Retry(retries=1, backoff="1s", jitter=0.5).delay_ms(1) for _ in range(50)}
+    assert len(spread) > 1 and all(500 <= d <= 1_500 for d in spread)

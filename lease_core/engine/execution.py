@@ -245,7 +245,11 @@ class Executor:
                 return
         if outcome is Outcome.TIMED_OUT:
             execution.ctx._request_stop("timed out")
-        if s.retries.wanted(job, outcome, ran.raised):  # retries within a run (issue 19)
+        unstorable = isinstance(ran.raised, ConfigurationError) and error is not None and (
+            error.startswith("the step's result: "))
+        # Retries within a run (issue 19); a step whose result cannot be stored returned:
+        # running its handler again would apply its effects again, to the same end.
+        if not unstorable and s.retries.wanted(job, outcome, ran.raised):
             self._report(run, outcome, error, ran.raised)
             await s.retries.fail(run, outcome, error or str(outcome))
             return
