@@ -227,12 +227,14 @@ class Admin:
         stops there. Between two steps (one completed, the next not claimed yet) the
         cancel waits up to :data:`BETWEEN_STEPS_WAIT_S` for the next step to start and
         cancels it, else raises :class:`~lease_core.errors.OperationRefused`
-        (``conflict``) saying so. The run ends ``cancelled`` in the store at once. Its holder learns
-        of it at its next heartbeat (the heartbeat answers "cancelled", not "lost"): the
-        handler gets ``ctx.stopping`` (``ctx.stop_reason`` says it was cancelled), may
-        finish cooperatively within ``grace`` (default ``"10s"``; a number of seconds,
-        even as text, also works; ``0`` cancels it at that heartbeat) and is cancelled
-        once the grace has passed. Either way the attempt ends ``cancelled``, never
+        (``conflict``) saying so.
+
+        The run ends ``cancelled`` in the store at once. Its holder learns of it at its
+        next heartbeat (the heartbeat answers "cancelled", not "lost"): the handler gets
+        ``ctx.stopping`` (``ctx.stop_reason`` says it was cancelled), may finish
+        cooperatively within ``grace`` (default ``"10s"``; a number of seconds, even as
+        text, also works; ``0`` cancels it at that heartbeat) and is cancelled once the
+        grace has passed. Either way the attempt ends ``cancelled``, never
         ``completed``.
         """
         if isinstance(grace, str) and _SECONDS.fullmatch(grace.strip()):

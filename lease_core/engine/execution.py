@@ -235,21 +235,20 @@ class Executor:
             s.runs.hand_over_later(job, lease, None)
             s.hand_over_soon(lease)
             return
+        # A step whose result cannot be stored returned: running its handler again (a
+        # retry) would apply its effects again, to the same end.
+        unstorable = False
         if (outcome is Outcome.COMPLETED and job.workflow is not None
                 and not execution.ctx.completed_by_transaction):
             stored = await s.steps.store_result(run, ran.value)
             if isinstance(stored, ConfigurationError):
-                ran.raised = stored
+                ran.raised, unstorable = stored, True
                 outcome, error = Outcome.FAILED, f"the step's result: {stored}"
             elif not stored:
                 return
         if outcome is Outcome.TIMED_OUT:
             execution.ctx._request_stop("timed out")
-        unstorable = isinstance(ran.raised, ConfigurationError) and error is not None and (
-            error.startswith("the step's result: "))
-        # Retries within a run (issue 19); a step whose result cannot be stored returned:
-        # running its handler again would apply its effects again, to the same end.
-        if not unstorable and s.retries.wanted(job, outcome, ran.raised):
+        if not unstorable and s.retries.wanted(job, outcome, ran.raised):  # issue 19
             self._report(run, outcome, error, ran.raised)
             await s.retries.fail(run, outcome, error or str(outcome))
             return
