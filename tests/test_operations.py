@@ -20,6 +20,8 @@ from lease_core import (
     AttemptEnded,
     Cancelled,
     OperationRefused,
+    Retried,
+    Retry,
     RunContext,
     RunStatus,
     Scheduler,
@@ -27,6 +29,7 @@ from lease_core import (
 from lease_core._structures import ClaimRequest
 from lease_core.abc import Backend
 from lease_core.operations import _slot
+from lease_core.retry import supports_retries
 from lease_core.testing import claim_now
 from tests.helpers import (
     Instance,
@@ -694,6 +697,42 @@ async def test_a_cancel_after_the_handler_returned_is_reported_cancelled(store: 
     ended = [type(e).__name__ for e in events if isinstance(e, AttemptEnded)]
     assert ended == ["Cancelled"], ended
     assert history == [(1, "cancelled")], history
+
+
+async def test_a_cancel_after_a_retried_handler_raised_is_reported_cancelled(
+        store: Store) -> None:
+    """As above, for a job with ``retry=``: the handler raises after the cancel ended the
+    run; the store refuses the retry, and the attempt is reported Cancelled (no Failed,
+    no Retried), and nobody retries the run."""
+    admin = admin_for(store, by="ops")
+    offset = await quiet(store)
+    go, entered = anyio.Event(), anyio.Event()
+    s = Scheduler(store.backend(), instance_id="h", lease="30s", heartbeat="5s")
+    if not supports_retries(s.backend):
+        pytest.skip(f"{type(s.backend).__name__} has no retry_later()")
+    events: list[Any] = []
+    s.subscribe(events.append)
+
+    async def work(ctx: RunContext) -> None:
+        entered.set()
+        await go.wait()
+        raise RuntimeError("after the cancel")
+
+    s.every("w", "1h", work, offset=offset, retry=Retry(retries=3, backoff=0, jitter=0))
+    async with s:
+        slot = await store_now_ms(store.backend()) - 1000
+        assert await claim_now(s, "w", slot) is not None
+        with anyio.fail_after(10):
+            await entered.wait()
+        await admin.cancel("w", slot, grace="10s")
+        go.set()
+        await wait_for(lambda: [e for e in events if isinstance(e, AttemptEnded)],
+                       what="the attempt's end")
+        history = [(a.attempt, a.outcome) for a in await s.history("w") if a.slot == slot]
+    ended = [type(e).__name__ for e in events if isinstance(e, (AttemptEnded, Retried))]
+    assert ended == ["Cancelled"], ended
+    assert history == [(1, "cancelled")], history
+    assert await status_of(store.backend(), "w", slot) is RunStatus.CANCELLED
 
 
 async def test_a_retried_run_counts_its_takeovers_and_retries_anew(store: Store) -> None:

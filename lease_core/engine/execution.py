@@ -249,8 +249,8 @@ class Executor:
         if outcome is Outcome.TIMED_OUT:
             execution.ctx._request_stop("timed out")
         if not unstorable and s.retries.wanted(job, outcome, ran.raised):  # issue 19
-            self._report(run, outcome, error, ran.raised)
-            await s.retries.fail(run, outcome, error or str(outcome))
+            await s.retries.fail(run, outcome, error or str(outcome),
+                                 lambda: self._report(run, outcome, error, ran.raised))
             return
         finished: bool | None = (outcome is Outcome.COMPLETED
                                  and execution.ctx.completed_by_transaction)
@@ -259,7 +259,7 @@ class Executor:
         # Reported once the store answered: an operator's cancel that ended the run after
         # the handler returned (before its holder's heartbeat could tell) made the store
         # refuse the finish, and the attempt ended cancelled, not as the handler did.
-        if finished is False and await self._cancelled_in_store(lease):
+        if finished is False and await self.cancelled_in_store(lease):
             self.ended(ev.Cancelled, lease)
         else:
             self._report(run, outcome, error, ran.raised)
@@ -267,8 +267,9 @@ class Executor:
         if finished and outcome is Outcome.COMPLETED:
             await s.steps.completed(job, lease.slot)
 
-    async def _cancelled_in_store(self, lease: Lease) -> bool:
-        """Whether the store shows ``lease``'s run cancelled (read after a refused finish)."""
+    async def cancelled_in_store(self, lease: Lease) -> bool:
+        """Whether the store shows ``lease``'s run cancelled (read after a refused finish
+        or ``retry_later``: an operator's cancel may have ended the run meanwhile)."""
         with anyio.move_on_after(10, shield=True):
             try:
                 found = (await self._s.settings.backend.check([(lease.job, lease.slot)])).runs

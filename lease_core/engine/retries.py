@@ -11,6 +11,7 @@ claims first makes the retry, reason ``retry``. A stop or a crash meanwhile lose
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -50,10 +51,16 @@ class Retrier:
         return (job.retry is not None and outcome in _RETRIED
                 and job.retry.retries_error(None if outcome is Outcome.TIMED_OUT else raised))
 
-    async def fail(self, run: Run, outcome: Outcome, error: str) -> int | None:
+    async def fail(self, run: Run, outcome: Outcome, error: str,
+                   report: Callable[[], None]) -> int | None:
         """End the failed attempt; the retry's number, 0 when the run ended, ``None``
         when the store did not record it: unanswered (the run is then backed up), or
-        refused because the token no longer holds the run (another instance has it)."""
+        refused because the token no longer holds the run (another instance has it, or
+        an operator cancelled it).
+
+        ``report`` emits the attempt's own end (``Failed``, ``TimedOut``); it is called
+        once the store answered, before ``Retried``, and not at all when the store shows
+        the run cancelled: the attempt then ends ``Cancelled``, as the history has it."""
         s, job, lease = self._s, run.job, run.lease
         assert lease is not None and job.retry is not None
         delays = job.retry.delays_ms()
@@ -65,13 +72,20 @@ class Retrier:
             except Exception as exc:
                 s.clock.failed(f"end of {job.name} slot {format_slot(lease.slot)}", exc)
         if answer is None:  # unknown whether it ended: watch it, as a finish would
+            report()
             s.runs.rewatch(run)
             return None
-        s.runs.release(run)
         if answer < 0:
-            logger.warning("%s slot %s: lease lost before finishing (%s)", job.name,
-                           format_slot(lease.slot), outcome)
+            if await s.execution.cancelled_in_store(lease):
+                s.execution.ended(ev.Cancelled, lease)
+            else:
+                report()
+                logger.warning("%s slot %s: lease lost before finishing (%s)", job.name,
+                               format_slot(lease.slot), outcome)
+            s.runs.release(run)
             return None
+        report()
+        s.runs.release(run)
         if answer == 0:
             logger.warning("%s slot %s: failed after %d retries", job.name,
                            format_slot(lease.slot), len(delays))
