@@ -713,3 +713,61 @@ async def test_on_a_redis_cluster_a_gracefully_stopped_members_next_slot_is_clai
 async def test_on_a_redis_cluster_instances_declaring_other_jobs_rank_apart(
         redis_cluster_store: Store) -> None:
     await groups(redis_cluster_store)
+
+
+async def test_a_catch_up_deferred_at_capacity_runs_its_missed_slots_one_after_another() -> None:
+    """catch_up="all" with overlap="skip": missed slots run one after another. Deferred at
+    capacity, they used to be queued all at once, and claimed together once handlers
+    ended: the store recorded all but the first of a batch skipped (an earlier run open)."""
+    from lease_core import MemoryBackend
+    from lease_core._structures import ClaimRequest, Lease, Outcome
+
+    backend = MemoryBackend()
+    await backend.start()
+    await backend.register_jobs(["c"])
+    now = await backend.now_ms()
+    last = now - now % 1000
+    # A run of the store's last slot of "c", still open: the new instance's catch-up
+    # waits for it, and meanwhile its capacity is taken.
+    (held,) = await backend.claim_many([ClaimRequest("c", last, "gone", "t0", 60_000)])
+    assert held.status == "won", held
+    await wait_for(lambda: _after(backend, last + 3_500), what="three missed slots")
+    offset = quiet_offset(await store_now_ms(backend))
+    release = anyio.Event()
+    ran: list[int] = []
+    s = Scheduler(backend, instance_id="alone", max_running=2, **FAST)
+
+    async def hold(ctx: RunContext) -> None:
+        await release.wait()
+
+    s.every("hold-1", "1h", hold, offset=offset)
+    s.every("hold-2", "1h", hold, offset=offset)
+
+    @s.every("c", "1s", catch_up="all")
+    async def c(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        until = s.store_now_ms()
+        missed = list(range(last + 1000, until + 1, 1000))
+        assert len(missed) >= 3, missed
+        one, two = current_slots(s, "hold-1", "hold-2")
+        assert await claim_now(s, "hold-1", one) is not None
+        assert await claim_now(s, "hold-2", two) is not None
+        assert await backend.finish(Lease("c", last, "t0", 60_000), Outcome.COMPLETED)
+        # the catch-up is deferred at capacity meanwhile; then the handlers end
+        await wait_for(lambda: ("c", missed[0]) in s.watching, timeout=5,
+                       what="the first missed slot deferred")
+        release.set()
+        await wait_for(lambda: set(missed) <= set(ran), timeout=15,
+                       what="every missed slot run")
+        await inst.stop()
+    outcomes = {a.slot: a.outcome for a in await backend.history("c", limit=100)
+                if a.slot in missed}
+    assert outcomes == dict.fromkeys(missed, "completed"), outcomes
+    assert ran[:len(missed)] == missed, ran
+
+
+async def _after(backend: Any, ms: int) -> bool:
+    return int(await backend.now_ms()) >= ms

@@ -19,6 +19,7 @@ from .._durations import to_ms
 from .._structures import ClaimStatus, JobInfo, Reason, format_slot
 from .._wakeups import Alarm, WorkerPool, late_by, slot_wait
 from . import base
+from .runs import Phase
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -30,6 +31,9 @@ __all__ = ["WINDOW_LIMIT", "Dispatcher", "wake_slot"]
 #: The most slots one wake-up's window is searched through: past it (thousands of jobs
 #: due at one instant, which share their wake-up anyway) the next slot alone sets it.
 WINDOW_LIMIT = 1000
+
+#: The phases of a run whose claim this instance has still to make (or to learn of).
+_TO_CLAIM = frozenset({Phase.PENDING, Phase.RECLAIM, Phase.CLAIMING})
 
 
 def wake_slot(due: Sequence[tuple[int, int, Any, int, int]]) -> int:
@@ -220,20 +224,27 @@ class Dispatcher:
                 job, slot, Reason.SCHEDULED if slot >= on_time else reason)
             active = result is not None and result.status in (ClaimStatus.WON,
                                                                ClaimStatus.RUNNING)
-            if active and job.overlap == "skip":
+            if job.overlap == "skip" and (active or result is None):
                 if last:
                     self._caught_up[job.name] = slot
                 else:
                     # Missed slots of a job that must not overlap run one after another;
-                    # claiming the next one now would only record it as skipped.
+                    # claiming the next one now would only record it as skipped. That
+                    # holds for a claim deferred at capacity (or unanswered) too: it is
+                    # pending here until a handler ends, and the next waits for it.
                     await self.wait_run_ended(job.name, slot)
 
     async def wait_run_ended(self, job: str, slot: int) -> None:
-        """Return once the run (job, slot) is finished (or the scheduler stops)."""
+        """Return once the run (job, slot) is finished (or the scheduler stops), or was
+        never claimed: a claim of it this instance still has to make (deferred at
+        capacity, unanswered) is waited for first."""
         s = self._s
         key = (job, slot)
         while not s.stopping:
             await anyio.sleep(s.settings.heartbeat)
+            local = s.runs.get(key)
+            if local is not None and local.phase in _TO_CLAIM:
+                continue
             try:
                 result = await s.settings.backend.check([key])
             except Exception as exc:
