@@ -6,9 +6,9 @@ end an attempt (:class:`Completed`, :class:`Failed`, :class:`TimedOut`, :class:`
 ``outcome`` and ``duration``. Each won claim is reported as :class:`Claimed`; one that
 took a run over from another instance is reported as :class:`TakenOver` too. A failure
 its job's ``retry=`` retries is reported as :class:`Failed` (or :class:`TimedOut`), then
-:class:`Retried`. An attempt that ends with a finish is reported once the store answered
-it: a run an operator cancelled meanwhile is reported :class:`Cancelled`, as the store
-records it.
+:class:`Retried`. An attempt that ends with a finish (or a retry) is reported once the
+store answered it: a run an operator cancelled meanwhile is reported :class:`Cancelled`,
+as the store records it.
 """
 
 from __future__ import annotations
