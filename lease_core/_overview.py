@@ -26,15 +26,16 @@ from .schedules import schedule_from_spec
 __all__ = ["FILTERS", "MAX_PER_PAGE", "read_overview"]
 
 #: The row filters: every row, rows with runs in progress, and by the last finished run:
-#: failed (failed, timed out or escalated), ok (completed or skipped), never (none yet).
-#: A row with a run in progress is also in the filter of its last finished run.
+#: failed (failed, timed out or escalated), ok (completed, skipped or cancelled), never
+#: (none yet). A row with a run in progress is also in the filter of its last finished
+#: run; a run waiting for its retry is in progress, not finished.
 FILTERS = ("all", "running", "failed", "ok", "never")
 #: Most rows one page may ask for.
 MAX_PER_PAGE = 200
 #: Attempts of all jobs read at once to find each job's last finished one.
 _WINDOW = 20_000
 _FAILED = {Outcome.FAILED, Outcome.TIMED_OUT, Outcome.ESCALATED}
-_OK = {Outcome.COMPLETED, Outcome.SKIPPED}
+_OK = {Outcome.COMPLETED, Outcome.SKIPPED, Outcome.CANCELLED}
 _ENDS = _FAILED | _OK
 
 
@@ -116,10 +117,14 @@ def _next(spec: str | None, now: int) -> tuple[str | None, int | None]:
 
 
 def _running(name: str, runs: Sequence[RunInfo], now: int) -> list[dict[str, Any]]:
+    """The runs in progress: ``status`` is ``running``, ``handed_over`` or ``retrying``
+    (its attempt failed, and the retry waits, unleased); only a running run has
+    ``lease_left_ms``."""
     return [{"id": run_id(name, r.slot), "slot": r.slot, "scheduled_at": iso(r.scheduled_at),
-             "attempt": r.attempt, "instance_id": r.instance_id,
+             "attempt": r.attempt, "instance_id": r.instance_id, "status": str(r.status),
              "handed_over": r.status is RunStatus.HANDED_OVER,
-             "lease_left_ms": None if r.expires_ms is None else r.expires_ms - now}
+             "lease_left_ms": (r.expires_ms - now if r.expires_ms is not None
+                               and r.status is RunStatus.RUNNING else None)}
             for r in sorted(runs, key=lambda r: r.slot)]
 
 
@@ -142,8 +147,10 @@ def _row(name: str, kind: str, spec: str | None, running: list[dict[str, Any]],
 def _job_row(name: str, spec: str | None, runs: Sequence[RunInfo],
              finished: Sequence[Attempt], now: int) -> dict[str, Any]:
     last = None
-    if finished:
-        a = finished[0]
+    in_progress = {r.slot for r in runs}  # a failed attempt whose run waits for a retry
+    ended = [a for a in finished if a.slot not in in_progress]
+    if ended:
+        a = ended[0]
         assert a.outcome is not None and a.finished_at is not None
         last = {"id": run_id(name, a.slot), "slot": a.slot, "scheduled_at": iso(a.scheduled_at),
                 "status": "failed" if a.outcome in _FAILED else str(a.outcome),
@@ -159,12 +166,14 @@ def _workflow_row(name: str, names: Sequence[str], schedules: dict[str, str],
     running = [dict(r, step=s) for s, job in zip(names, jobs, strict=True)
                for r in _running(name, open_runs.get(job, []), now)]
     last = None
-    slots = sorted({a.slot for job in jobs for a in finished.get(job, [])}, reverse=True)
-    for slot in slots:  # the newest run that ended: completed, failed or skipped
+    in_progress = {r.slot for job in jobs for r in open_runs.get(job, [])}
+    slots = sorted({a.slot for job in jobs for a in finished.get(job, [])} - in_progress,
+                   reverse=True)
+    for slot in slots:  # the newest run that ended: completed, failed, skipped, cancelled
         at_slot = {job: [a for a in finished.get(job, []) if a.slot == slot] for job in jobs}
         status = workflow_status([RunStatus(str(found[0].outcome)) if found else None
                                   for found in at_slot.values()])
-        if status not in ("completed", "failed", "skipped"):
+        if status not in ("completed", "failed", "skipped", "cancelled"):
             continue
         mine = [a for found in at_slot.values() for a in found]
         first = min(a.claimed_at for a in mine)

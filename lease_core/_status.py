@@ -179,8 +179,9 @@ def parse_run_id(text: str) -> tuple[str, int]:
 def run_status(status: RunStatus | None) -> str:
     """A run's (or a step's) status in the API: ``None`` (no run yet) is ``pending``.
 
-    ``running`` and ``handed_over`` are ``running``; ``timed_out`` is ``failed``; the others
-    keep their name (``completed``, ``failed``, ``skipped``, ``escalated``).
+    ``running``, ``handed_over`` and ``retrying`` are ``running``; ``timed_out`` is
+    ``failed``; the others keep their name (``completed``, ``failed``, ``skipped``,
+    ``escalated``, ``cancelled``).
     """
     if status is None:
         return "pending"

@@ -27,13 +27,14 @@ the operations (``POST``, always with the token: see :mod:`lease_core._http_oper
 An unknown id answers 404 and a malformed one 400; every error is JSON ``{"error": ...}``
 (503 when the store cannot be read). A run is JSON with ``id``, ``name``, ``kind`` (``job``
 or ``workflow``), ``slot``, ``scheduled_at``, ``status`` (``pending``, ``running``,
-``completed``, ``failed``, ``skipped``, ``escalated``), ``attempts`` (every attempt, oldest
-first), and for a workflow ``steps``, each with ``name``, ``status``, ``attempt``,
-``instance_id`` (the holder, or the last one), ``started_at``, ``finished_at``,
-``heartbeat_at`` and ``lease_expires_at``. A job's run has those step fields itself.
+``completed``, ``failed``, ``skipped``, ``escalated``, ``cancelled``), ``attempts``
+(every attempt, oldest first), and for a workflow ``steps``, each with ``name``,
+``status``, ``attempt``, ``instance_id`` (the holder, or the last one), ``started_at``,
+``finished_at``, ``heartbeat_at`` and ``lease_expires_at``. A job's run has those step fields itself.
 ``heartbeat_at`` is when the holder last renewed the lease (or claimed the run), on the
 stores that record it (memory, PostgreSQL, Redis); ``lease_expires_at`` tells whether it is
-alive. ``store_status`` is the run's status as stored (``handed_over``, ``timed_out``, ...).
+alive. ``store_status`` is the run's status as stored (``handed_over``, ``retrying``,
+``timed_out``, ...).
 
 With a ``token``, every request needs the header ``Authorization: Bearer <token>`` and
 gets 401 without it. The page asked without it answers 401 too, with the page itself,

@@ -75,6 +75,41 @@ def test_the_overview_has_one_row_per_job_and_workflow(overview: TestClient) -> 
     assert rows["idle"]["schedule"] is None and rows["idle"]["next_slot"] is None
 
 
+async def _retrying_and_cancelled(backend: Backend) -> None:
+    """flaky@SLOT: its attempt failed and its retry waits an hour; report@NEXT cancelled
+    (after report@SLOT completed); once@SLOT cancelled, its only run."""
+    from lease_core import Admin
+    from tests.test_http import LEASE
+
+    request = _claim("flaky", SLOT, "web-1")
+    await backend.claim(request)
+    assert await backend.retry_later(
+        [(Lease("flaky", SLOT, request.token, LEASE), Outcome.FAILED, "boom", [3_600_000])],
+    ) == [1]
+    admin = Admin(backend, by="ops")
+    for job, slot in (("report", NEXT), ("once", SLOT)):
+        await backend.claim(_claim(job, slot, "web-2"))
+        await admin.cancel(job, slot, grace=0)
+
+
+def test_a_run_waiting_for_its_retry_is_in_progress_and_a_cancelled_one_ended(
+        overview: TestClient, backend_and_loop: tuple[Backend, str]) -> None:  # noqa: F811
+    """A retrying run holds no lease: in progress (``status`` retrying, no lease left), its
+    failed attempt not the row's last run. A cancelled run is the row's last run."""
+    assert overview.portal is not None
+    overview.portal.call(_retrying_and_cancelled, backend_and_loop[0])
+    rows = {row["name"]: row for row in _get(overview, "/overview")["rows"]}
+    (waiting,) = rows["flaky"]["running"]
+    assert waiting["status"] == "retrying" and waiting["lease_left_ms"] is None
+    assert not waiting["handed_over"] and waiting["slot"] == SLOT
+    assert rows["flaky"]["last"] is None and rows["flaky"]["state"] == "never"
+    assert rows["report"]["last"]["slot"] == NEXT
+    assert rows["report"]["last"]["status"] == "cancelled" and rows["report"]["state"] == "ok"
+    assert rows["once"]["last"]["status"] == "cancelled" and rows["once"]["running"] == []
+    (held,) = rows["close"]["running"]
+    assert held["status"] == "running" and held["lease_left_ms"] > 0
+
+
 def test_filters_search_and_pages(overview: TestClient) -> None:
     names = lambda path: [r["name"] for r in _get(overview, path)["rows"]]  # noqa: E731
     assert names("/overview?status=failed") == ["close"]

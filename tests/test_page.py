@@ -58,13 +58,17 @@ async def _seed(dsn: str, table: str) -> None:
         await backend.close()
 
 
-async def _add_job(dsn: str, table: str, job: str) -> None:
-    from lease_core.abc import ClaimRequest
+async def _add_job(dsn: str, table: str, job: str, failed: bool = False) -> None:
+    """A run of ``job`` held by c; ``failed``: its attempt failed, its retry waits."""
+    from lease_core.abc import ClaimRequest, Lease, Outcome
 
     backend = PostgresBackend(dsn, table=table)
     await backend.start()
     try:
         await backend.claim(ClaimRequest(job, SLOT, "c", "t-" + job, 60_000))
+        if failed:
+            assert await backend.retry_later([(Lease(job, SLOT, "t-" + job, 60_000),
+                                               Outcome.FAILED, "boom", [3_600_000])]) == [1]
     finally:
         await backend.close()
 
@@ -261,6 +265,13 @@ def test_page_overview_drill_down_and_recovery_log(
     _rows(browser, wait, ["close", "export"])
     anyio.run(_add_job, pg16_server.dsn, table, "report")
     _rows(browser, wait, ["close", "export", "report"])
+
+    # A run waiting for its retry holds no lease: it is in progress, not expired.
+    anyio.run(_add_job, pg16_server.dsn, table, "flaky", True)
+    rows = {row["name"]: row for row in _rows(browser, wait,
+                                               ["close", "export", "flaky", "report"])}
+    assert "attempt 1 by c, failed, waiting for its retry" in rows["flaky"]["cells"][7]
+    assert rows["flaky"]["state"] == "never" and rows["flaky"]["running"] == 1
 
 
 async def _seed_many(dsn: str, table: str, jobs: int) -> None:

@@ -133,6 +133,7 @@ function inProgress(row) {
   return el("span", {}, ...row.running.flatMap((r, i) => {
     const step = r.step ? `${r.step}: ` : "";
     const lease = r.handed_over ? "handed over, waiting for a backup"
+      : r.status === "retrying" ? "failed, waiting for its retry"
       : r.lease_left_ms > 0 ? `lease ${seconds(r.lease_left_ms)} left`
         : `lease expired ${seconds(-r.lease_left_ms)} ago`;
     const text = `${step}attempt ${r.attempt} by ${r.instance_id}, ${lease}`;
