@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from .errors import ConfigurationError
 
-__all__ = ["MEMBER_RETENTION_MS", "check_every", "check_leave", "check_members",
-           "check_prune"]
+__all__ = ["MEMBER_RETENTION_MS", "check_every", "check_leave", "check_lookup_name",
+           "check_members", "check_prune"]
 
 
 def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None:
@@ -42,3 +42,13 @@ def check_members(instance_id: str, ttl_ms: int) -> None:
     check_leave(instance_id)
     if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
         raise ConfigurationError(f"ttl_ms={ttl_ms!r} must be a whole number, 1 or more")
+
+
+def check_lookup_name(name: str) -> str:
+    """Refuse a job or workflow name that no store can hold (a NUL character: PostgreSQL
+    cannot store one), so that a lookup answers a clear error, not the driver's."""
+    if "\x00" in name:
+        raise ConfigurationError(
+            f"name {name!r} holds a NUL character, which no job or workflow name can; "
+            "check the name")
+    return name

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from ._checks import check_lookup_name
 from ._redact import redact
 from ._structures import LAST_SLOT, Attempt, RunInfo, RunState, RunStatus, ms_to_datetime
 from .abc import Backend
@@ -163,6 +164,7 @@ def parse_run_id(text: str) -> tuple[str, int]:
         raise ConfigurationError(
             f"run id {text!r} is malformed: expected <name>@<slot>, the slot in epoch "
             "milliseconds or ISO-8601 UTC (export@1764460800000, export@2025-11-30T00:00:00Z)")
+    check_lookup_name(name)
     if slot.isascii() and slot.isdigit() and int(slot) <= LAST_SLOT:
         return name, int(slot)
     try:
@@ -173,7 +175,12 @@ def parse_run_id(text: str) -> tuple[str, int]:
             f"{LAST_SLOT}) or an ISO-8601 time such as 2025-11-30T00:00:00Z") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    return name, (moment - _EPOCH) // _MS
+    ms = (moment - _EPOCH) // _MS
+    if not 0 <= ms <= LAST_SLOT:
+        raise ConfigurationError(
+            f"run id {text!r} has a slot out of range: from 1970-01-01T00:00:00Z to "
+            f"9999-12-31T23:59:59.999Z (epoch milliseconds 0 to {LAST_SLOT})")
+    return name, ms
 
 
 def run_status(status: RunStatus | None) -> str:

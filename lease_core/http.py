@@ -30,10 +30,10 @@ or ``workflow``), ``slot``, ``scheduled_at``, ``status`` (``pending``, ``running
 ``completed``, ``failed``, ``skipped``, ``escalated``, ``cancelled``), ``attempts``
 (every attempt, oldest first), and for a workflow ``steps``, each with ``name``,
 ``status``, ``attempt``, ``instance_id`` (the holder, or the last one), ``started_at``,
-``finished_at``, ``heartbeat_at`` and ``lease_expires_at``. A job's run has those step fields itself.
-``heartbeat_at`` is when the holder last renewed the lease (or claimed the run), on the
-stores that record it (memory, PostgreSQL, Redis); ``lease_expires_at`` tells whether it is
-alive. ``store_status`` is the run's status as stored (``handed_over``, ``retrying``,
+``finished_at``, ``heartbeat_at`` and ``lease_expires_at``. A job's run has those step
+fields itself. ``heartbeat_at`` is when the holder last renewed the lease (or claimed the
+run), on the stores that record it (memory, PostgreSQL, Redis); ``lease_expires_at`` tells
+whether it is alive. ``store_status`` is the run's status as stored (``handed_over``, ``retrying``,
 ``timed_out``, ...).
 
 With a ``token``, every request needs the header ``Authorization: Bearer <token>`` and
@@ -61,10 +61,17 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ._checks import check_lookup_name
 from ._http_operations import operation_routes
 from ._overview import read_overview
 from ._redact import redact
-from ._status import list_jobs, parse_run_id, read_recovery_log, read_run, read_runs
+from ._status import (
+    list_jobs,
+    parse_run_id,
+    read_recovery_log,
+    read_run,
+    read_runs,
+)
 from .abc import Backend
 from .errors import AnarchonError, ConfigurationError
 
@@ -138,6 +145,10 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
         if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_RUNS:
             return _error(400, f"limit={text!r} is not a whole number from 1 to {MAX_RUNS}")
         name = request.path_params["name"]
+        try:
+            check_lookup_name(name)
+        except ConfigurationError as exc:
+            return _error(400, str(exc))
         found = await read_runs(backend, name, int(text))
         if found is None:
             return _error(404, f"no job or workflow {name!r} in the store")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from ._checks import check_lookup_name
 from ._durations import parse_duration
 from ._structures import LAST_SLOT, RunStatus, format_slot
 from .errors import ConfigurationError, OperationRefused
@@ -262,7 +263,7 @@ class Admin:
                        grace_ms: int = 0) -> OperationResult:
         if not isinstance(job, str) or not job:
             raise ConfigurationError(f"job {job!r} must be a non-empty job name")
-        name = job
+        name = check_lookup_name(job)
         # The store as it is (an older one is read, not upgraded), counted: cheap when
         # the backend runs already.
         await self.backend.start(create=False)

@@ -111,6 +111,12 @@ def test_operations_answer_and_act(backend_and_loop: tuple[Backend, str]) -> Non
     ("/jobs/export/resume", 409, "it is not paused"),
     ("/jobs/export/cancel", 400, "malformed"),
     ("/jobs/export@3000/cancel?grace=soon", 400, "grace"),
+    # A NUL no name can hold (PostgreSQL's driver raised its own error: a 500), a slot
+    # before 1970 given as a time.
+    ("/jobs/export%00/trigger", 400, "NUL character"),
+    ("/jobs/export%00@1000/retry", 400, "NUL character"),
+    ("/jobs/export%00@3000/cancel", 400, "NUL character"),
+    ("/jobs/export@0001-01-01T00:00:00/cancel", 400, "out of range"),
 ])
 def test_bad_input_gets_a_clear_error_and_changes_nothing(
         backend_and_loop: tuple[Backend, str], path: str, status: int, says: str) -> None:
