@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ._status import parse_run_id
-from ._structures import format_slot
+from ._status import iso, parse_run_id
+from ._structures import ms_to_datetime
 from .abc import Backend
 from .errors import ConfigurationError, OperationRefused
 from .operations import Admin
@@ -60,7 +60,7 @@ def operation_routes(backend: Backend, *, token: str | None) -> list[Route]:
                 if kind == "trigger":
                     slot = await admin.trigger(name)
                     return {"operation": kind, "id": f"{name}@{slot}", "name": name,
-                            "slot": slot, "scheduled_at": format_slot(slot), "by": admin.by}
+                            "slot": slot, "scheduled_at": iso(ms_to_datetime(slot)), "by": admin.by}
                 await (admin.pause if kind == "pause" else admin.resume)(name)
                 return {"operation": kind, "name": name, "paused": kind == "pause",
                         "by": admin.by}

@@ -95,11 +95,15 @@ def _run_json(run: RunInfo) -> dict[str, Any]:
     }
 
 
-async def read_status(backend: Backend, job: str | None = None) -> StoreStatus:
-    """Read the status of every job (or of ``job``) from a started backend."""
+async def read_status(backend: Backend, job: str | Sequence[str] | None = None,
+                      ) -> StoreStatus:
+    """Read the status of every job (or of ``job``, or of the jobs ``job`` lists) from a
+    started backend."""
     now = await backend.now_ms()
-    names = await backend.jobs() if job is None else [job]
-    open_runs = await backend.runs(job, open_only=True, limit=10_000)
+    names = (await backend.jobs() if job is None
+             else [job] if isinstance(job, str) else list(job))
+    one = names[0] if len(names) == 1 else None
+    open_runs = await backend.runs(one, open_only=True, limit=10_000)
     jobs = []
     for name in names:
         recent = await backend.runs(name, limit=_RECENT)

@@ -11,8 +11,9 @@ in one line on stderr, never as a traceback. Exit codes, the same for every subc
   unknown job, a slot with no run, a retry of a completed run, a cancel of a finished one:
   nothing changed);
 - 3: no anarchon store at the URL (``status``, ``history``, ``prune``, ``serve`` and the
-  operations never create one; the first four only read, and work with SELECT-only
-  rights);
+  operations never create one; ``status`` and ``history`` only read, and work with
+  SELECT-only rights; ``prune`` deletes old history; ``serve`` reads, and its operations
+  write as the operations do);
 - 130: interrupted (Ctrl-C); ``serve`` stopped by SIGTERM stops gracefully and exits 143.
 
 ``--url`` defaults to ``$ANARCHON_URL`` for every subcommand, and ``serve``'s ``--token``
@@ -133,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="table name, may be schema.name (default anarchon_runs)")
     history = sub.add_parser("history", help="print the recorded attempts, newest first")
     history.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
-    history.add_argument("--job", default=None, help="only this job (default: every job)")
+    history.add_argument("--job", default=None,
+                     help="only this job, or a workflow's steps (default: every job)")
     history.add_argument("--limit", type=_positive, default=20,
                          help="at most this many attempts (default 20)")
     _namespace_options(history)
@@ -141,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser(
         "status", help="the jobs the store knows, runs in progress, each job's last outcome")
     status.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
-    status.add_argument("--job", default=None, help="only this job (default: every job)")
+    status.add_argument("--job", default=None,
+                     help="only this job, or a workflow's steps (default: every job)")
     _namespace_options(status)
     status.add_argument("--json", action="store_true", help="print a JSON object")
     prune = sub.add_parser(
@@ -149,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     prune.add_argument("--older-than", required=True,
                        help="delete attempts that finished longer ago than this ('30d', '12h')")
-    prune.add_argument("--job", default=None, help="only this job (default: every job)")
+    prune.add_argument("--job", default=None,
+                     help="only this job, or a workflow's steps (default: every job)")
     _namespace_options(prune)
     serve = sub.add_parser(
         "serve", help="serve the status API and page over HTTP (extra 'http'); operations "
@@ -278,8 +282,7 @@ async def _prune(args: argparse.Namespace) -> int:
     backend = _backend(args)
     await backend.start(create=False)
     try:
-        await _check_job(backend, args.job)
-        jobs = [args.job] if args.job else await backend.jobs()
+        jobs = await _jobs_named(backend, args.job) or await backend.jobs()
         total = 0
         for job in jobs:
             deleted = batch = 1000
@@ -438,15 +441,27 @@ def _backend(args: argparse.Namespace) -> Any:
     return backend_from_url(args.url, **options)
 
 
-async def _check_job(backend: Any, job: str | None) -> None:
-    """Refuse a ``--job`` the store has never seen (a typo read as "nothing to show")."""
+async def _jobs_named(backend: Any, job: str | None, *,
+                      strict: bool = True) -> list[str] | None:
+    """The jobs a ``--job`` names: the job itself, or a workflow's step jobs (in step
+    order); ``None`` without ``--job`` (every job). ``strict``: refuses a name the store
+    has never seen (a typo read as "nothing to show"); else that name alone."""
     if job is None:
-        return
+        return None
     known = await backend.jobs()
-    if job not in known and not any(name.startswith(job + "/") for name in known):
+    if job in known:
+        return [job]
+    steps = (await backend.workflows()).get(job, [])
+    named = [name for name in (f"{job}/{step}" for step in steps) if name in known]
+    named += sorted(name for name in known if name.startswith(job + "/")
+                    and name not in named)  # a step no longer declared keeps its history
+    if not named and not strict:
+        return [job]
+    if not named:
         raise ConfigurationError(
             f"the store has never seen job {job!r}; check the name (`anarchon status` "
             "lists them)")
+    return named
 
 
 async def _status(args: argparse.Namespace) -> int:
@@ -455,8 +470,7 @@ async def _status(args: argparse.Namespace) -> int:
     backend = _backend(args)
     await backend.start(create=False)
     try:
-        await _check_job(backend, args.job)
-        status = await read_status(backend, args.job)
+        status = await read_status(backend, await _jobs_named(backend, args.job))
     finally:
         await backend.close()
     if args.json:
@@ -470,7 +484,12 @@ async def _history(args: argparse.Namespace) -> int:
     backend = _backend(args)
     await backend.start(create=False)
     try:
-        attempts = await backend.history(args.job, args.limit)
+        jobs = await _jobs_named(backend, args.job, strict=False)
+        if jobs is None or len(jobs) == 1:
+            attempts = await backend.history(None if jobs is None else jobs[0], args.limit)
+        else:  # a workflow's steps, newest first together
+            attempts = sorted([a for job in jobs for a in await backend.history(job, args.limit)],
+                              key=lambda a: a.claimed_at, reverse=True)[:args.limit]
     finally:
         await backend.close()
     rows: list[dict[str, Any]] = [

@@ -386,3 +386,68 @@ def test_prune_deletes_finished_history_older_than_a_duration(
             anyio.run(drop_tables, pg16_server.admin_dsn, name)
         else:
             delete_prefix(url, name)
+
+
+async def _seed_workflow(url: str, **options: str) -> None:
+    """Workflow 'close' (snapshot, publish): both steps completed at one slot, then
+    snapshot completed and publish running at the next; and a plain job 'nightly'."""
+    backend = backend_from_url(url, **options)
+    await backend.start()
+    try:
+        await backend.register_workflows({"close": ["snapshot", "publish"]})
+        for i, (step, slot, done) in enumerate([
+                ("snapshot", 1_700_000_000_000, True), ("publish", 1_700_000_000_000, True),
+                ("snapshot", 1_700_086_400_000, True), ("publish", 1_700_086_400_000, False),
+                ("nightly", 1_700_000_000_000, True)]):
+            job = step if step == "nightly" else f"close/{step}"
+            request = ClaimRequest(job, slot, "host-a", f"t{i}", 60_000)
+            assert (await backend.claim(request)).status == "won"
+            if done:
+                assert await backend.finish(Lease(job, slot, f"t{i}", 60_000),
+                                            Outcome.COMPLETED)
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("kind", ["postgres", "redis"])
+def test_job_given_a_workflows_name_means_its_steps(
+    capsys: pytest.CaptureFixture[str], kind: str, pg16_server: PgServer,
+    valkey8_server: EmbeddedRedis,
+) -> None:
+    """``--job close`` (a workflow) was accepted, then read or pruned a job 'close' that
+    does not exist: prune said it deleted 0 attempts, status showed an empty row."""
+    name = "cli_" + uuid.uuid4().hex[:8]
+    if kind == "postgres":
+        url, flag, options = pg16_server.dsn, ["--table", name], {"table": name}
+    else:
+        url, flag, options = valkey8_server.url, ["--prefix", name], {"namespace": name}
+    try:
+        anyio.run(lambda: _seed_workflow(url, **options))
+        assert main(["status", "--url", url, *flag, "--job", "close", "--json"]) == 0
+        jobs = {j["name"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+        assert sorted(jobs) == ["close/publish", "close/snapshot"]
+        assert [r["slot"] for r in jobs["close/publish"]["running"]] == [1_700_086_400_000]
+        assert jobs["close/snapshot"]["last"]["status"] == "completed"
+
+        assert main(["history", "--url", url, *flag, "--job", "close", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert sorted(r["job"] for r in rows) == ["close/publish"] * 2 + ["close/snapshot"] * 2
+        claimed = [r["claimed_at"] for r in rows]
+        assert claimed == sorted(claimed, reverse=True)  # newest first, steps together
+
+        assert main(["prune", "--url", url, *flag, "--older-than", "1ms",
+                     "--job", "close"]) == 0
+        assert re.search(r"deleted 3 attempts that finished more than 1ms ago, from 2 jobs$",
+                         capsys.readouterr().out, re.MULTILINE)
+        assert main(["history", "--url", url, *flag, "--json"]) == 0
+        left = sorted((r["job"], r["outcome"]) for r in json.loads(capsys.readouterr().out))
+        assert left == [("close/publish", None), ("nightly", "completed")]
+
+        assert main(["prune", "--url", url, *flag, "--older-than", "1ms",
+                     "--job", "clos"]) == 2
+        assert "never seen job 'clos'" in capsys.readouterr().err
+    finally:
+        if kind == "postgres":
+            anyio.run(drop_tables, pg16_server.admin_dsn, name)
+        else:
+            delete_prefix(url, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
@@ -91,6 +92,10 @@ def test_operations_answer_and_act(backend_and_loop: tuple[Backend, str]) -> Non
         assert triggered.status_code == 200, triggered.text
         slot = triggered.json()["slot"]
         assert triggered.json()["id"] == f"export@{slot}"
+        # the same time format as every other time of the API
+        at = datetime.fromisoformat(triggered.json()["scheduled_at"])
+        assert triggered.json()["scheduled_at"].endswith("+00:00")
+        assert at == datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=slot)
         assert client.post("/jobs/export@1000/retry").status_code == 200
         cancelled = client.post("/jobs/export@3000/cancel?grace=1s")
         assert cancelled.status_code == 200, cancelled.text
