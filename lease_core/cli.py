@@ -356,10 +356,14 @@ def _loopback(host: str) -> bool:
 async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
     import uvicorn
 
-    from .http import create_app
+    from .http import LoopbackHostOnly, create_app
 
     backend = _backend(args)
-    app = create_app(backend, token=token)
+    app: Any = create_app(backend, token=token)
+    if token is None:
+        # Without a token only this machine may read: a page elsewhere that rebinds its
+        # own name to 127.0.0.1 (DNS rebinding) sends its name as Host, and is refused.
+        app = LoopbackHostOnly(app)
     # Started here, so a store that cannot be reached is one line on stderr; the
     # application's lifespan holds it too, and the last close closes it. Read-only: a
     # store that is not there is an error, never created.

@@ -75,7 +75,7 @@ from ._status import (
 from .abc import Backend
 from .errors import AnarchonError, ConfigurationError
 
-__all__ = ["create_app"]
+__all__ = ["LoopbackHostOnly", "create_app"]
 
 #: Most runs per job ``GET /jobs?limit=`` accepts.
 MAX_RUNS = 100
@@ -272,3 +272,37 @@ class _BearerAuth:
                 return scheme.lower() == b"bearer" and hmac.compare_digest(
                     given.strip(), self.token)
         return False
+
+
+#: The Host names of this machine: what a browser sends to a server on 127.0.0.1 it
+#: reached through its own name (a port may follow).
+_LOCAL_HOSTS = (b"127.0.0.1", b"localhost", b"[::1]")
+
+
+class LoopbackHostOnly:
+    """Answers 400 to a request whose ``Host`` is not this machine's (127.0.0.1,
+    localhost, [::1]): ``anarchon serve`` without a token wraps its application in it, so
+    that a page elsewhere whose name was rebound to 127.0.0.1 (DNS rebinding) cannot
+    read the status through the user's browser."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._local(scope):
+            await self.app(scope, receive, send)
+            return
+        response = _error(400, "this server answers only requests to 127.0.0.1 or "
+                               "localhost: it serves without a token")
+        await response(scope, receive, send)
+
+    @staticmethod
+    def _local(scope: Scope) -> bool:
+        host = next((value for name, value in scope["headers"] if name == b"host"), b"")
+        name = host.lower()
+        if not name.startswith(b"["):
+            name = name.partition(b":")[0]
+        else:
+            name = name.partition(b"]")[0] + b"]"
+        return name in _LOCAL_HOSTS
+

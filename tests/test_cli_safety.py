@@ -182,6 +182,15 @@ def test_serve_answers_with_select_only_rights(pg16_server: PgServer, tmp_path: 
             assert [row["name"] for row in overview.json()["rows"]] == ["report"]
             page = httpx2.get(f"{base}/")
             assert page.status_code == 200 and "<html" in page.text.lower()
+            # Served without a token: a page elsewhere whose name was rebound to
+            # 127.0.0.1 (DNS rebinding) sends its own name as Host, and reads nothing.
+            rebound = httpx2.get(f"{base}/overview", headers={"Host": "attacker.example"})
+            assert rebound.status_code == 400 and "report" not in rebound.text
+            assert "127.0.0.1 or localhost" in rebound.json()["error"]
+            local = httpx2.get(f"{base}/overview",
+                               headers={"Host": base.removeprefix("http://").replace(
+                                   "127.0.0.1", "localhost")})
+            assert local.status_code == 200
     finally:
         anyio.run(drop_tables, pg16_server.admin_dsn, table)
         with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:

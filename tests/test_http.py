@@ -378,3 +378,19 @@ def test_mounted_in_fastapi_under_a_prefix() -> None:
         assert [j["name"] for j in jobs] == ["close", "export"]
         log = client.get(f"/status/jobs/close@{SLOT}/recovery-log", headers=headers).json()
         assert log[-1]["event"] == "escalated"
+
+
+@pytest.mark.parametrize(("host", "status"), [
+    ("127.0.0.1:8000", 200), ("localhost", 200), ("LOCALHOST:80", 200), ("[::1]:8000", 200),
+    ("attacker.example", 400), ("127.0.0.1.attacker.example", 400), ("", 400),
+    ("localhost.example:8000", 400), ("[::2]:8000", 400),
+])
+def test_loopback_host_only_refuses_other_names(host: str, status: int) -> None:
+    """What ``anarchon serve`` without a token wraps its application in (DNS rebinding)."""
+    from lease_core.http import LoopbackHostOnly
+
+    with TestClient(LoopbackHostOnly(create_app(MemoryBackend()))) as api:
+        response = api.get("/jobs", headers={"Host": host})
+    assert response.status_code == status, response.text
+    assert status == 200 or "127.0.0.1 or localhost" in response.json()["error"]
+
