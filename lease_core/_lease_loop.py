@@ -1,8 +1,12 @@
-"""The background event loop every :class:`~lease_core.SyncLease` uses (private).
+"""The background event loop every :class:`~lease_core.SyncLease` and
+:class:`~lease_core.SyncScheduler` uses (private).
 
 One loop (a blocking portal) per process, started on first use, so that a backend shared
-by several SyncLeases is used from one loop; at interpreter exit the leases still held
-are released; a forked child forgets the parent's loop and leases.
+by several of them is used from one loop (an async client or pool, and a lock of an
+adapter, belong to the loop they were first used on); at interpreter exit the leases
+still held are released (the SyncSchedulers, which register their own stop at start,
+after this module's import, stop before); a forked child forgets the parent's loop and
+leases.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class _Loop:
     portal: anyio.from_thread.BlockingPortal | None = None
     manager: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
     pid = 0
+    thread: threading.Thread | None = None
+    """The loop's thread (no blocking call may be made from it)."""
 
     #: A forked child's inherited loop objects: their thread is not in the child, so
     #: stopping (or collecting) them would wait forever. Kept, never used.
@@ -43,7 +49,7 @@ class _Loop:
         the parent still holds its leases)."""
         cls.lock = threading.Lock()
         cls.inherited.append((cls.manager, cls.portal))
-        cls.manager = cls.portal = None
+        cls.manager = cls.portal = cls.thread = None
         cls.leases = weakref.WeakSet()
 
     @classmethod
@@ -51,10 +57,17 @@ class _Loop:
         """The running loop's portal, started on first use (and again after a fork)."""
         with cls.lock:
             if cls.portal is None or cls.pid != os.getpid():
-                cls.manager = anyio.from_thread.start_blocking_portal()
+                cls.manager = anyio.from_thread.start_blocking_portal(
+                    "asyncio", name="anarchon-sync")
                 cls.portal = cls.manager.__enter__()
                 cls.pid = os.getpid()
+                cls.thread = cls.portal.call(threading.current_thread)
             return cls.portal
+
+    @classmethod
+    def here(cls) -> bool:
+        """Whether the caller runs on the loop's thread (where blocking on it would hang)."""
+        return cls.thread is not None and threading.current_thread() is cls.thread
 
     leases: weakref.WeakSet[Lease] = weakref.WeakSet()
     """The leases of the SyncLeases that acquired on this loop (released at exit)."""
@@ -68,7 +81,7 @@ class _Loop:
             if cls.pid != os.getpid():
                 return  # a forked child's copy of the parent's loop (see forked)
             manager, portal = cls.manager, cls.portal
-            cls.manager = cls.portal = None
+            cls.manager = cls.portal = cls.thread = None
             if manager is None or portal is None:
                 return
             held = [lease for lease in cls.leases if lease.held]

@@ -438,7 +438,8 @@ class SyncLease:
             export(fence=lease.token)
 
     The lease lives on one background thread with its own event loop, shared by every
-    SyncLease of the process, and is renewed there every ``ttl / 3``. A sync body cannot
+    SyncLease and :class:`~lease_core.SyncScheduler` of the process (so one backend
+    serves them all), and is renewed there every ``ttl / 3``. A sync body cannot
     be cancelled: check :attr:`lost` (a :class:`threading.Event`) between steps; when the
     lease was lost during the body, ``with`` raises
     :class:`~lease_core.errors.LeaseLost` at its end. Options as for :class:`Lease`. A
@@ -456,8 +457,10 @@ class SyncLease:
         self.lost = threading.Event()
         """Set when the current hold is lost (cleared by the next :meth:`acquire`)."""
         self._mirror: Future[None] | None = None
-        self._in_body = False  # within ``with``
+        self._in_body = False  # within ``with`` (or waiting there for the lease)
+        self._entering = threading.Lock()  # one ``with`` at a time
         self._released_in_body = False  # release() called meanwhile (another thread)
+        self._pid: int | None = None  # the process that holds it, acquired and not released
 
     def __repr__(self) -> str:
         return "Sync" + repr(self._lease)
@@ -474,12 +477,33 @@ class SyncLease:
 
     @property
     def held(self) -> bool:
-        """Whether this object holds the lease now (see :attr:`Lease.held`)."""
+        """Whether this object holds the lease now (see :attr:`Lease.held`); never in a
+        forked child of the process that acquired it."""
+        if self._forked():
+            return False
         return self._lease._live(mark=False)  # not on the lease's loop: only looked at
+
+    def _forked(self) -> bool:
+        """Whether this is a forked child of a process that had acquired the lease and
+        not released it: the hold (and the backend's connections) are the parent's."""
+        return self._pid is not None and self._pid != os.getpid()
+
+    def _portal(self, what: str) -> anyio.from_thread.BlockingPortal:
+        if self._forked():
+            raise RuntimeError(
+                f"SyncLease {self.name!r}.{what}(): this process is a fork of the one that "
+                "used it (the parent's hold and connections are not this process's); make "
+                "a SyncLease, and its backend, in the child")
+        if _Loop.here():
+            raise RuntimeError(
+                f"SyncLease {self.name!r}.{what}() would block the event loop it runs on "
+                "(called from an async handler of a SyncScheduler?); in async code use "
+                "Lease")
+        return _Loop.get()
 
     def acquire(self, timeout: Duration | None = None) -> bool:
         """Take the lease, blocking (see :meth:`Lease.acquire`); return whether held."""
-        portal = _Loop.get()
+        portal = self._portal("acquire")
         pending = portal.start_task_soon(self._lease.acquire, timeout)
         try:
             got = pending.result()
@@ -495,6 +519,7 @@ class SyncLease:
                 portal.call(self._lease.release)
             raise
         if got:
+            self._pid = os.getpid()
             _Loop.leases.add(self._lease)
             mirror, self._mirror = self._mirror, None
             if mirror is not None:  # held already: one task watches the current hold
@@ -515,12 +540,15 @@ class SyncLease:
         Called while another thread runs the body of ``with``: :attr:`lost` is set and
         ``with`` raises :class:`~lease_core.errors.LeaseLost` at its end (the body ran on
         without the lease)."""
+        if self._forked():
+            return  # the parent's hold: a forked child never releases it
         if self._in_body and self.held:
             self._released_in_body = True
             self.lost.set()
-        portal = _Loop.get()
+        portal = self._portal("release")
         try:
             portal.call(self._lease.release)
+            self._pid = None
         finally:
             mirror, self._mirror = self._mirror, None
             if mirror is not None:
@@ -528,25 +556,41 @@ class SyncLease:
 
     def __enter__(self) -> SyncLease:
         """Block until the lease is held (:class:`~lease_core.errors.LeaseLost` when a
-        :meth:`release` from another thread made the wait give up)."""
-        if not self.acquire():
-            raise _gave_up(self._lease.name)
-        self._in_body, self._released_in_body = True, False
+        :meth:`release` from another thread made the wait give up). One body at a time:
+        a second ``with`` of the same SyncLease (another thread) raises ``RuntimeError``,
+        as the first holds the lease already; give each thread a SyncLease of its own."""
+        with self._entering:
+            if self._in_body:
+                raise RuntimeError(
+                    f"SyncLease {self.name!r} is already entered by `with` (in another "
+                    "thread?); one SyncLease is one holder: give each thread a SyncLease "
+                    "of its own")
+            self._in_body, self._released_in_body = True, False
+        try:
+            if not self.acquire():
+                raise _gave_up(self._lease.name)
+        except BaseException:
+            self._in_body = False
+            raise
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         """Release the lease; raise :class:`LeaseLost` when it was lost during the body
         (also when the body outlasted the ttl since the last renewal: a process stalled,
-        the store may have given the name away meanwhile)."""
+        the store may have given the name away meanwhile). In a forked child (the body
+        ran on, as with ``sys.exit()`` there): nothing, the hold is the parent's."""
         self._in_body = False
+        if self._forked():
+            return
         hold = self._lease._last
         if hold is not None and not hold.over and time.monotonic() >= hold.alive_until:
             _Loop.get().call(partial(self._lease._live, mark=True))
         lost = self._lease.lost_error
         if lost is None and self._released_in_body:
             lost = LeaseLost(f"lease {self.name!r} (token {self.token}) was released while "
-                             "the body of `with` ran (by another thread)")
+                             "the body of `with` ran (by another thread, or the body "
+                             "itself)")
         if lost is None:
             self.release()
             return

@@ -1,9 +1,9 @@
 """A blocking front end to the scheduler, for sync code (Django, Flask, scripts, workers).
 
 :class:`SyncScheduler` declares jobs on an inner :class:`~lease_core.Scheduler` and runs it
-in a background thread with its own event loop (anyio's blocking portal); every call from
-the caller's thread goes through that portal, so the sync API never duplicates the async
-engine.
+on the process's background event loop (anyio's blocking portal, on a thread of its own),
+which every :class:`~lease_core.SyncLease` uses too; every call from the caller's thread
+goes through that portal, so the sync API never duplicates the async engine.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -24,6 +23,7 @@ from anyio.abc import TaskStatus
 
 from . import events as ev
 from ._durations import Duration, parse_duration
+from ._lease_loop import _Loop
 from ._structures import Attempt
 from .abc import Backend
 from .engine.base import INSIDE as _INSIDE
@@ -41,7 +41,7 @@ _T = TypeVar("_T")
 
 
 class SyncScheduler:
-    """A :class:`~lease_core.Scheduler` for sync code, running in a background thread.
+    """A :class:`~lease_core.Scheduler` for sync code, running on a background thread.
 
     ``SyncScheduler(backend, **options)`` takes the options of :class:`Scheduler`
     (``instance_id``, ``lease``, ``heartbeat``, ``history_size``, ``history_ttl``,
@@ -49,9 +49,11 @@ class SyncScheduler:
     :meth:`cron`, directly or as decorators; handlers may be sync (run in worker
     threads) or async (run on the background thread's event loop).
 
-    :meth:`start` returns once the scheduler runs in a background thread with its own
-    asyncio event loop, and raises the scheduler's start error (store unreachable, bad
-    configuration) in the caller's thread, leaving nothing running. :meth:`stop` blocks
+    :meth:`start` returns once the scheduler runs on the process's background thread and
+    its asyncio event loop (one for every SyncScheduler and :class:`~lease_core.SyncLease`
+    of the process, so one backend serves them all), and raises the scheduler's start
+    error (store unreachable, bad configuration) in the caller's thread, leaving nothing
+    running. :meth:`stop` blocks
     until every run still held is handed over; ``with SyncScheduler(...) as s:`` does both.
     At interpreter exit a running SyncScheduler stops with a hand-over (grace
     ``exit_grace``); a process killed by a signal's default action (SIGTERM without a
@@ -67,7 +69,9 @@ class SyncScheduler:
 
     .. note:: The inner scheduler starts and closes ``backend`` on the background thread's
        event loop, so an async pool or client passed in must not be bound to another loop
-       (a DSN, a URL or a blocking driver object always works); it is never closed.
+       (a DSN, a URL or a blocking driver object always works); it is never closed. The
+       same backend object may serve SyncSchedulers and SyncLeases together (they share
+       the loop), but not an async scheduler of the application's own loop as well.
     """
 
     def __init__(self, backend: Backend, *, exit_grace: Duration = "10s", **options: Any) -> None:
@@ -84,7 +88,6 @@ class SyncScheduler:
         self._lock = threading.RLock()
         self._state = SchedulerState.STOPPED
         self._pid: int | None = None
-        self._portal_cm: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._host: Future[None] | None = None
         self._stop_requested: anyio.Event | None = None
@@ -177,7 +180,7 @@ class SyncScheduler:
             )
 
     def _check_thread(self, what: str) -> None:
-        if threading.current_thread() is self._loop_thread:
+        if threading.current_thread() is self._loop_thread or _Loop.here():
             raise AnarchonError(
                 f"SyncScheduler.{what}() would block the scheduler's own event loop; from an "
                 f"async handler, use 'await sync_scheduler.scheduler.{what}(...)' instead"
@@ -197,17 +200,14 @@ class SyncScheduler:
                     f"SyncScheduler {self.instance_id!r} is already started; call stop() first"
                 )
             self._state = SchedulerState.STARTING
-            cm = anyio.from_thread.start_blocking_portal(
-                "asyncio", name=f"anarchon-{self.instance_id}"
-            )
-            portal = cm.__enter__()
             try:
-                self._host, _ = portal.start_task(self._run_host, name="anarchon-sync-host")
-            except BaseException as exc:
+                portal = _Loop.get()
+                self._host, _ = portal.start_task(
+                    self._run_host, name=f"anarchon-{self.instance_id}")
+            except BaseException:
                 self._state = SchedulerState.STOPPED
-                cm.__exit__(type(exc), exc, exc.__traceback__)
                 raise
-            self._portal_cm, self._portal = cm, portal
+            self._portal = portal
             self._pid = os.getpid()
             self._state = SchedulerState.RUNNING
             atexit.register(self._stop_at_exit)
@@ -248,8 +248,8 @@ class SyncScheduler:
             if self._state is not SchedulerState.RUNNING:
                 return
             self._state = SchedulerState.STOPPING
-            portal, cm, host = self._portal, self._portal_cm, self._host
-            assert portal is not None and cm is not None and host is not None
+            portal, host = self._portal, self._host
+            assert portal is not None and host is not None
             atexit.unregister(self._stop_at_exit)
             error: BaseException | None = None
             try:
@@ -259,11 +259,10 @@ class SyncScheduler:
             except BaseException as exc:
                 error = exc
             finally:
-                self._portal = self._portal_cm = self._host = None
+                self._portal = self._host = None
                 self._stop_requested = self._loop_thread = None
                 self._pid = None
                 self._state = SchedulerState.STOPPED
-                cm.__exit__(None, None, None)
             if error is not None:
                 raise error
 
@@ -313,7 +312,7 @@ class SyncScheduler:
     def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return the recorded attempts, newest first, of ``job`` or of every job.
 
-        Works before :meth:`start` and after :meth:`stop` too (on a short-lived event loop).
+        Works before :meth:`start` and after :meth:`stop` too (on the background loop).
         """
         self._check_process()
         self._check_thread("history")
@@ -325,12 +324,12 @@ class SyncScheduler:
                 if self._portal is portal:
                     raise
                 # stopped meanwhile: read on a short-lived loop
-        return anyio.run(self.scheduler.history, job, limit)
+        return _Loop.get().call(self.scheduler.history, job, limit)
 
     def recovery_log(self, run: str | tuple[str, int | str]) -> list[RecoveryEntry]:
         """Return the recovery log of one run, oldest first: see :meth:`Scheduler.recovery_log`.
 
-        Works before :meth:`start` and after :meth:`stop` too (on a short-lived event loop).
+        Works before :meth:`start` and after :meth:`stop` too (on the background loop).
         """
         self._check_process()
         self._check_thread("recovery_log")
@@ -341,4 +340,4 @@ class SyncScheduler:
             except RuntimeError:
                 if self._portal is portal:
                     raise
-        return anyio.run(self.scheduler.recovery_log, run)
+        return _Loop.get().call(self.scheduler.recovery_log, run)

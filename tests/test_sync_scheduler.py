@@ -33,6 +33,7 @@ from lease_core import (
     RedisBackend,
     RunContext,
     SchedulerState,
+    SyncLease,
     SyncScheduler,
 )
 from lease_core.abc import Backend
@@ -264,6 +265,11 @@ def _threads() -> set[threading.Thread]:
 def test_start_error_surfaces_in_the_caller_and_leaves_nothing_running(
     pg16_server: PgServer,
 ) -> None:
+    # The process's background loop (every SyncScheduler's and SyncLease's) stays for
+    # the process; nothing else may be left.
+    warm = SyncLease(MemoryBackend(), "warm")
+    assert warm.acquire(timeout=0)
+    warm.release()
     before = _threads()
     bad_schema = SyncScheduler(
         PostgresBackend(pg16_server.dsn, table="no_such_schema.runs"), **FAST

@@ -1,0 +1,217 @@
+"""The sync API's objects sharing one process: a backend shared by a SyncScheduler and
+SyncLeases, one SyncLease and several threads, a fork, the interpreter's exit.
+
+Every SyncScheduler and SyncLease of a process runs on one background event loop, so one
+backend object serves them all (an async client, a pool and an adapter's lock belong to
+the loop they were first used on: with a loop each, a blocking connection's lock lost
+wake-ups and hung both, and a Redis client raised "attached to a different loop").
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import pytest
+
+from backends.postgres import PostgresBackend
+from backends.redis import RedisBackend
+from lease_core import MemoryBackend, RunContext, SyncLease, SyncScheduler
+from lease_core.abc import Backend
+from tests.stores.postgres import PgServer, drop_tables, unique_table
+from tests.stores.redis import delete_prefix
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = {"lease": "3s", "heartbeat": "0.1s"}
+
+
+def _pg8000_connection(dsn: str) -> Any:
+    import pg8000.native
+
+    p = urlsplit(dsn)
+    return pg8000.native.Connection(user=p.username or "postgres", password=p.password,
+                                    host=p.hostname or "127.0.0.1", port=p.port or 5432,
+                                    database=p.path[1:])
+
+
+def _lease_cycles(backend: Backend, seconds: float) -> int:
+    """Acquire and release SyncLeases on ``backend`` for ``seconds``, each in a thread of
+    its own that must end within 5 s; return how many cycles were made."""
+    cycles, until = 0, time.monotonic() + seconds
+    while time.monotonic() < until:
+        lease = SyncLease(backend, f"n{cycles % 3}", ttl="2s")
+        failed: list[BaseException] = []
+
+        def cycle(lease: SyncLease = lease, failed: list[BaseException] = failed) -> None:
+            try:
+                if lease.acquire(timeout=0.2):
+                    lease.release()
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=cycle, daemon=True)
+        thread.start()
+        thread.join(5)
+        assert not thread.is_alive(), f"a SyncLease hung after {cycles} cycles"
+        assert not failed, failed
+        cycles += 1
+    return cycles
+
+
+@pytest.mark.parametrize("kind", ["pg8000-connection", "redis-url"])
+def test_one_backend_serves_a_sync_scheduler_and_sync_leases(
+        kind: str, pg16_server: PgServer, valkey8_server: Any) -> None:
+    table, prefix = unique_table(), f"x{uuid.uuid4().hex[:10]}"
+    backend: Backend
+    connection = None
+    if kind == "pg8000-connection":
+        connection = _pg8000_connection(pg16_server.dsn)
+        backend = PostgresBackend(connection, table=table)
+    else:
+        backend = RedisBackend(valkey8_server.url, prefix=prefix)
+    ran: list[int] = []
+    s = SyncScheduler(backend, instance_id="shared", **FAST)
+    for i in range(3):
+        s.every(f"j{i}", "1s", lambda ctx: ran.append(ctx.slot))
+    try:
+        # A lease first, then the scheduler, then leases while it runs.
+        assert _lease_cycles(backend, 0.3) > 0
+        with s:
+            assert _lease_cycles(backend, 3) > 10
+            deadline = time.monotonic() + 10
+            while len(ran) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(ran) >= 3, ran
+            assert s.health().store_reachable
+    finally:
+        if connection is not None:
+            connection.close()
+            anyio.run(drop_tables, pg16_server.admin_dsn, table)
+        else:
+            delete_prefix(valkey8_server.url, prefix)
+
+
+def test_one_sync_lease_has_one_with_body_at_a_time() -> None:
+    """A second ``with`` of the same SyncLease, from another thread, raises: it used to
+    find the lease "held already" and run its body beside the first."""
+    lease = SyncLease(MemoryBackend(), "job", ttl="10s")
+    inside, leave = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        with lease:
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(10)
+    try:
+        with lease:
+            errors.append(AssertionError("a second body ran"))
+    except RuntimeError as exc:
+        errors.append(exc)
+    leave.set()
+    thread.join(10)
+    (error,) = errors
+    assert isinstance(error, RuntimeError) and "already entered by `with`" in str(error)
+    with lease:  # free again
+        assert lease.held
+
+
+def _run(script: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=90, cwd=ROOT, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_a_forked_child_leaving_the_with_body_does_not_release_the_parent_s_lease(
+        valkey8_server: Any) -> None:
+    """The child's ``with`` ends (``sys.exit()`` unwinds it): the hold is the parent's,
+    which keeps it; the child sees it not held, and its own use of it is refused."""
+    prefix = f"x{uuid.uuid4().hex[:10]}"
+    script = """
+import os, sys
+from lease_core import RedisBackend, SyncLease
+url, prefix = os.environ["URL"], os.environ["PREFIX"]
+lease = SyncLease(RedisBackend(url, prefix=prefix), "forked", ttl="10s")
+other = SyncLease(RedisBackend(url, prefix=prefix), "forked", ttl="10s")
+with lease:
+    pid = os.fork()
+    if pid == 0:
+        assert not lease.held
+        lease.release()  # nothing: the parent's hold
+        try:
+            lease.acquire(timeout=0)
+            os._exit(3)
+        except RuntimeError as exc:
+            assert "fork" in str(exc), exc
+        sys.exit(0)  # unwinds the with
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    assert lease.held and not lease.lost.is_set()
+    assert other.acquire(timeout=0) is False
+assert other.acquire(timeout=0) is True
+other.release()
+print("ok")
+"""
+    try:
+        out = _run(script, {"URL": valkey8_server.url, "PREFIX": prefix})
+        assert out.strip() == "ok"
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+
+
+def test_a_handler_s_sync_lease_is_held_until_the_stop_at_exit_ends_its_body() -> None:
+    """The scheduler's stop at exit runs before the SyncLeases' loop ends, even when
+    SyncLease was first imported after the scheduler started (inside the handler)."""
+    script = """
+import sys, threading, time
+from lease_core import MemoryBackend, SyncScheduler
+from lease_core.testing import claim_now_sync
+s = SyncScheduler(MemoryBackend(), instance_id="a", lease="30s", heartbeat="0.2s")
+resource = MemoryBackend()
+inside = threading.Event()
+
+def handler(ctx):
+    from lease_core.lease import SyncLease  # its module imported only now
+    with SyncLease(resource, "resource", ttl="30s") as lease:
+        inside.set()
+        while not ctx.stopping.is_set():
+            time.sleep(0.01)
+        print("stopping, held", lease.held, flush=True)
+        time.sleep(0.2)
+        print("ending, held", lease.held, flush=True)
+
+s.every("h", "1h", handler)
+s.start()
+slot = s.jobs["h"].schedule.previous_at_or_before(int(time.time() * 1000))
+claim_now_sync(s, "h", slot)
+assert inside.wait(10)
+"""
+    out = _run(script)
+    assert out.split("\n")[:2] == ["stopping, held True", "ending, held True"], out
+
+
+def test_history_before_start_works_inside_a_running_event_loop() -> None:
+    """A sync call made from async code (a test, a notebook): it used to run a loop of
+    its own, which anyio refuses inside a running one."""
+    s = SyncScheduler(MemoryBackend(), instance_id="a")
+
+    @s.every("tick", "1h")
+    def tick(ctx: RunContext) -> None:
+        pass
+
+    async def main() -> tuple[int, int]:
+        return len(s.history()), len(s.recovery_log(("tick", 0)))
+
+    assert anyio.run(main) == (0, 0)
