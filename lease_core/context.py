@@ -171,6 +171,9 @@ class RunContext:
         self._transaction_hook: Callable[[bool, float | None], None] | None = None
         self._before_commit: Callable[[RunContext, Any], Awaitable[None]] | None = None
         self.completed_by_transaction = False
+        #: A transaction that completes the run was opened: it may have committed even
+        #: when its answer never came (the handler then saw an error).
+        self._completion_tried = False
 
     def set_result(self, value: Any) -> None:
         """Set a workflow step's result (a JSON value), read later as ``ctx.results[step]``.
@@ -220,6 +223,7 @@ class RunContext:
         if self._transaction_hook is not None:
             self._transaction_hook(True, None)
         renewed: float | None = None
+        self._completion_tried = self._completion_tried or complete
         try:
             async with self._backend.transaction(self._lease, complete=complete) as tx:
                 yield tx

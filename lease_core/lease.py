@@ -479,13 +479,10 @@ class SyncLease:
     def held(self) -> bool:
         """Whether this object holds the lease now (see :attr:`Lease.held`); never in a
         forked child of the process that acquired it."""
-        if self._forked():
-            return False
-        return self._lease._live(mark=False)  # not on the lease's loop: only looked at
+        # not on the lease's loop: only looked at
+        return not self._forked() and self._lease._live(mark=False)
 
-    def _forked(self) -> bool:
-        """Whether this is a forked child of a process that had acquired the lease and
-        not released it: the hold (and the backend's connections) are the parent's."""
+    def _forked(self) -> bool:  # a fork of a process holding it: the hold is the parent's
         return self._pid is not None and self._pid != os.getpid()
 
     def _portal(self, what: str) -> anyio.from_thread.BlockingPortal:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -13,6 +14,7 @@ import pytest
 
 from lease_core import LeaseLost, PostgresBackend, Reason, RunContext, Scheduler
 from lease_core.abc import Lease
+from lease_core.errors import BackendUnavailable
 from lease_core.testing import claim_now
 from tests.helpers import Instance, quiet_offset_now, wait_for
 from tests.stores.postgres import PgServer, drop_tables, unique_table
@@ -152,6 +154,61 @@ async def test_a_step_that_raises_after_its_completing_transaction_stays_complet
     history = {(h.job, h.attempt): h.outcome for h in await s.history()}
     assert history == {("wf/one", 1): "completed", ("wf/two", 1): "completed"}
     assert ev.Failed.__name__ == "Failed"
+
+
+class CommitAnswerLost(PostgresBackend):
+    """A backend whose first completing transaction of ``lost_job`` commits, and then
+    raises as a connection lost while reading the COMMIT's answer would."""
+
+    lost_job, done = "", False
+
+    @asynccontextmanager
+    async def transaction(self, lease: Lease, *, complete: bool = True) -> AsyncIterator[Any]:
+        async with super().transaction(lease, complete=complete) as tx:
+            yield tx
+        if complete and lease.job == self.lost_job and not self.done:
+            self.done = True
+            raise BackendUnavailable("connection lost while reading COMMIT's answer")
+
+
+@pytest.mark.parametrize("retry", [None, 2])
+async def test_a_step_whose_commit_answer_was_lost_goes_on_to_the_next_step(
+    pg16_server: PgServer, table: str, retry: int | None,
+) -> None:
+    """The step's transaction committed (the store has it completed), but the handler saw
+    an error: the store refuses the attempt's failure, and the step is reported completed
+    and its next step claimed, by this lone instance (it used to stall the run)."""
+    backend = CommitAnswerLost(pg16_server.dsn, table=table)
+    backend.lost_job = "wf/one"
+    s = Scheduler(backend, instance_id="a", **FAST)
+    wf = s.workflow("wf", every="1h", offset=quiet_offset_now(), retry=retry)
+    ran: list[str] = []
+
+    @wf.step("one")
+    async def one(ctx: RunContext) -> None:
+        ran.append("one")
+        async with ctx.transaction() as tx:
+            await tx.execute(f"INSERT INTO {table}_fx VALUES (%s, 1, 'a')", (ctx.slot,))
+            ctx.set_result("r1")
+
+    @wf.step("two")
+    async def two(ctx: RunContext) -> None:
+        ran.append(f"two saw {ctx.results['one']}")
+
+    kinds: list[tuple[str, str]] = []
+    s.subscribe(lambda e: kinds.append((type(e).__name__, getattr(e, "job", ""))))
+    async with s:
+        slot = s.workflows["wf"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "wf", slot)
+        await wait_for(lambda: "two saw r1" in ran, timeout=10, what="step two")
+        await wait_for(lambda: ("Completed", "wf/two") in kinds, what="two's event")
+    assert ran == ["one", "two saw r1"]
+    ended = [k for k, job in kinds if job == "wf/one" and k in ("Completed", "Failed",
+                                                                  "Retried", "Lost")]
+    assert ended == ["Completed"], kinds
+    history = {(h.job, h.attempt): h.outcome for h in await s.history()}
+    assert history == {("wf/one", 1): "completed", ("wf/two", 1): "completed"}
 
 
 async def test_batch_transactions_about_as_long_as_the_lease_keep_the_run(

@@ -10,6 +10,7 @@ one ``finish_many`` call), or backs the run up when its lease was lost.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -259,26 +260,53 @@ class Executor:
         # Reported once the store answered: an operator's cancel that ended the run after
         # the handler returned (before its holder's heartbeat could tell) made the store
         # refuse the finish, and the attempt ended cancelled, not as the handler did.
-        if finished is False and await self.cancelled_in_store(lease):
-            self.ended(ev.Cancelled, lease)
+        completed = finished and outcome is Outcome.COMPLETED
+        if finished is False:
+            completed = await self.settle_refused(
+                run, lambda: self._report(run, outcome, error, ran.raised))
         else:
             self._report(run, outcome, error, ran.raised)
         s.runs.release(run)
-        if finished and outcome is Outcome.COMPLETED:
+        if completed:
             await s.steps.completed(job, lease.slot)
 
-    async def cancelled_in_store(self, lease: Lease) -> bool:
-        """Whether the store shows ``lease``'s run cancelled (read after a refused finish
-        or ``retry_later``: an operator's cancel may have ended the run meanwhile)."""
+    async def settle_refused(self, run: Run, report: Callable[[], None]) -> bool:
+        """Report the end of an attempt whose finish (or ``retry_later``) the store
+        refused, as the store has the run: ``Cancelled`` when an operator's cancel ended
+        it meanwhile; ``Completed`` when it is completed (a step's fenced transaction
+        committed, and its answer was lost: the handler saw an error), and then True, for
+        the caller to go on to the next step; else ``report()`` (the lease was lost)."""
+        lease = run.lease
+        assert lease is not None
+        status = await self._status_in_store(lease)
+        if status is RunStatus.CANCELLED:
+            self.ended(ev.Cancelled, lease)
+            return False
+        if status is RunStatus.COMPLETED and self._completed_here(run):
+            logger.warning("%s slot %s: the store has the run completed by this attempt (its "
+                           "transaction committed, and the answer was lost); it stays "
+                           "completed", lease.job, format_slot(lease.slot))
+            self.ended(ev.Completed, lease)
+            return True
+        report()
+        return False
+
+    def _completed_here(self, run: Run) -> bool:
+        """Whether this attempt may have completed the run itself: it opened a
+        transaction that completes it (:meth:`RunContext.transaction`)."""
+        return run.execution is not None and run.execution.ctx._completion_tried
+
+    async def _status_in_store(self, lease: Lease) -> RunStatus | None:
+        """The status of ``lease``'s run in the store (read after a refused finish)."""
         with anyio.move_on_after(10, shield=True):
             try:
                 found = (await self._s.settings.backend.check([(lease.job, lease.slot)])).runs
             except Exception as exc:
                 self._s.clock.failed(f"check of {lease.job} slot {format_slot(lease.slot)}", exc)
-                return False
+                return None
             state = found.get((lease.job, lease.slot))
-            return state is not None and state.status is RunStatus.CANCELLED
-        return False
+            return None if state is None else state.status
+        return None
 
     async def _outlived(self, thread: _Thread, execution: Execution) -> bool:
         """A sync handler timed out, and its run may be retried: the retry waits until its

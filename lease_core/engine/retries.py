@@ -76,13 +76,15 @@ class Retrier:
             s.runs.rewatch(run)
             return None
         if answer < 0:
-            if await s.execution.cancelled_in_store(lease):
-                s.execution.ended(ev.Cancelled, lease)
-            else:
+            def lost() -> None:
                 report()
                 logger.warning("%s slot %s: lease lost before finishing (%s)", job.name,
                                format_slot(lease.slot), outcome)
+
+            completed = await s.execution.settle_refused(run, lost)
             s.runs.release(run)
+            if completed:
+                await s.steps.completed(job, lease.slot)
             return None
         report()
         s.runs.release(run)
