@@ -735,6 +735,42 @@ async def test_a_cancel_after_a_retried_handler_raised_is_reported_cancelled(
     assert await status_of(store.backend(), "w", slot) is RunStatus.CANCELLED
 
 
+async def test_a_cancel_after_a_step_returned_is_reported_cancelled(store: Store) -> None:
+    """As above, for a workflow's step: the store refuses its result, and the attempt is
+    reported Cancelled (it was reported Lost, "lease lost before the result was stored");
+    the next step never runs."""
+    admin = admin_for(store, by="ops")
+    offset = await quiet(store)
+    go, entered = anyio.Event(), anyio.Event()
+    s = Scheduler(store.backend(), instance_id="h", lease="30s", heartbeat="5s")
+    events: list[Any] = []
+    s.subscribe(events.append)
+    close = s.workflow("close", every="1h", offset=offset)
+    later: list[int] = []
+
+    @close.step("snapshot")
+    async def snapshot(ctx: RunContext) -> int:
+        entered.set()
+        await go.wait()
+        return 3
+
+    close.step("interest", lambda ctx: later.append(ctx.slot))
+    async with s:
+        slot = await store_now_ms(store.backend()) - 1000
+        assert await claim_now(s, "close", slot) is not None
+        with anyio.fail_after(10):
+            await entered.wait()
+        await admin.cancel("close", slot, grace="10s")
+        go.set()
+        await wait_for(lambda: [e for e in events if isinstance(e, AttemptEnded)],
+                       what="the attempt's end")
+        assert s.watching == [] and s.running == []
+    ended = [type(e).__name__ for e in events if isinstance(e, AttemptEnded)]
+    assert ended == ["Cancelled"], ended
+    assert later == []
+    assert await status_of(store.backend(), "close/snapshot", slot) is RunStatus.CANCELLED
+
+
 async def test_a_retried_run_counts_its_takeovers_and_retries_anew(store: Store) -> None:
     """max_attempts=2: a takeover, then escalated. Retried by an operator, the run's first
     crash is taken over again (not escalated at once)."""

@@ -137,11 +137,21 @@ class StepCoordinator:
             s.execution.ended(ev.Lost, lease, why="result not stored")
             s.runs.rewatch(run)
             return False
-        if stored is False:
-            s.execution.ended(ev.Lost, lease, why="lease lost before the result was stored")
-            logger.warning("%s slot %s: lease lost before its result was stored",
-                           run.job.name, format_slot(lease.slot))
-            s.runs.rewatch(run)
+        if stored is False:  # refused: an operator's cancel, or the lease was lost
+            lost: list[bool] = []
+
+            def report() -> None:
+                lost.append(True)
+                s.execution.ended(ev.Lost, lease, why="lease lost before the result was "
+                                  "stored")
+                logger.warning("%s slot %s: lease lost before its result was stored",
+                               run.job.name, format_slot(lease.slot))
+
+            await s.execution.settle_refused(run, report)
+            if lost:
+                s.runs.rewatch(run)
+            else:
+                s.runs.release(run)
             return False
         return True
 
