@@ -276,7 +276,7 @@ class Admin:
             while True:
                 after: str | None = None  # the step a workflow's run is between steps at
                 if slot is None:
-                    job = await self._first_step(name)
+                    job = await self._first_step(name, kind)
                 else:
                     job, after = await self._step_of(name, slot, kind)
                 result = await self._refusal_read(kind, job, slot) or OperationResult()
@@ -331,12 +331,23 @@ class Admin:
             return OperationResult("conflict", slot, state.status)
         return None
 
-    async def _first_step(self, name: str) -> str:
+    async def _first_step(self, name: str, kind: OperationKind) -> str:
         """The job a job operation acts on: ``name`` itself, or for a workflow its first
         step (a trigger starts the workflow there; a pause skips its new slots there, and
-        a run in progress goes on through its later steps)."""
-        steps = (await self.backend.workflows()).get(name)
-        return step_job(name, steps[0]) if steps else name
+        a run in progress goes on through its later steps). A later step's own job is
+        refused for a trigger or a pause: its run would start without the steps before
+        it, or each run of the workflow would stop half applied there (skipped)."""
+        workflows = await self.backend.workflows()
+        steps = workflows.get(name)
+        if steps:
+            return step_job(name, steps[0])
+        workflow, _, step = name.rpartition("/")
+        later = workflows.get(workflow, [])[1:]
+        if step in later and kind in (OperationKind.TRIGGER, OperationKind.PAUSE):
+            raise ConfigurationError(
+                f"job {name!r} is step {step!r} of workflow {workflow!r}, not its first: "
+                f"{kind.value} the workflow itself ({workflow!r})")
+        return name
 
     async def _step_of(self, name: str, slot: int,
                        kind: OperationKind) -> tuple[str, str | None]:

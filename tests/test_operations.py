@@ -19,6 +19,7 @@ from lease_core import (
     Admin,
     AttemptEnded,
     Cancelled,
+    ConfigurationError,
     OperationRefused,
     Retried,
     Retry,
@@ -545,6 +546,29 @@ async def test_pause_of_a_workflow_by_its_name_skips_its_slots_until_resume(
                        what="a whole workflow run after resume")
         await stop_all([instance])
     assert not {a.slot for a in skipped} & set(ran)
+
+
+async def test_a_trigger_or_pause_of_a_later_step_s_own_job_is_refused(store: Store) -> None:
+    """A later step's job, paused, stopped each run of its workflow half applied (the
+    step recorded skipped, beyond a retry's reach); triggered, it ran without the steps
+    before it. Both are refused, naming the workflow; the first step's job is the
+    workflow's own (as its name is), and a resume is allowed."""
+    admin = admin_for(store, by="ops")
+    backend = store.backend()
+    await backend.start()
+    try:
+        await backend.register_workflows({"close": ["snapshot", "interest"]})
+        await backend.register_jobs(["close/snapshot", "close/interest"])
+    finally:
+        await backend.close()
+    for act in (admin.trigger, admin.pause):
+        with pytest.raises(ConfigurationError, match="step 'interest' of workflow 'close'"):
+            await act("close/interest")
+    assert await admin.paused() == {}
+    with pytest.raises(OperationRefused, match="not paused"):
+        await admin.resume("close/interest")
+    await admin.pause("close/snapshot")
+    assert await admin.paused() == {"close": "ops"}
 
 
 async def test_a_cancel_of_a_run_nobody_holds_is_recorded_as_an_attempt(

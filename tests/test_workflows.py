@@ -823,6 +823,12 @@ def test_bad_declarations_are_configuration_errors() -> None:
     with pytest.raises(ConfigurationError, match="shorter than 3 heartbeats"):
         w.step("two", lambda ctx: None, lease="0.3s")
     assert w.steps == ["one"]
+    # A job and a workflow of one name: operations and the status would reach only one.
+    with pytest.raises(ConfigurationError, match="a workflow of that name is declared"):
+        s.every("w", "1h", lambda ctx: None)
+    s.every("j", "1h", lambda ctx: None)
+    with pytest.raises(ConfigurationError, match="a job of that name is declared"):
+        s.workflow("j", every="1h", offset=quiet_offset_now())
     s.workflow("empty", every="1h", offset=quiet_offset_now())
     with pytest.raises(ConfigurationError, match="'empty' has no steps"):
         anyio.run(s.start)

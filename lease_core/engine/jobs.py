@@ -115,6 +115,10 @@ class JobRegistry:
             )
         if name in self.jobs:
             raise ConfigurationError(f"job {name!r} is already declared; job names must be unique")
+        if name in self.workflows:
+            raise ConfigurationError(
+                f"job {name!r}: a workflow of that name is declared; operations, the status "
+                "and the recovery log name both alike, so give the job another name")
         if not self._is_open():
             raise ConfigurationError(f"job {name!r} declared after start(); declare jobs first")
         if overlap not in _OVERLAP:
@@ -162,6 +166,10 @@ class JobRegistry:
         if name in self.workflows or any(j.startswith(name + "/") for j in self.jobs):
             raise ConfigurationError(f"workflow {name!r} is already declared; "
                                      "workflow names must be unique")
+        if name in self.jobs:
+            raise ConfigurationError(
+                f"workflow {name!r}: a job of that name is declared; operations, the status "
+                "and the recovery log name both alike, so give the workflow another name")
         if (every is None) == (cron is None):
             raise ConfigurationError(
                 f"workflow {name!r}: give exactly one of every=... (an interval) or "
