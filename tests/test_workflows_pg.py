@@ -211,6 +211,37 @@ async def test_a_step_whose_commit_answer_was_lost_goes_on_to_the_next_step(
     assert history == {("wf/one", 1): "completed", ("wf/two", 1): "completed"}
 
 
+async def test_a_value_returned_after_the_completing_transaction_is_reported_not_stored(
+    pg16_server: PgServer, table: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The result commits with the transaction: a value returned after it cannot be the
+    step's result; the next step reads the one set inside, and a warning says so (it was
+    dropped without a word)."""
+    s = Scheduler(PostgresBackend(pg16_server.dsn, table=table), instance_id="a", **FAST)
+    wf = s.workflow("wf", every="1h", offset=quiet_offset_now())
+    seen: list[Any] = []
+
+    @wf.step("one")
+    async def one(ctx: RunContext) -> dict[str, int]:
+        async with ctx.transaction() as tx:
+            await tx.execute(f"INSERT INTO {table}_fx VALUES (%s, 1, 'a')", (ctx.slot,))
+        return {"credited": 3}
+
+    @wf.step("two")
+    async def two(ctx: RunContext) -> None:
+        seen.append(ctx.results)
+
+    with caplog.at_level(logging.WARNING, logger="anarchon"):
+        async with s:
+            slot = s.workflows["wf"].schedule.previous_at_or_before(s.store_now_ms())
+            assert slot is not None
+            await claim_now(s, "wf", slot)
+            await wait_for(lambda: seen, what="step two")
+    assert seen == [{"one": None}]
+    assert any("returned {'credited': 3} after its transaction completed it" in r.message
+               and "ctx.set_result()" in r.message for r in caplog.records), caplog.text
+
+
 async def test_batch_transactions_about_as_long_as_the_lease_keep_the_run(
     pg16_server: PgServer, table: str,
 ) -> None:

@@ -216,6 +216,15 @@ class Executor:
                            "it stays completed", job.name, format_slot(lease.slot),
                            error or outcome)
             outcome, error, ran.raised = Outcome.COMPLETED, None, None
+        elif (execution.ctx.completed_by_transaction and job.workflow is not None
+              and ran.value is not None and ran.value != execution.ctx.result):
+            # Its result committed with the transaction: what the handler returns after it
+            # cannot be stored (the step is completed), and the next step reads the other.
+            logger.warning("%s slot %s: the step returned %r after its transaction "
+                           "completed it; that value is not its result (%r, set inside "
+                           "the transaction): call ctx.set_result() inside `async with "
+                           "ctx.transaction()`", job.name, format_slot(lease.slot),
+                           ran.value, execution.ctx.result)
         if outcome is Outcome.CANCELLED:  # the store ended the run already (Admin.cancel)
             self.ended(ev.Cancelled, lease)
             s.runs.release(run)
