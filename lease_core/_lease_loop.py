@@ -56,7 +56,9 @@ class _Loop:
     def get(cls) -> anyio.from_thread.BlockingPortal:
         """The running loop's portal, started on first use (and again after a fork)."""
         with cls.lock:
-            if cls.portal is None or cls.pid != os.getpid():
+            if (cls.portal is None or cls.pid != os.getpid()
+                    or (cls.thread is not None and not cls.thread.is_alive())):
+                # none yet, a fork's (see forked), or one that ended (a bug in a task)
                 cls.manager = anyio.from_thread.start_blocking_portal(
                     "asyncio", name="anarchon-sync")
                 cls.portal = cls.manager.__enter__()

@@ -363,7 +363,7 @@ async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
     if token is None:
         # Without a token only this machine may read: a page elsewhere that rebinds its
         # own name to 127.0.0.1 (DNS rebinding) sends its name as Host, and is refused.
-        app = LoopbackHostOnly(app)
+        app = LoopbackHostOnly(app, hosts=[args.host])
     # Started here, so a store that cannot be reached is one line on stderr; the
     # application's lifespan holds it too, and the last close closes it. Read-only: a
     # store that is not there is an error, never created.
@@ -455,10 +455,13 @@ async def _jobs_named(backend: Any, job: str | None, *,
     known = await backend.jobs()
     if job in known:
         return [job]
-    steps = (await backend.workflows()).get(job, [])
-    named = [name for name in (f"{job}/{step}" for step in steps) if name in known]
-    named += sorted(name for name in known if name.startswith(job + "/")
-                    and name not in named)  # a step no longer declared keeps its history
+    workflows = await backend.workflows()
+    named: list[str] = []
+    if job in workflows:
+        named = [name for name in (f"{job}/{step}" for step in workflows[job])
+                 if name in known]
+        named += sorted(name for name in known if name.startswith(job + "/")
+                        and name not in named)  # a step no longer declared: its history
     if not named and not strict:
         return [job]
     if not named:

@@ -47,7 +47,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-from collections.abc import AsyncIterator
+import ipaddress
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib import resources
 from string import Template
@@ -285,8 +286,11 @@ class LoopbackHostOnly:
     that a page elsewhere whose name was rebound to 127.0.0.1 (DNS rebinding) cannot
     read the status through the user's browser."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, hosts: Sequence[str] = ()) -> None:
+        """``hosts``: more names or addresses of this machine to answer (the loopback
+        address the server listens on, such as ``127.0.0.2``)."""
         self.app = app
+        self.hosts = {*_LOCAL_HOSTS, *(_host_name(h) for h in hosts)}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self._local(scope):
@@ -296,13 +300,21 @@ class LoopbackHostOnly:
                                "localhost: it serves without a token")
         await response(scope, receive, send)
 
-    @staticmethod
-    def _local(scope: Scope) -> bool:
+    def _local(self, scope: Scope) -> bool:
         host = next((value for name, value in scope["headers"] if name == b"host"), b"")
-        name = host.lower()
-        if not name.startswith(b"["):
-            name = name.partition(b":")[0]
-        else:
-            name = name.partition(b"]")[0] + b"]"
-        return name in _LOCAL_HOSTS
+        text = host.decode("latin-1")
+        name = (text.partition("]")[0] + "]" if text.startswith("[")
+                else text.partition(":")[0])
+        return _host_name(name) in self.hosts
+
+
+def _host_name(host: str) -> bytes:
+    """``host`` as a ``Host`` header names it, without a port (an IPv6 address in [])."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host.lower().encode()
+    if address.version == 6:
+        return f"[{address.compressed}]".encode()
+    return str(address).encode()
 

@@ -67,6 +67,10 @@ class SyncScheduler:
        is fine. Using a scheduler started before a fork in the forked child raises
        :class:`AnarchonError` instead of hanging.
 
+    An async handler runs on the loop every SyncScheduler and SyncLease of the process
+    shares: one that blocks (``time.sleep``, a blocking driver's call) stalls them all,
+    their renewals too. Make such a handler sync (it then runs in a worker thread).
+
     .. note:: The inner scheduler starts and closes ``backend`` on the background thread's
        event loop, so an async pool or client passed in must not be bound to another loop
        (a DSN, a URL or a blocking driver object always works); it is never closed. The
@@ -144,7 +148,7 @@ class SyncScheduler:
         Read without the lifecycle lock, which :meth:`stop` holds for its whole grace: a
         handler reading the history while its scheduler stops must not wait for the
         stop, which waits for the handler. A portal whose loop ended meanwhile raises
-        ``RuntimeError``, and its callers then read on a short-lived loop."""
+        ``RuntimeError``, and its callers then read on the background loop anew."""
         portal = self._portal
         running = self._state in (SchedulerState.RUNNING, SchedulerState.STOPPING)
         return portal if running else None
@@ -182,12 +186,12 @@ class SyncScheduler:
     def _check_thread(self, what: str) -> None:
         if threading.current_thread() is self._loop_thread or _Loop.here():
             raise AnarchonError(
-                f"SyncScheduler.{what}() would block the scheduler's own event loop; from an "
+                f"SyncScheduler.{what}() would block the event loop it runs on; from an "
                 f"async handler, use 'await sync_scheduler.scheduler.{what}(...)' instead"
             )
 
     def start(self) -> None:
-        """Start the scheduler in a background thread; return once it runs.
+        """Start the scheduler on the background loop; return once it runs.
 
         Raises the scheduler's start error (e.g. :class:`BackendUnavailable`,
         :class:`ConfigurationError`) here, with nothing left running, and
@@ -216,10 +220,22 @@ class SyncScheduler:
         # start() and stop() of the async scheduler run in this one task.
         stop_requested = self._stop_requested = anyio.Event()
         self._loop_thread = threading.current_thread()
-        async with self.scheduler:
-            task_status.started()
-            await stop_requested.wait()
-            await self.scheduler.stop(self._grace)
+        try:
+            async with self.scheduler:
+                task_status.started()
+                await stop_requested.wait()
+                await self.scheduler.stop(self._grace)
+        except Exception:
+            raise
+        except BaseException as exc:
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                raise
+            # SystemExit or KeyboardInterrupt raised by a handler or a subscriber: raised
+            # as it is, it would end the loop every SyncScheduler and SyncLease of the
+            # process shares. It ends this scheduler only; stop() raises it.
+            raise AnarchonError(
+                f"SyncScheduler {self.instance_id!r} ended: {exc!r} was raised in it "
+                "(by a handler or a subscriber?)") from exc
 
     def _request_stop(self, grace: float) -> None:
         self._grace = grace
@@ -229,11 +245,12 @@ class SyncScheduler:
     def stop(self, grace: Duration = "10s") -> None:
         """Stop claiming, let handlers finish for ``grace``, hand over the rest; block.
 
-        Returns once every run still held is handed over and the background thread has
-        ended. A no-op when not started, so it may be called more than once. Called by one
-        of the scheduler's own sync handlers, it only requests the stop and returns (the
-        handler's run can then complete); a later ``stop()`` from outside, or the
-        interpreter's exit, waits for the thread.
+        Returns once every run still held is handed over and the scheduler has ended on
+        the background loop (which goes on for the process's other SyncSchedulers and
+        SyncLeases). A no-op when not started, so it may be called more than once. Called
+        by one of the scheduler's own sync handlers, it only requests the stop and returns
+        (the handler's run can then complete); a later ``stop()`` from outside, or the
+        interpreter's exit, waits for the scheduler.
         """
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
         self._check_process()
@@ -323,7 +340,7 @@ class SyncScheduler:
             except RuntimeError:
                 if self._portal is portal:
                     raise
-                # stopped meanwhile: read on a short-lived loop
+                # stopped meanwhile: read on the background loop anew
         return _Loop.get().call(self.scheduler.history, job, limit)
 
     def recovery_log(self, run: str | tuple[str, int | str]) -> list[RecoveryEntry]:

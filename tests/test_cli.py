@@ -409,6 +409,20 @@ async def _seed_workflow(url: str, **options: str) -> None:
         await backend.close()
 
 
+async def _seed_plain(url: str, jobs: list[str], **options: str) -> None:
+    """One completed run of each of ``jobs``."""
+    backend = backend_from_url(url, **options)
+    await backend.start()
+    try:
+        for job in jobs:
+            request = ClaimRequest(job, 1_700_000_000_000, "host-a", f"t-{job}", 60_000)
+            assert (await backend.claim(request)).status == "won"
+            assert await backend.finish(Lease(job, request.slot, request.token, 60_000),
+                                        Outcome.COMPLETED)
+    finally:
+        await backend.close()
+
+
 @pytest.mark.parametrize("kind", ["postgres", "redis"])
 def test_job_given_a_workflows_name_means_its_steps(
     capsys: pytest.CaptureFixture[str], kind: str, pg16_server: PgServer,
@@ -446,6 +460,14 @@ def test_job_given_a_workflows_name_means_its_steps(
         assert main(["prune", "--url", url, *flag, "--older-than", "1ms",
                      "--job", "clos"]) == 2
         assert "never seen job 'clos'" in capsys.readouterr().err
+        # A prefix of plain jobs is no workflow: refused, their history kept.
+        anyio.run(lambda: _seed_plain(url, ["reports/daily", "reports/weekly"], **options))
+        assert main(["prune", "--url", url, *flag, "--older-than", "1ms",
+                     "--job", "reports"]) == 2
+        assert "never seen job 'reports'" in capsys.readouterr().err
+        assert main(["history", "--url", url, *flag, "--job", "reports/daily",
+                     "--json"]) == 0
+        assert len(json.loads(capsys.readouterr().out)) == 1
     finally:
         if kind == "postgres":
             anyio.run(drop_tables, pg16_server.admin_dsn, name)

@@ -384,12 +384,15 @@ def test_mounted_in_fastapi_under_a_prefix() -> None:
     ("127.0.0.1:8000", 200), ("localhost", 200), ("LOCALHOST:80", 200), ("[::1]:8000", 200),
     ("attacker.example", 400), ("127.0.0.1.attacker.example", 400), ("", 400),
     ("localhost.example:8000", 400), ("[::2]:8000", 400),
+    ("[0:0:0:0:0:0:0:1]:8000", 200), ("127.0.0.2:8000", 200), ("127.0.0.3", 400),
 ])
 def test_loopback_host_only_refuses_other_names(host: str, status: int) -> None:
-    """What ``anarchon serve`` without a token wraps its application in (DNS rebinding)."""
+    """What ``anarchon serve`` without a token wraps its application in (DNS rebinding);
+    the address it listens on (``--host 127.0.0.2``) is answered too."""
     from lease_core.http import LoopbackHostOnly
 
-    with TestClient(LoopbackHostOnly(create_app(MemoryBackend()))) as api:
+    app = LoopbackHostOnly(create_app(MemoryBackend()), hosts=["127.0.0.2"])
+    with TestClient(app) as api:
         response = api.get("/jobs", headers={"Host": host})
     assert response.status_code == status, response.text
     assert status == 200 or "127.0.0.1 or localhost" in response.json()["error"]

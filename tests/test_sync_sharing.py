@@ -215,3 +215,39 @@ def test_history_before_start_works_inside_a_running_event_loop() -> None:
         return len(s.history()), len(s.recovery_log(("tick", 0)))
 
     assert anyio.run(main) == (0, 0)
+
+
+@pytest.mark.parametrize("exit_with", ["sync SystemExit", "sync KeyboardInterrupt",
+                                       "async SystemExit"])
+def test_a_handler_that_exits_fails_its_run_and_ends_nothing_else(exit_with: str) -> None:
+    """``sys.exit()`` in a handler used to end the event loop it reached: now shared,
+    that would have ended every SyncScheduler and SyncLease of the process. The run
+    fails; the other scheduler, the SyncLeases and the exiting one go on."""
+    kind, error = exit_with.split()
+    raised: type[BaseException] = SystemExit if error == "SystemExit" else KeyboardInterrupt
+    a = SyncScheduler(MemoryBackend(), instance_id="a", **FAST)
+    b = SyncScheduler(MemoryBackend(), instance_id="b", **FAST)
+    ticks: list[int] = []
+
+    if kind == "sync":
+        @a.every("boom", "1s")
+        def boom(ctx: RunContext) -> None:
+            raise raised(3)
+    else:
+        @a.every("boom", "1s")
+        async def boom_async(ctx: RunContext) -> None:
+            raise raised(3)
+
+    b.every("tick", "1s", lambda ctx: ticks.append(ctx.slot))
+    with b, a:
+        deadline = time.monotonic() + 10
+        failed: list[Any] = []
+        while time.monotonic() < deadline and not (failed and len(ticks) >= 3):
+            failed = [h for h in a.history("boom") if h.outcome == "failed"]
+            time.sleep(0.1)
+        assert failed and f"the handler raised {error}(3)" in (failed[0].error or ""), failed
+        assert len(ticks) >= 3, ticks
+        assert a.started and b.started
+        lease = SyncLease(MemoryBackend(), "after", ttl="2s")
+        assert lease.acquire(timeout=0)
+        lease.release()

@@ -826,6 +826,8 @@ def test_bad_declarations_are_configuration_errors() -> None:
     # A job and a workflow of one name: operations and the status would reach only one.
     with pytest.raises(ConfigurationError, match="a workflow of that name is declared"):
         s.every("w", "1h", lambda ctx: None)
+    with pytest.raises(ConfigurationError, match="a workflow of that name is declared"):
+        s.every("w/extra", "1h", lambda ctx: None)  # named as its steps' jobs are
     s.every("j", "1h", lambda ctx: None)
     with pytest.raises(ConfigurationError, match="a job of that name is declared"):
         s.workflow("j", every="1h", offset=quiet_offset_now())
@@ -929,3 +931,48 @@ async def test_a_step_whose_previous_result_was_trimmed_fails_saying_so() -> Non
     assert retry.outcome == "failed" and retry.error is not None
     assert "'snapshot'" in retry.error and "no longer in the store" in retry.error
     assert all(r == {"snapshot": {"positions": [1, 2, 3]}} for _, _, r in seen), seen
+
+
+async def test_a_refused_step_completed_by_another_attempt_is_not_reported_completed() -> None:
+    """The attempt opened a completing transaction, which failed; frozen past its lease,
+    its run was taken over and completed by a backup. The store refuses its end: it lost
+    the run (it was reported Completed, and went on to claim the next step)."""
+    import uuid
+
+    from lease_core import MemoryBackend
+
+    now = [time.time()]
+    backend = MemoryBackend(clock=lambda: now[0])
+    s = Scheduler(backend, instance_id="a", lease="30s", heartbeat="5s")
+    wf = s.workflow("wf", every="1h", offset=quiet_offset_now())
+    ran: list[str] = []
+
+    @wf.step("one")
+    async def one(ctx: RunContext) -> None:
+        with pytest.raises(ConfigurationError):  # no fenced transactions on this store
+            async with ctx.transaction():
+                pass
+        now[0] += 120  # frozen past its lease: a backup takes the run over, completes it
+        token = uuid.uuid4().hex
+        (won,) = await backend.claim_many([ClaimRequest("wf/one", ctx.slot, "b", token,
+                                                        30_000)])
+        assert (won.status, won.attempt) == ("won", 2)
+        assert await backend.finish(Lease("wf/one", ctx.slot, token, 30_000),
+                                    Outcome.COMPLETED)
+        ran.append("one")
+
+    @wf.step("two")
+    async def two(ctx: RunContext) -> None:
+        ran.append("two by a")
+
+    events: list[tuple[str, str, int]] = []
+    s.subscribe(lambda e: events.append((type(e).__name__, getattr(e, "job", ""),
+                                         getattr(e, "attempt", 0))))
+    async with s:
+        slot = s.workflows["wf"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "wf", slot)
+        await wait_for(lambda: any(k == "Lost" for k, _, _ in events), what="its end")
+    assert ran == ["one"]
+    assert [(k, a) for k, job, a in events if job == "wf/one" and k != "Claimed"] == [
+        ("Lost", 1)]

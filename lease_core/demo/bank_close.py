@@ -386,12 +386,13 @@ def _checks(url: str, t: dict[str, str],
 async def _serve(backend: Backend, out: Any, servers: list[Any], *, task_status: Any) -> None:
     import uvicorn
 
-    from lease_core.http import create_app
+    from lease_core.http import LoopbackHostOnly, create_app
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port,
+    app = LoopbackHostOnly(create_app(backend))  # no token: this machine only
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            access_log=False, log_level="warning"))
     servers.append(server)
     async with anyio.create_task_group() as tg:

@@ -20,7 +20,16 @@ import anyio.to_thread
 from .. import events as ev
 from .._batch import Abandoned, FinishBatcher
 from .._outcome import Interruption, decide_outcome
-from .._structures import ClaimResult, Lease, Outcome, Reason, RunStatus, fence_of, format_slot
+from .._structures import (
+    ClaimResult,
+    Lease,
+    Outcome,
+    Reason,
+    RunState,
+    RunStatus,
+    fence_of,
+    format_slot,
+)
 from ..context import RunContext
 from ..errors import ConfigurationError
 from .base import INSIDE, logger
@@ -58,8 +67,18 @@ class _Thread:
         self.state = 1
         try:
             return handler(ctx)
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # In a thread these end the thread only; carried to the event loop they would
+            # end it (with every scheduler and lease on it): the run fails instead.
+            raise _exited(exc) from exc
         finally:
             self.state = 2
+
+
+def _exited(exc: BaseException) -> RuntimeError:
+    """The failure a handler's ``sys.exit()`` (or a raised ``KeyboardInterrupt``) is."""
+    return RuntimeError(f"the handler raised {exc!r}, which fails its run (a handler "
+                        "cannot exit the process; raise an exception)")
 
 
 class Executor:
@@ -287,11 +306,13 @@ class Executor:
         the caller to go on to the next step; else ``report()`` (the lease was lost)."""
         lease = run.lease
         assert lease is not None
-        status = await self._status_in_store(lease)
+        state = await self._state_in_store(lease)
+        status = None if state is None else state.status
         if status is RunStatus.CANCELLED:
             self.ended(ev.Cancelled, lease)
             return False
-        if status is RunStatus.COMPLETED and self._completed_here(run):
+        if (state is not None and status is RunStatus.COMPLETED
+                and self._completed_here(run, state.attempt)):
             logger.warning("%s slot %s: the store has the run completed by this attempt (its "
                            "transaction committed, and the answer was lost); it stays "
                            "completed", lease.job, format_slot(lease.slot))
@@ -300,21 +321,23 @@ class Executor:
         report()
         return False
 
-    def _completed_here(self, run: Run) -> bool:
-        """Whether this attempt may have completed the run itself: it opened a
-        transaction that completes it (:meth:`RunContext.transaction`)."""
-        return run.execution is not None and run.execution.ctx._completion_tried
+    def _completed_here(self, run: Run, attempt: int) -> bool:
+        """Whether this attempt completed the run itself: the store's completed attempt is
+        this one, and it opened a transaction that completes it
+        (:meth:`RunContext.transaction`)."""
+        execution = run.execution
+        return (execution is not None and execution.ctx._completion_tried
+                and execution.ctx.attempt == attempt)
 
-    async def _status_in_store(self, lease: Lease) -> RunStatus | None:
-        """The status of ``lease``'s run in the store (read after a refused finish)."""
+    async def _state_in_store(self, lease: Lease) -> RunState | None:
+        """``lease``'s run as the store has it (read after a refused finish)."""
         with anyio.move_on_after(10, shield=True):
             try:
                 found = (await self._s.settings.backend.check([(lease.job, lease.slot)])).runs
             except Exception as exc:
                 self._s.clock.failed(f"check of {lease.job} slot {format_slot(lease.slot)}", exc)
                 return None
-            state = found.get((lease.job, lease.slot))
-            return None if state is None else state.status
+            return found.get((lease.job, lease.slot))
         return None
 
     async def _outlived(self, thread: _Thread, execution: Execution) -> bool:
@@ -362,6 +385,9 @@ class Executor:
                     ran.timed_out = timeout_scope.cancelled_caught
             except Exception as exc:
                 ran.raised = exc
+            except SystemExit as exc:  # it would end the event loop, and every task on it
+                ran.raised = _exited(exc)
+                ran.raised.__cause__ = exc
         if execution.scope.cancelled_caught:
             ran.interrupted = execution.cancel_reason or Interruption.DEADLINE
         return ran

@@ -115,10 +115,11 @@ class JobRegistry:
             )
         if name in self.jobs:
             raise ConfigurationError(f"job {name!r} is already declared; job names must be unique")
-        if name in self.workflows:
+        if name in self.workflows or name.rpartition("/")[0] in self.workflows:
             raise ConfigurationError(
-                f"job {name!r}: a workflow of that name is declared; operations, the status "
-                "and the recovery log name both alike, so give the job another name")
+                f"job {name!r}: a workflow of that name is declared (or its steps' jobs "
+                "are named so); operations, the status and the recovery log would name "
+                "both alike, so give the job another name")
         if not self._is_open():
             raise ConfigurationError(f"job {name!r} declared after start(); declare jobs first")
         if overlap not in _OVERLAP:

@@ -147,11 +147,13 @@ class StepCoordinator:
                 logger.warning("%s slot %s: lease lost before its result was stored",
                                run.job.name, format_slot(lease.slot))
 
-            await s.execution.settle_refused(run, report)
+            completed = await s.execution.settle_refused(run, report)
             if lost:
                 s.runs.rewatch(run)
             else:
                 s.runs.release(run)
+            if completed:  # its transaction committed (the handler caught the lost answer)
+                await self.completed(run.job, lease.slot)
             return False
         return True
 
