@@ -249,3 +249,63 @@ async def test_unsubscribing_while_running_releases_the_subscriber() -> None:
             unsubscribe()
         await wait_for(lambda: not open_event_streams(s) and not subscriber_count(s),
                        what="every unsubscribed receiver released")
+
+
+class FinishUnanswered(MemoryBackend):
+    """A store whose first finish gets no answer (it raises as a dropped connection)."""
+
+    unanswered = 1
+
+    async def finish_many(self, *args: Any, **kwargs: Any) -> Any:
+        if self.unanswered:
+            self.unanswered -= 1
+            raise BackendUnavailable("finish unanswered (test)")
+        return await super().finish_many(*args, **kwargs)
+
+
+async def test_an_attempt_whose_finish_is_unanswered_still_reports_its_end() -> None:
+    """Its run was backed up before its end was reported, and the report found no
+    attempt: Claimed was never followed by an end (and a lease gauge stayed up)."""
+    recorder = Recorder()
+    s = Scheduler(FinishUnanswered(), instance_id="a", **FAST)
+    s.subscribe(recorder)
+    s.every("j", "1h", lambda ctx: None, offset=quiet_offset_now())
+    async with s:
+        slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "j", slot)
+        await wait_for(lambda: sum(isinstance(e, Completed) for e in recorder.events) == 2,
+                       what="the attempt's end, then the takeover's")
+    ends = [(type(e).__name__, e.attempt) for e in recorder.events
+            if isinstance(e, (Claimed, Completed, Lost))]
+    assert ends == [("Claimed", 1), ("Completed", 1), ("Claimed", 2), ("Completed", 2)], ends
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_subscriber_that_exits_is_logged_and_ends_nothing(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Its sys.exit() (or a KeyboardInterrupt) used to end the event loop, with every
+    scheduler on it; it is logged as a subscriber's failure, and the scheduler goes on."""
+    import sys
+
+    seen: list[str] = []
+
+    def sync_bad(event: Event) -> None:
+        seen.append(type(event).__name__)
+        sys.exit(3)
+
+    async def async_bad(event: Event) -> None:
+        seen.append(type(event).__name__)
+        raise KeyboardInterrupt
+
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    s.subscribe(sync_bad if kind == "sync" else async_bad)
+    s.every("j", "1h", lambda ctx: None, offset=quiet_offset_now())
+    async with s:
+        slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "j", slot)
+        await wait_for(lambda: "Completed" in seen, what="both events, each failing")
+        assert s.state == "running"
+    assert "event subscriber" in caplog.text
+

@@ -219,6 +219,8 @@ async def test_a_stop_while_a_timed_out_sync_handler_still_runs_starts_no_retry_
     lock, told = threading.Lock(), threading.Event()
     spans: list[tuple[int, str, float, float]] = []
     a, b = make(store, "a"), make(store, "b")
+    a_events: list[str] = []
+    a.subscribe(lambda e: a_events.append(type(e).__name__))
     for s in (a, b):
         @s.every("stuck", "1h", offset=quiet_offset_now(), timeout="0.2s",
                  retry=Retry(retries=1, backoff=0))
@@ -248,6 +250,9 @@ async def test_a_stop_while_a_timed_out_sync_handler_still_runs_starts_no_retry_
     (first, who1, _, ended1), (second, who2, began2, _) = sorted(spans)
     assert (first, who1, second, who2) == (1, "a", 2, "b")
     assert began2 >= ended1, spans  # never both at once
+    # a's attempt ends with an event (it had none: Claimed was never followed by an end)
+    assert [e for e in a_events if e in ("Claimed", "Lost", "TimedOut", "Retried")] == [
+        "Claimed", "Lost"], a_events
 
 
 async def test_a_crash_while_a_retry_waits_loses_nothing(store: Store) -> None:

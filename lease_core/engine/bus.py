@@ -135,13 +135,29 @@ class EventBus:
                         if sub.is_async:
                             await sub.callback(event)
                         else:
-                            await anyio.to_thread.run_sync(sub.callback, event,
-                                                           abandon_on_cancel=True,
+                            await anyio.to_thread.run_sync(_call_in_thread, sub.callback,
+                                                           event, abandon_on_cancel=True,
                                                            limiter=self._threads)
                     except Exception as exc:
                         logger.error("event subscriber %r failed on %s", sub.callback,
                                      type(event).__name__, exc_info=exc)
+                    except (SystemExit, KeyboardInterrupt) as exc:
+                        # Out of a task they would end the event loop (on asyncio, with
+                        # every scheduler and SyncLease sharing it): logged as a failure.
+                        logger.error("event subscriber %r raised %r on %s, which it "
+                                     "cannot: logged as a failure", sub.callback, exc,
+                                     type(event).__name__)
         finally:
             # An unsubscribed callback leaves nothing behind in a long-running scheduler.
             if receive in self._receivers:
                 self._receivers.remove(receive)
+
+
+def _call_in_thread(callback: Callable[[ev.Event], Any], event: ev.Event) -> Any:
+    """A sync subscriber's call in its worker thread: its ``sys.exit()`` or a
+    ``KeyboardInterrupt`` it raises ends the call only, as in any thread."""
+    try:
+        return callback(event)
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise RuntimeError(f"the subscriber raised {exc!r}") from exc
+

@@ -216,6 +216,8 @@ class Executor:
             logger.warning("%s slot %s: the stop's grace ended while the timed-out sync "
                            "handler's thread still ran; its lease is left to lapse",
                            job.name, format_slot(lease.slot))
+            self.ended(ev.Lost, lease, why="timed-out handler still running at the end of "
+                       "the stop")
             s.runs.release(run)
             return
         ending = decide_outcome(
@@ -294,7 +296,12 @@ class Executor:
                 run, lambda: self._report(run, outcome, error, ran.raised))
         else:
             self._report(run, outcome, error, ran.raised)
-        s.runs.release(run)
+        if finished is None:
+            # Unknown whether it finished (reported as the handler ended): watch it, so
+            # that it is taken over if not.
+            s.runs.rewatch(run, completed=outcome is Outcome.COMPLETED)
+        else:
+            s.runs.release(run)
         if completed:
             await s.steps.completed(job, lease.slot)
 
@@ -449,12 +456,13 @@ class Executor:
 
     async def _finish(self, run: Run, outcome: Outcome, error: str | None) -> bool | None:
         """Record the outcome in the store: True when recorded, False when the store
-        refused it (the token no longer holds the run), None when unknown."""
+        refused it (the token no longer holds the run), None when unknown (the caller
+        then backs the run up)."""
         lease = run.lease
         assert lease is not None
         finished: bool | None = None
         name, slot = run.job.name, lease.slot
-        with anyio.move_on_after(10, shield=True) as finish_scope:
+        with anyio.move_on_after(10, shield=True):  # unanswered by then: None
             # With the other finishes of this instant, in one finish_many call. Only a
             # handler still running here, or one whose claim is being answered, can end
             # in the next turns: with none, waiting turns for their finishes would be a
@@ -466,13 +474,9 @@ class Executor:
             if isinstance(answer, Exception):
                 if not isinstance(answer, Abandoned):
                     self._s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
-                self._s.runs.rewatch(run, completed=outcome is Outcome.COMPLETED)
             else:
                 finished = answer
                 if not finished:
                     logger.warning("%s slot %s: lease lost before finishing (%s)",
                                    name, format_slot(slot), outcome)
-        if finish_scope.cancelled_caught:
-            # Unknown whether it finished: watch it, so it is taken over if not.
-            self._s.runs.rewatch(run, completed=outcome is Outcome.COMPLETED)
         return finished
