@@ -692,6 +692,23 @@ async def _after(backend: Backend, ms: int) -> bool:
     return await store_now_ms(backend) >= ms
 
 
+async def cancel_as_the_handler_ends(s: Scheduler, store: Store, admin: Admin, job: str,
+                                     entered: anyio.Event, go: anyio.Event,
+                                     events: list[Any]) -> int:
+    """Claim a slot of ``job`` on the running ``s``, cancel it while its handler waits
+    for ``go`` (the holder's heartbeat too far off to tell it), then let the handler end;
+    return the slot once the attempt's end was reported."""
+    slot = await store_now_ms(store.backend()) - 1000
+    assert await claim_now(s, job, slot) is not None
+    with anyio.fail_after(10):
+        await entered.wait()
+    await admin.cancel(job, slot, grace="10s")
+    go.set()
+    await wait_for(lambda: [e for e in events if isinstance(e, AttemptEnded)],
+                   what="the attempt's end")
+    return slot
+
+
 async def test_a_cancel_after_the_handler_returned_is_reported_cancelled(store: Store) -> None:
     """The cancel ends the run in the store after the handler returned, before its
     holder's next heartbeat: the store refuses the finish, and the attempt is reported
@@ -709,14 +726,7 @@ async def test_a_cancel_after_the_handler_returned_is_reported_cancelled(store: 
 
     s.every("w", "1h", work, offset=offset)
     async with s:
-        slot = await store_now_ms(store.backend()) - 1000
-        assert await claim_now(s, "w", slot) is not None
-        with anyio.fail_after(10):
-            await entered.wait()
-        await admin.cancel("w", slot, grace="10s")
-        go.set()
-        await wait_for(lambda: [e for e in events if isinstance(e, AttemptEnded)],
-                       what="the attempt's end")
+        slot = await cancel_as_the_handler_ends(s, store, admin, "w", entered, go, events)
         history = [(a.attempt, a.outcome) for a in await s.history("w") if a.slot == slot]
     ended = [type(e).__name__ for e in events if isinstance(e, AttemptEnded)]
     assert ended == ["Cancelled"], ended
@@ -744,14 +754,7 @@ async def test_a_cancel_after_a_retried_handler_raised_is_reported_cancelled(
 
     s.every("w", "1h", work, offset=offset, retry=Retry(retries=3, backoff=0, jitter=0))
     async with s:
-        slot = await store_now_ms(store.backend()) - 1000
-        assert await claim_now(s, "w", slot) is not None
-        with anyio.fail_after(10):
-            await entered.wait()
-        await admin.cancel("w", slot, grace="10s")
-        go.set()
-        await wait_for(lambda: [e for e in events if isinstance(e, AttemptEnded)],
-                       what="the attempt's end")
+        slot = await cancel_as_the_handler_ends(s, store, admin, "w", entered, go, events)
         history = [(a.attempt, a.outcome) for a in await s.history("w") if a.slot == slot]
     ended = [type(e).__name__ for e in events if isinstance(e, (AttemptEnded, Retried))]
     assert ended == ["Cancelled"], ended
@@ -780,14 +783,7 @@ async def test_a_cancel_after_a_step_returned_is_reported_cancelled(store: Store
 
     close.step("interest", lambda ctx: later.append(ctx.slot))
     async with s:
-        slot = await store_now_ms(store.backend()) - 1000
-        assert await claim_now(s, "close", slot) is not None
-        with anyio.fail_after(10):
-            await entered.wait()
-        await admin.cancel("close", slot, grace="10s")
-        go.set()
-        await wait_for(lambda: [e for e in events if isinstance(e, AttemptEnded)],
-                       what="the attempt's end")
+        slot = await cancel_as_the_handler_ends(s, store, admin, "close", entered, go, events)
         assert s.watching == [] and s.running == []
     ended = [type(e).__name__ for e in events if isinstance(e, AttemptEnded)]
     assert ended == ["Cancelled"], ended

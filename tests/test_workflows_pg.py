@@ -118,6 +118,25 @@ async def test_a_step_s_effect_result_and_completion_commit_together_and_a_zombi
     assert history[("close/interest", 2)] == "completed"
 
 
+async def run_through_step_two(s: Scheduler, wf: Any, ran: list[str]) -> list[tuple[str, str]]:
+    """Add step "two" (it records the result of step "one" in ``ran``) to ``wf``, run
+    one run of it on ``s``, and return the events seen, as (kind, job)."""
+
+    @wf.step("two")
+    async def two(ctx: RunContext) -> None:
+        ran.append(f"two saw {ctx.results['one']}")
+
+    kinds: list[tuple[str, str]] = []
+    s.subscribe(lambda e: kinds.append((type(e).__name__, getattr(e, "job", ""))))
+    async with s:
+        slot = s.workflows["wf"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "wf", slot)
+        await wait_for(lambda: "two saw r1" in ran, timeout=10, what="step two")
+        await wait_for(lambda: ("Completed", "wf/two") in kinds, what="two's event")
+    return kinds
+
+
 async def test_a_step_that_raises_after_its_completing_transaction_stays_completed(
     pg16_server: PgServer, table: str,
 ) -> None:
@@ -137,18 +156,7 @@ async def test_a_step_that_raises_after_its_completing_transaction_stays_complet
         ran.append("one")
         raise RuntimeError("the notification after the commit failed")
 
-    @wf.step("two")
-    async def two(ctx: RunContext) -> None:
-        ran.append(f"two saw {ctx.results['one']}")
-
-    kinds: list[tuple[str, str]] = []
-    s.subscribe(lambda e: kinds.append((type(e).__name__, getattr(e, "job", ""))))
-    async with s:
-        slot = s.workflows["wf"].schedule.previous_at_or_before(s.store_now_ms())
-        assert slot is not None
-        await claim_now(s, "wf", slot)
-        await wait_for(lambda: "two saw r1" in ran, what="step two")
-        await wait_for(lambda: ("Completed", "wf/two") in kinds, what="two's event")
+    kinds = await run_through_step_two(s, wf, ran)
     assert ran == ["one", "two saw r1"]
     assert ("Completed", "wf/one") in kinds and ("Failed", "wf/one") not in kinds
     history = {(h.job, h.attempt): h.outcome for h in await s.history()}
@@ -196,18 +204,7 @@ async def test_a_step_whose_commit_answer_was_lost_goes_on_to_the_next_step(
             if not caught:
                 raise
 
-    @wf.step("two")
-    async def two(ctx: RunContext) -> None:
-        ran.append(f"two saw {ctx.results['one']}")
-
-    kinds: list[tuple[str, str]] = []
-    s.subscribe(lambda e: kinds.append((type(e).__name__, getattr(e, "job", ""))))
-    async with s:
-        slot = s.workflows["wf"].schedule.previous_at_or_before(s.store_now_ms())
-        assert slot is not None
-        await claim_now(s, "wf", slot)
-        await wait_for(lambda: "two saw r1" in ran, timeout=10, what="step two")
-        await wait_for(lambda: ("Completed", "wf/two") in kinds, what="two's event")
+    kinds = await run_through_step_two(s, wf, ran)
     assert ran == ["one", "two saw r1"]
     ended = [k for k, job in kinds if job == "wf/one" and k in ("Completed", "Failed",
                                                                   "Retried", "Lost")]
