@@ -875,3 +875,29 @@ async def test_works_on_a_cluster(cluster_node: EmbeddedRedisCluster) -> None:
     finally:
         await backend.close()
         await client.aclose()
+
+
+def test_an_embedded_server_whose_port_was_taken_before_its_first_start_takes_another() -> None:
+    """Its port is chosen free, then bound by the server: another process can take it in
+    between (the suite's workers start servers side by side), and the server exited with
+    "Address already in use". A restart keeps its port: a store's URL does not change."""
+    import socket
+
+    binary = find_server("redis")
+    if binary is None:
+        pytest.skip("no redis-server")
+    server = EmbeddedRedis(binary)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server.port = taken.getsockname()[1]
+        try:
+            server.start()
+            assert server.port != taken.getsockname()[1]
+            assert redis.Redis.from_url(server.url).ping()
+            port = server.port
+            server.stop()
+            server.start()
+            assert server.port == port
+        finally:
+            server.close()

@@ -105,6 +105,7 @@ class EmbeddedRedis:
         self.socket_path = self.dir / "redis.sock" if unix_socket else None
         self.port = 0 if unix_socket else _free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self._answered = False  # it has run once: a restart keeps its port (and URL)
 
     @property
     def url(self) -> str:
@@ -121,9 +122,28 @@ class EmbeddedRedis:
         return out.stdout.decode().strip()
 
     def start(self) -> None:
-        """Start the server and return once it answers ``PING``."""
+        """Start the server and return once it answers ``PING``.
+
+        At its first start, a port another process took between its choice and the
+        server's bind (``Address already in use``) is chosen anew, a few times."""
         if self.process is not None and self.process.poll() is None:
             return
+        for _ in range(4):
+            try:
+                self._start_once()
+            except BackendUnavailable as exc:
+                if (self._answered or self.socket_path is not None
+                        or "Address already in use" not in str(exc)):
+                    raise
+                self.port = _free_port()
+                continue
+            self._answered = True
+            return
+        self._start_once()
+        self._answered = True
+
+    def _start_once(self) -> None:
+        (self.dir / "server.log").unlink(missing_ok=True)
         args = [
             str(self.binary), "--bind", "127.0.0.1", "--port", str(self.port),
             "--dir", str(self.dir), "--save", "", "--daemonize", "no",
