@@ -20,7 +20,8 @@ run, on every backend.
 
 **Checkpoint payload of a step run.** While a step runs, ``ctx.checkpoint`` stores its own
 progress as ``{"progress": value}``; once it completes, the payload is
-``{"result": value}``. ``ctx.checkpoint.get()`` returns only the progress, and
+``{"result": value}`` (the last step's with ``"last": True``: a step added to the
+workflow later is not run for that run). ``ctx.checkpoint.get()`` returns only the progress, and
 ``ctx.results`` only the results: the two never collide.
 
 **Failures.** A step whose handler raises or times out is recorded ``failed`` /

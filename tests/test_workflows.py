@@ -7,6 +7,7 @@ are schedulers in tasks (tests/helpers.py); every wait has a deadline.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -763,6 +764,40 @@ async def test_a_backup_dispatches_the_next_step_when_the_agent_dies_after_finis
         assert ran == [("b", "interest"), ("c", "interest")]
     finally:
         await dead.close()
+
+
+async def test_a_step_added_to_a_deployed_workflow_runs_from_the_next_run_on(
+    store: Store, caplog: pytest.LogCaptureFixture,
+) -> None:
+    ran: list[tuple[str | None, int]] = []
+
+    def build(name: str, steps: tuple[str, ...]) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
+        for step in steps:
+            close.step(step, lambda ctx: ran.append((ctx.step, ctx.slot)))
+        return s
+
+    old = build("old", STEPS[:2])
+    async with anyio.create_task_group() as tg:
+        i = await Instance(old).start(tg)
+        slot = current_slot(old)
+        await begin(old, slot)
+        await wait_workflow(old, slot, "completed")
+        await i.stop()
+    # A release adds a last step; its first instance finds the latest run ended.
+    new, later = build("new", STEPS), slot + 3_600_000
+    with caplog.at_level(logging.INFO, logger="anarchon"):
+        async with anyio.create_task_group() as tg:
+            i = await Instance(new).start(tg)
+            await wait_for(lambda: "before step 'publish' was added" in caplog.text,
+                           what="the ended run seen")
+            await begin(new, later)
+            await wait_workflow(new, later, "completed")
+            await i.stop()
+    assert (await statuses(new, slot))[2] is None
+    assert ran == [("snapshot", slot), ("interest", slot),
+                   ("snapshot", later), ("interest", later), ("publish", later)]
 
 
 async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:

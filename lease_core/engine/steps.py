@@ -58,7 +58,44 @@ class StepCoordinator:
             # The step completed before this instance saw it run: claim its successor in
             # a task of its own: the claims settled after this one (a whole instant's, in
             # a burst) must not wait for that round trip.
-            self._s.tg.start_soon(self._s.claims.claim, next_step, slot, Reason.SCHEDULED)
+            self._s.tg.start_soon(self._continue, job, next_step, slot)
+
+    @staticmethod
+    def result_payload(job: Job, value: Any) -> dict[str, Any]:
+        """The checkpoint that stores a completed step's result: ``{"result": value}``,
+        with ``"last": True`` when the step is its workflow's last in this instance's
+        definition (a step added later is then not run for this run; see
+        :meth:`_ended_as_last`)."""
+        if job.next_step is None:
+            return {"result": value, "last": True}
+        return {"result": value}
+
+    async def _ended_as_last(self, job: Job, slot: int) -> bool:
+        """True when ``job``'s completed run at ``slot`` was completed as its workflow's
+        last step: the step after it in this instance's definition was added since (a
+        deploy), and that run ended before it existed. Its successor is then not claimed
+        for that run: a new step runs from the next run on, not for runs that completed
+        hours ago. A run whose result cannot be read, or was stored by an earlier build
+        (no mark), is continued as before."""
+        try:
+            payload = await self._s.settings.backend.get_checkpoint(job.name, slot)
+        except Exception as exc:
+            self._s.clock.failed(f"reading the checkpoint of {job.name}", exc)
+            return False
+        if isinstance(payload, dict) and payload.get("last") is True:
+            next_step = job.next_step
+            assert next_step is not None and job.workflow is not None
+            logger.info("%s slot %s: its run ended with step %r, before step %r was added "
+                        "to the workflow; that step runs from the next run on",
+                        job.workflow.name, format_slot(slot), job.step, next_step.step)
+            return True
+        return False
+
+    async def _continue(self, job: Job, next_step: Job, slot: int) -> None:
+        """Claim ``next_step`` at ``slot``, seen unclaimed after ``job`` completed, unless
+        the run ended with ``job`` (:meth:`_ended_as_last`)."""
+        if not await self._ended_as_last(job, slot):
+            await self._s.claims.claim(next_step, slot, Reason.SCHEDULED)
 
     async def earlier_result(self, ctx: RunContext) -> tuple[bool, Any]:
         """(True, its result) when an earlier attempt of this step completed it (its
@@ -125,7 +162,7 @@ class StepCoordinator:
         with anyio.move_on_after(10, shield=True):
             try:
                 stored = await s.settings.backend.set_checkpoint(
-                    lease, {"result": ctx.result if value is None else value})
+                    lease, self.result_payload(run.job, ctx.result if value is None else value))
             except ConfigurationError as exc:
                 return exc
             except Exception as exc:
@@ -165,7 +202,7 @@ class StepCoordinator:
             raise ConfigurationError(
                 f"{type(self._s.settings.backend).__name__} cannot store a step's result "
                 "inside its fenced transaction")
-        await store({"result": ctx.result})
+        await store(self.result_payload(self._s.jobs[ctx.job], ctx.result))
 
     async def resume(self, wf: Workflow, info: JobInfo) -> None:
         """Claim the next step of ``wf``'s latest run if a step completed and it was not."""
@@ -186,5 +223,5 @@ class StepCoordinator:
                     and key not in result.runs):
                 next_step = job.next_step
                 assert next_step is not None
-                await s.claims.claim(next_step, key[1], Reason.SCHEDULED)
+                await self._continue(job, next_step, key[1])
                 return
