@@ -8,7 +8,7 @@ from __future__ import annotations
 from .errors import ConfigurationError
 
 __all__ = ["MEMBER_RETENTION_MS", "check_every", "check_leave", "check_lookup_name",
-           "check_members", "check_prune"]
+           "check_members", "check_prune", "check_storable"]
 
 
 def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None:
@@ -44,6 +44,21 @@ def check_members(instance_id: str, ttl_ms: int) -> None:
         raise ConfigurationError(f"ttl_ms={ttl_ms!r} must be a whole number, 1 or more")
 
 
+def check_storable(what: str, text: str) -> None:
+    """Refuse a name no store can hold: a NUL character (PostgreSQL's text refuses it) or
+    a lone surrogate (``os.fsdecode`` of bytes that are not UTF-8; no store encodes it).
+    Raises a :class:`ConfigurationError` naming ``what`` and the value."""
+    if "\x00" in text:
+        raise ConfigurationError(f"{what}={text!r} holds a NUL character, which no store "
+                                 "can keep; remove it")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigurationError(f"{what}={text!r} is not valid Unicode text (a lone "
+                                 "surrogate, as os.fsdecode() makes of bytes that are not "
+                                 "UTF-8); no store can keep it") from None
+
+
 def check_lookup_name(name: str) -> str:
     """Refuse a job or workflow name that no store can hold (a NUL character: PostgreSQL
     cannot store one), so that a lookup answers a clear error, not the driver's."""
@@ -51,4 +66,5 @@ def check_lookup_name(name: str) -> str:
         raise ConfigurationError(
             f"name {name!r} holds a NUL character, which no job or workflow name can; "
             "check the name")
+    check_storable("name", name)
     return name

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._checks import check_storable
 from .errors import ConfigurationError
 
 __all__ = ["LeaseAnswer", "NamedLeaseStore", "check_lease"]
@@ -60,9 +61,7 @@ def check_lease(name: object, *, holder: object = "-", ttl_ms: object = 1,
     for what, text in (("lease name", name), ("holder", holder)):
         if not isinstance(text, str) or not text:
             raise ConfigurationError(f"{what}={text!r} must be a non-empty string")
-        if "\x00" in text:
-            raise ConfigurationError(f"{what}={text!r} contains a NUL character, which "
-                                     "PostgreSQL cannot store; remove it")
+        check_storable(what, text)
     for what, value in (("ttl_ms", ttl_ms), ("token", token)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"{what}={value!r} must be a whole number, 1 or more")

@@ -10,7 +10,7 @@ from ._redact import redact
 from ._structures import Outcome
 from .errors import LeaseLost, StopRequested
 
-__all__ = ["Ending", "Interruption", "classify", "decide_outcome"]
+__all__ = ["Ending", "Interruption", "classify", "decide_outcome", "storable"]
 
 
 class Interruption(StrEnum):
@@ -59,6 +59,20 @@ def classify(exc: BaseException) -> type[Exception] | None:
     return None
 
 
+def storable(text: str) -> str:
+    """``text`` as every store can keep it: a NUL character (PostgreSQL's text refuses it)
+    and a lone surrogate (``os.fsdecode`` of a name that is not UTF-8, which no store can
+    encode) are written as backslash escapes. An error message the store refused would
+    leave its attempt unfinished, and the run taken over and run again at every lease."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def decide_outcome(
     *,
     raised: BaseException | None = None,
@@ -89,14 +103,15 @@ def decide_outcome(
     if interrupted in (Interruption.LEASE_LOST, Interruption.DEADLINE):
         return Ending(Outcome.LOST, str(interrupted))
     if lost or kind is LeaseLost:
-        return Ending(Outcome.LOST, str(raised) if kind is LeaseLost else "lease lost")
+        return Ending(Outcome.LOST, storable(str(raised)) if kind is LeaseLost
+                      else "lease lost")
     if interrupted is Interruption.STOPPED or (kind is StopRequested and stopping):
         return Ending(Outcome.HANDED_OVER)
     if raised is not None:
         # Kept in the store and shown by history, the status API and the recovery log: a
         # password in a driver's message (a DSN) is masked before it is written.
-        return Ending(Outcome.FAILED,
-                      redact("".join(traceback.format_exception_only(raised)).strip()))
+        return Ending(Outcome.FAILED, storable(
+            redact("".join(traceback.format_exception_only(raised)).strip())))
     if timed_out:
         return Ending(Outcome.TIMED_OUT, f"timed out after {timeout or 0:g}s")
     return Ending(Outcome.COMPLETED)

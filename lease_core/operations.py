@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ._checks import check_lookup_name
+from ._checks import check_lookup_name, check_storable
 from ._durations import parse_duration
 from ._structures import LAST_SLOT, RunStatus, format_slot
 from .errors import ConfigurationError, OperationRefused
@@ -151,6 +151,7 @@ class Admin:
     def __init__(self, backend: Backend, *, by: str = "admin") -> None:
         if not isinstance(by, str) or not by.strip():
             raise ConfigurationError(f"by={by!r} must name who acts (a non-empty string)")
+        check_storable("by", by)
         self.backend = backend
         self.by = by
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lease_core import AnarchonError, ConfigurationError, MemoryBackend, Scheduler
+from lease_core import Admin, AnarchonError, ConfigurationError, Lease, MemoryBackend, Scheduler
 from lease_core._durations import parse_duration
 
 
@@ -66,6 +66,9 @@ def test_errors_are_anarchon_errors_and_value_errors() -> None:
         ({"history_size": 0}, "history_size=0"),
         ({"history_ttl": "forever"}, "history_ttl='forever'"),
         ({"instance_id": ""}, "instance_id=''"),
+        # No store keeps a NUL or a lone surrogate (os.fsdecode of bytes not UTF-8).
+        ({"instance_id": "web\x001"}, "instance_id='web\\x001' holds a NUL"),
+        ({"instance_id": "web-\udcff"}, "instance_id='web-\\udcff' is not valid Unicode"),
         ({"timer_slack": "-1ms"}, "timer_slack='-1ms'"),
         ({"timer_slack": "soon"}, "timer_slack='soon'"),
         ({"timer_slack": "5s", "heartbeat": "5s"}, "timer_slack='5s' must be shorter"),
@@ -138,3 +141,12 @@ def test_decorator_and_plain_forms() -> None:
 def test_instance_ids_are_unique_per_scheduler() -> None:
     assert sched().instance_id != sched().instance_id
     assert sched(instance_id="web-1").instance_id == "web-1"
+
+
+@pytest.mark.parametrize("name", ["by", "lease"])
+def test_names_no_store_can_keep_are_refused_by_admin_and_lease(name: str) -> None:
+    with pytest.raises(ConfigurationError, match="not valid Unicode"):
+        if name == "by":
+            Admin(MemoryBackend(), by="ops-\udcff")
+        else:
+            Lease(MemoryBackend(), "leader-\udcff")

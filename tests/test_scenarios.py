@@ -9,6 +9,8 @@ themselves, so no slot of the schedule fires while they run.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -268,6 +270,32 @@ async def test_failed_handler_records_the_error(store: Store) -> None:
     failed = [h for h in history if h.outcome][-1]
     assert failed.outcome == Outcome.FAILED
     assert failed.error is not None and "RuntimeError: disk full" in failed.error
+
+
+async def test_an_error_text_no_store_can_encode_still_fails_the_run_once(
+    store: Store, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The engine logs the error as raised; pytest-xdist cannot send such a log line to
+    # its controller, so this test's log is kept to what it needs.
+    caplog.set_level(logging.CRITICAL, logger="anarchon")
+    a = make(store, "a")
+    calls: list[int] = []
+    name = os.fsdecode(b"report-\xff.csv")  # a file name that is not UTF-8
+
+    @a.every("bad", "1s")
+    async def bad(ctx: RunContext) -> None:
+        calls.append(ctx.slot)
+        raise ValueError(f"cannot parse {name} at \x00")  # and a NUL from binary data
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        history = await wait_history(a, lambda h: h and h[-1].outcome, job="bad")
+        await ia.stop()
+    failed = [h for h in history if h.outcome][-1]
+    assert (failed.outcome, failed.attempt) == (Outcome.FAILED, 1)
+    assert failed.error is not None
+    assert "report-\\udcff.csv at \\x00" in failed.error
+    assert calls.count(failed.slot) == 1
 
 
 async def test_escalation_after_max_attempts_stops_takeovers(store: Store) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from .._checks import check_storable
 from .._durations import parse_duration, to_ms
 from ..abc import Backend
 from ..errors import AnarchonError, ConfigurationError
@@ -125,6 +126,8 @@ def check_options(backend: object, instance_id: object, history_size: object,
         not isinstance(instance_id, str) or not instance_id.strip()
     ):
         raise ConfigurationError(f"instance_id={instance_id!r} must be a non-empty string")
+    if instance_id is not None:
+        check_storable("instance_id", instance_id)
     if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
         raise ConfigurationError(f"history_size={history_size!r} must be an integer >= 1")
     if max_running is not None and (
