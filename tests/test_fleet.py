@@ -370,7 +370,9 @@ async def test_members_ranked_behind_many_frozen_ones_claim_by_the_last_turn(
                if rendezvous_rank(f"deep-{n}", "live", names) == 8)
     s = Scheduler(store.backend(), instance_id="live", lease="3s", heartbeat="0.5s")
 
-    @s.every(job, "1s")
+    # The job's own lease is long: the turns end with the scheduler's lease (the
+    # membership's), which the frozen members lapse with, not with the job's.
+    @s.every(job, "1s", lease="30s")
     async def tick(ctx: RunContext) -> None:
         pass
 
@@ -678,6 +680,43 @@ async def test_a_failing_check_does_not_put_the_membership_renewal_off() -> None
         # Renewals every half lease (0.5 s), whatever the pick-up does.
         await wait_for(lambda: len(calls) >= 4, timeout=5, what="renewals")
         await inst.stop()
+
+
+async def test_one_failed_check_at_a_backups_turn_does_not_drop_its_slot() -> None:
+    """The first-ranked member is frozen; the next one's check at its turn fails once, and
+    the store answers before and after. The slot is claimed at the next tick: it was not
+    missed while the store was unreachable, although a newer slot is due by then (it was
+    dropped for good, never run)."""
+    from lease_core import MemoryBackend
+
+    job = next(f"j-{n}" for n in range(1000) if rendezvous_rank(f"j-{n}", "b", ("a", "b")))
+    failed: list[tuple[int, int]] = []
+
+    class FailOnce(MemoryBackend):
+        target: int | None = None
+
+        async def check(self, keys: Sequence[tuple[str, int]]) -> Any:
+            target = self.target
+            # at its turn (a check interval after the slot), not a tick's look before it
+            if target is not None and (job, target) in keys and self._now() >= target + 900:
+                self.target = None
+                failed.append((target, self._now()))
+                raise ConnectionError("the store did not answer, once")
+            return await super().check(keys)
+
+    backend = FailOnce()
+    await backend.members(member_name("a", group_of([job])), 60_000)  # renewed, then froze
+    s = Scheduler(backend, instance_id="b", lease="6s", heartbeat="1s")
+    s.every(job, "500ms", lambda ctx: None)
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        assert await renew_membership(s) == ("a", "b")
+        target = (s.store_now_ms() // 1000 + 2) * 1000
+        backend.target = target
+        await wait_history(s, lambda h: any(x.slot == target for x in h), job=job,
+                           timeout=10)
+        await inst.stop()
+    assert failed and failed[0][0] == target  # the failure came at the slot's turn
 
 
 # ----------------------------------------------------------------- on a Redis Cluster

@@ -38,6 +38,9 @@ class StoreClock:
         self._down_since: float | None = None
         self.last_failure = -math.inf
         """When a call to the store last failed (local clock)."""
+        self.answered_before_outage: float | None = None
+        """When the store last answered before its latest outage began (local clock):
+        a slot due before then was not missed while the store was unreachable."""
 
     def now_ms(self) -> int:
         """The store's clock as this instance estimates it, in epoch milliseconds."""
@@ -69,4 +72,5 @@ class StoreClock:
         self.last_failure = self._clock()
         if self._down_since is None:
             self._down_since = self._clock()
+            self.answered_before_outage = self.last_answer
             self._emit(ev.StoreUnreachable(instance_id=self._instance_id, error=exc))

@@ -99,19 +99,23 @@ class Fleet:
         return rank
 
     def last_turn(self, job: str) -> int:
-        """The latest turn of any member for ``job``: half its lease in check intervals,
-        plus one (4 with the defaults), at least 1.
+        """The latest turn of any member for ``job``: half the lease in check intervals,
+        plus one (4 with the defaults), at least 1. The lease is the scheduler's (the
+        membership's lifetime), or the job's when that is shorter.
 
         Members that died or froze stay in the membership until it lapses, a lease after
         their last renewal, so a member ranked after several of them at once would come
         a check interval later for each. From this turn on, every member left covers a
         slot still unclaimed together: that may cost extra claims (the store decides;
         one wins), but a slot whose first members all died is claimed within half a
-        lease and a heartbeat of its time.
+        lease and a heartbeat of its time. A job's longer lease does not push it later:
+        the dead members it would wait for lapse with the scheduler's lease.
         """
         settings = self._s.settings
+        lease_ms = to_ms(settings.lease)
         declared = self._s.jobs.get(job)
-        lease_ms = to_ms(settings.lease) if declared is None else declared.lease_ms
+        if declared is not None:
+            lease_ms = min(lease_ms, declared.lease_ms)
         return max(1, lease_ms // (2 * to_ms(settings.heartbeat)) + 1)
 
     async def renew(self) -> None:

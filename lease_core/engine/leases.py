@@ -8,6 +8,7 @@ handed over) is claimed; a run whose claim got no answer is claimed again.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import anyio
@@ -181,10 +182,15 @@ class LeaseKeeper:
         of a job whose turn came while the store did not answer: as for the top-ranked
         member's claims (``RECLAIM``), only the newest slot of the job is claimed (all of
         them only for a job with ``catch_up="all"`` whose runs may overlap), here or by
-        the member its turn is with."""
+        the member its turn is with. A slot the store had answered after, before the
+        outage began, was not missed (its turn met one failed call): it is claimed, as a
+        top-ranked member's claim that failed then is (:attr:`Run.kept`)."""
         s = self._s
-        failed_ms = s.clock.last_failure * 1000 + s.clock.offset_ms
-        now_ms = s.clock.now_ms()
+        clock = s.clock
+        failed_ms = clock.last_failure * 1000 + clock.offset_ms
+        before = clock.answered_before_outage
+        answered_ms = -math.inf if before is None else before * 1000 + clock.offset_ms
+        now_ms = clock.now_ms()
         newest: dict[str, int] = {}
         for job, slot, _ in due:  # the job's slot due now counts too, claimed or not
             current = job.schedule.previous_at_or_before(now_ms)
@@ -193,7 +199,8 @@ class LeaseKeeper:
         kept: list[tuple[Job, int, Reason]] = []
         for job, slot, reason in due:
             record = s.runs.get((job.name, slot))
-            missed = record is not None and record.claim_after <= failed_ms
+            missed = (record is not None and record.claim_after <= failed_ms
+                      and answered_ms < slot)
             if (missed and slot < newest[job.name] and reason is Reason.SCHEDULED
                     and job.scheduled
                     and (job.catch_up != "all" or job.overlap == "skip")):
