@@ -5,6 +5,11 @@ and trio. Statements use pg8000's unnamed prepared statements (``execute_unnamed
 PgBouncer in transaction mode accepts, and run on the connection's core protocol, so the
 DB-API ``autocommit`` setting of a user's connection does not matter.
 
+A transaction's ``COMMIT`` runs shielded once its block has ended (the commit is reported
+as done; a cancellation pending then comes at the caller's next checkpoint), and its
+``ROLLBACK`` whenever the block raised or was cancelled. The pool lends no connection
+left in a transaction: one found so as it is given back is closed.
+
 A ``postgresql+pg8000://`` URL may carry the query parameters in :data:`PG8000_PARAMS`
 (``?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem``); any other parameter raises
 :class:`~lease_core.errors.ConfigurationError`. ``sslmode`` follows libpq:
@@ -123,8 +128,10 @@ def _refuses_tls(exc: BaseException) -> bool:
     return bool(exc.args) and exc.args[0] == "Server refuses SSL"
 
 
-def _in_transaction(conn: Any) -> bool:
-    return bool(getattr(conn, "in_transaction", False))
+def _idle(conn: Any) -> bool:
+    """Whether ``conn`` is in no transaction, as its server's last ReadyForQuery said
+    (``b"I"``; ``b"T"`` in a transaction, ``b"E"`` in a failed one)."""
+    return getattr(conn, "_transaction_status", b"I") == b"I"
 
 
 class _Tx:
@@ -178,7 +185,10 @@ async def _transaction(conn: Any, where: str) -> AsyncIterator[Executor]:
             with suppress(Exception):
                 await tx.control("ROLLBACK")
         raise
-    else:
+    # Shielded: a cancellation pending as the block ends would otherwise send nothing and
+    # leave the connection in the transaction. A commit is reported as done; the
+    # cancellation is delivered at the caller's next checkpoint.
+    with anyio.CancelScope(shield=True):
         await tx.control("COMMIT")
 
 
@@ -323,8 +333,15 @@ class Pg8000PoolAdapter(SqlAdapter):
         finally:
             self._slots.release()
 
+    def _keeps(self, conn: Any, exc: BaseException | None) -> bool:
+        """Whether ``conn`` may be lent again: the pool is open, ``exc`` (the error of its
+        last use) did not break it, and it is in no transaction (a connection left in one
+        would run the next borrower's statements inside it)."""
+        return not self._closed and _idle(conn) and (
+            exc is None or not (_broken(exc) or _broken(exc.__cause__ or exc)))
+
     async def _release(self, conn: Any, exc: BaseException | None) -> None:
-        if self._closed or (exc is not None and (_broken(exc) or _broken(exc.__cause__ or exc))):
+        if not self._keeps(conn, exc):
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_close_quietly, conn)
         else:
@@ -391,7 +408,7 @@ class Pg8000PoolAdapter(SqlAdapter):
             with anyio.CancelScope(shield=True):  # as in all()
                 done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
                 if done.conn is not None:
-                    if self._closed:
+                    if not self._keeps(done.conn, None):
                         await anyio.to_thread.run_sync(_close_quietly, done.conn)
                     else:
                         self._reserved = done.conn

@@ -5,7 +5,11 @@ PgBouncer in transaction mode before version 1.21, and a user's default-configur
 would otherwise prepare them after five executions.
 
 Sync pools and connections run their blocking calls in anyio worker threads, so they work
-under asyncio and trio; psycopg's async objects need asyncio.
+under asyncio and trio; psycopg's async objects need asyncio. A transaction on one is
+never left open by a cancelled caller: a caller cancelled while a statement runs gets its
+cancellation as the statement returns, inside the block, which rolls back; a block that
+ended commits, shielded (the commit is reported as done), and the cancellation comes at
+the caller's next checkpoint.
 
 A statement is never interrupted because its caller was cancelled (a scheduler's deadline,
 a lost lease): psycopg would then send a cancel request on a new connection and, cancelled
@@ -27,20 +31,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, LiteralString, cast
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import psycopg
 import psycopg.conninfo
-from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
+from lease_core.errors import BackendUnavailable, ConfigurationError
 
+from ._psycopg_base import (
+    _has_rows,
+    _mapped,
+    _params,
+    _query,
+    _secret_of,
+    _where,
+    _where_of,
+    translate_error,
+)
 from .base import (
     CANCEL_GRACE_S,
     Executor,
@@ -49,7 +62,6 @@ from .base import (
     SqlAdapter,
     TransientError,
     conninfo_params,
-    pooler_hint,
     redact,
     settle_scope,
 )
@@ -64,106 +76,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("anarchon")
-
-_UNAVAILABLE_CLASSES = ("08", "53", "57", "58", "28")
-_CONFIG_STATES = {"42501", "42P01", "3F000", "3D000", "42P07"}
-
-
-def _query(sql: str) -> LiteralString:
-    # Statements are the backend's constants (or a fenced transaction's own SQL).
-    return cast(LiteralString, sql)  # type: ignore[redundant-cast]
-
-
-def _params(params: Params) -> Sequence[Any] | Mapping[str, Any] | None:
-    """The parameters as psycopg takes them: a mapping for ``%(name)s`` placeholders (each
-    value sent once), a tuple for ``%s`` ones, None for none."""
-    if isinstance(params, Mapping):
-        return params
-    return tuple(params) or None
-
-
-def _where(conninfo: object) -> str:
-    if not isinstance(conninfo, str):
-        return ""
-    try:
-        params = psycopg.conninfo.conninfo_to_dict(conninfo)
-    except psycopg.ProgrammingError:
-        params = {}
-    host = params.get("host") or os.environ.get("PGHOST") or "localhost"
-    port = params.get("port") or os.environ.get("PGPORT") or "5432"
-    return f"{host}:{port}"
-
-
-def translate_error(
-    exc: psycopg.Error, *, where: str = "", secret: str | None = None
-) -> Exception:
-    """Map a psycopg error to anarchon's error types (the driver error stays the cause).
-
-    Connection failures, authentication failures and server shutdowns become
-    :class:`BackendUnavailable`; deadlocks and serialization failures
-    :class:`~adapters.sql.TransientError`; missing privileges or objects
-    :class:`ConfigurationError`. Other errors (bugs in SQL) are returned unchanged.
-    """
-    state = exc.sqlstate or ""
-    text = redact(str(exc).strip(), secret)
-    at = f" at {where}" if where else ""
-    if state in ("40001", "40P01"):
-        return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
-    if state in _CONFIG_STATES:
-        return ConfigurationError(f"PostgreSQL refused the statement{at}: {text}")
-    if isinstance(exc, PoolTimeout):
-        return BackendUnavailable(
-            f"no pooled connection to PostgreSQL{at} became free in time ({text}): every "
-            "connection of the pool was busy; raise max_size (?max_size= in the URL, "
-            "default 4) or timeout (?timeout=, default 10s), or pass a larger pool"
-        )
-    if (
-        isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
-        or state[:2] in _UNAVAILABLE_CLASSES
-    ):
-        # At connect time libpq gives no SQLSTATE, only the server's message.
-        if state in ("28P01", "28000") or "authentication failed" in text or (
-            "no password supplied" in text
-        ):
-            return AuthenticationFailed(
-                f"PostgreSQL{at} refused the login: {text} (check the user and password)"
-            )
-        return BackendUnavailable(f"cannot reach PostgreSQL{at}: {text}{pooler_hint(text)}")
-    return exc
-
-
-class _mapped:
-    """Raise the driver errors of the block as anarchon's (a class: on every statement)."""
-
-    __slots__ = ("secret", "where")
-
-    def __init__(self, where: str, secret: str | None = None) -> None:
-        self.where = where
-        self.secret = secret
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: Any) -> None:
-        if isinstance(exc, psycopg.Error):
-            mapped = translate_error(exc, where=self.where, secret=self.secret)
-            if mapped is not exc:
-                raise mapped from exc
-
-
-def _secret_of(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> str | None:
-    try:
-        return conn.info.password or None
-    except psycopg.Error:  # pragma: no cover - closed connection
-        return None
-
-
-def _where_of(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> str:
-    try:
-        return f"{conn.info.host}:{conn.info.port}"
-    except psycopg.Error:  # pragma: no cover - closed connection
-        return ""
 
 
 class _AsyncTx:
@@ -197,13 +109,11 @@ class _SyncTx:
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         with _mapped(self._where):
-            return await anyio.to_thread.run_sync(_sync_all, self._conn, sql, params)
-
-
-def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
-    # The result's status, not ``cur.description``: that builds a Column per column.
-    result = cur.pgresult
-    return result is not None and result.status == psycopg.pq.ExecStatus.TUPLES_OK
+            rows = await anyio.to_thread.run_sync(_sync_all, self._conn, sql, params)
+        # A caller cancelled while the statement ran gets its cancellation here, inside
+        # the block, which then rolls back; not the rows, so its code goes no further.
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return rows
 
 
 async def _async_all(
@@ -339,7 +249,11 @@ async def _sync_transaction(conn: psycopg.Connection[Any], where: str) -> AsyncI
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(tx.__exit__, type(exc), exc, exc.__traceback__)
             raise
-        else:
+        # Shielded, as the rollback: a cancellation pending as the block ends would
+        # otherwise send no COMMIT and leave the connection in the transaction (a user's
+        # connection for good: its later statements would become savepoints in it). A
+        # commit is reported as done; the cancellation comes at the next checkpoint.
+        with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(tx.__exit__, None, None, None)
 
 

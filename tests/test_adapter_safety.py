@@ -1,0 +1,220 @@
+"""Adapters leave no transaction open and no connection behind, whatever the caller does.
+
+Real servers: the embedded PostgreSQL 16 and a PgBouncer in transaction mode in front of
+it. Each test checks from another session what the server holds (rows committed, sessions
+idle in a transaction, the server process a pooled connection runs on).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import pg8000.native
+import psycopg
+import pytest
+from psycopg_pool import ConnectionPool
+
+from adapters.pg8000 import Pg8000ConnectionAdapter, Pg8000PoolAdapter, pg8000_params
+from adapters.psycopg import (
+    PsycopgSyncConnectionAdapter,
+    PsycopgSyncPoolAdapter,
+)
+from adapters.sql import SqlAdapter
+from lease_core.testing import wait_for
+from tests.stores.postgres import PgServer
+
+pytestmark = pytest.mark.anyio
+
+
+def _outside(admin_dsn: str, sql: str, params: tuple[Any, ...] = ()) -> Any:
+    """The first value of ``sql``'s first row (None: no rows), from a session of its own."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        cur = conn.execute(sql, params)  # type: ignore[arg-type]
+        row = cur.fetchone() if cur.description else None
+        return None if row is None else row[0]
+
+
+async def _query(admin_dsn: str, sql: str, params: tuple[Any, ...] = ()) -> Any:
+    return await anyio.to_thread.run_sync(_outside, admin_dsn, sql, params)
+
+
+async def _table(admin_dsn: str) -> str:
+    name = f"anarchon_safety_{uuid.uuid4().hex[:12]}"
+    await _query(admin_dsn, f"CREATE TABLE {name} (x int)")
+    return name
+
+
+async def _drop(admin_dsn: str, table: str) -> None:
+    await _query(admin_dsn, f"DROP TABLE IF EXISTS {table}")
+
+
+async def _idle_in_transaction(admin_dsn: str, app: str) -> int:
+    return int(await _query(
+        admin_dsn, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+        "AND state LIKE 'idle in transaction%%'", (app,)))
+
+
+async def _until(check: Callable[[], Any], what: str) -> None:
+    """Poll ``check`` (a blocking call, run in a worker thread) until it is true."""
+    await wait_for(lambda: anyio.to_thread.run_sync(check), timeout=3.0, interval=0.01,
+                   what=what)
+
+
+async def _commit_as_cancelled(adapter: SqlAdapter, table: str) -> bool:
+    """A block that cancels its own scope after its last statement; whether Cancelled
+    reached the scope (it may: the commit is done first)."""
+    with anyio.CancelScope() as scope:
+        async with adapter.transaction() as tx:
+            await tx.all(f"INSERT INTO {table} VALUES (1)")
+            scope.cancel()  # a handler's own cancel, a stop request: nothing awaited after
+        await anyio.lowlevel.checkpoint()
+    return scope.cancelled_caught
+
+
+# -- 1. pg8000: the COMMIT of a block that ended is sent, whatever is pending --------------
+
+
+@pytest.mark.parametrize("via", ["direct", "pgbouncer"])
+async def test_pg8000_pool_commits_a_block_ended_with_a_cancellation_pending(
+    pg16_server: PgServer, pgbouncer_server: PgServer, via: str
+) -> None:
+    table = await _table(pg16_server.admin_dsn)
+    app = f"safety-{uuid.uuid4().hex[:8]}"
+    server = pg16_server if via == "direct" else pgbouncer_server
+    adapter = Pg8000PoolAdapter(dict(pg8000_params(server.dsn), application_name=app),
+                                max_size=1)
+    await adapter.open()
+    try:
+        assert await _commit_as_cancelled(adapter, table)
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 1
+        assert await _idle_in_transaction(pg16_server.admin_dsn, app) == 0
+        # The connection lent next is in no transaction: what it commits is seen.
+        async with adapter.transaction() as tx:
+            await tx.all(f"INSERT INTO {table} VALUES (2)")
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 2
+    finally:
+        await adapter.close()
+        await _drop(pg16_server.admin_dsn, table)
+
+
+async def test_pg8000_user_connection_commits_a_block_ended_with_a_cancellation_pending(
+    pg16_server: PgServer,
+) -> None:
+    table = await _table(pg16_server.admin_dsn)
+    p = pg8000_params(pg16_server.dsn)
+    conn = pg8000.native.Connection(p["user"], host=p["host"], port=p["port"],
+                                    password=p["password"], database=p["database"])
+    try:
+        adapter = Pg8000ConnectionAdapter(conn)
+        await _commit_as_cancelled(adapter, table)
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 1
+        await adapter.all(f"INSERT INTO {table} VALUES (2)")  # not inside a transaction
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 2
+    finally:
+        conn.close()
+        await _drop(pg16_server.admin_dsn, table)
+
+
+async def test_pg8000_pool_closes_a_connection_given_back_in_a_transaction(
+    pg16_server: PgServer,
+) -> None:
+    table = await _table(pg16_server.admin_dsn)
+    app = f"safety-{uuid.uuid4().hex[:8]}"
+    adapter = Pg8000PoolAdapter(dict(pg8000_params(pg16_server.dsn), application_name=app),
+                                max_size=1)
+    await adapter.open()
+    try:
+        await adapter.all("BEGIN")  # a statement that leaves its connection in a transaction
+
+        def none_idle_in_transaction() -> bool:
+            return not _outside(
+                pg16_server.admin_dsn, "SELECT count(*) FROM pg_stat_activity WHERE "
+                "application_name = %s AND state LIKE 'idle in transaction%%'", (app,))
+
+        await _until(none_idle_in_transaction, "the connection left in a transaction closed")
+        await adapter.all(f"INSERT INTO {table} VALUES (1)")  # on a connection of its own
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 1
+    finally:
+        await adapter.close()
+        await _drop(pg16_server.admin_dsn, table)
+
+
+# -- 2. sync psycopg: the same, and a block cancelled during a statement goes no further ---
+
+
+@pytest.mark.parametrize("kind", ["connection", "pool"])
+async def test_sync_psycopg_commits_a_block_ended_with_a_cancellation_pending(
+    pg16_server: PgServer, kind: str
+) -> None:
+    table = await _table(pg16_server.admin_dsn)
+    conn = pool = None
+    adapter: SqlAdapter
+    if kind == "connection":
+        conn = psycopg.connect(pg16_server.dsn)  # autocommit off, as by default
+        adapter = PsycopgSyncConnectionAdapter(conn)
+    else:
+        pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=1, open=True)
+        adapter = PsycopgSyncPoolAdapter(pool)
+    try:
+        await _commit_as_cancelled(adapter, table)
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 1
+        if conn is not None:
+            assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        await adapter.all(f"INSERT INTO {table} VALUES (2)")
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 2
+    finally:
+        if conn is not None:
+            conn.close()
+        if pool is not None:
+            pool.close()
+        await _drop(pg16_server.admin_dsn, table)
+
+
+async def test_sync_psycopg_block_cancelled_during_a_statement_rolls_back(
+    pg16_server: PgServer,
+) -> None:
+    table = await _table(pg16_server.admin_dsn)
+    app = f"safety-{uuid.uuid4().hex[:8]}"
+    key = uuid.uuid4().int % (1 << 62)
+    holder = await anyio.to_thread.run_sync(
+        lambda: psycopg.connect(pg16_server.admin_dsn, autocommit=True))
+    conn = await anyio.to_thread.run_sync(
+        lambda: psycopg.connect(pg16_server.dsn, application_name=app))
+    adapter = PsycopgSyncConnectionAdapter(conn)
+    went_on = False
+    try:
+        await anyio.to_thread.run_sync(holder.execute, "SELECT pg_advisory_lock(%s)", (key,))
+        scope = anyio.CancelScope()
+
+        async def block() -> None:
+            nonlocal went_on
+            with scope:
+                async with adapter.transaction() as tx:
+                    await tx.all(f"INSERT INTO {table} VALUES (1)")
+                    await tx.all("SELECT pg_advisory_xact_lock(%s)", (key,))  # waits
+                    went_on = True
+
+        def waiting() -> bool:
+            return bool(_outside(
+                pg16_server.admin_dsn, "SELECT count(*) FROM pg_stat_activity WHERE "
+                "application_name = %s AND wait_event_type = 'Lock'", (app,)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(block)
+            await _until(waiting, "the block to wait for the lock")
+            scope.cancel()  # while the statement runs in its worker thread
+            await anyio.to_thread.run_sync(
+                holder.execute, "SELECT pg_advisory_unlock(%s)", (key,))
+        assert scope.cancelled_caught
+        assert not went_on, "the block went on after its caller was cancelled"
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 0
+    finally:
+        conn.close()
+        holder.close()
+        await _drop(pg16_server.admin_dsn, table)
