@@ -1,8 +1,13 @@
 """Placeholders: how a statement's ``%s`` or ``%(name)s`` parameters reach each driver.
 
 The backend's statements use ``%s`` with a sequence of parameters, or ``%(name)s`` with
-a mapping where a value is used more than once (``%%`` is a literal percent sign; one
-statement uses one style). psycopg takes both as they are. For the others:
+a mapping where a value is used more than once (one statement uses one style). The rule
+is the same whatever the driver, and whether parameters are given or not: ``%%`` is a
+literal percent sign, a ``%`` that starts neither a placeholder nor ``%%`` is refused, and
+the number of ``%s`` placeholders must match the number of parameters (a mismatch raises
+:class:`~lease_core.errors.ConfigurationError` here; psycopg raises its
+``ProgrammingError``). psycopg takes both styles as they are (always with parameters, an
+empty tuple for none, so that it processes ``%%`` too). For the others:
 
 - :func:`numbered` gives ``$1, $2, …`` placeholders and the values in their order, each
   named value once (pg8000's extended protocol, asyncpg);
@@ -24,14 +29,14 @@ from lease_core.errors import ConfigurationError
 __all__ = ["inline_parameters", "numbered", "numbered_placeholders", "positional",
            "sql_literal"]
 
-#: ``%s``, ``%(name)s`` or ``%%``.
-_PLACEHOLDER = re.compile(r"%s|%\(([A-Za-z_][A-Za-z0-9_]*)\)s|%%")
-_numbered: dict[str, str] = {}
+#: ``%s``, ``%(name)s``, ``%%``, or a ``%`` that starts none of them (refused).
+_PLACEHOLDER = re.compile(r"%s|%\(([A-Za-z_][A-Za-z0-9_]*)\)s|%%|%")
+#: Per statement text with ``%s`` placeholders: its ``$n`` text and its placeholder count.
+_numbered: dict[str, tuple[str, int]] = {}
 #: Per statement text with named placeholders: its ``$n`` text and the names in order.
 _named_numbered: dict[str, tuple[str, tuple[str, ...]]] = {}
 #: Per statement text with named placeholders: its ``%s`` text and a name per place.
 _named_positional: dict[str, tuple[str, tuple[str, ...]]] = {}
-_END = object()
 
 
 def _style_error(sql: str, named: bool) -> ConfigurationError:
@@ -43,22 +48,50 @@ def _style_error(sql: str, named: bool) -> ConfigurationError:
     )
 
 
+def _stray_percent(sql: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"statement {sql[:60]!r} has a % that starts no placeholder (%s or %(name)s); "
+        "write %% for a literal percent sign"
+    )
+
+
+def _count_error(sql: str, placeholders: int, params: int) -> ConfigurationError:
+    return ConfigurationError(
+        f"statement {sql[:60]!r} has {placeholders} placeholder(s) but {params} "
+        "parameter(s); pass one parameter per %s"
+    )
+
+
+def _number(sql: str) -> tuple[str, int]:
+    """``sql`` with ``$1, $2, …`` for its ``%s`` placeholders, and how many there are."""
+    cached = _numbered.get(sql)
+    if cached is None:
+        count = 0
+
+        def sub(match: re.Match[str]) -> str:
+            nonlocal count
+            token = match.group()
+            if match.group(1) is not None:
+                raise _style_error(sql, False)
+            if token == "%%":
+                return "%"
+            if token == "%":
+                raise _stray_percent(sql)
+            count += 1
+            return f"${count}"
+
+        text = _PLACEHOLDER.sub(sub, sql)
+        cached = _numbered[sql] = (text, count)
+    return cached
+
+
 def numbered_placeholders(sql: str) -> str:
     """Rewrite ``%s`` placeholders as ``$1, $2, …`` (and ``%%`` as ``%``).
 
-    For drivers that number their parameters, such as pg8000's core API or asyncpg.
+    For drivers that number their parameters, such as pg8000's core API or asyncpg. A
+    ``%`` that starts no placeholder raises :class:`ConfigurationError`.
     """
-    cached = _numbered.get(sql)
-    if cached is None:
-        counter = iter(range(1, 1 << 16))
-
-        def sub(match: re.Match[str]) -> str:
-            if match.group(1) is not None:
-                raise _style_error(sql, False)
-            return "%" if match.group() == "%%" else f"${next(counter)}"
-
-        cached = _numbered[sql] = _PLACEHOLDER.sub(sub, sql)
-    return cached
+    return _number(sql)[0]
 
 
 def _split_named(sql: str, numbering: bool) -> tuple[str, tuple[str, ...]]:
@@ -73,6 +106,8 @@ def _split_named(sql: str, numbering: bool) -> tuple[str, tuple[str, ...]]:
             name = match.group(1)
             if match.group() == "%%":
                 return "%" if numbering else "%%"
+            if match.group() == "%":
+                raise _stray_percent(sql)
             if name is None:
                 raise _style_error(sql, True)
             if not numbering:
@@ -97,14 +132,19 @@ def _values(sql: str, names: tuple[str, ...], params: Mapping[str, Any]) -> tupl
 def numbered(sql: str, params: Sequence[Any] | Mapping[str, Any]) -> tuple[str, tuple[Any, ...]]:
     """``sql`` with ``$1, $2, …`` placeholders and its values in their order.
 
-    ``%s`` placeholders with a sequence: as :func:`numbered_placeholders`. ``%(name)s``
+    ``%s`` placeholders with a sequence: as :func:`numbered_placeholders`, one value per
+    placeholder (another count raises :class:`ConfigurationError`). ``%(name)s``
     placeholders with a mapping: one number per name, wherever it is used, so each value is
     passed once.
     """
     if isinstance(params, Mapping):
         text, names = _split_named(sql, numbering=True)
         return text, _values(sql, names, params)
-    return numbered_placeholders(sql), tuple(params)
+    text, count = _number(sql)
+    values = tuple(params)
+    if len(values) != count:
+        raise _count_error(sql, count, len(values))
+    return text, values
 
 
 def positional(sql: str,
@@ -125,15 +165,21 @@ def sql_literal(value: Any) -> str:
 
     Strings use the escape form (``E'...'``), so the result is the same whatever
     ``standard_conforming_strings`` says; a NUL character cannot be stored and is refused.
+    A negative number is written in parentheses (``(-5)``), so that it cannot follow a
+    minus sign of the statement as a comment (``10-%s`` gives ``10-(-5)``, not ``10--5``).
     """
     if value is None:
         return "NULL"
     if isinstance(value, bool):
         return "TRUE" if value else "FALSE"
     if isinstance(value, int):
-        return str(value)
+        # A negative number in parentheses: after a minus sign, ``--5`` would start a comment.
+        return f"({value})" if value < 0 else str(value)
     if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else f"'{value}'"
+        if not math.isfinite(value):
+            return f"'{value}'"
+        text = repr(value)
+        return f"({text})" if text.startswith("-") else text
     if isinstance(value, str):
         if "\x00" in value:
             raise ConfigurationError("a text value holds a NUL character, which PostgreSQL "
@@ -147,14 +193,17 @@ def sql_literal(value: Any) -> str:
 def inline_parameters(sql: str, params: Sequence[Any] | Mapping[str, Any]) -> str:
     """Replace the placeholders of ``sql`` by literals (``%%`` becomes ``%``).
 
-    ``%s`` takes the sequence's values in order; ``%(name)s`` the mapping's value of that
-    name, wherever it is used.
+    ``%s`` takes the sequence's values in order, one per placeholder (another count raises
+    :class:`ConfigurationError`); ``%(name)s`` the mapping's value of that name, wherever
+    it is used.
     """
     if isinstance(params, Mapping):
         def named(match: re.Match[str]) -> str:
             name = match.group(1)
             if match.group() == "%%":
                 return "%"
+            if match.group() == "%":
+                raise _stray_percent(sql)
             if name is None:
                 raise _style_error(sql, True)
             if name not in params:
@@ -162,14 +211,22 @@ def inline_parameters(sql: str, params: Sequence[Any] | Mapping[str, Any]) -> st
             return sql_literal(params[name])
 
         return _PLACEHOLDER.sub(named, sql)
-    values = iter(params)
+    values = tuple(params)
+    count = 0
 
     def sub(match: re.Match[str]) -> str:
+        nonlocal count
+        token = match.group()
         if match.group(1) is not None:
             raise _style_error(sql, False)
-        return "%" if match.group() == "%%" else sql_literal(next(values))
+        if token == "%%":
+            return "%"
+        if token == "%":
+            raise _stray_percent(sql)
+        count += 1
+        return sql_literal(values[count - 1]) if count <= len(values) else ""
 
     text = _PLACEHOLDER.sub(sub, sql)
-    if next(values, _END) is not _END:
-        raise ConfigurationError(f"more parameters than placeholders in {sql[:60]!r}")
+    if count != len(values):
+        raise _count_error(sql, count, len(values))
     return text

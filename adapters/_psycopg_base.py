@@ -29,12 +29,17 @@ def _query(sql: str) -> LiteralString:
     return cast(LiteralString, sql)  # type: ignore[redundant-cast]
 
 
-def _params(params: Params) -> Sequence[Any] | Mapping[str, Any] | None:
+def _params(params: Params) -> Sequence[Any] | Mapping[str, Any]:
     """The parameters as psycopg takes them: a mapping for ``%(name)s`` placeholders (each
-    value sent once), a tuple for ``%s`` ones, None for none."""
+    value sent once), a tuple for ``%s`` ones.
+
+    Never None, even for no parameters: psycopg then sends the text untouched, so ``%%``
+    would reach the server as two percent signs, where pg8000 (and psycopg with
+    parameters) sends one. An empty tuple still goes out as a simple query.
+    """
     if isinstance(params, Mapping):
         return params
-    return tuple(params) or None
+    return tuple(params)
 
 
 def _where(conninfo: object) -> str:

@@ -4,7 +4,8 @@
 :class:`SqlAdapter`. SQL text uses ``%s`` placeholders with positional parameters, or
 ``%(name)s`` placeholders with a mapping (a statement that uses a value more than once
 names it, so the value is passed once), and ``%%`` for a literal percent sign, whatever
-the driver; see :mod:`adapters._placeholders` for how each driver gets them.
+the driver and whether parameters are given or not (a ``%`` that starts neither is
+refused); see :mod:`adapters._placeholders` for how each driver gets them.
 
 The driver modules (:mod:`adapters.psycopg`, :mod:`adapters.pg8000`,
 :mod:`adapters.custom`) build on this module only; :mod:`adapters.sql` re-exports it and

@@ -8,7 +8,9 @@ DB-API ``autocommit`` setting of a user's connection does not matter.
 A transaction's ``COMMIT`` runs shielded once its block has ended (the commit is reported
 as done; a cancellation pending then comes at the caller's next checkpoint), and its
 ``ROLLBACK`` whenever the block raised or was cancelled. The pool lends no connection
-left in a transaction: one found so as it is given back is closed.
+left in a transaction: one found so as it is given back is closed. A statement whose
+placeholders do not match its parameters raises
+:class:`~lease_core.errors.ConfigurationError` before a connection is taken.
 
 A ``postgresql+pg8000://`` URL may carry the query parameters in :data:`PG8000_PARAMS`
 (``?sslmode=verify-full&sslrootcert=/etc/ssl/db-ca.pem``); any other parameter raises
@@ -106,6 +108,19 @@ def _execute(conn: Any, sql: str, params: Params) -> list[Row]:
     return [] if rows is None else [tuple(row) for row in rows]
 
 
+def _alone(sql: str, params: Params) -> tuple[str, tuple[Any, ...] | None]:
+    """How :func:`_execute_alone` sends ``sql``: the text with the parameters written as
+    literals and None, or (a value with no literal form) ``$n`` text and the values.
+
+    Called before a connection is taken: a statement whose placeholders do not match its
+    parameters raises :class:`ConfigurationError` here.
+    """
+    try:
+        return inline_parameters(sql, params), None
+    except TypeError:
+        return numbered(sql, params)
+
+
 def _execute_alone(conn: Any, sql: str, params: Params) -> list[Row]:
     """Run one statement outside a transaction in one message (the simple protocol).
 
@@ -115,11 +130,15 @@ def _execute_alone(conn: Any, sql: str, params: Params) -> list[Row]:
     literals (every statement of the library casts each one). A value with no literal
     form falls back to the extended protocol.
     """
-    try:
-        text = inline_parameters(sql, params)
-    except TypeError:
-        return _execute(conn, sql, params)
-    context = conn.execute_simple(text)
+    return _run_alone(conn, *_alone(sql, params))
+
+
+def _run_alone(conn: Any, text: str, values: tuple[Any, ...] | None) -> list[Row]:
+    """Run what :func:`_alone` made of a statement."""
+    if values is None:
+        context = conn.execute_simple(text)
+    else:
+        context = conn.execute_unnamed(text, vals=values)
     rows = context.rows
     return [] if rows is None else [tuple(row) for row in rows]
 
@@ -363,16 +382,18 @@ class Pg8000PoolAdapter(SqlAdapter):
         for conn in idle:
             await anyio.to_thread.run_sync(_close_quietly, conn)
 
-    def _all_blocking(self, conn: Any, sql: str, params: Params) -> _Outcome:
-        """Connect when ``conn`` is None, run the statement, close a broken connection."""
+    def _all_blocking(self, conn: Any, text: str, values: tuple[Any, ...] | None) -> _Outcome:
+        """Connect when ``conn`` is None, run the statement (as :func:`_alone` made it),
+        close a broken connection. Any error is returned with the connection, never
+        raised: the caller gives the connection back."""
         if conn is None:
             try:
                 conn = self._connect()
             except (pg8000.exceptions.Error, OSError) as exc:
                 return _Outcome(None, [], exc, connecting=True)
         try:
-            return _Outcome(conn, _execute_alone(conn, sql, params), None)
-        except (pg8000.exceptions.Error, OSError) as exc:
+            return _Outcome(conn, _run_alone(conn, text, values), None)
+        except Exception as exc:
             if _broken(exc):
                 _close_quietly(conn)
                 conn = None
@@ -384,6 +405,7 @@ class Pg8000PoolAdapter(SqlAdapter):
         Opening a connection (none idle), the statement and closing a connection it
         found broken all happen in that one call.
         """
+        statement = _alone(sql, params)  # a placeholder mismatch raises before a connection
         async with self._slot():
             conn = self._idle.pop() if self._idle else None
             # The worker thread runs to its end whatever happens to the caller (pg8000's
@@ -391,7 +413,7 @@ class Pg8000PoolAdapter(SqlAdapter):
             # caller returns a healthy connection to the pool instead of closing it (and,
             # through PgBouncer, logging in again on the next call).
             with anyio.CancelScope(shield=True):
-                done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
+                done = await anyio.to_thread.run_sync(self._all_blocking, conn, *statement)
                 if done.conn is not None:
                     await self._release(done.conn, None)
         rows = await self._rows(done)
@@ -402,11 +424,12 @@ class Pg8000PoolAdapter(SqlAdapter):
         """Run one statement on the reserved connection (on the pool while it is busy)."""
         if self._reserved_busy:
             return await self.all(sql, params)
+        statement = _alone(sql, params)
         self._reserved_busy = True
         try:
             conn, self._reserved = self._reserved, None
             with anyio.CancelScope(shield=True):  # as in all()
-                done = await anyio.to_thread.run_sync(self._all_blocking, conn, sql, params)
+                done = await anyio.to_thread.run_sync(self._all_blocking, conn, *statement)
                 if done.conn is not None:
                     if not self._keeps(done.conn, None):
                         await anyio.to_thread.run_sync(_close_quietly, done.conn)

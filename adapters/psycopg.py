@@ -11,6 +11,10 @@ cancellation as the statement returns, inside the block, which rolls back; a blo
 ended commits, shielded (the commit is reported as done), and the cancellation comes at
 the caller's next checkpoint.
 
+With or without parameters, psycopg gets them (an empty tuple for none), so ``%%`` is a
+literal percent sign and a ``%`` that starts no placeholder is refused as with pg8000
+(:mod:`adapters._placeholders`).
+
 A statement is never interrupted because its caller was cancelled (a scheduler's deadline,
 a lost lease): psycopg would then send a cancel request on a new connection and, cancelled
 again while waiting for it, close the connection, which through PgBouncer costs a new

@@ -3,7 +3,8 @@
 :class:`~backends.postgres.PostgresBackend` talks to PostgreSQL only through an
 :class:`SqlAdapter`. SQL text uses ``%s`` placeholders with positional parameters, or
 ``%(name)s`` placeholders with a mapping (where a statement uses a value more than once),
-and ``%%`` for a literal percent sign, whatever the driver. The protocol itself is
+and ``%%`` for a literal percent sign, whatever the driver and whether parameters are
+given or not (a ``%`` that starts neither is refused). The protocol itself is
 defined in :mod:`adapters.base` (re-exported here), which the driver modules build on;
 this module adds the factory, so that no driver module imports it.
 

@@ -21,10 +21,12 @@ from psycopg_pool import ConnectionPool
 
 from adapters.pg8000 import Pg8000ConnectionAdapter, Pg8000PoolAdapter, pg8000_params
 from adapters.psycopg import (
+    PsycopgDsnAdapter,
     PsycopgSyncConnectionAdapter,
     PsycopgSyncPoolAdapter,
 )
 from adapters.sql import SqlAdapter
+from lease_core.errors import ConfigurationError
 from lease_core.testing import wait_for
 from tests.stores.postgres import PgServer
 
@@ -218,3 +220,83 @@ async def test_sync_psycopg_block_cancelled_during_a_statement_rolls_back(
         conn.close()
         holder.close()
         await _drop(pg16_server.admin_dsn, table)
+
+
+# -- 3. pg8000: placeholders that do not match the parameters -----------------------------
+
+
+async def test_pg8000_placeholder_mismatch_is_a_configuration_error_and_keeps_the_connection(
+    pg16_server: PgServer,
+) -> None:
+    adapter = Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1)
+    await adapter.open()
+    try:
+        pid = await adapter.all("SELECT pg_backend_pid()")
+        for _ in range(3):
+            with pytest.raises(ConfigurationError, match=r"2 placeholder\(s\) but 1 parameter"):
+                await adapter.all("SELECT %s::int, %s::int", (1,))
+            with pytest.raises(ConfigurationError, match=r"1 placeholder\(s\) but 2 parameter"):
+                await adapter.all_reserved("SELECT %s::int", (1, 2))
+            with pytest.raises(ConfigurationError, match="placeholders"):
+                await adapter.all("SELECT %(x)s::int", ())
+        # The pooled connection was neither lost nor replaced.
+        assert await adapter.all("SELECT pg_backend_pid()") == pid
+        async with adapter.transaction() as tx:
+            with pytest.raises(ConfigurationError, match=r"2 placeholder\(s\) but 1 parameter"):
+                await tx.all("SELECT %s::int, %s::int", (1,))
+        assert await adapter.all("SELECT pg_backend_pid()") == pid
+    finally:
+        await adapter.close()
+
+
+# -- 4. pg8000: a negative number written after a minus sign ------------------------------
+
+
+async def test_pg8000_negative_numbers_after_a_minus_sign(pg16_server: PgServer) -> None:
+    adapter = Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1)
+    await adapter.open()
+    try:
+        assert await adapter.all("SELECT 10-%s::int, 'after'", (-5,)) == [(15, "after")]
+        assert await adapter.all("SELECT 1-%s::float8, 'after'", (-1.5,)) == [(2.5, "after")]
+        assert await adapter.all("SELECT %s::int[], 'after'", ([-2, 3],)) == [([-2, 3], "after")]
+    finally:
+        await adapter.close()
+
+
+# -- 5. %% and a stray % are the same on both drivers, with or without parameters ---------
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg-sync", "pg8000"])
+async def test_percent_signs_follow_one_rule_whatever_the_driver(
+    pg16_server: PgServer, driver: str, anyio_backend: str
+) -> None:
+    if driver == "psycopg" and anyio_backend != "asyncio":
+        pytest.skip("psycopg's async pool needs asyncio")
+    pool = None
+    adapter: SqlAdapter
+    if driver == "psycopg":
+        adapter = PsycopgDsnAdapter(pg16_server.dsn, max_size=1)
+    elif driver == "psycopg-sync":
+        pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=1, open=True)
+        adapter = PsycopgSyncPoolAdapter(pool)
+    else:
+        adapter = Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1)
+    await adapter.open()
+    try:
+        assert await adapter.all("SELECT '100%%'") == [("100%",)]
+        assert await adapter.all("SELECT '100%%', %s::int", (1,)) == [("100%", 1)]
+        async with adapter.transaction() as tx:
+            assert await tx.all("SELECT '100%%'") == [("100%",)]
+            assert await tx.all("SELECT 'a%%s'") == [("a%s",)]
+        refused = (ConfigurationError, psycopg.ProgrammingError)
+        for sql in ("SELECT '100%'", "SELECT 'a%sb'"):
+            with pytest.raises(refused):
+                await adapter.all(sql)
+        # Several statements without parameters still go as one (the simple protocol; the
+        # drivers differ in which rows they return).
+        assert await adapter.all("SELECT 1; SELECT '5%%'") in (
+            [(1,)], [("5%",)], [(1,), ("5%",)])
+    finally:
+        await adapter.close()
+        if pool is not None:
+            pool.close()
