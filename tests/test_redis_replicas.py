@@ -21,7 +21,7 @@ import redis
 from adapters.redis import redis_adapter
 from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, find_server
 from backends.redis import RedisBackend
-from lease_core._structures import ClaimRequest, ClaimStatus
+from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Reason, RunStatus
 from lease_core.errors import BackendUnavailable, ConfigurationError
 from tests.helpers import wait_for
 from tests.stores import missing_service
@@ -117,3 +117,43 @@ async def test_wait_replicas_is_refused_on_a_cluster(
             await plain.close()
     finally:
         await client.aclose()
+
+
+# -- claims --------------------------------------------------------------------------------
+
+
+async def test_a_claim_the_replicas_missed_is_handed_over(
+        group: tuple[EmbeddedRedis, EmbeddedRedis], primary: EmbeddedRedis) -> None:
+    prefix = f"w{uuid.uuid4().hex[:10]}"
+    waited = _backend(primary, prefix, wait_replicas=1, wait_timeout=WAIT)
+    plain = _backend(primary, prefix)
+    await waited.start()
+    await plain.start()
+    try:
+        async with stalled(group):
+            with pytest.raises(BackendUnavailable, match="the claim of 'once' slot 1 was "
+                                                         "acknowledged by 0 of"):
+                await waited.claim(ClaimRequest("once", 1, "i1", "t1", 30_000,
+                                                max_attempts=1))
+            with pytest.raises(BackendUnavailable, match="the claims of 2 runs"):
+                await waited.claim_many([ClaimRequest("many", slot, "i1", f"m{slot}", 30_000,
+                                                      overlap_skip=False)
+                                         for slot in (1, 2)])
+            # not left running under a token nobody holds: handed over at once
+            found = (await plain.check([("once", 1), ("many", 1), ("many", 2)])).runs
+            assert {run: state.status for run, state in found.items()} == {
+                ("once", 1): RunStatus.HANDED_OVER, ("many", 1): RunStatus.HANDED_OVER,
+                ("many", 2): RunStatus.HANDED_OVER}
+            assert (await plain.heartbeat([Lease("once", 1, "t1", 30_000)])).held == set()
+        # a backup takes it over at once, and the hand-over does not count toward
+        # max_attempts=1: the run that never ran is not escalated
+        taken = await plain.claim(ClaimRequest("once", 1, "i2", "t2", 30_000,
+                                               max_attempts=1))
+        assert (taken.status, taken.reason, taken.attempt) == (
+            ClaimStatus.WON, Reason.HAND_OVER, 2)
+        again = await waited.claim(ClaimRequest("many", 1, "i1", "m1b", 30_000,
+                                                overlap_skip=False))
+        assert again.status is ClaimStatus.WON  # the replica is back: acknowledged
+    finally:
+        await waited.close()
+        await plain.close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from adapters.redis import Command
-from lease_core._structures import ClaimRequest, ClaimResult, ClaimStatus, JobInfo
+from lease_core._structures import ClaimRequest, ClaimResult, ClaimStatus, JobInfo, Lease
+from lease_core.errors import BackendUnavailable
 
 from .core import RedisStore
 from .replies import as_text, claim_fields, claim_result, counted_replies
@@ -113,8 +115,28 @@ class RedisClaims(RedisStore):
         if won and self.wait_replicas is not None:
             what = (f"the claim of {won[0].job!r} slot {won[0].slot}" if len(won) == 1
                     else f"the claims of {len(won)} runs")
-            self._check_wait(replies[-1], what)
+            try:
+                self._check_wait(replies[-1], what)
+            except BackendUnavailable:
+                await self._give_back(requests, results)
+                raise
         return results
+
+    async def _give_back(self, requests: Sequence[ClaimRequest],
+                         results: Sequence[ClaimResult]) -> None:
+        """Hand over the runs won by claims too few replicas acknowledged (best-effort).
+
+        Not held, such a run would stay ``running`` with a token nobody holds until its
+        lease expired, and the next claim would count a takeover (escalating it at once
+        under ``max_attempts=1``, although it never ran). Handed over, a backup (or this
+        instance's next claim) takes it over at once, and a hand-over is not counted
+        toward ``max_attempts``. A hand-over that fails leaves the run to expire as before.
+        """
+        leases = [Lease(request.job, request.slot, request.token, int(request.lease_ms))
+                  for request, result in zip(requests, results, strict=True)
+                  if result.status is ClaimStatus.WON]
+        with contextlib.suppress(Exception):
+            await self.hand_over(leases)
 
     def _remember(self, requests: Sequence[ClaimRequest], fields: Sequence[Sequence[Any]],
                   results: Sequence[ClaimResult]) -> None:
