@@ -15,12 +15,14 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
+import anyio
 import pytest
 import redis
 
 from adapters.redis import redis_adapter
 from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, find_server
 from backends.redis import RedisBackend
+from lease_core import Lease as NamedLease
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Reason, RunStatus
 from lease_core.errors import BackendUnavailable, ConfigurationError
 from tests.helpers import wait_for
@@ -157,3 +159,58 @@ async def test_a_claim_the_replicas_missed_is_handed_over(
     finally:
         await waited.close()
         await plain.close()
+
+
+# -- named leases --------------------------------------------------------------------------
+
+
+async def test_a_named_lease_the_replicas_missed_is_not_held(
+        group: tuple[EmbeddedRedis, EmbeddedRedis], primary: EmbeddedRedis) -> None:
+    prefix = f"w{uuid.uuid4().hex[:10]}"
+    waited = _backend(primary, prefix, wait_replicas=1, wait_timeout=WAIT)
+    plain = _backend(primary, prefix)
+    await waited.start()
+    await plain.start()
+    try:
+        async with stalled(group):
+            with pytest.raises(BackendUnavailable, match="the acquire of lease 'leader' was "
+                                                         "acknowledged by 0 of"):
+                await waited.acquire_lease("leader", "h1", 30_000)
+            # released at once: another holder takes it now, not 30 s later
+            assert (await plain.acquire_lease("leader", "h2", 30_000)).held
+            # through lease_core.Lease: acquire() raises the store's error, holding nothing
+            lease = NamedLease(_backend(primary, prefix, wait_replicas=1, wait_timeout=WAIT),
+                               "other", ttl="30s")
+            with pytest.raises(BackendUnavailable, match="the acquire of lease 'other'"):
+                await lease.acquire(timeout=0)
+            assert not lease.held
+            assert (await plain.acquire_lease("other", "h2", 30_000)).held
+    finally:
+        await waited.close()
+        await plain.close()
+
+
+async def test_a_named_lease_renewal_the_replicas_missed_fails(
+        group: tuple[EmbeddedRedis, EmbeddedRedis], primary: EmbeddedRedis) -> None:
+    prefix = f"w{uuid.uuid4().hex[:10]}"
+    waited = _backend(primary, prefix, wait_replicas=1, wait_timeout=WAIT)
+    await waited.start()
+    lease = NamedLease(_backend(primary, prefix, wait_replicas=1, wait_timeout=WAIT),
+                       "renewed", ttl="1s")
+    try:
+        held = await waited.acquire_lease("leader", "h1", 30_000)
+        assert held.held
+        assert await lease.acquire(timeout=0)
+        async with stalled(group):
+            with pytest.raises(BackendUnavailable, match="the renewal of lease 'leader'"):
+                await waited.renew_lease("leader", held.token, 30_000)
+            # lease_core.Lease retries the failed renewals until its ttl runs out, then
+            # the lease is lost
+            with anyio.fail_after(10):
+                await lease.lost.wait()
+            assert not lease.held
+            assert "no renewal succeeded within the ttl" in str(lease.lost_error)
+        assert await waited.renew_lease("leader", held.token, 30_000) is not None
+    finally:
+        await lease.release()
+        await waited.close()
