@@ -69,11 +69,21 @@ claim; finished runs with no attempt left are deleted, so a job's keys stay boun
 Open runs are never deleted.
 
 ``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim, a
-heartbeat, a finish (single or batched), a retry, a checkpoint or an operation. When
-fewer replicas acknowledge a call that wrote, the claim does **not** count as won, the
-heartbeat is not counted as renewed, the finish is not taken as done: each raises
+heartbeat, a finish (single or batched), a retry, a checkpoint, an operation, and a named
+lease's acquire or renewal. When fewer replicas acknowledge a call that wrote, the claim
+does **not** count as won, the heartbeat is not counted as renewed, the finish is not
+taken as done, the named lease is not held: each raises
 :class:`~lease_core.errors.BackendUnavailable`. The unacknowledged write stays in the
-primary; an unheld claim until its lease expires (a backup then takes it over).
+primary; the runs an unacknowledged claim won are handed over at once (best-effort, as
+:meth:`RedisBackend.hand_over`: not counted toward ``max_attempts``), so a backup takes
+them over without waiting for the lease to expire, and an unacknowledged named lease is
+released at once (see :mod:`~backends.redis.named`). Only a call that wrote is checked:
+a finish sent again after one that raised finds its run already ended, writes nothing
+and answers ``False`` (the token lost its run) without a ``WAIT``, so it does not tell
+whether the replicas have the first one by then. ``wait_replicas`` is refused on a
+Cluster (:class:`~lease_core.errors.ConfigurationError`, at construction for a Cluster
+client, else at start): ``WAIT`` names no key, so the Cluster client would send it to a
+node that made none of the writes.
 
 Fences (issue 21): every claim reply carries the job's epoch as ``ClaimResult.epoch``:
 the later of ``lost`` (below) and ``ep``, set when the job's first attempt won on a
@@ -85,7 +95,10 @@ quarantined (``quiet``, below) for the longest lease known (at least the claim's
 since a holder whose claim or renewals the failover lost may still run until its next
 heartbeat; a plain restart starts the epoch only. A claim
 also finds a loss when the job's history sequence (``seq``) is below the highest one the
-caller saw. Named leases: see :mod:`~backends.redis.named`.
+caller saw. Named leases: see :mod:`~backends.redis.named`. The epochs are the servers'
+clocks, so fencing across a failover assumes the servers' clocks agree: a promoted
+server whose clock is behind the start of the last epoch starts the new epoch lower,
+below fences handed out before the failover.
 
 Data loss. Data survives a server restart only as far as the server persists it (RDB or
 AOF), and a failover to a lagging replica loses the newest writes. The first

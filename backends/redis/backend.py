@@ -25,10 +25,19 @@ class RedisBackend(RedisNamedLeases, RedisOperations, RedisClaims, RedisLeases, 
 
     ``prefix`` starts every key (see the module docs for the layout); ``namespace`` is
     another name for it (the keyword every backend accepts). ``wait_replicas``
-    makes claims, heartbeats, finishes, checkpoints and operations wait, up to
-    ``wait_timeout``, for that many replicas to acknowledge them; a short count raises
-    :class:`~lease_core.errors.BackendUnavailable` instead of winning, renewing or
-    finishing.
+    makes claims, heartbeats, finishes, checkpoints, operations and named leases'
+    acquires and renewals wait, up to ``wait_timeout``, for that many replicas to
+    acknowledge them; a short count raises :class:`~lease_core.errors.BackendUnavailable`
+    instead of winning, renewing, finishing or holding (the runs such a claim won are
+    handed over at once, such a named lease released; see the module docs). A finish
+    sent again after an unacknowledged one writes nothing and is not checked again.
+    ``wait_replicas`` cannot be used on a Redis Cluster: it raises
+    :class:`~lease_core.errors.ConfigurationError` (at construction for a Cluster client,
+    else at :meth:`start`); use a standalone primary with replicas, or Sentinel, to wait
+    for replicas, or drop ``wait_replicas``.
+
+    Fencing across a failover assumes the Redis servers' clocks agree (the epochs are
+    their clocks; see the module docs).
 
     A call made before :meth:`start` starts the backend itself; :meth:`close` then
     releases that hold like any other.
