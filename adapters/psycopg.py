@@ -205,13 +205,19 @@ async def _single_settled(conn: psycopg.AsyncConnection[Any], where: str, sql: s
 
 
 async def _abandon(conn: psycopg.AsyncConnection[Any], where: str) -> None:
-    """Close ``conn``, whose call outlived its grace period, and raise BackendUnavailable."""
+    """Close ``conn``, whose call outlived its grace period, and raise BackendUnavailable.
+
+    (psycopg, interrupted, would cancel the statement in the server and keep the
+    connection, but the cancel scope interrupts that too, and psycopg then closes it.) A
+    pool replaces the connection; a backend made on one connection needs a new one, which
+    the error says."""
     await conn.close()
     logger.warning("PostgreSQL%s did not answer in time after its caller gave up; "
                    "connection closed", f" at {where}" if where else "")
     raise BackendUnavailable(
         f"PostgreSQL{' at ' + where if where else ''} did not answer in time after its "
-        "caller gave up; the connection was closed"
+        "caller gave up; the connection was closed (a pool replaces it; a backend made "
+        "on one connection needs a new connection)"
     )
 
 
@@ -457,7 +463,11 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
 
 
 class PsycopgConnectionAdapter(SqlAdapter):
-    """Queue statements, one at a time, on one psycopg ``AsyncConnection``; never closed."""
+    """Queue statements, one at a time, on one psycopg ``AsyncConnection``.
+
+    The backend's ``close()`` leaves the connection open. A statement still running past
+    its caller's deadline plus the grace period closes it, as any adapter's (its error
+    says so): the backend then needs a new connection."""
 
     concurrent = False
 

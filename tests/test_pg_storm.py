@@ -106,6 +106,19 @@ async def test_a_statement_still_running_after_the_grace_period_is_given_up(
         await adapter.close()
 
 
+@pytest.mark.asyncio_only
+async def test_a_backend_on_one_connection_given_up_says_it_needs_a_new_one(
+    pg16_server: PgServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(adapters.base, "CANCEL_GRACE_S", 0.2)
+    async with await psycopg.AsyncConnection.connect(pg16_server.dsn, autocommit=True) as conn:
+        adapter = adapter_for(conn)
+        with pytest.raises(BackendUnavailable, match="needs a new connection"):
+            with anyio.move_on_after(0.05):
+                await adapter.all("SELECT pg_sleep(5)")
+        assert conn.closed
+
+
 def _request(job: str, slot: int, token: str) -> ClaimRequest:
     return ClaimRequest(job, slot, f"i-{token}", token, 60_000)
 
