@@ -11,7 +11,9 @@ A slot then costs about one claim whatever the number of instances, jobs (and so
 bursts) spread evenly over the members, and a member joining or leaving moves only its
 share of jobs. An instance stopping gracefully leaves at once
 (:meth:`Backend.leave <lease_core.abc.Backend.leave>`), so the others re-rank its jobs at
-their next renewal rather than once its membership lapses. Members that disagree about
+their next renewal rather than once its membership lapses: a member that finds a slot
+unclaimed at its turn renews at its next tick (:meth:`Fleet.renew_soon`), so only the
+first slot after the stop is claimed a check interval late. Members that disagree about
 the membership cost an extra claim or an interval's delay, never a second winner (the
 store decides the claim).
 
@@ -78,13 +80,25 @@ class Fleet:
         self._ranks: dict[str, int] = {}
         self._renewed = -math.inf
         self._left = False
+        self._soon = False
         self._group = ""
         """This instance's group, once it first renews (its jobs are declared by then)."""
 
     def renewal_due(self) -> bool:
-        """True when half a lease passed since the last renewal (the membership lasts one)."""
+        """True when half a lease passed since the last renewal (the membership lasts one),
+        or a check interval since it when :meth:`renew_soon` asked for one."""
         settings = self._s.settings
-        return settings.clock() - self._renewed >= settings.lease / 2
+        since = settings.clock() - self._renewed
+        if self._soon and since >= settings.heartbeat:
+            return True
+        return since >= settings.lease / 2
+
+    def renew_soon(self) -> None:
+        """Renew at the next tick (at most once a check interval): a slot ranked to another
+        member was found unclaimed at this member's turn, so the membership it was ranked
+        by may be out of date (a member that stopped gracefully has left; the others
+        would rank it first until their next renewal, half a lease later)."""
+        self._soon = True
 
     def rank(self, job: str) -> int:
         """This instance's turn for ``job``, in check intervals: 0 when it claims first
@@ -124,6 +138,7 @@ class Fleet:
         if self._left:
             return  # a stopping instance's ticks must not join again
         previous, self._renewed = self._renewed, settings.clock()
+        self._soon = False
         self._group = self._group or group_of(self._s.jobs)
         try:
             members = await settings.backend.members(self._name, to_ms(settings.lease))

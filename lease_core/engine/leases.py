@@ -245,6 +245,8 @@ class LeaseKeeper:
             return False
         if now_ms >= run.claim_after:
             claims.append((run.job, run.slot, run.reclaim_reason or Reason.SCHEDULED))
+            if state is None:  # nobody claimed it: the member ranked first may be gone
+                self._s.fleet.renew_soon()
             return False
         return True
 
