@@ -16,7 +16,7 @@ from psycopg_pool import PoolTimeout
 
 from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
 
-from .base import Params, TransientError, pooler_hint, redact
+from .base import GAVE_UP_STATES, Params, TransientError, gave_up, pooler_hint, redact
 
 __all__ = ["translate_error"]
 
@@ -71,6 +71,8 @@ def translate_error(
         return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
     if state in _CONFIG_STATES:
         return ConfigurationError(f"PostgreSQL refused the statement{at}: {text}")
+    if state in GAVE_UP_STATES:
+        return BackendUnavailable(gave_up(at, text))
     if isinstance(exc, PoolTimeout):
         return BackendUnavailable(
             f"no pooled connection to PostgreSQL{at} became free in time ({text}): every "

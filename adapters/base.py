@@ -29,6 +29,7 @@ from lease_core.errors import BackendUnavailable, ConfigurationError
 
 __all__ = [
     "CANCEL_GRACE_S",
+    "GAVE_UP_STATES",
     "Executor",
     "Params",
     "Row",
@@ -36,6 +37,7 @@ __all__ = [
     "TransientError",
     "conninfo_params",
     "dsn_query",
+    "gave_up",
     "pooler_hint",
     "redact",
     "settle_scope",
@@ -85,6 +87,18 @@ def pooler_hint(message: str) -> str:
             "to the database failed, as at each database restart: lower server_login_retry "
             "in pgbouncer.ini below your shortest lease and job interval (the default is "
             "15 in PgBouncer 1.18; fractions such as 0.2 work)")
+
+
+#: SQLSTATEs of a statement the server gave up on a timeout of its own: 57014
+#: (``statement_timeout``, or a cancel request) and 55P03 (``lock_timeout``, ``NOWAIT``).
+#: The connection is fine; both drivers raise :class:`BackendUnavailable` saying so.
+GAVE_UP_STATES = frozenset({"57014", "55P03"})
+
+
+def gave_up(at: str, text: str) -> str:
+    """The message of an error of :data:`GAVE_UP_STATES` (``at``: `` at host:port``)."""
+    return (f"PostgreSQL{at} gave the statement up: {text} (a statement_timeout or "
+            "lock_timeout ran out, or it was cancelled); the connection is kept")
 
 
 class TransientError(BackendUnavailable):

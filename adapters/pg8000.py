@@ -53,7 +53,16 @@ from lease_core.errors import AuthenticationFailed, BackendUnavailable, Configur
 
 from ._pg8000_params import PG8000_PARAMS, SSL_MODES, pg8000_params
 from ._placeholders import inline_parameters, numbered, sql_literal
-from .base import Executor, Params, Row, SqlAdapter, TransientError, redact
+from .base import (
+    GAVE_UP_STATES,
+    Executor,
+    Params,
+    Row,
+    SqlAdapter,
+    TransientError,
+    gave_up,
+    redact,
+)
 
 __all__ = [
     "PG8000_PARAMS",
@@ -84,6 +93,8 @@ def translate_error(exc: Exception, *, where: str = "", secret: str | None = Non
             return AuthenticationFailed(
                 f"PostgreSQL{at} refused the login: {text} (check the user and password)"
             )
+        if state in GAVE_UP_STATES:
+            return BackendUnavailable(gave_up(at, text))
         if state[:2] in ("08", "53", "57", "58"):
             return BackendUnavailable(f"cannot reach PostgreSQL{at}: {text}")
         return exc  # type: ignore[no-any-return]
@@ -98,6 +109,7 @@ def _broken(exc: BaseException) -> bool:
         and bool(exc.args)
         and isinstance(exc.args[0], dict)
         and exc.args[0].get("C", "")[:2] in ("08", "57")
+        and exc.args[0].get("C", "") not in GAVE_UP_STATES
     )
 
 

@@ -26,7 +26,7 @@ from adapters.psycopg import (
     PsycopgSyncPoolAdapter,
 )
 from adapters.sql import SqlAdapter
-from lease_core.errors import ConfigurationError
+from lease_core.errors import BackendUnavailable, ConfigurationError
 from lease_core.testing import wait_for
 from tests.stores.postgres import PgServer
 
@@ -266,12 +266,12 @@ async def test_pg8000_negative_numbers_after_a_minus_sign(pg16_server: PgServer)
 # -- 5. %% and a stray % are the same on both drivers, with or without parameters ---------
 
 
-@pytest.mark.parametrize("driver", ["psycopg", "psycopg-sync", "pg8000"])
+@pytest.mark.parametrize(("anyio_backend", "driver"), [  # psycopg's async pool: asyncio
+    ("asyncio", "psycopg"), ("asyncio", "psycopg-sync"), ("trio", "psycopg-sync"),
+    ("asyncio", "pg8000"), ("trio", "pg8000")])
 async def test_percent_signs_follow_one_rule_whatever_the_driver(
-    pg16_server: PgServer, driver: str, anyio_backend: str
+    pg16_server: PgServer, driver: str
 ) -> None:
-    if driver == "psycopg" and anyio_backend != "asyncio":
-        pytest.skip("psycopg's async pool needs asyncio")
     pool = None
     adapter: SqlAdapter
     if driver == "psycopg":
@@ -300,3 +300,28 @@ async def test_percent_signs_follow_one_rule_whatever_the_driver(
         await adapter.close()
         if pool is not None:
             pool.close()
+
+
+# -- 6. a statement the server gave up on its own timeout --------------------------------
+
+
+@pytest.mark.parametrize(("anyio_backend", "driver"),  # psycopg's async pool: asyncio
+                         [("asyncio", "psycopg"), ("asyncio", "pg8000"), ("trio", "pg8000")])
+async def test_a_statement_timeout_is_said_so_the_same_way_and_keeps_the_connection(
+    pg16_server: PgServer, driver: str
+) -> None:
+    """psycopg said "cannot reach PostgreSQL", pg8000 raised its own error and closed the
+    connection: both now raise BackendUnavailable saying the server gave it up."""
+    adapter: SqlAdapter = (PsycopgDsnAdapter(pg16_server.dsn, max_size=1) if driver == "psycopg"
+                           else Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1))
+    await adapter.open()
+    try:
+        pid = await adapter.all("SELECT pg_backend_pid()")
+        with pytest.raises(BackendUnavailable, match="gave the statement up") as raised:
+            async with adapter.transaction() as tx:
+                await tx.all("SELECT set_config('statement_timeout', '50', true)")
+                await tx.all("SELECT pg_sleep(2)")
+        assert "cannot reach" not in str(raised.value)
+        assert await adapter.all("SELECT pg_backend_pid()") == pid
+    finally:
+        await adapter.close()
