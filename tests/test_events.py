@@ -252,15 +252,16 @@ async def test_unsubscribing_while_running_releases_the_subscriber() -> None:
 
 
 class FinishUnanswered(MemoryBackend):
-    """A store whose first finish gets no answer (it raises as a dropped connection)."""
+    """A store whose finishes of the first attempt get no answer (they raise as a dropped
+    connection), also when sent again within the lease."""
 
-    unanswered = 1
+    token: str | None = None
 
-    async def finish_many(self, *args: Any, **kwargs: Any) -> Any:
-        if self.unanswered:
-            self.unanswered -= 1
+    async def finish_many(self, items: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(self.token in (None, lease.token) for lease, _, _ in items):
+            self.token = self.token or items[0][0].token
             raise BackendUnavailable("finish unanswered (test)")
-        return await super().finish_many(*args, **kwargs)
+        return await super().finish_many(items, *args, **kwargs)
 
 
 async def test_an_attempt_whose_finish_is_unanswered_still_reports_its_end() -> None:

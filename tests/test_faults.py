@@ -31,7 +31,7 @@ from lease_core._structures import (
     Lease,
 )
 from lease_core.testing import awaiting_hand_over, backend_users, claim_now
-from tests.helpers import Instance, quiet_offset, wait_for, wait_history
+from tests.helpers import Instance, quiet_offset, quiet_offset_now, wait_for, wait_history
 
 pytestmark = pytest.mark.anyio
 
@@ -507,3 +507,51 @@ async def test_slots_whose_claims_failed_while_the_store_answered_are_all_claime
     recorded = {a.slot for a in history}
     # each one run, or recorded skipped behind a run of an earlier one
     assert all(slot in recorded for slot in failed), (failed, sorted(recorded))
+
+
+class FinishLostOnce(MemoryBackend):
+    """A memory backend whose first finish fails: before the store applied it, or after
+    (its answer lost with the connection)."""
+
+    def __init__(self, applied: bool) -> None:
+        super().__init__()
+        self.applied = applied
+        self.failed = False
+
+    async def finish_many(self, items: Sequence[tuple[Lease, Outcome, str | None]]) -> list[bool]:
+        if self.failed:
+            return await super().finish_many(items)
+        self.failed = True
+        if self.applied:
+            await super().finish_many(items)
+        raise BackendUnavailable("the connection dropped (test)")
+
+
+@pytest.mark.parametrize("applied", [False, True])
+async def test_a_finish_the_store_did_not_answer_is_sent_again_within_the_lease(
+    applied: bool,
+) -> None:
+    """Backed up at once, a completed run whose finish met a blip of the store was taken
+    over when its lease ran out, and its handler ran again (with max_attempts=1, the run
+    was escalated). The finish is sent again a check interval later: one attempt, one
+    handler call, reported Completed."""
+    backend = FinishLostOnce(applied)
+    s = Scheduler(backend, instance_id="a", lease="0.9s", heartbeat="0.2s")
+    calls: list[int] = []
+    ended: list[str] = []
+    s.every("export", "1h", lambda ctx: calls.append(ctx.attempt), max_attempts=1,
+            offset=quiet_offset_now())
+    s.subscribe(lambda e: ended.append(type(e).__name__)
+                if type(e).__name__ in ("Completed", "Lost", "Failed") else None)
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = s.jobs["export"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "export", slot)
+        history = await wait_history(s, lambda h: any(x.outcome for x in h), job="export")
+        await wait_for(lambda: ended, timeout=5, what="the attempt's end reported")
+        await i.stop()
+    assert backend.failed
+    assert [(x.attempt, x.outcome) for x in history] == [(1, Outcome.COMPLETED)]
+    assert calls == [1]
+    assert ended == ["Completed"]

@@ -362,10 +362,11 @@ async def test_the_agent_at_capacity_claims_the_next_step_past_trimmed_history_l
 
 
 class FinishFailsOnce:
-    """A backend wrapper whose first finish of ``job``'s runs does not reach the store."""
+    """A backend wrapper whose finishes of the first attempt of ``job``'s runs never
+    reach the store (sent again within the lease, they fail again)."""
 
     def __init__(self, inner: Any, job: str) -> None:
-        self.inner, self.job, self.failed = inner, job, False
+        self.inner, self.job, self.token = inner, job, None
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self.inner, attr)
@@ -374,9 +375,10 @@ class FinishFailsOnce:
 
         async def finish(items: Any, *args: Any) -> Any:
             leases = [item[0] for item in items] if attr == "finish_many" else [items]
-            if not self.failed and any(lease.job == self.job for lease in leases):
-                self.failed = True
-                raise BackendUnavailable("the finish did not reach the store")
+            for lease in leases:
+                if lease.job == self.job and self.token in (None, lease.token):
+                    self.token = lease.token
+                    raise BackendUnavailable("the finish did not reach the store")
             return await value(items, *args)
         return finish
 

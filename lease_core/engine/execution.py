@@ -10,6 +10,7 @@ one ``finish_many`` call), or backs the run up when its lease was lost.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -328,6 +329,17 @@ class Executor:
         report()
         return False
 
+    async def _ended_by(self, run: Run, outcome: Outcome) -> bool:
+        """Whether the store has ``run`` ended with ``outcome`` by this attempt: a finish
+        sent again after one whose answer was lost is refused when that one was
+        recorded."""
+        lease, execution = run.lease, run.execution
+        assert lease is not None
+        state = await self._state_in_store(lease)
+        return (state is not None and execution is not None
+                and state.attempt == execution.ctx.attempt
+                and state.status == RunStatus(outcome.value))
+
     def _completed_here(self, run: Run, attempt: int) -> bool:
         """Whether this attempt completed the run itself: the store's completed attempt is
         this one, and it opened a transaction that completes it
@@ -457,26 +469,45 @@ class Executor:
     async def _finish(self, run: Run, outcome: Outcome, error: str | None) -> bool | None:
         """Record the outcome in the store: True when recorded, False when the store
         refused it (the token no longer holds the run), None when unknown (the caller
-        then backs the run up)."""
-        lease = run.lease
+        then backs the run up).
+
+        A finish that failed (the store did not answer) is sent again, a check interval
+        later, while the lease is still this attempt's: backed up at once, the run would
+        be taken over once its lease ran out, and its handler run again (or, past
+        ``max_attempts``, the run escalated), for a blip of the store. Sent again after
+        it was recorded, the store refuses it, and :meth:`settle_refused` finds the run
+        ended by this attempt."""
+        lease, execution = run.lease, run.execution
         assert lease is not None
-        finished: bool | None = None
+        s = self._s
         name, slot = run.job.name, lease.slot
-        with anyio.move_on_after(10, shield=True):  # unanswered by then: None
-            # With the other finishes of this instant, in one finish_many call. Only a
-            # handler still running here, or one whose claim is being answered, can end
-            # in the next turns: with none, waiting turns for their finishes would be a
-            # loop turn per run for nothing.
-            s = self._s
-            (answer,) = await self._finisher.call_many(
-                [(lease, outcome, error)],
-                collect=s.runs.held_count > 0 or s.claims.in_flight > 0)
-            if isinstance(answer, Exception):
-                if not isinstance(answer, Abandoned):
-                    self._s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
-            else:
-                finished = answer
-                if not finished:
-                    logger.warning("%s slot %s: lease lost before finishing (%s)",
-                                   name, format_slot(slot), outcome)
-        return finished
+        deadline = math.inf if execution is None else execution.deadline
+        sent_before = False
+        while True:
+            failed = False
+            finished: bool | None = None
+            with anyio.move_on_after(10, shield=True):  # unanswered by then: None
+                # With the other finishes of this instant, in one finish_many call. Only
+                # a handler still running here, or one whose claim is being answered, can
+                # end in the next turns: with none, waiting turns for their finishes
+                # would be a loop turn per run for nothing.
+                (answer,) = await self._finisher.call_many(
+                    [(lease, outcome, error)],
+                    collect=s.runs.held_count > 0 or s.claims.in_flight > 0)
+                if isinstance(answer, Exception):
+                    failed = not isinstance(answer, Abandoned)
+                    if failed:
+                        s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
+                else:
+                    finished = answer
+                    if not finished and sent_before:
+                        finished = await self._ended_by(run, outcome) or False
+                    if not finished:
+                        logger.warning("%s slot %s: lease lost before finishing (%s)",
+                                       name, format_slot(slot), outcome)
+            sent_before = True
+            pause = s.settings.heartbeat
+            if not failed or s.crashed or anyio.current_time() + pause >= deadline:
+                return finished
+            with anyio.CancelScope(shield=True):  # bounded by the lease
+                await anyio.sleep(pause)
