@@ -555,3 +555,27 @@ async def test_a_finish_the_store_did_not_answer_is_sent_again_within_the_lease(
     assert [(x.attempt, x.outcome) for x in history] == [(1, Outcome.COMPLETED)]
     assert calls == [1]
     assert ended == ["Completed"]
+
+
+async def test_a_catch_up_of_a_job_faster_than_the_heartbeat_gets_back_on_time() -> None:
+    """``catch_up="all"`` runs every missed slot one after another; each waited a whole
+    check interval (1 s) for the one before, so a job every 250 ms fell further behind
+    than it caught up, for good, after one freeze of the process."""
+    s = Scheduler(MemoryBackend(), instance_id="a", lease="4s", heartbeat="1s")
+    ran: list[tuple[int, float]] = []
+    s.every("fast", "250ms", lambda ctx: ran.append((ctx.slot, time.time())),
+            catch_up="all")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        await wait_for(lambda: ran, timeout=5, what="a first run")
+        time.sleep(2.5)  # the process froze: 10 slots missed  # noqa: ASYNC251
+        frozen = time.time()
+
+        def on_time() -> bool:  # a slot due after the freeze started at its time
+            return any(slot / 1000 > frozen + 1 and started - slot / 1000 < 0.2
+                       for slot, started in ran)
+
+        await wait_for(on_time, timeout=10, what="runs on time again")
+        await i.stop()
+    missed = [slot for slot, _ in ran if frozen - 2.5 < slot / 1000 < frozen]
+    assert len(missed) >= 8, missed  # every missed slot ran (catch_up="all")

@@ -34,6 +34,8 @@ WINDOW_LIMIT = 1000
 
 #: The phases of a run whose claim this instance has still to make (or to learn of).
 _TO_CLAIM = frozenset({Phase.PENDING, Phase.RECLAIM, Phase.CLAIMING})
+#: A run this instance still has to claim, or holds: it ends (or is settled) here.
+_HERE = _TO_CLAIM | {Phase.HELD, Phase.FINISHING, Phase.HANDING_OVER}
 
 
 def wake_slot(due: Sequence[tuple[int, int, Any, int, int]]) -> int:
@@ -237,19 +239,26 @@ class Dispatcher:
     async def wait_run_ended(self, job: str, slot: int) -> None:
         """Return once the run (job, slot) is finished (or the scheduler stops), or was
         never claimed: a claim of it this instance still has to make (deferred at
-        capacity, unanswered) is waited for first."""
+        capacity, unanswered) is waited for first.
+
+        A run of this instance's own is followed as it ends here, not a check interval
+        later: a catch-up of a job whose period is shorter than the heartbeat ran one
+        missed slot per heartbeat, so fell further behind than it caught up. A run held
+        elsewhere is read from the store once per check interval."""
         s = self._s
         key = (job, slot)
+        heartbeat = s.settings.heartbeat
         while not s.stopping:
-            await anyio.sleep(s.settings.heartbeat)
             local = s.runs.get(key)
-            if local is not None and local.phase in _TO_CLAIM:
+            if local is not None and local.phase in _HERE:
+                await s.runs.wait_change(heartbeat)
                 continue
             try:
                 result = await s.settings.backend.check([key])
             except Exception as exc:
                 s.clock.failed(f"check of {job} slot {format_slot(slot)}", exc)
-                continue
-            state = result.runs.get(key)
-            if state is None or state.status.finished:
-                return
+            else:
+                state = result.runs.get(key)
+                if state is None or state.status.finished:
+                    return
+            await anyio.sleep(heartbeat)

@@ -152,6 +152,20 @@ class RunTable:
         """The ``HELD`` runs by token."""
         self.idle: anyio.Event | None = None
         """Set (when there is one) as the last held run stops being held."""
+        self._change: anyio.Event | None = None
+
+    async def wait_change(self, within: float) -> None:
+        """Wait until a run stops being this instance's own, or is settled elsewhere (it is
+        released, forgotten or watched), ``within`` seconds at most."""
+        if self._change is None:
+            self._change = anyio.Event()
+        with anyio.move_on_after(within):
+            await self._change.wait()
+
+    def _changed(self) -> None:
+        change, self._change = self._change, None
+        if change is not None:
+            change.set()
 
     # -- reading
 
@@ -237,6 +251,8 @@ class RunTable:
         successor = bool(reclaim) and run is not None and run.successor
         self._runs[key] = Run(job, slot, Phase.RECLAIM if reclaim else Phase.WATCHING,
                               reclaim_reason=reclaim, kept=kept, successor=successor)
+        if not reclaim:
+            self._changed()
 
     def pending(self, job: Job, slot: int, *, claim_after: int, reason: Reason,
                 successor: bool = False) -> None:
@@ -268,6 +284,7 @@ class RunTable:
                        else None)
             self._runs[run.key] = Run(run.job, run.slot, Phase.WATCHING,
                                       completed_attempt=attempt)
+            self._changed()
 
     def finishing(self, run: Run) -> None:
         """The run's handler ended: its outcome is recorded next."""
@@ -282,12 +299,14 @@ class RunTable:
         """The run's outcome is recorded (or nothing may be): this instance is done with it."""
         if self._runs.get(run.key) is run and run.phase is Phase.FINISHING:
             del self._runs[run.key]
+            self._changed()
 
     def forget(self, key: tuple[str, int]) -> None:
         """Stop backing up ``key`` (it ended, or a claim of it is settled elsewhere)."""
         run = self._runs.get(key)
         if run is not None and run.phase not in _OWN:
             del self._runs[key]
+            self._changed()
 
     def ended_attempt(self, lease: Lease) -> AttemptInfo | None:
         """Take the attempt ``lease`` won here, to report its end once."""
