@@ -579,3 +579,30 @@ async def test_a_catch_up_of_a_job_faster_than_the_heartbeat_gets_back_on_time()
         await i.stop()
     missed = [slot for slot, _ in ran if frozen - 2.5 < slot / 1000 < frozen]
     assert len(missed) >= 8, missed  # every missed slot ran (catch_up="all")
+
+
+async def test_a_store_clock_stepping_back_is_followed_at_its_next_answer() -> None:
+    """The estimate of the store's clock kept the best of its last eight samples: after
+    the store's clock stepped back 10 minutes, slots were claimed up to 10 minutes early
+    for several seconds. A sample that cannot agree with the estimate resets it."""
+    shift = [0.0]
+    backend = MemoryBackend(clock=lambda: time.time() + shift[0])
+    s = Scheduler(backend, instance_id="a", lease="4s", heartbeat="1s")
+    early: list[int] = []
+
+    def tick(ctx: RunContext) -> None:
+        if ctx.slot > time.time() * 1000 + shift[0] * 1000 + 500:
+            early.append(ctx.slot)
+
+    s.every("tick", "1s", tick)
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        await wait_history(s, lambda h: len(h) >= 2, job="tick")
+        shift[0] -= 600
+
+        def followed() -> bool:
+            return abs(s.store_now_ms() - (time.time() + shift[0]) * 1000) < 500
+
+        await wait_for(followed, timeout=3, what="the estimate following the store")
+        await i.stop()
+    assert len(early) <= 1, early  # the claim made before the store's first answer

@@ -12,6 +12,11 @@ from .base import Settings, log_failure, logger
 __all__ = ["StoreClock"]
 
 
+#: How far a sample of the store's clock may disagree with the estimate, beyond what
+#: the two round trips explain, before the store's clock is taken to have stepped.
+_STEP_MARGIN_MS = 250
+
+
 class StoreClock:
     """Estimates the store's clock from the answers of the store, and tracks outages.
 
@@ -50,6 +55,16 @@ class StoreClock:
         """Record an answer of the store: its time, and when it was asked and answered."""
         rtt = received - sent
         offset = store_ms - (sent + received) * 500
+        if self._samples:
+            best_rtt, best = min(self._samples)
+            if abs(offset - best) > (rtt + best_rtt) * 500 + _STEP_MARGIN_MS:
+                # The two samples cannot both be right: the store's clock stepped (an
+                # operator, NTP). The older samples describe a clock that is gone;
+                # kept, the best of them would stand for up to eight more answers, and
+                # slots be claimed that far early (or late).
+                logger.warning("the store's clock moved by %+.0f ms; following it",
+                               offset - best)
+                self._samples.clear()
         self._samples.append((rtt, offset))
         self.last_sample = received
         self.last_answer = received

@@ -10,7 +10,6 @@ one ``finish_many`` call), or backs the run up when its lease was lost.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,14 +18,12 @@ import anyio
 import anyio.to_thread
 
 from .. import events as ev
-from .._batch import Abandoned, FinishBatcher
 from .._outcome import Interruption, decide_outcome
 from .._structures import (
     ClaimResult,
     Lease,
     Outcome,
     Reason,
-    RunState,
     RunStatus,
     fence_of,
     format_slot,
@@ -34,6 +31,7 @@ from .._structures import (
 from ..context import RunContext
 from ..errors import ConfigurationError
 from .base import INSIDE, logger
+from .recording import OutcomeRecorder
 from .runs import AttemptInfo, Execution, Run
 
 if TYPE_CHECKING:
@@ -87,7 +85,7 @@ class Executor:
 
     def __init__(self, session: Session) -> None:
         self._s = session
-        self._finisher = FinishBatcher(session.settings.backend)
+        self._recorder = OutcomeRecorder(session)
         # Sync handlers whose run stopped waiting for them (a timeout, a stop, a lost
         # lease) while their thread still runs: they still count against max_running,
         # in the next session too (a stop and a start do not end a thread).
@@ -287,7 +285,7 @@ class Executor:
         finished: bool | None = (outcome is Outcome.COMPLETED
                                  and execution.ctx.completed_by_transaction)
         if not finished:
-            finished = await self._finish(run, outcome, error)
+            finished = await self._recorder.finish(run, outcome, error)
         # Reported once the store answered: an operator's cancel that ended the run after
         # the handler returned (before its holder's heartbeat could tell) made the store
         # refuse the finish, and the attempt ended cancelled, not as the handler did.
@@ -314,7 +312,7 @@ class Executor:
         the caller to go on to the next step; else ``report()`` (the lease was lost)."""
         lease = run.lease
         assert lease is not None
-        state = await self._state_in_store(lease)
+        state = await self._recorder.state_in_store(lease)
         status = None if state is None else state.status
         if status is RunStatus.CANCELLED:
             self.ended(ev.Cancelled, lease)
@@ -329,17 +327,6 @@ class Executor:
         report()
         return False
 
-    async def _ended_by(self, run: Run, outcome: Outcome) -> bool:
-        """Whether the store has ``run`` ended with ``outcome`` by this attempt: a finish
-        sent again after one whose answer was lost is refused when that one was
-        recorded."""
-        lease, execution = run.lease, run.execution
-        assert lease is not None
-        state = await self._state_in_store(lease)
-        return (state is not None and execution is not None
-                and state.attempt == execution.ctx.attempt
-                and state.status == RunStatus(outcome.value))
-
     def _completed_here(self, run: Run, attempt: int) -> bool:
         """Whether this attempt completed the run itself: the store's completed attempt is
         this one, and it opened a transaction that completes it
@@ -347,17 +334,6 @@ class Executor:
         execution = run.execution
         return (execution is not None and execution.ctx._completion_tried
                 and execution.ctx.attempt == attempt)
-
-    async def _state_in_store(self, lease: Lease) -> RunState | None:
-        """``lease``'s run as the store has it (read after a refused finish)."""
-        with anyio.move_on_after(10, shield=True):
-            try:
-                found = (await self._s.settings.backend.check([(lease.job, lease.slot)])).runs
-            except Exception as exc:
-                self._s.clock.failed(f"check of {lease.job} slot {format_slot(lease.slot)}", exc)
-                return None
-            return found.get((lease.job, lease.slot))
-        return None
 
     async def _outlived(self, thread: _Thread, execution: Execution) -> bool:
         """A sync handler timed out, and its run may be retried: the retry waits until its
@@ -465,49 +441,3 @@ class Executor:
             logger.warning("%s slot %s (%d) attempt %d failed: %s", run.job.name,
                            format_slot(lease.slot), lease.slot, execution.ctx.attempt, error,
                            exc_info=raised)
-
-    async def _finish(self, run: Run, outcome: Outcome, error: str | None) -> bool | None:
-        """Record the outcome in the store: True when recorded, False when the store
-        refused it (the token no longer holds the run), None when unknown (the caller
-        then backs the run up).
-
-        A finish that failed (the store did not answer) is sent again, a check interval
-        later, while the lease is still this attempt's: backed up at once, the run would
-        be taken over once its lease ran out, and its handler run again (or, past
-        ``max_attempts``, the run escalated), for a blip of the store. Sent again after
-        it was recorded, the store refuses it, and :meth:`settle_refused` finds the run
-        ended by this attempt."""
-        lease, execution = run.lease, run.execution
-        assert lease is not None
-        s = self._s
-        name, slot = run.job.name, lease.slot
-        deadline = math.inf if execution is None else execution.deadline
-        sent_before = False
-        while True:
-            failed = False
-            finished: bool | None = None
-            with anyio.move_on_after(10, shield=True):  # unanswered by then: None
-                # With the other finishes of this instant, in one finish_many call. Only
-                # a handler still running here, or one whose claim is being answered, can
-                # end in the next turns: with none, waiting turns for their finishes
-                # would be a loop turn per run for nothing.
-                (answer,) = await self._finisher.call_many(
-                    [(lease, outcome, error)],
-                    collect=s.runs.held_count > 0 or s.claims.in_flight > 0)
-                if isinstance(answer, Exception):
-                    failed = not isinstance(answer, Abandoned)
-                    if failed:
-                        s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
-                else:
-                    finished = answer
-                    if not finished and sent_before:
-                        finished = await self._ended_by(run, outcome) or False
-                    if not finished:
-                        logger.warning("%s slot %s: lease lost before finishing (%s)",
-                                       name, format_slot(slot), outcome)
-            sent_before = True
-            pause = s.settings.heartbeat
-            if not failed or s.crashed or anyio.current_time() + pause >= deadline:
-                return finished
-            with anyio.CancelScope(shield=True):  # bounded by the lease
-                await anyio.sleep(pause)
