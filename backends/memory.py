@@ -140,13 +140,25 @@ def _trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _R
     """Trim ``job``'s history (:meth:`Backend.prune`); return the attempts deleted."""
     history = attempts.get(job, [])
     doomed: set[int] = set()
-    if size is not None and len(history) > size:  # never an open run's attempt
-        beyond = [i for i in range(len(history) - size) if history[i].finished_at is not None]
+
+    def trimmable(a: Attempt) -> bool:
+        # Never an open run's attempt, nor that of a run cancelled with a grace still
+        # running (Admin.cancel(grace=)): its holder's heartbeat must still find the run
+        # cancelled, and the run goes once the grace has passed.
+        if a.finished_at is None:
+            return False
+        run = runs.get((job, a.slot))
+        return (run is None or run.status is not RunStatus.CANCELLED or run.token is None
+                or run.attempt != a.attempt
+                or a.finished_at <= ms_to_datetime(now - run.grace_ms))
+
+    if size is not None and len(history) > size:
+        beyond = [i for i in range(len(history) - size) if trimmable(history[i])]
         doomed.update(beyond[:batch])
     if ttl_ms is not None:
         cutoff = ms_to_datetime(now - ttl_ms)
         old = [i for i, a in enumerate(history)
-               if a.finished_at is not None and a.finished_at < cutoff]
+               if a.finished_at is not None and a.finished_at < cutoff and trimmable(a)]
         doomed.update(old[:batch])
     if doomed:
         keep = [a for i, a in enumerate(history) if i not in doomed]

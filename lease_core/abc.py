@@ -459,11 +459,11 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         Deletes the finished attempts beyond the newest ``keep`` (``None``: no limit; an
         open run's stays) and those that finished more than ``older_than_ms`` ago on the
         store's clock (``None``: none), at most ``batch`` of each kind per call, then the
-        finished runs (and checkpoints) left with no attempt; never an open run. Returns
-        how many attempts were deleted: call again while it returns a full batch.
-        Implement this or :meth:`prune_many`: the one inherited here is a batch of one,
-        ``prune_many([job])``, and deletes nothing when neither is implemented. Every
-        built-in backend implements :meth:`prune_many`.
+        finished runs (and checkpoints) left with no attempt; never an open run, nor a run
+        cancelled in a grace not yet passed (``Admin.cancel``) or its attempt. Returns how
+        many attempts were deleted: call again while it returns a full batch. Implement
+        this or :meth:`prune_many` (the one inherited here is ``prune_many([job])``, and
+        deletes nothing when neither is; every built-in backend implements the latter).
         """
         check_prune(keep, older_than_ms, batch)
         if not _implements(type(self), "prune_many"):

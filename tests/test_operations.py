@@ -632,6 +632,54 @@ async def test_a_cancel_of_a_run_nobody_holds_is_recorded_as_an_attempt(
         slot: ("cancelled", a.attempt, "cli") for slot, a in last.items()}
 
 
+async def test_trimming_keeps_a_run_cancelled_within_its_grace(store: Store) -> None:
+    """A run cancelled with a grace keeps its holder's token until the grace has passed:
+    trimming by size or by age leaves it and its attempt (deleting them made the holder's
+    next heartbeat find its lease neither held nor cancelled, so its handler was cancelled
+    at once, grace ignored); once the grace has passed, trimming deletes them."""
+    from lease_core.abc import ClaimRequest, Lease, Outcome
+
+    admin = admin_for(store, by="ops")
+    backend = store.backend()
+    await backend.start()
+    try:
+        await backend.register_jobs(["g"])
+        for slot in (1000, 2000, 3000, 4000):
+            await backend.claim(ClaimRequest("g", slot, "i-1", f"t{slot}", 30_000,
+                                             overlap_skip=False))
+        for slot in (3000, 4000):  # newer runs finish meanwhile
+            assert await backend.finish(Lease("g", slot, f"t{slot}", 30_000),
+                                        Outcome.COMPLETED)
+        await admin.cancel("g", 1000, grace="60s")
+        await admin.cancel("g", 2000, grace="0.3s")
+        graced = Lease("g", 1000, "t1000", 30_000)
+
+        async def slots() -> set[int]:
+            return {r.slot for r in await backend.runs("g", limit=100)}
+
+        # by size, one job and many: the finished runs go, not 1000
+        await backend.prune("g", keep=0)
+        await backend.prune_many(["g", "h"], keep=0)
+        assert 1000 in await slots() and not {3000, 4000} & await slots()
+        assert (await backend.heartbeat([graced])).cancelled == {graced.token: 60_000}
+
+        async def short_grace_gone() -> bool:  # by age too, until 2000's grace has passed
+            await backend.prune("g", older_than_ms=0)
+            await backend.prune_many(["g", "h"], older_than_ms=0)
+            await backend.prune("g", keep=0)
+            return 2000 not in await slots()
+
+        await wait_for(short_grace_gone, what="the run whose grace has passed trimmed")
+        assert await slots() == {1000}
+        assert [(a.slot, a.attempt, str(a.outcome)) for a in await backend.history("g")] == [
+            (1000, 1, "cancelled")]
+        beat = await backend.heartbeat([graced])
+        assert graced.token not in beat.held and beat.cancelled == {graced.token: 60_000}, beat
+        assert await status_of(store.backend(), "g", 1000) == "cancelled"
+    finally:
+        await backend.close()
+
+
 async def test_a_pause_of_a_paused_job_and_a_resume_of_a_job_not_paused_are_refused(
         store: Store) -> None:
     """A second pause would hide who paused the job (and the record its resume leaves on

@@ -346,6 +346,11 @@ SELECT job FROM {jobs} ORDER BY job
 -- recorded in the row 'trimmed:<job>' of {meta} (never lowered; see the claim function: a
 -- scheduled claim of a slot at or before it starts no run). Parameters: job, keep (N, a
 -- huge number for no limit), older_than_ms (M, NULL for none), batch.
+-- Never trimmed either: the attempt of a run cancelled with a grace that has not passed
+-- (cancel(grace=), operate_v<N>.sql: the run keeps its holder's token, expires_ms the end
+-- of the grace), so the holder's heartbeat still finds the run cancelled, with its grace
+-- (read from that attempt); the run and its attempt go once the grace has passed (as
+-- memory and Redis trim).
 -- by size: the attempts at or before the one just beyond the newest N, oldest first (as
 -- memory and Redis trim), less those not finished (an open run's: deleting it would
 -- leave the run with nothing to trim once it ends), through the attempts' index by
@@ -355,6 +360,10 @@ WITH by_size AS (
     WHERE a.job = %(job)s::text AND a.finished_ms IS NOT NULL
       AND a.seq <= (SELECT b.seq FROM {attempts} b WHERE b.job = %(job)s::text
                     ORDER BY b.seq DESC OFFSET %(keep)s::bigint LIMIT 1)
+      AND NOT EXISTS (
+          SELECT 1 FROM {runs} r
+          WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
+            AND r.status = 'cancelled' AND r.token IS NOT NULL AND r.expires_ms > {now})
     ORDER BY a.seq LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
 -- by age: through the attempts' index by claim time (an attempt is claimed before it
@@ -363,6 +372,10 @@ by_age AS (
     SELECT a.slot, a.attempt FROM {attempts} a
     WHERE a.job = %(job)s::text AND a.claimed_ms < {now} - %(older_than_ms)s::bigint
       AND a.finished_ms < {now} - %(older_than_ms)s::bigint
+      AND NOT EXISTS (
+          SELECT 1 FROM {runs} r
+          WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
+            AND r.status = 'cancelled' AND r.token IS NOT NULL AND r.expires_ms > {now})
     LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
 doomed AS (
@@ -395,8 +408,10 @@ SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM runs_gone)
 -- The histories of many jobs trimmed in one statement, each job as trim_job trims it (at
 -- most a batch by size and a batch by age per job, its newest trimmed slot recorded; the
 -- 'trimmed:' rows are written in the order of the jobs, so two trimmings never wait for
--- each other's rows in opposite orders). Parameters: jobs, keep (N, a huge number for no
--- limit), older_than_ms (M, NULL for none), batch. One row per job that lost attempts.
+-- each other's rows in opposite orders; the attempt of a run cancelled with a grace that
+-- has not passed is kept, as trim_job keeps it). Parameters: jobs, keep (N, a huge number
+-- for no limit), older_than_ms (M, NULL for none), batch. One row per job that lost
+-- attempts.
 WITH j AS (
     SELECT DISTINCT x.job FROM unnest(%(jobs)s::text[]) AS x(job)),
 by_size AS (
@@ -405,6 +420,11 @@ by_size AS (
         WHERE a.job = j.job AND a.finished_ms IS NOT NULL
           AND a.seq <= (SELECT b.seq FROM {attempts} b WHERE b.job = j.job
                         ORDER BY b.seq DESC OFFSET %(keep)s::bigint LIMIT 1)
+          AND NOT EXISTS (
+              SELECT 1 FROM {runs} r
+              WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
+                AND r.status = 'cancelled' AND r.token IS NOT NULL
+                AND r.expires_ms > {now})
         ORDER BY a.seq LIMIT %(batch)s::bigint
         FOR UPDATE SKIP LOCKED) s),
 by_age AS (
@@ -412,6 +432,11 @@ by_age AS (
         SELECT a.job, a.slot, a.attempt FROM {attempts} a
         WHERE a.job = j.job AND a.claimed_ms < {now} - %(older_than_ms)s::bigint
           AND a.finished_ms < {now} - %(older_than_ms)s::bigint
+          AND NOT EXISTS (
+              SELECT 1 FROM {runs} r
+              WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
+                AND r.status = 'cancelled' AND r.token IS NOT NULL
+                AND r.expires_ms > {now})
         LIMIT %(batch)s::bigint
         FOR UPDATE SKIP LOCKED) s),
 doomed AS (

@@ -4,10 +4,24 @@
 -- job hash's 'trim' to the newest of their slots (never lowered; see _claim.lua, 2.: a
 -- scheduled claim of a slot at or before it starts no run). Returns how many attempts
 -- it deleted. Reads both store formats (see _prelude.lua).
+-- Never trimmed either: the attempt of a run cancelled with a grace that has not passed
+-- (operate.lua: the run keeps its holder's token 'tok', 'exp' the end of the grace), so
+-- the holder's heartbeat still finds the run cancelled; it goes once the grace has passed
+-- (as memory and PostgreSQL trim).
+-- in_grace(rk, a): whether the run rk is so, with a its current attempt (nil: any).
+local function in_grace(rk, a)
+  local st, tok, exp, current = unpack(redis.call('HMGET', rk, 'st', 'tok', 'exp', 'att'))
+  return st == 'cancelled' and tok ~= false and tok ~= '' and (a == nil or current == a)
+    and (tonumber(exp) or 0) > now
+end
 local function trim_history(job, hist, att, done, orphan, run_prefix, history_size,
                             history_ttl, limit)
   local removed = {}
   local newest  -- the newest slot whose run is deleted here
+  local function trimmable(id)
+    local s, a = string.match(id, '^(.*):(%d+)$')
+    return not s or not in_grace(run_prefix .. s, a)
+  end
   local function delete_run(rk, s)
     redis.call('DEL', rk)
     local n = tonumber(s)
@@ -23,7 +37,7 @@ local function trim_history(job, hist, att, done, orphan, run_prefix, history_si
     while excess > from and #removed < limit do
       local upto = math.min(excess, from + limit) - 1
       for _, id in ipairs(redis.call('ZRANGE', hist, from, upto)) do
-        if #removed < limit and redis.call('ZSCORE', done, id) then
+        if #removed < limit and redis.call('ZSCORE', done, id) and trimmable(id) then
           removed[#removed + 1] = id
         end
       end
@@ -31,10 +45,21 @@ local function trim_history(job, hist, att, done, orphan, run_prefix, history_si
     end
   end
   if history_ttl then
-    local old = redis.call('ZRANGEBYSCORE', done, '-inf', '(' .. (now - history_ttl),
-      'LIMIT', 0, limit)
-    for _, id in ipairs(old) do
-      removed[#removed + 1] = id
+    -- read on past the attempts kept (at most one per run in a grace), up to a batch
+    local from, taken = 0, 0
+    while taken < limit do
+      local old = redis.call('ZRANGEBYSCORE', done, '-inf', '(' .. (now - history_ttl),
+        'LIMIT', from, limit)
+      for _, id in ipairs(old) do
+        if taken < limit and trimmable(id) then
+          removed[#removed + 1] = id
+          taken = taken + 1
+        end
+      end
+      if #old < limit then
+        break
+      end
+      from = from + limit
     end
   end
   if #removed == 0 then
@@ -56,7 +81,7 @@ local function trim_history(job, hist, att, done, orphan, run_prefix, history_si
           redis.call('HDEL', rk, 'h' .. a)
         end
         if redis.call('HINCRBY', rk, 'n', -1) <= 0 then
-          if FINISHED[redis.call('HGET', rk, 'st')] then
+          if FINISHED[redis.call('HGET', rk, 'st')] and not in_grace(rk) then
             delete_run(rk, s)  -- a finished run left with no attempt goes at once
           else
             redis.call('SADD', orphan, s)
@@ -71,7 +96,7 @@ local function trim_history(job, hist, att, done, orphan, run_prefix, history_si
     local st, n = unpack(redis.call('HMGET', rk, 'st', 'n'))
     if not st or tonumber(n or '0') > 0 then
       redis.call('SREM', orphan, s)
-    elseif FINISHED[st] then
+    elseif FINISHED[st] and not in_grace(rk) then  -- in a grace: left for a later trim
       delete_run(rk, s)
       redis.call('SREM', orphan, s)
     end
