@@ -22,6 +22,8 @@ finishing with v3's statement keep working beside the new ones.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -661,3 +663,58 @@ async def test_an_operation_on_a_v3_store_upgrades_it_and_acts(
         assert await admin.paused() == {}
     finally:
         await drop_tables(server.admin_dsn, table)
+
+
+async def test_two_spellings_of_one_table_create_it_under_one_lock(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """``t`` (through the search_path) and ``public.t`` are one store: their creations and
+    upgrades wait for each other (their lock keys differed, so concurrent ones both
+    created the tables and one failed with a unique violation). The key of ``public.t``
+    is the one releases before took for that spelling: a creation of ``t`` waits for it."""
+    async def start(name: str) -> None:
+        backend = PostgresBackend(pg16_server.dsn, table=name)
+        await backend.start()
+        await backend.close()
+
+    for _ in range(3):  # each round failed before
+        table = unique_table()
+        try:
+            async with anyio.create_task_group() as tg:
+                for name in (table, "public." + table):
+                    tg.start_soon(functools.partial(migrate, pg16_server.dsn, table=name))
+                tg.start_soon(start, table)
+            assert set(functions(pg16_server, table)) == upgraded(table)
+        finally:
+            await drop_tables(pg16_server.admin_dsn, table)
+    table = unique_table()
+    digest = hashlib.sha256(f"anarchon:public.{table}".encode()).digest()
+    key = int.from_bytes(digest[:8], "big", signed=True)
+    done = anyio.Event()
+
+    async def create() -> None:
+        await migrate(pg16_server.dsn, table=table)
+        done.set()
+
+    try:
+        with psycopg.connect(pg16_server.admin_dsn) as holder:
+            holder.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+
+            def waiting() -> bool:
+                [(n,)] = holder.execute(  # a bigint key is (classid, objid), objsubid 1
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                    " AND classid = %s::bigint::oid AND objid = %s::bigint::oid"
+                    " AND objsubid = 1", ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF)
+                ).fetchall()
+                return done.is_set() or n > 0
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(create)
+                await wait_for(waiting, what="the creation of the unqualified table waits")
+                assert not done.is_set()  # it waited for the key of public.<table>
+                holder.rollback()
+                with anyio.fail_after(30):
+                    await done.wait()
+        assert set(functions(pg16_server, table)) == upgraded(table)
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)

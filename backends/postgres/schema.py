@@ -37,6 +37,12 @@ from .statements import (
 
 __all__ = ["MIGRATION_LOCK_TIMEOUT_MS", "StoreSchema"]
 
+
+def _lock_key(schema: str | None, name: str) -> int:
+    """The advisory lock key of creating or upgrading the store ``schema.name``."""
+    digest = hashlib.sha256(f"anarchon:{schema}.{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
 #: How long (ms) creation and upgrades wait for a table lock held by work in flight.
 MIGRATION_LOCK_TIMEOUT_MS = 5000
 _MIGRATE_TRIES = 5
@@ -190,12 +196,17 @@ class StoreSchema:
         adds a nullable column (catalog only, v1 to v2), drops the attempts' index by finish
         time (v3 to v4), creates the new functions beside the old ones and points the old
         names at them, all in one commit.
+
+        The lock's key names the table with its schema as the server resolves it, so
+        ``t`` (through the search_path) and ``public.t`` share it. A table spelled without
+        a schema takes the key of that spelling first, as releases before this one took
+        it, so they wait for each other too during a rolling deploy (always in that
+        order: two creations never wait for each other's keys in opposite orders).
         """
-        key = int.from_bytes(
-            hashlib.sha256(f"anarchon:{self._schema}.{self._name}".encode()).digest()[:8],
-            "big", signed=True,
-        )
-        await tx.all(self._sql.lock_creation, (key,))
+        [(_, resolved)] = await tx.all(self._sql.lock_creation,
+                                       (_lock_key(self._schema, self._name), self._schema))
+        if self._schema is None and resolved is not None:
+            await tx.all(self._sql.lock_creation, (_lock_key(str(resolved), self._name), None))
         await tx.all(self._sql.bound_lock_waits, (str(MIGRATION_LOCK_TIMEOUT_MS),))
         existing, function = await self._existing(tx)
         code = 0

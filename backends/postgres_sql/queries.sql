@@ -42,7 +42,11 @@ WHERE n.nspname = COALESCE(%(schema)s::text, current_schema())
 SELECT key, value FROM {meta} WHERE key IN ('format', 'code')
 
 -- name: lock_creation
-SELECT pg_advisory_xact_lock(%s::bigint)
+-- Creation and upgrades of one store wait for each other: a transaction-scoped advisory
+-- lock on a key of the table's name (schema.py, StoreSchema._create). Also answers the
+-- table's schema as the store resolves it (find_tables; NULL when the search_path names
+-- no existing schema). Parameters: the key, the table's schema as spelled (NULL: none).
+SELECT pg_advisory_xact_lock(%s::bigint), COALESCE(%s::text, current_schema())
 
 -- name: bound_lock_waits
 -- Creation and upgrades wait at most this long (ms) for a table lock held by a
