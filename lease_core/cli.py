@@ -72,6 +72,17 @@ class _Parser(argparse.ArgumentParser):
 _LARGEST = 2**53
 
 
+def _whole(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= _LARGEST:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number from 0 to {_LARGEST:,}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -148,10 +159,14 @@ def _parser() -> argparse.ArgumentParser:
     _namespace_options(status)
     status.add_argument("--json", action="store_true", help="print a JSON object")
     prune = sub.add_parser(
-        "prune", help="delete history older than a duration (finished runs and attempts)")
+        "prune", help="delete old history (finished attempts, and the finished runs left "
+                      "without any): by age, --older-than, and by count, --keep")
     prune.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
-    prune.add_argument("--older-than", required=True,
+    prune.add_argument("--older-than", default=None,
                        help="delete attempts that finished longer ago than this ('30d', '12h')")
+    prune.add_argument("--keep", type=_whole, default=None, metavar="N",
+                       help="delete each job's finished attempts beyond its newest N, as a "
+                            "scheduler's history_size does (give --older-than, --keep or both)")
     prune.add_argument("--job", default=None,
                      help="only this job, or a workflow's steps (default: every job)")
     _namespace_options(prune)
@@ -274,11 +289,16 @@ def _run(args: argparse.Namespace) -> int:
 async def _prune(args: argparse.Namespace) -> int:
     from ._durations import parse_duration, to_ms
 
-    older_than = to_ms(parse_duration(args.older_than, what="--older-than"))
-    if older_than > _LARGEST:
-        raise ConfigurationError(
-            f"--older-than {args.older_than!r} is longer than any history can be; give at "
-            f"most {_LARGEST // 86_400_000:,}d")
+    if args.older_than is None and args.keep is None:
+        raise ConfigurationError("what to delete? give --older-than DURATION (by age), "
+                                 "--keep N (by count) or both")
+    older_than = None
+    if args.older_than is not None:
+        older_than = to_ms(parse_duration(args.older_than, what="--older-than"))
+        if older_than > _LARGEST:
+            raise ConfigurationError(
+                f"--older-than {args.older_than!r} is longer than any history can be; give "
+                f"at most {_LARGEST // 86_400_000:,}d")
     backend = _backend(args)
     await backend.start(create=False)
     try:
@@ -286,13 +306,17 @@ async def _prune(args: argparse.Namespace) -> int:
         total = 0
         for job in jobs:
             deleted = batch = 1000
-            while deleted == batch:
-                deleted = await backend.prune(job, older_than_ms=older_than, batch=batch)
+            while deleted >= batch:  # up to a batch of each kind per call
+                deleted = await backend.prune(job, keep=args.keep, older_than_ms=older_than,
+                                              batch=batch)
                 total += deleted
     finally:
         await backend.close()
-    print(f"anarchon prune: deleted {_count(total, 'attempt')} that finished more than "
-          f"{args.older_than} ago, from {_count(len(jobs), 'job')}")
+    which = [f"beyond the newest {args.keep} of each job"] if args.keep is not None else []
+    if args.older_than is not None:
+        which.append(f"that finished more than {args.older_than} ago")
+    print(f"anarchon prune: deleted {_count(total, 'attempt')} {' or '.join(which)}, from "
+          f"{_count(len(jobs), 'job')}")
     return 0
 
 

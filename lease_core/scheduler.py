@@ -112,7 +112,7 @@ class Scheduler:
     lease must be at least three heartbeats long.
 
     History is trimmed in a task of its own, never on the claim path: every
-    ``prune_every`` (``None``: never; run ``anarchon prune`` instead) one instance of the
+    ``prune_every`` (``None``: never; run ``anarchon prune --keep N`` instead) one instance of the
     fleet, the one whose :meth:`Backend.maintenance_due
     <lease_core.abc.Backend.maintenance_due>` wins the period, trims every job in the store,
     declared or not, to its newest ``history_size`` attempts (and any still running) and

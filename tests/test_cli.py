@@ -118,6 +118,21 @@ def test_bad_history_limit(capsys: pytest.CaptureFixture[str], limit: str) -> No
     assert "--limit" in err and repr(limit) in err and "--help" in err
 
 
+@pytest.mark.parametrize("keep", ["-1", "1.5", "ten", ""])
+def test_bad_prune_keep(capsys: pytest.CaptureFixture[str], keep: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["prune", "--url", "memory://", "--keep", keep])
+    assert info.value.code == 2
+    err = one_line_error(capsys)
+    assert f"--keep: {keep!r} is not a whole number from 0" in err and "--help" in err, err
+
+
+def test_prune_needs_a_count_or_a_duration(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["prune", "--url", "memory://"]) == 2
+    err = one_line_error(capsys)
+    assert "--older-than DURATION" in err and "--keep N" in err, err
+
+
 def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["nosuch"])
@@ -388,6 +403,47 @@ def test_prune_deletes_finished_history_older_than_a_duration(
             delete_prefix(url, name)
 
 
+@pytest.mark.parametrize("kind", ["postgres", "redis"])
+def test_prune_keeps_the_newest_attempts_of_each_job(
+    capsys: pytest.CaptureFixture[str], kind: str, pg16_server: PgServer,
+    valkey8_server: EmbeddedRedis,
+) -> None:
+    """``--keep N`` trims by count, as a scheduler's history_size does: with
+    prune_every=None the guide says to run ``anarchon prune`` from cron, which had only
+    --older-than, so the count limit was never applied."""
+    name = "cli_" + uuid.uuid4().hex[:8]
+    if kind == "postgres":
+        url, flag = pg16_server.dsn, ["--table", name]
+        options = {"table": name}
+    else:
+        url, flag = valkey8_server.url, ["--prefix", name]
+        options = {"namespace": name}
+    try:
+        anyio.run(lambda: _seed_plain(url, ["a", "b"], **options))
+        anyio.run(lambda: _seed_plain(url, ["a", "b"], slot=1_700_000_060_000, **options))
+        anyio.run(lambda: _seed(url, **options))  # nightly: one failed, one running
+        assert main(["prune", "--url", url, *flag, "--keep", "2"]) == 0
+        assert re.search(r"deleted 0 attempts beyond the newest 2 of each job, from 3 jobs$",
+                         capsys.readouterr().out, re.MULTILINE)
+        assert main(["prune", "--url", url, *flag, "--keep", "1", "--older-than", "1h"]) == 0
+        assert re.search(r"deleted 3 attempts beyond the newest 1 of each job or that "
+                         r"finished more than 1h ago, from 3 jobs$",
+                         capsys.readouterr().out, re.MULTILINE)
+        assert main(["prune", "--url", url, *flag, "--keep", "0", "--job", "a"]) == 0
+        assert re.search(r"deleted 1 attempt beyond the newest 0 of each job, from 1 job$",
+                         capsys.readouterr().out, re.MULTILINE)
+        assert main(["history", "--url", url, *flag, "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert sorted((r["job"], r["scheduled_at"], str(r["outcome"])) for r in rows) == [
+            ("b", "2023-11-14T22:14:20.000+00:00", "completed"),
+            ("nightly", "2023-11-14T22:14:20.000+00:00", "None")]  # the running one stays
+    finally:
+        if kind == "postgres":
+            anyio.run(drop_tables, pg16_server.admin_dsn, name)
+        else:
+            delete_prefix(url, name)
+
+
 async def _seed_workflow(url: str, **options: str) -> None:
     """Workflow 'close' (snapshot, publish): both steps completed at one slot, then
     snapshot completed and publish running at the next; and a plain job 'nightly'."""
@@ -409,13 +465,14 @@ async def _seed_workflow(url: str, **options: str) -> None:
         await backend.close()
 
 
-async def _seed_plain(url: str, jobs: list[str], **options: str) -> None:
-    """One completed run of each of ``jobs``."""
+async def _seed_plain(url: str, jobs: list[str], slot: int = 1_700_000_000_000,
+                      **options: str) -> None:
+    """One completed run of each of ``jobs``, at ``slot``."""
     backend = backend_from_url(url, **options)
     await backend.start()
     try:
         for job in jobs:
-            request = ClaimRequest(job, 1_700_000_000_000, "host-a", f"t-{job}", 60_000)
+            request = ClaimRequest(job, slot, "host-a", f"t-{job}-{slot}", 60_000)
             assert (await backend.claim(request)).status == "won"
             assert await backend.finish(Lease(job, request.slot, request.token, 60_000),
                                         Outcome.COMPLETED)
