@@ -106,14 +106,21 @@ async def _finished_attempts(backend: Backend, names: Sequence[str],
 
 
 def _next(spec: str | None, now: int) -> tuple[str | None, int | None]:
-    """The schedule's description and its next slot after ``now``, when recorded."""
+    """The schedule's description and its next slot after ``now``, when recorded; no next
+    slot when it has no date (beyond the year 9999: a spec an older version recorded), so
+    that one job's schedule never fails the overview of all."""
     if spec is None:
         return None, None
     try:
         schedule = schedule_from_spec(json.loads(spec))
     except (ConfigurationError, ValueError):
         return None, None
-    return schedule.describe(), schedule.next_after(now)
+    try:
+        slot = schedule.next_after(now)
+        ms_to_datetime(slot)
+    except (ValueError, OverflowError, OSError):
+        return schedule.describe(), None
+    return schedule.describe(), slot
 
 
 def _running(name: str, runs: Sequence[RunInfo], now: int) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import CroniterBadCronError, CroniterBadDateError, CroniterError, croniter
 
-from ._durations import Duration, parse_duration, to_ms
+from ._durations import Duration, parse_duration
 from ._structures import ms_to_datetime
 from .errors import ConfigurationError
 
@@ -59,13 +59,24 @@ class Schedule(ABC):
         return out
 
 
+#: The longest interval (and so offset), 1000 years: a slot further away than year 9999
+#: has no date, and no status page could show it.
+MAX_INTERVAL_MS = 365_250 * 86_400_000
+
+
 class IntervalSchedule(Schedule):
-    """Slots every ``interval``, aligned to the epoch and shifted by ``offset``."""
+    """Slots every ``interval``, aligned to the epoch and shifted by ``offset``.
+
+    Both are whole numbers of milliseconds (``"1500ms"``, not ``"0.5ms"``), the interval at
+    most 1000 years (:data:`MAX_INTERVAL_MS`), the offset shorter than the interval;
+    anything else raises :class:`~lease_core.errors.ConfigurationError`.
+    """
 
     def __init__(self, interval: Duration, offset: Duration = 0) -> None:
-        self.interval_ms = to_ms(parse_duration(interval, what="interval"))
+        self.interval_ms = _whole_ms(parse_duration(interval, what="interval"),
+                                     "interval", interval)
         offset_s = parse_duration(offset, what="offset", allow_zero=True)
-        self.offset_ms = to_ms(offset_s) if offset_s else 0
+        self.offset_ms = _whole_ms(offset_s, "offset", offset) if offset_s else 0
         if self.offset_ms >= self.interval_ms:
             raise ConfigurationError(
                 f"offset={offset!r} must be shorter than the interval ({interval!r})"
@@ -96,6 +107,23 @@ class IntervalSchedule(Schedule):
 
     def __repr__(self) -> str:
         return f"IntervalSchedule({self.interval_ms}ms, offset={self.offset_ms}ms)"
+
+
+def _whole_ms(seconds: float, what: str, value: object) -> int:
+    """``seconds`` in milliseconds; refused unless a whole number of them, at most 1000 years."""
+    exact = seconds * 1000
+    if exact > MAX_INTERVAL_MS:
+        raise ConfigurationError(
+            f"{what}={value!r} is too long: its slots would fall beyond the year 9999; "
+            "use at most 1000 years ('365250d')"
+        )
+    ms = round(exact)
+    if ms < 1 or abs(exact - ms) > 1e-6 + exact * 1e-12:  # float noise only: not even 1 µs
+        raise ConfigurationError(
+            f"{what}={value!r} is not a whole number of milliseconds; slots are kept in "
+            f"milliseconds, so write e.g. '{max(1, ms)}ms'"
+        )
+    return ms
 
 
 def _short(ms: int) -> str:
