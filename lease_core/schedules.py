@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import CroniterBadCronError, CroniterBadDateError, CroniterError, croniter
@@ -135,24 +135,69 @@ def _short(ms: int) -> str:
 
 
 _CRON_FIELDS = re.compile(r"^\S+(\s+\S+){4,5}$")
+#: croniter's aliases, refused (croniter would read them with random fields given a hash
+#: id), with the five fields they stand for.
+_ALIASES = {"@midnight": "0 0 * * *", "@hourly": "0 * * * *", "@daily": "0 0 * * *",
+            "@weekly": "0 0 * * 0", "@monthly": "0 0 1 * *", "@yearly": "0 0 1 1 *",
+            "@annually": "0 0 1 1 *"}
+_FIELD_NAMES = ("minute", "hour", "day", "month", "weekday", "second")
+#: An item of a field that croniter reads as a random (``R``) or hashed (``H``) value; no
+#: month or weekday name starts with either letter.
+_RANDOM_OR_HASHED = re.compile(r"(?:^|,)([RrHh])")
+
+
+def _check_expression(expression: object) -> str:
+    """The expression, stripped; refused when it is no five- or six-field expression, an
+    alias, or uses ``R`` or ``H``."""
+    if isinstance(expression, str) and expression.strip().lower() in _ALIASES:
+        raise ConfigurationError(
+            f"cron expression {expression!r}: aliases are not supported; write the five "
+            f"fields instead: {_ALIASES[expression.strip().lower()]!r}"
+        )
+    if not isinstance(expression, str) or not _CRON_FIELDS.match(expression.strip()):
+        raise ConfigurationError(
+            f"cron expression {expression!r} is invalid; use five fields "
+            "'minute hour day month weekday' (or six, with seconds last), e.g. '*/5 * * * *'"
+        )
+    for name, field in zip(_FIELD_NAMES, expression.split(), strict=False):
+        found = _RANDOM_OR_HASHED.search(field)
+        if found:
+            kind = ("a random value, drawn again at every evaluation, so each instance "
+                    "and each evaluation would find other slots" if found[1] in "Rr" else
+                    "a hashed value, which needs a hash id the scheduler does not give")
+            raise ConfigurationError(
+                f"cron expression {expression!r}: {field!r} in the {name} field is "
+                f"{kind}; write a fixed value (e.g. '17'), a list or a range with a step "
+                "(e.g. '*/15' or '0-30/10') instead"
+            )
+    return expression.strip()
 
 
 class CronSchedule(Schedule):
-    """Slots at the fire times of a cron expression, evaluated in time zone ``tz``."""
+    """Slots at the fire times of a cron expression, evaluated in time zone ``tz``.
+
+    Daylight saving time: a fire time that a spring-forward skips runs once, at the first
+    instant after the gap. A fire time in the hour a fall-back repeats runs once, in the
+    first pass, when the expression's minute and hour fields are both fixed (neither
+    starts with ``*``: ``30 1 * * *``, ``0 1-3 * * *``), as in Vixie cron and cronie; when
+    either starts with ``*`` (``*/30 * * * *``, ``0 * * * *``, ``*/10 1 * * *``) the job
+    runs by the clock, in both passes. ``R`` (random) and ``H`` (hashed) values and the
+    ``@daily``-style aliases are refused with
+    :class:`~lease_core.errors.ConfigurationError`.
+    """
 
     def __init__(self, expression: str, tz: str = "UTC") -> None:
-        if not isinstance(expression, str) or not _CRON_FIELDS.match(expression.strip()):
-            raise ConfigurationError(
-                f"cron expression {expression!r} is invalid; use five fields "
-                "'minute hour day month weekday' (or six, with seconds last), e.g. '*/5 * * * *'"
-            )
+        stripped = _check_expression(expression)
         try:
             self.tz = ZoneInfo(tz)
         except (ZoneInfoNotFoundError, ValueError, TypeError):
             raise ConfigurationError(
                 f"time zone {tz!r} is unknown; use an IANA name such as 'UTC' or 'Europe/Lisbon'"
             ) from None
-        self.expression = expression.strip()
+        self.expression = stripped
+        minute, hour = stripped.split()[:2]
+        #: Fixed times of day run once across a repeated hour (see the class docstring).
+        self.once_across_fall_back = not minute.startswith("*") and not hour.startswith("*")
         try:
             it = croniter(self.expression, datetime.now(self.tz))
             first = it.get_next(datetime)
@@ -170,21 +215,82 @@ class CronSchedule(Schedule):
         """The gap between the next two fire times."""
         return self._period
 
-    def _local(self, ms: int) -> datetime:
-        return ms_to_datetime(ms).astimezone(self.tz)
+    def _offset_ms(self, ms: int) -> int:
+        offset = ms_to_datetime(ms).astimezone(self.tz).utcoffset()
+        assert offset is not None
+        return offset // _MS
+
+    def _offsets_near(self, ms: int) -> tuple[int, int]:
+        """The least and the greatest UTC offset of ``tz`` within 3 hours of ``ms``."""
+        offsets = [self._offset_ms(ms + d) for d in (-_NEAR_MS, 0, _NEAR_MS)]
+        return min(offsets), max(offsets)
+
+    def _instants(self, wall: datetime) -> list[int]:
+        """The slots of the naive local time ``wall``: its instant; both passes of a
+        repeated one (only the first for a fixed time of day); the first instant after
+        the gap for one a spring-forward skips."""
+        first = _epoch_ms(wall.replace(tzinfo=self.tz, fold=0))
+        second = _epoch_ms(wall.replace(tzinfo=self.tz, fold=1))
+        if first == second:
+            return [first]
+        if first < second:  # repeated: fold=0 is the first pass
+            return [first] if self.once_across_fall_back else [first, second]
+        # skipped: fold=1 reads it with the offset after the change, so falls before it
+        offset, lo, hi = self._offset_ms(second), second, first
+        while hi - lo > 1:  # the instant the offset changes, in (second, first]
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._offset_ms(mid) == offset else (lo, mid)
+        return [hi]
+
+    # croniter runs on naive local times, where a day has no gap and no repeated hour (it
+    # is inconsistent across some changes of offset, in both directions); the slots are
+    # then their instants. Local times and instants are in the same order but near a
+    # change of offset, so the search goes on for that change's size after a first find.
 
     def next_after(self, ms: int) -> int:
         """Return the first fire time strictly after ``ms``."""
-        nxt: datetime = croniter(self.expression, self._local(ms)).get_next(datetime)
-        return int(nxt.timestamp() * 1000)
+        low, high = self._offsets_near(ms)
+        it = croniter(self.expression, _naive(ms + low))
+        best: int | None = None
+        limit: datetime | None = None
+        while True:
+            wall: datetime = it.get_next(datetime)
+            if best is not None and limit is not None and wall >= limit:
+                return best
+            later = [t for t in self._instants(wall) if t > ms]
+            if not later:
+                continue
+            if best is None:
+                near_low, near_high = self._offsets_near(min(later))
+                shift = max(high - low, near_high - near_low)
+                if shift == 0:
+                    return min(later)
+                limit = wall + shift * _MS
+            best = min(later) if best is None else min(best, *later)
 
     def previous_at_or_before(self, ms: int) -> int | None:
         """Return the last fire time at or before ``ms``."""
-        try:
-            prev: datetime = croniter(self.expression, self._local(ms + 1)).get_prev(datetime)
-        except CroniterBadDateError:
-            return None
-        return int(prev.timestamp() * 1000)
+        low, high = self._offsets_near(ms)
+        it = croniter(self.expression, _naive(ms + high + 1))
+        best: int | None = None
+        limit: datetime | None = None
+        while True:
+            try:
+                wall: datetime = it.get_prev(datetime)
+            except CroniterBadDateError:
+                return best
+            if best is not None and limit is not None and wall <= limit:
+                return best
+            earlier = [t for t in self._instants(wall) if t <= ms]
+            if not earlier:
+                continue
+            if best is None:
+                near_low, near_high = self._offsets_near(max(earlier))
+                shift = max(high - low, near_high - near_low)
+                if shift == 0:
+                    return max(earlier)
+                limit = wall - shift * _MS
+            best = max(earlier) if best is None else max(best, *earlier)
 
     def spec(self) -> dict[str, str | int]:
         """``{"cron": ..., "tz": ...}``."""
@@ -196,6 +302,20 @@ class CronSchedule(Schedule):
 
     def __repr__(self) -> str:
         return f"CronSchedule({self.expression!r}, tz={self.tz.key!r})"
+
+
+_MS = timedelta(milliseconds=1)
+_NEAR_MS = 3 * 3_600_000  # the largest change of offset looked for, 3 hours
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _epoch_ms(moment: datetime) -> int:
+    return (moment - _EPOCH) // _MS
+
+
+def _naive(ms: int) -> datetime:
+    """``ms`` after the epoch as a naive datetime (a local time, once an offset is added)."""
+    return datetime(1970, 1, 1) + ms * _MS
 
 
 def schedule_from_spec(spec: object) -> Schedule:

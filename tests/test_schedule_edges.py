@@ -1,10 +1,14 @@
-"""Schedules at their edges: intervals too long for a date, or finer than a millisecond,
-and an overview over a schedule recorded with no dated next slot."""
+"""Schedules at their edges: random and hashed cron values, aliases, daylight saving time
+(checked against a minute-by-minute model), and intervals too long or too fine."""
 
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, date, datetime, timedelta
+from itertools import pairwise
+from zoneinfo import ZoneInfo
 
 import anyio
 import pytest
@@ -13,9 +17,146 @@ from hypothesis import strategies as st
 
 from lease_core import ConfigurationError, MemoryBackend
 from lease_core._overview import read_overview
-from lease_core.schedules import IntervalSchedule, schedule_from_spec
+from lease_core.schedules import CronSchedule, IntervalSchedule, schedule_from_spec
 
 MAX_INTERVAL_MS = 365_250 * 86_400_000  # 1000 years, the longest interval
+
+# ----------------------------------------------------------------- R, H and aliases
+
+
+@pytest.mark.parametrize(("expression", "field", "kind"), [
+    ("R 2 * * *", "minute", "random"), ("0 R * * *", "hour", "random"),
+    ("0 0 r * *", "day", "random"), ("R(0-30) 2 * * *", "minute", "random"),
+    ("H 2 * * *", "minute", "hashed"), ("H(0-5) 2 * * *", "minute", "hashed"),
+    ("0 H/2 * * *", "hour", "hashed"), ("0 0 * * * R", "second", "random"),
+])
+def test_random_and_hashed_values_are_refused_saying_what_to_write(
+        expression: str, field: str, kind: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        CronSchedule(expression)
+    message = str(info.value)
+    assert repr(expression) in message and f"{field} field" in message
+    assert f"{kind} value" in message and "fixed value" in message and "*/15" in message
+
+
+@pytest.mark.parametrize("expression", ["0 0 * MAR THU", "0 0 * * FRI-SAT", "0 0 * APR,DEC *"])
+def test_month_and_weekday_names_are_no_random_values(expression: str) -> None:
+    CronSchedule(expression)
+
+
+@pytest.mark.parametrize(("alias", "fields"), [
+    ("@daily", "0 0 * * *"), ("@hourly", "0 * * * *"), ("@weekly", "0 0 * * 0"),
+    ("@monthly", "0 0 1 * *"), ("@yearly", "0 0 1 1 *"), (" @Midnight ", "0 0 * * *"),
+])
+def test_an_alias_is_refused_with_its_five_fields(alias: str, fields: str) -> None:
+    with pytest.raises(ConfigurationError, match="aliases are not supported") as info:
+        CronSchedule(alias)
+    assert repr(alias) in str(info.value) and repr(fields) in str(info.value)
+    CronSchedule(fields)
+
+
+# ----------------------------------------------------------------- daylight saving time
+
+ZONES = ("Europe/Lisbon", "America/New_York", "Australia/Lord_Howe")
+Match = Callable[[int, int], bool]
+#: expression, its wall-time test (hour, minute), whether it is a fixed time of day
+EXPRESSIONS: list[tuple[str, Match, bool]] = [
+    ("30 1 * * *", lambda h, m: h == 1 and m == 30, True),
+    ("45 1 * * *", lambda h, m: h == 1 and m == 45, True),
+    ("0 2 * * *", lambda h, m: h == 2 and m == 0, True),
+    ("15 2 * * *", lambda h, m: h == 2 and m == 15, True),
+    ("0,40 1-3 * * *", lambda h, m: 1 <= h <= 3 and m in (0, 40), True),
+    ("*/30 * * * *", lambda h, m: m % 30 == 0, False),
+    ("0 * * * *", lambda h, m: m == 0, False),
+    ("*/20 1 * * *", lambda h, m: h == 1 and m % 20 == 0, False),
+]
+DAILY = {"30 1 * * *", "45 1 * * *", "0 2 * * *", "15 2 * * *"}
+
+
+def _transitions(tz: ZoneInfo) -> list[datetime]:
+    """The instants of 2024 at which ``tz`` changes its offset."""
+    out, t = [], datetime(2024, 1, 1, tzinfo=UTC)
+    offset = t.astimezone(tz).utcoffset()
+    while t.year == 2024:
+        t += timedelta(minutes=30)
+        if t.astimezone(tz).utcoffset() != offset:
+            out.append(t)
+            offset = t.astimezone(tz).utcoffset()
+    return out
+
+
+def _model(match: Match, fixed: bool, tz: ZoneInfo, start: datetime, end: datetime,
+           ) -> list[int]:
+    """The slots minute by minute: a matching wall time, but for a fixed time of day not
+    its second pass in a repeated hour; a matching wall time a gap skips runs at the gap's
+    end."""
+    slots, t = [], start
+    before = (t - timedelta(minutes=1)).astimezone(tz).replace(tzinfo=None)
+    while t < end:
+        local = t.astimezone(tz)
+        wall = local.replace(tzinfo=None)
+        skipped = wall - before - timedelta(minutes=1)  # wall minutes a gap jumped over
+        jumped = (before + timedelta(minutes=k)
+                  for k in range(1, int(skipped.total_seconds() // 60) + 1))
+        gap = any(match(w.hour, w.minute) for w in jumped)
+        repeated = local.fold == 1 and local.replace(fold=0).utcoffset() != local.utcoffset()
+        if gap or (match(local.hour, local.minute) and not (fixed and repeated)):
+            slots.append(int(t.timestamp() * 1000))
+        before, t = wall, t + timedelta(minutes=1)
+    return slots
+
+
+@pytest.mark.parametrize("zone", ZONES)
+def test_next_and_previous_agree_with_the_model_across_both_transitions(zone: str) -> None:
+    tz = ZoneInfo(zone)
+    transitions = _transitions(tz)
+    assert len(transitions) == 2
+    for at in transitions:
+        start, end = at - timedelta(days=2), at + timedelta(days=2)
+        lo, hi = int(start.timestamp() * 1000), int(end.timestamp() * 1000)
+        for expression, match, fixed in EXPRESSIONS:
+            s = CronSchedule(expression, tz=zone)
+            expected = _model(match, fixed, tz, start, end)
+            where = f"{expression!r} in {zone} around {at.isoformat()}"
+            forward, t = [], lo - 1
+            while (t := s.next_after(t)) < hi:
+                forward.append(t)
+            backward, p = [], s.previous_at_or_before(hi - 1)
+            while p is not None and p >= lo:
+                backward.append(p)
+                p = s.previous_at_or_before(p - 1)
+            assert forward == expected, where
+            assert backward[::-1] == expected, where
+            for a, b in pairwise(expected):
+                # the engine's invariant: the next slot is a slot, and none lies between
+                assert s.previous_at_or_before(s.next_after(a)) == b, where
+                assert s.previous_at_or_before(b - 1) == a, where
+                assert s.next_after((a + b) // 2) == b, where
+                assert s.previous_at_or_before((a + b) // 2) == a, where
+            if expression in DAILY:
+                days = Counter(datetime.fromtimestamp(x / 1000, tz).date() for x in expected)
+                local = at.astimezone(tz).date()
+                for day in (local - timedelta(days=1), local, local + timedelta(days=1)):
+                    assert days[day] == 1, (where, day)
+
+
+@pytest.mark.parametrize(("expression", "fixed"), [(e, f) for e, _, f in EXPRESSIONS])
+def test_a_fixed_time_of_day_is_neither_minute_nor_hour_starting_with_a_star(
+        expression: str, fixed: bool) -> None:
+    assert CronSchedule(expression).once_across_fall_back is fixed
+
+
+def test_a_fixed_time_in_the_repeated_hour_runs_once_and_a_clock_job_twice() -> None:
+    ny = ZoneInfo("America/New_York")
+    t = int(datetime(2024, 11, 3, tzinfo=ny).timestamp() * 1000)
+    nightly = CronSchedule("30 1 * * *", tz="America/New_York")
+    first = nightly.next_after(t)
+    assert first == int(datetime(2024, 11, 3, 5, 30, tzinfo=UTC).timestamp() * 1000)
+    assert datetime.fromtimestamp(nightly.next_after(first) / 1000, ny).date() == \
+        date(2024, 11, 4)
+    half_hourly = CronSchedule("*/30 * * * *", tz="America/New_York")
+    assert half_hourly.slots_between(first - 1, first + 3_600_000, 10) == \
+        [first, first + 1_800_000, first + 3_600_000]  # 01:30 EDT, 01:00 EST, 01:30 EST
 
 
 # ----------------------------------------------------------------- intervals
