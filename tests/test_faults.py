@@ -606,3 +606,26 @@ async def test_a_store_clock_stepping_back_is_followed_at_its_next_answer() -> N
         await wait_for(followed, timeout=3, what="the estimate following the store")
         await i.stop()
     assert len(early) <= 1, early  # the claim made before the store's first answer
+
+
+async def test_a_stop_does_not_wait_for_a_finish_the_store_does_not_answer() -> None:
+    """A finish is sent again while the lease is the attempt's, but not once the
+    scheduler stops: the stop waited up to the job's lease (a minute here)."""
+
+    class FinishDown(MemoryBackend):
+        async def finish_many(self, items: Sequence[tuple[Lease, Outcome, str | None]]
+                              ) -> list[bool]:
+            raise BackendUnavailable("the store does not answer finishes (test)")
+
+    s = Scheduler(FinishDown(), instance_id="a", lease="60s", heartbeat="0.5s")
+    done: list[int] = []
+    s.every("export", "1h", lambda ctx: done.append(ctx.attempt), offset=quiet_offset_now())
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = s.jobs["export"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "export", slot)
+        await wait_for(lambda: done, timeout=5, what="the handler ran")
+        with anyio.fail_after(20):  # the finish is tried once more at most (10 s)
+            await i.stop()
+    assert done == [1]

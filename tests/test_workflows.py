@@ -802,6 +802,43 @@ async def test_a_step_added_to_a_deployed_workflow_runs_from_the_next_run_on(
                    ("snapshot", later), ("interest", later), ("publish", later)]
 
 
+async def test_a_step_added_by_a_release_rolling_out_does_not_run_for_a_run_ending_meanwhile(
+    store: Store, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The new release starts while the old one runs the workflow's last step, backs that
+    run up, and sees it complete: the step it adds is not claimed for that run (the old
+    step's result says the run ended with it)."""
+    ran: list[tuple[str | None, str]] = []
+    started = anyio.Event()
+
+    def build(name: str, steps: tuple[str, ...]) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
+        for step in steps:
+            async def handler(ctx: RunContext, name: str = name) -> None:
+                ran.append((ctx.step, name))
+                if ctx.step == "interest":
+                    started.set()
+                    await anyio.sleep(1)
+            close.step(step, handler)
+        return s
+
+    old, new = build("old", STEPS[:2]), build("new", STEPS)
+    with caplog.at_level(logging.INFO, logger="anarchon"):
+        async with anyio.create_task_group() as tg:
+            i_old = await Instance(old).start(tg)
+            slot = current_slot(old)
+            await begin(old, slot)
+            await started.wait()
+            i_new = await Instance(new).start(tg)  # the new release starts meanwhile
+            await wait_for(lambda: "before step 'publish' was added" in caplog.text,
+                           timeout=10, what="the run seen ended with its old last step")
+            await i_new.stop()
+            await i_old.stop()
+    assert (await statuses(new, slot))[2] is None
+    assert ("publish", "new") not in ran
+
+
 async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:
     ran: list[tuple[int, str | None, Any]] = []
     late = make(store, "late")

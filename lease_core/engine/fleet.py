@@ -138,7 +138,6 @@ class Fleet:
         if self._left:
             return  # a stopping instance's ticks must not join again
         previous, self._renewed = self._renewed, settings.clock()
-        self._soon = False
         self._group = self._group or group_of(self._s.jobs)
         try:
             members = await settings.backend.members(self._name, to_ms(settings.lease))
@@ -147,6 +146,7 @@ class Fleet:
             # lapse meanwhile, and the others would rank without this live member.
             self._renewed = previous
             raise
+        self._soon = False
         if self._left:
             # It left while this renewal was in flight: the renewal may have landed after.
             await settings.backend.leave(self._name)

@@ -244,9 +244,11 @@ class LeaseKeeper:
             self._s.runs.watch(run.job, run.slot)  # claimed by another: back it up
             return False
         if now_ms >= run.claim_after:
-            claims.append((run.job, run.slot, run.reclaim_reason or Reason.SCHEDULED))
             if state is None:  # nobody claimed it: the member ranked first may be gone
                 self._s.fleet.renew_soon()
+                if self._s.steps.continue_later(run):
+                    return False
+            claims.append((run.job, run.slot, run.reclaim_reason or Reason.SCHEDULED))
             return False
         return True
 

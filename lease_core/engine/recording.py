@@ -68,7 +68,10 @@ class OutcomeRecorder:
                                        name, format_slot(slot), outcome)
             sent_before = True
             pause = s.settings.heartbeat
-            if not failed or s.crashed or anyio.current_time() + pause >= deadline:
+            # Not while stopping: a stop would wait for it up to the lease (minutes);
+            # unrecorded, the run is taken over as before.
+            if (not failed or s.crashed or s.stopping
+                    or anyio.current_time() + pause >= deadline):
                 return finished
             with anyio.CancelScope(shield=True):  # bounded by the lease
                 await anyio.sleep(pause)

@@ -19,6 +19,7 @@ from ..context import RunContext
 from ..errors import AnarchonError, ConfigurationError
 from ..recovery import step_job
 from .base import logger
+from .runs import Phase
 
 if TYPE_CHECKING:
     from ..workflows import Workflow
@@ -90,6 +91,31 @@ class StepCoordinator:
                         job.workflow.name, format_slot(slot), job.step, next_step.step)
             return True
         return False
+
+    def continue_later(self, run: Run) -> bool:
+        """``run`` is a later step's, pending, found unclaimed at this member's turn after
+        the step before completed elsewhere: True when it is claimed in a task of its
+        own, once that step's result shows the workflow run did not end with it
+        (:meth:`_ended_as_last`; a step added by a release rolling out must not run for a
+        run the old release ended). The read is made only here, where nobody claimed the
+        step, not at every completion a member backs up."""
+        job = run.job
+        if job.workflow is None or job.scheduled or run.successor or self._s.tg is None:
+            return False
+        before = self._s.jobs.get(step_job(job.workflow.name,
+                                           job.workflow.previous_steps(job)[-1]))
+        if before is None:
+            return False
+        run.phase = Phase.CLAIMING  # out of the ticks' hands while the result is read
+        self._s.tg.start_soon(self._continue_pending, before, run)
+        return True
+
+    async def _continue_pending(self, before: Job, run: Run) -> None:
+        if await self._ended_as_last(before, run.slot):
+            self._s.runs.forget(run.key)
+        else:
+            await self._s.claims.claim(run.job, run.slot,
+                                       run.reclaim_reason or Reason.SCHEDULED)
 
     async def _continue(self, job: Job, next_step: Job, slot: int) -> None:
         """Claim ``next_step`` at ``slot``, seen unclaimed after ``job`` completed, unless
