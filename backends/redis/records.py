@@ -136,10 +136,12 @@ class RedisRecords(RedisStore):
 
     async def runs(self, job: str | None = None, *, open_only: bool = False,
                    limit: int = 100) -> list[RunInfo]:
-        """Return runs, newest slot first: open runs and those of the latest attempts.
+        """Return runs, newest slot first.
 
-        Three pipelined round trips at most: the jobs, their open and recent slots, the
-        runs themselves.
+        Three pipelined round trips at most: the jobs, their open slots and the slots of
+        their history (all of it: the newest attempts may be of older slots, so the
+        newest slots cannot be told from a page of them; history is trimmed to
+        ``history_size``), the runs themselves.
         """
         if limit < 0:
             raise ConfigurationError(f"limit={limit!r} must be 0 or more")
@@ -151,7 +153,7 @@ class RedisRecords(RedisStore):
             keys = self._job_keys(name)
             commands.append(("ZRANGE", keys["open"], 0, -1))
             if not open_only:
-                commands.append(("ZREVRANGE", keys["hist"], 0, limit - 1))
+                commands.append(("ZRANGE", keys["hist"], 0, -1))
         replies = iter(await self._run(commands))
         wanted: list[tuple[str, int]] = []
         for name in names:

@@ -389,6 +389,11 @@ async def test_jobs_and_runs_describe_the_store_now(store: Store) -> None:
         assert {(r.job, r.slot) for r in open_runs} == {("alpha", SLOT + 1000), ("beta", SLOT)}
         assert [r.slot for r in await a.runs("alpha")] == [SLOT + 1000, SLOT]
         assert [r.slot for r in await a.runs("alpha", limit=1)] == [SLOT + 1000]
+        # The newest slots, not the runs of the newest attempts: an older slot claimed
+        # last is not among the newest two.
+        older = req("alpha", SLOT - 1000, overlap_skip=False)
+        assert (await a.claim(older)).status is ClaimStatus.WON
+        assert [r.slot for r in await a.runs("alpha", limit=2)] == [SLOT + 1000, SLOT]
         assert await a.runs("nobody") == []
         with pytest.raises(ValueError, match="limit=-1"):
             await a.runs(limit=-1)
