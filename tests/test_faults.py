@@ -18,6 +18,7 @@ from lease_core import (
     MemoryBackend,
     Outcome,
     Reason,
+    Retry,
     RunContext,
     Scheduler,
     SchedulerState,
@@ -629,3 +630,53 @@ async def test_a_stop_does_not_wait_for_a_finish_the_store_does_not_answer() -> 
         with anyio.fail_after(20):  # the finish is tried once more at most (10 s)
             await i.stop()
     assert done == [1]
+
+
+class RetryLaterLostOnce(MemoryBackend):
+    """A memory backend whose first ``retry_later`` fails: before the store applied it,
+    or after (its answer lost with the connection)."""
+
+    def __init__(self, applied: bool) -> None:
+        super().__init__()
+        self.applied = applied
+        self.failed = False
+
+    async def retry_later(self, items: Sequence[tuple[Lease, Outcome, str | None,
+                                                        Sequence[int]]]) -> list[int]:
+        if self.failed:
+            return await super().retry_later(items)
+        self.failed = True
+        if self.applied:
+            await super().retry_later(items)
+        raise BackendUnavailable("the connection dropped (test)")
+
+
+@pytest.mark.parametrize("applied", [False, True])
+async def test_a_retry_the_store_did_not_answer_is_sent_again_within_the_lease(
+    applied: bool,
+) -> None:
+    """As a finish: a failed attempt whose retry_later met a blip was backed up at once,
+    and taken over (not retried) once its lease ran out."""
+    backend = RetryLaterLostOnce(applied)
+    s = Scheduler(backend, instance_id="a", lease="0.9s", heartbeat="0.2s")
+    calls: list[int] = []
+
+    def flaky(ctx: RunContext) -> None:
+        calls.append(ctx.attempt)
+        if ctx.attempt == 1:
+            raise RuntimeError("transient")
+
+    s.every("export", "1h", flaky, offset=quiet_offset_now(),
+            retry=Retry(retries=1, backoff="0.3s", jitter=0))
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = s.jobs["export"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "export", slot)
+        history = await wait_history(
+            s, lambda h: any(x.outcome == Outcome.COMPLETED for x in h), job="export")
+        await i.stop()
+    assert backend.failed
+    assert sorted((x.attempt, x.reason, x.outcome) for x in history) == [
+        (1, Reason.SCHEDULED, Outcome.FAILED), (2, Reason.RETRY, Outcome.COMPLETED)]
+    assert calls == [1, 2]

@@ -24,6 +24,7 @@ from .._structures import (
     Lease,
     Outcome,
     Reason,
+    RunState,
     RunStatus,
     fence_of,
     format_slot,
@@ -326,6 +327,10 @@ class Executor:
             return True
         report()
         return False
+
+    async def state_in_store(self, lease: Lease) -> RunState | None:
+        """``lease``'s run as the store has it now (``None``: no run, or no answer)."""
+        return await self._recorder.state_in_store(lease)
 
     def _completed_here(self, run: Run, attempt: int) -> bool:
         """Whether this attempt completed the run itself: the store's completed attempt is

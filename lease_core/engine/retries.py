@@ -11,17 +11,21 @@ claims first makes the retry, reason ``retry``. A stop or a crash meanwhile lose
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
 
 from .. import events as ev
-from .._structures import Outcome, Reason, format_slot
+from .._structures import Outcome, Reason, RunStatus, format_slot
 from ..errors import ConfigurationError
 from ..retry import supports_retries
 from .base import logger
 from .runs import Phase, Run
+
+#: :meth:`Retrier._send`'s answer for a ``retry_later`` recorded by an earlier send.
+_RECORDED = -2
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -64,16 +68,17 @@ class Retrier:
         s, job, lease = self._s, run.job, run.lease
         assert lease is not None and job.retry is not None
         delays = job.retry.delays_ms()
-        answer: int | None = None
-        with anyio.move_on_after(10, shield=True):
-            try:
-                (answer,) = await s.settings.backend.retry_later(
-                    [(lease, outcome, error, delays)])
-            except Exception as exc:
-                s.clock.failed(f"end of {job.name} slot {format_slot(lease.slot)}", exc)
+        answer = await self._send(run, outcome, error, delays)
         if answer is None:  # unknown whether it ended: watch it, as a finish would
             report()
             s.runs.rewatch(run)
+            return None
+        if answer == _RECORDED:  # recorded by a send whose answer was lost
+            report()
+            s.runs.release(run)
+            s.runs.watch(job, lease.slot)  # its retry is claimed by the next check
+            logger.info("%s slot %s: retry recorded (its first answer was lost)",
+                        job.name, format_slot(lease.slot))
             return None
         if answer < 0:
             def lost() -> None:
@@ -104,6 +109,43 @@ class Retrier:
         if s.tg is not None and not s.stopping:
             s.tg.start_soon(self._claim_when_due, job, lease.slot, delay)
         return answer
+
+    async def _send(self, run: Run, outcome: Outcome, error: str,
+                    delays: Sequence[int]) -> int | None:
+        """``retry_later`` for ``run``: its answer, ``None`` when the store did not answer.
+
+        As a finish, sent again a check interval later while the lease is still the
+        attempt's (not once the scheduler stops): backed up at once, the run would be
+        taken over, not retried. Sent again after the first was recorded, it is refused;
+        then :data:`_RECORDED` when the store has the run waiting for its retry, or ended
+        (no retry left), by this attempt."""
+        s, lease, execution = self._s, run.lease, run.execution
+        assert lease is not None
+        deadline = math.inf if execution is None else execution.deadline
+        sent_before = False
+        while True:
+            answer: int | None = None
+            with anyio.move_on_after(10, shield=True):
+                try:
+                    (answer,) = await s.settings.backend.retry_later(
+                        [(lease, outcome, error, delays)])
+                except Exception as exc:
+                    s.clock.failed(f"end of {run.job.name} slot {format_slot(lease.slot)}",
+                                   exc)
+                else:
+                    if answer < 0 and sent_before and execution is not None:
+                        state = await s.execution.state_in_store(lease)
+                        if (state is not None and state.attempt == execution.ctx.attempt
+                                and state.status in (RunStatus.RETRYING,
+                                                     RunStatus(outcome.value))):
+                            return _RECORDED
+                    return answer
+            pause = s.settings.heartbeat
+            if s.crashed or s.stopping or anyio.current_time() + pause >= deadline:
+                return None
+            sent_before = True
+            with anyio.CancelScope(shield=True):  # bounded by the lease
+                await anyio.sleep(pause)
 
     async def _claim_when_due(self, job: Job, slot: int, delay: float) -> None:
         s = self._s
