@@ -558,6 +558,7 @@ async def test_a_finish_the_store_did_not_answer_is_sent_again_within_the_lease(
     assert ended == ["Completed"]
 
 
+@pytest.mark.asyncio_only  # engine timing; the loops are covered elsewhere
 async def test_a_catch_up_of_a_job_faster_than_the_heartbeat_gets_back_on_time() -> None:
     """``catch_up="all"`` runs every missed slot one after another; each waited a whole
     check interval (1 s) for the one before, so a job every 250 ms fell further behind
@@ -582,6 +583,7 @@ async def test_a_catch_up_of_a_job_faster_than_the_heartbeat_gets_back_on_time()
     assert len(missed) >= 8, missed  # every missed slot ran (catch_up="all")
 
 
+@pytest.mark.asyncio_only  # engine timing; the loops are covered elsewhere
 async def test_a_store_clock_stepping_back_is_followed_at_its_next_answer() -> None:
     """The estimate of the store's clock kept the best of its last eight samples: after
     the store's clock stepped back 10 minutes, slots were claimed up to 10 minutes early

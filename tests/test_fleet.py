@@ -685,6 +685,7 @@ async def test_a_failing_check_does_not_put_the_membership_renewal_off() -> None
         await inst.stop()
 
 
+@pytest.mark.asyncio_only  # engine timing; the loops are covered elsewhere
 async def test_one_failed_check_at_a_backups_turn_does_not_drop_its_slot() -> None:
     """The first-ranked member is frozen; the next one's check at its turn fails once, and
     the store answers before and after. The slot is claimed at the next tick: it was not
