@@ -94,6 +94,22 @@ def _backend(server: EmbeddedRedis, prefix: str, **options: object) -> RedisBack
 # -- a Cluster -----------------------------------------------------------------------------
 
 
+@asynccontextmanager
+async def waited_and_plain(primary: EmbeddedRedis) -> AsyncIterator[tuple[RedisBackend,
+                                                                         RedisBackend]]:
+    """Two started backends on one store: one waiting for a replica, one not."""
+    prefix = f"w{uuid.uuid4().hex[:10]}"
+    waited = _backend(primary, prefix, wait_replicas=1, wait_timeout=WAIT)
+    plain = _backend(primary, prefix)
+    await waited.start()
+    await plain.start()
+    try:
+        yield waited, plain
+    finally:
+        await waited.close()
+        await plain.close()
+
+
 @pytest.mark.asyncio_only  # redis-py's Cluster client is asyncio's
 async def test_wait_replicas_is_refused_on_a_cluster(
         valkey8_cluster: EmbeddedRedisCluster) -> None:
@@ -126,12 +142,7 @@ async def test_wait_replicas_is_refused_on_a_cluster(
 
 async def test_a_claim_the_replicas_missed_is_handed_over(
         group: tuple[EmbeddedRedis, EmbeddedRedis], primary: EmbeddedRedis) -> None:
-    prefix = f"w{uuid.uuid4().hex[:10]}"
-    waited = _backend(primary, prefix, wait_replicas=1, wait_timeout=WAIT)
-    plain = _backend(primary, prefix)
-    await waited.start()
-    await plain.start()
-    try:
+    async with waited_and_plain(primary) as (waited, plain):
         async with stalled(group):
             with pytest.raises(BackendUnavailable, match="the claim of 'once' slot 1 was "
                                                          "acknowledged by 0 of"):
@@ -156,9 +167,6 @@ async def test_a_claim_the_replicas_missed_is_handed_over(
         again = await waited.claim(ClaimRequest("many", 1, "i1", "m1b", 30_000,
                                                 overlap_skip=False))
         assert again.status is ClaimStatus.WON  # the replica is back: acknowledged
-    finally:
-        await waited.close()
-        await plain.close()
 
 
 # -- named leases --------------------------------------------------------------------------
@@ -166,28 +174,20 @@ async def test_a_claim_the_replicas_missed_is_handed_over(
 
 async def test_a_named_lease_the_replicas_missed_is_not_held(
         group: tuple[EmbeddedRedis, EmbeddedRedis], primary: EmbeddedRedis) -> None:
-    prefix = f"w{uuid.uuid4().hex[:10]}"
-    waited = _backend(primary, prefix, wait_replicas=1, wait_timeout=WAIT)
-    plain = _backend(primary, prefix)
-    await waited.start()
-    await plain.start()
-    try:
-        async with stalled(group):
-            with pytest.raises(BackendUnavailable, match="the acquire of lease 'leader' was "
-                                                         "acknowledged by 0 of"):
-                await waited.acquire_lease("leader", "h1", 30_000)
-            # released at once: another holder takes it now, not 30 s later
-            assert (await plain.acquire_lease("leader", "h2", 30_000)).held
-            # through lease_core.Lease: acquire() raises the store's error, holding nothing
-            lease = NamedLease(_backend(primary, prefix, wait_replicas=1, wait_timeout=WAIT),
-                               "other", ttl="30s")
-            with pytest.raises(BackendUnavailable, match="the acquire of lease 'other'"):
-                await lease.acquire(timeout=0)
-            assert not lease.held
-            assert (await plain.acquire_lease("other", "h2", 30_000)).held
-    finally:
-        await waited.close()
-        await plain.close()
+    async with waited_and_plain(primary) as (waited, plain), stalled(group):
+        with pytest.raises(BackendUnavailable, match="the acquire of lease 'leader' was "
+                                                     "acknowledged by 0 of"):
+            await waited.acquire_lease("leader", "h1", 30_000)
+        # released at once: another holder takes it now, not 30 s later
+        assert (await plain.acquire_lease("leader", "h2", 30_000)).held
+        # through lease_core.Lease: acquire() raises the store's error, holding nothing
+        lease = NamedLease(_backend(primary, waited.prefix, wait_replicas=1,
+                                    wait_timeout=WAIT),
+                           "other", ttl="30s")
+        with pytest.raises(BackendUnavailable, match="the acquire of lease 'other'"):
+            await lease.acquire(timeout=0)
+        assert not lease.held
+        assert (await plain.acquire_lease("other", "h2", 30_000)).held
 
 
 async def test_a_named_lease_renewal_the_replicas_missed_fails(
