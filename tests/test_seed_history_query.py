@@ -2,7 +2,7 @@
 
 ``SELECT job, slot, attempt, instance_id, reason, claimed_at FROM anarchon_runs_attempts
 WHERE job = 'sync' ORDER BY slot DESC, attempt DESC``: the table keeps ``claimed_ms``, and
-``claimed_at`` is a generated column of it (store code v4). The store lives in a schema of
+``claimed_at`` is written with it (store code v4). The store lives in a schema of
 its own, found through the connection's search_path, so the query's unqualified table name
 is the default one.
 """

@@ -35,7 +35,7 @@ import pytest
 
 from backends import postgres
 from backends.postgres import CODE_VERSION, PostgresBackend, migrate, quote_ident
-from backends.postgres.statements import BODY_MARKS, OPERATE_SUFFIX
+from backends.postgres.statements import BODY_MARKS, CLAIM_SUFFIX, OPERATE_SUFFIX
 from lease_core import Admin
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason
 from lease_core.cli import main
@@ -402,6 +402,49 @@ async def test_a_v4_store_of_an_earlier_build_gets_the_operations_that_refuse_a_
         await drop_tables(pg16_server.admin_dsn, table)
 
 
+async def test_a_v4_store_of_an_earlier_build_keeps_claimed_at_and_its_claims_write_it(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """An earlier build of store code v4 made claimed_at a stored generated column (an
+    upgrade then rewrote the attempts table under its locks), and its claim function
+    lacks BODY_MARKS' text: a start makes the column a plain one, keeping its values,
+    and the claims write it."""
+    table = unique_table()
+    attempts = quote_ident(table + "_attempts")
+    first = PostgresBackend(pg16_server.dsn, table=table)
+    await first.start()
+    try:
+        assert (await first.claim(ClaimRequest("j", 1, "i", "t1", 60_000))).status \
+            is ClaimStatus.WON
+    finally:
+        await first.close()
+    sql(pg16_server.admin_dsn,
+        f"ALTER TABLE {attempts} DROP COLUMN claimed_at, ADD COLUMN claimed_at timestamptz "
+        "GENERATED ALWAYS AS (to_timestamp(claimed_ms / 1000.0)) STORED")
+    claim, mark = f"{table}{CLAIM_SUFFIX}", BODY_MARKS[CLAIM_SUFFIX]
+    [(definition,)] = sql(pg16_server.admin_dsn,
+                          "SELECT pg_get_functiondef(oid) FROM pg_proc WHERE proname = %s",
+                          (claim,))
+    assert mark in definition
+    sql(pg16_server.admin_dsn, definition.replace(mark, "an earlier build"))
+    generated = ("SELECT attgenerated::text FROM pg_attribute "
+                 "WHERE attrelid = %s::regclass AND attname = 'claimed_at'",
+                 (table + "_attempts",))
+    assert sql(pg16_server.admin_dsn, *generated) == [("s",)]
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    try:
+        assert (await backend.claim(ClaimRequest("k", 2, "i", "t2", 60_000))).status \
+            is ClaimStatus.WON
+        assert sql(pg16_server.admin_dsn, *generated) == [("",)]
+        assert sql(pg16_server.admin_dsn,
+                   f"SELECT job, claimed_at = to_timestamp(claimed_ms / 1000.0) "
+                   f"FROM {attempts} ORDER BY job") == [("j", True), ("k", True)]
+    finally:
+        await backend.close()
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
 # -- store code v2 -> v3: the claim stops trimming ----------------------------------------
 
 FIXTURE_V2 = Path(__file__).parent / "fixtures" / "store_v2.sql"
@@ -565,6 +608,10 @@ async def test_migrate_upgrades_a_v3_store_keeping_its_history(
     seed_history = SEED_HISTORY.format(attempts=quote_ident(table + "_attempts"))
     fin_index = ("SELECT count(*) FROM pg_indexes WHERE tablename = %s AND indexname = %s",
                  (table + "_attempts", table + "_a_fin"))
+    attempts_filenode = ("SELECT pg_relation_filenode(%s::regclass)", (table + "_attempts",))
+    claimed_at = (f"SELECT count(*), count(*) FILTER (WHERE claimed_at = "
+                  f"to_timestamp(claimed_ms / 1000.0)) FROM {table}_attempts")
+    fill_mark = f"SELECT value FROM {table}_meta WHERE key = 'fill'"
     try:
         old = v3_release(server.dsn, table)
         # In flight through v3: a completed run, a run taken over (its first attempt
@@ -581,6 +628,7 @@ async def test_migrate_upgrades_a_v3_store_keeping_its_history(
         before = sql(server.admin_dsn, seed_history)
         assert [row[1:3] for row in before] == [(4, 1), (3, 1), (2, 2), (2, 1), (1, 1)]
         assert sql(server.admin_dsn, *fin_index) == [(1,)]
+        filenode = sql(server.admin_dsn, *attempts_filenode)
 
         with pytest.raises(ConfigurationError, match="anarchon migrate --url") as info:
             await PostgresBackend(app, table=table).start()
@@ -596,6 +644,14 @@ async def test_migrate_upgrades_a_v3_store_keeping_its_history(
         assert sql(server.admin_dsn, *fin_index) == [(0,)]
         # The history, read with seed 004's query, is what it was.
         assert sql(server.admin_dsn, seed_history) == before
+        # The upgrade did not rewrite the attempts table (its new columns are catalog
+        # only), and the attempts it found got claimed_at after its commit.
+        assert sql(server.admin_dsn, *attempts_filenode) == filenode
+        assert sql(server.admin_dsn, claimed_at) == [(5, 5)]
+        assert sql(server.admin_dsn, fill_mark) == []
+        # A fill cut short (its mark left) goes on at the next start, by the app's user.
+        sql(server.admin_dsn, f"UPDATE {table}_attempts SET claimed_at = NULL WHERE slot < 3")
+        sql(server.admin_dsn, f"INSERT INTO {table}_meta VALUES ('fill', 'claimed_at')")
 
         backend = PostgresBackend(app if server.dsn == server.admin_dsn else server.dsn,
                                   table=table)
@@ -621,6 +677,8 @@ async def test_migrate_upgrades_a_v3_store_keeping_its_history(
                 (1, 1, "completed"), (2, 1, "lost"), (2, 2, "completed"), (3, 1, "failed"),
                 (4, 1, "handed_over"), (4, 2, None), (5, 1, "completed")]
             assert by_slot[3, 1].error == "boom"
+            assert sql(server.admin_dsn, claimed_at) == [(7, 7)]
+            assert sql(server.admin_dsn, fill_mark) == []
 
             # Trimming by age finds the attempts without the index by finish time.
             assert await backend.prune("j", older_than_ms=0) == 6

@@ -46,6 +46,8 @@ def _lock_key(schema: str | None, name: str) -> int:
 #: How long (ms) creation and upgrades wait for a table lock held by work in flight.
 MIGRATION_LOCK_TIMEOUT_MS = 5000
 _MIGRATE_TRIES = 5
+#: How many attempts one statement of :meth:`StoreSchema._fill` updates.
+_FILL_BATCH = 10_000
 
 
 class StoreSchema:
@@ -86,8 +88,9 @@ class StoreSchema:
             )
         return set(rows[0][1]), bool(rows[0][2])
 
-    async def _read_meta(self, tx: Executor | SqlAdapter) -> tuple[bool, int]:
-        """Whether the store has a format, and its store code version (1 before v2).
+    async def _read_meta(self, tx: Executor | SqlAdapter) -> tuple[bool, int, bool]:
+        """Whether the store has a format, its store code version (1 before v2), and
+        whether an upgrade left its attempts' ``claimed_at`` to fill (:meth:`_fill`).
 
         Raises :class:`StoreFormatError` for a format newer than this release's.
         """
@@ -107,7 +110,7 @@ class StoreSchema:
             code = int(meta.get("code", "1"))
         except ValueError:
             code = 1
-        return "format" in meta, code
+        return "format" in meta, code, meta.get("fill") == "claimed_at"
 
     async def check(self, adapter: SqlAdapter, where: str) -> None:
         """Make sure a complete store exists, writing nothing (for read-only tools).
@@ -136,13 +139,17 @@ class StoreSchema:
         :class:`ConfigurationError` naming ``anarchon migrate``.
         """
         tables, function = await self._existing(adapter)
-        complete, code = False, 1
+        complete, code, fill = False, 1, False
         if len(tables) == 4:
-            complete, code = await self._read_meta(adapter)
+            complete, code, fill = await self._read_meta(adapter)
             if complete and function and code >= CODE_VERSION:
+                if fill:
+                    await self._fill(adapter)
                 return
         try:
             await self._upgrade(adapter)
+            if (await self._read_meta(adapter))[2]:
+                await self._fill(adapter)
         except ConfigurationError as exc:
             if sqlstate(exc) != "42501" and not any(
                     text in str(exc) for text in ("permission denied", "must be owner", "42501")):
@@ -166,6 +173,19 @@ class StoreSchema:
                 f"{what}; {command}, then grant SELECT, INSERT, UPDATE, DELETE on "
                 f"{', '.join(self._table_names())} ({reason})"
             ) from exc
+
+    async def _fill(self, adapter: SqlAdapter) -> None:
+        """Give the attempts an upgrade found ``claimed_at``, after the upgrade's commit.
+
+        In batches of ``_FILL_BATCH`` in primary-key order, each one short transaction
+        locking only its rows, so claims and heartbeats go on meanwhile; then the upgrade's
+        mark goes. Cut short (a stop, an outage), it goes on at the next start; two
+        instances filling at once only repeat each other's work.
+        """
+        key: tuple[object, ...] = ("", -(2 ** 63), -(2 ** 31))
+        while rows := await adapter.all(self._sql.fill_claimed_at, (*key, _FILL_BATCH)):
+            key = tuple(rows[0])
+        await adapter.all(self._sql.claimed_at_filled)
 
     def _function_name(self) -> str:
         return (f"{self._schema}." if self._schema else "") + self._name + CLAIM_SUFFIX
@@ -211,7 +231,7 @@ class StoreSchema:
         existing, function = await self._existing(tx)
         code = 0
         if self._name + "_meta" in existing:
-            _, code = await self._read_meta(tx)
+            _, code, _ = await self._read_meta(tx)
         if len(existing) < 4:
             for statement in self._sql.ddl:
                 await tx.all(statement)
@@ -225,6 +245,14 @@ class StoreSchema:
             for statement in (self._sql.add_operations_runs, self._sql.add_operations_jobs,
                               self._sql.add_operations_attempts):
                 await tx.all(statement)
+            if self._name + "_attempts" in existing:
+                # The attempts already stored get claimed_at after the commit (_fill).
+                await tx.all(self._sql.mark_claimed_at_fill)
+        else:
+            [(generated,)] = await tx.all(self._sql.claimed_at_generated,
+                                          (self._sql.attempts_table,))
+            if generated:
+                await tx.all(self._sql.drop_claimed_at_expression)
         # Retries within a run: the run row's retry counter (queries.sql, retry_later).
         [(has_retry_counter,)] = await tx.all(self._sql.has_retry_counter,
                                               (self._sql.runs_table,))

@@ -198,8 +198,9 @@ BEGIN
                                 takeovers)
             VALUES (p_job, p_slot, 'skipped', 1, NULL, p_instance, NULL, 0);
             INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
-                                    finished_ms, outcome, error)
-            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now, v_now, 'skipped',
+                                    claimed_at, finished_ms, outcome, error)
+            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now,
+                    to_timestamp(v_now / 1000.0), v_now, 'skipped',
                     'job paused by ' || v_paused);
             c_status := 'skipped'; c_attempt := 1; c_run_status := 'skipped';
             c_instance := p_instance;
@@ -214,8 +215,9 @@ BEGIN
                                 takeovers)
             VALUES (p_job, p_slot, 'skipped', 1, NULL, p_instance, NULL, 0);
             INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
-                                    finished_ms, outcome, error)
-            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now, v_now, 'skipped',
+                                    claimed_at, finished_ms, outcome, error)
+            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now,
+                    to_timestamp(v_now / 1000.0), v_now, 'skipped',
                     CASE WHEN EXISTS (
                              SELECT 1 FROM {runs} o
                              WHERE o.job = p_job AND o.slot < p_slot AND o.status = 'running'
@@ -229,8 +231,10 @@ BEGIN
             INSERT INTO {runs} (job, slot, status, attempt, token, instance_id, expires_ms,
                                 takeovers)
             VALUES (p_job, p_slot, 'running', 1, p_token, p_instance, c_expires, 0);
-            INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms)
-            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now);
+            INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
+                                    claimed_at)  -- claimed_at written
+            VALUES (p_job, p_slot, 1, v_seq, p_instance, p_reason, v_now,
+                    to_timestamp(v_now / 1000.0));
             c_status := 'won'; c_attempt := 1; c_reason := p_reason;
             c_run_status := 'running'; c_instance := p_instance;
         END IF;
@@ -284,8 +288,10 @@ BEGIN
             SET status = 'running', attempt = v_attempt + 1, token = p_token,
                 instance_id = p_instance, expires_ms = c_expires, takeovers = v_takeovers
             WHERE job = p_job AND slot = p_slot;
-            INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms)
-            VALUES (p_job, p_slot, v_attempt + 1, v_seq, p_instance, v_reason, v_now);
+            INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
+                                    claimed_at)
+            VALUES (p_job, p_slot, v_attempt + 1, v_seq, p_instance, v_reason, v_now,
+                    to_timestamp(v_now / 1000.0));
             IF v_queued IS NOT NULL THEN
                 -- Operations: the queued reason is used once.
                 UPDATE {runs} SET queued = NULL, queued_by = NULL

@@ -68,7 +68,7 @@ BEGIN
         UPDATE {jobs} SET paused_by = CASE WHEN p_kind = 'pause' THEN p_by END,
                           last_slot = CASE WHEN p_kind = 'pause' THEN last_slot
                                            ELSE GREATEST(COALESCE(last_slot, v_now), v_now) END
-        WHERE job = p_job AND (paused_by IS NULL) = (p_kind = 'pause');  -- operate body 2
+        WHERE job = p_job AND (paused_by IS NULL) = (p_kind = 'pause');  -- operate body 3
         IF NOT FOUND THEN
             o_refused := 'conflict';
         END IF;
@@ -119,11 +119,12 @@ BEGIN
         -- job's next history sequence, as a claim takes it.
         UPDATE {jobs} SET seq = seq + 1 WHERE job = p_job RETURNING seq INTO v_seq;
         INSERT INTO {attempts} (job, slot, attempt, seq, instance_id, reason, claimed_ms,
-                                finished_ms, outcome, error, requested_by)
+                                claimed_at, finished_ms, outcome, error, requested_by)
         SELECT p_job, p_slot, v_attempt + 1, v_seq, p_by,
                CASE WHEN v_status = 'retrying' THEN 'retry'
                     ELSE COALESCE(r.queued, 'hand-over') END,
-               v_now, v_now, 'cancelled', 'cancelled by ' || p_by, r.queued_by
+               v_now, to_timestamp(v_now / 1000.0), v_now, 'cancelled',
+               'cancelled by ' || p_by, r.queued_by
           FROM {runs} r WHERE r.job = p_job AND r.slot = p_slot;
         UPDATE {runs} SET attempt = v_attempt + 1, instance_id = p_by
         WHERE job = p_job AND slot = p_slot;

@@ -31,11 +31,52 @@ ALTER TABLE {jobs} ADD COLUMN IF NOT EXISTS paused_by text
 
 -- name: add_operations_attempts
 -- requested_by: who asked for the attempt (trigger, retry). claimed_at: the claim time as
--- a timestamp, for hand-written history queries (seed 004's); generated, so it is never
--- written apart from claimed_ms.
+-- a timestamp, for hand-written history queries (seed 004's), written with claimed_ms by
+-- the functions that insert attempts (claim_v4.sql, operate_v4.sql). Both nullable
+-- without default: catalog only, so an upgrade does not rewrite the attempts table while
+-- it holds the runs table (a stored generated column did, about 1.5 s per million
+-- attempts). The attempts of earlier releases get claimed_at afterwards, in batches
+-- (fill_claimed_at).
 ALTER TABLE {attempts} ADD COLUMN IF NOT EXISTS requested_by text,
     ADD COLUMN IF NOT EXISTS claimed_at timestamptz
-        GENERATED ALWAYS AS (to_timestamp(claimed_ms / 1000.0)) STORED
+
+-- name: claimed_at_generated
+-- Whether claimed_at is the generated column an earlier build of this unreleased store
+-- code made (the functions now write it).
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+               WHERE attrelid = %s::regclass AND attname = 'claimed_at'
+                 AND attgenerated <> '' AND NOT attisdropped)
+
+-- name: drop_claimed_at_expression
+-- A generated claimed_at becomes a plain column keeping its values (catalog only).
+ALTER TABLE {attempts} ALTER COLUMN claimed_at DROP EXPRESSION IF EXISTS
+
+-- name: mark_claimed_at_fill
+-- Written by the upgrade that adds claimed_at to a store of older code: the attempts it
+-- already holds are filled in after the upgrade's commit (fill_claimed_at), and the mark
+-- removed then (claimed_at_filled), so a fill cut short goes on at the next start.
+INSERT INTO {meta} (key, value) VALUES ('fill', 'claimed_at') ON CONFLICT (key) DO NOTHING
+
+-- name: fill_claimed_at
+-- One batch of the fill: the next attempts in primary-key order after the given key get
+-- claimed_at, each batch its own short transaction that locks only its rows. Answers the
+-- batch's last key (no row: done). Parameters: the last key (job, slot, attempt), the
+-- batch size.
+WITH b AS (
+    SELECT a.job, a.slot, a.attempt FROM {attempts} a
+    WHERE (a.job, a.slot, a.attempt) > (%s::text, %s::bigint, %s::integer)
+    ORDER BY a.job, a.slot, a.attempt
+    LIMIT %s::bigint
+), filled AS (
+    UPDATE {attempts} a SET claimed_at = to_timestamp(a.claimed_ms / 1000.0)
+    FROM b WHERE a.job = b.job AND a.slot = b.slot AND a.attempt = b.attempt
+      AND a.claimed_at IS NULL
+)
+SELECT b.job, b.slot, b.attempt FROM b ORDER BY b.job DESC, b.slot DESC, b.attempt DESC
+LIMIT 1
+
+-- name: claimed_at_filled
+DELETE FROM {meta} WHERE key = 'fill' AND value = 'claimed_at'
 
 -- name: grant_operate
 GRANT EXECUTE ON FUNCTION {operate}(text, text, bigint, text, bigint) TO PUBLIC

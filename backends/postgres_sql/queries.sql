@@ -38,8 +38,9 @@ FROM pg_catalog.pg_namespace n
 WHERE n.nspname = COALESCE(%(schema)s::text, current_schema())
 
 -- name: read_meta
--- The table format and the store code version (absent before store code v2).
-SELECT key, value FROM {meta} WHERE key IN ('format', 'code')
+-- The table format, the store code version (absent before store code v2) and a fill of
+-- a new column still to make after an upgrade (operations.sql, mark_claimed_at_fill).
+SELECT key, value FROM {meta} WHERE key IN ('format', 'code', 'fill')
 
 -- name: lock_creation
 -- Creation and upgrades of one store wait for each other: a transaction-scoped advisory
