@@ -584,6 +584,35 @@ async def test_a_catch_up_of_a_job_faster_than_the_heartbeat_gets_back_on_time()
 
 
 @pytest.mark.asyncio_only  # engine timing; the loops are covered elsewhere
+async def test_catch_up_none_runs_no_slot_a_freeze_missed() -> None:
+    """After the process froze past several slots, ``catch_up="none"`` ran the newest
+    of them late (half a second here, over twice the check interval), recorded
+    ``scheduled``. No slot the freeze missed runs; the next one runs at its time. The
+    freeze is a jump of the clocks both sides read, landing mid-way between two slots."""
+    shift = [0.0]
+    backend = MemoryBackend(clock=lambda: time.time() + shift[0])
+    s = Scheduler(backend, instance_id="a", lease="20s", heartbeat="0.2s",
+                  clock=lambda: time.monotonic() + shift[0])
+    ran: list[int] = []
+    s.every("tick", "1s", lambda ctx: ran.append(ctx.slot), catch_up="none")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        await wait_for(lambda: ran, timeout=5, what="a first run")
+        # A quarter second after a slot (its run done), the clocks jump 5.3 s: the
+        # dispatcher wakes 0.55-0.8 s after the newest missed slot (last + 5 s).
+        await wait_for(lambda: 250 < s.store_now_ms() % 1000 < 400, timeout=3,
+                       what="a quarter second after a slot")
+        last = ran[-1]
+        shift[0] += 5.3
+        await wait_for(lambda: ran[-1] >= last + 6000, timeout=5,
+                       what="the first slot after the freeze")
+        await i.stop()
+    assert next(slot for slot in ran if slot > last) == last + 6000, ran
+    history = await s.history("tick")
+    assert all(h.reason == "scheduled" for h in history)
+
+
+@pytest.mark.asyncio_only  # engine timing; the loops are covered elsewhere
 async def test_a_store_clock_stepping_back_is_followed_at_its_next_answer() -> None:
     """The estimate of the store's clock kept the best of its last eight samples: after
     the store's clock stepped back 10 minutes, slots were claimed up to 10 minutes early

@@ -152,11 +152,16 @@ class Dispatcher:
                         self._wake_at, self._wake_margin = float("inf"), 0.0
                     continue
                 now = s.clock.now_ms()
+                late_ms = s.settings.heartbeat * 1000
                 claims: list[tuple[Job, int, int]] = []
                 while self._due and self._due[0][0] <= local_now:
                     slot, _, job, _, _ = heapq.heappop(self._due)
                     due = job.schedule.previous_at_or_before(now) or slot
-                    if due > slot:
+                    if due > slot and job.catch_up == "none" and now - due > late_ms:
+                        # Frozen past a slot, and past the newest one's check interval
+                        # too: every slot was missed, and catch_up="none" runs none.
+                        self.schedule_next(job, due)
+                    elif due > slot:
                         # The job fell behind (a suspended process): its catch-up policy.
                         assert s.tg is not None
                         s.tg.start_soon(self._catch_up_then_next, job, slot, due)
