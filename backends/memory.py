@@ -44,9 +44,11 @@ from lease_core.abc import (
 )
 from lease_core.errors import ConfigurationError
 from lease_core.operations import Operation, OperationResult
+from lease_core.recovery import sibling_steps
 
 from . import memory_operations
 from .memory_leases import MemoryNamedLeases
+from .memory_trim import trim_job
 
 __all__ = ["MemoryBackend"]
 
@@ -132,45 +134,6 @@ class _Fleet:
         await anyio.lowlevel.checkpoint()
         with self._lock:
             self._members.pop(instance_id, None)
-
-
-def _trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Run],
-              jobs: dict[str, _Job], job: str, size: int | None, ttl_ms: int | None,
-              now: int, batch: int) -> int:
-    """Trim ``job``'s history (:meth:`Backend.prune`); return the attempts deleted."""
-    history = attempts.get(job, [])
-    doomed: set[int] = set()
-
-    def trimmable(a: Attempt) -> bool:
-        # Never an open run's attempt, nor that of a run cancelled with a grace still
-        # running (Admin.cancel(grace=)): its holder's heartbeat must still find the run
-        # cancelled, and the run goes once the grace has passed.
-        if a.finished_at is None:
-            return False
-        run = runs.get((job, a.slot))
-        return (run is None or run.status is not RunStatus.CANCELLED or run.token is None
-                or run.attempt != a.attempt
-                or a.finished_at <= ms_to_datetime(now - run.grace_ms))
-
-    if size is not None and len(history) > size:
-        beyond = [i for i in range(len(history) - size) if trimmable(history[i])]
-        doomed.update(beyond[:batch])
-    if ttl_ms is not None:
-        cutoff = ms_to_datetime(now - ttl_ms)
-        old = [i for i, a in enumerate(history)
-               if a.finished_at is not None and a.finished_at < cutoff and trimmable(a)]
-        doomed.update(old[:batch])
-    if doomed:
-        keep = [a for i, a in enumerate(history) if i not in doomed]
-        attempts[job] = keep
-        slots = {a.slot for a in keep}
-        record = jobs.get(job)
-        for key in [k for k, r in runs.items()
-                    if k[0] == job and r.status.finished and k[1] not in slots]:
-            del runs[key]
-            if record is not None:  # the newest slot trimmed (ClaimRequest.scheduled)
-                record.trimmed_slot = max(key[1], record.trimmed_slot or key[1])
-    return len(doomed)
 
 
 def _clock_option(url: str, options: dict[str, Any]) -> Callable[[], float] | None:
@@ -398,13 +361,15 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
                          older_than_ms: int | None = None,
                          batch: int = 1000) -> dict[str, int]:
         """Trim the jobs' histories under one hold of the lock (see :meth:`Backend.prune`,
-        inherited: a batch of one)."""
+        inherited: a batch of one); a workflow run's steps are kept while it goes on
+        (:mod:`backends.memory_trim`)."""
         check_prune(keep, older_than_ms, batch)
         await anyio.lowlevel.checkpoint()
+        workflows = await self.workflows()
         with self._lock:
             now = self._now()
-            return {job: _trim_job(self._attempts, self._runs, self._jobs, job, keep,
-                                   older_than_ms, now, batch)
+            return {job: trim_job(self._attempts, self._runs, self._jobs, job, keep,
+                                  older_than_ms, now, batch, sibling_steps(job, workflows))
                     for job in dict.fromkeys(jobs)}
 
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:

@@ -50,6 +50,7 @@ jobs never wait for each other):
    (:meth:`Backend.maintenance_due`). It keeps the newest ``history_size`` attempts and
    any not finished, drops those that finished ``history_ttl`` ago, and deletes finished
    runs with no attempt left (never open ones), keeping their newest slot per job, for 2.
+   The steps of a workflow run are kept together until it has ended (see ``prune``).
 
 *Fencing.* :meth:`heartbeat`, :meth:`finish`, :meth:`hand_over` and
 :meth:`set_checkpoint` act only where the run's current token equals the caller's token
@@ -98,13 +99,7 @@ from typing import Any, Self
 
 import anyio
 
-from ._checks import (
-    MEMBER_RETENTION_MS,
-    check_every,
-    check_leave,
-    check_members,
-    check_prune,
-)
+from ._checks import MEMBER_RETENTION_MS, check_every, check_leave, check_members, check_prune
 from ._named_leases import LeaseAnswer, NamedLeaseStore
 from ._operations_store import OperationsStore
 from ._structures import (
@@ -464,6 +459,10 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         many attempts were deleted: call again while it returns a full batch. Implement
         this or :meth:`prune_many` (the one inherited here is ``prune_many([job])``, and
         deletes nothing when neither is; every built-in backend implements the latter).
+        The built-in backends trim a step of a workflow the store records
+        (:meth:`register_workflows`) by workflow run: nothing of a slot where one of the
+        workflow's steps has an open run, nor, by age, of one where any of its steps'
+        attempts is open or ended less than ``older_than_ms`` ago (the run's end).
         """
         check_prune(keep, older_than_ms, batch)
         if not _implements(type(self), "prune_many"):

@@ -32,7 +32,7 @@ detail says so (and for what it was waiting): no attempt started.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .abc import Backend
 
 __all__ = ["STEP_SEPARATOR", "RecoveryEntry", "cancelled_unclaimed", "read_recovery_log",
-           "recovery_log", "step_job"]
+           "recovery_log", "sibling_steps", "step_job"]
 
 #: Separates a workflow's name from a step's in the job name of the step's runs.
 STEP_SEPARATOR = "/"
@@ -52,6 +52,17 @@ STEP_SEPARATOR = "/"
 def step_job(workflow: str, step: str) -> str:
     """The job name of a workflow step's runs: ``<workflow>/<step>``."""
     return f"{workflow}{STEP_SEPARATOR}{step}"
+
+
+def sibling_steps(job: str, workflows: Mapping[str, Sequence[str]]) -> list[str]:
+    """The job names of every step of the workflow that ``job`` is a step of, ``job``
+    included, in order; empty when ``job`` is no step of a workflow in ``workflows`` (as
+    :meth:`Backend.workflows <lease_core.abc.Backend.workflows>` returns them). Trimming
+    keeps a workflow run's steps together (:meth:`Backend.prune
+    <lease_core.abc.Backend.prune>`)."""
+    workflow, separator, step = job.partition(STEP_SEPARATOR)
+    steps = workflows.get(workflow, ()) if separator else ()
+    return [step_job(workflow, s) for s in steps] if step in steps else []
 
 
 @dataclass(frozen=True, slots=True)

@@ -239,6 +239,44 @@ async def test_renewals_go_on_while_a_large_trimming_runs(
         assert [(a.attempt, a.outcome) for a in history] == [(1, Outcome.COMPLETED)]
 
 
+async def test_a_workflow_run_s_steps_are_trimmed_only_once_the_run_has_ended(
+        store: Store) -> None:
+    """A step's result stays while its workflow run goes on, however long ago the step
+    ended (a later step reads it); once the run has ended, its steps go together, by age
+    ``history_ttl`` after its last step ended."""
+    ttl, steps = 300, ["wf/one", "wf/two"]
+    async with started(store.backend()) as b:
+        await b.register_workflows({"wf": ["one", "two"]})
+        for job in steps:  # a run that ended an hour earlier
+            await finished_runs(b, job, range(SLOT - 3_600_000, SLOT - 3_600_000 + 1))
+        await finished_runs(b, "solo", range(SLOT, SLOT + 1))
+        one, two = req("wf/one", SLOT), req("wf/two", SLOT)
+        assert (await b.claim(one)).status is ClaimStatus.WON
+        assert await b.set_checkpoint(Lease("wf/one", SLOT, one.token, 60_000),
+                                      {"result": 7})
+        assert await b.finish(Lease("wf/one", SLOT, one.token, 60_000), Outcome.COMPLETED)
+        assert (await b.claim(two)).status is ClaimStatus.WON  # the run goes on
+        one_ended = await b.now_ms()
+        await wait_for(lambda: later(b, one_ended), what="the store clock to move")
+        assert await b.prune_many([*steps, "solo"], older_than_ms=0) == {
+            "wf/one": 1, "wf/two": 1, "solo": 1}  # the ended run's, not the open one's
+        assert await b.prune_many(steps, keep=0) == {"wf/one": 0, "wf/two": 0}
+        assert await b.get_checkpoint("wf/one", SLOT) == {"result": 7}
+        await wait_for(lambda: later(b, one_ended + ttl), what="the ttl to pass")
+        assert await b.finish(Lease("wf/two", SLOT, two.token, 60_000), Outcome.COMPLETED)
+        # ended just now: the ttl counts from its last step's end, not from step one's
+        assert await b.prune_many(steps, older_than_ms=ttl) == {"wf/one": 0, "wf/two": 0}
+        two_ended = await b.now_ms()
+        await wait_for(lambda: later(b, two_ended), what="the store clock to move")
+        assert await b.prune_many(steps, older_than_ms=0) == {"wf/one": 1, "wf/two": 1}
+        assert await b.runs("wf/one") == await b.runs("wf/two") == []
+
+
+async def later(backend: Backend, ms: int) -> bool:
+    """Whether the store's clock is past ``ms``."""
+    return await backend.now_ms() > ms
+
+
 class PruneFailsTwice(MemoryBackend):
     """A memory store whose first two trimming calls fail as an unreachable store would."""
 

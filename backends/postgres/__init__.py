@@ -46,7 +46,11 @@ one transaction (``postgres_sql/batch_v<N>.sql``). The claim function runs the c
 
 A claim trims no history (store code v2 did): :meth:`PostgresBackend.prune`, which the
 scheduler's ticker calls for every job, deletes old attempts and finished runs in
-bounded batches, off the claim path.
+bounded batches, off the claim path, keeping a workflow run's steps until it has ended
+(the workflow's steps read from ``<table>_meta``, each attempt checked through the
+primary keys of its steps' runs and attempts at its slot). These are statements sent
+by the client (``trim_job``, ``trim_jobs``), not store code: a store of any build of code
+v4 trims so.
 
 The function is created with the tables (``start()`` by a privileged user, or
 ``anarchon migrate``), under the same advisory lock; it is ``SECURITY INVOKER``, so the

@@ -356,11 +356,20 @@ SELECT job FROM {jobs} ORDER BY job
 -- of the grace), so the holder's heartbeat still finds the run cancelled, with its grace
 -- (read from that attempt); the run and its attempt go once the grace has passed (as
 -- memory and Redis trim).
+-- A workflow run's steps are kept while it goes on (the jobs of its steps, when the job
+-- is a step of a workflow recorded in {meta}: see trim_jobs).
 -- by size: the attempts at or before the one just beyond the newest N, oldest first (as
 -- memory and Redis trim), less those not finished (an open run's: deleting it would
 -- leave the run with nothing to trim once it ends), through the attempts' index by
 -- (job, seq)
-WITH by_size AS (
+WITH listed AS (
+    SELECT split_part(%(job)s::text, '/', 1) || '/' || s.step AS step
+    FROM {meta} m CROSS JOIN LATERAL json_array_elements_text(m.value::json) AS s(step)
+    WHERE m.key = 'workflow:' || split_part(%(job)s::text, '/', 1)
+      AND strpos(%(job)s::text, '/') > 0),
+steps AS (
+    SELECT l.step FROM listed l WHERE %(job)s::text IN (SELECT k.step FROM listed k)),
+by_size AS (
     SELECT a.slot, a.attempt FROM {attempts} a
     WHERE a.job = %(job)s::text AND a.finished_ms IS NOT NULL
       AND a.seq <= (SELECT b.seq FROM {attempts} b WHERE b.job = %(job)s::text
@@ -369,6 +378,9 @@ WITH by_size AS (
           SELECT 1 FROM {runs} r
           WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
             AND r.status = 'cancelled' AND r.token IS NOT NULL AND r.expires_ms > {now})
+      AND NOT EXISTS (
+          SELECT 1 FROM steps w JOIN {runs} r ON r.job = w.step AND r.slot = a.slot
+          WHERE r.status IN ('running', 'handed_over', 'retrying'))
     ORDER BY a.seq LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
 -- by age: through the attempts' index by claim time (an attempt is claimed before it
@@ -381,6 +393,13 @@ by_age AS (
           SELECT 1 FROM {runs} r
           WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
             AND r.status = 'cancelled' AND r.token IS NOT NULL AND r.expires_ms > {now})
+      AND NOT EXISTS (
+          SELECT 1 FROM steps w JOIN {runs} r ON r.job = w.step AND r.slot = a.slot
+          WHERE r.status IN ('running', 'handed_over', 'retrying')
+             OR EXISTS (SELECT 1 FROM {attempts} e
+                        WHERE e.job = r.job AND e.slot = r.slot
+                          AND (e.finished_ms IS NULL
+                               OR e.finished_ms >= {now} - %(older_than_ms)s::bigint)))
     LIMIT %(batch)s::bigint
     FOR UPDATE SKIP LOCKED),
 doomed AS (
@@ -417,8 +436,21 @@ SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM runs_gone)
 -- has not passed is kept, as trim_job keeps it). Parameters: jobs, keep (N, a huge number
 -- for no limit), older_than_ms (M, NULL for none), batch. One row per job that lost
 -- attempts.
+-- A workflow run's steps are trimmed together, once it has ended: the steps of a job that
+-- is a step of a workflow recorded in {meta} ('workflow:<name>', register_workflows)
+-- keep every attempt of a slot where one of the workflow's steps has a run still open
+-- (by size and by age), or, by age, an attempt that ended less than M ms ago (the ttl
+-- counts from the workflow run's end). A few primary-key reads per attempt trimmed.
 WITH j AS (
     SELECT DISTINCT x.job FROM unnest(%(jobs)s::text[]) AS x(job)),
+listed AS (
+    SELECT j.job, split_part(j.job, '/', 1) || '/' || s.step AS step
+    FROM j JOIN {meta} m ON m.key = 'workflow:' || split_part(j.job, '/', 1)
+    CROSS JOIN LATERAL json_array_elements_text(m.value::json) AS s(step)
+    WHERE strpos(j.job, '/') > 0),
+steps AS (
+    SELECT l.job, l.step FROM listed l
+    WHERE EXISTS (SELECT 1 FROM listed k WHERE k.job = l.job AND k.step = l.job)),
 by_size AS (
     SELECT s.job, s.slot, s.attempt FROM j CROSS JOIN LATERAL (
         SELECT a.job, a.slot, a.attempt FROM {attempts} a
@@ -430,6 +462,9 @@ by_size AS (
               WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
                 AND r.status = 'cancelled' AND r.token IS NOT NULL
                 AND r.expires_ms > {now})
+          AND NOT EXISTS (
+              SELECT 1 FROM steps w JOIN {runs} r ON r.job = w.step AND r.slot = a.slot
+              WHERE w.job = a.job AND r.status IN ('running', 'handed_over', 'retrying'))
         ORDER BY a.seq LIMIT %(batch)s::bigint
         FOR UPDATE SKIP LOCKED) s),
 by_age AS (
@@ -442,6 +477,14 @@ by_age AS (
               WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
                 AND r.status = 'cancelled' AND r.token IS NOT NULL
                 AND r.expires_ms > {now})
+          AND NOT EXISTS (
+              SELECT 1 FROM steps w JOIN {runs} r ON r.job = w.step AND r.slot = a.slot
+              WHERE w.job = a.job
+                AND (r.status IN ('running', 'handed_over', 'retrying')
+                     OR EXISTS (SELECT 1 FROM {attempts} e
+                                WHERE e.job = r.job AND e.slot = r.slot
+                                  AND (e.finished_ms IS NULL
+                                       OR e.finished_ms >= {now} - %(older_than_ms)s::bigint))))
         LIMIT %(batch)s::bigint
         FOR UPDATE SKIP LOCKED) s),
 doomed AS (

@@ -54,6 +54,8 @@ key                          type    content
                                      never written by format 2)
 ``{P/E}:done``               zset    finished attempt ids by finish time (for the TTL)
 ``{P/E}:orphan``             set     slots whose attempts were all trimmed
+``{P/E}:hold``               set     a workflow step's slots whose workflow run went on
+                                     at the last trimming (not counted in its batches)
 ===========================  ======  =====================================================
 
 Store format 2 (:data:`STORE_FORMAT`) keeps the attempt records in the run hashes, so a
@@ -66,7 +68,10 @@ run, ``ZADD`` open, ``HSET`` of the job, ``ZADD`` history) and a finish 5 (``TIM
 History is trimmed by :meth:`RedisBackend.prune` (``trim.lua``), which the scheduler's
 ticker calls for every job (``history_size`` newest, and ``history_ttl``), never by a
 claim; finished runs with no attempt left are deleted, so a job's keys stay bounded.
-Open runs are never deleted.
+Open runs are never deleted. A workflow run's steps are kept until it has ended: their
+keys are in other Cluster slots than the job's, so a job named like a step is trimmed in
+three steps (listed by ``trim.lua``, its workflow's runs read by ``held.lua``, deleted
+by ``trim.lua``), see :meth:`RedisBackend.prune_many`.
 
 ``wait_replicas=N`` sends ``WAIT N timeout`` in the same round trip after a claim, a
 heartbeat, a finish (single or batched), a retry, a checkpoint, an operation, and a named

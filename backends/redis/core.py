@@ -164,7 +164,7 @@ class RedisStore(Backend):
     def _job_keys(self, job: str) -> dict[str, str]:
         tag = self._tag(job)
         return {part: f"{tag}:{part}" for part in
-                ("job", "open", "hist", "att", "done", "orphan")}
+                ("job", "open", "hist", "att", "done", "orphan", "hold")}
 
     @property
     def _meta_key(self) -> str:

@@ -15,6 +15,7 @@ from lease_core.abc import (
     check_prune,
 )
 from lease_core.errors import ConfigurationError
+from lease_core.recovery import STEP_SEPARATOR, sibling_steps, step_job
 
 from .core import RedisStore
 from .replies import as_text, attempt_record
@@ -24,6 +25,11 @@ __all__ = ["RedisRecords"]
 #: Field prefix of a workflow's steps in the ``{P}:meta`` hash.
 _WORKFLOW_FIELD = "workflow:"
 _SCHEDULE_FIELD = "schedule:"
+
+
+def _slot(attempt_id: str) -> str:
+    """The slot of an attempt id ``<slot>:<attempt>``."""
+    return attempt_id.rpartition(":")[0]
 
 
 class RedisRecords(RedisStore):
@@ -93,21 +99,94 @@ class RedisRecords(RedisStore):
                          older_than_ms: int | None = None,
                          batch: int = 1000) -> dict[str, int]:
         """Trim the jobs' histories, one ``trim.lua`` call each, in one pipelined round trip
-        (:meth:`~lease_core.abc.Backend.prune` is inherited: a batch of one)."""
+        (:meth:`~lease_core.abc.Backend.prune` is inherited: a batch of one).
+
+        A workflow run's steps are kept while it goes on, and by age until ``history_ttl``
+        after its end. Its steps' keys are in other Cluster slots than the job's, so a job
+        named like a step (``<workflow>/<step>``) takes two more round trips: its attempts
+        to trim are listed (and the recorded workflows read), the runs of its workflow's
+        steps at their slots are read (``held.lua``), and the attempts of the workflow
+        runs that go on are left out of those deleted. Their slots are kept in the job's
+        hold set, whose attempts the next listing does not count toward its batch (a
+        listing that found new ones is made again at once): the runs that go on never
+        keep the attempts behind them from their turn.
+        """
         check_prune(keep, older_than_ms, batch)
         names = list(dict.fromkeys(jobs))
         if not names:
             return {}
-        commands = []
-        for job in names:
+        limits = ["" if keep is None else keep, "" if older_than_ms is None else older_than_ms]
+
+        def trim(job: str, *mode: str | int) -> Command:
             keys = self._job_keys(job)
-            commands.append(self._eval(
-                "trim", [keys["hist"], keys["att"], keys["done"], keys["orphan"], keys["job"]],
-                ["" if keep is None else keep, "" if older_than_ms is None else older_than_ms,
-                 f"{self._tag(job)}:run:", batch],
-            ))
+            return self._eval("trim", [keys[k] for k in ("hist", "att", "done", "orphan",
+                                                           "job", "hold")],
+                              [*limits, f"{self._tag(job)}:run:", batch, *mode])
+
+        steps = [job for job in names if STEP_SEPARATOR in job]
+        workflows = sorted({job.partition(STEP_SEPARATOR)[0] for job in steps})
+        commands = [trim(job, "list") if job in steps else trim(job) for job in names]
+        if workflows:
+            commands.append(("HMGET", self._meta_key,
+                             *[_WORKFLOW_FIELD + name for name in workflows]))
         replies = await self._run(commands)
-        return {job: int(count) for job, count in zip(names, replies, strict=True)}
+        counts = {job: 0 if job in steps else int(reply)
+                  for job, reply in zip(names, replies, strict=False)}
+        if not steps:
+            return counts
+        recorded = {name: [str(s) for s in json.loads(as_text(raw))]
+                    for name, raw in zip(workflows, replies[-1], strict=True) if raw}
+        lists = dict(zip(names, replies, strict=False))
+        kept_before: dict[str, set[str]] = {}
+        while steps:
+            listed = {job: ([as_text(i) for i in lists[job][0]],
+                            [as_text(i) for i in lists[job][1]])
+                      for job in steps if lists[job][0] or lists[job][1]}
+            held = await self._held({job: counted + skipped
+                                     for job, (counted, skipped) in listed.items()},
+                                    recorded, older_than_ms)
+            final, again = [], []
+            for job, (counted, skipped) in listed.items():
+                ids = counted + skipped
+                kept = held.get(job, set()) & {_slot(i) for i in ids}
+                doomed = [i for i in ids if _slot(i) not in kept]
+                final.append(trim(job, "ids", len(doomed), *doomed, *sorted(kept)))
+                if {_slot(i) for i in counted} & (kept - kept_before.setdefault(job, set())):
+                    again.append(job)  # newly held: listed again, past them
+                kept_before[job] |= kept
+            replies = await self._run(final) if final else []
+            for job, reply in zip(listed, replies, strict=True):
+                counts[job] += int(reply)
+            steps = [job for job in again if counts[job] < batch]
+            if steps:
+                lists = dict(zip(steps, await self._run([trim(job, "list") for job in steps]),
+                                 strict=True))
+        return counts
+
+    async def _held(self, listed: Mapping[str, list[str]],
+                    recorded: Mapping[str, Sequence[str]],
+                    older_than_ms: int | None) -> dict[str, set[str]]:
+        """The slots of the attempts ``listed`` (by job) whose workflow run goes on, by
+        job: one ``held.lua`` call per step of each workflow, in one round trip."""
+        slots: dict[str, set[str]] = {}  # by workflow: the slots to look at
+        for job, ids in listed.items():
+            if sibling_steps(job, recorded):
+                slots.setdefault(job.partition(STEP_SEPARATOR)[0], set()).update(
+                    _slot(i) for i in ids)
+        asked = [(name, step_job(name, step)) for name in sorted(slots)
+                 for step in recorded[name]]
+        if not asked:
+            return {}
+        ttl = "" if older_than_ms is None else older_than_ms
+        replies = await self._run([
+            self._eval("held", [self._job_keys(step)["att"]],
+                       [f"{self._tag(step)}:run:", ttl, *sorted(slots[name])])
+            for name, step in asked])
+        going: dict[str, set[str]] = {}
+        for (name, _), reply in zip(asked, replies, strict=True):
+            going.setdefault(name, set()).update(as_text(s) for s in reply)
+        return {job: going.get(job.partition(STEP_SEPARATOR)[0], set())
+                for job in listed if sibling_steps(job, recorded)}
 
     async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
         """Win the maintenance period with one ``SET NX PX`` (the key expires with it)."""

@@ -17,7 +17,7 @@ __all__ = ["HEARTBEAT_BATCH", "SCRIPTS", "SCRIPT_BATCH", "STORE_FORMAT", "Script
 STORE_FORMAT = 2
 
 _SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "finish_many",
-            "hand_over", "checkpoint", "register", "history", "trim", "members",
+            "hand_over", "checkpoint", "register", "history", "trim", "held", "members",
             "retry_later", "operate")
 #: Files prepended to a script after the prelude (the function it calls).
 _INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",), "finish": ("_finish",),

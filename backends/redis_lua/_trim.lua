@@ -1,9 +1,9 @@
--- Trim one job's history: finished attempts beyond its newest history_size (nil: no
--- limit), and attempts that finished history_ttl ms ago or more (nil: none), at most
--- `limit` ids of each kind per call; then delete finished runs left with no attempt, and raise the
--- job hash's 'trim' to the newest of their slots (never lowered; see _claim.lua, 2.: a
--- scheduled claim of a slot at or before it starts no run). Returns how many attempts
--- it deleted. Reads both store formats (see _prelude.lua).
+-- Trim one job's history (trim.lua): trim_select lists the finished attempts beyond its
+-- newest history_size and those that finished history_ttl ms ago or more; trim_delete
+-- deletes attempts, then the finished runs left with no attempt, and raises the job
+-- hash's 'trim' to the newest of their slots (never lowered; see _claim.lua, 2.: a
+-- scheduled claim of a slot at or before it starts no run). Both read both store formats
+-- (see _prelude.lua).
 -- Never trimmed either: the attempt of a run cancelled with a grace that has not passed
 -- (operate.lua: the run keeps its holder's token 'tok', 'exp' the end of the grace), so
 -- the holder's heartbeat still finds the run cancelled; it goes once the grace has passed
@@ -14,31 +14,35 @@ local function in_grace(rk, a)
   return st == 'cancelled' and tok ~= false and tok ~= '' and (a == nil or current == a)
     and (tonumber(exp) or 0) > now
 end
-local function trim_history(job, hist, att, done, orphan, run_prefix, history_size,
-                            history_ttl, limit)
-  local removed = {}
-  local newest  -- the newest slot whose run is deleted here
+-- The attempts to trim (finished, out of a grace): beyond the newest history_size (nil: no
+-- limit), oldest first, and those that finished history_ttl ms ago or more (nil: none), at
+-- most `limit` of each kind. hold (a set of slots, or nil): the ids of those slots are
+-- returned apart (second list), not counted, so that a workflow run that goes on
+-- (backends/redis/records.py) never keeps the attempts behind it from their turn.
+local function trim_select(hist, done, run_prefix, history_size, history_ttl, limit, hold)
+  local removed, skipped = {}, {}
   local function trimmable(id)
     local s, a = string.match(id, '^(.*):(%d+)$')
     return not s or not in_grace(run_prefix .. s, a)
   end
-  local function delete_run(rk, s)
-    redis.call('DEL', rk)
-    local n = tonumber(s)
-    if n and (not newest or n > newest) then
-      newest = n
-    end
+  local function held(id)
+    return hold and redis.call('SISMEMBER', hold, string.match(id, '^(.*):') or id) == 1
   end
   if history_size then
     -- the oldest beyond the newest history_size, less those not finished (an open run's:
     -- deleting it would leave the run with no history while it runs)
     local excess = redis.call('ZCARD', hist) - history_size
-    local from = 0
-    while excess > from and #removed < limit do
+    local from, taken = 0, 0
+    while excess > from and taken < limit do
       local upto = math.min(excess, from + limit) - 1
       for _, id in ipairs(redis.call('ZRANGE', hist, from, upto)) do
-        if #removed < limit and redis.call('ZSCORE', done, id) and trimmable(id) then
-          removed[#removed + 1] = id
+        if taken < limit and redis.call('ZSCORE', done, id) and trimmable(id) then
+          if held(id) then
+            skipped[#skipped + 1] = id
+          else
+            removed[#removed + 1] = id
+            taken = taken + 1
+          end
         end
       end
       from = upto + 1
@@ -52,8 +56,12 @@ local function trim_history(job, hist, att, done, orphan, run_prefix, history_si
         'LIMIT', from, limit)
       for _, id in ipairs(old) do
         if taken < limit and trimmable(id) then
-          removed[#removed + 1] = id
-          taken = taken + 1
+          if held(id) then
+            skipped[#skipped + 1] = id
+          else
+            removed[#removed + 1] = id
+            taken = taken + 1
+          end
         end
       end
       if #old < limit then
@@ -62,16 +70,28 @@ local function trim_history(job, hist, att, done, orphan, run_prefix, history_si
       from = from + limit
     end
   end
-  if #removed == 0 then
-    return 0
+  return removed, skipped
+end
+
+-- Delete the attempts `ids` (each still finished and out of a grace), then the finished
+-- runs left with no attempt; raise the job's 'trim' mark. Returns how many were deleted.
+local function trim_delete(job, hist, att, done, orphan, run_prefix, ids)
+  local newest  -- the newest slot whose run is deleted here
+  local function delete_run(rk, s)
+    redis.call('DEL', rk)
+    local n = tonumber(s)
+    if n and (not newest or n > newest) then
+      newest = n
+    end
   end
   local count = 0
-  for _, id in ipairs(removed) do
-    if redis.call('ZREM', hist, id) == 1 then
+  for _, id in ipairs(ids) do
+    local s, a = string.match(id, '^(.*):(%d+)$')
+    if redis.call('ZSCORE', done, id) and (not s or not in_grace(run_prefix .. s, a))
+        and redis.call('ZREM', hist, id) == 1 then
       count = count + 1
       redis.call('HDEL', att, id)
       redis.call('ZREM', done, id)
-      local s, a = string.match(id, '^(.*):(%d+)$')
       local rk = run_prefix .. s
       local current = redis.call('HGET', rk, 'att')
       if current then
@@ -89,6 +109,9 @@ local function trim_history(job, hist, att, done, orphan, run_prefix, history_si
         end
       end
     end
+  end
+  if count == 0 then
+    return 0
   end
   -- finished runs that no longer have any attempt are deleted
   for _, s in ipairs(redis.call('SMEMBERS', orphan)) do

@@ -163,13 +163,15 @@ class StepCoordinator:
             payload = await self._read_checkpoint(step_job(job.workflow.name, step), slot)
             if not isinstance(payload, dict) or "result" not in payload:
                 # A completed step's result is stored before (or with) its completion:
-                # none means its run is gone (history trimmed past it). Running on with
-                # None would apply this step to nothing.
+                # none means its run is gone (history trimmed past it: the store does
+                # not keep a workflow run's steps together, or no step of the run was
+                # claimed for longer than history_ttl). Running on with None would apply
+                # this step to nothing.
                 raise AnarchonError(
                     f"the result of step {step!r} of {job.workflow.name} slot "
                     f"{format_slot(slot)} is no longer in the store (its history was "
-                    "trimmed); keep more history (history_size, retention) for workflows "
-                    "whose steps run this long after each other")
+                    "trimmed while no step of the run was running or waiting for a "
+                    "retry); keep history_ttl longer than a step waits to be claimed")
             results[step] = payload["result"]
         return results
 

@@ -1,0 +1,80 @@
+"""History trimming on the in-memory store (:meth:`~lease_core.abc.Backend.prune`).
+
+The memory backend's half of ``prune_many``, kept apart from :mod:`backends.memory`; it
+runs under the backend's lock, on its clock. A workflow run's steps are trimmed together:
+none while the run goes on (see :func:`held_slots`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from lease_core._structures import Attempt, RunStatus, ms_to_datetime
+
+if TYPE_CHECKING:
+    from .memory import _Job, _Run
+
+__all__ = ["held_slots", "trim_job"]
+
+
+def held_slots(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Run],
+               steps: Sequence[str], slots: set[int], cutoff_ms: int | None) -> set[int]:
+    """The ``slots`` whose workflow run, of ``steps`` (every step's job; none: no
+    workflow), goes on: one of its steps' runs is open (running, handed over, waiting for
+    a retry), or, with ``cutoff_ms``, one of their attempts is open or ended at or after
+    it (the run ended less than the ttl ago). Its steps' attempts are then all kept."""
+    if not steps or not slots:
+        return set()
+    held = {slot for slot in slots for step in steps
+            if (run := runs.get((step, slot))) is not None and not run.status.finished}
+    if cutoff_ms is not None:
+        cutoff = ms_to_datetime(cutoff_ms)
+        held |= {a.slot for step in steps for a in attempts.get(step, ())
+                 if a.slot in slots and (a.finished_at is None or a.finished_at >= cutoff)}
+    return held
+
+
+def trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Run],
+             jobs: dict[str, _Job], job: str, size: int | None, ttl_ms: int | None,
+             now: int, batch: int, steps: Sequence[str] = ()) -> int:
+    """Trim ``job``'s history (:meth:`Backend.prune`); return the attempts deleted.
+
+    ``steps`` are the jobs of every step of ``job``'s workflow when it is a step of one
+    (:func:`lease_core.recovery.sibling_steps`): the attempts of a workflow run that goes
+    on are kept (:func:`held_slots`)."""
+    history = attempts.get(job, [])
+    doomed: set[int] = set()
+
+    def trimmable(a: Attempt) -> bool:
+        # Never an open run's attempt, nor that of a run cancelled with a grace still
+        # running (Admin.cancel(grace=)): its holder's heartbeat must still find the run
+        # cancelled, and the run goes once the grace has passed.
+        if a.finished_at is None:
+            return False
+        run = runs.get((job, a.slot))
+        return (run is None or run.status is not RunStatus.CANCELLED or run.token is None
+                or run.attempt != a.attempt
+                or a.finished_at <= ms_to_datetime(now - run.grace_ms))
+
+    if size is not None and len(history) > size:
+        beyond = [i for i in range(len(history) - size) if trimmable(history[i])]
+        held = held_slots(attempts, runs, steps, {history[i].slot for i in beyond}, None)
+        doomed.update([i for i in beyond if history[i].slot not in held][:batch])
+    if ttl_ms is not None:
+        cutoff = ms_to_datetime(now - ttl_ms)
+        old = [i for i, a in enumerate(history)
+               if a.finished_at is not None and a.finished_at < cutoff and trimmable(a)]
+        held = held_slots(attempts, runs, steps, {history[i].slot for i in old}, now - ttl_ms)
+        doomed.update([i for i in old if history[i].slot not in held][:batch])
+    if doomed:
+        keep = [a for i, a in enumerate(history) if i not in doomed]
+        attempts[job] = keep
+        slots = {a.slot for a in keep}
+        record = jobs.get(job)
+        for key in [k for k, r in runs.items()
+                    if k[0] == job and r.status.finished and k[1] not in slots]:
+            del runs[key]
+            if record is not None:  # the newest slot trimmed (ClaimRequest.scheduled)
+                record.trimmed_slot = max(key[1], record.trimmed_slot or key[1])
+    return len(doomed)
