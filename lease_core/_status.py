@@ -13,7 +13,7 @@ at the same slot, and the steps and their order are those the store recorded
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -144,8 +144,8 @@ def _describe_open(run: RunInfo, now_ms: int) -> str:
 
 # The status API's reads (lease_core.http): one JSON shape for a run, in lists and alone.
 
-#: How many attempts of one job are read to find those of its runs (the store keeps
-#: ``history_size`` attempts per job, 100 by default).
+#: How many attempts of one job are read first to find those of its runs (the store keeps
+#: ``history_size`` attempts per job, 100 by default); more when a run's are older.
 _HISTORY = 1_000
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MS = timedelta(milliseconds=1)
@@ -261,7 +261,7 @@ async def read_runs(backend: Backend, name: str, limit: int = 20) -> dict[str, A
 
 async def _job_entry(backend: Backend, name: str, limit: int) -> dict[str, Any]:
     runs = await backend.runs(name, limit=limit)
-    attempts = await _attempts(backend, name) if runs else {}
+    attempts = await _attempts(backend, name, _claimed(runs)) if runs else {}
     return {"name": name, "kind": "job", "runs": [
         _job_run_json(name, r, attempts.get(r.slot, [])) for r in runs]}
 
@@ -271,8 +271,9 @@ async def _workflow_entry(backend: Backend, name: str, steps: Sequence[str],
     by_step = {s: {r.slot: r for r in await backend.runs(step_job(name, s), limit=limit)}
                for s in steps}
     slots = sorted({slot for runs in by_step.values() for slot in runs}, reverse=True)
-    attempts_by_step = {s: await _attempts(backend, step_job(name, s)) if by_step[s] else {}
-                        for s in steps}
+    attempts_by_step = {s: await _attempts(backend, step_job(name, s),
+                                           _claimed(by_step[s].values()))
+                        if by_step[s] else {} for s in steps}
     return {"name": name, "kind": "workflow", "steps": list(steps), "runs": [
         _workflow_run_json(name, steps, slot, {s: by_step[s].get(slot) for s in steps},
                            {s: attempts_by_step[s].get(slot, []) for s in steps})
@@ -309,7 +310,7 @@ async def _read(backend: Backend, name: str, slot: int,
         states = {s: _info(found.get((job, slot))) for s, job in zip(steps, jobs, strict=True)}
         if all(state is None for state in states.values()):
             return None
-        attempts = {s: (await _attempts(backend, job)).get(slot, [])
+        attempts = {s: (await _attempts(backend, job, _claimed([states[s]]))).get(slot, [])
                     for s, job in zip(steps, jobs, strict=True)}
         run = _workflow_run_json(name, steps, slot, states, attempts)
         for step, job in zip(run["steps"], jobs, strict=True):
@@ -318,7 +319,7 @@ async def _read(backend: Backend, name: str, slot: int,
     state = _info((await backend.check([(name, slot)])).runs.get((name, slot)))
     if state is None:
         return None
-    job_attempts = (await _attempts(backend, name)).get(slot, [])
+    job_attempts = (await _attempts(backend, name, _claimed([state]))).get(slot, [])
     run = _job_run_json(name, state, job_attempts)
     await _heartbeat(backend, run, name, slot, job_attempts)
     return run, job_attempts
@@ -348,11 +349,31 @@ def _info(state: RunState | None) -> RunInfo | None:
                    state.expires_ms)
 
 
-async def _attempts(backend: Backend, job: str) -> dict[int, list[Attempt]]:
-    """The job's recorded attempts by slot, oldest first."""
-    by_slot: defaultdict[int, list[Attempt]] = defaultdict(list)
-    for a in await backend.history(job, _HISTORY):
-        by_slot[a.slot].append(a)
+def _claimed(runs: Iterable[RunInfo | None]) -> set[int]:
+    """The slots of ``runs`` claimed at least once (a triggered run not yet claimed has
+    no attempt)."""
+    return {r.slot for r in runs if r is not None and r.attempt}
+
+
+async def _attempts(backend: Backend, job: str, slots: set[int],
+                    ) -> dict[int, list[Attempt]]:
+    """The job's recorded attempts by slot, oldest first, every one of ``slots`` complete.
+
+    The newest attempts are read first; a slot whose first attempt (attempt 1: attempt
+    numbers grow with each claim of a run) is not among them has older ones, so more are
+    read, up to the job's whole history. A run's first attempt trimmed away costs one
+    read of everything the store keeps of the job.
+    """
+    limit = _HISTORY
+    while True:
+        found = await backend.history(job, limit)
+        by_slot: defaultdict[int, list[Attempt]] = defaultdict(list)
+        for a in found:
+            by_slot[a.slot].append(a)
+        if len(found) < limit or all(
+                any(a.attempt <= 1 for a in by_slot.get(slot, ())) for slot in slots):
+            break
+        limit *= 8
     for attempts in by_slot.values():
         attempts.sort(key=lambda a: (a.attempt, a.claimed_at))
     return by_slot

@@ -397,3 +397,32 @@ def test_loopback_host_only_refuses_other_names(host: str, status: int) -> None:
     assert response.status_code == status, response.text
     assert status == 200 or "127.0.0.1 or localhost" in response.json()["error"]
 
+
+
+async def _bury(backend: Backend) -> None:
+    """export@SLOT (handed over, then completed), then 1,000 later runs of export: the
+    history holds its two attempts behind 1,000 newer ones."""
+    await seed(backend)
+    later = [_claim("export", SLOT + 60_000 * (i + 1), "c") for i in range(1000)]
+    for start in range(0, len(later), 250):
+        batch = later[start:start + 250]
+        assert all(r.status is ClaimStatus.WON for r in await backend.claim_many(batch))
+        assert all(await backend.finish_many([(Lease(r.job, r.slot, r.token, LEASE),
+                                               Outcome.COMPLETED, None) for r in batch]))
+
+
+@pytest.mark.parametrize("backend_and_loop", [STORES[0], STORES[2], STORES[4]], indirect=True)
+def test_a_run_behind_1000_newer_attempts_shows_its_attempts(
+        backend_and_loop: tuple[Backend, str]) -> None:
+    """The API read a job's newest 1,000 attempts only: an older run still in the history
+    showed none, and an empty recovery log."""
+    backend, loop = backend_and_loop
+    with TestClient(create_app(backend), backend=loop) as api:
+        assert api.portal is not None
+        api.portal.call(_bury, backend)
+        run = _ok(api, f"/jobs/export@{SLOT}?log=1")
+    assert [(a["attempt"], a["instance_id"], a["outcome"]) for a in run["attempts"]] == [
+        (1, "a", "handed_over"), (2, "b", "completed")]
+    assert run["started_at"] == run["attempts"][0]["claimed_at"]
+    assert [e["event"] for e in run["recovery_log"]] == [
+        "started", "handed_over", "started", "completed"]
