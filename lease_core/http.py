@@ -64,7 +64,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ._checks import check_lookup_name
 from ._http_operations import operation_routes
-from ._overview import read_overview
+from ._overview import check_query, read_overview
 from ._redact import redact
 from ._status import (
     list_jobs,
@@ -134,12 +134,15 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
             if not (text.isascii() and text.isdigit()):
                 return _error(400, f"{key}={text!r} is not a whole number")
             numbers[key] = int(text)
+        status = params.get("status", "all")
         try:
-            body = await read_overview(backend, status=params.get("status", "all"),
-                                       query=params.get("q", ""), **numbers)
+            check_query(status, numbers["page"], numbers["per_page"])
         except ConfigurationError as exc:
             return _error(400, str(exc))
-        return _json(body)
+        # Outside the try: a statement the store refuses is a ConfigurationError too, and
+        # answers 503 (a store that cannot be read), as on every route, not 400.
+        return _json(await read_overview(backend, status=status, query=params.get("q", ""),
+                                         **numbers))
 
     async def runs_of(request: Request) -> Response:
         text = request.query_params.get("limit", "20")

@@ -23,7 +23,7 @@ from lease_core.cli import main
 from lease_core.errors import ConfigurationError
 from lease_core.http import create_app
 from tests.helpers import wait_for
-from tests.stores.postgres import drop_tables, unique_table
+from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.stores.redis import delete_prefix
 
 SLOT = 1_764_460_800_000  # 2025-11-30T00:00:00Z
@@ -426,3 +426,24 @@ def test_a_run_behind_1000_newer_attempts_shows_its_attempts(
     assert run["started_at"] == run["attempts"][0]["claimed_at"]
     assert [e["event"] for e in run["recovery_log"]] == [
         "started", "handed_over", "started", "completed"]
+
+
+def test_a_store_that_cannot_be_read_answers_503_on_every_route(pg16_server: PgServer) -> None:
+    """The store's tables dropped under a running server: the overview answered 400, as
+    if its query were malformed (the statement the store refused is a
+    ConfigurationError), where every other route answers 503."""
+    table = unique_table()
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    try:
+        with TestClient(create_app(backend)) as api:
+            assert api.portal is not None
+            api.portal.call(seed, backend)
+            assert api.get("/overview").status_code == 200
+            anyio.run(drop_tables, pg16_server.admin_dsn, table)
+            for path in ("/overview", "/jobs", "/runs/export", f"/jobs/export@{SLOT}?log=1"):
+                response = api.get(path)
+                assert response.status_code == 503, (path, response.text)
+                assert response.json()["error"].startswith("cannot read the store: "), path
+            assert api.get("/overview?status=nosuch").status_code == 400
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
