@@ -564,3 +564,114 @@ def test_page_shows_paused_without_a_token(
         anyio.run(pause, table)
         wait.until(lambda d: {r["name"]: r["cells"][0] for r in d.execute_script(_ROWS)}
                    == {"close": "close paused", "export": "export"})
+
+
+#: Holds the page's next request to ``arguments[0]`` (a path prefix) until ``release()``;
+#: ``hang`` holds it until the page aborts it, as an unanswered request is. Counts POSTs.
+_HOLD = """
+const real = window.fetch, prefix = arguments[0], hang = arguments[1];
+let release;
+const gate = new Promise((resolve) => { release = resolve; });
+window.release = release;
+window.posts = 0;
+window.fetch = (path, init) => {
+  if (init && init.method === "POST") window.posts += 1;
+  if (!String(path).startsWith(prefix)) return real(path, init);
+  if (!hang) window.fetch = real;
+  return new Promise((resolve, reject) => {
+    init.signal.addEventListener("abort", () => { if (hang) reject(init.signal.reason); });
+    gate.then(() => resolve(real(path, init)));
+  });
+};
+window.unhold = () => { window.fetch = real; };
+"""
+
+#: The text of every live region (what screen readers announce when it changes).
+_LIVE = """return Array.from(document.querySelectorAll('[role=status], [role=alert], [aria-live]'))
+  .map((node) => node.textContent)"""
+
+
+def test_page_keeps_its_view_focus_and_word_across_refreshes_and_errors(
+        browser: Any, served: tuple[str, str], pg16_server: PgServer) -> None:
+    """What a refresh must not do: draw a slower, older answer over a newer view (a click
+    on a job during a slow overview read showed the overview again, with another job's
+    buttons possible), take the keyboard's focus away, wait forever for a request that
+    never answers, show a failed read's view as current, or announce the store time to
+    screen readers every 3 s; and the words: a search matching nothing is not an empty
+    store, an operation's answer stays with its view, a double click triggers once. Names
+    are text, never HTML."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    base, table = served
+    wait = WebDriverWait(browser, 20, poll_frequency=0.05,
+                         ignored_exceptions=(StaleElementReferenceException,))
+    html = '<img src=x onerror="window.pwned = 1">'
+    anyio.run(_add_job, pg16_server.dsn, table, html)
+    browser.get(f"{base}/#token={TOKEN}")
+    _rows(browser, wait, [html, "close", "export"])
+    assert browser.execute_script("return [window.pwned, document.querySelectorAll("
+                                  "'#view img').length]") == [None, 0]
+
+    # A search that matches nothing, in a store that has jobs.
+    browser.execute_script("go({q: 'no such job'})")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#view p.empty"))
+    assert browser.find_element(By.CSS_SELECTOR, "#view p.empty").text == "no job matches"
+    browser.execute_script("go({})")
+    _rows(browser, wait, [html, "close", "export"])
+
+    # The focused link is focused again in the next drawing; the live region says nothing
+    # of a plain refresh, though the store time changes.
+    old = browser.find_element(By.CSS_SELECTOR, 'tr[data-job="export"] td a')
+    live, state = browser.execute_script(_LIVE), browser.find_element(By.ID, "state").text
+    browser.execute_script("window.old = arguments[0]; old.focus(); refresh()", old)
+    wait.until(lambda d: not d.execute_script("return old.isConnected"))
+    focused = browser.execute_script("return document.activeElement.dataset.key")
+    assert focused == 'go {"job":"export"}'
+    wait.until(lambda d: d.find_element(By.ID, "state").text != state)
+    assert browser.execute_script(_LIVE) == live
+
+    # A slow overview read, then a click to a job: the overview never comes back.
+    browser.execute_script(_HOLD + "window.slow = refresh();", "overview", False)
+    browser.execute_script("go({job: 'export'})")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-run="export@{SLOT}"]'))
+    browser.execute_async_script("release(); slow.then(arguments[arguments.length - 1])")
+    assert browser.execute_script(_ROWS) == []
+    assert browser.find_elements(By.CSS_SELECTOR, f'tr[data-run="export@{SLOT}"]')
+
+    # A double click triggers once; the answer is shown and announced.
+    posts = browser.execute_script(
+        _HOLD + "const b = document.querySelector('button[data-operation=\"trigger\"]');"
+        "b.click(); b.click(); return window.posts", "nothing", False)
+    assert posts == 1
+    wait.until(lambda d: d.find_element(By.ID, "op-result").text.startswith("trigger: done"))
+    assert browser.find_element(By.ID, "op-result").text in browser.execute_script(_LIVE)
+    assert len(anyio.run(_stored, pg16_server.dsn, table, ["export"])[0]) == 3
+
+    # A run's answer is not shown in the job's view the browser goes back to.
+    browser.execute_script(f"go({{run: 'export@{SLOT}'}})")
+    done_run = f'section[data-run="export@{SLOT}"]'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'{done_run} button'))
+    assert "it is completed" in _click(wait, "retry", done_run)
+    browser.back()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-run="export@{SLOT}"]'))
+    assert browser.find_elements(By.ID, "op-result") == []
+
+    # A request that never answers is an error after the timeout, not a wait forever.
+    browser.execute_script(_HOLD + "TIMEOUT_MS = 300; refresh();", "runs/", True)
+    wait.until(lambda d: "no answer in 0.3 s" in d.find_element(By.ID, "state").text)
+    browser.execute_script("unhold(); TIMEOUT_MS = 10000")
+
+    # The store cannot be read (503): the view read before is dimmed and said to be;
+    # another view's is not shown as this one's.
+    anyio.run(drop_tables, pg16_server.admin_dsn, table)
+    browser.execute_script("refresh()")
+    wait.until(lambda d: "cannot read the store" in d.find_element(By.ID, "state").text)
+    assert "earlier read" in browser.find_element(By.ID, "state").text
+    assert "stale" in browser.find_element(By.ID, "view").get_attribute("class")
+    assert browser.find_elements(By.CSS_SELECTOR, f'tr[data-run="export@{SLOT}"]')
+    assert any("cannot read the store" in text for text in browser.execute_script(_LIVE))
+    browser.execute_script("go({})")
+    wait.until(lambda d: d.find_element(By.ID, "view").text == "")
+    assert "cannot read the store" in browser.find_element(By.ID, "state").text

@@ -7,12 +7,17 @@
 // With a token, a job's or workflow's view has trigger/pause/resume buttons, a run's view
 // (a job's or a workflow's) retry/cancel: POST operations, which always need the token.
 // The overview marks paused jobs and workflows with or without a token (it is state).
+// Each refresh drops the answer of the one before it (a slower answer never redraws over a
+// newer view), and a request unanswered in TIMEOUT_MS is an error, not a wait forever.
 "use strict";
 
 const REFRESH_MS = 3000;
+let TIMEOUT_MS = 10000;  // let: the browser test shortens it
 const PER_PAGE = 50;
 const FILTERS = ["all", "running", "failed", "ok", "never"];
 let timer = null;
+let reading = null;  // the AbortController of the newest refresh
+let shown = null;    // which view #view holds ("overview", "job NAME", "run ID"), or null
 window.anarchonRequests = 0;   // read by the browser test: requests made so far,
 window.anarchonRefreshes = 0;  // and refreshes (one request each)
 window.anarchonRenderMs = null; // how long the last render took
@@ -32,12 +37,13 @@ function go(changes) {
   for (const [key, value] of Object.entries(changes)) {
     if (value !== null && value !== "" && value !== undefined) next.set(key, value);
   }
-  notice = null;  // an operation's answer belongs to the view it was made in
   location.hash = next.toString().replace(/\+/g, "%20");
 }
 
 function link(text, changes, attrs) {
-  const a = el("a", { href: "#", ...(attrs || {}) }, text);
+  // data-key: the same link in the next redraw, to focus again (keepFocus)
+  const a = el("a", { href: "#", "data-key": "go " + JSON.stringify(changes), ...(attrs || {}) },
+               text);
   a.addEventListener("click", (event) => { event.preventDefault(); go(changes); });
   return a;
 }
@@ -45,9 +51,11 @@ function link(text, changes, attrs) {
 async function getJson(path) {
   const token = params().get("token");
   const headers = token ? { Authorization: "Bearer " + token } : {};
+  const signal = reading.signal;
   window.anarchonRequests += 1;
-  const response = await fetch(path, { headers, cache: "no-store" });
+  const response = await fetch(path, { headers, cache: "no-store", signal });
   const body = await response.json().catch(() => ({}));
+  signal.throwIfAborted();  // a newer refresh started, or this one timed out
   if (!response.ok) {
     const hint = response.status === 401 ? " (open this page as /#token=YOUR-TOKEN)" : "";
     throw new Error((body.error || response.statusText) + hint);
@@ -57,7 +65,8 @@ async function getJson(path) {
 
 // --- operations (only with a token: every POST needs it) --------------------------------
 
-let notice = null;  // what the last operation answered, shown until the next one or go()
+let notice = null;  // what the last operation answered, shown in its view until it changes
+let sending = null;  // the operation whose answer is awaited: the others wait for it
 
 async function postJson(path) {
   const token = params().get("token");
@@ -72,13 +81,29 @@ async function postJson(path) {
 function operations(buttons) {
   if (!params().get("token")) return el("span", {});
   const bar = el("p", { class: "operations" }, ...buttons.map(([label, path]) => {
-    const button = el("button", { type: "button", "data-operation": label }, label);
+    // aria-disabled, not disabled: the focus stays on the button pressed
+    const button = el("button", { type: "button", "data-operation": label,
+                                  "data-key": "operation " + label,
+                                  "aria-disabled": String(sending !== null) }, label);
     button.addEventListener("click", async () => {
+      if (sending !== null) return;  // one POST at a time: a double click triggers once
+      const view = location.hash;
+      sending = label;
+      for (const other of bar.querySelectorAll("button")) {
+        other.setAttribute("aria-disabled", "true");
+      }
+      let answer;
       try {
-        const answer = await postJson(path);
-        notice = { ok: true, text: `${label}: done` + (answer.id ? ` (${answer.id})` : "") };
+        const body = await postJson(path);
+        answer = { ok: true, text: `${label}: done` + (body.id ? ` (${body.id})` : "") };
       } catch (error) {
-        notice = { ok: false, text: `${label}: ${error.message}` };
+        answer = { ok: false, text: `${label}: ${error.message}` };
+      } finally {
+        sending = null;
+      }
+      if (location.hash === view) {  // the answer belongs to the view it was made in
+        notice = answer;
+        announce(answer.text);
       }
       refresh();
     });
@@ -141,6 +166,27 @@ function inProgress(row) {
   }));
 }
 
+// A redraw replaces the links and buttons: the one that had the keyboard's focus gets it
+// back in the new drawing (its data-key or id names it), so a keyboard user keeps their
+// place across refreshes.
+function keepFocus(draw) {
+  const focused = document.activeElement;
+  const key = focused && focused !== document.body ? focused.dataset.key || focused.id : "";
+  draw();
+  if (key && !focused.isConnected) {
+    const again = document.querySelector(`[data-key="${CSS.escape(key)}"]`)
+      || document.getElementById(key);
+    if (again) again.focus({ preventScroll: true });
+  }
+}
+
+// What screen readers announce (#announce, a live region): an operation's answer and a
+// read that fails, once each; not the store time of every refresh.
+function announce(text) {
+  const region = document.getElementById("announce");
+  if (region.textContent !== text) region.textContent = text;
+}
+
 function overviewRow(row) {
   const last = row.last;
   return el("tr", { "data-job": row.name, "data-kind": row.kind, "data-state": row.state,
@@ -161,7 +207,7 @@ function overviewRow(row) {
 function renderToolbar(data) {
   const filters = document.getElementById("filters");
   filters.replaceChildren(...FILTERS.map((f) => {
-    const button = el("button", { type: "button", "data-filter": f,
+    const button = el("button", { type: "button", "data-filter": f, "data-key": "filter " + f,
                                   "aria-pressed": String(f === data.status) },
       `${f} (${data.counts[f]})`);
     button.addEventListener("click", () => go({ status: f === "all" ? null : f,
@@ -184,12 +230,16 @@ async function overview(p) {
                                       page: p.get("page") || "1", per_page: String(PER_PAGE) });
   const data = await getJson("overview?" + query);
   const started = performance.now();
-  renderToolbar(data);
-  const body = data.rows.length
-    ? table(["job", "kind", "schedule", "last run", "finished", "took", "next slot", "in progress"],
-      data.rows.map(overviewRow))
-    : el("p", { class: "empty" }, data.total || data.counts.all ? "no job matches" : "no jobs recorded yet");
-  document.getElementById("view").replaceChildren(body);
+  // Counts are of the jobs the search matches: none is not an empty store.
+  const empty = data.total ? `no job on page ${data.page}: the last is page ${data.pages}`
+    : data.counts.all || data.query.trim() ? "no job matches" : "no jobs recorded yet";
+  keepFocus(() => {
+    renderToolbar(data);
+    document.getElementById("view").replaceChildren(data.rows.length
+      ? table(["job", "kind", "schedule", "last run", "finished", "took", "next slot",
+               "in progress"], data.rows.map(overviewRow))
+      : el("p", { class: "empty" }, empty));
+  });
   window.anarchonRenderMs = performance.now() - started;
   return data.now;
 }
@@ -223,14 +273,15 @@ async function job(name) {
       : `attempt ${run.attempt} by ${run.instance_id}`),
     el("td", {}, time(run.kind === "workflow" ? run.attempts[0]?.claimed_at : run.started_at)),
     el("td", {}, time(run.finished_at))));
-  document.getElementById("view").replaceChildren(el("article", { "data-job": data.name },
-    el("p", {}, link("‹ every job", {})),
-    el("h2", {}, data.name, " ", el("span", { class: "kind" }, data.kind)),
-    operations(["trigger", "pause", "resume"].map(
-      (op) => [op, "jobs/" + encodeURIComponent(data.name) + "/" + op])),
-    rows.length ? table(["slot", "status", data.kind === "workflow" ? "steps" : "attempt",
-                         "started", "finished"], rows)
-      : el("p", { class: "empty" }, "no runs recorded")));
+  keepFocus(() => document.getElementById("view").replaceChildren(
+    el("article", { "data-job": data.name },
+      el("p", {}, link("‹ every job", {})),
+      el("h2", {}, data.name, " ", el("span", { class: "kind" }, data.kind)),
+      operations(["trigger", "pause", "resume"].map(
+        (op) => [op, "jobs/" + encodeURIComponent(data.name) + "/" + op])),
+      rows.length ? table(["slot", "status", data.kind === "workflow" ? "steps" : "attempt",
+                           "started", "finished"], rows)
+        : el("p", { class: "empty" }, "no runs recorded"))));
   return data.now;
 }
 
@@ -249,33 +300,54 @@ async function run(id) {
   card.append(operations(["retry", "cancel"].map(
     (op) => [op, "jobs/" + encodeURIComponent(data.id) + "/" + op])));
   card.append(el("h3", {}, "recovery log"), logTable(data.recovery_log));
-  document.getElementById("view").replaceChildren(el("article", { "data-job": data.name },
-    el("p", {}, link("‹ every job", {}), " · ", link(data.name, { job: data.name })),
-    el("h2", {}, data.name, " ", el("span", { class: "kind" }, data.kind)), card));
+  keepFocus(() => document.getElementById("view").replaceChildren(
+    el("article", { "data-job": data.name },
+      el("p", {}, link("‹ every job", {}), " · ", link(data.name, { job: data.name })),
+      el("h2", {}, data.name, " ", el("span", { class: "kind" }, data.kind)), card)));
   return null;
 }
 
 async function refresh() {
   clearTimeout(timer);
+  if (reading) reading.abort();  // its answer, when it comes, would be older than this one's
+  const mine = reading = new AbortController();
+  const late = setTimeout(
+    () => mine.abort(new Error(`no answer in ${TIMEOUT_MS / 1000} s`)), TIMEOUT_MS);
   window.anarchonRefreshes += 1;
   const state = document.getElementById("state");
+  const view = document.getElementById("view");
   const p = params();
-  const where = p.get("run") ? "run" : p.get("job") ? "job" : "overview";
+  const where = p.get("run") ? "run " + p.get("run") : p.get("job") ? "job " + p.get("job")
+    : "overview";
   document.getElementById("toolbar").hidden = where !== "overview";
   const search = document.getElementById("search");
   if (document.activeElement !== search) search.value = p.get("q") || "";
   try {
-    const now = where === "run" ? await run(p.get("run"))
-      : where === "job" ? await job(p.get("job")) : await overview(p);
+    const now = p.get("run") ? await run(p.get("run"))
+      : p.get("job") ? await job(p.get("job")) : await overview(p);
+    shown = where;
+    view.classList.remove("stale");
     state.className = "";
     state.textContent = (now ? `store time ${shortTime(now)}, ` : "")
       + `refreshed every ${REFRESH_MS / 1000} s`;
+    if (document.getElementById("announce").textContent.startsWith("cannot read")) {
+      announce("");
+    }
   } catch (error) {
+    if (mine !== reading) return;  // a newer refresh answers instead
+    // What is drawn is an earlier read: dimmed, or gone when it is another view's.
+    if (shown === where) view.classList.add("stale");
+    else { view.replaceChildren(); shown = null; }
     state.className = "error";
-    state.textContent = "cannot read the status: " + error.message;
+    state.textContent = "cannot read the status: " + error.message
+      + (shown ? " (what is shown is from an earlier read)" : "");
+    announce(state.textContent);
   } finally {
-    clearTimeout(timer);
-    timer = setTimeout(refresh, REFRESH_MS);
+    clearTimeout(late);
+    if (mine === reading) {
+      clearTimeout(timer);
+      timer = setTimeout(refresh, REFRESH_MS);
+    }
   }
 }
 
@@ -288,5 +360,8 @@ document.getElementById("home").addEventListener("click", (event) => {
   event.preventDefault();
   go({});
 });
-window.addEventListener("hashchange", refresh);
+window.addEventListener("hashchange", () => {
+  notice = null;  // an operation's answer belongs to the view it was made in
+  refresh();
+});
 refresh();
