@@ -56,6 +56,42 @@ def test_memory_demo_shows_takeover_hand_over_and_a_verdict() -> None:
     assert "VERDICT: OK" in text
 
 
+def test_the_fleet_verdict_counts_only_the_runs_that_completed() -> None:
+    """A report run handed over as the last instance stopped (no instance left to run it)
+    passes the verdict, but it did not complete: the verdict said every run checked had
+    "completed exactly once"."""
+    from datetime import UTC, timedelta
+
+    from lease_core import Attempt, Reason
+    from lease_core.demo.fleet import verdict
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def attempt(job: str, second: int, number: int, instance: str, reason: Reason,
+                outcome: Outcome) -> Attempt:
+        at = t0 + timedelta(seconds=second)
+        return Attempt(job, int(at.timestamp() * 1000), number, instance, reason, at,
+                       at + timedelta(seconds=1), outcome)
+
+    killed, handed = (int((t0 + timedelta(seconds=s)).timestamp() * 1000) for s in (2, 10))
+    history = [
+        attempt("export", 2, 1, "A", Reason.SCHEDULED, Outcome.LOST),
+        attempt("export", 2, 2, "C", Reason.TAKEOVER, Outcome.COMPLETED),
+        attempt("report", 4, 1, "C", Reason.SCHEDULED, Outcome.COMPLETED),
+        attempt("export", 10, 1, "C", Reason.SCHEDULED, Outcome.HANDED_OVER),
+        attempt("export", 10, 2, "B", Reason.HAND_OVER, Outcome.COMPLETED),
+        attempt("report", 12, 1, "B", Reason.SCHEDULED, Outcome.HANDED_OVER),
+    ]
+    out = io.StringIO()
+    assert verdict(history, killed, handed, out)
+    line = out.getvalue().strip().splitlines()[-1]
+    assert line.startswith("VERDICT: OK - 4 runs checked in the store: 3 completed exactly "
+                           "once, 1 left unfinished when the last instance stopped"), line
+    out = io.StringIO()
+    assert verdict(history[:-1], killed, handed, out)
+    assert "3 runs checked in the store: each completed exactly once" in out.getvalue()
+
+
 def test_history_command_reads_a_store() -> None:
     assert main(["history", "--url", "memory://"]) == 0
 

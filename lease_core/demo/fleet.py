@@ -38,7 +38,7 @@ from lease_core.errors import ConfigurationError
 
 from .namespace import claimed, namespace_for
 
-__all__ = ["URL_VARIABLE", "run_demo", "worker_main"]
+__all__ = ["URL_VARIABLE", "run_demo", "verdict", "worker_main"]
 
 NAMES = ("A", "B", "C")
 LEASE = "3s"
@@ -327,10 +327,18 @@ async def _scenario(fleet: Fleet, backend: Backend, out: Any) -> bool:
     await timeline.until(hand_over_done, 30, "the handed-over run to complete")
     await fleet.stop_all()
     attempts = await timeline.poll()
-    return _report(attempts, victim.slot, second.slot, out)
+    return verdict(attempts, victim.slot, second.slot, out)
 
 
-def _report(attempts: list[Attempt], killed: int, handed: int, out: Any) -> bool:
+def verdict(attempts: list[Attempt], killed: int, handed: int, out: Any) -> bool:
+    """Print the history and the verdict checked in it; return True when it is OK.
+
+    OK: no run completed twice, every run completed or was skipped, except the runs the
+    last instances left when the fleet stopped (claimed, or handed over with no instance
+    left to continue them, after slot ``handed``); the run at slot ``killed`` was taken
+    over by attempt 2 and the one at ``handed`` handed over. The verdict counts each kind
+    of run apart: only those that completed are said to have.
+    """
     print("\nHistory (from the store, oldest first):", file=out)
     print(f"  {'job':<7}{'slot':<10}{'att':>4}  {'instance':<9}{'reason':<10}{'outcome'}",
           file=out)
@@ -341,15 +349,23 @@ def _report(attempts: list[Attempt], killed: int, handed: int, out: Any) -> bool
     for a in attempts:
         by_run.setdefault((a.job, a.slot), []).append(a)
     problems = []
+    kinds = {"completed": 0, "skipped": 0, "left": 0}
     for (job, slot), runs in sorted(by_run.items()):
         completed = [a for a in runs if a.outcome == "completed"]
         skipped = [a for a in runs if a.outcome == "skipped"]
         open_ = [a for a in runs if a.outcome is None]
         if open_ and not completed and slot > handed:
-            continue  # claimed just before the last instance stopped
+            kinds["left"] += 1  # claimed just before the last instance stopped
+            continue
         if len(completed) > 1:
             problems.append(f"{job} {_hms(slot)} completed {len(completed)} times")
-        elif not completed and not skipped and not _trailing(runs, handed):
+        elif completed:
+            kinds["completed"] += 1
+        elif skipped:
+            kinds["skipped"] += 1
+        elif _trailing(runs, handed):
+            kinds["left"] += 1
+        else:
             problems.append(f"{job} {_hms(slot)} never completed")
     killed_runs = by_run.get(("export", killed), [])
     if not any(a.reason == "takeover" and a.attempt == 2 and a.outcome == "completed"
@@ -358,13 +374,21 @@ def _report(attempts: list[Attempt], killed: int, handed: int, out: Any) -> bool
     if not any(a.reason == "hand-over" and a.outcome == "completed"
                for a in by_run.get(("export", handed), [])):
         problems.append("the stopped export was not handed over")
-    slots = len(by_run)
     if problems:
         print(f"\nVERDICT: FAILED - {'; '.join(problems)}", file=out)
         return False
-    print(f"\nVERDICT: OK - {slots} runs checked in the store: each completed exactly once; "
-          "the killed run was taken over (attempt 2) and the stopped one handed over.",
-          file=out)
+    checked = f"{len(by_run)} runs checked in the store: "
+    if kinds["completed"] == len(by_run):
+        checked += "each completed exactly once"
+    else:
+        checked += f"{kinds['completed']} completed exactly once"
+        if kinds["skipped"]:
+            checked += f", {kinds['skipped']} skipped"
+        if kinds["left"]:
+            checked += (f", {kinds['left']} left unfinished when the last instance "
+                        "stopped (no instance was left to run them)")
+    print(f"\nVERDICT: OK - {checked}; the killed run was taken over (attempt 2) and the "
+          "stopped one handed over.", file=out)
     return True
 
 
