@@ -116,8 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     url_help = ("the store: a URL (postgresql://, redis://, memory://, ...) or a PostgreSQL "
                 f"key/value DSN ('host=db dbname=app'); default: ${URL_ENV}")
     demo = sub.add_parser("demo", help="run the fleet demo (embedded PostgreSQL by default)")
-    demo.add_argument("--backend", choices=("postgres", "redis", "memory"), default="postgres",
-                      help="which embedded store to start (default: postgres)")
+    demo.add_argument("--backend", choices=("postgres", "redis", "memory"), default=None,
+                      help="which embedded store to start (default: postgres); with --url, "
+                           "the kind of store it names")
     demo.add_argument("--url", "--dsn", dest="url", default=None,
                       help=url_help + "; runs against it instead of an embedded server "
                            "(make demo ignores the variable)")
@@ -203,8 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     debug = args.debug or os.environ.get("ANARCHON_DEBUG", "") not in ("", "0")
     prog = f"anarchon {args.command}"
+    args.url_source = "--url"
     if args.url is None:
         args.url = os.environ.get(URL_ENV) or None
+        args.url_source = f"${URL_ENV}"
     try:
         try:
             return _run(args)
@@ -257,6 +260,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         if args.remove is not None:
             return _remove_demo(args)
+        args.backend = _demo_backend(args.backend, args.url, args.url_source)
         _check_demo_extra(args.backend, args.url)
         if args.workflow is not None:
             return _workflow_demo(args)
@@ -441,6 +445,24 @@ def _remove_demo(args: argparse.Namespace) -> int:
 
     print(f"anarchon demo: {namespace_for(args.url, args.remove).remove()}")
     return 0
+
+
+def _demo_backend(backend: str | None, url: str | None, source: str) -> str:
+    """The store the demo runs on: ``--backend``, else the kind of store ``url`` names,
+    else postgres. A ``--backend`` the URL contradicts is refused: ``--backend memory``
+    with ``$ANARCHON_URL`` set ran the demo on that store, the user's."""
+    if url is None:
+        return backend or "postgres"
+    scheme = url.split("://", 1)[0].lower().split("+")[0] if "://" in url else "postgresql"
+    kind = {"postgresql": "postgres", "postgres": "postgres", "redis": "redis",
+            "rediss": "redis", "unix": "redis"}.get(scheme, scheme)
+    if backend is not None and backend != kind:
+        raise ConfigurationError(
+            f"--backend {backend} contradicts {source} ({redact(url)}), a {kind} store: "
+            + ("the memory demo takes no URL; " if backend == "memory" else "")
+            + "leave out --backend to run on that store"
+            + (f", or unset {source}" if source.startswith("$") else ", or --url"))
+    return kind
 
 
 def _check_demo_extra(backend: str, url: str | None) -> None:

@@ -457,3 +457,20 @@ def test_bank_close_takes_a_key_value_dsn(capsys: pytest.CaptureFixture[str]) ->
                  "host=127.0.0.1 port=1 dbname=x user=u connect_timeout=2"])
     err = capsys.readouterr().err
     assert code == 1 and "could not connect to 'host=127.0.0.1 port=1" in err, (code, err)
+
+
+def test_a_backend_the_url_contradicts_is_refused(
+    database: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--backend memory` with $ANARCHON_URL set ran the fleet demo on the user's store
+    (its tables created there), and `--backend redis --url postgresql://...` on PostgreSQL."""
+    before = catalog(database)
+    monkeypatch.setenv("ANARCHON_URL", database)
+    assert main(["demo", "--backend", "memory"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend memory contradicts $ANARCHON_URL" in err and "unset" in err, err
+    assert database.split(":")[2].split("@")[0] not in err  # the password
+    monkeypatch.delenv("ANARCHON_URL")
+    assert main(["demo", "--backend", "redis", "--url", database]) == 2
+    assert "--backend redis contradicts --url" in capsys.readouterr().err
+    assert catalog(database) == before
