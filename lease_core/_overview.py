@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 from ._status import iso, run_id, workflow_status
 from ._structures import Attempt, Outcome, RunInfo, RunStatus, ms_to_datetime
 from .abc import Backend
 from .errors import ConfigurationError
-from .recovery import step_job
+from .recovery import cancelled_unclaimed, step_job
 from .schedules import schedule_from_spec
 
 __all__ = ["FILTERS", "MAX_PER_PAGE", "read_overview"]
@@ -66,12 +67,12 @@ async def read_overview(backend: Backend, *, status: str = "all", query: str = "
     open_runs: defaultdict[str, list[RunInfo]] = defaultdict(list)
     for run in await backend.runs(None, open_only=True, limit=100_000):
         open_runs[run.job].append(run)
-    finished = await _finished_attempts(backend, [*jobs, *steps])
+    finished, starts = await _finished_attempts(backend, [*jobs, *steps])
     paused = await backend.paused()  # operations: who paused which job
 
-    rows = [dict(_job_row(name, schedules.get(name), open_runs[name], finished[name], now),
-                 paused=paused.get(name)) for name in jobs]
-    rows += [dict(_workflow_row(name, names, schedules, open_runs, finished, now),
+    rows = [dict(_job_row(name, schedules.get(name), open_runs[name], finished[name], now,
+                          starts), paused=paused.get(name)) for name in jobs]
+    rows += [dict(_workflow_row(name, names, schedules, open_runs, finished, now, starts),
                   paused=paused.get(step_job(name, names[0])) if names else None)
              for name, names in workflows.items()]  # a workflow is paused at its first step
     rows.sort(key=lambda row: (row["name"], row["kind"]))
@@ -90,19 +91,35 @@ async def read_overview(backend: Backend, *, status: str = "all", query: str = "
 
 
 async def _finished_attempts(backend: Backend, names: Sequence[str],
-                             ) -> defaultdict[str, list[Attempt]]:
-    """Each job's finished attempts among the newest of the store, newest first."""
+                             ) -> tuple[defaultdict[str, list[Attempt]],
+                                        dict[tuple[str, int], datetime]]:
+    """Each job's finished attempts among the newest of the store, newest first, and when
+    each run read started (its first attempt's claim)."""
     recent = await backend.history(None, _WINDOW)
     by_job: defaultdict[str, list[Attempt]] = defaultdict(list)
     for attempt in recent:  # only the outcomes that end a run (not lost, handed over)
         if attempt.outcome in _ENDS:
             by_job[attempt.job].append(attempt)
+    starts = _starts(recent)
     if len(recent) >= _WINDOW:  # the window may have missed a job that runs rarely
         for name in names:
             if name not in by_job:
-                by_job[name] = [a for a in await backend.history(name, 20)
-                                if a.outcome in _ENDS]
-    return by_job
+                alone = await backend.history(name, 20)
+                by_job[name] = [a for a in alone if a.outcome in _ENDS]
+                starts.update(_starts(alone))
+    return by_job, starts
+
+
+def _starts(attempts: Iterable[Attempt]) -> dict[tuple[str, int], datetime]:
+    """When each run of ``attempts`` started: its first claim (a taken-over or retried run
+    took from there to its end, not only its last attempt's time); the record of a cancel
+    of a run nobody held is no start."""
+    starts: dict[tuple[str, int], datetime] = {}
+    for a in attempts:
+        key = (a.job, a.slot)
+        if not cancelled_unclaimed(a) and (key not in starts or a.claimed_at < starts[key]):
+            starts[key] = a.claimed_at
+    return starts
 
 
 def _next(spec: str | None, now: int) -> tuple[str | None, int | None]:
@@ -152,23 +169,25 @@ def _row(name: str, kind: str, spec: str | None, running: list[dict[str, Any]],
 
 
 def _job_row(name: str, spec: str | None, runs: Sequence[RunInfo],
-             finished: Sequence[Attempt], now: int) -> dict[str, Any]:
+             finished: Sequence[Attempt], now: int,
+             starts: dict[tuple[str, int], datetime]) -> dict[str, Any]:
     last = None
     in_progress = {r.slot for r in runs}  # a failed attempt whose run waits for a retry
     ended = [a for a in finished if a.slot not in in_progress]
     if ended:
         a = ended[0]
         assert a.outcome is not None and a.finished_at is not None
+        first = min(a.claimed_at, starts.get((name, a.slot), a.claimed_at))
         last = {"id": run_id(name, a.slot), "slot": a.slot, "scheduled_at": iso(a.scheduled_at),
                 "status": "failed" if a.outcome in _FAILED else str(a.outcome),
                 "outcome": str(a.outcome), "finished_at": iso(a.finished_at),
-                "duration_ms": int((a.finished_at - a.claimed_at).total_seconds() * 1000)}
+                "duration_ms": int((a.finished_at - first).total_seconds() * 1000)}
     return _row(name, "job", spec, _running(name, runs, now), last, now)
 
 
 def _workflow_row(name: str, names: Sequence[str], schedules: dict[str, str],
                   open_runs: dict[str, list[RunInfo]], finished: dict[str, list[Attempt]],
-                  now: int) -> dict[str, Any]:
+                  now: int, starts: dict[tuple[str, int], datetime]) -> dict[str, Any]:
     jobs = [step_job(name, s) for s in names]
     running = [dict(r, step=s) for s, job in zip(names, jobs, strict=True)
                for r in _running(name, open_runs.get(job, []), now)]
@@ -183,7 +202,8 @@ def _workflow_row(name: str, names: Sequence[str], schedules: dict[str, str],
         if status not in ("completed", "failed", "skipped", "cancelled"):
             continue
         mine = [a for found in at_slot.values() for a in found]
-        first = min(a.claimed_at for a in mine)
+        first = min([a.claimed_at for a in mine]
+                    + [starts[(job, slot)] for job in jobs if (job, slot) in starts])
         end = max(a.finished_at for a in mine if a.finished_at is not None)
         last = {"id": run_id(name, slot), "slot": slot,
                 "scheduled_at": iso(ms_to_datetime(slot)), "status": status,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from datetime import datetime, timedelta
 from typing import Any
 
 import anyio
@@ -20,6 +21,7 @@ from backends.memory import MemoryBackend
 from lease_core._overview import read_overview
 from lease_core.abc import Backend, Lease, Outcome
 from lease_core.schedules import CronSchedule, IntervalSchedule
+from tests.helpers import wait_for
 from tests.test_http import NEXT, SLOT, _claim, _complete, backend_and_loop, client  # noqa: F401
 
 EVERY_MINUTE = json.dumps(IntervalSchedule("1m").spec())
@@ -183,3 +185,34 @@ async def test_the_overview_reads_the_store_a_bounded_number_of_times() -> None:
     assert sum(backend.calls.values()) <= 7, backend.calls
     assert backend.calls["paused"] == 1
     await anyio.lowlevel.checkpoint()
+
+
+async def _taken_over(backend: Backend) -> None:
+    """slow@SLOT: attempt 1 by a lets its lease run out, attempt 2 by b takes the run over
+    and completes it."""
+    from lease_core.abc import ClaimStatus
+
+    first = _claim("slow", SLOT, "a", lease_ms=30)
+    assert (await backend.claim(first)).status is ClaimStatus.WON
+
+    async def taken() -> bool:
+        return (await backend.claim(second)).status is ClaimStatus.WON
+
+    second = _claim("slow", SLOT, "b")
+    await wait_for(taken, interval=0.005, what="the expired lease to be taken over")
+    assert await backend.finish(Lease("slow", SLOT, second.token, 60_000), Outcome.COMPLETED)
+
+
+def test_a_taken_over_runs_time_is_from_its_first_attempt(
+        overview: TestClient, backend_and_loop: tuple[Backend, str]) -> None:  # noqa: F811
+    """"took" was the last attempt's time only, where the run's view starts the run at its
+    first attempt (and a workflow's row counts from its first step's claim)."""
+    assert overview.portal is not None
+    overview.portal.call(_taken_over, backend_and_loop[0])
+    rows = {row["name"]: row for row in _get(overview, "/overview?q=slow")["rows"]}
+    run = _get(overview, f"/jobs/slow@{SLOT}")
+    assert [a["attempt"] for a in run["attempts"]] == [1, 2]
+    started, finished = (datetime.fromisoformat(run[k]) for k in ("started_at", "finished_at"))
+    assert run["started_at"] == run["attempts"][0]["claimed_at"]
+    assert rows["slow"]["last"]["duration_ms"] == (finished - started) // timedelta(milliseconds=1)
+    assert rows["slow"]["last"]["duration_ms"] >= 30  # attempt 1's lease ran out first
