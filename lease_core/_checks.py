@@ -1,14 +1,19 @@
-"""Argument checks of the backend contract's calls, and a limit they share.
+"""Argument checks of the backend contract's calls, a limit they share, and the
+checkpoints' JSON (a value that is not JSON is refused as a bad argument is).
 
 Re-exported by :mod:`lease_core.abc`, where a backend imports them from.
 """
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from .errors import ConfigurationError
 
 __all__ = ["MEMBER_RETENTION_MS", "check_every", "check_leave", "check_lookup_name",
-           "check_members", "check_prune", "check_storable"]
+           "check_members", "check_prune", "check_storable", "decode_checkpoint",
+           "encode_checkpoint"]
 
 
 def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None:
@@ -68,3 +73,19 @@ def check_lookup_name(name: str) -> str:
             "check the name")
     check_storable("name", name)
     return name
+
+
+def encode_checkpoint(value: object) -> str:
+    """Serialise a checkpoint value to JSON text, or raise :class:`ConfigurationError`."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"checkpoint value {value!r:.80} is not JSON-serialisable ({exc}); "
+            "store dicts, lists, strings, numbers, booleans or None"
+        ) from None
+
+
+def decode_checkpoint(text: str | None) -> Any:
+    """Parse checkpoint JSON text; ``None`` (no checkpoint) stays ``None``."""
+    return None if text is None else json.loads(text)

@@ -91,7 +91,6 @@ the caller claims again later.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -99,7 +98,15 @@ from typing import Any, Self
 
 import anyio
 
-from ._checks import MEMBER_RETENTION_MS, check_every, check_leave, check_members, check_prune
+from ._checks import (
+    MEMBER_RETENTION_MS,
+    check_every,
+    check_leave,
+    check_members,
+    check_prune,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from ._named_leases import LeaseAnswer, NamedLeaseStore
 from ._operations_store import OperationsStore
 from ._structures import (
@@ -150,22 +157,6 @@ __all__ = [
     "encode_checkpoint",
     "finish_status",
 ]
-
-
-def encode_checkpoint(value: object) -> str:
-    """Serialise a checkpoint value to JSON text, or raise :class:`ConfigurationError`."""
-    try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ConfigurationError(
-            f"checkpoint value {value!r:.80} is not JSON-serialisable ({exc}); "
-            "store dicts, lists, strings, numbers, booleans or None"
-        ) from None
-
-
-def decode_checkpoint(text: str | None) -> Any:
-    """Parse checkpoint JSON text; ``None`` (no checkpoint) stays ``None``."""
-    return None if text is None else json.loads(text)
 
 
 def _run_status(attempt: Attempt) -> RunStatus:
