@@ -36,13 +36,13 @@ from lease_core.abc import (
     Backend,
     check_every,
     check_leave,
+    check_limit,
     check_members,
     check_prune,
     decode_checkpoint,
     encode_checkpoint,
     finish_status,
 )
-from lease_core.errors import ConfigurationError
 from lease_core.operations import Operation, OperationResult
 from lease_core.recovery import sibling_steps
 
@@ -470,7 +470,8 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
             return CheckResult(self._now(), found)
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
-        """Return attempts newest first."""
+        """Return at most ``limit`` attempts, newest first."""
+        check_limit(limit)
         await anyio.lowlevel.checkpoint()
         with self._lock:
             if job is None:
@@ -489,8 +490,7 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
     async def runs(self, job: str | None = None, *, open_only: bool = False,
                    limit: int = 100) -> list[RunInfo]:
         """Return runs, newest slot first (see :meth:`Backend.runs`)."""
-        if limit < 0:
-            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        check_limit(limit)
         await anyio.lowlevel.checkpoint()
         with self._lock:
             found = [

@@ -11,9 +11,9 @@ from typing import Any
 
 from .errors import ConfigurationError
 
-__all__ = ["MEMBER_RETENTION_MS", "check_every", "check_leave", "check_lookup_name",
-           "check_members", "check_prune", "check_storable", "decode_checkpoint",
-           "encode_checkpoint"]
+__all__ = ["MEMBER_RETENTION_MS", "check_every", "check_leave", "check_limit",
+           "check_lookup_name", "check_members", "check_prune", "check_storable",
+           "decode_checkpoint", "encode_checkpoint"]
 
 
 def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None:
@@ -23,6 +23,13 @@ def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None
             raise ConfigurationError(f"{name}={value!r} must be a whole number, 0 or more")
     if not isinstance(batch, int) or batch < 1:
         raise ConfigurationError(f"batch={batch!r} must be a whole number, 1 or more")
+
+
+def check_limit(limit: int) -> None:
+    """Validate the ``limit`` of :meth:`Backend.history` and :meth:`Backend.runs`: 0 or
+    more (``ConfigurationError`` naming it; a negative one is no count of anything)."""
+    if limit < 0:
+        raise ConfigurationError(f"limit={limit!r} must be 0 or more")
 
 
 def check_every(every_ms: int) -> None:

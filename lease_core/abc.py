@@ -102,6 +102,7 @@ from ._checks import (
     MEMBER_RETENTION_MS,
     check_every,
     check_leave,
+    check_limit,
     check_members,
     check_prune,
     decode_checkpoint,
@@ -151,6 +152,7 @@ __all__ = [
     "RunStatus",
     "check_every",
     "check_leave",
+    "check_limit",
     "check_members",
     "check_prune",
     "decode_checkpoint",
@@ -406,7 +408,11 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
 
     @abstractmethod
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
-        """Return attempts, newest claim first, of one job or of all jobs."""
+        """Return at most ``limit`` attempts, newest claim first, of one job or of all jobs.
+
+        ``limit`` 0 answers ``[]``; a negative one raises
+        :class:`~lease_core.errors.ConfigurationError` (:func:`check_limit`), as :meth:`runs`.
+        """
 
     async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
         """Record each workflow's steps, in order, so readers of the store can show them.
@@ -547,12 +553,11 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         """Return runs as the store holds them now, newest slot first.
 
         ``job`` limits them to one job; ``open_only`` to runs ``running`` or
-        ``handed_over``. The default derives them from :meth:`history` (no lease expiry,
-        and a run whose last attempt is open shows as ``running``); backends override it
-        with a read of their runs.
+        ``handed_over``; at most ``limit`` (0 or more, as for :meth:`history`). The default
+        derives them from :meth:`history` (no lease expiry, and a run whose last attempt
+        is open shows as ``running``); backends override it with a read of their runs.
         """
-        if limit < 0:
-            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        check_limit(limit)
         latest: dict[tuple[str, int], Attempt] = {}
         for a in await self.history(job, _DERIVED_LIMIT):
             key = (a.job, a.slot)

@@ -38,6 +38,7 @@ from lease_core.abc import (
     MEMBER_RETENTION_MS,
     check_every,
     check_leave,
+    check_limit,
     check_members,
     check_prune,
     decode_checkpoint,
@@ -455,7 +456,8 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         return CheckResult(now, found, lost)
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
-        """Return attempts, newest claim first."""
+        """Return at most ``limit`` attempts, newest claim first."""
+        check_limit(limit)  # a negative LIMIT is the server's error, not a ConfigurationError
         if job is None:
             rows = await self._adapter.all(self._sql.history_all, (limit,))
         else:
@@ -518,8 +520,7 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
     async def runs(self, job: str | None = None, *, open_only: bool = False,
                    limit: int = 100) -> list[RunInfo]:
         """Return runs, newest slot first, with one plain ``SELECT``."""
-        if limit < 0:
-            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        check_limit(limit)
         rows = await self._adapter.all(self._sql.list_runs, {
             "job": job, "open_only": open_only, "limit": limit})
         return [

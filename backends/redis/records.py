@@ -11,10 +11,10 @@ from lease_core.abc import (
     MEMBER_RETENTION_MS,
     check_every,
     check_leave,
+    check_limit,
     check_members,
     check_prune,
 )
-from lease_core.errors import ConfigurationError
 from lease_core.recovery import STEP_SEPARATOR, sibling_steps, step_job
 
 from .core import RedisStore
@@ -36,8 +36,10 @@ class RedisRecords(RedisStore):
     """The history, runs, jobs and workflows of a :class:`~backends.redis.RedisBackend`."""
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
-        """Return attempts newest first, of one job or of every job under the prefix."""
-        if limit <= 0:
+        """Return at most ``limit`` attempts, newest first, of one job or of every job under
+        the prefix."""
+        check_limit(limit)
+        if limit == 0:
             return []
         if job is None:
             (members,) = await self._run([("SMEMBERS", self._jobs_key)])
@@ -222,8 +224,7 @@ class RedisRecords(RedisStore):
         newest slots cannot be told from a page of them; history is trimmed to
         ``history_size``), the runs themselves.
         """
-        if limit < 0:
-            raise ConfigurationError(f"limit={limit!r} must be 0 or more")
+        check_limit(limit)
         names = await self.jobs() if job is None else [job]
         if not names or limit == 0:
             return []

@@ -397,6 +397,9 @@ async def test_jobs_and_runs_describe_the_store_now(store: Store) -> None:
         assert await a.runs("nobody") == []
         with pytest.raises(ValueError, match="limit=-1"):
             await a.runs(limit=-1)
+        assert await a.history("alpha", 0) == []
+        with pytest.raises(ValueError, match="limit=-1"):  # not "all but the oldest"
+            await a.history("alpha", -1)
     finally:
         await a.close()
 
