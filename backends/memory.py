@@ -210,24 +210,23 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
         return self._now()
 
     async def register_jobs(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
-        """Record the jobs as seen and list their open runs."""
+        """Record the jobs as seen and list their open runs (one pass over the runs)."""
+        names = dict.fromkeys(jobs)  # a name listed twice is one job, as on the other stores
         await anyio.lowlevel.checkpoint()
         with self._lock:
             now = self._now()
+            opened: dict[str, list[int]] = {name: [] for name in names}
+            for (j, slot), run in self._runs.items():
+                if j in opened and not run.status.finished:
+                    opened[j].append(slot)
             out: dict[str, JobInfo] = {}
-            for name in jobs:
+            for name in names:
                 job = self._jobs.get(name)
                 new = job is None
                 if job is None:
                     job = self._jobs[name] = _Job(first_seen_ms=now)
-                open_slots = tuple(
-                    sorted(
-                        slot
-                        for (j, slot), run in self._runs.items()
-                        if j == name and not run.status.finished
-                    )
-                )
-                out[name] = JobInfo(name, job.first_seen_ms, job.last_slot, open_slots, new)
+                out[name] = JobInfo(name, job.first_seen_ms, job.last_slot,
+                                    tuple(sorted(opened[name])), new)
             return out
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:

@@ -318,8 +318,9 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
     async def register_jobs(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
         """Record the jobs as seen (keeping an earlier ``first_seen``) and describe each.
 
-        Each :class:`JobInfo` lists the slots of runs still ``running`` or ``handed_over``
-        so that a starting scheduler can watch them.
+        One :class:`JobInfo` per name (a name given twice is one job, ``new`` if this call
+        was the first to see it), listing the slots of runs still ``running`` or
+        ``handed_over`` so that a starting scheduler can watch them.
         """
 
     async def claim(self, request: ClaimRequest) -> ClaimResult:

@@ -248,6 +248,8 @@ async def test_register_jobs_reports_first_seen_last_slot_and_open_runs(store: S
     try:
         first = await a.register_jobs(["x", "y"])
         assert first["x"].new and first["x"].last_slot is None
+        twice = await a.register_jobs(["z", "z"])  # a name listed twice: one new job
+        assert list(twice) == ["z"] and twice["z"].new, twice
         now = await a.now_ms()
         assert abs(first["x"].first_seen_ms - now) < 5_000
         await a.claim(req("x", slot=SLOT))
