@@ -7,7 +7,10 @@ holding the current token, the expiry and the holder.
 *Acquire* (:meth:`NamedLeaseStore.acquire_lease`), atomically:
 
 - when the name is free (never held, released, or its expiry ``<= now``), the caller
-  takes it: ``token`` becomes the previous token + 1 (1 for a new name), ``expires =
+  takes it with a ``token`` above every token the name had before (memory and
+  PostgreSQL: the previous token + 1, 1 for a new name; Redis starts a name new to the
+  server at ``fence_of(now_ms, 1)``, and PostgreSQL after a detected failover jumps to
+  its epoch's first fence: see :func:`~lease_core.fence_of`), ``expires =
   now + ttl_ms``, ``held`` is true;
 - when ``holder`` already holds it live (the same call sent again after its reply was
   lost), the hold is renewed with the **same** token;

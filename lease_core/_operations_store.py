@@ -42,8 +42,10 @@ class OperationsStore:
                          ) -> dict[tuple[str, int], int | None]:
         """Return when the lease of each run was last renewed, for the status API.
 
-        ``None`` for a run not renewed since its claim; the runs of a store that keeps no
-        such record are left out (the default: every run).
+        ``None`` for a run never renewed. A claim does not reset it: after a takeover,
+        hand-over or retry it may be an earlier attempt's renewal, older than the current
+        attempt's claim (the status API shows the later of the two). The runs of a store
+        that keeps no such record are left out (the default: every run).
         """
         return {}
 

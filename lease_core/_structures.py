@@ -131,9 +131,11 @@ class ClaimStatus(StrEnum):
     until ``expires_ms``: the caller should claim again later.
     """
     FINISHED = "finished"
-    """The run already ended (see :attr:`ClaimResult.run_status`)."""
+    """The run already ended (see :attr:`ClaimResult.run_status`); with no run status and
+    attempt 0, its slot was trimmed past and never runs (:attr:`ClaimRequest.scheduled`)."""
     SKIPPED = "skipped"
-    """An earlier slot of the job still holds a live lease; the run was recorded as skipped."""
+    """The run was recorded as skipped: an earlier slot of the job still holds a live lease
+    or waits for its retry (``overlap_skip``), or the job is paused."""
     ESCALATED = "escalated"
     """The lease expired on the last allowed attempt; the run is now escalated."""
 
@@ -259,9 +261,11 @@ class JobInfo:
     first_seen_ms: int
     """When the store first saw the job; slots before it are never caught up."""
     last_slot: int | None
-    """The newest slot ever claimed for the job."""
+    """The newest slot ever claimed for the job, or the store's time of its last resume
+    (:meth:`~lease_core.Admin.resume`) when that is later: no slot up to it is caught up."""
     open_slots: tuple[int, ...] = ()
-    """Slots of runs still running or handed over, which backups must watch."""
+    """Slots of runs still open (running, handed over or retrying), which backups must
+    watch."""
     new: bool = False
     """True when this registration was the first the store saw of the job."""
 

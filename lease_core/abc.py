@@ -3,7 +3,8 @@
 A backend stores runs, attempts, jobs and checkpoints, and does all lease arithmetic on
 **its own clock**. The scheduler never compares a lease with a local clock of its own.
 
-The contract, which the conformance suite in ``tests/`` checks on every backend:
+The contract, which the conformance suite (:mod:`lease_core.testing`) checks on every
+backend:
 
 *Runs.* A run is identified by (job, slot). Its status is one of :class:`RunStatus`.
 Exactly one attempt holds a run at a time; that attempt's ``token`` fences every write.
@@ -12,7 +13,9 @@ Exactly one attempt holds a run at a time; that attempt's ``token`` fences every
 jobs never wait for each other):
 
 1. Register the job if it is new (``first_seen`` = now) and raise its ``last_slot`` to
-   the slot.
+   the slot. A claim answered from a run that exists without writing (3, 4) may leave
+   ``last_slot`` as it is (PostgreSQL's read-only path does): only a trigger's run
+   (:meth:`~lease_core.Admin.trigger`) can lie past ``last_slot`` before its first claim.
 2. If the run does not exist:
 
    - for a request with ``scheduled`` set and reason ``scheduled`` or ``catch-up``, when
@@ -20,6 +23,8 @@ jobs never wait for each other):
      its newest slot whose run trimming deleted (see 7), return ``FINISHED`` with attempt
      0 and no run status, writing nothing: the slot ran and was trimmed, or its turn
      passed while newer runs ran;
+   - for reason ``scheduled`` or ``catch-up`` of a paused job (:meth:`~lease_core.Admin.pause`),
+     insert the run as ``skipped`` (one attempt, error "job paused by <who>"): ``SKIPPED``;
    - with ``overlap_skip``, when another run of the job with a smaller slot is
      ``running`` with ``expires > now``, or ``retrying`` (whatever its due time: the run
      has not ended), insert the run as ``skipped`` with one attempt whose outcome is
@@ -32,8 +37,9 @@ jobs never wait for each other):
 4. If it is ``running`` with ``expires > now``, return ``RUNNING`` (stand by as backup).
    But when the request's token is the one holding the run (the same claim sent again
    after its reply was lost), return ``WON`` as the first answer did, changing nothing.
-5. If it is ``handed_over``: the next attempt takes it with reason ``hand-over``
-   (a hand-over never escalates, whatever the attempt number); return ``WON``.
+5. If it is ``handed_over``: the next attempt takes it with reason ``hand-over``, or
+   ``manual`` / ``retry`` for a run an operation queued (a trigger, an admin's retry; its
+   ``requested_by`` says who asked); never escalated, whatever the attempt number. ``WON``.
 6. If it is ``running`` with ``expires <= now``: when ``max_attempts`` is set and the run's
    counted attempts, the first attempt plus every attempt that started by takeover, are
    already ``>= max_attempts``, the run becomes ``escalated``, its last attempt's outcome
@@ -319,8 +325,8 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         """Record the jobs as seen (keeping an earlier ``first_seen``) and describe each.
 
         One :class:`JobInfo` per name (a name given twice is one job, ``new`` if this call
-        was the first to see it), listing the slots of runs still ``running`` or
-        ``handed_over`` so that a starting scheduler can watch them.
+        was the first to see it), listing the slots of its open runs (``running``,
+        ``handed_over`` or ``retrying``) so that a starting scheduler can watch them.
         """
 
     async def claim(self, request: ClaimRequest) -> ClaimResult:
@@ -553,10 +559,11 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
                    limit: int = 100) -> list[RunInfo]:
         """Return runs as the store holds them now, newest slot first.
 
-        ``job`` limits them to one job; ``open_only`` to runs ``running`` or
-        ``handed_over``; at most ``limit`` (0 or more, as for :meth:`history`). The default
-        derives them from :meth:`history` (no lease expiry, and a run whose last attempt
-        is open shows as ``running``); backends override it with a read of their runs.
+        ``job`` limits them to one job; ``open_only`` to open runs (``running``,
+        ``handed_over`` or ``retrying``); at most ``limit`` (0 or more, as for
+        :meth:`history`). The default derives them from :meth:`history` (no lease expiry,
+        and a run whose last attempt is open shows as ``running``); backends override it
+        with a read of their runs.
         """
         check_limit(limit)
         latest: dict[tuple[str, int], Attempt] = {}
