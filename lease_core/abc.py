@@ -67,17 +67,14 @@ raced by the old holder.
 *Single and batch twins.* Three operations come as a single call and a batch:
 :meth:`~Backend.claim` and :meth:`~Backend.claim_many`, :meth:`~Backend.finish` and
 :meth:`~Backend.finish_many`, :meth:`~Backend.prune` and :meth:`~Backend.prune_many`
-(:data:`TWINS`). A backend implements one method of each pair, usually the batch (a batch
-of one does the single call's job), and inherits the other from :class:`Backend`: the
-inherited single call is a batch of one, the inherited batch makes the single calls one
-after the other. Either way the two answer alike: a batch answers, item by item, what the
-single calls made one after the other would have answered. A backend may implement both
-(a cheaper path for the lone call, say); they must then agree, which the conformance
-suite checks. A backend class implementing neither ``claim`` nor ``claim_many`` (or
-neither ``finish`` nor ``finish_many``) cannot be instantiated: :class:`TypeError`, naming
-the pair. One implementing neither ``prune`` nor ``prune_many`` keeps its history (both
-validate their arguments and delete nothing). The inherited method calls its twin through
-``self``, so an override of the batch also sees the lone calls, as a batch of one.
+(:data:`TWINS`). A backend implements one of each pair, usually the batch, and inherits
+the other from :class:`Backend` (a batch of one, or the single calls one after the
+other, through ``self``). A batch answers, item by item, what the single calls made one
+after the other would have answered; a backend implementing both must keep them so,
+which the conformance suite checks. A backend class implementing neither ``claim`` nor
+``claim_many`` (or neither ``finish`` nor ``finish_many``) cannot be instantiated:
+:class:`TypeError`, naming the pair. One implementing neither ``prune`` nor
+``prune_many`` keeps its history (both validate their arguments and delete nothing).
 
 *Membership* (:meth:`Backend.members`). Each instance renews its membership of the fleet
 for ``ttl_ms`` (an absolute expiry, ``now + ttl_ms``, on the store's clock, never the
