@@ -12,7 +12,6 @@ at the same slot, and the steps and their order are those the store recorded
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -23,7 +22,7 @@ from ._redact import redact
 from ._structures import LAST_SLOT, Attempt, RunInfo, RunState, RunStatus, ms_to_datetime
 from .abc import Backend
 from .errors import ConfigurationError
-from .recovery import cancelled_unclaimed, recovery_log, step_job
+from .recovery import attempts_by_slot, cancelled_unclaimed, recovery_log, step_job
 
 __all__ = [
     "JobStatus",
@@ -357,26 +356,9 @@ def _claimed(runs: Iterable[RunInfo | None]) -> set[int]:
 
 async def _attempts(backend: Backend, job: str, slots: set[int],
                     ) -> dict[int, list[Attempt]]:
-    """The job's recorded attempts by slot, oldest first, every one of ``slots`` complete.
-
-    The newest attempts are read first; a slot whose first attempt (attempt 1: attempt
-    numbers grow with each claim of a run) is not among them has older ones, so more are
-    read, up to the job's whole history. A run's first attempt trimmed away costs one
-    read of everything the store keeps of the job.
-    """
-    limit = _HISTORY
-    while True:
-        found = await backend.history(job, limit)
-        by_slot: defaultdict[int, list[Attempt]] = defaultdict(list)
-        for a in found:
-            by_slot[a.slot].append(a)
-        if len(found) < limit or all(
-                any(a.attempt <= 1 for a in by_slot.get(slot, ())) for slot in slots):
-            break
-        limit *= 8
-    for attempts in by_slot.values():
-        attempts.sort(key=lambda a: (a.attempt, a.claimed_at))
-    return by_slot
+    """The job's recorded attempts by slot, oldest first, every one of ``slots`` complete
+    (:func:`~lease_core.recovery.attempts_by_slot`, the newest ``_HISTORY`` first)."""
+    return await attempts_by_slot(backend, job, slots, _HISTORY)
 
 
 def _run_fields(run: RunInfo | None, attempts: list[Attempt]) -> dict[str, Any]:

@@ -42,8 +42,8 @@ from ._structures import Attempt, Outcome, Reason
 if TYPE_CHECKING:
     from .abc import Backend
 
-__all__ = ["STEP_SEPARATOR", "RecoveryEntry", "cancelled_unclaimed", "read_recovery_log",
-           "recovery_log", "sibling_steps", "step_job"]
+__all__ = ["STEP_SEPARATOR", "RecoveryEntry", "attempts_by_slot", "cancelled_unclaimed",
+           "read_recovery_log", "recovery_log", "sibling_steps", "step_job"]
 
 #: Separates a workflow's name from a step's in the job name of the step's runs.
 STEP_SEPARATOR = "/"
@@ -151,15 +151,40 @@ async def read_recovery_log(backend: Backend, name: str, slot: int, *, limit: in
     """Read the recovery log of run (``name``, ``slot``) from a started ``backend``.
 
     ``steps`` are the workflow's steps when ``name`` is a workflow declared by the caller;
-    otherwise the store's record of workflows says whether it is one. ``limit`` bounds the
-    attempts read per job.
+    otherwise the store's record of workflows says whether it is one. ``limit`` attempts
+    per job are read first, more while the run's first attempt is older
+    (:func:`attempts_by_slot`).
     """
     if steps is None:
         steps = (await backend.workflows()).get(name)
     if steps is None:
-        return recovery_log([a for a in await backend.history(name, limit) if a.slot == slot])
+        return recovery_log((await attempts_by_slot(backend, name, {slot}, limit)
+                             ).get(slot, []))
     attempts: list[Attempt] = []
     for step in steps:
-        attempts += [a for a in await backend.history(step_job(name, step), limit)
-                     if a.slot == slot]
+        attempts += (await attempts_by_slot(backend, step_job(name, step), {slot}, limit)
+                     ).get(slot, [])
     return recovery_log(attempts, workflow=name, steps=steps)
+
+
+async def attempts_by_slot(backend: Backend, job: str, slots: set[int], limit: int,
+                           ) -> dict[int, list[Attempt]]:
+    """The job's recorded attempts by slot, oldest first, every one of ``slots`` complete.
+
+    The newest ``limit`` attempts are read first; a slot whose first attempt (attempt 1:
+    attempt numbers grow with each claim of a run) is not among them has older ones, so
+    eight times more are read, and so on up to the job's whole history. A run whose first
+    attempt was trimmed away costs one read of everything the store keeps of the job.
+    """
+    while True:
+        found = await backend.history(job, limit)
+        by_slot: dict[int, list[Attempt]] = {}
+        for a in found:
+            by_slot.setdefault(a.slot, []).append(a)
+        if len(found) < limit or all(
+                any(a.attempt <= 1 for a in by_slot.get(slot, ())) for slot in slots):
+            break
+        limit *= 8
+    for attempts in by_slot.values():
+        attempts.sort(key=lambda a: (a.attempt, a.claimed_at))
+    return by_slot

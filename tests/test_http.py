@@ -22,6 +22,7 @@ from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease, Outcome
 from lease_core.cli import main
 from lease_core.errors import ConfigurationError
 from lease_core.http import create_app
+from lease_core.scheduler import Scheduler
 from tests.helpers import wait_for
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.stores.redis import delete_prefix
@@ -421,6 +422,10 @@ def test_a_run_behind_1000_newer_attempts_shows_its_attempts(
         assert api.portal is not None
         api.portal.call(_bury, backend)
         run = _ok(api, f"/jobs/export@{SLOT}?log=1")
+        # Scheduler.recovery_log read its own window (max(history_size, 100) * 10).
+        log = api.portal.call(Scheduler(backend, instance_id="r").recovery_log,
+                              ("export", SLOT))
+    assert [e.event for e in log] == ["started", "handed_over", "started", "completed"]
     assert [(a["attempt"], a["instance_id"], a["outcome"]) for a in run["attempts"]] == [
         (1, "a", "handed_over"), (2, "b", "completed")]
     assert run["started_at"] == run["attempts"][0]["claimed_at"]
