@@ -28,13 +28,14 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import anyio
 import psycopg
 import pytest
 
 from backends import postgres
-from backends.postgres import CODE_VERSION, PostgresBackend, migrate, quote_ident
+from backends.postgres import CODE_VERSION, PostgresBackend, migrate, quote_ident, schema
 from backends.postgres.statements import BODY_MARKS, CLAIM_SUFFIX, OPERATE_SUFFIX
 from lease_core import Admin
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason
@@ -649,7 +650,8 @@ async def test_migrate_upgrades_a_v3_store_keeping_its_history(
         assert sql(server.admin_dsn, *attempts_filenode) == filenode
         assert sql(server.admin_dsn, claimed_at) == [(5, 5)]
         assert sql(server.admin_dsn, fill_mark) == []
-        # A fill cut short (its mark left) goes on at the next start, by the app's user.
+        # A fill an upgrade by start() left (its mark) goes on at each maintenance, on
+        # the app's user, from where it got to.
         sql(server.admin_dsn, f"UPDATE {table}_attempts SET claimed_at = NULL WHERE slot < 3")
         sql(server.admin_dsn, f"INSERT INTO {table}_meta VALUES ('fill', 'claimed_at')")
 
@@ -657,6 +659,22 @@ async def test_migrate_upgrades_a_v3_store_keeping_its_history(
                                   table=table)
         await backend.start()  # the application's user starts without a privilege
         try:
+            assert sql(server.admin_dsn, claimed_at) == [(5, 2)]  # start() does not wait
+            with patch.object(schema, "_FILL_BATCH", 2), \
+                    patch.object(postgres.backend, "FILL_BATCHES", 1):
+                # One batch of two: attempts (1, 1) and (2, 1).
+                assert await backend.maintenance_due("i", 60_000)
+                assert sql(server.admin_dsn, fill_mark) == [('claimed_at:["j", 2, 1]',)]
+                assert sql(server.admin_dsn, claimed_at) == [(5, 4)]
+                assert not await backend.maintenance_due("i", 60_000)  # not due: nothing
+                assert sql(server.admin_dsn, claimed_at) == [(5, 4)]
+                sql(server.admin_dsn, f"DELETE FROM {table}_meta WHERE key = 'maintenance'")
+                assert await backend.maintenance_due("i", 60_000)  # on after (2, 1)
+                assert sql(server.admin_dsn, fill_mark) == [('claimed_at:["j", 3, 1]',)]
+                sql(server.admin_dsn, f"DELETE FROM {table}_meta WHERE key = 'maintenance'")
+                assert await backend.maintenance_due("i", 60_000)  # (4, 1): the end
+            assert sql(server.admin_dsn, claimed_at) == [(5, 5)]
+            assert sql(server.admin_dsn, fill_mark) == []
             held = Lease("j", 3, "held", 60_000)
             assert (await backend.heartbeat([held])).renewed == {"held"}
             handed = await backend.claim(ClaimRequest("j", 4, "new", "t4", 60_000))

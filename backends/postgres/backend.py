@@ -62,7 +62,11 @@ from .statements import (
     text_array,
 )
 
-__all__ = ["PostgresBackend", "driver_dsn", "migrate"]
+__all__ = ["FILL_BATCHES", "PostgresBackend", "driver_dsn", "migrate"]
+
+#: Batches of an upgrade's ``claimed_at`` fill made at each maintenance period (10,000
+#: attempts each): a store of a million attempts is filled in ten periods.
+FILL_BATCHES = 10
 
 #: OFFSET for "keep every attempt" (a NULL offset would keep none).
 _NO_LIMIT = 2**62
@@ -496,9 +500,15 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         return {job: counts.get(job, 0) for job in names}
 
     async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
-        """Win the maintenance period with one conditional upsert of ``<table>_meta``."""
+        """Win the maintenance period with one conditional upsert of ``<table>_meta``.
+
+        The winner also goes on with an upgrade's fill of ``claimed_at``, if one is
+        pending: ``FILL_BATCHES`` batches per period (see :func:`migrate`).
+        """
         check_every(every_ms)
         rows = await self._adapter.all(self._sql.maintenance_due, (every_ms, instance_id))
+        if rows and self._store.fill_pending:
+            await self._store.fill(self._adapter, FILL_BATCHES)
         return bool(rows)
 
     async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
@@ -585,11 +595,17 @@ async def migrate(connection: Any = None, *, table: str | None = None) -> str:
     An older store is upgraded with runs in flight: held leases, hand-overs and history
     are kept, the claim function of this release is created beside the old one, and the
     old function's name becomes a call of the new one, so instances of the previous
-    release still running claim with the current logic. A table lock held by a long
-    transaction is waited for at most ``MIGRATION_LOCK_TIMEOUT_MS`` per try. Safe to run
-    again, and concurrently; a store of a newer format is refused.
+    release still running claim with the current logic. The attempts an upgrade from
+    store code 1 to 3 finds get ``claimed_at`` after its commit, in short transactions of
+    10,000: here before returning; after an upgrade by ``start()``, ``FILL_BATCHES``
+    batches at each maintenance period, on the instance that wins it. A table lock held
+    by a long transaction is waited for at most ``MIGRATION_LOCK_TIMEOUT_MS`` per try.
+    Safe to run again, and concurrently; a store of a newer format is refused.
     """
     backend = PostgresBackend(connection, table=table)
     await backend.start()
-    await backend.close()
+    try:
+        await backend._store.fill(backend._adapter)
+    finally:
+        await backend.close()
     return backend.table

@@ -9,6 +9,7 @@ in flight: see :meth:`StoreSchema.ensure`.
 from __future__ import annotations
 
 import hashlib
+import json
 
 from adapters.sql import Executor, SqlAdapter
 from lease_core.errors import (
@@ -46,8 +47,10 @@ def _lock_key(schema: str | None, name: str) -> int:
 #: How long (ms) creation and upgrades wait for a table lock held by work in flight.
 MIGRATION_LOCK_TIMEOUT_MS = 5000
 _MIGRATE_TRIES = 5
-#: How many attempts one statement of :meth:`StoreSchema._fill` updates.
+#: How many attempts one statement of :meth:`StoreSchema.fill` updates.
 _FILL_BATCH = 10_000
+#: The fill's mark in ``<table>_meta`` (key ``fill``), and where it has got to after it.
+_FILL_MARK = "claimed_at"
 
 
 class StoreSchema:
@@ -61,6 +64,9 @@ class StoreSchema:
         self._schema = schema
         self._name = name
         self.table = table
+        #: Whether an upgrade left attempts without ``claimed_at`` (:meth:`fill`), as the
+        #: last :meth:`ensure` or :meth:`fill` found.
+        self.fill_pending = False
 
     def _table_names(self) -> list[str]:
         return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
@@ -90,7 +96,7 @@ class StoreSchema:
 
     async def _read_meta(self, tx: Executor | SqlAdapter) -> tuple[bool, int, bool]:
         """Whether the store has a format, its store code version (1 before v2), and
-        whether an upgrade left its attempts' ``claimed_at`` to fill (:meth:`_fill`).
+        whether an upgrade left its attempts' ``claimed_at`` to fill (:meth:`fill`).
 
         Raises :class:`StoreFormatError` for a format newer than this release's.
         """
@@ -110,7 +116,7 @@ class StoreSchema:
             code = int(meta.get("code", "1"))
         except ValueError:
             code = 1
-        return "format" in meta, code, meta.get("fill") == "claimed_at"
+        return "format" in meta, code, meta.get("fill", "").startswith(_FILL_MARK)
 
     async def check(self, adapter: SqlAdapter, where: str) -> None:
         """Make sure a complete store exists, writing nothing (for read-only tools).
@@ -139,17 +145,14 @@ class StoreSchema:
         :class:`ConfigurationError` naming ``anarchon migrate``.
         """
         tables, function = await self._existing(adapter)
-        complete, code, fill = False, 1, False
+        complete, code = False, 1
         if len(tables) == 4:
-            complete, code, fill = await self._read_meta(adapter)
+            complete, code, self.fill_pending = await self._read_meta(adapter)
             if complete and function and code >= CODE_VERSION:
-                if fill:
-                    await self._fill(adapter)
                 return
         try:
             await self._upgrade(adapter)
-            if (await self._read_meta(adapter))[2]:
-                await self._fill(adapter)
+            self.fill_pending = (await self._read_meta(adapter))[2]
         except ConfigurationError as exc:
             if sqlstate(exc) != "42501" and not any(
                     text in str(exc) for text in ("permission denied", "must be owner", "42501")):
@@ -174,18 +177,33 @@ class StoreSchema:
                 f"{', '.join(self._table_names())} ({reason})"
             ) from exc
 
-    async def _fill(self, adapter: SqlAdapter) -> None:
-        """Give the attempts an upgrade found ``claimed_at``, after the upgrade's commit.
+    async def fill(self, adapter: SqlAdapter, batches: int | None = None) -> bool:
+        """Give the attempts an upgrade found ``claimed_at``; True once all have it.
 
-        In batches of ``_FILL_BATCH`` in primary-key order, each one short transaction
-        locking only its rows, so claims and heartbeats go on meanwhile; then the upgrade's
-        mark goes. Cut short (a stop, an outage), it goes on at the next start; two
-        instances filling at once only repeat each other's work.
+        At most ``batches`` batches of ``_FILL_BATCH`` attempts (None: to the end), in
+        primary-key order, each one short transaction locking only its rows, so claims
+        and heartbeats go on meanwhile. Where it got to is kept in the upgrade's mark, so
+        the next call (the next maintenance, on any instance) goes on from there; at the
+        end the mark goes. Two calls at once only repeat each other's work.
         """
-        key: tuple[object, ...] = ("", -(2 ** 63), -(2 ** 31))
-        while rows := await adapter.all(self._sql.fill_claimed_at, (*key, _FILL_BATCH)):
-            key = tuple(rows[0])
-        await adapter.all(self._sql.claimed_at_filled)
+        rows = await adapter.all(self._sql.fill_position)
+        if not rows or not str(rows[0][0]).startswith(_FILL_MARK):
+            self.fill_pending = False
+            return True
+        position = str(rows[0][0])[len(_FILL_MARK) + 1:]
+        key = (tuple(json.loads(position)) if position
+               else ("", -(2 ** 63), -(2 ** 31)))
+        done = 0
+        while batches is None or done < batches:
+            found = await adapter.all(self._sql.fill_claimed_at, (*key, _FILL_BATCH))
+            if not found or int(found[0][3]) < _FILL_BATCH:
+                await adapter.all(self._sql.claimed_at_filled)
+                self.fill_pending = False
+                return True
+            key, done = tuple(found[0][:3]), done + 1
+        await adapter.all(self._sql.fill_moved,
+                          (f"{_FILL_MARK}:{json.dumps(list(key))}",))
+        return False
 
     def _function_name(self) -> str:
         return (f"{self._schema}." if self._schema else "") + self._name + CLAIM_SUFFIX
@@ -246,7 +264,7 @@ class StoreSchema:
                               self._sql.add_operations_attempts):
                 await tx.all(statement)
             if self._name + "_attempts" in existing:
-                # The attempts already stored get claimed_at after the commit (_fill).
+                # The attempts already stored get claimed_at after the commit (fill).
                 await tx.all(self._sql.mark_claimed_at_fill)
         else:
             [(generated,)] = await tx.all(self._sql.claimed_at_generated,

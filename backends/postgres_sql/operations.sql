@@ -53,15 +53,16 @@ ALTER TABLE {attempts} ALTER COLUMN claimed_at DROP EXPRESSION IF EXISTS
 
 -- name: mark_claimed_at_fill
 -- Written by the upgrade that adds claimed_at to a store of older code: the attempts it
--- already holds are filled in after the upgrade's commit (fill_claimed_at), and the mark
--- removed then (claimed_at_filled), so a fill cut short goes on at the next start.
+-- already holds are filled in after the upgrade's commit (fill_claimed_at), by `anarchon
+-- migrate` at once, else a few batches at each maintenance; the mark keeps where the fill
+-- got to (fill_moved) and goes at its end (claimed_at_filled).
 INSERT INTO {meta} (key, value) VALUES ('fill', 'claimed_at') ON CONFLICT (key) DO NOTHING
 
 -- name: fill_claimed_at
 -- One batch of the fill: the next attempts in primary-key order after the given key get
 -- claimed_at, each batch its own short transaction that locks only its rows. Answers the
--- batch's last key (no row: done). Parameters: the last key (job, slot, attempt), the
--- batch size.
+-- batch's last key and its size (no row, or fewer than asked: done). Parameters: the
+-- last key (job, slot, attempt), the batch size.
 WITH b AS (
     SELECT a.job, a.slot, a.attempt FROM {attempts} a
     WHERE (a.job, a.slot, a.attempt) > (%s::text, %s::bigint, %s::integer)
@@ -72,11 +73,18 @@ WITH b AS (
     FROM b WHERE a.job = b.job AND a.slot = b.slot AND a.attempt = b.attempt
       AND a.claimed_at IS NULL
 )
-SELECT b.job, b.slot, b.attempt FROM b ORDER BY b.job DESC, b.slot DESC, b.attempt DESC
-LIMIT 1
+SELECT b.job, b.slot, b.attempt, (SELECT count(*) FROM b) FROM b
+ORDER BY b.job DESC, b.slot DESC, b.attempt DESC LIMIT 1
+
+-- name: fill_position
+-- The fill's mark: 'claimed_at', then 'claimed_at:' and the JSON key it got to.
+SELECT value FROM {meta} WHERE key = 'fill'
+
+-- name: fill_moved
+UPDATE {meta} SET value = %s::text WHERE key = 'fill' AND starts_with(value, 'claimed_at')
 
 -- name: claimed_at_filled
-DELETE FROM {meta} WHERE key = 'fill' AND value = 'claimed_at'
+DELETE FROM {meta} WHERE key = 'fill' AND starts_with(value, 'claimed_at')
 
 -- name: grant_operate
 GRANT EXECUTE ON FUNCTION {operate}(text, text, bigint, text, bigint) TO PUBLIC
