@@ -74,7 +74,7 @@ from lease_core._packages import require_own
 
 require_own("adapters")  # before importing from it: a foreign one may shadow it
 
-from .backend import PostgresBackend, driver_dsn, migrate
+from .backend import PostgresBackend, driver_dsn
 from .fenced import FencedTransaction
 from .schema import MIGRATION_LOCK_TIMEOUT_MS, StoreSchema
 from .statements import (
@@ -101,6 +101,7 @@ from .statements import (
     parse_queries,
     quote_ident,
 )
+from .upgrade import migrate
 
 __all__ = [
     "BATCH_FUNCTION",

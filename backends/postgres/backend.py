@@ -51,7 +51,7 @@ from .fenced import FencedTransaction, fenced_transaction
 from .leases import PostgresNamedLeases
 from .operations import StoreOperations
 from .retries import StoreRetries
-from .schema import StoreSchema
+from .schema import FILL_BATCHES, StoreSchema
 from .statements import (
     LOCK_NOT_AVAILABLE,
     Statements,
@@ -62,11 +62,7 @@ from .statements import (
     text_array,
 )
 
-__all__ = ["FILL_BATCHES", "PostgresBackend", "driver_dsn", "migrate"]
-
-#: Batches of an upgrade's ``claimed_at`` fill made at each maintenance period (10,000
-#: attempts each): a store of a million attempts is filled in ten periods.
-FILL_BATCHES = 10
+__all__ = ["PostgresBackend", "driver_dsn"]
 
 #: OFFSET for "keep every attempt" (a NULL offset would keep none).
 _NO_LIMIT = 2**62
@@ -478,11 +474,8 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
                          older_than_ms: int | None = None,
                          batch: int = 1000) -> dict[str, int]:
-        """Trim the jobs' histories with one statement (each job as :meth:`prune`).
-
-        One job (and so :meth:`~lease_core.abc.Backend.prune`, inherited) goes through
-        the one-job statement.
-        """
+        """Trim the jobs' histories with one statement (each job as :meth:`prune`); one
+        job (and so :meth:`~lease_core.abc.Backend.prune`) through the one-job statement."""
         check_prune(keep, older_than_ms, batch)
         names = list(dict.fromkeys(jobs))
         if not names:
@@ -500,11 +493,8 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         return {job: counts.get(job, 0) for job in names}
 
     async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
-        """Win the maintenance period with one conditional upsert of ``<table>_meta``.
-
-        The winner also goes on with an upgrade's fill of ``claimed_at``, if one is
-        pending: ``FILL_BATCHES`` batches per period (see :func:`migrate`).
-        """
+        """Win the maintenance period with one conditional upsert of ``<table>_meta``; the
+        winner goes on with an upgrade's ``claimed_at`` fill (``StoreSchema.fill``)."""
         check_every(every_ms)
         rows = await self._adapter.all(self._sql.maintenance_due, (every_ms, instance_id))
         if rows and self._store.fill_pending:
@@ -580,32 +570,3 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
     async def _fenced(self, lease: Lease, complete: bool) -> AsyncIterator[FencedTransaction]:
         async with fenced_transaction(self._adapter, self._sql, lease, complete) as tx:
             yield tx
-
-
-async def migrate(connection: Any = None, *, table: str | None = None) -> str:
-    """Create the store, or upgrade it in place to store code ``CODE_VERSION``.
-
-    ``table`` defaults to the one a DSN names (``?table=``), else ``anarchon_runs``;
-    returns the table's name.
-
-    Run it with a privileged user (owner of the tables). Afterwards the application's user
-    needs only SELECT, INSERT, UPDATE and DELETE on the tables (EXECUTE on the claim
-    functions is granted to PUBLIC; they run with the caller's rights).
-
-    An older store is upgraded with runs in flight: held leases, hand-overs and history
-    are kept, the claim function of this release is created beside the old one, and the
-    old function's name becomes a call of the new one, so instances of the previous
-    release still running claim with the current logic. The attempts an upgrade from
-    store code 1 to 3 finds get ``claimed_at`` after its commit, in short transactions of
-    10,000: here before returning; after an upgrade by ``start()``, ``FILL_BATCHES``
-    batches at each maintenance period, on the instance that wins it. A table lock held
-    by a long transaction is waited for at most ``MIGRATION_LOCK_TIMEOUT_MS`` per try.
-    Safe to run again, and concurrently; a store of a newer format is refused.
-    """
-    backend = PostgresBackend(connection, table=table)
-    await backend.start()
-    try:
-        await backend._store.fill(backend._adapter)
-    finally:
-        await backend.close()
-    return backend.table

@@ -36,7 +36,7 @@ from .statements import (
     sqlstate,
 )
 
-__all__ = ["MIGRATION_LOCK_TIMEOUT_MS", "StoreSchema"]
+__all__ = ["FILL_BATCHES", "MIGRATION_LOCK_TIMEOUT_MS", "StoreSchema"]
 
 
 def _lock_key(schema: str | None, name: str) -> int:
@@ -49,6 +49,9 @@ MIGRATION_LOCK_TIMEOUT_MS = 5000
 _MIGRATE_TRIES = 5
 #: How many attempts one statement of :meth:`StoreSchema.fill` updates.
 _FILL_BATCH = 10_000
+#: Batches of an upgrade's ``claimed_at`` fill made at each maintenance period, by the
+#: instance that wins it: a store of a million attempts is filled in ten periods.
+FILL_BATCHES = 10
 #: The fill's mark in ``<table>_meta`` (key ``fill``), and where it has got to after it.
 _FILL_MARK = "claimed_at"
 
