@@ -75,7 +75,7 @@ class RecoveryEntry:
     attempt: int
     event: str
     """``started``, ``completed``, ``failed``, ``timed_out``, ``lost``, ``taken_over``,
-    ``retried``, ``handed_over``, ``escalated`` or ``skipped``."""
+    ``retried``, ``handed_over``, ``escalated``, ``skipped`` or ``cancelled``."""
     instance_id: str
     detail: str | None = None
 
