@@ -45,8 +45,9 @@ class SyncScheduler:
 
     ``SyncScheduler(backend, **options)`` takes the options of :class:`Scheduler`
     (``instance_id``, ``lease``, ``heartbeat``, ``history_size``, ``history_ttl``,
-    ``clock``, ``prune_every``). Jobs are declared with the same :meth:`every` and
-    :meth:`cron`, directly or as decorators; handlers may be sync (run in worker
+    ``clock``, ``prune_every``, ``max_running``, ``timer_slack``), and ``exit_grace``.
+    Jobs and workflows are declared with the same :meth:`every`, :meth:`cron` and
+    :meth:`workflow`, directly or as decorators; handlers may be sync (run in worker
     threads) or async (run on the background thread's event loop).
 
     :meth:`start` returns once the scheduler runs on the process's background thread and
