@@ -108,8 +108,10 @@ class RunContext:
     """Passed to every handler: which run this is, cancellation, checkpoint and logging.
 
     The handler is cancelled (anyio cancellation) when its timeout passes, when the lease
-    is lost, or when ``stop()``'s grace period ends. Before that, ``stop()`` sets
-    :attr:`stopping`, which a handler can poll between items with :meth:`raise_if_stopping`.
+    is lost (or could not be renewed in time), when ``stop()``'s grace period ends, or
+    when an operator's cancel (:meth:`~lease_core.Admin.cancel`) has given it its grace.
+    Before the last two, :attr:`stopping` is set, which a handler can poll between items
+    with :meth:`raise_if_stopping`.
     """
 
     def __init__(

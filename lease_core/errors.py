@@ -58,8 +58,10 @@ class AuthenticationFailed(BackendUnavailable):
 class StopRequested(AnarchonError):
     """Raised by :meth:`RunContext.raise_if_stopping` when the run should end now.
 
-    The scheduler treats it as a request to stop: the run is handed over to a backup when
-    the scheduler is stopping, and is not recorded as failed.
+    The scheduler treats it as a request to stop: when the scheduler is stopping, the run
+    is handed over to a backup and not recorded as failed; after a lost lease or an
+    operator's cancel the attempt ends ``lost`` or ``cancelled``. Raised when none of
+    these applies (by the handler itself), it fails the attempt like any exception.
     """
 
 
