@@ -31,6 +31,11 @@ PostgreSQL inserts its effect into a table unique on (job, slot) inside
 ``ctx.transaction()``. The audit (:func:`tests.chaos.run.audit`) reads the history, runs,
 checkpoints and effect rows from the store and the records of every worker, and counts:
 
+- two attempts holding a live lease at once: a claim the store acknowledged as won
+  while another attempt of the run surely held a live lease (the latest expiry the store
+  acknowledged setting for it, by its claim or a renewal, the workers recording both),
+  that attempt not having ended by itself before (completed, failed, timed out, handed
+  over);
 - double completions: runs with two ``completed`` attempts;
 - double fenced effects: two committed effect transactions for one run;
 - writes accepted from a superseded attempt: a finished outcome on an attempt that is not

@@ -183,6 +183,11 @@ class Report:
     """Of the lost commits, those acknowledged outside every failover's window (from
     :data:`LOSS_WINDOW_S` before the primary was killed to the promotion): an invariant,
     none."""
+    lease_overlaps: list[tuple[str, int, int]] = field(default_factory=list)
+    """Attempts won while another attempt of the run surely held a live lease: the store
+    acknowledged a claim or renewal whose expiry (store clock) was still ahead, and that
+    attempt had not ended by itself (completed, failed, timed out, handed over) before
+    this claim: (job, slot, attempt won) (an invariant: none)."""
     retry_overlaps: list[tuple[str, int, int]] = field(default_factory=list)
     """Retries that began before the attempt they retry had ended: claimed before its
     failure was recorded, after an attempt that did not fail, or whose handler started
@@ -224,6 +229,7 @@ class Report:
         """Each invariant that broke, with the (job, slot[, attempt]) of its runs."""
         found = {
             "double completions": self.double_completions,
+            "two attempts holding a live lease at once": self.lease_overlaps,
             "double fenced effects": self.double_fenced,
             "finish from a superseded attempt": self.stale_finish,
             "checkpoint from a superseded attempt": self.stale_checkpoint,
@@ -259,6 +265,7 @@ class Report:
             "violation_examples": {k: [list(x) for x in v[:5]]
                                    for k, v in self.violations.items()},
             "double_completions": len(self.double_completions),
+            "lease_overlaps": len(self.lease_overlaps),
             "double_fenced_effects": len(self.double_fenced),
             "stale_finish": len(self.stale_finish),
             "stale_checkpoint": len(self.stale_checkpoint),
@@ -944,10 +951,56 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                 else:
                     report.missed_while_answered.append((job, s))
     _judge_cancels(report, faults, runs, seen.open_after)
+    _judge_leases(report, runs, events)
     _judge_fences(report, runs, events, faults)
     _judge_lost_effects(report, events, effects, faults)
     report.left_running.sort()
     return report
+
+
+#: The outcomes an attempt's holder gives it itself (its lease ends with them).
+_RELEASED = (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT, Outcome.HANDED_OVER)
+
+
+def _judge_leases(report: Report, runs: dict[tuple[str, int], list[Attempt]],
+                  events: dict[tuple[str, int], list[dict[str, Any]]]) -> None:
+    """At most one attempt of a run holds a live lease at any store-clock instant.
+
+    Each attempt's lease was surely live until the latest expiry the store acknowledged
+    setting for it: its claim's, and each renewal's (at the earliest: the renewal's send
+    time plus the lease; the workers' records are on the store's machine and clock). A
+    claim the store acknowledged as won before that instant, by another token, breaks
+    the invariant, unless the holder had ended its attempt itself (a finish, a failure
+    to retry, a hand-over) by then, in the store's history.
+    """
+    for key, evs in events.items():
+        claims: dict[str, dict[str, Any]] = {}
+        for e in evs:
+            if e["e"] == "claim" and e.get("n") is not None:
+                first = claims.get(e["k"])
+                if first is None or int(e["n"]) < int(first["n"]):
+                    claims[e["k"]] = e  # (a claim sent again answers 'won' again, later)
+        if len(claims) < 2:
+            continue
+        live: dict[str, int] = {}
+        for e in evs:
+            if e["e"] in ("claim", "hb") and e.get("x") is not None and e["k"] in claims:
+                live[e["k"]] = max(int(e["x"]), live.get(e["k"], 0))
+        stored = {(a.attempt, a.instance_id): a for a in runs.get(key, [])}
+        found: set[int] = set()
+        for token, won in claims.items():
+            at = int(won["n"])
+            for other, until in live.items():
+                held = claims[other]
+                if other == token or int(held["n"]) > at or until <= at:
+                    continue
+                record = stored.get((int(held["a"]), str(held["i"])))
+                if (record is not None and record.outcome in _RELEASED
+                        and record.finished_at is not None
+                        and record.finished_at.timestamp() * 1000 <= at):
+                    continue
+                found.add(int(won["a"]))
+        report.lease_overlaps += [(*key, attempt) for attempt in sorted(found)]
 
 
 # -- fences and lost commits (issue 21, item 5) -----------------------------------------
@@ -1153,6 +1206,7 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("fault seconds", "fault_seconds"), ("wall seconds", "wall_seconds"),
         ("faults", "faults"),
         ("double completions", "double_completions"),
+        ("two attempts holding a live lease at once", "lease_overlaps"),
         ("double fenced effects", "double_fenced_effects"),
         ("finish from a superseded attempt", "stale_finish"),
         ("checkpoint from a superseded attempt", "stale_checkpoint"),

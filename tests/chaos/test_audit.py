@@ -414,3 +414,51 @@ def test_a_cancel_lost_with_the_primary_is_a_lost_commit() -> None:
     seen.faults.append(Fault("failover", "pgreplica", T0 + 1.0, T0 + 3.0))
     report = judge(CONFIG, seen)
     assert report.violations == {} and report.lost_cancels == [KEY]
+
+
+# -- one live lease at a time: claims and renewals the store acknowledged ------------------
+
+
+def ms(t: float) -> int:
+    """T0 + ``t`` seconds in epoch milliseconds (the store's clock)."""
+    return round((T0 + t) * 1000)
+
+
+def _leases(renewed_at: float, second: Attempt, lease: float = 1.5) -> Observed:
+    """w1 wins attempt 1 at T0 and renews at ``renewed_at`` (both acknowledged); w2 wins
+    ``second`` (its claim acknowledged at its claim time)."""
+    claimed = second.claimed_at.timestamp() - T0
+    lost = Attempt("job0", SLOT, 1, "w1", Reason.SCHEDULED, at(0.0), at(claimed), Outcome.LOST)
+    seen = observed(history=[lost, second], effects=[], checkpoints={}, faults=[])
+    seen.events = {KEY: [
+        {**ev("claim", 1, "w1", 0.0, 1, k="t1", x=ms(lease)), "n": ms(0.0)},
+        ev("hb", 1, "w1", renewed_at, 1, k="t1", x=ms(renewed_at + lease)),
+        {**ev("claim", second.attempt, "w2", claimed, 2, k="t2", x=ms(claimed + lease)),
+         "n": ms(claimed)}]}
+    return seen
+
+
+def test_a_takeover_while_the_holder_s_renewed_lease_was_live_is_reported() -> None:
+    # renewed at +1.0 s: live until +2.5 s at least; taken over at +1.7 s
+    seen = _leases(1.0, attempt(2, "w2", 1.7, Outcome.COMPLETED, Reason.TAKEOVER))
+    report = judge(CONFIG, seen)
+    assert report.violations == {"two attempts holding a live lease at once": [(*KEY, 2)]}
+    assert report.summary()["lease_overlaps"] == 1
+    # renewed at +0.1 s: expired at +1.6 s, before the takeover at +1.7 s
+    assert judge(CONFIG, _leases(
+        0.1, attempt(2, "w2", 1.7, Outcome.COMPLETED, Reason.TAKEOVER))).violations == {}
+    # the claim's own lease counts too: won at T0, live until +1.5 s
+    seen = _leases(0.0, attempt(2, "w2", 1.2, Outcome.COMPLETED, Reason.TAKEOVER))
+    assert judge(CONFIG, seen).lease_overlaps == [(*KEY, 2)]
+
+
+def test_a_holder_that_ended_its_attempt_released_its_lease() -> None:
+    # attempt 1 renewed at +0.1 s (live until +1.6 s), failed at +0.3 s, retried at +0.5 s
+    seen = _leases(0.1, attempt(2, "w2", 0.5, Outcome.COMPLETED, Reason.RETRY))
+    seen.history[0] = attempt(1, "w1", 0.0, Outcome.FAILED)  # finished at +0.3 s
+    assert judge(CONFIG, seen).lease_overlaps == []
+    # ... but ended after the retry's claim, or not by itself (lost), it still held it
+    seen.history[0] = attempt(1, "w1", 0.3, Outcome.FAILED)  # finished at +0.6 s
+    assert judge(CONFIG, seen).lease_overlaps == [(*KEY, 2)]
+    seen.history[0] = attempt(1, "w1", 0.0, Outcome.LOST)
+    assert judge(CONFIG, seen).lease_overlaps == [(*KEY, 2)]

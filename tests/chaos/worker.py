@@ -47,10 +47,13 @@ class EventLog:
 
 
 def acknowledged(backend: Any, log: EventLog) -> None:
-    """Record every claim the store acknowledged as won (``claim``: with its token and
-    fence) and every finish it acknowledged (``fin``: by token), so the audit can find
+    """Record every claim the store acknowledged as won (``claim``: with its token, fence,
+    the store's time ``n`` and the lease's expiry ``x``, in ms), every lease renewal it
+    acknowledged (``hb``: by token, ``x`` an expiry it set at the earliest, the real time
+    the renewal was sent plus the lease) and every finish it acknowledged (``fin``: by
+    token), so the audit can tell when each attempt surely held a live lease, and find
     the acknowledged commits a failover lost."""
-    claim_many, finish_many = backend.claim_many, backend.finish_many
+    claim_many, finish_many, beat = backend.claim_many, backend.finish_many, backend.heartbeat
 
     async def claims(requests: Any) -> Any:
         results = await claim_many(requests)
@@ -58,6 +61,7 @@ def acknowledged(backend: Any, log: EventLog) -> None:
             if str(result.status) == "won":
                 log.raw({"e": "claim", "j": result.job, "s": result.slot, "a": result.attempt,
                          "f": fence_of(result.epoch, result.attempt), "k": request.token,
+                         "n": result.now_ms, "x": result.expires_ms,
                          "i": log.instance, "t": _real_time()})
             elif str(result.status) == "skipped":  # a skip recorded (sentinelfix)
                 log.raw({"e": "skip", "j": result.job, "s": result.slot,
@@ -72,6 +76,19 @@ def acknowledged(backend: Any, log: EventLog) -> None:
                          "o": str(outcome), "i": log.instance, "t": _real_time()})
         return done
 
+    async def heartbeat(leases: Any) -> Any:
+        # The store renews at its own time, on this machine's clock, after this instant:
+        # each renewed lease is live until sent + lease_ms at least.
+        sent = _real_time()
+        result = await beat(leases)
+        renewed = result.held if result.renewed is None else result.renewed
+        for lease in leases:
+            if lease.token in renewed:
+                log.raw({"e": "hb", "j": lease.job, "s": lease.slot, "k": lease.token,
+                         "x": int(sent * 1000) + lease.lease_ms, "i": log.instance,
+                         "t": _real_time()})
+        return result
+
     async def claim(request: Any) -> Any:
         (result,) = await claims([request])
         return result
@@ -80,7 +97,7 @@ def acknowledged(backend: Any, log: EventLog) -> None:
         (ok,) = await finishes([(lease, outcome, error)])
         return ok
 
-    backend.claim_many, backend.finish_many = claims, finishes
+    backend.claim_many, backend.finish_many, backend.heartbeat = claims, finishes, heartbeat
     backend.claim, backend.finish = claim, finish
 
 
