@@ -51,9 +51,9 @@ checkpoints and effect rows from the store and the records of every worker, and 
 - takeover latency: from the fault (kill, stop, partition) of the holder to the next
   attempt's claim; it should stay within lease + one check interval;
 - un-fenced duplicates: runs whose handler started (or ran to the end) in two attempts;
-- slots nobody claimed, and of those the ones from which the store answered no probe
-  until the job's next slot was due (only the newest slot missed while the store is
-  unreachable is claimed when it returns);
+- slots nobody claimed (of every job, the flaky one too), and of those the ones from
+  which the store answered no probe until the job's next slot was due (only the newest
+  slot missed while the store is unreachable is claimed when it returns);
 - slots never claimed while the store answered (an invariant): every other missed slot,
   one the store answered a probe for before the job's next slot was due, counted from
   the store's records (its history) and the probe's answers;

@@ -934,9 +934,11 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
     windows = [(f.start - LOSS_WINDOW_S, f.end + LOSS_WINDOW_S) for f in faults
                if f.kind in ("failover", "failover-own")]
     answered = sorted(done * 1000 for _, done in seen.answers or ())
-    for n in range(config.jobs):
-        job = f"job{n}"
-        expected = range((int(started * 1000) // step + 2) * step + config.offset_ms(n),
+    # (the flaky job, retried within its runs, too: every interval, with no offset)
+    scheduled = [(f"job{n}", config.offset_ms(n)) for n in range(config.jobs)]
+    scheduled += [(FLAKY_JOB, 0)] if config.flaky else []
+    for job, offset in scheduled:
+        expected = range((int(started * 1000) // step + 2) * step + offset,
                          int(faults_over * 1000), step)
         missed = [s for s in expected if s >= first and (job, s) not in runs]
         report.missed_slots += len(missed)

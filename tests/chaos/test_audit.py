@@ -107,7 +107,7 @@ def test_a_late_takeover_is_listed() -> None:
 def test_slots_missed_while_the_store_answered_nothing_are_counted_apart() -> None:
     # One job every 600 ms; slots +1.2 s and +2.4 s have no run. The store probe got no
     # answer from +1.0 s to +2.0 s (a restart), and one at +2.5 s.
-    config = ChaosConfig(store="pgbouncer", jobs=1)
+    config = ChaosConfig(store="pgbouncer", jobs=1, flaky=False)
     history = [Attempt("job0", SLOT + 600 * k, 1, "w1", Reason.SCHEDULED, at(0.6 * k),
                        at(0.6 * k + 0.3), Outcome.COMPLETED) for k in (0, 1, 3)]
     answers = [(T0 + t - 0.01, T0 + t) for t in (0.2, 0.6, 0.95, 2.0, 2.5, 2.9)]
@@ -128,7 +128,7 @@ def test_slots_missed_while_the_store_answered_nothing_are_counted_apart() -> No
 def test_a_slot_nobody_claimed_while_the_store_answered_breaks_the_invariant() -> None:
     # Two jobs every 600 ms, the store answering every 100 ms throughout; job1's slot
     # +1.2 s has no run (its first-ranked member was killed, say, and nobody took it).
-    config = ChaosConfig(store="redis", jobs=2)
+    config = ChaosConfig(store="redis", jobs=2, flaky=False)
     history = [Attempt(f"job{n}", SLOT + 600 * k, 1, "w1", Reason.SCHEDULED, at(0.6 * k),
                        at(0.6 * k + 0.3), Outcome.COMPLETED)
                for n in (0, 1) for k in range(5) if (n, k) != (1, 2)]
@@ -147,6 +147,23 @@ def test_a_slot_nobody_claimed_while_the_store_answered_breaks_the_invariant() -
     report = judge(config, observed(**{**vars(seen), "history": [*history, late]}))
     assert report.violations == {}
     assert max(report.claim_delay) == pytest.approx(0.3)
+
+
+def test_a_slot_of_the_retried_job_nobody_claimed_breaks_the_invariant_too() -> None:
+    # One job and the flaky one (retried within its runs), every 600 ms, the store
+    # answering throughout; the flaky job's slot +1.2 s has no run.
+    config = ChaosConfig(store="postgres", jobs=1)
+    history = [Attempt(job, SLOT + 600 * k, 1, "w1", Reason.SCHEDULED, at(0.6 * k),
+                       at(0.6 * k + 0.3), Outcome.COMPLETED)
+               for job in ("job0", "flaky") for k in range(5) if (job, k) != ("flaky", 2)]
+    answers = [(T0 + t / 10 - 0.01, T0 + t / 10) for t in range(31)]
+    seen = observed(history=history, events={}, effects=[], checkpoints={}, answers=answers,
+                    faults=[], faults_over=T0 + 3.0)
+    report = judge(config, seen)
+    assert report.violations == {
+        "slots never claimed while the store answered": [("flaky", SLOT + 1200)]}
+    # without the flaky job, nothing of it is expected
+    assert judge(ChaosConfig(store="postgres", jobs=1, flaky=False), seen).violations == {}
 
 
 def test_a_new_run_keeps_the_notes_written_below_the_figures(tmp_path: Path) -> None:
