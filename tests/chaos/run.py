@@ -13,9 +13,12 @@ random (the coordinator ranks the live instances as the workers do), and workers
 An operator acts too, beside the faults, from its own thread and RNG (so the faults'
 draws are the same with or without it): ``cancels`` times, evenly over the faults'
 window, it cancels a running run drawn at random through the store
-(:class:`~lease_core.Admin`, as ``chaos``; recorded as a fault ``cancel``). The audit
-checks that no attempt of a cancelled run starts after the cancel, none completes it,
-and it stays ``cancelled``.
+(:class:`~lease_core.Admin`, as ``chaos``; recorded as a fault ``cancel``). Every other
+cancel (the first, the third, ...) is made earlier, as soon as a worker is stopped
+(SIGSTOP) or partitioned after the cancel before it, of a run that worker holds: its
+holder cannot hear the cancel, and its lease lapses before it can (with no such run
+by the cancel's time, it cancels any run then). The audit checks that no attempt of a
+cancelled run starts after the cancel, none completes it, and it stays ``cancelled``.
 """
 
 from __future__ import annotations
@@ -129,6 +132,9 @@ class Fault:
     run: tuple[str, int] | None = None
     """A ``cancel``'s run, when the store made the cancel (``None``: refused, or no run
     was running)."""
+    holder: str = ""
+    """A ``cancel``'s: the instance holding the run, when it was stopped or partitioned
+    (``""`` otherwise)."""
 
 
 @dataclass
@@ -202,6 +208,8 @@ class Report:
     job's next slot was due (see :class:`StoreProbe`)."""
     cancels: int = 0
     """Runs cancelled through the store while the fleet ran them."""
+    cancels_of_frozen: int = 0
+    """Of :attr:`cancels`, runs whose holder was stopped or partitioned at the cancel."""
     cancelled_taken_over: list[tuple[str, int, int]] = field(default_factory=list)
     """Attempts of a cancelled run claimed after the cancel (an invariant: none)."""
     cancelled_completed: list[tuple[str, int, str]] = field(default_factory=list)
@@ -300,6 +308,7 @@ class Report:
             "open_at_shutdown": self.open_at_shutdown,
             "recovery_s": round(self.recovery_s, 1),
             "cancels": self.cancels,
+            "cancels_of_frozen": self.cancels_of_frozen,
             "cancelled_taken_over": len(self.cancelled_taken_over),
             "cancelled_completed": len(self.cancelled_completed),
             "fences_repeated": len(self.fences_repeated),
@@ -512,9 +521,37 @@ def _kinds(config: ChaosConfig, workers: list[Worker]) -> list[str]:
             and (k != "leave" or len(workers) > config.min_workers)]
 
 
+class Frozen:
+    """The instances stopped (SIGSTOP) or partitioned now, shared by the coordinator, which
+    injects those faults, and the :class:`Operator`, which cancels their runs."""
+
+    def __init__(self) -> None:
+        self._instances: set[str] = set()
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def during(self, instance: str) -> Any:
+        """``instance`` is frozen for the ``with`` block."""
+        with self._changed:
+            self._instances.add(instance)
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._instances.discard(instance)
+
+    def wait(self, timeout: float) -> frozenset[str]:
+        """The instances frozen now, waiting up to ``timeout`` seconds for one."""
+        with self._changed:
+            self._changed.wait_for(lambda: bool(self._instances), max(0.0, timeout))
+            return frozenset(self._instances)
+
+
 def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosStore,
             config: ChaosConfig, skew_sign: list[float], probe: StoreProbe,
-            retired: list[Worker]) -> Fault:
+            retired: list[Worker], frozen: Frozen | None = None) -> Fault:
+    frozen = frozen or Frozen()
     long = config.lease * rng.uniform(1.5, 2.5)
     if kind == "restart":
         # (a replicated store's restart is a failover: the primary killed, a replica promoted)
@@ -546,11 +583,13 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         worker.wait_started()
     elif kind == "stop":
         worker.signal(signal.SIGSTOP)
-        time.sleep(long)
+        with frozen.during(worker.instance):
+            time.sleep(long)
         worker.signal(signal.SIGCONT)
     elif kind == "partition":
         worker.proxy.pause()
-        time.sleep(long)
+        with frozen.during(worker.instance):
+            time.sleep(long)
         worker.proxy.resume()
     elif kind == "skew":
         # A graceful stop (hand-over), then the same worker with its clock off by an hour.
@@ -571,16 +610,21 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
     return fault
 
 
-def _cancel(rng: random.Random, store: ChaosStore) -> Fault:
-    """Cancel a running run drawn at random, through the store, as an operator would."""
+def _cancel(rng: random.Random, store: ChaosStore,
+            holders: frozenset[str] | None = None) -> Fault:
+    """Cancel a running run drawn at random, through the store, as an operator would; one
+    held by one of ``holders`` when given."""
     fault = Fault("cancel", "", time.time())
 
     async def cancel(backend: Backend) -> tuple[str, int] | None:
         running = [r for r in await backend.runs(open_only=True, limit=1_000_000)
-                   if r.status is RunStatus.RUNNING]
+                   if r.status is RunStatus.RUNNING
+                   and (holders is None or r.instance_id in holders)]
         if not running:
             return None
         run = rng.choice(sorted(running, key=lambda r: (r.job, r.slot)))
+        if holders is not None:
+            fault.holder = str(run.instance_id)
         try:
             await Admin(backend, by="chaos").cancel(run.job, run.slot, grace="1s")
         except OperationRefused:
@@ -595,10 +639,14 @@ def _cancel(rng: random.Random, store: ChaosStore) -> Fault:
 
 class Operator:
     """Cancels ``config.cancels`` running runs through the store, evenly over the faults'
-    window, from its own thread and RNG; :attr:`faults` records each try."""
+    window, from its own thread and RNG; :attr:`faults` records each try. Every other
+    cancel is of a run held by a frozen instance (see :class:`Frozen`), made as soon as
+    there is one, when there is one before that cancel is due."""
 
-    def __init__(self, store: ChaosStore, config: ChaosConfig) -> None:
+    def __init__(self, store: ChaosStore, config: ChaosConfig,
+                 frozen: Frozen | None = None) -> None:
         self.store, self.config = store, config
+        self.frozen = frozen or Frozen()
         self.rng = random.Random(config.seed * 7919 + 1)
         self.faults: list[Fault] = []
         self._stop = threading.Event()
@@ -607,8 +655,12 @@ class Operator:
     def _run(self) -> None:
         n = self.config.cancels
         began = time.monotonic()
+        spacing = self.config.seconds / (n + 1)
         for k in range(n):
-            at = began + self.config.seconds * (k + 1) / (n + 1)
+            at = began + spacing * (k + 1)
+            # (the first, third, ... cancel: of a frozen holder's run, from the one before)
+            if k % 2 == 0 and self._cancel_frozen(at):
+                continue
             if self._stop.wait(max(0.0, at - time.monotonic())):
                 return
             # A try may find no run running, see its run finish first, or meet the store
@@ -622,6 +674,23 @@ class Operator:
                     break
                 if self._stop.wait(0.1):
                     return
+
+    def _cancel_frozen(self, until: float) -> bool:
+        """Cancel a run held by a frozen instance, waiting for one until ``until``
+        (monotonic); True once made."""
+        while not self._stop.is_set() and time.monotonic() < until:
+            holders = self.frozen.wait(min(0.5, until - time.monotonic()))
+            if not holders:
+                continue
+            fault: Fault | None = None
+            with contextlib.suppress(Exception):
+                fault = _cancel(self.rng, self.store, holders)
+            if fault is not None and fault.run is not None:
+                self.faults.append(fault)
+                return True
+            if self._stop.wait(0.1):
+                return False
+        return False
 
     def start(self) -> None:
         """Start the operator's thread."""
@@ -649,7 +718,8 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
     """Workers that left the fleet (their records still count)."""
     faults: list[Fault] = []
     probe = StoreProbe(store)
-    operator = Operator(store, config)
+    frozen = Frozen()
+    operator = Operator(store, config, frozen)
     try:
         workers = [Worker(i, store, config, logdir) for i in range(config.workers)]
         for w in workers:
@@ -671,7 +741,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
             kinds = _kinds(config, workers)
             kind = first.pop(0) if first else rng.choice(kinds)
             faults.append(_inject(rng, kind, workers, store, config, skew_sign, probe,
-                                  retired))
+                                  retired, frozen))
         operator.stop()
         faults = sorted(faults + operator.faults, key=lambda f: f.start)
         faults_over = time.time()
@@ -1168,6 +1238,7 @@ def _judge_cancels(report: Report, faults: list[Fault],
         if f.kind != "cancel" or f.run is None:
             continue
         report.cancels += 1
+        report.cancels_of_frozen += bool(f.holder)
         attempts = runs.get(f.run, [])
         # (pglossy) a cancel acknowledged in a failover's window may be lost with it
         if _in_windows(f.end, faults) and not any(
@@ -1220,6 +1291,7 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("acknowledged finishes lost (failover)", "lost_finishes"),
         ("checkpoints gone backwards by a failover's loss", "lost_checkpoints"),
         ("fenced effects lost (failover)", "lost_effects"),
+        ("runs cancelled (of which held by a stopped or partitioned worker)", None),
         ("cancels lost (failover)", "lost_cancels"),
         ("lost commits not explained by a failover", "lost_unexplained"),
         ("fenced effects written", "fenced_effects"),
@@ -1254,6 +1326,8 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
             elif label.startswith("first claim after"):
                 cells.append(f"{s['claim_delay_p50_ms']} / {s['claim_delay_p99_ms']} / "
                              f"{s['claim_delay_max_ms']}")
+            elif label.startswith("runs cancelled"):
+                cells.append(f"{s['cancels']} ({s.get('cancels_of_frozen', '-')})")
             elif label.startswith("hand-over latency"):
                 cells.append(f"{s['handover_p50_ms']} / {s['handover_p99_ms']}")
             else:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lease_core.abc import Attempt, Outcome, Reason, RunInfo, RunStatus
-from tests.chaos.run import ChaosConfig, Fault, Observed, judge
+from tests.chaos.run import ChaosConfig, Fault, Frozen, Observed, judge, results_markdown
 
 T0 = 1_800_000_000.0
 SLOT = int(T0 * 1000)
@@ -260,6 +260,24 @@ def test_a_cancel_of_a_run_waiting_for_its_retry_is_kept() -> None:
     seen = cancelled(attempt(1, "w1", -1.0, Outcome.FAILED))  # ended at -0.7 s
     report = judge(CONFIG, seen)
     assert report.violations == {} and report.cancels == 1
+
+
+def test_a_cancel_of_a_frozen_holder_s_run_is_counted_apart() -> None:
+    seen = cancelled(attempt(1, "w1", 0.0, Outcome.CANCELLED))
+    assert judge(CONFIG, seen).cancels_of_frozen == 0
+    seen.faults[0].holder = "w1"  # stopped or partitioned when the cancel came
+    report = judge(CONFIG, seen)
+    assert (report.cancels, report.cancels_of_frozen, report.violations) == (1, 1, {})
+    assert "| runs cancelled (of which held by a stopped or partitioned worker) | 1 (1) |" in (
+        results_markdown([report.summary()], "test"))
+
+
+def test_the_operator_sees_which_instances_are_frozen() -> None:
+    frozen = Frozen()
+    assert frozen.wait(0) == frozenset()
+    with frozen.during("w1"):
+        assert frozen.wait(0) == {"w1"}
+    assert frozen.wait(0.01) == frozenset()
 
 
 def test_a_refused_cancel_is_not_judged() -> None:
