@@ -1232,7 +1232,13 @@ def _judge_lost_effects(report: Report, events: dict[tuple[str, int], list[dict[
 def _judge_cancels(report: Report, faults: list[Fault],
                    runs: dict[tuple[str, int], list[Attempt]],
                    open_after: list[RunInfo]) -> None:
-    """A cancelled run is never taken over, never completed, and stays ``cancelled``."""
+    """A cancelled run is never taken over, never completed, and stays ``cancelled``.
+
+    The cancel's instant is the store's: the cancelled attempt's end (every store ends
+    the attempt holding the run at the cancel, or records one of its own for a run
+    nobody held, ``cancelled`` at that instant). An attempt numbered after it, or claimed
+    after it, took the run over; a cancel the store made leaves a ``cancelled`` attempt.
+    """
     still_open = {(r.job, r.slot) for r in open_after}
     for f in faults:
         if f.kind != "cancel" or f.run is None:
@@ -1245,17 +1251,18 @@ def _judge_cancels(report: Report, faults: list[Fault],
                 a.outcome is Outcome.CANCELLED for a in attempts):
             report.lost_cancels.append(f.run)
             continue
+        ended = [a for a in attempts if a.outcome is Outcome.CANCELLED]
+        # (no cancelled attempt: the store did not keep the cancel, reported below; the
+        # coordinator's time after the cancel returned is the bound then)
+        at = min((a.finished_at.timestamp() for a in ended if a.finished_at is not None),
+                 default=f.end)
+        last = max((a.attempt for a in ended), default=None)
         for a in attempts:
-            if a.claimed_at.timestamp() > f.end:
+            if a.claimed_at.timestamp() > at or (last is not None and a.attempt > last):
                 report.cancelled_taken_over.append((*f.run, a.attempt))
         if any(a.outcome is Outcome.COMPLETED for a in attempts):
             report.cancelled_completed.append((*f.run, "completed"))
-        elif f.run in still_open or (attempts and not any(
-                a.outcome is Outcome.CANCELLED for a in attempts) and any(
-                a.finished_at is None or a.finished_at.timestamp() > f.end
-                for a in attempts)):
-            # (a run waiting for its retry is cancelled with no attempt open: its
-            # attempts all ended before the cancel, none of them 'cancelled')
+        elif f.run in still_open or not ended:
             report.cancelled_completed.append((*f.run, "not cancelled"))
 
 

@@ -256,10 +256,28 @@ def test_a_cancel_the_store_did_not_keep_is_reported() -> None:
 
 def test_a_cancel_of_a_run_waiting_for_its_retry_is_kept() -> None:
     # attempt 1 failed and the run waited for its retry when the cancel came: the store
-    # ends the run 'cancelled' and has no open attempt to mark
-    seen = cancelled(attempt(1, "w1", -1.0, Outcome.FAILED))  # ended at -0.7 s
+    # ends the run 'cancelled' with an attempt of its own (the retry it prevents)
+    prevented = Attempt("job0", SLOT, 2, "chaos", Reason.RETRY, at(0.2), at(0.2),
+                        Outcome.CANCELLED)
+    seen = cancelled(attempt(1, "w1", -1.0, Outcome.FAILED), prevented)  # ended at -0.7 s
     report = judge(CONFIG, seen)
     assert report.violations == {} and report.cancels == 1
+    # a cancel the store acknowledged and did not record is not kept
+    seen = cancelled(attempt(1, "w1", -1.0, Outcome.FAILED))
+    assert judge(CONFIG, seen).violations == {
+        "cancelled runs completed": [(*KEY, "not cancelled")]}
+
+
+def test_a_takeover_right_after_the_cancel_in_the_store_s_time_is_found() -> None:
+    # the store cancelled attempt 1 at +0.2 s; the cancel's answer reached the operator
+    # at +0.25 s; attempt 2 took the run over at +0.22 s, in between
+    cancelled_1 = Attempt("job0", SLOT, 1, "w1", Reason.SCHEDULED, at(0.0), at(0.2),
+                          Outcome.CANCELLED)
+    seen = cancelled(cancelled_1, attempt(2, "w2", 0.22, None, Reason.TAKEOVER))
+    assert judge(CONFIG, seen).violations["cancelled runs taken over"] == [(*KEY, 2)]
+    # an attempt numbered after the cancelled one took it over, whatever its time
+    seen = cancelled(cancelled_1, attempt(2, "w2", 0.19, None, Reason.TAKEOVER))
+    assert judge(CONFIG, seen).violations["cancelled runs taken over"] == [(*KEY, 2)]
 
 
 def test_a_cancel_of_a_frozen_holder_s_run_is_counted_apart() -> None:
