@@ -57,6 +57,8 @@ checkpoints and effect rows from the store and the records of every worker, and 
 - slots never claimed while the store answered (an invariant): every other missed slot,
   one the store answered a probe for before the job's next slot was due, counted from
   the store's records (its history) and the probe's answers;
-- faults on a job's first-ranked member, and the delay from each slot to its first claim
-  (about one check interval when the first-ranked member is gone and the next claims).
+- faults on a job's first-ranked member (as the store's history shows the fleet ranked
+  it: the member that made the first claim of the job's latest slot before the fault),
+  and the delay from each slot to its first claim (about one check interval when the
+  first-ranked member is gone and the next claims).
 """

@@ -219,7 +219,8 @@ class Report:
     """The other missed slots: the store answered the probe before the job's next slot
     was due, and nobody claimed the slot (an invariant: none)."""
     owner_faults: int = 0
-    """Faults that hit the member ranked first for at least one job."""
+    """Faults that hit the member ranked first for at least one job, as the store's history
+    shows it: the member that claimed the job's latest slot before the fault first."""
     claim_delay: list[float] = field(default_factory=list)
     """Seconds from each run's slot to its first attempt's claim (store clock)."""
     worker_exits: list[str] = field(default_factory=list)
@@ -896,12 +897,12 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                                                seen.effects)
     for f in faults:
         report.faults[f.kind] = report.faults.get(f.kind, 0) + 1
-    report.owner_faults = sum(1 for f in faults if f.jobs)
     runs: dict[tuple[str, int], list[Attempt]] = defaultdict(list)
     for a in history:
         runs[(a.job, a.slot)].append(a)
     report.slots = len(runs)
     report.attempts = len(history)
+    report.owner_faults = _owner_faults(faults, history)
     report.fenced_effects = len(effects)
     effect_of = {(job, slot): attempt for job, slot, attempt, _ in effects}
 
@@ -1028,6 +1029,26 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
     _judge_lost_effects(report, events, effects, faults)
     report.left_running.sort()
     return report
+
+
+def _owner_faults(faults: list[Fault], history: list[Attempt]) -> int:
+    """How many faults hit a member ranked first for one of the jobs the coordinator
+    ranked it first for (:attr:`Fault.jobs`), in the fleet's own view: the member that
+    made the first claim of the job's latest slot before the fault."""
+    firsts: dict[str, list[tuple[int, float, str]]] = defaultdict(list)
+    for a in history:
+        if a.attempt == 1:
+            firsts[a.job].append((a.slot, a.claimed_at.timestamp(), a.instance_id))
+    for claims in firsts.values():
+        claims.sort()
+    hit = 0
+    for f in faults:
+        for job in f.jobs:
+            before = [c for c in firsts.get(job, []) if c[1] <= f.start]
+            if before and before[-1][2] == f.target:
+                hit += 1
+                break
+    return hit
 
 
 #: The outcomes an attempt's holder gives it itself (its lease ends with them).
