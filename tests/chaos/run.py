@@ -234,6 +234,13 @@ class Report:
     """Runs completed by a worker whose clock was an hour off."""
 
     @property
+    def injected(self) -> int:
+        """How many faults the coordinator injected (the operator's cancels, and the
+        failovers a replicated store made by itself, aside)."""
+        return sum(n for kind, n in self.faults.items()
+                   if kind not in ("cancel", "failover-own"))
+
+    @property
     def violations(self) -> dict[str, list[Any]]:
         """Each invariant that broke, with the (job, slot[, attempt]) of its runs."""
         found = {
@@ -712,6 +719,11 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
     t0 = time.monotonic()
     logdir = Path(workdir or tempfile.mkdtemp(prefix=f"anarchon-chaos-{config.store}-"))
     logdir.mkdir(parents=True, exist_ok=True)
+    if any(logdir.glob("*.jsonl")):
+        # The audit reads every worker record there: an earlier run's would be judged as
+        # this one's (its claims missing from this store: lost commits).
+        raise ValueError(f"{logdir} holds an earlier chaos run's records; give a new or "
+                         "empty directory")
     say(f"{config.store}: records and logs in {logdir}")
     store = make_store(config.store)
     workers: list[Worker] = []

@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 
 from lease_core.abc import Attempt, Outcome, Reason, RunInfo, RunStatus
-from tests.chaos.run import ChaosConfig, Fault, Frozen, Observed, judge, results_markdown
+from tests.chaos.run import (
+    ChaosConfig,
+    Fault,
+    Frozen,
+    Observed,
+    judge,
+    results_markdown,
+    run_chaos,
+)
 
 T0 = 1_800_000_000.0
 SLOT = int(T0 * 1000)
@@ -521,3 +529,17 @@ def test_a_holder_that_ended_its_attempt_released_its_lease() -> None:
     assert judge(CONFIG, seen).lease_overlaps == [(*KEY, 2)]
     seen.history[0] = attempt(1, "w1", 0.0, Outcome.LOST)
     assert judge(CONFIG, seen).lease_overlaps == [(*KEY, 2)]
+
+
+def test_the_operator_s_cancels_are_no_injected_faults() -> None:
+    report = judge(CONFIG, cancelled(attempt(1, "w1", 0.0, Outcome.CANCELLED)))
+    assert report.faults == {"cancel": 1} and report.injected == 0
+    seen = cancelled(attempt(1, "w1", 0.0, Outcome.CANCELLED))
+    seen.faults += [Fault("kill", "w2", T0 + 1, T0 + 2), Fault("failover-own", "s", T0, T0)]
+    assert judge(CONFIG, seen).injected == 1
+
+
+def test_a_run_refuses_a_directory_with_an_earlier_run_s_records(tmp_path: Path) -> None:
+    (tmp_path / "w0.1.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="earlier chaos run"):
+        run_chaos(ChaosConfig(store="no such store"), tmp_path)

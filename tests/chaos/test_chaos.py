@@ -1,8 +1,10 @@
-"""The short chaos run of ``make test``: ~1,000 slots across three stores, about 2 minutes.
+"""The short chaos run of ``make test``: five stores, each about 400 slots in 16 s of faults.
 
 Every store's run opens with membership churn (a worker joining, a first-ranked member
-leaving, and a kill, SIGSTOP or partition of one), then draws its faults at random; an
-operator cancels two running runs through the store meanwhile.
+leaving, and a kill, SIGSTOP or partition of one; on the replicated stores, failovers),
+then draws its faults at random; an operator cancels two running runs through the store
+meanwhile (the first one held by a stopped or partitioned worker, when one is before it
+is due).
 
 Each store gets its own test (each well under the 120 s per-test limit). ``make chaos``
 runs the same code at full size (``python -m tests.chaos``).
@@ -18,7 +20,7 @@ from tests.chaos.run import FAULTS, ChaosConfig, Report, run_chaos
 from tests.chaos.stores import Unavailable
 from tests.stores import missing_service
 
-#: Slots each store must cover, so that the three cover 1,000 together.
+#: Slots each store must cover.
 MIN_SLOTS = 340
 
 #: Slack for a loaded 2-core machine over the takeover bound (lease + check interval).
@@ -40,7 +42,7 @@ def _check(report: Report, config: ChaosConfig, logdir: Path) -> None:
     assert report.slots >= MIN_SLOTS, f"only {report.slots} slots {detail}"
     # A loaded machine restarts workers slowly, so fewer faults fit in the time; and a
     # fault may hit a worker between runs, so a takeover is likely but not certain.
-    assert sum(report.faults.values()) >= 2, f"too few faults injected {detail}"
+    assert report.injected >= 2, f"too few faults injected {detail}"
     # The opening faults churn the membership: one worker joins and one leaves.
     assert report.faults.get("join", 0) + report.faults.get("leave", 0) >= 1, (
         f"no worker joined or left {detail}")
