@@ -22,7 +22,13 @@ for a job drawn at random, so the fleet must re-rank that job's slots:
 - ``join``: start one more worker process (a new instance, with a proxy of its own), up to
   ``max_workers``;
 - ``leave``: stop a worker gracefully for good (it hands over and leaves the fleet), down
-  to ``min_workers``.
+  to ``min_workers``;
+- ``zombie``: the worker stops itself (SIGSTOP) just before its next fenced write of a
+  kind drawn at random (a checkpoint; a fenced transaction on PostgreSQL, a finish on
+  Redis) and is resumed once another worker claimed its run (at most 1.5-2.5 leases
+  later), so that the write goes out from a superseded attempt while the run runs again:
+  the store must refuse it (recorded as ``zombie-cp``, ``-tx``, ``-fin``; ``zombie-idle``
+  when no such write came within 2 s).
 
 Every handler reads its checkpoint, records ``start`` (the un-fenced effect: an
 append-only JSON line, see :mod:`tests.chaos.worker`), writes checkpoints
@@ -37,6 +43,8 @@ checkpoints and effect rows from the store and the records of every worker, and 
   that attempt not having ended by itself before (completed, failed, timed out, handed
   over);
 - double completions: runs with two ``completed`` attempts;
+- a finish from a superseded attempt: a finish the store acknowledged that was sent after
+  another attempt of the run (kept in its history) had been claimed;
 - double fenced effects: two committed effect transactions for one run;
 - writes accepted from a superseded attempt: a finished outcome on an attempt that is not
   the run's last; an effect row or committed transaction of an attempt that is not the

@@ -52,9 +52,11 @@ from .stores import ChaosStore, PostgresChaosStore, make_store
 __all__ = ["FAULTS", "ChaosConfig", "Fault", "Observed", "Report", "audit", "judge", "run_chaos"]
 
 #: The faults a run draws from.
-FAULTS = ("kill", "stop", "partition", "restart", "skew", "join", "leave")
+FAULTS = ("kill", "stop", "partition", "restart", "skew", "join", "leave", "zombie")
 #: The faults that hit one worker: each hits the first-ranked member of a random job.
-ON_OWNER = ("kill", "stop", "partition", "skew", "leave")
+ON_OWNER = ("kill", "stop", "partition", "skew", "leave", "zombie")
+#: Seconds a ``zombie`` fault waits for its worker to reach the fenced write it asked for.
+ZOMBIE_WAIT_S = 2.0
 SKEW_S = 3600.0
 #: Seconds a restarted store may take to answer again before the run goes on regardless.
 RESTART_RECOVERY_S = 30.0
@@ -218,6 +220,10 @@ class Report:
     missed_while_answered: list[tuple[str, int]] = field(default_factory=list)
     """The other missed slots: the store answered the probe before the job's next slot
     was due, and nobody claimed the slot (an invariant: none)."""
+    zombie_writes: int = 0
+    """Fenced writes (``zombie`` faults) sent as their process resumed after another
+    attempt of the run had been claimed: a superseded attempt's writes, which the store
+    must refuse (the invariant rows count any it accepted)."""
     owner_faults: int = 0
     """Faults that hit the member ranked first for at least one job, as the store's history
     shows it: the member that claimed the job's latest slot before the fault first."""
@@ -235,10 +241,11 @@ class Report:
 
     @property
     def injected(self) -> int:
-        """How many faults the coordinator injected (the operator's cancels, and the
-        failovers a replicated store made by itself, aside)."""
+        """How many faults the coordinator injected (the operator's cancels, the failovers
+        a replicated store made by itself, and ``zombie`` faults that found no write to
+        stop before, aside)."""
         return sum(n for kind, n in self.faults.items()
-                   if kind not in ("cancel", "failover-own"))
+                   if kind not in ("cancel", "failover-own", "zombie-idle"))
 
     @property
     def violations(self) -> dict[str, list[Any]]:
@@ -308,6 +315,7 @@ class Report:
             "missed_lost_commit": self.missed_lost_commit,
             "missed_while_answered": len(self.missed_while_answered),
             "owner_faults": self.owner_faults,
+            "zombie_writes": self.zombie_writes,
             "claim_delay_p50_ms": ms(self.percentile(self.claim_delay, 0.5)),
             "claim_delay_p99_ms": ms(self.percentile(self.claim_delay, 0.99)),
             "claim_delay_max_ms": ms(max(self.claim_delay, default=None)),
@@ -330,6 +338,39 @@ class Report:
 
 
 # --------------------------------------------------------------------------- workers
+
+
+def stopped(pid: int) -> bool:
+    """True while the process ``pid`` is stopped (SIGSTOP, by itself or not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")
+
+
+def freeze_before(pid: int, request: Path, write: str, timeout: float) -> bool:
+    """Ask the worker ``pid`` to stop itself just before its next fenced ``write`` (``cp``,
+    ``tx``, ``fin``), through the file ``request`` it watches
+    (:class:`tests.chaos.worker.Freezer`); True once it did, False when it made no such
+    write within ``timeout`` seconds (the request is withdrawn)."""
+    staged = request.with_suffix(".staged")
+    staged.write_text(write)
+    staged.rename(request)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stopped(pid):
+            return True
+        time.sleep(0.01)
+    try:
+        request.unlink()  # withdrawn: not taken
+    except FileNotFoundError:
+        # taken just now: the process stops itself at once
+        deadline = time.monotonic() + 2.0
+        while not stopped(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return stopped(pid)
+    return False
 
 
 def _read_line(stream: Any, into: list[bytes]) -> None:
@@ -371,6 +412,7 @@ class Worker:
             "jobs": [[f"job{n}", c.interval_ms, "skip" if n % 2 else "allow",
                       c.offset_ms(n)] for n in range(c.jobs)],
             "log": str(self.logdir / f"{self.instance}.jsonl"), "skew": skew,
+            "freeze": str(self.freeze_path),
             "grace": "5s", "verbose": c.verbose, "flaky": c.flaky,
         }
         self.stderr = open(self.logdir / f"{self.instance}.stderr", "wb")  # noqa: SIM115
@@ -406,6 +448,18 @@ class Worker:
             self.restarts += 1
             time.sleep(0.2)
             self.launch(self.skew)
+
+    @property
+    def freeze_path(self) -> Path:
+        """Where a ``zombie`` fault asks the current process to stop before a fenced write
+        (see :class:`tests.chaos.worker.Freezer`)."""
+        return self.logdir / f"{self.instance}.freeze"
+
+    def freeze_before(self, write: str, timeout: float) -> bool:
+        """Ask the current process to stop itself just before its next fenced ``write``
+        (see :func:`freeze_before`)."""
+        assert self.proc is not None
+        return freeze_before(self.proc.pid, self.freeze_path, write, timeout)
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the current process."""
@@ -599,6 +653,21 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         with frozen.during(worker.instance):
             time.sleep(long)
         worker.proxy.resume()
+    elif kind == "zombie":
+        # Stopped just before a fenced write, past its lease: the write goes out as it
+        # resumes, from an attempt a backup has taken over meanwhile.
+        writes = ("cp", "tx") if store.fenced_transactions else ("cp", "fin")
+        write = rng.choice(writes)
+        if worker.freeze_before(write, ZOMBIE_WAIT_S):
+            fault.kind, fault.start = f"zombie-{write}", time.time()
+            with frozen.during(worker.instance):
+                # Resumed once another attempt claimed the run (or after `long`), within
+                # that attempt's run: the write lands while the run is running again.
+                if wait_for_takeover(worker.logdir, worker.instance, long):
+                    time.sleep(rng.uniform(0.0, 0.1))
+            worker.signal(signal.SIGCONT)
+        else:
+            fault.kind, fault.jobs = "zombie-idle", ()  # no such write came: nothing stopped
     elif kind == "skew":
         # A graceful stop (hand-over), then the same worker with its clock off by an hour.
         worker.signal(signal.SIGTERM)
@@ -616,6 +685,38 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         raise ValueError(f"fault {kind!r} is unknown; use one of {FAULTS}")
     fault.end = time.time()
     return fault
+
+
+def wait_for_takeover(logdir: Path, instance: str, timeout: float) -> bool:
+    """Wait until a worker's records (in ``logdir``) show a claim of the run ``instance``
+    froze in (its last ``freeze`` record), made after the freeze by another token; False
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    mine = logdir / f"{instance}.jsonl"
+    frozen = [json.loads(line) for line in mine.read_text().splitlines()
+              if '"e":"freeze"' in line]
+    if not frozen:
+        time.sleep(timeout)
+        return False
+    job, slot, token = frozen[-1]["j"], frozen[-1]["s"], frozen[-1]["k"]
+    since = float(frozen[-1]["t"]) * 1000
+    marker = f'"e":"claim","j":{json.dumps(job)},"s":{slot},'
+    read: dict[Path, int] = {}
+    while time.monotonic() < deadline:
+        for path in logdir.glob("*.jsonl"):
+            with open(path, "rb") as records:
+                records.seek(read.get(path, 0))
+                chunk = records.read()
+            # (only whole lines: a line being written is read at the next turn)
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            read[path] = read.get(path, 0) + len(complete)
+            for line in complete.decode().splitlines():
+                if marker in line:
+                    claim = json.loads(line)
+                    if claim["k"] != token and int(claim["n"]) > since:
+                        return True
+        time.sleep(0.05)
+    return False
 
 
 def _cancel(rng: random.Random, store: ChaosStore,
@@ -915,6 +1016,7 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
     report.slots = len(runs)
     report.attempts = len(history)
     report.owner_faults = _owner_faults(faults, history)
+    report.zombie_writes = _zombie_writes(faults, history, events)
     report.fenced_effects = len(effects)
     effect_of = {(job, slot): attempt for job, slot, attempt, _ in effects}
 
@@ -957,7 +1059,8 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                 report.takeovers += 1
                 claimed = nxt.claimed_at.timestamp()
                 cause = [f for f in by_instance.get(prev.instance_id, [])
-                         if f.kind in ("kill", "stop", "partition")
+                         if f.kind in ("kill", "stop", "partition", "zombie-cp",
+                                       "zombie-tx", "zombie-fin")
                          and prev.claimed_at.timestamp() <= f.start <= claimed]
                 if cause:
                     latency = claimed - cause[-1].start
@@ -1063,6 +1166,34 @@ def _owner_faults(faults: list[Fault], history: list[Attempt]) -> int:
     return hit
 
 
+def _zombie_writes(faults: list[Fault], history: list[Attempt],
+                   events: dict[tuple[str, int], list[dict[str, Any]]]) -> int:
+    """How many ``zombie`` faults sent their fenced write as a superseded attempt's: another
+    attempt of the frozen run was claimed (the store's history) while it was stopped."""
+    claims: dict[tuple[str, int], list[tuple[float, str]]] = defaultdict(list)
+    for a in history:
+        claims[(a.job, a.slot)].append((a.claimed_at.timestamp(), a.instance_id))
+    sent = 0
+    for f in faults:
+        if not f.kind.startswith("zombie-") or f.kind == "zombie-idle":
+            continue
+        frozen = [(key, float(e["t"])) for key, evs in events.items() for e in evs
+                  if e["e"] == "freeze" and e["i"] == f.target
+                  and f.start - ZOMBIE_WAIT_S - 1 <= float(e["t"]) <= f.end]
+        if any(at <= claimed <= f.end and instance != f.target
+               for key, at in frozen for claimed, instance in claims.get(key, [])):
+            sent += 1
+    return sent
+
+
+def _kept(stored: dict[tuple[int, str], Attempt], claim: dict[str, Any]) -> bool:
+    """Whether the store's history has the attempt of the acknowledged ``claim`` record
+    (a lossy failover may have lost it, or numbered another claim of that worker so)."""
+    record = stored.get((int(claim["a"]), str(claim["i"])))
+    return (record is not None and claim.get("n") is not None
+            and round(record.claimed_at.timestamp() * 1000) == int(claim["n"]))
+
+
 #: The outcomes an attempt's holder gives it itself (its lease ends with them).
 _RELEASED = (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT, Outcome.HANDED_OVER)
 
@@ -1074,9 +1205,10 @@ def _judge_leases(report: Report, runs: dict[tuple[str, int], list[Attempt]],
     Each attempt's lease was surely live until the latest expiry the store acknowledged
     setting for it: its claim's, and each renewal's (at the earliest: the renewal's send
     time plus the lease; the workers' records are on the store's machine and clock). A
-    claim the store acknowledged as won before that instant, by another token, breaks
-    the invariant, unless the holder had ended its attempt itself (a finish, a failure
-    to retry, a hand-over) by then, in the store's history.
+    claim the store acknowledged as won before that instant, by another token, and kept
+    (a claim a lossy failover lost is counted with the lost commits), breaks the
+    invariant, unless the holder had ended its attempt itself (a finish, a failure to
+    retry, a hand-over) by then, in the store's history.
     """
     for key, evs in events.items():
         claims: dict[str, dict[str, Any]] = {}
@@ -1095,6 +1227,8 @@ def _judge_leases(report: Report, runs: dict[tuple[str, int], list[Attempt]],
         found: set[int] = set()
         for token, won in claims.items():
             at = int(won["n"])
+            if not _kept(stored, won):
+                continue  # a claim a failover lost (counted with the lost commits)
             for other, until in live.items():
                 held = claims[other]
                 if other == token or int(held["n"]) > at or until <= at:
@@ -1182,6 +1316,7 @@ def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
                 report.lost_claims.append(lost)
                 if not any(lo <= at <= hi for lo, hi in windows):
                     report.lost_unexplained.append(lost)
+        won = {e["k"]: e for e in evs if e["e"] == "claim" and e.get("n") is not None}
         for e in evs:
             if e["e"] != "fin" or e["k"] not in claimed:
                 continue
@@ -1189,6 +1324,14 @@ def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
             record = stored.get((attempt, instance))
             if record is None:
                 continue  # its claim was lost already (counted above)
+            # A finish sent after another attempt (kept by the store) won the run, and
+            # acknowledged: the store took a superseded attempt's finish.
+            if e.get("w") is not None and e["k"] in won and any(
+                    int(won[e["k"]]["n"]) < int(later["n"]) <= int(e["w"])
+                    and _kept(stored, later)
+                    for k, later in won.items() if k != e["k"]):
+                report.stale_finish.append((*key, attempt))
+                continue
             if str(record.outcome) != e["o"]:
                 lost = (*key, attempt, instance)
                 report.lost_finishes.append(lost)
@@ -1307,7 +1450,8 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         f"Produced by `{command}`. Each store ran its own worker processes",
         "through a TCP proxy each; faults (SIGKILL + restart, SIGSTOP longer than the lease,",
         "store restart, partition longer than the lease, graceful restart with the clock",
-        "skewed by an hour, a worker joining, a worker leaving) were injected one at a time,",
+        "skewed by an hour, a worker joining, a worker leaving, a worker stopped just before",
+        "a fenced write until its run was taken over) were injected one at a time,",
         "each fault on a worker hitting the member ranked first for a random job; then the",
         "store and the handlers' records were audited. See `tests/chaos/__init__.py` for",
         "what each figure means.",
@@ -1348,6 +1492,7 @@ def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:
         ("of which a failover lost the acknowledged claim or skip", "missed_lost_commit"),
         ("slots never claimed while the store answered", "missed_while_answered"),
         ("faults on a job's first-ranked member", "owner_faults"),
+        ("fenced writes sent by a superseded attempt (zombie faults)", "zombie_writes"),
         ("first claim after its slot p50 / p99 / max (ms)", None),
         ("seconds from the last fault until no old run was open", "recovery_s"),
         ("runs open at shutdown, newer than the horizon", "open_at_shutdown"),

@@ -543,3 +543,15 @@ def test_a_run_refuses_a_directory_with_an_earlier_run_s_records(tmp_path: Path)
     (tmp_path / "w0.1.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="earlier chaos run"):
         run_chaos(ChaosConfig(store="no such store"), tmp_path)
+
+
+def test_a_claim_a_failover_lost_is_judged_with_the_lost_commits_not_as_an_overlap() -> None:
+    # w2's takeover at +1.2 s was acknowledged, then lost with the primary: the store kept
+    # w1's attempt 1 only (lost at +4 s, by w3's claim after the quarantine)
+    seen = _leases(0.0, attempt(2, "w2", 1.2, Outcome.COMPLETED, Reason.TAKEOVER))
+    seen.history = [Attempt("job0", SLOT, 1, "w1", Reason.SCHEDULED, at(0.0), at(4.0),
+                            Outcome.LOST),
+                    attempt(2, "w3", 4.0, Outcome.COMPLETED, Reason.TAKEOVER)]
+    seen.faults = [Fault("failover", "pgreplica", T0 + 1.5, T0 + 2.5)]
+    report = judge(CONFIG, seen)
+    assert report.lease_overlaps == [] and report.lost_claims == [(*KEY, 2, "w2")]

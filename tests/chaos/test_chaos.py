@@ -1,7 +1,8 @@
 """The short chaos run of ``make test``: five stores, each about 400 slots in 16 s of faults.
 
 Every store's run opens with membership churn (a worker joining, a first-ranked member
-leaving, and a kill, SIGSTOP or partition of one; on the replicated stores, failovers),
+leaving, and a kill, SIGSTOP or partition of one; on the replicated stores, failovers;
+on PostgreSQL direct and Redis, a zombie: a worker stopped just before a fenced write),
 then draws its faults at random; an operator cancels two running runs through the store
 meanwhile (the first one held by a stopped or partitioned worker, when one is before it
 is due).
@@ -61,6 +62,12 @@ def _check(report: Report, config: ChaosConfig, logdir: Path) -> None:
     # The flaky job fails every other run once: retried within the run, never twice at once.
     assert report.retries >= 5, f"only {report.retries} retries {detail}"
     assert report.worker_exits == [], f"workers ended badly: {report.worker_exits} {detail}"
+    if "zombie" in config.first:
+        # The worker stopped itself just before a fenced write, and was resumed once a
+        # backup took its run over (or after 1.5-2.5 leases): zombie_writes counts those
+        # writes sent from a superseded attempt, which the store must refuse.
+        assert any(kind in report.faults for kind in ("zombie-cp", "zombie-tx", "zombie-fin")
+                   ), f"no zombie fault stopped a worker before a fenced write {detail}"
 
 
 def _config(store: str, seed: int, first: tuple[str, ...],
@@ -74,14 +81,14 @@ def _config(store: str, seed: int, first: tuple[str, ...],
 @pytest.mark.timeout(110)
 def test_chaos_postgres(tmp_path: Path) -> None:
     """PostgreSQL direct: every fault kind, every invariant holds."""
-    config = _config("postgres", 11, ("join", "leave", "kill"))
+    config = _config("postgres", 11, ("join", "leave", "kill", "zombie"))
     _check(_run(config, tmp_path), config, tmp_path)
 
 
 @pytest.mark.timeout(110)
 def test_chaos_redis(tmp_path: Path) -> None:
     """Redis (Valkey 8): every fault kind, every invariant holds."""
-    config = _config("redis", 12, ("leave", "join", "stop"))
+    config = _config("redis", 12, ("leave", "join", "stop", "zombie"))
     _check(_run(config, tmp_path), config, tmp_path)
 
 

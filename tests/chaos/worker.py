@@ -5,6 +5,11 @@ Started by the coordinator as ``python -m tests.chaos.worker CONFIG_JSON``. It p
 it did (one JSON line per event, ``O_APPEND``) to the worker's log file, checkpoints its
 progress, and on PostgreSQL writes its effect inside ``ctx.transaction()``.
 
+On request (``zombie`` faults, see :class:`Freezer`) the process stops itself (SIGSTOP)
+just before its next fenced write of a kind (a checkpoint, a fenced transaction, a
+finish): the coordinator keeps it stopped past its lease, and the write goes out as it
+resumes, a superseded attempt's, which the store must refuse.
+
 With ``skew`` set, the process's wall clock (``time.time``) and the scheduler's local
 clock are both shifted by that many seconds: leases follow the store's clock, so a
 skewed worker must behave exactly like the others.
@@ -46,14 +51,47 @@ class EventLog:
         os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
 
 
-def acknowledged(backend: Any, log: EventLog) -> None:
+class Freezer:
+    """Stops this process just before a fenced write, once, when the coordinator asks.
+
+    The coordinator writes the kind of write (``cp``, ``tx``, ``fin``) to the file
+    ``path``; the first write of that kind takes the request (renames the file, so a
+    request the coordinator withdraws is never taken late), records ``freeze`` and stops
+    the process (SIGSTOP) before the write is sent. Nothing checks the lease between the
+    resume and the write: as a process paused between its check and its write, the
+    write reaches the store from an attempt that may have been superseded meanwhile.
+    """
+
+    def __init__(self, path: str | None, log: EventLog) -> None:
+        self.path, self.log = path, log
+
+    def before(self, kind: str, job: str, slot: int, token: str) -> None:
+        """Called just before a fenced write of ``kind`` of the run (job, slot)."""
+        if self.path is None or not os.path.exists(self.path):
+            return
+        try:
+            with open(self.path) as request:
+                if request.read().strip() != kind:
+                    return
+            os.rename(self.path, self.path + ".taken")
+        except OSError:
+            return  # withdrawn meanwhile
+        self.log.raw({"e": "freeze", "w": kind, "j": job, "s": slot, "k": token,
+                      "i": self.log.instance, "t": _real_time()})
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def acknowledged(backend: Any, log: EventLog, freezer: Freezer | None = None) -> None:
     """Record every claim the store acknowledged as won (``claim``: with its token, fence,
     the store's time ``n`` and the lease's expiry ``x``, in ms), every lease renewal it
     acknowledged (``hb``: by token, ``x`` an expiry it set at the earliest, the real time
     the renewal was sent plus the lease) and every finish it acknowledged (``fin``: by
-    token), so the audit can tell when each attempt surely held a live lease, and find
+    token, ``w`` the real time it was sent), so the audit can tell when each attempt
+    surely held a live lease, find a superseded attempt's finish the store took, and find
     the acknowledged commits a failover lost."""
     claim_many, finish_many, beat = backend.claim_many, backend.finish_many, backend.heartbeat
+    set_checkpoint = backend.set_checkpoint
+    freezer = freezer or Freezer(None, log)
 
     async def claims(requests: Any) -> Any:
         results = await claim_many(requests)
@@ -69,11 +107,16 @@ def acknowledged(backend: Any, log: EventLog) -> None:
         return results
 
     async def finishes(items: Any) -> Any:
+        if items:
+            lease = items[0][0]
+            freezer.before("fin", lease.job, lease.slot, lease.token)
+        sent = _real_time()  # (the store's time of the finish is later: "w", in ms)
         done = await finish_many(items)
         for (lease, outcome, _), ok in zip(items, done, strict=True):
             if ok:
                 log.raw({"e": "fin", "j": lease.job, "s": lease.slot, "k": lease.token,
-                         "o": str(outcome), "i": log.instance, "t": _real_time()})
+                         "o": str(outcome), "w": int(sent * 1000), "i": log.instance,
+                         "t": _real_time()})
         return done
 
     async def heartbeat(leases: Any) -> Any:
@@ -89,6 +132,10 @@ def acknowledged(backend: Any, log: EventLog) -> None:
                          "t": _real_time()})
         return result
 
+    async def checkpoint(lease: Any, value: Any) -> Any:
+        freezer.before("cp", lease.job, lease.slot, lease.token)
+        return await set_checkpoint(lease, value)
+
     async def claim(request: Any) -> Any:
         (result,) = await claims([request])
         return result
@@ -99,6 +146,7 @@ def acknowledged(backend: Any, log: EventLog) -> None:
 
     backend.claim_many, backend.finish_many, backend.heartbeat = claims, finishes, heartbeat
     backend.claim, backend.finish = claim, finish
+    backend.set_checkpoint = checkpoint
 
 
 class TransientFailure(Exception):
@@ -108,7 +156,8 @@ class TransientFailure(Exception):
 def build(config: dict[str, Any], log: EventLog) -> Scheduler:
     """The scheduler of one worker, with the chaos jobs declared."""
     backend = backend_from_url(config["url"], **config["options"])
-    acknowledged(backend, log)
+    freezer = Freezer(config.get("freeze"), log)
+    acknowledged(backend, log, freezer)
     skew = float(config.get("skew", 0.0))
     scheduler = Scheduler(
         backend, instance_id=config["instance"], lease=config["lease"],
@@ -128,6 +177,10 @@ def build(config: dict[str, Any], log: EventLog) -> Scheduler:
         last = {"a": ctx.attempt, "step": step}
         await ctx.checkpoint.set(last)
         log.write("cp", ctx, step=step)
+        if step >= steps:
+            # Taken over after its last step: it still takes a step's time, so that a
+            # superseded attempt's late finish (a zombie fault) can meet it running.
+            await anyio.sleep(step_s)
         for n in range(step, steps):
             await anyio.sleep(step_s)
             seen = await ctx.checkpoint.get()
@@ -138,6 +191,7 @@ def build(config: dict[str, Any], log: EventLog) -> Scheduler:
             await ctx.checkpoint.set(last)
             log.write("cp", ctx, step=n + 1)
         if fenced:
+            freezer.before("tx", ctx.job, ctx.slot, ctx.token)
             try:
                 async with ctx.transaction() as tx:
                     await tx.execute(
