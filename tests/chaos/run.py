@@ -563,13 +563,25 @@ def _read_store(store: ChaosStore, fn: Any) -> Any:
     return anyio.run(go)
 
 
-def _owner(rng: random.Random, workers: list[Worker],
-           config: ChaosConfig) -> tuple[Worker, tuple[str, ...]]:
-    """The worker ranked first for a random job among the live ones, and its jobs."""
+def _owner(rng: random.Random, workers: list[Worker], config: ChaosConfig,
+           kind: str = "") -> tuple[Worker, tuple[str, ...]]:
+    """The worker ranked first for a random job among the live ones, and its jobs.
+
+    A ``leave`` never takes the worker whose clock is skewed from the start (worker 0,
+    while another is left to rank first): the check that a skewed clock changes nothing
+    needs it to go on running.
+    """
     members = tuple(sorted(w.instance for w in workers))
     jobs = [f"job{n}" for n in range(config.jobs)]
+
+    def owner_of(job: str) -> Worker:
+        return next(w for w in workers if rendezvous_rank(job, w.instance, members) == 0)
+
+    if kind == "leave":
+        kept = [j for j in jobs if not (owner_of(j).index == 0 and owner_of(j).skew)]
+        jobs = kept or jobs
     job = rng.choice(jobs)
-    worker = next(w for w in workers if rendezvous_rank(job, w.instance, members) == 0)
+    worker = owner_of(job)
     owned = tuple(j for j in jobs if rendezvous_rank(j, worker.instance, members) == 0)
     return worker, owned
 
@@ -635,7 +647,7 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         worker.wait_started()
         fault.target, fault.end = worker.instance, time.time()
         return fault
-    worker, owned = _owner(rng, workers, config)
+    worker, owned = _owner(rng, workers, config, kind)
     fault = Fault(kind, worker.instance, time.time(), jobs=owned)
     if kind == "kill":
         worker.signal(signal.SIGKILL)
