@@ -272,6 +272,21 @@ async def test_a_workflow_run_s_steps_are_trimmed_only_once_the_run_has_ended(
         assert await b.runs("wf/one") == await b.runs("wf/two") == []
 
 
+async def test_history_size_trims_a_workflow_run_that_ended_within_history_ttl(
+        store: Store) -> None:
+    """By size, a workflow run's steps are kept only while the run goes on: a run that
+    ended less than ``history_ttl`` ago is trimmed beyond the newest ``history_size`` as
+    any other (Redis kept every run that ended within the ttl, however many)."""
+    steps = ["wf/one", "wf/two"]
+    async with started(store.backend()) as b:
+        await b.register_workflows({"wf": ["one", "two"]})
+        for job in steps:
+            await finished_runs(b, job, range(SLOT, SLOT + 5))
+        assert await b.prune_many(steps, keep=2, older_than_ms=3_600_000) == {
+            "wf/one": 3, "wf/two": 3}
+        assert [a.slot for a in await b.history("wf/one")] == [SLOT + 4, SLOT + 3]
+
+
 async def later(backend: Backend, ms: int) -> bool:
     """Whether the store's clock is past ``ms``."""
     return await backend.now_ms() > ms

@@ -103,9 +103,10 @@ class RedisRecords(RedisStore):
         """Trim the jobs' histories, one ``trim.lua`` call each, in one pipelined round trip
         (:meth:`~lease_core.abc.Backend.prune` is inherited: a batch of one).
 
-        A workflow run's steps are kept while it goes on, and by age until ``history_ttl``
-        after its end. Its steps' keys are in other Cluster slots than the job's, so a job
-        named like a step (``<workflow>/<step>``) takes two more round trips: its attempts
+        A workflow run's steps are kept while it goes on, and by age (not beyond the
+        newest ``keep``) until ``older_than_ms`` after its end. Its steps' keys are in
+        other Cluster slots than the job's, so a job named like a step
+        (``<workflow>/<step>``) takes two more round trips: its attempts
         to trim are listed (and the recorded workflows read), the runs of its workflow's
         steps at their slots are read (``held.lua``), and the attempts of the workflow
         runs that go on are left out of those deleted. Their slots are kept in the job's
@@ -142,16 +143,22 @@ class RedisRecords(RedisStore):
         kept_before: dict[str, set[str]] = {}
         while steps:
             listed = {job: ([as_text(i) for i in lists[job][0]],
-                            [as_text(i) for i in lists[job][1]])
+                            [as_text(i) for i in lists[job][1]],
+                            {as_text(i) for i in lists[job][2]})
                       for job in steps if lists[job][0] or lists[job][1]}
             held = await self._held({job: counted + skipped
-                                     for job, (counted, skipped) in listed.items()},
+                                     for job, (counted, skipped, _) in listed.items()},
                                     recorded, older_than_ms)
             final, again = [], []
-            for job, (counted, skipped) in listed.items():
+            for job, (counted, skipped, beyond) in listed.items():
                 ids = counted + skipped
-                kept = held.get(job, set()) & {_slot(i) for i in ids}
-                doomed = [i for i in ids if _slot(i) not in kept]
+                going, ended = held.get(job, (set(), set()))
+                # a run that goes on keeps them all; one that ended within the ttl, those
+                # found by age only (not beyond the newest history_size)
+                kept_ids = {i for i in ids if _slot(i) in going
+                            or (_slot(i) in ended and i not in beyond)}
+                kept = {_slot(i) for i in kept_ids}
+                doomed = [i for i in ids if i not in kept_ids]
                 final.append(trim(job, "ids", len(doomed), *doomed, *sorted(kept)))
                 if {_slot(i) for i in counted} & (kept - kept_before.setdefault(job, set())):
                     again.append(job)  # newly held: listed again, past them
@@ -167,9 +174,10 @@ class RedisRecords(RedisStore):
 
     async def _held(self, listed: Mapping[str, list[str]],
                     recorded: Mapping[str, Sequence[str]],
-                    older_than_ms: int | None) -> dict[str, set[str]]:
-        """The slots of the attempts ``listed`` (by job) whose workflow run goes on, by
-        job: one ``held.lua`` call per step of each workflow, in one round trip."""
+                    older_than_ms: int | None) -> dict[str, tuple[set[str], set[str]]]:
+        """The slots of the attempts ``listed`` (by job) whose workflow run goes on, and
+        those whose run ended less than ``older_than_ms`` ago, by job: one ``held.lua``
+        call per step of each workflow, in one round trip."""
         slots: dict[str, set[str]] = {}  # by workflow: the slots to look at
         for job, ids in listed.items():
             if sibling_steps(job, recorded):
@@ -185,10 +193,13 @@ class RedisRecords(RedisStore):
                        [f"{self._tag(step)}:run:", ttl, *sorted(slots[name])])
             for name, step in asked])
         going: dict[str, set[str]] = {}
-        for (name, _), reply in zip(asked, replies, strict=True):
-            going.setdefault(name, set()).update(as_text(s) for s in reply)
-        return {job: going.get(job.partition(STEP_SEPARATOR)[0], set())
-                for job in listed if sibling_steps(job, recorded)}
+        ended: dict[str, set[str]] = {}
+        for (name, _), (open_slots, recent) in zip(asked, replies, strict=True):
+            going.setdefault(name, set()).update(as_text(s) for s in open_slots)
+            ended.setdefault(name, set()).update(as_text(s) for s in recent)
+        return {job: (going.get(name, set()), ended.get(name, set()) - going.get(name, set()))
+                for job in listed if sibling_steps(job, recorded)
+                for name in [job.partition(STEP_SEPARATOR)[0]]}
 
     async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
         """Win the maintenance period with one ``SET NX PX`` (the key expires with it)."""

@@ -18,9 +18,11 @@ end
 -- limit), oldest first, and those that finished history_ttl ms ago or more (nil: none), at
 -- most `limit` of each kind. hold (a set of slots, or nil): the ids of those slots are
 -- returned apart (second list), not counted, so that a workflow run that goes on
--- (backends/redis/records.py) never keeps the attempts behind it from their turn.
+-- (backends/redis/records.py) never keeps the attempts behind it from their turn. The
+-- third list: the ids of both found beyond the newest history_size (a workflow run that
+-- ended within the ttl keeps its attempts by age only).
 local function trim_select(hist, done, run_prefix, history_size, history_ttl, limit, hold)
-  local removed, skipped = {}, {}
+  local removed, skipped, beyond = {}, {}, {}
   local function trimmable(id)
     local s, a = string.match(id, '^(.*):(%d+)$')
     return not s or not in_grace(run_prefix .. s, a)
@@ -37,6 +39,7 @@ local function trim_select(hist, done, run_prefix, history_size, history_ttl, li
       local upto = math.min(excess, from + limit) - 1
       for _, id in ipairs(redis.call('ZRANGE', hist, from, upto)) do
         if taken < limit and redis.call('ZSCORE', done, id) and trimmable(id) then
+          beyond[#beyond + 1] = id
           if held(id) then
             skipped[#skipped + 1] = id
           else
@@ -70,7 +73,7 @@ local function trim_select(hist, done, run_prefix, history_size, history_ttl, li
       from = from + limit
     end
   end
-  return removed, skipped
+  return removed, skipped, beyond
 end
 
 -- Delete the attempts `ids` (each still finished and out of a grace), then the finished

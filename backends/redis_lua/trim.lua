@@ -9,7 +9,8 @@
 --       ({p/job}:run:), batch (the most attempts of each kind deleted), then the mode:
 --   ''      trim now; returns how many attempts were deleted;
 --   'list'  delete nothing; returns the ids of the attempts to trim, then those of the
---           slots in the hold set (two lists; the latter not counted toward the batch);
+--           slots in the hold set (not counted toward the batch), then those of both
+--           found beyond the newest history_size (three lists);
 --   'ids'   ARGV[6] = n, then n attempt ids to delete, then the slots to hold from now
 --           on (the hold set is replaced); returns how many attempts were deleted.
 -- A workflow step's job is trimmed with 'list', then 'ids' once the caller has left out
