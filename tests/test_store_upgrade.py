@@ -33,6 +33,7 @@ from unittest.mock import patch
 import anyio
 import psycopg
 import pytest
+from psycopg_pool import AsyncConnectionPool
 
 from backends import postgres
 from backends.postgres import CODE_VERSION, PostgresBackend, migrate, quote_ident, schema
@@ -446,6 +447,53 @@ async def test_a_v4_store_of_an_earlier_build_keeps_claimed_at_and_its_claims_wr
         await drop_tables(pg16_server.admin_dsn, table)
 
 
+async def test_a_claimed_at_fill_that_fails_keeps_its_batches_and_the_trimming(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """The maintenance winner's fill of an upgrade's claimed_at kept where it got to only
+    after its last batch, and its error was maintenance_due's: a batch that failed (here
+    a statement timeout behind a row lock) lost the batches before it, and the period's
+    trimming did not run. Each batch now moves the mark, and a failed fill is logged."""
+    table = unique_table()
+    attempts, meta = quote_ident(table + "_attempts"), quote_ident(table + "_meta")
+    first = PostgresBackend(pg16_server.dsn, table=table)
+    await first.start()
+    try:
+        for job in ("j", "k"):
+            for slot in (1, 2):
+                assert (await first.claim(ClaimRequest(
+                    job, slot, "i", f"{job}{slot}", 60_000, overlap_skip=False))).status \
+                    is ClaimStatus.WON
+    finally:
+        await first.close()
+    sql(pg16_server.admin_dsn, f"UPDATE {attempts} SET claimed_at = NULL")
+    sql(pg16_server.admin_dsn, f"INSERT INTO {meta} VALUES ('fill', 'claimed_at')")
+    fill_mark = f"SELECT value FROM {meta} WHERE key = 'fill'"
+    pool = AsyncConnectionPool(pg16_server.dsn, min_size=1, max_size=2, open=False,
+                               kwargs={"options": "-c statement_timeout=300"})
+    await pool.open(wait=True)
+    backend = PostgresBackend(pool, table=table)
+    try:
+        await backend.start()
+        with psycopg.connect(pg16_server.admin_dsn) as holder, \
+                patch.object(schema, "_FILL_BATCH", 2), \
+                patch.object(schema, "FILL_BATCHES", 3):
+            holder.execute(f"SELECT 1 FROM {attempts} WHERE job = 'k' FOR UPDATE")
+            # (j, 1) and (j, 2) are filled; the batch of k's times out behind the lock
+            assert await backend.maintenance_due("i", 60_000)
+            holder.rollback()
+        assert sql(pg16_server.admin_dsn, fill_mark) == [('claimed_at:["j", 2, 1]',)]
+        sql(pg16_server.admin_dsn, f"DELETE FROM {meta} WHERE key = 'maintenance'")
+        assert await backend.maintenance_due("i", 60_000)
+        assert sql(pg16_server.admin_dsn, fill_mark) == []
+        assert sql(pg16_server.admin_dsn,
+                   f"SELECT count(*) FROM {attempts} WHERE claimed_at IS NULL") == [(0,)]
+    finally:
+        await backend.close()
+        await pool.close()
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
 # -- store code v2 -> v3: the claim stops trimming ----------------------------------------
 
 FIXTURE_V2 = Path(__file__).parent / "fixtures" / "store_v2.sql"
@@ -661,7 +709,7 @@ async def test_migrate_upgrades_a_v3_store_keeping_its_history(
         try:
             assert sql(server.admin_dsn, claimed_at) == [(5, 2)]  # start() does not wait
             with patch.object(schema, "_FILL_BATCH", 2), \
-                    patch.object(postgres.backend, "FILL_BATCHES", 1):
+                    patch.object(schema, "FILL_BATCHES", 1):
                 # One batch of two: attempts (1, 1) and (2, 1).
                 assert await backend.maintenance_due("i", 60_000)
                 assert sql(server.admin_dsn, fill_mark) == [('claimed_at:["j", 2, 1]',)]

@@ -51,7 +51,7 @@ from .fenced import FencedTransaction, fenced_transaction
 from .leases import PostgresNamedLeases
 from .operations import StoreOperations
 from .retries import StoreRetries
-from .schema import FILL_BATCHES, StoreSchema
+from .schema import StoreSchema
 from .statements import (
     LOCK_NOT_AVAILABLE,
     Statements,
@@ -494,11 +494,11 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
 
     async def maintenance_due(self, instance_id: str, every_ms: int) -> bool:
         """Win the maintenance period with one conditional upsert of ``<table>_meta``; the
-        winner goes on with an upgrade's ``claimed_at`` fill (``StoreSchema.fill``)."""
+        winner goes on with an upgrade's ``claimed_at`` fill (``StoreSchema.fill_some``)."""
         check_every(every_ms)
         rows = await self._adapter.all(self._sql.maintenance_due, (every_ms, instance_id))
         if rows and self._store.fill_pending:
-            await self._store.fill(self._adapter, FILL_BATCHES)
+            await self._store.fill_some(self._adapter)
         return bool(rows)
 
     async def members(self, instance_id: str, ttl_ms: int) -> list[str]:

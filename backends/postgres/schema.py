@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 from adapters.sql import Executor, SqlAdapter
 from lease_core.errors import (
@@ -37,6 +38,8 @@ from .statements import (
 )
 
 __all__ = ["FILL_BATCHES", "MIGRATION_LOCK_TIMEOUT_MS", "StoreSchema"]
+
+logger = logging.getLogger("anarchon")
 
 
 def _lock_key(schema: str | None, name: str) -> int:
@@ -185,9 +188,10 @@ class StoreSchema:
 
         At most ``batches`` batches of ``_FILL_BATCH`` attempts (None: to the end), in
         primary-key order, each one short transaction locking only its rows, so claims
-        and heartbeats go on meanwhile. Where it got to is kept in the upgrade's mark, so
-        the next call (the next maintenance, on any instance) goes on from there; at the
-        end the mark goes. Two calls at once only repeat each other's work.
+        and heartbeats go on meanwhile. Where it got to is kept in the upgrade's mark
+        after each batch, so the next call (the next maintenance, on any instance) goes
+        on from there, even after an error; at the end the mark goes. Two calls at once
+        only repeat each other's work.
         """
         rows = await adapter.all(self._sql.fill_position)
         if not rows or not str(rows[0][0]).startswith(_FILL_MARK):
@@ -204,9 +208,20 @@ class StoreSchema:
                 self.fill_pending = False
                 return True
             key, done = tuple(found[0][:3]), done + 1
-        await adapter.all(self._sql.fill_moved,
-                          (f"{_FILL_MARK}:{json.dumps(list(key))}",))
+            # after each batch: a fill cut short (an error, a cancel) keeps its batches
+            await adapter.all(self._sql.fill_moved,
+                              (f"{_FILL_MARK}:{json.dumps(list(key))}",))
         return False
+
+    async def fill_some(self, adapter: SqlAdapter) -> None:
+        """:meth:`fill` ``FILL_BATCHES`` batches, at the maintenance an instance won; a
+        failure is logged, not raised: it must not keep the period's trimming from
+        running (the next maintenance goes on from the last batch filled)."""
+        try:
+            await self.fill(adapter, FILL_BATCHES)
+        except Exception as exc:
+            logger.warning("the claimed_at fill of table %s stopped (%s); the next "
+                           "maintenance goes on from where it got to", self.table, exc)
 
     def _function_name(self) -> str:
         return (f"{self._schema}." if self._schema else "") + self._name + CLAIM_SUFFIX
