@@ -181,7 +181,7 @@ async def attempts_by_slot(backend: Backend, job: str, slots: set[int], limit: i
         by_slot: dict[int, list[Attempt]] = {}
         for a in found:
             by_slot.setdefault(a.slot, []).append(a)
-        if len(found) < limit or all(
+        if not found or len(found) < limit or all(
                 any(a.attempt <= 1 for a in by_slot.get(slot, ())) for slot in slots):
             break
         limit *= 8

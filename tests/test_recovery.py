@@ -116,3 +116,18 @@ def test_a_cancel_of_a_run_nobody_held_is_one_cancelled_entry() -> None:
     assert [(e.event, e.detail) for e in recovery_log([triggered])] == [
         ("cancelled", "cancelled by ops before any instance claimed it (manual, requested "
                       "by http)")]
+
+
+def test_reading_no_attempt_back_ends() -> None:
+    """``read_recovery_log(limit=0)`` answered ``[]``; reading further back while a run's
+    first attempt is missing multiplied the limit, 0, for ever."""
+    import anyio
+
+    from lease_core import MemoryBackend
+    from lease_core.recovery import read_recovery_log
+
+    async def read() -> list[RecoveryEntry]:
+        with anyio.fail_after(2):
+            return await read_recovery_log(MemoryBackend(), "job", 1, limit=0)
+
+    assert anyio.run(read) == []
