@@ -42,10 +42,12 @@ ALTER TABLE {attempts} ADD COLUMN IF NOT EXISTS requested_by text,
 
 -- name: claimed_at_generated
 -- Whether claimed_at is the generated column an earlier build of this unreleased store
--- code made (the functions now write it).
-SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
-               WHERE attrelid = %s::regclass AND attname = 'claimed_at'
-                 AND attgenerated <> '' AND NOT attisdropped)
+-- code made (the functions now write it). attgenerated through to_jsonb: servers before
+-- PostgreSQL 12 have no such column (nor generated columns).
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a
+               WHERE a.attrelid = %s::regclass AND a.attname = 'claimed_at'
+                 AND COALESCE(to_jsonb(a) ->> 'attgenerated', '') <> ''
+                 AND NOT a.attisdropped)
 
 -- name: drop_claimed_at_expression
 -- A generated claimed_at becomes a plain column keeping its values (catalog only).
@@ -81,10 +83,11 @@ ORDER BY b.job DESC, b.slot DESC, b.attempt DESC LIMIT 1
 SELECT value FROM {meta} WHERE key = 'fill'
 
 -- name: fill_moved
-UPDATE {meta} SET value = %s::text WHERE key = 'fill' AND starts_with(value, 'claimed_at')
+-- LIKE, not starts_with (PostgreSQL 11 and later only).
+UPDATE {meta} SET value = %s::text WHERE key = 'fill' AND value LIKE 'claimed_at%%'
 
 -- name: claimed_at_filled
-DELETE FROM {meta} WHERE key = 'fill' AND starts_with(value, 'claimed_at')
+DELETE FROM {meta} WHERE key = 'fill' AND value LIKE 'claimed_at%%'
 
 -- name: grant_operate
 GRANT EXECUTE ON FUNCTION {operate}(text, text, bigint, text, bigint) TO PUBLIC
