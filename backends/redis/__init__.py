@@ -55,7 +55,8 @@ key                          type    content
 ``{P/E}:done``               zset    finished attempt ids by finish time (for the TTL)
 ``{P/E}:orphan``             set     slots whose attempts were all trimmed
 ``{P/E}:hold``               set     a workflow step's slots whose workflow run went on
-                                     at the last trimming (not counted in its batches)
+                                     (or ended within the ttl) at the last trimming
+                                     (not counted in its batches)
 ===========================  ======  =====================================================
 
 Store format 2 (:data:`STORE_FORMAT`) keeps the attempt records in the run hashes, so a
