@@ -579,11 +579,23 @@ window.fetch = (path, init) => {
   if (!String(path).startsWith(prefix)) return real(path, init);
   if (!hang) window.fetch = real;
   return new Promise((resolve, reject) => {
-    init.signal.addEventListener("abort", () => { if (hang) reject(init.signal.reason); });
+    if (init.signal) {
+      init.signal.addEventListener("abort", () => { if (hang) reject(init.signal.reason); });
+    }
     gate.then(() => resolve(real(path, init)));
   });
 };
 window.unhold = () => { window.fetch = real; };
+"""
+
+#: ``document.hidden`` made settable (``setHidden``), as a tab in the background has it.
+_VISIBILITY = """
+let hidden = false;
+Object.defineProperty(document, "hidden", { configurable: true, get: () => hidden });
+window.setHidden = (value) => {
+  hidden = value;
+  document.dispatchEvent(new Event("visibilitychange"));
+};
 """
 
 #: The text of every live region (what screen readers announce when it changes).
@@ -648,6 +660,27 @@ def test_page_keeps_its_view_focus_and_word_across_refreshes_and_errors(
     wait.until(lambda d: d.find_element(By.ID, "op-result").text.startswith("trigger: done"))
     assert browser.find_element(By.ID, "op-result").text in browser.execute_script(_LIVE)
     assert len(anyio.run(_stored, pg16_server.dsn, table, ["export"])[0]) == 3
+
+    # An operation never answered is reported after the timeout, and the buttons work
+    # again (they stayed disabled for good).
+    browser.execute_script(_HOLD + "TIMEOUT_MS = 300;", "jobs/export/pause", True)
+    assert _click(wait, "pause").startswith("pause: no answer in 0.3 s; it may still have")
+    browser.execute_script("unhold(); TIMEOUT_MS = 10000")
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, 'button[data-operation="pause"]')
+               .get_attribute("aria-disabled") == "false")
+    assert anyio.run(_stored, pg16_server.dsn, table, ["export"])[1] == {}
+
+    # A hidden tab reads nothing; shown again, it reads at once.
+    browser.execute_script(_VISIBILITY + "REFRESH_MS = 100; refresh()")
+    counts = browser.execute_script("return [anarchonRefreshes, anarchonRequests]")
+    wait.until(lambda d: d.execute_script("return anarchonRefreshes") >= counts[0] + 3)
+    hidden = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1]; setHidden(true);"
+        "const before = [anarchonRefreshes, anarchonRequests];"
+        "setTimeout(() => done([before, [anarchonRefreshes, anarchonRequests]]), 1000)")
+    assert hidden[1] == hidden[0], hidden  # ten refresh periods: no refresh, no request
+    browser.execute_script("REFRESH_MS = 3000; setHidden(false)")
+    assert browser.execute_script("return anarchonRefreshes") >= hidden[1][0] + 1
 
     # A run's answer is not shown in the job's view the browser goes back to.
     browser.execute_script(f"go({{run: 'export@{SLOT}'}})")

@@ -9,9 +9,11 @@
 // The overview marks paused jobs and workflows with or without a token (it is state).
 // Each refresh drops the answer of the one before it (a slower answer never redraws over a
 // newer view), and a request unanswered in TIMEOUT_MS is an error, not a wait forever.
+// A hidden tab (another tab in front, a minimised window) reads nothing: the page refreshes
+// at once when it is shown again.
 "use strict";
 
-const REFRESH_MS = 3000;
+let REFRESH_MS = 3000;  // let: the browser test shortens it
 let TIMEOUT_MS = 10000;  // let: the browser test shortens it
 const PER_PAGE = 50;
 const FILTERS = ["all", "running", "failed", "ok", "never"];
@@ -71,11 +73,24 @@ let sending = null;  // the operation whose answer is awaited: the others wait f
 async function postJson(path) {
   const token = params().get("token");
   window.anarchonRequests += 1;
-  const response = await fetch(path, { method: "POST", cache: "no-store",
-                                       headers: { Authorization: "Bearer " + token } });
-  const body = await response.json().catch(() => ({}));
-  if (!response.ok) throw new Error(body.error || response.statusText);
-  return body;
+  // An operation unanswered in TIMEOUT_MS is reported, not awaited forever (the buttons
+  // would stay disabled); the server may still have made it, which the view then shows.
+  const late = new AbortController();
+  const timeout = setTimeout(() => late.abort(new Error(
+    `no answer in ${TIMEOUT_MS / 1000} s; it may still have been made, as the view will show`)),
+    TIMEOUT_MS);
+  try {
+    const response = await fetch(path, { method: "POST", cache: "no-store", signal: late.signal,
+                                         headers: { Authorization: "Bearer " + token } });
+    const body = await response.json().catch(() => ({}));
+    late.signal.throwIfAborted();
+    if (!response.ok) throw new Error(body.error || response.statusText);
+    return body;
+  } catch (error) {
+    throw late.signal.aborted ? late.signal.reason : error;
+  } finally {
+    clearTimeout(timeout);
+  }
 }
 
 function operations(buttons) {
@@ -346,9 +361,14 @@ async function refresh() {
     clearTimeout(late);
     if (mine === reading) {
       clearTimeout(timer);
-      timer = setTimeout(refresh, REFRESH_MS);
+      timer = setTimeout(tick, REFRESH_MS);
     }
   }
+}
+
+// The periodic refresh: none while the tab is hidden (visibilitychange refreshes then).
+function tick() {
+  if (!document.hidden) refresh();
 }
 
 let typing = null;
@@ -359,6 +379,9 @@ document.getElementById("search").addEventListener("input", (event) => {
 document.getElementById("home").addEventListener("click", (event) => {
   event.preventDefault();
   go({});
+});
+document.addEventListener("visibilitychange", () => {
+  if (!document.hidden) refresh();  // what the store holds now, not when the tab was hidden
 });
 window.addEventListener("hashchange", () => {
   notice = null;  // an operation's answer belongs to the view it was made in
