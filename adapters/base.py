@@ -23,6 +23,8 @@ from typing import Any, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import anyio
+import anyio.to_thread
+import sniffio
 
 from lease_core._redact import redact
 from lease_core.errors import BackendUnavailable, ConfigurationError
@@ -35,6 +37,7 @@ __all__ = [
     "Row",
     "SqlAdapter",
     "TransientError",
+    "WorkerThreads",
     "conninfo_params",
     "dsn_query",
     "gave_up",
@@ -114,6 +117,38 @@ class Executor(Protocol):
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Execute ``sql`` and return its rows (an empty list when it returns none)."""
+
+
+class WorkerThreads:
+    """The worker threads of one blocking driver (pg8000, sync psycopg, sync redis-py): a
+    limiter of its own, ``tokens`` calls at a time, instead of anyio's default one.
+
+    The application shares the default limiter (40 threads; a web framework's sync
+    endpoints and the application's own ``anyio.to_thread`` calls take from it): 40 slow
+    calls there would otherwise queue the store's heartbeats behind them until the
+    leases lapse. One limiter per event-loop library (an adapter used under asyncio and
+    then trio gets one of each), made at the first call under it.
+    """
+
+    __slots__ = ("_limiters", "tokens")
+
+    def __init__(self, tokens: int) -> None:
+        if tokens < 1:
+            raise ValueError(f"a driver needs at least one worker thread, not {tokens}")
+        self.tokens = tokens
+        self._limiters: dict[str, anyio.CapacityLimiter] = {}
+
+    def limiter(self) -> anyio.CapacityLimiter:
+        """The limiter of the running event loop's library."""
+        library = sniffio.current_async_library()
+        found = self._limiters.get(library)
+        if found is None:
+            found = self._limiters[library] = anyio.CapacityLimiter(self.tokens)
+        return found
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread taken from this driver's own limiter."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter())
 
 
 class SqlAdapter(ABC):

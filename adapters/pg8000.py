@@ -45,7 +45,6 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import pg8000.exceptions
 import pg8000.native
 
@@ -60,6 +59,7 @@ from .base import (
     Row,
     SqlAdapter,
     TransientError,
+    WorkerThreads,
     gave_up,
     redact,
 )
@@ -168,9 +168,11 @@ def _idle(conn: Any) -> bool:
 class _Tx:
     """Executor over one pg8000 connection: in a transaction, or one statement alone."""
 
-    def __init__(self, conn: Any, where: str, *, alone: bool = False) -> None:
+    def __init__(self, conn: Any, where: str, threads: WorkerThreads, *,
+                 alone: bool = False) -> None:
         self._conn = conn
         self._where = where
+        self._threads = threads
         self._run = _execute_alone if alone else _execute
 
     @property
@@ -185,7 +187,7 @@ class _Tx:
     async def control(self, sql: str, params: Params = ()) -> list[Row]:
         """Run ``sql`` to its end; a cancelled caller is told at its next checkpoint."""
         try:
-            return await anyio.to_thread.run_sync(self._run, self._conn, sql, params)
+            return await self._threads.run(self._run, self._conn, sql, params)
         except (pg8000.exceptions.Error, OSError) as exc:
             mapped = translate_error(exc, where=self._where)
             if mapped is exc:
@@ -203,12 +205,13 @@ def _where_of(conn: Any) -> str:
 
 
 @asynccontextmanager
-async def _transaction(conn: Any, where: str) -> AsyncIterator[Executor]:
-    tx = _Tx(conn, where)
+async def _transaction(conn: Any, where: str, threads: WorkerThreads
+                       ) -> AsyncIterator[Executor]:
+    tx = _Tx(conn, where, threads)
     # BEGIN travels whole (the simple protocol): outside a transaction, PgBouncer in
     # transaction mode may hand the extended protocol's parse and bind to different
     # server connections. Once BEGIN ran, the transaction keeps its server connection.
-    await _Tx(conn, where, alone=True).control("BEGIN")
+    await _Tx(conn, where, threads, alone=True).control("BEGIN")
     try:
         yield tx
     except BaseException:
@@ -241,15 +244,18 @@ class Pg8000ConnectionAdapter(SqlAdapter):
         # pass less per statement.
         self._lock = anyio.Lock(fast_acquire=True)
         self._where = _where_of(conn)
+        # One statement at a time (the lock): its thread is never queued behind the
+        # application's own (anyio's default limiter).
+        self._threads = WorkerThreads(1)
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement in a worker thread when the connection is free."""
         async with self._lock:
-            return await _Tx(self.conn, self._where, alone=True).all(sql, params)
+            return await _Tx(self.conn, self._where, self._threads, alone=True).all(sql, params)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
-        async with self._lock, _transaction(self.conn, self._where) as tx:
+        async with self._lock, _transaction(self.conn, self._where, self._threads) as tx:
             yield tx
 
     def transaction(self) -> Any:
@@ -294,6 +300,9 @@ class Pg8000PoolAdapter(SqlAdapter):
         self._closed = False
         self._reserved: Any = None
         self._reserved_busy = False
+        # A thread for each connection slot, the reserved connection and a close: a call
+        # holding a connection never waits for a thread (WorkerThreads).
+        self._threads = WorkerThreads(max_size + 2)
 
     def _connect(self) -> Any:
         p = self.params
@@ -339,7 +348,7 @@ class Pg8000PoolAdapter(SqlAdapter):
         if self._idle:
             return self._idle.pop()
         try:
-            return await anyio.to_thread.run_sync(self._connect)
+            return await self._threads.run(self._connect)
         except (pg8000.exceptions.Error, OSError) as exc:
             mapped = self._tls_error(exc) or translate_error(
                 exc, where=self._where, secret=self._secret
@@ -374,7 +383,7 @@ class Pg8000PoolAdapter(SqlAdapter):
     async def _release(self, conn: Any, exc: BaseException | None) -> None:
         if not self._keeps(conn, exc):
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_close_quietly, conn)
+                await self._threads.run(_close_quietly, conn)
         else:
             self._idle.append(conn)
 
@@ -392,7 +401,7 @@ class Pg8000PoolAdapter(SqlAdapter):
             idle.append(self._reserved)
             self._reserved = None
         for conn in idle:
-            await anyio.to_thread.run_sync(_close_quietly, conn)
+            await self._threads.run(_close_quietly, conn)
 
     def _all_blocking(self, conn: Any, text: str, values: tuple[Any, ...] | None) -> _Outcome:
         """Connect when ``conn`` is None, run the statement (as :func:`_alone` made it),
@@ -425,7 +434,7 @@ class Pg8000PoolAdapter(SqlAdapter):
             # caller returns a healthy connection to the pool instead of closing it (and,
             # through PgBouncer, logging in again on the next call).
             with anyio.CancelScope(shield=True):
-                done = await anyio.to_thread.run_sync(self._all_blocking, conn, *statement)
+                done = await self._threads.run(self._all_blocking, conn, *statement)
                 if done.conn is not None:
                     await self._release(done.conn, None)
         rows = await self._rows(done)
@@ -441,10 +450,10 @@ class Pg8000PoolAdapter(SqlAdapter):
         try:
             conn, self._reserved = self._reserved, None
             with anyio.CancelScope(shield=True):  # as in all()
-                done = await anyio.to_thread.run_sync(self._all_blocking, conn, *statement)
+                done = await self._threads.run(self._all_blocking, conn, *statement)
                 if done.conn is not None:
                     if not self._keeps(done.conn, None):
-                        await anyio.to_thread.run_sync(_close_quietly, done.conn)
+                        await self._threads.run(_close_quietly, done.conn)
                     else:
                         self._reserved = done.conn
         finally:
@@ -462,7 +471,7 @@ class Pg8000PoolAdapter(SqlAdapter):
             self._reserved = None
         if idle:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_close_all, idle)
+                await self._threads.run(_close_all, idle)
 
     async def _rows(self, done: _Outcome) -> list[Row]:
         """The rows of a worker-thread call, or its error mapped to anarchon's types."""
@@ -488,7 +497,7 @@ class Pg8000PoolAdapter(SqlAdapter):
             with anyio.CancelScope(shield=True):  # a connection opened is never dropped
                 conn = await self._acquire()
             try:
-                async with _transaction(conn, self._where) as tx:
+                async with _transaction(conn, self._where, self._threads) as tx:
                     yield tx
             except BaseException as exc:
                 await self._release(conn, exc)

@@ -41,7 +41,6 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import psycopg
 import psycopg.conninfo
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
@@ -65,6 +64,7 @@ from .base import (
     Row,
     SqlAdapter,
     TransientError,
+    WorkerThreads,
     conninfo_params,
     redact,
     settle_scope,
@@ -103,9 +103,10 @@ class _AsyncTx:
 class _SyncTx:
     """Executor over one sync psycopg connection; each statement runs in a worker thread."""
 
-    def __init__(self, conn: psycopg.Connection[Any], where: str) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], where: str, threads: WorkerThreads) -> None:
         self._conn = conn
         self._where = where
+        self._threads = threads
 
     @property
     def connection(self) -> psycopg.Connection[Any]:
@@ -113,7 +114,7 @@ class _SyncTx:
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         with _mapped(self._where):
-            rows = await anyio.to_thread.run_sync(_sync_all, self._conn, sql, params)
+            rows = await self._threads.run(_sync_all, self._conn, sql, params)
         # A caller cancelled while the statement ran gets its cancellation here, inside
         # the block, which then rolls back; not the rows, so its code goes no further.
         await anyio.lowlevel.checkpoint_if_cancelled()
@@ -249,22 +250,23 @@ async def _async_transaction(
 
 
 @asynccontextmanager
-async def _sync_transaction(conn: psycopg.Connection[Any], where: str) -> AsyncIterator[Executor]:
+async def _sync_transaction(conn: psycopg.Connection[Any], where: str, threads: WorkerThreads
+                            ) -> AsyncIterator[Executor]:
     with _mapped(where):
         tx = conn.transaction()
-        await anyio.to_thread.run_sync(tx.__enter__)
+        await threads.run(tx.__enter__)
         try:
-            yield _SyncTx(conn, where)
+            yield _SyncTx(conn, where, threads)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(tx.__exit__, type(exc), exc, exc.__traceback__)
+                await threads.run(tx.__exit__, type(exc), exc, exc.__traceback__)
             raise
         # Shielded, as the rollback: a cancellation pending as the block ends would
         # otherwise send no COMMIT and leave the connection in the transaction (a user's
         # connection for good: its later statements would become savepoints in it). A
         # commit is reported as done; the cancellation comes at the next checkpoint.
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(tx.__exit__, None, None, None)
+            await threads.run(tx.__exit__, None, None, None)
 
 
 class PsycopgPoolAdapter(SqlAdapter):
@@ -435,6 +437,13 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
         super().__init__(owned=False)
         self.pool = pool
         self._where = _where(pool.conninfo)
+        # At most max_size of this adapter's calls hold or wait for a pooled connection
+        # (a statement or a transaction, from before getconn to after putconn), and each
+        # uses one thread at a time: with a thread for each, a transaction holding a
+        # connection never waits for a thread that another call, blocked in getconn
+        # for that connection, holds.
+        self._checkouts = anyio.Semaphore(pool.max_size)
+        self._threads = WorkerThreads(pool.max_size)
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on a pooled connection in a worker thread."""
@@ -443,19 +452,21 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
             with self.pool.connection() as conn:
                 return _sync_single(conn, sql, params)
 
-        with _mapped(self._where):
-            return await anyio.to_thread.run_sync(run)
+        async with self._checkouts:
+            with _mapped(self._where):
+                return await self._threads.run(run)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
-        with _mapped(self._where):
-            conn = await anyio.to_thread.run_sync(self.pool.getconn)
-            try:
-                async with _sync_transaction(conn, self._where) as tx:
-                    yield tx
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self.pool.putconn, conn)
+        async with self._checkouts:
+            with _mapped(self._where):
+                conn = await self._threads.run(self.pool.getconn)
+                try:
+                    async with _sync_transaction(conn, self._where, self._threads) as tx:
+                        yield tx
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self._threads.run(self.pool.putconn, conn)
 
     def transaction(self) -> Any:
         """Open a transaction on a pooled connection."""
@@ -511,16 +522,19 @@ class PsycopgSyncConnectionAdapter(SqlAdapter):
         self._lock = anyio.Lock(fast_acquire=True)
         self._where = _where_of(conn)
         self._secret = _secret_of(conn)
+        # One statement at a time (the lock): its thread is never queued behind the
+        # application's own (anyio's default limiter).
+        self._threads = WorkerThreads(1)
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement in a worker thread when the connection is free."""
         async with self._lock:
             with _mapped(self._where, self._secret):
-                return await anyio.to_thread.run_sync(_sync_single, self.conn, sql, params)
+                return await self._threads.run(_sync_single, self.conn, sql, params)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
-        async with self._lock, _sync_transaction(self.conn, self._where) as tx:
+        async with self._lock, _sync_transaction(self.conn, self._where, self._threads) as tx:
             yield tx
 
     def transaction(self) -> Any:

@@ -61,8 +61,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-import anyio.to_thread
-
+from adapters.base import WorkerThreads
 from adapters.redis_lean import lean_sender
 from lease_core._redact import redact
 from lease_core.errors import (
@@ -355,7 +354,17 @@ class AsyncClientAdapter(RedisAdapter):
 
 
 class SyncClientAdapter(RedisAdapter):
-    """Drive a blocking client (``redis.Redis``, ``valkey.Valkey``) in worker threads."""
+    """Drive a blocking client (``redis.Redis``, ``valkey.Valkey``) in worker threads of
+    its own: :data:`THREADS` batches at a time, never queued behind the application's
+    ``anyio.to_thread`` calls (see :class:`~adapters.base.WorkerThreads`)."""
+
+    #: How many batches run at once, each in a worker thread (anyio's default limiter
+    #: has as many, shared with the whole application).
+    THREADS = 40
+
+    def __init__(self, client: Any, *, owned: bool) -> None:
+        super().__init__(client, owned=owned)
+        self._threads = WorkerThreads(self.THREADS)
 
     def _execute_blocking(self, commands: Sequence[Command]) -> list[Any]:
         if len(commands) == 1 and not self.cluster:  # as AsyncClientAdapter._execute
@@ -381,17 +390,17 @@ class SyncClientAdapter(RedisAdapter):
         return list(pipe.execute(raise_on_error=False))
 
     async def _execute(self, commands: Sequence[Command]) -> list[Any]:
-        return await anyio.to_thread.run_sync(partial(self._execute_blocking, commands))
+        return await self._threads.run(partial(self._execute_blocking, commands))
 
     def _load_blocking(self, scripts: Sequence[Any]) -> None:
         for script in scripts:
             self.client.script_load(script.script)
 
     async def _load(self, scripts: Sequence[Any]) -> None:
-        await anyio.to_thread.run_sync(partial(self._load_blocking, scripts))
+        await self._threads.run(partial(self._load_blocking, scripts))
 
     async def _close(self) -> None:
-        await anyio.to_thread.run_sync(self.client.close)
+        await self._threads.run(self.client.close)
 
 
 def _under_asyncio() -> bool:
@@ -464,7 +473,7 @@ class _SyncSentinelAdapter(SyncClientAdapter):
     async def _close(self) -> None:
         await super()._close()
         for sentinel in self.watcher.sentinels:
-            await anyio.to_thread.run_sync(sentinel.close)
+            await self._threads.run(sentinel.close)
 
 
 def _from_sentinel_url(url: str) -> RedisAdapter:

@@ -7,8 +7,10 @@ idle in a transaction, the server process a pooled connection runs on).
 
 from __future__ import annotations
 
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -17,6 +19,7 @@ import anyio.to_thread
 import pg8000.native
 import psycopg
 import pytest
+import redis
 from psycopg_pool import ConnectionPool
 
 from adapters.pg8000 import Pg8000ConnectionAdapter, Pg8000PoolAdapter, pg8000_params
@@ -26,6 +29,7 @@ from adapters.psycopg import (
     PsycopgSyncPoolAdapter,
 )
 from adapters.sql import SqlAdapter
+from backends.redis import RedisBackend
 from lease_core.errors import BackendUnavailable, ConfigurationError
 from lease_core.testing import wait_for
 from tests.stores.postgres import PgServer
@@ -325,3 +329,102 @@ async def test_a_statement_timeout_is_said_so_the_same_way_and_keeps_the_connect
         assert await adapter.all("SELECT pg_backend_pid()") == pid
     finally:
         await adapter.close()
+
+
+@asynccontextmanager
+async def _default_threads_all_busy() -> AsyncIterator[None]:
+    """Every token of anyio's default thread limiter held by a blocked worker thread, as
+    an application's slow sync endpoints or ``to_thread`` calls can hold them."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    gate = threading.Event()
+    async with anyio.create_task_group() as tg:
+        for _ in range(int(limiter.total_tokens)):
+            tg.start_soon(anyio.to_thread.run_sync, gate.wait)
+        try:
+            await wait_for(lambda: limiter.available_tokens == 0, what="busy threads")
+            yield
+        finally:
+            gate.set()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("kind", ["pg8000-pool", "pg8000-connection",
+                                  "psycopg-sync-pool", "psycopg-sync-connection"])
+async def test_a_blocking_driver_runs_while_the_default_threads_are_all_busy(
+    pg16_server: PgServer, kind: str
+) -> None:
+    """The blocking drivers run in worker threads of their own: with anyio's default
+    limiter exhausted by the application, statements and transactions still run (they
+    queued behind it, and heartbeats with them)."""
+    closing: list[Callable[[], Any]] = []
+    adapter: SqlAdapter
+    if kind == "pg8000-pool":
+        adapter = Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1)
+        await adapter.open()
+    elif kind == "pg8000-connection":
+        p = pg8000_params(pg16_server.dsn)
+        conn = pg8000.native.Connection(p["user"], host=p["host"], port=p["port"],
+                                        password=p["password"], database=p["database"])
+        closing.append(conn.close)
+        adapter = Pg8000ConnectionAdapter(conn)
+    elif kind == "psycopg-sync-pool":
+        pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=1, open=True)
+        closing.append(pool.close)
+        adapter = PsycopgSyncPoolAdapter(pool)
+    else:
+        sync_conn = psycopg.connect(pg16_server.dsn, autocommit=True)
+        closing.append(sync_conn.close)
+        adapter = PsycopgSyncConnectionAdapter(sync_conn)
+    try:
+        async with _default_threads_all_busy():
+            with anyio.fail_after(10):
+                assert await adapter.all("SELECT 1") == [(1,)]
+                async with adapter.transaction() as tx:
+                    assert await tx.all("SELECT 2") == [(2,)]
+    finally:
+        await adapter.close()
+        for close in closing:
+            close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_sync_redis_client_runs_while_the_default_threads_are_all_busy(
+    redis62_server: Any,
+) -> None:
+    """As the blocking SQL drivers: a sync redis-py client's batches (a Redis URL's
+    client under trio) run in worker threads of their own."""
+    backend = RedisBackend(redis.Redis(port=redis62_server.port), prefix="threads")
+    await backend.start()
+    try:
+        async with _default_threads_all_busy():
+            with anyio.fail_after(10):
+                assert await backend.now_ms() > 0
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_sync_pool_transaction_holding_the_only_connection_is_never_starved(
+    pg16_server: PgServer,
+) -> None:
+    """A pool of one connection, held by a transaction, and statements waiting for it:
+    the waiting statements never hold every thread the transaction needs for its next
+    statement (that stalled it until the pool's timeout)."""
+    pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=1, open=True, timeout=30)
+    adapter = PsycopgSyncPoolAdapter(pool)
+    answers: list[Any] = []
+
+    async def one(n: int) -> None:
+        answers.extend(await adapter.all("SELECT %s::int", (n,)))
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg, adapter.transaction() as tx:
+                for n in range(3):
+                    tg.start_soon(one, n)
+                await anyio.sleep(0.2)  # the three statements now wait for the pool
+                assert await tx.all("SELECT 10") == [(10,)]
+                assert await tx.all("SELECT 11") == [(11,)]
+        assert sorted(answers) == [(0,), (1,), (2,)]
+    finally:
+        pool.close()
