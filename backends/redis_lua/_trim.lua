@@ -30,22 +30,27 @@ local function trim_select(hist, done, run_prefix, history_size, history_ttl, li
   local function held(id)
     return hold and redis.call('SISMEMBER', hold, string.match(id, '^(.*):') or id) == 1
   end
+  local taken  -- how many of the current kind are removed (at most limit)
+  local function take(id)  -- a trimmable id: set apart when held, else removed
+    if held(id) then
+      skipped[#skipped + 1] = id
+    else
+      removed[#removed + 1] = id
+      taken = taken + 1
+    end
+  end
   if history_size then
     -- the oldest beyond the newest history_size, less those not finished (an open run's:
     -- deleting it would leave the run with no history while it runs)
     local excess = redis.call('ZCARD', hist) - history_size
-    local from, taken = 0, 0
+    local from = 0
+    taken = 0
     while excess > from and taken < limit do
       local upto = math.min(excess, from + limit) - 1
       for _, id in ipairs(redis.call('ZRANGE', hist, from, upto)) do
         if taken < limit and redis.call('ZSCORE', done, id) and trimmable(id) then
           beyond[#beyond + 1] = id
-          if held(id) then
-            skipped[#skipped + 1] = id
-          else
-            removed[#removed + 1] = id
-            taken = taken + 1
-          end
+          take(id)
         end
       end
       from = upto + 1
@@ -53,18 +58,14 @@ local function trim_select(hist, done, run_prefix, history_size, history_ttl, li
   end
   if history_ttl then
     -- read on past the attempts kept (at most one per run in a grace), up to a batch
-    local from, taken = 0, 0
+    local from = 0
+    taken = 0
     while taken < limit do
       local old = redis.call('ZRANGEBYSCORE', done, '-inf', '(' .. (now - history_ttl),
         'LIMIT', from, limit)
       for _, id in ipairs(old) do
         if taken < limit and trimmable(id) then
-          if held(id) then
-            skipped[#skipped + 1] = id
-          else
-            removed[#removed + 1] = id
-            taken = taken + 1
-          end
+          take(id)
         end
       end
       if #old < limit then
