@@ -20,7 +20,8 @@ Measured per burst, from just before the slot until every job's handler started
   as ``time.time()``) until the last handler started;
 - ``round_trips``: requests the client sent, counted at the driver (redis-py's
   ``send_packed_command``: one per command or pipeline, connection handshakes
-  included; psycopg's and pg8000's statement calls), and on PostgreSQL the statements
+  included; the Redis adapter's lean single commands, which bypass it; psycopg's and
+  pg8000's statement calls), and on PostgreSQL the statements
   ``pg_stat_statements`` recorded when it is loaded;
 - ``commands`` (Redis): ``INFO commandstats`` calls, commands run inside scripts
   included, and ``connections`` (``total_connections_received``);
@@ -38,6 +39,7 @@ round (higher is better for anarchon), then the median and spread of the rounds.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import statistics
 import time
@@ -53,6 +55,7 @@ import psycopg
 import redis.asyncio
 import redis.asyncio.connection
 
+from adapters.redis_lean import LeanSender
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core import Scheduler
@@ -97,6 +100,8 @@ WHERE burst_shedlock.lock_until <= timezone('utc', CURRENT_TIMESTAMP)"""
 _sent = [0]
 #: ids of the meter's own connections, whose requests are not counted.
 _uncounted: set[int] = set()
+#: Inside a lean send (counted once there, whether or not it calls the driver's sender).
+_in_lean: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_lean", default=False)
 
 
 @contextlib.contextmanager
@@ -110,7 +115,8 @@ def _count_driver_calls() -> Iterator[None]:
         original = getattr(owner, name)
         if is_async:
             async def counted_async(self: Any, *args: Any, **kwargs: Any) -> Any:
-                if id(getattr(self, "connection", self)) not in _uncounted:
+                if (id(getattr(self, "connection", self)) not in _uncounted
+                        and not _in_lean.get()):
                     _sent[0] += 1
                 return await original(self, *args, **kwargs)
             setattr(owner, name, counted_async)
@@ -124,6 +130,20 @@ def _count_driver_calls() -> Iterator[None]:
     wrap(redis.asyncio.connection.AbstractConnection, "send_packed_command", True)
     wrap(psycopg.AsyncCursor, "execute", True)
     wrap(pg8000.native.Connection, "run", False)
+    # The Redis adapter's single commands (adapters/redis_lean.py) write to the stream
+    # themselves, not through send_packed_command: each is one request too.
+    send = LeanSender.send
+
+    async def lean_send(self: Any, command: tuple[Any, ...]) -> Any:
+        token = _in_lean.set(True)
+        try:
+            _sent[0] += 1
+            return await send(self, command)
+        finally:
+            _in_lean.reset(token)
+
+    LeanSender.send = lean_send  # type: ignore[method-assign]
+    patched.append((LeanSender, "send", send))
     try:
         yield
     finally:
