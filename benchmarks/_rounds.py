@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-__all__ = ["Op", "interleave", "load_tree", "turn"]
+__all__ = ["Op", "interleave", "load_tree", "round_order", "turn"]
 
 T = TypeVar("T")
 
@@ -36,6 +36,16 @@ def load_tree(tree: str, imports: Callable[[], T]) -> T:
         return imports()
     finally:
         sys.path.remove(tree)
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """The contenders' order in round ``r``: rotated by ``r``, reversed every other full
+    rotation. (Reversing every other *round* cancels the rotation when there are two
+    contenders, and halves the rotations with four: the same one always went first.)"""
+    order = names[r % len(names):] + names[:r % len(names)]
+    if (r // len(names)) % 2:
+        order.reverse()
+    return order
 
 
 async def turn(fn: Op, seconds: float, start_at: int) -> tuple[float, float, int]:
@@ -62,10 +72,7 @@ async def interleave(contenders: dict[str, Op], *, rounds: int, seconds: float,
     for name in names:  # warm-up: connections, scripts, plans
         _, _, nexts[name] = await turn(contenders[name], min(warm_up, seconds), nexts[name])
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        if r % 2:
-            order.reverse()
-        for name in order:
+        for name in round_order(names, r):
             ops, per_op, nexts[name] = await turn(contenders[name], seconds, nexts[name])
             rate[name].append(ops)
             cpu[name].append(per_op)

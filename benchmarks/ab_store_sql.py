@@ -40,6 +40,7 @@ from backends.postgres import PostgresBackend
 from backends.postgres import statements as st
 from lease_core import Lease
 
+from ._rounds import round_order
 from ._util import pg_servers
 from .peers import SHEDLOCK_LOCK, SHEDLOCK_TABLE, SHEDLOCK_UNLOCK
 from .throughput import claim_finish_op
@@ -168,10 +169,7 @@ async def _rounds(contenders: dict[str, tuple[Op, int]], raw: psycopg.AsyncConne
             nexts[name] += 1
     await raw.execute("SELECT pg_stat_statements_reset()")
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        if r % 2:
-            order.reverse()
-        for name in order:
+        for name in round_order(names, r):
             fn, pid = contenders[name]
             first = nexts[name]
             cpu, ns, wall = time.process_time(), _server_ns(pid), time.perf_counter()

@@ -47,6 +47,7 @@ from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core.abc import Backend, ClaimRequest, ClaimStatus
 
+from ._rounds import round_order
 from ._util import Servers
 from .throughput import HISTORY, INSTANCE, LEASE_MS, claim_finish_op
 
@@ -133,10 +134,7 @@ async def interleaved(contenders: dict[str, tuple[Callable[[int], Any], bool]], 
         _, counters[name] = await _rate(fn, min(0.1, seconds), sync=sync,
                                         start_at=counters[name])
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        if r % 2:
-            order.reverse()
-        for name in order:
+        for name in round_order(names, r):
             fn, sync = contenders[name]
             before = {key: await read(name) for key, read in probes.items()}
             first = counters[name]

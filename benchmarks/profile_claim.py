@@ -49,6 +49,7 @@ from backends.redis import RedisBackend
 from lease_core.abc import ClaimRequest, ClaimStatus, Lease, Outcome
 from lease_core.errors import AnarchonError
 
+from ._rounds import round_order
 from ._util import Servers, pg_servers
 from .peers import SHEDLOCK_LOCK, SHEDLOCK_TABLE, SHEDLOCK_UNLOCK
 from .throughput import HISTORY, INSTANCE, LEASE_MS
@@ -124,10 +125,7 @@ async def _rounds(phase: Callable[..., Awaitable[dict[str, Any]]],
     parts: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     per = max(1, n // rounds)
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        if r % 2:
-            order.reverse()
-        for name in order:
+        for name in round_order(names, r):
             parts[name].append(await phase(*contenders[name], per, r * per))
     return parts
 
