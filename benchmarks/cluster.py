@@ -128,8 +128,9 @@ async def _cells(cluster: EmbeddedRedisCluster, seconds: float, rounds: int,
 
         async def raw_claim_finish(i: int) -> None:
             job, token = f"f{run}-r{i % JOBS}", uuid.uuid4().hex
-            if await raw_claim(job, i + 1, token):
-                await client.execute_command(*_finish_command(job, i + 1, token))
+            if not await raw_claim(job, i + 1, token):
+                raise RuntimeError("a raw claim of claim + finish was not won")
+            await client.execute_command(*_finish_command(job, i + 1, token))
 
         out["claim_finish"] = await interleaved({"library": (lib_claim_finish, False),
                                                  "raw": (raw_claim_finish, False)}, "library",

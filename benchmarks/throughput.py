@@ -398,9 +398,13 @@ async def run_throughput(servers: Servers, *, quick: bool, seconds: float, repea
 
 
 async def claim_finish_op(backend: Backend, job: str, slot: int) -> None:
-    """Claim a run and finish it (the library side of the peers comparison)."""
+    """Claim a run and finish it (the library side of the peers comparison).
+
+    A claim not won raises, as a peer's lock not acquired does: counted as an operation,
+    a lost claim (one round trip, no finish) would make the rate look better."""
     token = uuid.uuid4().hex
     result = await backend.claim(ClaimRequest(job, slot, INSTANCE, token, LEASE_MS,
                                               history_size=HISTORY))
-    if result.status is ClaimStatus.WON:
-        await backend.finish(Lease(job, slot, token, LEASE_MS), Outcome.COMPLETED)
+    if result.status is not ClaimStatus.WON:
+        raise RuntimeError(f"claim of {job} slot {slot} not won: {result.status}")
+    await backend.finish(Lease(job, slot, token, LEASE_MS), Outcome.COMPLETED)
