@@ -161,4 +161,6 @@ def p95(values: list[float]) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(0.95 * len(ordered) + 0.5) - 1))]
+    # nearest rank: the ceil(0.95 n)-th value (round(x + 0.5) rounds half to even, which
+    # took the rank after it whenever 0.95 n was an even integer: the maximum of 20)
+    return ordered[max(0, -(-95 * len(ordered) // 100) - 1)]
