@@ -6,6 +6,10 @@ never absolute times, so a busier machine does not fail the comparison. Every ra
 oriented so that higher is better; a ratio regressed when ``new < old * (1 - threshold)``.
 Exits 1 when any ratio regressed, 2 on unusable input, else 0.
 
+A ratio of OLD that no NEW file has fails too (a benchmark that stopped producing it, or
+a contender that could not run, must not pass the gate by its absence); a ratio only in
+NEW is listed as new.
+
 Given several NEW files (repeated measurements of the same code), each ratio takes its
 best value among them: a ratio counts as regressed only when every measurement regressed,
 which keeps a noisy, shared machine from failing the comparison by chance.
@@ -72,10 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     regressed = []
     for key in sorted(old.keys() | new.keys()):
         a, b = old.get(key), new.get(key)
-        if a is None or b is None:
-            status = "only in old" if b is None else "new"
-            print(f"{key:<{width}}  {a if a is not None else '-':>8}  "
-                  f"{b if b is not None else '-':>8}  {status:>8}")
+        if b is None:
+            print(f"{key:<{width}}  {a:>8.3f}  {'-':>8}  {'':>8}  MISSING")
+            regressed.append(key)
+            continue
+        if a is None:
+            print(f"{key:<{width}}  {'-':>8}  {b:>8.3f}  {'new':>8}")
             continue
         change = (b - a) / a if a else 0.0
         flag = ""
@@ -88,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         print("compare: the two runs share no ratio", file=sys.stderr)
         return 2
     if regressed:
-        print(f"\n{len(regressed)} of {len(common)} ratios regressed by more than "
-              f"{args.threshold:.0%}: {', '.join(regressed)}")
+        print(f"\n{len(regressed)} of {len(old)} ratios regressed by more than "
+              f"{args.threshold:.0%} or are missing: {', '.join(regressed)}")
         if args.sections_file:
             args.sections_file.write_text(",".join(sections_of(regressed)) + "\n")
         return 1

@@ -6,7 +6,8 @@ SIGKILLed by the parent):
 ``load URL JOBS NAME``
     A scheduler with JOBS jobs (every 10, 20, 30 or 60 s, offsets spread over the
     interval, handlers of 2-4 s), heartbeat 1 s, lease 5 s. Prints its held and watched
-    runs (and Redis round trips) every second.
+    runs every second, and on Redis its round trips: all of them, and those made inside
+    the backend's ``heartbeat`` and ``check`` calls (the upkeep, membership included).
 ``rss URL LEASES``
     A scheduler whose LEASES jobs all fire within a few seconds and never finish; prints
     its RSS and held runs every second.
@@ -43,15 +44,28 @@ from lease_core.abc import Backend
 
 HOUR_MS = 3_600_000
 
+#: Set while a backend call whose round trips are upkeep (``heartbeat``, ``check``) runs:
+#: :class:`CountingRedis` counts them apart too (a context variable, so a claim running
+#: at the same time in another task is not counted as upkeep).
+_upkeep: contextvars.ContextVar[bool] = contextvars.ContextVar("upkeep", default=False)
+
 
 class CountingRedis:
-    """An asyncio redis-py client that counts round trips (pipelines and single commands)."""
+    """An asyncio redis-py client that counts round trips (pipelines and single commands),
+    and apart those made for upkeep (see :data:`_upkeep`)."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
         self.connection_pool = client.connection_pool
         self.round_trips = 0
+        self.upkeep_round_trips = 0
         self.commands = 0
+
+    def _count(self, commands: int) -> None:
+        self.round_trips += 1
+        self.commands += commands
+        if _upkeep.get():
+            self.upkeep_round_trips += 1
 
     def pipeline(self, transaction: bool = True) -> Any:
         """A pipeline whose ``execute`` counts one round trip."""
@@ -59,8 +73,7 @@ class CountingRedis:
         run = pipe.execute
 
         async def execute(raise_on_error: bool = True) -> Any:
-            self.round_trips += 1
-            self.commands += len(pipe.command_stack)
+            self._count(len(pipe.command_stack))
             return await run(raise_on_error=raise_on_error)
 
         pipe.execute = execute
@@ -68,8 +81,7 @@ class CountingRedis:
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         """One command, one round trip."""
-        self.round_trips += 1
-        self.commands += 1
+        self._count(1)
         return await self._client.execute_command(*args, **options)
 
     def register_script(self, script: str) -> Any:
@@ -80,8 +92,7 @@ class CountingRedis:
 
     async def evalsha(self, *args: Any) -> Any:
         """One script call, one round trip."""
-        self.round_trips += 1
-        self.commands += 1
+        self._count(1)
         return await self._client.evalsha(*args)
 
     async def aclose(self) -> None:
@@ -134,9 +145,22 @@ async def _until_sigterm(scheduler: Scheduler, report: Any) -> None:
     emit(event="stopped")
 
 
+def _as_upkeep(method: Any) -> Any:
+    """``method``, its round trips counted as upkeep."""
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        token = _upkeep.set(True)
+        try:
+            return await method(*args, **kwargs)
+        finally:
+            _upkeep.reset(token)
+    return call
+
+
 async def load(url: str, jobs: int, name: str, prefix: str) -> None:
     """Steady-state fleet member (see module docs)."""
     backend, counter = make_backend(url, prefix)
+    for op in ("heartbeat", "check"):
+        setattr(backend, op, _as_upkeep(getattr(backend, op)))
     scheduler = Scheduler(backend, instance_id=name, lease="5s", heartbeat="1s")
 
     async def handler(ctx: RunContext) -> None:
@@ -154,6 +178,7 @@ async def load(url: str, jobs: int, name: str, prefix: str) -> None:
         def report() -> None:
             emit(event="status", held=len(scheduler.running), watch=len(scheduler.watching),
                  round_trips=counter.round_trips if counter else None,
+                 upkeep_round_trips=counter.upkeep_round_trips if counter else None,
                  commands=counter.commands if counter else None, t=time.monotonic())
 
         await _until_sigterm(scheduler, report)

@@ -22,6 +22,18 @@ def test_a_ratio_fails_only_when_every_measurement_regressed(tmp_path: Path) -> 
     assert compare.main([str(old), str(bad), str(bad)]) == 1
 
 
+def test_a_ratio_missing_from_every_new_run_fails(tmp_path: Path) -> None:
+    """A ratio the baseline tracks and no run produced fails (it passed, "only in old"),
+    and its section is measured again; a ratio only in the new runs does not fail."""
+    old = _write(tmp_path / "old.json", {"lease.pg.vs_y": 1.0, "burst.redis.100.z": 2.0})
+    new = _write(tmp_path / "new.json", {"lease.pg.vs_y": 1.0, "cpu.pg.r250.x": 0.1})
+    sections = tmp_path / "sections.txt"
+    assert compare.main([str(old), str(new), "--sections-file", str(sections)]) == 1
+    assert sections.read_text().strip() == "burst"
+    again = _write(tmp_path / "again.json", {"burst.redis.100.z": 2.0})
+    assert compare.main([str(old), str(new), str(again)]) == 0
+
+
 def test_the_sections_behind_the_regressed_ratios_are_written(tmp_path: Path) -> None:
     old = _write(tmp_path / "old.json", {"cpu.memory.r2000.x": 1.0, "claim.pg.a": 1.0,
                                          "batch.pg.b": 1.0, "heartbeat.pg.n1.c": 1.0})
