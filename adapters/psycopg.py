@@ -43,6 +43,7 @@ import anyio
 import anyio.lowlevel
 import psycopg
 import psycopg.conninfo
+import sniffio
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from lease_core.errors import BackendUnavailable, ConfigurationError
@@ -441,9 +442,19 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
         # (a statement or a transaction, from before getconn to after putconn), and each
         # uses one thread at a time: with a thread for each, a transaction holding a
         # connection never waits for a thread that another call, blocked in getconn
-        # for that connection, holds.
-        self._checkouts = anyio.Semaphore(pool.max_size)
+        # for that connection, holds. One semaphore per event-loop library, as the
+        # threads' limiters (an anyio semaphore belongs to the library it was first
+        # used under).
+        self._checkouts_of: dict[str, anyio.Semaphore] = {}
         self._threads = WorkerThreads(pool.max_size)
+
+    def _checkouts(self) -> anyio.Semaphore:
+        """The checkouts' semaphore of the running event loop's library."""
+        library = sniffio.current_async_library()
+        found = self._checkouts_of.get(library)
+        if found is None:
+            found = self._checkouts_of[library] = anyio.Semaphore(self.pool.max_size)
+        return found
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on a pooled connection in a worker thread."""
@@ -452,13 +463,13 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
             with self.pool.connection() as conn:
                 return _sync_single(conn, sql, params)
 
-        async with self._checkouts:
+        async with self._checkouts():
             with _mapped(self._where):
                 return await self._threads.run(run)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
-        async with self._checkouts:
+        async with self._checkouts():
             with _mapped(self._where):
                 conn = await self._threads.run(self.pool.getconn)
                 try:

@@ -428,3 +428,23 @@ async def test_a_sync_pool_transaction_holding_the_only_connection_is_never_star
         assert sorted(answers) == [(0,), (1,), (2,)]
     finally:
         pool.close()
+
+
+def test_a_sync_pool_adapter_runs_under_asyncio_then_trio(pg16_server: PgServer) -> None:
+    """An adapter over a sync psycopg pool keeps nothing bound to one event-loop library:
+    used under asyncio, then under trio, it works under both (its checkouts' semaphore
+    was asyncio's for good, and trio's first call failed with "no running event loop")."""
+    pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=2, open=True, timeout=5)
+    adapter = PsycopgSyncPoolAdapter(pool)
+
+    async def use() -> None:
+        with anyio.fail_after(10):
+            assert await adapter.all("SELECT 1") == [(1,)]
+            async with adapter.transaction() as tx:
+                assert await tx.all("SELECT 2") == [(2,)]
+
+    try:
+        anyio.run(use, backend="asyncio")
+        anyio.run(use, backend="trio")
+    finally:
+        pool.close()
