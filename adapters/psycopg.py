@@ -44,7 +44,7 @@ import anyio.lowlevel
 import psycopg
 import psycopg.conninfo
 import sniffio
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from lease_core.errors import BackendUnavailable, ConfigurationError
 
@@ -448,13 +448,29 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
         self._checkouts_of: dict[str, anyio.Semaphore] = {}
         self._threads = WorkerThreads(pool.max_size)
 
-    def _checkouts(self) -> anyio.Semaphore:
-        """The checkouts' semaphore of the running event loop's library."""
+    @asynccontextmanager
+    async def _checkout(self) -> AsyncIterator[None]:
+        """Hold one of the checkouts (the semaphore of the running event loop's library).
+
+        Waited for the pool's ``timeout`` at most, as getconn waits, then raised as the
+        pool's timeout: a statement run inside a transaction of the same adapter while
+        every checkout is held (by that transaction among others) would otherwise wait
+        for good, where getconn gives up.
+        """
         library = sniffio.current_async_library()
-        found = self._checkouts_of.get(library)
-        if found is None:
-            found = self._checkouts_of[library] = anyio.Semaphore(self.pool.max_size)
-        return found
+        checkouts = self._checkouts_of.get(library)
+        if checkouts is None:
+            checkouts = self._checkouts_of[library] = anyio.Semaphore(self.pool.max_size)
+        timeout = self.pool.timeout
+        with anyio.move_on_after(timeout) as waiting:
+            await checkouts.acquire()
+        if waiting.cancelled_caught:
+            with _mapped(self._where):
+                raise PoolTimeout(f"couldn't get a connection after {timeout:.2f} sec")
+        try:
+            yield
+        finally:
+            checkouts.release()
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on a pooled connection in a worker thread."""
@@ -463,13 +479,13 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
             with self.pool.connection() as conn:
                 return _sync_single(conn, sql, params)
 
-        async with self._checkouts():
+        async with self._checkout():
             with _mapped(self._where):
                 return await self._threads.run(run)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
-        async with self._checkouts():
+        async with self._checkout():
             with _mapped(self._where):
                 conn = await self._threads.run(self.pool.getconn)
                 try:

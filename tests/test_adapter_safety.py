@@ -448,3 +448,24 @@ def test_a_sync_pool_adapter_runs_under_asyncio_then_trio(pg16_server: PgServer)
         anyio.run(use, backend="trio")
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_sync_pool_statement_waiting_for_a_checkout_gives_up_at_the_pool_timeout(
+    pg16_server: PgServer,
+) -> None:
+    """A statement of the adapter run inside one of its transactions, every connection
+    held: it fails after the pool's timeout, as getconn does, and does not wait for good
+    (it waited for a checkout the transaction holds, the transaction for it)."""
+    pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=1, open=True, timeout=0.5)
+    adapter = PsycopgSyncPoolAdapter(pool)
+    try:
+        with anyio.fail_after(10):
+            async with adapter.transaction() as tx:
+                assert await tx.all("SELECT 1") == [(1,)]
+                with pytest.raises(BackendUnavailable, match="became free in time"):
+                    await adapter.all("SELECT 2")
+                assert await tx.all("SELECT 3") == [(3,)]
+            assert await adapter.all("SELECT 4") == [(4,)]
+    finally:
+        pool.close()
