@@ -19,12 +19,12 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import anyio
 import anyio.to_thread
-import sniffio
+from anyio.lowlevel import RunVar
 
 from lease_core._redact import redact
 from lease_core.errors import BackendUnavailable, ConfigurationError
@@ -34,6 +34,7 @@ __all__ = [
     "GAVE_UP_STATES",
     "Executor",
     "Params",
+    "PerLoop",
     "Row",
     "SqlAdapter",
     "TransientError",
@@ -119,6 +120,28 @@ class Executor(Protocol):
         """Execute ``sql`` and return its rows (an empty list when it returns none)."""
 
 
+class PerLoop(Generic[T]):
+    """One value per running event loop (anyio's ``RunVar``), made by ``factory`` at its
+    first use there: an anyio limiter, semaphore or lock belongs to the loop it was first
+    used on, and an adapter may be used on several, one after another (asyncio, then trio)
+    or at once in two threads (each thread's own asyncio loop)."""
+
+    __slots__ = ("_factory", "_var")
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._var: RunVar[T] = RunVar(f"anarchon-per-loop-{id(self):x}")
+
+    def get(self) -> T:
+        """The running loop's value."""
+        try:
+            return self._var.get()
+        except LookupError:
+            value = self._factory()
+            self._var.set(value)
+            return value
+
+
 class WorkerThreads:
     """The worker threads of one blocking driver (pg8000, sync psycopg, sync redis-py): a
     limiter of its own, ``tokens`` calls at a time, instead of anyio's default one.
@@ -126,8 +149,8 @@ class WorkerThreads:
     The application shares the default limiter (40 threads; a web framework's sync
     endpoints and the application's own ``anyio.to_thread`` calls take from it): 40 slow
     calls there would otherwise queue the store's heartbeats behind them until the
-    leases lapse. One limiter per event-loop library (an adapter used under asyncio and
-    then trio gets one of each), made at the first call under it.
+    leases lapse. One limiter per running event loop (:class:`PerLoop`), as anyio's
+    default limiter is.
     """
 
     __slots__ = ("_limiters", "tokens")
@@ -136,19 +159,15 @@ class WorkerThreads:
         if tokens < 1:
             raise ValueError(f"a driver needs at least one worker thread, not {tokens}")
         self.tokens = tokens
-        self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        self._limiters = PerLoop(lambda: anyio.CapacityLimiter(tokens))
 
     def limiter(self) -> anyio.CapacityLimiter:
-        """The limiter of the running event loop's library."""
-        library = sniffio.current_async_library()
-        found = self._limiters.get(library)
-        if found is None:
-            found = self._limiters[library] = anyio.CapacityLimiter(self.tokens)
-        return found
+        """The limiter of the running event loop."""
+        return self._limiters.get()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread taken from this driver's own limiter."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter())
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiters.get())
 
 
 class SqlAdapter(ABC):

@@ -43,7 +43,6 @@ import anyio
 import anyio.lowlevel
 import psycopg
 import psycopg.conninfo
-import sniffio
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from lease_core.errors import BackendUnavailable, ConfigurationError
@@ -62,6 +61,7 @@ from .base import (
     CANCEL_GRACE_S,
     Executor,
     Params,
+    PerLoop,
     Row,
     SqlAdapter,
     TransientError,
@@ -442,25 +442,21 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
         # (a statement or a transaction, from before getconn to after putconn), and each
         # uses one thread at a time: with a thread for each, a transaction holding a
         # connection never waits for a thread that another call, blocked in getconn
-        # for that connection, holds. One semaphore per event-loop library, as the
-        # threads' limiters (an anyio semaphore belongs to the library it was first
-        # used under).
-        self._checkouts_of: dict[str, anyio.Semaphore] = {}
+        # for that connection, holds. One semaphore per running event loop, as the
+        # threads' limiters (PerLoop).
+        self._checkouts = PerLoop(lambda: anyio.Semaphore(pool.max_size))
         self._threads = WorkerThreads(pool.max_size)
 
     @asynccontextmanager
     async def _checkout(self) -> AsyncIterator[None]:
-        """Hold one of the checkouts (the semaphore of the running event loop's library).
+        """Hold one of the checkouts (the semaphore of the running event loop).
 
         Waited for the pool's ``timeout`` at most, as getconn waits, then raised as the
         pool's timeout: a statement run inside a transaction of the same adapter while
         every checkout is held (by that transaction among others) would otherwise wait
         for good, where getconn gives up.
         """
-        library = sniffio.current_async_library()
-        checkouts = self._checkouts_of.get(library)
-        if checkouts is None:
-            checkouts = self._checkouts_of[library] = anyio.Semaphore(self.pool.max_size)
+        checkouts = self._checkouts.get()
         timeout = self.pool.timeout
         with anyio.move_on_after(timeout) as waiting:
             await checkouts.acquire()

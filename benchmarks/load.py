@@ -187,8 +187,8 @@ async def _redis_load(servers: Servers, jobs: int, warmup: float,
         await client.aclose()
     stats, elapsed = out["stats"], out["elapsed_s"]
     model = _model(out["held"], out["watched"])
-    # upkeep round trips: those the instances made inside their backends' heartbeat and
-    # check calls (membership renewed in the heartbeat's), counted by their clients
+    # upkeep round trips: those the instances made inside their backends' heartbeat,
+    # check and members calls, counted by their clients (UPKEEP, as on PostgreSQL)
     upkeep = out["upkeep_round_trips_s"]
     return {
         "key": f"load.redis.j{jobs}", "store": "redis", "jobs": jobs, "instances": INSTANCES,

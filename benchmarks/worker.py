@@ -7,7 +7,7 @@ SIGKILLed by the parent):
     A scheduler with JOBS jobs (every 10, 20, 30 or 60 s, offsets spread over the
     interval, handlers of 2-4 s), heartbeat 1 s, lease 5 s. Prints its held and watched
     runs every second, and on Redis its round trips: all of them, and those made inside
-    the backend's ``heartbeat`` and ``check`` calls (the upkeep, membership included).
+    the backend's ``heartbeat``, ``check`` and ``members`` calls (the upkeep).
 ``rss URL LEASES``
     A scheduler whose LEASES jobs all fire within a few seconds and never finish; prints
     its RSS and held runs every second.
@@ -44,7 +44,8 @@ from lease_core.abc import Backend
 
 HOUR_MS = 3_600_000
 
-#: Set while a backend call whose round trips are upkeep (``heartbeat``, ``check``) runs:
+#: Set while a backend call whose round trips are upkeep (``heartbeat``, ``check``,
+#: ``members``) runs:
 #: :class:`CountingRedis` counts them apart too (a context variable, so a claim running
 #: at the same time in another task is not counted as upkeep).
 _upkeep: contextvars.ContextVar[bool] = contextvars.ContextVar("upkeep", default=False)
@@ -159,7 +160,7 @@ def _as_upkeep(method: Any) -> Any:
 async def load(url: str, jobs: int, name: str, prefix: str) -> None:
     """Steady-state fleet member (see module docs)."""
     backend, counter = make_backend(url, prefix)
-    for op in ("heartbeat", "check"):
+    for op in ("heartbeat", "check", "members"):
         setattr(backend, op, _as_upkeep(getattr(backend, op)))
     scheduler = Scheduler(backend, instance_id=name, lease="5s", heartbeat="1s")
 

@@ -8,6 +8,7 @@ idle in a transaction, the server process a pooled connection runs on).
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,6 +23,7 @@ import pytest
 import redis
 from psycopg_pool import ConnectionPool
 
+from adapters.base import WorkerThreads
 from adapters.pg8000 import Pg8000ConnectionAdapter, Pg8000PoolAdapter, pg8000_params
 from adapters.psycopg import (
     PsycopgDsnAdapter,
@@ -469,3 +471,31 @@ async def test_a_sync_pool_statement_waiting_for_a_checkout_gives_up_at_the_pool
             assert await adapter.all("SELECT 4") == [(4,)]
     finally:
         pool.close()
+
+
+def test_a_blocking_drivers_threads_are_a_limiter_per_running_event_loop() -> None:
+    """WorkerThreads: a limiter per running loop (asyncio, then trio; and two asyncio
+    loops at once in two threads, which shared one limiter and lost its wake-ups)."""
+    threads = WorkerThreads(1)
+    seen: list[Any] = []
+
+    async def use() -> None:
+        seen.append(threads.limiter())
+        assert await threads.run(lambda: 1) == 1
+        assert threads.limiter() is seen[-1]
+
+    anyio.run(use)
+    anyio.run(use, backend="trio")
+    assert len({id(limiter) for limiter in seen}) == 2
+
+    async def busy() -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(50):
+                tg.start_soon(threads.run, time.sleep, 0.001)
+
+    loops = [threading.Thread(target=anyio.run, args=(busy,), daemon=True) for _ in range(2)]
+    for loop in loops:
+        loop.start()
+    for loop in loops:
+        loop.join(30)
+    assert not any(loop.is_alive() for loop in loops), "a loop's calls never ended"
