@@ -72,6 +72,11 @@ def _start_pg() -> tuple[EmbeddedPostgres, bool]:
     return server, pgss
 
 
+#: PostgreSQL settings recorded in the environment (``SHOW``).
+PG_SETTINGS = ("fsync", "synchronous_commit", "full_page_writes", "wal_level",
+               "shared_buffers")
+
+
 @contextlib.contextmanager
 def pg_servers() -> Iterator[Servers]:
     """Start PostgreSQL and Redis for one run; stop them and delete their files after."""
@@ -88,6 +93,12 @@ def pg_servers() -> Iterator[Servers]:
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             row = conn.execute("SHOW server_version").fetchone()
             servers.versions["postgresql"] = str(row[0]) if row else "?"
+            # Durability and memory settings both sides of every comparison run with (the
+            # embedded server's: fsync, synchronous_commit and full_page_writes off, so
+            # WAL bytes per operation understate a production server's).
+            for setting in PG_SETTINGS:
+                row = conn.execute(f"SHOW {setting}").fetchone()
+                servers.versions[f"postgresql.{setting}"] = str(row[0]) if row else "?"
         servers.versions["postgresql_bindir"] = str(pg.bindir)
         servers.versions["redis"] = redis.version()
         yield servers

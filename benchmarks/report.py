@@ -337,8 +337,10 @@ def write_markdown(results: dict[str, Any], path: Path, images: list[str]) -> No
     lines += [f"- Python {env['python']}, {env['cpu_count']} CPUs, load at start "
               f"{env['load_average_at_start']}",
               f"- PostgreSQL {env['servers'].get('postgresql')} "
-              f"(pg_stat_statements: {env['pg_stat_statements']}), "
-              f"{env['servers'].get('redis')}",
+              f"(pg_stat_statements: {env['pg_stat_statements']}; "
+              + ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in env["servers"].items()
+                          if k.startswith("postgresql."))
+              + f"), {env['servers'].get('redis')}",
               "- drivers: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v),
               f"- wall time {results.get('elapsed_s')} s", ""]
     lines += ["## Targets", "", "| target | figure | met |", "| --- | --- | --- |"]
