@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -32,10 +33,12 @@ from lease_core.errors import BackendUnavailable, ConfigurationError
 __all__ = [
     "CANCEL_GRACE_S",
     "GAVE_UP_STATES",
+    "ConnectionLock",
     "Executor",
     "Params",
     "PerLoop",
     "Row",
+    "Slots",
     "SqlAdapter",
     "TransientError",
     "WorkerThreads",
@@ -153,21 +156,103 @@ class WorkerThreads:
     default limiter is.
     """
 
-    __slots__ = ("_limiters", "tokens")
+    __slots__ = ("_limiters", "_tokens")
 
-    def __init__(self, tokens: int) -> None:
-        if tokens < 1:
+    def __init__(self, tokens: int | Callable[[], int]) -> None:
+        if isinstance(tokens, int) and tokens < 1:
             raise ValueError(f"a driver needs at least one worker thread, not {tokens}")
-        self.tokens = tokens
-        self._limiters = PerLoop(lambda: anyio.CapacityLimiter(tokens))
+        count: Callable[[], int] = tokens if callable(tokens) else (lambda: tokens)
+        self._tokens = count
+        self._limiters = PerLoop(lambda: anyio.CapacityLimiter(count()))
 
     def limiter(self) -> anyio.CapacityLimiter:
-        """The limiter of the running event loop."""
-        return self._limiters.get()
+        """The limiter of the running event loop, with as many tokens as ``tokens`` says
+        now (a callable is read again at each call: a resized pool is followed)."""
+        limiter = self._limiters.get()
+        tokens = self._tokens()
+        if limiter.total_tokens != tokens:
+            limiter.total_tokens = tokens
+        return limiter
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread taken from this driver's own limiter."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiters.get())
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter())
+
+
+class Slots:
+    """At most ``size()`` holders at a time on each running event loop, each waiting
+    ``wait`` seconds at most: a pool's connection slots, or a user's pool's checkouts.
+
+    ``size`` is read again at every :meth:`held`, so a pool resized after the adapter was
+    made (psycopg's ``pool.resize()``) is followed. Holders are not tasks (anyio's
+    limiters refuse a task holding two tokens, and a statement may run inside a
+    transaction of the same adapter, in the same task).
+    """
+
+    __slots__ = ("_limiters", "_size")
+
+    def __init__(self, size: Callable[[], int]) -> None:
+        self._size = size
+        self._limiters = PerLoop(lambda: anyio.CapacityLimiter(size()))
+
+    @asynccontextmanager
+    async def held(self, wait: float | None,
+                   timed_out: Callable[[], BaseException]) -> AsyncIterator[None]:
+        """Hold a slot; raise ``timed_out()`` when none is free within ``wait`` seconds."""
+        limiter = self._limiters.get()
+        size = self._size()
+        if limiter.total_tokens != size:
+            limiter.total_tokens = size
+        holder = object()
+        with anyio.move_on_after(wait) as waiting:
+            await limiter.acquire_on_behalf_of(holder)
+        if waiting.cancelled_caught:
+            raise timed_out()
+        try:
+            yield
+        finally:
+            limiter.release_on_behalf_of(holder)
+
+
+class ConnectionLock:
+    """The lock that queues an adapter's calls on its one connection.
+
+    One anyio lock per running event loop (:class:`PerLoop`), so the adapter works under
+    asyncio, then under trio. Two loops at once (two threads) would interleave their
+    statements on the connection: a call from a loop while another loop's calls are in
+    flight raises ``RuntimeError`` instead.
+    """
+
+    __slots__ = ("_active", "_guard", "_in_flight", "_locks", "_what")
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        # Taken without a yield when free (the statement yields anyway): one event loop
+        # pass less per statement.
+        self._locks = PerLoop(lambda: anyio.Lock(fast_acquire=True))
+        self._guard = threading.Lock()
+        self._active: anyio.Lock | None = None
+        self._in_flight = 0
+
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Hold the connection for one statement or transaction."""
+        lock = self._locks.get()
+        with self._guard:
+            if self._in_flight and self._active is not lock:
+                raise RuntimeError(
+                    f"{self._what} is in use by another event loop (thread): a connection "
+                    "serves one running event loop at a time; give each thread's loop a "
+                    "connection of its own, or pass a pool"
+                )
+            self._active = lock
+            self._in_flight += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            with self._guard:
+                self._in_flight -= 1
 
 
 class SqlAdapter(ABC):

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,9 +54,11 @@ from ._pg8000_params import PG8000_PARAMS, SSL_MODES, pg8000_params
 from ._placeholders import inline_parameters, numbered, sql_literal
 from .base import (
     GAVE_UP_STATES,
+    ConnectionLock,
     Executor,
     Params,
     Row,
+    Slots,
     SqlAdapter,
     TransientError,
     WorkerThreads,
@@ -240,9 +242,7 @@ class Pg8000ConnectionAdapter(SqlAdapter):
                 f"{type(conn).__qualname__} is not a pg8000 connection this version supports"
             )
         self.conn = conn
-        # Taken without a yield when free (the statement yields anyway): one event loop
-        # pass less per statement.
-        self._lock = anyio.Lock(fast_acquire=True)
+        self._lock = ConnectionLock("this pg8000 connection")
         self._where = _where_of(conn)
         # One statement at a time (the lock): its thread is never queued behind the
         # application's own (anyio's default limiter).
@@ -250,12 +250,12 @@ class Pg8000ConnectionAdapter(SqlAdapter):
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement in a worker thread when the connection is free."""
-        async with self._lock:
+        async with self._lock.held():
             return await _Tx(self.conn, self._where, self._threads, alone=True).all(sql, params)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
-        async with self._lock, _transaction(self.conn, self._where, self._threads) as tx:
+        async with self._lock.held(), _transaction(self.conn, self._where, self._threads) as tx:
             yield tx
 
     def transaction(self) -> Any:
@@ -296,7 +296,7 @@ class Pg8000PoolAdapter(SqlAdapter):
         self._max_size = max_size
         self._pool_timeout = timeout
         self._idle: list[Any] = []
-        self._slots = anyio.Semaphore(max_size)
+        self._slots = Slots(lambda: max_size)
         self._closed = False
         self._reserved: Any = None
         self._reserved_busy = False
@@ -357,21 +357,16 @@ class Pg8000PoolAdapter(SqlAdapter):
                 raise
             raise mapped from None
 
-    @asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
+    def _slot(self) -> AbstractAsyncContextManager[None]:
         """Hold one of the ``max_size`` connection slots; wait ``timeout`` for it at most."""
-        with anyio.move_on_after(self._pool_timeout) as waiting:
-            await self._slots.acquire()
-        if waiting.cancelled_caught:
-            raise BackendUnavailable(
-                f"no pooled connection to PostgreSQL at {self._where} became free within "
-                f"{self._pool_timeout:g}s: all {self._max_size} were busy; raise max_size "
-                "(?max_size= in the URL, default 4) or timeout (?timeout=, default 10s)"
-            )
-        try:
-            yield
-        finally:
-            self._slots.release()
+        return self._slots.held(self._pool_timeout, self._no_slot)
+
+    def _no_slot(self) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"no pooled connection to PostgreSQL at {self._where} became free within "
+            f"{self._pool_timeout:g}s: all {self._max_size} were busy; raise max_size "
+            "(?max_size= in the URL, default 4) or timeout (?timeout=, default 10s)"
+        )
 
     def _keeps(self, conn: Any, exc: BaseException | None) -> bool:
         """Whether ``conn`` may be lent again: the pool is open, ``exc`` (the error of its

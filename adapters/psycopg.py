@@ -36,7 +36,7 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import anyio
@@ -59,10 +59,11 @@ from ._psycopg_base import (
 )
 from .base import (
     CANCEL_GRACE_S,
+    ConnectionLock,
     Executor,
     Params,
-    PerLoop,
     Row,
+    Slots,
     SqlAdapter,
     TransientError,
     WorkerThreads,
@@ -442,31 +443,25 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
         # (a statement or a transaction, from before getconn to after putconn), and each
         # uses one thread at a time: with a thread for each, a transaction holding a
         # connection never waits for a thread that another call, blocked in getconn
-        # for that connection, holds. One semaphore per running event loop, as the
-        # threads' limiters (PerLoop).
-        self._checkouts = PerLoop(lambda: anyio.Semaphore(pool.max_size))
-        self._threads = WorkerThreads(pool.max_size)
+        # for that connection, holds. Both follow pool.resize().
+        self._checkouts = Slots(lambda: pool.max_size)
+        self._threads = WorkerThreads(lambda: pool.max_size)
 
-    @asynccontextmanager
-    async def _checkout(self) -> AsyncIterator[None]:
-        """Hold one of the checkouts (the semaphore of the running event loop).
+    def _checkout(self) -> AbstractAsyncContextManager[None]:
+        """Hold one of the checkouts.
 
         Waited for the pool's ``timeout`` at most, as getconn waits, then raised as the
         pool's timeout: a statement run inside a transaction of the same adapter while
         every checkout is held (by that transaction among others) would otherwise wait
         for good, where getconn gives up.
         """
-        checkouts = self._checkouts.get()
-        timeout = self.pool.timeout
-        with anyio.move_on_after(timeout) as waiting:
-            await checkouts.acquire()
-        if waiting.cancelled_caught:
-            with _mapped(self._where):
-                raise PoolTimeout(f"couldn't get a connection after {timeout:.2f} sec")
-        try:
-            yield
-        finally:
-            checkouts.release()
+        return self._checkouts.held(self.pool.timeout, self._no_checkout)
+
+    def _no_checkout(self) -> BaseException:
+        timeout = PoolTimeout(f"couldn't get a connection after {self.pool.timeout:.2f} sec")
+        mapped = translate_error(timeout, where=self._where)
+        mapped.__cause__ = timeout
+        return mapped
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on a pooled connection in a worker thread."""
@@ -509,7 +504,7 @@ class PsycopgConnectionAdapter(SqlAdapter):
         super().__init__(owned=False)
         self.conn = conn
         # Taken without a yield when free (the statement yields anyway): one event loop
-        # pass less per statement.
+        # pass less per statement. (psycopg's AsyncConnection is asyncio's, one loop.)
         self._lock = anyio.Lock(fast_acquire=True)
         self._where = _where_of(conn)
         self._secret = _secret_of(conn)
@@ -540,9 +535,7 @@ class PsycopgSyncConnectionAdapter(SqlAdapter):
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         super().__init__(owned=False)
         self.conn = conn
-        # Taken without a yield when free (the statement yields anyway): one event loop
-        # pass less per statement.
-        self._lock = anyio.Lock(fast_acquire=True)
+        self._lock = ConnectionLock("this psycopg connection")
         self._where = _where_of(conn)
         self._secret = _secret_of(conn)
         # One statement at a time (the lock): its thread is never queued behind the
@@ -551,13 +544,15 @@ class PsycopgSyncConnectionAdapter(SqlAdapter):
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement in a worker thread when the connection is free."""
-        async with self._lock:
+        async with self._lock.held():
             with _mapped(self._where, self._secret):
                 return await self._threads.run(_sync_single, self.conn, sql, params)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
-        async with self._lock, _sync_transaction(self.conn, self._where, self._threads) as tx:
+        async with self._lock.held(), _sync_transaction(
+            self.conn, self._where, self._threads
+        ) as tx:
             yield tx
 
     def transaction(self) -> Any:

@@ -349,9 +349,32 @@ async def _default_threads_all_busy() -> AsyncIterator[None]:
             gate.set()
 
 
+BLOCKING_KINDS = ["pg8000-pool", "pg8000-connection", "psycopg-sync-pool",
+                  "psycopg-sync-connection"]
+
+
+def _blocking_adapter(kind: str, dsn: str, closing: list[Callable[[], Any]]) -> SqlAdapter:
+    """An adapter of a blocking driver over one connection at most (``closing``: what
+    the test closes after it)."""
+    if kind == "pg8000-pool":
+        return Pg8000PoolAdapter(pg8000_params(dsn), max_size=1)
+    if kind == "pg8000-connection":
+        p = pg8000_params(dsn)
+        conn = pg8000.native.Connection(p["user"], host=p["host"], port=p["port"],
+                                        password=p["password"], database=p["database"])
+        closing.append(conn.close)
+        return Pg8000ConnectionAdapter(conn)
+    if kind == "psycopg-sync-pool":
+        pool = ConnectionPool(dsn, min_size=1, max_size=1, open=True, timeout=5)
+        closing.append(pool.close)
+        return PsycopgSyncPoolAdapter(pool)
+    sync_conn = psycopg.connect(dsn, autocommit=True)
+    closing.append(sync_conn.close)
+    return PsycopgSyncConnectionAdapter(sync_conn)
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-@pytest.mark.parametrize("kind", ["pg8000-pool", "pg8000-connection",
-                                  "psycopg-sync-pool", "psycopg-sync-connection"])
+@pytest.mark.parametrize("kind", BLOCKING_KINDS)
 async def test_a_blocking_driver_runs_while_the_default_threads_are_all_busy(
     pg16_server: PgServer, kind: str
 ) -> None:
@@ -359,24 +382,9 @@ async def test_a_blocking_driver_runs_while_the_default_threads_are_all_busy(
     limiter exhausted by the application, statements and transactions still run (they
     queued behind it, and heartbeats with them)."""
     closing: list[Callable[[], Any]] = []
-    adapter: SqlAdapter
+    adapter = _blocking_adapter(kind, pg16_server.dsn, closing)
     if kind == "pg8000-pool":
-        adapter = Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1)
         await adapter.open()
-    elif kind == "pg8000-connection":
-        p = pg8000_params(pg16_server.dsn)
-        conn = pg8000.native.Connection(p["user"], host=p["host"], port=p["port"],
-                                        password=p["password"], database=p["database"])
-        closing.append(conn.close)
-        adapter = Pg8000ConnectionAdapter(conn)
-    elif kind == "psycopg-sync-pool":
-        pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=1, open=True)
-        closing.append(pool.close)
-        adapter = PsycopgSyncPoolAdapter(pool)
-    else:
-        sync_conn = psycopg.connect(pg16_server.dsn, autocommit=True)
-        closing.append(sync_conn.close)
-        adapter = PsycopgSyncConnectionAdapter(sync_conn)
     try:
         async with _default_threads_all_busy():
             with anyio.fail_after(10):
@@ -432,12 +440,16 @@ async def test_a_sync_pool_transaction_holding_the_only_connection_is_never_star
         pool.close()
 
 
-def test_a_sync_pool_adapter_runs_under_asyncio_then_trio(pg16_server: PgServer) -> None:
-    """An adapter over a sync psycopg pool keeps nothing bound to one event-loop library:
-    used under asyncio, then under trio, it works under both (its checkouts' semaphore
-    was asyncio's for good, and trio's first call failed with "no running event loop")."""
-    pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=2, open=True, timeout=5)
-    adapter = PsycopgSyncPoolAdapter(pool)
+@pytest.mark.parametrize("kind", BLOCKING_KINDS)
+def test_a_blocking_drivers_adapter_runs_under_asyncio_then_trio(
+    pg16_server: PgServer, kind: str
+) -> None:
+    """An adapter of a blocking driver keeps nothing bound to one event-loop library:
+    used under asyncio, then under trio, it works under both (its lock, slots or
+    checkouts were asyncio's for good, and trio's first call failed with "no running
+    event loop")."""
+    closing: list[Callable[[], Any]] = []
+    adapter = _blocking_adapter(kind, pg16_server.dsn, closing)
 
     async def use() -> None:
         with anyio.fail_after(10):
@@ -448,6 +460,84 @@ def test_a_sync_pool_adapter_runs_under_asyncio_then_trio(pg16_server: PgServer)
     try:
         anyio.run(use, backend="asyncio")
         anyio.run(use, backend="trio")
+        anyio.run(use, backend="asyncio")
+    finally:
+        anyio.run(adapter.close)
+        for close in closing:
+            close()
+
+
+@pytest.mark.parametrize("kind", ["pg8000-connection", "psycopg-sync-connection"])
+def test_a_connection_adapter_refuses_a_second_event_loop_at_once(
+    pg16_server: PgServer, kind: str
+) -> None:
+    """One connection, two event loops in two threads: the second loop's call, while the
+    first holds the connection in a transaction, raises a clear error instead of
+    interleaving its statements on the connection; once the first is done, it runs."""
+    closing: list[Callable[[], Any]] = []
+    adapter = _blocking_adapter(kind, pg16_server.dsn, closing)
+    holding, done = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        async with adapter.transaction() as tx:
+            await tx.all("SELECT 1")
+            holding.set()
+            await anyio.to_thread.run_sync(done.wait, 30)
+
+    async def second() -> None:
+        with pytest.raises(RuntimeError, match="in use by another event loop"):
+            await adapter.all("SELECT 2")
+
+    first = threading.Thread(target=anyio.run, args=(hold,), daemon=True)
+    first.start()
+    try:
+        assert holding.wait(10)
+        anyio.run(second)
+    finally:
+        done.set()
+        first.join(10)
+    assert not first.is_alive()
+
+    async def after() -> None:
+        with anyio.fail_after(10):
+            assert await adapter.all("SELECT 3") == [(3,)]
+
+    anyio.run(after, backend="trio")
+    for close in closing:
+        close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_sync_pool_adapter_follows_a_resized_pool(pg16_server: PgServer) -> None:
+    """``pool.resize()`` after the adapter was made: the adapter's checkouts and threads
+    follow, so three transactions hold three connections at once (one at a time before,
+    the adapter's bound staying the pool's first max_size)."""
+    pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=1, open=True, timeout=10)
+    adapter = PsycopgSyncPoolAdapter(pool)
+    inside = 0
+    most = 0
+    all_in = anyio.Event()
+
+    async def hold() -> None:
+        nonlocal inside, most
+        async with adapter.transaction() as tx:
+            await tx.all("SELECT 1")
+            inside += 1
+            most = max(most, inside)
+            if inside == 3:
+                all_in.set()
+            with anyio.move_on_after(3):
+                await all_in.wait()
+            inside -= 1
+
+    try:
+        assert await adapter.all("SELECT 0") == [(0,)]
+        pool.resize(1, 3)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(hold)
+        assert most == 3
     finally:
         pool.close()
 
