@@ -18,8 +18,8 @@ import math
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -195,23 +195,41 @@ class Slots:
         self._size = size
         self._limiters = PerLoop(lambda: anyio.CapacityLimiter(size()))
 
-    @asynccontextmanager
-    async def held(self, wait: float | None,
-                   timed_out: Callable[[], BaseException]) -> AsyncIterator[None]:
+    def held(self, wait: float | None,
+             timed_out: Callable[[], BaseException]) -> AbstractAsyncContextManager[None]:
         """Hold a slot; raise ``timed_out()`` when none is free within ``wait`` seconds."""
         limiter = self._limiters.get()
         size = self._size()
         if limiter.total_tokens != size:
             limiter.total_tokens = size
-        holder = object()
-        with anyio.move_on_after(wait) as waiting:
-            await limiter.acquire_on_behalf_of(holder)
-        if waiting.cancelled_caught:
-            raise timed_out()
+        return _Slot(limiter, wait, timed_out)
+
+
+class _Slot:
+    """One hold of :class:`Slots` (a class: on every statement; a free slot is taken
+    without a yield, as the statement yields anyway)."""
+
+    __slots__ = ("_limiter", "_timed_out", "_wait")
+
+    def __init__(self, limiter: anyio.CapacityLimiter, wait: float | None,
+                 timed_out: Callable[[], BaseException]) -> None:
+        self._limiter = limiter
+        self._wait = wait
+        self._timed_out = timed_out
+
+    async def __aenter__(self) -> None:
         try:
-            yield
-        finally:
-            limiter.release_on_behalf_of(holder)
+            self._limiter.acquire_on_behalf_of_nowait(self)
+            return
+        except anyio.WouldBlock:
+            pass
+        with anyio.move_on_after(self._wait) as waiting:
+            await self._limiter.acquire_on_behalf_of(self)
+        if waiting.cancelled_caught:
+            raise self._timed_out()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._limiter.release_on_behalf_of(self)
 
 
 class ConnectionLock:
@@ -234,10 +252,11 @@ class ConnectionLock:
         self._active: anyio.Lock | None = None
         self._in_flight = 0
 
-    @asynccontextmanager
-    async def held(self) -> AsyncIterator[None]:
+    def held(self) -> AbstractAsyncContextManager[None]:
         """Hold the connection for one statement or transaction."""
-        lock = self._locks.get()
+        return _Held(self)
+
+    def _enter(self, lock: anyio.Lock) -> None:
         with self._guard:
             if self._in_flight and self._active is not lock:
                 raise RuntimeError(
@@ -247,12 +266,32 @@ class ConnectionLock:
                 )
             self._active = lock
             self._in_flight += 1
+
+    def _leave(self) -> None:
+        with self._guard:
+            self._in_flight -= 1
+
+
+class _Held:
+    """One hold of a :class:`ConnectionLock` (a class: on every statement)."""
+
+    __slots__ = ("_lock", "_owner")
+
+    def __init__(self, owner: ConnectionLock) -> None:
+        self._owner = owner
+        self._lock = owner._locks.get()
+
+    async def __aenter__(self) -> None:
+        self._owner._enter(self._lock)
         try:
-            async with lock:
-                yield
-        finally:
-            with self._guard:
-                self._in_flight -= 1
+            await self._lock.acquire()
+        except BaseException:
+            self._owner._leave()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._owner._leave()
 
 
 class SqlAdapter(ABC):
