@@ -589,3 +589,25 @@ def test_a_blocking_drivers_threads_are_a_limiter_per_running_event_loop() -> No
     for loop in loops:
         loop.join(30)
     assert not any(loop.is_alive() for loop in loops), "a loop's calls never ended"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_pg8000_pool_statement_gives_up_when_no_slot_frees(pg16_server: PgServer) -> None:
+    """Every slot of a pg8000 pool held by a transaction: another statement waits the
+    pool's timeout, then says what to raise; nothing is left held (the transaction goes
+    on, and statements run again once it ends)."""
+    adapter = Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1, timeout=0.3)
+    try:
+        with anyio.fail_after(10):
+            async with adapter.transaction() as tx:
+                assert await tx.all("SELECT 1") == [(1,)]
+                with pytest.raises(BackendUnavailable, match=r"became free within 0\.3s: all 1 "
+                                   r"were busy; raise max_size"):
+                    await adapter.all("SELECT 2")
+                assert await tx.all("SELECT 3") == [(3,)]
+            assert await adapter.all("SELECT 4") == [(4,)]
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(adapter.all, "SELECT pg_sleep(0.01)")
+    finally:
+        await adapter.close()
