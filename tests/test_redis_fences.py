@@ -150,6 +150,30 @@ async def test_a_lease_key_written_before_epochs_moves_to_a_new_epoch(
     assert taken.token >> FENCE_NUMBER_BITS >= legacy - 5
 
 
+async def test_a_lease_taken_on_another_server_than_its_last_holders_starts_a_new_epoch(
+        backend: RedisBackend, raw: redis.Redis) -> None:
+    """The lease hash keeps the server's replication id at its last new holder; a new
+    holder on a server with another id (a promoted replica, which may have missed the
+    newest holders) starts a new epoch, and one on the same server does not."""
+    key = "{" + backend.prefix + "/lease/leader}"
+    first = await backend.acquire_lease("leader", "h1", 60_000)
+    assert first.held
+    replid = raw.info("replication")["master_replid"]
+    assert raw.hget(key, "rid") == replid.encode()
+    assert await backend.release_lease("leader", first.token)
+    same = await backend.acquire_lease("leader", "h2", 60_000)
+    assert same.held and same.token == first.token + 1  # same server: same epoch
+    assert await backend.release_lease("leader", same.token)
+
+    raw.hset(key, "rid", "0" * 40)  # as if the last holders were on another server
+    before = _server_ms(raw)
+    moved = await backend.acquire_lease("leader", "h3", 60_000)
+    assert moved.held and moved.token > same.token
+    assert moved.token & ((1 << FENCE_NUMBER_BITS) - 1) == 1
+    assert moved.token >> FENCE_NUMBER_BITS >= before
+    assert raw.hget(key, "rid") == replid.encode()
+
+
 async def test_a_loss_of_only_the_newest_writes_is_found_by_a_caller_that_saw_them(
         server: EmbeddedRedis, backend: RedisBackend, raw: redis.Redis) -> None:
     """The server comes back from an older snapshot: the job's keys and marker survive,
