@@ -13,6 +13,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from backends.embedded.postgres import EmbeddedPostgres, find_free_port
 from backends.postgres import CODE_VERSION, FORMAT_VERSION, PostgresBackend, migrate
+from lease_core import Lease as NamedLease
 from lease_core._structures import (
     ClaimRequest,
     ClaimStatus,
@@ -783,3 +784,20 @@ async def test_batched_calls_keep_every_character_of_their_texts(
         await backend.close()
     finally:
         await store.cleanup()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_an_asyncio_only_driver_under_trio_says_what_to_use(
+    pg16_server: PgServer, table: str
+) -> None:
+    """psycopg's async pool (what a postgresql:// URL opens) needs asyncio: under trio the
+    start says so and names what works there, instead of psycopg's "no running event
+    loop"; a Lease on it says the same, and nothing is created in the server."""
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    message = r"works under asyncio only, and this code runs under trio: use a postgresql\+pg8000"
+    with pytest.raises(ConfigurationError, match=message):
+        await backend.start()
+    with pytest.raises(ConfigurationError, match=message):
+        async with NamedLease(backend, "leader", ttl="5s"):
+            raise AssertionError("not reached")
+    assert admin(pg16_server, "SELECT to_regclass(%s)", (table,)) == [(None,)]

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import sniffio
+
 from adapters._pg8000_params import PG8000_PARAMS, refuse_multi_host
 from adapters.sql import Row, SqlAdapter, TransientError, adapter_for
 from lease_core._durations import parse_duration
@@ -256,6 +258,14 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
 
     async def _open_with(self, prepare: Callable[[SqlAdapter], Awaitable[None]]) -> None:
         adapter = self._given or adapter_for(self._connection, **self._options)
+        running = sniffio.current_async_library()
+        if running not in adapter.anyio_backends:
+            raise ConfigurationError(
+                f"this PostgreSQL connection ({type(adapter).__name__}) works under "
+                f"{' and '.join(adapter.anyio_backends)} only, and this code runs under "
+                f"{running}: use a postgresql+pg8000:// URL (or driver='pg8000'), or a sync "
+                "psycopg pool or connection, which work under both"
+            )
         await adapter.open()
         try:
             await prepare(adapter)
