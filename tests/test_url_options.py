@@ -141,6 +141,28 @@ def test_a_bad_value_reads_the_same_on_every_backend(url: str, value: str, must:
     assert url.split("?")[0].split("://")[0] in text  # the URL is named
 
 
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/abc", "rediss://u:pw@db/1x",
+                                 "redis://db/%31a"])
+def test_a_redis_database_that_is_not_a_number_is_refused(url: str) -> None:
+    """redis-py reads a path that is not a number as database 0: a typo in the database
+    wrote into database 0. It is refused, naming the path and not the password."""
+    with pytest.raises(ConfigurationError, match="not a number: write redis://host:port/") as info:
+        backend_from_url(url)
+    assert "'abc'" in str(info.value) or "'1x'" in str(info.value) or "'1a'" in str(info.value)
+    assert "pw@" not in str(info.value)
+    for good in ("redis://db/3", "redis://db/", "redis://db", "rediss://db:6380/0"):
+        assert isinstance(backend_from_url(good), RedisBackend), good
+
+
+def test_the_cli_refuses_a_redis_database_that_is_not_a_number() -> None:
+    """Exit 2 and one line naming the path, before any connection."""
+    cli = str(Path(sys.executable).parent / "anarchon")
+    out = subprocess.run([cli, "status", "--url", "redis://127.0.0.1:1/abc"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out
+    assert out.stderr.count("\n") == 1 and "'abc'" in out.stderr, out.stderr
+
+
 def test_a_bad_duration_in_the_query_is_worded_for_a_url() -> None:
     """``?timeout=`` names the value and what a URL may hold (no "timedelta")."""
     with pytest.raises(ConfigurationError) as info:

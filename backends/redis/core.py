@@ -12,10 +12,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Self
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit
 
 from adapters.redis import Command, RedisAdapter, redis_adapter
 from lease_core._durations import Duration, parse_duration, to_ms
+from lease_core._redact import redact
 from lease_core._registry import check_url, merge_options, positive_whole, split_url_options
 from lease_core.abc import Backend
 from lease_core.errors import (
@@ -50,6 +51,15 @@ def _check_url(url: str) -> None:
                             "wait_replicas": positive_whole,
                             "wait_timeout": lambda text: parse_duration(text, what="wait_timeout")}
     check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
+    parts = urlsplit(url)
+    database = unquote(parts.path).strip("/")
+    if parts.scheme in ("redis", "rediss") and database and not database.isdigit():
+        # (redis-py reads a path that is not a number as no path: database 0)
+        raise ConfigurationError(
+            f"the database in the Redis URL {redact(url)!r} is {database!r}, not a "
+            "number: write redis://host:port/<number> (0 to 15 on a default server), or "
+            "no path for database 0"
+        )
 
 
 def _is_cluster(connection: object) -> bool:
