@@ -71,7 +71,8 @@ from lease_core.errors import (
     ConfigurationError,
 )
 
-__all__ = ["DEFAULT_URL", "MAX_CONNECTIONS", "POOL_TIMEOUT", "RedisAdapter", "redis_adapter"]
+__all__ = ["DEFAULT_URL", "MAX_CONNECTIONS", "POOL_TIMEOUT", "RedisAdapter", "check_client",
+           "redis_adapter"]
 
 #: Where the backend connects when it is given nothing.
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -555,6 +556,21 @@ def _client_for_pool(pool: Any) -> Any:
     return client_class(connection_pool=pool)
 
 
+def check_client(connection: object) -> None:
+    """Refuse an object that is not a Redis client, pool or adapter (a URL is checked
+    where it is parsed): :class:`~lease_core.errors.ConfigurationError` naming it."""
+    if isinstance(connection, RedisAdapter):
+        return
+    usable = (hasattr(connection, "execute_command") and hasattr(connection, "pipeline")) or (
+        not hasattr(connection, "pipeline") and hasattr(connection, "get_connection"))
+    if not usable:
+        raise ConfigurationError(
+            f"connection={redact(repr(connection))[:80]} is not a Redis URL, client or pool; pass "
+            "'redis://host:port/db', a redis-py or valkey-py client (async or sync) or "
+            "a connection pool"
+        )
+
+
 def redis_adapter(connection: object) -> RedisAdapter:
     """Return an adapter for what the user passed as ``connection`` (see module docs).
 
@@ -566,16 +582,11 @@ def redis_adapter(connection: object) -> RedisAdapter:
         return _from_url(connection)
     if isinstance(connection, RedisAdapter):
         return connection
+    check_client(connection)
     client: Any = connection
     if not hasattr(client, "pipeline") and hasattr(client, "get_connection"):
         client = _client_for_pool(client)
-    execute = getattr(client, "execute_command", None)
-    if execute is None or not hasattr(client, "pipeline"):
-        raise ConfigurationError(
-            f"connection={redact(repr(connection))[:80]} is not a Redis URL, client or pool; pass "
-            "'redis://host:port/db', a redis-py or valkey-py client (async or sync) or "
-            "a connection pool"
-        )
+    execute = client.execute_command
     if inspect.iscoroutinefunction(execute):
         return AsyncClientAdapter(client, owned=False)
     return SyncClientAdapter(client, owned=False)

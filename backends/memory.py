@@ -43,6 +43,7 @@ from lease_core.abc import (
     encode_checkpoint,
     finish_status,
 )
+from lease_core.errors import ConfigurationError
 from lease_core.operations import Operation, OperationResult
 from lease_core.recovery import sibling_steps
 
@@ -157,6 +158,11 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
 
     def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         super().__init__()
+        if clock is not None and not callable(clock):
+            raise ConfigurationError(
+                f"clock={clock!r} is not callable; pass a function returning the store's "
+                "time in seconds since the epoch (time.time by default), e.g. a test clock"
+            )
         self._clock = clock or time.time
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}

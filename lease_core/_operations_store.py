@@ -8,10 +8,13 @@ overrides the two reads when it has a cheaper one).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ._structures import RunInfo, RunStatus
 from .errors import ConfigurationError
-from .operations import Operation, OperationResult
+
+if TYPE_CHECKING:
+    from .operations import Operation, OperationResult
 
 __all__ = ["OperationsStore"]
 

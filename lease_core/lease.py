@@ -31,10 +31,11 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
+from ._backend_check import check_backend
 from ._durations import Duration, parse_duration, to_ms
 from ._lease_keeper import _Hold, _Keeper
 from ._lease_loop import _Loop
-from ._named_leases import LeaseAnswer, check_lease
+from ._named_leases import MAX_LEASE_TTL_MS, LeaseAnswer, check_lease
 from .abc import Backend
 from .errors import ConfigurationError, LeaseLost
 
@@ -92,10 +93,7 @@ class Lease:
 
     def __init__(self, backend: Backend, name: str, ttl: Duration = "30s", *,
                  poll: Duration | None = None, holder: str | None = None) -> None:
-        if not isinstance(backend, Backend):
-            raise ConfigurationError(
-                f"backend={backend!r} is not a lease_core Backend; pass MemoryBackend(), "
-                "PostgresBackend(...), RedisBackend(...) or backend_from_url(url)")
+        check_backend(backend)
         self.backend = backend
         """The backend the lease is held through."""
         self.holder = _holder_id() if holder is None else holder
@@ -103,6 +101,10 @@ class Lease:
         self.ttl = parse_duration(ttl, what="ttl")
         """The lease's time to live, in seconds (renewed every third of it)."""
         self._ttl_ms = to_ms(self.ttl)
+        if self._ttl_ms > MAX_LEASE_TTL_MS:  # named as given, not as ttl_ms
+            raise ConfigurationError(
+                f"ttl={ttl!r} is longer than 365 days; a lease is renewed while held, so "
+                "give it a ttl of seconds or minutes")
         check_lease(name, holder=self.holder, ttl_ms=self._ttl_ms)
         # How long a hold surely lives in the store after the call that set it was sent:
         # the store's expiry is its now (in whole ms, rounded down) + the ttl in whole ms,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from ._backend_check import check_backend
 from ._checks import check_lookup_name, check_storable
 from ._durations import parse_duration
 from ._structures import LAST_SLOT, RunStatus, format_slot
@@ -149,6 +150,7 @@ class Admin:
     """
 
     def __init__(self, backend: Backend, *, by: str = "admin") -> None:
+        check_backend(backend)
         if not isinstance(by, str) or not by.strip():
             raise ConfigurationError(f"by={by!r} must name who acts (a non-empty string)")
         check_storable("by", by)

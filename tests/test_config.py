@@ -61,6 +61,10 @@ def test_errors_are_anarchon_errors_and_value_errors() -> None:
     ("kwargs", "needle"),
     [
         ({"lease": "10s", "heartbeat": "5s"}, "lease='10s' is shorter than 3 heartbeats"),
+        # below a millisecond, the numbers the check compares (whole ms), not 0.0003s
+        ({"lease": "1ms", "heartbeat": "0.1ms", "timer_slack": 0},
+         "lease='1ms' is shorter than 3 heartbeats (0.001s each); use a lease of at least "
+         "0.003s"),
         ({"lease": "-30s"}, "'-30s'"),
         ({"heartbeat": "0s"}, "heartbeat='0s'"),
         ({"history_size": 0}, "history_size=0"),
@@ -80,9 +84,20 @@ def test_bad_scheduler_options(kwargs: dict[str, object], needle: str) -> None:
     assert needle in str(info.value)
 
 
-def test_backend_must_be_a_backend() -> None:
-    with pytest.raises(ConfigurationError, match="not an anarchon backend"):
-        Scheduler("postgresql://x")  # type: ignore[arg-type]
+@pytest.mark.parametrize("make", [Scheduler, Admin, lambda b: Lease(b, "leader")],
+                         ids=["Scheduler", "Admin", "Lease"])
+def test_backend_must_be_a_backend(make: object) -> None:
+    """A URL string (password masked), None or a number is refused at construction by
+    each of the three, with what to pass instead (Admin took them, and failed at its
+    first call with an AttributeError)."""
+    with pytest.raises(ConfigurationError, match="is a string, not an anarchon backend; "
+                       r"pass backend_from_url\(url\)") as info:
+        make("postgresql://app:s3cret@db/app")  # type: ignore[operator]
+    assert "s3cret" not in str(info.value) and "app:***@db" in str(info.value)
+    for bad in (None, 42):
+        with pytest.raises(ConfigurationError, match=f"backend={bad} is not an anarchon "
+                           r"backend; pass MemoryBackend\(\)"):
+            make(bad)  # type: ignore[operator]
 
 
 @pytest.mark.parametrize(
@@ -150,3 +165,17 @@ def test_names_no_store_can_keep_are_refused_by_admin_and_lease(name: str) -> No
             Admin(MemoryBackend(), by="ops-\udcff")
         else:
             Lease(MemoryBackend(), "leader-\udcff")
+
+
+def test_a_backend_refuses_an_unusable_connection_or_clock_at_construction() -> None:
+    """RedisBackend(123) and MemoryBackend(clock="x") were taken, and failed at start()
+    or at the first read of the clock; PostgresBackend(123) already raised at once."""
+    from backends.redis import RedisBackend
+
+    for bad in (123, object()):
+        with pytest.raises(ConfigurationError, match="is not a Redis URL, client or pool; "
+                           "pass 'redis://host:port/db'"):
+            RedisBackend(bad)
+    with pytest.raises(ConfigurationError, match="clock='x' is not callable"):
+        MemoryBackend(clock="x")  # type: ignore[arg-type]
+    assert MemoryBackend(clock=lambda: 1_000.0)

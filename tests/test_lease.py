@@ -395,6 +395,8 @@ async def test_bad_input_is_refused_naming_the_value() -> None:
         Lease(backend, "x", holder="h\x00")
     with pytest.raises(ValueError, match="longer than 365 days"):
         Lease(backend, "x", ttl=1e17)
+    with pytest.raises(ValueError, match=r"^ttl='400d' is longer than 365 days"):
+        Lease(backend, "x", ttl="400d")  # named as given, not by its milliseconds
     assert backend_users(backend) == 0
 
 

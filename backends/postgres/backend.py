@@ -173,6 +173,19 @@ def driver_dsn(url: str) -> str:
     return re.sub(r"^postgres(?:ql)?\+\w+://", "postgresql://", plain)
 
 
+def _check_loop(adapter: SqlAdapter) -> None:
+    """Refuse an adapter whose driver does not work under the running event loop (psycopg's
+    async pool under trio), naming what does."""
+    running = sniffio.current_async_library()
+    if running not in adapter.anyio_backends:
+        raise ConfigurationError(
+            f"this PostgreSQL connection ({type(adapter).__name__}) works under "
+            f"{' and '.join(adapter.anyio_backends)} only, and this code runs under "
+            f"{running}: use a postgresql+pg8000:// URL (or driver='pg8000'), or a sync "
+            "psycopg pool or connection, which work under both"
+        )
+
+
 class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
     """Coordinate through PostgreSQL (tested: 15, 16, 18; see the module docs for the SQL).
 
@@ -258,14 +271,7 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
 
     async def _open_with(self, prepare: Callable[[SqlAdapter], Awaitable[None]]) -> None:
         adapter = self._given or adapter_for(self._connection, **self._options)
-        running = sniffio.current_async_library()
-        if running not in adapter.anyio_backends:
-            raise ConfigurationError(
-                f"this PostgreSQL connection ({type(adapter).__name__}) works under "
-                f"{' and '.join(adapter.anyio_backends)} only, and this code runs under "
-                f"{running}: use a postgresql+pg8000:// URL (or driver='pg8000'), or a sync "
-                "psycopg pool or connection, which work under both"
-            )
+        _check_loop(adapter)
         await adapter.open()
         try:
             await prepare(adapter)

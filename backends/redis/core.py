@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Self
 from urllib.parse import quote, unquote, urlsplit
 
-from adapters.redis import Command, RedisAdapter, redis_adapter
+from adapters.redis import Command, RedisAdapter, check_client, redis_adapter
 from lease_core._durations import Duration, parse_duration, to_ms
 from lease_core._redact import redact
 from lease_core._registry import check_url, merge_options, positive_whole, split_url_options
@@ -98,6 +98,8 @@ class RedisStore(Backend):
         if isinstance(connection, str):
             connection, from_url = split_url_options(connection, _OPTIONS)
             _check_url(connection)
+        elif connection is not None:
+            check_client(connection)
         keywords = {"prefix": prefix, "namespace": namespace, "wait_replicas": wait_replicas,
                     "wait_timeout": wait_timeout, **options}
         merged = merge_options("RedisBackend", keywords, from_url, _OPTIONS)

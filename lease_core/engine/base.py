@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from .._backend_check import check_backend
 from .._checks import check_storable
 from .._durations import parse_duration, to_ms
 from ..abc import Backend
@@ -117,11 +118,7 @@ class Carry:
 def check_options(backend: object, instance_id: object, history_size: object,
                   max_running: object) -> None:
     """Refuse a scheduler's options that are not what :class:`Scheduler` takes."""
-    if not isinstance(backend, Backend):
-        raise ConfigurationError(
-            f"backend={backend!r} is not an anarchon backend; pass MemoryBackend(), "
-            "PostgresBackend(...), RedisBackend(...) or backend_from_url(url)"
-        )
+    check_backend(backend)
     if instance_id is not None and (
         not isinstance(instance_id, str) or not instance_id.strip()
     ):

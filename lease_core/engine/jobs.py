@@ -84,10 +84,11 @@ class JobRegistry:
 
     def check_lease(self, seconds: float, what: str, given: object) -> None:
         """Refuse a lease shorter than three heartbeats."""
-        if to_ms(seconds) < 3 * to_ms(self.heartbeat):
+        beat_ms = to_ms(self.heartbeat)  # (both counted in whole ms, as the store does)
+        if to_ms(seconds) < 3 * beat_ms:
             raise ConfigurationError(
-                f"{what}={given!r} is shorter than 3 heartbeats ({self.heartbeat:g}s each); "
-                f"use a {what} of at least {3 * self.heartbeat:g}s or a shorter heartbeat"
+                f"{what}={given!r} is shorter than 3 heartbeats ({beat_ms / 1000:g}s each); "
+                f"use a {what} of at least {3 * beat_ms / 1000:g}s or a shorter heartbeat"
             )
 
     def check_declarable(self, what: str) -> None:
