@@ -59,8 +59,9 @@ MAX_LEASE_TTL_MS = 365 * 86_400_000
 
 
 def check_lease(name: object, *, holder: object = "-", ttl_ms: object = 1,
-                token: object = 1) -> None:
-    """Validate the arguments of the named-lease calls (``ConfigurationError`` naming them)."""
+                token: object = 1, ttl: object = None) -> None:
+    """Validate the arguments of the named-lease calls (``ConfigurationError`` naming them;
+    ``ttl``: the duration ``ttl_ms`` was made from, named instead where given)."""
     for what, text in (("lease name", name), ("holder", holder)):
         if not isinstance(text, str) or not text:
             raise ConfigurationError(f"{what}={text!r} must be a non-empty string")
@@ -70,8 +71,9 @@ def check_lease(name: object, *, holder: object = "-", ttl_ms: object = 1,
             raise ConfigurationError(f"{what}={value!r} must be a whole number, 1 or more")
     assert isinstance(ttl_ms, int)
     if ttl_ms > MAX_LEASE_TTL_MS:
-        raise ConfigurationError(f"ttl_ms={ttl_ms!r} is longer than 365 days; a lease is "
-                                 "renewed while held, so give it a ttl of seconds or minutes")
+        named = f"ttl_ms={ttl_ms!r}" if ttl is None else f"ttl={ttl!r}"
+        raise ConfigurationError(f"{named} is longer than 365 days; a lease is renewed "
+                                 "while held, so give it a ttl of seconds or minutes")
 
 
 class NamedLeaseStore:

@@ -35,9 +35,9 @@ from ._backend_check import check_backend
 from ._durations import Duration, parse_duration, to_ms
 from ._lease_keeper import _Hold, _Keeper
 from ._lease_loop import _Loop
-from ._named_leases import MAX_LEASE_TTL_MS, LeaseAnswer, check_lease
+from ._named_leases import LeaseAnswer, check_lease
 from .abc import Backend
-from .errors import ConfigurationError, LeaseLost
+from .errors import LeaseLost
 
 __all__ = ["Lease", "SyncLease"]
 
@@ -101,11 +101,7 @@ class Lease:
         self.ttl = parse_duration(ttl, what="ttl")
         """The lease's time to live, in seconds (renewed every third of it)."""
         self._ttl_ms = to_ms(self.ttl)
-        if self._ttl_ms > MAX_LEASE_TTL_MS:  # named as given, not as ttl_ms
-            raise ConfigurationError(
-                f"ttl={ttl!r} is longer than 365 days; a lease is renewed while held, so "
-                "give it a ttl of seconds or minutes")
-        check_lease(name, holder=self.holder, ttl_ms=self._ttl_ms)
+        check_lease(name, holder=self.holder, ttl_ms=self._ttl_ms, ttl=ttl)
         # How long a hold surely lives in the store after the call that set it was sent:
         # the store's expiry is its now (in whole ms, rounded down) + the ttl in whole ms,
         # so 2 ms less, and 0.5 % less for a store clock that runs a little faster.
