@@ -20,13 +20,13 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import anyio
 import anyio.to_thread
-from anyio.lowlevel import RunVar
 
+from lease_core._per_loop import PerLoop
 from lease_core._redact import redact
 from lease_core.errors import BackendUnavailable, ConfigurationError
 
@@ -121,28 +121,6 @@ class Executor(Protocol):
 
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Execute ``sql`` and return its rows (an empty list when it returns none)."""
-
-
-class PerLoop(Generic[T]):
-    """One value per running event loop (anyio's ``RunVar``), made by ``factory`` at its
-    first use there: an anyio limiter, semaphore or lock belongs to the loop it was first
-    used on, and an adapter may be used on several, one after another (asyncio, then trio)
-    or at once in two threads (each thread's own asyncio loop)."""
-
-    __slots__ = ("_factory", "_var")
-
-    def __init__(self, factory: Callable[[], T]) -> None:
-        self._factory = factory
-        self._var: RunVar[T] = RunVar(f"anarchon-per-loop-{id(self):x}")
-
-    def get(self) -> T:
-        """The running loop's value."""
-        try:
-            return self._var.get()
-        except LookupError:
-            value = self._factory()
-            self._var.set(value)
-            return value
 
 
 class WorkerThreads:
