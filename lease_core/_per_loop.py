@@ -1,4 +1,4 @@
-"""What must be one per running event loop (private): :class:`PerLoop`.
+"""What must be one per running event loop (private): :class:`PerLoop` and :class:`StartLock`.
 
 An anyio lock, limiter or event belongs to the event loop it was first used on, and a
 backend or an adapter may be used on several: one after another (asyncio, then trio;
@@ -8,6 +8,7 @@ the sync front ends' background loop, then the application's) or at once in two 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -15,7 +16,7 @@ from typing import Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ["PerLoop"]
+__all__ = ["PerLoop", "StartLock"]
 
 T = TypeVar("T")
 
@@ -42,3 +43,44 @@ class PerLoop(Generic[T]):
         if value is None:
             value = self._values.setdefault(loop, self._factory())
         return value
+
+
+class StartLock:
+    """The lock of a backend's opens and closes (:meth:`Backend.start
+    <lease_core.abc.Backend.start>`, :meth:`~lease_core.abc.Backend.close`), whatever
+    loop they run on.
+
+    The tasks of one loop queue on an anyio lock of that loop; the one holding it then
+    takes a thread lock, which an open or close under way on another loop (another
+    thread) holds meanwhile: that wait is polled every :attr:`POLL` seconds (two loops
+    starting or closing one backend at the same moment; an anyio lock shared by two
+    loops would not wake the other loop's waiter). Free, it is taken without a yield.
+    """
+
+    __slots__ = ("_held", "_loops")
+
+    #: Seconds between two looks at a thread lock another loop holds.
+    POLL = 0.005
+
+    def __init__(self) -> None:
+        self._loops = PerLoop(lambda: anyio.Lock(fast_acquire=True))
+        self._held = threading.Lock()
+
+    def locked(self) -> bool:
+        """Whether an open or close is under way, on any loop."""
+        return self._held.locked()
+
+    async def __aenter__(self) -> None:
+        lock = self._loops.get()
+        await lock.acquire()
+        try:
+            # (No event: another loop's open or close cannot wake this loop's waiter.)
+            while not self._held.acquire(blocking=False):  # noqa: ASYNC110
+                await anyio.sleep(self.POLL)
+        except BaseException:
+            lock.release()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._held.release()
+        self._loops.get().release()

@@ -99,8 +99,6 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Self
 
-import anyio
-
 from ._checks import (
     MEMBER_RETENTION_MS,
     check_every,
@@ -113,6 +111,7 @@ from ._checks import (
 )
 from ._named_leases import LeaseAnswer, NamedLeaseStore
 from ._operations_store import OperationsStore
+from ._per_loop import StartLock
 from ._structures import (
     Attempt,
     CheckResult,
@@ -251,7 +250,7 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
 
     def __init__(self) -> None:
         self._users = 0
-        self._start_lock = anyio.Lock(fast_acquire=True)  # leases start it per hold
+        self._start_lock = StartLock()  # leases start it per hold; any loop, one at a time
 
     async def start(self, *, create: bool = True) -> None:
         """Open connections and create the store's structures when missing.

@@ -1,21 +1,60 @@
 """A backend and its adapter keep nothing bound to one event loop, and leave nothing on one.
 
-An adapter made at every start of a backend (one from a DSN or a URL) must leave nothing
-behind on a loop that runs for the life of the process (the sync front ends' background
-loop, a service's own). Real servers: the embedded PostgreSQL 16.
+A backend object may be used under asyncio, then under trio (or the process's background
+loop of the sync front ends, then the application's own), and an adapter made at every
+start of a backend (one from a DSN or a URL) must leave nothing behind on a loop that
+runs for the life of the process. Real servers: the embedded PostgreSQL 16 and Redis 6.2.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 import uuid
+from typing import Any
 
 import anyio
 import pytest
 
 from backends.postgres import PostgresBackend
+from backends.redis import RedisBackend
 from lease_core import Lease
+from lease_core.abc import Backend
+from lease_core.testing import close_backend
 from tests.stores.postgres import PgServer
+from tests.stores.redis import delete_prefix
+
+
+def _backend(kind: str, request: pytest.FixtureRequest) -> Backend:
+    if kind == "postgres-pg8000":
+        server: PgServer = request.getfixturevalue("pg16_server")
+        url = server.dsn.replace("postgresql://", "postgresql+pg8000://", 1)
+        return PostgresBackend(url, table=f"anarchon_loops_{uuid.uuid4().hex[:10]}")
+    url = request.getfixturevalue("redis62_server").url
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    request.addfinalizer(lambda: delete_prefix(url, prefix))
+    return RedisBackend(url, prefix=prefix)
+
+
+@pytest.mark.parametrize("kind", ["postgres-pg8000", "redis-url"])
+def test_a_backend_is_started_under_asyncio_then_trio(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """A backend started and closed under asyncio, then under trio, then asyncio again
+    (a lease each time): its start lock was asyncio's for good, and trio's first start
+    failed with "no running event loop"."""
+    backend = _backend(kind, request)
+    tokens: list[int | None] = []
+
+    async def use() -> None:
+        with anyio.fail_after(10):
+            async with Lease(backend, "loops", ttl="5s") as lease:
+                tokens.append(lease.token)
+
+    anyio.run(use, backend="asyncio")
+    anyio.run(use, backend="trio")
+    anyio.run(use, backend="asyncio")
+    assert len(tokens) == 3 and tokens == sorted(tokens)
 
 
 def _anyio_primitives() -> int:
@@ -42,3 +81,53 @@ async def test_leases_on_a_dsn_backend_leave_nothing_on_the_event_loop(
         if cycle in (4, 44):
             counts.append(_anyio_primitives())
     assert counts[1] - counts[0] < 10, f"anyio limiters and locks alive: {counts}"
+
+
+def test_a_backend_started_on_two_loops_at_once_opens_once(pg16_server: PgServer) -> None:
+    """Two event loops in two threads start one backend at once (the sync front ends'
+    loop and the application's): the second waits for the first's open, and is woken
+    when it ends (its wait was a future of its own loop, resolved from the other thread,
+    which did not wake it: it hung), then shares what the first opened."""
+    url = pg16_server.dsn.replace("postgresql://", "postgresql+pg8000://", 1)
+    opening, go_on = threading.Event(), threading.Event()
+    opened = 0
+
+    class Slow(PostgresBackend):
+        async def _open(self) -> None:
+            nonlocal opened
+            opened += 1
+            opening.set()
+            await anyio.to_thread.run_sync(go_on.wait, 10)
+            await super()._open()
+
+    backend = Slow(url, table=f"anarchon_loops_{uuid.uuid4().hex[:10]}")
+    results: list[Any] = []
+
+    async def first() -> None:
+        await backend.start()
+        results.append(await backend.now_ms())
+
+    thread = threading.Thread(target=anyio.run, args=(first,), daemon=True)
+    thread.start()
+    try:
+        assert opening.wait(10)
+
+        async def second() -> None:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(backend.start)
+                    await anyio.sleep(0.2)  # the start waits for the other loop's open
+                    go_on.set()
+                results.append(await backend.now_ms())
+
+        anyio.run(second)
+    finally:
+        go_on.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert opened == 1 and len(results) == 2
+
+    async def close_all() -> None:
+        await close_backend(backend)
+
+    anyio.run(close_all)
