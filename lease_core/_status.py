@@ -133,6 +133,13 @@ def render_status(status: StoreStatus) -> str:
 
 def _describe_open(run: RunInfo, now_ms: int) -> str:
     slot = iso(run.scheduled_at)
+    if run.status is RunStatus.HANDED_OVER:
+        # No holder: a run handed over at a stop, or queued by an operation (a trigger's
+        # new run has no attempt yet, and names who asked; a retry's names its last holder).
+        if run.attempt == 0:
+            return f"slot {slot} queued by {run.instance_id}, not claimed yet (handed_over)"
+        return (f"slot {slot} attempt {run.attempt} by {run.instance_id} ended; the next "
+                "not claimed yet (handed_over: handed over at a stop, or retried)")
     if run.expires_ms is None:
         return f"slot {slot} attempt {run.attempt} {run.status} (by {run.instance_id})"
     left = (run.expires_ms - now_ms) / 1000

@@ -399,6 +399,9 @@ def _refusal(kind: OperationKind, job: str, slot: int | None, result: OperationR
     if kind is OperationKind.RESUME:
         return f"cannot resume job {job!r}: it is not paused"
     status = "" if result.status is None else str(result.status)
+    if result.status is RunStatus.HANDED_OVER:
+        status = ("handed_over (waiting to be claimed: handed over at a stop, or triggered "
+                  "or retried already)")
     if kind is OperationKind.RETRY:
         return (f"cannot retry run {run}: it is {status}; only failed, timed_out or "
                 "escalated runs are retried")

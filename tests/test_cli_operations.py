@@ -87,6 +87,25 @@ def test_operations_act_on_the_store(url: str, capsys: pytest.CaptureFixture[str
     assert [(a.outcome, a.error) for a in cancelled] == [("cancelled", "cancelled by cli")]
 
 
+def test_a_run_queued_by_an_operation_reads_as_queued(
+        url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A triggered run not claimed yet, and a retried one: ``status`` says they wait for a
+    claim and who asked (it said "attempt 0 handed_over", though nobody handed anything
+    over), and a retry of either says why it is refused."""
+    run_ending(url, 1000, Outcome.FAILED)
+    assert main(["trigger", "sync", "--url", url]) == 0
+    triggered = int(capsys.readouterr().out.split("sync@", 1)[1].split()[0])
+    assert main(["retry", "sync@1000", "--url", url]) == 0
+    capsys.readouterr()
+    assert main(["status", "--url", url]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("sync "))
+    assert "queued by cli, not claimed yet (handed_over)" in line, line
+    assert "attempt 1 by i-1 ended; the next not claimed yet (handed_over" in line, line
+    for slot in (triggered, 1000):
+        assert main(["retry", f"sync@{slot}", "--url", url]) == 2
+        assert "it is handed_over (waiting to be claimed" in capsys.readouterr().err
+
+
 def test_refusals_exit_2_and_change_nothing(url: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     run_ending(url, 2000, Outcome.COMPLETED)
