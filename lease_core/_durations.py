@@ -8,12 +8,13 @@ from datetime import timedelta
 
 from .errors import ConfigurationError
 
-__all__ = ["Duration", "parse_duration", "to_ms"]
+__all__ = ["Duration", "parse_duration", "parse_typed_duration", "to_ms"]
 
 Duration = str | timedelta | int | float
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_SECONDS = re.compile(r"\s*[0-9]+(\.[0-9]+)?\s*")
 _ACCEPTED = (
     "a string such as '500ms', '30s', '5m', '1h30m' or '2d', a timedelta, or a number of seconds"
 )
@@ -56,6 +57,23 @@ def parse_duration(value: object, *, what: str = "duration", allow_zero: bool = 
         raise ConfigurationError(f"{what}={value!r} must be "
                                  + ("0 or more" if allow_zero else "greater than zero"))
     return seconds
+
+
+def parse_typed_duration(text: str, *, what: str, allow_zero: bool = False) -> float:
+    """A duration typed by a person (a command-line option): as :func:`parse_duration`,
+    a bare number meaning seconds, and an error worded for what can be typed (no
+    timedelta). ``what`` names the option (``--older-than``)."""
+    if _SECONDS.fullmatch(text):
+        if float(text) == 0 and not allow_zero:
+            raise ConfigurationError(f"{what} {text.strip()!r} must be greater than zero")
+        return parse_duration(float(text), what=what, allow_zero=allow_zero)
+    try:
+        return parse_duration(text, what=what, allow_zero=allow_zero)
+    except ConfigurationError:
+        raise ConfigurationError(
+            f"{what} {text!r} is not a duration; give a number of seconds or a duration "
+            "such as 500ms, 30s, 5m, 1h30m or 2d"
+        ) from None
 
 
 def to_ms(seconds: float) -> int:

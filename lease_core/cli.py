@@ -291,14 +291,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _prune(args: argparse.Namespace) -> int:
-    from ._durations import parse_duration, to_ms
+    from ._durations import parse_typed_duration, to_ms
 
     if args.older_than is None and args.keep is None:
         raise ConfigurationError("what to delete? give --older-than DURATION (by age), "
                                  "--keep N (by count) or both")
     older_than = None
     if args.older_than is not None:
-        older_than = to_ms(parse_duration(args.older_than, what="--older-than"))
+        older_than = to_ms(parse_typed_duration(args.older_than, what="--older-than"))
         if older_than > _LARGEST:
             raise ConfigurationError(
                 f"--older-than {args.older_than!r} is longer than any history can be; give "

@@ -26,7 +26,7 @@ import anyio
 
 from ._backend_check import check_backend
 from ._checks import check_lookup_name, check_storable
-from ._durations import parse_duration
+from ._durations import parse_duration, parse_typed_duration
 from ._structures import LAST_SLOT, RunStatus, format_slot
 from .errors import ConfigurationError, OperationRefused
 from .recovery import step_job
@@ -92,9 +92,6 @@ MAX_GRACE_S = 30 * 86400
 #: step's run to start (its agent claims it at once), and how often it looks.
 BETWEEN_STEPS_WAIT_S = 5.0
 BETWEEN_STEPS_POLL_S = 0.05
-#: A grace given as text without a unit: a number of seconds.
-_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
-
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -241,9 +238,9 @@ class Admin:
         grace has passed. Either way the attempt ends ``cancelled``, never
         ``completed``.
         """
-        if isinstance(grace, str) and _SECONDS.fullmatch(grace.strip()):
-            grace = float(grace)  # "0", "30": seconds, as the CLI and HTTP pass them
-        grace_s = parse_duration(grace, what="grace", allow_zero=True)
+        grace_s = (parse_typed_duration(grace, what="grace", allow_zero=True)  # "0", "30":
+                   if isinstance(grace, str)  # seconds, as the CLI and HTTP pass them
+                   else parse_duration(grace, what="grace", allow_zero=True))
         if grace_s > MAX_GRACE_S:
             raise ConfigurationError(
                 f"grace={grace!r} is longer than {MAX_GRACE_S // 86400:g} days; a cancelled "

@@ -234,10 +234,10 @@ def test_bad_options_are_refused() -> None:
         RedisBackend(wait_timeout="soon")
 
 
-async def test_bad_connection_object_is_refused() -> None:
-    backend = RedisBackend(42)
+def test_bad_connection_object_is_refused() -> None:
+    """At construction, as PostgresBackend refuses one (it was found only at start())."""
     with pytest.raises(ConfigurationError, match="connection=42"):
-        await backend.start()
+        RedisBackend(42)
 
 
 # -- history and trimming ------------------------------------------------------------

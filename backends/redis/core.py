@@ -251,9 +251,8 @@ class RedisStore(Backend):
 
     async def _require(self) -> RedisAdapter:
         if self._adapter is None:
-            # Used without start(): open now; the next close() releases it.
-            await self.start()
-        assert self._adapter is not None
+            raise ConfigurationError(
+                f"{type(self).__name__} is not started; call await start() first")
         return self._adapter
 
     @staticmethod
