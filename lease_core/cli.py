@@ -530,6 +530,9 @@ async def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status.as_json(), indent=2))
     else:
         sys.stdout.write(render_status(status))
+        if not status.jobs and "memory" in getattr(backend, "schemes", ()):
+            print("(memory:// is a store inside one process: this command has an empty one "
+                  "of its own, not your services'; give the URL of the store they use)")
     return 0
 
 

@@ -96,6 +96,15 @@ def test_history_command_reads_a_store() -> None:
     assert main(["history", "--url", "memory://"]) == 0
 
 
+def test_status_on_memory_says_it_sees_a_store_of_its_own(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``memory://`` lives in one process: the CLI's is new and empty, whatever the
+    services run. ``status`` says so rather than only "no jobs recorded yet"."""
+    assert main(["status", "--url", "memory://"]) == 0
+    out = capsys.readouterr().out
+    assert "no jobs recorded yet" in out and "memory:// is a store inside one process" in out
+
+
 def test_errors_are_reported_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["history", "--url", "nosuch://x"])
     assert code == 2
