@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -1015,3 +1016,21 @@ def test_a_sync_lease_held_at_a_clean_exit_is_released(valkey8_server: Any) -> N
         assert other.acquire(timeout=0) is True
     finally:
         other.release()
+
+
+def test_the_leader_election_example_steps_down_quietly_on_ctrl_c() -> None:
+    """Ctrl-C is how its text says to stop it: it ends with exit 0, saying it stepped
+    down, and no traceback (a KeyboardInterrupt traceback before)."""
+    path = Path(__file__).resolve().parent.parent / "docs" / "examples" / "leader_election.py"
+    process = subprocess.Popen([sys.executable, "-u", str(path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    try:
+        first = process.stdout.readline()
+        assert first.startswith("leading with token "), first
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    assert "Traceback" not in err and out.strip() == "stepped down", (out, err)

@@ -42,4 +42,7 @@ async def elect(backend: Backend, name: str = "leader", *, ttl: str = "10s",
 
 
 if __name__ == "__main__":
-    anyio.run(elect, backend_from_url(sys.argv[1] if len(sys.argv) > 1 else "memory://"))
+    try:
+        anyio.run(elect, backend_from_url(sys.argv[1] if len(sys.argv) > 1 else "memory://"))
+    except KeyboardInterrupt:  # Ctrl-C: the lease was released on the way out
+        print("stepped down", flush=True)
