@@ -208,8 +208,6 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
         pass
 
     def _now(self) -> int:
-        if self._users == 0:
-            raise ConfigurationError("MemoryBackend is not started; call await start() first")
         return int(self._clock() * 1000)
 
     async def now_ms(self) -> int:

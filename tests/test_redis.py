@@ -93,6 +93,36 @@ def _keys(raw: redis.Redis, prefix: str) -> list[str]:
     return sorted(k.decode() for k in found)
 
 
+# -- start and close --------------------------------------------------------------------
+
+
+async def test_a_call_before_start_or_after_close_raises_and_opens_nothing(
+        url: str, raw: redis.Redis) -> None:
+    """As PostgreSQL: a call outside start() ... close() raises ConfigurationError. (It
+    opened a client of its own, which stayed open until another close(): a connection
+    left behind by every call after the last close.)"""
+    app = f"anarchon-closed-{uuid.uuid4().hex[:8]}"
+    made = RedisBackend(f"{url}?client_name={app}", prefix=_prefix())
+
+    def connections() -> int:
+        return sum(1 for c in raw.client_list() if c.get("name") == app)
+
+    with pytest.raises(ConfigurationError, match="RedisBackend is not started; call await "
+                       r"start\(\) first"):
+        await made.now_ms()
+    assert connections() == 0
+    await made.start()
+    try:
+        assert await made.now_ms() > 0
+        assert connections() >= 1
+    finally:
+        await made.close()
+        delete_prefix(url, made.prefix)
+    with pytest.raises(ConfigurationError, match="not started"):
+        await made.jobs()
+    assert connections() == 0
+
+
 # -- time ------------------------------------------------------------------------------
 
 
