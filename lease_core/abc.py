@@ -260,7 +260,7 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         changed (what read-only tools such as ``anarchon status`` use, with SELECT-only
         rights too): :class:`~lease_core.errors.StoreNotFound` when there is no store
         there. ``create`` matters only to the first user; later ones share what it opened.
-        Other calls come between it and the last close (else PostgreSQL and Redis raise).
+        Other calls come between it and the last close (else a URL's backend raises).
         """
         if self._users and not self._start_lock.locked():
             self._users += 1  # already open, no open or close under way: no lock needed

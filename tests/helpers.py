@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import textwrap
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,17 @@ def install_toy_backend(site: Path, source: str, schemes: Mapping[str, str]) -> 
     )
 
 
+@asynccontextmanager
+async def started(backend: Backend) -> AsyncIterator[Backend]:
+    """``backend`` held open for the block, whether its scheduler runs or was stopped (a
+    backend made from a URL answers only while started)."""
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
 async def wait_history(
     scheduler: Scheduler,
     predicate: Callable[[list[Attempt]], Any],
@@ -49,7 +61,8 @@ async def wait_history(
 
     async def check() -> bool:
         nonlocal found
-        found = await scheduler.backend.history(job, 1000)
+        async with started(scheduler.backend):
+            found = await scheduler.backend.history(job, 1000)
         return bool(predicate(found))
 
     await wait_for(check, timeout=timeout, what=what)

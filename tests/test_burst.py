@@ -183,9 +183,13 @@ async def test_the_counter_counts_each_call_once_on_every_store(store: Store) ->
     # sends one.
     backend = store.backend()
     calls = Calls(backend)
-    now = await store_now_ms(backend)
-    await backend.claim(_request("counted-lone", now))
-    await backend.claim_many([_request("counted-a", now), _request("counted-b", now)])
+    await backend.start()
+    try:
+        now = await store_now_ms(backend)
+        await backend.claim(_request("counted-lone", now))
+        await backend.claim_many([_request("counted-a", now), _request("counted-b", now)])
+    finally:
+        await backend.close()
     assert (calls.single, calls.batches) == (1, [2])
 
 

@@ -468,7 +468,7 @@ async def ranked_backups(store: Store) -> None:
         await wait_for(lambda: [n for j, _, n in ran if j == "held"] != [holder], timeout=10,
                        what="the takeover")
         # A triggered run, picked up by one member.
-        triggered = await Admin(by_name[names[0]].backend).trigger("wf")
+        triggered = await Admin(by_name[names[0]].backend.inner).trigger("wf")  # (unwrapped)
         await wait_for(lambda: ("wf/three", triggered) in {(j, sl) for j, sl, _ in ran},
                        timeout=10, what="the triggered run's last step")
         live = [s for s in schedulers if s.instance_id != holder]

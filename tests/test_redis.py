@@ -121,6 +121,12 @@ async def test_a_call_before_start_or_after_close_raises_and_opens_nothing(
     with pytest.raises(ConfigurationError, match="not started"):
         await made.jobs()
     assert connections() == 0
+    # A client of the user's is used as it is, started or not (as PostgreSQL's pool).
+    client = redis.Redis.from_url(url)
+    try:
+        assert await RedisBackend(client, prefix=_prefix()).now_ms() > 0
+    finally:
+        client.close()
 
 
 # -- time ------------------------------------------------------------------------------

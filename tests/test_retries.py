@@ -15,7 +15,7 @@ from lease_core import ConfigurationError, Event, Retried, Retry, RunContext, Ru
 from lease_core._status import workflow_status
 from lease_core.retry import supports_retries
 from lease_core.testing import claim_now
-from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
+from tests.helpers import Instance, quiet_offset_now, started, wait_for, wait_history
 from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
@@ -45,7 +45,8 @@ def slot_of(s: Scheduler, job: str) -> int:
 
 
 async def run_status(s: Scheduler, job: str, slot: int) -> RunStatus | None:
-    state = (await s.backend.check([(job, slot)])).runs.get((job, slot))
+    async with started(s.backend):
+        state = (await s.backend.check([(job, slot)])).runs.get((job, slot))
     return None if state is None else state.status
 
 

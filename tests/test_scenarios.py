@@ -26,6 +26,7 @@ from lease_core.testing import claim_now
 from tests.helpers import (
     Instance,
     quiet_offset,
+    started,
     stop_all,
     store_now_ms,
     wait_for,
@@ -161,7 +162,8 @@ async def test_stop_hands_over_well_before_the_lease_expires(store: Store) -> No
     name, attempt, resumed_from = progress[1]
     assert (name, attempt) == ("b", 2)
     assert resumed_from > 0  # the checkpoint carried over
-    assert await b.backend.get_checkpoint("batch", slot) == 200
+    async with started(b.backend):
+        assert await b.backend.get_checkpoint("batch", slot) == 200
     assert [(h.attempt, h.reason, h.outcome) for h in history] == [
         (2, Reason.HAND_OVER, Outcome.COMPLETED),
         (1, Reason.SCHEDULED, Outcome.HANDED_OVER),

@@ -32,7 +32,7 @@ from lease_core.recovery import step_job
 from lease_core.scheduler import parse_run_id
 from lease_core.testing import claim_now, claim_now_sync
 from lease_core.workflows import Workflow
-from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
+from tests.helpers import Instance, quiet_offset_now, started, wait_for, wait_history
 from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
@@ -58,7 +58,8 @@ async def begin(s: Scheduler, slot: int, wf: str = "close") -> None:
 
 async def statuses(s: Scheduler, slot: int, wf: str = "close") -> list[RunStatus | None]:
     keys = [(job.name, slot) for job in s.workflows[wf].jobs]
-    found = (await s.backend.check(keys)).runs
+    async with started(s.backend):
+        found = (await s.backend.check(keys)).runs
     return [found[k].status if k in found else None for k in keys]
 
 
@@ -107,7 +108,8 @@ async def test_steps_run_in_order_and_read_earlier_results(store: Store) -> None
         ("interest", {"snapshot": {"accounts": 3}}, "close/interest"),
         ("publish", {"snapshot": {"accounts": 3}, "interest": 6}, "close/publish"),
     ]
-    assert await a.backend.workflows() == {"close": list(STEPS)}
+    async with started(a.backend):
+        assert await a.backend.workflows() == {"close": list(STEPS)}
     log = await a.recovery_log(f"close@{slot}")
     assert [(e.step, e.attempt, e.event) for e in log] == [
         (step, 1, event) for step in STEPS for event in ("started", "completed")

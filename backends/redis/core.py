@@ -251,8 +251,14 @@ class RedisStore(Backend):
 
     async def _require(self) -> RedisAdapter:
         if self._adapter is None:
-            raise ConfigurationError(
-                f"{type(self).__name__} is not started; call await start() first")
+            if self._connection is None or isinstance(self._connection, str):
+                raise ConfigurationError(
+                    f"{type(self).__name__} is not started; call await start() first")
+            # A client of the user's is used as it is, as PostgreSQL uses a pool or a
+            # connection it was given: nothing is opened that a close would release.
+            adapter = redis_adapter(self._connection)
+            self._refuse_cluster_wait(adapter.cluster)
+            self._adapter = adapter
         return self._adapter
 
     @staticmethod
