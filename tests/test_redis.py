@@ -121,12 +121,20 @@ async def test_a_call_before_start_or_after_close_raises_and_opens_nothing(
     with pytest.raises(ConfigurationError, match="not started"):
         await made.jobs()
     assert connections() == 0
-    # A client of the user's is used as it is, started or not (as PostgreSQL's pool).
-    client = redis.Redis.from_url(url)
-    try:
-        assert await RedisBackend(client, prefix=_prefix()).now_ms() > 0
-    finally:
-        client.close()
+    # A client of the user's is used as it is, started or not (as PostgreSQL's pool),
+    # scripts included, on a server of its own that has none loaded yet.
+    binary = find_server("redis")
+    assert binary is not None, "no redis server installed"
+    with EmbeddedRedis(binary, appendonly=False) as fresh:
+        client = redis.Redis.from_url(fresh.url)
+        given = RedisBackend(client, prefix=_prefix())
+        try:
+            assert await given.now_ms() > 0
+            won = await given.claim(ClaimRequest("j", 1_000, "i", "t", 30_000))
+            assert won.status is ClaimStatus.WON
+            assert (await given.acquire_lease("x", "h", 30_000)).held
+        finally:
+            client.close()
 
 
 # -- time ------------------------------------------------------------------------------

@@ -254,11 +254,11 @@ class RedisStore(Backend):
             if self._connection is None or isinstance(self._connection, str):
                 raise ConfigurationError(
                     f"{type(self).__name__} is not started; call await start() first")
-            # A client of the user's is used as it is, as PostgreSQL uses a pool or a
-            # connection it was given: nothing is opened that a close would release.
-            adapter = redis_adapter(self._connection)
-            self._refuse_cluster_wait(adapter.cluster)
-            self._adapter = adapter
+            # A client of the user's: started now (its scripts loaded, the store checked),
+            # as PostgreSQL uses a pool or a connection it was given; nothing is opened
+            # that a close would have to release.
+            await self.start()
+        assert self._adapter is not None
         return self._adapter
 
     @staticmethod
