@@ -123,6 +123,16 @@ class Executor(Protocol):
         """Execute ``sql`` and return its rows (an empty list when it returns none)."""
 
 
+def _sized(limiters: PerLoop[anyio.CapacityLimiter],
+           size: Callable[[], int]) -> anyio.CapacityLimiter:
+    """The running loop's limiter of ``limiters``, given ``size()`` tokens if it changed."""
+    limiter = limiters.get()
+    tokens = size()
+    if limiter.total_tokens != tokens:
+        limiter.total_tokens = tokens
+    return limiter
+
+
 class WorkerThreads:
     """The worker threads of one blocking driver (pg8000, sync psycopg, sync redis-py): a
     limiter of its own, ``tokens`` calls at a time, instead of anyio's default one.
@@ -146,11 +156,7 @@ class WorkerThreads:
     def limiter(self) -> anyio.CapacityLimiter:
         """The limiter of the running event loop, with as many tokens as ``tokens`` says
         now (a callable is read again at each call: a resized pool is followed)."""
-        limiter = self._limiters.get()
-        tokens = self._tokens()
-        if limiter.total_tokens != tokens:
-            limiter.total_tokens = tokens
-        return limiter
+        return _sized(self._limiters, self._tokens)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread taken from this driver's own limiter."""
@@ -176,11 +182,7 @@ class Slots:
     def held(self, wait: float | None,
              timed_out: Callable[[], BaseException]) -> AbstractAsyncContextManager[None]:
         """Hold a slot; raise ``timed_out()`` when none is free within ``wait`` seconds."""
-        limiter = self._limiters.get()
-        size = self._size()
-        if limiter.total_tokens != size:
-            limiter.total_tokens = size
-        return _Slot(limiter, wait, timed_out)
+        return _Slot(_sized(self._limiters, self._size), wait, timed_out)
 
 
 class _Slot:
