@@ -38,6 +38,7 @@ socket timeout, which pg8000 applies to every read and write, not only to connec
 from __future__ import annotations
 
 import ssl
+import threading
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -163,8 +164,9 @@ def _refuses_tls(exc: BaseException) -> bool:
 
 def _idle(conn: Any) -> bool:
     """Whether ``conn`` is in no transaction, as its server's last ReadyForQuery said
-    (``b"I"``; ``b"T"`` in a transaction, ``b"E"`` in a failed one)."""
-    return getattr(conn, "_transaction_status", b"I") == b"I"
+    (``b"I"``; ``b"T"`` in a transaction, ``b"E"`` in a failed one; pg8000 sets None
+    at the end of its connect, before any statement: idle too)."""
+    return getattr(conn, "_transaction_status", b"I") in (b"I", None)
 
 
 class _Tx:
@@ -300,6 +302,10 @@ class Pg8000PoolAdapter(SqlAdapter):
         self._closed = False
         self._reserved: Any = None
         self._reserved_busy = False
+        # The idle list and the reserved connection, taken and given back by event loops
+        # on several threads (the sync front ends' and the application's): each take a
+        # look and a change under this lock, so no two take one connection.
+        self._guard = threading.Lock()
         # A thread for each connection slot, the reserved connection and a close: a call
         # holding a connection never waits for a thread (WorkerThreads).
         self._threads = WorkerThreads(max_size + 2)
@@ -344,9 +350,24 @@ class Pg8000PoolAdapter(SqlAdapter):
             )
         return None
 
+    def _take_idle(self) -> Any:
+        """An idle connection, or None."""
+        with self._guard:
+            return self._idle.pop() if self._idle else None
+
+    def _take_all_idle(self) -> list[Any]:
+        """Every idle connection, and the reserved one when it is free."""
+        with self._guard:
+            idle, self._idle = self._idle, []
+            if self._reserved is not None and not self._reserved_busy:
+                idle.append(self._reserved)
+                self._reserved = None
+            return idle
+
     async def _acquire(self) -> Any:
-        if self._idle:
-            return self._idle.pop()
+        conn = self._take_idle()
+        if conn is not None:
+            return conn
         try:
             return await self._threads.run(self._connect)
         except (pg8000.exceptions.Error, OSError) as exc:
@@ -380,7 +401,8 @@ class Pg8000PoolAdapter(SqlAdapter):
             with anyio.CancelScope(shield=True):
                 await self._threads.run(_close_quietly, conn)
         else:
-            self._idle.append(conn)
+            with self._guard:
+                self._idle.append(conn)
 
     async def open(self) -> None:
         """Open the first connection, so a bad login or host is reported at once."""
@@ -391,11 +413,7 @@ class Pg8000PoolAdapter(SqlAdapter):
     async def close(self) -> None:
         """Close every idle connection; busy ones close when they are released."""
         self._closed = True
-        idle, self._idle = self._idle, []
-        if self._reserved is not None and not self._reserved_busy:
-            idle.append(self._reserved)
-            self._reserved = None
-        for conn in idle:
+        for conn in self._take_all_idle():
             await self._threads.run(_close_quietly, conn)
 
     def _all_blocking(self, conn: Any, text: str, values: tuple[Any, ...] | None) -> _Outcome:
@@ -423,7 +441,7 @@ class Pg8000PoolAdapter(SqlAdapter):
         """
         statement = _alone(sql, params)  # a placeholder mismatch raises before a connection
         async with self._slot():
-            conn = self._idle.pop() if self._idle else None
+            conn = self._take_idle()
             # The worker thread runs to its end whatever happens to the caller (pg8000's
             # socket timeout bounds it); shielded, its outcome is kept, so a cancelled
             # caller returns a healthy connection to the pool instead of closing it (and,
@@ -438,19 +456,22 @@ class Pg8000PoolAdapter(SqlAdapter):
 
     async def all_reserved(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement on the reserved connection (on the pool while it is busy)."""
-        if self._reserved_busy:
-            return await self.all(sql, params)
         statement = _alone(sql, params)
-        self._reserved_busy = True
+        with self._guard:
+            taken = not self._reserved_busy
+            if taken:
+                self._reserved_busy = True
+                conn, self._reserved = self._reserved, None
+        if not taken:
+            return await self.all(sql, params)
         try:
-            conn, self._reserved = self._reserved, None
             with anyio.CancelScope(shield=True):  # as in all()
                 done = await self._threads.run(self._all_blocking, conn, *statement)
                 if done.conn is not None:
                     if not self._keeps(done.conn, None):
                         await self._threads.run(_close_quietly, done.conn)
                     else:
-                        self._reserved = done.conn
+                        self._reserved = done.conn  # (busy: no other thread writes it)
         finally:
             self._reserved_busy = False
         rows = await self._rows(done)
@@ -460,10 +481,7 @@ class Pg8000PoolAdapter(SqlAdapter):
     async def _discard_idle(self) -> None:
         """Close the idle connections (and the reserved one when free): a connection just
         found broken means a server restart probably broke them too."""
-        idle, self._idle = self._idle, []
-        if self._reserved is not None and not self._reserved_busy:
-            idle.append(self._reserved)
-            self._reserved = None
+        idle = self._take_all_idle()
         if idle:
             with anyio.CancelScope(shield=True):
                 await self._threads.run(_close_all, idle)

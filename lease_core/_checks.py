@@ -1,5 +1,6 @@
-"""Argument checks of the backend contract's calls, a limit they share, and the
-checkpoints' JSON (a value that is not JSON is refused as a bad argument is).
+"""Argument checks of the backend contract's calls, a limit they share, the
+checkpoints' JSON (a value that is not JSON is refused as a bad argument is), and the
+run statuses an attempt or a finish implies.
 
 Re-exported by :mod:`lease_core.abc`, where a backend imports them from.
 """
@@ -9,11 +10,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ._structures import Attempt, Outcome, RunStatus
 from .errors import ConfigurationError
 
-__all__ = ["MEMBER_RETENTION_MS", "check_every", "check_leave", "check_limit",
-           "check_lookup_name", "check_members", "check_prune", "check_storable",
-           "decode_checkpoint", "encode_checkpoint"]
+__all__ = [
+    "FINISH_OUTCOMES",
+    "MEMBER_RETENTION_MS",
+    "check_every",
+    "check_leave",
+    "check_limit",
+    "check_lookup_name",
+    "check_members",
+    "check_prune",
+    "check_storable",
+    "decode_checkpoint",
+    "encode_checkpoint",
+    "finish_status",
+    "run_status",
+]
 
 
 def check_prune(keep: int | None, older_than_ms: int | None, batch: int) -> None:
@@ -96,3 +110,31 @@ def encode_checkpoint(value: object) -> str:
 def decode_checkpoint(text: str | None) -> Any:
     """Parse checkpoint JSON text; ``None`` (no checkpoint) stays ``None``."""
     return None if text is None else json.loads(text)
+
+
+def run_status(attempt: Attempt) -> RunStatus:
+    """The run's status implied by its latest attempt (``lost``: not yet taken over)."""
+    if attempt.outcome is None:
+        return RunStatus.RUNNING
+    try:
+        return RunStatus(attempt.outcome.value)
+    except ValueError:
+        return RunStatus.RUNNING
+
+
+#: The outcomes :meth:`Backend.finish` ends a run with.
+FINISH_OUTCOMES = (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT)
+
+
+def finish_status(outcome: object) -> RunStatus:
+    """The run status :meth:`Backend.finish` writes for ``outcome`` (member or value).
+
+    Raises :class:`~lease_core.errors.ConfigurationError`, naming it, for any other
+    outcome: the others are the store's own (lost, handed over, escalated, skipped).
+    """
+    for member in FINISH_OUTCOMES:
+        if outcome is member or outcome == member.value:
+            return RunStatus(member.value)
+    raise ConfigurationError(
+        f"outcome={outcome!r} cannot end a run; use completed, failed or timed_out"
+    )

@@ -75,6 +75,13 @@ class _Loop:
     """The leases of the SyncLeases that acquired on this loop (released at exit)."""
 
     @classmethod
+    def track(cls, lease: Lease) -> None:
+        """Release ``lease`` at exit if it is still held then (under the lock: the exit's
+        look at the set must not see it change size, from a daemon thread's acquire)."""
+        with cls.lock:
+            cls.leases.add(lease)
+
+    @classmethod
     def close(cls) -> None:
         """Stop the loop (at interpreter exit): the leases still held are released first,
         together, for 5 s at most (a store that does not answer keeps them until their
@@ -86,13 +93,15 @@ class _Loop:
             cls.manager = cls.portal = cls.thread = None
             if manager is None or portal is None:
                 return
-            held = [lease for lease in cls.leases if lease.held]
-            if held:
-                with contextlib.suppress(Exception):
-                    portal.call(_release_all, held)
-            with contextlib.suppress(RuntimeError):
-                portal.call(portal.stop, True)  # a lease still held: nothing waits for it
-            manager.__exit__(None, None, None)
+            try:
+                held = [lease for lease in cls.leases if lease.held]
+                if held:
+                    with contextlib.suppress(Exception):
+                        portal.call(_release_all, held)
+            finally:  # whatever happened, the loop's thread ends (else the exit hangs)
+                with contextlib.suppress(RuntimeError):
+                    portal.call(portal.stop, True)  # a lease still held: nothing waits
+                manager.__exit__(None, None, None)
 
 
 async def _release_all(leases: list[Lease]) -> None:

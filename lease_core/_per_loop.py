@@ -70,6 +70,19 @@ class StartLock:
         """Whether an open or close is under way, on any loop."""
         return self._held.locked()
 
+    def acquire_nowait(self) -> bool:
+        """Take the lock if no open or close is under way, on any loop, without waiting
+        or yielding; return whether it did (then :meth:`release_nowait` gives it back).
+
+        For a change of the user count that opens or closes nothing: made under this lock,
+        it cannot interleave with the last user's close on another thread.
+        """
+        return self._held.acquire(blocking=False)
+
+    def release_nowait(self) -> None:
+        """Give back what :meth:`acquire_nowait` took."""
+        self._held.release()
+
     async def __aenter__(self) -> None:
         lock = self._loops.get()
         await lock.acquire()

@@ -100,6 +100,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Self
 
 from ._checks import (
+    FINISH_OUTCOMES,
     MEMBER_RETENTION_MS,
     check_every,
     check_leave,
@@ -108,6 +109,8 @@ from ._checks import (
     check_prune,
     decode_checkpoint,
     encode_checkpoint,
+    finish_status,
+    run_status,
 )
 from ._named_leases import LeaseAnswer, NamedLeaseStore
 from ._operations_store import OperationsStore
@@ -163,16 +166,6 @@ __all__ = [
 ]
 
 
-def _run_status(attempt: Attempt) -> RunStatus:
-    """The run's status implied by its latest attempt (``lost``: not yet taken over)."""
-    if attempt.outcome is None:
-        return RunStatus.RUNNING
-    try:
-        return RunStatus(attempt.outcome.value)
-    except ValueError:
-        return RunStatus.RUNNING
-
-
 #: The single/batch twins of the contract (see the module docs): a backend implements at
 #: least one method of each pair, and :class:`Backend` derives the other from it.
 TWINS: tuple[tuple[str, str], ...] = (
@@ -198,24 +191,6 @@ def _require(cls: type, twin: str, caller: str) -> None:
             f"{twin}(), and {cls.__name__} does not implement {twin}(); implement one of "
             f"{caller}() and {twin}() without calling the other through super()"
         )
-
-
-#: The outcomes :meth:`Backend.finish` ends a run with.
-FINISH_OUTCOMES = (Outcome.COMPLETED, Outcome.FAILED, Outcome.TIMED_OUT)
-
-
-def finish_status(outcome: object) -> RunStatus:
-    """The run status :meth:`Backend.finish` writes for ``outcome`` (member or value).
-
-    Raises :class:`~lease_core.errors.ConfigurationError`, naming it, for any other
-    outcome: the others are the store's own (lost, handed over, escalated, skipped).
-    """
-    for member in FINISH_OUTCOMES:
-        if outcome is member or outcome == member.value:
-            return RunStatus(member.value)
-    raise ConfigurationError(
-        f"outcome={outcome!r} cannot end a run; use completed, failed or timed_out"
-    )
 
 
 class Backend(NamedLeaseStore, OperationsStore, ABC):
@@ -262,9 +237,8 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         there. ``create`` matters only to the first user; later ones share what it opened.
         Other calls come between it and the last close (else a URL's backend raises).
         """
-        if self._users and not self._start_lock.locked():
-            self._users += 1  # already open, no open or close under way: no lock needed
-            return
+        if self._users and self._count_now(1):
+            return  # already open, no open or close under way: no wait
         async with self._start_lock:
             if self._users == 0:
                 await (self._open() if create else self._open_existing())
@@ -290,11 +264,21 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         release. False for a subclass with a :meth:`close` of its own, which is then
         always called.
         """
-        if (type(self).close is not Backend.close or self._users <= 1
-                or self._start_lock.locked()):
+        return type(self).close is Backend.close and self._users > 1 and self._count_now(-1)
+
+    def _count_now(self, change: int) -> bool:
+        """Add ``change`` (1 or -1) to the user count, without waiting, when that leaves
+        a user and no start or close is under way on any loop; return whether it did.
+        Under the start lock: a last close on another thread cannot come in between."""
+        if not self._start_lock.acquire_nowait():
             return False
-        self._users -= 1
-        return True
+        try:
+            if self._users + min(change, 0) < 1:
+                return False
+            self._users += change
+            return True
+        finally:
+            self._start_lock.release_nowait()
 
     @abstractmethod
     async def _open(self) -> None:
@@ -568,7 +552,7 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
             key = (a.job, a.slot)
             if key not in latest or a.attempt > latest[key].attempt:
                 latest[key] = a
-        found = [RunInfo(a.job, a.slot, _run_status(a), a.attempt, a.instance_id)
+        found = [RunInfo(a.job, a.slot, run_status(a), a.attempt, a.instance_id)
                  for a in latest.values()]
         if open_only:
             found = [r for r in found if not r.status.finished]

@@ -515,7 +515,7 @@ class SyncLease:
             raise
         if got:
             self._pid = os.getpid()
-            _Loop.leases.add(self._lease)
+            _Loop.track(self._lease)
             mirror, self._mirror = self._mirror, None
             if mirror is not None:  # held already: one task watches the current hold
                 mirror.cancel()

@@ -611,3 +611,91 @@ async def test_a_pg8000_pool_statement_gives_up_when_no_slot_frees(pg16_server: 
                     tg.start_soon(adapter.all, "SELECT pg_sleep(0.01)")
     finally:
         await adapter.close()
+
+
+
+def test_pg8000_reserved_connection_taken_from_two_threads_at_once_stays_one(
+        pg16_server: PgServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two event loops in two threads (the sync front ends' loop and the application's)
+    want the pool's reserved connection at once: one has it, the other runs on the pool,
+    so the pool never holds more than its bound plus the reserved one. Its busy flag was
+    read, and set after a call, with no lock: a thread switch in between let both take
+    it, and the second open a connection beyond the bounds (which replaced the first's
+    reserved one when it came back)."""
+    import adapters.pg8000 as module
+
+    app = f"anarchon-reserved-{uuid.uuid4().hex[:8]}"
+    adapter = Pg8000PoolAdapter(dict(pg8000_params(pg16_server.dsn), application_name=app),
+                                max_size=1)
+    count = ("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+             " AND pid <> pg_backend_pid() AND %s::float >= 0 AND pg_sleep(%s) IS NOT NULL")
+    active = ("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+              " AND query LIKE '%%pg_sleep%%' AND state = 'active'")
+    first_in, second_running = threading.Event(), threading.Event()
+    threads: dict[str, threading.Thread] = {}
+    real_alone = module._alone
+
+    def alone(sql: str, params: Any) -> Any:
+        # The first thread's call stops here (inside all_reserved, between its look at
+        # the flag and setting it, before the fix) until the second thread's statement
+        # runs on the reserved connection.
+        if threading.current_thread() is threads.get("first") and not first_in.is_set():
+            first_in.set()
+            second_running.wait(5)
+            deadline = time.monotonic() + 5
+            while not _outside(pg16_server.dsn, active, (app,)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        elif threading.current_thread() is threads.get("second"):
+            second_running.set()
+        return real_alone(sql, params)
+
+    monkeypatch.setattr(module, "_alone", alone)
+    seen: dict[str, int] = {}
+
+    def run(name: str, sleep_s: float) -> None:
+        async def one() -> None:
+            rows = await adapter.all_reserved(count, (app, 0, sleep_s))
+            seen[name] = int(rows[0][0])
+
+        anyio.run(one)
+
+    async def open_() -> None:
+        await adapter.open()  # one idle pooled connection
+
+    anyio.run(open_)
+    try:
+        threads["first"] = threading.Thread(target=run, args=("first", 0), daemon=True)
+        threads["second"] = threading.Thread(target=run, args=("second", 1), daemon=True)
+        threads["first"].start()
+        assert first_in.wait(5)
+        threads["second"].start()
+        for thread in threads.values():
+            thread.join(20)
+        assert not any(t.is_alive() for t in threads.values())
+        # The first ran on the pooled connection; the only other one is the reserved
+        # one, the second's (before the fix: a third, opened beyond the bounds).
+        assert seen["first"] == 1, seen
+    finally:
+        async def close() -> None:
+            await adapter.close()
+
+        anyio.run(close)
+
+
+async def test_pg8000_pool_open_keeps_its_first_connection(pg16_server: PgServer) -> None:
+    """``open()`` logs in once to report a bad login or host at once, and keeps that
+    connection for the first statement. pg8000 leaves a new connection's transaction
+    status unset until its first statement, which the pool read as "in a transaction":
+    it closed the connection and the first statement logged in again."""
+    app = f"anarchon-open-{uuid.uuid4().hex[:8]}"
+    adapter = Pg8000PoolAdapter(dict(pg8000_params(pg16_server.dsn), application_name=app),
+                                max_size=2)
+    await adapter.open()
+    try:
+        sessions = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+        assert await _query(pg16_server.dsn, sessions, (app,)) == 1
+        rows = await adapter.all("SELECT pg_backend_pid()")
+        assert await _query(pg16_server.dsn, sessions, (app,)) == 1, "logged in again"
+        assert await adapter.all("SELECT pg_backend_pid()") == rows
+    finally:
+        await adapter.close()

@@ -20,7 +20,7 @@ from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core import Lease
 from lease_core.abc import Backend
-from lease_core.testing import close_backend
+from lease_core.testing import backend_users, close_backend
 from tests.stores.postgres import PgServer
 from tests.stores.redis import delete_prefix
 
@@ -131,3 +131,62 @@ def test_a_backend_started_on_two_loops_at_once_opens_once(pg16_server: PgServer
         await close_backend(backend)
 
     anyio.run(close_all)
+
+
+def test_a_start_on_one_thread_never_returns_while_another_closes_the_backend() -> None:
+    """One thread's :meth:`Backend.start` finds the backend open (another user holds it)
+    while the last user closes it on another thread: the start must not count itself in
+    a backend that closes meanwhile. Its user count is read and changed under the start
+    lock; before, the check and the increment came apart (an unlocked read of the lock),
+    so the close ran between them and the start returned on a closed backend."""
+    from backends.memory import MemoryBackend
+
+    paused, closed = threading.Event(), threading.Event()
+    second_thread: list[threading.Thread] = []
+
+    class Counted(MemoryBackend):
+        start = Backend.start  # Backend's counting (MemoryBackend counts on its own)
+        close = Backend.close
+        is_open = False
+        reads = 0
+
+        @property
+        def _users(self) -> int:  # type: ignore[override]
+            if second_thread and threading.current_thread() is second_thread[0]:
+                self.reads += 1
+                if self.reads == 2:  # after the start's first look: let the close run
+                    paused.set()
+                    closed.wait(1)  # (with the fix the close waits for the lock: 1 s)
+            return int(self.__dict__.get("_users_", 0))
+
+        @_users.setter
+        def _users(self, value: int) -> None:
+            self.__dict__["_users_"] = value
+
+        async def _open(self) -> None:
+            self.is_open = True
+
+        async def _close(self) -> None:
+            self.is_open = False
+
+    backend = Counted()
+    seen: list[bool] = []
+
+    async def second() -> None:
+        await backend.start()
+        seen.append(backend.is_open)
+        await backend.close()
+
+    async def first() -> None:
+        await backend.start()
+        thread = threading.Thread(target=anyio.run, args=(second,), daemon=True)
+        second_thread.append(thread)
+        thread.start()
+        assert await anyio.to_thread.run_sync(paused.wait, 10)
+        await backend.close()
+        closed.set()
+        await anyio.to_thread.run_sync(thread.join, 10)
+
+    anyio.run(first)
+    assert seen == [True], "a start returned while the last user closed the backend"
+    assert backend_users(backend) == 0 and not backend.is_open

@@ -1034,3 +1034,40 @@ def test_the_leader_election_example_steps_down_quietly_on_ctrl_c() -> None:
         process.kill()
     assert process.returncode == 0, err
     assert "Traceback" not in err and out.strip() == "stepped down", (out, err)
+
+
+def test_a_sync_acquire_on_a_thread_during_the_exit_release_waits_for_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At interpreter exit the background loop releases the SyncLeases still held; a
+    daemon thread's acquire may end just then and record its lease. The record waits for
+    the exit's look at the leases (before, it changed the set during that look, which
+    raised "Set changed size during iteration" and released none of them)."""
+    import threading
+    import weakref
+
+    from lease_core import _lease_loop
+
+    loop = _lease_loop._Loop
+
+    class Tracked:
+        held = False
+
+    late_thread: list[threading.Thread] = []
+    late = Tracked()
+
+    class Looked(weakref.WeakSet[Any]):
+        def __iter__(self) -> Any:
+            for n, item in enumerate(super().__iter__()):
+                if n == 0:  # the exit looks at the leases: a thread's acquire records one
+                    thread = threading.Thread(target=loop.track, args=(late,), daemon=True)
+                    late_thread.append(thread)
+                    thread.start()
+                    thread.join(0.3)  # (with the lock it waits for the exit's look)
+                yield item
+
+    kept = [Tracked(), Tracked()]
+    monkeypatch.setattr(loop, "leases", Looked(kept))
+    loop.get()  # the background loop runs
+    loop.close()  # what the exit runs: raised before
+    late_thread[0].join(5)
+    assert late in loop.leases and all(item in loop.leases for item in kept)
