@@ -41,7 +41,7 @@ from backends.postgres.statements import BODY_MARKS, CLAIM_SUFFIX, OPERATE_SUFFI
 from lease_core import Admin
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason
 from lease_core.cli import main
-from lease_core.errors import BackendUnavailable, ConfigurationError
+from lease_core.errors import BackendUnavailable, ConfigurationError, StoreFormatError
 from lease_core.operations import Operation, OperationKind
 from tests.helpers import wait_for
 from tests.stores.postgres import PgServer, drop_tables, unique_table
@@ -840,5 +840,42 @@ async def test_two_spellings_of_one_table_create_it_under_one_lock(
                 with anyio.fail_after(30):
                     await done.wait()
         assert set(functions(pg16_server, table)) == upgraded(table)
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
+async def test_a_store_of_newer_store_code_is_used_as_it_is_and_never_rewritten(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """A newer release keeps this release's function names as calls of its own (as this
+    one keeps v1 to v3's): a start or a migrate of this release on its store uses them as
+    they are. It made them again with this release's bodies (its marks missing), so an
+    instance of this release restarted during a rolling deploy put the older logic back
+    under every instance still calling these names. A newer store without them is
+    refused, with nothing changed."""
+    table = unique_table()
+    await migrate(pg16_server.dsn, table=table)
+    claim = f"{table}{CLAIM_SUFFIX}"
+    mark = BODY_MARKS[CLAIM_SUFFIX]
+    try:
+        sql(pg16_server.admin_dsn, f"UPDATE {quote_ident(table + '_meta')} SET value = %s "
+            "WHERE key = 'code'", (str(CODE_VERSION + 1),))
+        [(definition,)] = sql(pg16_server.admin_dsn,
+                              "SELECT pg_get_functiondef(oid) FROM pg_proc WHERE proname = %s",
+                              (claim,))
+        sql(pg16_server.admin_dsn, definition.replace(mark, "a newer release's call"))
+        body = functions(pg16_server, table)[claim]
+        await migrate(pg16_server.dsn, table=table)
+        backend = PostgresBackend(pg16_server.dsn, table=table)
+        await backend.start()
+        await backend.close()
+        assert functions(pg16_server, table)[claim] == body
+        sql(pg16_server.admin_dsn, f"DROP FUNCTION {quote_ident(claim)}")
+        before = functions(pg16_server, table)
+        with pytest.raises(StoreFormatError, match=f"store code v{CODE_VERSION + 1}, newer"):
+            await PostgresBackend(pg16_server.dsn, table=table).start()
+        assert functions(pg16_server, table) == before
+        assert sql(pg16_server.admin_dsn, f"SELECT value FROM {quote_ident(table + '_meta')} "
+                   "WHERE key = 'code'") == [(str(CODE_VERSION + 1),)]
     finally:
         await drop_tables(pg16_server.admin_dsn, table)

@@ -77,8 +77,10 @@ class StoreSchema:
     def _table_names(self) -> list[str]:
         return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
 
-    async def _existing(self, tx: Executor | SqlAdapter) -> tuple[set[str], bool]:
-        """The store's tables that exist, and whether this release's functions all exist."""
+    async def _existing(self, tx: Executor | SqlAdapter) -> tuple[set[str], bool, bool]:
+        """The store's tables that exist, whether this release's functions all exist as
+        this build makes them, and whether they all exist by name (a store of newer store
+        code keeps them, as calls of its own functions)."""
         rows = await tx.all(self._sql.find_tables, {
             "tables": self._table_names(),
             "functions": [self._name + suffix
@@ -98,7 +100,22 @@ class StoreSchema:
                 f"schema {self._schema!r} of table {self.table!r} does not exist; create it "
                 f"first (CREATE SCHEMA {self._schema}) or choose another table"
             )
-        return set(rows[0][1]), bool(rows[0][2])
+        return set(rows[0][1]), bool(rows[0][2]), bool(rows[0][3])
+
+    def _use_newer(self, code: int, named: bool) -> None:
+        """Accept a store of store code ``code``, newer than this release's, as it is.
+
+        Its functions belong to the newer release, which keeps the names this one calls
+        (as calls of its own functions, as this release keeps the older names): they are
+        never made again here, which would put this release's logic back under the newer
+        instances. A store that no longer has them raises :class:`StoreFormatError`.
+        """
+        if not named:
+            raise StoreFormatError(
+                f"table {self.table!r} has store code v{code}, newer than v{CODE_VERSION} "
+                f"this anarchon knows, and no function {self._function_name()} any more; "
+                "upgrade anarchon (nothing was changed)"
+            )
 
     async def _read_meta(self, tx: Executor | SqlAdapter) -> tuple[bool, int, bool]:
         """Whether the store has a format, its store code version (1 before v2), and
@@ -134,7 +151,7 @@ class StoreSchema:
         works during a rolling upgrade, before ``anarchon migrate``.
         """
         try:
-            tables, _ = await self._existing(adapter)
+            tables, _, _ = await self._existing(adapter)
         except ConfigurationError:
             tables = set()
         complete = len(tables) == 4 and (await self._read_meta(adapter))[0]
@@ -150,11 +167,14 @@ class StoreSchema:
         A user without the privileges to create or upgrade gets a one-line
         :class:`ConfigurationError` naming ``anarchon migrate``.
         """
-        tables, function = await self._existing(adapter)
+        tables, function, named = await self._existing(adapter)
         complete, code = False, 1
         if len(tables) == 4:
             complete, code, self.fill_pending = await self._read_meta(adapter)
             if complete and function and code >= CODE_VERSION:
+                return
+            if complete and code > CODE_VERSION:
+                self._use_newer(code, named)
                 return
         try:
             await self._upgrade(adapter)
@@ -264,10 +284,14 @@ class StoreSchema:
         if self._schema is None and resolved is not None:
             await tx.all(self._sql.lock_creation, (_lock_key(str(resolved), self._name), None))
         await tx.all(self._sql.bound_lock_waits, (str(MIGRATION_LOCK_TIMEOUT_MS),))
-        existing, function = await self._existing(tx)
+        existing, function, named = await self._existing(tx)
         code = 0
         if self._name + "_meta" in existing:
             _, code, _ = await self._read_meta(tx)
+        if code > CODE_VERSION and len(existing) == 4:
+            # A newer release upgraded the store meanwhile: its functions stay as it made them.
+            self._use_newer(code, named)
+            return
         if len(existing) < 4:
             for statement in self._sql.ddl:
                 await tx.all(statement)

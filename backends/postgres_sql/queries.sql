@@ -17,7 +17,8 @@
 -- parameters (an earlier build of this unreleased version made it with fewer), the
 -- open runs' index of this release (create_runs_open), and the functions of BODY_MARKS
 -- (statements.py) with the text their body has in this build (an earlier build's body
--- lacks it).
+-- lacks it); last, whether the functions of this release all exist by name (a store of
+-- newer store code keeps them, as calls of its own, with other bodies).
 SELECT n.nspname::text,
        ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c
              WHERE c.relnamespace = n.oid AND c.relname = ANY(%(tables)s::text[])),
@@ -33,7 +34,10 @@ SELECT n.nspname::text,
        AND NOT EXISTS (SELECT 1 FROM unnest(%(marked)s::text[], %(marks)s::text[]) AS m(name, mark)
                        WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
                                          WHERE p.pronamespace = n.oid AND p.proname = m.name
-                                           AND strpos(p.prosrc, m.mark) > 0))
+                                           AND strpos(p.prosrc, m.mark) > 0)),
+       NOT EXISTS (SELECT 1 FROM unnest(%(functions)s::text[]) AS f(name)
+                   WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
+                                     WHERE p.pronamespace = n.oid AND p.proname = f.name))
 FROM pg_catalog.pg_namespace n
 WHERE n.nspname = COALESCE(%(schema)s::text, current_schema())
 
