@@ -879,3 +879,26 @@ async def test_a_store_of_newer_store_code_is_used_as_it_is_and_never_rewritten(
                    "WHERE key = 'code'") == [(str(CODE_VERSION + 1),)]
     finally:
         await drop_tables(pg16_server.admin_dsn, table)
+
+
+async def test_a_user_who_may_not_create_a_store_in_a_schema_is_told_its_tables(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """The error of a start that may not create the store names the tables to grant on
+    with their schema: it named ``t, t_attempts, ...``, which a GRANT resolves through
+    the search_path (another schema's tables, or none)."""
+    schema_name, role = f"s_{uuid.uuid4().hex[:8]}", f"app_{uuid.uuid4().hex[:8]}"
+    sql(pg16_server.admin_dsn, f"CREATE SCHEMA {schema_name}")
+    sql(pg16_server.admin_dsn, f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+    sql(pg16_server.admin_dsn, f"GRANT USAGE ON SCHEMA {schema_name} TO {role}")
+    try:
+        backend = PostgresBackend(pg16_server.server.dsn_for(role, "pw"),
+                                  table=f"{schema_name}.runs")
+        with pytest.raises(ConfigurationError) as raised:
+            await backend.start()
+        assert (f"on {schema_name}.runs, {schema_name}.runs_attempts, {schema_name}.runs_jobs,"
+                f" {schema_name}.runs_meta (") in str(raised.value)
+    finally:
+        sql(pg16_server.admin_dsn, f"DROP SCHEMA {schema_name} CASCADE")
+        sql(pg16_server.admin_dsn, f"DROP OWNED BY {role}")
+        sql(pg16_server.admin_dsn, f"DROP ROLE {role}")

@@ -198,9 +198,10 @@ class StoreSchema:
                     if len(tables) == 4 else
                     f"the anarchon tables for {self.table!r} are missing and this user may not "
                     "create them")
+            schema = f"{self._schema}." if self._schema else ""
             raise ConfigurationError(
                 f"{what}; {command}, then grant SELECT, INSERT, UPDATE, DELETE on "
-                f"{', '.join(self._table_names())} ({reason})"
+                f"{', '.join(schema + name for name in self._table_names())} ({reason})"
             ) from exc
 
     async def fill(self, adapter: SqlAdapter, batches: int | None = None) -> bool:
