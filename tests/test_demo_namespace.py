@@ -273,6 +273,22 @@ def test_remove_refuses_a_namespace_a_demo_did_not_make(
     assert user_data(database, list(tables)) == data
 
 
+def test_a_store_of_yours_later_in_the_search_path_is_refused(
+    database: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A store finds its tables where the search_path does: a namespace named like a
+    store of yours in ``public``, with a schema of the connection's own first in the path
+    (``"$user", public``), would have run the demo in your store. It is refused."""
+    assert main(["migrate", "--url", database, "--table", "yours"]) == 0
+    make_user_tables(database, {"own": "CREATE SCHEMA own"}, {})
+    before = catalog(database)
+    url = f"{database}?options=-csearch_path%3Down,public"
+    assert main(["demo", "--url", url, "--namespace", "yours"]) == 2
+    err = capsys.readouterr().err
+    assert "namespace yours is in use" in err and "table public.yours" in err, err
+    assert catalog(database) == before
+
+
 def test_a_url_naming_a_table_is_refused(database: str,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     make_user_tables(database, USER_TABLES, USER_ROWS)

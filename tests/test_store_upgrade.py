@@ -902,3 +902,37 @@ async def test_a_user_who_may_not_create_a_store_in_a_schema_is_told_its_tables(
         sql(pg16_server.admin_dsn, f"DROP SCHEMA {schema_name} CASCADE")
         sql(pg16_server.admin_dsn, f"DROP OWNED BY {role}")
         sql(pg16_server.admin_dsn, f"DROP ROLE {role}")
+
+
+async def test_a_table_named_without_its_schema_is_the_one_the_search_path_finds(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """Every statement names the tables without a schema, so PostgreSQL finds them through
+    the search_path; the store looked for them in the current schema only. A user whose
+    own schema comes first (``"$user", public``, PostgreSQL's secure schema pattern),
+    given the tables a privileged user made in ``public``, was told they were missing
+    (``start()`` tried to make a second store in its schema; ``status`` exited 3)."""
+    table, own = unique_table(), f"s_{uuid.uuid4().hex[:8]}"
+    await migrate(pg16_server.dsn, table=table)
+    sql(pg16_server.admin_dsn, f"CREATE SCHEMA {own}")
+    url = f"{pg16_server.dsn}?options=-csearch_path%3D{own},public"
+    try:
+        backend = PostgresBackend(url, table=table)
+        await backend.start()
+        try:
+            await backend.register_jobs(["j"])
+        finally:
+            await backend.close()
+        reader = PostgresBackend(url, table=table)
+        await reader.start(create=False)
+        try:
+            assert await reader.jobs() == ["j"]
+        finally:
+            await reader.close()
+        assert sql(pg16_server.admin_dsn, "SELECT count(*) FROM pg_class c JOIN pg_namespace n"
+                   " ON n.oid = c.relnamespace WHERE n.nspname = %s", (own,)) == [(0,)]
+        assert await anyio.to_thread.run_sync(
+            main, ["status", "--url", url, "--table", table]) == 0
+    finally:
+        sql(pg16_server.admin_dsn, f"DROP SCHEMA {own} CASCADE")
+        await drop_tables(pg16_server.admin_dsn, table)

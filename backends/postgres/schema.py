@@ -89,7 +89,7 @@ class StoreSchema:
             "claim_args": CLAIM_ARG_COUNT, "open_index": self._name + OPEN_SUFFIX,
             "marked": [self._name + suffix for suffix in BODY_MARKS],
             "marks": list(BODY_MARKS.values()),
-            "schema": self._schema})
+            "schema": self._schema, "name": self._name})
         if not rows:
             if self._schema is None:
                 raise ConfigurationError(
@@ -280,10 +280,12 @@ class StoreSchema:
         it, so they wait for each other too during a rolling deploy (always in that
         order: two creations never wait for each other's keys in opposite orders).
         """
-        [(_, resolved)] = await tx.all(self._sql.lock_creation,
-                                       (_lock_key(self._schema, self._name), self._schema))
+        [(_, resolved)] = await tx.all(
+            self._sql.lock_creation, (_lock_key(self._schema, self._name), self._schema,
+                                      self._name))
         if self._schema is None and resolved is not None:
-            await tx.all(self._sql.lock_creation, (_lock_key(str(resolved), self._name), None))
+            await tx.all(self._sql.lock_creation,
+                         (_lock_key(str(resolved), self._name), None, self._name))
         await tx.all(self._sql.bound_lock_waits, (str(MIGRATION_LOCK_TIMEOUT_MS),))
         existing, function, named = await self._existing(tx)
         code = 0

@@ -12,7 +12,10 @@
 -- The claim function lives in its own file, claim_v<N>.sql, its version in its name.
 
 -- name: find_tables
--- The schema, which of the four tables exist in it, and whether the claim functions of
+-- The schema (the one given, else where the search_path finds the runs table, as every
+-- statement naming it unqualified does, else the current schema, where creation puts
+-- it: a schema of the user's own first in the path, such as "$user", holding no store,
+-- hides none in a later one), which of the four tables exist in it, and whether the claim functions of
 -- this release all exist, the claim function (the first name) with its number of
 -- parameters (an earlier build of this unreleased version made it with fewer), the
 -- open runs' index of this release (create_runs_open), and the functions of BODY_MARKS
@@ -39,7 +42,12 @@ SELECT n.nspname::text,
                    WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
                                      WHERE p.pronamespace = n.oid AND p.proname = f.name))
 FROM pg_catalog.pg_namespace n
-WHERE n.nspname = COALESCE(%(schema)s::text, current_schema())
+WHERE n.nspname = COALESCE(
+    %(schema)s::text,
+    (SELECT s.nspname::text FROM pg_catalog.pg_class r
+     JOIN pg_catalog.pg_namespace s ON s.oid = r.relnamespace
+     WHERE r.oid = to_regclass(quote_ident(%(name)s::text)) AND r.relkind IN ('r', 'p')),
+    current_schema())
 
 -- name: read_meta
 -- The table format, the store code version (absent before store code v2) and a fill of
@@ -50,8 +58,14 @@ SELECT key, value FROM {meta} WHERE key IN ('format', 'code', 'fill')
 -- Creation and upgrades of one store wait for each other: a transaction-scoped advisory
 -- lock on a key of the table's name (schema.py, StoreSchema._create). Also answers the
 -- table's schema as the store resolves it (find_tables; NULL when the search_path names
--- no existing schema). Parameters: the key, the table's schema as spelled (NULL: none).
-SELECT pg_advisory_xact_lock(%s::bigint), COALESCE(%s::text, current_schema())
+-- no existing schema). Parameters: the key, the table's schema as spelled (NULL: none),
+-- the table's name.
+SELECT pg_advisory_xact_lock(%s::bigint), COALESCE(
+    %s::text,
+    (SELECT s.nspname::text FROM pg_catalog.pg_class r
+     JOIN pg_catalog.pg_namespace s ON s.oid = r.relnamespace
+     WHERE r.oid = to_regclass(quote_ident(%s::text)) AND r.relkind IN ('r', 'p')),
+    current_schema())
 
 -- name: bound_lock_waits
 -- Creation and upgrades wait at most this long (ms) for a table lock held by a

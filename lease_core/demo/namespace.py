@@ -165,25 +165,30 @@ def namespace_for(url: str, name: str | None = None) -> Namespace:
 # --------------------------------------------------------------------------- PostgreSQL
 
 #: The names of the namespace in the current schema, of every kind that could collide with
-#: what the demo creates. A row only when there is a current schema.
+#: what the demo creates, and in the later schemas of the search_path (shown with their
+#: schema): the store finds its tables where the search_path does, so a store of yours
+#: in a later schema named like the namespace would be the demo's. A row only when there
+#: is a current schema.
 _PG_TAKEN = """
 SELECT n.nspname::text, ARRAY(
-    SELECT kind || ' ' || name FROM (
+    SELECT kind || ' ' || CASE WHEN s.current THEN name ELSE s.nspname || '.' || name END
+    FROM (
         SELECT CASE c.relkind WHEN 'r' THEN 'table' WHEN 'p' THEN 'table'
                     WHEN 'i' THEN 'index' WHEN 'I' THEN 'index' WHEN 'S' THEN 'sequence'
                     WHEN 'v' THEN 'view' WHEN 'm' THEN 'materialized view'
                     WHEN 'f' THEN 'foreign table' ELSE 'relation' END AS kind,
-               c.relname::text AS name
-        FROM pg_catalog.pg_class c WHERE c.relnamespace = n.oid
+               c.relname::text AS name, c.relnamespace AS space
+        FROM pg_catalog.pg_class c
         UNION ALL
-        SELECT 'function', p.proname::text FROM pg_catalog.pg_proc p
-        WHERE p.pronamespace = n.oid
+        SELECT 'function', p.proname::text, p.pronamespace FROM pg_catalog.pg_proc p
         UNION ALL
-        SELECT 'type', t.typname::text FROM pg_catalog.pg_type t
-        WHERE t.typnamespace = n.oid AND t.typrelid = 0
+        SELECT 'type', t.typname::text, t.typnamespace FROM pg_catalog.pg_type t
+        WHERE t.typrelid = 0
     ) AS o
+    JOIN (SELECT s.oid, s.nspname, s.oid = n.oid AS current FROM pg_catalog.pg_namespace s
+          WHERE s.nspname = ANY(current_schemas(false))) AS s ON s.oid = o.space
     WHERE name = %(ns)s OR left(name, %(length)s) = %(under)s
-    ORDER BY kind <> 'table', name, kind)
+    ORDER BY NOT s.current, kind <> 'table', name, kind)
 FROM pg_catalog.pg_namespace n WHERE n.nspname = current_schema()
 """
 
@@ -310,9 +315,9 @@ class PostgresNamespace(Namespace):
     def _in_use(self, taken: list[str]) -> NamespaceInUse:
         shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
         return NamespaceInUse(
-            f"namespace {self.name} is in use in schema {self.schema}, which already holds "
-            f"{shown}; the demo creates only names of its own, so it changed nothing (give "
-            "another --namespace, or leave it out for a new one)")
+            f"namespace {self.name} is in use: the search_path (schema {self.schema} first) "
+            f"already holds {shown}; the demo creates only names of its own, so it changed "
+            "nothing (give another --namespace, or leave it out for a new one)")
 
     def remove(self) -> str:
         import psycopg
