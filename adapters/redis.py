@@ -88,7 +88,10 @@ Command = tuple[str | int | bytes, ...]
 
 # Server replies that mean "the store is not usable now", as opposed to a bad command.
 _UNAVAILABLE_REPLIES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "OOM")
-_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
+_AUTH_REPLIES = ("NOAUTH", "WRONGPASS")
+# A command (or a command inside a script, which names none) the user's ACL forbids.
+_NO_PERMISSION = ("NOPERM", "can't run this command or subcommand",
+                  "no permissions to run", "no permissions to access")
 
 
 def _stale(exc: BaseException) -> bool:
@@ -235,6 +238,14 @@ class RedisAdapter(ABC):
                 "connection of the client's pool was busy; raise max_connections (default "
                 f"{MAX_CONNECTIONS}) or timeout (default {POOL_TIMEOUT:g}s) in the URL, "
                 "e.g. ?max_connections=32, or pass a client with a larger pool"
+            )
+        if "NoPermissionError" in names or any(p.upper() in upper for p in _NO_PERMISSION):
+            return ConfigurationError(
+                f"the Redis user at {self.where} may not run a command anarchon needs "
+                f"({text}); besides the data commands on its keys (key pattern "
+                "~{<prefix>*), anarchon sends EVALSHA, SCRIPT LOAD, TIME and WAIT, and its "
+                "scripts call TIME and INFO (INFO is in the ACL category @dangerous): grant "
+                "them, e.g. ACL SETUSER <user> +@all -@dangerous +info"
             )
         if "AuthenticationError" in names or upper.startswith(_AUTH_REPLIES) or (
             "invalid username-password" in text

@@ -3,6 +3,10 @@
 -- with this format (the scripts read every older layout, and an older anarchon then
 -- refuses the store instead of missing what this one writes).
 -- KEYS[1] meta hash; ARGV: this library's format. Returns the store's format.
+-- Claims and named leases read INFO inside their scripts (the server's replication id),
+-- and INFO is in the ACL category @dangerous: a user that may not run it is refused here,
+-- at start, rather than at each claim that would win.
+redis.call('INFO', 'replication')
 local current = redis.call('HGET', KEYS[1], 'format')
 if current and tonumber(current) >= tonumber(ARGV[1]) then
   return tonumber(current)
