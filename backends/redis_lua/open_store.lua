@@ -2,18 +2,26 @@
 -- untouched and its format returned, so the caller refuses it; an older one is marked
 -- with this format (the scripts read every older layout, and an older anarchon then
 -- refuses the store instead of missing what this one writes).
--- KEYS[1] meta hash; ARGV: this library's format. Returns the store's format.
+-- KEYS[1] meta hash; ARGV: this library's format. Returns {the store's format, the
+-- server's maxmemory-policy ('' when INFO does not print it)}: a policy that may evict
+-- any key (allkeys-*) can drop live leases, which the caller warns about.
 -- Claims and named leases read INFO inside their scripts (the server's replication id),
 -- and INFO is in the ACL category @dangerous: a user that may not run it is refused here,
 -- at start, rather than at each claim that would win.
 redis.call('INFO', 'replication')
+local memory = redis.call('INFO', 'memory')
+local policy = ''
+local at = string.find(memory, 'maxmemory_policy:', 1, true)
+if at then
+  policy = string.sub(memory, at + 17, (string.find(memory, '\r', at, true) or (#memory + 1)) - 1)
+end
 local current = redis.call('HGET', KEYS[1], 'format')
 if current and tonumber(current) >= tonumber(ARGV[1]) then
-  return tonumber(current)
+  return {tonumber(current), policy}
 end
 if current then
   redis.call('HSET', KEYS[1], 'format', ARGV[1], 'upgraded', now)
 else
   redis.call('HSET', KEYS[1], 'format', ARGV[1], 'created', now)
 end
-return tonumber(ARGV[1])
+return {tonumber(ARGV[1]), policy}
