@@ -226,12 +226,23 @@ class RedisAdapter(ABC):
             raise translated from None
         return [script.sha for script in registered]
 
+    def not_a_cluster_client(self, why: str) -> ConfigurationError:
+        """The error for a client that is not a Cluster client on a Cluster node."""
+        return ConfigurationError(
+            f"Redis at {self.where} is a Redis Cluster node ({why}), but the backend was "
+            f"given a {type(self.client).__name__} client, which reaches only that node's "
+            "slots; pass a Cluster client instead: "
+            "RedisBackend(redis.asyncio.RedisCluster.from_url(url))"
+        )
+
     def translate(self, exc: BaseException) -> AnarchonError | None:
         """Map a driver exception to anarchon's own error; ``None`` when it is not one."""
         names = {cls.__name__ for cls in type(exc).__mro__}
         root = type(exc).__module__.split(".")[0]
         text = redact(str(exc), self._password)
         upper = text.upper()
+        if not self.cluster and names & {"MovedError", "AskError"}:
+            return self.not_a_cluster_client(f"it redirected a key to {text}")
         if "ConnectionError" in names and text.startswith(_POOL_EXHAUSTED):
             return BackendUnavailable(
                 f"no pooled connection to Redis at {self.where} became free in time: every "

