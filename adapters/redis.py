@@ -53,6 +53,7 @@ again; give it ``retry=Retry(NoBackoff(), 0)`` to rule that out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 from abc import ABC, abstractmethod
@@ -436,6 +437,12 @@ def _under_asyncio() -> bool:
 
 #: The scheme of a Redis reached through Sentinel (see :func:`sentinel_parts`).
 SENTINEL_SCHEME = "redis+sentinel"
+#: Query parameters of a Sentinel URL passed to the primary's connections, read as
+#: redis-py reads them from a ``redis://`` URL (besides ``sentinel_password`` and the
+#: pool's bounds, ``max_connections`` and ``timeout``).
+_SENTINEL_PRIMARY_OPTIONS = ("socket_timeout", "socket_connect_timeout", "socket_keepalive",
+                             "socket_read_size", "health_check_interval", "retry_on_timeout",
+                             "client_name", "lib_name", "lib_version", "protocol")
 
 
 def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
@@ -443,9 +450,12 @@ def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]
 
     Returns the Sentinels' addresses (port 26379 when none is given), the service name
     (the primary's name in the Sentinels' ``sentinel monitor``) and the keyword arguments
-    of the primary's connections: ``db``, ``username`` and ``password`` (of the primary;
-    the Sentinels' own is ``?sentinel_password=``), and ``socket_timeout`` /
-    ``socket_connect_timeout`` from the query.
+    of the primary's client: ``db``, ``username`` and ``password`` (of the primary;
+    the Sentinels' own is ``?sentinel_password=``), the pool's bounds ``max_connections``
+    and ``timeout``, and the connections' options of :data:`_SENTINEL_PRIMARY_OPTIONS`
+    (``socket_timeout``, ``client_name``, ...) from the query. Any other query parameter
+    (TLS's ``ssl_*`` among them: a Sentinel URL has no TLS) raises
+    :class:`~lease_core.errors.ConfigurationError` rather than being dropped.
     """
     parts = urlsplit(url)
     auth, _, hosts = parts.netloc.rpartition("@")
@@ -465,11 +475,29 @@ def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]
         kwargs["username"] = unquote(user)
     if password:
         kwargs["password"] = unquote(password)
-    for key in ("socket_timeout", "socket_connect_timeout"):
-        if key in query:
-            kwargs[key] = float(query[key])
-    if "sentinel_password" in query:
-        kwargs["sentinel_kwargs"] = {"password": query["sentinel_password"]}
+    parsers: dict[str, Any] = {}
+    with contextlib.suppress(ImportError):  # the driver's absence is reported when connecting
+        from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+
+        parsers.update(URL_QUERY_ARGUMENT_PARSERS)
+    for key, value in query.items():
+        if key == "sentinel_password":
+            kwargs["sentinel_kwargs"] = {"password": value}
+        elif key in (*_SENTINEL_PRIMARY_OPTIONS, "max_connections", "timeout"):
+            try:
+                kwargs[key] = parsers.get(key, str)(value)
+            except ValueError:
+                raise ConfigurationError(
+                    f"the Sentinel URL {redact(url)!r} has {key}={value!r}, which redis-py "
+                    "cannot read") from None
+        else:
+            raise ConfigurationError(
+                f"the Sentinel URL {redact(url)!r} takes no parameter {key!r} (it would be "
+                "dropped); a redis+sentinel:// URL takes sentinel_password, max_connections, "
+                f"timeout, {', '.join(_SENTINEL_PRIMARY_OPTIONS)}; the primary's user and "
+                "password go before the hosts, its db after the service. For TLS through "
+                "Sentinel, pass a client: redis.asyncio.Sentinel(..., ssl=True)"
+                ".master_for(service, ssl=True, ...)")
     return sentinels, path[0], kwargs
 
 
@@ -510,7 +538,8 @@ def _from_sentinel_url(url: str) -> RedisAdapter:
     """
     sentinels, service, kwargs = sentinel_parts(url)
     watch = {"sentinel_kwargs": kwargs.pop("sentinel_kwargs", None)}
-    bounds: dict[str, Any] = {"max_connections": MAX_CONNECTIONS, "timeout": POOL_TIMEOUT}
+    bounds: dict[str, Any] = {"max_connections": kwargs.pop("max_connections", MAX_CONNECTIONS),
+                              "timeout": kwargs.pop("timeout", POOL_TIMEOUT)}
     if _under_asyncio():
         import redis.asyncio
         from redis.asyncio.sentinel import Sentinel as AsyncSentinel
@@ -560,6 +589,8 @@ def _from_url(url: str) -> RedisAdapter:
         raise ConfigurationError(
             "the Redis backend needs redis-py; install it with 'pip install anarchon[redis]'"
         ) from exc
+    except ConfigurationError:
+        raise
     except ValueError as exc:
         raise ConfigurationError(
             f"connection URL is not a Redis URL ({exc}); use redis://host:port/db, "

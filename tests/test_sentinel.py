@@ -34,6 +34,33 @@ def test_the_url_names_the_sentinels_the_service_and_the_db() -> None:
             sentinel_parts(bad)
 
 
+async def test_the_urls_pool_and_connection_options_reach_the_primarys_client() -> None:
+    # ?max_connections= and ?timeout= (the pool's bounds, as on a redis:// URL) and the
+    # connections' options were accepted and dropped: the pool stayed at 8 connections.
+    from adapters.redis import redis_adapter
+
+    backend = backend_from_url("redis+sentinel://127.0.0.1:1/jobs/2?max_connections=32"
+                               "&timeout=3&client_name=app&health_check_interval=5")
+    adapter = redis_adapter(backend._connection)  # opens nothing yet
+    try:
+        pool = adapter.client.connection_pool
+        assert (pool.max_connections, pool.timeout) == (32, 3.0)
+        options = pool.connection_kwargs
+        assert (options["client_name"], options["health_check_interval"], options["db"]) == (
+            "app", 5, 2)
+    finally:
+        await adapter.aclose()
+
+
+@pytest.mark.parametrize("query", ["ssl_ca_certs=/etc/ca.pem", "ssl_cert_reqs=required",
+                                   "password=pw", "db=3", "retry_on_error=TimeoutError"])
+def test_a_url_parameter_the_sentinel_url_cannot_apply_is_refused_not_dropped(
+        query: str) -> None:
+    # TLS options without TLS would have connected in clear text, silently.
+    with pytest.raises(ConfigurationError, match=f"takes no parameter '{query.split('=')[0]}'"):
+        backend_from_url(f"redis+sentinel://:secret@s1:26379/jobs/0?{query}")
+
+
 def _binary() -> Path:
     binary = find_server("system") or find_server("valkey") or find_server("redis")
     if binary is None:

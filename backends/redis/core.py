@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, Self
 from urllib.parse import quote, unquote, urlsplit
 
-from adapters.redis import Command, RedisAdapter, check_client, redis_adapter
+from adapters.redis import (
+    SENTINEL_SCHEME,
+    Command,
+    RedisAdapter,
+    check_client,
+    redis_adapter,
+    sentinel_parts,
+)
 from lease_core._durations import Duration, parse_duration, to_ms
 from lease_core._redact import redact
 from lease_core._registry import check_url, merge_options, positive_whole, split_url_options
@@ -55,6 +62,8 @@ def _check_url(url: str) -> None:
                             "wait_timeout": lambda text: parse_duration(text, what="wait_timeout")}
     check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
     parts = urlsplit(url)
+    if parts.scheme == SENTINEL_SCHEME:
+        sentinel_parts(url)  # its service, db and query, as the adapter will read them
     database = unquote(parts.path).strip("/")
     if parts.scheme in ("redis", "rediss") and database and not database.isdigit():
         # (redis-py reads a path that is not a number as no path: database 0)
