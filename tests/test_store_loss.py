@@ -307,6 +307,50 @@ async def test_scheduling_resumes_after_the_quarantine(
 
 
 
+async def test_the_store_records_come_back_while_the_fleet_runs_on(
+    server: EmbeddedRedis, raw: redis.Redis
+) -> None:
+    """After the loss, a running fleet claimed on, but the store-wide records stayed gone
+    ({P}:meta: its format, the workflows' steps, the schedules) until an instance
+    restarted: operations and the CLI said there was no store where the fleet ran, and
+    trimming no longer knew which steps' runs go on. The scheduler lists its jobs again
+    at the new epoch, and that records them again."""
+    prefix = _prefix()
+    scheduler = Scheduler(RedisBackend(server.url, prefix=prefix), lease="1s",
+                          heartbeat="0.2s")
+    runs: list[int] = []
+
+    @scheduler.every("tick", "0.5s")
+    async def tick(ctx: RunContext) -> None:
+        runs.append(ctx.slot)
+
+    flow = scheduler.workflow("flow", every="1h")
+
+    @flow.step("only")
+    async def only(ctx: RunContext) -> None:
+        """Never due in the test: its steps are recorded."""
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(scheduler).start(tg)
+        try:
+            await wait_for(lambda: len(runs) >= 1, what="a run before the restart")
+            await _restart_empty(server, raw)
+            await wait_for(lambda: "quiet" in _job_hash(raw, prefix, "tick"),
+                           what="the loss found by a claim")
+            await wait_for(lambda: raw.hget("{" + prefix + "}:meta", "format") is not None,
+                           timeout=10, what="the store's format recorded again")
+            reader = RedisBackend(server.url, prefix=prefix)
+            await reader.start(create=False)  # an operation's or the CLI's start
+            try:
+                assert await reader.workflows() == {"flow": ["only"]}
+                assert "tick" in await reader.schedules()
+                assert "tick" in await reader.jobs()
+            finally:
+                await reader.close()
+        finally:
+            await stop_all([instance])
+
+
 async def test_the_run_lost_in_flight_runs_again_once_after_the_quarantine(
     server: EmbeddedRedis, raw: redis.Redis
 ) -> None:

@@ -13,7 +13,7 @@ from lease_core.errors import BackendUnavailable
 
 from .core import RedisStore
 from .replies import as_text, claim_fields, claim_result, counted_replies
-from .scripts import SCRIPT_BATCH, SCRIPTS
+from .scripts import SCRIPT_BATCH, SCRIPTS, STORE_FORMAT
 
 __all__ = ["RedisClaims"]
 
@@ -41,6 +41,12 @@ class RedisClaims(RedisStore):
             keys = self._job_keys(name)
             commands.append(self._eval("register", [keys["job"], keys["open"]], [seed]))
         commands.append(("SADD", self._jobs_key, *names))
+        # The store-wide records a loss of the data took with it ({P}:meta: the format that
+        # read-only tools and operations look for, the workflows' steps that trimming
+        # reads, the schedules): the scheduler registers its jobs again at a new epoch.
+        commands.append(("HSETNX", self._meta_key, "format", STORE_FORMAT))
+        if self._registered:
+            commands.append(("HSET", self._meta_key, *self._registered))
         replies = await self._run(commands)
         out = {}
         markers = self._markers

@@ -156,6 +156,9 @@ class RedisStore(Backend):
         # Fences (issue 21): per job, the highest history sequence ('seq') a claim
         # answered with the current marker: a store below it lost writes.
         self._seqs: dict[str, int] = {}
+        # The {P}:meta fields this backend recorded (workflows, schedules), field, value,
+        # ...: recorded again with the jobs' registration after a loss of the data.
+        self._registered: list[str] = []
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:

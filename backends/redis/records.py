@@ -67,6 +67,7 @@ class RedisRecords(RedisStore):
         for name, steps in workflows.items():
             fields += [_WORKFLOW_FIELD + name, json.dumps(list(steps))]
         await self._run([("HSET", self._meta_key, *fields)])
+        self._remember_meta(fields)
 
     async def workflows(self) -> dict[str, list[str]]:
         """Return every recorded workflow's steps, in order."""
@@ -81,6 +82,16 @@ class RedisRecords(RedisStore):
         for name, spec in schedules.items():
             fields += [_SCHEDULE_FIELD + name, spec]
         await self._run([("HSET", self._meta_key, *fields)])
+        self._remember_meta(fields)
+
+    def _remember_meta(self, fields: Sequence[str]) -> None:
+        """Keep the ``{P}:meta`` fields this backend recorded, which
+        :meth:`~backends.redis.claims.RedisClaims.register_jobs` records again after a
+        loss of the data (a bound for processes that make up names)."""
+        registered = dict(zip(self._registered[::2], self._registered[1::2], strict=True))
+        registered.update(zip(fields[::2], fields[1::2], strict=True))
+        if len(registered) <= 10_000:
+            self._registered = [item for pair in registered.items() for item in pair]
 
     async def schedules(self) -> dict[str, str]:
         """Return every recorded job's schedule spec."""
