@@ -164,7 +164,12 @@ def split_url_options(url: str, names: Collection[str]) -> tuple[str, dict[str, 
             kept.append(piece)
     if not taken:
         return url, taken
-    return urlunsplit(parts._replace(query="&".join(kept))), taken
+    rest = urlunsplit(parts._replace(query="&".join(kept)))
+    if not parts.netloc and url.startswith(f"{parts.scheme}://"):
+        # urlunsplit drops the '//' of an empty host (unix:///path/redis.sock,
+        # postgresql:///app?host=/run/postgresql): the drivers need it
+        rest = f"{parts.scheme}://{rest[len(parts.scheme) + 1:]}"
+    return rest, taken
 
 
 def _take(taken: dict[str, str], key: str, value: str, url: str) -> None:

@@ -608,6 +608,24 @@ async def test_from_url_and_unix_socket() -> None:
         assert backend._adapter is None
 
 
+async def test_a_unix_socket_url_takes_the_backends_options_in_its_query() -> None:
+    # ?prefix= taken out of the query left 'unix:/path' (no '//'), which redis-py refused:
+    # "connection URL is not a Redis URL"
+    binary = find_server("valkey")
+    assert binary is not None
+    with EmbeddedRedis(binary, unix_socket=True) as server:
+        backend = RedisBackend.from_url(f"{server.url}?db=3&prefix=unix_q")
+        await backend.start()
+        try:
+            assert backend.prefix == "unix_q"
+            assert (await backend.claim(_request("job", 1, "a"))).status is ClaimStatus.WON
+        finally:
+            await backend.close()
+        path = server.url.removeprefix("unix://").partition("?")[0]
+        with redis.Redis(unix_socket_path=path, db=3) as raw:
+            assert raw.exists("{unix_q/job}:run:1")
+
+
 # -- errors ----------------------------------------------------------------------------
 
 
