@@ -280,10 +280,29 @@ async def _workflow_entry(backend: Backend, name: str, steps: Sequence[str],
     attempts_by_step = {s: await _attempts(backend, step_job(name, s),
                                            _claimed(by_step[s].values()))
                         if by_step[s] else {} for s in steps}
-    return {"name": name, "kind": "workflow", "steps": list(steps), "runs": [
-        _workflow_run_json(name, steps, slot, {s: by_step[s].get(slot) for s in steps},
-                           {s: attempts_by_step[s].get(slot, []) for s in steps})
-        for slot in slots[:limit]]}
+    runs = []
+    for slot in slots[:limit]:
+        at_slot = {s: by_step[s].get(slot) for s in steps}
+        runs.append(_workflow_run_json(
+            name, steps, slot, at_slot, {s: attempts_by_step[s].get(slot, []) for s in steps},
+            ended=await _ended_before_added_steps(backend, name, steps, slot, at_slot)))
+    return {"name": name, "kind": "workflow", "steps": list(steps), "runs": runs}
+
+
+async def _ended_before_added_steps(backend: Backend, name: str, steps: Sequence[str],
+                                    slot: int, runs: dict[str, RunInfo | None]) -> bool:
+    """True when the workflow run at ``slot`` ended with a step that was its workflow's
+    last when it completed (its result carries ``"last": true``), and the steps after it
+    were added to the workflow since: they never run for this run (see "Adding a step"
+    in :mod:`lease_core.workflows`), so the run is completed, not running. Read only for
+    a run whose steps with a run are all completed and are followed by steps with none."""
+    ran = [s for s in steps if runs[s] is not None]
+    if not ran or ran[-1] == steps[-1] or ran != list(steps[:len(ran)]):
+        return False
+    if any(r is None or r.status is not RunStatus.COMPLETED for r in map(runs.get, ran)):
+        return False
+    payload = await backend.get_checkpoint(step_job(name, ran[-1]), slot)
+    return isinstance(payload, dict) and payload.get("last") is True
 
 
 async def read_run(backend: Backend, name: str, slot: int) -> dict[str, Any] | None:
@@ -318,7 +337,9 @@ async def _read(backend: Backend, name: str, slot: int,
             return None
         attempts = {s: (await _attempts(backend, job, _claimed([states[s]]))).get(slot, [])
                     for s, job in zip(steps, jobs, strict=True)}
-        run = _workflow_run_json(name, steps, slot, states, attempts)
+        run = _workflow_run_json(
+            name, steps, slot, states, attempts,
+            ended=await _ended_before_added_steps(backend, name, steps, slot, states))
         for step, job in zip(run["steps"], jobs, strict=True):
             await _heartbeat(backend, step, job, slot, attempts[step["name"]])
         return run, [a for s in steps for a in attempts[s]]
@@ -420,7 +441,9 @@ def _job_run_json(name: str, run: RunInfo, attempts: list[Attempt]) -> dict[str,
 
 def _workflow_run_json(name: str, steps: Sequence[str], slot: int,
                        runs: dict[str, RunInfo | None], attempts: dict[str, list[Attempt]],
-                       ) -> dict[str, Any]:
+                       *, ended: bool = False) -> dict[str, Any]:
+    """One workflow run; ``ended``: it completed with a step that was its workflow's last
+    then (:func:`_ended_before_added_steps`)."""
     ordered = sorted(((a, s) for s in steps for a in attempts[s]),
                      key=lambda pair: (pair[0].claimed_at, pair[0].attempt))
     return {
@@ -429,8 +452,8 @@ def _workflow_run_json(name: str, steps: Sequence[str], slot: int,
         "kind": "workflow",
         "slot": slot,
         "scheduled_at": iso(ms_to_datetime(slot)),
-        "status": workflow_status([None if (r := runs[s]) is None else r.status
-                                   for s in steps]),
+        "status": "completed" if ended else workflow_status(
+            [None if (r := runs[s]) is None else r.status for s in steps]),
         "attempts": [_attempt_json(a, s) for a, s in ordered],
         "steps": [{"name": s, "job": step_job(name, s), **_run_fields(runs[s], attempts[s])}
                   for s in steps],

@@ -23,7 +23,7 @@ from lease_core import (
     RunContext,
     Scheduler,
 )
-from lease_core._status import workflow_status
+from lease_core._status import read_run, read_runs, workflow_status
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, RunStatus
 from lease_core.context import Checkpoint
 from lease_core.engine.fleet import group_of, member_name, rendezvous_rank
@@ -810,6 +810,36 @@ async def test_a_step_added_to_a_deployed_workflow_runs_from_the_next_run_on(
     assert (await statuses(new, slot))[2] is None
     assert ran == [("snapshot", slot), ("interest", slot),
                    ("snapshot", later), ("interest", later), ("publish", later)]
+
+
+async def test_a_run_that_ended_before_a_step_was_added_is_shown_completed(
+    store: Store) -> None:
+    """The status API shows a run that ended with the workflow's old last step as
+    completed, not running for ever: the step added since never runs for it."""
+    def build(name: str, steps: tuple[str, ...]) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
+        for step in steps:
+            close.step(step, lambda ctx: None)
+        return s
+
+    old = build("old", STEPS[:2])
+    async with anyio.create_task_group() as tg:
+        i = await Instance(old).start(tg)
+        slot = current_slot(old)
+        await begin(old, slot)
+        await wait_workflow(old, slot, "completed")
+        await i.stop()
+    new = build("new", STEPS)
+    async with anyio.create_task_group() as tg:
+        i = await Instance(new).start(tg)  # registers the workflow's three steps
+        await i.stop()
+    async with started(new.backend):
+        run = await read_run(new.backend, "close", slot)
+        listed = await read_runs(new.backend, "close")
+    assert run is not None and run["status"] == "completed", run
+    assert listed is not None
+    assert [r["status"] for r in listed["runs"] if r["slot"] == slot] == ["completed"]
 
 
 async def test_a_step_added_by_a_release_rolling_out_does_not_run_for_a_run_ending_meanwhile(
