@@ -486,3 +486,43 @@ def test_the_policy_with_groups_zero_backoff_and_jitter_at_the_cap() -> None:
     assert max(capped.delay_ms(1) for _ in range(500)) <= 300_000
     spread = {Retry(retries=1, backoff="1s", jitter=0.5).delay_ms(1) for _ in range(50)}
     assert len(spread) > 1 and all(500 <= d <= 1_500 for d in spread)
+
+
+@pytest.mark.asyncio_only
+async def test_a_stray_cancelled_error_fails_the_run_and_the_scheduler_runs_on() -> None:
+    """A handler that lets out the CancelledError of a task it awaited (cancelled by
+    someone else) is not cancelled itself: its attempt fails (and is retried), where it
+    used to stop the whole scheduler silently, leaving the run to a backup that stopped
+    alike."""
+    import asyncio
+
+    from lease_core import MemoryBackend, SchedulerState
+
+    tries: list[tuple[str, int]] = []
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    policy = Retry(retries=1, backoff="0.1s", jitter=0)
+
+    @s.every("stray", "1h", offset=quiet_offset_now(), retry=policy)
+    async def stray(ctx: RunContext) -> None:
+        tries.append((ctx.job, ctx.attempt))
+        task = asyncio.ensure_future(asyncio.sleep(10))
+        task.cancel()
+        await task
+
+    @s.every("stray-sync", "1h", offset=quiet_offset_now(), retry=policy)
+    def stray_sync(ctx: RunContext) -> None:
+        tries.append((ctx.job, ctx.attempt))
+        raise asyncio.CancelledError
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        for job in ("stray", "stray-sync"):
+            await claim_now(s, job, slot_of(s, job))
+        for job in ("stray", "stray-sync"):
+            await wait_status(s, job, slot_of(s, job), RunStatus.FAILED)
+        assert s.state is SchedulerState.RUNNING
+        await i.stop()
+    assert sorted(tries) == [("stray", 1), ("stray", 2), ("stray-sync", 1), ("stray-sync", 2)]
+    for job in ("stray", "stray-sync"):
+        errors = [a.error or "" for a in await s.history(job)]
+        assert len(errors) == 2 and all("CancelledError" in e for e in errors), errors

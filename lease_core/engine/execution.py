@@ -9,6 +9,7 @@ one ``finish_many`` call), or backs the run up when its lease was lost.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +74,17 @@ class _Thread:
             raise _exited(exc) from exc
         finally:
             self.state = 2
+
+
+def _stray(exc: asyncio.CancelledError) -> bool:
+    """True when ``exc`` cancels nothing: the running asyncio task has no cancellation
+    pending (anyio's cancel scopes cancel the task, so a cancellation of theirs, a
+    timeout, a stop or a lost lease, is pending until the scope exits)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # not on asyncio (trio): its Cancelled is never a stray one
+        return False
+    return task is not None and not task.cancelling()
 
 
 def _exited(exc: BaseException) -> RuntimeError:
@@ -393,6 +405,20 @@ class Executor:
         return ran
 
     async def _call(self, job: Job, ctx: RunContext, slot: int, ran: _Ran) -> Any:
+        try:
+            return await self._call_handler(job, ctx, slot, ran)
+        except asyncio.CancelledError as exc:
+            if not _stray(exc):
+                raise
+            # Not a cancellation of this task (no cancel scope asked for it): the handler
+            # let out the CancelledError of a task or future it awaited. Carried on, it
+            # would cancel the scheduler's task group and stop the scheduler, silently,
+            # with the run left to be taken over (and the next instance stopped alike).
+            raise RuntimeError(
+                f"the handler raised {exc!r} without being cancelled (a task or future it "
+                "awaited was cancelled), which fails its run") from exc
+
+    async def _call_handler(self, job: Job, ctx: RunContext, slot: int, ran: _Ran) -> Any:
         if job.workflow is not None:
             done, result = await self._s.steps.earlier_result(ctx)
             if done:
