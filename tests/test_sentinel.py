@@ -39,9 +39,10 @@ async def test_the_urls_pool_and_connection_options_reach_the_primarys_client() 
     # connections' options were accepted and dropped: the pool stayed at 8 connections.
     from adapters.redis import redis_adapter
 
-    backend = backend_from_url("redis+sentinel://127.0.0.1:1/jobs/2?max_connections=32"
-                               "&timeout=3&client_name=app&health_check_interval=5")
-    adapter = redis_adapter(backend._connection)  # opens nothing yet
+    url = ("redis+sentinel://127.0.0.1:1/jobs/2?max_connections=32&timeout=3"
+           "&client_name=app&health_check_interval=5")
+    backend_from_url(url)  # the backend accepts it, as the adapter below reads it
+    adapter = redis_adapter(url)  # opens nothing yet
     try:
         pool = adapter.client.connection_pool
         assert (pool.max_connections, pool.timeout) == (32, 3.0)
