@@ -318,7 +318,9 @@ async def _prune(args: argparse.Namespace) -> int:
         await backend.close()
     which = [f"beyond the newest {args.keep} of each job"] if args.keep is not None else []
     if args.older_than is not None:
-        which.append(f"that finished more than {args.older_than} ago")
+        bare = args.older_than.strip().replace(".", "", 1).isdigit()  # a number: seconds
+        which.append(f"that finished more than {args.older_than.strip()}{'s' if bare else ''}"
+                     " ago")
     print(f"anarchon prune: deleted {_count(total, 'attempt')} {' or '.join(which)}, from "
           f"{_count(len(jobs), 'job')}")
     return 0

@@ -57,6 +57,12 @@ class Retry:
                 raise ConfigurationError(
                     f"{what}={value!r} is longer than {MAX_BACKOFF_S // 86400} days; a retry "
                     "waits at most that long")
+        if (parse_duration(self.max_backoff, what="max_backoff", allow_zero=True) == 0
+                < parse_duration(self.backoff, what="backoff", allow_zero=True)):
+            raise ConfigurationError(
+                f"max_backoff={self.max_backoff!r} caps every wait at 0, so "
+                f"backoff={self.backoff!r} would never apply; for retries at once give "
+                "backoff=0, else a max_backoff of at least the backoff")
         factor = self.factor
         if (isinstance(factor, bool) or not isinstance(factor, int | float)
                 or not 1 <= factor < math.inf):

@@ -434,7 +434,8 @@ def test_prune_deletes_finished_history_older_than_a_duration(
         # a bare number is seconds, as --grace takes it (it was refused, the error saying
         # "a timedelta, or a number of seconds")
         assert main(["prune", "--url", url, *flag, "--older-than", "3600"]) == 0
-        assert "deleted 0 attempts" in capsys.readouterr().out
+        assert "deleted 0 attempts that finished more than 3600s ago" in (
+            capsys.readouterr().out)  # its unit said (it was "more than 3600 ago")
         # the failed attempt finished before the first prune began: more than 1 ms ago
         assert main(["prune", "--url", url, *flag, "--older-than", "1ms"]) == 0
         assert re.search(r"deleted 1 attempt that finished more than 1ms ago, from 1 job$",

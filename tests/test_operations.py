@@ -301,6 +301,48 @@ async def test_cancel_cancels_a_stubborn_handler_once_its_grace_has_passed(
     assert [type(e) for e in ended] == [Cancelled], ended
 
 
+@pytest.mark.parametrize("goes", ["crashes", "stops"])
+async def test_an_operations_run_is_taken_over_when_its_holder_goes(
+        store: Store, goes: str) -> None:
+    """A triggered run is known only to the member that claimed it (no other member has
+    its slot on a schedule): when that member crashes, or stops and hands it over, the
+    others learn of it from the membership's change and take it over. Before, it stayed
+    ``running`` with its lease long expired until an instance started."""
+    admin = admin_for(store)
+    offset = await quiet(store)
+    ran: list[tuple[str, int, int, str]] = []
+    schedulers = [make(store, name) for name in ("a", "b")]
+    for s in schedulers:
+        async def work(ctx: RunContext, name: str = s.instance_id) -> None:
+            ran.append((name, ctx.slot, ctx.attempt, ctx.reason))
+            if len(ran) == 1:
+                await anyio.sleep_forever()  # the first holder hangs until it goes
+        s.every("report", "1h", work, offset=offset)
+    async with anyio.create_task_group() as tg:
+        instances = dict(zip("ab", [await Instance(s).start(tg) for s in schedulers],
+                             strict=True))
+        await wait_for(lambda: all(s.health().fleet_size == 2 for s in schedulers),
+                       timeout=10, what="both members known")
+        slot = await admin.trigger("report")
+        await wait_for(lambda: len(ran) == 1, timeout=10, what="the triggered run started")
+        holder = ran[0][0]
+        if goes == "crashes":
+            instances[holder].crash()
+            await instances[holder].wait_done()
+        else:
+            await instances[holder].stop()
+        other = next(s for s in schedulers if s.instance_id != holder)
+        history = await wait_history(
+            other, lambda h: any(a.slot == slot and a.outcome == "completed" for a in h),
+            job="report", timeout=20, what="the triggered run completed by the other")
+        await stop_all([i for name, i in instances.items() if name != holder])
+    assert [(name, s) for name, s, _, _ in ran] == [(holder, slot), (other.instance_id, slot)]
+    reason = {"crashes": "takeover", "stops": "hand-over"}[goes]
+    assert ran[1][2:] == (2, reason), ran
+    last = max((a for a in history if a.slot == slot), key=lambda a: a.attempt)
+    assert (last.instance_id, last.attempt, last.outcome) == (other.instance_id, 2, "completed")
+
+
 async def test_a_trigger_does_not_move_the_catch_up_watermark(store: Store) -> None:
     """A job's last slot is where a starting scheduler catches up from: a trigger made
     while no instance runs (its run is not a slot of the schedule) must not make the
@@ -511,6 +553,52 @@ async def test_trigger_of_a_workflow_by_its_name_runs_it_from_its_first_step(
     assert [(e.step, e.event) for e in log] == [
         ("snapshot", "started"), ("snapshot", "completed"),
         ("publish", "started"), ("publish", "completed")]
+
+
+async def test_a_triggered_workflows_step_is_taken_over_and_the_rest_runs_once(
+        store: Store) -> None:
+    """The member running a triggered workflow's middle step crashes: the other member
+    takes that step over (its earlier step is not run again) and runs the last step."""
+    admin = admin_for(store, by="ops")
+    offset = await quiet(store)
+    ran: list[tuple[str, str, int]] = []
+    schedulers = [make(store, name) for name in ("a", "b")]
+    for s in schedulers:
+        flow = s.workflow("close", every="1h", offset=offset)
+
+        async def snapshot(ctx: RunContext, name: str = s.instance_id) -> int:
+            ran.append((name, "snapshot", ctx.attempt))
+            return 3
+
+        async def post(ctx: RunContext, name: str = s.instance_id) -> None:
+            ran.append((name, "post", ctx.attempt))
+            if ctx.attempt == 1:
+                await anyio.sleep_forever()  # its member crashes meanwhile
+
+        async def publish(ctx: RunContext, name: str = s.instance_id) -> None:
+            ran.append((name, f"publish {ctx.results['snapshot']}", ctx.attempt))
+
+        flow.step("snapshot")(snapshot)
+        flow.step("post")(post)
+        flow.step("publish")(publish)
+    async with anyio.create_task_group() as tg:
+        instances = dict(zip("ab", [await Instance(s).start(tg) for s in schedulers],
+                             strict=True))
+        await wait_for(lambda: all(s.health().fleet_size == 2 for s in schedulers),
+                       timeout=10, what="both members known")
+        await admin.trigger("close")
+        await wait_for(lambda: any(step == "post" for _, step, _ in ran), timeout=10,
+                       what="the middle step started")
+        holder = next(name for name, step, _ in ran if step == "post")
+        instances[holder].crash()
+        await instances[holder].wait_done()
+        await wait_for(lambda: any(step.startswith("publish") for _, step, _ in ran),
+                       timeout=20, what="the last step ran")
+        await stop_all([i for name, i in instances.items() if name != holder])
+    other = "b" if holder == "a" else "a"
+    assert [(step, attempt) for _, step, attempt in ran] == [
+        ("snapshot", 1), ("post", 1), ("post", 2), ("publish 3", 1)], ran
+    assert [name for name, _, _ in ran][2:] == [other, other]
 
 
 async def test_pause_of_a_workflow_by_its_name_skips_its_slots_until_resume(

@@ -428,6 +428,36 @@ async def test_store_format_is_recorded_and_a_newer_one_refused(
         delete_prefix(url, newer)
 
 
+async def test_a_meta_key_that_is_not_an_anarchon_stores_is_refused_and_kept(
+    url: str, raw: redis.Redis
+) -> None:
+    """Another application's ``{P}:meta`` under anarchon's prefix: a hash whose format is
+    no number, or a key of another type. Start and the read-only tools refuse it with a
+    StoreFormatError naming the key (before: "attempt to compare number with nil", an
+    int() ValueError, or WRONGTYPE), and write nothing."""
+    cases = {"hash": lambda key: raw.hset(key, "format", "abc"),
+             "string": lambda key: raw.set(key, "someone else's")}
+    prefixes = []
+    try:
+        for kind, write in cases.items():
+            prefix = _prefix()
+            prefixes.append(prefix)
+            key = "{" + prefix + "}:meta"
+            write(key)
+            before = raw.dump(key)
+            expected = ("a hash whose format is 'abc', not a number" if kind == "hash"
+                        else "a string, not a hash")
+            for create in (True, False):
+                backend = RedisBackend(url, prefix=prefix)
+                with pytest.raises(StoreFormatError, match=expected) as caught:
+                    await backend.start(create=create)
+                assert key in str(caught.value) and "prefix of its own" in str(caught.value)
+            assert _keys(raw, prefix) == [key] and raw.dump(key) == before
+    finally:
+        for prefix in prefixes:
+            delete_prefix(url, prefix)
+
+
 # -- adapters --------------------------------------------------------------------------
 
 

@@ -486,6 +486,10 @@ def test_the_policy_with_groups_zero_backoff_and_jitter_at_the_cap() -> None:
     assert max(capped.delay_ms(1) for _ in range(500)) <= 300_000
     spread = {Retry(retries=1, backoff="1s", jitter=0.5).delay_ms(1) for _ in range(50)}
     assert len(spread) > 1 and all(500 <= d <= 1_500 for d in spread)
+    # a zero cap under a backoff is refused, named (it was taken: every wait was 0)
+    with pytest.raises(ConfigurationError, match=r"max_backoff=0 caps every wait at 0"):
+        Retry(backoff="10s", max_backoff=0)
+    assert Retry(backoff=0, max_backoff=0).delays_ms() == (0, 0, 0)
 
 
 @pytest.mark.asyncio_only

@@ -226,14 +226,26 @@ class RedisStore(Backend):
             await adapter.aclose()
             raise
         try:
-            self._check_format(int(found))
+            self._check_format(found)
         except StoreFormatError:
             self._adapter = None
             await adapter.aclose()
             raise
         self._warn_eviction(as_text(policy), adapter.where)
 
-    def _check_format(self, found: int) -> None:
+    def _check_format(self, found: object) -> None:
+        """Refuse a store of a newer format, or a ``{P}:meta`` that is not an anarchon
+        store's (``found``: its format, or ``'type <t>'`` for a key that is no hash)."""
+        text = as_text(found) if isinstance(found, bytes) else str(found)
+        try:
+            found = int(text)
+        except ValueError:
+            what = (f"a {text[5:]}, not a hash" if text.startswith("type ")
+                    else f"a hash whose format is {text!r}, not a number")
+            raise StoreFormatError(
+                f"the key {self._meta_key} (prefix {self.prefix!r}) is {what}: not an "
+                "anarchon store's, so something else keeps keys under this prefix; give "
+                "anarchon a prefix of its own (namespace= or prefix=)") from None
         if found > STORE_FORMAT:
             raise StoreFormatError(
                 f"the keys under prefix {self.prefix!r} were written in store format "
@@ -259,8 +271,12 @@ class RedisStore(Backend):
         try:
             self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
-            (found,) = await adapter.execute([("HGET", self._meta_key, "format")])
-            if isinstance(found, Exception):
+            kind, found = await adapter.execute([("TYPE", self._meta_key),
+                                                  ("HGET", self._meta_key, "format")])
+            kind = as_text(kind)
+            if kind not in ("none", "hash"):
+                found = f"type {kind}"
+            elif isinstance(found, Exception):
                 raise found
             if found is None:
                 raise StoreNotFound(
@@ -268,7 +284,7 @@ class RedisStore(Backend):
                     f"key {self._meta_key}); check --url and --namespace, or start a "
                     "scheduler there to create it"
                 )
-            self._check_format(int(found))
+            self._check_format(found)
         except BaseException:
             await adapter.aclose()
             raise

@@ -20,7 +20,16 @@ local clustered = 0
 if string.find(redis.call('INFO', 'cluster'), 'cluster_enabled:1', 1, true) then
   clustered = 1
 end
+-- A key of another type, or a format that is not a number: not an anarchon store's
+-- meta (another application's key under this prefix); returned as found, written never.
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'none' and kind ~= 'hash' then
+  return {'type ' .. kind, policy, clustered}
+end
 local current = redis.call('HGET', KEYS[1], 'format')
+if current and not tonumber(current) then
+  return {current, policy, clustered}
+end
 if current and tonumber(current) >= tonumber(ARGV[1]) then
   return {tonumber(current), policy, clustered}
 end

@@ -132,11 +132,12 @@ class Fleet:
             lease_ms = min(lease_ms, declared.lease_ms)
         return max(1, lease_ms // (2 * to_ms(settings.heartbeat)) + 1)
 
-    async def renew(self) -> None:
-        """Renew this instance's membership and learn the live members."""
+    async def renew(self) -> frozenset[str]:
+        """Renew this instance's membership and learn the live members; return the
+        instance ids of the members that left or lapsed since the last renewal."""
         settings = self._s.settings
         if self._left:
-            return  # a stopping instance's ticks must not join again
+            return frozenset()  # a stopping instance's ticks must not join again
         previous, self._renewed = self._renewed, settings.clock()
         self._group = self._group or group_of(self._s.jobs)
         try:
@@ -150,14 +151,15 @@ class Fleet:
         if self._left:
             # It left while this renewal was in flight: the renewal may have landed after.
             await settings.backend.leave(self._name)
-            return
+            return frozenset()
         if members is None:
             self.members = None
-        else:
-            found = tuple(sorted({*_in_group(members, self._group),
-                                  settings.instance_id}))
-            if found != self.members:
-                self.members, self._ranks = found, {}
+            return frozenset()
+        found = tuple(sorted({*_in_group(members, self._group), settings.instance_id}))
+        departed = frozenset(self.members or ()) - set(found)
+        if found != self.members:
+            self.members, self._ranks = found, {}
+        return departed
 
     @property
     def _name(self) -> str:

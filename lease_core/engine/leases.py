@@ -27,12 +27,17 @@ if TYPE_CHECKING:
 
 __all__ = ["LeaseKeeper"]
 
+#: The open runs :meth:`LeaseKeeper._adopt` reads at most, newest slot first.
+_OPEN_LIMIT = 10_000
+
 
 class LeaseKeeper:
     """Renews one scheduler's held leases and backs up the runs of other instances."""
 
     def __init__(self, session: Session) -> None:
         self._s = session
+        self._departed: set[str] = set()
+        """Members that left or lapsed, whose open runs are yet to be looked for."""
 
     def tick_limit(self) -> float:
         """How long one tick may take before the next one starts anyway."""
@@ -67,10 +72,15 @@ class LeaseKeeper:
             # Before the checks: a check that fails (or a slow tick cut short) must not
             # put the renewal off, or a live member's membership could lapse.
             if s.fleet.renewal_due():
-                await s.fleet.renew()
+                self._departed |= await s.fleet.renew()
         except Exception as exc:
             # The last membership stands: a stale one costs an extra claim at most.
             s.clock.failed("membership renewal", exc)
+        if self._departed:
+            try:
+                await self._adopt()
+            except Exception as exc:  # looked for again at the next tick
+                s.clock.failed("listing the open runs of members that left", exc)
         await self._check_watched()
         await self._pick_up()
         # An idle instance still asks the store once per heartbeat, so health() knows it
@@ -281,6 +291,29 @@ class LeaseKeeper:
                     else:
                         self._settle_pending(run, state, max(result.now_ms, at_ms), claims)
             await s.claims.claim_many(claims)
+
+    async def _adopt(self) -> None:
+        """Back up the open runs of declared jobs that members which left or lapsed
+        held, and that this instance does not watch yet.
+
+        A scheduled run's slot has its backups already (every member knows the slot);
+        a run an operation made (a trigger, a retry, their workflows' later steps) was
+        known only to the member that claimed it, so nobody else would take it over or
+        claim its hand-over. Listed once per departure (the open runs, through the
+        store's index of them), not at every tick.
+        """
+        s = self._s
+        departed, self._departed = self._departed, set()
+        try:
+            infos = await s.settings.backend.runs(None, open_only=True, limit=_OPEN_LIMIT)
+        except Exception:
+            self._departed |= departed
+            raise
+        for info in infos:
+            job = s.jobs.get(info.job)
+            if (job is not None and info.instance_id in departed
+                    and s.runs.get((info.job, info.slot)) is None):
+                s.runs.watch(job, info.slot)
 
     async def _pick_up(self) -> None:
         """Claim the handed-over runs of declared jobs that this instance does not watch.
