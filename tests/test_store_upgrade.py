@@ -936,3 +936,30 @@ async def test_a_table_named_without_its_schema_is_the_one_the_search_path_finds
     finally:
         sql(pg16_server.admin_dsn, f"DROP SCHEMA {own} CASCADE")
         await drop_tables(pg16_server.admin_dsn, table)
+
+
+async def test_a_store_found_later_in_the_search_path_is_upgraded_where_it_is(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """The store a table named without its schema finds later in the search_path (in
+    ``public``, a schema of the connection's own first) is upgraded in its own schema:
+    the statements that make its functions name them without a schema too, so they were
+    made in the first schema of the path, beside an empty one, and every later start
+    found the store's own still missing and made them there again."""
+    table, own = unique_table(), f"s_{uuid.uuid4().hex[:8]}"
+    await migrate(pg16_server.dsn, table=table)
+    batch = f"{table}_batch_v{CODE_VERSION}"
+    sql(pg16_server.admin_dsn, f"DROP FUNCTION {quote_ident(batch)} CASCADE")
+    sql(pg16_server.admin_dsn, f"CREATE SCHEMA {own}")
+    url = f"{pg16_server.dsn}?options=-csearch_path%3D{own},public"
+    try:
+        backend = PostgresBackend(url, table=table)
+        await backend.start()
+        await backend.close()
+        assert sql(pg16_server.admin_dsn, "SELECT n.nspname FROM pg_proc p JOIN pg_namespace n"
+                   " ON n.oid = p.pronamespace WHERE p.proname = %s", (batch,)) == [("public",)]
+        assert sql(pg16_server.admin_dsn, "SELECT count(*) FROM pg_class c JOIN pg_namespace n"
+                   " ON n.oid = c.relnamespace WHERE n.nspname = %s", (own,)) == [(0,)]
+    finally:
+        sql(pg16_server.admin_dsn, f"DROP SCHEMA {own} CASCADE")
+        await drop_tables(pg16_server.admin_dsn, table)

@@ -286,6 +286,9 @@ class StoreSchema:
         if self._schema is None and resolved is not None:
             await tx.all(self._sql.lock_creation,
                          (_lock_key(str(resolved), self._name), None, self._name))
+            # What it makes goes where find_tables found the store, not in the path's
+            # first schema (a store in public under "$user", public).
+            await tx.all(self._sql.resolved_schema_first, (str(resolved),))
         await tx.all(self._sql.bound_lock_waits, (str(MIGRATION_LOCK_TIMEOUT_MS),))
         existing, function, named = await self._existing(tx)
         code = 0

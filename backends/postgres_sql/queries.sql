@@ -67,6 +67,14 @@ SELECT pg_advisory_xact_lock(%s::bigint), COALESCE(
      WHERE r.oid = to_regclass(quote_ident(%s::text)) AND r.relkind IN ('r', 'p')),
     current_schema())
 
+-- name: resolved_schema_first
+-- A table named without its schema and found later in the search_path (find_tables) is
+-- created and upgraded there: the statements name what they make without a schema too,
+-- which would make it in the first schema of the path. Its schema goes first, for the
+-- transaction only. Parameters: the schema lock_creation answered.
+SELECT set_config('search_path',
+                  quote_ident(%s::text) || ', ' || current_setting('search_path'), true)
+
 -- name: bound_lock_waits
 -- Creation and upgrades wait at most this long (ms) for a table lock held by a
 -- transaction in flight, instead of queueing every claim behind their own lock request.
