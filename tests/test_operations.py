@@ -31,7 +31,7 @@ from lease_core._structures import ClaimRequest
 from lease_core.abc import Backend
 from lease_core.operations import _slot
 from lease_core.retry import supports_retries
-from lease_core.testing import claim_now
+from lease_core.testing import claim_now, renew_membership
 from tests.helpers import (
     Instance,
     quiet_offset,
@@ -341,6 +341,63 @@ async def test_an_operations_run_is_taken_over_when_its_holder_goes(
     assert ran[1][2:] == (2, reason), ran
     last = max((a for a in history if a.slot == slot), key=lambda a: a.attempt)
     assert (last.instance_id, last.attempt, last.outcome) == (other.instance_id, 2, "completed")
+
+
+class SlowFirstListing:
+    """A backend whose first listing of every open run (``runs(None, open_only=True)``)
+    answers only after ``delay`` seconds, as a slow store's would."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay, self.slowed = inner, delay, False
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr != "runs":
+            return value
+
+        async def runs(job: str | None = None, **kw: Any) -> Any:
+            if job is None and kw.get("open_only") and not self.slowed:
+                self.slowed = True
+                await anyio.sleep(self.delay)
+            return await value(job, **kw)
+        return runs
+
+
+@pytest.mark.parametrize("seen_by", ["a tick cut short", "renew_membership"])
+async def test_the_runs_of_a_member_that_went_are_backed_up_however_its_going_was_seen(
+        store: Store, seen_by: str) -> None:
+    """A member that went is looked for among the open runs until a listing of them
+    answers: a listing the tick's deadline cut short (a slow store) is made again at the
+    next tick, and a departure that a test's ``renew_membership`` saw is looked for too.
+    Both were forgotten, so a run only its claimer knew was never taken over."""
+    offset = await quiet(store)
+    ran: list[tuple[str, int, str]] = []
+    # The backup renews its membership every 15s by itself: only the hook sees the holder go.
+    backup_lease = "30s" if seen_by == "renew_membership" else FAST["lease"]
+    schedulers = [make(store, "a"), make(store, "b", lease=backup_lease)]
+    for s in schedulers:
+        async def work(ctx: RunContext, name: str = s.instance_id) -> None:
+            ran.append((name, ctx.attempt, ctx.reason))
+            if len(ran) == 1:
+                await anyio.sleep_forever()  # the holder hangs until it crashes
+        s.every("report", "1h", work, offset=offset, lease="1.2s")
+    holder, backup = schedulers
+    if seen_by == "a tick cut short":  # the tick's deadline: the job's lease less 0.2s
+        backup.backend = SlowFirstListing(backup.backend, delay=3)  # type: ignore[assignment]
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in schedulers]
+        assert await renew_membership(backup) == ("a", "b")
+        slot = await store_now_ms(store.backend()) - 7 * 60_000  # on no schedule
+        assert await claim_now(holder, "report", slot) is not None
+        await wait_for(lambda: len(ran) == 1, timeout=10, what="the run started")
+        instances[0].crash()
+        await instances[0].wait_done()
+        if seen_by == "renew_membership":
+            await anyio.sleep(2)  # the holder's membership (1.2s) lapses
+            assert await renew_membership(backup) == ("b",)
+        await wait_for(lambda: len(ran) == 2, timeout=10, what="the run taken over")
+        await stop_all(instances[1:])
+    assert ran == [("a", 1, "scheduled"), ("b", 2, "takeover")], ran
 
 
 async def test_a_trigger_does_not_move_the_catch_up_watermark(store: Store) -> None:

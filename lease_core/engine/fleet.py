@@ -83,6 +83,9 @@ class Fleet:
         self._soon = False
         self._group = ""
         """This instance's group, once it first renews (its jobs are declared by then)."""
+        self.departed: set[str] = set()
+        """The members that left or lapsed since a renewal saw them, whose open runs the
+        lease keeper is yet to look for (kept until a listing of them answers)."""
 
     def renewal_due(self) -> bool:
         """True when half a lease passed since the last renewal (the membership lasts one),
@@ -132,12 +135,13 @@ class Fleet:
             lease_ms = min(lease_ms, declared.lease_ms)
         return max(1, lease_ms // (2 * to_ms(settings.heartbeat)) + 1)
 
-    async def renew(self) -> frozenset[str]:
-        """Renew this instance's membership and learn the live members; return the
-        instance ids of the members that left or lapsed since the last renewal."""
+    async def renew(self) -> None:
+        """Renew this instance's membership and learn the live members; add the instance
+        ids of the members that left or lapsed since the last renewal to :attr:`departed`
+        (whoever renews: a tick, or a test's ``renew_membership``)."""
         settings = self._s.settings
         if self._left:
-            return frozenset()  # a stopping instance's ticks must not join again
+            return  # a stopping instance's ticks must not join again
         previous, self._renewed = self._renewed, settings.clock()
         self._group = self._group or group_of(self._s.jobs)
         try:
@@ -151,15 +155,14 @@ class Fleet:
         if self._left:
             # It left while this renewal was in flight: the renewal may have landed after.
             await settings.backend.leave(self._name)
-            return frozenset()
+            return
         if members is None:
             self.members = None
-            return frozenset()
+            return
         found = tuple(sorted({*_in_group(members, self._group), settings.instance_id}))
-        departed = frozenset(self.members or ()) - set(found)
+        self.departed |= set(self.members or ()) - set(found)
         if found != self.members:
             self.members, self._ranks = found, {}
-        return departed
 
     @property
     def _name(self) -> str:

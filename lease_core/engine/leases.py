@@ -36,8 +36,6 @@ class LeaseKeeper:
 
     def __init__(self, session: Session) -> None:
         self._s = session
-        self._departed: set[str] = set()
-        """Members that left or lapsed, whose open runs are yet to be looked for."""
 
     def tick_limit(self) -> float:
         """How long one tick may take before the next one starts anyway."""
@@ -72,11 +70,11 @@ class LeaseKeeper:
             # Before the checks: a check that fails (or a slow tick cut short) must not
             # put the renewal off, or a live member's membership could lapse.
             if s.fleet.renewal_due():
-                self._departed |= await s.fleet.renew()
+                await s.fleet.renew()
         except Exception as exc:
             # The last membership stands: a stale one costs an extra claim at most.
             s.clock.failed("membership renewal", exc)
-        if self._departed:
+        if s.fleet.departed:
             try:
                 await self._adopt()
             except Exception as exc:  # looked for again at the next tick
@@ -303,11 +301,14 @@ class LeaseKeeper:
         store's index of them), not at every tick.
         """
         s = self._s
-        departed, self._departed = self._departed, set()
+        departed = set(s.fleet.departed)
+        s.fleet.departed.clear()
         try:
             infos = await s.settings.backend.runs(None, open_only=True, limit=_OPEN_LIMIT)
-        except Exception:
-            self._departed |= departed
+        except BaseException:
+            # Kept for the next tick: a store error, or a slow listing the tick's deadline
+            # cancelled (then lost, its runs would never be backed up).
+            s.fleet.departed |= departed
             raise
         for info in infos:
             job = s.jobs.get(info.job)
