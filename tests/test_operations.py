@@ -400,6 +400,41 @@ async def test_the_runs_of_a_member_that_went_are_backed_up_however_its_going_wa
     assert ran == [("a", 1, "scheduled"), ("b", 2, "takeover")], ran
 
 
+@pytest.mark.parametrize("goes", ["crashes", "stops"])
+async def test_a_run_is_taken_over_from_a_member_of_another_group(
+        store: Store, goes: str) -> None:
+    """During a rolling deploy that adds a job, the instances of the old release and the
+    new ones form two groups (they declare different jobs). A run of a job both declare,
+    known only to the old member that claimed it, is taken over by a new member when the
+    old one crashes, or stops and hands it over: the members watched only their own
+    group's going, so it stayed running, or handed over, until an instance started."""
+    offset = await quiet(store)
+    ran: list[tuple[str, int, str]] = []
+    old, new = make(store, "old"), make(store, "new")
+    for s in (old, new):
+        async def work(ctx: RunContext, name: str = s.instance_id) -> None:
+            ran.append((name, ctx.attempt, ctx.reason))
+            if len(ran) == 1:
+                await anyio.sleep_forever()  # the old member's attempt hangs
+        s.every("report", "1h", work, offset=offset)
+    new.every("added", "1h", lambda ctx: None, offset=offset)
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in (old, new)]
+        assert await renew_membership(new) == ("new",)  # another group: not ranked with it
+        slot = await store_now_ms(store.backend()) - 7 * 60_000  # on no schedule
+        assert await claim_now(old, "report", slot) is not None
+        await wait_for(lambda: len(ran) == 1, timeout=10, what="the run started")
+        if goes == "crashes":
+            instances[0].crash()
+            await instances[0].wait_done()
+        else:
+            await instances[0].stop()
+        await wait_for(lambda: len(ran) == 2, timeout=10, what="the run taken over")
+        await stop_all(instances[1:])
+    reason = {"crashes": "takeover", "stops": "hand-over"}[goes]
+    assert ran == [("old", 1, "scheduled"), ("new", 2, reason)], ran
+
+
 async def test_a_trigger_does_not_move_the_catch_up_watermark(store: Store) -> None:
     """A job's last slot is where a starting scheduler catches up from: a trigger made
     while no instance runs (its run is not a slot of the schedule) must not make the

@@ -70,6 +70,12 @@ def _in_group(members: Iterable[str], group: str) -> set[str]:
     return {m[:-len(suffix)] for m in members if m.endswith(suffix) and len(m) > len(suffix)}
 
 
+def _instance_id(member: str) -> str:
+    """The instance id of a member of any group (an id without one as it is)."""
+    instance_id, hash_sign, _ = member.rpartition("#")
+    return instance_id if hash_sign and instance_id else member
+
+
 class Fleet:
     """This instance's view of the live members, and its rank per job."""
 
@@ -84,8 +90,12 @@ class Fleet:
         self._group = ""
         """This instance's group, once it first renews (its jobs are declared by then)."""
         self.departed: set[str] = set()
-        """The members that left or lapsed since a renewal saw them, whose open runs the
-        lease keeper is yet to look for (kept until a listing of them answers)."""
+        """The members that left or lapsed since a renewal saw them, of any group (one
+        of another group may hold runs of jobs declared here too: during a rolling deploy
+        that changes the jobs), whose open runs the lease keeper is yet to look for (kept
+        until a listing of them answers)."""
+        self._everyone: frozenset[str] = frozenset()
+        """The instance ids of the live members of every group, at the last renewal."""
 
     def renewal_due(self) -> bool:
         """True when half a lease passed since the last renewal (the membership lasts one),
@@ -159,8 +169,10 @@ class Fleet:
         if members is None:
             self.members = None
             return
+        everyone = frozenset(_instance_id(m) for m in members)
+        self.departed |= self._everyone - everyone - {settings.instance_id}
+        self._everyone = everyone
         found = tuple(sorted({*_in_group(members, self._group), settings.instance_id}))
-        self.departed |= set(self.members or ()) - set(found)
         if found != self.members:
             self.members, self._ranks = found, {}
 
