@@ -144,21 +144,23 @@ class SyncScheduler:
         return self._on_loop(self.scheduler.health)
 
     def _live_portal(self) -> anyio.from_thread.BlockingPortal | None:
-        """The loop's portal while the scheduler runs or stops, else ``None``.
+        """The loop's portal while the scheduler starts, runs or stops, else ``None``.
 
         Read without the lifecycle lock, which :meth:`stop` holds for its whole grace: a
         handler reading the history while its scheduler stops must not wait for the
         stop, which waits for the handler. A portal whose loop ended meanwhile raises
         ``RuntimeError``, and its callers then read on the background loop anew."""
         portal = self._portal
-        running = self._state in (SchedulerState.RUNNING, SchedulerState.STOPPING)
+        running = self._state in (SchedulerState.STARTING, SchedulerState.RUNNING,
+                                  SchedulerState.STOPPING)
         return portal if running else None
 
     def _on_loop(self, read: Callable[[], _T]) -> _T:
         """Call ``read`` on the loop's thread, which changes what it reads."""
         self._check_process()
         portal = self._portal
-        if portal is not None and threading.current_thread() is not self._loop_thread:
+        if (portal is not None and threading.current_thread() is not self._loop_thread
+                and not _Loop.here()):
             try:
                 return portal.call(read)
             except RuntimeError:
@@ -206,13 +208,15 @@ class SyncScheduler:
                 )
             self._state = SchedulerState.STARTING
             try:
-                portal = _Loop.get()
+                # Set first: a subscribe() from another thread while it starts is made
+                # on the loop's thread, as the subscribers are opened there meanwhile.
+                self._portal = portal = _Loop.get()
                 self._host, _ = portal.start_task(
                     self._run_host, name=f"anarchon-{self.instance_id}")
             except BaseException:
+                self._portal = None
                 self._state = SchedulerState.STOPPED
                 raise
-            self._portal = portal
             self._pid = os.getpid()
             self._state = SchedulerState.RUNNING
             atexit.register(self._stop_at_exit)
@@ -312,13 +316,14 @@ class SyncScheduler:
         """
         self._check_process()
         portal = self._live_portal()
-        if portal is None or threading.current_thread() is self._loop_thread:
+        if portal is None or threading.current_thread() is self._loop_thread or _Loop.here():
             return self.scheduler.subscribe(callback)
         unsubscribe: Callable[[], None] = portal.call(self.scheduler.subscribe, callback)
 
         def off() -> None:
             now = self._portal
-            if now is not None and threading.current_thread() is not self._loop_thread:
+            if (now is not None and threading.current_thread() is not self._loop_thread
+                    and not _Loop.here()):
                 now.call(unsubscribe)
             else:
                 unsubscribe()

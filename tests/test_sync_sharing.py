@@ -24,8 +24,9 @@ import pytest
 
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
-from lease_core import MemoryBackend, RunContext, SyncLease, SyncScheduler
+from lease_core import MemoryBackend, RunContext, SchedulerState, SyncLease, SyncScheduler
 from lease_core.abc import Backend
+from lease_core.testing import open_event_streams, subscriber_count
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.stores.redis import delete_prefix
 
@@ -251,3 +252,36 @@ def test_a_handler_that_exits_fails_its_run_and_ends_nothing_else(exit_with: str
         lease = SyncLease(MemoryBackend(), "after", ttl="2s")
         assert lease.acquire(timeout=0)
         lease.release()
+
+
+def test_subscribing_from_another_thread_while_it_starts_feeds_the_subscriber() -> None:
+    # A web framework's startup hook starts the scheduler while another thread (an
+    # extension's setup, a request) subscribes: the subscription made while start() is
+    # in progress raised NoEventLoopError (the subscriber was opened off the loop's thread).
+    for _ in range(10):
+        s = SyncScheduler(MemoryBackend(), **FAST)
+        s.every("idle", "1h", lambda ctx: None)
+        done, errors = threading.Event(), []
+
+        def subscribe_meanwhile(s: SyncScheduler = s, done: threading.Event = done,
+                                errors: list[BaseException] = errors) -> None:
+            while not done.is_set():
+                if s.state is SchedulerState.STARTING:
+                    try:
+                        s.subscribe(lambda event: None)
+                    except Exception as exc:
+                        errors.append(exc)
+                        return
+
+        other = threading.Thread(target=subscribe_meanwhile)
+        other.start()
+        try:
+            s.start()
+        finally:
+            done.set()
+            other.join()
+        try:
+            assert errors == []
+            assert open_event_streams(s.scheduler) == subscriber_count(s.scheduler)
+        finally:
+            s.stop()
