@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -778,25 +779,38 @@ async def test_a_backup_dispatches_the_next_step_when_the_agent_dies_after_finis
         await dead.close()
 
 
+def _close_workflow(store: Store, name: str, steps: tuple[str, ...],
+                    handler: Callable[[RunContext], object]) -> Scheduler:
+    """A scheduler named ``name`` with the hourly workflow ``close`` of ``steps``, each
+    step running ``handler``."""
+    s = make(store, name)
+    close = s.workflow("close", every="1h", offset=quiet_offset_now())
+    for step in steps:
+        close.step(step, handler)
+    return s
+
+
+async def _one_run_completed(scheduler: Scheduler) -> int:
+    """Run ``scheduler`` until the workflow's current run completed; return its slot."""
+    async with anyio.create_task_group() as tg:
+        i = await Instance(scheduler).start(tg)
+        slot = current_slot(scheduler)
+        await begin(scheduler, slot)
+        await wait_workflow(scheduler, slot, "completed")
+        await i.stop()
+    return slot
+
+
 async def test_a_step_added_to_a_deployed_workflow_runs_from_the_next_run_on(
     store: Store, caplog: pytest.LogCaptureFixture,
 ) -> None:
     ran: list[tuple[str | None, int]] = []
 
     def build(name: str, steps: tuple[str, ...]) -> Scheduler:
-        s = make(store, name)
-        close = s.workflow("close", every="1h", offset=quiet_offset_now())
-        for step in steps:
-            close.step(step, lambda ctx: ran.append((ctx.step, ctx.slot)))
-        return s
+        return _close_workflow(store, name, steps,
+                               lambda ctx: ran.append((ctx.step, ctx.slot)))
 
-    old = build("old", STEPS[:2])
-    async with anyio.create_task_group() as tg:
-        i = await Instance(old).start(tg)
-        slot = current_slot(old)
-        await begin(old, slot)
-        await wait_workflow(old, slot, "completed")
-        await i.stop()
+    slot = await _one_run_completed(build("old", STEPS[:2]))
     # A release adds a last step; its first instance finds the latest run ended.
     new, later = build("new", STEPS), slot + 3_600_000
     with caplog.at_level(logging.INFO, logger="anarchon"):
@@ -816,21 +830,8 @@ async def test_a_run_that_ended_before_a_step_was_added_is_shown_completed(
     store: Store) -> None:
     """The status API shows a run that ended with the workflow's old last step as
     completed, not running for ever: the step added since never runs for it."""
-    def build(name: str, steps: tuple[str, ...]) -> Scheduler:
-        s = make(store, name)
-        close = s.workflow("close", every="1h", offset=quiet_offset_now())
-        for step in steps:
-            close.step(step, lambda ctx: None)
-        return s
-
-    old = build("old", STEPS[:2])
-    async with anyio.create_task_group() as tg:
-        i = await Instance(old).start(tg)
-        slot = current_slot(old)
-        await begin(old, slot)
-        await wait_workflow(old, slot, "completed")
-        await i.stop()
-    new = build("new", STEPS)
+    slot = await _one_run_completed(_close_workflow(store, "old", STEPS[:2], lambda ctx: None))
+    new = _close_workflow(store, "new", STEPS, lambda ctx: None)
     async with anyio.create_task_group() as tg:
         i = await Instance(new).start(tg)  # registers the workflow's three steps
         await i.stop()
