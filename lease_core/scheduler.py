@@ -73,9 +73,13 @@ class Health:
 
     state: SchedulerState
     store_reachable: bool
-    """True when the store answered within the last ``lease`` (the scheduler's default)."""
+    """True when the store answered within the last ``lease`` (the scheduler's default).
+    After a write failed, only an accepted write counts as an answer: a store that
+    answers reads but refuses writes (a standby, a full disk, Redis short of memory or
+    of replicas) runs no slot, so it is not reachable here."""
     since_store_answer: float | None
-    """Seconds since the store last answered, or ``None`` when it has not since start."""
+    """Seconds since the store last answered (after a failed write: since it last
+    accepted one), or ``None`` when it has not since start."""
     runs_held: int
     """Runs this instance is executing."""
     runs_watched: int
@@ -295,8 +299,8 @@ class Scheduler:
         """Whether the store answered within the last lease, and what this instance holds.
 
         An idle running instance asks the store once per heartbeat, so ``store_reachable``
-        turns false within a lease of the store becoming unreachable, and true again at
-        the first heartbeat it answers.
+        turns false within a lease of the store becoming unreachable (or refusing
+        writes: see :attr:`Health.store_reachable`), and true again within a heartbeat.
         """
         s = self._session
         last = None if s is None else s.clock.last_answer

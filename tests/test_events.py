@@ -160,6 +160,10 @@ class Unplugged(MemoryBackend):
         self._fail()
         return await super().heartbeat(leases)
 
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
+        self._fail()
+        return await super().members(instance_id, ttl_ms)
+
 
 async def test_store_unreachable_lost_store_back_and_escalated() -> None:
     backend = Unplugged()

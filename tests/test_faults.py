@@ -77,6 +77,10 @@ class FlakyBackend(MemoryBackend):
         self._fail()
         return await super().now_ms()
 
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
+        self._fail()
+        return await super().members(instance_id, ttl_ms)
+
 
 @pytest.mark.parametrize("error", [BackendUnavailable, RuntimeError])
 async def test_an_outage_longer_than_the_lease_cancels_and_recovers(

@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import anyio
+import psycopg
 import pytest
+import redis
 
 from backends.embedded.postgres import EmbeddedPostgres
+from backends.embedded.redis import EmbeddedRedis, find_server
 from lease_core import (
     BackendUnavailable,
     Health,
     MemoryBackend,
     PostgresBackend,
+    RedisBackend,
     RunContext,
     Scheduler,
     SchedulerState,
+    StoreBack,
+    StoreUnreachable,
 )
-from lease_core._structures import CheckResult, HeartbeatResult, Lease
+from lease_core._structures import (
+    CheckResult,
+    ClaimRequest,
+    ClaimResult,
+    HeartbeatResult,
+    Lease,
+)
+from lease_core.abc import Backend
+from lease_core.events import Event
 from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for
 
@@ -48,6 +63,10 @@ class Unplugged(MemoryBackend):
     async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
         self._fail()
         return await super().heartbeat(leases)
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
+        self._fail()
+        return await super().members(instance_id, ttl_ms)
 
 
 async def test_health_follows_the_store_and_counts_held_and_watched_runs() -> None:
@@ -106,3 +125,112 @@ async def test_health_of_an_idle_scheduler_when_postgresql_stops_and_returns() -
             await s.stop(grace=0)
     finally:
         await anyio.to_thread.run_sync(server.stop)
+
+
+class ReadOnly(MemoryBackend):
+    """A memory backend that answers reads and refuses writes while ``refusing`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusing = False
+
+    def _refuse(self) -> None:
+        if self.refusing:
+            raise BackendUnavailable("the store refuses writes (test)")
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        self._refuse()
+        return await super().claim_many(requests)
+
+    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
+        self._refuse()
+        return await super().heartbeat(leases)
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
+        self._refuse()
+        return await super().members(instance_id, ttl_ms)
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    async def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+    def count(self, kind: type[Event]) -> int:
+        return sum(isinstance(e, kind) for e in self.events)
+
+
+async def _refused_writes_end_readiness(backend: Backend,
+                                        refusing: Callable[[bool], None]) -> None:
+    """An idle scheduler on ``backend``: while ``refusing(True)`` holds, the store answers
+    reads and refuses writes; health() must say not ready, with one StoreUnreachable and no
+    StoreBack, then ready again with one StoreBack once writes are accepted."""
+    s = Scheduler(backend, instance_id="a", **FAST)
+    s.every("idle", "1h", _forever, catch_up="none", offset=quiet_offset_now())
+    seen = _Events()
+    s.subscribe(seen)
+    await s.start()
+    try:
+        await wait_for(lambda: s.health().ready, what="ready")
+        await anyio.to_thread.run_sync(refusing, True)
+        await wait_for(lambda: not s.health().store_reachable, timeout=10,
+                       what="not ready while writes are refused")
+        # Many ticks later (each reads the store's clock, which it answers): still
+        # unreachable, reported once, never reported back.
+        await wait_for(lambda: (s.health().since_store_answer or 0) > 2 * s.lease,
+                       timeout=10, what="two leases without an accepted write")
+        assert not s.health().ready
+        assert (seen.count(StoreUnreachable), seen.count(StoreBack)) == (1, 0)
+        await anyio.to_thread.run_sync(refusing, False)
+        await wait_for(lambda: s.health().ready, timeout=10, what="ready again")
+        await wait_for(lambda: seen.count(StoreBack) == 1, what="StoreBack")
+        assert seen.count(StoreUnreachable) == 1
+    finally:
+        await s.stop(grace=0)
+
+
+async def test_a_store_that_answers_reads_but_refuses_writes_is_not_ready() -> None:
+    backend = ReadOnly()
+
+    def refusing(on: bool) -> None:
+        backend.refusing = on
+
+    await _refused_writes_end_readiness(backend, refusing)
+
+
+@contextmanager
+def _read_only_store(kind: str) -> Iterator[tuple[Backend, Callable[[bool], None]]]:
+    """A server of its own, with a backend on it and a switch that makes it refuse writes:
+    PostgreSQL's ``default_transaction_read_only`` (as a standby or a full disk refuses
+    them), Redis's ``min-replicas-to-write`` (as a primary that lost its replicas)."""
+    if kind == "postgres":
+        server = EmbeddedPostgres()
+        server.start()
+        try:
+            def pg_refusing(on: bool) -> None:
+                with psycopg.connect(server.dsn, autocommit=True) as conn:
+                    conn.execute("ALTER SYSTEM SET default_transaction_read_only = "
+                                 + ("on" if on else "off"))
+                    conn.execute("SELECT pg_reload_conf()")
+
+            yield PostgresBackend(server.dsn, table="readonly_runs"), pg_refusing
+        finally:
+            server.stop()
+        return
+    binary = find_server("redis")
+    assert binary is not None, "no redis server installed"
+    with EmbeddedRedis(binary, appendonly=False) as made:
+        def redis_refusing(on: bool) -> None:
+            with redis.Redis(port=made.port) as client:
+                client.config_set("min-replicas-to-write", 1 if on else 0)
+
+        yield RedisBackend(made.url, prefix="readonly"), redis_refusing
+
+
+@pytest.mark.asyncio_only
+@pytest.mark.parametrize("kind", ["postgres", "redis"])
+async def test_a_real_store_that_refuses_writes_is_not_ready(kind: str) -> None:
+    with _read_only_store(kind) as (backend, refusing):
+        await _refused_writes_end_readiness(backend, refusing)

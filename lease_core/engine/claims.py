@@ -111,14 +111,15 @@ class Claimer:
         received = clock()
         answered = next((a for a in answers or () if isinstance(a, ClaimResult)), None)
         if answered is not None:
-            s.clock.note(answered.now_ms, sent, received)
+            s.clock.note(answered.now_ms, sent, received, wrote=True)
         results: list[ClaimResult | None] = []
         for i, (job, slot, reason) in enumerate(claims):
             answer = None if answers is None else answers[i]
             if isinstance(answer, Exception):
                 if not isinstance(answer, Abandoned):
                     s.clock.failed(
-                        f"claim of {job.name} slot {format_slot(slot)} (will retry)", answer)
+                        f"claim of {job.name} slot {format_slot(slot)} (will retry)", answer,
+                        write=True)
                 answer = None
             results.append(self._settle(job, slot, reason, requests[i].token, answer,
                                         received - sent, sent_loop, deferred))

@@ -25,6 +25,15 @@ class StoreClock:
     eight, so a slow answer never shifts the estimate much; ``offset_ms`` is the estimate
     to start from. ``emit`` reports
     :class:`~lease_core.events.StoreBack` and :class:`~lease_core.events.StoreUnreachable`.
+
+    A store may answer reads while it refuses every write (a PostgreSQL standby, a full
+    disk, Redis out of memory or short of ``min-replicas-to-write``). So once a write has
+    failed, only a write the store accepts (a claim, a heartbeat, a membership renewal)
+    ends the outage: a clock read alone would report the store back at every heartbeat
+    while no slot can run. That holds once :attr:`writes_probed` (the backend keeps a
+    membership, which the instance renews at the next tick after a failed write); with a
+    backend that keeps none, any answer ends an outage, as an idle instance may make no
+    write for a long time.
     """
 
     def __init__(self, settings: Settings, emit: Callable[[ev.Event], None],
@@ -46,13 +55,21 @@ class StoreClock:
         self.answered_before_outage: float | None = None
         """When the store last answered before its latest outage began (local clock):
         a slot due before then was not missed while the store was unreachable."""
+        self.writes_probed = False
+        """True when the instance writes to the store at every tick while a write has
+        failed (the membership renewal), so a read alone need not end an outage."""
+        self.awaits_write = False
+        """True from a failed write until the store accepts one (with
+        :attr:`writes_probed`): until then no answer ends the outage."""
 
     def now_ms(self) -> int:
         """The store's clock as this instance estimates it, in epoch milliseconds."""
         return int(self._clock() * 1000 + self.offset_ms)
 
-    def note(self, store_ms: int, sent: float, received: float) -> None:
-        """Record an answer of the store: its time, and when it was asked and answered."""
+    def note(self, store_ms: int, sent: float, received: float, *,
+             wrote: bool = False) -> None:
+        """Record an answer of the store: its time, and when it was asked and answered;
+        ``wrote``: the call wrote to the store (a claim, a heartbeat)."""
         rtt = received - sent
         offset = store_ms - (sent + received) * 500
         if self._samples:
@@ -67,12 +84,21 @@ class StoreClock:
                 self._samples.clear()
         self._samples.append((rtt, offset))
         self.last_sample = received
+        self.offset_ms = min(self._samples)[1]
+        if wrote or not self.awaits_write:
+            self._answered(received)
+
+    def wrote(self) -> None:
+        """The store accepted a write that carried no time sample (a membership renewal)."""
+        self._answered(self._clock())
+
+    def _answered(self, received: float) -> None:
+        self.awaits_write = False
         self.last_answer = received
         if self._down_since is not None:
             downtime, self._down_since = received - self._down_since, None
             logger.info("the store answers again after %.1fs", downtime)
             self._emit(ev.StoreBack(instance_id=self._instance_id, downtime=downtime))
-        self.offset_ms = min(self._samples)[1]
 
     async def sample(self) -> None:
         """Ask the store for its time."""
@@ -80,11 +106,15 @@ class StoreClock:
         now = await self._settings.backend.now_ms()
         self.note(now, sent, self._clock())
 
-    def failed(self, what: str, exc: Exception, *, log: bool = True) -> None:
-        """A call to the store failed: log it, and report the outage when it begins."""
+    def failed(self, what: str, exc: Exception, *, log: bool = True,
+               write: bool = False) -> None:
+        """A call to the store failed: log it, and report the outage when it begins;
+        ``write``: the call would have written to the store."""
         if log:
             log_failure(what, exc)
         self.last_failure = self._clock()
+        if write and self.writes_probed:
+            self.awaits_write = True
         if self._down_since is None:
             self._down_since = self._clock()
             self.answered_before_outage = self.last_answer

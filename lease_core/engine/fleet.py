@@ -169,6 +169,8 @@ class Fleet:
         if members is None:
             self.members = None
             return
+        self._s.clock.writes_probed = True
+        self._s.clock.wrote()
         everyone = frozenset(_instance_id(m) for m in members)
         self.departed |= self._everyone - everyone - {settings.instance_id}
         self._everyone = everyone

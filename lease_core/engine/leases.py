@@ -65,15 +65,21 @@ class LeaseKeeper:
     async def tick(self) -> None:
         """Renew the held leases, check the backed-up runs, sample the store's clock."""
         s = self._s
-        await self._renew()
+        try:
+            await self._renew()
+        except Exception as exc:
+            s.clock.failed("heartbeat", exc, write=True)
+            return
         try:
             # Before the checks: a check that fails (or a slow tick cut short) must not
-            # put the renewal off, or a live member's membership could lapse.
-            if s.fleet.renewal_due():
+            # put the renewal off, or a live member's membership could lapse. After a
+            # failed write, at every tick: the renewal is the write that shows the store
+            # takes writes again (StoreClock).
+            if s.fleet.renewal_due() or s.clock.awaits_write:
                 await s.fleet.renew()
         except Exception as exc:
             # The last membership stands: a stale one costs an extra claim at most.
-            s.clock.failed("membership renewal", exc)
+            s.clock.failed("membership renewal", exc, write=True)
         if s.fleet.departed:
             try:
                 await self._adopt()
@@ -100,7 +106,7 @@ class LeaseKeeper:
         sent_loop = anyio.current_time()
         result = await s.settings.backend.heartbeat(
             [run.lease for run in helds if run.lease is not None])
-        s.clock.note(result.now_ms, sent, clock())
+        s.clock.note(result.now_ms, sent, clock(), wrote=True)
         renewed = result.held if result.renewed is None else result.renewed
         for run in helds:
             execution, lease = run.execution, run.lease

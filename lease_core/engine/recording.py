@@ -58,8 +58,10 @@ class OutcomeRecorder:
                 if isinstance(answer, Exception):
                     failed = not isinstance(answer, Abandoned)
                     if failed:
-                        s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer)
+                        s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer,
+                                       write=True)
                 else:
+                    s.clock.wrote()
                     finished = answer
                     if not finished and sent_before:
                         finished = await self.ended_by(run, outcome) or False

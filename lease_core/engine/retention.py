@@ -45,7 +45,7 @@ class Retention:
                     try:
                         await self.trim(began + every / 2)
                     except Exception as exc:
-                        s.clock.failed("history trimming", exc)
+                        s.clock.failed("history trimming", exc, write=True)
                 await anyio.sleep(max(0.0, began + every - anyio.current_time()))
 
     async def trim(self, budget_ends: float) -> None:

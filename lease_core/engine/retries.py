@@ -131,7 +131,7 @@ class Retrier:
                         [(lease, outcome, error, delays)])
                 except Exception as exc:
                     s.clock.failed(f"end of {run.job.name} slot {format_slot(lease.slot)}",
-                                   exc)
+                                   exc, write=True)
                 else:
                     if answer < 0 and sent_before and execution is not None:
                         state = await s.execution.state_in_store(lease)

@@ -336,7 +336,7 @@ class Session:
                     cancelled = {key for key, state in found.items()
                                  if state.status is RunStatus.CANCELLED}
             except Exception as exc:
-                self.clock.failed("hand-over", exc)
+                self.clock.failed("hand-over", exc, write=True)
         for lease in leases:
             if lease.token in done:
                 self.execution.ended(ev.HandedOver, lease)
@@ -353,4 +353,4 @@ class Session:
             try:
                 await self.fleet.leave()
             except Exception as exc:
-                self.clock.failed("leaving the fleet", exc)
+                self.clock.failed("leaving the fleet", exc, write=True)

@@ -195,7 +195,7 @@ class StepCoordinator:
                 return exc
             except Exception as exc:
                 s.clock.failed(f"result of {run.job.name} slot {format_slot(lease.slot)}",
-                               exc)
+                               exc, write=True)
         if stored is None:
             # Unknown whether the result was stored: finishing could complete the step
             # without it. Its lease runs out and a backup runs it again.
