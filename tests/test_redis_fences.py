@@ -77,6 +77,11 @@ def _fence(result: ClaimResult) -> int:
     return fence_of(result.epoch, result.attempt)
 
 
+def _number(fence: int) -> int:
+    """The attempt number a fence carries (below its epoch)."""
+    return fence & ((1 << FENCE_NUMBER_BITS) - 1)
+
+
 async def _after(raw: redis.Redis, ms: int | None) -> None:
     assert ms is not None
     await wait_for(lambda: _server_ms(raw) > ms, what=f"the server's clock past {ms}")
@@ -86,6 +91,7 @@ async def test_attempts_numbered_again_after_a_loss_are_fenced_above_the_lost_on
         server: EmbeddedRedis, backend: RedisBackend, raw: redis.Redis) -> None:
     jobs = ["single", "b1", "b2"]
     fences: dict[str, list[int]] = {job: [] for job in jobs}
+    before = _server_ms(raw)
     # attempts 1 and 2 of each run (a takeover after the first lease expired): the
     # single job through claim.lua, the two others through one claim_many.lua call
     for round_ in ("t1", "t2"):
@@ -93,10 +99,13 @@ async def test_attempts_numbered_again_after_a_loss_are_fenced_above_the_lost_on
         batch = await backend.claim_many([_request("b1", f"b1-{round_}"),
                                           _request("b2", f"b2-{round_}")])
         for result in (one, *batch):
-            assert result.epoch == 0  # no loss yet: the fence is the attempt
+            # a job new to the server starts an epoch at its first claim (the server's
+            # clock), kept by its later attempts
+            assert result.epoch >= before
             fences[result.job].append(_fence(result))
         await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
-    assert all(f == [1, 2] for f in fences.values())
+    assert all([_number(f) for f in issued] == [1, 2] and issued[1] == issued[0] + 1
+               for issued in fences.values())
 
     restarted = await _restart_empty(server, raw)
     held = await backend.claim_many([_request(job, f"{job}-q") for job in jobs])
@@ -115,8 +124,38 @@ async def test_attempts_numbered_again_after_a_loss_are_fenced_above_the_lost_on
         await _after(raw, max(r.expires_ms or 0 for r in (one, *batch)))
     for job, issued in fences.items():
         # the store numbered attempts 1 and 2 again, but every fence is new and grows
-        assert issued[2] & ((1 << FENCE_NUMBER_BITS) - 1) == 1, job
+        assert _number(issued[2]) == 1, job
         assert issued == sorted(set(issued)) and len(issued) == 4, (job, issued)
+
+
+@pytest.mark.parametrize("registers", [False, True], ids=["claims", "registers"])
+async def test_a_job_met_after_a_loss_only_by_new_callers_is_fenced_above_the_lost_ones(
+        server: EmbeddedRedis, backend: RedisBackend, raw: redis.Redis,
+        registers: bool) -> None:
+    """The server restarts empty and no caller that saw the job is left (the whole
+    fleet restarted with it): nothing in the store says the job lost anything, so its
+    next claim wins at once with attempt 1 again, but its fence is above the lost ones:
+    the job's first claim, or its registration by a starting scheduler, in a store
+    starts an epoch."""
+    lost: list[int] = []
+    for token in ("t1", "t2"):  # attempts 1 and 2, the second a takeover
+        won = await backend.claim(_request("job", token))
+        lost.append(_fence(won))
+        await _after(raw, won.expires_ms)
+    assert [_number(f) for f in lost] == [1, 2]
+    restarted = await _restart_empty(server, raw)
+    fresh = RedisBackend(server.url, prefix=backend.prefix)  # a new process's backend
+    await fresh.start()
+    try:
+        if registers:
+            await fresh.register_jobs(["job"])
+        again = await fresh.claim(_request("job", "t3"))
+        assert again.attempt == 1 and again.epoch >= restarted
+        assert _fence(again) > max(lost)
+        named_again = await fresh.claim(_request("job", "t4"))  # the same run, held
+        assert named_again.status is ClaimStatus.RUNNING
+    finally:
+        await fresh.close()
 
 
 async def test_a_lease_token_after_a_loss_is_above_every_earlier_one(
@@ -180,11 +219,11 @@ async def test_a_loss_of_only_the_newest_writes_is_found_by_a_caller_that_saw_th
     its newest claim does not (as when a replica a little behind is promoted)."""
     first = await backend.claim(ClaimRequest("job", 1_000, "inst", "a", 300,
                                              overlap_skip=False))
-    assert _fence(first) == 1
+    assert _number(_fence(first)) == 1
     raw.save()  # the snapshot the server comes back from
     second = await backend.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
                                               overlap_skip=False))
-    assert _fence(second) == 1
+    assert _number(_fence(second)) == 1 and second.epoch == first.epoch
     await anyio.to_thread.run_sync(server.stop)
     await anyio.to_thread.run_sync(server.start)
     restarted = _server_ms(raw)
@@ -224,7 +263,8 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
             old = RedisBackend(f"redis://app:pw@127.0.0.1:{primary.port}/0", prefix=prefix)
             await old.start()
             try:
-                assert _fence(await old.claim(_request("job", "a"))) == 1
+                first = await old.claim(_request("job", "a"))
+                assert _number(_fence(first)) == 1
                 leader = await old.acquire_lease("leader", "h1", 200)
                 assert clients[0].execute_command("WAIT", 1, 5000) == 1
                 # the replica can no longer sync: what the primary acknowledges now is lost
@@ -232,7 +272,7 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
                 clients[0].execute_command("CLIENT", "KILL", "TYPE", "replica")
                 lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
                                                     overlap_skip=False))
-                assert _fence(lost) == 1
+                assert _number(_fence(lost)) == 1 and lost.epoch == first.epoch
                 await _after(clients[0], leader.expires_ms)
                 taken = await old.acquire_lease("leader", "h2", 60_000)  # lost too
                 assert taken.held and taken.token == leader.token + 1

@@ -179,6 +179,16 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
   if not sid then
     sid = redis.sha1hex(token)
     jf = {'sid', sid}
+    -- Fences: a job first claimed in this store is new, or lost every key with no
+    -- caller left that saw them (a restart without persistence of the server and the
+    -- whole fleet); nothing tells the two apart, so it starts a new epoch, now, above
+    -- every fence it had before (as a named lease new to the server does). A job that
+    -- another caller saw lost was given one above ('lost').
+    if not ep then
+      epoch = math.max(epoch, now)
+      jf[#jf + 1] = 'ep'
+      jf[#jf + 1] = epoch
+    end
   end
   if not first then
     jf[#jf + 1] = 'first_seen'

@@ -3,6 +3,9 @@
 -- Every process that registers a job so knows its marker before it claims anything: a
 -- backup that never won the job still finds a loss of its data at its first claim after
 -- it, instead of taking the lost job for a new one and skipping the quarantine.
+-- A job given its marker here starts an epoch ('ep' = now; see _claim.lua section 1):
+-- it is new, or lost every key with no caller left that saw them, so its fences start
+-- above every fence it had before.
 -- KEYS[1] job hash, KEYS[2] open zset; ARGV[1] a random seed of the caller's.
 -- Returns {first_seen, last_slot or '', 1 if new else 0, marker, open slot, ...}.
 local new = redis.call('HSETNX', KEYS[1], 'first_seen', now)
@@ -10,6 +13,7 @@ local first, last, sid = unpack(redis.call('HMGET', KEYS[1], 'first_seen', 'last
 if not sid then
   sid = redis.sha1hex(ARGV[1] .. KEYS[1])  -- new and unique, as a claim's (see 0.)
   redis.call('HSET', KEYS[1], 'sid', sid)
+  redis.call('HSETNX', KEYS[1], 'ep', now)
 end
 local out = {first, last or '', new, sid}
 for _, slot in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
