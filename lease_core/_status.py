@@ -175,8 +175,12 @@ def parse_run_id(text: str) -> tuple[str, int]:
             f"run id {text!r} is malformed: expected <name>@<slot>, the slot in epoch "
             "milliseconds or ISO-8601 UTC (export@1764460800000, export@2025-11-30T00:00:00Z)")
     check_lookup_name(name)
-    if slot.isascii() and slot.isdigit() and int(slot) <= LAST_SLOT:
-        return name, int(slot)
+    # Leading zeros dropped and the length bounded first: int() refuses more than 4300
+    # digits with a ValueError, not a ConfigurationError (the API answered 500).
+    digits = slot.lstrip("0") or "0"
+    if slot.isascii() and slot.isdigit() and len(digits) <= len(str(LAST_SLOT)) \
+            and int(digits) <= LAST_SLOT:
+        return name, int(digits)
     try:
         moment = datetime.fromisoformat(slot)
     except ValueError:

@@ -113,9 +113,10 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
 
     async def jobs(request: Request) -> Response:
         text = request.query_params.get("limit", "5")
-        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_RUNS:
+        limit = _whole(text)
+        if limit is None or not 1 <= limit <= MAX_RUNS:
             return _error(400, f"limit={text!r} is not a whole number from 1 to {MAX_RUNS}")
-        return _json(await list_jobs(backend, int(text)))
+        return _json(await list_jobs(backend, limit))
 
     async def run(request: Request) -> Response:
         name, slot = _run_key(request)
@@ -131,9 +132,11 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
         numbers = {}
         for key, default in (("page", "1"), ("per_page", "50")):
             text = params.get(key, default)
-            if not (text.isascii() and text.isdigit()):
-                return _error(400, f"{key}={text!r} is not a whole number")
-            numbers[key] = int(text)
+            number = _whole(text)
+            if number is None:
+                return _error(400, f"{key}={text!r} is not a whole number of at most "
+                                   f"{MAX_DIGITS} digits")
+            numbers[key] = number
         status = params.get("status", "all")
         try:
             check_query(status, numbers["page"], numbers["per_page"])
@@ -146,14 +149,15 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
 
     async def runs_of(request: Request) -> Response:
         text = request.query_params.get("limit", "20")
-        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_RUNS:
+        limit = _whole(text)
+        if limit is None or not 1 <= limit <= MAX_RUNS:
             return _error(400, f"limit={text!r} is not a whole number from 1 to {MAX_RUNS}")
         name = request.path_params["name"]
         try:
             check_lookup_name(name)
         except ConfigurationError as exc:
             return _error(400, str(exc))
-        found = await read_runs(backend, name, int(text))
+        found = await read_runs(backend, name, limit)
         if found is None:
             return _error(404, f"no job or workflow {name!r} in the store")
         return _json(found)
@@ -184,6 +188,20 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
         exception_handlers={HTTPException: _http_error, AnarchonError: _store_error},
         lifespan=lifespan,
     )
+
+
+#: The most digits (leading zeros aside) a number of a query may have: a longer one is
+#: refused before ``int()``, which raises ValueError beyond 4300 digits (it answered 500).
+MAX_DIGITS = 18
+
+
+def _whole(text: str) -> int | None:
+    """``text`` as a whole number of ASCII digits, at most :data:`MAX_DIGITS` of them
+    (leading zeros aside); else ``None``."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    return int(digits) if len(digits) <= MAX_DIGITS else None
 
 
 def _run_key(request: Request) -> tuple[str, int]:

@@ -114,7 +114,9 @@ def _slot(value: object, where: object) -> int:
     elif isinstance(value, str):
         text = value.strip()
         if re.fullmatch(r"-?[0-9]+", text):  # ASCII digits: "²".isdigit() is True
-            slot = int(text)
+            digits = text.lstrip("-").lstrip("0") or "0"
+            # int() refuses over 4300 digits (a bare ValueError): any such is out of range.
+            slot = int(text) if len(digits) <= len(str(LAST_SLOT)) else LAST_SLOT + 1
         else:
             try:
                 parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))

@@ -121,6 +121,8 @@ def test_refusals_exit_2_and_change_nothing(url: str,
             (["cancel", "sync@2000", "--grace", "soon"], "grace"),
             (["cancel", "sync@2000", "--grace", "999999h"], "longer than 30 days"),
             (["retry", "sync@²"], "malformed slot"),
+            # more digits than int() reads: "unexpected error: ValueError", exit 1
+            (["retry", "sync@" + "9" * 5000], "malformed slot"),
             (["resume", "sync"], "it is not paused")):
         assert main([*argv, "--url", url]) == 2, argv
         err = capsys.readouterr().err

@@ -231,6 +231,30 @@ def test_errors_are_json(client: TestClient, path: str, status: int, says: str) 
     assert set(response.json()) == {"error"} and says in response.json()["error"]
 
 
+def test_a_number_longer_than_int_reads_is_a_400() -> None:
+    """More digits than int() reads (4300: a ValueError, not a ConfigurationError) in a
+    limit, a page or a slot answered 500; each is a 400 naming the value."""
+    digits = "9" * 5000
+    token = {"Authorization": "Bearer t"}
+    with TestClient(create_app(MemoryBackend(), token="t"), headers=token) as client:
+        for method, path, says in (
+                ("GET", f"/jobs?limit={digits}", "limit='99"),
+                ("GET", f"/runs/close?limit={digits}", "limit='99"),
+                ("GET", f"/overview?page={digits}", "page='99"),
+                ("GET", f"/overview?per_page={digits}", "per_page='99"),
+                ("GET", f"/jobs/close@{digits}", "malformed slot '99"),
+                ("GET", f"/jobs/close@{digits}/recovery-log", "malformed slot '99"),
+                ("POST", f"/jobs/close@{digits}/retry", "malformed slot '99"),
+                ("POST", f"/jobs/close@{digits}/cancel", "malformed slot '99")):
+            response = client.request(method, path)
+            assert response.status_code == 400, (path[:40], response.text[:200])
+            assert says in response.json()["error"]
+        # Leading zeros are no digits of the number.
+        assert client.get(f"/jobs?limit={'0' * 5000}5").status_code == 200
+        assert "no job or workflow 'close'" in client.get(
+            f"/jobs/close@{'0' * 5000}1000").json()["error"]
+
+
 @pytest.mark.parametrize("backend_and_loop", [STORES[0]], indirect=True)
 def test_read_only(client: TestClient) -> None:
     for method in ("POST", "PUT", "DELETE", "PATCH"):

@@ -499,6 +499,9 @@ async def test_bad_input_is_refused_and_changes_nothing(store: Store) -> None:
         for bad in ("²", "--5", 2**63, -1):
             with pytest.raises(ValueError, match=f"slot {bad!r}"):
                 await admin.retry("known", bad)
+        # More digits than int() reads (4300): a bare ValueError of int()'s own before.
+        with pytest.raises(ConfigurationError, match="out of range"):
+            await admin.retry("known", "9" * 5000)
         with pytest.raises(ValueError, match="grace='999999h' is longer than 30 days"):
             await admin.cancel("known", done.slot, grace="999999h")
         assert [r.slot for r in await s.backend.runs("known")] == [done.slot]
