@@ -323,9 +323,14 @@ async def read_recovery_log(backend: Backend, name: str, slot: int,
         return None
     run, attempts = found
     if run["kind"] != "workflow":
-        return [e.as_json() for e in recovery_log(attempts)]
-    steps = [step["name"] for step in run["steps"]]
-    return [e.as_json() for e in recovery_log(attempts, workflow=name, steps=steps)]
+        entries = recovery_log(attempts)
+    else:
+        entries = recovery_log(attempts, workflow=name,
+                               steps=[step["name"] for step in run["steps"]])
+    # A detail is an attempt's error (a failure's, a retry's cause): masked as the
+    # attempts' errors are, for rows an older release stored unmasked.
+    return [{**e.as_json(), "detail": None if e.detail is None else redact(e.detail)}
+            for e in entries]
 
 
 async def _read(backend: Backend, name: str, slot: int,

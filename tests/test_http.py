@@ -22,6 +22,7 @@ from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease, Outcome
 from lease_core.cli import main
 from lease_core.errors import ConfigurationError
 from lease_core.http import create_app
+from lease_core.operations import Operation, OperationKind
 from lease_core.scheduler import Scheduler
 from tests.helpers import wait_for
 from tests.stores.postgres import PgServer, drop_tables, unique_table
@@ -253,6 +254,34 @@ def test_a_number_longer_than_int_reads_is_a_400() -> None:
         assert client.get(f"/jobs?limit={'0' * 5000}5").status_code == 200
         assert "no job or workflow 'close'" in client.get(
             f"/jobs/close@{'0' * 5000}1000").json()["error"]
+
+
+def test_the_recovery_log_masks_a_password_in_an_error_stored_unmasked() -> None:
+    """An error written unmasked (by an older release, or another client) is masked in
+    the run's attempts, and was shown as stored in its recovery log (the page's too)."""
+    secret = "pa55-Word"
+    backend = MemoryBackend()
+
+    async def failed_and_retried() -> None:
+        await backend.register_jobs(["sync"])
+        for attempt, outcome in ((1, Outcome.FAILED), (2, Outcome.FAILED)):
+            token = f"t{attempt}"
+            await backend.claim(ClaimRequest("sync", 1000, "i-1", token, LEASE))
+            assert await backend.finish(Lease("sync", 1000, token, LEASE), outcome,
+                                        f"cannot reach postgresql://app:{secret}@db/x")
+            if attempt == 1:  # the second attempt is a retry: its detail is this error
+                await backend.operate(Operation(OperationKind.RETRY, "sync", 1000, "op"))
+
+    with TestClient(create_app(backend)) as client:
+        assert client.portal is not None
+        client.portal.call(failed_and_retried)
+        for path in ("/jobs/sync@1000/recovery-log", "/jobs/sync@1000?log=1"):
+            response = client.get(path)
+            assert response.status_code == 200, response.text
+            assert secret not in response.text, path
+            assert "postgresql://app:***@db/x" in response.text
+        log = client.get("/jobs/sync@1000/recovery-log").json()
+        assert [e["event"] for e in log] == ["started", "failed", "retried", "failed"]
 
 
 @pytest.mark.parametrize("backend_and_loop", [STORES[0]], indirect=True)
