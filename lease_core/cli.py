@@ -187,7 +187,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _port(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
+    # Its length bounded before int(), whose ValueError beyond 4300 digits argparse
+    # reported as "invalid _port value".
+    if not (text.isascii() and text.isdigit()) or len(text.lstrip("0")) > 5 \
+            or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number from 1 to 65535")
     return int(text)
 

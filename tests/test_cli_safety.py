@@ -355,6 +355,16 @@ def test_an_empty_anarchon_token_is_a_usage_error(
     assert err.count("\n") == 1 and "$ANARCHON_TOKEN" in err and "empty" in err
 
 
+def test_a_port_of_more_digits_than_int_reads_is_named(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """More than 4300 digits: int()'s ValueError made argparse say "invalid _port value"."""
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--url", "memory://", "--port", "9" * 5000])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "is not a port number from 1 to 65535" in err and "_port" not in err
+
+
 # --- one validation of URL options ------------------------------------------------------
 
 
