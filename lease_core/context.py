@@ -12,7 +12,7 @@ import anyio
 import anyio.from_thread
 
 from ._structures import Lease, Reason, format_slot, ms_to_datetime
-from .errors import LeaseLost, StopRequested
+from .errors import ConfigurationError, LeaseLost, StopRequested
 
 if TYPE_CHECKING:
     from .abc import Backend
@@ -33,6 +33,19 @@ class Checkpoint:
     def __init__(self, backend: Backend, lease: Lease) -> None:
         self._backend = backend
         self._lease = lease
+        #: The tasks inside an open ``ctx.transaction()`` of this run (its context's).
+        self._in_transaction: set[int] = set()
+
+    def _refuse_in_transaction(self, what: str) -> None:
+        """Raise :class:`ConfigurationError` when the calling task is inside this run's
+        fenced transaction: a write of the run's row outside it would wait for the
+        transaction's own lock on that row, and the transaction for it, for good."""
+        if self._in_transaction and anyio.get_current_task().id in self._in_transaction:
+            raise ConfigurationError(
+                f"{what} inside `async with ctx.transaction() as tx`: it would wait for "
+                "the transaction's own lock on the run for good; pass the transaction "
+                "(ctx.checkpoint.set(value, tx=tx)), or call it after the block"
+            )
 
     async def get(self) -> Any:
         """Return the stored value, or ``None`` when there is none."""
@@ -47,6 +60,7 @@ class Checkpoint:
         if tx is not None:
             await tx.set_checkpoint(value)
             return
+        self._refuse_in_transaction("ctx.checkpoint.set() without tx=")
         if not await self._backend.set_checkpoint(self._lease, value):
             raise LeaseLost(
                 f"attempt of {self._lease.job!r} slot {self._lease.slot} no longer holds the run; "
@@ -55,6 +69,7 @@ class Checkpoint:
 
     async def delete(self) -> None:
         """Remove the stored value; raise LeaseLost if this attempt lost the run."""
+        self._refuse_in_transaction("ctx.checkpoint.delete()")
         if not await self._backend.delete_checkpoint(self._lease):
             raise LeaseLost(
                 f"attempt of {self._lease.job!r} slot {self._lease.slot} no longer holds the run; "
@@ -222,10 +237,19 @@ class RunContext:
         backends support it. In a workflow step, the step's result (:meth:`set_result`)
         commits in the same transaction.
         """
+        inside = self.checkpoint._in_transaction
+        task = anyio.get_current_task().id
+        if task in inside:
+            raise ConfigurationError(
+                "ctx.transaction() inside another ctx.transaction() of the same run: it "
+                "would wait for the outer transaction's lock on the run for good; write "
+                "everything through the outer transaction"
+            )
         if self._transaction_hook is not None:
             self._transaction_hook(True, None)
         renewed: float | None = None
         self._completion_tried = self._completion_tried or complete
+        inside.add(task)
         try:
             async with self._backend.transaction(self._lease, complete=complete) as tx:
                 yield tx
@@ -237,5 +261,6 @@ class RunContext:
             if complete:
                 self.completed_by_transaction = True
         finally:
+            inside.discard(task)
             if self._transaction_hook is not None:
                 self._transaction_hook(False, renewed)

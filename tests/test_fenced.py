@@ -182,3 +182,41 @@ async def test_a_cancel_waiting_for_a_fenced_transaction_holds_no_claim_back(
         await inst.stop()
     # The transaction completed the run before the cancel could act on it.
     assert answers == ["conflict"]
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
+async def test_a_write_of_the_run_inside_its_own_transaction_is_refused_not_hung(
+    pg16_server: PgServer, table: str, driver: str,
+) -> None:
+    """Inside ``ctx.transaction()``, a checkpoint written without ``tx=`` or a nested
+    transaction would wait for the open transaction's own lock on the run, which waits
+    for them: the handler hung until its timeout (the lease deadline is suspended meanwhile).
+    Both are refused at once, the transaction goes on, and outside it they work."""
+    from lease_core import ConfigurationError
+
+    dsn = pg16_server.dsn if driver == "psycopg" else pg16_server.dsn.replace(
+        "postgresql://", "postgresql+pg8000://", 1)
+    backend = PostgresBackend(dsn, table=table)
+    await backend.start()
+    try:
+        await backend.claim(ClaimRequest("nested", 1, "a", "t1", 60_000))
+        ctx = RunContext(backend=backend, lease=Lease("nested", 1, "t1", 60_000), attempt=1,
+                         reason=Reason.SCHEDULED, instance_id="a",
+                         logger=logging.getLogger("test"))
+        with anyio.fail_after(10):
+            async with ctx.transaction(complete=False) as tx:
+                with pytest.raises(ConfigurationError, match="tx=tx"):
+                    await ctx.checkpoint.set({"done": 1})
+                with pytest.raises(ConfigurationError, match=r"checkpoint\.delete"):
+                    await ctx.checkpoint.delete()
+                with pytest.raises(ConfigurationError, match="inside another"):
+                    async with ctx.transaction(complete=False):
+                        pass  # pragma: no cover - refused
+                await ctx.checkpoint.set({"done": 2}, tx=tx)
+            assert await backend.get_checkpoint("nested", 1) == {"done": 2}
+            await ctx.checkpoint.set({"done": 3})  # outside the block: written at once
+            async with ctx.transaction():
+                pass
+        assert await backend.get_checkpoint("nested", 1) == {"done": 3}
+    finally:
+        await backend.close()
