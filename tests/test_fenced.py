@@ -220,3 +220,42 @@ async def test_a_write_of_the_run_inside_its_own_transaction_is_refused_not_hung
         assert await backend.get_checkpoint("nested", 1) == {"done": 3}
     finally:
         await backend.close()
+
+
+@pytest.mark.parametrize("server", ["pg16_server", "pgbouncer_server"])
+@pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
+async def test_session_state_a_fenced_block_left_does_not_outlive_its_commit(
+    pg16_server: PgServer, table: str, driver: str, server: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A plain ``SET`` (not ``SET LOCAL``), a session advisory lock or a ``PREPARE`` in
+    the block used to stay on the pooled connection after the commit, where the backend's
+    own statements (claims, heartbeats) run next, and through PgBouncer in transaction
+    mode on a server connection any client gets next: a ``search_path`` set there even
+    broke the run's own completion. On the backend's own pool the session is reset first."""
+    url = request.getfixturevalue(server).dsn
+    dsn = url if driver == "psycopg" else url.replace("postgresql://", "postgresql+pg8000://", 1)
+    backend = PostgresBackend(dsn, table=table)
+    await backend.start()
+    try:
+        for slot, complete in ((1, False), (2, True)):
+            job = f"reset{slot}"
+            await backend.claim(ClaimRequest(job, slot, "a", f"t{slot}", 60_000))
+            ctx = RunContext(backend=backend, lease=Lease(job, slot, f"t{slot}", 60_000),
+                             attempt=1, reason=Reason.SCHEDULED, instance_id="a",
+                             logger=logging.getLogger("test"))
+            async with ctx.transaction(complete=complete) as tx:
+                await tx.execute(f"SET application_name = 'leaked_{table}'")
+                await tx.execute("SET search_path TO pg_catalog")
+                await tx.execute("SET statement_timeout = '7s'")
+                await tx.execute("SELECT pg_advisory_lock(%s)", (4242,))
+                await tx.execute(f"PREPARE leaked_{table} AS SELECT 1")
+            assert _admin(pg16_server, "SELECT count(*) FROM pg_stat_activity "
+                          f"WHERE application_name = 'leaked_{table}'") == [(0,)]
+            assert _admin(pg16_server, "SELECT count(*) FROM pg_locks WHERE "
+                          "locktype = 'advisory' AND objid = 4242") == [(0,)]
+        state = (await backend.check([("reset2", 2)])).runs[("reset2", 2)]
+        assert state.status is RunStatus.COMPLETED
+        assert await backend.get_checkpoint("reset1", 1) is None  # its statements still work
+    finally:
+        await backend.close()

@@ -19,7 +19,17 @@ from lease_core.errors import ConfigurationError, LeaseLost
 
 from .statements import Statements
 
-__all__ = ["FencedTransaction", "fenced_transaction"]
+__all__ = ["RESET_SESSION", "FencedTransaction", "fenced_transaction"]
+
+#: Run at the end of a fenced transaction on the connections the backend opened itself
+#: (a DSN's pool), before the run's own statements and the commit: what the block left
+#: in the session (a plain ``SET`` such as ``statement_timeout`` or ``search_path``, a
+#: ``SET ROLE``, a ``PREPARE``, a ``LISTEN``, a session advisory lock, a temporary table)
+#: would otherwise outlive the commit on the pooled connection, where the backend's
+#: claims and heartbeats run next, and through PgBouncer in transaction mode on a server
+#: connection another client gets. One statement (a ``DO`` block), so one round trip.
+RESET_SESSION = ("DO $$BEGIN RESET ALL; RESET ROLE; DEALLOCATE ALL; UNLISTEN *; "
+                 "PERFORM pg_advisory_unlock_all(); DISCARD TEMP; END$$")
 
 
 @dataclass
@@ -75,6 +85,8 @@ async def fenced_transaction(adapter: SqlAdapter, sql: Statements, lease: Lease,
                 f"{lease.token!r}; the fenced transaction did not start"
             )
         yield FencedTransaction(tx, lease, sql.set_checkpoint)
+        if adapter.owned:  # a pool passed in keeps its own reset (its settings are its own)
+            await tx.all(RESET_SESSION)
         if not complete:
             # The lease runs from the commit (the lock kept backups out meanwhile).
             await tx.all(sql.extend_held_run, (lease.lease_ms, lease.job, lease.slot,
