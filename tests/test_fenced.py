@@ -259,3 +259,26 @@ async def test_session_state_a_fenced_block_left_does_not_outlive_its_commit(
         assert await backend.get_checkpoint("reset1", 1) is None  # its statements still work
     finally:
         await backend.close()
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
+async def test_a_fenced_statement_takes_named_parameters_from_a_mapping(
+    pg16_server: PgServer, table: str, driver: str,
+) -> None:
+    """``tx.execute`` turned a mapping into the tuple of its keys: ``%(name)s`` was
+    refused and ``%s`` got the key's name as its value, silently."""
+    dsn = pg16_server.dsn if driver == "psycopg" else pg16_server.dsn.replace(
+        "postgresql://", "postgresql+pg8000://", 1)
+    backend = PostgresBackend(dsn, table=table)
+    await backend.start()
+    try:
+        await backend.claim(ClaimRequest("named", 1, "a", "t1", 60_000))
+        ctx = RunContext(backend=backend, lease=Lease("named", 1, "t1", 60_000), attempt=1,
+                         reason=Reason.SCHEDULED, instance_id="a",
+                         logger=logging.getLogger("test"))
+        async with ctx.transaction() as tx:
+            assert await tx.execute("SELECT %(n)s::int + %(n)s::int, %(s)s::text",
+                                    {"n": 2, "s": "x%"}) == [(4, "x%")]
+            assert await tx.execute("SELECT %s::int", [7]) == [(7,)]
+    finally:
+        await backend.close()

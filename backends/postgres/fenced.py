@@ -7,7 +7,7 @@ same commit (unless told not to).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +36,8 @@ RESET_SESSION = ("DO $$BEGIN RESET ALL; RESET ROLE; DEALLOCATE ALL; UNLISTEN *; 
 class FencedTransaction:
     """The handle of :meth:`PostgresBackend.transaction`: write your effects through it.
 
-    Placeholders are ``%s`` with positional parameters, whatever the driver.
+    Placeholders are ``%s`` with positional parameters, or ``%(name)s`` with a mapping,
+    whatever the driver.
     """
 
     _tx: Executor
@@ -61,8 +62,14 @@ class FencedTransaction:
         """The raw driver connection the transaction runs on (do not commit on it)."""
         return self._tx.connection
 
-    async def execute(self, sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
-        """Run ``sql`` inside the fenced transaction; return its rows (empty when none)."""
+    async def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None
+                      ) -> list[tuple[Any, ...]]:
+        """Run ``sql`` inside the fenced transaction; return its rows (empty when none).
+
+        ``params``: a sequence for ``%s`` placeholders, a mapping for ``%(name)s`` ones.
+        """
+        if isinstance(params, Mapping):  # not tuple(params): that would pass its keys
+            return await self._tx.all(sql, params)
         return await self._tx.all(sql, tuple(params or ()))
 
 
