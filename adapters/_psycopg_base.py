@@ -14,9 +14,22 @@ import psycopg
 import psycopg.conninfo
 from psycopg_pool import PoolTimeout
 
-from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
+from lease_core.errors import (
+    AuthenticationFailed,
+    BackendUnavailable,
+    StoreRefused,
+)
 
-from .base import GAVE_UP_STATES, Params, TransientError, gave_up, pooler_hint, redact
+from .base import (
+    GAVE_UP_STATES,
+    READ_ONLY_STATE,
+    Params,
+    TransientError,
+    gave_up,
+    pooler_hint,
+    read_only,
+    redact,
+)
 
 __all__ = ["translate_error"]
 
@@ -70,7 +83,9 @@ def translate_error(
     if state in ("40001", "40P01"):
         return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
     if state in _CONFIG_STATES:
-        return ConfigurationError(f"PostgreSQL refused the statement{at}: {text}")
+        return StoreRefused(f"PostgreSQL refused the statement{at}: {text}")
+    if state == READ_ONLY_STATE:
+        return BackendUnavailable(read_only(at, text))
     if state in GAVE_UP_STATES:
         return BackendUnavailable(gave_up(at, text))
     if isinstance(exc, PoolTimeout):

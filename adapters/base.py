@@ -33,6 +33,7 @@ from lease_core.errors import BackendUnavailable, ConfigurationError
 __all__ = [
     "CANCEL_GRACE_S",
     "GAVE_UP_STATES",
+    "READ_ONLY_STATE",
     "ConnectionLock",
     "Executor",
     "Params",
@@ -46,6 +47,7 @@ __all__ = [
     "dsn_query",
     "gave_up",
     "pooler_hint",
+    "read_only",
     "redact",
     "settle_scope",
 ]
@@ -100,6 +102,14 @@ def pooler_hint(message: str) -> str:
 #: (``statement_timeout``, or a cancel request) and 55P03 (``lock_timeout``, ``NOWAIT``).
 #: The connection is fine; both drivers raise :class:`BackendUnavailable` saying so.
 GAVE_UP_STATES = frozenset({"57014", "55P03"})
+#: SQLSTATE read_only_sql_transaction: a write sent to a server that takes none now.
+READ_ONLY_STATE = "25006"
+
+
+def read_only(at: str, text: str) -> str:
+    """The message of a write a server in read-only mode refused (``at``: where)."""
+    return (f"PostgreSQL takes no writes now{at}: {text} (a standby, or "
+            "default_transaction_read_only is on; point the URL at the primary)")
 
 
 def gave_up(at: str, text: str) -> str:

@@ -49,12 +49,18 @@ import anyio.lowlevel
 import pg8000.exceptions
 import pg8000.native
 
-from lease_core.errors import AuthenticationFailed, BackendUnavailable, ConfigurationError
+from lease_core.errors import (
+    AuthenticationFailed,
+    BackendUnavailable,
+    ConfigurationError,
+    StoreRefused,
+)
 
 from ._pg8000_params import PG8000_PARAMS, SSL_MODES, pg8000_params
 from ._placeholders import inline_parameters, numbered, sql_literal
 from .base import (
     GAVE_UP_STATES,
+    READ_ONLY_STATE,
     ConnectionLock,
     Executor,
     Params,
@@ -64,6 +70,7 @@ from .base import (
     TransientError,
     WorkerThreads,
     gave_up,
+    read_only,
     redact,
 )
 
@@ -91,7 +98,9 @@ def translate_error(exc: Exception, *, where: str = "", secret: str | None = Non
         if state in ("40001", "40P01"):
             return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
         if state in _CONFIG_STATES:
-            return ConfigurationError(f"PostgreSQL refused the statement{at}: {text}")
+            return StoreRefused(f"PostgreSQL refused the statement{at}: {text}")
+        if state == READ_ONLY_STATE:
+            return BackendUnavailable(read_only(at, text))
         if state in ("28P01", "28000"):
             return AuthenticationFailed(
                 f"PostgreSQL{at} refused the login: {text} (check the user and password)"

@@ -69,6 +69,7 @@ from lease_core.errors import (
     AuthenticationFailed,
     BackendUnavailable,
     ConfigurationError,
+    StoreRefused,
 )
 
 __all__ = ["DEFAULT_URL", "MAX_CONNECTIONS", "POOL_TIMEOUT", "SENTINEL_SCHEME", "RedisAdapter",
@@ -251,7 +252,7 @@ class RedisAdapter(ABC):
                 "e.g. ?max_connections=32, or pass a client with a larger pool"
             )
         if "NoPermissionError" in names or any(p.upper() in upper for p in _NO_PERMISSION):
-            return ConfigurationError(
+            return StoreRefused(
                 f"the Redis user at {self.where} may not run a command anarchon needs "
                 f"({text}); besides the data commands on its keys (key pattern "
                 "~{<prefix>*), anarchon sends EVALSHA, SCRIPT LOAD, TIME and WAIT, and its "

@@ -23,6 +23,7 @@ from .errors import (
     StopRequested,
     StoreFormatError,
     StoreNotFound,
+    StoreRefused,
 )
 from .events import (
     AttemptEnded,
@@ -102,6 +103,7 @@ __all__ = [
     "StoreBack",
     "StoreFormatError",
     "StoreNotFound",
+    "StoreRefused",
     "StoreUnreachable",
     "SyncLease",
     "SyncScheduler",

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from ._status import iso, parse_run_id
 from ._structures import ms_to_datetime
 from .abc import Backend
-from .errors import ConfigurationError, OperationRefused
+from .errors import ConfigurationError, OperationRefused, StoreRefused
 from .operations import Admin
 
 __all__ = ["operation_routes"]
@@ -51,6 +51,8 @@ def operation_routes(backend: Backend, *, token: str | None) -> list[Route]:
                 return _answer(await act(request))
             except OperationRefused as exc:
                 return _answer({"error": str(exc)}, 409 if exc.kind == "conflict" else 404)
+            except StoreRefused:
+                raise  # the store's setup, not the request: 503, as a store unreachable
             except ConfigurationError as exc:
                 return _answer({"error": str(exc)}, 400)
 

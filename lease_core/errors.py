@@ -16,6 +16,7 @@ __all__ = [
     "StopRequested",
     "StoreFormatError",
     "StoreNotFound",
+    "StoreRefused",
 ]
 
 
@@ -25,6 +26,16 @@ class AnarchonError(Exception):
 
 class ConfigurationError(AnarchonError, ValueError):
     """Raised when a value given to anarchon is invalid; the message names the value."""
+
+
+class StoreRefused(ConfigurationError):
+    """Raised when the store refuses a statement or command for want of a privilege or of
+    an object it needs (the store user's grants, a table or schema missing), whatever
+    the values given: the setup is wrong, not the call's input.
+
+    A :class:`ConfigurationError`, so code that catches those still catches it; the
+    status API answers 503 to an operation it refuses, not 400.
+    """
 
 
 class LeaseLost(AnarchonError):

@@ -232,7 +232,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _store_error(request: Request, exc: Exception) -> Response:
-    return _error(503, f"cannot read the store: {redact(str(exc))}")
+    what = "read the store" if request.method in ("GET", "HEAD") else "act on the store"
+    return _error(503, f"cannot {what}: {redact(str(exc))}")
 
 
 class _Page:

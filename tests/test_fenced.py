@@ -282,3 +282,46 @@ async def test_a_fenced_statement_takes_named_parameters_from_a_mapping(
             assert await tx.execute("SELECT %s::int", [7]) == [(7,)]
     finally:
         await backend.close()
+
+
+async def test_two_tasks_transactions_of_one_run_keep_the_lease_deadline_suspended(
+    pg16_server: PgServer, table: str
+) -> None:
+    """Two tasks of one handler each open a fenced transaction (complete=False): the
+    second waits for the first's lock on the run, then holds it past the lease. The lease
+    deadline stays suspended while either is open; when the first closed, it applied
+    again and cancelled the second mid-transaction (its lease not renewable, locked)."""
+    s = Scheduler(PostgresBackend(pg16_server.dsn, table=table), instance_id="a",
+                  lease="1.5s", heartbeat="0.25s")
+    offset = quiet_offset(await store_now_ms(PostgresBackend(pg16_server.dsn, table=table)))
+    first_open = anyio.Event()
+    done: list[str] = []
+
+    @s.every("two", "1h", offset=offset, max_attempts=1)
+    async def two(ctx: RunContext) -> None:
+        async def first() -> None:
+            async with ctx.transaction(complete=False) as t:
+                first_open.set()
+                await t.execute("SELECT pg_sleep(0.3)")
+            done.append("first")
+
+        async def second() -> None:
+            await first_open.wait()
+            async with ctx.transaction(complete=False) as t:  # waits for the first's lock
+                await t.execute("SELECT pg_sleep(3)")  # twice the lease
+            done.append("second")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            tg.start_soon(second)
+
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        slot = s.jobs["two"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "two", slot)
+        history = await wait_history(s, lambda h: h and h[0].outcome, timeout=15,
+                                     what="the run's end")
+        await inst.stop()
+    assert done == ["first", "second"]
+    assert [(h.attempt, h.outcome) for h in history] == [(1, Outcome.COMPLETED)]

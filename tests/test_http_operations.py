@@ -20,7 +20,7 @@ from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core.abc import Backend, ClaimRequest, Lease, Outcome
 from lease_core.http import create_app
-from tests.stores.postgres import drop_tables, unique_table
+from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.stores.redis import delete_prefix
 
 TOKEN = "0ps-Token"
@@ -174,3 +174,57 @@ class TestClientWithAuth:
 
     def get(self, path: str) -> Any:
         return self.client.get(path, headers=AUTH)
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+def test_an_operation_the_store_refuses_answers_503_and_changes_nothing(
+        pg16_server: PgServer, driver: str, anyio_backend: str) -> None:
+    """The store's setup refuses the operation, not the request: a store user with only
+    SELECT rights (permission denied) and one whose transactions are read-only (as on a
+    standby). Both answer 503, naming the store's refusal; before, the first answered 400
+    and the second 500."""
+    import psycopg
+
+    table = unique_table()
+    admin_backend = PostgresBackend(pg16_server.dsn, table=table)
+    anyio.run(_seed_started, admin_backend)
+    suffix = uuid.uuid4().hex[:8]
+    reader, frozen = f"reader_{suffix}", f"frozen_{suffix}"
+    try:
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            for role in (reader, frozen):
+                conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+            for name in (table, f"{table}_attempts", f"{table}_jobs", f"{table}_meta"):
+                conn.execute(f"GRANT SELECT ON {name} TO {reader}")
+                conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {name} TO {frozen}")
+            conn.execute(f"ALTER ROLE {frozen} SET default_transaction_read_only = on")
+        for role, says in ((reader, "permission denied"), (frozen, "takes no writes")):
+            dsn = pg16_server.server.dsn_for(role, "pw")
+            if driver == "pg8000":
+                dsn = dsn.replace("postgresql://", "postgresql+pg8000://", 1)
+            backend = PostgresBackend(dsn, table=table)
+            with client_for((backend, anyio_backend)) as client:
+                before = statuses(client)
+                for path in ("/jobs/export/trigger", "/jobs/export/pause",
+                             "/jobs/export@1000/retry", "/jobs/export@3000/cancel"):
+                    response = client.post(path)
+                    assert response.status_code == 503, (role, path, response.text)
+                    error = response.json()["error"]
+                    assert error.startswith("cannot act on the store") and says in error, error
+                assert statuses(client) == before
+                assert client.portal is not None
+                assert client.portal.call(backend.paused) == {}
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            for role in (reader, frozen):
+                conn.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+async def _seed_started(backend: Backend) -> None:
+    await backend.start()
+    try:
+        await seed(backend)
+    finally:
+        await backend.close()

@@ -84,9 +84,16 @@ class Execution:
     lost: bool = False
     deadline: float = math.inf
     """The local lease deadline; the scope's, except while a fenced transaction is open."""
-    in_transaction: bool = False
+    transactions: int = 0
+    """The fenced transactions of the run open now (a handler's tasks may open several;
+    they wait for each other's lock on the run)."""
     cancelled: bool = False
     """An operator cancelled the run (its heartbeat said so): it runs out its grace."""
+
+    @property
+    def in_transaction(self) -> bool:
+        """True while a fenced transaction of the run is open."""
+        return self.transactions > 0
 
     def set_deadline(self, deadline: float) -> None:
         """Move the local lease deadline (after a claim or a renewal)."""
@@ -99,10 +106,10 @@ class Execution:
         ``deadline``, the local lease deadline of the renewal its commit made."""
         # An open fenced transaction locks the run: no backup can take it over, so the
         # local deadline waits until the transaction ends.
-        self.in_transaction = active
+        self.transactions += 1 if active else -1
         if deadline is not None:
             self.deadline = max(self.deadline, deadline)
-        self.scope.deadline = math.inf if active else self.deadline
+        self.scope.deadline = math.inf if self.in_transaction else self.deadline
 
 
 @dataclass(eq=False)
