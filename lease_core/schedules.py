@@ -173,6 +173,31 @@ def _check_expression(expression: object) -> str:
     return expression.strip()
 
 
+def _zone(tz: object) -> ZoneInfo:
+    """The time zone named ``tz``, an IANA name every instance reads alike; refused
+    (:class:`~lease_core.errors.ConfigurationError`) otherwise, saying what to write."""
+    if not isinstance(tz, str):
+        key = getattr(tz, "key", None)
+        hint = f"pass its name, tz={key!r}" if isinstance(key, str) else (
+            "pass an IANA name such as 'UTC' or 'Europe/Lisbon'")
+        raise ConfigurationError(
+            f"time zone {tz!r} is not a time zone name (a string); {hint}")
+    if tz.strip().lower() == "localtime":
+        # /usr/share/zoneinfo/localtime is a link to the machine's own /etc/localtime:
+        # instances (and the status page) on machines set to other zones would each
+        # find other fire times.
+        raise ConfigurationError(
+            f"time zone {tz!r} is each machine's own zone, so instances set to different "
+            "zones would disagree on the fire times; use an IANA name such as 'UTC' or "
+            "'Europe/Lisbon'")
+    try:
+        return ZoneInfo(tz)
+    except (ZoneInfoNotFoundError, ValueError, TypeError):
+        raise ConfigurationError(
+            f"time zone {tz!r} is unknown; use an IANA name such as 'UTC' or 'Europe/Lisbon'"
+        ) from None
+
+
 class CronSchedule(Schedule):
     """Slots at the fire times of a cron expression, evaluated in time zone ``tz``.
 
@@ -181,19 +206,15 @@ class CronSchedule(Schedule):
     first pass, when the expression's minute and hour fields are both fixed (neither
     starts with ``*``: ``30 1 * * *``, ``0 1-3 * * *``), as in Vixie cron and cronie; when
     either starts with ``*`` (``*/30 * * * *``, ``0 * * * *``, ``*/10 1 * * *``) the job
-    runs by the clock, in both passes. ``R`` (random) and ``H`` (hashed) values and the
-    ``@daily``-style aliases are refused with
-    :class:`~lease_core.errors.ConfigurationError`.
+    runs by the clock, in both passes. ``R`` (random) and ``H`` (hashed) values, the
+    ``@daily``-style aliases, an expression no date matches (``0 0 30 2 *``), and a ``tz``
+    that is no IANA name (a ``ZoneInfo`` object: pass its name) or is ``"localtime"`` (each
+    machine's own zone) are refused with :class:`~lease_core.errors.ConfigurationError`.
     """
 
     def __init__(self, expression: str, tz: str = "UTC") -> None:
         stripped = _check_expression(expression)
-        try:
-            self.tz = ZoneInfo(tz)
-        except (ZoneInfoNotFoundError, ValueError, TypeError):
-            raise ConfigurationError(
-                f"time zone {tz!r} is unknown; use an IANA name such as 'UTC' or 'Europe/Lisbon'"
-            ) from None
+        self.tz = _zone(tz)
         self.expression = stripped
         minute, hour = stripped.split()[:2]
         #: Fixed times of day run once across a repeated hour (see the class docstring).
@@ -202,8 +223,12 @@ class CronSchedule(Schedule):
             it = croniter(self.expression, datetime.now(self.tz))
             first = it.get_next(datetime)
             second = it.get_next(datetime)
-        except (CroniterBadCronError, CroniterBadDateError, CroniterError, ValueError,
-                KeyError) as exc:
+        except CroniterBadDateError:
+            raise ConfigurationError(
+                f"cron expression {expression!r} never fires: no date matches its day, "
+                "month and weekday fields (e.g. '0 0 30 2 *', February 30); check them"
+            ) from None
+        except (CroniterBadCronError, CroniterError, ValueError, KeyError) as exc:
             raise ConfigurationError(
                 f"cron expression {expression!r} is invalid ({exc}); "
                 "use five fields 'minute hour day month weekday', e.g. '0 3 * * *'"

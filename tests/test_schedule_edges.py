@@ -159,6 +159,33 @@ def test_a_fixed_time_in_the_repeated_hour_runs_once_and_a_clock_job_twice() -> 
         [first, first + 1_800_000, first + 3_600_000]  # 01:30 EDT, 01:00 EST, 01:30 EST
 
 
+# ----------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(("tz", "hint"), [
+    (ZoneInfo("Europe/Lisbon"), "tz='Europe/Lisbon'"), (UTC, "IANA name"), (None, "IANA name"),
+])
+def test_a_time_zone_object_is_refused_saying_to_pass_its_name(tz: object, hint: str) -> None:
+    with pytest.raises(ConfigurationError, match="not a time zone name") as info:
+        CronSchedule("0 2 * * *", tz=tz)  # type: ignore[arg-type]
+    assert repr(tz) in str(info.value) and hint in str(info.value)
+    assert "unknown" not in str(info.value)
+
+
+def test_the_machine_s_own_zone_is_refused() -> None:
+    # 'localtime' links to each machine's /etc/localtime: instances would disagree.
+    with pytest.raises(ConfigurationError, match="each machine's own zone") as info:
+        CronSchedule("0 2 * * *", tz="localtime")
+    assert "'localtime'" in str(info.value) and "'Europe/Lisbon'" in str(info.value)
+
+
+@pytest.mark.parametrize("expression", ["0 0 30 2 *", "0 0 31 4,6 *", "0 12 30,31 2 *"])
+def test_an_expression_that_never_fires_is_refused_as_such(expression: str) -> None:
+    with pytest.raises(ConfigurationError, match="never fires") as info:
+        CronSchedule(expression)
+    assert repr(expression) in str(info.value) and "five fields" not in str(info.value)
+
+
 # ----------------------------------------------------------------- intervals
 
 
