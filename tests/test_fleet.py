@@ -320,6 +320,33 @@ async def groups(store: Store) -> None:
     assert all(n == 1 for n in Counter((j, s) for j, s, _ in ran).values()), ran
 
 
+async def test_a_job_whose_schedule_a_new_release_changed_is_claimed_at_its_slots(
+        store: Store) -> None:
+    """During a rolling deploy that moves a job's slots (an offset added), the instances
+    of the two releases rank apart: the old one, ranked first for the job among both,
+    does not hold up the new schedule's slots by a check interval (500 ms) each."""
+    job = "report"
+    old_id = next(f"old-{n}" for n in range(100)
+                  if rendezvous_rank(job, f"old-{n}", (f"old-{n}", "new")) == 0)
+    old = Scheduler(store.backend(), instance_id=old_id, lease="3s", heartbeat="0.5s")
+    new = Scheduler(store.backend(), instance_id="new", lease="3s", heartbeat="0.5s")
+    old.every(job, "2s", lambda ctx: None)               # at even seconds
+    new.every(job, "2s", lambda ctx: None, offset="1s")  # the new release: odd seconds
+    async with anyio.create_task_group() as tg:
+        fleet = [await Instance(s).start(tg) for s in (old, new)]
+        await renew_membership(old)  # each now knows the other, whatever its group
+        await renew_membership(new)
+        since = (new.store_now_ms() // 1000 + 1) * 1000
+        history = await wait_history(
+            new, lambda h: len({x.slot for x in h if x.slot >= since and x.slot % 2000}) >= 3,
+            job=job, timeout=15)
+        await stop_all(fleet)
+    moved = [x for x in history if x.slot >= since and x.slot % 2000]
+    assert {x.instance_id for x in moved} == {"new"}
+    late_ms = [x.claimed_at.timestamp() * 1000 - x.slot for x in moved]
+    assert all(late < 250 for late in late_ms), late_ms
+
+
 async def test_a_member_whose_turn_comes_after_trimming_never_runs_the_slot_again(
         store: Store) -> None:
     await trimmed_turns(store)
@@ -382,7 +409,7 @@ async def test_members_ranked_behind_many_frozen_ones_claim_by_the_last_turn(
     async with anyio.create_task_group() as tg:
         live = await Instance(s).start(tg)
         for name in frozen:  # members that renewed once, then froze
-            await s.backend.members(member_name(name, group_of([job])), 60_000)
+            await s.backend.members(member_name(name, group_of(s.jobs)), 60_000)
         assert await renew_membership(s) == tuple(sorted(names))
         since = (s.store_now_ms() // 1000 + 1) * 1000
         history = await wait_history(
@@ -709,9 +736,9 @@ async def test_one_failed_check_at_a_backups_turn_does_not_drop_its_slot() -> No
             return await super().check(keys)
 
     backend = FailOnce()
-    await backend.members(member_name("a", group_of([job])), 60_000)  # renewed, then froze
     s = Scheduler(backend, instance_id="b", lease="6s", heartbeat="1s")
     s.every(job, "500ms", lambda ctx: None)
+    await backend.members(member_name("a", group_of(s.jobs)), 60_000)  # renewed, then froze
     async with anyio.create_task_group() as tg:
         inst = await Instance(s).start(tg)
         assert await renew_membership(s) == ("a", "b")

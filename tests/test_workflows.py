@@ -473,7 +473,7 @@ async def test_a_backup_covers_the_step_after_one_completed_while_its_turn_was_c
     alive = anyio.Event()
 
     async def agent_membership() -> None:
-        name = member_name(agent_id, group_of(list(b.jobs)))
+        name = member_name(agent_id, group_of(b.jobs))
         while not alive.is_set():
             await agent.members(name, 3000)
             await anyio.sleep(0.2)

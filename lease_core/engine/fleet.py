@@ -17,8 +17,9 @@ first slot after the stop is claimed a check interval late. Members that disagre
 the membership cost an extra claim or an interval's delay, never a second winner (the
 store decides the claim).
 
-Instances that declare different jobs form *groups*: each registers as
-``<instance id>#<digest of its job names>`` and ranks only the members of its own group.
+Instances that declare different jobs (or the same jobs on different schedules) form
+*groups*: each registers as ``<instance id>#<digest of its job names and schedules>`` and
+ranks only the members of its own group.
 A member that does not declare a job is never ranked ahead of one that does (which would
 make every slot of that job wait for the next in rank), at the cost of one claim per group
 for a job that several groups declare (during a rolling deploy that adds a job, for
@@ -28,13 +29,15 @@ instance). The ranks use the instance ids, so every member of a group agrees on 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from .._durations import to_ms
 
 if TYPE_CHECKING:
+    from .jobs import Job
     from .session import Session
 
 __all__ = ["Fleet", "group_of", "member_name", "rendezvous_rank"]
@@ -52,10 +55,16 @@ def rendezvous_rank(job: str, member: str, members: tuple[str, ...]) -> int:
     return sum(1 for other in members if other != member and (_score(job, other), other) > mine)
 
 
-def group_of(jobs: Iterable[str]) -> str:
-    """The group of an instance declaring ``jobs``: a digest of their sorted names."""
-    names = "\x00".join(sorted(jobs)).encode()
-    return hashlib.blake2b(names, digest_size=_GROUP_CHARS // 2).hexdigest()
+def group_of(jobs: Mapping[str, Job]) -> str:
+    """The group of an instance declaring ``jobs``: a digest of their sorted names and
+    their schedules. An instance of a release that changed a job's schedule is in
+    another group than the older release's: ranked first for that job, the older one
+    would not claim the new schedule's slots (nor the newer the old ones'), which would
+    then wait a check interval for each member ranked before one that has them."""
+    declared = "\x00".join(
+        f"{name}\x01{json.dumps(jobs[name].schedule.spec(), sort_keys=True)}"
+        for name in sorted(jobs)).encode()
+    return hashlib.blake2b(declared, digest_size=_GROUP_CHARS // 2).hexdigest()
 
 
 def member_name(instance_id: str, group: str) -> str:
