@@ -102,6 +102,8 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
     if token is not None and not token.strip():
         raise ConfigurationError("the status API token is empty: give a non-empty token, or "
                                  "None to serve without one (only on 127.0.0.1)")
+    if token is not None:
+        _check_token(token.strip())
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -259,6 +261,18 @@ class _Page:
     def response(self, status: int, headers: dict[str, str] | None = None) -> Response:
         """The page with this HTTP status."""
         return HTMLResponse(self.body, status, {**self.headers, **(headers or {})})
+
+
+def _check_token(token: str) -> None:
+    """Refuse a token a browser cannot send: the page's ``fetch`` throws on a header value
+    outside ISO-8859-1, and a blank or control character splits or ends the header.
+    The message says where, never the token (a secret)."""
+    for at, char in enumerate(token):
+        if not 33 <= ord(char) <= 126:
+            raise ConfigurationError(
+                f"the status API token has a character a browser cannot send in a header "
+                f"(U+{ord(char):04X} at position {at + 1}): use printable ASCII without "
+                "blanks, e.g. python -c 'import secrets; print(secrets.token_urlsafe())'")
 
 
 def _sha256(text: str) -> str:

@@ -349,8 +349,10 @@ def schedule_from_spec(spec: object) -> Schedule:
     Raises :class:`~lease_core.errors.ConfigurationError` for anything else.
     """
     if isinstance(spec, dict):
-        if isinstance(spec.get("every_ms"), int):
-            return IntervalSchedule(spec["every_ms"] / 1000, spec.get("offset_ms", 0) / 1000)
+        offset = spec.get("offset_ms", 0)
+        if (isinstance(spec.get("every_ms"), int) and isinstance(offset, int)
+                and not isinstance(offset, bool)):
+            return IntervalSchedule(spec["every_ms"] / 1000, offset / 1000)
         if isinstance(spec.get("cron"), str):
             return CronSchedule(spec["cron"], str(spec.get("tz", "UTC")))
     raise ConfigurationError(f"{spec!r} is not a schedule's spec (see Schedule.spec)")

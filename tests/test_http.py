@@ -351,6 +351,18 @@ def test_empty_token_is_refused() -> None:
         create_app(MemoryBackend(), token=" ")
 
 
+@pytest.mark.parametrize(("token", "says"), [
+    ("t\u00f6k\u00e9n", "U+00F6 at position 2"),  # a browser's fetch throws on it
+    ("two words", "U+0020 at position 4"),
+    ("tab\tin", "U+0009 at position 4"),
+])
+def test_a_token_a_browser_cannot_send_is_refused_without_showing_it(
+        token: str, says: str) -> None:
+    with pytest.raises(ConfigurationError, match="cannot send in a header") as caught:
+        create_app(MemoryBackend(), token=token)
+    assert says in str(caught.value) and token not in str(caught.value)
+
+
 class _CountingBackend(MemoryBackend):
     """A memory store with the counted start and close of other backends, counting how
     often its resources are opened and closed."""
@@ -391,6 +403,7 @@ def test_the_app_starts_an_unstarted_backend_and_closes_only_that() -> None:
     (["--host", "0.0.0.0"], "'0.0.0.0' is not a loopback address"),
     (["--host", "192.0.2.1", "--port", "8123"], "give a bearer token"),
     (["--token", ""], "token is empty"),
+    (["--token", "s\u00e9cret"], "cannot send in a header"),
     (["--port", "70000"], "not a port number"),
 ])
 def test_serve_refuses_bad_options(argv: list[str], says: str,

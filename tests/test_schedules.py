@@ -86,7 +86,12 @@ def test_descriptions_are_short() -> None:
     assert CronSchedule("0 2 * * *").describe() == "cron 0 2 * * *"
 
 
-@pytest.mark.parametrize("spec", [None, {}, {"every_ms": "1m"}, {"cron": 5}, "every 1m"])
+@pytest.mark.parametrize("spec", [None, {}, {"every_ms": "1m"}, {"cron": 5}, "every 1m",
+                                  # a corrupted record: was a TypeError, which failed the
+                                  # status overview of every job
+                                  {"every_ms": 60_000, "offset_ms": "x"},
+                                  {"every_ms": 60_000, "offset_ms": None},
+                                  {"every_ms": 60_000, "offset_ms": True}])
 def test_a_bad_spec_is_refused_naming_it(spec: object) -> None:
     with pytest.raises(ConfigurationError, match="spec"):
         schedule_from_spec(spec)
