@@ -11,7 +11,6 @@ import heapq
 import itertools
 import logging
 import math
-import time
 from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -20,6 +19,7 @@ import anyio
 import anyio.lowlevel
 import sniffio
 
+from ._lease_clock import RESUME_CHECK, lease_clock
 from .errors import LeaseLost
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class _Keeper:
 
     @classmethod
     def schedule(cls, lease: Lease, hold: _Hold, at: float) -> None:
-        """Renew ``hold`` of ``lease`` at monotonic time ``at`` (on the current loop)."""
+        """Renew ``hold`` of ``lease`` at ``at`` (:func:`lease_clock`; on the current loop)."""
         loop = anyio.lowlevel.current_token()
         keeper = cls.loops.get(loop)
         if keeper is None:
@@ -153,7 +153,7 @@ class _Keeper:
             async with anyio.create_task_group() as tg:
                 timed_out = False
                 while True:
-                    now = time.monotonic()
+                    now = lease_clock()
                     # After a timed wake-up, released holds ahead of the first live one
                     # are dropped too, not each when its renewal would have been due: so
                     # leases taken and released at a high rate wake the keeper about
@@ -169,7 +169,11 @@ class _Keeper:
                             tg.start_soon(self._renew, lease, hold)
                     self.next = self.due[0][0] if self.due else math.inf
                     self.wake = anyio.Event()
-                    with anyio.move_on_after(self.next - now) as sleep:
+                    # (a hold queued: at most RESUME_CHECK, so that one lost while the
+                    # machine was suspended is found soon after it resumes)
+                    nap = self.next - now if not self.due else min(self.next - now,
+                                                                   RESUME_CHECK)
+                    with anyio.move_on_after(nap) as sleep:
                         await self.wake.wait()
                     timed_out = sleep.cancelled_caught
         except Exception:  # pragma: no cover - the renewals catch their own errors

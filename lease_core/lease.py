@@ -4,7 +4,8 @@ A lease is a hold on a name (``"leader"``, ``"nightly-export"``) by one process 
 time, through any backend: the engine's lease, offered on its own. Its expiry is on the
 store's clock (the backend's named-lease calls, :mod:`lease_core._named_leases`); this
 process only measures how long ago the store last confirmed it, with
-:func:`time.monotonic`, so a process clock that is far off changes nothing.
+:func:`~lease_core._lease_clock.lease_clock` (monotonic, and counting a suspend), so a
+process clock that is far off changes nothing.
 
 While held, a background task renews the lease every ``ttl / 3``. When a renewal is
 refused (another holder has it), or no renewal has succeeded for a whole ``ttl`` (the
@@ -21,7 +22,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from concurrent.futures import Future, wait
 from functools import partial
@@ -33,6 +33,7 @@ import anyio.lowlevel
 
 from ._backend_check import check_backend
 from ._durations import Duration, parse_duration, to_ms
+from ._lease_clock import lease_clock
 from ._lease_keeper import _Hold, _Keeper
 from ._lease_loop import _Loop
 from ._named_leases import LeaseAnswer, check_lease
@@ -162,7 +163,7 @@ class Lease:
         hold = self._last
         if hold is None or hold.over:
             return False
-        if time.monotonic() >= hold.alive_until:
+        if lease_clock() >= hold.alive_until:
             if mark:
                 self._mark_lost(hold, "no renewal succeeded within the ttl (the process "
                                 "stalled?)")
@@ -199,12 +200,12 @@ class Lease:
     async def _acquire(self, wait: float | None) -> bool:
         if self._opened:  # a hold lost earlier: let go of its start of the backend
             await self._release()
-        give_up = None if wait is None else time.monotonic() + wait
+        give_up = None if wait is None else lease_clock() + wait
         await self.backend.start()
         self._opened = True
         try:
             while True:
-                sent = time.monotonic()
+                sent = lease_clock()
                 answer = await self._try_acquire()
                 if self._abort:  # released meanwhile (by another task): give up
                     if answer.held:
@@ -217,7 +218,7 @@ class Lease:
                     hold = self._last = _Hold(answer.token, sent + self._alive_s)
                     _Keeper.schedule(self, hold, sent + self.ttl / 3)
                     return True
-                now = time.monotonic()
+                now = lease_clock()
                 if give_up is not None and now >= give_up:
                     await self._close_backend()
                     return False
@@ -355,9 +356,9 @@ class Lease:
         Returns None when renewed, else why the lease is lost.
         """
         failure: BaseException | None = None
-        with anyio.move_on_after(max(0.0, hold.alive_until - time.monotonic())):
+        with anyio.move_on_after(max(0.0, hold.alive_until - lease_clock())):
             while True:
-                sent = time.monotonic()
+                sent = lease_clock()
                 try:
                     expires = await self.backend.renew_lease(self.name, hold.token,
                                                              self._ttl_ms)
@@ -579,7 +580,7 @@ class SyncLease:
         if self._forked():
             return
         hold = self._lease._last
-        if hold is not None and not hold.over and time.monotonic() >= hold.alive_until:
+        if hold is not None and not hold.over and lease_clock() >= hold.alive_until:
             _Loop.get().call(partial(self._lease._live, mark=True))
         lost = self._lease.lost_error
         if lost is None and self._released_in_body:

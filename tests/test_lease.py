@@ -516,6 +516,37 @@ async def test_a_body_that_stalled_past_the_ttl_ends_with_lease_lost() -> None:
     assert lease.lost.is_set() and backend_users(backend) == 0
 
 
+async def test_a_lease_is_lost_soon_after_the_machine_resumes_from_a_suspend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine was suspended for longer than the ttl (a laptop's lid closed, a VM
+    paused): the store's clock ran on and gave the name away, but the process's
+    ``time.monotonic()`` and its event loop's timers did not count the suspend. The
+    lease counts it (``CLOCK_BOOTTIME``): it is not ``held`` at once, and its body is
+    cancelled within seconds, not when its next renewal (20 s away) falls due. The
+    suspend is stood in for by shifting ``time.clock_gettime`` and the store's clock."""
+    if not hasattr(time, "CLOCK_BOOTTIME"):
+        pytest.skip("CLOCK_BOOTTIME is Linux's")
+    slept = 0.0
+    clock_gettime = time.clock_gettime
+    monkeypatch.setattr(time, "clock_gettime", lambda clock: clock_gettime(clock) + slept)
+    backend = MemoryBackend(clock=lambda: time.time() + slept)
+    lease = Lease(backend, "suspended", ttl="60s")
+    with pytest.raises(LeaseLost, match="within the ttl"):
+        async with lease:
+            slept = 120.0  # resumed: two ttls passed on the store's clock
+            other = Lease(backend, "suspended", ttl="60s")
+            assert await other.acquire(timeout=0) is True  # the store gave it away
+            assert not lease.held
+            await other.release()
+    lease = Lease(backend, "suspended-keeper", ttl="60s")
+    with pytest.raises(LeaseLost, match="was lost"):
+        async with lease:
+            slept = 240.0
+            with anyio.fail_after(10):  # the body is cancelled by the renewal task
+                await anyio.sleep_forever()
+    assert backend_users(backend) == 0
+
+
 def test_a_sync_body_that_outlasted_the_ttl_ends_with_lease_lost() -> None:
     """As above for SyncLease, whose renewal runs on a loop of its own: here that loop is
     blocked for 1.5 s (another SyncLease's store call that blocks it) while the body
