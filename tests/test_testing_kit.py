@@ -201,7 +201,72 @@ async def test_lease_checks_skip_a_backend_without_named_leases() -> None:
     with pytest.raises(ConfigurationError, match="NoLeases has no named leases"):
         await NoLeases().acquire_lease("n", "h", 1_000)
     checks = [check for name, check in vars(lease_checks).items() if name.startswith("test_")]
-    assert len(checks) == 6
+    assert len(checks) == 7
     for check in checks:
         with pytest.raises(pytest.skip.Exception, match="has no named leases"):
             await check(Shared())
+
+
+@pytest.mark.anyio
+async def test_lease_checks_fail_a_backend_whose_acquire_reads_then_writes() -> None:
+    """A named lease taken in two steps (read the name, then write it: a GET and a SET, a
+    SELECT and an UPDATE) is given to every holder that asked at once. Each check made
+    one call at a time, so such a backend passed them all; the race check fails it."""
+    import anyio.lowlevel
+
+    from backends.memory import MemoryBackend
+    from lease_core._named_leases import LeaseAnswer, check_lease
+    from lease_core.abc import Backend
+    from lease_core.testing import Store, lease_checks
+
+    class ReadThenWrite(MemoryBackend):
+        """Named leases kept in a dict of its own, each acquire a read, then a write."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.named: dict[str, tuple[int, int, str | None]] = {}
+
+        async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
+            check_lease(name, holder=holder, ttl_ms=ttl_ms)
+            now = await self.now_ms()
+            token, expires, current = self.named.get(name, (0, 0, None))
+            await anyio.lowlevel.checkpoint()  # the round trip between the read and write
+            if expires > now and current != holder:
+                return LeaseAnswer(False, token, expires, now, current)
+            token += 0 if expires > now else 1
+            self.named[name] = (token, now + ttl_ms, holder)
+            return LeaseAnswer(True, token, now + ttl_ms, now, holder)
+
+        async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
+            check_lease(name, ttl_ms=ttl_ms, token=token)
+            now = await self.now_ms()
+            held, expires, holder = self.named.get(name, (0, 0, None))
+            if held != token or expires <= now:
+                return None
+            self.named[name] = (token, now + ttl_ms, holder)
+            return now + ttl_ms
+
+        async def release_lease(self, name: str, token: int) -> bool:
+            check_lease(name, token=token)
+            held, expires, _ = self.named.get(name, (0, 0, None))
+            if held != token or expires <= await self.now_ms():
+                return False
+            self.named[name] = (token, 0, None)
+            return True
+
+    class Shared(Store):
+        def __init__(self, shared: Backend | None = None) -> None:
+            self.shared = ReadThenWrite() if shared is None else shared
+
+        def backend(self) -> Backend:
+            return self.shared
+
+    checks = {name: check for name, check in vars(lease_checks).items()
+              if name.startswith("test_")}
+    race = checks.pop("test_lease_acquires_at_once_give_the_name_to_one_holder")
+    for check in checks.values():  # one call at a time: the two steps do not show
+        await check(Shared())
+    with pytest.raises(AssertionError, match="5 holders of one name at once"):
+        await race(Shared())
+    await race(Shared(MemoryBackend()))  # the built-in memory backend takes a name in one step
+

@@ -7,6 +7,7 @@ default (no named leases: :class:`~lease_core.errors.ConfigurationError`) skips 
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from lease_core import ConfigurationError
@@ -85,6 +86,47 @@ async def test_lease_expiry_frees_the_name_and_fences_the_old_holder(store: Stor
     finally:
         await a.close()
         await b.close()
+
+
+async def _race(backends: list[Backend], name: str, ttl_ms: int,
+                round_: int) -> LeaseAnswer:
+    """Every backend asks for ``name`` at once, as a holder of its own; the one winner."""
+    answers: dict[str, LeaseAnswer] = {}
+
+    async def take(backend: Backend, holder: str) -> None:
+        answers[holder] = await backend.acquire_lease(name, holder, ttl_ms)
+
+    async with anyio.create_task_group() as tg:
+        for i, backend in enumerate(backends):
+            tg.start_soon(take, backend, f"h{round_}-{i}")
+    held = [answer for answer in answers.values() if answer.held]
+    assert len(held) == 1, f"round {round_}: {len(held)} holders of one name at once: {held}"
+    (winner,) = held
+    for holder, answer in answers.items():
+        if not answer.held:
+            assert (answer.token, answer.holder) == (winner.token, winner.holder), holder
+    return winner
+
+
+async def test_lease_acquires_at_once_give_the_name_to_one_holder(store: Store) -> None:
+    """Holders that ask for a free name at the same time (each on a backend of its own):
+    one takes it, the others are told its hold; so again once that hold has lapsed (a
+    takeover), with a larger token. An acquire that reads the name, then writes it in a
+    second step (a GET, then a SET), gives it to several at once: each found it free."""
+    backends = [await _started(store) for _ in range(5)]
+    try:
+        await _acquire_or_skip(backends[0], "C-probe", "p")
+        first = await _race(backends, "C", SHORT, 0)
+
+        async def lapsed() -> bool:
+            return await backends[0].now_ms() > first.expires_ms
+
+        await wait_for(lapsed, timeout=5, what="the lease to lapse")
+        second = await _race(backends, "C", LONG, 1)  # a takeover of the lapsed hold
+        assert second.token > first.token
+    finally:
+        for backend in backends:
+            await backend.close()
 
 
 async def test_lease_renewal_sets_an_absolute_expiry(store: Store) -> None:
