@@ -11,6 +11,7 @@ import heapq
 import itertools
 import logging
 import math
+import os
 from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -54,7 +55,8 @@ def _spawn(fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
 class _Hold:
     """One hold of a :class:`Lease`, from the acquire that won it to its release or loss."""
 
-    __slots__ = ("_lost", "alive_until", "error", "over", "released", "scope", "token")
+    __slots__ = ("_lost", "alive_until", "error", "over", "pid", "released", "scope",
+                 "token")
 
     def __init__(self, token: int, alive_until: float) -> None:
         self.token = token
@@ -64,6 +66,7 @@ class _Hold:
         self.over = False  # released or lost
         self.released = False  # its release sent (a lost hold's too: the token fences it)
         self.scope: anyio.CancelScope | None = None  # the renewal in flight
+        self.pid = os.getpid()  # the process holding it (not a forked child of it)
 
     @property
     def lost(self) -> anyio.Event:

@@ -17,12 +17,9 @@ and the ``async with`` raises :class:`~lease_core.errors.LeaseLost`.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
-import socket
 import threading
-import uuid
 from concurrent.futures import Future, wait
 from functools import partial
 from types import TracebackType
@@ -34,6 +31,7 @@ import anyio.lowlevel
 from ._backend_check import check_backend
 from ._durations import Duration, parse_duration, to_ms
 from ._lease_clock import lease_clock
+from ._lease_holders import forget_parent, gave_up, holder_id
 from ._lease_keeper import _Hold, _Keeper
 from ._lease_loop import _Loop
 from ._named_leases import LeaseAnswer, check_lease
@@ -43,25 +41,6 @@ from .errors import LeaseLost
 __all__ = ["Lease", "SyncLease"]
 
 logger = logging.getLogger("anarchon")
-
-
-_HOLDERS: tuple[int, str, itertools.count[int]] | None = None
-
-
-def _gave_up(name: str) -> LeaseLost:
-    return LeaseLost(f"lease {name!r} was released while this holder waited for it (by "
-                     "another task or thread); the body did not run")
-
-
-def _holder_id() -> str:
-    """A holder id unique to one Lease object: host, process, a random part made once per
-    process, and a counter (cheap: leases may be made per call)."""
-    global _HOLDERS
-    pid = os.getpid()
-    if _HOLDERS is None or _HOLDERS[0] != pid:  # once per process, and after a fork
-        _HOLDERS = (pid, f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:8]}",
-                    itertools.count(1))
-    return f"{_HOLDERS[1]}:{next(_HOLDERS[2])}"
 
 
 class Lease:
@@ -82,9 +61,10 @@ class Lease:
     ``ttl`` is a duration (``"30s"``, a ``timedelta``, seconds). ``poll`` is how often a
     blocking :meth:`acquire` tries again while another holder has the name (default: a
     tenth of the ttl, between 50 ms and 1 s). ``holder`` names this holder in the store
-    (default: host, process id and a random part, unique to this object); one given
-    must be unique to this object too: the store gives a live hold back to the holder
-    that has it, so two leases given one holder would share a hold.
+    (default: host, process id and a random part, unique to this object, made anew in a
+    forked child's copy); one given must be unique to this object and process too: the
+    store gives a live hold back to the holder that has it, so two leases given one
+    holder would share a hold.
 
     .. note:: The lease starts ``backend`` when it acquires and closes it when it
        releases; both are counted (see :class:`~lease_core.abc.Backend`), so a backend
@@ -97,8 +77,10 @@ class Lease:
         check_backend(backend)
         self.backend = backend
         """The backend the lease is held through."""
-        self.holder = _holder_id() if holder is None else holder
+        self.holder = holder_id() if holder is None else holder
         """This holder's id in the store (shown to other holders)."""
+        self._own_holder = holder is None  # made here: a forked copy makes a new one
+        self._pid = os.getpid()  # the process it was made or last acquired in
         self.ttl = parse_duration(ttl, what="ttl")
         """The lease's time to live, in seconds (renewed every third of it)."""
         self._ttl_ms = to_ms(self.ttl)
@@ -161,7 +143,7 @@ class Lease:
         """Whether the latest hold is live; past its ttl, it is marked lost if ``mark``
         (only on the lease's own event loop: the loss sets an event and cancels a scope)."""
         hold = self._last
-        if hold is None or hold.over:
+        if hold is None or hold.over or hold.pid != os.getpid():  # (a fork's: the parent's)
             return False
         if lease_clock() >= hold.alive_until:
             if mark:
@@ -182,6 +164,8 @@ class Lease:
         """
         wait = None if timeout is None else parse_duration(timeout, what="timeout",
                                                            allow_zero=True)
+        if self._pid != os.getpid():  # a forked copy of this lease: the parent's hold
+            forget_parent(self)
         if self.held:
             return True
         if self._acquiring:
@@ -395,7 +379,7 @@ class Lease:
                 f"Lease {self.name!r} is already entered by `async with` (in another task?); "
                 "one Lease is one holder: give each task a Lease of its own")
         if not await self.acquire():
-            raise _gave_up(self.name)
+            raise gave_up(self.name)
         self._body = anyio.CancelScope()
         self._body.__enter__()
         if self.lost.is_set():
@@ -564,7 +548,7 @@ class SyncLease:
             self._in_body, self._released_in_body = True, False
         try:
             if not self.acquire():
-                raise _gave_up(self._lease.name)
+                raise gave_up(self._lease.name)
         except BaseException:
             self._in_body = False
             raise

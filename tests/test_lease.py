@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -670,6 +671,60 @@ print("ok")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=60, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.stdout, done.stderr)
+
+
+async def test_leases_made_before_a_fork_are_not_shared_by_the_children(
+        store: Store, tmp_path: Path) -> None:
+    """A Lease or SyncLease made before a fork (at import, in an app server that forks
+    its workers from a preloaded parent) is copied into every child with its holder id.
+    The store gives a live hold back to its holder, so every child held the name at once,
+    with one token. Each child's copy takes an id of its own: one child holds it. And a
+    child forked while the parent holds a Lease does not see it as held."""
+    if not isinstance(store, RedisStore):
+        pytest.skip("needs a store the processes share: Redis stands for all")
+    script = tmp_path / "preload.py"
+    script.write_text("""
+import os, sys
+import anyio
+from backends.redis import RedisBackend
+from lease_core import Lease, SyncLease
+url, prefix = sys.argv[1], sys.argv[2]
+lease = Lease(RedisBackend(url, prefix=prefix), "preloaded", ttl="60s")
+sync = SyncLease(RedisBackend(url, prefix=prefix), "preloaded-sync", ttl="60s")
+taken = []
+for _ in range(3):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a worker: takes both, and exits holding what it got (no release)
+        got = anyio.run(lease.acquire, 0)
+        os.write(write, f"{int(got)}{int(sync.acquire(timeout=0))}".encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    taken.append(os.read(read, 2).decode())
+
+async def parent():
+    held = Lease(RedisBackend(url, prefix=prefix), "parent", ttl="60s")
+    assert await held.acquire(timeout=0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, b"1" if held.held else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    seen = os.read(read, 1).decode()
+    assert held.held
+    await held.release()
+    return seen
+
+print(" ".join(taken), anyio.run(lease.acquire, 0), anyio.run(parent))
+""")
+    done = await anyio.to_thread.run_sync(partial(
+        subprocess.run, [sys.executable, str(script), store.url, store.prefix],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent))
+    assert done.returncode == 0, done.stderr
+    # one worker took each name; the parent's copy is another holder again; the child
+    # forked while the parent held a lease did not see it as held
+    assert done.stdout.split() == ["11", "00", "00", "False", "0"], done.stdout
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
