@@ -208,10 +208,11 @@ async def test_lease_checks_skip_a_backend_without_named_leases() -> None:
 
 
 @pytest.mark.anyio
-async def test_lease_checks_fail_a_backend_whose_acquire_reads_then_writes() -> None:
+async def test_lease_checks_fail_a_racy_acquire_and_a_release_renewal_revives() -> None:
     """A named lease taken in two steps (read the name, then write it: a GET and a SET, a
     SELECT and an UPDATE) is given to every holder that asked at once. Each check made
-    one call at a time, so such a backend passed them all; the race check fails it."""
+    one call at a time, so such a backend passed them all; the race check fails it. And
+    a released hold that a renewal of its token revives fails the token check."""
     import anyio.lowlevel
 
     from backends.memory import MemoryBackend
@@ -260,6 +261,28 @@ async def test_lease_checks_fail_a_backend_whose_acquire_reads_then_writes() -> 
 
         def backend(self) -> Backend:
             return self.shared
+
+    class RevivedByRenewal(ReadThenWrite):
+        """A release that marks the name free (no holder) but keeps its expiry, which
+        the renewal alone reads: a renewal sent just before a release (as the Lease's
+        renewal task may) held the freed name again, for nobody, for a ttl."""
+
+        async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
+            token, expires, current = self.named.get(name, (0, 0, None))
+            if current is None and expires:  # released: free, as if it had lapsed
+                self.named[name] = (token, 0, None)
+            return await super().acquire_lease(name, holder, ttl_ms)
+
+        async def release_lease(self, name: str, token: int) -> bool:
+            _, expires, current = self.named.get(name, (0, 0, None))
+            if current is None or not await super().release_lease(name, token):
+                return False
+            self.named[name] = (token, expires, None)
+            return True
+
+    with pytest.raises(AssertionError, match=r"assert \d+ is None"):  # the revived expiry
+        await lease_checks.test_lease_is_exclusive_and_its_token_grows_with_each_holder(
+            Shared(RevivedByRenewal()))
 
     checks = {name: check for name, check in vars(lease_checks).items()
               if name.startswith("test_")}

@@ -54,6 +54,7 @@ async def test_lease_is_exclusive_and_its_token_grows_with_each_holder(store: St
         assert await b.release_lease("L", first.token + 1) is False  # not its token
         assert await a.release_lease("L", first.token) is True
         assert await a.release_lease("L", first.token) is False  # released already
+        assert await a.renew_lease("L", first.token, LONG) is None  # nor revived
         second = await b.acquire_lease("L", "h2", LONG)
         assert second.held and second.token > first.token
         assert await a.renew_lease("L", first.token, LONG) is None  # stale token
