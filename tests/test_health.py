@@ -19,6 +19,7 @@ from lease_core import (
     PostgresBackend,
     RedisBackend,
     RunContext,
+    RunStatus,
     Scheduler,
     SchedulerState,
     StoreBack,
@@ -28,6 +29,7 @@ from lease_core._structures import (
     CheckResult,
     ClaimRequest,
     ClaimResult,
+    ClaimStatus,
     HeartbeatResult,
     Lease,
 )
@@ -98,6 +100,10 @@ async def test_health_follows_the_store_and_counts_held_and_watched_runs() -> No
         await a.stop(grace=0)
         await b.stop(grace=0)
     assert a.health().state is SchedulerState.STOPPED and not a.health().store_reachable
+
+
+async def _quick(ctx: RunContext) -> None:
+    pass
 
 
 async def _forever(ctx: RunContext) -> None:
@@ -234,3 +240,46 @@ def _read_only_store(kind: str) -> Iterator[tuple[Backend, Callable[[bool], None
 async def test_a_real_store_that_refuses_writes_is_not_ready(kind: str) -> None:
     with _read_only_store(kind) as (backend, refusing):
         await _refused_writes_end_readiness(backend, refusing)
+
+
+class HeldElsewhere(ReadOnly):
+    """While ``refusing``: refuses writes, and answers every claim as a run another
+    instance holds, writing nothing, as Redis short of ``min-replicas-to-write`` answers
+    a claim that finds the run held or finished (or a heartbeat renewing no lease)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = 0
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        if not self.refusing:
+            return await super().claim_many(requests)
+        now = await self.now_ms()
+        self.answered += len(requests)
+        return [ClaimResult(ClaimStatus.RUNNING, r.job, r.slot, now, attempt=1,
+                            expires_ms=now + r.lease_ms, run_status=RunStatus.RUNNING,
+                            instance_id="elsewhere") for r in requests]
+
+
+async def test_a_claim_answered_without_a_write_does_not_end_a_write_outage() -> None:
+    backend = HeldElsewhere()
+    s = Scheduler(backend, instance_id="a", **FAST)
+    s.every("often", "0.3s", _quick, catch_up="none")
+    seen = _Events()
+    s.subscribe(seen)
+    await s.start()
+    try:
+        await wait_for(lambda: s.health().ready, what="ready")
+        backend.refusing = True
+        await wait_for(lambda: not s.health().store_reachable, timeout=10,
+                       what="not reachable while writes are refused")
+        answered = backend.answered
+        await wait_for(lambda: backend.answered >= answered + 3, timeout=10,
+                       what="claims answered during the outage")
+        # Answered claims that wrote nothing: the outage goes on, never reported over.
+        assert not s.health().store_reachable
+        assert (seen.count(StoreUnreachable), seen.count(StoreBack)) == (1, 0)
+        backend.refusing = False
+        await wait_for(lambda: seen.count(StoreBack) == 1, timeout=10, what="StoreBack")
+    finally:
+        await s.stop(grace=0)

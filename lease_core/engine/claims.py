@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Claimer"]
 
+#: The claim answers that record an attempt (and so wrote to the store).
+_WRITING = frozenset({ClaimStatus.WON, ClaimStatus.SKIPPED, ClaimStatus.ESCALATED})
+
 
 class Claimer:
     """Sends one scheduler's claims and settles their answers."""
@@ -111,7 +114,11 @@ class Claimer:
         received = clock()
         answered = next((a for a in answers or () if isinstance(a, ClaimResult)), None)
         if answered is not None:
-            s.clock.note(answered.now_ms, sent, received, wrote=True)
+            # Only a claim that recorded an attempt surely wrote: one that found the run
+            # held or finished may write nothing, and a store refusing writes (Redis short
+            # of min-replicas-to-write) answers it; it must not end a write outage.
+            s.clock.note(answered.now_ms, sent, received, wrote=any(
+                isinstance(a, ClaimResult) and a.status in _WRITING for a in answers or ()))
         results: list[ClaimResult | None] = []
         for i, (job, slot, reason) in enumerate(claims):
             answer = None if answers is None else answers[i]

@@ -106,8 +106,10 @@ class LeaseKeeper:
         sent_loop = anyio.current_time()
         result = await s.settings.backend.heartbeat(
             [run.lease for run in helds if run.lease is not None])
-        s.clock.note(result.now_ms, sent, clock(), wrote=True)
         renewed = result.held if result.renewed is None else result.renewed
+        # A heartbeat that renewed no lease (all lost, cancelled, or in their fenced
+        # transactions) wrote nothing: a store refusing writes answers it too.
+        s.clock.note(result.now_ms, sent, clock(), wrote=bool(renewed))
         for run in helds:
             execution, lease = run.execution, run.lease
             assert execution is not None and lease is not None

@@ -61,7 +61,8 @@ class OutcomeRecorder:
                         s.clock.failed(f"finish of {name} slot {format_slot(slot)}", answer,
                                        write=True)
                 else:
-                    s.clock.wrote()
+                    if answer:  # a finish the store refused (lease lost) wrote nothing
+                        s.clock.wrote()
                     finished = answer
                     if not finished and sent_before:
                         finished = await self.ended_by(run, outcome) or False
