@@ -47,7 +47,8 @@ def fence_of(epoch: int, number: int) -> int:
     A fence is one integer that only grows for a run, across failovers too: it is what to
     hand to a system outside the store that rejects "anything below the highest fence
     seen". ``epoch`` is 0 until the store detects a loss of acknowledged data (a failover
-    to a lagging replica, a restart without persistence); after that it is the store's
+    to a lagging replica, a restart without persistence; on Redis, a job new to the server
+    too, which it cannot tell from one whose keys were all lost); after that it is the store's
     clock, in milliseconds, when the loss was detected, so every attempt numbered after
     the loss fences above every attempt numbered before it, even when the lost writes
     make the store number an attempt again. With epoch 0 the fence is the attempt number.

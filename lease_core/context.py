@@ -157,8 +157,9 @@ class RunContext:
         """The number to hand to systems outside the store: it grows with every attempt of
         the run, across a failover that lost acknowledged writes too (see
         :func:`lease_core.fence_of`), so such a system can refuse any write carrying a
-        fence below the highest it has seen. Equal to :attr:`attempt` until the store has
-        detected a loss."""
+        fence below the highest it has seen. Equal to :attr:`attempt` on PostgreSQL and in
+        memory until the store has detected a loss; on Redis a job new to the server
+        starts an epoch, so its fences are far larger (store them in 64 bits)."""
         self.reason: Reason = reason
         """Why this attempt claimed the run."""
         self.instance_id: str = instance_id

@@ -92,8 +92,9 @@ client, else at start): ``WAIT`` names no key, so the Cluster client would send 
 node that made none of the writes.
 
 Fences (issue 21): every claim reply carries the job's epoch as ``ClaimResult.epoch``:
-the later of ``lost`` (below) and ``ep``, set when the job's first attempt won on a
-server whose replication id differs from the one the job hash recorded at its last win
+the later of ``lost`` (below) and ``ep``, set when the job is new to the server (its
+first registration or claim there gives it a marker: ``ep`` = now), and when an attempt
+won on a server whose replication id differs from the one the job hash recorded at its last win
 (``rid``; a promoted replica, a restarted server). An attempt numbered again after a
 failover so has a fence (:func:`lease_core.fence_of`) above every earlier one. On a
 promoted server (one with a ``master_replid2``) that win does not take effect: the job is
