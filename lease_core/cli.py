@@ -275,11 +275,14 @@ def _run(args: argparse.Namespace) -> int:
         ok = run_demo(args.backend, args.url, keep=args.keep, namespace=args.namespace)
         return 0 if ok else EXIT_FAILED
     if args.command == "migrate":
-        from backends.postgres import CODE_VERSION, migrate
+        from backends.postgres import CODE_VERSION
+        from backends.postgres.upgrade import migrate_to
 
-        table = anyio.run(lambda: migrate(args.url, table=args.table))
+        table, code = anyio.run(lambda: migrate_to(args.url, table=args.table))
+        newer = (f"; v{code} is a newer release's, used as it is (this release's is "
+                 f"v{CODE_VERSION})") if code > CODE_VERSION else ""
         print(f"anarchon migrate: the tables for {table!r} are ready "
-              f"(store code v{CODE_VERSION})")
+              f"(store code v{code}{newer})")
         return 0
     if args.url is None and args.command in ("history", "status", "prune", "serve",
                                              *OPERATIONS):

@@ -14,9 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,6 +27,7 @@ import pytest
 import sniffio
 
 from adapters.base import CANCEL_GRACE_S
+from backends.embedded.redis import EmbeddedRedis
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core import ConfigurationError, Lease, LeaseLost, MemoryBackend, SyncLease
@@ -36,7 +37,7 @@ from lease_core.testing import Store, backend_users, wait_for
 from tests.chaos.proxy import Proxy
 from tests.stores.memory import MemoryStore
 from tests.stores.postgres import PgServer, PostgresStore, drop_tables, unique_table
-from tests.stores.redis import RedisStore
+from tests.stores.redis import RedisStore, delete_prefix
 
 pytestmark = pytest.mark.anyio
 
@@ -673,15 +674,14 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.stdout, done.stderr)
 
 
-async def test_leases_made_before_a_fork_are_not_shared_by_the_children(
-        store: Store, tmp_path: Path) -> None:
+def test_leases_made_before_a_fork_are_not_shared_by_the_children(
+        redis62_server: EmbeddedRedis, tmp_path: Path) -> None:
     """A Lease or SyncLease made before a fork (at import, in an app server that forks
     its workers from a preloaded parent) is copied into every child with its holder id.
     The store gives a live hold back to its holder, so every child held the name at once,
     with one token. Each child's copy takes an id of its own: one child holds it. And a
     child forked while the parent holds a Lease does not see it as held."""
-    if not isinstance(store, RedisStore):
-        pytest.skip("needs a store the processes share: Redis stands for all")
+    # The processes share the store: Redis stands for all (a subprocess, on no loop here).
     script = tmp_path / "preload.py"
     script.write_text("""
 import os, sys
@@ -718,9 +718,13 @@ async def parent():
 
 print(" ".join(taken), anyio.run(lease.acquire, 0), anyio.run(parent))
 """)
-    done = await anyio.to_thread.run_sync(partial(
-        subprocess.run, [sys.executable, str(script), store.url, store.prefix],
-        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent))
+    prefix = f"fork_{uuid.uuid4().hex[:10]}"
+    try:
+        done = subprocess.run([sys.executable, str(script), redis62_server.url, prefix],
+                              capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parent.parent)
+    finally:
+        delete_prefix(redis62_server.url, prefix)
     assert done.returncode == 0, done.stderr
     # one worker took each name; the parent's copy is another holder again; the child
     # forked while the parent held a lease did not see it as held

@@ -38,6 +38,7 @@ from psycopg_pool import AsyncConnectionPool
 from backends import postgres
 from backends.postgres import CODE_VERSION, PostgresBackend, migrate, quote_ident, schema
 from backends.postgres.statements import BODY_MARKS, CLAIM_SUFFIX, OPERATE_SUFFIX
+from backends.postgres.upgrade import migrate_to
 from lease_core import Admin
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, Reason
 from lease_core.cli import main
@@ -845,7 +846,7 @@ async def test_two_spellings_of_one_table_create_it_under_one_lock(
 
 
 async def test_a_store_of_newer_store_code_is_used_as_it_is_and_never_rewritten(
-    pg16_server: PgServer, anyio_backend: str
+    pg16_server: PgServer, anyio_backend: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A newer release keeps this release's function names as calls of its own (as this
     one keeps v1 to v3's): a start or a migrate of this release on its store uses them as
@@ -866,6 +867,14 @@ async def test_a_store_of_newer_store_code_is_used_as_it_is_and_never_rewritten(
         sql(pg16_server.admin_dsn, definition.replace(mark, "a newer release's call"))
         body = functions(pg16_server, table)[claim]
         await migrate(pg16_server.dsn, table=table)
+        # migrate says the store code the store has, not this release's
+        assert await migrate_to(pg16_server.dsn, table=table) == (table, CODE_VERSION + 1)
+        capsys.readouterr()
+        assert await anyio.to_thread.run_sync(
+            main, ["migrate", "--url", pg16_server.dsn, "--table", table]) == 0
+        assert (f"(store code v{CODE_VERSION + 1}; v{CODE_VERSION + 1} is a newer "
+                f"release's, used as it is (this release's is v{CODE_VERSION}))"
+                ) in capsys.readouterr().out
         backend = PostgresBackend(pg16_server.dsn, table=table)
         await backend.start()
         await backend.close()

@@ -73,6 +73,9 @@ class StoreSchema:
         #: Whether an upgrade left attempts without ``claimed_at`` (:meth:`fill`), as the
         #: last :meth:`ensure` or :meth:`fill` found.
         self.fill_pending = False
+        #: The store code the store has after the last :meth:`ensure`: this release's, or
+        #: a newer release's (its store used as it is).
+        self.code = CODE_VERSION
 
     def _table_names(self) -> list[str]:
         return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
@@ -110,6 +113,7 @@ class StoreSchema:
         never made again here, which would put this release's logic back under the newer
         instances. A store that no longer has them raises :class:`StoreFormatError`.
         """
+        self.code = code
         if not named:
             raise StoreFormatError(
                 f"table {self.table!r} has store code v{code}, newer than v{CODE_VERSION} "
@@ -172,6 +176,7 @@ class StoreSchema:
         if len(tables) == 4:
             complete, code, self.fill_pending = await self._read_meta(adapter)
             if complete and function and code >= CODE_VERSION:
+                self.code = code
                 return
             if complete and code > CODE_VERSION:
                 self._use_newer(code, named)

@@ -7,7 +7,7 @@ from typing import Any
 
 from .backend import PostgresBackend
 
-__all__ = ["migrate"]
+__all__ = ["migrate", "migrate_to"]
 
 
 async def migrate(connection: Any = None, *, table: str | None = None) -> str:
@@ -30,10 +30,17 @@ async def migrate(connection: Any = None, *, table: str | None = None) -> str:
     by a long transaction is waited for at most ``MIGRATION_LOCK_TIMEOUT_MS`` per try.
     Safe to run again, and concurrently; a store of a newer format is refused.
     """
+    return (await migrate_to(connection, table=table))[0]
+
+
+async def migrate_to(connection: Any = None, *, table: str | None = None) -> tuple[str, int]:
+    """:func:`migrate`, returning the table's name and the store code the store has now:
+    this release's ``CODE_VERSION``, or a newer release's, whose store is used as it is
+    (``anarchon migrate`` says which)."""
     backend = PostgresBackend(connection, table=table)
     await backend.start()
     try:
         await backend._store.fill(backend._adapter)
     finally:
         await backend.close()
-    return backend.table
+    return backend.table, backend._store.code
