@@ -50,9 +50,13 @@ def trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Ru
         # Never an open run's attempt, nor that of a run cancelled with a grace still
         # running (Admin.cancel(grace=)): its holder's heartbeat must still find the run
         # cancelled, and the run goes once the grace has passed.
+        # Nor any attempt of an open run (running, handed over, waiting for a retry):
+        # its recovery log (the failure a retry follows) stays until the run ends.
         if a.finished_at is None:
             return False
         run = runs.get((job, a.slot))
+        if run is not None and not run.status.finished:
+            return False
         return (run is None or run.status is not RunStatus.CANCELLED or run.token is None
                 or run.attempt != a.attempt
                 or a.finished_at <= ms_to_datetime(now - run.grace_ms))

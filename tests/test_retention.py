@@ -173,6 +173,30 @@ async def test_trimming_keeps_running_runs_and_the_newest_attempts(store: Store)
         assert await writer.finish(lease, Outcome.COMPLETED)
 
 
+async def test_an_open_run_s_ended_attempts_are_kept_by_size_and_by_age(
+    store: Store,
+) -> None:
+    """A run waiting for a retry, or handed over, is open: the attempts it has ended (its
+    recovery log: the failure the retry follows) are kept, by size and by age, until the
+    run ends; then they are trimmed like any other."""
+    async with started(store.backend()) as b:
+        failed = req("open", SLOT)
+        assert (await b.claim(failed)).status is ClaimStatus.WON
+        assert await b.retry_later([(Lease("open", SLOT, failed.token, failed.lease_ms),
+                                     Outcome.FAILED, "boom", [0])]) == [True]
+        await finished_runs(b, "open", range(SLOT + 1, SLOT + 4))
+        assert await b.prune("open", keep=0, older_than_ms=0) == 3
+        assert [(a.slot, a.error) for a in await b.history("open")] == [(SLOT, "boom")]
+        again = req("open", SLOT)
+        won = await b.claim(again)
+        assert (won.status, won.attempt) == (ClaimStatus.WON, 2)
+        assert await b.finish(Lease("open", SLOT, again.token, again.lease_ms),
+                              Outcome.COMPLETED)
+        assert sorted(a.attempt for a in await b.history("open")) == [1, 2]
+        assert await b.prune("open", keep=0) == 2
+        assert await b.history("open") == []
+
+
 async def test_renewals_go_on_while_a_large_trimming_runs(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -370,10 +370,10 @@ async def test_trimming_history_mid_retries_allows_no_extra_retry(store: Store) 
                 ClaimRequest("trimmed", 1000, "i-1", f"t{attempt}", 30_000))
             assert (won.status, won.attempt) == ("won", attempt)
             if attempt == 3:
-                # the retention path trims all but the newest attempt (the open one): the
-                # two failures and the first retry leave no row
-                await backend.prune("trimmed", keep=1)
-                assert [h.attempt for h in await backend.history("trimmed")] == [3]
+                # the retention path keeps every attempt of an open run (its recovery
+                # log): trimming to the newest one deletes none of the two failures
+                assert await backend.prune("trimmed", keep=1) == 0
+                assert sorted(h.attempt for h in await backend.history("trimmed")) == [1, 2, 3]
             lease = Lease("trimmed", 1000, f"t{attempt}", 30_000)
             answers.append(await backend.retry_later([(lease, Outcome.FAILED, "boom", delays)]))
         assert answers == [[1], [2], [0]]  # the third failure ends the run: no third retry

@@ -381,7 +381,8 @@ SELECT job FROM {jobs} ORDER BY job
 -- (cancel(grace=), operate_v<N>.sql: the run keeps its holder's token, expires_ms the end
 -- of the grace), so the holder's heartbeat still finds the run cancelled, with its grace
 -- (read from that attempt); the run and its attempt go once the grace has passed (as
--- memory and Redis trim).
+-- memory and Redis trim), nor any attempt of an open run (running, handed over, waiting
+-- for a retry): the run's recovery log stays until it ends.
 -- A workflow run's steps are kept while it goes on (the jobs of its steps, when the job
 -- is a step of a workflow recorded in {meta}: see trim_jobs).
 -- by size: the attempts at or before the one just beyond the newest N, oldest first (as
@@ -402,8 +403,10 @@ by_size AS (
                     ORDER BY b.seq DESC OFFSET %(keep)s::bigint LIMIT 1)
       AND NOT EXISTS (
           SELECT 1 FROM {runs} r
-          WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
-            AND r.status = 'cancelled' AND r.token IS NOT NULL AND r.expires_ms > {now})
+          WHERE r.job = a.job AND r.slot = a.slot
+            AND (r.status IN ('running', 'handed_over', 'retrying')
+                 OR (r.attempt = a.attempt AND r.status = 'cancelled'
+                     AND r.token IS NOT NULL AND r.expires_ms > {now})))
       AND NOT EXISTS (
           SELECT 1 FROM steps w JOIN {runs} r ON r.job = w.step AND r.slot = a.slot
           WHERE r.status IN ('running', 'handed_over', 'retrying'))
@@ -417,8 +420,10 @@ by_age AS (
       AND a.finished_ms < {now} - %(older_than_ms)s::bigint
       AND NOT EXISTS (
           SELECT 1 FROM {runs} r
-          WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
-            AND r.status = 'cancelled' AND r.token IS NOT NULL AND r.expires_ms > {now})
+          WHERE r.job = a.job AND r.slot = a.slot
+            AND (r.status IN ('running', 'handed_over', 'retrying')
+                 OR (r.attempt = a.attempt AND r.status = 'cancelled'
+                     AND r.token IS NOT NULL AND r.expires_ms > {now})))
       AND NOT EXISTS (
           SELECT 1 FROM steps w JOIN {runs} r ON r.job = w.step AND r.slot = a.slot
           WHERE r.status IN ('running', 'handed_over', 'retrying')
@@ -485,9 +490,10 @@ by_size AS (
                         ORDER BY b.seq DESC OFFSET %(keep)s::bigint LIMIT 1)
           AND NOT EXISTS (
               SELECT 1 FROM {runs} r
-              WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
-                AND r.status = 'cancelled' AND r.token IS NOT NULL
-                AND r.expires_ms > {now})
+              WHERE r.job = a.job AND r.slot = a.slot
+                AND (r.status IN ('running', 'handed_over', 'retrying')
+                     OR (r.attempt = a.attempt AND r.status = 'cancelled'
+                         AND r.token IS NOT NULL AND r.expires_ms > {now})))
           AND NOT EXISTS (
               SELECT 1 FROM steps w JOIN {runs} r ON r.job = w.step AND r.slot = a.slot
               WHERE w.job = a.job AND r.status IN ('running', 'handed_over', 'retrying'))
@@ -500,9 +506,10 @@ by_age AS (
           AND a.finished_ms < {now} - %(older_than_ms)s::bigint
           AND NOT EXISTS (
               SELECT 1 FROM {runs} r
-              WHERE r.job = a.job AND r.slot = a.slot AND r.attempt = a.attempt
-                AND r.status = 'cancelled' AND r.token IS NOT NULL
-                AND r.expires_ms > {now})
+              WHERE r.job = a.job AND r.slot = a.slot
+                AND (r.status IN ('running', 'handed_over', 'retrying')
+                     OR (r.attempt = a.attempt AND r.status = 'cancelled'
+                         AND r.token IS NOT NULL AND r.expires_ms > {now})))
           AND NOT EXISTS (
               SELECT 1 FROM steps w JOIN {runs} r ON r.job = w.step AND r.slot = a.slot
               WHERE w.job = a.job

@@ -9,10 +9,17 @@
 -- the holder's heartbeat still finds the run cancelled; it goes once the grace has passed
 -- (as memory and PostgreSQL trim).
 -- in_grace(rk, a): whether the run rk is so, with a its current attempt (nil: any).
+-- kept(rk, a): whether the attempt a of the run rk is kept so, or the run is open
+-- (running, handed over, waiting for a retry: its attempts, the run's recovery log, stay
+-- until it ends, as memory and PostgreSQL trim).
 local function in_grace(rk, a)
   local st, tok, exp, current = unpack(redis.call('HMGET', rk, 'st', 'tok', 'exp', 'att'))
   return st == 'cancelled' and tok ~= false and tok ~= '' and (a == nil or current == a)
     and (tonumber(exp) or 0) > now
+end
+local function kept(rk, a)
+  local st = redis.call('HGET', rk, 'st')
+  return (st and not FINISHED[st]) or in_grace(rk, a)
 end
 -- The attempts to trim (finished, out of a grace): beyond the newest history_size (nil: no
 -- limit), oldest first, and those that finished history_ttl ms ago or more (nil: none), at
@@ -25,7 +32,7 @@ local function trim_select(hist, done, run_prefix, history_size, history_ttl, li
   local removed, skipped, beyond = {}, {}, {}
   local function trimmable(id)
     local s, a = string.match(id, '^(.*):(%d+)$')
-    return not s or not in_grace(run_prefix .. s, a)
+    return not s or not kept(run_prefix .. s, a)
   end
   local function held(id)
     return hold and redis.call('SISMEMBER', hold, string.match(id, '^(.*):') or id) == 1
@@ -91,7 +98,7 @@ local function trim_delete(job, hist, att, done, orphan, run_prefix, ids)
   local count = 0
   for _, id in ipairs(ids) do
     local s, a = string.match(id, '^(.*):(%d+)$')
-    if redis.call('ZSCORE', done, id) and (not s or not in_grace(run_prefix .. s, a))
+    if redis.call('ZSCORE', done, id) and (not s or not kept(run_prefix .. s, a))
         and redis.call('ZREM', hist, id) == 1 then
       count = count + 1
       redis.call('HDEL', att, id)
