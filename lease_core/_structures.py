@@ -199,8 +199,10 @@ class ClaimResult:
     instance_id: str | None = None
     """The instance holding the run."""
     epoch: int = 0
-    """The store epoch the attempt number was issued in (see :func:`fence_of`): 0 unless
-    the store detected a loss of acknowledged data that may have affected this job."""
+    """The store epoch the attempt number was issued in (see :func:`fence_of`): on
+    PostgreSQL and in memory 0 unless the store detected a loss of acknowledged data that
+    may have affected this job; on Redis never 0, since a job new to the server starts an
+    epoch (the server's clock in ms when it was first registered or claimed there)."""
 
 
 @dataclass(frozen=True, slots=True)
