@@ -36,9 +36,13 @@ from ._lease_keeper import _Hold, _Keeper
 from ._lease_loop import _Loop
 from ._named_leases import LeaseAnswer, check_lease
 from .abc import Backend
-from .errors import LeaseLost
+from .errors import ConfigurationError, LeaseLost
 
 __all__ = ["Lease", "SyncLease"]
+
+#: The shortest ttl a :class:`Lease` takes, in ms: below it a hold lapses before a
+#: renewal, sent every third of the ttl, can come back from the store.
+_MIN_TTL_MS = 100
 
 logger = logging.getLogger("anarchon")
 
@@ -58,13 +62,13 @@ class Lease:
     lease.acquire(timeout=0): ... finally: await lease.release()`` (renewed the same way,
     but nothing is cancelled: watch :attr:`lost`).
 
-    ``ttl`` is a duration (``"30s"``, a ``timedelta``, seconds). ``poll`` is how often a
-    blocking :meth:`acquire` tries again while another holder has the name (default: a
-    tenth of the ttl, between 50 ms and 1 s). ``holder`` names this holder in the store
-    (default: host, process id and a random part, unique to this object, made anew in a
-    forked child's copy); one given must be unique to this object and process too: the
-    store gives a live hold back to the holder that has it, so two leases given one
-    holder would share a hold.
+    ``ttl`` is a duration (``"30s"``, a ``timedelta``, seconds) of at least 100 ms.
+    ``poll`` is how often a blocking :meth:`acquire` tries again while another holder has
+    the name (default: a tenth of the ttl, between 50 ms and 1 s). ``holder`` names this
+    holder in the store (default: host, process id and a random part, unique to this
+    object, made anew in a forked child's copy); one given must be unique to this object
+    and process too: the store gives a live hold back to the holder that has it, so two
+    leases given one holder would share a hold.
 
     .. note:: The lease starts ``backend`` when it acquires and closes it when it
        releases; both are counted (see :class:`~lease_core.abc.Backend`), so a backend
@@ -85,6 +89,11 @@ class Lease:
         """The lease's time to live, in seconds (renewed every third of it)."""
         self._ttl_ms = to_ms(self.ttl)
         check_lease(name, holder=self.holder, ttl_ms=self._ttl_ms, ttl=ttl)
+        if self._ttl_ms < _MIN_TTL_MS:
+            raise ConfigurationError(
+                f"ttl={ttl!r} is shorter than {_MIN_TTL_MS} ms: the hold would lapse before "
+                "its first renewal could reach the store; give a ttl of seconds (the "
+                "lease is renewed every third of it)")
         # How long a hold surely lives in the store after the call that set it was sent:
         # the store's expiry is its now (in whole ms, rounded down) + the ttl in whole ms,
         # so 2 ms less, and 0.5 % less for a store clock that runs a little faster.

@@ -400,6 +400,13 @@ async def test_bad_input_is_refused_naming_the_value() -> None:
         Lease(backend, "x", ttl=1e17)
     with pytest.raises(ValueError, match=r"^ttl='400d' is longer than 365 days"):
         Lease(backend, "x", ttl="400d")  # named as given, not by its milliseconds
+    # a hold lapsing before its renewal could come back: held, then lost at once
+    for ttl in ["1ms", 0.099, "99ms"]:
+        with pytest.raises(ValueError, match=rf"^ttl={ttl!r} is shorter than 100 ms"):
+            Lease(backend, "x", ttl=ttl)
+        with pytest.raises(ValueError, match=rf"^ttl={ttl!r} is shorter than 100 ms"):
+            SyncLease(backend, "x", ttl=ttl)
+    assert Lease(backend, "x", ttl="100ms").ttl == 0.1
     assert backend_users(backend) == 0
 
 
