@@ -492,6 +492,43 @@ def test_the_policy_with_groups_zero_backoff_and_jitter_at_the_cap() -> None:
     assert Retry(backoff=0, max_backoff=0).delays_ms() == (0, 0, 0)
 
 
+async def test_an_asyncio_cancelled_error_on_trio_fails_the_run() -> None:
+    """On trio, asyncio's CancelledError cancels nothing (trio's cancellation is its own
+    exception): a handler raising it fails its attempt (and is retried) on either loop;
+    on trio it used to end the scheduler's task group, the scheduler with it."""
+    import asyncio
+
+    from lease_core import MemoryBackend, SchedulerState
+
+    tries: list[tuple[str, int]] = []
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    policy = Retry(retries=1, backoff="0.1s", jitter=0)
+
+    @s.every("raises", "1h", offset=quiet_offset_now(), retry=policy)
+    async def raises(ctx: RunContext) -> None:
+        tries.append((ctx.job, ctx.attempt))
+        raise asyncio.CancelledError("from a library of asyncio's")
+
+    @s.every("raises-sync", "1h", offset=quiet_offset_now(), retry=policy)
+    def raises_sync(ctx: RunContext) -> None:
+        tries.append((ctx.job, ctx.attempt))
+        raise asyncio.CancelledError
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        for job in ("raises", "raises-sync"):
+            await claim_now(s, job, slot_of(s, job))
+        for job in ("raises", "raises-sync"):
+            await wait_status(s, job, slot_of(s, job), RunStatus.FAILED)
+        assert s.state is SchedulerState.RUNNING
+        await i.stop()
+    assert sorted(tries) == [("raises", 1), ("raises", 2), ("raises-sync", 1),
+                             ("raises-sync", 2)]
+    for job in ("raises", "raises-sync"):
+        errors = [a.error or "" for a in await s.history(job)]
+        assert len(errors) == 2 and all("CancelledError" in e for e in errors), errors
+
+
 @pytest.mark.asyncio_only
 async def test_a_stray_cancelled_error_fails_the_run_and_the_scheduler_runs_on() -> None:
     """A handler that lets out the CancelledError of a task it awaited (cancelled by

@@ -79,11 +79,12 @@ class _Thread:
 def _stray(exc: asyncio.CancelledError) -> bool:
     """True when ``exc`` cancels nothing: the running asyncio task has no cancellation
     pending (anyio's cancel scopes cancel the task, so a cancellation of theirs, a
-    timeout, a stop or a lost lease, is pending until the scope exits)."""
+    timeout, a stop or a lost lease, is pending until the scope exits), or the loop is
+    not asyncio's (trio cancels with an exception of its own, never this one)."""
     try:
         task = asyncio.current_task()
-    except RuntimeError:  # not on asyncio (trio): its Cancelled is never a stray one
-        return False
+    except RuntimeError:  # not on asyncio (trio)
+        return True
     return task is not None and not task.cancelling()
 
 
