@@ -323,6 +323,19 @@ class SqlAdapter(ABC):
     def transaction(self) -> AbstractAsyncContextManager[Executor]:
         """Open a transaction: committed when the block ends, rolled back on an exception."""
 
+    def discarding_transaction(self) -> AbstractAsyncContextManager[Executor]:
+        """As :meth:`transaction`, but on an exception the connection is closed instead of
+        rolled back (the server then rolls back), so nothing of its session outlives the block.
+
+        For a block that may leave session state a rollback keeps (a session advisory lock,
+        a ``PREPARE``), which an aborted transaction cannot reset: closed while still in
+        the transaction, the connection's server session ends, and through PgBouncer in
+        transaction mode so does the server connection (one left in a transaction is not
+        reused). Adapters that own their pool override this; the others (a pool or
+        connection passed in, not theirs to close) roll back as :meth:`transaction`.
+        """
+        return self.transaction()
+
     async def run_transaction(self, fn: Callable[[Executor], Awaitable[T]]) -> T:
         """Run ``await fn(tx)`` inside one transaction and return its result."""
         async with self.transaction() as tx:

@@ -7,7 +7,9 @@ DB-API ``autocommit`` setting of a user's connection does not matter.
 
 A transaction's ``COMMIT`` runs shielded once its block has ended (the commit is reported
 as done; a cancellation pending then comes at the caller's next checkpoint), and its
-``ROLLBACK`` whenever the block raised or was cancelled. The pool lends no connection
+``ROLLBACK`` whenever the block raised or was cancelled (a fenced transaction's
+connection is closed instead, see :meth:`SqlAdapter.discarding_transaction
+<adapters.base.SqlAdapter.discarding_transaction>`). The pool lends no connection
 left in a transaction: one found so as it is given back is closed. A statement whose
 placeholders do not match its parameters raises
 :class:`~lease_core.errors.ConfigurationError` before a connection is taken.
@@ -218,8 +220,8 @@ def _where_of(conn: Any) -> str:
 
 
 @asynccontextmanager
-async def _transaction(conn: Any, where: str, threads: WorkerThreads
-                       ) -> AsyncIterator[Executor]:
+async def _transaction(conn: Any, where: str, threads: WorkerThreads, *,
+                       discard: bool = False) -> AsyncIterator[Executor]:
     tx = _Tx(conn, where, threads)
     # BEGIN travels whole (the simple protocol): outside a transaction, PgBouncer in
     # transaction mode may hand the extended protocol's parse and bind to different
@@ -229,8 +231,11 @@ async def _transaction(conn: Any, where: str, threads: WorkerThreads
         yield tx
     except BaseException:
         with anyio.CancelScope(shield=True):
-            with suppress(Exception):
-                await tx.control("ROLLBACK")
+            if discard:  # closed in the transaction, not rolled back: its session ends
+                await threads.run(_close_quietly, conn)
+            else:
+                with suppress(Exception):
+                    await tx.control("ROLLBACK")
         raise
     # Shielded: a cancellation pending as the block ends would otherwise send nothing and
     # leave the connection in the transaction. A commit is reported as done; the
@@ -514,14 +519,16 @@ class Pg8000PoolAdapter(SqlAdapter):
         raise mapped from exc
 
     @asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[Executor]:
+    async def _transaction(self, *, discard: bool = False) -> AsyncIterator[Executor]:
         async with self._slot():
             with anyio.CancelScope(shield=True):  # a connection opened is never dropped
                 conn = await self._acquire()
             try:
-                async with _transaction(conn, self._where, self._threads) as tx:
+                async with _transaction(conn, self._where, self._threads,
+                                        discard=discard) as tx:
                     yield tx
             except BaseException as exc:
+                # (A connection closed in its transaction is not idle: it is dropped.)
                 await self._release(conn, exc)
                 raise
             await self._release(conn, None)
@@ -529,6 +536,11 @@ class Pg8000PoolAdapter(SqlAdapter):
     def transaction(self) -> Any:
         """Open a transaction on a pooled connection."""
         return self._transaction()
+
+    def discarding_transaction(self) -> Any:
+        """Open a transaction on a pooled connection, closed on an exception (a new one
+        is opened on demand)."""
+        return self._transaction(discard=True)
 
 
 def _close_all(conns: list[Any]) -> None:

@@ -232,7 +232,7 @@ async def _give_back(pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnecti
 
 @asynccontextmanager
 async def _async_transaction(
-    conn: psycopg.AsyncConnection[Any], where: str
+    conn: psycopg.AsyncConnection[Any], where: str, *, discard: bool = False
 ) -> AsyncIterator[Executor]:
     with _mapped(where):
         tx = psycopg.AsyncTransaction(conn)
@@ -241,6 +241,10 @@ async def _async_transaction(
         try:
             yield _AsyncTx(conn, where)
         except BaseException as exc:
+            if discard:  # closed in the transaction, not rolled back: its session ends
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await conn.close()  # (the pool replaces it)
+                raise
             # The rollback runs even when the block was cancelled (a connection left in a
             # transaction would be closed by its pool).
             with contextlib.suppress(BackendUnavailable):
@@ -315,11 +319,11 @@ class PsycopgPoolAdapter(SqlAdapter):
                 await _give_back(pool, conn)
 
     @asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[Executor]:
+    async def _transaction(self, *, discard: bool = False) -> AsyncIterator[Executor]:
         with _mapped(self._where, self._secret):
             conn = await self.pool.getconn()
             try:
-                async with _async_transaction(conn, self._where) as tx:
+                async with _async_transaction(conn, self._where, discard=discard) as tx:
                     yield tx
             finally:
                 await _give_back(self.pool, conn)
@@ -327,6 +331,11 @@ class PsycopgPoolAdapter(SqlAdapter):
     def transaction(self) -> Any:
         """Open a transaction on a pooled connection."""
         return self._transaction()
+
+    def discarding_transaction(self) -> Any:
+        """Open a transaction on a pooled connection, closed on an exception (the pool
+        replaces it); on a pool passed in, rolled back as :meth:`transaction`."""
+        return self._transaction(discard=self.owned)
 
 
 class _RecentFirstPool(AsyncConnectionPool[Any]):

@@ -261,6 +261,55 @@ async def test_session_state_a_fenced_block_left_does_not_outlive_its_commit(
         await backend.close()
 
 
+@pytest.mark.parametrize("server", ["pg16_server", "pgbouncer_server"])
+@pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
+@pytest.mark.parametrize("failed", [False, True], ids=["raised", "aborted"])
+async def test_session_state_a_fenced_block_left_does_not_outlive_its_rollback(
+    pg16_server: PgServer, table: str, driver: str, server: str, failed: bool,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A session advisory lock and a ``PREPARE`` survive a ROLLBACK in PostgreSQL, and an
+    aborted transaction runs no reset: a block that raised (``raised``), or whose
+    statement failed (``aborted``), left both on the pooled connection, directly or,
+    through PgBouncer in transaction mode, on a server connection. On the backend's own
+    pool its connection is closed instead of rolled back, which ends that session."""
+    url = request.getfixturevalue(server).dsn
+    dsn = url if driver == "psycopg" else url.replace("postgresql://", "postgresql+pg8000://", 1)
+    key = int(table[-7:], 16)  # unique to the test: its table name ends in hex digits
+    name = f"leaked_{table}"
+    backend = PostgresBackend(dsn, table=table)
+    await backend.start()
+    try:
+        await backend.claim(ClaimRequest("rollback", 1, "a", "t1", 60_000))
+        ctx = RunContext(backend=backend, lease=Lease("rollback", 1, "t1", 60_000),
+                         attempt=1, reason=Reason.SCHEDULED, instance_id="a",
+                         logger=logging.getLogger("test"))
+        with pytest.raises(Exception, match=r"boom|division by zero"):
+            async with ctx.transaction() as tx:
+                await tx.execute("SELECT pg_advisory_lock(%s)", (key,))
+                await tx.execute(f"PREPARE {name} AS SELECT 1")
+                assert _admin(pg16_server, "SELECT count(*) FROM pg_locks WHERE "
+                              f"locktype = 'advisory' AND objid = {key}") == [(1,)]
+                if failed:
+                    await tx.execute("SELECT 1 / 0")
+                raise RuntimeError("boom")
+
+        def unlocked() -> bool:
+            return _admin(pg16_server, "SELECT count(*) FROM pg_locks WHERE "
+                          f"locktype = 'advisory' AND objid = {key}") == [(0,)]
+
+        await wait_for(unlocked, what="the session advisory lock's release", timeout=5)
+        for _ in range(3):  # whichever connection (and server connection) comes next
+            async with ctx.transaction(complete=False) as tx:
+                assert await tx.execute(
+                    "SELECT count(*) FROM pg_prepared_statements WHERE name = %s",
+                    (name,)) == [(0,)]
+        state = (await backend.check([("rollback", 1)])).runs[("rollback", 1)]
+        assert state.status is RunStatus.RUNNING  # the rolled-back block completed nothing
+    finally:
+        await backend.close()
+
+
 @pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
 async def test_a_fenced_statement_takes_named_parameters_from_a_mapping(
     pg16_server: PgServer, table: str, driver: str,

@@ -84,22 +84,36 @@ async def fenced_transaction(adapter: SqlAdapter, sql: Statements, lease: Lease,
             "connection, the instance's heartbeats wait for the transaction to end, so "
             "its other runs could be taken over; pass a DSN or a psycopg pool"
         )
-    async with adapter.transaction() as tx:
+    # On the backend's own pool, a block that raises (or whose statement failed) closes its
+    # connection instead of rolling back: a session advisory lock or a PREPARE outlives a
+    # ROLLBACK, and an aborted transaction can run no reset. Closed in the transaction, the
+    # server session ends, and through PgBouncer in transaction mode so does the server
+    # connection; a reset after the ROLLBACK could reach another server connection there.
+    opened = adapter.discarding_transaction() if adapter.owned else adapter.transaction()
+    async with opened as tx:
         held = await tx.all(sql.lock_held_run, (lease.job, lease.slot, lease.token))
-        if not held:
-            raise LeaseLost(
-                f"run {lease.job!r} slot {lease.slot} is no longer held by token "
-                f"{lease.token!r}; the fenced transaction did not start"
-            )
-        yield FencedTransaction(tx, lease, sql.set_checkpoint)
-        if adapter.owned:  # a pool passed in keeps its own reset (its settings are its own)
-            await tx.all(RESET_SESSION)
-        if not complete:
-            # The lease runs from the commit (the lock kept backups out meanwhile).
-            await tx.all(sql.extend_held_run, (lease.lease_ms, lease.job, lease.slot,
-                                               lease.token))
-            return
-        done = await tx.all(sql.finish, (
-            lease.job, lease.slot, lease.token, Outcome.COMPLETED.value, None))
-        if not (done and int(done[0][0])):  # pragma: no cover - the row is locked
-            raise LeaseLost(f"run {lease.job!r} slot {lease.slot} was lost mid-transaction")
+        if held:  # else ends the (empty) transaction without closing the connection
+            yield FencedTransaction(tx, lease, sql.set_checkpoint)
+            await _finish(tx, adapter, sql, lease, complete)
+    if not held:
+        raise LeaseLost(
+            f"run {lease.job!r} slot {lease.slot} is no longer held by token "
+            f"{lease.token!r}; the fenced transaction did not start"
+        )
+
+
+async def _finish(tx: Executor, adapter: SqlAdapter, sql: Statements, lease: Lease,
+                  complete: bool) -> None:
+    """End a fenced transaction whose block returned: reset the session, complete or
+    extend the run (the commit follows)."""
+    if adapter.owned:  # a pool passed in keeps its own reset (its settings are its own)
+        await tx.all(RESET_SESSION)
+    if not complete:
+        # The lease runs from the commit (the lock kept backups out meanwhile).
+        await tx.all(sql.extend_held_run, (lease.lease_ms, lease.job, lease.slot,
+                                           lease.token))
+        return
+    done = await tx.all(sql.finish, (
+        lease.job, lease.slot, lease.token, Outcome.COMPLETED.value, None))
+    if not (done and int(done[0][0])):  # pragma: no cover - the row is locked
+        raise LeaseLost(f"run {lease.job!r} slot {lease.slot} was lost mid-transaction")
