@@ -1,11 +1,11 @@
-"""Helpers for tests: waiting for a state with a deadline, instances run in tasks, and
-schedules that cannot fire while a test runs."""
+"""Helpers for tests: waiting for a state with a deadline, instances run in tasks,
+schedules that cannot fire while a test runs, and a memory store that can be unplugged."""
 
 from __future__ import annotations
 
 import textwrap
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -13,11 +13,26 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from lease_core import Attempt, Scheduler
+from lease_core import Attempt, BackendUnavailable, MemoryBackend, Scheduler
+from lease_core._structures import (
+    CheckResult,
+    ClaimRequest,
+    ClaimResult,
+    HeartbeatResult,
+    Lease,
+)
 from lease_core.abc import Backend
 from lease_core.testing import wait_for
 
 HOUR_MS = 3_600_000
+
+#: The calls a running scheduler makes to its store (a memory backend's ``claim`` is a
+#: ``claim_many`` of one). An unplugged store fails them all: it answers nothing, not the
+#: checks nor the clock either (a slot whose claim failed after the store answered is
+#: claimed whatever comes after it).
+STORE_CALLS = frozenset({"now_ms", "check", "claim_many", "heartbeat", "members"})
+#: The writes among them: a store that answers reads and refuses writes fails these.
+WRITE_CALLS = frozenset({"claim_many", "heartbeat", "members"})
 
 
 def install_toy_backend(site: Path, source: str, schemes: Mapping[str, str]) -> None:
@@ -197,3 +212,53 @@ def run_job_once(url: str, job: str, **options: str) -> None:
                 await done.wait()
 
     anyio.run(main_)
+
+
+class Unplugged(MemoryBackend):
+    """A memory backend whose calls named in ``fails`` raise while ``down`` is set, as a
+    store out of reach (or one that refuses some of them) does.
+
+    ``down`` is ``False`` while the store answers; ``True`` or ``BackendUnavailable``
+    makes the calls raise ``BackendUnavailable(message)``, any other exception class
+    makes them raise that (an unexpected error, as a driver's bug). ``fails`` names the
+    calls that raise: every call of :data:`STORE_CALLS` unless told otherwise,
+    :data:`WRITE_CALLS` for a store that answers reads and refuses writes, or only
+    ``claim_many`` (which ``claim`` goes through) for one whose claims do not get
+    through. The slots of the claims that raised are kept in ``failed_claims``, in order.
+    """
+
+    def __init__(self, fails: Collection[str] = STORE_CALLS,
+                 message: str = "store unreachable (test)") -> None:
+        super().__init__()
+        self.down: bool | type[Exception] = False
+        self.fails = frozenset(fails)
+        self.message = message
+        self.failed_claims: list[int] = []
+
+    def _fail(self, call: str, slots: Iterable[int] = ()) -> None:
+        if not self.down or call not in self.fails:
+            return
+        self.failed_claims += slots
+        if isinstance(self.down, bool) or self.down is BackendUnavailable:
+            raise BackendUnavailable(self.message)
+        raise self.down("driver bug (test)")
+
+    async def now_ms(self) -> int:
+        self._fail("now_ms")
+        return await super().now_ms()
+
+    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
+        self._fail("check")
+        return await super().check(runs)
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        self._fail("claim_many", [r.slot for r in requests])
+        return await super().claim_many(requests)
+
+    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
+        self._fail("heartbeat")
+        return await super().heartbeat(leases)
+
+    async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
+        self._fail("members")
+        return await super().members(instance_id, ttl_ms)

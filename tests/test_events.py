@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -32,9 +31,8 @@ from lease_core import (
     TakenOver,
     TimedOut,
 )
-from lease_core._structures import CheckResult, ClaimRequest, ClaimResult, HeartbeatResult, Lease
 from lease_core.testing import claim_now, open_event_streams, subscriber_count
-from tests.helpers import quiet_offset_now, wait_for, wait_history
+from tests.helpers import Unplugged, quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
 
 pytestmark = pytest.mark.anyio
@@ -127,42 +125,6 @@ async def test_failed_timed_out_and_skipped() -> None:
     [timed_out] = seen.of(TimedOut)
     assert timed_out.job == "slow" and timed_out.duration >= 0.3
     assert [(e.job, e.slot) for e in seen.of(Skipped)] == [("slow", skipped_slot)]
-
-
-class Unplugged(MemoryBackend):
-    """A memory backend whose calls fail while ``down`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.down = False
-
-    def _fail(self) -> None:
-        if self.down:
-            raise BackendUnavailable("store unreachable (test)")
-
-    async def now_ms(self) -> int:
-        self._fail()
-        return await super().now_ms()
-
-    async def claim(self, request: ClaimRequest) -> ClaimResult:
-        self._fail()
-        return await super().claim(request)
-
-    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
-        self._fail()
-        return await super().claim_many(requests)
-
-    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
-        self._fail()
-        return await super().check(runs)
-
-    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
-        self._fail()
-        return await super().heartbeat(leases)
-
-    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
-        self._fail()
-        return await super().members(instance_id, ttl_ms)
 
 
 async def test_store_unreachable_lost_store_back_and_escalated() -> None:

@@ -24,7 +24,6 @@ from lease_core import (
     SchedulerState,
 )
 from lease_core._structures import (
-    CheckResult,
     ClaimRequest,
     ClaimResult,
     ClaimStatus,
@@ -32,61 +31,23 @@ from lease_core._structures import (
     Lease,
 )
 from lease_core.testing import awaiting_hand_over, backend_users, claim_now
-from tests.helpers import Instance, quiet_offset, quiet_offset_now, wait_for, wait_history
+from tests.helpers import (
+    Instance,
+    Unplugged,
+    quiet_offset,
+    quiet_offset_now,
+    wait_for,
+    wait_history,
+)
 
 pytestmark = pytest.mark.anyio
-
-
-class FlakyBackend(MemoryBackend):
-    """A memory backend whose calls fail while ``down`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.down: type[Exception] | None = None
-        self.failed_claims: list[int] = []
-
-    def _fail(self) -> None:
-        if self.down is BackendUnavailable:
-            raise BackendUnavailable("store unreachable (test)")
-        if self.down is not None:
-            raise self.down("driver bug (test)")
-
-    async def claim(self, request: ClaimRequest) -> ClaimResult:
-        if self.down is not None:
-            self.failed_claims.append(request.slot)
-        self._fail()
-        return await super().claim(request)
-
-    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
-        if self.down is not None:
-            self.failed_claims += [r.slot for r in requests]
-        self._fail()
-        return await super().claim_many(requests)
-
-    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
-        self._fail()
-        return await super().heartbeat(leases)
-
-    # an unreachable store answers nothing: not the checks nor the clock either (a slot
-    # whose claim failed after the store answered is claimed whatever comes after it)
-    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
-        self._fail()
-        return await super().check(runs)
-
-    async def now_ms(self) -> int:
-        self._fail()
-        return await super().now_ms()
-
-    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
-        self._fail()
-        return await super().members(instance_id, ttl_ms)
 
 
 @pytest.mark.parametrize("error", [BackendUnavailable, RuntimeError])
 async def test_an_outage_longer_than_the_lease_cancels_and_recovers(
     error: type[Exception],
 ) -> None:
-    backend = FlakyBackend()
+    backend = Unplugged()
     s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
     cancelled = anyio.Event()
     runs: list[int] = []
@@ -111,7 +72,7 @@ async def test_an_outage_longer_than_the_lease_cancels_and_recovers(
         backend.down = error
         # Heartbeats fail: the handler is cancelled before its lease could expire.
         await wait_for(cancelled.is_set, timeout=3, what="local lease deadline")
-        backend.down = None
+        backend.down = False
         history = await wait_history(s, lambda h: h and h[0].outcome == "completed",
                                      job="work", timeout=10)
         await i.stop()
@@ -125,7 +86,7 @@ async def test_an_outage_longer_than_the_lease_cancels_and_recovers(
 async def test_slots_missed_during_an_outage_follow_the_catch_up_policy(
     catch_up: str, expected: int
 ) -> None:
-    backend = FlakyBackend()
+    backend = Unplugged()
     s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
     ran: list[int] = []
 
@@ -140,7 +101,7 @@ async def test_slots_missed_during_an_outage_follow_the_catch_up_policy(
         await wait_for(lambda: len(set(backend.failed_claims)) >= 3, timeout=10,
                        what="three slots missed")
         missed = sorted(set(backend.failed_claims))
-        backend.down = None
+        backend.down = False
         await wait_for(lambda: any(slot > missed[-1] for slot in ran), timeout=10,
                        what="a slot after the outage")
         await i.stop()
@@ -158,7 +119,7 @@ async def test_a_backup_member_follows_the_catch_up_policy_after_an_outage_too()
     claimed them all once the store answered, whatever ``catch_up`` said."""
     from lease_core.engine.fleet import rendezvous_rank
 
-    backend = FlakyBackend()
+    backend = Unplugged()
     job = next(f"j{n}" for n in range(1000)
                if rendezvous_rank(f"j{n}", "a", ("a", "b")) == 0)
     ran: list[tuple[int, str]] = []
@@ -177,7 +138,7 @@ async def test_a_backup_member_follows_the_catch_up_policy_after_an_outage_too()
         await wait_for(lambda: len(set(backend.failed_claims)) >= 3, timeout=10,
                        what="three slots missed")
         missed = sorted(set(backend.failed_claims))
-        backend.down = None
+        backend.down = False
         await wait_for(lambda: any(slot > missed[-1] + 1000 for slot, _ in ran), timeout=10,
                        what="slots after the outage")
         for instance in instances:
@@ -187,7 +148,7 @@ async def test_a_backup_member_follows_the_catch_up_policy_after_an_outage_too()
 
 
 async def test_scheduler_survives_unexpected_errors_without_cancelling_its_host() -> None:
-    backend = FlakyBackend()
+    backend = Unplugged()
     s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
     done: list[int] = []
 
@@ -199,7 +160,7 @@ async def test_scheduler_survives_unexpected_errors_without_cancelling_its_host(
         i = await Instance(s).start(tg)
         backend.down = ZeroDivisionError
         await wait_for(lambda: backend.failed_claims, timeout=5, what="a failed claim")
-        backend.down = None
+        backend.down = False
         await wait_for(lambda: done, timeout=5, what="a run after the errors")
         await i.stop()
     assert done
@@ -442,7 +403,7 @@ async def test_a_cancelled_stop_still_cleans_up() -> None:
 
 
 async def test_a_takeover_that_failed_during_an_outage_is_not_forgotten() -> None:
-    backend = FlakyBackend()
+    backend = Unplugged()
     now = await backend.now_ms()
     first = now - now % 1000
     # A dead instance holds slot `first`; its lease expires in half a second.
@@ -454,7 +415,7 @@ async def test_a_takeover_that_failed_during_an_outage_is_not_forgotten() -> Non
         backend.down = BackendUnavailable
         await wait_for(lambda: len(set(backend.failed_claims)) >= 2, timeout=10,
                        what="a failed takeover and a failed new slot")
-        backend.down = None
+        backend.down = False
 
         async def first_finished() -> bool:
             state = (await backend.check([("j", first)])).runs.get(("j", first))
@@ -464,32 +425,13 @@ async def test_a_takeover_that_failed_during_an_outage_is_not_forgotten() -> Non
         await i.stop()
 
 
-class ClaimsFail(FlakyBackend):
-    """Claims fail while ``claims_down`` is set; every other call answers (as when a
-    client's pool was exhausted: the store answered, a claim did not get through)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.claims_down = False
-
-    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
-        if self.claims_down:
-            self.failed_claims += [r.slot for r in requests]
-            raise BackendUnavailable("claims fail (test)")
-        return await super().claim_many(requests)
-
-    async def claim(self, request: ClaimRequest) -> ClaimResult:
-        if self.claims_down:
-            self.failed_claims.append(request.slot)
-            raise BackendUnavailable("claims fail (test)")
-        return await super().claim(request)
-
-
 async def test_slots_whose_claims_failed_while_the_store_answered_are_all_claimed() -> None:
     """The store answered (heartbeats, checks) while claims failed for several slots:
     none of them was missed while the store was unreachable, so each is claimed once
     claims get through again, not only the newest (sentinelfix)."""
-    backend = ClaimsFail()
+    # Claims fail while ``down`` is set; every other call answers (as when a client's
+    # pool was exhausted: the store answered, a claim did not get through).
+    backend = Unplugged(fails={"claim_many"}, message="claims fail (test)")
     s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
     ran: list[int] = []
 
@@ -500,11 +442,11 @@ async def test_slots_whose_claims_failed_while_the_store_answered_are_all_claime
     async with anyio.create_task_group() as tg:
         i = await Instance(s).start(tg)
         await wait_for(lambda: ran, timeout=10, what="a first run")
-        backend.claims_down = True
+        backend.down = True
         await wait_for(lambda: len(set(backend.failed_claims)) >= 3, timeout=10,
                        what="three slots' claims failed")
         failed = sorted(set(backend.failed_claims))
-        backend.claims_down = False
+        backend.down = False
         await wait_for(lambda: any(slot > failed[-1] for slot in ran), timeout=10,
                        what="a slot after the failures")
         history = await s.history("tick")

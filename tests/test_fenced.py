@@ -184,6 +184,22 @@ async def test_a_cancel_waiting_for_a_fenced_transaction_holds_no_claim_back(
     assert answers == ["conflict"]
 
 
+def _for_driver(dsn: str, driver: str) -> str:
+    """``dsn`` as a backend reads it to connect through ``driver`` (psycopg or pg8000)."""
+    return dsn if driver == "psycopg" else dsn.replace(
+        "postgresql://", "postgresql+pg8000://", 1)
+
+
+async def _claimed_run(backend: PostgresBackend, job: str, slot: int = 1) -> RunContext:
+    """Claim ``(job, slot)`` for instance ``a`` on ``backend`` (started), with a lease of
+    a minute and the token ``t<slot>``; return the context its handler would be given."""
+    token = f"t{slot}"
+    await backend.claim(ClaimRequest(job, slot, "a", token, 60_000))
+    return RunContext(backend=backend, lease=Lease(job, slot, token, 60_000), attempt=1,
+                      reason=Reason.SCHEDULED, instance_id="a",
+                      logger=logging.getLogger("test"))
+
+
 @pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
 async def test_a_write_of_the_run_inside_its_own_transaction_is_refused_not_hung(
     pg16_server: PgServer, table: str, driver: str,
@@ -194,15 +210,10 @@ async def test_a_write_of_the_run_inside_its_own_transaction_is_refused_not_hung
     Both are refused at once, the transaction goes on, and outside it they work."""
     from lease_core import ConfigurationError
 
-    dsn = pg16_server.dsn if driver == "psycopg" else pg16_server.dsn.replace(
-        "postgresql://", "postgresql+pg8000://", 1)
-    backend = PostgresBackend(dsn, table=table)
+    backend = PostgresBackend(_for_driver(pg16_server.dsn, driver), table=table)
     await backend.start()
     try:
-        await backend.claim(ClaimRequest("nested", 1, "a", "t1", 60_000))
-        ctx = RunContext(backend=backend, lease=Lease("nested", 1, "t1", 60_000), attempt=1,
-                         reason=Reason.SCHEDULED, instance_id="a",
-                         logger=logging.getLogger("test"))
+        ctx = await _claimed_run(backend, "nested")
         with anyio.fail_after(10):
             async with ctx.transaction(complete=False) as tx:
                 with pytest.raises(ConfigurationError, match="tx=tx"):
@@ -234,16 +245,11 @@ async def test_session_state_a_fenced_block_left_does_not_outlive_its_commit(
     mode on a server connection any client gets next: a ``search_path`` set there even
     broke the run's own completion. On the backend's own pool the session is reset first."""
     url = request.getfixturevalue(server).dsn
-    dsn = url if driver == "psycopg" else url.replace("postgresql://", "postgresql+pg8000://", 1)
-    backend = PostgresBackend(dsn, table=table)
+    backend = PostgresBackend(_for_driver(url, driver), table=table)
     await backend.start()
     try:
         for slot, complete in ((1, False), (2, True)):
-            job = f"reset{slot}"
-            await backend.claim(ClaimRequest(job, slot, "a", f"t{slot}", 60_000))
-            ctx = RunContext(backend=backend, lease=Lease(job, slot, f"t{slot}", 60_000),
-                             attempt=1, reason=Reason.SCHEDULED, instance_id="a",
-                             logger=logging.getLogger("test"))
+            ctx = await _claimed_run(backend, f"reset{slot}", slot)
             async with ctx.transaction(complete=complete) as tx:
                 await tx.execute(f"SET application_name = 'leaked_{table}'")
                 await tx.execute("SET search_path TO pg_catalog")
@@ -316,15 +322,10 @@ async def test_a_fenced_statement_takes_named_parameters_from_a_mapping(
 ) -> None:
     """``tx.execute`` turned a mapping into the tuple of its keys: ``%(name)s`` was
     refused and ``%s`` got the key's name as its value, silently."""
-    dsn = pg16_server.dsn if driver == "psycopg" else pg16_server.dsn.replace(
-        "postgresql://", "postgresql+pg8000://", 1)
-    backend = PostgresBackend(dsn, table=table)
+    backend = PostgresBackend(_for_driver(pg16_server.dsn, driver), table=table)
     await backend.start()
     try:
-        await backend.claim(ClaimRequest("named", 1, "a", "t1", 60_000))
-        ctx = RunContext(backend=backend, lease=Lease("named", 1, "t1", 60_000), attempt=1,
-                         reason=Reason.SCHEDULED, instance_id="a",
-                         logger=logging.getLogger("test"))
+        ctx = await _claimed_run(backend, "named")
         async with ctx.transaction() as tx:
             assert await tx.execute("SELECT %(n)s::int + %(n)s::int, %(s)s::text",
                                     {"n": 2, "s": "x%"}) == [(4, "x%")]

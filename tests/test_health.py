@@ -13,9 +13,7 @@ import redis
 from backends.embedded.postgres import EmbeddedPostgres
 from backends.embedded.redis import EmbeddedRedis, find_server
 from lease_core import (
-    BackendUnavailable,
     Health,
-    MemoryBackend,
     PostgresBackend,
     RedisBackend,
     RunContext,
@@ -26,53 +24,22 @@ from lease_core import (
     StoreUnreachable,
 )
 from lease_core._structures import (
-    CheckResult,
     ClaimRequest,
     ClaimResult,
     ClaimStatus,
-    HeartbeatResult,
-    Lease,
 )
 from lease_core.abc import Backend
 from lease_core.events import Event
 from lease_core.testing import claim_now
-from tests.helpers import quiet_offset_now, wait_for
+from tests.helpers import STORE_CALLS, WRITE_CALLS, Unplugged, quiet_offset_now, wait_for
 
 pytestmark = pytest.mark.anyio
 
 FAST = {"lease": "1.2s", "heartbeat": "0.2s"}
 
 
-class Unplugged(MemoryBackend):
-    """A memory backend whose calls fail while ``down`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.down = False
-
-    def _fail(self) -> None:
-        if self.down:
-            raise BackendUnavailable("store unreachable (test)")
-
-    async def now_ms(self) -> int:
-        self._fail()
-        return await super().now_ms()
-
-    async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
-        self._fail()
-        return await super().check(runs)
-
-    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
-        self._fail()
-        return await super().heartbeat(leases)
-
-    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
-        self._fail()
-        return await super().members(instance_id, ttl_ms)
-
-
 async def test_health_follows_the_store_and_counts_held_and_watched_runs() -> None:
-    backend = Unplugged()
+    backend = Unplugged(fails=STORE_CALLS - {"claim_many"})  # claims answer
     a = Scheduler(backend, instance_id="a", **FAST)
     b = Scheduler(backend, instance_id="b", **FAST)
     for s in (a, b):
@@ -133,30 +100,6 @@ async def test_health_of_an_idle_scheduler_when_postgresql_stops_and_returns() -
         await anyio.to_thread.run_sync(server.stop)
 
 
-class ReadOnly(MemoryBackend):
-    """A memory backend that answers reads and refuses writes while ``refusing`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refusing = False
-
-    def _refuse(self) -> None:
-        if self.refusing:
-            raise BackendUnavailable("the store refuses writes (test)")
-
-    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
-        self._refuse()
-        return await super().claim_many(requests)
-
-    async def heartbeat(self, leases: Sequence[Lease]) -> HeartbeatResult:
-        self._refuse()
-        return await super().heartbeat(leases)
-
-    async def members(self, instance_id: str, ttl_ms: int) -> list[str] | None:
-        self._refuse()
-        return await super().members(instance_id, ttl_ms)
-
-
 class _Events:
     def __init__(self) -> None:
         self.events: list[Event] = []
@@ -197,11 +140,16 @@ async def _refused_writes_end_readiness(backend: Backend,
         await s.stop(grace=0)
 
 
+def read_only() -> Unplugged:
+    """A memory backend that answers reads and refuses writes while ``down`` is set."""
+    return Unplugged(fails=WRITE_CALLS, message="the store refuses writes (test)")
+
+
 async def test_a_store_that_answers_reads_but_refuses_writes_is_not_ready() -> None:
-    backend = ReadOnly()
+    backend = read_only()
 
     def refusing(on: bool) -> None:
-        backend.refusing = on
+        backend.down = on
 
     await _refused_writes_end_readiness(backend, refusing)
 
@@ -242,17 +190,17 @@ async def test_a_real_store_that_refuses_writes_is_not_ready(kind: str) -> None:
         await _refused_writes_end_readiness(backend, refusing)
 
 
-class HeldElsewhere(ReadOnly):
-    """While ``refusing``: refuses writes, and answers every claim as a run another
+class HeldElsewhere(Unplugged):
+    """While ``down``: refuses writes, and answers every claim as a run another
     instance holds, writing nothing, as Redis short of ``min-replicas-to-write`` answers
     a claim that finds the run held or finished (or a heartbeat renewing no lease)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(fails=WRITE_CALLS, message="the store refuses writes (test)")
         self.answered = 0
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
-        if not self.refusing:
+        if not self.down:
             return await super().claim_many(requests)
         now = await self.now_ms()
         self.answered += len(requests)
@@ -270,7 +218,7 @@ async def test_a_claim_answered_without_a_write_does_not_end_a_write_outage() ->
     await s.start()
     try:
         await wait_for(lambda: s.health().ready, what="ready")
-        backend.refusing = True
+        backend.down = True
         await wait_for(lambda: not s.health().store_reachable, timeout=10,
                        what="not reachable while writes are refused")
         answered = backend.answered
@@ -279,7 +227,7 @@ async def test_a_claim_answered_without_a_write_does_not_end_a_write_outage() ->
         # Answered claims that wrote nothing: the outage goes on, never reported over.
         assert not s.health().store_reachable
         assert (seen.count(StoreUnreachable), seen.count(StoreBack)) == (1, 0)
-        backend.refusing = False
+        backend.down = False
         await wait_for(lambda: seen.count(StoreBack) == 1, timeout=10, what="StoreBack")
     finally:
         await s.stop(grace=0)
