@@ -197,6 +197,27 @@ async def test_an_open_run_s_ended_attempts_are_kept_by_size_and_by_age(
         assert await b.history("open") == []
 
 
+async def test_a_hand_over_nobody_declares_is_kept_until_cancelled(store: Store) -> None:
+    """A run handed over of a job no instance declares any more (a deploy removed it) is
+    never claimed: open, its attempt is kept; cancelled by an operator, it has ended and
+    is trimmed like any other (the operating guide says so)."""
+    from lease_core import Admin
+
+    async with started(store.backend()) as b:
+        held = req("removed", SLOT)
+        assert (await b.claim(held)).status is ClaimStatus.WON
+        await b.hand_over([Lease("removed", SLOT, held.token, held.lease_ms)])
+        await finished_runs(b, "removed", range(SLOT + 1, SLOT + 3))
+        assert await b.prune("removed", keep=0, older_than_ms=0) == 2
+        assert [a.slot for a in await b.history("removed")] == [SLOT]
+        await Admin(b).cancel("removed", SLOT, grace=0)
+        assert (await b.runs("removed"))[0].status is RunStatus.CANCELLED
+        ended = await b.history("removed")  # the handed-over attempt and the cancel's
+        assert {a.slot for a in ended} == {SLOT} and len(ended) == 2, ended
+        assert await b.prune("removed", keep=0) == 2
+        assert await b.history("removed") == []
+
+
 async def test_renewals_go_on_while_a_large_trimming_runs(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
