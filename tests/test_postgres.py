@@ -801,3 +801,38 @@ async def test_an_asyncio_only_driver_under_trio_says_what_to_use(
         async with NamedLease(backend, "leader", ttl="5s"):
             raise AssertionError("not reached")
     assert admin(pg16_server, "SELECT to_regclass(%s)", (table,)) == [(None,)]
+
+
+@pytest.mark.asyncio_only
+async def test_a_run_an_operator_reopens_during_a_trimming_keeps_its_attempts(
+    pg16_server: PgServer, table: str,
+) -> None:
+    """An operator's retry reopens a failed run while a trimming runs: the trimming reads
+    the run as it is now, not as its snapshot saw it, so the reopened run keeps its
+    attempts (its failure, the recovery log the retry follows). It deleted them, and the
+    run went on handed over with no history at all."""
+    from backends.postgres.statements import OPERATE_SUFFIX
+
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    try:
+        first = request_for("race", 1, "t1", overlap_skip=False)
+        assert (await backend.claim(first)).status is ClaimStatus.WON
+        assert await backend.finish(Lease("race", 1, "t1", 60_000), Outcome.FAILED, "boom")
+        operator = psycopg.connect(pg16_server.dsn)  # the retry, not committed yet
+        try:
+            refused = operator.execute(
+                f"SELECT o_refused FROM {table}{OPERATE_SUFFIX}"
+                "('retry', 'race', 1, 'cli', 0)").fetchall()
+            assert refused == [(None,)]
+            with anyio.fail_after(10):  # the run being changed is skipped, not waited for
+                assert await backend.prune("race", keep=0) == 0
+            operator.commit()
+        finally:
+            operator.close()
+        state = (await backend.check([("race", 1)])).runs[("race", 1)]
+        assert state.status is RunStatus.HANDED_OVER
+        assert [a.error for a in await backend.history("race")] == ["boom"]
+        assert await backend.prune("race", keep=0) == 0  # open now: kept
+    finally:
+        await backend.close()

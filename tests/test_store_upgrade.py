@@ -583,9 +583,10 @@ async def test_migrate_upgrades_a_v2_store_whose_claims_trimmed(
             assert [a.slot for a in await backend.history("j")] == [6, 5, 4, 3, 3, 2, 1]
 
             # The ticker's trimming (prune) is what trims now.
-            assert await backend.prune("j", keep=3) == 3
-            # the running run 3's attempt stays beyond the newest three until it ends
-            assert [a.slot for a in await backend.history("j")] == [6, 5, 4, 3]
+            assert await backend.prune("j", keep=3) == 2
+            # the open run 3's attempts (the one handed over, the running one) stay beyond
+            # the newest three until it ends
+            assert [a.slot for a in await backend.history("j")] == [6, 5, 4, 3, 3]
             # the finished runs left without attempts went; the open run 3 stays
             assert sorted(r.slot for r in await backend.runs("j")) == [3, 4, 5, 6]
         finally:
@@ -748,8 +749,10 @@ async def test_migrate_upgrades_a_v3_store_keeping_its_history(
             assert sql(server.admin_dsn, fill_mark) == []
 
             # Trimming by age finds the attempts without the index by finish time.
-            assert await backend.prune("j", older_than_ms=0) == 6
-            assert [(a.slot, a.attempt) for a in await backend.history("j")] == [(4, 2)]
+            # (the open run 4's attempts stay: the one handed over and the running one)
+            assert await backend.prune("j", older_than_ms=0) == 5
+            assert [(a.slot, a.attempt) for a in await backend.history("j")] == [(4, 2),
+                                                                                  (4, 1)]
             assert sorted(r.slot for r in await backend.runs("j")) == [4]
         finally:
             await backend.close()

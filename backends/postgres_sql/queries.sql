@@ -437,9 +437,19 @@ doomed AS (
     SELECT s.slot, s.attempt FROM by_size s
     UNION
     SELECT t.slot, t.attempt FROM by_age t),
+-- the doomed attempts' runs, locked and read as they are now, not as the statement's
+-- snapshot saw them: an operator's retry committed meanwhile reopened its run (whose
+-- attempts then stay); one being changed now is skipped, its attempts kept this time
+settled AS (
+    SELECT r.slot FROM {runs} r
+    WHERE r.job = %(job)s::text AND r.slot IN (SELECT d.slot FROM doomed d)
+      AND r.status NOT IN ('running', 'handed_over', 'retrying')
+    FOR SHARE SKIP LOCKED),
 gone AS (
     DELETE FROM {attempts} a USING doomed d
     WHERE a.job = %(job)s::text AND a.slot = d.slot AND a.attempt = d.attempt
+      AND (a.slot IN (SELECT s.slot FROM settled s)
+           OR NOT EXISTS (SELECT 1 FROM {runs} r WHERE r.job = a.job AND r.slot = a.slot))
     RETURNING a.slot, a.attempt),
 runs_gone AS (
     DELETE FROM {runs} r
@@ -524,9 +534,17 @@ doomed AS (
     SELECT d.job, d.slot, d.attempt FROM by_size d
     UNION
     SELECT t.job, t.slot, t.attempt FROM by_age t),
+-- the doomed attempts' runs as they are now (see trim_job)
+settled AS (
+    SELECT r.job, r.slot FROM {runs} r
+    WHERE (r.job, r.slot) IN (SELECT d.job, d.slot FROM doomed d)
+      AND r.status NOT IN ('running', 'handed_over', 'retrying')
+    FOR SHARE SKIP LOCKED),
 gone AS (
     DELETE FROM {attempts} a USING doomed d
     WHERE a.job = d.job AND a.slot = d.slot AND a.attempt = d.attempt
+      AND ((a.job, a.slot) IN (SELECT s.job, s.slot FROM settled s)
+           OR NOT EXISTS (SELECT 1 FROM {runs} r WHERE r.job = a.job AND r.slot = a.slot))
     RETURNING a.job, a.slot, a.attempt),
 runs_gone AS (
     DELETE FROM {runs} r
