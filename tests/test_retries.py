@@ -567,3 +567,26 @@ async def test_a_stray_cancelled_error_fails_the_run_and_the_scheduler_runs_on()
     for job in ("stray", "stray-sync"):
         errors = [a.error or "" for a in await s.history(job)]
         assert len(errors) == 2 and all("CancelledError" in e for e in errors), errors
+
+
+def test_an_asyncio_cancelled_error_is_stray_on_trio_in_guest_mode() -> None:
+    """trio run as a guest of an asyncio loop (``trio.lowlevel.start_guest_run``): a loop
+    runs but no asyncio task does, and trio cancels with its own exception; the handler's
+    asyncio CancelledError cancels nothing there either (it ended the task group)."""
+    import asyncio
+
+    import trio
+
+    from lease_core.engine.execution import _stray
+
+    async def on_trio() -> bool:
+        return _stray(asyncio.CancelledError())
+
+    async def host() -> bool:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        trio.lowlevel.start_guest_run(on_trio, run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+                                      done_callback=done.set_result)
+        return bool((await done).unwrap())
+
+    assert asyncio.run(host()) is True

@@ -85,7 +85,9 @@ def _stray(exc: asyncio.CancelledError) -> bool:
         task = asyncio.current_task()
     except RuntimeError:  # not on asyncio (trio)
         return True
-    return task is not None and not task.cancelling()
+    # No task with an asyncio loop running: trio in guest mode on an asyncio host (its
+    # code runs in the host loop's callbacks), where it is trio's exception that cancels.
+    return task is None or not task.cancelling()
 
 
 def _exited(exc: BaseException) -> RuntimeError:
