@@ -375,3 +375,49 @@ async def test_two_tasks_transactions_of_one_run_keep_the_lease_deadline_suspend
         await inst.stop()
     assert done == ["first", "second"]
     assert [(h.attempt, h.outcome) for h in history] == [(1, Outcome.COMPLETED)]
+
+@pytest.mark.parametrize("server", ["pg16_server", "pgbouncer_server"])
+@pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_a_cancelled_fenced_block_leaves_no_session_state_and_its_pool_lends(
+    pg16_server: PgServer, table: str, driver: str, server: str, how: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A fenced block cancelled (a deadline, as the handler's timeout, or a cancel) on the
+    backend's own pool of one connection: its connection is closed in the transaction,
+    so the session advisory lock it took dies with it, the run stays held, and the pool
+    replaces the connection and lends it again, three times over."""
+    url = request.getfixturevalue(server).dsn
+    sep = "&" if "?" in url else "?"
+    dsn = _for_driver(url, driver) + f"{sep}min_size=1&max_size=1&timeout=5"
+    key = int(table[-7:], 16)
+    backend = PostgresBackend(dsn, table=table)
+    await backend.start()
+    try:
+        for round_ in range(3):
+            ctx = await _claimed_run(backend, f"cancel{round_}", round_ + 1)
+            with anyio.CancelScope() as scope:
+                if how == "timeout":
+                    scope.deadline = anyio.current_time() + 0.5
+                async with ctx.transaction() as tx:
+                    await tx.execute("SELECT pg_advisory_lock(%s)", (key,))
+                    if how == "cancel":
+                        scope.cancel()
+                    await tx.execute("SELECT pg_sleep(1)")
+                    await anyio.sleep(5)
+            assert scope.cancelled_caught
+
+            def unlocked() -> bool:
+                return _admin(pg16_server, "SELECT count(*) FROM pg_locks WHERE "
+                              f"locktype = 'advisory' AND objid = {key}") == [(0,)]
+
+            await wait_for(unlocked, what="the advisory lock's release", timeout=5)
+            with anyio.fail_after(8):
+                state = (await backend.check([(f"cancel{round_}", round_ + 1)])).runs[
+                    (f"cancel{round_}", round_ + 1)]
+            assert state.status is RunStatus.RUNNING
+            with anyio.fail_after(8):  # the pool still lends its one connection
+                async with ctx.transaction(complete=True) as tx:
+                    assert await tx.execute("SELECT 1") == [(1,)]
+    finally:
+        await backend.close()
