@@ -162,13 +162,15 @@ async def test_a_format_1_store_is_read_and_marked_format_2(
     assert (await backend.claim(_request("j", 5, "n5"))).status is ClaimStatus.WON
     assert (await backend.history("j", limit=1))[0].slot == 5
 
-    # trimming deletes old and new records alike, and the runs left without attempts
-    assert await backend.prune("j", keep=2) == 5
-    assert [(a.slot, a.attempt) for a in await backend.history("j")] == [(5, 1), (4, 2)]
+    # trimming deletes old and new records alike, and the runs left without attempts;
+    # the open run 4 keeps its attempts (the one handed over too) until it ends
+    assert await backend.prune("j", keep=2) == 4
+    assert [(a.slot, a.attempt) for a in await backend.history("j")] == [(5, 1), (4, 2),
+                                                                          (4, 1)]
     runs = (await backend.check([("j", s) for s in (1, 2, 3, 4, 5)])).runs
     assert sorted(runs) == [("j", 4), ("j", 5)]
     assert runs[("j", 4)].status is RunStatus.HANDED_OVER
-    assert raw.hlen(old.tag("j") + ":att") == 0
+    assert raw.hlen(old.tag("j") + ":att") == 1  # run 4's first attempt, format 1's
     assert (await backend.register_jobs(["j"]))["j"].open_slots == (4, 5)
     assert [r.slot for r in await backend.runs("j", open_only=True)] == [5, 4]
 
