@@ -323,16 +323,19 @@ class SqlAdapter(ABC):
     def transaction(self) -> AbstractAsyncContextManager[Executor]:
         """Open a transaction: committed when the block ends, rolled back on an exception."""
 
-    def discarding_transaction(self) -> AbstractAsyncContextManager[Executor]:
-        """As :meth:`transaction`, but on an exception the connection is closed instead of
-        rolled back (the server then rolls back), so nothing of its session outlives the block.
+    def discarding_transaction(self, reset: str) -> AbstractAsyncContextManager[Executor]:
+        """As :meth:`transaction`, but on an exception ``reset`` runs before the rollback,
+        and the connection is closed instead (the server then rolls back) when it cannot
+        run, so nothing of its session outlives the block.
 
         For a block that may leave session state a rollback keeps (a session advisory lock,
-        a ``PREPARE``), which an aborted transaction cannot reset: closed while still in
-        the transaction, the connection's server session ends, and through PgBouncer in
+        a ``PREPARE``): ``reset`` clears it (its effects on those are not transactional).
+        An aborted transaction (a statement of the block failed) runs no statement, so its
+        connection is closed: its server session ends, and through PgBouncer in
         transaction mode so does the server connection (one left in a transaction is not
-        reused). Adapters that own their pool override this; the others (a pool or
-        connection passed in, not theirs to close) roll back as :meth:`transaction`.
+        reused); a reset sent after the rollback could reach another server connection.
+        Adapters that own their pool override this; the others (a pool or connection
+        passed in, not theirs to close) roll back as :meth:`transaction`.
         """
         return self.transaction()
 

@@ -8,7 +8,8 @@ DB-API ``autocommit`` setting of a user's connection does not matter.
 A transaction's ``COMMIT`` runs shielded once its block has ended (the commit is reported
 as done; a cancellation pending then comes at the caller's next checkpoint), and its
 ``ROLLBACK`` whenever the block raised or was cancelled (a fenced transaction's
-connection is closed instead, see :meth:`SqlAdapter.discarding_transaction
+session is reset first, or its connection closed when aborted, see
+:meth:`SqlAdapter.discarding_transaction
 <adapters.base.SqlAdapter.discarding_transaction>`). The pool lends no connection
 left in a transaction: one found so as it is given back is closed. A statement whose
 placeholders do not match its parameters raises
@@ -219,9 +220,19 @@ def _where_of(conn: Any) -> str:
     return f"{host}:{port}" if host else ""
 
 
+async def _reset(tx: _Tx, reset: str) -> bool:
+    """Run ``reset`` in the transaction a block left by raising; False if it cannot run
+    (the transaction is aborted, or the connection failed)."""
+    try:
+        await tx.control(reset)
+    except Exception:
+        return False
+    return True
+
+
 @asynccontextmanager
 async def _transaction(conn: Any, where: str, threads: WorkerThreads, *,
-                       discard: bool = False) -> AsyncIterator[Executor]:
+                       reset: str | None = None) -> AsyncIterator[Executor]:
     tx = _Tx(conn, where, threads)
     # BEGIN travels whole (the simple protocol): outside a transaction, PgBouncer in
     # transaction mode may hand the extended protocol's parse and bind to different
@@ -231,7 +242,8 @@ async def _transaction(conn: Any, where: str, threads: WorkerThreads, *,
         yield tx
     except BaseException:
         with anyio.CancelScope(shield=True):
-            if discard:  # closed in the transaction, not rolled back: its session ends
+            if reset is not None and not await _reset(tx, reset):
+                # closed in the transaction, not rolled back: its session ends
                 await threads.run(_close_quietly, conn)
             else:
                 with suppress(Exception):
@@ -519,13 +531,13 @@ class Pg8000PoolAdapter(SqlAdapter):
         raise mapped from exc
 
     @asynccontextmanager
-    async def _transaction(self, *, discard: bool = False) -> AsyncIterator[Executor]:
+    async def _transaction(self, *, reset: str | None = None) -> AsyncIterator[Executor]:
         async with self._slot():
             with anyio.CancelScope(shield=True):  # a connection opened is never dropped
                 conn = await self._acquire()
             try:
                 async with _transaction(conn, self._where, self._threads,
-                                        discard=discard) as tx:
+                                        reset=reset) as tx:
                     yield tx
             except BaseException as exc:
                 # (A connection closed in its transaction is not idle: it is dropped.)
@@ -537,10 +549,10 @@ class Pg8000PoolAdapter(SqlAdapter):
         """Open a transaction on a pooled connection."""
         return self._transaction()
 
-    def discarding_transaction(self) -> Any:
-        """Open a transaction on a pooled connection, closed on an exception (a new one
-        is opened on demand)."""
-        return self._transaction(discard=True)
+    def discarding_transaction(self, reset: str) -> Any:
+        """Open a transaction on a pooled connection that runs ``reset`` before rolling
+        back, or is closed (a new one is opened on demand) when the reset cannot run."""
+        return self._transaction(reset=reset)
 
 
 def _close_all(conns: list[Any]) -> None:

@@ -230,9 +230,22 @@ async def _give_back(pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnecti
         await pool.putconn(conn)
 
 
+async def _reset(conn: psycopg.AsyncConnection[Any], where: str, reset: str) -> bool:
+    """Run ``reset`` in the transaction a block left by raising; False if it cannot run
+    (the transaction is aborted, or the connection failed)."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+        return False
+    with anyio.CancelScope(shield=True):
+        try:
+            await _AsyncTx(conn, where).all(reset)
+        except Exception:
+            return False
+    return True
+
+
 @asynccontextmanager
 async def _async_transaction(
-    conn: psycopg.AsyncConnection[Any], where: str, *, discard: bool = False
+    conn: psycopg.AsyncConnection[Any], where: str, *, reset: str | None = None
 ) -> AsyncIterator[Executor]:
     with _mapped(where):
         tx = psycopg.AsyncTransaction(conn)
@@ -241,7 +254,8 @@ async def _async_transaction(
         try:
             yield _AsyncTx(conn, where)
         except BaseException as exc:
-            if discard:  # closed in the transaction, not rolled back: its session ends
+            if reset is not None and not await _reset(conn, where, reset):
+                # closed in the transaction, not rolled back: its session ends
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                     await conn.close()  # (the pool replaces it)
                 raise
@@ -319,11 +333,11 @@ class PsycopgPoolAdapter(SqlAdapter):
                 await _give_back(pool, conn)
 
     @asynccontextmanager
-    async def _transaction(self, *, discard: bool = False) -> AsyncIterator[Executor]:
+    async def _transaction(self, *, reset: str | None = None) -> AsyncIterator[Executor]:
         with _mapped(self._where, self._secret):
             conn = await self.pool.getconn()
             try:
-                async with _async_transaction(conn, self._where, discard=discard) as tx:
+                async with _async_transaction(conn, self._where, reset=reset) as tx:
                     yield tx
             finally:
                 await _give_back(self.pool, conn)
@@ -332,10 +346,11 @@ class PsycopgPoolAdapter(SqlAdapter):
         """Open a transaction on a pooled connection."""
         return self._transaction()
 
-    def discarding_transaction(self) -> Any:
-        """Open a transaction on a pooled connection, closed on an exception (the pool
-        replaces it); on a pool passed in, rolled back as :meth:`transaction`."""
-        return self._transaction(discard=self.owned)
+    def discarding_transaction(self, reset: str) -> Any:
+        """Open a transaction on a pooled connection that runs ``reset`` before rolling
+        back, or is closed (the pool replaces it) when the reset cannot run; on a pool
+        passed in, rolled back as :meth:`transaction`."""
+        return self._transaction(reset=reset if self.owned else None)
 
 
 class _RecentFirstPool(AsyncConnectionPool[Any]):

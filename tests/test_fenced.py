@@ -278,7 +278,8 @@ async def test_session_state_a_fenced_block_left_does_not_outlive_its_rollback(
     aborted transaction runs no reset: a block that raised (``raised``), or whose
     statement failed (``aborted``), left both on the pooled connection, directly or,
     through PgBouncer in transaction mode, on a server connection. On the backend's own
-    pool its connection is closed instead of rolled back, which ends that session."""
+    pool the session is reset before the rollback, or, aborted, its connection is closed
+    instead, which ends that session."""
     url = request.getfixturevalue(server).dsn
     dsn = url if driver == "psycopg" else url.replace("postgresql://", "postgresql+pg8000://", 1)
     key = int(table[-7:], 16)  # unique to the test: its table name ends in hex digits
@@ -312,6 +313,38 @@ async def test_session_state_a_fenced_block_left_does_not_outlive_its_rollback(
                     (name,)) == [(0,)]
         state = (await backend.check([("rollback", 1)])).runs[("rollback", 1)]
         assert state.status is RunStatus.RUNNING  # the rolled-back block completed nothing
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
+async def test_a_raising_fenced_block_keeps_its_connection_an_aborted_one_closes_it(
+    pg16_server: PgServer, table: str, driver: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A block that raised is reset and rolled back on its connection, which the pool
+    lends again (no new connection, no pool warning, for a handler that fails often); a
+    block whose statement failed cannot run the reset, so its connection is closed."""
+    backend = PostgresBackend(_for_driver(pg16_server.dsn, driver) + "?min_size=1&max_size=1",
+                              table=table)
+    await backend.start()
+    try:
+        ctx = await _claimed_run(backend, "reuse")
+
+        async def server_pid() -> object:
+            async with ctx.transaction(complete=False) as tx:
+                return (await tx.execute("SELECT pg_backend_pid()"))[0][0]
+
+        first = await server_pid()
+        with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="boom"):
+            async with ctx.transaction() as tx:
+                await tx.execute("SELECT 1")
+                raise RuntimeError("boom")
+        assert await server_pid() == first
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+        with pytest.raises(Exception, match="division by zero"):
+            async with ctx.transaction() as tx:
+                await tx.execute("SELECT 1 / 0")
+        assert await server_pid() != first
     finally:
         await backend.close()
 

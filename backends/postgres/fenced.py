@@ -84,12 +84,13 @@ async def fenced_transaction(adapter: SqlAdapter, sql: Statements, lease: Lease,
             "connection, the instance's heartbeats wait for the transaction to end, so "
             "its other runs could be taken over; pass a DSN or a psycopg pool"
         )
-    # On the backend's own pool, a block that raises (or whose statement failed) closes its
-    # connection instead of rolling back: a session advisory lock or a PREPARE outlives a
-    # ROLLBACK, and an aborted transaction can run no reset. Closed in the transaction, the
+    # On the backend's own pool, a block that raises resets the session before the
+    # rollback (a session advisory lock or a PREPARE outlives a ROLLBACK); one whose
+    # statement failed, aborted, can run no reset and closes its connection instead: the
     # server session ends, and through PgBouncer in transaction mode so does the server
-    # connection; a reset after the ROLLBACK could reach another server connection there.
-    opened = adapter.discarding_transaction() if adapter.owned else adapter.transaction()
+    # connection (a reset after the ROLLBACK could reach another server connection there).
+    opened = (adapter.discarding_transaction(RESET_SESSION) if adapter.owned
+              else adapter.transaction())
     async with opened as tx:
         held = await tx.all(sql.lock_held_run, (lease.job, lease.slot, lease.token))
         if held:  # else ends the (empty) transaction without closing the connection
