@@ -9,17 +9,18 @@ goes through that portal, so the sync API never duplicates the async engine.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
+from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
-from anyio.abc import TaskStatus
 
 from . import events as ev
 from ._durations import Duration, parse_duration
@@ -38,6 +39,19 @@ __all__ = ["SyncScheduler"]
 logger = logging.getLogger("anarchon")
 
 _T = TypeVar("_T")
+
+
+def _host_ended(started: Future[None], host: Future[None]) -> None:
+    """Pass the host task's end to start() when it ended before the scheduler ran."""
+    if started.done():
+        return
+    with contextlib.suppress(Exception):  # InvalidStateError: started meanwhile
+        if host.cancelled():
+            started.cancel()
+        elif host.exception() is not None:
+            started.set_exception(host.exception())
+        else:
+            started.set_exception(AnarchonError("the scheduler ended before it started"))
 
 
 class SyncScheduler:
@@ -98,6 +112,7 @@ class SyncScheduler:
         self._stop_requested: anyio.Event | None = None
         self._loop_thread: threading.Thread | None = None
         self._grace = 0.0
+        self._stop_pending: float | None = None  # stop() called while starting
 
     @property
     def backend(self) -> Backend:
@@ -131,8 +146,9 @@ class SyncScheduler:
         if self._pid not in (None, os.getpid()):
             return SchedulerState.STOPPED
         state = self._state
-        if state is SchedulerState.RUNNING and self.scheduler.state is SchedulerState.STOPPED:
-            return SchedulerState.STOPPED
+        if state is SchedulerState.RUNNING and self.scheduler.state in (
+                SchedulerState.STOPPING, SchedulerState.STOPPED):
+            return self.scheduler.state  # stop requested by a handler, or interrupted
         return state
 
     def health(self) -> Health:
@@ -207,27 +223,46 @@ class SyncScheduler:
                     f"SyncScheduler {self.instance_id!r} is already started; call stop() first"
                 )
             self._state = SchedulerState.STARTING
+            self._stop_pending = None
+            host: Future[None] | None = None
             try:
                 # Set first: a subscribe() from another thread while it starts is made
                 # on the loop's thread, as the subscribers are opened there meanwhile.
                 self._portal = portal = _Loop.get()
-                self._host, _ = portal.start_task(
-                    self._run_host, name=f"anarchon-{self.instance_id}")
+                started: Future[None] = Future()
+                self._host = host = portal.start_task_soon(
+                    self._run_host, started, name=f"anarchon-{self.instance_id}")
+                host.add_done_callback(partial(_host_ended, started))
+                started.result()
+                self._pid = os.getpid()
+                self._state = SchedulerState.RUNNING
+                atexit.register(self._stop_at_exit)
             except BaseException:
-                self._portal = None
+                # The start's own error, or the caller interrupted (Ctrl-C, a signal
+                # handler's exception): nothing may go on starting, and then running,
+                # on the loop with nobody to stop it.
+                if host is not None and not host.done():
+                    host.cancel()
+                    with contextlib.suppress(BaseException):
+                        wait([host])
+                atexit.unregister(self._stop_at_exit)
+                self._portal = self._host = None
+                self._stop_requested = self._loop_thread = None
+                self._pid = None
                 self._state = SchedulerState.STOPPED
                 raise
-            self._pid = os.getpid()
-            self._state = SchedulerState.RUNNING
-            atexit.register(self._stop_at_exit)
+            pending, self._stop_pending = self._stop_pending, None
+        if pending is not None:
+            # stop() was called while this thread started it (a signal's handler): honour it
+            self.stop(pending)
 
-    async def _run_host(self, *, task_status: TaskStatus[None]) -> None:
+    async def _run_host(self, started: Future[None]) -> None:
         # start() and stop() of the async scheduler run in this one task.
         stop_requested = self._stop_requested = anyio.Event()
         self._loop_thread = threading.current_thread()
         try:
             async with self.scheduler:
-                task_status.started()
+                started.set_result(None)
                 await stop_requested.wait()
                 await self.scheduler.stop(self._grace)
         except Exception:
@@ -255,7 +290,10 @@ class SyncScheduler:
         SyncLeases). A no-op when not started, so it may be called more than once. Called
         by one of the scheduler's own sync handlers, it only requests the stop and returns
         (the handler's run can then complete); a later ``stop()`` from outside, or the
-        interpreter's exit, waits for the scheduler.
+        interpreter's exit, waits for the scheduler. Interrupted while it waits (a second
+        Ctrl-C), it raises that; the scheduler goes on handing over, and a later
+        ``stop()`` or the interpreter's exit waits for it. Called by a signal's handler
+        that interrupted :meth:`start`, the scheduler stops as soon as it has started.
         """
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
         self._check_process()
@@ -267,6 +305,11 @@ class SyncScheduler:
                 portal.call(self._request_stop, grace_s)
             return
         with self._lock:
+            if self._state is SchedulerState.STARTING:
+                # Only this thread can be here now (start() holds the lock): a signal's
+                # handler that interrupted start(). start() stops it once it runs.
+                self._stop_pending = grace_s
+                return
             if self._state is not SchedulerState.RUNNING:
                 return
             self._state = SchedulerState.STOPPING
@@ -279,12 +322,21 @@ class SyncScheduler:
                     portal.call(self._request_stop, grace_s)
                 host.result()
             except BaseException as exc:
+                if not host.done():
+                    # The caller was interrupted (a second Ctrl-C, a signal's handler
+                    # raising) while the scheduler hands over: it goes on stopping on the
+                    # loop, and a later stop(), or the interpreter's exit, waits for it
+                    # (else the exit would cancel it, and its runs would lapse).
+                    self._state = SchedulerState.RUNNING
+                    atexit.register(self._stop_at_exit)
+                    raise
                 error = exc
             finally:
-                self._portal = self._host = None
-                self._stop_requested = self._loop_thread = None
-                self._pid = None
-                self._state = SchedulerState.STOPPED
+                if self._state is SchedulerState.STOPPING:
+                    self._portal = self._host = None
+                    self._stop_requested = self._loop_thread = None
+                    self._pid = None
+                    self._state = SchedulerState.STOPPED
             if error is not None:
                 raise error
 
