@@ -6,6 +6,8 @@ slot with the documented hook, as the schedule would. Every wait has a deadline.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -492,41 +494,55 @@ def test_the_policy_with_groups_zero_backoff_and_jitter_at_the_cap() -> None:
     assert Retry(backoff=0, max_backoff=0).delays_ms() == (0, 0, 0)
 
 
+async def _fails_twice_and_runs_on(handlers: dict[str, Callable[[RunContext], Any]]) -> None:
+    """Run each of ``handlers`` (a job name each, a retry after 0.1 s) on one scheduler:
+    every job's two attempts fail with a CancelledError, and the scheduler runs on."""
+    from lease_core import MemoryBackend, SchedulerState
+
+    tries: list[tuple[str, int]] = []
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    policy = Retry(retries=1, backoff="0.1s", jitter=0)
+    for job, handler in handlers.items():
+        if inspect.iscoroutinefunction(handler):  # stays async: awaited on the loop
+            async def tried(ctx: RunContext, handler: Any = handler) -> None:
+                tries.append((ctx.job, ctx.attempt))
+                await handler(ctx)
+        else:  # stays sync: run in a worker thread
+            def tried(ctx: RunContext, handler: Any = handler) -> None:  # type: ignore[misc]
+                tries.append((ctx.job, ctx.attempt))
+                handler(ctx)
+        s.every(job, "1h", tried, offset=quiet_offset_now(), retry=policy)
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        for job in handlers:
+            await claim_now(s, job, slot_of(s, job))
+        for job in handlers:
+            await wait_status(s, job, slot_of(s, job), RunStatus.FAILED)
+        assert s.state is SchedulerState.RUNNING
+        await i.stop()
+    assert sorted(tries) == sorted((job, n) for job in handlers for n in (1, 2))
+    for job in handlers:
+        errors = [a.error or "" for a in await s.history(job)]
+        assert len(errors) == 2 and all("CancelledError" in e for e in errors), errors
+
+
+def _raise_cancelled(ctx: RunContext) -> None:
+    import asyncio
+
+    raise asyncio.CancelledError
+
+
 async def test_an_asyncio_cancelled_error_on_trio_fails_the_run() -> None:
     """On trio, asyncio's CancelledError cancels nothing (trio's cancellation is its own
     exception): a handler raising it fails its attempt (and is retried) on either loop;
     on trio it used to end the scheduler's task group, the scheduler with it."""
     import asyncio
 
-    from lease_core import MemoryBackend, SchedulerState
-
-    tries: list[tuple[str, int]] = []
-    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
-    policy = Retry(retries=1, backoff="0.1s", jitter=0)
-
-    @s.every("raises", "1h", offset=quiet_offset_now(), retry=policy)
     async def raises(ctx: RunContext) -> None:
-        tries.append((ctx.job, ctx.attempt))
         raise asyncio.CancelledError("from a library of asyncio's")
 
-    @s.every("raises-sync", "1h", offset=quiet_offset_now(), retry=policy)
-    def raises_sync(ctx: RunContext) -> None:
-        tries.append((ctx.job, ctx.attempt))
-        raise asyncio.CancelledError
-
-    async with anyio.create_task_group() as tg:
-        i = await Instance(s).start(tg)
-        for job in ("raises", "raises-sync"):
-            await claim_now(s, job, slot_of(s, job))
-        for job in ("raises", "raises-sync"):
-            await wait_status(s, job, slot_of(s, job), RunStatus.FAILED)
-        assert s.state is SchedulerState.RUNNING
-        await i.stop()
-    assert sorted(tries) == [("raises", 1), ("raises", 2), ("raises-sync", 1),
-                             ("raises-sync", 2)]
-    for job in ("raises", "raises-sync"):
-        errors = [a.error or "" for a in await s.history(job)]
-        assert len(errors) == 2 and all("CancelledError" in e for e in errors), errors
+    await _fails_twice_and_runs_on({"raises": raises, "raises-sync": _raise_cancelled})
 
 
 @pytest.mark.asyncio_only
@@ -537,36 +553,12 @@ async def test_a_stray_cancelled_error_fails_the_run_and_the_scheduler_runs_on()
     alike."""
     import asyncio
 
-    from lease_core import MemoryBackend, SchedulerState
-
-    tries: list[tuple[str, int]] = []
-    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
-    policy = Retry(retries=1, backoff="0.1s", jitter=0)
-
-    @s.every("stray", "1h", offset=quiet_offset_now(), retry=policy)
     async def stray(ctx: RunContext) -> None:
-        tries.append((ctx.job, ctx.attempt))
         task = asyncio.ensure_future(asyncio.sleep(10))
         task.cancel()
         await task
 
-    @s.every("stray-sync", "1h", offset=quiet_offset_now(), retry=policy)
-    def stray_sync(ctx: RunContext) -> None:
-        tries.append((ctx.job, ctx.attempt))
-        raise asyncio.CancelledError
-
-    async with anyio.create_task_group() as tg:
-        i = await Instance(s).start(tg)
-        for job in ("stray", "stray-sync"):
-            await claim_now(s, job, slot_of(s, job))
-        for job in ("stray", "stray-sync"):
-            await wait_status(s, job, slot_of(s, job), RunStatus.FAILED)
-        assert s.state is SchedulerState.RUNNING
-        await i.stop()
-    assert sorted(tries) == [("stray", 1), ("stray", 2), ("stray-sync", 1), ("stray-sync", 2)]
-    for job in ("stray", "stray-sync"):
-        errors = [a.error or "" for a in await s.history(job)]
-        assert len(errors) == 2 and all("CancelledError" in e for e in errors), errors
+    await _fails_twice_and_runs_on({"stray": stray, "stray-sync": _raise_cancelled})
 
 
 def test_an_asyncio_cancelled_error_is_stray_on_trio_in_guest_mode() -> None:
