@@ -47,11 +47,11 @@ def trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Ru
     doomed: set[int] = set()
 
     def trimmable(a: Attempt) -> bool:
-        # Never an open run's attempt, nor that of a run cancelled with a grace still
-        # running (Admin.cancel(grace=)): its holder's heartbeat must still find the run
+        # Never an open attempt, nor any attempt of an open run (running, handed over,
+        # waiting for a retry: its recovery log, the failure a retry follows, stays until
+        # the run ends), nor that of a run cancelled with a grace still running
+        # (Admin.cancel(grace=)): its holder's heartbeat must still find the run
         # cancelled, and the run goes once the grace has passed.
-        # Nor any attempt of an open run (running, handed over, waiting for a retry):
-        # its recovery log (the failure a retry follows) stays until the run ends.
         if a.finished_at is None:
             return False
         run = runs.get((job, a.slot))

@@ -8,18 +8,24 @@
 -- (operate.lua: the run keeps its holder's token 'tok', 'exp' the end of the grace), so
 -- the holder's heartbeat still finds the run cancelled; it goes once the grace has passed
 -- (as memory and PostgreSQL trim).
--- in_grace(rk, a): whether the run rk is so, with a its current attempt (nil: any).
--- kept(rk, a): whether the attempt a of the run rk is kept so, or the run is open
--- (running, handed over, waiting for a retry: its attempts, the run's recovery log, stay
--- until it ends, as memory and PostgreSQL trim).
-local function in_grace(rk, a)
-  local st, tok, exp, current = unpack(redis.call('HMGET', rk, 'st', 'tok', 'exp', 'att'))
+-- kept(rk, a): whether the attempt a of the run rk is kept so (a grace with a its current
+-- attempt), or the run is open (running, handed over, waiting for a retry: its attempts,
+-- the run's recovery log, stay until it ends, as memory and PostgreSQL trim).
+-- settled(rk): whether the run rk is finished and out of any grace (it may go).
+local function read_run(rk)
+  return unpack(redis.call('HMGET', rk, 'st', 'tok', 'exp', 'att'))
+end
+local function in_grace(st, tok, exp, current, a)
   return st == 'cancelled' and tok ~= false and tok ~= '' and (a == nil or current == a)
     and (tonumber(exp) or 0) > now
 end
 local function kept(rk, a)
-  local st = redis.call('HGET', rk, 'st')
-  return (st and not FINISHED[st]) or in_grace(rk, a)
+  local st, tok, exp, current = read_run(rk)
+  return (st and not FINISHED[st]) or in_grace(st, tok, exp, current, a)
+end
+local function settled(rk)
+  local st, tok, exp, current = read_run(rk)
+  return FINISHED[st] and not in_grace(st, tok, exp, current, nil)
 end
 -- The attempts to trim (finished, out of a grace): beyond the newest history_size (nil: no
 -- limit), oldest first, and those that finished history_ttl ms ago or more (nil: none), at
@@ -112,7 +118,7 @@ local function trim_delete(job, hist, att, done, orphan, run_prefix, ids)
           redis.call('HDEL', rk, 'h' .. a)
         end
         if redis.call('HINCRBY', rk, 'n', -1) <= 0 then
-          if FINISHED[redis.call('HGET', rk, 'st')] and not in_grace(rk) then
+          if settled(rk) then
             delete_run(rk, s)  -- a finished run left with no attempt goes at once
           else
             redis.call('SADD', orphan, s)
@@ -130,7 +136,7 @@ local function trim_delete(job, hist, att, done, orphan, run_prefix, ids)
     local st, n = unpack(redis.call('HMGET', rk, 'st', 'n'))
     if not st or tonumber(n or '0') > 0 then
       redis.call('SREM', orphan, s)
-    elseif FINISHED[st] and not in_grace(rk) then  -- in a grace: left for a later trim
+    elseif settled(rk) then  -- in a grace: left for a later trim
       delete_run(rk, s)
       redis.call('SREM', orphan, s)
     end
