@@ -836,3 +836,43 @@ async def test_a_run_an_operator_reopens_during_a_trimming_keeps_its_attempts(
         assert await backend.prune("race", keep=0) == 0  # open now: kept
     finally:
         await backend.close()
+
+
+@pytest.mark.asyncio_only
+async def test_a_workflow_step_an_operator_reopens_during_a_trimming_keeps_its_run_whole(
+    pg16_server: PgServer, table: str,
+) -> None:
+    """The same for a workflow run: an operator's retry of its failed second step, not
+    committed yet, while the first step's history is trimmed. The trimming reads the other
+    steps' runs as they are now, so the first step's attempts stay with the run that goes
+    on again (the retried step follows them). It read them from its snapshot, saw the
+    workflow run ended, and deleted the first step's run and its attempts."""
+    from backends.postgres.statements import OPERATE_SUFFIX
+
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    try:
+        await backend.register_workflows({"wf": ["one", "two"]})
+        for job, outcome in (("wf/one", Outcome.COMPLETED), ("wf/two", Outcome.FAILED)):
+            claim = request_for(job, 1, f"t-{job}", overlap_skip=False)
+            assert (await backend.claim(claim)).status is ClaimStatus.WON
+            assert await backend.finish(Lease(job, 1, f"t-{job}", 60_000), outcome,
+                                        None if outcome is Outcome.COMPLETED else "boom")
+        operator = psycopg.connect(pg16_server.dsn)  # the retry, not committed yet
+        try:
+            refused = operator.execute(
+                f"SELECT o_refused FROM {table}{OPERATE_SUFFIX}"
+                "('retry', 'wf/two', 1, 'cli', 0)").fetchall()
+            assert refused == [(None,)]
+            with anyio.fail_after(10):  # the step being changed is skipped, not waited for
+                assert await backend.prune("wf/one", keep=0) == 0
+                # and through the statement that trims many jobs at once
+                assert await backend.prune_many(["wf/one", "other"], keep=0) == {
+                    "wf/one": 0, "other": 0}
+            operator.commit()
+        finally:
+            operator.close()
+        assert [a.slot for a in await backend.history("wf/one")] == [1]
+        assert await backend.prune("wf/one", keep=0) == 0  # the workflow run goes on: kept
+    finally:
+        await backend.close()

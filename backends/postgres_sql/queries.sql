@@ -445,11 +445,26 @@ settled AS (
     WHERE r.job = %(job)s::text AND r.slot IN (SELECT d.slot FROM doomed d)
       AND r.status NOT IN ('running', 'handed_over', 'retrying')
     FOR SHARE SKIP LOCKED),
+-- the workflow's other steps' runs at the doomed slots, locked and read as they are now
+-- too: a slot where one is open now (an operator's retry of a failed step reopened the
+-- workflow run meanwhile) or being changed keeps its attempts this time
+others AS (
+    SELECT r.job, r.slot FROM steps w JOIN {runs} r ON r.job = w.step
+    WHERE w.step <> %(job)s::text AND r.slot IN (SELECT d.slot FROM doomed d)),
+others_settled AS (
+    SELECT r.job, r.slot FROM {runs} r
+    WHERE (r.job, r.slot) IN (SELECT o.job, o.slot FROM others o)
+      AND r.status NOT IN ('running', 'handed_over', 'retrying')
+    FOR SHARE SKIP LOCKED),
 gone AS (
     DELETE FROM {attempts} a USING doomed d
     WHERE a.job = %(job)s::text AND a.slot = d.slot AND a.attempt = d.attempt
       AND (a.slot IN (SELECT s.slot FROM settled s)
            OR NOT EXISTS (SELECT 1 FROM {runs} r WHERE r.job = a.job AND r.slot = a.slot))
+      AND NOT EXISTS (
+          SELECT 1 FROM others o
+          WHERE o.slot = a.slot
+            AND (o.job, o.slot) NOT IN (SELECT x.job, x.slot FROM others_settled x))
     RETURNING a.slot, a.attempt),
 runs_gone AS (
     DELETE FROM {runs} r
@@ -540,11 +555,24 @@ settled AS (
     WHERE (r.job, r.slot) IN (SELECT d.job, d.slot FROM doomed d)
       AND r.status NOT IN ('running', 'handed_over', 'retrying')
     FOR SHARE SKIP LOCKED),
+-- the workflow's other steps' runs at the doomed slots as they are now (see trim_job)
+others AS (
+    SELECT w.job AS trimmed, r.job, r.slot FROM steps w JOIN {runs} r ON r.job = w.step
+    WHERE w.step <> w.job AND (w.job, r.slot) IN (SELECT d.job, d.slot FROM doomed d)),
+others_settled AS (
+    SELECT r.job, r.slot FROM {runs} r
+    WHERE (r.job, r.slot) IN (SELECT o.job, o.slot FROM others o)
+      AND r.status NOT IN ('running', 'handed_over', 'retrying')
+    FOR SHARE SKIP LOCKED),
 gone AS (
     DELETE FROM {attempts} a USING doomed d
     WHERE a.job = d.job AND a.slot = d.slot AND a.attempt = d.attempt
       AND ((a.job, a.slot) IN (SELECT s.job, s.slot FROM settled s)
            OR NOT EXISTS (SELECT 1 FROM {runs} r WHERE r.job = a.job AND r.slot = a.slot))
+      AND NOT EXISTS (
+          SELECT 1 FROM others o
+          WHERE o.trimmed = a.job AND o.slot = a.slot
+            AND (o.job, o.slot) NOT IN (SELECT x.job, x.slot FROM others_settled x))
     RETURNING a.job, a.slot, a.attempt),
 runs_gone AS (
     DELETE FROM {runs} r
