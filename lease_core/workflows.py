@@ -15,14 +15,18 @@ run, on every backend.
 - The **supervisors** are the other instances: each backs up the steps it knows of, takes a
   step over when its lease expires (attempt + 1) or at once after a hand-over, and, when a
   watched step completed but its successor was never claimed (its agent died in between),
-  claims the successor itself. A starting instance looks at each workflow's latest run for
-  such a gap.
+  claims the successor itself. A starting instance looks for such a gap in each
+  workflow's latest run and in its recent runs (the newest ``history_size`` of each step,
+  at least 100, at most 1000); an older run is continued only when its completed step's
+  result names the same next step (a deploy that changed the workflow does not give its
+  old runs the new steps).
 
 **Checkpoint payload of a step run.** While a step runs, ``ctx.checkpoint`` stores its own
 progress as ``{"progress": value}``; once it completes, the payload is
 ``{"result": value}`` (the last step's with ``"last": True``: a step added to the
-workflow later is not run for that run). ``ctx.checkpoint.get()`` returns only the progress, and
-``ctx.results`` only the results: the two never collide.
+workflow later is not run for that run; the others' with ``"next": <next step's name>``).
+``ctx.checkpoint.get()`` returns only the progress, and ``ctx.results`` only the results:
+the two never collide.
 
 **Failures.** A step whose handler raises or times out is recorded ``failed`` /
 ``timed_out``: the workflow run is then failed at once, and later steps never run. Past a

@@ -665,7 +665,8 @@ async def test_a_zombie_agent_is_refused_everything(store: Store) -> None:
         with pytest.raises(LeaseLost):
             await Checkpoint(backend, old).set({"progress": 9})
         assert not await backend.finish(old, Outcome.COMPLETED)
-        assert await backend.get_checkpoint("close/interest", slot) == {"result": "by b"}
+        assert await backend.get_checkpoint("close/interest", slot) == {"result": "by b",
+                                                                      "next": "publish"}
     finally:
         await backend.close()
     assert finished == ["by b"]
@@ -779,6 +780,74 @@ async def test_a_backup_dispatches_the_next_step_when_the_agent_dies_after_finis
         await dead.close()
 
 
+class DiesClaiming:
+    """A backend wrapper whose instance dies as it claims ``job``'s run at ``slot``: the
+    instance is crashed and the claim never reaches the store."""
+
+    def __init__(self, inner: Any, job: str, slot: int) -> None:
+        self.inner, self.job, self.slot = inner, job, slot
+        self.instance: Instance | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr not in ("claim", "claim_many"):
+            return value
+
+        async def claim(requests: Any) -> Any:
+            many = attr == "claim_many"
+            if any((r.job, r.slot) == (self.job, self.slot)
+                   for r in (requests if many else [requests])):
+                assert self.instance is not None
+                self.instance.crash()
+                raise BackendUnavailable("the instance died before its claim went out")
+            return await value(requests)
+        return claim
+
+
+async def test_a_starting_instance_continues_an_older_run_left_between_two_steps(
+    store: Store,
+) -> None:
+    """An older workflow run stopped between two steps (its first step completed, its
+    agent and every supervisor died before any claimed the second), while a newer run of
+    the workflow is its latest: an instance that starts later runs the older run's second
+    step, once. The start-up check must not look only at the workflow's latest run."""
+    ran: list[tuple[str, str | None, int]] = []
+
+    def build(name: str) -> Scheduler:
+        s = make(store, name)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
+        for step in STEPS[:2]:
+            close.step(step, lambda ctx, name=name: ran.append((name, ctx.step, ctx.slot)))
+        return s
+
+    a, b = build("a"), build("b")
+    newer = current_slot(a)
+    older = newer - 3_600_000
+    dying = [DiesClaiming(s.backend, step_job("close", "interest"), older) for s in (a, b)]
+    a.backend, b.backend = dying  # type: ignore[assignment]
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        dying[0].instance, dying[1].instance = ia, ib
+        await begin(a, newer)
+        await begin(b, newer)
+        await wait_workflow(a, newer, "completed")
+        await begin(a, older)  # a runs the first step; b backs it up
+        await begin(b, older)
+        with anyio.fail_after(10):  # both die as they claim the second step
+            await ia.wait_done()
+            await ib.wait_done()
+    assert await statuses(a, older) == [RunStatus.COMPLETED, None]
+    assert await statuses(a, newer) == [RunStatus.COMPLETED, RunStatus.COMPLETED]
+    c = build("c")
+    async with anyio.create_task_group() as tg:
+        ic = await Instance(c).start(tg)
+        await wait_workflow(c, older, "completed")
+        await ic.stop()
+    assert sorted(r for r in ran if r[2] == older) == [
+        ("a", "snapshot", older), ("c", "interest", older)]
+
+
 def _close_workflow(store: Store, name: str, steps: tuple[str, ...],
                     handler: Callable[[RunContext], object]) -> Scheduler:
     """A scheduler named ``name`` with the hourly workflow ``close`` of ``steps``, each
@@ -799,6 +868,38 @@ async def _one_run_completed(scheduler: Scheduler) -> int:
         await wait_workflow(scheduler, slot, "completed")
         await i.stop()
     return slot
+
+
+async def test_a_starting_instance_does_not_give_older_runs_a_step_they_never_had(
+    store: Store, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A release replaces a workflow's last step: the older runs, which completed with
+    the step it replaced, are not continued with the new one by the start-up check that
+    looks past the latest run (their first step's result names the old next step)."""
+    ran: list[tuple[str | None, int]] = []
+
+    def build(name: str, steps: tuple[str, ...]) -> Scheduler:
+        return _close_workflow(store, name, steps,
+                               lambda ctx: ran.append((ctx.step, ctx.slot)))
+
+    old = build("old", ("snapshot", "interest"))
+    newer = current_slot(old)
+    older = newer - 3_600_000
+    async with anyio.create_task_group() as tg:
+        i = await Instance(old).start(tg)
+        for slot in (older, newer):
+            await begin(old, slot)
+            await wait_workflow(old, slot, "completed")
+        await i.stop()
+    new = build("new", ("snapshot", "audit"))
+    with caplog.at_level(logging.DEBUG, logger="anarchon"):
+        async with anyio.create_task_group() as tg:
+            i = await Instance(new).start(tg)
+            await wait_for(lambda: "completed under another definition" in caplog.text
+                           or ("audit", older) in ran, what="the older run looked at")
+            await i.stop()
+    assert (await statuses(new, older)) == [RunStatus.COMPLETED, None]
+    assert ("audit", older) not in ran
 
 
 async def test_a_step_added_to_a_deployed_workflow_runs_from_the_next_run_on(

@@ -27,7 +27,13 @@ if TYPE_CHECKING:
     from .runs import Run
     from .session import Session
 
-__all__ = ["StepCoordinator"]
+__all__ = ["RESUME_SCAN", "RESUME_SCAN_MAX", "StepCoordinator"]
+
+#: How many of the newest runs of each step (but the last) a starting instance reads to
+#: find workflow runs left between two steps: ``history_size`` when it is more, up to
+#: :data:`RESUME_SCAN_MAX` (see :meth:`StepCoordinator.resume`).
+RESUME_SCAN = 100
+RESUME_SCAN_MAX = 1000
 
 
 class StepCoordinator:
@@ -66,10 +72,12 @@ class StepCoordinator:
         """The checkpoint that stores a completed step's result: ``{"result": value}``,
         with ``"last": True`` when the step is its workflow's last in this instance's
         definition (a step added later is then not run for this run; see
-        :meth:`_ended_as_last`)."""
-        if job.next_step is None:
+        :meth:`_ended_as_last`), else with ``"next": <the next step's name>`` (an older
+        run is continued at start only with that step; see :meth:`resume`)."""
+        next_step = job.next_step
+        if next_step is None:
             return {"result": value, "last": True}
-        return {"result": value}
+        return {"result": value, "next": next_step.step}
 
     async def _ended_as_last(self, job: Job, slot: int) -> bool:
         """True when ``job``'s completed run at ``slot`` was completed as its workflow's
@@ -233,23 +241,59 @@ class StepCoordinator:
         await store(self.result_payload(self._s.jobs[ctx.job], ctx.result))
 
     async def resume(self, wf: Workflow, info: JobInfo) -> None:
-        """Claim the next step of ``wf``'s latest run if a step completed and it was not."""
-        # A workflow run whose step completed but whose next step was never claimed (its
-        # agent died in between) is continued by the first instance that starts.
+        """Claim the next step of each of ``wf``'s workflow runs where a step completed
+        and the next one was never claimed (its agent and supervisors died in between).
+
+        Not only the latest run: an older run can be left so while newer runs went on.
+        The candidates are the workflow's latest run and the newest :data:`RESUME_SCAN`
+        runs (at least ``history_size``, at most :data:`RESUME_SCAN_MAX`) of each step but
+        the last that completed: one read of each step's runs and one batched check of
+        their successors, once, at start; nothing is added to any claim. An older run is
+        continued only when its completed step's result names the same next step
+        (:meth:`_went_on_with`): after a deploy changed the workflow, its old runs are not
+        given the new steps."""
         s = self._s
-        if info.last_slot is None:
-            return
-        keys = [(job.name, info.last_slot) for job in wf.jobs]
+        slots: set[int] = set() if info.last_slot is None else {info.last_slot}
+        limit = min(max(s.settings.history_size, RESUME_SCAN), RESUME_SCAN_MAX)
         try:
+            for job in wf.jobs[:-1]:
+                slots.update(r.slot for r in await s.settings.backend.runs(job.name,
+                                                                         limit=limit)
+                             if r.status is RunStatus.COMPLETED)
+            if not slots:
+                return
+            keys = [(job.name, slot) for slot in sorted(slots) for job in wf.jobs]
             result = await s.settings.backend.check(keys)
         except Exception as exc:
             s.clock.failed(f"check of workflow {wf.name}", exc)
             return
-        for job, key in zip(wf.jobs[:-1], keys[1:], strict=True):
-            state = result.runs.get((job.name, key[1]))
-            if (state is not None and state.status is RunStatus.COMPLETED
-                    and key not in result.runs):
+        for slot in sorted(slots, reverse=True):
+            for job in wf.jobs[:-1]:
+                state = result.runs.get((job.name, slot))
                 next_step = job.next_step
                 assert next_step is not None
-                await self._continue(job, next_step, key[1])
-                return
+                if (state is not None and state.status is RunStatus.COMPLETED
+                        and (next_step.name, slot) not in result.runs):
+                    if slot == info.last_slot:
+                        await self._continue(job, next_step, slot)
+                    elif await self._went_on_with(job, next_step, slot):
+                        await s.claims.claim(next_step, slot, Reason.SCHEDULED)
+                    break
+
+    async def _went_on_with(self, job: Job, next_step: Job, slot: int) -> bool:
+        """True when ``job``'s run at ``slot``, completed, named ``next_step`` as the step
+        after it (its result's ``"next"``): the workflow run was to go on with it. An
+        older run whose step completed under another definition (a step added, renamed
+        or removed since; its result stored by an earlier build, with no mark) is not
+        continued at start: that would run a step for runs that ended long ago."""
+        try:
+            payload = await self._s.settings.backend.get_checkpoint(job.name, slot)
+        except Exception as exc:
+            self._s.clock.failed(f"reading the checkpoint of {job.name}", exc)
+            return False
+        if isinstance(payload, dict) and payload.get("next") == next_step.step:
+            return True
+        logger.debug("%s slot %s: step %r completed under another definition of the "
+                     "workflow; step %r is not run for it", job.workflow and
+                     job.workflow.name, format_slot(slot), job.step, next_step.step)
+        return False
