@@ -476,3 +476,67 @@ async def test_clients_passed_in_find_the_loss_too(
     finally:
         await backend.close()
         await client.aclose() if kind == "asyncio-client" else client.close()
+
+
+class _Registrations:
+    """A backend wrapper counting ``register_jobs`` calls (a start, or a new epoch)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.count = inner, 0
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr != "register_jobs":
+            return value
+
+        async def register(jobs: Any) -> Any:
+            found = await value(jobs)
+            self.count += 1
+            return found
+        return register
+
+
+async def test_an_old_instance_at_a_new_epoch_does_not_record_its_older_workflow_steps(
+    server: EmbeddedRedis, raw: redis.Redis
+) -> None:
+    """A release adds a step to a workflow while an instance of the old release runs on.
+    A failover takes the old instance's leases (the job's next win is on a server with
+    another replication id: a new epoch), and it lists its jobs again: that must restore
+    only store-wide records that are missing, not write its older steps over the newer
+    ones the store kept (trimming would then no longer keep the new step's runs with
+    their workflow run, and readers would show the old steps)."""
+    prefix = _prefix()
+    old = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id="old",
+                    lease="1s", heartbeat="0.2s")
+    runs: list[int] = []
+
+    @old.every("tick", "0.5s")
+    async def tick(ctx: RunContext) -> None:
+        runs.append(ctx.slot)
+
+    old.workflow("flow", every="1h").step("one", lambda ctx: None)
+    registrations = _Registrations(old.backend)
+    old.backend = registrations  # type: ignore[assignment]
+    new = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id="new",
+                    lease="1s", heartbeat="0.2s")
+    flow = new.workflow("flow", every="1h")
+    flow.step("one", lambda ctx: None)
+    flow.step("two", lambda ctx: None)
+    reader = RedisBackend(server.url, prefix=prefix)
+    async with anyio.create_task_group() as tg:
+        i_old = await Instance(old).start(tg)
+        try:
+            await wait_for(lambda: len(runs) >= 1, what="a run of the old instance")
+            i_new = await Instance(new).start(tg)  # the new release records its steps
+            await i_new.stop()
+            await reader.start(create=False)
+            assert await reader.workflows() == {"flow": ["one", "two"]}
+            assert registrations.count == 1
+            # as if the job's last holders were on another server (a failover)
+            raw.hset("{" + prefix + "/tick}:job", "rid", "0" * 40)
+            await wait_for(lambda: registrations.count >= 2, timeout=10,
+                           what="the old instance listing its jobs at the new epoch")
+            assert await reader.workflows() == {"flow": ["one", "two"]}
+        finally:
+            await reader.close()
+            await stop_all([i_old])

@@ -44,9 +44,13 @@ class RedisClaims(RedisStore):
         # The store-wide records a loss of the data took with it ({P}:meta: the format that
         # read-only tools and operations look for, the workflows' steps that trimming
         # reads, the schedules): the scheduler registers its jobs again at a new epoch.
+        # Only the missing ones are recorded again (HSETNX): a new epoch without a loss
+        # of {P}:meta (a failover, a Cluster shard's loss) must not write this process's
+        # older records (an old release's steps) over newer ones.
         commands.append(("HSETNX", self._meta_key, "format", STORE_FORMAT))
-        if self._registered:
-            commands.append(("HSET", self._meta_key, *self._registered))
+        registered = self._registered
+        commands += [("HSETNX", self._meta_key, registered[i], registered[i + 1])
+                     for i in range(0, len(registered), 2)]
         replies = await self._run(commands)
         out = {}
         markers = self._markers
