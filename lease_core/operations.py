@@ -251,8 +251,11 @@ class Admin:
                             grace_ms=int(grace_s * 1000))
 
     async def paused(self) -> dict[str, str]:
-        """The paused jobs and workflows (by their own names), each with who paused it."""
-        await self._start()
+        """The paused jobs and workflows (by their own names), each with who paused it.
+
+        A read: the store is read as it is (an older one is not upgraded, nor a missing
+        one created: :class:`~lease_core.errors.StoreNotFound`)."""
+        await self.backend.start(create=False)
         try:
             paused = await self.backend.paused()
             firsts = {step_job(name, steps[0]): name

@@ -784,6 +784,9 @@ async def test_an_operation_on_a_v3_store_upgrades_it_and_acts(
         with pytest.raises(OperationRefused, match="no run"):
             await admin.cancel("j", 2)
         assert sql(server.admin_dsn, code) == [("3",)]
+        # Nor does a read of the paused jobs (it upgraded the store).
+        assert await admin.paused() == {}
+        assert sql(server.admin_dsn, code) == [("3",)]
         await admin.pause("j")
         assert sql(server.admin_dsn, code) != [("3",)]  # made: upgraded, then made
         assert await admin.paused() == {"j": "test"}
