@@ -312,7 +312,7 @@ class Admin:
         if after is not None and slot is not None:
             raise OperationRefused("conflict", _between_steps(name, slot, after))
         if result.refused is not None:
-            raise OperationRefused(result.refused, _refusal(kind, job, slot, result))
+            raise OperationRefused(result.refused, _refusal(kind, job, slot, result, name))
         return result
 
     async def _refusal_read(self, kind: OperationKind, job: str,
@@ -387,19 +387,32 @@ def _between_steps(name: str, slot: int, done: str) -> str:
             "continue the workflow); cancel again once it has started")
 
 
-def _refusal(kind: OperationKind, job: str, slot: int | None, result: OperationResult) -> str:
-    run = f"{job}@{slot}" if slot is None else f"{job}@{slot} ({format_slot(slot)})"
+def _refusal(kind: OperationKind, job: str, slot: int | None, result: OperationResult,
+             name: str | None = None) -> str:
+    """The message of a refusal of the operation on ``job``; ``name`` is the name given,
+    when it is a workflow's (``job`` one of its steps): a refusal about the workflow as a
+    whole (unknown, no run at that slot, paused or not) names the workflow as given,
+    not its step's job, which the caller never wrote."""
+    what, shown = "job", job
+    if name is not None and name != job:
+        what, shown = "workflow", name
+
+    def run_of(of: str) -> str:
+        return f"{of}@{slot}" if slot is None else f"{of}@{slot} ({format_slot(slot)})"
+
     if result.refused == "unknown_job":
-        return (f"cannot {kind} job {job!r}: the store has never seen it; check the name "
-                "(`anarchon status` lists them)")
+        return (f"cannot {kind} {what} {shown!r}: the store has never seen it; check the "
+                "name (`anarchon status` lists them)")
     if result.refused == "no_run":
-        return f"cannot {kind} run {run}: the store has no run of {job!r} at that slot"
+        return (f"cannot {kind} run {run_of(shown)}: the store has no run of {shown!r} at "
+                "that slot")
     if kind is OperationKind.PAUSE:
         by = "" if result.paused_by is None else f" by {result.paused_by!r}"
-        return (f"cannot pause job {job!r}: it is paused already{by}; resume it first to "
-                "pause it in another name")
+        return (f"cannot pause {what} {shown!r}: it is paused already{by}; resume it first "
+                "to pause it in another name")
     if kind is OperationKind.RESUME:
-        return f"cannot resume job {job!r}: it is not paused"
+        return f"cannot resume {what} {shown!r}: it is not paused"
+    run = run_of(job)
     status = "" if result.status is None else str(result.status)
     if result.status is RunStatus.HANDED_OVER:
         status = ("handed_over (waiting to be claimed: handed over at a stop, or triggered "

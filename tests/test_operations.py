@@ -754,6 +754,44 @@ async def test_a_trigger_or_pause_of_a_later_step_s_own_job_is_refused(store: St
     assert await admin.paused() == {"close": "ops"}
 
 
+async def test_a_refusal_of_an_operation_on_a_workflow_names_the_workflow(
+        store: Store) -> None:
+    """An operation given a workflow's name acts on one of its steps' jobs. A refusal
+    about the workflow as a whole (no run at that slot, not paused, paused already) names
+    the workflow as given: it named the first step's job ("cannot resume job
+    'close/snapshot'"), a name the operator never wrote. Each changes nothing."""
+    admin = admin_for(store, by="ops")
+    backend = store.backend()
+    await backend.start()
+    try:
+        await backend.register_workflows({"close": ["snapshot", "interest"]})
+        await backend.register_jobs(["close/snapshot", "close/interest"])
+    finally:
+        await backend.close()
+    run = "close@12345 (1970-01-01T00:00:12.345Z)"
+    for call, text in (
+            (lambda: admin.retry("close", 12345),
+             f"cannot retry run {run}: the store has no run of 'close' at that slot"),
+            (lambda: admin.cancel("close", 12345),
+             f"cannot cancel run {run}: the store has no run of 'close' at that slot"),
+            (lambda: admin.resume("close"), "cannot resume workflow 'close': it is not paused")):
+        with pytest.raises(OperationRefused) as refused:
+            await call()
+        assert str(refused.value) == text
+    assert await admin.paused() == {}
+    await admin.pause("close")
+    with pytest.raises(OperationRefused) as refused:
+        await admin_for(store, by="other").pause("close")
+    assert str(refused.value) == ("cannot pause workflow 'close': it is paused already by "
+                                  "'ops'; resume it first to pause it in another name")
+    assert await admin.paused() == {"close": "ops"}
+    await backend.start()
+    try:
+        assert await backend.runs("close/snapshot") == []
+    finally:
+        await backend.close()
+
+
 async def test_a_cancel_of_a_run_nobody_holds_is_recorded_as_an_attempt(
         store: Store) -> None:
     """A triggered, retried, handed-over or retrying run cancelled before any instance
