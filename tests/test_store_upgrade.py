@@ -978,3 +978,77 @@ async def test_a_store_found_later_in_the_search_path_is_upgraded_where_it_is(
     finally:
         sql(pg16_server.admin_dsn, f"DROP SCHEMA {own} CASCADE")
         await drop_tables(pg16_server.admin_dsn, table)
+
+
+
+async def test_an_operation_through_a_store_opened_as_it_is_upgrades_it_and_acts(
+    server: PgServer, anyio_backend: str
+) -> None:
+    """``anarchon serve`` opens its backend with ``start(create=False)``: an older store
+    is read as it is, and the application's own start is a counted no-op. An operation
+    (POST) then called the operations function a v3 store does not have: the driver's
+    "function ... does not exist" raised out of the application (a 500). It upgrades the
+    store in place and acts, as an operation of the CLI does."""
+    from lease_core.http import create_app
+
+    table = unique_table()
+    sql(server.admin_dsn, FIXTURE_V3.read_text().format(**names_v3(table)))
+    code = f"SELECT value FROM {table}_meta WHERE key = 'code'"
+    try:
+        old = v3_release(server.dsn, table)
+        assert old.claim(1, "done", 60_000)[0] == "won"  # the store knows job "j"
+        # An application user who may not upgrade: 503, naming anarchon migrate.
+        role, password = f"app_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+        sql(server.admin_dsn, f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+        try:
+            tables = ", ".join(f"{table}{s}" for s in ("", "_attempts", "_jobs", "_meta"))
+            sql(server.admin_dsn, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {role}")
+            user = PostgresBackend(server.server.dsn_for(role, password), table=table)
+            await user.start(create=False)
+            try:
+                app = create_app(user, token="t0ken")
+                for _ in range(2):  # the same answer again, not the missing function
+                    status, body = await asgi_request(app, "POST", "/jobs/j/pause", "t0ken")
+                    assert status == 503 and b"anarchon migrate" in body, (status, body)
+            finally:
+                await user.close()
+            assert sql(server.admin_dsn, code) == [("3",)]
+        finally:
+            sql(server.admin_dsn, f"DROP OWNED BY {role}")
+            sql(server.admin_dsn, f"DROP ROLE {role}")
+        backend = PostgresBackend(server.dsn, table=table)
+        await backend.start(create=False)  # as anarchon serve does
+        try:
+            app = create_app(backend, token="t0ken")  # its lifespan is not run here
+            assert (await asgi_request(app, "GET", "/jobs", "t0ken"))[0] == 200
+            assert sql(server.admin_dsn, code) == [("3",)]  # a read changes nothing
+            status, body = await asgi_request(app, "POST", "/jobs/j/pause", "t0ken")
+            assert status == 200, body
+            assert await backend.paused() == {"j": "http"}
+        finally:
+            await backend.close()
+        assert sql(server.admin_dsn, code) == [(str(CODE_VERSION),)]
+    finally:
+        await drop_tables(server.admin_dsn, table)
+
+
+async def asgi_request(app: Any, method: str, path: str, token: str) -> tuple[int, bytes]:
+    """One request to the ASGI application ``app`` on this event loop (the backend's);
+    its status and body."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app({"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+               "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+               "root_path": "", "query_string": b"", "client": ("127.0.0.1", 1),
+               "server": ("127.0.0.1", 80),
+               "headers": [(b"host", b"127.0.0.1"),
+                           (b"authorization", f"Bearer {token}".encode())]},
+              receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")

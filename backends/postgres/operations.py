@@ -9,11 +9,16 @@ queued runs and the status API's read of paused jobs are one statement each
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from lease_core._structures import RunStatus
+from lease_core.errors import ConfigurationError, StoreRefused
 from lease_core.operations import Operation, OperationResult
 
 from .descriptions import StoreDescriptions
+
+if TYPE_CHECKING:
+    from .schema import StoreSchema
 
 __all__ = ["StoreOperations"]
 
@@ -21,8 +26,26 @@ __all__ = ["StoreOperations"]
 class StoreOperations(StoreDescriptions):
     """The operations of :class:`~backends.postgres.PostgresBackend`."""
 
+    _store: StoreSchema
+
     async def operate(self, op: Operation) -> OperationResult:
-        """Make ``op`` in one call of the operations function, or refuse it (see there)."""
+        """Make ``op`` in one call of the operations function, or refuse it (see there).
+
+        A backend opened with ``start(create=False)`` (``anarchon serve``, a reader) reads
+        the store as it is, perhaps of older store code, without the operations function:
+        the first operation upgrades it in place first, as ``start()`` does (it called a
+        function that was not there: the driver's "function does not exist", a 500 of
+        the status API). A store user who may not upgrade it gets
+        :class:`~lease_core.errors.StoreRefused` naming ``anarchon migrate``.
+        """
+        if self._store.read_as_is:
+            try:
+                await self._store.ensure(self._adapter)
+            except BaseException as exc:
+                self._store.read_as_is = True  # not upgraded: the next operation tries again
+                if isinstance(exc, ConfigurationError) and not isinstance(exc, StoreRefused):
+                    raise StoreRefused(str(exc)) from exc  # the store's setup, not the call
+                raise
         [(refused, slot, status)] = await self._adapter.all(
             self._sql.operate, (str(op.kind), op.job, op.slot, op.by, op.grace_ms))
         return OperationResult(None if refused is None else str(refused),

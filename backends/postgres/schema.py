@@ -76,6 +76,9 @@ class StoreSchema:
         #: The store code the store has after the last :meth:`ensure`: this release's, or
         #: a newer release's (its store used as it is).
         self.code = CODE_VERSION
+        #: Whether the store was last opened by :meth:`check` (read as it is, perhaps of
+        #: older store code), not by :meth:`ensure`: an operation then upgrades it first.
+        self.read_as_is = False
 
     def _table_names(self) -> list[str]:
         return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
@@ -164,6 +167,7 @@ class StoreSchema:
                 f"no anarchon store at {where} (table {self.table!r}); check --url and "
                 "--namespace, or create it with `anarchon migrate`, or by starting a scheduler"
             )
+        self.read_as_is = True
 
     async def ensure(self, adapter: SqlAdapter) -> None:
         """Use the store as it is, or create or upgrade it (see :func:`migrate`).
@@ -171,6 +175,7 @@ class StoreSchema:
         A user without the privileges to create or upgrade gets a one-line
         :class:`ConfigurationError` naming ``anarchon migrate``.
         """
+        self.read_as_is = False
         tables, function, named = await self._existing(adapter)
         complete, code = False, 1
         if len(tables) == 4:
