@@ -417,6 +417,9 @@ def _refusal(kind: OperationKind, job: str, slot: int | None, result: OperationR
     if result.status is RunStatus.HANDED_OVER:
         status = ("handed_over (waiting to be claimed: handed over at a stop, or triggered "
                   "or retried already)")
+    elif result.status is RunStatus.RETRYING:
+        status = ("retrying (it failed and waits for its next automatic retry, by the job's "
+                  "retry=, which an instance makes when it is due; cancel it to stop it)")
     if kind is OperationKind.RETRY:
         return (f"cannot retry run {run}: it is {status}; only failed, timed_out or "
                 "escalated runs are retried")

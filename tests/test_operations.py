@@ -792,6 +792,33 @@ async def test_a_refusal_of_an_operation_on_a_workflow_names_the_workflow(
         await backend.close()
 
 
+async def test_a_retry_of_a_run_waiting_for_its_automatic_retry_is_refused_clearly(
+        store: Store) -> None:
+    """A run whose handler failed and that waits for its next automatic retry (``retry=``,
+    status ``retrying``) is no failed run: a retry is refused, saying what it waits for
+    (the message said only "it is retrying"), and changes nothing."""
+    from lease_core.abc import Lease, Outcome
+
+    admin = admin_for(store, by="ops")
+    backend = store.backend()
+    if not supports_retries(backend):
+        pytest.skip(f"{type(backend).__name__} has no retry_later()")
+    await backend.start()
+    try:
+        await backend.register_jobs(["r"])
+        await backend.claim(ClaimRequest("r", 1000, "i-1", "t-1", 60_000))
+        assert await backend.retry_later(
+            [(Lease("r", 1000, "t-1", 60_000), Outcome.FAILED, "boom", [600_000])]) == [1]
+        with pytest.raises(OperationRefused, match=r"it is retrying \(it failed and waits for "
+                           r"its next automatic retry") as refused:
+            await admin.retry("r", 1000)
+        assert refused.value.kind == "conflict"
+        assert [(r.slot, r.status) for r in await backend.runs("r")] == [(1000, "retrying")]
+        assert await backend.queued(["r"]) == []
+    finally:
+        await backend.close()
+
+
 async def test_a_cancel_of_a_run_nobody_holds_is_recorded_as_an_attempt(
         store: Store) -> None:
     """A triggered, retried, handed-over or retrying run cancelled before any instance
