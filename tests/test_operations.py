@@ -464,6 +464,34 @@ async def test_a_trigger_does_not_move_the_catch_up_watermark(store: Store) -> N
     assert triggered in info.open_slots
 
 
+async def test_a_trigger_of_a_job_that_skips_overlaps_runs_beside_its_run_in_progress(
+        store: Store) -> None:
+    """overlap="skip" applies to the schedule's slots: an operator's trigger runs even
+    while a run of the job is in progress (as the operations guide says)."""
+    admin = admin_for(store)
+    offset = await quiet(store)
+    s = make(store, "a")
+    started: list[int] = []
+    release = anyio.Event()
+
+    async def work(ctx: RunContext) -> None:
+        started.append(ctx.slot)
+        await release.wait()
+
+    s.every("busy", "1h", work, offset=offset, overlap="skip")
+    async with s:
+        slot = await store_now_ms(store.backend()) - 1000
+        assert await claim_now(s, "busy", slot) is not None
+        await wait_for(lambda: started == [slot], timeout=10, what="the scheduled run")
+        triggered = await admin.trigger("busy")
+        await wait_for(lambda: triggered in started, timeout=10,
+                       what="the triggered run, beside the one in progress")
+        assert started == [slot, triggered]
+        release.set()
+        await wait_history(s, lambda h: sum(a.outcome == "completed" for a in h) == 2,
+                           job="busy", what="both runs completed")
+
+
 async def test_bad_input_is_refused_and_changes_nothing(store: Store) -> None:
     admin = admin_for(store)
     offset = await quiet(store)
