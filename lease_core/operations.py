@@ -297,8 +297,9 @@ class Admin:
                     result = await self.backend.operate(
                         Operation(kind, job, slot, self.by, grace_ms))
                     if (result.refused == "conflict" and kind is OperationKind.CANCEL
-                            and result.status is RunStatus.COMPLETED and name != job):
-                        continue  # the step completed meanwhile: look again
+                            and result.status is RunStatus.COMPLETED and name != job
+                            and anyio.current_time() < deadline):
+                        continue  # the step completed meanwhile: look again (bounded)
                 if after is None or anyio.current_time() >= deadline:
                     break
                 await anyio.sleep(BETWEEN_STEPS_POLL_S)
