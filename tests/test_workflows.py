@@ -927,6 +927,33 @@ async def test_a_step_added_to_a_deployed_workflow_runs_from_the_next_run_on(
                    ("snapshot", later), ("interest", later), ("publish", later)]
 
 
+async def test_a_step_inserted_in_a_deployed_workflow_runs_from_the_next_run_on(
+    store: Store, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A release inserts a step between two: its first instance finds the latest run,
+    which went on from the first step with the old next one, not missing the new step
+    (the first step's result names the step it went on with), and runs the new step from
+    the next run on. It ran the inserted step for that completed run."""
+    ran: list[tuple[str | None, int]] = []
+
+    def build(name: str, steps: tuple[str, ...]) -> Scheduler:
+        return _close_workflow(store, name, steps,
+                               lambda ctx: ran.append((ctx.step, ctx.slot)))
+
+    slot = await _one_run_completed(build("old", (STEPS[0], STEPS[2])))
+    new, later = build("new", STEPS), slot + 3_600_000
+    with caplog.at_level(logging.INFO, logger="anarchon"):
+        async with anyio.create_task_group() as tg:
+            i = await Instance(new).start(tg)
+            await wait_for(lambda: "under an earlier definition" in caplog.text
+                           or (STEPS[1], slot) in ran, what="the latest run looked at")
+            await begin(new, later)
+            await wait_workflow(new, later, "completed")
+            await i.stop()
+    assert ran == [(STEPS[0], slot), (STEPS[2], slot),
+                   (STEPS[0], later), (STEPS[1], later), (STEPS[2], later)]
+
+
 async def test_a_run_that_ended_before_a_step_was_added_is_shown_completed(
     store: Store) -> None:
     """The status API shows a run that ended with the workflow's old last step as

@@ -72,41 +72,52 @@ class StepCoordinator:
         """The checkpoint that stores a completed step's result: ``{"result": value}``,
         with ``"last": True`` when the step is its workflow's last in this instance's
         definition (a step added later is then not run for this run; see
-        :meth:`_ended_as_last`), else with ``"next": <the next step's name>`` (an older
-        run is continued at start only with that step; see :meth:`resume`)."""
+        :meth:`_ended_otherwise`), else with ``"next": <the next step's name>`` (the run
+        is continued by a backup or at start only with that step; see :meth:`resume`)."""
         next_step = job.next_step
         if next_step is None:
             return {"result": value, "last": True}
         return {"result": value, "next": next_step.step}
 
-    async def _ended_as_last(self, job: Job, slot: int) -> bool:
-        """True when ``job``'s completed run at ``slot`` was completed as its workflow's
-        last step: the step after it in this instance's definition was added since (a
-        deploy), and that run ended before it existed. Its successor is then not claimed
-        for that run: a new step runs from the next run on, not for runs that completed
-        hours ago. A run whose result cannot be read, or was stored by an earlier build
+    async def _ended_otherwise(self, job: Job, slot: int) -> bool:
+        """True when ``job``'s completed run at ``slot`` was completed under another
+        definition of its workflow, which did not go on with the step after it in this
+        instance's definition: completed as the last step (a step was added after it
+        since), or naming another next step (a step was inserted, renamed or replaced
+        since). Its successor is then not claimed for that run: a deploy's new step runs
+        from the next run on, not for a run that completed, or went on, under the old
+        definition. A run whose result cannot be read, or was stored by an earlier build
         (no mark), is continued as before."""
         try:
             payload = await self._s.settings.backend.get_checkpoint(job.name, slot)
         except Exception as exc:
             self._s.clock.failed(f"reading the checkpoint of {job.name}", exc)
             return False
-        if isinstance(payload, dict) and payload.get("last") is True:
-            next_step = job.next_step
-            assert next_step is not None and job.workflow is not None
+        if not isinstance(payload, dict):
+            return False
+        next_step = job.next_step
+        assert next_step is not None and job.workflow is not None
+        if payload.get("last") is True:
             logger.info("%s slot %s: its run ended with step %r, before step %r was added "
                         "to the workflow; that step runs from the next run on",
                         job.workflow.name, format_slot(slot), job.step, next_step.step)
+            return True
+        went = payload.get("next")
+        if isinstance(went, str) and went != next_step.step:
+            logger.info("%s slot %s: its run went on from step %r with step %r, under an "
+                        "earlier definition of the workflow; step %r runs from the next "
+                        "run on", job.workflow.name, format_slot(slot), job.step, went,
+                        next_step.step)
             return True
         return False
 
     def continue_later(self, run: Run) -> bool:
         """``run`` is a later step's, pending, found unclaimed at this member's turn after
         the step before completed elsewhere: True when it is claimed in a task of its
-        own, once that step's result shows the workflow run did not end with it
-        (:meth:`_ended_as_last`; a step added by a release rolling out must not run for a
-        run the old release ended). The read is made only here, where nobody claimed the
-        step, not at every completion a member backs up."""
+        own, once that step's result shows the workflow run goes on with it
+        (:meth:`_ended_otherwise`; a step added by a release rolling out must not run for
+        a run the old release ended, or went on with another step). The read is made only
+        here, where nobody claimed the step, not at every completion a member backs up."""
         job = run.job
         if job.workflow is None or job.scheduled or run.successor or self._s.tg is None:
             return False
@@ -119,7 +130,7 @@ class StepCoordinator:
         return True
 
     async def _continue_pending(self, before: Job, run: Run) -> None:
-        if await self._ended_as_last(before, run.slot):
+        if await self._ended_otherwise(before, run.slot):
             self._s.runs.forget(run.key)
         else:
             await self._s.claims.claim(run.job, run.slot,
@@ -127,8 +138,9 @@ class StepCoordinator:
 
     async def _continue(self, job: Job, next_step: Job, slot: int) -> None:
         """Claim ``next_step`` at ``slot``, seen unclaimed after ``job`` completed, unless
-        the run ended with ``job`` (:meth:`_ended_as_last`)."""
-        if not await self._ended_as_last(job, slot):
+        the run ended with ``job`` or went on with another step
+        (:meth:`_ended_otherwise`)."""
+        if not await self._ended_otherwise(job, slot):
             await self._s.claims.claim(next_step, slot, Reason.SCHEDULED)
 
     async def earlier_result(self, ctx: RunContext) -> tuple[bool, Any]:
