@@ -296,12 +296,12 @@ async def _workflow_entry(backend: Backend, name: str, steps: Sequence[str],
 async def _ended_before_added_steps(backend: Backend, name: str, steps: Sequence[str],
                                     slot: int, runs: dict[str, RunInfo | None]) -> bool:
     """True when the workflow run at ``slot`` ended with a step that was its workflow's
-    last when it completed (its result carries ``"last": true``), and the steps after it
-    were added to the workflow since: they never run for this run (see "Adding a step"
-    in :mod:`lease_core.workflows`), so the run is completed, not running. Read only for
-    a run whose steps with a run are all completed and are followed by steps with none."""
+    last when it completed (its result carries ``"last": true``), and steps were added to
+    the workflow since, after it or before it (inserted): they never run for this run (see
+    "Adding a step" in :mod:`lease_core.workflows`), so the run is completed, not running.
+    Read only for a run whose steps with a run are all completed, some steps having none."""
     ran = [s for s in steps if runs[s] is not None]
-    if not ran or ran[-1] == steps[-1] or ran != list(steps[:len(ran)]):
+    if not ran or len(ran) == len(steps):
         return False
     if any(r is None or r.status is not RunStatus.COMPLETED for r in map(runs.get, ran)):
         return False

@@ -952,6 +952,12 @@ async def test_a_step_inserted_in_a_deployed_workflow_runs_from_the_next_run_on(
             await i.stop()
     assert ran == [(STEPS[0], slot), (STEPS[2], slot),
                    (STEPS[0], later), (STEPS[1], later), (STEPS[2], later)]
+    async with started(new.backend):  # shown completed, not running for ever
+        run = await read_run(new.backend, "close", slot)
+        listed = await read_runs(new.backend, "close")
+    assert run is not None and run["status"] == "completed", run
+    assert listed is not None
+    assert [r["status"] for r in listed["runs"] if r["slot"] == slot] == ["completed"]
 
 
 async def test_a_run_that_ended_before_a_step_was_added_is_shown_completed(
