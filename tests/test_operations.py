@@ -759,12 +759,8 @@ async def test_pause_of_a_workflow_by_its_name_skips_its_slots_until_resume(
     assert not {a.slot for a in skipped} & set(ran)
 
 
-async def test_a_trigger_or_pause_of_a_later_step_s_own_job_is_refused(store: Store) -> None:
-    """A later step's job, paused, stopped each run of its workflow half applied (the
-    step recorded skipped, beyond a retry's reach); triggered, it ran without the steps
-    before it. Both are refused, naming the workflow; the first step's job is the
-    workflow's own (as its name is), and a resume is allowed."""
-    admin = admin_for(store, by="ops")
+async def register_close(store: Store) -> None:
+    """Record the two-step workflow ``close`` and its steps' jobs, as a start would."""
     backend = store.backend()
     await backend.start()
     try:
@@ -772,6 +768,15 @@ async def test_a_trigger_or_pause_of_a_later_step_s_own_job_is_refused(store: St
         await backend.register_jobs(["close/snapshot", "close/interest"])
     finally:
         await backend.close()
+
+
+async def test_a_trigger_or_pause_of_a_later_step_s_own_job_is_refused(store: Store) -> None:
+    """A later step's job, paused, stopped each run of its workflow half applied (the
+    step recorded skipped, beyond a retry's reach); triggered, it ran without the steps
+    before it. Both are refused, naming the workflow; the first step's job is the
+    workflow's own (as its name is), and a resume is allowed."""
+    admin = admin_for(store, by="ops")
+    await register_close(store)
     for act in (admin.trigger, admin.pause):
         with pytest.raises(ConfigurationError, match="step 'interest' of workflow 'close'"):
             await act("close/interest")
@@ -789,13 +794,7 @@ async def test_a_refusal_of_an_operation_on_a_workflow_names_the_workflow(
     the workflow as given: it named the first step's job ("cannot resume job
     'close/snapshot'"), a name the operator never wrote. Each changes nothing."""
     admin = admin_for(store, by="ops")
-    backend = store.backend()
-    await backend.start()
-    try:
-        await backend.register_workflows({"close": ["snapshot", "interest"]})
-        await backend.register_jobs(["close/snapshot", "close/interest"])
-    finally:
-        await backend.close()
+    await register_close(store)
     run = "close@12345 (1970-01-01T00:00:12.345Z)"
     for call, text in (
             (lambda: admin.retry("close", 12345),
@@ -813,6 +812,7 @@ async def test_a_refusal_of_an_operation_on_a_workflow_names_the_workflow(
     assert str(refused.value) == ("cannot pause workflow 'close': it is paused already by "
                                   "'ops'; resume it first to pause it in another name")
     assert await admin.paused() == {"close": "ops"}
+    backend = store.backend()
     await backend.start()
     try:
         assert await backend.runs("close/snapshot") == []

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from backends.embedded.postgres import EmbeddedPostgres, find_free_port
@@ -803,6 +805,24 @@ async def test_an_asyncio_only_driver_under_trio_says_what_to_use(
     assert admin(pg16_server, "SELECT to_regclass(%s)", (table,)) == [(None,)]
 
 
+@contextlib.contextmanager
+def uncommitted_retry(server: PgServer, table: str, job: str, slot: int) -> Iterator[None]:
+    """An operator's retry of ``job``'s run at ``slot``, made in a transaction of its own
+    that is committed only as the block ends (its row locks held meanwhile)."""
+    from backends.postgres.statements import OPERATE_SUFFIX
+
+    operator = psycopg.connect(server.dsn)
+    try:
+        refused = operator.execute(
+            sql.SQL("SELECT o_refused FROM {}('retry', %s, %s, 'cli', 0)").format(
+                sql.Identifier(table + OPERATE_SUFFIX)), (job, slot)).fetchall()
+        assert refused == [(None,)]
+        yield
+        operator.commit()
+    finally:
+        operator.close()
+
+
 @pytest.mark.asyncio_only
 async def test_a_run_an_operator_reopens_during_a_trimming_keeps_its_attempts(
     pg16_server: PgServer, table: str,
@@ -811,25 +831,15 @@ async def test_a_run_an_operator_reopens_during_a_trimming_keeps_its_attempts(
     the run as it is now, not as its snapshot saw it, so the reopened run keeps its
     attempts (its failure, the recovery log the retry follows). It deleted them, and the
     run went on handed over with no history at all."""
-    from backends.postgres.statements import OPERATE_SUFFIX
-
     backend = PostgresBackend(pg16_server.dsn, table=table)
     await backend.start()
     try:
         first = request_for("race", 1, "t1", overlap_skip=False)
         assert (await backend.claim(first)).status is ClaimStatus.WON
         assert await backend.finish(Lease("race", 1, "t1", 60_000), Outcome.FAILED, "boom")
-        operator = psycopg.connect(pg16_server.dsn)  # the retry, not committed yet
-        try:
-            refused = operator.execute(
-                f"SELECT o_refused FROM {table}{OPERATE_SUFFIX}"
-                "('retry', 'race', 1, 'cli', 0)").fetchall()
-            assert refused == [(None,)]
+        with uncommitted_retry(pg16_server, table, "race", 1):
             with anyio.fail_after(10):  # the run being changed is skipped, not waited for
                 assert await backend.prune("race", keep=0) == 0
-            operator.commit()
-        finally:
-            operator.close()
         state = (await backend.check([("race", 1)])).runs[("race", 1)]
         assert state.status is RunStatus.HANDED_OVER
         assert [a.error for a in await backend.history("race")] == ["boom"]
@@ -847,8 +857,6 @@ async def test_a_workflow_step_an_operator_reopens_during_a_trimming_keeps_its_r
     steps' runs as they are now, so the first step's attempts stay with the run that goes
     on again (the retried step follows them). It read them from its snapshot, saw the
     workflow run ended, and deleted the first step's run and its attempts."""
-    from backends.postgres.statements import OPERATE_SUFFIX
-
     backend = PostgresBackend(pg16_server.dsn, table=table)
     await backend.start()
     try:
@@ -858,20 +866,12 @@ async def test_a_workflow_step_an_operator_reopens_during_a_trimming_keeps_its_r
             assert (await backend.claim(claim)).status is ClaimStatus.WON
             assert await backend.finish(Lease(job, 1, f"t-{job}", 60_000), outcome,
                                         None if outcome is Outcome.COMPLETED else "boom")
-        operator = psycopg.connect(pg16_server.dsn)  # the retry, not committed yet
-        try:
-            refused = operator.execute(
-                f"SELECT o_refused FROM {table}{OPERATE_SUFFIX}"
-                "('retry', 'wf/two', 1, 'cli', 0)").fetchall()
-            assert refused == [(None,)]
+        with uncommitted_retry(pg16_server, table, "wf/two", 1):
             with anyio.fail_after(10):  # the step being changed is skipped, not waited for
                 assert await backend.prune("wf/one", keep=0) == 0
                 # and through the statement that trims many jobs at once
                 assert await backend.prune_many(["wf/one", "other"], keep=0) == {
                     "wf/one": 0, "other": 0}
-            operator.commit()
-        finally:
-            operator.close()
         assert [a.slot for a in await backend.history("wf/one")] == [1]
         assert await backend.prune("wf/one", keep=0) == 0  # the workflow run goes on: kept
     finally:

@@ -144,26 +144,46 @@ async def test_a_later_step_runs_although_newer_runs_of_it_were_trimmed(
     assert sorted(h.slot for h in await s.history(interest)) == [slot, slot + 7_200_000]
 
 
-class ClaimAnswers:
-    """A backend wrapper keeping the answers to claims of ``job``'s runs."""
+class SeesClaims:
+    """A backend wrapper that sees every claim (``claim`` and ``claim_many``): its
+    requests before they go out (:meth:`before`), and their answers (:meth:`after`)."""
 
-    def __init__(self, inner: Any, job: str) -> None:
-        self.inner, self.job = inner, job
-        self.answers: list[tuple[int, bool, Any]] = []  # (slot, scheduled, result)
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def before(self, requests: list[Any]) -> None:
+        """Called with a claim's requests before they go out."""
+
+    def after(self, requests: list[Any], results: list[Any]) -> None:
+        """Called with a claim's requests and their answers."""
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self.inner, attr)
         if attr not in ("claim", "claim_many"):
             return value
+        many = attr == "claim_many"
 
         async def claim(requests: Any) -> Any:
-            many = attr == "claim_many"
+            listed = list(requests) if many else [requests]
+            self.before(listed)
             results = await value(requests)
-            pairs = zip(requests, results, strict=True) if many else [(requests, results)]
-            self.answers.extend((r.slot, r.scheduled, a) for r, a in pairs
-                                if r.job == self.job)
+            self.after(listed, list(results) if many else [results])
             return results
         return claim
+
+
+class ClaimAnswers(SeesClaims):
+    """A backend wrapper keeping the answers to claims of ``job``'s runs."""
+
+    def __init__(self, inner: Any, job: str) -> None:
+        super().__init__(inner)
+        self.job = job
+        self.answers: list[tuple[int, bool, Any]] = []  # (slot, scheduled, result)
+
+    def after(self, requests: list[Any], results: list[Any]) -> None:
+        self.answers.extend((r.slot, r.scheduled, a)
+                            for r, a in zip(requests, results, strict=True)
+                            if r.job == self.job)
 
 
 async def ran_elsewhere(backend: Any, step: str, slot: int, *, finish: bool = True) -> Lease:
@@ -780,28 +800,20 @@ async def test_a_backup_dispatches_the_next_step_when_the_agent_dies_after_finis
         await dead.close()
 
 
-class DiesClaiming:
+class DiesClaiming(SeesClaims):
     """A backend wrapper whose instance dies as it claims ``job``'s run at ``slot``: the
     instance is crashed and the claim never reaches the store."""
 
     def __init__(self, inner: Any, job: str, slot: int) -> None:
-        self.inner, self.job, self.slot = inner, job, slot
+        super().__init__(inner)
+        self.job, self.slot = job, slot
         self.instance: Instance | None = None
 
-    def __getattr__(self, attr: str) -> Any:
-        value = getattr(self.inner, attr)
-        if attr not in ("claim", "claim_many"):
-            return value
-
-        async def claim(requests: Any) -> Any:
-            many = attr == "claim_many"
-            if any((r.job, r.slot) == (self.job, self.slot)
-                   for r in (requests if many else [requests])):
-                assert self.instance is not None
-                self.instance.crash()
-                raise BackendUnavailable("the instance died before its claim went out")
-            return await value(requests)
-        return claim
+    def before(self, requests: list[Any]) -> None:
+        if any((r.job, r.slot) == (self.job, self.slot) for r in requests):
+            assert self.instance is not None
+            self.instance.crash()
+            raise BackendUnavailable("the instance died before its claim went out")
 
 
 async def test_a_starting_instance_continues_an_older_run_left_between_two_steps(
