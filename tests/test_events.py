@@ -276,3 +276,34 @@ async def test_a_subscriber_that_exits_is_logged_and_ends_nothing(
         assert s.state == "running"
     assert "event subscriber" in caplog.text
 
+
+
+@pytest.mark.parametrize("kind", ["lambda", "wrapper"])
+async def test_a_sync_handler_that_returns_a_coroutine_fails_its_run(kind: str) -> None:
+    """``every("j", "1h", lambda ctx: work(ctx))`` with ``async def work``: the lambda is a
+    plain function, so it ran in a worker thread and returned ``work``'s coroutine, which
+    nobody awaited; the run was recorded ``completed`` and ``work`` never ran."""
+    ran: list[int] = []
+
+    async def work(ctx: RunContext) -> None:
+        ran.append(ctx.slot)
+
+    def wrapper(ctx: RunContext) -> Any:
+        return work(ctx)
+
+    recorder = Recorder()
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    s.subscribe(recorder)
+    s.every("j", "1h", (lambda ctx: work(ctx)) if kind == "lambda" else wrapper,
+            offset=quiet_offset_now())
+    async with s:
+        await claim_now(s, "j", current_slot(s, "j"))
+        await wait_for(lambda: recorder.of(Failed) or recorder.of(Completed),
+                       what="the attempt's end")
+        history = await s.history("j")
+    assert not recorder.of(Completed), "recorded completed, its coroutine never run"
+    [failed] = recorder.of(Failed)
+    assert "returned a coroutine of " in str(failed.error), failed.error
+    assert "work without running it" in str(failed.error) and "'async def'" in str(failed.error)
+    assert [a.outcome for a in history] == [Outcome.FAILED]
+    assert ran == []

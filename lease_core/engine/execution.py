@@ -10,6 +10,7 @@ one ``finish_many`` call), or backs the run up when its lease was lost.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +68,10 @@ class _Thread:
     def call(self, handler: Any, ctx: RunContext) -> Any:
         self.state = 1
         try:
-            return handler(ctx)
+            value = handler(ctx)
+            if inspect.isawaitable(value):
+                raise _awaitable_returned(handler, value)
+            return value
         except (SystemExit, KeyboardInterrupt) as exc:
             # In a thread these end the thread only; carried to the event loop they would
             # end it (with every scheduler and lease on it): the run fails instead.
@@ -88,6 +92,22 @@ def _stray(exc: asyncio.CancelledError) -> bool:
     # No task with an asyncio loop running: trio in guest mode on an asyncio host (its
     # code runs in the host loop's callbacks), where it is trio's exception that cancels.
     return task is None or not task.cancelling()
+
+
+def _awaitable_returned(handler: Any, value: Any) -> TypeError:
+    """The failure of a sync handler that returned an awaitable: a plain function (a
+    ``lambda ctx: work(ctx)`` of an ``async def work``, a wrapper without ``async``)
+    whose coroutine nobody awaits, so its work never ran; it was recorded completed."""
+    close = getattr(value, "close", None)
+    if inspect.iscoroutine(value) and callable(close):
+        close()  # never run: no "coroutine was never awaited" warning at its collection
+    name = getattr(handler, "__qualname__", None) or repr(handler)
+    made = getattr(value, "__qualname__", None)
+    return TypeError(
+        f"the handler {name} is a plain function that returned a {type(value).__name__}"
+        f"{f' of {made}' if made else ''} without running it, which fails its run: "
+        "declare the handler with 'async def' (a lambda or a wrapper that calls an "
+        "async function must be 'async def' and await it)")
 
 
 def _exited(exc: BaseException) -> RuntimeError:
