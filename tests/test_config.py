@@ -179,3 +179,48 @@ def test_a_backend_refuses_an_unusable_connection_or_clock_at_construction() -> 
     with pytest.raises(ConfigurationError, match="clock='x' is not callable"):
         MemoryBackend(clock="x")  # type: ignore[arg-type]
     assert MemoryBackend(clock=lambda: 1_000.0)
+
+
+def test_a_handler_that_cannot_take_the_context_is_refused_at_declaration() -> None:
+    """``def job(): ...`` (no ``ctx``) was declared, and then failed every run with a
+    TypeError; a handler that takes the context (also through ``*args``, a default, a
+    callable object or a bound method) is accepted."""
+
+    def no_args() -> None:
+        pass
+
+    async def two_args(ctx: object, other: object) -> None:
+        pass
+
+    def keyword_only(*, ctx: object) -> None:
+        pass
+
+    class Job:
+        def __call__(self, ctx: object) -> None:
+            pass
+
+        def method(self, ctx: object) -> None:
+            pass
+
+    s = sched()
+    for i, bad in enumerate((no_args, two_args, keyword_only, lambda: None)):
+        with pytest.raises(ConfigurationError, match=rf"handler .* of job 'bad{i}' cannot be "
+                           r"called with one argument, the run's context .*'def handler\(ctx\)'"):
+            s.every(f"bad{i}", "1h", bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="cannot be called with one argument"):
+            s.cron(f"badc{i}", "0 3 * * *")(bad)  # type: ignore[type-var]
+    flow = s.workflow("flow", every="1h")
+    with pytest.raises(ConfigurationError, match="of step 'flow/a' cannot be called"):
+        flow.step("a", no_args)  # type: ignore[arg-type]
+    assert not s.jobs
+
+    def star(*args: object) -> None:
+        pass
+
+    def default(ctx: object, extra: int = 1) -> None:
+        pass
+
+    for i, good in enumerate((noop, star, default, Job(), Job().method, print)):
+        s.every(f"good{i}", "1h", good)  # type: ignore[arg-type]
+    flow.step("a", noop)
+    assert len(s.jobs) == 7

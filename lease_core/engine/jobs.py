@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,24 @@ def _check_max_attempts(max_attempts: object) -> None:
         raise ConfigurationError(
             f"max_attempts={max_attempts!r} must be an integer >= 1, or None for no limit"
         )
+
+
+def check_handler(handler: object, what: str) -> None:
+    """Refuse a handler that cannot be called with the run's context, its one argument
+    (``def job(): ...`` was declared, and then failed every run with a TypeError)."""
+    if not callable(handler):
+        raise ConfigurationError(f"handler {handler!r} of {what} is not callable")
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):  # no signature to read (some builtins): it may work
+        return
+    try:
+        signature.bind(None)
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"handler {handler!r} of {what} cannot be called with one argument, the run's "
+            f"context ({exc}); declare it as 'def handler(ctx)' or 'async def handler(ctx)'"
+        ) from None
 
 
 class JobRegistry:
@@ -134,8 +153,7 @@ class JobRegistry:
         self.check_lease(lease_s, "lease", lease)
 
         def register(fn: H) -> H:
-            if not callable(fn):
-                raise ConfigurationError(f"handler {fn!r} of job {name!r} is not callable")
+            check_handler(fn, f"job {name!r}")
             if name in self.jobs:
                 raise ConfigurationError(f"job {name!r} is already declared")
             self.jobs[name] = Job(
@@ -209,8 +227,7 @@ class JobRegistry:
     ) -> Job:
         """Declare the job of a workflow's step (called by :meth:`Workflow.step`)."""
         name = step_job(workflow.name, step)
-        if not callable(handler):
-            raise ConfigurationError(f"handler {handler!r} of step {name!r} is not callable")
+        check_handler(handler, f"step {name!r}")
         if name in self.jobs:
             raise ConfigurationError(f"job {name!r} is already declared; job names must be unique")
         _check_max_attempts(max_attempts)
