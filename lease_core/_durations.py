@@ -70,10 +70,17 @@ def parse_typed_duration(text: str, *, what: str, allow_zero: bool = False) -> f
     try:
         return parse_duration(text, what=what, allow_zero=allow_zero)
     except ConfigurationError:
-        raise ConfigurationError(
-            f"{what} {text!r} is not a duration; give a number of seconds or a duration "
-            "such as 500ms, 30s, 5m, 1h30m or 2d"
-        ) from None
+        pass
+    try:  # "0s" is a duration, zero: say so rather than "not a duration"
+        zero = parse_duration(text, allow_zero=True) == 0
+    except ConfigurationError:
+        zero = False
+    if zero:
+        raise ConfigurationError(f"{what} {text.strip()!r} must be greater than zero")
+    raise ConfigurationError(
+        f"{what} {text!r} is not a duration; give a number of seconds or a duration "
+        "such as 500ms, 30s, 5m, 1h30m or 2d"
+    )
 
 
 def to_ms(seconds: float) -> int:

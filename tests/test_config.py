@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lease_core import Admin, AnarchonError, ConfigurationError, Lease, MemoryBackend, Scheduler
-from lease_core._durations import parse_duration
+from lease_core._durations import parse_duration, parse_typed_duration
 
 
 @pytest.mark.parametrize(
@@ -224,3 +224,15 @@ def test_a_handler_that_cannot_take_the_context_is_refused_at_declaration() -> N
         s.every(f"good{i}", "1h", good)  # type: ignore[arg-type]
     flow.step("a", noop)
     assert len(s.jobs) == 7
+
+
+@pytest.mark.parametrize("zero", ["0", "0s", "0ms", " 0m0s ", "0.0h"])
+def test_a_typed_zero_duration_is_said_to_be_zero_not_to_be_no_duration(zero: str) -> None:
+    """``anarchon prune --older-than 0s`` said "'0s' is not a duration" (only a bare "0"
+    was said to be zero); a zero with a unit is a duration, and too short."""
+    with pytest.raises(ConfigurationError,
+                       match=rf"^--older-than '{zero.strip()}' must be greater than zero$"):
+        parse_typed_duration(zero, what="--older-than")
+    assert parse_typed_duration(zero, what="grace", allow_zero=True) == 0
+    with pytest.raises(ConfigurationError, match="'0x' is not a duration; give a number"):
+        parse_typed_duration("0x", what="--older-than")
