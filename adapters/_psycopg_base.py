@@ -7,6 +7,7 @@ module small; nothing here is public beyond that function.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, LiteralString, cast
 
@@ -17,6 +18,7 @@ from psycopg_pool import PoolTimeout
 from lease_core.errors import (
     AuthenticationFailed,
     BackendUnavailable,
+    ConfigurationError,
     StoreRefused,
 )
 
@@ -35,6 +37,11 @@ __all__ = ["translate_error"]
 
 _UNAVAILABLE_CLASSES = ("08", "53", "57", "58", "28")
 _CONFIG_STATES = {"42501", "42P01", "3F000", "3D000", "42P07"}
+#: libpq's refusals of a connection parameter's value, made before it connects
+#: (``invalid sslmode value: "x"``, ``invalid integer value "x" for connection option
+#: "keepalives"``, ``invalid port number: "x"``): the URL is wrong, no server is at fault.
+_BAD_PARAMETER = re.compile(r'\binvalid (?:[a-z_]+ value: "|integer value "[^"]*" for '
+                            r'connection option "|port number: ")')
 
 
 def _query(sql: str) -> LiteralString:
@@ -99,6 +106,9 @@ def translate_error(
         or state[:2] in _UNAVAILABLE_CLASSES
     ):
         # At connect time libpq gives no SQLSTATE, only the server's message.
+        if not state and _BAD_PARAMETER.search(text):
+            return ConfigurationError(f"PostgreSQL connection parameters{at} refused by "
+                                      f"libpq: {text}; correct the value in the URL or DSN")
         if state in ("28P01", "28000") or "authentication failed" in text or (
             "no password supplied" in text
         ):

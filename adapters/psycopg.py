@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -396,7 +397,19 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
                 raise ConfigurationError(
                     f"invalid PostgreSQL DSN {redact(dsn)!r}: {redact(str(exc))}"
                 ) from None
-        secret = psycopg.conninfo.conninfo_to_dict(conninfo).get("password")
+        given = psycopg.conninfo.conninfo_to_dict(conninfo)
+        secret = given.get("password")
+        try:
+            # The first connection is made with a timeout of its own, so a connect_timeout
+            # psycopg cannot read only showed in the pool: every connection it tried
+            # failed, logged, until start() reported a pool "busy" for timeout seconds.
+            psycopg.conninfo.timeout_from_conninfo(given)
+        except psycopg.ProgrammingError:
+            source = "connect_timeout" if "connect_timeout" in given else "PGCONNECT_TIMEOUT"
+            value = given.get(source, os.environ.get(source))
+            raise ConfigurationError(
+                f"{source} {value!r} is not a number of seconds (0 waits forever)"
+            ) from None
         pool: AsyncConnectionPool[Any] = _RecentFirstPool(
             conninfo, min_size=min_size, max_size=max_size, open=False, timeout=timeout,
             kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon",

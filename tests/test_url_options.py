@@ -308,3 +308,40 @@ def test_third_party_backend_installed_as_a_distribution_runs_a_job(tmp_path: Pa
         capture_output=True, text=True, timeout=90,
     )
     assert out.stdout.strip() == "ToyBackend ns1 True completed one", out.stderr
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(("query", "says"), [
+    ("connect_timeout=abc", "connect_timeout 'abc' is not a number of seconds"),
+    ("sslmode=bogus", 'invalid sslmode value: "bogus"'),
+    ("keepalives=abc", 'invalid integer value "abc" for connection option "keepalives"'),
+    ("target_session_attrs=bogus", 'invalid target_session_attrs value: "bogus"'),
+])
+async def test_a_driver_parameter_psycopg_refuses_is_a_configuration_error_at_start(
+    anyio_backend: str, pg16_server: PgServer, query: str, says: str
+) -> None:
+    """A value of a libpq parameter that psycopg or libpq refuses before connecting was
+    reported as the server's fault (``BackendUnavailable``, exit 1: "cannot reach
+    PostgreSQL"); ``connect_timeout=abc`` was worse: the first connection overrides the
+    timeout and succeeded, then every connection of the pool failed (logged) and start()
+    said after 10 s that the pool was busy. It is a ``ConfigurationError`` (exit 2) naming
+    the value, at once, and creates nothing."""
+    import anyio
+
+    from lease_core.cli import main
+
+    table = unique_table()
+    made = []
+    with anyio.fail_after(5), pytest.raises(ConfigurationError) as info:
+        made.append(backend_from_url(f"{pg16_server.dsn}?table={table}&{query}"))
+        await made[0].start()  # connect_timeout is refused already by backend_from_url
+    assert says in str(info.value), info.value
+    for backend in made:
+        await backend.close()
+    with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+        found = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
+    assert found == (None,)
+    with anyio.fail_after(30):
+        code = await anyio.to_thread.run_sync(
+            main, ["status", "--url", f"{pg16_server.dsn}?table={table}&{query}"])
+    assert code == 2
