@@ -172,6 +172,19 @@ def test_a_bad_duration_in_the_query_is_worded_for_a_url() -> None:
     assert isinstance(backend_from_url("postgresql://db/app?timeout=2.5"), PostgresBackend)
 
 
+def test_a_redis_wait_timeout_in_the_query_may_be_a_number_of_seconds() -> None:
+    """``?wait_timeout=1`` was refused with "'1' is not a duration; use ... or a number of
+    seconds": a URL's query is text, so a number of seconds could not be given there (as
+    PostgreSQL's ``?timeout=2.5`` can)."""
+    for text, ms in (("1", 1000), ("0.25", 250), ("1s", 1000), ("500ms", 500)):
+        backend = backend_from_url(f"redis://db/0?wait_replicas=1&wait_timeout={text}")
+        assert isinstance(backend, RedisBackend) and backend._wait_timeout_ms == ms, text
+    for bad, says in (("0", "greater than zero"), ("soon", "is not a duration"),
+                      ("nan", "finite")):
+        with pytest.raises(ConfigurationError, match=f"wait_timeout=.* {says}"):
+            backend_from_url(f"redis://db/0?wait_replicas=1&wait_timeout={bad}")
+
+
 @pytest.mark.parametrize("dsn", ["host=db port=abc dbname=app", "host=a,b port=5432,x",
                                  "host=db port=70000"])
 def test_a_bad_port_in_a_key_value_dsn_is_refused_before_connecting(dsn: str) -> None:

@@ -50,6 +50,19 @@ _DRIVER_PARAMS = ("username", "password", "sentinel_password", "client_name", "l
                   "ssl_certfile", "ssl_keyfile", "ssl_password")
 
 
+def _wait_timeout(value: object) -> float:
+    """``wait_timeout`` in seconds: a duration, or (as a URL's query gives it, and as
+    PostgreSQL's ``?timeout=`` reads it) text that is a plain number of seconds."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+        else:
+            return parse_duration(number, what="wait_timeout")
+    return parse_duration(value, what="wait_timeout")
+
+
 def _check_url(url: str) -> None:
     """Refuse a bad port, a query parameter neither the backend nor redis-py knows, or a
     value either refuses (:func:`lease_core._registry.check_url`)."""
@@ -59,7 +72,7 @@ def _check_url(url: str) -> None:
         parsers = {}
     read: dict[str, Any] = {**parsers, "max_connections": positive_whole,
                             "wait_replicas": positive_whole,
-                            "wait_timeout": lambda text: parse_duration(text, what="wait_timeout")}
+                            "wait_timeout": _wait_timeout}
     check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
     parts = urlsplit(url)
     if parts.scheme == SENTINEL_SCHEME:
@@ -136,7 +149,7 @@ class RedisStore(Backend):
             )
         self.wait_replicas = wait_replicas
         self._wait_timeout_ms = to_ms(
-            parse_duration(merged.get("wait_timeout", "1s"), what="wait_timeout")
+            _wait_timeout(merged.get("wait_timeout", "1s"))
         )
         self._connection = connection
         self._refuse_cluster_wait(_is_cluster(connection))
