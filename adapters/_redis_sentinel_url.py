@@ -1,5 +1,6 @@
 """The parts of a ``redis+sentinel://`` URL (private to :mod:`adapters.redis` and the
-Redis backend, which re-check a URL before connecting)."""
+Redis backend, which re-check a URL before connecting), and how the adapter names the
+Sentinels' primary in its errors (:class:`Sentinels`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from lease_core._redact import redact
-from lease_core.errors import ConfigurationError
+from lease_core.errors import AnarchonError, BackendUnavailable, ConfigurationError
 
-__all__ = ["SENTINEL_SCHEME", "sentinel_parts"]
+__all__ = ["SENTINEL_SCHEME", "Sentinels", "sentinel_parts"]
 
 
 #: The scheme of a Redis reached through Sentinel (see :func:`sentinel_parts`).
@@ -77,3 +78,30 @@ def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]
                 "Sentinel, pass a client: redis.asyncio.Sentinel(..., ssl=True)"
                 ".master_for(service, ssl=True, ...)")
     return sentinels, path[0], kwargs
+
+
+class Sentinels:
+    """Where a Sentinel-found primary is, for messages, and a clear error when the
+    Sentinels named none: redis-py's ``MasterNotFoundError`` holds each Sentinel client's
+    whole repr, and the primary's client names no host (its errors said "at Redis")."""
+
+    def __init__(self, watcher: Any, sentinels: list[tuple[str, int]], service: str) -> None:
+        self.watcher = watcher
+        self.addresses = ", ".join(f"{host}:{port}" for host, port in sentinels)
+        self.service = service
+
+    def where(self) -> str:
+        return f"the primary of {self.service!r} (Sentinel {self.addresses})"
+
+    def translate(self, exc: BaseException, password: str | None) -> AnarchonError | None:
+        if "MasterNotFoundError" not in {cls.__name__ for cls in type(exc).__mro__}:
+            return None
+        text = str(exc)
+        for sentinel in self.watcher.sentinels:  # its repr, some 900 characters: its address
+            options = getattr(sentinel.connection_pool, "connection_kwargs", None) or {}
+            text = text.replace(str(sentinel), f"{options.get('host')}:{options.get('port')}")
+        return BackendUnavailable(
+            f"no Sentinel at {self.addresses} named a primary for the service "
+            f"{self.service!r} ({redact(text, password)}); check that the Sentinels run, "
+            f"that {self.service!r} is the name in their 'sentinel monitor' (the URL's path: "
+            "redis+sentinel://host:26379/<service>/<db>), and that they see the primary")

@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from adapters._redis_sentinel_url import SENTINEL_SCHEME, sentinel_parts
+from adapters._redis_sentinel_url import SENTINEL_SCHEME, Sentinels, sentinel_parts
 from adapters.base import WorkerThreads
 from adapters.redis_lean import lean_sender
 from lease_core._redact import redact
@@ -438,9 +438,14 @@ def _under_asyncio() -> bool:
 class _AsyncSentinelAdapter(AsyncClientAdapter):
     """An asyncio client of a Sentinel's primary; closing it closes the Sentinel clients."""
 
-    def __init__(self, client: Any, watcher: Any) -> None:
+    def __init__(self, client: Any, watcher: Any, found: Sentinels) -> None:
         super().__init__(client, owned=True)
         self.watcher = watcher
+        self._found = found
+        self.where = found.where()
+
+    def translate(self, exc: BaseException) -> AnarchonError | None:
+        return self._found.translate(exc, self._password) or super().translate(exc)
 
     async def _close(self) -> None:
         await super()._close()
@@ -451,9 +456,14 @@ class _AsyncSentinelAdapter(AsyncClientAdapter):
 class _SyncSentinelAdapter(SyncClientAdapter):
     """A blocking client of a Sentinel's primary; closing it closes the Sentinel clients."""
 
-    def __init__(self, client: Any, watcher: Any) -> None:
+    def __init__(self, client: Any, watcher: Any, found: Sentinels) -> None:
         super().__init__(client, owned=True)
         self.watcher = watcher
+        self._found = found
+        self.where = found.where()
+
+    def translate(self, exc: BaseException) -> AnarchonError | None:
+        return self._found.translate(exc, self._password) or super().translate(exc)
 
     async def _close(self) -> None:
         await super()._close()
@@ -488,7 +498,7 @@ def _from_sentinel_url(url: str) -> RedisAdapter:
         watcher: Any = sentinel(sentinels, **watch)
         client = watcher.master_for(service, connection_pool_class=AsyncBlockingSentinelPool,
                                     **bounds, **kwargs)
-        return _AsyncSentinelAdapter(client, watcher)
+        return _AsyncSentinelAdapter(client, watcher, Sentinels(watcher, sentinels, service))
     import redis
     from redis.sentinel import Sentinel, SentinelConnectionPool
 
@@ -500,7 +510,8 @@ def _from_sentinel_url(url: str) -> RedisAdapter:
     sync_watcher: Any = sync_sentinel(sentinels, **watch)
     sync_client = sync_watcher.master_for(service, connection_pool_class=BlockingSentinelPool,
                                           **bounds, **kwargs)
-    return _SyncSentinelAdapter(sync_client, sync_watcher)
+    return _SyncSentinelAdapter(sync_client, sync_watcher,
+                                Sentinels(sync_watcher, sentinels, service))
 
 
 def _from_url(url: str) -> RedisAdapter:

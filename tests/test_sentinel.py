@@ -62,6 +62,39 @@ def test_a_url_parameter_the_sentinel_url_cannot_apply_is_refused_not_dropped(
         backend_from_url(f"redis+sentinel://:secret@s1:26379/jobs/0?{query}")
 
 
+def _sentinel_refusal(message: str, service: str, sentinels: str) -> None:
+    assert message.startswith(f"no Sentinel at {sentinels} named a primary for the service "
+                              f"{service!r} ("), message
+    assert "<redis" not in message and "Redis at Redis" not in message, message
+    assert "'sentinel monitor'" in message and "pw" not in message, message
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_sentinels_that_name_no_primary_are_said_so_without_the_clients_repr(
+        anyio_backend: str) -> None:
+    """redis-py's MasterNotFoundError holds each Sentinel client's whole repr (some 900
+    characters of pool and connection settings), and the primary's client names no host:
+    the message read "cannot reach Redis at Redis (No master found for 'jobs' :
+    <redis.asyncio.client.Redis(<redis.asyncio.connection.ConnectionPool(...". It names
+    the Sentinels' addresses and the service, and what to check."""
+    backend = backend_from_url("redis+sentinel://:pw@127.0.0.1:1,127.0.0.1:2/jobs/0")
+    with pytest.raises(BackendUnavailable) as info:
+        await backend.start()
+    _sentinel_refusal(str(info.value), "jobs", "127.0.0.1:1, 127.0.0.1:2")
+    assert "127.0.0.1:1 - " in str(info.value) and "127.0.0.1:2 - " in str(info.value)
+    await backend.close()
+
+
+async def test_a_service_the_sentinel_does_not_watch_is_named(
+        sentinel_group: tuple[EmbeddedRedis, EmbeddedRedis, EmbeddedSentinel]) -> None:
+    sentinel = sentinel_group[2]
+    backend = backend_from_url(f"redis+sentinel://:pw@127.0.0.1:{sentinel.port}/nosuch/0")
+    with pytest.raises(BackendUnavailable) as info:
+        await backend.start()
+    _sentinel_refusal(str(info.value), "nosuch", f"127.0.0.1:{sentinel.port}")
+    await backend.close()
+
+
 def _binary() -> Path:
     binary = find_server("system") or find_server("valkey") or find_server("redis")
     if binary is None:
