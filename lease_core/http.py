@@ -54,13 +54,20 @@ from importlib import resources
 from string import Template
 from typing import Any
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+try:
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.requests import Request
+    from starlette.responses import HTMLResponse, JSONResponse, Response
+    from starlette.routing import Route
+    from starlette.types import ASGIApp, Receive, Scope, Send
+except ModuleNotFoundError as exc:  # as a missing driver or lease_core.otel's extra says
+    if exc.name is None or exc.name.partition(".")[0] != "starlette":
+        raise
+    raise ModuleNotFoundError(
+        "lease_core.http needs 'starlette'; install it with: pip install 'anarchon[http]'",
+        name=exc.name) from exc
 
 from ._checks import check_lookup_name
 from ._http_operations import operation_routes

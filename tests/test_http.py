@@ -518,3 +518,29 @@ def test_a_store_that_cannot_be_read_answers_503_on_every_route(pg16_server: PgS
             assert api.get("/overview?status=nosuch").status_code == 400
     finally:
         anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+def test_importing_the_http_module_without_its_extra_names_the_extra() -> None:
+    """Without Starlette, ``from lease_core.http import create_app`` raised only "No module
+    named 'starlette'", where a missing driver or ``lease_core.otel``'s extra names what
+    to install; it names ``anarchon[http]`` now (still a ModuleNotFoundError)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'starlette':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "try:\n"
+        "    import lease_core.http\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(type(exc).__name__, exc.name, exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == (
+        "ModuleNotFoundError starlette lease_core.http needs 'starlette'; "
+        "install it with: pip install 'anarchon[http]'"), out
