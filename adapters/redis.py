@@ -259,6 +259,14 @@ class RedisAdapter(ABC):
                 "scripts call TIME and INFO (INFO is in the ACL category @dangerous): grant "
                 "them, e.g. ACL SETUSER <user> +@all -@dangerous +info"
             )
+        if "DB INDEX IS OUT OF RANGE" in upper:
+            # The SELECT of the URL's database at connect: the URL is wrong, not the server.
+            database = dict(getattr(getattr(self.client, "connection_pool", None),
+                                    "connection_kwargs", None) or {}).get("db")
+            return ConfigurationError(
+                f"Redis at {self.where} has no database {database} ({text}): the path of "
+                "the URL names the database, from 0 to the server's 'databases' setting "
+                "less 1 (0 to 15 by default); a Cluster has database 0 only")
         if "AuthenticationError" in names or upper.startswith(_AUTH_REPLIES) or (
             "invalid username-password" in text
         ):

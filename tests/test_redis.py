@@ -667,6 +667,24 @@ async def test_unreachable_server_names_the_address() -> None:
     assert backend._adapter is None
 
 
+async def test_a_database_the_server_does_not_have_is_a_configuration_error(
+        valkey8_server: EmbeddedRedis) -> None:
+    """``redis://host:port/99`` on a server of 16 databases read as the server's fault:
+    "Redis at ... failed a command: DB index is out of range" (``BackendUnavailable``,
+    exit 1). The URL is wrong: a ``ConfigurationError`` (exit 2) naming the database."""
+    from lease_core.cli import main
+
+    url = f"redis://127.0.0.1:{valkey8_server.port}/99"
+    backend = RedisBackend(url, prefix=_prefix())
+    with pytest.raises(ConfigurationError) as info:
+        await backend.start()
+    message = str(info.value)
+    assert message.startswith(f"Redis at 127.0.0.1:{valkey8_server.port} has no database 99 "
+                              "(DB index is out of range): the path of the URL"), message
+    await backend.close()
+    assert await anyio.to_thread.run_sync(main, ["status", "--url", url]) == 2
+
+
 @pytest.fixture(scope="module")
 def password_server() -> Iterator[EmbeddedRedis]:
     """A Valkey server that requires the password ``right-pw-77``."""
