@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.from_thread
+import sniffio
 
 from ._structures import Lease, Reason, format_slot, ms_to_datetime
 from .errors import ConfigurationError, LeaseLost, StopRequested
@@ -18,6 +19,33 @@ if TYPE_CHECKING:
     from .abc import Backend
 
 __all__ = ["Checkpoint", "RunContext", "StepCheckpoint"]
+
+
+def _on_a_loop() -> bool:
+    """True on an event loop's thread; False in a worker thread (a sync handler's)."""
+    try:
+        sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return False
+    return True
+
+
+def _needs_loop(call: str, sync: str) -> None:
+    """Refuse an async method called from a sync handler's thread: its coroutine, which
+    nobody would await, would write nothing (and the run would complete regardless)."""
+    if not _on_a_loop():
+        raise ConfigurationError(
+            f"{call} returns a coroutine, which a sync handler (it runs in a worker thread) "
+            f"cannot await: call {sync} there, or declare the handler 'async def' and "
+            f"await {call}")
+
+
+def _needs_thread(call: str, async_call: str) -> None:
+    """Refuse a ``*_sync`` method called on the event loop (from an async handler)."""
+    if _on_a_loop():
+        raise ConfigurationError(
+            f"{call} is for sync handlers, which run in worker threads; in an async "
+            f"handler, await {async_call}")
 
 
 class Checkpoint:
@@ -47,16 +75,31 @@ class Checkpoint:
                 "(ctx.checkpoint.set(value, tx=tx)), or call it after the block"
             )
 
-    async def get(self) -> Any:
-        """Return the stored value, or ``None`` when there is none."""
-        return await self._backend.get_checkpoint(self._lease.job, self._lease.slot)
+    def get(self) -> Coroutine[Any, Any, Any]:
+        """Return the stored value, or ``None`` when there is none (to be awaited)."""
+        _needs_loop("ctx.checkpoint.get()", "ctx.checkpoint.get_sync()")
+        return self._get()
 
-    async def set(self, value: Any, *, tx: Any = None) -> None:
-        """Store ``value`` (JSON-serialisable); raise LeaseLost if this attempt lost the run.
+    def set(self, value: Any, *, tx: Any = None) -> Coroutine[Any, Any, None]:
+        """Store ``value`` (JSON-serialisable); raise LeaseLost if this attempt lost the run
+        (to be awaited).
 
         With ``tx``, the transaction of ``ctx.transaction()``, the value is written in it
         and commits with the effects (or not at all).
         """
+        _needs_loop("ctx.checkpoint.set()", "ctx.checkpoint.set_sync(value)")
+        return self._set(value, tx=tx)
+
+    def delete(self) -> Coroutine[Any, Any, None]:
+        """Remove the stored value; raise LeaseLost if this attempt lost the run (to be
+        awaited)."""
+        _needs_loop("ctx.checkpoint.delete()", "ctx.checkpoint.delete_sync()")
+        return self._delete()
+
+    async def _get(self) -> Any:
+        return await self._backend.get_checkpoint(self._lease.job, self._lease.slot)
+
+    async def _set(self, value: Any, *, tx: Any = None) -> None:
         if tx is not None:
             await tx.set_checkpoint(value)
             return
@@ -67,8 +110,7 @@ class Checkpoint:
                 "checkpoint not written"
             )
 
-    async def delete(self) -> None:
-        """Remove the stored value; raise LeaseLost if this attempt lost the run."""
+    async def _delete(self) -> None:
         self._refuse_in_transaction("ctx.checkpoint.delete()")
         if not await self._backend.delete_checkpoint(self._lease):
             raise LeaseLost(
@@ -78,15 +120,18 @@ class Checkpoint:
 
     def get_sync(self) -> Any:
         """:meth:`get` for a sync handler running in a worker thread."""
-        return anyio.from_thread.run(self.get)
+        _needs_thread("ctx.checkpoint.get_sync()", "ctx.checkpoint.get()")
+        return anyio.from_thread.run(self._get)
 
     def set_sync(self, value: Any) -> None:
         """:meth:`set` for a sync handler running in a worker thread."""
-        anyio.from_thread.run(self.set, value)
+        _needs_thread("ctx.checkpoint.set_sync()", "ctx.checkpoint.set(value)")
+        anyio.from_thread.run(self._set, value)
 
     def delete_sync(self) -> None:
         """:meth:`delete` for a sync handler running in a worker thread."""
-        anyio.from_thread.run(self.delete)
+        _needs_thread("ctx.checkpoint.delete_sync()", "ctx.checkpoint.delete()")
+        anyio.from_thread.run(self._delete)
 
 
 class StepCheckpoint(Checkpoint):
@@ -97,15 +142,12 @@ class StepCheckpoint(Checkpoint):
     when there is none.
     """
 
-    async def get(self) -> Any:
-        """Return the step's stored progress, or ``None`` when there is none."""
-        payload = await super().get()
+    async def _get(self) -> Any:
+        payload = await super()._get()
         return payload.get("progress") if isinstance(payload, dict) else None
 
-    async def set(self, value: Any, *, tx: Any = None) -> None:
-        """Store the step's progress (in ``tx`` when given); raise LeaseLost if this
-        attempt lost the run."""
-        await super().set({"progress": value}, tx=tx)
+    async def _set(self, value: Any, *, tx: Any = None) -> None:
+        await super()._set({"progress": value}, tx=tx)
 
 
 class _RunLog(logging.LoggerAdapter[logging.Logger]):

@@ -307,3 +307,39 @@ async def test_a_sync_handler_that_returns_a_coroutine_fails_its_run(kind: str) 
     assert "work without running it" in str(failed.error) and "'async def'" in str(failed.error)
     assert [a.outcome for a in history] == [Outcome.FAILED]
     assert ran == []
+
+
+async def test_checkpoint_calls_of_the_other_kind_fail_the_run_naming_the_right_one() -> None:
+    """A sync handler's ``ctx.checkpoint.set(5)`` (the coroutine method, not ``set_sync``)
+    made a coroutine nobody awaited: nothing was stored, and the run was recorded
+    ``completed``. An async handler's ``set_sync(5)`` raised anyio's "Not running inside an
+    AnyIO worker thread". Each fails the run with a message that names the call to make."""
+    backend = MemoryBackend()
+    recorder = Recorder()
+    s = Scheduler(backend, instance_id="a", **FAST)
+    s.subscribe(recorder)
+
+    def sync_handler(ctx: RunContext) -> None:
+        ctx.checkpoint.set(5)  # type: ignore[unused-coroutine]
+
+    async def async_handler(ctx: RunContext) -> None:
+        ctx.checkpoint.set_sync(5)
+
+    s.every("sync", "1h", sync_handler, offset=quiet_offset_now())
+    s.every("async", "1h", async_handler, offset=quiet_offset_now())
+    async with s:
+        for job in ("sync", "async"):
+            await claim_now(s, job, current_slot(s, job))
+        await wait_for(lambda: len(recorder.of(Failed)) + len(recorder.of(Completed)) == 2,
+                       what="both attempts' ends")
+        slots = {job: current_slot(s, job) for job in ("sync", "async")}
+    assert not recorder.of(Completed)
+    errors = {e.job: str(e.error) for e in recorder.of(Failed)}
+    assert errors == {
+        "sync": "ctx.checkpoint.set() returns a coroutine, which a sync handler (it runs in a "
+                "worker thread) cannot await: call ctx.checkpoint.set_sync(value) there, or "
+                "declare the handler 'async def' and await ctx.checkpoint.set()",
+        "async": "ctx.checkpoint.set_sync() is for sync handlers, which run in worker "
+                 "threads; in an async handler, await ctx.checkpoint.set(value)"}, errors
+    for job, slot in slots.items():  # (the memory store answers outside start() too)
+        assert await backend.get_checkpoint(job, slot) is None
