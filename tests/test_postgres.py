@@ -334,6 +334,36 @@ async def test_wrong_password_is_reported_without_the_password(
     assert secret not in repr(info.value.args)
 
 
+@pytest.mark.parametrize(("anyio_backend", "scheme"), LOOP_SCHEMES)
+async def test_an_application_table_given_as_the_store_is_refused_and_kept(
+    pg16_server: PgServer, table: str, scheme: str, anyio_backend: str
+) -> None:
+    """``table=`` naming a table of the application (here with ``job`` and ``slot``
+    columns, as a job table may have) failed start() and ``anarchon migrate`` with the
+    server's 'column "status" does not exist', read by the CLI as an unexpected error
+    (exit 1). It is a ConfigurationError (exit 2) naming the table and what it lacks; the
+    table and its rows are kept, and no table of the store is created beside it."""
+    from lease_core.cli import main
+
+    admin(pg16_server, f"CREATE TABLE {table} (id int PRIMARY KEY, job text, slot bigint)")
+    admin(pg16_server, f"INSERT INTO {table} VALUES (1, 'a', 1), (2, 'b', 2)")
+    url = scheme + pg16_server.dsn.split("://", 1)[1]
+    backend = PostgresBackend(url, table=table)
+    with pytest.raises(ConfigurationError) as info:
+        await backend.start()
+    assert str(info.value) == (
+        f'table "{table}" exists and is not an anarchon store\'s (it has no column status, '
+        "attempt); give the store a table name of its own (table=, --table or "
+        f"--namespace), not {table!r}: nothing was changed"), info.value
+    await backend.close()
+    code = await anyio.to_thread.run_sync(main, ["migrate", "--url", url, "--table", table])
+    assert code == 2
+    assert admin(pg16_server, f"SELECT * FROM {table} ORDER BY id") == [(1, "a", 1), (2, "b", 2)]
+    tables = admin(pg16_server, "SELECT relname FROM pg_class WHERE relname LIKE %s",
+                   (table + "%",))
+    assert {name for (name,) in tables} == {table, f"{table}_pkey"}
+
+
 @pytest.mark.asyncio_only
 async def test_stale_attempt_cannot_commit_its_fenced_effect(
     pg16_server: PgServer, table: str

@@ -59,6 +59,12 @@ FILL_BATCHES = 10
 _FILL_MARK = "claimed_at"
 
 
+#: Columns each table of a store has had since store code v1 (see queries.sql).
+_STORE_COLUMNS = {"runs": ("job", "slot", "status", "attempt"),
+                  "attempts": ("job", "slot", "attempt", "outcome"),
+                  "jobs": ("job",), "meta": ("key", "value")}
+
+
 class StoreSchema:
     """The tables and claim functions of one store (``table``), and their creation.
 
@@ -107,6 +113,23 @@ class StoreSchema:
                 f"first (CREATE SCHEMA {self._schema}) or choose another table"
             )
         return set(rows[0][1]), bool(rows[0][2]), bool(rows[0][3])
+
+    async def _refuse_foreign(self, tx: Executor, existing: set[str]) -> None:
+        """Refuse a table of the store's names that is not anarchon's (an application's
+        table given as ``table=``): the upgrade failed on it with the server's "column
+        "status" does not exist", read as an unexpected error. Nothing was changed."""
+        for role, suffix in (("runs", ""), ("attempts", "_attempts"), ("jobs", "_jobs"),
+                             ("meta", "_meta")):
+            if self._name + suffix not in existing:
+                continue
+            [(columns,)] = await tx.all(self._sql.table_columns, (self._sql.tables[role],))
+            missing = [c for c in _STORE_COLUMNS[role] if c not in set(columns or ())]
+            if missing:
+                raise ConfigurationError(
+                    f"table {self._sql.tables[role]} exists and is not an anarchon store's "
+                    f"(it has no column {', '.join(missing)}); give the store a table name "
+                    f"of its own (table=, --table or --namespace), not {self.table!r}: "
+                    "nothing was changed")
 
     def _use_newer(self, code: int, named: bool) -> None:
         """Accept a store of store code ``code``, newer than this release's, as it is.
@@ -301,6 +324,7 @@ class StoreSchema:
             await tx.all(self._sql.resolved_schema_first, (str(resolved),))
         await tx.all(self._sql.bound_lock_waits, (str(MIGRATION_LOCK_TIMEOUT_MS),))
         existing, function, named = await self._existing(tx)
+        await self._refuse_foreign(tx, existing)
         code = 0
         if self._name + "_meta" in existing:
             _, code, _ = await self._read_meta(tx)

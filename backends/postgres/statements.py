@@ -302,6 +302,8 @@ class Statements:
         self.create_batch_v3 = fill(BATCH_FUNCTION_V3)
         self.runs_table = names["runs"]
         self.attempts_table = names["attempts"]
+        #: The four tables (schema-qualified when the table is), by role.
+        self.tables = {role: names[role] for role in ("runs", "attempts", "jobs", "meta")}
 
     def __getattr__(self, name: str) -> str:
         """Typed access to the statements set from ``queries.sql`` (unknown: AttributeError)."""

@@ -151,6 +151,12 @@ CREATE INDEX IF NOT EXISTS {job_idx} ON {attempts} (job, claimed_ms, slot, attem
 -- attempts through their claim time instead (an attempt never finishes before its claim).
 DROP INDEX IF EXISTS {fin_idx_q}
 
+-- name: table_columns
+-- The columns of one of the store's tables that exists: a table of that name that is
+-- not anarchon's lacks the ones the store needs, and is refused before anything changes.
+SELECT ARRAY(SELECT attname::text FROM pg_catalog.pg_attribute
+             WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped)
+
 -- name: has_takeovers
 -- Whether the runs table has the takeovers column (store code v2).
 SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
