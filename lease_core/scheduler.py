@@ -21,6 +21,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from . import events as ev
+from ._checks import check_lookup_name
 from ._durations import Duration, parse_duration, to_ms
 from ._structures import Attempt
 from .abc import Backend
@@ -475,6 +476,11 @@ class Scheduler:
         """Return the recorded attempts, newest first, of ``job`` or of every job."""
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigurationError(f"limit={limit!r} must be an integer >= 1")
+        if job is not None:  # the same refusal on every store, not each driver's error
+            if not isinstance(job, str):
+                raise ConfigurationError(
+                    f"job={job!r} must be a job name (a string), or None for every job")
+            check_lookup_name(job)
         await self.backend.start()
         try:
             return await self.backend.history(job, limit)

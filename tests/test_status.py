@@ -56,3 +56,18 @@ async def test_status_shows_jobs_runs_in_progress_and_last_outcomes(store: Store
         assert next(line for line in lines if line.startswith("report")).rstrip().endswith("-")
     finally:
         await backend.close()
+
+
+async def test_history_of_a_job_name_no_store_can_hold_is_refused_alike(store: Store) -> None:
+    """``scheduler.history(job=...)`` passed the name to the backend unchecked: a number
+    read as "no history" on PostgreSQL and in memory but raised redis-py's
+    "quote_from_bytes() expected bytes"; a NUL character raised psycopg's DataError, and
+    a ConfigurationError through pg8000. Every store refuses both, naming the value."""
+    from lease_core import ConfigurationError, Scheduler
+
+    scheduler = Scheduler(store.backend())
+    with pytest.raises(ConfigurationError, match=r"^job=5 must be a job name \(a string\)"):
+        await scheduler.history(job=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="holds a NUL character"):
+        await scheduler.history(job="a\x00b")
+    assert await scheduler.history(job="never-ran") == []
