@@ -167,6 +167,10 @@ class Scheduler:
             None if prune_every is None else parse_duration(prune_every, what="prune_every")
         )
         """Seconds between the fleet's history trimmings, or ``None`` for none."""
+        if clock is not None and not callable(clock):  # it failed at start() otherwise
+            raise ConfigurationError(
+                f"clock={clock!r} is not callable; pass a function returning the local "
+                "monotonic time in seconds (such as time.monotonic), or None")
         self._clock = clock or time.monotonic
         self._settings = Settings(
             backend, self.instance_id, self.heartbeat, self.lease, history_size,

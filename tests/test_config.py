@@ -236,3 +236,12 @@ def test_a_typed_zero_duration_is_said_to_be_zero_not_to_be_no_duration(zero: st
     assert parse_typed_duration(zero, what="grace", allow_zero=True) == 0
     with pytest.raises(ConfigurationError, match="'0x' is not a duration; give a number"):
         parse_typed_duration("0x", what="--older-than")
+
+
+@pytest.mark.parametrize("clock", [5, "monotonic"])
+def test_a_scheduler_clock_that_is_not_callable_is_refused_at_construction(clock: object) -> None:
+    """``Scheduler(backend, clock=5)`` was taken, and start() failed with a traceback
+    ("'int' object is not callable"), where MemoryBackend(clock=...) names the value."""
+    with pytest.raises(ConfigurationError, match=f"clock={clock!r} is not callable; pass a "
+                       "function returning the local monotonic time"):
+        sched(clock=clock)
