@@ -245,3 +245,19 @@ def test_a_scheduler_clock_that_is_not_callable_is_refused_at_construction(clock
     with pytest.raises(ConfigurationError, match=f"clock={clock!r} is not callable; pass a "
                        "function returning the local monotonic time"):
         sched(clock=clock)
+
+
+def test_an_event_subscriber_that_cannot_take_the_event_is_refused() -> None:
+    """``scheduler.subscribe(lambda: ...)`` was taken, and failed at every event (each
+    failure logged as the subscriber's); it is refused at ``subscribe()``."""
+    s = sched()
+
+    async def two(event: object, other: object) -> None:
+        pass
+
+    for bad in (lambda: None, two):
+        with pytest.raises(ConfigurationError, match=r"the callback cannot be called with one "
+                           r"argument, the event .*'def on_event\(event\)'"):
+            s.subscribe(bad)  # type: ignore[arg-type]
+    for good in (noop, print, lambda *events: None):
+        s.subscribe(good)()  # subscribed, then unsubscribed

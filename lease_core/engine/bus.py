@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,15 @@ class EventBus:
         """Subscribe ``callback``; return the function that unsubscribes it."""
         if not callable(callback):
             raise ConfigurationError(f"subscribe({callback!r}): the callback must be callable")
+        try:
+            inspect.signature(callback).bind(None)
+        except ValueError:  # no signature to read (some builtins): it may work
+            pass
+        except TypeError as exc:  # it would fail at every event, each failure logged
+            raise ConfigurationError(
+                f"subscribe({callback!r}): the callback cannot be called with one argument, "
+                f"the event ({exc}); subscribe a function such as 'def on_event(event)'"
+            ) from None
         sub = _Subscriber(callback, is_async(callback))
         if self._tg is not None:
             self._open_subscriber(sub)  # raises, registering nothing, off the loop's thread
