@@ -17,6 +17,7 @@ __all__ = [
     "FINISH_OUTCOMES",
     "MEMBER_RETENTION_MS",
     "check_every",
+    "check_history_query",
     "check_leave",
     "check_limit",
     "check_lookup_name",
@@ -94,6 +95,18 @@ def check_lookup_name(name: str) -> str:
             "check the name")
     check_storable("name", name)
     return name
+
+
+def check_history_query(job: object, limit: object) -> None:
+    """Refuse the arguments of ``Scheduler.history`` alike on every store (not each
+    driver's own error): ``limit`` a whole number, at least 1; ``job`` a name or None."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigurationError(f"limit={limit!r} must be an integer >= 1")
+    if job is not None:
+        if not isinstance(job, str):
+            raise ConfigurationError(
+                f"job={job!r} must be a job name (a string), or None for every job")
+        check_lookup_name(job)
 
 
 def encode_checkpoint(value: object) -> str:

@@ -21,7 +21,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from . import events as ev
-from ._checks import check_lookup_name
+from ._checks import check_history_query
 from ._durations import Duration, parse_duration, to_ms
 from ._structures import Attempt
 from .abc import Backend
@@ -35,6 +35,7 @@ from .engine.base import (
     Carry,
     SchedulerState,
     Settings,
+    check_clock,
     check_options,
     timer_slack_ms,
 )
@@ -167,10 +168,7 @@ class Scheduler:
             None if prune_every is None else parse_duration(prune_every, what="prune_every")
         )
         """Seconds between the fleet's history trimmings, or ``None`` for none."""
-        if clock is not None and not callable(clock):  # it failed at start() otherwise
-            raise ConfigurationError(
-                f"clock={clock!r} is not callable; pass a function returning the local "
-                "monotonic time in seconds (such as time.monotonic), or None")
+        check_clock(clock)
         self._clock = clock or time.monotonic
         self._settings = Settings(
             backend, self.instance_id, self.heartbeat, self.lease, history_size,
@@ -478,13 +476,7 @@ class Scheduler:
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return the recorded attempts, newest first, of ``job`` or of every job."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ConfigurationError(f"limit={limit!r} must be an integer >= 1")
-        if job is not None:  # the same refusal on every store, not each driver's error
-            if not isinstance(job, str):
-                raise ConfigurationError(
-                    f"job={job!r} must be a job name (a string), or None for every job")
-            check_lookup_name(job)
+        check_history_query(job, limit)
         await self.backend.start()
         try:
             return await self.backend.history(job, limit)

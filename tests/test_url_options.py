@@ -51,7 +51,7 @@ def test_backend_level_parameters_are_taken_out_of_the_url() -> None:
                              "&socket_timeout=5")
     assert isinstance(redis, RedisBackend)
     assert redis._connection == "redis://db/0?socket_timeout=5"
-    assert (redis.prefix, redis.wait_replicas, redis._wait_timeout_ms) == ("p", 1, 2000)
+    assert (redis.prefix, redis.wait_replicas, redis.wait_timeout) == ("p", 1, 2.0)
 
 
 def test_the_driver_gets_its_parameters_as_written() -> None:
@@ -178,7 +178,7 @@ def test_a_redis_wait_timeout_in_the_query_may_be_a_number_of_seconds() -> None:
     PostgreSQL's ``?timeout=2.5`` can)."""
     for text, ms in (("1", 1000), ("0.25", 250), ("1s", 1000), ("500ms", 500)):
         backend = backend_from_url(f"redis://db/0?wait_replicas=1&wait_timeout={text}")
-        assert isinstance(backend, RedisBackend) and backend._wait_timeout_ms == ms, text
+        assert isinstance(backend, RedisBackend) and backend.wait_timeout == ms / 1000, text
     for bad, says in (("0", "greater than zero"), ("soon", "is not a duration"),
                       ("nan", "finite")):
         with pytest.raises(ConfigurationError, match=f"wait_timeout=.* {says}"):

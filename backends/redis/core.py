@@ -334,6 +334,11 @@ class RedisStore(Backend):
                 raise adapter.translate(reply) or reply
         return replies
 
+    @property
+    def wait_timeout(self) -> float:
+        """Seconds a write waits for ``wait_replicas`` replicas to acknowledge it."""
+        return self._wait_timeout_ms / 1000
+
     def _refuse_cluster_wait(self, cluster: bool) -> None:
         """``wait_replicas`` on a Cluster: a :class:`ConfigurationError` (at construction
         for a Cluster client, at start for anything else that turns out to be one)."""

@@ -28,6 +28,7 @@ __all__ = [
     "Carry",
     "SchedulerState",
     "Settings",
+    "check_clock",
     "check_options",
     "is_async",
     "log_failure",
@@ -132,6 +133,14 @@ def check_options(backend: object, instance_id: object, history_size: object,
     ):
         raise ConfigurationError(
             f"max_running={max_running!r} must be an integer >= 1, or None for no limit")
+
+
+def check_clock(clock: object) -> None:
+    """Refuse ``Scheduler(clock=...)`` that is not callable (it failed at ``start()``)."""
+    if clock is not None and not callable(clock):
+        raise ConfigurationError(
+            f"clock={clock!r} is not callable; pass a function returning the local "
+            "monotonic time in seconds (such as time.monotonic), or None")
 
 
 def timer_slack_ms(value: object, *, heartbeat: tuple[float, object]) -> int:
