@@ -343,3 +343,48 @@ async def test_checkpoint_calls_of_the_other_kind_fail_the_run_naming_the_right_
                  "threads; in an async handler, await ctx.checkpoint.set(value)"}, errors
     for job, slot in slots.items():  # (the memory store answers outside start() too)
         assert await backend.get_checkpoint(job, slot) is None
+
+
+class _Fatal(BaseException):
+    """Not an Exception: what a subscriber's library may raise (as gevent's, or a
+    framework's own exit)."""
+
+
+@pytest.mark.parametrize("kind", ["async-stray-cancel", "sync-stray-cancel",
+                                  "async-base-exception", "sync-base-exception"])
+async def test_a_subscriber_raising_a_base_exception_is_logged_and_ends_nothing(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A subscriber that let out a CancelledError it was not cancelled by (a task or
+    future it awaited was cancelled), or another BaseException, ended the scheduler: the
+    stray cancellation silently (stopped, nothing logged), the other as a crash. Either
+    is logged as the subscriber's failure; it stays subscribed and the scheduler runs."""
+    import asyncio
+
+    seen: list[str] = []
+
+    def fail() -> None:
+        if kind.endswith("stray-cancel"):
+            raise asyncio.CancelledError
+        raise _Fatal
+
+    def sync_bad(event: Event) -> None:
+        seen.append(type(event).__name__)
+        fail()
+
+    async def async_bad(event: Event) -> None:
+        seen.append(type(event).__name__)
+        fail()
+
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    s.subscribe(sync_bad if kind.startswith("sync") else async_bad)
+    s.every("j", "1h", lambda ctx: None, offset=quiet_offset_now())
+    async with s:
+        slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "j", slot)
+        await wait_for(lambda: "Completed" in seen, what="both events, each failing")
+        assert s.state == "running"
+        assert s.health().ready
+    assert seen == ["Claimed", "Completed"]
+    failures = [r for r in caplog.records if "event subscriber" in r.getMessage()]
+    assert len(failures) == 2, caplog.text

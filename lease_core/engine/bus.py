@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from .. import events as ev
 from ..errors import ConfigurationError
 from . import base
 from .base import INSIDE, is_async, logger
+from .execution import _stray
 
 __all__ = ["EventBus"]
 
@@ -151,9 +153,14 @@ class EventBus:
                     except Exception as exc:
                         logger.error("event subscriber %r failed on %s", sub.callback,
                                      type(event).__name__, exc_info=exc)
-                    except (SystemExit, KeyboardInterrupt) as exc:
-                        # Out of a task they would end the event loop (on asyncio, with
-                        # every scheduler and SyncLease sharing it): logged as a failure.
+                    except BaseException as exc:
+                        if _cancels_us(exc):
+                            raise
+                        # Out of a task they would end the event loop (SystemExit,
+                        # KeyboardInterrupt: on asyncio, with every scheduler and
+                        # SyncLease sharing it), or the scheduler (any other, and a
+                        # CancelledError of a task or future the subscriber awaited,
+                        # which cancels nothing here): logged as a failure.
                         logger.error("event subscriber %r raised %r on %s, which it "
                                      "cannot: logged as a failure", sub.callback, exc,
                                      type(event).__name__)
@@ -161,6 +168,15 @@ class EventBus:
             # An unsubscribed callback leaves nothing behind in a long-running scheduler.
             if receive in self._receivers:
                 self._receivers.remove(receive)
+
+
+def _cancels_us(exc: BaseException) -> bool:
+    """True when ``exc`` is a cancellation of the subscriber's task (the scheduler's stop,
+    the end of its delivery time), which must go on; not one a subscriber let out of
+    something it awaited (see ``execution._stray``)."""
+    if not isinstance(exc, anyio.get_cancelled_exc_class()):
+        return False
+    return not (isinstance(exc, asyncio.CancelledError) and _stray(exc))
 
 
 def _call_in_thread(callback: Callable[[ev.Event], Any], event: ev.Event) -> Any:
