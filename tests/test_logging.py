@@ -1,9 +1,10 @@
-"""What the scheduler logs: failures with their traceback, slots as ISO-8601 UTC."""
+"""What the scheduler logs: failures with their traceback, timeouts, slots as ISO-8601 UTC."""
 
 from __future__ import annotations
 
 import logging
 
+import anyio
 import pytest
 
 import lease_core
@@ -64,3 +65,30 @@ async def test_a_failing_handler_is_logged_with_its_traceback_and_iso_slot(
     assert handler_line.slot == slot  # type: ignore[attr-defined]
     won = next(r for r in caplog.records if "won attempt" in r.getMessage())
     assert format_slot(slot) in won.getMessage()
+
+
+@pytest.mark.anyio
+async def test_a_timed_out_handler_is_logged_with_its_iso_slot(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every other end of an attempt but completed was logged (failed, lost, cancelled,
+    escalated); a timeout left no line at all, only the history's ``timed_out``."""
+    s = Scheduler(MemoryBackend(), instance_id="a", lease="1.2s", heartbeat="0.2s")
+
+    @s.every("slow", "1h", catch_up="none", offset=quiet_offset_now(), timeout="0.3s")
+    async def slow(ctx: RunContext) -> None:
+        await anyio.sleep_forever()
+
+    caplog.set_level("INFO", logger="anarchon")
+    async with s:
+        slot = s.jobs["slow"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "slow", slot)
+        await wait_history(s, lambda h: h and h[0].outcome == Outcome.TIMED_OUT, job="slow")
+        await wait_for(lambda: [r for r in caplog.records if "timed out" in r.getMessage()],
+                       what="the timeout's log line")
+    line = next(r for r in caplog.records if "timed out" in r.getMessage())
+    assert line.levelno == logging.WARNING
+    message = line.getMessage()
+    assert message.startswith(f"slow slot {format_slot(slot)} ({slot}) attempt 1 timed out")
+    assert "0.3s" in message

@@ -487,6 +487,9 @@ class Executor:
         assert execution is not None and lease is not None
         if outcome is Outcome.TIMED_OUT:
             self.ended(ev.TimedOut, lease)
+            logger.warning("%s slot %s (%d) attempt %d %s", run.job.name,
+                           format_slot(lease.slot), lease.slot, execution.ctx.attempt,
+                           error or "timed out")
         elif outcome is Outcome.COMPLETED:
             self.ended(ev.Completed, lease)
         elif outcome is Outcome.FAILED:
