@@ -354,7 +354,46 @@ class PsycopgPoolAdapter(SqlAdapter):
         return self._transaction(reset=reset if self.owned else None)
 
 
-class _RecentFirstPool(AsyncConnectionPool[Any]):
+#: The longest wait (seconds) between two reconnection attempts of a pool opened from a DSN.
+RECONNECT_MAX_DELAY_S = 2.0
+
+try:  # psycopg_pool >= 3.2; 3.1 calls it ConnectionAttempt
+    from psycopg_pool.base import AttemptWithBackoff as _Attempt
+except ImportError:  # pragma: no cover - depends on the install
+    try:
+        from psycopg_pool.base import (  # type: ignore[attr-defined,no-redef]
+            ConnectionAttempt as _Attempt,
+        )
+    except ImportError:
+        _Attempt = None  # type: ignore[assignment,misc]
+
+
+class _CappedReconnect(AsyncConnectionPool[Any]):
+    """An ``AsyncConnectionPool`` whose reconnection attempts are at most
+    :data:`RECONNECT_MAX_DELAY_S` apart.
+
+    psycopg_pool doubles the wait between two attempts to reconnect a lost connection (1s,
+    2s, 4s, ... until its ``reconnect_timeout``, 5 minutes): after an outage of a minute
+    the pool tried again up to a minute after the server was back, and the scheduler
+    could reach its store (``health().ready``, any claim) only then.
+    """
+
+    async def _add_connection(self, attempt: Any = None, growing: bool = False) -> None:
+        if attempt is None and _Attempt is not None:
+            attempt = _CappedAttempt(timeout=self.reconnect_timeout)
+        await super()._add_connection(attempt, growing)
+
+
+if _Attempt is not None:
+    class _CappedAttempt(_Attempt):
+        """psycopg_pool's backoff, its wait capped at :data:`RECONNECT_MAX_DELAY_S`."""
+
+        def update_delay(self, now: float) -> None:
+            super().update_delay(now)
+            self.delay = min(self.delay, RECONNECT_MAX_DELAY_S)
+
+
+class _RecentFirstPool(_CappedReconnect):
     """An ``AsyncConnectionPool`` that lends the idle connection given back last first.
 
     psycopg_pool lends idle connections in turn (first in, first out). A pool that grew
@@ -417,7 +456,7 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         super().__init__(pool, owned=True, where=_where(conninfo),
                          secret=str(secret) if secret else None)
         self._conninfo = conninfo
-        self.reserved_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        self.reserved_pool: AsyncConnectionPool[Any] = _CappedReconnect(
             conninfo, min_size=1, max_size=1, open=False, timeout=timeout,
             kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon-reserved",
         )
