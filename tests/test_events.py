@@ -11,6 +11,7 @@ import pytest
 
 import lease_core.engine.base
 from lease_core import (
+    AttemptEnded,
     BackendUnavailable,
     Claimed,
     Completed,
@@ -388,3 +389,51 @@ async def test_a_subscriber_raising_a_base_exception_is_logged_and_ends_nothing(
     assert seen == ["Claimed", "Completed"]
     failures = [r for r in caplog.records if "event subscriber" in r.getMessage()]
     assert len(failures) == 2, caplog.text
+
+
+@pytest.mark.parametrize("then", ["completes", "is-cancelled"])
+async def test_a_frozen_holder_whose_run_was_taken_over_reports_its_attempt_lost(
+        then: str) -> None:
+    """A holder frozen past its lease (as the store sees it) whose run a backup took over
+    finishes, and the store refuses the finish: its attempt is ``lost`` in the history.
+    It was reported as the handler ended (a second Completed for the run, counted twice
+    in anarchon.attempts), or Cancelled when an operator had cancelled the backup's
+    attempt meanwhile (another instance's attempt, not this one)."""
+    jump = 0.0
+    backend = MemoryBackend(clock=lambda: time.time() + jump)
+    release = anyio.Event()
+    seen = {"a": Recorder(), "b": Recorder()}
+    schedulers = []
+    for name in ("a", "b"):
+        # A long heartbeat: the holder learns of the takeover only by its refused finish.
+        s = Scheduler(backend, instance_id=name, lease="30s", heartbeat="5s")
+
+        @s.every("j", "1h", catch_up="none", offset=quiet_offset_now())
+        async def j(ctx: RunContext) -> None:
+            if ctx.attempt == 1:
+                await release.wait()
+            elif then == "is-cancelled":
+                await anyio.sleep_forever()
+
+        s.subscribe(seen[name])
+        schedulers.append(s)
+    a, b = schedulers
+    async with a, b:
+        slot = current_slot(a, "j")
+        await claim_now(a, "j", slot)
+        await wait_for(lambda: a.health().runs_held == 1, what="a runs the handler")
+        jump = 31.0  # a is frozen, as the store sees it: its lease expired
+        await claim_now(b, "j", slot)
+        await wait_for(lambda: seen["b"].of(Claimed), what="b takes the run over")
+        if then == "is-cancelled":
+            async with b.admin as admin:
+                await admin.cancel("j", slot, grace=0)
+        release.set()
+        await wait_for(lambda: seen["a"].of(AttemptEnded), what="the end of a's attempt")
+        history = await b.history("j")
+    assert [(h.attempt, h.instance_id, h.outcome) for h in history][-1] == (
+        1, "a", Outcome.LOST)
+    assert [(type(e).__name__, e.attempt) for e in seen["a"].of(AttemptEnded)] == [
+        ("Lost", 1)]
+    [lost] = seen["a"].of(Lost)
+    assert lost.why == "lease lost before finishing"

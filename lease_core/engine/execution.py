@@ -340,17 +340,21 @@ class Executor:
         if completed:
             await s.steps.completed(job, lease.slot)
 
-    async def settle_refused(self, run: Run, report: Callable[[], None]) -> bool:
+    async def settle_refused(self, run: Run, report: Callable[[], None], *,
+                             why: str = "lease lost before finishing") -> bool:
         """Report the end of an attempt whose finish (or ``retry_later``) the store
         refused, as the store has the run: ``Cancelled`` when an operator's cancel ended
-        it meanwhile; ``Completed`` when it is completed (a step's fenced transaction
-        committed, and its answer was lost: the handler saw an error), and then True, for
-        the caller to go on to the next step; else ``report()`` (the lease was lost)."""
+        this attempt meanwhile; ``Completed`` when it is completed (a step's fenced
+        transaction committed, and its answer was lost: the handler saw an error), and
+        then True, for the caller to go on to the next step; else the lease was lost
+        (``Lost`` with ``why``, as the history records the attempt), and ``report()``
+        logs what the handler did (its own report of the end is then a no-op)."""
         lease = run.lease
         assert lease is not None
         state = await self._recorder.state_in_store(lease)
         status = None if state is None else state.status
-        if status is RunStatus.CANCELLED:
+        attempt = None if run.execution is None else run.execution.ctx.attempt
+        if state is not None and status is RunStatus.CANCELLED and state.attempt == attempt:
             self.ended(ev.Cancelled, lease)
             return False
         if (state is not None and status is RunStatus.COMPLETED
@@ -360,6 +364,9 @@ class Executor:
                            "completed", lease.job, format_slot(lease.slot))
             self.ended(ev.Completed, lease)
             return True
+        # Refused, and not this attempt's cancel nor completion: another attempt holds
+        # or held the run (a backup took it over), and the history has this one lost.
+        self.ended(ev.Lost, lease, why=why)
         report()
         return False
 

@@ -333,8 +333,10 @@ class Session:
                         if lease.token not in done]
                 if kept:
                     found = (await backend.check(kept)).runs
+                    # This attempt's cancel, not another's (the run taken over meanwhile).
                     cancelled = {key for key, state in found.items()
-                                 if state.status is RunStatus.CANCELLED}
+                                 if state.status is RunStatus.CANCELLED
+                                 and state.attempt == self._attempt_of(key)}
             except Exception as exc:
                 self.clock.failed("hand-over", exc, write=True)
         for lease in leases:
@@ -345,6 +347,11 @@ class Session:
             else:
                 self.execution.ended(ev.Lost, lease, why="not handed over")
         self.runs.handed_over(leases)
+
+    def _attempt_of(self, key: tuple[str, int]) -> int | None:
+        """The number of the attempt this instance holds ``key`` with, if it knows it."""
+        run = self.runs.get(key)
+        return None if run is None or run.attempt is None else run.attempt.attempt
 
     async def _leave_fleet(self) -> None:
         # It claims nothing new from now on: the others re-rank its jobs at their next

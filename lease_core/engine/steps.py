@@ -232,7 +232,8 @@ class StepCoordinator:
                 logger.warning("%s slot %s: lease lost before its result was stored",
                                run.job.name, format_slot(lease.slot))
 
-            completed = await s.execution.settle_refused(run, report)
+            completed = await s.execution.settle_refused(
+                run, report, why="lease lost before the result was stored")
             if lost:
                 s.runs.rewatch(run)
             else:
