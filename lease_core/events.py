@@ -7,8 +7,9 @@ end an attempt (:class:`Completed`, :class:`Failed`, :class:`TimedOut`, :class:`
 took a run over from another instance is reported as :class:`TakenOver` too. A failure
 its job's ``retry=`` retries is reported as :class:`Failed` (or :class:`TimedOut`), then
 :class:`Retried`. An attempt that ends with a finish (or a retry) is reported once the
-store answered it: a run an operator cancelled meanwhile is reported :class:`Cancelled`,
-as the store records it.
+store answered it, as the store records it: :class:`Cancelled` when an operator cancelled
+the attempt meanwhile, :class:`Lost` when the store refused it because a backup had taken
+the run over.
 """
 
 from __future__ import annotations
