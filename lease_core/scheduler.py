@@ -303,7 +303,9 @@ class Scheduler:
 
         An idle running instance asks the store once per heartbeat, so ``store_reachable``
         turns false within a lease of the store becoming unreachable (or refusing
-        writes: see :attr:`Health.store_reachable`), and true again within a heartbeat.
+        writes: see :attr:`Health.store_reachable`), and true again within a heartbeat
+        of its driver reconnecting (a PostgreSQL pool made from a DSN tries at least every
+        2 seconds; Redis clients at the next call).
         """
         s = self._session
         last = None if s is None else s.clock.last_answer
