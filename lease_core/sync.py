@@ -360,6 +360,12 @@ class SyncScheduler:
     ) -> None:
         self.stop()
 
+    @property
+    def events_dropped(self) -> int:
+        """Events dropped because a subscriber's buffer was full (since creation), as
+        :attr:`Scheduler.events_dropped`; readable from any thread."""
+        return self.scheduler.events_dropped
+
     def subscribe(self, callback: Callable[[ev.Event], Any]) -> Callable[[], None]:
         """Call ``callback`` with every event; return a function that unsubscribes it.
 

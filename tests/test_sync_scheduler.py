@@ -389,3 +389,24 @@ def test_a_handler_reading_the_history_while_its_scheduler_stops_is_not_held_up(
         s.stop(grace="20s")
     assert len(waited) == 1 and waited[0] < 5, waited
     assert runs_of(s.history("reads"), slot) == [(1, Reason.SCHEDULED, Outcome.COMPLETED)]
+
+
+def test_events_dropped_is_read_as_on_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operating guide counts a slow subscriber's overflow in
+    ``scheduler.events_dropped``; a SyncScheduler had no such attribute."""
+    import lease_core.engine.base
+
+    monkeypatch.setattr(lease_core.engine.base, "EVENT_BUFFER", 1)
+    release = threading.Event()
+    s = SyncScheduler(MemoryBackend(), instance_id="a", **FAST)
+    s.every("j", "1h", lambda ctx: None, catch_up="none", offset=quiet_offset_now())
+    s.subscribe(lambda event: release.wait(30))  # stuck on the first event
+    assert s.events_dropped == 0
+    with s:
+        slot = s.jobs["j"].schedule.previous_at_or_before(int(time.time() * 1000))
+        assert slot is not None
+        for at in (slot, slot + 3_600_000, slot + 7_200_000):
+            claim_now_sync(s, "j", at)
+        wait_until(lambda: s.events_dropped > 0, what="an event dropped")
+        release.set()
+    assert s.events_dropped > 0
