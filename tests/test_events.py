@@ -437,3 +437,43 @@ async def test_a_frozen_holder_whose_run_was_taken_over_reports_its_attempt_lost
         ("Lost", 1)]
     [lost] = seen["a"].of(Lost)
     assert lost.why == "lease lost before finishing"
+
+
+async def test_a_frozen_holder_whose_hand_over_is_refused_reports_its_attempt_lost() -> None:
+    """As above, at a stop: the hand-over of a run a backup took over and an operator
+    then cancelled is refused; the holder's attempt was reported Cancelled (the backup's
+    attempt was cancelled, not this one, which the history has lost)."""
+    jump = 0.0
+    backend = MemoryBackend(clock=lambda: time.time() + jump)
+    seen = {"a": Recorder(), "b": Recorder()}
+    schedulers = []
+    for name in ("a", "b"):
+        s = Scheduler(backend, instance_id=name, lease="30s", heartbeat="5s")
+
+        @s.every("j", "1h", catch_up="none", offset=quiet_offset_now())
+        async def j(ctx: RunContext) -> None:
+            await anyio.sleep_forever()
+
+        s.subscribe(seen[name])
+        schedulers.append(s)
+    a, b = schedulers
+    async with b:
+        await a.start()
+        try:
+            slot = current_slot(a, "j")
+            await claim_now(a, "j", slot)
+            await wait_for(lambda: a.health().runs_held == 1, what="a runs the handler")
+            jump = 31.0  # a is frozen, as the store sees it: its lease expired
+            await claim_now(b, "j", slot)
+            await wait_for(lambda: seen["b"].of(Claimed), what="b takes the run over")
+            async with b.admin as admin:
+                await admin.cancel("j", slot, grace=0)
+        finally:
+            await a.stop(grace=0)
+        history = await b.history("j")
+    assert [(h.attempt, h.instance_id, h.outcome) for h in history][-1] == (
+        1, "a", Outcome.LOST)
+    assert [(type(e).__name__, e.attempt) for e in seen["a"].of(AttemptEnded)] == [
+        ("Lost", 1)]
+    [lost] = seen["a"].of(Lost)
+    assert lost.why == "not handed over"
