@@ -58,6 +58,7 @@ from ._psycopg_base import (
     _where_of,
     translate_error,
 )
+from ._psycopg_pools import CappedReconnectPool, RecentFirstPool
 from .base import (
     CANCEL_GRACE_S,
     ConnectionLock,
@@ -354,63 +355,6 @@ class PsycopgPoolAdapter(SqlAdapter):
         return self._transaction(reset=reset if self.owned else None)
 
 
-#: The longest wait (seconds) between two reconnection attempts of a pool opened from a DSN.
-RECONNECT_MAX_DELAY_S = 2.0
-
-try:  # psycopg_pool >= 3.2; 3.1 calls it ConnectionAttempt
-    from psycopg_pool.base import AttemptWithBackoff as _Attempt
-except ImportError:  # pragma: no cover - depends on the install
-    try:
-        from psycopg_pool.base import (  # type: ignore[attr-defined,no-redef]
-            ConnectionAttempt as _Attempt,
-        )
-    except ImportError:
-        _Attempt = None  # type: ignore[assignment,misc]
-
-
-class _CappedReconnect(AsyncConnectionPool[Any]):
-    """An ``AsyncConnectionPool`` whose reconnection attempts are at most
-    :data:`RECONNECT_MAX_DELAY_S` apart.
-
-    psycopg_pool doubles the wait between two attempts to reconnect a lost connection (1s,
-    2s, 4s, ... until its ``reconnect_timeout``, 5 minutes): after an outage of a minute
-    the pool tried again up to a minute after the server was back, and the scheduler
-    could reach its store (``health().ready``, any claim) only then.
-    """
-
-    async def _add_connection(self, attempt: Any = None, growing: bool = False) -> None:
-        if attempt is None and _Attempt is not None:
-            attempt = _CappedAttempt(timeout=self.reconnect_timeout)
-        await super()._add_connection(attempt, growing)
-
-
-if _Attempt is not None:
-    class _CappedAttempt(_Attempt):
-        """psycopg_pool's backoff, its wait capped at :data:`RECONNECT_MAX_DELAY_S`."""
-
-        def update_delay(self, now: float) -> None:
-            super().update_delay(now)
-            self.delay = min(self.delay, RECONNECT_MAX_DELAY_S)
-
-
-class _RecentFirstPool(_CappedReconnect):
-    """An ``AsyncConnectionPool`` that lends the idle connection given back last first.
-
-    psycopg_pool lends idle connections in turn (first in, first out). A pool that grew
-    in a burst then spreads sequential statements over every server process it holds,
-    each woken from sleep: +265-437 µs of wall time per acquire + release measured on a
-    pool of 3 against a pool of 1. Lent last-in first, sequential work stays on one
-    server process, and the idle ones left are those the pool closes first when it
-    shrinks (from the other end). A psycopg_pool without this hook lends in turn.
-    """
-
-    async def _get_ready_connection(self, timeout: float | None) -> Any:  # noqa: ASYNC109
-        idle = self._pool  # (called under the pool's lock)
-        if len(idle) > 1:
-            idle.rotate(1)  # the last given back to the front, the others in order
-        return await super()._get_ready_connection(timeout)
-
-
 class PsycopgDsnAdapter(PsycopgPoolAdapter):
     """Open a small ``AsyncConnectionPool`` from a DSN (``None``: localhost and ``PG*``).
 
@@ -449,14 +393,14 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
             raise ConfigurationError(
                 f"{source} {value!r} is not a number of seconds (0 waits forever)"
             ) from None
-        pool: AsyncConnectionPool[Any] = _RecentFirstPool(
+        pool: AsyncConnectionPool[Any] = RecentFirstPool(
             conninfo, min_size=min_size, max_size=max_size, open=False, timeout=timeout,
             kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon",
         )
         super().__init__(pool, owned=True, where=_where(conninfo),
                          secret=str(secret) if secret else None)
         self._conninfo = conninfo
-        self.reserved_pool: AsyncConnectionPool[Any] = _CappedReconnect(
+        self.reserved_pool: AsyncConnectionPool[Any] = CappedReconnectPool(
             conninfo, min_size=1, max_size=1, open=False, timeout=timeout,
             kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon-reserved",
         )

@@ -301,12 +301,10 @@ class Scheduler:
     def health(self) -> Health:
         """Whether the store answered within the last lease, and what this instance holds.
 
-        An idle running instance asks the store once per heartbeat, so ``store_reachable``
-        turns false within a lease of the store becoming unreachable (or refusing
-        writes: see :attr:`Health.store_reachable`), and true again within a heartbeat
-        of its driver reconnecting (a PostgreSQL pool made from a DSN tries at least every
-        2 seconds; Redis clients at the next call).
-        """
+        An idle running instance asks the store once per heartbeat: ``store_reachable``
+        turns false within a lease of the store becoming unreachable (or refusing writes:
+        :attr:`Health.store_reachable`), true again within a heartbeat of its driver
+        reconnecting (a DSN's PostgreSQL pool tries every 2 s at most)."""
         s = self._session
         last = None if s is None else s.clock.last_answer
         since = None if last is None else max(0.0, self._clock() - last)

@@ -109,7 +109,7 @@ async def test_health_is_ready_again_soon_after_a_long_postgresql_outage() -> No
     Its reconnection attempts are at most RECONNECT_MAX_DELAY_S apart."""
     import time
 
-    from adapters.psycopg import RECONNECT_MAX_DELAY_S
+    from adapters._psycopg_pools import RECONNECT_MAX_DELAY_S
 
     server = EmbeddedPostgres()
     await anyio.to_thread.run_sync(server.start)

@@ -1,0 +1,72 @@
+"""The ``AsyncConnectionPool`` subclasses of :class:`adapters.psycopg.PsycopgDsnAdapter`.
+
+Both hook psycopg_pool internals (it has no public option for either); a psycopg_pool
+without the hook behaves as its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+__all__ = ["RECONNECT_MAX_DELAY_S", "CappedReconnectPool", "RecentFirstPool"]
+
+#: The longest wait (seconds) between two reconnection attempts of a pool opened from a DSN.
+RECONNECT_MAX_DELAY_S = 2.0
+
+try:  # psycopg_pool >= 3.2; 3.1 calls it ConnectionAttempt
+    from psycopg_pool.base import AttemptWithBackoff as _Attempt
+except ImportError:  # pragma: no cover - depends on the install
+    try:
+        from psycopg_pool.base import (  # type: ignore[attr-defined,no-redef]
+            ConnectionAttempt as _Attempt,
+        )
+    except ImportError:
+        _Attempt = None  # type: ignore[assignment,misc]
+
+
+class CappedReconnectPool(AsyncConnectionPool[Any]):
+    """An ``AsyncConnectionPool`` whose reconnection attempts are at most
+    :data:`RECONNECT_MAX_DELAY_S` apart.
+
+    psycopg_pool doubles the wait between two attempts to reconnect a lost connection (1s,
+    2s, 4s, ... until its ``reconnect_timeout``, 5 minutes): after an outage of a minute
+    the pool tried again up to a minute after the server was back, and the scheduler
+    could reach its store (``health().ready``, any claim) only then.
+    """
+
+    async def _add_connection(self, attempt: Any = None, *args: Any, **kwargs: Any) -> None:
+        if attempt is None and _Attempt is not None:
+            try:
+                attempt = _CappedAttempt(timeout=self.reconnect_timeout)
+            except TypeError:  # another psycopg_pool's signature: its own backoff, as is
+                attempt = None
+        await super()._add_connection(attempt, *args, **kwargs)
+
+
+if _Attempt is not None:
+    class _CappedAttempt(_Attempt):
+        """psycopg_pool's backoff, its wait capped at :data:`RECONNECT_MAX_DELAY_S`."""
+
+        def update_delay(self, now: float) -> None:
+            super().update_delay(now)
+            self.delay = min(self.delay, RECONNECT_MAX_DELAY_S)
+
+
+class RecentFirstPool(CappedReconnectPool):
+    """An ``AsyncConnectionPool`` that lends the idle connection given back last first.
+
+    psycopg_pool lends idle connections in turn (first in, first out). A pool that grew
+    in a burst then spreads sequential statements over every server process it holds,
+    each woken from sleep: +265-437 µs of wall time per acquire + release measured on a
+    pool of 3 against a pool of 1. Lent last-in first, sequential work stays on one
+    server process, and the idle ones left are those the pool closes first when it
+    shrinks (from the other end). A psycopg_pool without this hook lends in turn.
+    """
+
+    async def _get_ready_connection(self, timeout: float | None) -> Any:  # noqa: ASYNC109
+        idle = self._pool  # (called under the pool's lock)
+        if len(idle) > 1:
+            idle.rotate(1)  # the last given back to the front, the others in order
+        return await super()._get_ready_connection(timeout)
