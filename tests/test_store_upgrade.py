@@ -1052,3 +1052,37 @@ async def asgi_request(app: Any, method: str, path: str, token: str) -> tuple[in
               receive, send)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+async def test_two_operations_at_once_through_a_store_opened_as_it_is_both_act(
+    server: PgServer, anyio_backend: str
+) -> None:
+    """Two operations at once through one backend opened with ``start(create=False)`` on
+    a v3 store (two POSTs to ``anarchon serve``): the second must wait for the first's
+    upgrade, not call the operations function before the upgrade made it (it found the
+    store marked upgraded as soon as the first began: "function ... does not exist")."""
+    table = unique_table()
+    sql(server.admin_dsn, FIXTURE_V3.read_text().format(**names_v3(table)))
+    try:
+        old = v3_release(server.dsn, table)
+        assert old.claim(1, "done", 60_000)[0] == "won"  # the store knows job "j"
+        backend = PostgresBackend(server.dsn, table=table)
+        await backend.start(create=False)  # as anarchon serve does
+        try:
+            results: list[Any] = []
+
+            async def pause(job: str) -> None:
+                results.append(await backend.operate(
+                    Operation(OperationKind.PAUSE, job, None, "test")))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pause, "j")
+                tg.start_soon(pause, "j")
+            assert sorted(str(r.refused) for r in results) == ["None", "conflict"]
+            assert await backend.paused() == {"j": "test"}
+        finally:
+            await backend.close()
+        code = f"SELECT value FROM {table}_meta WHERE key = 'code'"
+        assert sql(server.admin_dsn, code) == [(str(CODE_VERSION),)]
+    finally:
+        await drop_tables(server.admin_dsn, table)

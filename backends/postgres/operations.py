@@ -38,12 +38,11 @@ class StoreOperations(StoreDescriptions):
         the status API). A store user who may not upgrade it gets
         :class:`~lease_core.errors.StoreRefused` naming ``anarchon migrate``.
         """
-        if self._store.read_as_is:
+        if self._store.read_as_is:  # not upgraded: each operation tries until one did
             try:
-                await self._store.ensure(self._adapter)
-            except BaseException as exc:
-                self._store.read_as_is = True  # not upgraded: the next operation tries again
-                if isinstance(exc, ConfigurationError) and not isinstance(exc, StoreRefused):
+                await self._store.upgrade_read_as_is(self._adapter)
+            except ConfigurationError as exc:
+                if not isinstance(exc, StoreRefused):
                     raise StoreRefused(str(exc)) from exc  # the store's setup, not the call
                 raise
         [(refused, slot, status)] = await self._adapter.all(

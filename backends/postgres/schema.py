@@ -12,6 +12,8 @@ import hashlib
 import json
 import logging
 
+import anyio
+
 from adapters.sql import Executor, SqlAdapter
 from lease_core.errors import (
     BackendUnavailable,
@@ -85,6 +87,7 @@ class StoreSchema:
         #: Whether the store was last opened by :meth:`check` (read as it is, perhaps of
         #: older store code), not by :meth:`ensure`: an operation then upgrades it first.
         self.read_as_is = False
+        self._upgrading: anyio.Lock | None = None  # created on the event loop using it
 
     def _table_names(self) -> list[str]:
         return [self._name + suffix for suffix in ("", "_attempts", "_jobs", "_meta")]
@@ -198,7 +201,22 @@ class StoreSchema:
         A user without the privileges to create or upgrade gets a one-line
         :class:`ConfigurationError` naming ``anarchon migrate``.
         """
+        await self._ensure(adapter)
+        # Only once done: an operation at once with the one upgrading must wait for it
+        # (upgrade_read_as_is), not call the function the upgrade is about to make.
         self.read_as_is = False
+
+    async def upgrade_read_as_is(self, adapter: SqlAdapter) -> None:
+        """:meth:`ensure` a store opened by :meth:`check` (read as it is), once: the
+        operations at once on one backend wait for the one upgrading, then go on with
+        the store upgraded (or each try again after a failure)."""
+        if self._upgrading is None:
+            self._upgrading = anyio.Lock()
+        async with self._upgrading:
+            if self.read_as_is:
+                await self.ensure(adapter)
+
+    async def _ensure(self, adapter: SqlAdapter) -> None:
         tables, function, named = await self._existing(adapter)
         complete, code = False, 1
         if len(tables) == 4:
