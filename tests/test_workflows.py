@@ -972,6 +972,39 @@ async def test_a_step_inserted_in_a_deployed_workflow_runs_from_the_next_run_on(
     assert [r["status"] for r in listed["runs"] if r["slot"] == slot] == ["completed"]
 
 
+async def test_a_step_inserted_is_not_run_for_a_run_an_earlier_build_completed(
+    store: Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The release that marks a step's result with its next step is deployed with a step
+    inserted between two: the latest run was completed by the earlier build (its first
+    step's result names no next step), yet its later step ran: the run went on without
+    the inserted step, which must not run for it (it ran: the inserted step's effect for
+    a run completed before it existed, shown completed by the status API meanwhile)."""
+    from lease_core.engine.steps import StepCoordinator
+
+    ran: list[tuple[str | None, int]] = []
+
+    def build(name: str, steps: tuple[str, ...]) -> Scheduler:
+        return _close_workflow(store, name, steps,
+                               lambda ctx: ran.append((ctx.step, ctx.slot)))
+
+    def earlier_build(job: Any, value: Any) -> dict[str, Any]:
+        # The results a543587's release stored: only the last step's marked.
+        return {"result": value, **({"last": True} if job.next_step is None else {})}
+
+    with monkeypatch.context() as m:
+        m.setattr(StepCoordinator, "result_payload", staticmethod(earlier_build))
+        slot = await _one_run_completed(build("old", (STEPS[0], STEPS[2])))
+    new = build("new", STEPS)
+    with caplog.at_level(logging.INFO, logger="anarchon"):
+        async with anyio.create_task_group() as tg:
+            i = await Instance(new).start(tg)
+            await wait_for(lambda: "went on without" in caplog.text
+                           or (STEPS[1], slot) in ran, what="the latest run looked at")
+            await i.stop()
+    assert ran == [(STEPS[0], slot), (STEPS[2], slot)]
+
+
 async def test_a_run_that_ended_before_a_step_was_added_is_shown_completed(
     store: Store) -> None:
     """The status API shows a run that ended with the workflow's old last step as

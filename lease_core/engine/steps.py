@@ -109,6 +109,33 @@ class StepCoordinator:
                         "run on", job.workflow.name, format_slot(slot), job.step, went,
                         next_step.step)
             return True
+        if went is None:
+            return await self._went_on_past(job, next_step, slot)
+        return False
+
+    async def _went_on_past(self, job: Job, next_step: Job, slot: int) -> bool:
+        """True when a step after ``next_step`` has a run at ``slot``: the workflow run
+        went on without ``next_step`` (inserted since). Read for a result that names no
+        next step (stored by an earlier build, before results were marked so): a step
+        inserted by the deploy that brings the marks must not run for the runs the
+        earlier build completed, nor for those it went on with."""
+        assert job.workflow is not None
+        jobs = job.workflow.jobs
+        later = jobs[jobs.index(next_step) + 1:]
+        if not later:
+            return False
+        try:
+            found = await self._s.settings.backend.check([(j.name, slot) for j in later])
+        except Exception as exc:
+            self._s.clock.failed(f"check of workflow {job.workflow.name}", exc)
+            return False
+        went = [j.step for j in later if (j.name, slot) in found.runs]
+        if went:
+            logger.info("%s slot %s: its run went on without step %r (with step %r), "
+                        "under an earlier definition of the workflow; step %r runs from "
+                        "the next run on", job.workflow.name, format_slot(slot),
+                        next_step.step, went[0], next_step.step)
+            return True
         return False
 
     def continue_later(self, run: Run) -> bool:
