@@ -906,3 +906,50 @@ async def test_a_workflow_step_an_operator_reopens_during_a_trimming_keeps_its_r
         assert await backend.prune("wf/one", keep=0) == 0  # the workflow run goes on: kept
     finally:
         await backend.close()
+
+
+@pytest.mark.asyncio_only
+async def test_two_trimmings_of_a_workflows_two_steps_at_once_never_deadlock(
+    pg16_server: PgServer, table: str,
+) -> None:
+    """Two trimmings at once (``anarchon prune`` beside the maintenance, or two
+    maintenances), one of each step of a workflow whose runs have ended: each read the
+    other step's runs FOR SHARE (as they are now) and its own step's runs FOR SHARE, then
+    deleted its own step's runs, which the other held shared: each waited for the other,
+    and PostgreSQL aborted one of them (deadlock detected). Each must skip a run the
+    other holds instead, its attempts kept for a later trimming."""
+    first = PostgresBackend(pg16_server.dsn, table=table)
+    second = PostgresBackend(pg16_server.dsn, table=table)
+    await first.start()
+    await second.start()
+    slots = 400
+    try:
+        await first.register_workflows({"wf": ["one", "two"]})
+        rounds = 0
+        with anyio.fail_after(60):
+            while rounds < 15:  # deadlocked in the first few rounds
+                rounds += 1
+                for job in ("wf/one", "wf/two"):
+                    requests = [request_for(job, rounds * 10_000 + i, f"t{rounds}-{job}-{i}",
+                                            overlap_skip=False) for i in range(slots)]
+                    assert all(r.status is ClaimStatus.WON
+                               for r in await first.claim_many(requests))
+                    assert all(await first.finish_many(
+                        [(Lease(job, r.slot, r.token, 60_000), Outcome.COMPLETED, None)
+                         for r in requests]))
+                errors: list[BaseException] = []
+
+                async def prune(backend: PostgresBackend, job: str,
+                                errors: list[BaseException] = errors) -> None:
+                    try:
+                        await backend.prune(job, keep=0)
+                    except Exception as exc:  # reported below
+                        errors.append(exc)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(prune, first, "wf/one")
+                    tg.start_soon(prune, second, "wf/two")
+                assert not errors, errors
+    finally:
+        await first.close()
+        await second.close()

@@ -445,12 +445,16 @@ doomed AS (
     SELECT t.slot, t.attempt FROM by_age t),
 -- the doomed attempts' runs, locked and read as they are now, not as the statement's
 -- snapshot saw them: an operator's retry committed meanwhile reopened its run (whose
--- attempts then stay); one being changed now is skipped, its attempts kept this time
+-- attempts then stay); one being changed now is skipped, its attempts kept this time.
+-- Locked FOR UPDATE, as the deletion below locks them, not FOR SHARE: another trimming
+-- (of another step of the workflow: its others_settled) could share one and wait, as
+-- this one would, to delete a run the other shares (deadlock detected); the runs one
+-- locks so are skipped by the other, and their slots' attempts kept this time
 settled AS (
     SELECT r.slot FROM {runs} r
     WHERE r.job = %(job)s::text AND r.slot IN (SELECT d.slot FROM doomed d)
       AND r.status NOT IN ('running', 'handed_over', 'retrying')
-    FOR SHARE SKIP LOCKED),
+    FOR UPDATE SKIP LOCKED),
 -- the workflow's other steps' runs at the doomed slots, locked and read as they are now
 -- too: a slot where one is open now (an operator's retry of a failed step reopened the
 -- workflow run meanwhile) or being changed keeps its attempts this time
@@ -560,7 +564,7 @@ settled AS (
     SELECT r.job, r.slot FROM {runs} r
     WHERE (r.job, r.slot) IN (SELECT d.job, d.slot FROM doomed d)
       AND r.status NOT IN ('running', 'handed_over', 'retrying')
-    FOR SHARE SKIP LOCKED),
+    FOR UPDATE SKIP LOCKED),
 -- the workflow's other steps' runs at the doomed slots as they are now (see trim_job)
 others AS (
     SELECT w.job AS trimmed, r.job, r.slot FROM steps w JOIN {runs} r ON r.job = w.step
