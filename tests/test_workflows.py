@@ -860,6 +860,43 @@ async def test_a_starting_instance_continues_an_older_run_left_between_two_steps
         ("a", "snapshot", older), ("c", "interest", older)]
 
 
+async def test_a_starting_instance_does_not_run_again_a_later_step_whose_run_was_trimmed(
+    store: Store,
+) -> None:
+    """An older workflow run whose second step's run was trimmed (its step's history is
+    by attempts; the first step's run at that slot still kept): the start-up check that
+    looks past the latest run finds the first step completed and the second missing; its
+    claim starts nothing past the step's trimmed history, and the step never runs twice."""
+    ran: list[tuple[str | None, int]] = []
+
+    def build(name: str) -> Scheduler:
+        return _close_workflow(store, name, STEPS[:2],
+                               lambda ctx: ran.append((ctx.step, ctx.slot)))
+
+    old = build("old")
+    newer = current_slot(old)
+    older = newer - 3_600_000
+    async with anyio.create_task_group() as tg:
+        i = await Instance(old).start(tg)
+        for slot in (older, newer):
+            await begin(old, slot)
+            await wait_workflow(old, slot, "completed")
+        await i.stop()
+    async with started(old.backend):  # the second step's history trimmed alone
+        assert await old.backend.prune(step_job("close", STEPS[1]), keep=1) == 1
+    assert await statuses(old, older) == [RunStatus.COMPLETED, None]
+    new = build("new")
+    seen = ClaimAnswers(new.backend, step_job("close", STEPS[1]))
+    new.backend = seen  # type: ignore[assignment]
+    async with anyio.create_task_group() as tg:
+        i = await Instance(new).start(tg)
+        await wait_for(lambda: any(slot == older for slot, _, _ in seen.answers),
+                       what="the older run's second step claimed at start")
+        await i.stop()
+    assert sorted(ran) == sorted([(STEPS[0], older), (STEPS[1], older),
+                                  (STEPS[0], newer), (STEPS[1], newer)])
+
+
 def _close_workflow(store: Store, name: str, steps: tuple[str, ...],
                     handler: Callable[[RunContext], object]) -> Scheduler:
     """A scheduler named ``name`` with the hourly workflow ``close`` of ``steps``, each
