@@ -8,6 +8,7 @@ next heartbeat.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -540,3 +541,74 @@ async def test_an_old_instance_at_a_new_epoch_does_not_record_its_older_workflow
         finally:
             await reader.close()
             await stop_all([i_old])
+
+
+async def test_a_later_step_whose_data_a_shard_lost_is_not_run_again_for_older_runs(
+    server: EmbeddedRedis, raw: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis Cluster shard loses a workflow's second step's data (its job's keys live on
+    that shard; the first step's, on another, are kept). A starting instance's look at
+    the workflow's recent runs, past the latest, finds each older run's first step
+    completed and its second missing: the runs did not stop between the steps, their
+    second step's runs were lost. It must not run the second step again for every older
+    run (the store first saw that step's job after them)."""
+    from urllib.parse import quote
+
+    from lease_core.recovery import step_job
+
+    prefix = _prefix()
+    offset = quiet_offset(await store_now_ms(RedisBackend(server.url, prefix=prefix)))
+    ran: list[tuple[str | None, int]] = []
+
+    def build(name: str) -> Scheduler:
+        s = Scheduler(RedisBackend(server.url, prefix=prefix), instance_id=name,
+                      lease="1s", heartbeat="0.2s")
+        flow = s.workflow("close", every="1h", offset=offset)
+        for step in ("snapshot", "interest"):
+            flow.step(step, lambda ctx: ran.append((ctx.step, ctx.slot)))
+        return s
+
+    old = build("old")
+    schedule = old.workflows["close"].schedule
+    newer = schedule.previous_at_or_before(old.store_now_ms())
+    assert newer is not None
+    slots = [newer - 3_600_000 * k for k in range(3, 0, -1)]  # older runs, oldest first
+    async with anyio.create_task_group() as tg:
+        i = await Instance(old).start(tg)
+        for slot in [*slots, newer]:
+            await claim_now(old, "close", slot)
+            await wait_for(lambda slot=slot: ("interest", slot) in ran,
+                           what="the run's second step")
+        await stop_all([i])
+    # the shard of the second step's job loses its data
+    lost = list(raw.scan_iter(match="{" + prefix + "/"
+                              + quote(step_job("close", "interest"), safe="") + "}*"))
+    assert lost
+    raw.delete(*lost)
+    seen: list[int] = []
+    new = build("new")
+    inner = new.backend
+
+    class Claims:
+        def __getattr__(self, attr: str) -> Any:
+            value = getattr(inner, attr)
+            if attr not in ("claim", "claim_many"):
+                return value
+
+            async def claim(requests: Any) -> Any:
+                listed = requests if attr == "claim_many" else [requests]
+                seen.extend(r.slot for r in listed
+                            if r.job == step_job("close", "interest"))
+                return await value(requests)
+            return claim
+
+    new.backend = Claims()  # type: ignore[assignment]
+    async with anyio.create_task_group() as tg:
+        i = await Instance(new).start(tg)
+        with caplog.at_level(logging.INFO, logger="anarchon"):
+            await wait_for(lambda: set(slots) <= set(seen) or caplog.text.count(
+                "before the store knew step 'interest'") == len(slots),
+                what="the older runs looked at")
+        await stop_all([i])
+    assert [r for r in ran if r[0] == "interest" and r[1] in slots] == [
+        ("interest", slot) for slot in slots]

@@ -252,7 +252,7 @@ class Session:
                     self.dispatch.schedule_next(job, self.clock.now_ms())
             tg.start_soon(self.dispatch.wake_due_jobs)
             for wf in self.registry.workflows.values():
-                tg.start_soon(self.steps.resume, wf, infos[wf.jobs[0].name])
+                tg.start_soon(self.steps.resume, wf, infos[wf.jobs[0].name], infos)
             tg.start_soon(self.leases.ticker)
             tg.start_soon(self.retention.run)
             if self.state is SchedulerState.STARTING:

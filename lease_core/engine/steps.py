@@ -9,12 +9,13 @@ instance continues a workflow run whose next step was never claimed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .. import events as ev
-from .._structures import JobInfo, Reason, RunStatus, format_slot
+from .._structures import JobInfo, Outcome, Reason, RunStatus, format_slot
 from ..context import RunContext
 from ..errors import AnarchonError, ConfigurationError
 from ..recovery import step_job
@@ -280,7 +281,8 @@ class StepCoordinator:
                 "inside its fenced transaction")
         await store(self.result_payload(self._s.jobs[ctx.job], ctx.result))
 
-    async def resume(self, wf: Workflow, info: JobInfo) -> None:
+    async def resume(self, wf: Workflow, info: JobInfo,
+                     infos: Mapping[str, JobInfo] | None = None) -> None:
         """Claim the next step of each of ``wf``'s workflow runs where a step completed
         and the next one was never claimed (its agent and supervisors died in between).
 
@@ -291,10 +293,14 @@ class StepCoordinator:
         their successors, once, at start; nothing is added to any claim. An older run is
         continued only when its completed step's result names the same next step
         (:meth:`_went_on_with`): after a deploy changed the workflow, its old runs are not
-        given the new steps."""
+        given the new steps; and only when the store knew the next step's job as the step
+        completed (``infos``, the jobs' registrations at start; :meth:`_known_then`): the
+        next step's runs of older runs lost with its data (a Redis Cluster shard's loss)
+        are not gaps, and are not run again."""
         s = self._s
         slots: set[int] = set() if info.last_slot is None else {info.last_slot}
         limit = min(max(s.settings.history_size, RESUME_SCAN), RESUME_SCAN_MAX)
+        finished: dict[str, dict[int, int]] = {}  # job -> slot -> its completion (ms)
         try:
             for job in wf.jobs[:-1]:
                 slots.update(r.slot for r in await s.settings.backend.runs(job.name,
@@ -316,9 +322,42 @@ class StepCoordinator:
                         and (next_step.name, slot) not in result.runs):
                     if slot == info.last_slot:
                         await self._continue(job, next_step, slot)
-                    elif await self._went_on_with(job, next_step, slot):
+                    elif (await self._went_on_with(job, next_step, slot)
+                          and await self._known_then(job, next_step, slot, infos,
+                                                     finished, limit)):
                         await s.claims.claim(next_step, slot, Reason.SCHEDULED)
                     break
+
+    async def _known_then(self, job: Job, next_step: Job, slot: int,
+                          infos: Mapping[str, JobInfo] | None,
+                          finished: dict[str, dict[int, int]], limit: int) -> bool:
+        """True when the store first saw ``next_step``'s job before ``job``'s run at
+        ``slot`` completed: its missing run there is a gap, not a run lost with the job's
+        data (the store sees a job whose data was lost anew, at the next registration or
+        claim). Read from the slot alone when the job was first seen by then, else from
+        ``job``'s history (its completed attempt's end; read once per step, kept in
+        ``finished``); not found there: False."""
+        first_seen = None if infos is None else infos.get(next_step.name)
+        if first_seen is None or first_seen.first_seen_ms <= slot:
+            return True
+        ends = finished.get(job.name)
+        if ends is None:
+            try:
+                history = await self._s.settings.backend.history(job.name, limit=2 * limit)
+            except Exception as exc:
+                self._s.clock.failed(f"reading the history of {job.name}", exc)
+                return False
+            ends = finished[job.name] = {
+                a.slot: int(a.finished_at.timestamp() * 1000) for a in history
+                if a.outcome == Outcome.COMPLETED and a.finished_at is not None}
+        end = ends.get(slot)
+        if end is not None and end >= first_seen.first_seen_ms:
+            return True
+        logger.info("%s slot %s: step %r completed before the store knew step %r (its "
+                    "data lost since, or the step added since); it is not run for that "
+                    "run", job.workflow and job.workflow.name, format_slot(slot), job.step,
+                    next_step.step)
+        return False
 
     async def _went_on_with(self, job: Job, next_step: Job, slot: int) -> bool:
         """True when ``job``'s run at ``slot``, completed, named ``next_step`` as the step
