@@ -266,8 +266,15 @@ async def test_a_subscriber_that_exits_is_logged_and_ends_nothing(
         seen.append(type(event).__name__)
         raise KeyboardInterrupt
 
+    await run_one_with_subscriber(sync_bad if kind == "sync" else async_bad, seen)
+    assert "event subscriber" in caplog.text
+
+
+async def run_one_with_subscriber(subscriber: Any, seen: list[str]) -> None:
+    """Run one run of a job with ``subscriber``, which records the events it gets in
+    ``seen`` and fails on each: the run completes and the scheduler runs on, ready."""
     s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
-    s.subscribe(sync_bad if kind == "sync" else async_bad)
+    s.subscribe(subscriber)
     s.every("j", "1h", lambda ctx: None, offset=quiet_offset_now())
     async with s:
         slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
@@ -275,7 +282,7 @@ async def test_a_subscriber_that_exits_is_logged_and_ends_nothing(
         await claim_now(s, "j", slot)
         await wait_for(lambda: "Completed" in seen, what="both events, each failing")
         assert s.state == "running"
-    assert "event subscriber" in caplog.text
+        assert s.health().ready
 
 
 
@@ -376,16 +383,7 @@ async def test_a_subscriber_raising_a_base_exception_is_logged_and_ends_nothing(
         seen.append(type(event).__name__)
         fail()
 
-    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
-    s.subscribe(sync_bad if kind.startswith("sync") else async_bad)
-    s.every("j", "1h", lambda ctx: None, offset=quiet_offset_now())
-    async with s:
-        slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
-        assert slot is not None
-        await claim_now(s, "j", slot)
-        await wait_for(lambda: "Completed" in seen, what="both events, each failing")
-        assert s.state == "running"
-        assert s.health().ready
+    await run_one_with_subscriber(sync_bad if kind.startswith("sync") else async_bad, seen)
     assert seen == ["Claimed", "Completed"]
     failures = [r for r in caplog.records if "event subscriber" in r.getMessage()]
     assert len(failures) == 2, caplog.text
@@ -399,81 +397,81 @@ async def test_a_frozen_holder_whose_run_was_taken_over_reports_its_attempt_lost
     It was reported as the handler ended (a second Completed for the run, counted twice
     in anarchon.attempts), or Cancelled when an operator had cancelled the backup's
     attempt meanwhile (another instance's attempt, not this one)."""
-    jump = 0.0
-    backend = MemoryBackend(clock=lambda: time.time() + jump)
     release = anyio.Event()
-    seen = {"a": Recorder(), "b": Recorder()}
-    schedulers = []
-    for name in ("a", "b"):
-        # A long heartbeat: the holder learns of the takeover only by its refused finish.
-        s = Scheduler(backend, instance_id=name, lease="30s", heartbeat="5s")
 
-        @s.every("j", "1h", catch_up="none", offset=quiet_offset_now())
-        async def j(ctx: RunContext) -> None:
-            if ctx.attempt == 1:
-                await release.wait()
-            elif then == "is-cancelled":
-                await anyio.sleep_forever()
+    async def j(ctx: RunContext) -> None:
+        if ctx.attempt == 1:
+            await release.wait()
+        elif then == "is-cancelled":
+            await anyio.sleep_forever()
 
-        s.subscribe(seen[name])
-        schedulers.append(s)
-    a, b = schedulers
+    pair = FrozenHolder(j)
+    a, b = pair.schedulers
     async with a, b:
-        slot = current_slot(a, "j")
-        await claim_now(a, "j", slot)
-        await wait_for(lambda: a.health().runs_held == 1, what="a runs the handler")
-        jump = 31.0  # a is frozen, as the store sees it: its lease expired
-        await claim_now(b, "j", slot)
-        await wait_for(lambda: seen["b"].of(Claimed), what="b takes the run over")
+        slot = await pair.take_over()
         if then == "is-cancelled":
             async with b.admin as admin:
                 await admin.cancel("j", slot, grace=0)
         release.set()
-        await wait_for(lambda: seen["a"].of(AttemptEnded), what="the end of a's attempt")
-        history = await b.history("j")
-    assert [(h.attempt, h.instance_id, h.outcome) for h in history][-1] == (
-        1, "a", Outcome.LOST)
-    assert [(type(e).__name__, e.attempt) for e in seen["a"].of(AttemptEnded)] == [
-        ("Lost", 1)]
-    [lost] = seen["a"].of(Lost)
-    assert lost.why == "lease lost before finishing"
+        await wait_for(lambda: pair.seen["a"].of(AttemptEnded), what="the end of a's attempt")
+        await pair.check_lost("lease lost before finishing")
 
 
 async def test_a_frozen_holder_whose_hand_over_is_refused_reports_its_attempt_lost() -> None:
     """As above, at a stop: the hand-over of a run a backup took over and an operator
     then cancelled is refused; the holder's attempt was reported Cancelled (the backup's
     attempt was cancelled, not this one, which the history has lost)."""
-    jump = 0.0
-    backend = MemoryBackend(clock=lambda: time.time() + jump)
-    seen = {"a": Recorder(), "b": Recorder()}
-    schedulers = []
-    for name in ("a", "b"):
-        s = Scheduler(backend, instance_id=name, lease="30s", heartbeat="5s")
+    async def j(ctx: RunContext) -> None:
+        await anyio.sleep_forever()
 
-        @s.every("j", "1h", catch_up="none", offset=quiet_offset_now())
-        async def j(ctx: RunContext) -> None:
-            await anyio.sleep_forever()
-
-        s.subscribe(seen[name])
-        schedulers.append(s)
-    a, b = schedulers
+    pair = FrozenHolder(j)
+    a, b = pair.schedulers
     async with b:
         await a.start()
         try:
-            slot = current_slot(a, "j")
-            await claim_now(a, "j", slot)
-            await wait_for(lambda: a.health().runs_held == 1, what="a runs the handler")
-            jump = 31.0  # a is frozen, as the store sees it: its lease expired
-            await claim_now(b, "j", slot)
-            await wait_for(lambda: seen["b"].of(Claimed), what="b takes the run over")
+            slot = await pair.take_over()
             async with b.admin as admin:
                 await admin.cancel("j", slot, grace=0)
         finally:
             await a.stop(grace=0)
-        history = await b.history("j")
-    assert [(h.attempt, h.instance_id, h.outcome) for h in history][-1] == (
-        1, "a", Outcome.LOST)
-    assert [(type(e).__name__, e.attempt) for e in seen["a"].of(AttemptEnded)] == [
-        ("Lost", 1)]
-    [lost] = seen["a"].of(Lost)
-    assert lost.why == "not handed over"
+        await pair.check_lost("not handed over")
+
+
+class FrozenHolder:
+    """Two schedulers, ``a`` and ``b``, running ``handler`` as job ``j`` on one memory
+    store whose clock can jump ahead; a long heartbeat, so that a holder learns of a
+    takeover only by its refused finish or hand-over."""
+
+    def __init__(self, handler: Any) -> None:
+        self.jump = 0.0
+        backend = MemoryBackend(clock=lambda: time.time() + self.jump)
+        self.seen = {"a": Recorder(), "b": Recorder()}
+        self.schedulers = []
+        for name in ("a", "b"):
+            s = Scheduler(backend, instance_id=name, lease="30s", heartbeat="5s")
+            s.every("j", "1h", handler, catch_up="none", offset=quiet_offset_now())
+            s.subscribe(self.seen[name])
+            self.schedulers.append(s)
+
+    async def take_over(self) -> int:
+        """``a`` claims the current slot and runs it; then, ``a`` frozen as the store sees
+        it (its lease expired), ``b`` takes the run over. Returns the slot."""
+        a, b = self.schedulers
+        slot = current_slot(a, "j")
+        await claim_now(a, "j", slot)
+        await wait_for(lambda: a.health().runs_held == 1, what="a runs the handler")
+        self.jump = 31.0
+        await claim_now(b, "j", slot)
+        await wait_for(lambda: self.seen["b"].of(Claimed), what="b takes the run over")
+        return slot
+
+    async def check_lost(self, why: str) -> None:
+        """``a``'s attempt is ``lost`` in the history, and was reported ``Lost`` (``why``),
+        once, as the only end of its attempt."""
+        history = await self.schedulers[1].history("j")
+        assert [(h.attempt, h.instance_id, h.outcome) for h in history][-1] == (
+            1, "a", Outcome.LOST)
+        assert [(type(e).__name__, e.attempt) for e in self.seen["a"].of(AttemptEnded)] == [
+            ("Lost", 1)]
+        [lost] = self.seen["a"].of(Lost)
+        assert lost.why == why

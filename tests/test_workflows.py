@@ -874,14 +874,7 @@ async def test_a_starting_instance_does_not_run_again_a_later_step_whose_run_was
                                lambda ctx: ran.append((ctx.step, ctx.slot)))
 
     old = build("old")
-    newer = current_slot(old)
-    older = newer - 3_600_000
-    async with anyio.create_task_group() as tg:
-        i = await Instance(old).start(tg)
-        for slot in (older, newer):
-            await begin(old, slot)
-            await wait_workflow(old, slot, "completed")
-        await i.stop()
+    older, newer = await _two_runs_completed(old)
     async with started(old.backend):  # the second step's history trimmed alone
         assert await old.backend.prune(step_job("close", STEPS[1]), keep=1) == 1
     assert await statuses(old, older) == [RunStatus.COMPLETED, None]
@@ -908,6 +901,20 @@ def _close_workflow(store: Store, name: str, steps: tuple[str, ...],
     return s
 
 
+async def _two_runs_completed(scheduler: Scheduler) -> tuple[int, int]:
+    """Run ``scheduler`` until the workflow's run an hour before the current slot, then
+    the current one, completed; return their slots (older, newer)."""
+    newer = current_slot(scheduler)
+    older = newer - 3_600_000
+    async with anyio.create_task_group() as tg:
+        i = await Instance(scheduler).start(tg)
+        for slot in (older, newer):
+            await begin(scheduler, slot)
+            await wait_workflow(scheduler, slot, "completed")
+        await i.stop()
+    return older, newer
+
+
 async def _one_run_completed(scheduler: Scheduler) -> int:
     """Run ``scheduler`` until the workflow's current run completed; return its slot."""
     async with anyio.create_task_group() as tg:
@@ -932,14 +939,7 @@ async def test_a_starting_instance_does_not_give_older_runs_a_step_they_never_ha
                                lambda ctx: ran.append((ctx.step, ctx.slot)))
 
     old = build("old", ("snapshot", "interest"))
-    newer = current_slot(old)
-    older = newer - 3_600_000
-    async with anyio.create_task_group() as tg:
-        i = await Instance(old).start(tg)
-        for slot in (older, newer):
-            await begin(old, slot)
-            await wait_workflow(old, slot, "completed")
-        await i.stop()
+    older, _ = await _two_runs_completed(old)
     new = build("new", ("snapshot", "audit"))
     with caplog.at_level(logging.DEBUG, logger="anarchon"):
         async with anyio.create_task_group() as tg:
