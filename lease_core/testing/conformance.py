@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -342,6 +343,11 @@ async def test_checkpoint_round_trips_json_and_rejects_other_values(store: Store
         assert await a.get_checkpoint("c", SLOT) == value
         with pytest.raises(ConfigurationError, match="JSON"):
             await a.set_checkpoint(lease_of(r), {"bad": object()})
+        nested: list[Any] = []
+        for _ in range(5000):  # deeper than JSON encoders recurse
+            nested = [nested]
+        with pytest.raises(ConfigurationError, match="nests too deeply"):
+            await a.set_checkpoint(lease_of(r), nested)
         assert await a.get_checkpoint("c", SLOT) == value
         assert await a.delete_checkpoint(lease_of(r))
         assert await a.get_checkpoint("c", SLOT) is None
