@@ -105,6 +105,14 @@ def test_status_on_memory_says_it_sees_a_store_of_its_own(
     assert "no jobs recorded yet" in out and "memory:// is a store inside one process" in out
 
 
+def test_the_demo_given_a_memory_url_points_to_its_memory_backend(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --url memory://`` is refused (a demo's processes cannot share a store
+    inside one process), and the refusal says how to run the demo on the memory store."""
+    assert main(["demo", "--url", "memory://"]) == 2
+    assert "anarchon demo --backend memory" in capsys.readouterr().err
+
+
 def test_errors_are_reported_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["history", "--url", "nosuch://x"])
     assert code == 2

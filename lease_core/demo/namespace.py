@@ -159,7 +159,10 @@ def namespace_for(url: str, name: str | None = None) -> Namespace:
         return PostgresNamespace(url, name)
     if scheme in ("redis", "rediss", "unix"):
         return RedisNamespace(url, name)
-    raise ConfigurationError(f"the demo runs on PostgreSQL or Redis, not on {redact(url)!r}")
+    hint = ("; for the in-process memory store, run `anarchon demo --backend memory` "
+            "(no --url)" if scheme == "memory" else "")
+    raise ConfigurationError(
+        f"the demo runs on PostgreSQL or Redis, not on {redact(url)!r}{hint}")
 
 
 # --------------------------------------------------------------------------- PostgreSQL
