@@ -400,6 +400,11 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         super().__init__(pool, owned=True, where=_where(conninfo),
                          secret=str(secret) if secret else None)
         self._conninfo = conninfo
+        # The first login's own timeout: the one the DSN (or PGCONNECT_TIMEOUT) gives,
+        # else 10 seconds (libpq's default is to wait for ever).
+        self._first_timeout: dict[str, Any] = (
+            {} if "connect_timeout" in given or os.environ.get("PGCONNECT_TIMEOUT")
+            else {"connect_timeout": 10})
         self.reserved_pool: AsyncConnectionPool[Any] = CappedReconnectPool(
             conninfo, min_size=1, max_size=1, open=False, timeout=timeout,
             kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon-reserved",
@@ -409,7 +414,7 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
     async def open(self) -> None:
         """Check that a login works, then open the pool without waiting for it to fill."""
         with _mapped(self._where, self._secret):
-            conn = await psycopg.AsyncConnection.connect(self._conninfo, connect_timeout=10)
+            conn = await psycopg.AsyncConnection.connect(self._conninfo, **self._first_timeout)
             await conn.close()
             await self.pool.open(wait=False)
             await self.reserved_pool.open(wait=False)

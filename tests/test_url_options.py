@@ -358,3 +358,29 @@ async def test_a_driver_parameter_psycopg_refuses_is_a_configuration_error_at_st
         code = await anyio.to_thread.run_sync(
             main, ["status", "--url", f"{pg16_server.dsn}?table={table}&{query}"])
     assert code == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.asyncio_only
+async def test_the_first_login_waits_as_long_as_the_dsns_connect_timeout() -> None:
+    """The first connection of a DSN's pool (the login check) used a connect_timeout of
+    its own, 10 seconds, over the one the DSN gives: a server that never answers was
+    given up after 10 s with connect_timeout=1 (and a slow link's connect_timeout=30 cut
+    to 10). A server that accepts and never answers: given up after about one second."""
+    import socket
+    import time
+
+    import anyio
+
+    from lease_core.errors import BackendUnavailable
+
+    with socket.socket() as silent:  # the kernel accepts; nothing ever answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        backend = PostgresBackend(
+            f"host=127.0.0.1 port={port} dbname=app sslmode=disable connect_timeout=1")
+        began = time.monotonic()
+        with anyio.fail_after(30), pytest.raises(BackendUnavailable):
+            await backend.start()
+        assert time.monotonic() - began < 6
