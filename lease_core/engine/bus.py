@@ -154,13 +154,14 @@ class EventBus:
                         logger.error("event subscriber %r failed on %s", sub.callback,
                                      type(event).__name__, exc_info=exc)
                     except BaseException as exc:
-                        if _cancels_us(exc):
+                        if not _failure(exc):
                             raise
                         # Out of a task they would end the event loop (SystemExit,
                         # KeyboardInterrupt: on asyncio, with every scheduler and
-                        # SyncLease sharing it), or the scheduler (any other, and a
+                        # SyncLease sharing it), or stop the scheduler without a word (a
                         # CancelledError of a task or future the subscriber awaited,
-                        # which cancels nothing here): logged as a failure.
+                        # which cancels nothing here): logged as a failure. Any other
+                        # BaseException ends the scheduler, which stop() raises.
                         logger.error("event subscriber %r raised %r on %s, which it "
                                      "cannot: logged as a failure", sub.callback, exc,
                                      type(event).__name__)
@@ -170,13 +171,15 @@ class EventBus:
                 self._receivers.remove(receive)
 
 
-def _cancels_us(exc: BaseException) -> bool:
-    """True when ``exc`` is a cancellation of the subscriber's task (the scheduler's stop,
-    the end of its delivery time), which must go on; not one a subscriber let out of
-    something it awaited (see ``execution._stray``)."""
-    if not isinstance(exc, anyio.get_cancelled_exc_class()):
-        return False
-    return not (isinstance(exc, asyncio.CancelledError) and _stray(exc))
+def _failure(exc: BaseException) -> bool:
+    """True when a subscriber's ``exc``, not an ``Exception``, is logged as its failure:
+    ``SystemExit``, ``KeyboardInterrupt``, and a ``CancelledError`` it let out of a task
+    or future it awaited (see ``execution._stray``); not a cancellation of the
+    subscriber's own task (the scheduler's stop, the end of its delivery time), which
+    goes on, nor any other ``BaseException``, which is not for catching."""
+    if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        return True
+    return isinstance(exc, asyncio.CancelledError) and _stray(exc)
 
 
 def _call_in_thread(callback: Callable[[ev.Event], Any], event: ev.Event) -> Any:
