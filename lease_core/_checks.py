@@ -115,8 +115,8 @@ def encode_checkpoint(value: object) -> str:
         return json.dumps(value, separators=(",", ":"), allow_nan=False)
     except RecursionError:  # (its repr would recurse as deep)
         raise ConfigurationError(
-            "checkpoint value nests too deeply to be stored as JSON (lists or dicts about "
-            "1,000 levels deep); store a flatter value") from None
+            "checkpoint value nests too deeply to be stored as JSON (lists or dicts "
+            "thousands of levels deep); store a flatter value") from None
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"checkpoint value {value!r:.80} is not JSON-serialisable ({exc}); "
