@@ -42,6 +42,8 @@ __all__ = [
 
 #: How many recent runs of one job are read to find its last finished one.
 _RECENT = 20
+#: The open runs one listing reads at most (of every job; of one job when that was full).
+_OPEN = 10_000
 
 
 def iso(moment: datetime | None) -> str | None:
@@ -102,12 +104,16 @@ async def read_status(backend: Backend, job: str | Sequence[str] | None = None,
     names = (await backend.jobs() if job is None
              else [job] if isinstance(job, str) else list(job))
     one = names[0] if len(names) == 1 else None
-    open_runs = await backend.runs(one, open_only=True, limit=10_000)
+    open_runs = await backend.runs(one, open_only=True, limit=_OPEN)
+    # A full listing may leave some jobs' open runs out: each job's are read then.
+    full = len(open_runs) >= _OPEN and one is None
     jobs = []
     for name in names:
         recent = await backend.runs(name, limit=_RECENT)
         last = next((r for r in recent if r.status.finished), None)
-        jobs.append(JobStatus(name, [r for r in open_runs if r.job == name], last))
+        mine = (await backend.runs(name, open_only=True, limit=_OPEN) if full
+                else [r for r in open_runs if r.job == name])
+        jobs.append(JobStatus(name, mine, last))
     return StoreStatus(now, jobs)
 
 

@@ -42,6 +42,7 @@ from tests.helpers import (
     wait_history,
 )
 from tests.stores import Store
+from tests.stores.memory import MemoryStore
 
 pytestmark = pytest.mark.anyio
 
@@ -396,6 +397,46 @@ async def test_the_runs_of_a_member_that_went_are_backed_up_however_its_going_wa
             await anyio.sleep(2)  # the holder's membership (1.2s) lapses
             assert await renew_membership(backup) == ("b",)
         await wait_for(lambda: len(ran) == 2, timeout=10, what="the run taken over")
+        await stop_all(instances[1:])
+    assert ran == [("a", 1, "scheduled"), ("b", 2, "takeover")], ran
+
+
+async def test_a_run_of_a_member_that_went_is_backed_up_past_ten_thousand_open_runs(
+        ) -> None:
+    """A departed member's open runs are found in one listing of the store's open runs,
+    newest slot first, of at most 10,000: a run older than 10,000 others (of jobs that run
+    long, or of other groups) was never taken over. The declared jobs' own open runs are
+    now read too when the listing is full. The memory store: 10,001 claims elsewhere."""
+    store = MemoryStore()
+    backend = store.backend()
+    now = await store_now_ms(backend)
+    await backend.start()
+    try:
+        await backend.claim_many([
+            ClaimRequest("elsewhere", now - 60_000 + i, "ghost", uuid.uuid4().hex,
+                         3_600_000, overlap_skip=False, history_size=20_000)
+            for i in range(10_001)])
+        assert len(await backend.runs(None, open_only=True, limit=10_001)) == 10_001
+    finally:
+        await backend.close()
+    ran: list[tuple[str, int, str]] = []
+    schedulers = [make(store, "a"), make(store, "b")]
+    for s in schedulers:
+        async def work(ctx: RunContext, name: str = s.instance_id) -> None:
+            ran.append((name, ctx.attempt, ctx.reason))
+            if len(ran) == 1:
+                await anyio.sleep_forever()  # the holder hangs until it crashes
+        s.every("report", "1h", work, offset=quiet_offset(now), lease="1.2s")
+    holder = schedulers[0]
+    async with anyio.create_task_group() as tg:
+        instances = [await Instance(s).start(tg) for s in schedulers]
+        await wait_for(lambda: all(s.health().fleet_size == 2 for s in schedulers),
+                       timeout=10, what="both members known")
+        assert await claim_now(holder, "report", now - 7 * 60_000) is not None
+        await wait_for(lambda: len(ran) == 1, timeout=10, what="the run started")
+        instances[0].crash()
+        await instances[0].wait_done()
+        await wait_for(lambda: len(ran) == 2, timeout=20, what="the run taken over")
         await stop_all(instances[1:])
     assert ran == [("a", 1, "scheduled"), ("b", 2, "takeover")], ran
 

@@ -10,6 +10,7 @@ import pytest
 from lease_core._status import read_status, render_status
 from lease_core.abc import ClaimRequest, Lease, Outcome
 from tests.stores import Store
+from tests.stores.memory import MemoryStore
 
 pytestmark = pytest.mark.anyio
 
@@ -71,3 +72,21 @@ async def test_history_of_a_job_name_no_store_can_hold_is_refused_alike(store: S
     with pytest.raises(ConfigurationError, match="holds a NUL character"):
         await scheduler.history(job="a\x00b")
     assert await scheduler.history(job="never-ran") == []
+
+
+async def test_status_shows_a_jobs_open_run_past_ten_thousand_open_runs() -> None:
+    """The open runs come from one listing of at most 10,000, newest slot first: a job
+    whose only open run was older than 10,000 others showed nothing in progress. The
+    jobs' own open runs are read when the listing is full. The memory store."""
+    backend = MemoryStore().backend()
+    await backend.start()
+    try:
+        await backend.claim_many([_req("elsewhere", SLOT + 60_000 + i, "ghost")
+                                  for i in range(10_000)])
+        await backend.claim(_req("report", SLOT, "a"))
+        status = await read_status(backend)
+        running = {j.name: [r.instance_id for r in j.open] for j in status.jobs}
+        assert running["report"] == ["a"], running["report"]
+        assert len(running["elsewhere"]) == 10_000
+    finally:
+        await backend.close()

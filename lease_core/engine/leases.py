@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LeaseKeeper"]
 
-#: The open runs :meth:`LeaseKeeper._adopt` reads at most, newest slot first.
+#: The open runs one listing of :meth:`LeaseKeeper._adopt` reads at most, newest slot
+#: first (a job's, when the listing of every job's was full).
 _OPEN_LIMIT = 10_000
 
 
@@ -306,13 +307,19 @@ class LeaseKeeper:
         a run an operation made (a trigger, a retry, their workflows' later steps) was
         known only to the member that claimed it, so nobody else would take it over or
         claim its hand-over. Listed once per departure (the open runs, through the
-        store's index of them), not at every tick.
+        store's index of them), not at every tick. When the store has more open runs
+        than one listing reads, the declared jobs' own are read too, job by job, so an
+        older run past the listing is not left running for good.
         """
         s = self._s
+        backend = s.settings.backend
         departed = set(s.fleet.departed)
         s.fleet.departed.clear()
         try:
-            infos = await s.settings.backend.runs(None, open_only=True, limit=_OPEN_LIMIT)
+            infos = await backend.runs(None, open_only=True, limit=_OPEN_LIMIT)
+            if len(infos) >= _OPEN_LIMIT:
+                for name in list(s.jobs):
+                    infos += await backend.runs(name, open_only=True, limit=_OPEN_LIMIT)
         except BaseException:
             # Kept for the next tick: a store error, or a slow listing the tick's deadline
             # cancelled (then lost, its runs would never be backed up).
