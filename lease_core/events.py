@@ -236,6 +236,7 @@ class HistoryTrimmed(Event):
     jobs: tuple[str, ...]
     """The jobs some attempts were deleted from."""
     complete: bool
-    """False when the period's time budget ran out first; the next period goes on."""
+    """False when the period's time budget ran out first, or a call to the store failed
+    (reported as :class:`StoreUnreachable` too); the next period goes on."""
     duration: float
     """Seconds the trimming took."""

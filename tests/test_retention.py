@@ -29,6 +29,7 @@ from lease_core import (
 )
 from lease_core._structures import ClaimRequest, ClaimStatus, Lease, Outcome, RunStatus
 from lease_core.abc import Backend
+from lease_core.engine.base import PRUNE_JOBS
 from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for
 from tests.stores import Store
@@ -364,6 +365,41 @@ async def test_a_failed_trimming_is_reported_and_tried_again() -> None:
     assert [e.error.args for e in seen.of(StoreUnreachable)][:1] == [
         ("store unreachable (test)",)]
     assert [a.slot for a in await backend.history("old")] == [SLOT + 2]
+
+
+class PruneFailsSecond(MemoryBackend):
+    """A memory store whose second trimming call fails as an unreachable store would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def prune_many(self, jobs: Any, **options: Any) -> dict[str, int]:
+        self.calls += 1
+        if self.calls == 2:
+            raise BackendUnavailable("store unreachable (test)")
+        return await super().prune_many(jobs, **options)
+
+
+async def test_what_a_trimming_deleted_before_it_failed_is_reported() -> None:
+    """A trimming period whose second call fails (or that the period's deadline cuts
+    short) reported nothing of what its first call deleted: no ``HistoryTrimmed``, no
+    log line. It reports them, not complete; the next period trims the rest."""
+    backend = PruneFailsSecond()
+    jobs = [f"job{i:03}" for i in range(PRUNE_JOBS + 1)]
+    for job in jobs:
+        await finished_runs(backend, job, range(SLOT, SLOT + 3))
+    s = Scheduler(backend, instance_id="a", history_size=1, prune_every="0.2s", **FAST)
+    seen = Recorder()
+    s.subscribe(seen)
+    async with s:
+        await wait_for(lambda: len(seen.of(HistoryTrimmed)) == 2, what="two trimmings")
+    first, second = seen.of(HistoryTrimmed)
+    assert (first.attempts, first.complete, first.jobs) == (
+        2 * PRUNE_JOBS, False, tuple(jobs[:PRUNE_JOBS]))
+    assert (second.attempts, second.complete, second.jobs) == (2, True, (jobs[-1],))
+    assert [e.error.args for e in seen.of(StoreUnreachable)][:1] == [
+        ("store unreachable (test)",)]
 
 
 def test_prune_every_is_validated() -> None:

@@ -64,32 +64,40 @@ class Retention:
             names = [j for j in names if j >= start] + [j for j in names if j < start]
         deleted = 0
         trimmed: dict[str, None] = {}
-        complete = True
+        complete = False
         batch = base.PRUNE_BATCH
-        # PRUNE_JOBS jobs per prune_many call (one statement or round trip); a job that
-        # lost a full batch goes again first, in the next call.
-        pending = names
-        while pending:
-            self._carry.prune_next = pending[0]
-            if anyio.current_time() >= budget_ends:
-                complete = False
-                break
-            chunk = pending[:base.PRUNE_JOBS]
-            counts = await backend.prune_many(
-                chunk, keep=settings.history_size, older_than_ms=settings.history_ttl_ms,
-                batch=batch)
-            again = [name for name in chunk if counts.get(name, 0) >= batch]
-            trimmed.update(dict.fromkeys(name for name in chunk if counts.get(name)))
-            deleted += sum(counts.get(name, 0) for name in chunk)
-            pending = again + pending[len(chunk):]
-        else:
-            self._carry.prune_next = None
-        took = anyio.current_time() - began
+        try:
+            # PRUNE_JOBS jobs per prune_many call (one statement or round trip); a job
+            # that lost a full batch goes again first, in the next call.
+            pending = names
+            while pending:
+                self._carry.prune_next = pending[0]
+                if anyio.current_time() >= budget_ends:
+                    break
+                chunk = pending[:base.PRUNE_JOBS]
+                counts = await backend.prune_many(
+                    chunk, keep=settings.history_size,
+                    older_than_ms=settings.history_ttl_ms, batch=batch)
+                again = [name for name in chunk if counts.get(name, 0) >= batch]
+                trimmed.update(dict.fromkeys(name for name in chunk if counts.get(name)))
+                deleted += sum(counts.get(name, 0) for name in chunk)
+                pending = again + pending[len(chunk):]
+            else:
+                self._carry.prune_next = None
+                complete = True
+        finally:
+            # Also when a call failed or the period's deadline cut it short: what the
+            # earlier calls deleted is reported.
+            self._report(deleted, tuple(trimmed), complete, anyio.current_time() - began)
+
+    def _report(self, deleted: int, jobs: tuple[str, ...], complete: bool,
+                took: float) -> None:
+        s = self._s
+        settings = s.settings
         if deleted or not complete:
             logger.info("instance %s trimmed %d attempts of %d jobs in %.2fs%s",
-                        settings.instance_id, deleted, len(trimmed), took,
+                        settings.instance_id, deleted, len(jobs), took,
                         "" if complete else f"; {self._carry.prune_next} next")
         if deleted:
             s.bus.emit(ev.HistoryTrimmed(instance_id=settings.instance_id, attempts=deleted,
-                                         jobs=tuple(trimmed), complete=complete,
-                                         duration=took))
+                                         jobs=jobs, complete=complete, duration=took))
