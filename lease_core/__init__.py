@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from .lease import Lease, SyncLease
     from .operations import Admin
     from .scheduler import Health, Scheduler, SchedulerState
-    from .sync import SyncScheduler
+    from .sync import SyncAdmin, SyncScheduler
     from .workflows import Workflow
 
 __all__ = [
@@ -105,6 +105,7 @@ __all__ = [
     "StoreNotFound",
     "StoreRefused",
     "StoreUnreachable",
+    "SyncAdmin",
     "SyncLease",
     "SyncScheduler",
     "TakenOver",
@@ -125,6 +126,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "SchedulerState": ("lease_core.scheduler", ""),
     "Health": ("lease_core.scheduler", ""),
     "SyncScheduler": ("lease_core.sync", ""),
+    "SyncAdmin": ("lease_core.sync", ""),
     "Workflow": ("lease_core.workflows", ""),
     "Lease": ("lease_core.lease", ""),
     "SyncLease": ("lease_core.lease", ""),

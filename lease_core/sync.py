@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, wait
+from datetime import datetime
 from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
@@ -31,10 +32,11 @@ from .engine.base import INSIDE as _INSIDE
 from .engine.base import SchedulerState
 from .engine.jobs import Job
 from .errors import AnarchonError
+from .operations import Admin
 from .recovery import RecoveryEntry
 from .scheduler import Health, Scheduler
 
-__all__ = ["SyncScheduler"]
+__all__ = ["SyncAdmin", "SyncScheduler"]
 
 logger = logging.getLogger("anarchon")
 
@@ -118,6 +120,12 @@ class SyncScheduler:
     def backend(self) -> Backend:
         """The backend the scheduler claims runs in."""
         return self.scheduler.backend
+
+    @property
+    def admin(self) -> SyncAdmin:
+        """Fleet-wide operations (:class:`SyncAdmin`), made as this instance; blocking
+        calls for any thread but the background loop's, before, during or after a run."""
+        return SyncAdmin(self.backend, by=self.instance_id, _owner=self)
 
     @property
     def instance_id(self) -> str:
@@ -422,3 +430,76 @@ class SyncScheduler:
                 if self._portal is portal:
                     raise
         return _Loop.get().call(self.scheduler.recovery_log, run)
+
+
+class SyncAdmin:
+    """:class:`~lease_core.Admin` for sync code: the same operations, each blocking
+    until the store has it.
+
+    ``SyncAdmin(backend, by="ops")`` makes them on the process's background event loop,
+    the one every :class:`SyncScheduler` and :class:`~lease_core.SyncLease` uses, so the
+    same backend object may serve them all (an :class:`~lease_core.Admin` driven by
+    ``anyio.run`` in another thread may not use a backend a SyncScheduler holds open:
+    its connections belong to the background loop). ``sync_scheduler.admin`` is one,
+    made as that instance. Every refusal raises
+    :class:`~lease_core.errors.OperationRefused` and changes nothing, as :class:`Admin`'s.
+
+    From an async handler (on the background loop), use ``await
+    sync_scheduler.scheduler.admin.trigger(...)``: a blocking call there would wait on
+    the loop it blocks, and raises :class:`~lease_core.errors.AnarchonError`. In a
+    forked child, make a SyncAdmin and its backend anew.
+    """
+
+    def __init__(self, backend: Backend, *, by: str = "admin",
+                 _owner: SyncScheduler | None = None) -> None:
+        self.admin = Admin(backend, by=by)
+        """The async :class:`~lease_core.Admin` whose operations this one makes."""
+        self._owner = _owner
+        self._pid: int | None = None
+
+    @property
+    def by(self) -> str:
+        """Who acts, as recorded with each operation."""
+        return self.admin.by
+
+    def _call(self, what: str, operation: Callable[..., Any], *args: Any) -> Any:
+        if self._owner is not None:
+            self._owner._check_process()
+        elif self._pid is not None and self._pid != os.getpid():
+            raise AnarchonError(
+                f"SyncAdmin.{what}(): this process is a fork of the one that used it (its "
+                "backend's connections are the parent's); make a SyncAdmin, and its "
+                "backend, in the child")
+        if _Loop.here():
+            raise AnarchonError(
+                f"SyncAdmin.{what}() would block the event loop it runs on (called from an "
+                f"async handler?); there, use 'await scheduler.admin.{what}(...)'")
+        self._pid = os.getpid()
+        return _Loop.get().call(operation, *args)
+
+    def trigger(self, job: str) -> int:
+        """Make one extra run of ``job`` now; return its slot (:meth:`Admin.trigger`)."""
+        slot: int = self._call("trigger", self.admin.trigger, job)
+        return slot
+
+    def pause(self, job: str) -> None:
+        """Stop the fleet claiming new slots of ``job`` (:meth:`Admin.pause`)."""
+        self._call("pause", self.admin.pause, job)
+
+    def resume(self, job: str) -> None:
+        """Let the fleet claim new slots of a paused ``job`` again (:meth:`Admin.resume`)."""
+        self._call("resume", self.admin.resume, job)
+
+    def retry(self, job: str, slot: int | str | datetime) -> None:
+        """Run a failed, timed-out or cancelled run again (:meth:`Admin.retry`)."""
+        self._call("retry", self.admin.retry, job, slot)
+
+    def cancel(self, job: str, slot: int | str | datetime,
+               grace: float | str | object = "10s") -> None:
+        """End a run ``cancelled``; nobody takes it over (:meth:`Admin.cancel`)."""
+        self._call("cancel", self.admin.cancel, job, slot, grace)
+
+    def paused(self) -> dict[str, str]:
+        """The paused jobs and workflows, each with who paused it (:meth:`Admin.paused`)."""
+        found: dict[str, str] = self._call("paused", self.admin.paused)
+        return found

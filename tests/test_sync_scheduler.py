@@ -27,12 +27,14 @@ from lease_core import (
     BackendUnavailable,
     ConfigurationError,
     MemoryBackend,
+    OperationRefused,
     Outcome,
     PostgresBackend,
     Reason,
     RedisBackend,
     RunContext,
     SchedulerState,
+    SyncAdmin,
     SyncLease,
     SyncScheduler,
 )
@@ -151,6 +153,55 @@ def test_sync_and_async_jobs_run_and_complete(sync_store: SyncStore) -> None:
     assert {h.slot for h in after} >= {slot for kind, slot, _ in ran if kind == "sync"}
 
 
+def test_operations_from_sync_code_on_the_backend_a_running_scheduler_holds(
+        sync_store: SyncStore) -> None:
+    """``sync_scheduler.admin`` and ``SyncAdmin(backend)`` make the operations from the
+    caller's thread on the background loop, so they may share the backend object the
+    running scheduler holds (an ``Admin`` run by ``anyio.run`` there may not)."""
+    s = SyncScheduler(sync_store.backend(), instance_id="a", **FAST)
+    ran: list[tuple[int, str]] = []
+
+    @s.every("report", "1h", offset=quiet_offset_now())
+    def report(ctx: RunContext) -> None:
+        ran.append((ctx.slot, ctx.reason))
+        if len(ran) == 1:  # the first waits for its cancel, the second fails
+            while not ctx.stopping.is_set():
+                time.sleep(0.02)
+            ctx.raise_if_stopping()
+        elif len(ran) == 2:
+            raise RuntimeError("boom")
+
+    ops = SyncAdmin(s.backend, by="ops")
+    assert (s.admin.by, ops.by) == ("a", "ops")
+    with s:
+        with pytest.raises(OperationRefused, match="'nightly'") as refused:
+            ops.trigger("nightly")  # the store has never seen it
+        assert refused.value.kind == "unknown_job"
+        first = s.admin.trigger("report")
+        wait_until(lambda: ran, what="the triggered run")
+        ops.cancel("report", first, grace=0)
+        wait_until(lambda: not s.running, what="the cancelled run to end")
+        with pytest.raises(OperationRefused, match="cancelled") as refused:
+            ops.retry("report", first)
+        assert refused.value.kind == "conflict"
+        ops.pause("report")
+        assert s.admin.paused() == {"report": "ops"}
+        with pytest.raises(OperationRefused, match="paused"):
+            s.admin.pause("report")
+        s.admin.resume("report")
+        assert ops.paused() == {}
+        second = ops.trigger("report")
+        wait_until(lambda: len(ran) == 2 and not s.running, what="the failed run")
+        s.admin.retry("report", second)
+        wait_until(lambda: len(ran) == 3 and not s.running, what="the retried run")
+    assert ran == [(first, Reason.MANUAL), (second, Reason.MANUAL), (second, Reason.RETRY)]
+    history = s.history("report")
+    assert runs_of(history, first) == [(1, Reason.MANUAL, Outcome.CANCELLED)]
+    assert runs_of(history, second) == [(1, Reason.MANUAL, Outcome.FAILED),
+                                        (2, Reason.RETRY, Outcome.COMPLETED)]
+    assert s.admin.paused() == {}  # after stop() too
+
+
 def test_with_block_hands_over_on_exit(sync_store: SyncStore) -> None:
     blocker = Blocker()
     a = SyncScheduler(sync_store.backend(), instance_id="a", **FAST)
@@ -246,16 +297,17 @@ def test_blocking_calls_from_an_async_handler_raise() -> None:
 
     @s.every("tick", "1s")
     async def tick(ctx: RunContext) -> None:
-        for call in (s.history, s.stop):
+        for call in (s.history, s.stop, s.admin.paused):
             try:
                 call()
             except AnarchonError as exc:
                 errors.append(str(exc))
 
     with s:
-        wait_until(lambda: len(errors) >= 2, what="the handler's calls")
+        wait_until(lambda: len(errors) >= 3, what="the handler's calls")
         assert s.started
     assert "history() would block" in errors[0] and "stop() would block" in errors[1]
+    assert "SyncAdmin.paused() would block" in errors[2], errors[2]
 
 
 def _threads() -> set[threading.Thread]:
@@ -344,7 +396,7 @@ def test_use_in_a_forked_child_raises_instead_of_hanging() -> None:
         pid = os.fork()
         if pid == 0:
             assert not s.started
-            for call in (s.history, s.stop, s.start, lambda: s.running):
+            for call in (s.history, s.stop, s.start, lambda: s.running, s.admin.paused):
                 try:
                     call()
                 except AnarchonError as exc:
