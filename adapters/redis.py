@@ -277,9 +277,16 @@ class RedisAdapter(ABC):
         if names & {"ConnectionError", "TimeoutError", "BusyLoadingError"} or isinstance(
             exc, OSError
         ):
+            tls = ""
+            pool = getattr(self.client, "connection_pool", None)
+            if ("Timeout connecting" in text
+                    and getattr(getattr(pool, "connection_class", None), "__name__", "")
+                    == "SSLConnection"):
+                tls = ("; the URL asks for TLS (rediss://), and a server that does not "
+                       "speak TLS answers nothing to it: use redis:// for such a server")
             return BackendUnavailable(
                 f"cannot reach Redis at {self.where} ({text}); "
-                "check that the server is running and the address is right"
+                f"check that the server is running and the address is right{tls}"
             )
         if root in ("redis", "valkey"):
             if upper.startswith(_UNAVAILABLE_REPLIES):

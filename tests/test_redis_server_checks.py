@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import redis
 
+from backends.embedded.postgres import find_free_port
 from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, find_server
 from backends.redis import RedisBackend
 from lease_core import Lease
 from lease_core._structures import ClaimRequest, ClaimStatus
-from lease_core.errors import ConfigurationError
+from lease_core.errors import BackendUnavailable, ConfigurationError
 
 pytestmark = pytest.mark.anyio
 
@@ -122,3 +123,18 @@ async def test_a_client_that_is_not_a_cluster_client_on_a_cluster_node_is_refuse
         finally:
             if not isinstance(connection, str):
                 connection.close()
+
+
+async def test_tls_asked_of_a_plain_text_server_says_so(server: EmbeddedRedis) -> None:
+    """``rediss://`` against a server without TLS: redis-py's handshake waits for an
+    answer that never comes and says only "Timeout connecting"; the error now names the
+    likely cause."""
+    backend = RedisBackend(f"rediss://127.0.0.1:{server.port}/0?socket_connect_timeout=1")
+    with pytest.raises(BackendUnavailable, match=r"Timeout connecting.*rediss://.*TLS"):
+        await backend.start()
+    await backend.close()
+    plain = RedisBackend(f"redis://127.0.0.1:{find_free_port()}/0")
+    with pytest.raises(BackendUnavailable) as refused:
+        await plain.start()
+    assert "TLS" not in str(refused.value)
+    await plain.close()
