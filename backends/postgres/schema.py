@@ -295,6 +295,11 @@ class StoreSchema:
             logger.warning("the claimed_at fill of table %s stopped (%s); the next "
                            "maintenance goes on from where it got to", self.table, exc)
 
+    async def _store_index(self, tx: Executor, index: str, table: str) -> bool:
+        """Whether ``index`` exists and is an index of the store's ``table``."""
+        [(found,)] = await tx.all(self._sql.is_store_index, (index, table))
+        return bool(found)
+
     def _function_name(self) -> str:
         return (f"{self._schema}." if self._schema else "") + self._name + CLAIM_SUFFIX
 
@@ -396,12 +401,16 @@ class StoreSchema:
             # Named leases (lease_core.Lease): one function call per acquire/renew/release.
             await tx.all(self._sql.create_lease_function)
             await tx.all(self._sql.grant_lease)
-        if code < 4:
+        # The indexes older releases made go, only when they are the store's: an index
+        # of that name on another table is an application's.
+        if code < 4 and await self._store_index(tx, self._sql.finished_index,
+                                                self._sql.attempts_table):
             # Ending an attempt then changes no indexed column (see finish_v4.sql).
             await tx.all(self._sql.drop_attempts_finished)
         # The open runs' index with 'retrying' (overlap skips behind a pending retry).
         await tx.all(self._sql.create_runs_open)
-        await tx.all(self._sql.drop_runs_open_old)
+        if await self._store_index(tx, self._sql.open_index_old, self._sql.runs_table):
+            await tx.all(self._sql.drop_runs_open_old)
         if code <= CODE_VERSION:
             # The names older releases call, as calls of this release's functions.
             for create, grant in ((self._sql.create_claim_v1, self._sql.grant_claim_v1),

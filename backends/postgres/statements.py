@@ -302,6 +302,10 @@ class Statements:
         self.create_batch_v3 = fill(BATCH_FUNCTION_V3)
         self.runs_table = names["runs"]
         self.attempts_table = names["attempts"]
+        #: The indexes older releases made, as drop_runs_open_old and
+        #: drop_attempts_finished name them.
+        self.open_index_old = names["open_idx_old_q"]
+        self.finished_index = names["fin_idx_q"]
         #: The four tables (schema-qualified when the table is), by role.
         self.tables = {role: names[role] for role in ("runs", "attempts", "jobs", "meta")}
 

@@ -121,6 +121,14 @@ WHERE status IN ('running', 'handed_over', 'retrying')
 -- name: drop_runs_open_old
 DROP INDEX IF EXISTS {open_idx_old_q}
 
+-- name: is_store_index
+-- Whether the index of a name the store's releases made (spelled as the DROP that drops
+-- it names it) exists and is on the store's table: an index of that name on another
+-- table (an application's, in the same schema or later in the search_path) is not the
+-- store's, and is never dropped. Parameters: the index, the table.
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_index
+               WHERE indexrelid = to_regclass(%s::text) AND indrelid = to_regclass(%s::text))
+
 -- name: create_attempts
 CREATE TABLE IF NOT EXISTS {attempts} (
     job text NOT NULL,
