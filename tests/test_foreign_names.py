@@ -3,14 +3,19 @@
 A store's indexes share their schema's names with everything else in it: creation and
 upgrades drop the indexes older releases made (``<table>_open``, ``<table>_a_fin``) by
 name, and an application's index of that name, on a table of its own, is not one of them.
+Its tables too: an application's tables of the store's names, with the columns the
+store's have, are not a store without the store's format in ``<table>_meta``.
 """
 
 from __future__ import annotations
 
 import anyio
 import psycopg
+import pytest
 
+from backends.postgres import migrate
 from lease_core.cli import main
+from lease_core.errors import ConfigurationError
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 
 
@@ -43,4 +48,36 @@ def test_creating_a_store_keeps_an_applications_indexes_of_an_old_store_index_na
             (1, "a"), (2, "b")]
     finally:
         sql(pg16_server.admin_dsn, f"DROP TABLE {items}")
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+def test_a_store_is_never_made_over_an_applications_tables_of_its_names(
+    pg16_server: PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An application's ``<table>_meta (key, value)`` (a settings table) and ``<table>_jobs
+    (job)`` have the columns the store's have: the store was made around them, its
+    'code' row overwrote the application's, and the fleet's membership cleanup deletes
+    every row whose key starts with 'member:' and whose value is no number. Tables of the
+    store's names without a store's format are refused, and nothing is changed."""
+    table = unique_table()
+    sql(pg16_server.admin_dsn,
+        f"CREATE TABLE {table}_meta (key text PRIMARY KEY, value text NOT NULL)")
+    sql(pg16_server.admin_dsn, f"INSERT INTO {table}_meta VALUES ('code', 'blue'), "
+        "('member:alice', 'gold')")
+    sql(pg16_server.admin_dsn, f"CREATE TABLE {table}_jobs (job text PRIMARY KEY)")
+    try:
+        for command in (["migrate", "--url", pg16_server.admin_dsn, "--table", table],
+                        ["demo", "--url", pg16_server.admin_dsn, "--namespace", table]):
+            assert main(command) == 2, command
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"{table}_meta" in err, err
+            assert "nothing" in err and ("--table" in err or "--namespace" in err), err
+        with pytest.raises(ConfigurationError, match=f"{table}_jobs"):
+            anyio.run(lambda: migrate(pg16_server.dsn, table=table))
+        assert sql(pg16_server.admin_dsn, f"SELECT key, value FROM {table}_meta ORDER BY key"
+                   ) == [("code", "blue"), ("member:alice", "gold")]
+        assert sql(pg16_server.admin_dsn, "SELECT relname FROM pg_class WHERE relname IN "
+                   "(%s, %s)", (table, f"{table}_attempts")) == []
+    finally:
+        sql(pg16_server.admin_dsn, f"DROP TABLE {table}_meta, {table}_jobs")
         anyio.run(drop_tables, pg16_server.admin_dsn, table)

@@ -133,6 +133,18 @@ class StoreSchema:
                     f"(it has no column {', '.join(missing)}); give the store a table name "
                     f"of its own (table=, --table or --namespace), not {self.table!r}: "
                     "nothing was changed")
+        # The columns alone do not tell: an application's settings table <name>_meta
+        # (key, value) has the store's. Every store has its format there since v1.
+        if existing and (self._name + "_meta" not in existing
+                         or not (await self._read_meta(tx))[0]):
+            schema = f"{self._schema}." if self._schema else ""
+            found = ", ".join(schema + name for name in sorted(existing))
+            raise ConfigurationError(
+                f"table{'s' if len(existing) > 1 else ''} {found} exist"
+                f"{'' if len(existing) > 1 else 's'} but hold no anarchon store (no store "
+                f"format in {self._sql.tables['meta']}); give the store a table name of its "
+                f"own (table=, --table or --namespace), not {self.table!r}: nothing was "
+                "changed")
 
     def _use_newer(self, code: int, named: bool) -> None:
         """Accept a store of store code ``code``, newer than this release's, as it is.
