@@ -15,6 +15,9 @@ Duration = str | timedelta | int | float
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _SECONDS = re.compile(r"\s*[0-9]+(\.[0-9]+)?\s*")
+#: A capital M as a unit: months in many tools, minutes here once lowered ('6M' deleted
+#: history older than six minutes); refused, never read (MS, milliseconds, is not one).
+_CAPITAL_M = re.compile(r"[0-9.]\s*M(?![sS])")
 _ACCEPTED = (
     "a string such as '500ms', '30s', '5m', '1h30m' or '2d', a timedelta, or a number of seconds"
 )
@@ -33,6 +36,8 @@ def parse_duration(value: object, *, what: str = "duration", allow_zero: bool = 
     elif isinstance(value, int | float):
         seconds = float(value)
     elif isinstance(value, str):
+        if _CAPITAL_M.search(value):
+            raise ConfigurationError(f"{what}={value!r} {_capital_m()}")
         text = value.strip().lower().replace(" ", "")
         pos = 0
         total = 0.0
@@ -63,6 +68,8 @@ def parse_typed_duration(text: str, *, what: str, allow_zero: bool = False) -> f
     """A duration typed by a person (a command-line option): as :func:`parse_duration`,
     a bare number meaning seconds, and an error worded for what can be typed (no
     timedelta). ``what`` names the option (``--older-than``)."""
+    if _CAPITAL_M.search(text):
+        raise ConfigurationError(f"{what} {text.strip()!r} {_capital_m()}")
     if _SECONDS.fullmatch(text):
         if float(text) == 0 and not allow_zero:
             raise ConfigurationError(f"{what} {text.strip()!r} must be greater than zero")
@@ -81,6 +88,11 @@ def parse_typed_duration(text: str, *, what: str, allow_zero: bool = False) -> f
         f"{what} {text!r} is not a duration; give a number of seconds or a duration "
         "such as 500ms, 30s, 5m, 1h30m or 2d"
     )
+
+
+def _capital_m() -> str:
+    return ("has a capital M, which is months in many tools and would be minutes here: write "
+            "'m' for minutes, or months in days (180d for six months)")
 
 
 def to_ms(seconds: float) -> int:

@@ -463,6 +463,29 @@ def test_prune_deletes_finished_history_older_than_a_duration(
             delete_prefix(url, name)
 
 
+@pytest.mark.parametrize("months", ["6M", "1M30s", "6 M"])
+def test_prune_refuses_a_capital_m_which_read_as_minutes(
+    capsys: pytest.CaptureFixture[str], pg16_server: PgServer, months: str
+) -> None:
+    """``--older-than 6M`` (six months, as many tools write it) was six minutes: every
+    attempt that finished more than six minutes ago was deleted. A capital M is refused,
+    naming the value and what to write, and nothing is deleted."""
+    name = "cli_" + uuid.uuid4().hex[:8]
+    try:
+        anyio.run(lambda: _seed(pg16_server.dsn, table=name))
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:  # a day ago
+            conn.execute(f"UPDATE {name}_attempts SET claimed_ms = claimed_ms - 86400000, "
+                         "finished_ms = finished_ms - 86400000")
+        assert main(["prune", "--url", pg16_server.dsn, "--table", name,
+                     "--older-than", months]) == 2
+        err = capsys.readouterr().err
+        assert f"--older-than {months.strip()!r}" in err and "minutes" in err, err
+        assert "'m'" in err and "d" in err and err.count("\n") == 1, err
+        check_history_output(capsys, pg16_server.dsn, ["--table", name])
+    finally:
+        anyio.run(drop_tables, pg16_server.admin_dsn, name)
+
+
 @pytest.mark.parametrize("kind", ["postgres", "redis"])
 def test_prune_keeps_the_newest_attempts_of_each_job(
     capsys: pytest.CaptureFixture[str], kind: str, pg16_server: PgServer,
