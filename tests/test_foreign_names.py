@@ -4,19 +4,27 @@ A store's indexes share their schema's names with everything else in it: creatio
 upgrades drop the indexes older releases made (``<table>_open``, ``<table>_a_fin``) by
 name, and an application's index of that name, on a table of its own, is not one of them.
 Its tables too: an application's tables of the store's names, with the columns the
-store's have, are not a store without the store's format in ``<table>_meta``.
+store's have, are not a store without the store's format in ``<table>_meta``; nor are
+an application's Redis keys of the store's names (``{P}:members``) without ``{P}:meta``.
 """
 
 from __future__ import annotations
 
+import re
+import uuid
+
 import anyio
 import psycopg
 import pytest
+import redis
 
+from backends.embedded.redis import EmbeddedRedis
 from backends.postgres import migrate
+from lease_core import backend_from_url
 from lease_core.cli import main
-from lease_core.errors import ConfigurationError
+from lease_core.errors import ConfigurationError, StoreFormatError
 from tests.stores.postgres import PgServer, drop_tables, unique_table
+from tests.stores.redis import delete_prefix
 
 
 def sql(dsn: str, statement: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
@@ -81,3 +89,38 @@ def test_a_store_is_never_made_over_an_applications_tables_of_its_names(
     finally:
         sql(pg16_server.admin_dsn, f"DROP TABLE {table}_meta, {table}_jobs")
         anyio.run(drop_tables, pg16_server.admin_dsn, table)
+
+
+def test_a_redis_store_is_never_made_over_an_applications_keys_of_its_names(
+    valkey8_server: EmbeddedRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An application's zset ``{P}:members`` (members by the time they joined) under a
+    prefix with no store: the store was made around it, and the first membership renewal
+    deleted every member whose score was over an hour before now, in ms. A members key
+    without ``{P}:meta``, whose entries that renewal deletes, are refused, and
+    nothing is changed."""
+    prefix = "app_" + uuid.uuid4().hex[:8]
+    client = redis.Redis.from_url(valkey8_server.url)
+    members, jobs = "{" + prefix + "}:members", "{" + prefix + "}:jobs"
+    try:
+        client.zadd(members, {"alice": 1_600_000_000, "bob": 1_700_000_000})
+        client.sadd(jobs, "import")
+        before = {key: client.dump(key) for key in (members, jobs)}
+        url = f"{valkey8_server.url}?prefix={prefix}"
+
+        async def run_once() -> None:
+            backend = backend_from_url(url)
+            await backend.start()
+            await backend.close()
+
+        refused = re.escape(members) + " exists but .* a prefix of its own"
+        with pytest.raises(StoreFormatError, match=refused):
+            anyio.run(run_once)
+        assert main(["demo", "--url", valkey8_server.url, "--namespace", prefix]) == 2
+        assert "in use" in capsys.readouterr().err
+        assert {key: client.dump(key) for key in (members, jobs)} == before
+        assert sorted(client.keys("{" + prefix + "*")) == sorted(
+            k.encode() for k in (members, jobs))
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+        client.close()

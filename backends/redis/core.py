@@ -23,6 +23,7 @@ from adapters.redis import (
     redis_adapter,
     sentinel_parts,
 )
+from lease_core._checks import MEMBER_RETENTION_MS
 from lease_core._durations import Duration, parse_duration, to_ms
 from lease_core._redact import redact
 from lease_core._registry import check_url, merge_options, positive_whole, split_url_options
@@ -231,7 +232,8 @@ class RedisStore(Backend):
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
             ((found, policy, clustered),) = await self._run([self._eval(
-                "open_store", [self._meta_key], [STORE_FORMAT])])
+                "open_store", [self._meta_key, self._members_key],
+                [STORE_FORMAT, MEMBER_RETENTION_MS])])
             if int(clustered) and not adapter.cluster:
                 raise adapter.not_a_cluster_client("it reports cluster_enabled:1")
         except BaseException:
@@ -250,6 +252,13 @@ class RedisStore(Backend):
         """Refuse a store of a newer format, or a ``{P}:meta`` that is not an anarchon
         store's (``found``: its format, or ``'type <t>'`` for a key that is no hash)."""
         text = as_text(found) if isinstance(found, bytes) else str(found)
+        if text.startswith("key "):
+            raise StoreFormatError(
+                f"the key {text[4:]} exists but {self._meta_key} does not (prefix "
+                f"{self.prefix!r}), and it is no fleet's membership: not an anarchon "
+                "store's, so something else keeps keys "
+                "under this prefix; give anarchon a prefix of its own (namespace= or "
+                "prefix=): nothing was changed")
         try:
             found = int(text)
         except ValueError:

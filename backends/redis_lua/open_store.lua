@@ -2,7 +2,8 @@
 -- untouched and its format returned, so the caller refuses it; an older one is marked
 -- with this format (the scripts read every older layout, and an older anarchon then
 -- refuses the store instead of missing what this one writes).
--- KEYS[1] meta hash; ARGV: this library's format. Returns {the store's format, the
+-- KEYS[1] meta hash, KEYS[2] members zset; ARGV: this library's format, how long (ms)
+-- members.lua keeps an ended membership. Returns {the store's format, the
 -- server's maxmemory-policy ('' when INFO does not print it), 1 if the server is a
 -- Cluster node else 0}: a policy that may evict any key (allkeys-*) can drop live
 -- leases, which the caller warns about; a Cluster node needs a Cluster client.
@@ -25,6 +26,18 @@ end
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind ~= 'none' and kind ~= 'hash' then
   return {'type ' .. kind, policy, clustered}
+end
+-- No meta, but a key {P}:members (KEYS[2]) that is no zset, or holds an entry scored
+-- before what membership renewals keep (ARGV[2], ms before now): another application's
+-- key under this prefix, whose entries the first renewal would delete (members.lua);
+-- returned as found, nothing written. A fleet's own after a loss of the data (every {P}
+-- key is in one slot, lost together) holds only memberships renewed since.
+if kind == 'none' then
+  local members = redis.call('TYPE', KEYS[2])['ok']
+  if members ~= 'none' and (members ~= 'zset' or
+      redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. (now - tonumber(ARGV[2]))) > 0) then
+    return {'key ' .. KEYS[2], policy, clustered}
+  end
 end
 local current = redis.call('HGET', KEYS[1], 'format')
 if current and not tonumber(current) then
