@@ -33,8 +33,8 @@ sent with the client's ``execute_command``, no pipeline (on a plain asyncio clie
 call goes through the driver's script object, which routes it and loads the script itself
 on a ``NOSCRIPT`` reply). A longer batch is one pipeline. A script the server lost (after
 ``SCRIPT FLUSH`` or a restart) is loaded through the driver and the affected commands sent
-again. (redis-py's own pipeline scripts would
-add a ``SCRIPT EXISTS`` round trip to every batch.)
+again. (redis-py's own pipeline scripts would add a ``SCRIPT EXISTS`` round trip to every
+batch.)
 
 A batch that fails because its pooled connection was closed under it (after a server
 restart, or the server's idle ``timeout``) is sent once more on a fresh connection; this
@@ -90,6 +90,7 @@ Command = tuple[str | int | bytes, ...]
 # Server replies that mean "the store is not usable now", as opposed to a bad command.
 _UNAVAILABLE_REPLIES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "OOM")
 _AUTH_REPLIES = ("NOAUTH", "WRONGPASS")
+_TLS_HINT = "; rediss:// asks for TLS, which a server without it never answers"
 # A command (or a command inside a script, which names none) the user's ACL forbids.
 _NO_PERMISSION = ("NOPERM", "can't run this command or subcommand",
                   "no permissions to run", "no permissions to access")
@@ -277,17 +278,11 @@ class RedisAdapter(ABC):
         if names & {"ConnectionError", "TimeoutError", "BusyLoadingError"} or isinstance(
             exc, OSError
         ):
-            tls = ""
             pool = getattr(self.client, "connection_pool", None)
-            if ("Timeout connecting" in text
-                    and getattr(getattr(pool, "connection_class", None), "__name__", "")
-                    == "SSLConnection"):
-                tls = ("; the URL asks for TLS (rediss://), and a server that does not "
-                       "speak TLS answers nothing to it: use redis:// for such a server")
+            tls = "SSL" in str(getattr(pool, "connection_class", "")) and "Timeout conn" in text
             return BackendUnavailable(
-                f"cannot reach Redis at {self.where} ({text}); "
-                f"check that the server is running and the address is right{tls}"
-            )
+                f"cannot reach Redis at {self.where} ({text}); check that the server is "
+                "running and the address is right" + (_TLS_HINT if tls else ""))
         if root in ("redis", "valkey"):
             if upper.startswith(_UNAVAILABLE_REPLIES):
                 return BackendUnavailable(f"Redis at {self.where} is not usable now: {text}")
