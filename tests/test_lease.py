@@ -8,6 +8,7 @@ decides every expiry.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import signal
@@ -958,6 +959,62 @@ async def test_the_leader_election_example_hands_the_lead_over(
             step_down.set()
     assert len(leading) == 2 and leading[1] > leading[0]
     assert sorted(served) == sorted([[leading[0]], [leading[1]]])
+
+
+async def test_the_leader_election_example_stands_by_through_a_store_outage(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standby whose store stops answering for a while (a Redis restart) keeps waiting
+    and leads once the store is back: the loop "for the life of the process" must not
+    end at the first store error (it raised BackendUnavailable out of elect())."""
+    from backends.embedded.redis import find_server
+    from tests.stores import missing_service
+
+    binary = find_server("system")
+    if binary is None:
+        missing_service("a system redis-server")
+    example = _example("leader_election")
+    leading: list[int] = []
+
+    async def lead(lease: Lease) -> None:
+        assert lease.token is not None
+        leading.append(lease.token)
+
+    monkeypatch.setattr(example, "lead", lead)
+    failures = 0
+    server = EmbeddedRedis(binary)
+    await anyio.to_thread.run_sync(server.start)
+    try:
+        standby = RedisBackend(server.url, prefix="outage")
+        real = standby.acquire_lease
+
+        async def counted(*args: Any) -> Any:
+            nonlocal failures
+            try:
+                return await real(*args)
+            except BackendUnavailable:
+                failures += 1
+                raise
+
+        monkeypatch.setattr(standby, "acquire_lease", counted)
+        holder = Lease(RedisBackend(server.url, prefix="outage"), "leader", ttl="10s")
+        assert await holder.acquire(timeout=0)
+        served: list[list[int]] = []
+
+        async def elector() -> None:
+            served.append(await example.elect(standby, "leader", ttl="10s", terms=1))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(elector)
+                await anyio.to_thread.run_sync(server.stop)  # the store goes away
+                await wait_for(lambda: failures >= 2, what="the standby to find it down")
+                await anyio.to_thread.run_sync(server.start)  # (without its data)
+                await wait_for(lambda: served, timeout=20, what="the standby to lead")
+        assert leading and served == [leading]
+        with contextlib.suppress(LeaseLost, BackendUnavailable):
+            await holder.release()
+    finally:
+        await anyio.to_thread.run_sync(server.close)
 
 
 def _exit_holding(backend: str, ttl: str) -> None:

@@ -2,7 +2,9 @@
 
 Run it in several terminals against one store; exactly one prints "leading". Stop the
 leader (Ctrl-C, or kill it) and another takes over: at once after a clean exit (the lease
-is released), within the ttl after a crash.
+is released), within the ttl after a crash. A store that stops answering makes the leader
+step down (within the ttl) and every process stand by, trying again each second, until
+it answers.
 
     python docs/examples/leader_election.py redis://localhost:6379/0
     python docs/examples/leader_election.py postgresql://localhost/postgres
@@ -14,7 +16,7 @@ import sys
 
 import anyio
 
-from lease_core import Lease, LeaseLost, backend_from_url
+from lease_core import BackendUnavailable, Lease, LeaseLost, backend_from_url
 from lease_core.abc import Backend
 
 
@@ -38,6 +40,9 @@ async def elect(backend: Backend, name: str = "leader", *, ttl: str = "10s",
                 await lead(lease)
         except LeaseLost as exc:  # the store stopped answering: the body was cancelled
             print(f"lost the lead: {exc}", flush=True)
+        except BackendUnavailable as exc:  # the acquire could not reach the store
+            print(f"store unavailable ({exc}); trying again in 1 s", flush=True)
+            await anyio.sleep(1)
     return tokens
 
 
