@@ -192,7 +192,16 @@ class Lease:
 
     async def _acquire(self, wait: float | None) -> bool:
         if self._opened:  # a hold lost earlier: let go of its start of the backend
-            await self._release()
+            try:
+                await self._release()
+            except Exception as exc:
+                # Its release is a courtesy (the token frees the name only if it still
+                # holds it, else it expires with its ttl), and it fails for a reason of
+                # its own: the hold was lost when its event loop ended, and the backend's
+                # client still belongs to that closed loop (let go of by now, so the
+                # start below makes one on this loop).
+                logger.warning("lease %r: the release of its lost hold (token %s) "
+                               "failed (%s); acquiring anew", self.name, self.token, exc)
         give_up = None if wait is None else lease_clock() + wait
         await self.backend.start()
         self._opened = True
