@@ -177,6 +177,14 @@ class Lease:
             forget_parent(self)
         if self.held:
             return True
+        if self._body is not None:
+            # The hold of a running ``async with`` was lost: a new hold taken here would
+            # be released by that ``async with``'s end, which would then not raise
+            # LeaseLost for the body it cancelled.
+            raise RuntimeError(
+                f"Lease {self.name!r}: acquire() while its `async with` body is still "
+                "running (its hold was lost); let the `async with` end (it raises "
+                "LeaseLost) and enter it again, or give the other task a Lease of its own")
         if self._acquiring:
             raise RuntimeError(
                 f"Lease {self.name!r}: acquire() is already running in another task; one "

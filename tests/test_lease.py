@@ -639,6 +639,43 @@ async def test_a_release_by_another_task_during_the_body_cancels_it() -> None:
             pass
 
 
+async def test_an_acquire_while_a_lost_async_with_still_runs_is_refused(
+        store: Store) -> None:
+    """A hold lost while the body of ``async with`` runs (here a stall past the ttl):
+    another task's ``acquire()`` of the same Lease, before that ``async with`` ended, is
+    refused. It took a new hold, which the ``async with``'s end then released, and that
+    end raised no LeaseLost for the body it had cancelled."""
+    lease = Lease(store.backend(), "lost-in-body", ttl=TTL)
+    entered = anyio.Event()
+    ended: list[str] = []
+
+    async def body() -> None:
+        try:
+            async with lease:
+                entered.set()
+                await anyio.sleep_forever()
+        except LeaseLost:
+            ended.append("LeaseLost")
+        else:
+            ended.append("no error")
+
+    refused: RuntimeError | None = None
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(body)
+            await entered.wait()
+            time.sleep(TTL + 0.2)  # noqa: ASYNC251 - the stall itself: the loop blocked
+            assert not lease.held  # lost: the body is cancelled, its `async with` not over
+            try:
+                await lease.acquire(timeout=0)
+            except RuntimeError as exc:
+                refused = exc
+    assert ended == ["LeaseLost"] and not lease.held
+    assert refused is not None and "body is still running" in str(refused)
+    assert await lease.acquire(timeout=0) is True  # after the end: taken anew
+    await lease.release()
+
+
 def test_a_release_by_another_thread_during_a_sync_body_raises_at_its_end() -> None:
     import threading
 
