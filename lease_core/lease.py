@@ -177,14 +177,9 @@ class Lease:
             forget_parent(self)
         if self.held:
             return True
-        if self._body is not None:
-            # The hold of a running ``async with`` was lost: a new hold taken here would
-            # be released by that ``async with``'s end, which would then not raise
-            # LeaseLost for the body it cancelled.
-            raise RuntimeError(
-                f"Lease {self.name!r}: acquire() while its `async with` body is still "
-                "running (its hold was lost); let the `async with` end (it raises "
-                "LeaseLost) and enter it again, or give the other task a Lease of its own")
+        if self._body is not None:  # its end would release a new hold, not raise LeaseLost
+            raise RuntimeError(f"Lease {self.name!r}: acquire() while its lost `async with` "
+                               "body runs; let it end (LeaseLost) and enter it again")
         if self._acquiring:
             raise RuntimeError(
                 f"Lease {self.name!r}: acquire() is already running in another task; one "
@@ -202,12 +197,8 @@ class Lease:
         if self._opened:  # a hold lost earlier: let go of its start of the backend
             try:
                 await self._release()
-            except Exception as exc:
-                # Its release is a courtesy (the token frees the name only if it still
-                # holds it, else it expires with its ttl), and it fails for a reason of
-                # its own: the hold was lost when its event loop ended, and the backend's
-                # client still belongs to that closed loop (let go of by now, so the
-                # start below makes one on this loop).
+            except Exception as exc:  # a courtesy; it fails when the hold's event loop
+                # ended (the client was that loop's, let go of now: start() makes another)
                 logger.warning("lease %r: the release of its lost hold (token %s) "
                                "failed (%s); acquiring anew", self.name, self.token, exc)
         give_up = None if wait is None else lease_clock() + wait
