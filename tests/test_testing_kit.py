@@ -12,11 +12,16 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.helpers import install_toy_backend
+
+if TYPE_CHECKING:
+    from lease_core import abc, testing
 
 TOY_BACKEND = """
     import dataclasses
@@ -293,3 +298,74 @@ async def test_lease_checks_fail_a_racy_acquire_and_a_release_renewal_revives() 
         await race(Shared())
     await race(Shared(MemoryBackend()))  # the built-in memory backend takes a name in one step
 
+
+
+# -- Mutants of the memory backend, each breaking one guarantee the kit missed before.
+def _store_of(backend: abc.Backend) -> testing.Store:
+    """A store whose every backend is ``backend`` (one object, one store)."""
+    from lease_core.testing import Store
+
+    class Shared(Store):
+        def backend(self) -> abc.Backend:
+            return backend
+
+    return Shared()
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_that_fences_an_ended_run_by_token_alone() -> None:
+    """A heartbeat that renews a run its holder already finished (fenced by token and
+    expiry, not the run's status), and a checkpoint written by a holder that handed its
+    run over (the token kept on the run, the write fenced by token alone), passed every
+    check; the ended-run check fails both, and passes the memory backend."""
+    from backends.memory import MemoryBackend, _Run
+    from lease_core._structures import Lease, RunStatus
+    from lease_core.abc import encode_checkpoint
+    from lease_core.testing import conformance
+
+    class RenewsAFinishedRun(MemoryBackend):
+        """finish() keeps the token and expiry; heartbeat() checks only those."""
+
+        def _finish(self, lease: Lease, status: RunStatus, error: str | None) -> bool:
+            run = self._held(lease, self._now())
+            if run is None:
+                return False
+            token, expires = run.token, run.expires_ms
+            super()._finish(lease, status, error)
+            run.token, run.expires_ms = token, expires
+            return True
+
+        def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:
+            run = self._runs.get((lease.job, lease.slot))
+            if run is None or run.token != lease.token:
+                return None
+            if live:  # the heartbeat: a live lease, whatever the run's status
+                return run if run.expires_ms is not None and run.expires_ms > now else None
+            return run if run.status is RunStatus.RUNNING else None
+
+    class CheckpointsAfterHandOver(MemoryBackend):
+        """hand_over() keeps the token on the run; set_checkpoint() checks only it."""
+
+        async def hand_over(self, leases: Sequence[Lease]) -> frozenset[str]:
+            tokens = {(x.job, x.slot): x.token for x in leases
+                      if self._held(x, self._now()) is not None}
+            done = await super().hand_over(leases)
+            for key, token in tokens.items():
+                self._runs[key].token = token
+            return done
+
+        async def set_checkpoint(self, lease: Lease, value: object) -> bool:
+            run = self._runs.get((lease.job, lease.slot))
+            if run is None or run.token != lease.token:
+                return False
+            run.checkpoint = encode_checkpoint(value)
+            return True
+
+    check = conformance.test_a_run_that_ended_or_was_handed_over_fences_its_last_holder
+    with pytest.raises(AssertionError, match=r"heartbeat\(\) renewed the last holder of a "
+                                             "run now completed"):
+        await check(_store_of(RenewsAFinishedRun()))
+    with pytest.raises(AssertionError, match=r"set_checkpoint\(\) wrote for the last holder "
+                                             "of a run now handed_over"):
+        await check(_store_of(CheckpointsAfterHandOver()))
+    await check(_store_of(MemoryBackend()))

@@ -158,6 +158,49 @@ async def test_expired_lease_is_not_revived_by_heartbeat(store: Store) -> None:
         await a.close()
 
 
+async def test_a_run_that_ended_or_was_handed_over_fences_its_last_holder(
+        store: Store) -> None:
+    """Once its attempt has ended (finished, handed over, or failed and left waiting for
+    a retry), the last holder's token holds nothing, although no other attempt has taken
+    the run yet: a heartbeat does not renew it, a checkpoint write or delete, a hand-over
+    and a finish change nothing. A backend that fences by token alone (keeping the token
+    on the run once it ended) or by token and expiry (not the run's status) fails here."""
+    a = await started(store)
+    try:
+        ended = {RunStatus.COMPLETED: req("ended"), RunStatus.HANDED_OVER: req("handed")}
+        if supports_retries(a):
+            ended[RunStatus.RETRYING] = req("retrying")
+        for r in ended.values():
+            assert (await a.claim(r)).status is ClaimStatus.WON
+            assert await a.set_checkpoint(lease_of(r), {"at": "start"})
+        assert await a.finish(lease_of(ended[RunStatus.COMPLETED]), Outcome.COMPLETED)
+        handed = ended[RunStatus.HANDED_OVER]
+        assert await a.hand_over([lease_of(handed)]) == {handed.token}
+        if RunStatus.RETRYING in ended:
+            retrying = ended[RunStatus.RETRYING]
+            assert await a.retry_later(
+                [(lease_of(retrying), Outcome.FAILED, "boom", [60_000])]) == [1]
+        for status, r in ended.items():
+            old, who = lease_of(r), f"the last holder of a run now {status.value}"
+            assert r.token not in (await a.heartbeat([old])).held, (
+                f"heartbeat() renewed {who}: it must hold only a running run")
+            assert not await a.set_checkpoint(old, {"at": "late"}), (
+                f"set_checkpoint() wrote for {who}")
+            assert not await a.delete_checkpoint(old), f"delete_checkpoint() deleted for {who}"
+            assert await a.hand_over([old]) == frozenset(), f"hand_over() released {who}"
+            assert not await a.finish(old, Outcome.FAILED, "late"), f"finish() ended {who}"
+            assert await a.get_checkpoint(r.job, SLOT) == {"at": "start"}, (
+                f"the checkpoint of {who} changed")
+            state = (await a.check([(r.job, SLOT)])).runs[(r.job, SLOT)]
+            assert (state.status, state.attempt) == (status, 1), (
+                f"{who} changed the run: {state}")
+        took = await a.claim(req("handed", instance="b"))  # the run is as it was left
+        assert (took.status, took.attempt, took.reason) == (
+            ClaimStatus.WON, 2, Reason.HAND_OVER)
+    finally:
+        await a.close()
+
+
 async def test_hand_over_lets_a_backup_claim_at_once(store: Store) -> None:
     a, b = await started(store), await started(store)
     try:
