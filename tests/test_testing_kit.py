@@ -369,3 +369,31 @@ async def test_the_kit_fails_a_backend_that_fences_an_ended_run_by_token_alone()
                                              "of a run now handed_over"):
         await check(_store_of(CheckpointsAfterHandOver()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_whose_trimming_deletes_a_run_waiting_to_go_on() -> None:
+    """Trimming that looks at each attempt's own end, not at its run, deletes the
+    attempts (and the record) of a run handed over or waiting for its retry: it passed
+    every check (they trimmed around a running run only); the new check fails it."""
+    from backends.memory import MemoryBackend
+    from lease_core._structures import RunStatus
+    from lease_core.testing import conformance
+
+    class TrimsOpenRunsThatEnded(MemoryBackend):
+        """prune_many() takes a run whose last attempt ended for a finished one."""
+
+        async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
+                             older_than_ms: int | None = None,
+                             batch: int = 1000) -> dict[str, int]:
+            for run in self._runs.values():
+                if run.status in (RunStatus.HANDED_OVER, RunStatus.RETRYING):
+                    run.status = RunStatus.FAILED
+            return await super().prune_many(jobs, keep=keep, older_than_ms=older_than_ms,
+                                            batch=batch)
+
+    check = conformance.test_trimming_keeps_a_handed_over_or_retrying_run_s_attempts
+    with pytest.raises(AssertionError, match=r"prune\(keep=1\) deleted the attempts of open "
+                                             "runs"):
+        await check(_store_of(TrimsOpenRunsThatEnded()))
+    await check(_store_of(MemoryBackend()))

@@ -912,6 +912,52 @@ async def test_trimming_keeps_an_open_run_s_attempt_and_deletes_the_run_once_ove
         await a.close()
 
 
+async def test_trimming_keeps_a_handed_over_or_retrying_run_s_attempts(store: Store) -> None:
+    """A run handed over, or waiting for its retry, is open though its last attempt has
+    ended: trimming, by size or by age, keeps its attempts (the failure a retry follows,
+    the log of its recovery) and the run, as it keeps a running one's."""
+    a = await started(store)
+    try:
+        handed = req("open", slot=SLOT, overlap_skip=False)
+        assert (await a.claim(handed)).status is ClaimStatus.WON
+        assert await a.hand_over([lease_of(handed)]) == {handed.token}
+        kept = {SLOT: RunStatus.HANDED_OVER}
+        if supports_retries(a):
+            failed = req("open", slot=SLOT + 1, overlap_skip=False)
+            assert (await a.claim(failed)).status is ClaimStatus.WON
+            assert await a.retry_later(
+                [(lease_of(failed), Outcome.FAILED, "boom", [60_000])]) == [1]
+            kept[SLOT + 1] = RunStatus.RETRYING
+        for i in (2, 3, 4):
+            r = req("open", slot=SLOT + i, overlap_skip=False)
+            await a.claim(r)
+            assert await a.finish(lease_of(r), Outcome.COMPLETED)
+        open_slots = sorted(kept, reverse=True)
+
+        async def left(after: str) -> list[int]:
+            slots = sorted((h.slot for h in await a.history("open")), reverse=True)
+            state = (await a.check([("open", s) for s in kept])).runs
+            gone = sorted(set(open_slots) - set(slots) - {k[1] for k in state})
+            assert not gone and all(
+                state[("open", s)].status is status for s, status in kept.items()), (
+                f"{after} deleted the attempts of open runs (handed over or retrying): "
+                f"history {slots}, runs {state}")
+            return slots
+
+        deleted = await a.prune("open", keep=1)
+        assert await left("prune(keep=1)") == [SLOT + 4, *open_slots], deleted
+        assert deleted == 2  # the finished SLOT+2 and SLOT+3
+        now = await a.now_ms()
+        await wait_for(lambda: _later(a, now), timeout=5, what="the store clock to move")
+        assert await a.prune("open", older_than_ms=0) == 1  # the finished SLOT+4
+        assert await left("prune(older_than_ms=0)") == open_slots
+        took = await a.claim(req("open", slot=SLOT, instance="b"))
+        assert (took.status, took.attempt, took.reason) == (
+            ClaimStatus.WON, 2, Reason.HAND_OVER)
+    finally:
+        await a.close()
+
+
 async def _members_or_skip(backend: Backend, instance_id: str, ttl_ms: int) -> list[str]:
     """``backend.members(...)``, or skip the check: a backend answering None keeps no
     membership (the contract's default), and has nothing else to check."""
