@@ -397,3 +397,37 @@ async def test_the_kit_fails_a_backend_whose_trimming_deletes_a_run_waiting_to_g
                                              "runs"):
         await check(_store_of(TrimsOpenRunsThatEnded()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.parametrize("skips_behind", ["expired", "handed_over", "later"])
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_that_skips_behind_a_run_holding_no_live_lease(
+        skips_behind: str) -> None:
+    """overlap_skip behind an earlier run whose lease expired, one handed over, or a later
+    slot's run: each passed every check (the differential test met the last by chance
+    only); the new check fails each, naming what it skipped behind."""
+    from backends.memory import MemoryBackend
+    from lease_core._structures import RunStatus
+    from lease_core.testing import conformance
+
+    class SkipsTooOften(MemoryBackend):
+        def _earlier_open(self, job: str, slot: int, now: int) -> str | None:
+            for (j, s), run in self._runs.items():
+                if j != job or s == slot:
+                    continue
+                if ((skips_behind == "expired" and run.status is RunStatus.RUNNING)
+                        or (skips_behind == "handed_over"
+                            and run.status is RunStatus.HANDED_OVER)
+                        or (skips_behind == "later" and s > slot
+                            and run.status is RunStatus.RUNNING)) and (
+                        s < slot or skips_behind == "later"):
+                    return "an earlier run of the job still holds its lease"
+            return super()._earlier_open(job, slot, now)
+
+    behind = {"expired": "an earlier run whose lease expired",
+              "handed_over": "an earlier run handed over", "later": "a later slot's run"}
+    check = conformance.test_overlap_skip_looks_only_at_earlier_runs_holding_a_live_lease
+    with pytest.raises(AssertionError, match=f"overlap_skip skipped .* behind "
+                                             f"{behind[skips_behind]};"):
+        await check(_store_of(SkipsTooOften()))
+    await check(_store_of(MemoryBackend()))

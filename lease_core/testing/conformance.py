@@ -287,6 +287,30 @@ async def test_overlap_skip_is_recorded_and_allow_runs_both(store: Store) -> Non
         await a.close()
 
 
+async def test_overlap_skip_looks_only_at_earlier_runs_holding_a_live_lease(
+        store: Store) -> None:
+    """``overlap_skip`` skips a new slot only behind an earlier run of the job that holds
+    a live lease (or waits for its retry): not behind one whose lease expired (its
+    holder is gone), nor one handed over, nor a later slot's run."""
+    a = await started(store)
+    try:
+        assert (await a.claim(req("lapsed", lease_ms=SHORT))).status is ClaimStatus.WON
+        handed = req("handed")
+        assert (await a.claim(handed)).status is ClaimStatus.WON
+        assert await a.hand_over([lease_of(handed)]) == {handed.token}
+        assert (await a.claim(req("later", slot=SLOT + 1000))).status is ClaimStatus.WON
+        await wait_expired(a, "lapsed")
+        for job, slot, behind in (("lapsed", SLOT + 1000, "an earlier run whose lease expired"),
+                                  ("handed", SLOT + 1000, "an earlier run handed over"),
+                                  ("later", SLOT, "a later slot's run")):
+            got = await a.claim(req(job, slot=slot))
+            assert got.status is ClaimStatus.WON, (
+                f"overlap_skip skipped {job!r} at slot {slot} behind {behind}; only an "
+                f"earlier run holding a live lease or waiting for its retry skips: {got}")
+    finally:
+        await a.close()
+
+
 async def test_register_jobs_reports_first_seen_last_slot_and_open_runs(store: Store) -> None:
     a = await started(store)
     try:
