@@ -431,3 +431,28 @@ async def test_the_kit_fails_a_backend_that_skips_behind_a_run_holding_no_live_l
                                              f"{behind[skips_behind]};"):
         await check(_store_of(SkipsTooOften()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_that_leaves_a_handed_over_run_out_of_open_slots() -> None:
+    """register_jobs() listing running and retrying runs but not handed-over ones (so a
+    scheduler starting after a deploy does not watch them) passed every check but the
+    differential test, by chance; the register_jobs check now fails it."""
+    import dataclasses
+
+    from backends.memory import MemoryBackend
+    from lease_core._structures import JobInfo, RunStatus
+    from lease_core.testing import conformance
+
+    class MissesHandedOver(MemoryBackend):
+        async def register_jobs(self, jobs: Sequence[str]) -> dict[str, JobInfo]:
+            found = await super().register_jobs(jobs)
+            return {name: dataclasses.replace(info, open_slots=tuple(
+                        s for s in info.open_slots
+                        if self._runs[(name, s)].status is not RunStatus.HANDED_OVER))
+                    for name, info in found.items()}
+
+    check = conformance.test_register_jobs_reports_first_seen_last_slot_and_open_runs
+    with pytest.raises(AssertionError, match="must list a handed-over run's slot"):
+        await check(_store_of(MissesHandedOver()))
+    await check(_store_of(MemoryBackend()))

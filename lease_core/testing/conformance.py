@@ -327,12 +327,18 @@ async def test_register_jobs_reports_first_seen_last_slot_and_open_runs(store: S
         done = req("y", slot=SLOT)
         await a.claim(done)
         await a.finish(lease_of(done), Outcome.COMPLETED)
-        again = await a.register_jobs(["x", "y"])
+        handed = req("w", slot=SLOT)
+        await a.claim(handed)
+        assert await a.hand_over([lease_of(handed)]) == {handed.token}
+        again = await a.register_jobs(["x", "y", "w"])
         assert not again["x"].new
         assert again["x"].first_seen_ms == first["x"].first_seen_ms
         assert again["x"].last_slot == SLOT + 5
         assert again["x"].open_slots == (SLOT, SLOT + 5)
         assert again["y"].open_slots == ()
+        assert again["w"].open_slots == (SLOT,), (
+            "register_jobs() must list a handed-over run's slot in open_slots (a starting "
+            f"scheduler watches it, to claim it): {again['w']}")
     finally:
         await a.close()
 
