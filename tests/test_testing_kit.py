@@ -456,3 +456,26 @@ async def test_the_kit_fails_a_backend_that_leaves_a_handed_over_run_out_of_open
     with pytest.raises(AssertionError, match="must list a handed-over run's slot"):
         await check(_store_of(MissesHandedOver()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_whose_prune_many_takes_a_negative_age() -> None:
+    """A prune_many() of its own taking older_than_ms=-1 as 0 (trimming every finished
+    attempt) passed every check: they asked only keep=-1 and batch=0 of it, and
+    Backend.prune() validates before it reaches prune_many(). The prune check now asks
+    both twins each bad argument."""
+    from backends.memory import MemoryBackend
+    from lease_core.testing import conformance
+
+    class NegativeAgeIsZero(MemoryBackend):
+        async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
+                             older_than_ms: int | None = None,
+                             batch: int = 1000) -> dict[str, int]:
+            older_than_ms = None if older_than_ms is None else max(older_than_ms, 0)
+            return await super().prune_many(jobs, keep=keep, older_than_ms=older_than_ms,
+                                            batch=batch)
+
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        await conformance.test_prune_trims_a_job_without_claiming(
+            _store_of(NegativeAgeIsZero()))
+    await conformance.test_prune_trims_a_job_without_claiming(_store_of(MemoryBackend()))

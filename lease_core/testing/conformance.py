@@ -6,6 +6,7 @@ leases here are short and every wait has a deadline.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -542,8 +543,14 @@ async def test_prune_trims_a_job_without_claiming(store: Store) -> None:
             assert await a.finish(lease_of(r), Outcome.COMPLETED)
         held = req("old", slot=SLOT + 10, overlap_skip=False)
         await a.claim(held)
-        with pytest.raises(ValueError, match="keep=-1"):
-            await a.prune("old", keep=-1)
+        bad: list[dict[str, Any]] = [{"keep": -1}, {"older_than_ms": -1}, {"batch": 0},
+                                     {"keep": 1.5}]
+        for kwargs in bad:  # refused, naming the value, by both twins: nothing trimmed
+            ((name, value),) = kwargs.items()
+            with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}")):
+                await a.prune("old", **kwargs)
+            with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}")):
+                await a.prune_many(["old"], **kwargs)
         assert await a.prune("old", keep=10) == 0
         assert await a.prune("old", keep=4, batch=1) == 1  # bounded work per call
         assert [h.slot for h in await a.history("old")][-1] == SLOT + 1  # oldest first
