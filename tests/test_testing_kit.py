@@ -479,3 +479,35 @@ async def test_the_kit_fails_a_backend_whose_prune_many_takes_a_negative_age() -
         await conformance.test_prune_trims_a_job_without_claiming(
             _store_of(NegativeAgeIsZero()))
     await conformance.test_prune_trims_a_job_without_claiming(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_whose_claim_reads_then_writes() -> None:
+    """A claim made in two steps (read the run, a round trip, then write it) gives one run
+    to every instance that claimed it at once. Every check claimed one call at a time, so
+    such a backend passed them all (the differential test too: it makes one call at a
+    time); the race check fails it, and passes the memory backend, whose claim is one
+    step under its lock."""
+    import anyio.lowlevel
+
+    from backends.memory import MemoryBackend
+    from lease_core._structures import ClaimRequest, ClaimResult
+    from lease_core.testing import conformance
+
+    class ReadThenWriteClaim(MemoryBackend):
+        async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+            results = []
+            for request in requests:
+                with self._lock:
+                    found = (request.job, request.slot) in self._runs  # the read
+                await anyio.lowlevel.checkpoint()  # the round trip between the two steps
+                with self._lock:
+                    if not found:  # the write, as decided from the read
+                        self._runs.pop((request.job, request.slot), None)
+                    results.append(self._claim(request))
+            return results
+
+    check = conformance.test_claims_at_once_give_a_run_to_one_instance
+    with pytest.raises(AssertionError, match="round 0: 5 instances won one run at once"):
+        await check(_store_of(ReadThenWriteClaim()))
+    await check(_store_of(MemoryBackend()))

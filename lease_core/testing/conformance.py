@@ -76,6 +76,46 @@ async def test_first_claim_wins_and_second_stands_by(store: Store) -> None:
         await b.close()
 
 
+async def test_claims_at_once_give_a_run_to_one_instance(store: Store) -> None:
+    """Instances claiming one run at the same time (each on a backend object of its own):
+    one wins it, the others stand by, told who holds it; so again once its lease has
+    expired (one takes it over). A claim that reads the run, then writes it in a second
+    step (a GET then a SET, a SELECT then an INSERT), lets several win: each found it
+    free. The other checks claim one call at a time, where that does not show."""
+    backends = [await started(store) for _ in range(5)]
+    try:
+        async def race(lease_ms: int, round_: int) -> ClaimResult:
+            answers: list[ClaimResult] = []
+
+            async def claim(backend: Backend, instance: str) -> None:
+                answers.append(await backend.claim(req("race", instance=instance,
+                                                       lease_ms=lease_ms)))
+
+            async with anyio.create_task_group() as tg:
+                for i, backend in enumerate(backends):
+                    tg.start_soon(claim, backend, f"r{round_}-i{i}")
+            won = [r for r in answers if r.status is ClaimStatus.WON]
+            assert len(won) == 1, (
+                f"round {round_}: {len(won)} instances won one run at once: {won}")
+            for r in answers:
+                if r is not won[0]:
+                    assert (r.status, r.instance_id) == (
+                        ClaimStatus.RUNNING, won[0].instance_id), (round_, r)
+            return won[0]
+
+        first = await race(SHORT, 0)
+        assert (first.attempt, first.reason) == (1, Reason.SCHEDULED)
+        await wait_expired(backends[0], "race")
+        second = await race(60_000, 1)  # a takeover of the lapsed lease
+        assert (second.attempt, second.reason) == (2, Reason.TAKEOVER)
+        history = await backends[0].history("race")
+        assert [(h.attempt, h.instance_id, h.outcome) for h in history] == [
+            (2, second.instance_id, None), (1, first.instance_id, Outcome.LOST)]
+    finally:
+        for backend in backends:
+            await backend.close()
+
+
 async def test_finish_records_outcome_and_later_claims_see_finished(store: Store) -> None:
     a = await started(store)
     try:
