@@ -511,3 +511,29 @@ async def test_the_kit_fails_a_backend_whose_claim_reads_then_writes() -> None:
     with pytest.raises(AssertionError, match="round 0: 5 instances won one run at once"):
         await check(_store_of(ReadThenWriteClaim()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_whose_membership_renewal_never_shortens() -> None:
+    """A membership renewal that keeps the later of its expiry and now + ttl_ms (or adds
+    to what was left) passed: the lapse check renewed with the short ttl only. It now
+    renews a long membership with a short ttl first, and fails such a backend (after its
+    5 s wait)."""
+    from backends.memory import MemoryBackend
+    from lease_core.abc import check_members
+    from lease_core.testing import conformance
+
+    class NeverShortens(MemoryBackend):
+        async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
+            check_members(instance_id, ttl_ms)
+            with self._lock:
+                now = self._now()
+                until = max(self._members.get(instance_id, 0), now + ttl_ms)
+                self._members[instance_id] = until
+                self._members = {m: u for m, u in self._members.items() if u > now}
+                return sorted(self._members)
+
+    check = conformance.test_members_drops_a_member_whose_ttl_lapsed
+    with pytest.raises(AssertionError, match="shortening a longer membership"):
+        await check(_store_of(NeverShortens()))
+    await check(_store_of(MemoryBackend()))

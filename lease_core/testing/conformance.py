@@ -1062,14 +1062,17 @@ async def test_members_drops_a_member_whose_ttl_lapsed(store: Store) -> None:
     a, b = await started(store), await started(store)
     try:
         await _members_or_skip(a, "keeper", 60_000)
+        assert await b.members("leaver", 60_000) == ["keeper", "leaver"]
+        # A renewal sets an absolute expiry: the short ttl is again the whole of it, also
+        # after a longer one (neither added to what was left, nor the later of the two).
         assert await b.members("leaver", SHORT) == ["keeper", "leaver"]
-        # A renewal sets an absolute expiry: the short ttl is again the whole of it.
         assert await b.members("leaver", SHORT) == ["keeper", "leaver"]
 
         async def gone() -> bool:
             return await a.members("keeper", 60_000) == ["keeper"]
 
-        await wait_for(gone, timeout=5, what="the lapsed member to disappear")
+        await wait_for(gone, timeout=5, what="the lapsed member to disappear (a renewal "
+                       "sets now + ttl_ms, shortening a longer membership)")
         # it comes back as soon as it renews
         assert await b.members("leaver", 60_000) == ["keeper", "leaver"]
         assert await a.members("keeper", 60_000) == ["keeper", "leaver"]
