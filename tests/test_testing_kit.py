@@ -537,3 +537,33 @@ async def test_the_kit_fails_a_backend_whose_membership_renewal_never_shortens()
     with pytest.raises(AssertionError, match="shortening a longer membership"):
         await check(_store_of(NeverShortens()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_that_stores_nan_in_a_checkpoint() -> None:
+    """A checkpoint encoded with json.dumps' defaults stores NaN and Infinity, which are
+    not JSON (PostgreSQL's jsonb and other readers refuse them): it passed, the check
+    asking only for an object() to be refused; it now asks NaN and Infinity too."""
+    import json
+
+    from backends.memory import MemoryBackend
+    from lease_core._structures import Lease
+    from lease_core.errors import ConfigurationError
+    from lease_core.testing import conformance
+
+    class StoresNaN(MemoryBackend):
+        async def set_checkpoint(self, lease: Lease, value: object) -> bool:
+            try:
+                text = json.dumps(value)  # allow_nan=True, the default
+            except (TypeError, RecursionError):
+                raise ConfigurationError("checkpoint value is not JSON") from None
+            run = self._held(lease, self._now())
+            if run is None:
+                return False
+            run.checkpoint = text
+            return True
+
+    check = conformance.test_checkpoint_round_trips_json_and_rejects_other_values
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        await check(_store_of(StoresNaN()))
+    await check(_store_of(MemoryBackend()))

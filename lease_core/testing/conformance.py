@@ -455,8 +455,10 @@ async def test_checkpoint_round_trips_json_and_rejects_other_values(store: Store
         value = {"cursor": 41, "names": ["α", "b"], "ok": True, "none": None}
         assert await a.set_checkpoint(lease_of(r), value)
         assert await a.get_checkpoint("c", SLOT) == value
-        with pytest.raises(ConfigurationError, match="JSON"):
-            await a.set_checkpoint(lease_of(r), {"bad": object()})
+        not_json: list[Any] = [{"bad": object()}, float("nan"), [float("inf")], {1j: 1}]
+        for bad in not_json:  # NaN and Infinity too: JSON has no such numbers
+            with pytest.raises(ConfigurationError, match="JSON"):
+                await a.set_checkpoint(lease_of(r), bad)
         nested: list[Any] = []
         for _ in range(100_000):  # deeper than JSON encoders recurse (3.13: ~10,000)
             nested = [nested]
