@@ -8,6 +8,7 @@ author would write it.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+import lease_core
 from tests.helpers import install_toy_backend
 
 if TYPE_CHECKING:
@@ -113,7 +115,10 @@ def run_suite(tmp_path: Path, scheme: str, conftest: str = "") -> subprocess.Com
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "test_toy.py"],
         cwd=project, capture_output=True, text=True, timeout=110,
-        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+        # The toy, then the lease_core this test imported (not whichever checkout the
+        # interpreter has installed, which a clone sharing a venv would test instead).
+        env={"PYTHONPATH": os.pathsep.join([str(site), str(Path(lease_core.__file__).parents[1])]),
+             "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
              "COLUMNS": "1000"},  # the short summary's reasons, not cut
     )
 
