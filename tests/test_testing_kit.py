@@ -572,3 +572,38 @@ async def test_the_kit_fails_a_backend_that_stores_nan_in_a_checkpoint() -> None
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
         await check(_store_of(StoresNaN()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_whose_claim_ignores_a_pause() -> None:
+    """The kit checked no operation: a backend with operate() whose claim ignored a paused
+    job passed. The pause check fails it, and skips a backend without operations."""
+    from backends.memory import MemoryBackend
+    from lease_core._structures import ClaimRequest, ClaimResult
+    from lease_core.abc import Backend
+    from lease_core.operations import Operation, OperationResult
+    from lease_core.testing import conformance
+
+    class IgnoresPause(MemoryBackend):
+        def _claim(self, req: ClaimRequest) -> ClaimResult:
+            job = self._jobs.get(req.job)
+            paused_by = None if job is None else job.paused_by
+            if job is not None:
+                job.paused_by = None
+            try:
+                return super()._claim(req)
+            finally:
+                if job is not None:
+                    job.paused_by = paused_by
+
+    class NoOperations(MemoryBackend):
+        async def operate(self, op: Operation) -> OperationResult:
+            return await Backend.operate(self, op)
+
+    check = conformance.test_a_paused_job_s_new_slots_are_skipped_until_it_resumes
+    with pytest.raises(AssertionError, match="a scheduled claim of a new slot of a paused "
+                                             "job must be skipped"):
+        await check(_store_of(IgnoresPause()))
+    with pytest.raises(pytest.skip.Exception, match="has no operations"):
+        await check(_store_of(NoOperations()))
+    await check(_store_of(MemoryBackend()))

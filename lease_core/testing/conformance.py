@@ -352,6 +352,41 @@ async def test_overlap_skip_looks_only_at_earlier_runs_holding_a_live_lease(
         await a.close()
 
 
+async def test_a_paused_job_s_new_slots_are_skipped_until_it_resumes(store: Store) -> None:
+    """With operations (:meth:`~lease_core.abc.Backend.operate`): a scheduled or catch-up
+    claim of a paused job's new slot is skipped, recorded with who paused it, while the
+    run that was running goes on; once resumed, new slots are won again. Skipped for a
+    backend without operations (the default ``operate`` raises)."""
+    from lease_core.operations import Operation, OperationKind
+
+    a = await started(store)
+    try:
+        held = req("p")
+        assert (await a.claim(held)).status is ClaimStatus.WON
+        try:
+            paused = await a.operate(Operation(OperationKind.PAUSE, "p", None, "ops"))
+        except ConfigurationError as exc:
+            if "has no operations" in str(exc):
+                pytest.skip(str(exc))
+            raise
+        assert paused.refused is None, paused
+        for slot, reason in ((SLOT + 1000, Reason.SCHEDULED), (SLOT + 2000, Reason.CATCH_UP)):
+            got = await a.claim(req("p", slot=slot, reason=reason, overlap_skip=False))
+            assert got.status is ClaimStatus.SKIPPED, (
+                f"a {reason.value} claim of a new slot of a paused job must be skipped: {got}")
+        assert (await a.claim(req("p", instance="b"))).status is ClaimStatus.RUNNING
+        assert await a.finish(lease_of(held), Outcome.COMPLETED)  # the run that was running
+        skipped = {h.slot: (h.outcome, h.error) for h in await a.history("p") if h.slot != SLOT}
+        assert skipped == dict.fromkeys((SLOT + 1000, SLOT + 2000),
+                                        (Outcome.SKIPPED, "job paused by ops")), skipped
+        resumed = await a.operate(Operation(OperationKind.RESUME, "p", None, "ops"))
+        assert resumed.refused is None, resumed
+        got = await a.claim(req("p", slot=SLOT + 3000))
+        assert got.status is ClaimStatus.WON, f"a resumed job's new slot must be won: {got}"
+    finally:
+        await a.close()
+
+
 async def test_register_jobs_reports_first_seen_last_slot_and_open_runs(store: Store) -> None:
     a = await started(store)
     try:
