@@ -607,3 +607,35 @@ async def test_the_kit_fails_a_backend_whose_claim_ignores_a_pause() -> None:
     with pytest.raises(pytest.skip.Exception, match="has no operations"):
         await check(_store_of(NoOperations()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_that_ages_an_attempt_from_its_claim() -> None:
+    """Trimming by age that measures an attempt from its claim, not its end, deletes a
+    long run's attempt the moment it finishes: it passed (the ttl check's attempts ended
+    as they began); the ttl check now finishes one after the ttl and fails it."""
+    import dataclasses
+
+    from backends.memory import MemoryBackend
+    from lease_core.testing import conformance
+
+    class AgedFromClaim(MemoryBackend):
+        async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
+                             older_than_ms: int | None = None,
+                             batch: int = 1000) -> dict[str, int]:
+            ended = {job: list(self._attempts.get(job, [])) for job in jobs}
+            for job, attempts in ended.items():  # each finished as it was claimed
+                self._attempts[job] = [
+                    a if a.finished_at is None else dataclasses.replace(
+                        a, finished_at=a.claimed_at) for a in attempts]
+            counts = await super().prune_many(jobs, keep=keep, older_than_ms=older_than_ms,
+                                               batch=batch)
+            for job, attempts in ended.items():
+                left = {(a.slot, a.attempt) for a in self._attempts.get(job, [])}
+                self._attempts[job] = [a for a in attempts if (a.slot, a.attempt) in left]
+            return counts
+
+    check = conformance.test_history_is_trimmed_by_ttl
+    with pytest.raises(AssertionError, match="an attempt's age runs from its end"):
+        await check(_store_of(AgedFromClaim()))
+    await check(_store_of(MemoryBackend()))

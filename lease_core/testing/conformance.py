@@ -460,11 +460,18 @@ async def test_history_is_trimmed_by_ttl(store: Store) -> None:
         old = req("t", slot=SLOT, history_ttl_ms=200)
         await a.claim(old)
         await a.finish(lease_of(old), Outcome.COMPLETED)
+        slow = req("t-slow", history_ttl_ms=200)  # claimed now, finished after the ttl
+        await a.claim(slow)
         now = await a.now_ms()
         await wait_for(lambda: a.now_ms(), what="clock")  # one round trip
         await wait_for(_later_than(a, now + 400), timeout=5, what="ttl to pass")
         new = req("t", slot=SLOT + 1000, history_ttl_ms=200)
         await a.claim(new)
+        assert await a.finish(lease_of(slow), Outcome.COMPLETED)
+        # The age of an attempt is that of its end, not its claim.
+        assert await a.prune("t-slow", older_than_ms=200) == 0, (
+            "prune(older_than_ms=) deleted an attempt that finished just now (claimed "
+            "longer ago): an attempt's age runs from its end")
         await a.prune("t", older_than_ms=200)  # what the scheduler's ticker does
         slots = [h.slot for h in await a.history("t")]
         assert slots == [SLOT + 1000]
