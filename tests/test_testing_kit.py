@@ -518,6 +518,7 @@ async def test_the_kit_fails_a_backend_whose_claim_reads_then_writes() -> None:
     await check(_store_of(MemoryBackend()))
 
 
+@pytest.mark.asyncio_only  # it waits out the check's 5 s deadline
 @pytest.mark.anyio
 async def test_the_kit_fails_a_backend_whose_membership_renewal_never_shortens() -> None:
     """A membership renewal that keeps the later of its expiry and now + ttl_ms (or adds
