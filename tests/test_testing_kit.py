@@ -640,3 +640,29 @@ async def test_the_kit_fails_a_backend_that_ages_an_attempt_from_its_claim() -> 
     with pytest.raises(AssertionError, match="an attempt's age runs from its end"):
         await check(_store_of(AgedFromClaim()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_kit_fails_a_backend_that_lists_the_store_s_history_job_by_job() -> None:
+    """history(None, limit) read job by job (each newest first) answers old attempts of
+    one job before new ones of another: it passed every check (only the differential
+    test, by chance, meets it); the new check fails it."""
+    from backends.memory import MemoryBackend
+    from lease_core._structures import Attempt
+    from lease_core.abc import check_limit
+    from lease_core.testing import conformance
+
+    class JobByJob(MemoryBackend):
+        async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
+            if job is not None:
+                return await super().history(job, limit)
+            check_limit(limit)
+            found = [a for name in sorted(self._attempts)
+                     for a in sorted(self._attempts[name], key=lambda a: a.claimed_at,
+                                     reverse=True)]
+            return found[:limit]
+
+    check = conformance.test_history_of_every_job_is_newest_claim_first
+    with pytest.raises(AssertionError, match=r"history\(None, 2\) must be the two newest"):
+        await check(_store_of(JobByJob()))
+    await check(_store_of(MemoryBackend()))

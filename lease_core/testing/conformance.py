@@ -454,6 +454,23 @@ async def test_history_is_trimmed_by_size(store: Store) -> None:
         await a.close()
 
 
+async def test_history_of_every_job_is_newest_claim_first(store: Store) -> None:
+    """``history(None, limit)`` is the newest ``limit`` attempts of the whole store,
+    newest claim first, whatever their jobs' names (not job by job)."""
+    a = await started(store)
+    try:
+        for job in ("h-b", "h-a", "h-c"):  # claimed in this order, each a tick later
+            now = await a.now_ms()
+            await wait_for(_later_than(a, now), timeout=5, what="the store clock to move")
+            assert (await a.claim(req(job))).status is ClaimStatus.WON
+        newest = [h.job for h in await a.history(None, 2)]
+        assert newest == ["h-c", "h-a"], (
+            f"history(None, 2) must be the two newest claims, newest first: {newest}")
+        assert [h.job for h in await a.history(None)] == ["h-c", "h-a", "h-b"]
+    finally:
+        await a.close()
+
+
 async def test_history_is_trimmed_by_ttl(store: Store) -> None:
     a = await started(store)
     try:
