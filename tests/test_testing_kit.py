@@ -666,3 +666,39 @@ async def test_the_kit_fails_a_backend_that_lists_the_store_s_history_job_by_job
     with pytest.raises(AssertionError, match=r"history\(None, 2\) must be the two newest"):
         await check(_store_of(JobByJob()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.parametrize("rule", ["trimmed", "paused"])
+@pytest.mark.anyio
+async def test_the_kit_fails_a_claim_many_that_drops_a_rule_claim_keeps(rule: str) -> None:
+    """A backend implementing both claim twins is held to the same answers only where a
+    check asks both: a claim_many() (what the scheduler sends) that won a trimmed slot
+    again, or ignored a pause, while claim() kept the rule, passed. The trimmed-slot and
+    pause checks now ask both twins."""
+    from backends.memory import MemoryBackend
+    from lease_core._structures import ClaimRequest, ClaimResult
+    from lease_core.testing import conformance
+
+    field = {"trimmed": "trimmed_slot", "paused": "paused_by"}[rule]
+
+    class BatchDropsARule(MemoryBackend):
+        async def claim(self, request: ClaimRequest) -> ClaimResult:
+            (result,) = await super().claim_many([request])
+            return result
+
+        async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+            kept = {name: getattr(job, field) for name, job in self._jobs.items()}
+            for job in self._jobs.values():
+                setattr(job, field, None)
+            try:
+                return await super().claim_many(requests)
+            finally:
+                for name, value in kept.items():
+                    setattr(self._jobs[name], field, value)
+
+    check = {"trimmed": conformance.test_a_trimmed_slot_is_never_won_again,
+             "paused": conformance.test_a_paused_job_s_new_slots_are_skipped_until_it_resumes,
+             }[rule]
+    with pytest.raises(AssertionError, match=r"claim_many"):
+        await check(_store_of(BatchDropsARule()))
+    await check(_store_of(MemoryBackend()))

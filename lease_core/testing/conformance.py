@@ -38,6 +38,17 @@ def lease_of(r: ClaimRequest) -> Lease:
     return Lease(r.job, r.slot, r.token, r.lease_ms)
 
 
+def _both_claims(backend: Backend) -> list[tuple[str, Callable[[ClaimRequest],
+                                                               Awaitable[ClaimResult]]]]:
+    """``claim`` and a batch of one of ``claim_many``, each with its name: a backend
+    implementing both twins is held to each rule by both."""
+    async def alone(r: ClaimRequest) -> ClaimResult:
+        (result,) = await backend.claim_many([r])
+        return result
+
+    return [("claim", backend.claim), ("claim_many", alone)]
+
+
 async def started(store: Store) -> Backend:
     """A new backend on ``store``, started: one simulated instance (the test closes it)."""
     backend = store.backend()
@@ -371,13 +382,16 @@ async def test_a_paused_job_s_new_slots_are_skipped_until_it_resumes(store: Stor
             raise
         assert paused.refused is None, paused
         for slot, reason in ((SLOT + 1000, Reason.SCHEDULED), (SLOT + 2000, Reason.CATCH_UP)):
-            got = await a.claim(req("p", slot=slot, reason=reason, overlap_skip=False))
-            assert got.status is ClaimStatus.SKIPPED, (
-                f"a {reason.value} claim of a new slot of a paused job must be skipped: {got}")
+            for offset, (how, claim) in enumerate(_both_claims(a)):
+                got = await claim(req("p", slot=slot + offset, reason=reason,
+                                      overlap_skip=False))
+                assert got.status is ClaimStatus.SKIPPED, (
+                    f"a {reason.value} claim of a new slot of a paused job must be skipped "
+                    f"({how}): {got}")
         assert (await a.claim(req("p", instance="b"))).status is ClaimStatus.RUNNING
         assert await a.finish(lease_of(held), Outcome.COMPLETED)  # the run that was running
         skipped = {h.slot: (h.outcome, h.error) for h in await a.history("p") if h.slot != SLOT}
-        assert skipped == dict.fromkeys((SLOT + 1000, SLOT + 2000),
+        assert skipped == dict.fromkeys((SLOT + 1000, SLOT + 1001, SLOT + 2000, SLOT + 2001),
                                         (Outcome.SKIPPED, "job paused by ops")), skipped
         resumed = await a.operate(Operation(OperationKind.RESUME, "p", None, "ops"))
         assert resumed.refused is None, resumed
@@ -1006,9 +1020,11 @@ async def test_a_trimmed_slot_is_never_won_again(store: Store) -> None:
         assert ("tr", SLOT + 1) not in (await a.check([("tr", SLOT + 1)])).runs
         for slot, reason in ((SLOT + 1, Reason.SCHEDULED), (SLOT + 2, Reason.CATCH_UP),
                              (SLOT, Reason.SCHEDULED)):  # SLOT: never claimed, older
-            again = await a.claim(req("tr", slot=slot, reason=reason, instance="b"))
-            assert (again.status, again.attempt, again.run_status) == (
-                ClaimStatus.FINISHED, 0, None), (slot, again)
+            for how, claim in _both_claims(a):  # the scheduler sends claim_many()
+                again = await claim(req("tr", slot=slot, reason=reason, instance="b"))
+                assert (again.status, again.attempt, again.run_status) == (
+                    ClaimStatus.FINISHED, 0, None), (
+                    f"{how}() of a trimmed slot must answer finished, attempt 0: {again}")
         assert [h.slot for h in await a.history("tr")] == [SLOT + 4, SLOT + 3]
         # A later workflow step's run is started by the step before it, not by a
         # schedule: its store may have trimmed newer slots of the step already.
