@@ -433,7 +433,7 @@ async def test_the_kit_fails_a_backend_that_skips_behind_a_run_holding_no_live_l
               "handed_over": "an earlier run handed over", "later": "a later slot's run"}
     check = conformance.test_overlap_skip_looks_only_at_earlier_runs_holding_a_live_lease
     with pytest.raises(AssertionError, match=f"overlap_skip skipped .* behind "
-                                             f"{behind[skips_behind]};"):
+                                             rf"{behind[skips_behind]} \(claim\);"):
         await check(_store_of(SkipsTooOften()))
     await check(_store_of(MemoryBackend()))
 

@@ -343,22 +343,31 @@ async def test_overlap_skip_looks_only_at_earlier_runs_holding_a_live_lease(
         store: Store) -> None:
     """``overlap_skip`` skips a new slot only behind an earlier run of the job that holds
     a live lease (or waits for its retry): not behind one whose lease expired (its
-    holder is gone), nor one handed over, nor a later slot's run."""
+    holder is gone), nor one handed over, nor a later slot's run. Asked of both claim
+    twins."""
     a = await started(store)
     try:
-        assert (await a.claim(req("lapsed", lease_ms=SHORT))).status is ClaimStatus.WON
-        handed = req("handed")
-        assert (await a.claim(handed)).status is ClaimStatus.WON
-        assert await a.hand_over([lease_of(handed)]) == {handed.token}
-        assert (await a.claim(req("later", slot=SLOT + 1000))).status is ClaimStatus.WON
-        await wait_expired(a, "lapsed")
-        for job, slot, behind in (("lapsed", SLOT + 1000, "an earlier run whose lease expired"),
-                                  ("handed", SLOT + 1000, "an earlier run handed over"),
-                                  ("later", SLOT, "a later slot's run")):
-            got = await a.claim(req(job, slot=slot))
-            assert got.status is ClaimStatus.WON, (
-                f"overlap_skip skipped {job!r} at slot {slot} behind {behind}; only an "
-                f"earlier run holding a live lease or waiting for its retry skips: {got}")
+        twins = _both_claims(a)
+        for how, _ in twins:
+            lapsed = req(f"lapsed-{how}", lease_ms=SHORT)
+            assert (await a.claim(lapsed)).status is ClaimStatus.WON
+            handed = req(f"handed-{how}")
+            assert (await a.claim(handed)).status is ClaimStatus.WON
+            assert await a.hand_over([lease_of(handed)]) == {handed.token}
+            later = req(f"later-{how}", slot=SLOT + 1000)
+            assert (await a.claim(later)).status is ClaimStatus.WON
+        for how, _ in twins:
+            await wait_expired(a, f"lapsed-{how}")
+        for how, claim in twins:
+            for job, slot, behind in (
+                    ("lapsed", SLOT + 1000, "an earlier run whose lease expired"),
+                    ("handed", SLOT + 1000, "an earlier run handed over"),
+                    ("later", SLOT, "a later slot's run")):
+                got = await claim(req(f"{job}-{how}", slot=slot))
+                assert got.status is ClaimStatus.WON, (
+                    f"overlap_skip skipped {job!r} at slot {slot} behind {behind} ({how}); "
+                    f"only an earlier run holding a live lease or waiting for its retry "
+                    f"skips: {got}")
     finally:
         await a.close()
 
