@@ -215,10 +215,14 @@ class Lease:
                             await self.backend.release_lease(self.name, answer.token)
                     await self._close_backend()
                     return False
-                if answer.held:
+                if answer.held and lease_clock() < sent + self._alive_s:
                     hold = self._last = _Hold(answer.token, sent + self._alive_s)
                     _Keeper.schedule(self, hold, sent + self.ttl / 3)
                     return True
+                if answer.held:  # read past its deadline (a stall): maybe given away since
+                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception), \
+                            anyio.move_on_after(min(self.ttl, 5.0)):
+                        await self.backend.release_lease(self.name, answer.token)
                 now = lease_clock()
                 if give_up is not None and now >= give_up:
                     await self._close_backend()

@@ -557,6 +557,51 @@ async def test_a_lease_is_lost_soon_after_the_machine_resumes_from_a_suspend(
     assert backend_users(backend) == 0
 
 
+async def test_an_acquire_answered_after_the_ttl_is_not_a_hold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process froze between the store's answer to an acquire and reading it, for
+    longer than the ttl (a suspend, SIGSTOP, a long GC), and the store gave the name to
+    another holder meanwhile. ``acquire`` returned True (with ``held`` False) and
+    ``async with`` ran its body, up to its first await, beside the other holder. The
+    late hold is not taken: ``acquire(timeout=0)`` is False, and a blocking one waits
+    for the other holder. The freeze is stood in for by shifting the clocks."""
+    if not hasattr(time, "CLOCK_BOOTTIME"):
+        pytest.skip("CLOCK_BOOTTIME is Linux's")
+    slept = 0.0
+    clock_gettime = time.clock_gettime
+    monkeypatch.setattr(time, "clock_gettime", lambda clock: clock_gettime(clock) + slept)
+    late = [2]  # the next acquires of holders other than "other" answered late
+
+    class Late(MemoryBackend):
+        async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> Any:
+            nonlocal slept
+            answer = await super().acquire_lease(name, holder, ttl_ms)
+            if holder != "other" and late[0]:
+                late[0] -= 1
+                slept += 120.0  # two ttls, after the store answered
+                assert (await super().acquire_lease(name, "other", 60_000)).held
+            return answer
+
+    backend = Late(clock=lambda: time.time() + slept)
+    lease = Lease(backend, "late", ttl="60s")
+    assert await lease.acquire(timeout=0) is False
+    assert not lease.held
+    body: list[int | None] = []
+    async with anyio.create_task_group() as tg:
+        async def enter() -> None:
+            async with Lease(backend, "late-body", ttl="60s", poll=0.05) as held:
+                body.append(held.token)
+
+        tg.start_soon(enter)
+        await wait_for(lambda: not late[0], timeout=5, what="the late answer")
+        await anyio.sleep(0.2)  # a few polls, all refused: "other" holds the name
+        assert body == []
+        await backend.release_lease("late-body", 2)
+        await wait_for(lambda: body, timeout=5, what="the body, once the name is free")
+    assert body[0] is not None and body[0] > 2
+    assert backend_users(backend) == 0
+
+
 def test_a_sync_body_that_outlasted_the_ttl_ends_with_lease_lost() -> None:
     """As above for SyncLease, whose renewal runs on a loop of its own: here that loop is
     blocked for 1.5 s (another SyncLease's store call that blocks it) while the body
