@@ -584,6 +584,47 @@ async def test_a_store_clock_stepping_back_is_followed_at_its_next_answer() -> N
     assert len(early) <= 1, early  # the claim made before the store's first answer
 
 
+@pytest.mark.asyncio_only  # engine timing; the loops are covered elsewhere
+async def test_a_handler_is_cancelled_soon_after_the_machine_resumes_from_a_suspend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine was suspended for longer than the lease (a laptop's lid closed, a VM
+    paused): the store's clock ran on, and a backup may hold the run by now, but the
+    event loop's clock (``CLOCK_MONOTONIC``), on which the handler's local lease deadline
+    is, did not count the suspend. The handler ran on until the next tick (up to a
+    heartbeat, 20 s here); it is cancelled within a few seconds of the resume. The
+    suspend is stood in for by shifting ``time.clock_gettime`` (``CLOCK_BOOTTIME``) and
+    the store's clock."""
+    if not hasattr(time, "CLOCK_BOOTTIME"):
+        pytest.skip("CLOCK_BOOTTIME is Linux's")
+    slept = 0.0
+    clock_gettime = time.clock_gettime
+    monkeypatch.setattr(time, "clock_gettime", lambda clock: clock_gettime(clock) + slept)
+    backend = MemoryBackend(clock=lambda: time.time() + slept)
+    s = Scheduler(backend, instance_id="a", lease="60s", heartbeat="20s")
+    started, cancelled = anyio.Event(), anyio.Event()
+
+    @s.every("work", "1h", offset=quiet_offset(await backend.now_ms()))
+    async def work(ctx: RunContext) -> None:
+        started.set()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        job = s.jobs["work"]
+        slot = job.schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, job, slot)
+        await wait_for(started.is_set, what="the handler")
+        slept = 120.0  # resumed: two leases passed on the store's clock
+        await wait_for(cancelled.is_set, timeout=4, what="the handler cancelled")
+        await i.stop()
+    history = await s.history("work")  # (attempt 2: its own backup took the run over)
+    assert [h.outcome for h in history if h.attempt == 1] == [Outcome.LOST]
+
+
 async def test_a_stop_does_not_wait_for_a_finish_the_store_does_not_answer() -> None:
     """A finish is sent again while the lease is the attempt's, but not once the
     scheduler stops: the stop waited up to the job's lease (a minute here)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .._durations import to_ms
+from .._lease_clock import RESUME_CHECK, lease_clock
 from .._outcome import Interruption
 from .._structures import Reason, format_slot
 from .base import logger
@@ -30,6 +31,10 @@ __all__ = ["LeaseKeeper"]
 #: The open runs one listing of :meth:`LeaseKeeper._adopt` reads at most, newest slot
 #: first (a job's, when the listing of every job's was full).
 _OPEN_LIMIT = 10_000
+
+#: How much more time :func:`lease_clock` may count than the event loop's clock over one
+#: nap of the ticker before the machine is taken to have been suspended (seconds).
+_SUSPEND_S = 0.25
 
 
 class LeaseKeeper:
@@ -49,7 +54,7 @@ class LeaseKeeper:
         """Tick every heartbeat until cancelled."""
         s = self._s
         while True:
-            await anyio.sleep(s.settings.heartbeat)
+            await self._nap(s.settings.heartbeat)
             # A hung store must not stall later ticks; the handlers' own deadlines
             # cancel them before their leases could expire.
             limit = self.tick_limit()
@@ -62,6 +67,36 @@ class LeaseKeeper:
                 logger.warning("tick took longer than %gs; the store is slow", limit)
                 s.clock.failed("tick", TimeoutError(
                     f"the store did not answer within {limit:g}s"), log=False)
+
+    async def _nap(self, seconds: float) -> None:
+        """Sleep ``seconds`` on the event loop's clock; while handlers run, in naps of
+        :data:`RESUME_CHECK` at most, after each of which a suspend of the machine is
+        looked for.
+
+        The handlers' local lease deadlines are on the event loop's clock, which does not
+        count a suspend (a laptop's lid closed, a VM paused: ``CLOCK_MONOTONIC``), while
+        the store's clock ran on and a backup may have taken the runs over. The time the
+        loop's clock missed (:func:`lease_clock` counts it) is taken off every deadline,
+        so a handler is cancelled soon after the machine resumes, not at the next tick.
+        """
+        runs = self._s.runs
+        until = anyio.current_time() + seconds
+        while (left := until - anyio.current_time()) > 0:
+            if not runs.held_count:  # until a run is held
+                holding = runs.holding = anyio.Event()
+                with anyio.move_on_after(left):
+                    await holding.wait()
+                continue
+            loop, boot = anyio.current_time(), lease_clock()
+            await anyio.sleep(min(left, RESUME_CHECK))
+            missed = (lease_clock() - boot) - (anyio.current_time() - loop)
+            if missed > _SUSPEND_S:
+                logger.warning("the machine was suspended for about %.1fs; the held "
+                               "leases' deadlines are moved as much earlier", missed)
+                for run in runs.held():
+                    if run.execution is not None:
+                        run.execution.set_deadline(run.execution.deadline - missed)
+                return  # a tick at once: renewals, and the runs taken over meanwhile
 
     async def tick(self) -> None:
         """Renew the held leases, check the backed-up runs, sample the store's clock."""

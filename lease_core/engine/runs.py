@@ -160,6 +160,8 @@ class RunTable:
         self.idle: anyio.Event | None = None
         """Set (when there is one) as the last held run stops being held."""
         self._change: anyio.Event | None = None
+        self.holding: anyio.Event | None = None
+        """Set (when there is one) as a run starts being held (the ticker's nap)."""
 
     async def wait_change(self, within: float) -> None:
         """Wait until a run stops being this instance's own, or is settled elsewhere (it is
@@ -234,6 +236,9 @@ class RunTable:
         run = Run(job, lease.slot, Phase.HELD, lease, execution, attempt)
         self._runs[run.key] = run
         self._held[lease.token] = run
+        holding, self.holding = self.holding, None
+        if holding is not None:
+            holding.set()
         return run
 
     def hand_over_later(self, job: Job, lease: Lease, attempt: AttemptInfo | None) -> None:
