@@ -208,21 +208,18 @@ class Lease:
             while True:
                 sent = lease_clock()
                 answer = await self._try_acquire()
-                if self._abort:  # released meanwhile (by another task): give up
-                    if answer.held:
-                        with anyio.CancelScope(shield=True), anyio.move_on_after(
-                                min(self.ttl, 5.0)):
-                            await self.backend.release_lease(self.name, answer.token)
-                    await self._close_backend()
-                    return False
-                if answer.held and lease_clock() < sent + self._alive_s:
-                    hold = self._last = _Hold(answer.token, sent + self._alive_s)
-                    _Keeper.schedule(self, hold, sent + self.ttl / 3)
-                    return True
-                if answer.held:  # read past its deadline (a stall): maybe given away since
+                fresh = lease_clock() < sent + self._alive_s  # else read after a stall
+                if answer.held and (self._abort or not fresh):  # given up, or given away?
                     with anyio.CancelScope(shield=True), contextlib.suppress(Exception), \
                             anyio.move_on_after(min(self.ttl, 5.0)):
                         await self.backend.release_lease(self.name, answer.token)
+                if self._abort:  # released meanwhile (by another task): give up
+                    await self._close_backend()
+                    return False
+                if answer.held and fresh:
+                    hold = self._last = _Hold(answer.token, sent + self._alive_s)
+                    _Keeper.schedule(self, hold, sent + self.ttl / 3)
+                    return True
                 now = lease_clock()
                 if give_up is not None and now >= give_up:
                     await self._close_backend()
@@ -307,9 +304,8 @@ class Lease:
             token = hold.token
             if hold.scope is not None:
                 hold.scope.cancel()
-        # No cancel scope around the usual path: shielding every release cost more client
-        # CPU than the rest of the lease's own work (issue 19's benchmark). Only a
-        # release that was interrupted pays for one.
+        # No cancel scope around the usual path (it cost more client CPU than the rest of
+        # the lease's own work): only a release that was interrupted pays for one.
         try:
             if token is not None:
                 await self.backend.release_lease(self.name, token)
