@@ -11,6 +11,7 @@ an application's Redis keys of the store's names (``{P}:members``) without ``{P}
 from __future__ import annotations
 
 import re
+import time
 import uuid
 
 import anyio
@@ -121,6 +122,40 @@ def test_a_redis_store_is_never_made_over_an_applications_keys_of_its_names(
         assert {key: client.dump(key) for key in (members, jobs)} == before
         assert sorted(client.keys("{" + prefix + "*")) == sorted(
             k.encode() for k in (members, jobs))
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+        client.close()
+
+
+def test_a_redis_store_whose_meta_was_lost_after_its_fleet_was_down_says_how_to_go_on(
+    valkey8_server: EmbeddedRedis,
+) -> None:
+    """A fleet's own ``{P}:members`` holds a killed member's entry, aged past the hour the
+    renewals keep while the fleet was down; its ``{P}:meta`` then lost (evicted under an
+    allkeys-* policy, deleted). Refused (nothing written), the message said only that
+    "something else keeps keys under this prefix": it names this case and the way on
+    (delete the members key), which then opens the store."""
+    prefix = "lost_" + uuid.uuid4().hex[:8]
+    client = redis.Redis.from_url(valkey8_server.url)
+    members, meta = "{" + prefix + "}:members", "{" + prefix + "}:meta"
+    url = f"{valkey8_server.url}?prefix={prefix}"
+
+    async def run_once() -> None:
+        backend = backend_from_url(url)
+        await backend.start()
+        await backend.close()
+
+    try:
+        anyio.run(run_once)
+        client.zadd(members, {"killed": int(time.time() * 1000) - 2 * 3_600_000})
+        client.delete(meta)
+        with pytest.raises(StoreFormatError, match="down for over an hour") as refused:
+            anyio.run(run_once)
+        assert f"delete {members}" in str(refused.value)
+        assert not client.exists(meta)
+        client.delete(members)
+        anyio.run(run_once)
+        assert client.exists(meta)
     finally:
         delete_prefix(valkey8_server.url, prefix)
         client.close()

@@ -255,10 +255,11 @@ class RedisStore(Backend):
         if text.startswith("key "):
             raise StoreFormatError(
                 f"the key {text[4:]} exists but {self._meta_key} does not (prefix "
-                f"{self.prefix!r}), and it is no fleet's membership: not an anarchon "
-                "store's, so something else keeps keys "
-                "under this prefix; give anarchon a prefix of its own (namespace= or "
-                "prefix=): nothing was changed")
+                f"{self.prefix!r}), and it holds entries no running fleet keeps: another "
+                "application's, or a fleet's that was down for over an hour before its "
+                f"{self._meta_key} was lost (evicted, deleted); give anarchon a prefix of "
+                f"its own (namespace= or prefix=), or, if it is the fleet's, delete "
+                f"{text[4:]} and start again: nothing was changed")
         try:
             found = int(text)
         except ValueError:
