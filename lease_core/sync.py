@@ -447,7 +447,9 @@ class SyncAdmin:
     From an async handler (on the background loop), use ``await
     sync_scheduler.scheduler.admin.trigger(...)``: a blocking call there would wait on
     the loop it blocks, and raises :class:`~lease_core.errors.AnarchonError`. In a
-    forked child, make a SyncAdmin and its backend anew.
+    forked child, make a SyncAdmin and its backend anew. A call interrupted while it
+    waits (Ctrl-C) raises that at once, but the operation goes on on the background loop
+    and may still be made: read the store (:meth:`paused`, the history) to know.
     """
 
     def __init__(self, backend: Backend, *, by: str = "admin",

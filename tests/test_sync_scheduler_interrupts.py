@@ -8,11 +8,13 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import anyio
 import pytest
 
-from lease_core import MemoryBackend, SchedulerState, SyncScheduler
+from lease_core import MemoryBackend, SchedulerState, SyncAdmin, SyncScheduler
+from lease_core.testing import backend_users
 
 FAST = {"lease": "30s", "heartbeat": "0.2s"}
 
@@ -121,3 +123,44 @@ def test_an_interrupted_stop_still_hands_over_at_exit() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "state STOPPING" in out.stdout, out.stdout
     assert "outcome [<Outcome.HANDED_OVER: 'handed_over'>]" in out.stdout, out.stdout
+
+
+class SlowOperate(MemoryBackend):
+    """A store that takes a while to make an operation."""
+
+    async def operate(self, operation: Any) -> Any:
+        await anyio.sleep(0.6)
+        return await super().operate(operation)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signals reach the main thread only")
+def test_an_interrupted_operation_raises_at_once_and_is_still_made() -> None:
+    """A SyncAdmin call interrupted while it waits (Ctrl-C) raises that at once; the
+    operation goes on on the background loop and is made (as the docs say: the caller
+    cannot take its interrupt as "not made"), and the backend's start is let go of."""
+    backend = SlowOperate()
+    s = SyncScheduler(backend, instance_id="a", **FAST)
+    s.every("tick", "1h", lambda ctx: None)
+    with s:
+        pass  # the job is in the store
+    ops = SyncAdmin(backend, by="ops")
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        began = time.monotonic()
+        with pytest.raises(Interrupted):
+            ops.pause("tick")
+        assert time.monotonic() - began < 0.5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    deadline = time.monotonic() + 10
+    while ops.paused() != {"tick": "ops"}:
+        assert time.monotonic() < deadline, "the interrupted pause was not made"
+        time.sleep(0.05)
+    assert backend_users(backend) == 0
