@@ -226,6 +226,7 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
     def __init__(self) -> None:
         self._users = 0
         self._start_lock = StartLock()  # leases start it per hold; any loop, one at a time
+        self._existing_only = False  # opened by start(create=False): nothing made yet
 
     async def start(self, *, create: bool = True) -> None:
         """Open connections and create the store's structures when missing.
@@ -234,14 +235,19 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         ``create=False`` the store is opened only if it exists, and nothing is created or
         changed (what read-only tools such as ``anarchon status`` use, with SELECT-only
         rights too): :class:`~lease_core.errors.StoreNotFound` when there is no store
-        there. ``create`` matters only to the first user; later ones share what it opened.
+        there. Later users share what the first opened (one with ``create`` joining one without
+        makes or upgrades the store then: :meth:`_open_joined`).
         Other calls come between it and the last close (else a URL's backend raises).
         """
-        if self._users and self._count_now(1):
+        if self._users and not (create and self._existing_only) and self._count_now(1):
             return  # already open, no open or close under way: no wait
         async with self._start_lock:
             if self._users == 0:
                 await (self._open() if create else self._open_existing())
+                self._existing_only = not create
+            elif create and self._existing_only:  # a reader opened it: upgrade it now
+                await self._open_joined()
+                self._existing_only = False
             self._users += 1
 
     async def close(self) -> None:
@@ -283,6 +289,11 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
     @abstractmethod
     async def _open(self) -> None:
         """Open the backend's resources (first :meth:`start`)."""
+
+    async def _open_joined(self) -> None:
+        """What :meth:`_open` does beyond :meth:`_open_existing` (create, upgrade), on
+        what is open: a start() that may create joins one with ``create=False``. Default:
+        nothing."""
 
     async def _open_existing(self) -> None:
         """Open the resources of a store that must exist already, writing nothing.

@@ -114,7 +114,9 @@ def create_app(backend: Backend, *, token: str | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await backend.start()
+        # Open already (anarchon serve's reader): joined as it is, an older store not
+        # upgraded (its operations do that); else opened, the store made if missing.
+        await backend.start(create=not backend._users)
         try:
             yield
         finally:

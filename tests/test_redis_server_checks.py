@@ -138,3 +138,34 @@ async def test_tls_asked_of_a_plain_text_server_says_so(server: EmbeddedRedis) -
         await plain.start()
     assert "TLS" not in str(refused.value)
     await plain.close()
+
+
+async def test_a_start_joining_a_readers_open_marks_and_checks_the_store(
+    server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader had the backend open with ``start(create=False)`` (reads only) when a
+    scheduler's ``start()`` on the same object came: it only counted itself in, so an
+    older store was not marked with this format (older instances then miss what this one
+    writes) and the server's eviction policy went unchecked. The joining start does what
+    a first start does."""
+    prefix = "join_" + uuid.uuid4().hex[:8]
+    client = redis.Redis(port=server.port)
+    meta = "{" + prefix + "}:meta"
+    policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
+    backend = RedisBackend(f"redis://127.0.0.1:{server.port}/0", prefix=prefix)
+    try:
+        client.hset(meta, "format", "1")  # a store an older release made
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        await backend.start(create=False)
+        try:
+            with caplog.at_level(logging.WARNING, logger="anarchon"):
+                await backend.start()
+            await backend.close()
+        finally:
+            await backend.close()
+        assert client.hget(meta, "format") == b"2"
+        assert "allkeys-lru" in caplog.text
+    finally:
+        client.config_set("maxmemory-policy", policy)
+        client.delete(meta)
+        client.close()

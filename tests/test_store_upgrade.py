@@ -240,6 +240,33 @@ async def test_migrate_upgrades_a_v1_store_with_runs_in_flight(
         await backend.close()
 
 
+async def test_a_start_joining_a_readers_open_upgrades_the_store(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """A reader (``paused()``, ``history()``, a SyncAdmin of a Django view) has the
+    backend open with ``start(create=False)``, reading an older store as it is, when a
+    scheduler's ``start()`` on the same backend object comes: it only counted itself in,
+    so the store was never upgraded and every claim failed ("function ..._claim_v4 does
+    not exist") until a restart. The joining start upgrades it."""
+    table = unique_table()
+    sql(pg16_server.admin_dsn, FIXTURE.read_text().format(**names(table)))
+    try:
+        backend = PostgresBackend(pg16_server.dsn, table=table)
+        await backend.start(create=False)  # the reader, in flight
+        try:
+            await backend.start()  # the scheduler's
+            try:
+                assert set(functions(pg16_server, table)) == upgraded(table)
+                assert (await backend.claim(ClaimRequest("j", 1, "b", "t", 60_000))
+                        ).status is ClaimStatus.WON
+            finally:
+                await backend.close()
+        finally:
+            await backend.close()
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
 async def test_privileged_start_upgrades_a_v1_store(
     pg16_server: PgServer, anyio_backend: str
 ) -> None:
@@ -1086,3 +1113,30 @@ async def test_two_operations_at_once_through_a_store_opened_as_it_is_both_act(
         assert sql(server.admin_dsn, code) == [(str(CODE_VERSION),)]
     finally:
         await drop_tables(server.admin_dsn, table)
+
+
+async def test_serves_lifespan_joins_its_readers_open_without_upgrading(
+    pg16_server: PgServer, anyio_backend: str
+) -> None:
+    """``anarchon serve`` opens the backend with ``start(create=False)`` (an older store
+    read as it is, with SELECT rights only too); the status application's lifespan then
+    starts it again. That start joins the reader's as a reader: it neither upgrades the
+    store nor, for a user who may not, fails (a start that may create, joining a reader's,
+    upgrades: a scheduler's must)."""
+    from lease_core.http import create_app
+
+    table = unique_table()
+    sql(pg16_server.admin_dsn, FIXTURE_V3.read_text().format(**names_v3(table)))
+    code = f"SELECT value FROM {table}_meta WHERE key = 'code'"
+    try:
+        backend = PostgresBackend(pg16_server.dsn, table=table)
+        await backend.start(create=False)  # as anarchon serve does
+        try:
+            app = create_app(backend, token="t0ken")
+            async with app.router.lifespan_context(app):
+                assert sql(pg16_server.admin_dsn, code) == [("3",)]
+        finally:
+            await backend.close()
+        assert sql(pg16_server.admin_dsn, code) == [("3",)]
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)

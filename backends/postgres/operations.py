@@ -28,6 +28,17 @@ class StoreOperations(StoreDescriptions):
 
     _store: StoreSchema
 
+    async def _open_joined(self) -> None:
+        """Upgrade a store read as it is (``start(create=False)``): at a ``start()``
+        joining that reader's (see :meth:`lease_core.abc.Backend.start`), or an operation.
+        A store user who may not gets :class:`~lease_core.errors.StoreRefused`."""
+        try:
+            await self._store.upgrade_read_as_is(self._adapter)
+        except ConfigurationError as exc:
+            if not isinstance(exc, StoreRefused):
+                raise StoreRefused(str(exc)) from exc  # the store's setup, not the call
+            raise
+
     async def operate(self, op: Operation) -> OperationResult:
         """Make ``op`` in one call of the operations function, or refuse it (see there).
 
@@ -39,12 +50,7 @@ class StoreOperations(StoreDescriptions):
         :class:`~lease_core.errors.StoreRefused` naming ``anarchon migrate``.
         """
         if self._store.read_as_is:  # not upgraded: each operation tries until one did
-            try:
-                await self._store.upgrade_read_as_is(self._adapter)
-            except ConfigurationError as exc:
-                if not isinstance(exc, StoreRefused):
-                    raise StoreRefused(str(exc)) from exc  # the store's setup, not the call
-                raise
+            await self._open_joined()
         [(refused, slot, status)] = await self._adapter.all(
             self._sql.operate, (str(op.kind), op.job, op.slot, op.by, op.grace_ms))
         return OperationResult(None if refused is None else str(refused),

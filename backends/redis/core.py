@@ -231,21 +231,23 @@ class RedisStore(Backend):
             self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
-            ((found, policy, clustered),) = await self._run([self._eval(
-                "open_store", [self._meta_key, self._members_key],
-                [STORE_FORMAT, MEMBER_RETENTION_MS])])
-            if int(clustered) and not adapter.cluster:
-                raise adapter.not_a_cluster_client("it reports cluster_enabled:1")
+            await self._open_joined()
         except BaseException:
             self._adapter = None
             await adapter.aclose()
             raise
-        try:
-            self._check_format(found)
-        except StoreFormatError:
-            self._adapter = None
-            await adapter.aclose()
-            raise
+
+    async def _open_joined(self) -> None:
+        """Mark the store with this format (make it), refuse what is not one, check the
+        server: at the first start, or at one that may create joining a reader's."""
+        adapter = self._adapter
+        assert adapter is not None
+        ((found, policy, clustered),) = await self._run([self._eval(
+            "open_store", [self._meta_key, self._members_key],
+            [STORE_FORMAT, MEMBER_RETENTION_MS])])
+        if int(clustered) and not adapter.cluster:
+            raise adapter.not_a_cluster_client("it reports cluster_enabled:1")
+        self._check_format(found)
         self._warn_eviction(as_text(policy), adapter.where)
 
     def _check_format(self, found: object) -> None:
