@@ -467,11 +467,15 @@ class SyncAdmin:
     def _call(self, what: str, operation: Callable[..., Any], *args: Any) -> Any:
         if self._owner is not None:
             self._owner._check_process()
-        elif self._pid is not None and self._pid != os.getpid():
+        # A fork of a process that used it, or that held its backend open on the
+        # background loop (no loop here yet): the connections are the parent's, and
+        # using them here breaks the parent's.
+        if self._pid not in (None, os.getpid()) or (
+                _Loop.pid not in (0, os.getpid()) and self.admin.backend._users):
             raise AnarchonError(
-                f"SyncAdmin.{what}(): this process is a fork of the one that used it (its "
-                "backend's connections are the parent's); make a SyncAdmin, and its "
-                "backend, in the child")
+                f"SyncAdmin.{what}(): this process is a fork of one that used it or had its "
+                "backend open (its connections are the parent's); make a SyncAdmin, and "
+                "its backend, in the child")
         if _Loop.here():
             raise AnarchonError(
                 f"SyncAdmin.{what}() would block the event loop it runs on (called from an "

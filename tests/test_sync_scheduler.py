@@ -388,14 +388,22 @@ def test_interpreter_exit_hands_over(pg16_server: PgServer) -> None:
 def test_use_in_a_forked_child_raises_instead_of_hanging() -> None:
     script = """
         import os, sys
-        from lease_core import AnarchonError, MemoryBackend, SyncScheduler
+        from lease_core import AnarchonError, MemoryBackend, SyncAdmin, SyncScheduler
 
         s = SyncScheduler(MemoryBackend(), lease="30s", heartbeat="0.2s")
         s.every("tick", "1s", lambda ctx: None)
+        ops = SyncAdmin(s.backend)  # never used here: its backend is open all the same
         s.start()
         pid = os.fork()
         if pid == 0:
             assert not s.started
+            for admin in (ops, SyncAdmin(s.backend)):
+                try:
+                    admin.paused()
+                except AnarchonError as exc:
+                    assert "fork" in str(exc) and "in the child" in str(exc), exc
+                else:
+                    sys.exit("a SyncAdmin on the parent's open backend did not raise")
             for call in (s.history, s.stop, s.start, lambda: s.running, s.admin.paused):
                 try:
                     call()
