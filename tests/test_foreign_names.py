@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from functools import partial
 
 import anyio
 import psycopg
@@ -159,3 +160,20 @@ def test_a_redis_store_whose_meta_was_lost_after_its_fleet_was_down_says_how_to_
     finally:
         delete_prefix(valkey8_server.url, prefix)
         client.close()
+
+
+@pytest.mark.parametrize("spelled", ["search_path", "table"])
+def test_a_store_in_the_sessions_temporary_schema_is_refused(
+        pg16_server: PgServer, spelled: str) -> None:
+    """A ``search_path`` of ``pg_temp`` (or a table ``pg_temp.t``) put the store in the
+    session's temporary schema, gone at disconnect: it failed with "unexpected error:
+    UndefinedFunction". It is refused, naming the schema and the way out, nothing made."""
+    table = unique_table()
+    url = (f"{pg16_server.admin_dsn}?options=-csearch_path%3Dpg_temp"
+           if spelled == "search_path" else pg16_server.admin_dsn)
+    name = table if spelled == "search_path" else f"pg_temp.{table}"
+    with pytest.raises(ConfigurationError, match=r"temporary schema.*qualify the table"):
+        anyio.run(partial(migrate, url, table=name))
+    assert main(["migrate", "--url", url, "--table", name]) == 2
+    assert sql(pg16_server.admin_dsn, "SELECT count(*) FROM pg_class WHERE relname LIKE %s",
+               (f"{table}%",)) == [(0,)]

@@ -105,6 +105,12 @@ class StoreSchema:
             "marked": [self._name + suffix for suffix in BODY_MARKS],
             "marks": list(BODY_MARKS.values()),
             "schema": self._schema, "name": self._name})
+        schema = self._schema or (str(rows[0][0]) if rows else "")
+        if schema.startswith("pg_temp"):
+            raise ConfigurationError(
+                f"table {self.table!r} would be in the session's temporary schema "
+                f"({schema}), dropped at disconnect: qualify the table as 'schema.table' "
+                "with a schema of its own, or take pg_temp out of the search_path")
         if not rows:
             if self._schema is None:
                 raise ConfigurationError(
