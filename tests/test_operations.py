@@ -401,12 +401,34 @@ async def test_the_runs_of_a_member_that_went_are_backed_up_however_its_going_wa
     assert ran == [("a", 1, "scheduled"), ("b", 2, "takeover")], ran
 
 
+class SlowJobListings:
+    """A backend whose listings of one job's open runs (``runs(job, open_only=True)``)
+    answer only after ``delay`` seconds each, as a slow store's would."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr != "runs":
+            return value
+
+        async def runs(job: str | None = None, **kw: Any) -> Any:
+            if job is not None and kw.get("open_only"):
+                await anyio.sleep(self.delay)
+            return await value(job, **kw)
+        return runs
+
+
+@pytest.mark.parametrize("store_answers", ["at once", "slowly"])
 async def test_a_run_of_a_member_that_went_is_backed_up_past_ten_thousand_open_runs(
-        ) -> None:
+        store_answers: str) -> None:
     """A departed member's open runs are found in one listing of the store's open runs,
     newest slot first, of at most 10,000: a run older than 10,000 others (of jobs that run
     long, or of other groups) was never taken over. The declared jobs' own open runs are
-    now read too when the listing is full. The memory store: 10,001 claims elsewhere."""
+    now read too when the listing is full; on a slow store, for half a tick at a time
+    (read all in one tick, they were cut short by the tick's deadline at every tick, and
+    the checks after them with them). The memory store: 10,001 claims elsewhere."""
     store = MemoryStore()
     backend = store.backend()
     now = await store_now_ms(backend)
@@ -427,7 +449,11 @@ async def test_a_run_of_a_member_that_went_is_backed_up_past_ten_thousand_open_r
             if len(ran) == 1:
                 await anyio.sleep_forever()  # the holder hangs until it crashes
         s.every("report", "1h", work, offset=quiet_offset(now), lease="1.2s")
-    holder = schedulers[0]
+        for other in ("audit", "backup", "cleanup"):  # read before "report"'s runs
+            s.every(other, "1h", lambda ctx: None, offset=quiet_offset(now))
+    holder, backup = schedulers
+    if store_answers == "slowly":  # 4 jobs, 0.4 s each: beyond a tick's 1 s
+        backup.backend = SlowJobListings(backup.backend, delay=0.4)  # type: ignore[assignment]
     async with anyio.create_task_group() as tg:
         instances = [await Instance(s).start(tg) for s in schedulers]
         await wait_for(lambda: all(s.health().fleet_size == 2 for s in schedulers),

@@ -42,6 +42,10 @@ class LeaseKeeper:
 
     def __init__(self, session: Session) -> None:
         self._s = session
+        # The declared jobs whose open runs are still to read, job by job, for the
+        # departed members named alongside (see _adopt).
+        self._unread: list[str] = []
+        self._unread_for: set[str] = set()
 
     def tick_limit(self) -> float:
         """How long one tick may take before the next one starts anyway."""
@@ -344,7 +348,9 @@ class LeaseKeeper:
         claim its hand-over. Listed once per departure (the open runs, through the
         store's index of them), not at every tick. When the store has more open runs
         than one listing reads, the declared jobs' own are read too, job by job, so an
-        older run past the listing is not left running for good.
+        older run past the listing is not left running for good: for at most half a
+        tick's time, so that the checks after it do not wait behind a slow store, the
+        rest at the next ticks.
         """
         s = self._s
         backend = s.settings.backend
@@ -353,8 +359,15 @@ class LeaseKeeper:
         try:
             infos = await backend.runs(None, open_only=True, limit=_OPEN_LIMIT)
             if len(infos) >= _OPEN_LIMIT:
-                for name in list(s.jobs):
-                    infos += await backend.runs(name, open_only=True, limit=_OPEN_LIMIT)
+                if not self._unread or departed - self._unread_for:  # (again) from the start
+                    self._unread, self._unread_for = list(reversed(s.jobs)), departed
+                with anyio.move_on_after(self.tick_limit() / 2):
+                    while self._unread:
+                        infos += await backend.runs(self._unread[-1], open_only=True,
+                                                    limit=_OPEN_LIMIT)
+                        self._unread.pop()
+                if self._unread:  # the rest at the next tick
+                    s.fleet.departed |= departed
         except BaseException:
             # Kept for the next tick: a store error, or a slow listing the tick's deadline
             # cancelled (then lost, its runs would never be backed up).
