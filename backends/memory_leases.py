@@ -48,6 +48,16 @@ class MemoryNamedLeases:
             self._named[name] = (token, now + ttl_ms, holder)
             return now + ttl_ms
 
+    async def read_lease(self, name: str) -> LeaseAnswer:
+        """Who holds ``name`` now, under the lock; nothing changes."""
+        check_lease(name)
+        with self._lock:
+            now = self._now()
+            token, expires, holder = self._named.get(name, (0, 0, None))
+        if expires > now and holder is not None:
+            return LeaseAnswer(True, token, expires, now, holder)
+        return LeaseAnswer(False, token, expires, now, None)
+
     async def release_lease(self, name: str, token: int) -> bool:
         """Free ``name`` if ``token`` holds it live, keeping the token, under the lock."""
         check_lease(name, token=token)

@@ -53,9 +53,10 @@ if TYPE_CHECKING:
     from backends.redis import RedisBackend
 
     from ._registry import backend_from_url
+    from ._sync_lease import SyncLease
     from .abc import Backend
     from .context import Checkpoint, RunContext
-    from .lease import Lease, SyncLease
+    from .lease import Lease, LeaseHolder
     from .operations import Admin
     from .scheduler import Health, Scheduler, SchedulerState
     from .sync import SyncAdmin, SyncScheduler
@@ -81,6 +82,7 @@ __all__ = [
     "Health",
     "HistoryTrimmed",
     "Lease",
+    "LeaseHolder",
     "LeaseLost",
     "Lost",
     "MemoryBackend",
@@ -129,7 +131,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "SyncAdmin": ("lease_core.sync", ""),
     "Workflow": ("lease_core.workflows", ""),
     "Lease": ("lease_core.lease", ""),
-    "SyncLease": ("lease_core.lease", ""),
+    "LeaseHolder": ("lease_core.lease", ""),
+    "SyncLease": ("lease_core._sync_lease", ""),
     "RunContext": ("lease_core.context", ""),
     "Checkpoint": ("lease_core.context", ""),
     "Backend": ("lease_core.abc", ""),

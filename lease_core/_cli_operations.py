@@ -1,15 +1,18 @@
-"""The CLI's operations: ``anarchon trigger|pause|resume JOB`` and ``retry|cancel JOB@SLOT``.
+"""The CLI's operations: ``anarchon trigger|pause|resume JOB`` and ``retry|cancel JOB@SLOT``;
+and ``anarchon lease NAME``, which only reads who holds a named lease.
 
 Each acts through the store (:class:`~lease_core.Admin`, recorded as made by ``cli``), so
 the whole fleet sees it. Every operation needs a job the store knows, so the store is
 opened with ``start(create=False)``: a mistyped namespace exits 3 (no store there) and
 creates none. A refusal (an unknown job, a slot with no run, a retry of a completed run,
-a cancel of a finished one) exits 2 and changes nothing.
+a cancel of a finished one) exits 2 and changes nothing. ``lease`` opens the store the
+same way and changes nothing (it reads as :meth:`~lease_core.Lease.current_holder` does).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from ._status import parse_run_id
@@ -17,8 +20,8 @@ from ._structures import format_slot
 
 __all__ = ["COMMANDS", "add_parsers", "run_operation"]
 
-#: The operation subcommands.
-COMMANDS = ("trigger", "pause", "resume", "retry", "cancel")
+#: The operation subcommands (and ``lease``, a read).
+COMMANDS = ("trigger", "pause", "resume", "retry", "cancel", "lease")
 
 _HELP = {
     "trigger": "run JOB once more now, on an instance that declares it (reason manual)",
@@ -26,6 +29,7 @@ _HELP = {
     "resume": "let the fleet claim the slots of JOB again",
     "retry": "run a failed, timed-out or escalated run JOB@SLOT again (reason retry)",
     "cancel": "end the run JOB@SLOT cancelled; its holder's handler is cancelled",
+    "lease": "who holds the named lease NAME (a Lease's), read without taking it",
 }
 
 
@@ -33,7 +37,10 @@ def add_parsers(sub: Any, url_help: str, namespace_options: Any) -> None:
     """Add the operation subcommands to the ``anarchon`` parser's subparsers ``sub``."""
     for name in COMMANDS:
         command = sub.add_parser(name, help=_HELP[name])
-        if name in ("retry", "cancel"):
+        if name == "lease":
+            command.add_argument("name", metavar="NAME", help="the lease's name")
+            command.add_argument("--json", action="store_true", help="print a JSON object")
+        elif name in ("retry", "cancel"):
             command.add_argument("run", metavar="JOB@SLOT",
                                  help="the run: job name, '@', slot in epoch ms or ISO-8601")
         else:
@@ -49,6 +56,8 @@ async def run_operation(args: argparse.Namespace, backend: Any) -> int:
     """Make the operation ``args.command`` on ``backend``; print what was done."""
     from .operations import Admin
 
+    if args.command == "lease":
+        return await _show_lease(args, backend)
     # One call, no ``async with``: the store is upgraded only if the operation is made.
     admin = Admin(backend, by="cli")
     if args.command == "trigger":
@@ -67,4 +76,28 @@ async def run_operation(args: argparse.Namespace, backend: Any) -> int:
         else:
             await admin.cancel(job, slot, grace=args.grace)
             print(f"anarchon cancel: {job}@{slot} cancelled")
+    return 0
+
+
+async def _show_lease(args: argparse.Namespace, backend: Any) -> int:
+    """``anarchon lease NAME``: one read of who holds it (the store is not created)."""
+    from ._named_leases import check_lease
+
+    check_lease(args.name)
+    await backend.start(create=False)
+    try:
+        answer = await backend.read_lease(args.name)
+    finally:
+        await backend.close()
+    held = answer.held and answer.holder is not None
+    expires_in = max(answer.expires_ms - answer.now_ms, 0) / 1000 if held else None
+    if args.json:
+        print(json.dumps({"name": args.name, "holder": answer.holder if held else None,
+                          "token": answer.token if held else None,
+                          "expires_in": expires_in}))
+    elif held:
+        print(f"lease {args.name!r}: held by {answer.holder!r}, token {answer.token}, "
+              f"expires in {expires_in:.1f} s unless renewed")
+    else:
+        print(f"lease {args.name!r}: free")
     return 0

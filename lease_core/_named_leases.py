@@ -24,6 +24,11 @@ absolute expiry, never an addition to the remaining time), only where ``token`` 
 holds the name live. *Release* (:meth:`~NamedLeaseStore.release_lease`) frees the name
 at once, only where ``token`` still holds it live, keeping the token for the next holder
 to grow from.
+
+*Read* (:meth:`~NamedLeaseStore.read_lease`) tells who holds a name, on the store's
+clock, changing nothing: ``held`` true only for a live hold (expiry ``> now``), whose
+``holder``, ``token`` and ``expires_ms`` it gives; a free name answers ``held`` false,
+``holder`` ``None``, and the last token it had (0 when never held).
 """
 
 from __future__ import annotations
@@ -100,6 +105,19 @@ class NamedLeaseStore:
         """Set the hold of ``token`` on ``name`` to end at ``now + ttl_ms``; return that
         expiry (ms, store clock), or ``None`` when ``token`` no longer holds it live."""
         raise self._no_leases()
+
+    async def read_lease(self, name: str) -> LeaseAnswer:
+        """Who holds ``name`` now, read on the store's clock without taking it (see the
+        module docs); ``held`` here means held live by anyone.
+
+        The default raises :class:`~lease_core.errors.ConfigurationError`: a backend of
+        your own written before this call existed keeps its leases, without
+        :meth:`~lease_core.Lease.current_holder` (the conformance suite skips its check).
+        """
+        check_lease(name)
+        raise ConfigurationError(
+            f"{type(self).__name__} cannot read a lease without taking it; implement "
+            "read_lease() (see lease_core._named_leases) or use a built-in backend")
 
     async def release_lease(self, name: str, token: int) -> bool:
         """Free ``name`` now if ``token`` holds it live; return whether it did."""

@@ -1,5 +1,6 @@
 """The ``anarchon`` command line: ``demo``, ``migrate``, ``history``, ``status``, ``prune``,
-``serve``, and the operations ``trigger``, ``pause``, ``resume``, ``retry`` and ``cancel``.
+``serve``, the operations ``trigger``, ``pause``, ``resume``, ``retry`` and ``cancel``, and
+``lease`` (who holds a named lease).
 
 A mistake of the user's (a bad flag, URL, option or password, a missing extra) is reported
 in one line on stderr, never as a traceback. Exit codes, the same for every subcommand:

@@ -1,4 +1,5 @@
-"""Leases for other libraries: :class:`Lease` (async) and :class:`SyncLease` (sync).
+"""Leases for other libraries: :class:`Lease` (async; :class:`~lease_core.SyncLease`, in
+:mod:`lease_core._sync_lease`, is its blocking twin) and :class:`LeaseHolder`.
 
 A lease is a hold on a name (``"leader"``, ``"nightly-export"``) by one process at a
 time, through any backend: the engine's lease, offered on its own. Its expiry is on the
@@ -19,32 +20,57 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-from concurrent.futures import Future, wait
-from functools import partial
+from dataclasses import dataclass
 from types import TracebackType
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 
 from ._backend_check import check_backend
 from ._durations import Duration, parse_duration, to_ms
 from ._lease_clock import lease_clock
 from ._lease_holders import forget_parent, gave_up, holder_id
 from ._lease_keeper import _Hold, _Keeper
-from ._lease_loop import _Loop
 from ._named_leases import LeaseAnswer, check_lease
 from .abc import Backend
 from .errors import ConfigurationError, LeaseLost
 
-__all__ = ["Lease", "SyncLease"]
+__all__ = ["Lease", "LeaseHolder"]
 
 #: The shortest ttl a :class:`Lease` takes, in ms: below it a hold lapses before a
 #: renewal, sent every third of the ttl, can come back from the store.
 _MIN_TTL_MS = 100
 
 logger = logging.getLogger("anarchon")
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHolder:
+    """Who holds a lease's name, as the store answered :meth:`Lease.current_holder`.
+
+    ``holder``: the holder id (:attr:`Lease.holder` of the process holding it);
+    ``token``: its fencing token; ``expires_in``: seconds its hold had left at the read,
+    on the store's clock, unless renewed (a holder renews every ``ttl / 3``).
+    """
+
+    name: str
+    holder: str
+    token: int
+    expires_in: float
+
+
+async def _read_holder(backend: Backend, name: str) -> LeaseHolder | None:
+    """:meth:`Lease.current_holder`: one read, the backend started for it if needed."""
+    await backend.start()
+    try:
+        answer = await backend.read_lease(name)
+    finally:
+        if not backend._drop_user_now():
+            with anyio.CancelScope(shield=True):
+                await backend.close()
+    if not answer.held or answer.holder is None:
+        return None
+    return LeaseHolder(name, answer.holder, answer.token,
+                       max(answer.expires_ms - answer.now_ms, 0) / 1000)
 
 
 class Lease:
@@ -137,6 +163,19 @@ class Lease:
     def lost_error(self) -> LeaseLost | None:
         """Why the latest hold was lost, as the error ``async with`` raises; else None."""
         return None if self._last is None else self._last.error
+
+    async def current_holder(self) -> LeaseHolder | None:
+        """Who holds this lease's name now, read from the store without taking it;
+        ``None`` when the name is free (never held, released, or expired).
+
+        One read, on the store's clock, whether or not this object holds the name (then
+        ``holder`` is :attr:`holder`): an observer learns who leads without standing
+        for it. The answer is a snapshot: the hold may end, or the name be taken, just
+        after. Starts the backend for the call if needed, as :meth:`acquire` does. A
+        backend of your own without ``read_lease()`` raises
+        :class:`~lease_core.errors.ConfigurationError`.
+        """
+        return await _read_holder(self.backend, self.name)
 
     @property
     def held(self) -> bool:
@@ -427,174 +466,3 @@ class Lease:
         if exc is None or swallowed:
             raise lost from failed
         return bool(swallowed)
-
-
-class SyncLease:
-    """A :class:`Lease` for sync code (Django, Flask, scripts): the same calls, blocking.
-
-    ::
-
-        with SyncLease(backend, "nightly-export", ttl="1m") as lease:
-            export(fence=lease.token)
-
-    The lease lives on one background thread with its own event loop, shared by every
-    SyncLease and :class:`~lease_core.SyncScheduler` of the process (so one backend
-    serves them all), and is renewed there every ``ttl / 3``. A sync body cannot
-    be cancelled: check :attr:`lost` (a :class:`threading.Event`) between steps; when the
-    lease was lost during the body, ``with`` raises
-    :class:`~lease_core.errors.LeaseLost` at its end. Options as for :class:`Lease`. A
-    lease still held when the interpreter exits is released then (5 s at most, for all
-    of them together), so the name is free at once, not after its ttl.
-
-    .. note:: The backend is started and closed on the background loop, so an async pool
-       or client passed in must not be bound to another loop (a DSN, a URL, a blocking
-       driver object or a MemoryBackend always works).
-    """
-
-    def __init__(self, backend: Backend, name: str, ttl: Duration = "30s", *,
-                 poll: Duration | None = None, holder: str | None = None) -> None:
-        self._lease = Lease(backend, name, ttl, poll=poll, holder=holder)
-        self.lost = threading.Event()
-        """Set when the current hold is lost (cleared by the next :meth:`acquire`)."""
-        self._mirror: Future[None] | None = None
-        self._in_body = False  # within ``with`` (or waiting there for the lease)
-        self._entering = threading.Lock()  # one ``with`` at a time
-        self._released_in_body = False  # release() called meanwhile (another thread)
-        self._pid: int | None = None  # the process that holds it, acquired and not released
-
-    def __repr__(self) -> str:
-        return "Sync" + repr(self._lease)
-
-    @property
-    def name(self) -> str:
-        """The name held."""
-        return self._lease.name
-
-    @property
-    def token(self) -> int | None:
-        """The fencing token of the current hold (see :attr:`Lease.token`)."""
-        return self._lease.token
-
-    @property
-    def held(self) -> bool:
-        """Whether this object holds the lease now (see :attr:`Lease.held`); never in a
-        forked child of the process that acquired it."""
-        # not on the lease's loop: only looked at
-        return not self._forked() and self._lease._live(mark=False)
-
-    def _forked(self) -> bool:  # a fork of a process holding it: the hold is the parent's
-        return self._pid is not None and self._pid != os.getpid()
-
-    def _portal(self, what: str) -> anyio.from_thread.BlockingPortal:
-        if self._forked():
-            raise RuntimeError(
-                f"SyncLease {self.name!r}.{what}(): this process is a fork of the one that "
-                "used it (the parent's hold and connections are not this process's); make "
-                "a SyncLease, and its backend, in the child")
-        if _Loop.here():
-            raise RuntimeError(
-                f"SyncLease {self.name!r}.{what}() would block the event loop it runs on "
-                "(called from an async handler of a SyncScheduler?); in async code use "
-                "Lease")
-        return _Loop.get()
-
-    def acquire(self, timeout: Duration | None = None) -> bool:
-        """Take the lease, blocking (see :meth:`Lease.acquire`); return whether held."""
-        portal = self._portal("acquire")
-        pending = portal.start_task_soon(self._lease.acquire, timeout)
-        try:
-            got = pending.result()
-        except BaseException as exc:
-            if pending.done() and not pending.cancelled() and pending.exception() is exc:
-                raise  # the acquire's own error (it let go of what it had)
-            # Interrupted here (Ctrl-C, a signal; also just as the acquire ended): the
-            # acquire on the background loop is cancelled, and a hold it may have won
-            # is released, not renewed with nobody to release it.
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                wait([pending])
-                portal.call(self._lease.release)
-            raise
-        if got:
-            self._pid = os.getpid()
-            _Loop.track(self._lease)
-            mirror, self._mirror = self._mirror, None
-            if mirror is not None:  # held already: one task watches the current hold
-                mirror.cancel()
-            self.lost.clear()
-            self._mirror = portal.start_task_soon(self._mirror_lost)
-        return got
-
-    async def _mirror_lost(self) -> None:
-        # The hold's event is read here, on the lease's loop: made lazily, it must not be
-        # made from the caller's thread at the same time as the loop makes it.
-        await self._lease.lost.wait()
-        self.lost.set()
-
-    def release(self) -> None:
-        """Stop renewing and free the name (see :meth:`Lease.release`).
-
-        Called while another thread runs the body of ``with``: :attr:`lost` is set and
-        ``with`` raises :class:`~lease_core.errors.LeaseLost` at its end (the body ran on
-        without the lease)."""
-        if self._forked():
-            return  # the parent's hold: a forked child never releases it
-        if self._in_body and self.held:
-            self._released_in_body = True
-            self.lost.set()
-        portal = self._portal("release")
-        try:
-            portal.call(self._lease.release)
-            self._pid = None
-        finally:
-            mirror, self._mirror = self._mirror, None
-            if mirror is not None:
-                mirror.cancel()
-
-    def __enter__(self) -> SyncLease:
-        """Block until the lease is held (:class:`~lease_core.errors.LeaseLost` when a
-        :meth:`release` from another thread made the wait give up). One body at a time:
-        a second ``with`` of the same SyncLease (another thread) raises ``RuntimeError``,
-        as the first holds the lease already; give each thread a SyncLease of its own."""
-        with self._entering:
-            if self._in_body:
-                raise RuntimeError(
-                    f"SyncLease {self.name!r} is already entered by `with` (in another "
-                    "thread?); one SyncLease is one holder: give each thread a SyncLease "
-                    "of its own")
-            self._in_body, self._released_in_body = True, False
-        try:
-            if not self.acquire():
-                raise gave_up(self._lease.name)
-        except BaseException:
-            self._in_body = False
-            raise
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        """Release the lease; raise :class:`LeaseLost` when it was lost during the body
-        (also when the body outlasted the ttl since the last renewal: a process stalled,
-        the store may have given the name away meanwhile). In a forked child (the body
-        ran on, as with ``sys.exit()`` there): nothing, the hold is the parent's."""
-        self._in_body = False
-        if self._forked():
-            return
-        hold = self._lease._last
-        if hold is not None and not hold.over and lease_clock() >= hold.alive_until:
-            _Loop.get().call(partial(self._lease._live, mark=True))
-        lost = self._lease.lost_error
-        if lost is None and self._released_in_body:
-            lost = LeaseLost(f"lease {self.name!r} (token {self.token}) was released while "
-                             "the body of `with` ran (by another thread, or the body "
-                             "itself)")
-        if lost is None:
-            self.release()
-            return
-        failed: Exception | None = None
-        try:  # lost: the release is a courtesy, never in the way of the LeaseLost
-            self.release()
-        except Exception as error:
-            failed = error
-        if exc is None:
-            raise lost from failed

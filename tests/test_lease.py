@@ -892,7 +892,7 @@ def test_an_interrupt_as_a_sync_acquire_wins_releases_the_hold(
     released, not renewed on the background loop with nobody to release it."""
     import concurrent.futures
 
-    from lease_core import lease as lease_module
+    from lease_core import _sync_lease as lease_module
 
     portal = lease_module._Loop.get()
     real_start = portal.start_task_soon

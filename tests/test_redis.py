@@ -982,6 +982,9 @@ async def test_works_on_a_cluster(cluster_node: EmbeddedRedisCluster) -> None:
         assert sorted(a.slot for a in await backend.history()) == [1] * len(ODD_JOBS)
         assert await backend.members("node a", 30_000) == ["node a"]
         assert await backend.members("node b", 30_000) == ["node a", "node b"]
+        held = await backend.acquire_lease("leader", "h", 30_000)  # a named lease too
+        seen = await backend.read_lease("leader")
+        assert seen.held and (seen.token, seen.holder) == (held.token, "h")
     finally:
         await backend.close()
         await client.aclose()

@@ -184,7 +184,7 @@ resource = MemoryBackend()
 inside = threading.Event()
 
 def handler(ctx):
-    from lease_core.lease import SyncLease  # its module imported only now
+    from lease_core._sync_lease import SyncLease  # its module imported only now
     with SyncLease(resource, "resource", ttl="30s") as lease:
         inside.set()
         while not ctx.stopping.is_set():

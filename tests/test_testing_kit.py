@@ -211,7 +211,7 @@ async def test_lease_checks_skip_a_backend_without_named_leases() -> None:
     with pytest.raises(ConfigurationError, match="NoLeases has no named leases"):
         await NoLeases().acquire_lease("n", "h", 1_000)
     checks = [check for name, check in vars(lease_checks).items() if name.startswith("test_")]
-    assert len(checks) == 7
+    assert len(checks) == 8
     for check in checks:
         with pytest.raises(pytest.skip.Exception, match="has no named leases"):
             await check(Shared())
@@ -265,6 +265,13 @@ async def test_lease_checks_fail_a_racy_acquire_and_a_release_renewal_revives() 
             self.named[name] = (token, 0, None)
             return True
 
+        async def read_lease(self, name: str) -> LeaseAnswer:
+            check_lease(name)
+            now = await self.now_ms()
+            token, expires, holder = self.named.get(name, (0, 0, None))
+            live = expires > now and holder is not None
+            return LeaseAnswer(live, token, expires, now, holder if live else None)
+
     class Shared(Store):
         def __init__(self, shared: Backend | None = None) -> None:
             self.shared = ReadThenWrite() if shared is None else shared
@@ -303,6 +310,34 @@ async def test_lease_checks_fail_a_racy_acquire_and_a_release_renewal_revives() 
         await race(Shared())
     await race(Shared(MemoryBackend()))  # the built-in memory backend takes a name in one step
 
+
+
+@pytest.mark.anyio
+async def test_the_lease_read_check_skips_a_backend_without_reads_and_fails_one_that_takes(
+) -> None:
+    """A backend written before ``read_lease`` existed keeps its leases and skips the read
+    check; one whose read takes a free name (an acquire in disguise) fails it."""
+    from backends.memory import MemoryBackend
+    from lease_core._named_leases import LeaseAnswer, NamedLeaseStore
+    from lease_core.testing import lease_checks
+
+    check = lease_checks.test_lease_read_tells_who_holds_it_and_takes_nothing
+
+    class NoReads(MemoryBackend):
+        async def read_lease(self, name: str) -> LeaseAnswer:
+            return await NamedLeaseStore.read_lease(self, name)
+
+    class ReadsByTaking(MemoryBackend):
+        async def read_lease(self, name: str) -> LeaseAnswer:
+            answer = await self.acquire_lease(name, "reader", 60_000)
+            return LeaseAnswer(True, answer.token, answer.expires_ms, answer.now_ms,
+                               answer.holder)
+
+    with pytest.raises(pytest.skip.Exception, match="implement read_lease"):
+        await check(_store_of(NoReads()))
+    with pytest.raises(AssertionError):
+        await check(_store_of(ReadsByTaking()))
+    await check(_store_of(MemoryBackend()))
 
 
 # -- Mutants of the memory backend, each breaking one guarantee the kit missed before.

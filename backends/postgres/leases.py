@@ -22,8 +22,8 @@ __all__ = ["PostgresNamedLeases", "lease_statements"]
 
 def lease_statements(schema: str | None, name: str) -> dict[str, str]:
     """The named-lease statements of the store ``table`` (``schema``, ``name``), filled:
-    ``lease_acquire``, ``lease_renew``, ``lease_release`` (see ``leases.sql``) and
-    ``grant_lease``.
+    ``lease_acquire``, ``lease_renew``, ``lease_release``, ``lease_read`` (see
+    ``leases.sql``) and ``grant_lease``.
 
     Public for the benchmarks, which run the very same statements through a raw driver.
     """
@@ -31,7 +31,8 @@ def lease_statements(schema: str | None, name: str) -> dict[str, str]:
     names = {"lease": prefix + quote_ident(name + LEASE_SUFFIX),
              "meta": prefix + quote_ident(name + "_meta"), "now": NOW}
     return {key: QUERIES[key].format(**names).strip()
-            for key in ("lease_acquire", "lease_renew", "lease_release", "grant_lease")}
+            for key in ("lease_acquire", "lease_renew", "lease_release", "lease_read",
+                        "grant_lease")}
 
 
 class PostgresNamedLeases:
@@ -57,6 +58,19 @@ class PostgresNamedLeases:
         [(expires,)] = await self._adapter.all(self._sql.lease_renew,
                                                (name, str(token), ttl_ms))
         return None if expires is None else int(expires)
+
+    async def read_lease(self, name: str) -> LeaseAnswer:
+        """Who holds ``name`` now: one plain read of its ``<table>_meta`` row and the
+        server's clock; nothing changes."""
+        check_lease(name)
+        [(now, value)] = await self._adapter.all(self._sql.lease_read, (name,))
+        now = int(now)
+        if value is None:
+            return LeaseAnswer(False, 0, 0, now, None)
+        token, expires, holder = str(value).split(" ", 2)
+        if int(expires) > now and holder:
+            return LeaseAnswer(True, int(token), int(expires), now, holder)
+        return LeaseAnswer(False, int(token), int(expires), now, None)
 
     async def release_lease(self, name: str, token: int) -> bool:
         """Free ``name`` if ``token`` holds it live: one call (an ``UPDATE`` on

@@ -19,3 +19,9 @@ SELECT o_expires FROM {lease}('renew', %s::text, NULL, %s::text, %s::bigint)
 -- name: lease_release
 -- Free the name if the token holds it live. Parameters: name, token.
 SELECT o_held FROM {lease}('release', %s::text, NULL, %s::text, NULL)
+
+-- name: lease_read
+-- Who holds the name, read without taking it (a plain read, no function: it works on a
+-- store of any code version). Parameter: name. One row: the server's clock (ms) and the
+-- lease's value '<token> <expires_ms> <holder>' (NULL for a name never held).
+SELECT {now}, (SELECT m.value FROM {meta} m WHERE m.key = 'lease:' || %s::text)

@@ -99,6 +99,18 @@ class RedisNamedLeases(RedisStore):
                     "lease_release", [lease_key(self.prefix, name)], [*_split(token)])])
             raise
 
+    async def read_lease(self, name: str) -> LeaseAnswer:
+        """Who holds ``name`` now: one ``lease_read.lua`` call, which writes nothing."""
+        check_lease(name)
+        (reply,) = await self._run([self._eval("lease_read", [lease_key(self.prefix, name)],
+                                               [])])
+        epoch, number, expires, now, holder = reply
+        token = (int(epoch) << FENCE_NUMBER_BITS) + int(number)
+        current = as_text(holder) or None
+        if int(expires) > int(now) and current is not None:
+            return LeaseAnswer(True, token, int(expires), int(now), current)
+        return LeaseAnswer(False, token, int(expires), int(now), None)
+
     async def release_lease(self, name: str, token: int) -> bool:
         """Free ``name`` if ``token`` holds it live: one ``lease_release.lua`` call."""
         check_lease(name, token=token)

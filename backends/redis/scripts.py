@@ -28,7 +28,7 @@ _INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",), "finish": ("_finis
 SCRIPT_BATCH = 100
 #: The named leases' scripts (backends/redis/named.py), one key each, prefixed with the
 #: short ``_lease_prelude.lua`` (the server's clock only).
-_LEASE_SCRIPTS = ("lease_acquire", "lease_renew", "lease_release")
+_LEASE_SCRIPTS = ("lease_acquire", "lease_renew", "lease_release", "lease_read")
 
 #: Leases one ``heartbeat.lua`` call renews at most on a server that is not a Cluster.
 HEARTBEAT_BATCH = 1000

@@ -206,3 +206,48 @@ async def test_lease_calls_refuse_bad_arguments(store: Store) -> None:
         assert not (await a.acquire_lease("ok", "other", LONG)).held  # still held by "h"
     finally:
         await a.close()
+
+
+async def test_lease_read_tells_who_holds_it_and_takes_nothing(store: Store) -> None:
+    """``read_lease`` answers on the store's clock and writes nothing: a name never held
+    is free (token 0), a live hold is named with its token and expiry, a released or
+    lapsed one is free again, and reading never takes the name nor raises its token. A
+    backend that keeps the default (no ``read_lease``) skips this check."""
+    a, b = await _started(store), await _started(store)
+    try:
+        await _acquire_or_skip(a, "W-probe", "p")
+        try:
+            never = await b.read_lease("W")
+        except ConfigurationError as exc:
+            if "read_lease()" in str(exc):
+                pytest.skip(str(exc))
+            raise
+        assert (never.held, never.token, never.holder) == (False, 0, None)
+        first = await a.acquire_lease("W", "h1", SHORT)
+        seen = await b.read_lease("W")
+        assert (seen.held, seen.token, seen.holder) == (True, first.token, "h1")
+        assert seen.expires_ms == first.expires_ms and seen.now_ms < seen.expires_ms
+        assert not (await b.acquire_lease("W", "h2", LONG)).held  # the read took nothing
+
+        async def lapsed() -> LeaseAnswer | None:
+            answer = await b.read_lease("W")
+            return None if answer.held else answer
+
+        free = await wait_for(lapsed, timeout=5, what="the read to find the hold lapsed")
+        assert free.holder is None and free.token == first.token
+        assert free.now_ms >= first.expires_ms  # by the store's clock
+        second = await b.acquire_lease("W", "h2", LONG)
+        assert second.held and second.token > first.token
+        assert await b.release_lease("W", second.token) is True
+        released = await a.read_lease("W")
+        assert (released.held, released.holder, released.token) == (False, None,
+                                                                     second.token)
+        third = await a.acquire_lease("W", "h1", LONG)  # reads raised no token
+        assert third.held and third.token > second.token
+        assert (await b.read_lease("W")).token == third.token
+        for name in ["", None, 7]:
+            with pytest.raises(ConfigurationError, match="name="):
+                await a.read_lease(name)  # type: ignore[arg-type]
+    finally:
+        await a.close()
+        await b.close()

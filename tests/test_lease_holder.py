@@ -1,0 +1,157 @@
+"""``Lease.current_holder()`` and ``SyncLease.current_holder()``: who holds a name, read
+without taking it, on every scenario store (memory, PostgreSQL direct and through
+PgBouncer, Redis) and both event loops; and ``anarchon lease NAME``, which prints it.
+
+The backends' ``read_lease`` itself is checked by the conformance suite
+(lease_core/testing/lease_checks.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+
+from lease_core import ConfigurationError, Lease, LeaseHolder, MemoryBackend, SyncLease
+from lease_core._named_leases import NamedLeaseStore
+from lease_core.cli import main
+from lease_core.testing import Store, backend_users, wait_for
+from tests.stores.memory import MemoryStore
+from tests.stores.postgres import PostgresStore
+from tests.stores.redis import RedisStore
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_an_observer_learns_who_holds_the_name_and_takes_nothing(store: Store) -> None:
+    holder = Lease(store.backend(), "leader", ttl="10s", holder="node-a")
+    observer = Lease(store.backend(), "leader", ttl="10s", holder="node-b")
+    assert await observer.current_holder() is None  # never held
+    async with holder:
+        seen = await observer.current_holder()
+        assert isinstance(seen, LeaseHolder)
+        assert (seen.name, seen.holder, seen.token) == ("leader", "node-a", holder.token)
+        assert 0 < seen.expires_in <= 10
+        own = await holder.current_holder()
+        assert own is not None and (own.holder, own.token) == ("node-a", holder.token)
+        assert not observer.held  # the read took nothing
+        assert await observer.acquire(timeout=0) is False
+    assert await observer.current_holder() is None  # released
+    assert await observer.acquire(timeout=0) is True
+    try:
+        mine = await observer.current_holder()
+        assert mine is not None and mine.holder == observer.holder == "node-b"
+        assert holder.token is not None and mine.token == observer.token > holder.token
+    finally:
+        await observer.release()
+
+
+async def test_a_hold_that_lapsed_reads_as_free(store: Store) -> None:
+    backend = store.backend()
+    await backend.start()
+    try:  # a holder that took the name and died: it never renews
+        dead = await backend.acquire_lease("orphan", "dead holder", 300)
+        observer = Lease(store.backend(), "orphan", ttl="10s")
+        seen = await observer.current_holder()
+        assert seen is not None and (seen.holder, seen.token) == ("dead holder", dead.token)
+        assert seen.expires_in <= 0.3
+
+        async def freed() -> bool:
+            return await observer.current_holder() is None
+
+        await wait_for(freed, timeout=5, what="the lapsed hold to read as free")
+        assert await backend.now_ms() >= dead.expires_ms  # by the store's clock
+    finally:
+        await backend.close()
+
+
+async def test_a_read_starts_and_closes_only_its_own_hold_of_the_backend(
+        store: Store) -> None:
+    backend = store.backend()
+    lease = Lease(backend, "counted", ttl="10s")
+    assert await lease.current_holder() is None
+    assert backend_users(backend) == 0  # started for the read, closed after it
+    async with lease:
+        assert (await lease.current_holder()) is not None
+        assert backend_users(backend) == 1  # the hold's start only
+    assert backend_users(backend) == 0
+
+
+async def test_a_sync_lease_reads_who_holds_the_name(store: Store) -> None:
+    if isinstance(store, MemoryStore):
+        backend = store.backend()
+        backends = [backend, backend]
+    else:  # a backend per SyncLease, from its URL (bound to no event loop)
+        backends = [_url_backend(store), _url_backend(store)]
+    seen: list[object] = []
+
+    def hold_and_look() -> None:
+        holder = SyncLease(backends[0], "sync-leader", ttl="10s", holder="sync-a")
+        observer = SyncLease(backends[1], "sync-leader", ttl="10s")
+        seen.append(observer.current_holder())
+        with holder:
+            seen.append(observer.current_holder())
+            seen.append(holder.token)
+        seen.append(observer.current_holder())
+
+    await anyio.to_thread.run_sync(hold_and_look)
+    before, during, token, after = seen
+    assert before is None and after is None
+    assert isinstance(during, LeaseHolder) and (during.holder, during.token) == ("sync-a",
+                                                                                token)
+
+
+def _url_backend(store: Store) -> object:
+    from backends.postgres import PostgresBackend
+    from backends.redis import RedisBackend
+
+    if isinstance(store, PostgresStore):
+        return PostgresBackend(store.server.dsn, table=store.table)
+    assert isinstance(store, RedisStore)
+    return RedisBackend(store.url, prefix=store.prefix)
+
+
+async def test_a_backend_without_reads_says_what_to_implement() -> None:
+    class NoReads(MemoryBackend):
+        read_lease = NamedLeaseStore.read_lease  # the contract's default
+
+    lease = Lease(NoReads(), "x", ttl="10s")
+    with pytest.raises(ConfigurationError, match=r"NoReads cannot read a lease .*read_lease"):
+        await lease.current_holder()
+    assert backend_users(lease.backend) == 0
+
+
+@pytest.mark.asyncio_only
+async def test_the_cli_prints_who_holds_a_lease(store: Store,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    if isinstance(store, MemoryStore):
+        pytest.skip("memory:// is a store inside one process; the CLI has its own")
+    url, option = ((store.server.dsn, ["--table", store.table])
+                   if isinstance(store, PostgresStore)
+                   else (store.url, ["--prefix", store.prefix]))  # type: ignore[attr-defined]
+
+    def cli(*args: str) -> int:
+        return main(["lease", *args, "--url", url, *option])
+
+    assert await anyio.to_thread.run_sync(cli, "leader") == 3  # no store there: none made
+    assert "no anarchon store" in capsys.readouterr().err
+    backend = store.backend()
+    await backend.start()  # the store, made as a service's first start makes it
+    await backend.close()
+    assert await anyio.to_thread.run_sync(cli, "leader") == 0
+    assert capsys.readouterr().out == "lease 'leader': free\n"
+    async with Lease(store.backend(), "leader", ttl="10s", holder="node-a") as held:
+        assert await anyio.to_thread.run_sync(cli, "leader") == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"lease 'leader': held by 'node-a', token {held.token}, "
+                              "expires in "), out
+        assert await anyio.to_thread.run_sync(cli, "leader", "--json") == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["name"] == "leader" and shown["holder"] == "node-a"
+        assert shown["token"] == held.token and 0 < shown["expires_in"] <= 10
+    assert await anyio.to_thread.run_sync(cli, "leader", "--json") == 0
+    assert json.loads(capsys.readouterr().out) == {"name": "leader", "holder": None,
+                                                   "token": None, "expires_in": None}
+    assert await anyio.to_thread.run_sync(cli, "") == 2
+    assert "lease name=''" in capsys.readouterr().err
