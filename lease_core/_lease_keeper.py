@@ -55,8 +55,8 @@ def _spawn(fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
 class _Hold:
     """One hold of a :class:`Lease`, from the acquire that won it to its release or loss."""
 
-    __slots__ = ("_lost", "alive_until", "error", "over", "pid", "released", "scope",
-                 "token")
+    __slots__ = ("_lost", "alive_until", "error", "orphaned", "over", "pid", "released",
+                 "scope", "token")
 
     def __init__(self, token: int, alive_until: float) -> None:
         self.token = token
@@ -67,6 +67,7 @@ class _Hold:
         self.released = False  # its release sent (a lost hold's too: the token fences it)
         self.scope: anyio.CancelScope | None = None  # the renewal in flight
         self.pid = os.getpid()  # the process holding it (not a forked child of it)
+        self.orphaned = False  # lost as its event loop ended (its client may be that loop's)
 
     @property
     def lost(self) -> anyio.Event:
@@ -190,4 +191,5 @@ class _Keeper:
                     *((lease, hold) for hold, lease in self.renewing.items())]
             for lease, hold in live:
                 if not hold.over:
+                    hold.orphaned = True
                     lease._mark_lost(hold, _ENDED)

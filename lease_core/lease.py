@@ -168,12 +168,10 @@ class Lease:
         """Who holds this lease's name now, read from the store without taking it;
         ``None`` when the name is free (never held, released, or expired).
 
-        One read, on the store's clock, whether or not this object holds the name (then
-        ``holder`` is :attr:`holder`): an observer learns who leads without standing
-        for it. The answer is a snapshot: the hold may end, or the name be taken, just
-        after. Starts the backend for the call if needed, as :meth:`acquire` does. A
-        backend of your own without ``read_lease()`` raises
-        :class:`~lease_core.errors.ConfigurationError`.
+        One read, on the store's clock, whether or not this object holds the name: an
+        observer learns who leads without standing for it. A snapshot: the hold may end
+        just after. Starts the backend for the call if needed, as :meth:`acquire` does.
+        A backend of your own without ``read_lease()`` raises ``ConfigurationError``.
         """
         return await _read_holder(self.backend, self.name)
 
@@ -239,7 +237,7 @@ class Lease:
             except Exception as exc:  # a courtesy; it fails when the hold's event loop
                 # ended (the client was that loop's, let go of now: start() makes another)
                 logger.warning("lease %r: the release of its lost hold (token %s) "
-                               "failed (%s); acquiring anew", self.name, self.token, exc)
+                               "failed (%s); acquiring anew", self.name, self.token, str(exc))
         give_up = None if wait is None else lease_clock() + wait
         await self.backend.start()
         self._opened = True
@@ -314,7 +312,8 @@ class Lease:
         frees the name only if it still holds it live, never another holder's. Closes
         the backend's start made by :meth:`acquire`. A cancellation does not stop it
         half-way: a release cancelled before the store answered is sent again, shielded,
-        before the cancellation goes on (an error of the store is raised as it is).
+        before the cancellation goes on (an error of the store is raised as it is; for a
+        hold lost when its event loop ended, released from another loop, it is logged).
         """
         if self._acquiring:
             self._abort = True
@@ -323,6 +322,14 @@ class Lease:
             if self._acquired is None:
                 self._acquired = anyio.Event()
             await self._acquired.wait()
+            return
+        if self._last is not None and self._last.orphaned:
+            try:  # lost as its event loop ended: through that loop's client, a courtesy
+                await self._release()
+            except Exception as exc:  # that may fail (the name is free at its ttl)
+                logger.warning("lease %r: the release of the hold its ended event loop "
+                               "left (token %s) failed (%s)", self.name, self.token,
+                               str(exc))
             return
         await self._release()
 

@@ -1134,6 +1134,13 @@ def test_a_lease_left_held_when_its_loop_ended_is_acquired_on_the_next_loop(
         asyncio.run(take(lease, release=True))  # the same holder takes it back
         assert len(tokens) == 2 and None not in tokens
         assert backend_users(backend) == 0
+        asyncio.run(take(lease, release=False))  # left held again; then released on a
+        gc.collect()  # new loop: a courtesy that fails through the old loop's client,
+        asyncio.run(lease.release())  # logged, not raised (it raised RuntimeError)
+        assert backend_users(backend) == 0 and not lease.held
+        asyncio.run(take(lease, release=True))
+        assert len(tokens) == 4 and tokens == sorted(set(tokens))
+        assert backend_users(backend) == 0
     finally:
         if not isinstance(found, EmbeddedRedis):
             asyncio.run(drop_tables(found.admin_dsn, table))
