@@ -1,5 +1,6 @@
 """Helpers for tests: waiting for a state with a deadline, instances run in tasks,
-schedules that cannot fire while a test runs, and a memory store that can be unplugged."""
+schedules that cannot fire while a test runs, a memory store that can be unplugged, and
+a machine suspend stood in for."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 from anyio.abc import TaskGroup, TaskStatus
 
 from lease_core import Attempt, BackendUnavailable, MemoryBackend, Scheduler
@@ -25,6 +27,26 @@ from lease_core.abc import Backend
 from lease_core.testing import wait_for
 
 HOUR_MS = 3_600_000
+
+
+class Suspend:
+    """A machine suspend stood in for: ``slept`` seconds added to ``time.clock_gettime``
+    (which :func:`~lease_core._lease_clock.lease_clock` reads, ``CLOCK_BOOTTIME``) and to
+    :meth:`store_clock`, a memory store's clock; the event loop's clock
+    (``time.monotonic``) does not count them, as it does not count a real suspend.
+    Skips the test where ``CLOCK_BOOTTIME`` is missing (it is Linux's)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        if not hasattr(time, "CLOCK_BOOTTIME"):
+            pytest.skip("CLOCK_BOOTTIME is Linux's")
+        self.slept = 0.0
+        """Seconds the machine has been suspended so far (set it to suspend)."""
+        real = time.clock_gettime
+        monkeypatch.setattr(time, "clock_gettime", lambda clock: real(clock) + self.slept)
+
+    def store_clock(self) -> float:
+        """The store's clock (epoch seconds), which ran on through the suspend."""
+        return time.time() + self.slept
 
 #: The calls a running scheduler makes to its store (a memory backend's ``claim`` is a
 #: ``claim_many`` of one). An unplugged store fails them all: it answers nothing, not the

@@ -33,6 +33,7 @@ from lease_core._structures import (
 from lease_core.testing import awaiting_hand_over, backend_users, claim_now
 from tests.helpers import (
     Instance,
+    Suspend,
     Unplugged,
     quiet_offset,
     quiet_offset_now,
@@ -594,12 +595,8 @@ async def test_a_handler_is_cancelled_soon_after_the_machine_resumes_from_a_susp
     heartbeat, 20 s here); it is cancelled within a few seconds of the resume. The
     suspend is stood in for by shifting ``time.clock_gettime`` (``CLOCK_BOOTTIME``) and
     the store's clock."""
-    if not hasattr(time, "CLOCK_BOOTTIME"):
-        pytest.skip("CLOCK_BOOTTIME is Linux's")
-    slept = 0.0
-    clock_gettime = time.clock_gettime
-    monkeypatch.setattr(time, "clock_gettime", lambda clock: clock_gettime(clock) + slept)
-    backend = MemoryBackend(clock=lambda: time.time() + slept)
+    suspend = Suspend(monkeypatch)
+    backend = MemoryBackend(clock=suspend.store_clock)
     s = Scheduler(backend, instance_id="a", lease="60s", heartbeat="20s")
     started, cancelled = anyio.Event(), anyio.Event()
 
@@ -618,7 +615,7 @@ async def test_a_handler_is_cancelled_soon_after_the_machine_resumes_from_a_susp
         assert slot is not None
         await claim_now(s, job, slot)
         await wait_for(started.is_set, what="the handler")
-        slept = 120.0  # resumed: two leases passed on the store's clock
+        suspend.slept = 120.0  # resumed: two leases passed on the store's clock
         await wait_for(cancelled.is_set, timeout=4, what="the handler cancelled")
         await i.stop()
     history = await s.history("work")  # (attempt 2: its own backup took the run over)

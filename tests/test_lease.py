@@ -36,6 +36,7 @@ from lease_core.abc import Backend
 from lease_core.errors import BackendUnavailable
 from lease_core.testing import Store, backend_users, wait_for
 from tests.chaos.proxy import Proxy
+from tests.helpers import Suspend
 from tests.stores.memory import MemoryStore
 from tests.stores.postgres import PgServer, PostgresStore, drop_tables, unique_table
 from tests.stores.redis import RedisStore, delete_prefix
@@ -534,16 +535,12 @@ async def test_a_lease_is_lost_soon_after_the_machine_resumes_from_a_suspend(
     lease counts it (``CLOCK_BOOTTIME``): it is not ``held`` at once, and its body is
     cancelled within seconds, not when its next renewal (20 s away) falls due. The
     suspend is stood in for by shifting ``time.clock_gettime`` and the store's clock."""
-    if not hasattr(time, "CLOCK_BOOTTIME"):
-        pytest.skip("CLOCK_BOOTTIME is Linux's")
-    slept = 0.0
-    clock_gettime = time.clock_gettime
-    monkeypatch.setattr(time, "clock_gettime", lambda clock: clock_gettime(clock) + slept)
-    backend = MemoryBackend(clock=lambda: time.time() + slept)
+    suspend = Suspend(monkeypatch)
+    backend = MemoryBackend(clock=suspend.store_clock)
     lease = Lease(backend, "suspended", ttl="60s")
     with pytest.raises(LeaseLost, match="within the ttl"):
         async with lease:
-            slept = 120.0  # resumed: two ttls passed on the store's clock
+            suspend.slept = 120.0  # resumed: two ttls passed on the store's clock
             other = Lease(backend, "suspended", ttl="60s")
             assert await other.acquire(timeout=0) is True  # the store gave it away
             assert not lease.held
@@ -551,7 +548,7 @@ async def test_a_lease_is_lost_soon_after_the_machine_resumes_from_a_suspend(
     lease = Lease(backend, "suspended-keeper", ttl="60s")
     with pytest.raises(LeaseLost, match="was lost"):
         async with lease:
-            slept = 240.0
+            suspend.slept = 240.0
             with anyio.fail_after(10):  # the body is cancelled by the renewal task
                 await anyio.sleep_forever()
     assert backend_users(backend) == 0
@@ -565,24 +562,19 @@ async def test_an_acquire_answered_after_the_ttl_is_not_a_hold(
     ``async with`` ran its body, up to its first await, beside the other holder. The
     late hold is not taken: ``acquire(timeout=0)`` is False, and a blocking one waits
     for the other holder. The freeze is stood in for by shifting the clocks."""
-    if not hasattr(time, "CLOCK_BOOTTIME"):
-        pytest.skip("CLOCK_BOOTTIME is Linux's")
-    slept = 0.0
-    clock_gettime = time.clock_gettime
-    monkeypatch.setattr(time, "clock_gettime", lambda clock: clock_gettime(clock) + slept)
+    suspend = Suspend(monkeypatch)
     late = [2]  # the next acquires of holders other than "other" answered late
 
     class Late(MemoryBackend):
         async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> Any:
-            nonlocal slept
             answer = await super().acquire_lease(name, holder, ttl_ms)
             if holder != "other" and late[0]:
                 late[0] -= 1
-                slept += 120.0  # two ttls, after the store answered
+                suspend.slept += 120.0  # two ttls, after the store answered
                 assert (await super().acquire_lease(name, "other", 60_000)).held
             return answer
 
-    backend = Late(clock=lambda: time.time() + slept)
+    backend = Late(clock=suspend.store_clock)
     lease = Lease(backend, "late", ttl="60s")
     assert await lease.acquire(timeout=0) is False
     assert not lease.held
