@@ -232,9 +232,9 @@ class RedisAdapter(ABC):
         """The error for a client that is not a Cluster client on a Cluster node."""
         return ConfigurationError(
             f"Redis at {self.where} is a Redis Cluster node ({why}), but the backend was "
-            f"given a {type(self.client).__name__} client, which reaches only that node's "
-            "slots; pass a Cluster client instead: "
-            "RedisBackend(redis.asyncio.RedisCluster.from_url(url))"
+            f"given a {type(self.client).__name__} client (a redis:// URL makes one), which "
+            "reaches only that node's slots; pass a Cluster client instead: RedisBackend("
+            "redis.asyncio.RedisCluster.from_url(url)) (no URL reaches a Cluster: not the CLI's)"
         )
 
     def translate(self, exc: BaseException) -> AnarchonError | None:

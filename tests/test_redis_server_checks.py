@@ -21,6 +21,7 @@ from backends.redis import RedisBackend
 from lease_core import Lease
 from lease_core._structures import ClaimRequest, ClaimStatus
 from lease_core.errors import BackendUnavailable, ConfigurationError
+from tests.stores.redis import delete_prefix
 
 pytestmark = pytest.mark.anyio
 
@@ -123,6 +124,46 @@ async def test_a_client_that_is_not_a_cluster_client_on_a_cluster_node_is_refuse
         finally:
             if not isinstance(connection, str):
                 connection.close()
+
+
+@pytest.mark.asyncio_only
+async def test_a_read_through_a_url_of_a_cluster_node_is_refused_naming_the_cluster(
+    valkey8_cluster: EmbeddedRedisCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # start(create=False), as the CLI's status, history, prune, lease and operations
+    # open the store, through a redis:// URL of one node of a Cluster: the node that
+    # does not hold {P}:meta answered TYPE with a redirect, which was read as the key's
+    # type ("the key ... is a 15224 127.0.0.1:...: not an anarchon store's, give
+    # anarchon a prefix of its own"); the node that holds it opened the store, and
+    # with no store there said "no anarchon store" (exit 3). Every node is refused,
+    # naming the Cluster, with a store and without one.
+    import anyio.to_thread
+    from redis.asyncio.cluster import RedisCluster
+
+    from lease_core.cli import main
+
+    prefix = f"p{uuid.uuid4().hex[:8]}"
+    client = RedisCluster.from_url(valkey8_cluster.url)
+    made = RedisBackend(client, prefix=prefix)
+    try:
+        await made.start()
+        await made.register_jobs(["nightly"])
+        for url in valkey8_cluster.urls:
+            for name in (prefix, f"{prefix}-none"):
+                backend = RedisBackend(url, prefix=name)
+                with pytest.raises(ConfigurationError, match=r"Cluster node.*RedisCluster"):
+                    await backend.start(create=False)
+                await backend.close()
+            capsys.readouterr()
+            status = await anyio.to_thread.run_sync(
+                main, ["status", "--url", url, "--prefix", prefix])
+            assert status == 2  # a configuration error
+            assert "is a Redis Cluster node" in capsys.readouterr().err
+    finally:
+        await made.close()
+        for url in valkey8_cluster.urls:
+            delete_prefix(url, prefix, True)
+        await client.aclose()
 
 
 async def test_tls_asked_of_a_plain_text_server_says_so(server: EmbeddedRedis) -> None:

@@ -96,6 +96,16 @@ def _is_cluster(connection: object) -> bool:
     return "Cluster" in type(connection).__name__
 
 
+def _reports_cluster(info: object) -> bool:
+    """Whether the reply to ``INFO cluster`` (parsed by the driver into a dict, or its
+    text) says ``cluster_enabled:1``; an error reply (no permission) says nothing."""
+    if isinstance(info, dict):
+        return str(info.get("cluster_enabled", "0")) == "1"
+    if isinstance(info, (bytes, str)):
+        return "cluster_enabled:1" in as_text(info)
+    return False
+
+
 def _validate_prefix(prefix: object) -> str:
     if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
         raise ConfigurationError(
@@ -296,13 +306,21 @@ class RedisStore(Backend):
         try:
             self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
-            kind, found = await adapter.execute([("TYPE", self._meta_key),
-                                                  ("HGET", self._meta_key, "format")])
+            # INFO cluster too (through a client of one node): a Cluster node is refused
+            # here as at a first start, whichever node holds {P}:meta (a user that may
+            # not run INFO is told by the redirect of a key on another node).
+            probe: list[Command] = [] if adapter.cluster else [("INFO", "cluster")]
+            kind, found, *info = await adapter.execute([
+                ("TYPE", self._meta_key), ("HGET", self._meta_key, "format"), *probe])
+            if info and _reports_cluster(info[0]):
+                raise adapter.not_a_cluster_client("it reports cluster_enabled:1")
+            if isinstance(kind, Exception):  # a MOVED: refused, not read as a type
+                raise adapter.translate(kind) or kind
             kind = as_text(kind)
             if kind not in ("none", "hash"):
                 found = f"type {kind}"
             elif isinstance(found, Exception):
-                raise found
+                raise adapter.translate(found) or found
             if found is None:
                 raise StoreNotFound(
                     f"no anarchon store at {adapter.where} (key prefix {self.prefix!r}, no "
