@@ -166,6 +166,28 @@ async def test_a_read_through_a_url_of_a_cluster_node_is_refused_naming_the_clus
         await client.aclose()
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+@pytest.mark.parametrize("kind", ["cluster", "plain"])
+async def test_an_asyncio_client_started_under_trio_is_refused_naming_the_way_out(
+    valkey8_cluster: EmbeddedRedisCluster, kind: str
+) -> None:
+    # redis-py's asyncio clients run only under asyncio, and its only Cluster clients
+    # are asyncio's and the blocking one. Started under trio, an asyncio RedisCluster
+    # raised a bare RuntimeError('no running event loop'), and an asyncio Redis said
+    # "cannot reach Redis ... check that the server is running". Both are refused,
+    # naming the blocking client (or a URL) that works under trio.
+    import redis.asyncio
+    from redis.asyncio.cluster import RedisCluster
+
+    client: Any = (RedisCluster.from_url(valkey8_cluster.url) if kind == "cluster"
+                   else redis.asyncio.Redis.from_url(valkey8_cluster.url))
+    backend = RedisBackend(client, prefix=f"p{uuid.uuid4().hex[:8]}")
+    for create in (True, False):
+        with pytest.raises(ConfigurationError, match=r"asyncio client.*not trio.*blocking"):
+            await backend.start(create=create)
+    await backend.close()
+
+
 async def test_tls_asked_of_a_plain_text_server_says_so(server: EmbeddedRedis) -> None:
     """``rediss://`` against a server without TLS: redis-py's handshake waits for an
     answer that never comes and says only "Timeout connecting"; the error now names the

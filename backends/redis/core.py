@@ -15,8 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Self
 from urllib.parse import quote, unquote, urlsplit
 
+import sniffio
+
 from adapters.redis import (
     SENTINEL_SCHEME,
+    AsyncClientAdapter,
     Command,
     RedisAdapter,
     check_client,
@@ -235,8 +238,22 @@ class RedisStore(Backend):
 
     # -- plumbing --------------------------------------------------------------------
 
-    async def _open(self) -> None:
+    def _new_adapter(self) -> RedisAdapter:
+        """The adapter of the connection; an asyncio client is refused off asyncio (under
+        trio), where it failed with "no running event loop" (a bare RuntimeError from a
+        Cluster client; "cannot reach Redis" from a plain one)."""
         adapter = redis_adapter(self._connection)
+        loop = sniffio.current_async_library()
+        if isinstance(adapter, AsyncClientAdapter) and loop != "asyncio":
+            raise ConfigurationError(
+                f"RedisBackend was given an asyncio client ({type(adapter.client).__name__})"
+                f", which runs under asyncio only, not {loop}; under {loop} pass a blocking "
+                "client (redis.Redis, or redis.cluster.RedisCluster for a Cluster: run in "
+                "worker threads) or a URL")
+        return adapter
+
+    async def _open(self) -> None:
+        adapter = self._new_adapter()
         try:
             self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
@@ -302,7 +319,7 @@ class RedisStore(Backend):
 
     async def _open_existing(self) -> None:
         """Open a store that must exist: reads only, :class:`StoreNotFound` if absent."""
-        adapter = redis_adapter(self._connection)
+        adapter = self._new_adapter()
         try:
             self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
