@@ -234,7 +234,7 @@ class RedisAdapter(ABC):
             f"Redis at {self.where} is a Redis Cluster node ({why}), but the backend was "
             f"given a {type(self.client).__name__} client (a redis:// URL makes one), which "
             "reaches only that node's slots; pass a Cluster client instead: RedisBackend("
-            "redis.asyncio.RedisCluster.from_url(url)) (no URL reaches a Cluster: not the CLI's)"
+            "redis.asyncio.RedisCluster.from_url(url)), or a URL redis+cluster://host:port"
         )
 
     def translate(self, exc: BaseException) -> AnarchonError | None:

@@ -41,6 +41,8 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "redis": ("backends.redis", "RedisBackend", "redis"),
     "rediss": ("backends.redis", "RedisBackend", "redis"),
     "redis+sentinel": ("backends.redis", "RedisBackend", "redis"),
+    "redis+cluster": ("backends.redis", "RedisBackend", "redis"),
+    "rediss+cluster": ("backends.redis", "RedisBackend", "redis"),
     "unix": ("backends.redis", "RedisBackend", "redis"),
 }
 
@@ -79,7 +81,7 @@ def backend_from_url(url: str, **options: Any) -> Backend:
 
     Built in: ``memory://``, ``postgresql://`` and ``postgres://`` (also with a driver:
     ``postgresql+pg8000://``, ``postgres+psycopg://``), ``redis://``, ``rediss://``,
-    ``redis+sentinel://`` and ``unix://``; a libpq
+    ``redis+sentinel://``, ``redis+cluster://``, ``rediss+cluster://`` and ``unix://``; a libpq
     key/value DSN (``host=db user=app password=...``) selects PostgreSQL. Other packages
     add schemes through the entry-point group ``anarchon.backends``; the entry point names
     the scheme and loads the backend class, which is built with ``cls.from_url(url,

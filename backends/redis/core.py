@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Self
 from urllib.parse import quote, unquote, urlsplit
 
+import anyio.to_thread
 import sniffio
 
+from adapters._redis_cluster_url import check_cluster_url, cluster_adapter, is_cluster_url
 from adapters.redis import (
     SENTINEL_SCHEME,
     AsyncClientAdapter,
@@ -81,6 +83,8 @@ def _check_url(url: str) -> None:
     parts = urlsplit(url)
     if parts.scheme == SENTINEL_SCHEME:
         sentinel_parts(url)  # its service, db and query, as the adapter will read them
+    if is_cluster_url(url):
+        check_cluster_url(url)
     database = unquote(parts.path).strip("/")
     if parts.scheme in ("redis", "rediss") and database and not database.isdigit():
         # (redis-py reads a path that is not a number as no path: database 0)
@@ -96,6 +100,8 @@ def _is_cluster(connection: object) -> bool:
     would tell (:attr:`adapters.redis.RedisAdapter.cluster`)."""
     if isinstance(connection, RedisAdapter):
         return connection.cluster
+    if isinstance(connection, str):
+        return is_cluster_url(connection)
     return "Cluster" in type(connection).__name__
 
 
@@ -189,7 +195,8 @@ class RedisStore(Backend):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """Make a backend on the server at ``url`` (``redis://``, ``rediss://``, ``unix://``).
+        """Make a backend on the server at ``url`` (``redis://``, ``rediss://``, ``unix://``,
+        ``redis+sentinel://``, ``redis+cluster://``).
 
         ``prefix`` (or ``namespace``), ``wait_replicas`` and ``wait_timeout`` may be given
         in the URL's query as well as keywords; the driver's own query parameters
@@ -238,12 +245,18 @@ class RedisStore(Backend):
 
     # -- plumbing --------------------------------------------------------------------
 
-    def _new_adapter(self) -> RedisAdapter:
+    async def _new_adapter(self) -> RedisAdapter:
         """The adapter of the connection; an asyncio client is refused off asyncio (under
         trio), where it failed with "no running event loop" (a bare RuntimeError from a
         Cluster client; "cannot reach Redis" from a plain one)."""
-        adapter = redis_adapter(self._connection)
         loop = sniffio.current_async_library()
+        if is_cluster_url(self._connection):
+            assert isinstance(self._connection, str)
+            if loop == "asyncio":
+                return cluster_adapter(self._connection)
+            # the blocking Cluster client connects as it is made
+            return await anyio.to_thread.run_sync(cluster_adapter, self._connection)
+        adapter = redis_adapter(self._connection)
         if isinstance(adapter, AsyncClientAdapter) and loop != "asyncio":
             raise ConfigurationError(
                 f"RedisBackend was given an asyncio client ({type(adapter.client).__name__})"
@@ -253,7 +266,7 @@ class RedisStore(Backend):
         return adapter
 
     async def _open(self) -> None:
-        adapter = self._new_adapter()
+        adapter = await self._new_adapter()
         try:
             self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
@@ -319,7 +332,7 @@ class RedisStore(Backend):
 
     async def _open_existing(self) -> None:
         """Open a store that must exist: reads only, :class:`StoreNotFound` if absent."""
-        adapter = self._new_adapter()
+        adapter = await self._new_adapter()
         try:
             self._refuse_cluster_wait(adapter.cluster)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
