@@ -32,7 +32,7 @@ from ._lease_holders import forget_parent, gave_up, holder_id
 from ._lease_keeper import _Hold, _Keeper
 from ._named_leases import LeaseAnswer, check_lease
 from .abc import Backend
-from .errors import ConfigurationError, LeaseLost
+from .errors import ConfigurationError, LeaseLost, StoreNotFound
 
 __all__ = ["Lease", "LeaseHolder"]
 
@@ -59,8 +59,13 @@ class LeaseHolder:
 
 
 async def _read_holder(backend: Backend, name: str) -> LeaseHolder | None:
-    """:meth:`Lease.current_holder`: one read, the backend started for it if needed."""
-    await backend.start()
+    """:meth:`Lease.current_holder`: one read, the backend started for it if needed, as
+    read-only tools start it (``create=False``: nothing made nor upgraded; no store there
+    is a name nobody holds)."""
+    try:
+        await backend.start(create=False)
+    except StoreNotFound:
+        return None
     try:
         answer = await backend.read_lease(name)
     finally:
@@ -170,8 +175,8 @@ class Lease:
 
         One read, on the store's clock, whether or not this object holds the name: an
         observer learns who leads without standing for it. A snapshot: the hold may end
-        just after. Starts the backend for the call if needed, as :meth:`acquire` does.
-        A backend of your own without ``read_lease()`` raises ``ConfigurationError``.
+        just after. Opens only a store that exists, creating nothing (none: ``None``). A
+        backend of your own without ``read_lease()`` raises ``ConfigurationError``.
         """
         return await _read_holder(self.backend, self.name)
 

@@ -9,16 +9,22 @@ The backends' ``read_lease`` itself is checked by the conformance suite
 from __future__ import annotations
 
 import json
+import uuid
 
 import anyio
+import psycopg
 import pytest
+import redis
 
+from backends.embedded.redis import EmbeddedRedis
+from backends.postgres import PostgresBackend
+from backends.redis import RedisBackend
 from lease_core import ConfigurationError, Lease, LeaseHolder, MemoryBackend, SyncLease
 from lease_core._named_leases import NamedLeaseStore
 from lease_core.cli import main
 from lease_core.testing import Store, backend_users, wait_for
 from tests.stores.memory import MemoryStore
-from tests.stores.postgres import PostgresStore
+from tests.stores.postgres import PgServer, PostgresStore, drop_tables, unique_table
 from tests.stores.redis import RedisStore
 
 pytestmark = pytest.mark.anyio
@@ -155,3 +161,52 @@ async def test_the_cli_prints_who_holds_a_lease(store: Store,
                                                    "token": None, "expires_in": None}
     assert await anyio.to_thread.run_sync(cli, "") == 2
     assert "lease name=''" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio_only
+async def test_a_read_makes_no_store_and_needs_only_select_rights(
+        pg16_server: PgServer, valkey8_server: EmbeddedRedis) -> None:
+    """``current_holder()`` only reads: where there is no store it answers None and makes
+    none (it created the store, tables or keys, as an acquire does: a watcher given a
+    typo'd namespace made a store there), and a role with SELECT rights only reads who
+    holds a name."""
+    missing = unique_table()
+    try:
+        assert await Lease(PostgresBackend(pg16_server.dsn, table=missing),
+                           "leader").current_holder() is None
+        assert _tables_like(pg16_server.admin_dsn, missing) == []
+    finally:
+        await drop_tables(pg16_server.admin_dsn, missing)
+    prefix = "nostore_" + uuid.uuid4().hex[:8]
+    assert await Lease(RedisBackend(valkey8_server.url, prefix=prefix),
+                       "leader").current_holder() is None
+    client = redis.Redis.from_url(valkey8_server.url)
+    try:
+        assert client.keys(f"*{prefix}*") == []
+    finally:
+        client.close()
+
+    table, role = unique_table(), "watcher_" + uuid.uuid4().hex[:8]
+    try:
+        async with Lease(PostgresBackend(pg16_server.dsn, table=table), "leader",
+                         ttl="10s", holder="node-a") as held:
+            with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+                conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+                for suffix in ("", "_attempts", "_jobs", "_meta"):
+                    conn.execute(f"GRANT SELECT ON {table}{suffix} TO {role}")
+            reader = psycopg.conninfo.make_conninfo(pg16_server.dsn, user=role, password="pw")
+            backend = PostgresBackend(reader, table=table)
+            seen = await Lease(backend, "leader").current_holder()
+            assert seen is not None and (seen.holder, seen.token) == ("node-a", held.token)
+            assert backend_users(backend) == 0
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+def _tables_like(admin_dsn: str, name: str) -> list[str]:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE %s",
+                            (name + "%",)).fetchall()
+    return [row[0] for row in rows]
