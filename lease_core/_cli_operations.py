@@ -100,4 +100,7 @@ async def _show_lease(args: argparse.Namespace, backend: Any) -> int:
               f"expires in {expires_in:.1f} s unless renewed")
     else:
         print(f"lease {args.name!r}: free")
+        if "memory" in getattr(backend, "schemes", ()):  # as ``anarchon status`` says
+            print("(memory:// is a store inside one process: this command has an empty one "
+                  "of its own, not your services'; give the URL of the store they use)")
     return 0

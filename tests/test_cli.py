@@ -105,6 +105,19 @@ def test_status_on_memory_says_it_sees_a_store_of_its_own(
     assert "no jobs recorded yet" in out and "memory:// is a store inside one process" in out
 
 
+def test_lease_on_memory_says_it_sees_a_store_of_its_own(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``anarchon lease NAME --url memory://`` reads the CLI's own new store, where every
+    name is free whatever the services hold: it says so rather than only "free" (an
+    operator read that as "nobody leads"). ``--json`` stays one JSON object."""
+    assert main(["lease", "leader", "--url", "memory://"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("lease 'leader': free\n")
+    assert "memory:// is a store inside one process" in out
+    assert main(["lease", "leader", "--url", "memory://", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["holder"] is None
+
+
 def test_the_demo_given_a_memory_url_points_to_its_memory_backend(
         capsys: pytest.CaptureFixture[str]) -> None:
     """``demo --url memory://`` is refused (a demo's processes cannot share a store
