@@ -25,7 +25,7 @@ from lease_core.cli import main
 from lease_core.testing import Store, backend_users, wait_for
 from tests.stores.memory import MemoryStore
 from tests.stores.postgres import PgServer, PostgresStore, drop_tables, unique_table
-from tests.stores.redis import RedisStore
+from tests.stores.redis import ClusterStore, RedisStore
 
 pytestmark = pytest.mark.anyio
 
@@ -210,3 +210,26 @@ def _tables_like(admin_dsn: str, name: str) -> list[str]:
         rows = conn.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE %s",
                             (name + "%",)).fetchall()
     return [row[0] for row in rows]
+
+
+@pytest.mark.asyncio_only
+async def test_the_cli_given_a_cluster_nodes_url_answers_or_names_the_cluster(
+        redis_cluster_store: ClusterStore, capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``redis://`` URL of one node of a Cluster reaches that node's slots only: ``anarchon
+    lease`` (and ``status``) answers where the keys are on that node, else exits 2 saying
+    it is a Cluster node. On the nodes without the store's ``{P}:meta`` it exited 1,
+    calling the redirection "not a hash: ... something else keeps keys under this
+    prefix"."""
+    store = redis_cluster_store
+    async with Lease(store.backend(), "leader", ttl="10s", holder="node-a") as held:
+        for url in store.cluster.urls:
+            for command in (["lease", "leader"], ["lease", "b"], ["status"]):
+                code = await anyio.to_thread.run_sync(
+                    main, [*command, "--url", url, "--prefix", store.prefix])
+                out, err = capsys.readouterr()
+                assert code in (0, 2), (url, command, code, err)
+                if code == 2:
+                    assert "is a Redis Cluster node" in err and "not a hash" not in err
+                elif command == ["lease", "leader"]:
+                    assert out.startswith(f"lease 'leader': held by 'node-a', token "
+                                          f"{held.token}, "), out
