@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import anyio
 import pytest
 
 import lease_core
@@ -338,6 +339,33 @@ async def test_the_lease_read_check_skips_a_backend_without_reads_and_fails_one_
     with pytest.raises(AssertionError):
         await check(_store_of(ReadsByTaking()))
     await check(_store_of(MemoryBackend()))
+
+
+@pytest.mark.anyio
+async def test_the_lease_read_check_passes_a_correct_store_far_away() -> None:
+    """A correct store 200 ms away (a managed database in another zone) passes the read
+    check: it asserted a 300 ms hold still live three round trips after taking it, so it
+    failed every correct backend whose calls take over 100 ms (and any, on a loaded CI
+    machine)."""
+    from backends.memory import MemoryBackend
+    from lease_core._named_leases import LeaseAnswer
+    from lease_core.testing import lease_checks
+
+    class FarAway(MemoryBackend):
+        async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
+            await anyio.sleep(0.2)  # the request's way there: the store acts after it
+            return await super().acquire_lease(name, holder, ttl_ms)
+
+        async def read_lease(self, name: str) -> LeaseAnswer:
+            await anyio.sleep(0.2)
+            return await super().read_lease(name)
+
+        async def release_lease(self, name: str, token: int) -> bool:
+            await anyio.sleep(0.2)
+            return await super().release_lease(name, token)
+
+    await lease_checks.test_lease_read_tells_who_holds_it_and_takes_nothing(
+        _store_of(FarAway()))
 
 
 # -- Mutants of the memory backend, each breaking one guarantee the kit missed before.

@@ -223,25 +223,27 @@ async def test_lease_read_tells_who_holds_it_and_takes_nothing(store: Store) -> 
                 pytest.skip(str(exc))
             raise
         assert (never.held, never.token, never.holder) == (False, 0, None)
-        first = await a.acquire_lease("W", "h1", SHORT)
+        # Held live for LONG: the checks of a live hold take no time limit of their own
+        # (a 300 ms hold lapsed within three round trips to a distant store).
+        first = await a.acquire_lease("W", "h1", LONG)
         seen = await b.read_lease("W")
         assert (seen.held, seen.token, seen.holder) == (True, first.token, "h1")
         assert seen.expires_ms == first.expires_ms and seen.now_ms < seen.expires_ms
         assert not (await b.acquire_lease("W", "h2", LONG)).held  # the read took nothing
+        assert await a.release_lease("W", first.token) is True
+        released = await b.read_lease("W")
+        assert (released.held, released.holder, released.token) == (False, None,
+                                                                     first.token)
+        second = await b.acquire_lease("W", "h2", SHORT)  # a hold that lapses
+        assert second.held and second.token > first.token
 
         async def lapsed() -> LeaseAnswer | None:
-            answer = await b.read_lease("W")
+            answer = await a.read_lease("W")
             return None if answer.held else answer
 
         free = await wait_for(lapsed, timeout=5, what="the read to find the hold lapsed")
-        assert free.holder is None and free.token == first.token
-        assert free.now_ms >= first.expires_ms  # by the store's clock
-        second = await b.acquire_lease("W", "h2", LONG)
-        assert second.held and second.token > first.token
-        assert await b.release_lease("W", second.token) is True
-        released = await a.read_lease("W")
-        assert (released.held, released.holder, released.token) == (False, None,
-                                                                     second.token)
+        assert free.holder is None and free.token == second.token
+        assert free.now_ms >= second.expires_ms  # by the store's clock
         third = await a.acquire_lease("W", "h1", LONG)  # reads raised no token
         assert third.held and third.token > second.token
         assert (await b.read_lease("W")).token == third.token
