@@ -98,6 +98,10 @@ async def _show_lease(args: argparse.Namespace, backend: Any) -> int:
     elif held:
         print(f"lease {args.name!r}: held by {answer.holder!r}, token {answer.token}, "
               f"expires in {expires_in:.1f} s unless renewed")
+    elif answer.expires_ms > answer.now_ms:  # nobody holds it, nobody may take it yet
+        print(f"lease {args.name!r}: free, but not to be taken for at least "
+              f"{(answer.expires_ms - answer.now_ms) / 1000:.1f} s more (the store's "
+              "quarantine after a failover)")
     else:
         print(f"lease {args.name!r}: free")
         if "memory" in getattr(backend, "schemes", ()):  # as ``anarchon status`` says

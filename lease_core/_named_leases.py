@@ -28,7 +28,9 @@ to grow from.
 *Read* (:meth:`~NamedLeaseStore.read_lease`) tells who holds a name, on the store's
 clock, changing nothing: ``held`` true only for a live hold (expiry ``> now``), whose
 ``holder``, ``token`` and ``expires_ms`` it gives; a free name answers ``held`` false,
-``holder`` ``None``, and the last token it had (0 when never held).
+``holder`` ``None``, and the last token it had (0 when never held), with an
+``expires_ms`` not after ``now_ms`` unless the store lets nobody take the name before
+then (PostgreSQL's quarantine after a failover: its end, as an acquire answers).
 """
 
 from __future__ import annotations

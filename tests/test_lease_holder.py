@@ -235,3 +235,37 @@ async def test_the_cli_given_a_cluster_nodes_url_answers_or_names_the_cluster(
                 elif command == ["lease", "leader"]:
                     assert out.startswith(f"lease 'leader': held by 'node-a', token "
                                           f"{held.token}, "), out
+
+
+@pytest.mark.asyncio_only
+async def test_a_read_during_a_failover_quarantine_says_when_the_name_can_be_taken(
+        pg16_server: PgServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """After a detected promotion PostgreSQL ends every hold and lets nobody take a name
+    until its quarantine ends. The read then answers no holder, with the name taken no
+    earlier than the quarantine's end (as an acquire answers), and ``anarchon lease``
+    says so: it printed "free" while every acquire was refused for up to a ttl."""
+    table = unique_table()
+    backend = PostgresBackend(pg16_server.dsn, table=table)
+    await backend.start()
+    try:
+        held = await backend.acquire_lease("leader", "node-a", 10_000)
+        assert held.held
+        # The store last wrote on another timeline: the next acquire detects a promotion
+        # (as after pg_promote; see postgres_sql/failover_v4.sql).
+        with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+            conn.execute(f"UPDATE {table}_meta SET value = 'FFFFFFFF 0 0' "
+                         "WHERE key = 'failover'")
+        refused = await backend.acquire_lease("leader", "node-b", 10_000)
+        assert not refused.held and refused.expires_ms > refused.now_ms  # quarantined
+        seen = await backend.read_lease("leader")
+        assert (seen.held, seen.holder, seen.token) == (False, None, held.token)
+        assert seen.now_ms < seen.expires_ms <= refused.expires_ms  # not before its end
+        assert await Lease(backend, "leader").current_holder() is None  # nobody holds it
+        code = await anyio.to_thread.run_sync(
+            main, ["lease", "leader", "--url", pg16_server.dsn, "--table", table])
+        out = capsys.readouterr().out
+        assert code == 0 and out.startswith("lease 'leader': free, but ") and \
+            "quarantine" in out, out
+    finally:
+        await backend.close()
+        await drop_tables(pg16_server.admin_dsn, table)

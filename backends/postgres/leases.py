@@ -60,17 +60,22 @@ class PostgresNamedLeases:
         return None if expires is None else int(expires)
 
     async def read_lease(self, name: str) -> LeaseAnswer:
-        """Who holds ``name`` now: one plain read of its ``<table>_meta`` row and the
-        server's clock; nothing changes."""
+        """Who holds ``name`` now: one plain read of its ``<table>_meta`` row, the
+        store's failover row and the server's clock; nothing changes.
+
+        A name nobody holds during the quarantine after a detected failover (when no
+        name is taken) answers its end as ``expires_ms``, as an acquire does: free no
+        earlier (at least then: an acquire waits its own ttl past the failover too)."""
         check_lease(name)
-        [(now, value)] = await self._adapter.all(self._sql.lease_read, (name,))
+        [(now, value, failover)] = await self._adapter.all(self._sql.lease_read, (name,))
         now = int(now)
-        if value is None:
-            return LeaseAnswer(False, 0, 0, now, None)
-        token, expires, holder = str(value).split(" ", 2)
+        token, expires, holder = (str(value).split(" ", 2) if value is not None
+                                  else ("0", "0", ""))
         if int(expires) > now and holder:
             return LeaseAnswer(True, int(token), int(expires), now, holder)
-        return LeaseAnswer(False, int(token), int(expires), now, None)
+        quiet = str(failover).split(" ") if failover is not None else []
+        ends = max(int(expires), int(quiet[2]) if len(quiet) == 3 else 0)
+        return LeaseAnswer(False, int(token), ends, now, None)
 
     async def release_lease(self, name: str, token: int) -> bool:
         """Free ``name`` if ``token`` holds it live: one call (an ``UPDATE`` on

@@ -22,6 +22,9 @@ SELECT o_held FROM {lease}('release', %s::text, NULL, %s::text, NULL)
 
 -- name: lease_read
 -- Who holds the name, read without taking it (a plain read, no function: it works on a
--- store of any code version). Parameter: name. One row: the server's clock (ms) and the
--- lease's value '<token> <expires_ms> <holder>' (NULL for a name never held).
-SELECT {now}, (SELECT m.value FROM {meta} m WHERE m.key = 'lease:' || %s::text)
+-- store of any code version). Parameter: name. One row: the server's clock (ms), the
+-- lease's value '<token> <expires_ms> <holder>' (NULL for a name never held), and the
+-- 'failover' row '<timeline> <epoch> <quiet>' (failover_v4.sql; NULL before v4): until
+-- <quiet> no name is taken.
+SELECT {now}, (SELECT m.value FROM {meta} m WHERE m.key = 'lease:' || %s::text),
+       (SELECT m.value FROM {meta} m WHERE m.key = 'failover')
