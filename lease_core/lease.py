@@ -58,10 +58,18 @@ class LeaseHolder:
     expires_in: float
 
 
-async def _read_holder(backend: Backend, name: str) -> LeaseHolder | None:
+async def _read_holder(lease: Lease) -> LeaseHolder | None:
     """:meth:`Lease.current_holder`: one read, the backend started for it if needed, as
     read-only tools start it (``create=False``: nothing made nor upgraded; no store there
-    is a name nobody holds)."""
+    is a name nobody holds).
+
+    A hold of ``lease`` lost when its event loop ended is released first, as its next
+    :meth:`~Lease.acquire` does: that lets go of its start of the backend, whose client
+    may be the ended loop's (a failed release is logged), so the read opens one here."""
+    if lease._last is not None and lease._last.orphaned and lease._opened \
+            and not lease._acquiring:
+        await lease.release()
+    backend, name = lease.backend, lease.name
     try:
         await backend.start(create=False)
     except StoreNotFound:
@@ -173,12 +181,12 @@ class Lease:
         """Who holds this lease's name now, read from the store without taking it;
         ``None`` when the name is free (never held, released, or expired).
 
-        One read, on the store's clock, whether or not this object holds the name: an
-        observer learns who leads without standing for it. A snapshot: the hold may end
-        just after. Opens only a store that exists, creating nothing (none: ``None``). A
-        backend of your own without ``read_lease()`` raises ``ConfigurationError``.
+        One read, on the store's clock, held by this object or not. A snapshot. Opens only
+        a store that exists, creating nothing (none: ``None``). A hold lost when its event
+        loop ended is released first, as :meth:`acquire` does. A backend of your own
+        without ``read_lease()`` raises ``ConfigurationError``.
         """
-        return await _read_holder(self.backend, self.name)
+        return await _read_holder(self)
 
     @property
     def held(self) -> bool:

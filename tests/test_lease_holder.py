@@ -21,6 +21,7 @@ from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core import ConfigurationError, Lease, LeaseHolder, MemoryBackend, SyncLease
 from lease_core._named_leases import NamedLeaseStore
+from lease_core.abc import Backend
 from lease_core.cli import main
 from lease_core.testing import Store, backend_users, wait_for
 from tests.stores.memory import MemoryStore
@@ -269,3 +270,40 @@ async def test_a_read_during_a_failover_quarantine_says_when_the_name_can_be_tak
     finally:
         await backend.close()
         await drop_tables(pg16_server.admin_dsn, table)
+
+
+@pytest.mark.parametrize("server", ["valkey8_server", "pg16_server"])
+def test_a_lease_left_held_when_its_loop_ended_reads_on_the_next_loop(
+        server: str, request: pytest.FixtureRequest) -> None:
+    """A Lease (its backend made from a URL) left held when its ``asyncio.run`` ended,
+    asked ``current_holder()`` on the next loop: it lets go of that hold's start of the
+    backend first, as its next acquire does, and reads through a client of this loop (it
+    read through the ended loop's client: RuntimeError, "attached to a different loop"
+    or "Event loop is closed", on Redis). The hold, unreleased, is in the store still."""
+    import asyncio
+    import gc
+
+    table = unique_table()
+    found = request.getfixturevalue(server)
+    backend: Backend = (RedisBackend(found.url, prefix=table)
+                        if isinstance(found, EmbeddedRedis)
+                        else PostgresBackend(found.dsn, table=table))
+    lease = Lease(backend, "cli", ttl="10s", holder="cli-run")
+
+    async def take(lease: Lease) -> None:
+        assert await lease.acquire(timeout=5)
+
+    try:
+        asyncio.run(take(lease))  # held when the loop ends: lost
+        gc.collect()  # (the closed loop's sockets reported here, not in a later test)
+        seen = asyncio.run(lease.current_holder())
+        assert seen is None or (seen.holder, seen.token) == ("cli-run", lease.token)
+        assert backend_users(backend) == 0 and not lease.held
+        asyncio.run(take(lease))  # and the next acquire takes it back
+        asyncio.run(lease.release())
+        assert backend_users(backend) == 0
+    finally:
+        if not isinstance(found, EmbeddedRedis):
+            asyncio.run(drop_tables(found.admin_dsn, table))
+        del lease, backend
+        gc.collect()
