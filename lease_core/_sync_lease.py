@@ -41,7 +41,9 @@ class SyncLease:
     lease was lost during the body, ``with`` raises
     :class:`~lease_core.errors.LeaseLost` at its end. Options as for :class:`Lease`. A
     lease still held when the interpreter exits is released then (5 s at most, for all
-    of them together), so the name is free at once, not after its ttl.
+    of them together), so the name is free at once, not after its ttl. In a forked child,
+    make a SyncLease and its backend anew: a call through a backend the parent held open
+    (its connections are the parent's) raises ``RuntimeError``.
 
     .. note:: The backend is started and closed on the background loop, so an async pool
        or client passed in must not be bound to another loop (a DSN, a URL, a blocking
@@ -58,6 +60,7 @@ class SyncLease:
         self._entering = threading.Lock()  # one ``with`` at a time
         self._released_in_body = False  # release() called meanwhile (another thread)
         self._pid: int | None = None  # the process that holds it, acquired and not released
+        self._used: int | None = None  # the process that last called it
 
     def __repr__(self) -> str:
         return "Sync" + repr(self._lease)
@@ -93,7 +96,14 @@ class SyncLease:
         return self._pid is not None and self._pid != os.getpid()
 
     def _portal(self, what: str) -> anyio.from_thread.BlockingPortal:
-        if self._forked():
+        pid = os.getpid()
+        # A fork of a process that held the backend open (its connections are the
+        # parent's: using them here breaks the parent's), as SyncAdmin refuses it; not a
+        # memory store (no connections: the child's copy is its own).
+        backend = self._lease.backend
+        open_there = (backend._users and "memory" not in backend.schemes
+                      and (self._used not in (None, pid) or _Loop.pid not in (0, pid)))
+        if self._forked() or open_there:
             raise RuntimeError(
                 f"SyncLease {self.name!r}.{what}(): this process is a fork of the one that "
                 "used it (the parent's hold and connections are not this process's); make "
@@ -103,6 +113,7 @@ class SyncLease:
                 f"SyncLease {self.name!r}.{what}() would block the event loop it runs on "
                 "(called from an async handler of a SyncScheduler?); in async code use "
                 "Lease")
+        self._used = pid
         return _Loop.get()
 
     def acquire(self, timeout: Duration | None = None) -> bool:

@@ -172,6 +172,49 @@ print("ok")
         delete_prefix(valkey8_server.url, prefix)
 
 
+def test_a_forked_child_reading_through_the_parent_s_open_backend_is_refused(
+        valkey8_server: Any) -> None:
+    """A SyncLease whose backend the parent holds open (another SyncLease holds through
+    it), asked ``current_holder()`` in a forked child: refused, naming the fork, and a
+    SyncLease with a backend of the child's own reads. It read through the parent's
+    client: RuntimeError in the child, and the parent's next read on that client timed
+    out (the child had used its socket)."""
+    prefix = f"x{uuid.uuid4().hex[:10]}"
+    script = """
+import os
+from lease_core import RedisBackend, SyncLease
+url, prefix = os.environ["URL"], os.environ["PREFIX"]
+backend = RedisBackend(url, prefix=prefix)
+holder = SyncLease(backend, "shared", ttl="10s", holder="parent")
+watcher = SyncLease(backend, "shared", ttl="10s")
+holder.acquire()
+assert watcher.current_holder().holder == "parent"
+pid = os.fork()
+if pid == 0:
+    try:
+        watcher.current_holder()
+        os._exit(3)
+    except RuntimeError as exc:
+        if "fork" not in str(exc):
+            os._exit(4)
+    own = SyncLease(RedisBackend(url, prefix=prefix), "shared", ttl="10s")
+    seen = own.current_holder()
+    os._exit(0 if seen is not None and seen.holder == "parent" else 5)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+seen = watcher.current_holder()  # the parent's client is intact
+assert seen is not None and seen.holder == "parent", seen
+assert holder.held and not holder.lost.is_set()
+holder.release()
+print("ok")
+"""
+    try:
+        out = _run(script, {"URL": valkey8_server.url, "PREFIX": prefix})
+        assert out.strip() == "ok"
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+
+
 def test_a_handler_s_sync_lease_is_held_until_the_stop_at_exit_ends_its_body() -> None:
     """The scheduler's stop at exit runs before the SyncLeases' loop ends, even when
     SyncLease was first imported after the scheduler started (inside the handler)."""
