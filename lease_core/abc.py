@@ -94,6 +94,7 @@ the caller claims again later.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -227,6 +228,7 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         self._users = 0
         self._start_lock = StartLock()  # leases start it per hold; any loop, one at a time
         self._existing_only = False  # opened by start(create=False): nothing made yet
+        self._opened_in = 0  # the process that opened it (a forked copy must not use it)
 
     async def start(self, *, create: bool = True) -> None:
         """Open connections and create the store's structures when missing.
@@ -235,16 +237,19 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         ``create=False`` the store is opened only if it exists, and nothing is created or
         changed (what read-only tools such as ``anarchon status`` use, with SELECT-only
         rights too): :class:`~lease_core.errors.StoreNotFound` when there is no store
-        there. Later users share what the first opened (one with ``create`` joining one without
-        makes or upgrades the store then: :meth:`_open_joined`).
-        Other calls come between it and the last close (else a URL's backend raises).
-        """
+        there. Later users share what the first opened (one with ``create`` joining one
+        without makes or upgrades the store then: :meth:`_open_joined`). Other calls come
+        between it and the last close (else a URL's backend raises). In a forked child, a
+        copy its parent had open raises ``RuntimeError`` (memory aside)."""
+        if self._users and self._opened_in != os.getpid() and "memory" not in self.schemes:
+            raise RuntimeError(f"{type(self).__name__}: this process is a fork of the one that "
+                               "opened it (its connections are the parent's): make one here")
         if self._users and not (create and self._existing_only) and self._count_now(1):
             return  # already open, no open or close under way: no wait
         async with self._start_lock:
             if self._users == 0:
                 await (self._open() if create else self._open_existing())
-                self._existing_only = not create
+                self._existing_only, self._opened_in = not create, os.getpid()
             elif create and self._existing_only:  # a reader opened it: upgrade it now
                 await self._open_joined()
                 self._existing_only = False

@@ -756,6 +756,58 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.stdout, done.stderr)
 
 
+def test_an_async_lease_in_a_forked_child_refuses_the_parent_s_open_backend(
+        redis62_server: EmbeddedRedis, tmp_path: Path) -> None:
+    """A forked child that calls a Lease through a backend its parent holds open (its
+    connections are the parent's) gets a RuntimeError naming the fork; it went through
+    the parent's client ("attached to a different loop"), breaking the parent's
+    connection. The parent's hold is untouched."""
+    script = tmp_path / "forked.py"
+    script.write_text("""
+import os, sys
+import anyio
+from backends.redis import RedisBackend
+from lease_core import Lease
+backend = RedisBackend(sys.argv[1], prefix=sys.argv[2])
+held = Lease(backend, "parent", ttl="60s")
+
+async def parent():
+    assert await held.acquire(timeout=0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, b"ready")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return os.read(read, 5)
+
+async def child():
+    try:
+        await Lease(backend, "other", ttl="60s").current_holder()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+assert anyio.run(parent) == b"ready"
+read, write = os.pipe()
+pid = os.fork()  # the backend is still open (the hold, lost with its loop, counted)
+if pid == 0:
+    os.write(write, anyio.run(child).encode()[:300])
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.read(read, 300).decode())
+""")
+    prefix = f"fork_{uuid.uuid4().hex[:10]}"
+    try:
+        done = subprocess.run([sys.executable, str(script), redis62_server.url, prefix],
+                              capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parent.parent)
+    finally:
+        delete_prefix(redis62_server.url, prefix)
+    assert done.returncode == 0, done.stderr
+    assert "is a fork of the one that opened it" in done.stdout, done.stdout
+
+
 def test_leases_made_before_a_fork_are_not_shared_by_the_children(
         redis62_server: EmbeddedRedis, tmp_path: Path) -> None:
     """A Lease or SyncLease made before a fork (at import, in an app server that forks
