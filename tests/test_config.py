@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -224,6 +225,35 @@ def test_a_handler_that_cannot_take_the_context_is_refused_at_declaration() -> N
         s.every(f"good{i}", "1h", good)  # type: ignore[arg-type]
     flow.step("a", noop)
     assert len(s.jobs) == 7
+
+
+def test_a_generator_handler_is_refused_at_declaration() -> None:
+    """``async def job(ctx): ... yield ...`` (or a plain function with ``yield``) was taken:
+    calling it only made a generator, so none of its body ran, and every run was recorded
+    ``completed``. It is refused at declaration, naming the handler and the ``yield``."""
+
+    async def agen(ctx: object) -> Any:
+        yield 1
+
+    def gen(ctx: object) -> Any:
+        yield 1
+
+    class Gen:
+        async def __call__(self, ctx: object) -> Any:
+            yield 1
+
+    s = sched()
+    for i, (bad, kind) in enumerate(((agen, "an async generator"), (gen, "a generator"),
+                                     (Gen(), "an async generator"))):
+        with pytest.raises(ConfigurationError, match=rf"handler .* of job 'gen{i}' is {kind} "
+                           r"function \(its body has 'yield'\): calling it would run none of"):
+            s.every(f"gen{i}", "1h", bad)
+        with pytest.raises(ConfigurationError, match="without 'yield'"):
+            s.cron(f"genc{i}", "0 3 * * *")(bad)
+    flow = s.workflow("flow", every="1h")
+    with pytest.raises(ConfigurationError, match=r"handler .* of step 'flow/a' is a generator"):
+        flow.step("a", gen)
+    assert not s.jobs
 
 
 @pytest.mark.parametrize("zero", ["0", "0s", "0ms", " 0m0s ", "0.0h"])

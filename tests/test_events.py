@@ -317,6 +317,40 @@ async def test_a_sync_handler_that_returns_a_coroutine_fails_its_run(kind: str) 
     assert ran == []
 
 
+@pytest.mark.parametrize("kind", ["generator", "async generator"])
+async def test_a_sync_handler_that_returns_a_generator_fails_its_run(kind: str) -> None:
+    """A plain wrapper of a function with ``yield`` (``lambda ctx: export(ctx)``) returned a
+    generator in its worker thread, whose body nobody ran; the run was recorded
+    ``completed``. It fails, naming the generator and the ``yield``."""
+    ran: list[int] = []
+
+    def export(ctx: RunContext) -> Any:
+        ran.append(ctx.slot)
+        yield 1
+
+    async def export_async(ctx: RunContext) -> Any:
+        ran.append(ctx.slot)
+        yield 1
+
+    work = export if kind == "generator" else export_async
+    recorder = Recorder()
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    s.subscribe(recorder)
+    s.every("j", "1h", lambda ctx: work(ctx), offset=quiet_offset_now())
+    async with s:
+        await claim_now(s, "j", current_slot(s, "j"))
+        await wait_for(lambda: recorder.of(Failed) or recorder.of(Completed),
+                       what="the attempt's end")
+        history = await s.history("j")
+    assert not recorder.of(Completed), "recorded completed, its body never run"
+    [failed] = recorder.of(Failed)
+    assert f"returned a {'generator' if kind == 'generator' else 'async_generator'} of " \
+        f"{work.__qualname__} without running it" in str(failed.error), failed.error
+    assert "a function with 'yield' runs none of its body" in str(failed.error)
+    assert [a.outcome for a in history] == [Outcome.FAILED]
+    assert ran == []
+
+
 async def test_checkpoint_calls_of_the_other_kind_fail_the_run_naming_the_right_one() -> None:
     """A sync handler's ``ctx.checkpoint.set(5)`` (the coroutine method, not ``set_sync``)
     made a coroutine nobody awaited: nothing was stored, and the run was recorded

@@ -69,7 +69,8 @@ class _Thread:
         self.state = 1
         try:
             value = handler(ctx)
-            if inspect.isawaitable(value):
+            if inspect.isawaitable(value) or inspect.isgenerator(value) or inspect.isasyncgen(
+                    value):
                 raise _awaitable_returned(handler, value)
             return value
         except (SystemExit, KeyboardInterrupt) as exc:
@@ -97,17 +98,22 @@ def _stray(exc: asyncio.CancelledError) -> bool:
 def _awaitable_returned(handler: Any, value: Any) -> TypeError:
     """The failure of a sync handler that returned an awaitable: a plain function (a
     ``lambda ctx: work(ctx)`` of an ``async def work``, a wrapper without ``async``)
-    whose coroutine nobody awaits, so its work never ran; it was recorded completed."""
+    whose coroutine nobody awaits, so its work never ran; it was recorded completed.
+    A generator or async generator returned (a wrapper of a function with ``yield``)
+    fails the same way: none of its body ran."""
     close = getattr(value, "close", None)
-    if inspect.iscoroutine(value) and callable(close):
+    if (inspect.iscoroutine(value) or inspect.isgenerator(value)) and callable(close):
         close()  # never run: no "coroutine was never awaited" warning at its collection
     name = getattr(handler, "__qualname__", None) or repr(handler)
     made = getattr(value, "__qualname__", None)
     return TypeError(
         f"the handler {name} is a plain function that returned a {type(value).__name__}"
         f"{f' of {made}' if made else ''} without running it, which fails its run: "
-        "declare the handler with 'async def' (a lambda or a wrapper that calls an "
-        "async function must be 'async def' and await it)")
+        + ("a function with 'yield' runs none of its body when called; do the work in "
+           "the handler without 'yield'" if inspect.isgenerator(value)
+           or inspect.isasyncgen(value) else
+           "declare the handler with 'async def' (a lambda or a wrapper that calls an "
+           "async function must be 'async def' and await it)"))
 
 
 def _exited(exc: BaseException) -> RuntimeError:

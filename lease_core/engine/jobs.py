@@ -72,6 +72,16 @@ def check_handler(handler: object, what: str) -> None:
     (``def job(): ...`` was declared, and then failed every run with a TypeError)."""
     if not callable(handler):
         raise ConfigurationError(f"handler {handler!r} of {what} is not callable")
+    call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects too
+    for kind, test in (("an async generator", inspect.isasyncgenfunction),
+                       ("a generator", inspect.isgeneratorfunction)):
+        if test(handler) or (call is not None and test(call)):
+            # Calling it only makes a generator: its body never ran, and every run was
+            # recorded completed.
+            raise ConfigurationError(
+                f"handler {handler!r} of {what} is {kind} function (its body has "
+                "'yield'): calling it would run none of its body; declare it as "
+                "'def handler(ctx)' or 'async def handler(ctx)' without 'yield'")
     try:
         signature = inspect.signature(handler)
     except (TypeError, ValueError):  # no signature to read (some builtins): it may work
