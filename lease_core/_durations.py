@@ -18,6 +18,14 @@ _SECONDS = re.compile(r"\s*[0-9]+(\.[0-9]+)?\s*")
 #: A capital M as a unit: months in many tools, minutes here once lowered ('6M' deleted
 #: history older than six minutes); refused, never read (MS, milliseconds, is not one).
 _CAPITAL_M = re.compile(r"[0-9.]\s*M(?![sS])")
+#: Unit words people write, and the unit they mean ('5 min' is '5m').
+_WORDS = {
+    "msec": "ms", "msecs": "ms", "millisecond": "ms", "milliseconds": "ms",
+    "sec": "s", "secs": "s", "second": "s", "seconds": "s",
+    "min": "m", "mins": "m", "minute": "m", "minutes": "m",
+    "hr": "h", "hrs": "h", "hour": "h", "hours": "h", "day": "d", "days": "d",
+}
+_LOOSE_PART = re.compile(r"(\d+(?:\.\d+)?)([a-z]*)")
 _ACCEPTED = (
     "a string such as '500ms', '30s', '5m', '1h30m' or '2d', a timedelta, or a number of seconds"
 )
@@ -47,10 +55,7 @@ def parse_duration(value: object, *, what: str = "duration", allow_zero: bool = 
             total += float(match.group(1)) * _UNITS_MS[match.group(2)] / 1000
             pos = match.end()
         if not text or pos != len(text):
-            raise ConfigurationError(
-                f"{what}={value!r} is not a duration; use {_ACCEPTED} "
-                f"(units: {', '.join(_UNITS_MS)})"
-            )
+            raise ConfigurationError(f"{what}={value!r} {_not_a_duration(value)}")
         seconds = total
     else:
         raise ConfigurationError(
@@ -62,6 +67,36 @@ def parse_duration(value: object, *, what: str = "duration", allow_zero: bool = 
         raise ConfigurationError(f"{what}={value!r} must be "
                                  + ("0 or more" if allow_zero else "greater than zero"))
     return seconds
+
+
+def _not_a_duration(value: str) -> str:
+    """Why the string ``value`` is no duration, and what to write instead: the duration
+    it most likely means when that is clear (a bare number, a unit word, a minus sign)."""
+    text = value.strip().lower().replace(" ", "")
+    accepted = f"use {_ACCEPTED} (units: {', '.join(_UNITS_MS)})"
+    if _SECONDS.fullmatch(value):
+        return (f"has no unit: write '{value.strip()}s' for seconds, or pass the number "
+                f"{value.strip()}; {accepted}")
+    if text.startswith("-") and (_meant(text[1:]) or _SECONDS.fullmatch(text[1:])):
+        return f"is negative; a duration must be greater than zero: {accepted}"
+    meant = _meant(text)
+    if meant is not None:
+        return f"is not a duration: write {meant!r}; {accepted}"
+    return f"is not a duration; {accepted}"
+
+
+def _meant(text: str) -> str | None:
+    """``text`` (lowered, no blanks) with its unit words as units ('5min' -> '5m'), when
+    every part is a number and a unit or a unit word; else None."""
+    parts, pos = [], 0
+    for match in _LOOSE_PART.finditer(text):
+        unit = match.group(2)
+        unit = unit if unit in _UNITS_MS else _WORDS.get(unit, "")
+        if match.start() != pos or not unit:
+            return None
+        parts.append(match.group(1) + unit)
+        pos = match.end()
+    return "".join(parts) if parts and pos == len(text) else None
 
 
 def parse_typed_duration(text: str, *, what: str, allow_zero: bool = False) -> float:
@@ -84,6 +119,9 @@ def parse_typed_duration(text: str, *, what: str, allow_zero: bool = False) -> f
         zero = False
     if zero:
         raise ConfigurationError(f"{what} {text.strip()!r} must be greater than zero")
+    meant = _meant(text.strip().lower().replace(" ", ""))
+    if meant is not None:
+        raise ConfigurationError(f"{what} {text!r} is not a duration; write {meant!r}")
     raise ConfigurationError(
         f"{what} {text!r} is not a duration; give a number of seconds or a duration "
         "such as 500ms, 30s, 5m, 1h30m or 2d"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +29,33 @@ def test_bad_duration_names_the_value_and_the_units(bad: str) -> None:
         parse_duration(bad, what="interval")
     assert repr(bad) in str(info.value)
     assert "'30s'" in str(info.value) or "greater than zero" in str(info.value)
+
+
+@pytest.mark.parametrize(("bad", "says"), [
+    ("5", "has no unit: write '5s' for seconds, or pass the number 5;"),
+    (" 1.5 ", "has no unit: write '1.5s' for seconds, or pass the number 1.5;"),
+    ("5 min", "is not a duration: write '5m';"),
+    ("30 seconds", "is not a duration: write '30s';"),
+    ("1 hour 30 mins", "is not a duration: write '1h30m';"),
+    ("-5s", "is negative; a duration must be greater than zero"),
+    ("-10", "is negative; a duration must be greater than zero"),
+])
+def test_a_near_miss_duration_says_what_to_write(bad: str, says: str) -> None:
+    """``every("j", "5 min")`` or ``"5"`` (meaning seconds) said only "is not a duration;
+    use ... or a number of seconds", and ``"-5s"`` "is not a duration" though the docs
+    call it a negative one: the message names what was most likely meant."""
+    with pytest.raises(ConfigurationError, match=f"^interval={re.escape(repr(bad))} "
+                       f"{re.escape(says)}"):
+        parse_duration(bad, what="interval")
+    with pytest.raises(ConfigurationError, match=r"'30s'.*\(units: ms, s, m, h, d\)$"):
+        parse_duration(bad, what="interval")
+    if "write" in says and "no unit" not in says:  # typed on a command line alike
+        with pytest.raises(ConfigurationError) as typed:
+            parse_typed_duration(bad, what="--older-than")
+        assert str(typed.value) == (f"--older-than {bad!r} is not a duration; write "
+                                    f"{says.split(chr(39))[1]!r}")
+    elif "no unit" in says:  # a bare number typed on a command line is seconds
+        assert parse_typed_duration(bad, what="--older-than") == float(bad)
 
 
 @pytest.mark.parametrize("bad", [0, -1, "0s", timedelta(0), timedelta(seconds=-3),
