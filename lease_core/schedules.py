@@ -154,6 +154,8 @@ def _check_expression(expression: object) -> str:
             f"cron expression {expression!r}: aliases are not supported; write the five "
             f"fields instead: {_ALIASES[expression.strip().lower()]!r}"
         )
+    if isinstance(expression, str):
+        _check_quartz(expression)
     if not isinstance(expression, str) or not _CRON_FIELDS.match(expression.strip()):
         raise ConfigurationError(
             f"cron expression {expression!r} is invalid; use five fields "
@@ -171,6 +173,27 @@ def _check_expression(expression: object) -> str:
                 "(e.g. '*/15' or '0-30/10') instead"
             )
     return expression.strip()
+
+
+def _check_quartz(expression: str) -> None:
+    """Refuse Quartz's and Spring's form (seconds first, '?' for "no value" in a day
+    field, a year seventh), which croniter read with seconds last or refused as "Question
+    mark can only used in day_of_month or day_of_week", naming the five fields meant."""
+    fields = expression.split()
+    # Six fields with seconds last have their day fields third and fifth: a '?' in the
+    # fourth or sixth is Quartz's, in its day fields.
+    if len(fields) not in (6, 7) or (len(fields) == 6 and "?" not in fields[3] + fields[5]):
+        return
+    meant = " ".join([field.replace("?", "*") for field in fields[1:6]]
+                     + ([] if fields[0] == "0" else [fields[0]]))  # seconds last
+    raise ConfigurationError(
+        f"cron expression {expression!r} is in Quartz's or Spring's form (seconds first, "
+        f"'?' for no value{', a year last' if len(fields) == 7 else ''}); here an "
+        "expression has five fields 'minute hour day month weekday' (or six, with seconds "
+        f"last): write {meant!r}"
+        + (f" with the weekday's numbers ({fields[5]!r}) one lower, or as names (MON-FRI): "
+           "Quartz numbers the weekdays 1 (Sunday) to 7, cron 0 (Sunday) to 6"
+           if any(c.isdigit() for c in fields[5]) else ""))
 
 
 def _zone(tz: object) -> ZoneInfo:

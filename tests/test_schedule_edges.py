@@ -55,6 +55,33 @@ def test_an_alias_is_refused_with_its_five_fields(alias: str, fields: str) -> No
     CronSchedule(fields)
 
 
+@pytest.mark.parametrize(("quartz", "fields"), [
+    ("0 0/5 * * * ?", "0/5 * * * *"), ("0 0 12 * * ?", "0 12 * * *"),
+    ("0 15 10 ? * MON-FRI", "15 10 * * MON-FRI"), ("30 0 12 ? * *", "0 12 * * * 30"),
+    ("0 0 12 * * ? 2027", "0 12 * * *"), ("0 0 */5 * * * *", "0 */5 * * *"),
+])
+def test_a_quartz_expression_is_refused_with_the_fields_it_means(quartz: str,
+                                                                  fields: str) -> None:
+    """Quartz's and Spring's form (seconds first, '?' in a day field, a year seventh) was
+    refused as "is invalid ([...] is not acceptable. Question mark can only used in
+    day_of_month or day_of_week); use five fields ...", croniter's words for a field it
+    read as another, or as "invalid" for seven fields: the message says which form it is,
+    and what to write."""
+    with pytest.raises(ConfigurationError, match="is in Quartz's or Spring's form") as info:
+        CronSchedule(quartz)
+    assert str(info.value).startswith(f"cron expression {quartz!r} ")
+    assert str(info.value).endswith(f"(or six, with seconds last): write {fields!r}")
+    CronSchedule(fields)
+
+
+def test_a_quartz_weekday_number_is_said_to_count_from_one() -> None:
+    """Quartz's weekdays are 1 (Sunday) to 7: copied as they are, '2-6' (Monday to
+    Friday) would run Tuesday to Saturday."""
+    with pytest.raises(ConfigurationError, match=r"write '0 12 \* \* 2-6' with the weekday's "
+                       r"numbers \('2-6'\) one lower, or as names \(MON-FRI\): Quartz "):
+        CronSchedule("0 0 12 ? * 2-6")
+
+
 # ----------------------------------------------------------------- daylight saving time
 
 ZONES = ("Europe/Lisbon", "America/New_York", "Australia/Lord_Howe")
