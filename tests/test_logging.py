@@ -92,3 +92,27 @@ async def test_a_timed_out_handler_is_logged_with_its_iso_slot(
     message = line.getMessage()
     assert message.startswith(f"slow slot {format_slot(slot)} ({slot}) attempt 1 timed out")
     assert "0.3s" in message
+
+
+@pytest.mark.anyio
+async def test_a_scheduler_started_without_jobs_warns_that_it_runs_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Jobs declared on another ``Scheduler`` object (or in a module the process never
+    imported) left the one started with none: it started and ran nothing, logging only
+    "started with 0 jobs" at INFO, unseen at the usual WARNING level."""
+    caplog.set_level("INFO", logger="anarchon")
+    empty = Scheduler(MemoryBackend(), instance_id="empty", lease="1.2s", heartbeat="0.2s")
+    async with empty:
+        pass
+    [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.getMessage() == (
+        "instance empty started with no jobs, so it runs nothing: declare them with "
+        "every(), cron() or workflow() on this scheduler before start()")
+    caplog.clear()
+    one = Scheduler(MemoryBackend(), instance_id="one", lease="1.2s", heartbeat="0.2s")
+    one.every("j", "1h", lambda ctx: None, offset=quiet_offset_now())
+    async with one:
+        pass
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "instance one started with 1 job" in [r.getMessage() for r in caplog.records]

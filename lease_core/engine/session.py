@@ -257,8 +257,13 @@ class Session:
             tg.start_soon(self.retention.run)
             if self.state is SchedulerState.STARTING:
                 self.state = SchedulerState.RUNNING
-            logger.info("instance %s started with %d jobs", self.settings.instance_id,
-                        len(self.jobs))
+            if self.jobs:
+                logger.info("instance %s started with %d job%s", self.settings.instance_id,
+                            len(self.jobs), "" if len(self.jobs) == 1 else "s")
+            else:  # declared on another Scheduler object, or in a module never imported
+                logger.warning("instance %s started with no jobs, so it runs nothing: "
+                               "declare them with every(), cron() or workflow() on this "
+                               "scheduler before start()", self.settings.instance_id)
             task_status.started()
             await self.stop_requested.wait()
             await self._stop_gracefully()
