@@ -319,3 +319,20 @@ def test_an_event_subscriber_that_cannot_take_the_event_is_refused() -> None:
             s.subscribe(bad)  # type: ignore[arg-type]
     for good in (noop, print, lambda *events: None):
         s.subscribe(good)()  # subscribed, then unsubscribed
+
+
+def test_an_event_subscriber_with_yield_is_refused() -> None:
+    """``async def on_event(event): ... yield ...`` was subscribed, and at every event only
+    made a generator: none of its body ran, and nothing said so."""
+    s = sched()
+
+    async def agen(event: object) -> Any:
+        yield event
+
+    def gen(event: object) -> Any:
+        yield event
+
+    for bad in (agen, gen):
+        with pytest.raises(ConfigurationError, match=r"the callback is a generator function "
+                           r"\(its body has 'yield'\), so none of its body would run"):
+            s.subscribe(bad)

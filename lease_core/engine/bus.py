@@ -78,6 +78,14 @@ class EventBus:
                 f"subscribe({callback!r}): the callback cannot be called with one argument, "
                 f"the event ({exc}); subscribe a function such as 'def on_event(event)'"
             ) from None
+        call = getattr(callback, "__call__", None)  # noqa: B004 - callable objects too
+        if any(test(f) for f in (callback, call) for test in (
+                inspect.isasyncgenfunction, inspect.isgeneratorfunction)):
+            # Calling it would only make a generator: none of its body would ever run.
+            raise ConfigurationError(
+                f"subscribe({callback!r}): the callback is a generator function (its body "
+                "has 'yield'), so none of its body would run; subscribe a function such as "
+                "'def on_event(event)' without 'yield'")
         sub = _Subscriber(callback, is_async(callback))
         if self._tg is not None:
             self._open_subscriber(sub)  # raises, registering nothing, off the loop's thread
