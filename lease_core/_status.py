@@ -60,6 +60,8 @@ class JobStatus:
     name: str
     open: list[RunInfo]
     last: RunInfo | None
+    paused: str | None = None
+    """Who paused the job (its slots are skipped until resumed), else ``None``."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class StoreStatus:
                     "name": job.name,
                     "running": [_run_json(r) for r in job.open],
                     "last": None if job.last is None else _run_json(job.last),
+                    "paused": job.paused,
                 }
                 for job in self.jobs
             ],
@@ -107,13 +110,14 @@ async def read_status(backend: Backend, job: str | Sequence[str] | None = None,
     open_runs = await backend.runs(one, open_only=True, limit=_OPEN)
     # A full listing may leave some jobs' open runs out: each job's are read then.
     full = len(open_runs) >= _OPEN and one is None
+    paused = await backend.paused()
     jobs = []
     for name in names:
         recent = await backend.runs(name, limit=_RECENT)
         last = next((r for r in recent if r.status.finished), None)
         mine = (await backend.runs(name, open_only=True, limit=_OPEN) if full
                 else [r for r in open_runs if r.job == name])
-        jobs.append(JobStatus(name, mine, last))
+        jobs.append(JobStatus(name, mine, last, paused.get(name)))
     return StoreStatus(now, jobs)
 
 
@@ -127,7 +131,8 @@ def render_status(status: StoreStatus) -> str:
     rows = []
     for job in status.jobs:
         last = job.last
-        progress = "; ".join(_describe_open(r, status.now_ms) for r in job.open) or "-"
+        progress = "; ".join(([f"paused by {job.paused}"] if job.paused is not None else [])
+                             + [_describe_open(r, status.now_ms) for r in job.open]) or "-"
         rows.append((job.name, str(last.status) if last else "-",
                      iso(last.scheduled_at) or "-" if last else "-", progress))
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(3)]

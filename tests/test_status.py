@@ -59,6 +59,30 @@ async def test_status_shows_jobs_runs_in_progress_and_last_outcomes(store: Store
         await backend.close()
 
 
+async def test_status_shows_a_paused_job_and_who_paused_it(store: Store) -> None:
+    """``anarchon pause export`` then ``anarchon status`` showed the job as it was, with
+    nothing in progress: the page marks it paused, the command said nothing of it."""
+    from lease_core import Admin
+
+    backend = store.backend()
+    await backend.start()
+    try:
+        for job in ("export", "report"):
+            await backend.claim(_req(job, SLOT, "a"))
+        await Admin(backend, by="ops-console").pause("export")
+        status = await read_status(backend)
+        assert {j["name"]: j["paused"] for j in status.as_json()["jobs"]} == {
+            "export": "ops-console", "report": None}
+        lines = render_status(status).splitlines()
+        export = next(line for line in lines if line.startswith("export"))
+        assert "paused by ops-console; slot 2025-11-30T00:00:00.000+00:00 attempt 1 held by a" \
+            in export, export
+        report = next(line for line in lines if line.startswith("report"))
+        assert "paused" not in report, report
+    finally:
+        await backend.close()
+
+
 async def test_history_of_a_job_name_no_store_can_hold_is_refused_alike(store: Store) -> None:
     """``scheduler.history(job=...)`` passed the name to the backend unchecked: a number
     read as "no history" on PostgreSQL and in memory but raised redis-py's
