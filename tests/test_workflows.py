@@ -1167,6 +1167,22 @@ def test_bad_declarations_are_configuration_errors() -> None:
         anyio.run(s.start)
 
 
+def test_a_workflow_named_as_a_declared_jobs_prefix_is_refused_naming_that_job() -> None:
+    """``every("close/snapshot", ...)`` then ``workflow("close", ...)`` was refused with
+    "workflow 'close' is already declared; workflow names must be unique", though no
+    workflow of that name was: it names the job whose name clashes."""
+    from backends.memory import MemoryBackend
+
+    s = Scheduler(MemoryBackend(), **FAST)
+    s.every("close/snapshot", "1h", lambda ctx: None)
+    with pytest.raises(ConfigurationError) as info:
+        s.workflow("close", every="1d")
+    assert str(info.value) == (
+        "workflow 'close': the job 'close/snapshot' is declared, named as this workflow's "
+        "steps' jobs are ('close/<step>'); give the job or the workflow another name")
+    assert list(s.jobs) == ["close/snapshot"] and not s.workflows
+
+
 async def test_a_step_added_after_start_is_refused() -> None:
     from backends.memory import MemoryBackend
 

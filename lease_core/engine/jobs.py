@@ -193,9 +193,15 @@ class JobRegistry:
         """Declare a workflow (see :meth:`Scheduler.workflow <lease_core.Scheduler.workflow>`)."""
         check_name("workflow", name)
         self.check_declarable(f"workflow {name!r}")
-        if name in self.workflows or any(j.startswith(name + "/") for j in self.jobs):
+        if name in self.workflows:
             raise ConfigurationError(f"workflow {name!r} is already declared; "
                                      "workflow names must be unique")
+        under = sorted(j for j in self.jobs if j.startswith(name + "/"))
+        if under:  # a job named as this workflow's step jobs are, <workflow>/<step>
+            raise ConfigurationError(
+                f"workflow {name!r}: the job {under[0]!r} is declared, named as this "
+                f"workflow's steps' jobs are ('{name}/<step>'); give the job or the "
+                "workflow another name")
         if name in self.jobs:
             raise ConfigurationError(
                 f"workflow {name!r}: a job of that name is declared; operations, the status "
