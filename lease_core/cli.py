@@ -275,6 +275,9 @@ def _run(args: argparse.Namespace) -> int:
 
         ok = run_demo(args.backend, args.url, keep=args.keep, namespace=args.namespace)
         return 0 if ok else EXIT_FAILED
+    if args.url is None and args.command in ("migrate", "history", "status", "prune",
+                                             "serve", *OPERATIONS):  # not libpq's default
+        raise ConfigurationError(f"which store? give --url, or set ${URL_ENV}")
     if args.command == "migrate":
         from backends.postgres import CODE_VERSION
         from backends.postgres.upgrade import migrate_to
@@ -285,9 +288,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"anarchon migrate: the tables for {table!r} are ready "
               f"(store code v{code}{newer})")
         return 0
-    if args.url is None and args.command in ("history", "status", "prune", "serve",
-                                             *OPERATIONS):
-        raise ConfigurationError(f"which store? give --url, or set ${URL_ENV}")
     if args.command == "serve":
         return _serve(args)
     if args.command in OPERATIONS:

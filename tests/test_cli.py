@@ -466,6 +466,21 @@ def test_status_needs_a_url(
     assert "--url" in err and "$ANARCHON_URL" in err
 
 
+def test_migrate_needs_a_url_rather_than_libpqs_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``anarchon migrate`` without ``--url`` or ``$ANARCHON_URL`` connected to libpq's
+    default, localhost:5432 (and would create the tables in whatever answered there), or
+    failed with "cannot reach PostgreSQL at localhost:5432" (exit 1); every other
+    subcommand that needs a store asks which one (exit 2)."""
+    monkeypatch.delenv("ANARCHON_URL", raising=False)
+    for var in ("PGHOST", "PGPORT", "PGDATABASE", "PGUSER", "PGSERVICE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["migrate"]) == 2
+    assert one_line_error(capsys) == (
+        "anarchon migrate: which store? give --url, or set $ANARCHON_URL\n")
+
+
 @pytest.mark.parametrize("kind", ["postgres", "redis"])
 def test_prune_deletes_finished_history_older_than_a_duration(
     capsys: pytest.CaptureFixture[str], kind: str, pg16_server: PgServer,
