@@ -116,3 +116,44 @@ async def test_a_scheduler_started_without_jobs_warns_that_it_runs_nothing(
         pass
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "instance one started with 1 job" in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("ids", [("worker", "worker"), ("worker-1", "worker-2")])
+async def test_an_instance_id_shared_by_two_running_schedulers_is_warned_about(
+    caplog: pytest.LogCaptureFixture, ids: tuple[str, str],
+) -> None:
+    """``Scheduler(backend, instance_id="worker")`` on every replica: their memberships
+    are one, so when the holder of a run only it knew of (a triggered run) dies, the other
+    never takes it over (its membership never lapses), and nothing said why. A claim that
+    finds its slot held under its own id by another attempt warns, once."""
+    caplog.set_level("WARNING", logger="anarchon")
+    backend = MemoryBackend()
+    release = anyio.Event()
+
+    async def hold(ctx: RunContext) -> None:
+        await release.wait()
+
+    def replica(instance_id: str) -> Scheduler:
+        s = Scheduler(backend, instance_id=instance_id, lease="1.2s", heartbeat="0.2s")
+        s.every("j", "1h", hold, offset=quiet_offset_now())
+        return s
+
+    a, b = replica(ids[0]), replica(ids[1])
+    async with a, b:
+        slot = a.jobs["j"].schedule.previous_at_or_before(a.store_now_ms())
+        assert slot is not None
+        await claim_now(a, "j", slot)
+        await wait_for(lambda: a.running, what="a's run")
+        await claim_now(b, "j", slot)  # held by a, under the id b has too (or not)
+        await claim_now(b, "j", slot)
+        release.set()
+    shared = [r.getMessage() for r in caplog.records if "by another process" in r.getMessage()]
+    if ids[0] != ids[1]:
+        assert shared == []
+        return
+    assert shared == [
+        f"j slot {format_slot(slot)} is held under this instance's id 'worker' by another "
+        "process: give every instance its own instance_id (the default is unique); "
+        "instances that share one do not take over each other's runs that only one of "
+        "them knew of (a triggered run, a retry) when it dies"]

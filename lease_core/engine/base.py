@@ -111,6 +111,8 @@ class Carry:
     """The job the next history trimming starts with (where the last one's budget ran out)."""
     quarantine_logged: dict[str, int | None] = field(default_factory=dict)
     """Per job, the end of the store's quarantine last logged (logged once each)."""
+    shared_id_warned: bool = False
+    """A run held under this instance's id by another process was logged (once)."""
     abandoned: set[Any] = field(default_factory=set)
     """Threads of sync handlers still running after their run stopped waiting for them (a
     timeout, a stop): they count against ``max_running`` after a restart too."""

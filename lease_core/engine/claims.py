@@ -183,6 +183,21 @@ class Claimer:
 
         s.tg.start_soon(rescan)
 
+    def _shared_id(self, job: Job, slot: int) -> None:
+        """Warn, once, of a run held under this instance's id by another attempt (claims
+        are idempotent by token, so not one of ours): another process runs with the same
+        instance id (or this one's previous process, its lease not yet lapsed)."""
+        if self._s.carry.shared_id_warned or any(
+                run.key == (job.name, slot) for run in self._s.runs.held()):
+            return
+        self._s.carry.shared_id_warned = True
+        logger.warning(
+            "%s slot %s is held under this instance's id %r by another process: give "
+            "every instance its own instance_id (the default is unique); instances that "
+            "share one do not take over each other's runs that only one of them knew of "
+            "(a triggered run, a retry) when it dies", job.name, format_slot(slot),
+            self._s.settings.instance_id)
+
     def _settle(self, job: Job, slot: int, reason: Reason, token: str,
                 result: ClaimResult | None, took: float, sent_loop: float,
                 deferred: list[Run] | None = None) -> ClaimResult | None:
@@ -230,6 +245,8 @@ class Claimer:
                     "%s, when every lease it may have held has expired", job.name,
                     format_slot(slot), result.expires_ms)
         elif result.status is ClaimStatus.RUNNING:
+            if result.instance_id == s.settings.instance_id:
+                self._shared_id(job, slot)
             s.runs.watch(job, slot)
             if events:
                 s.bus.emit(ev.StandingBy(**run, holder=result.instance_id, claim_duration=took))
