@@ -157,3 +157,40 @@ async def test_an_instance_id_shared_by_two_running_schedulers_is_warned_about(
         "process: give every instance its own instance_id (the default is unique); "
         "instances that share one do not take over each other's runs that only one of "
         "them knew of (a triggered run, a retry) when it dies"]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_a_scheduler_whose_event_loop_ends_under_it_says_so(
+    caplog: pytest.LogCaptureFixture, loop: str,
+) -> None:
+    """``anyio.run(scheduler.start)`` in a script returns at once, its loop ending under
+    the scheduler, which ended as a crashed instance: nothing ran, and nothing said why.
+    A scheduler stopped, or aborted, as asked says nothing of the kind."""
+    caplog.set_level("WARNING", logger="anarchon")
+
+    def scheduler() -> Scheduler:
+        s = Scheduler(MemoryBackend(), instance_id="script", lease="1.2s", heartbeat="0.2s")
+        s.every("j", "1h", lambda ctx: None, offset=quiet_offset_now())
+        return s
+
+    s = scheduler()
+    anyio.run(s.start, backend=loop)
+    assert s.state == "stopped"
+    assert [r.getMessage() for r in caplog.records] == [
+        "scheduler script ended with its event loop, without stop(): as a crashed instance, "
+        "nothing handed over; keep the loop running while it should run (`async with "
+        "scheduler:` around the application's work; anyio.run(scheduler.start) returns at "
+        "once, ending it), or use SyncScheduler"]
+    caplog.clear()
+
+    async def stopped(s: Scheduler) -> None:
+        await s.start()
+        await s.stop()
+
+    async def aborted(s: Scheduler) -> None:
+        await s.start()
+        await s.abort()
+
+    for asked in (stopped, aborted):
+        anyio.run(asked, scheduler(), backend=loop)
+    assert caplog.records == []

@@ -82,6 +82,7 @@ class Session:
         self.carry = carry
         self.state = SchedulerState.STARTING
         self.crashed = False
+        self.aborted = False  # abort() was called (a crash asked for, not an accident)
         """True once cancelled from outside or aborted: nothing is finished or handed over."""
         self._eager_hand_over = False
         self._handed: set[str] = set()  # the tokens a hand-over was sent for
@@ -136,7 +137,7 @@ class Session:
 
     def abort(self) -> None:
         """Stop at once, as a crash would: nothing is finished or handed over."""
-        self.crashed = True
+        self.crashed = self.aborted = True
         self.state = SchedulerState.STOPPING
         self.run_scope.cancel()
 
@@ -165,6 +166,15 @@ class Session:
         try:
             await self.run(status)
         except anyio.get_cancelled_exc_class():
+            if status.is_started and not self.aborted and not self.stop_requested.is_set():
+                # The event loop ended under it (`anyio.run(scheduler.start)` returns at
+                # once, ending the loop): nothing else would say why nothing ran.
+                logger.warning(
+                    "scheduler %s ended with its event loop, without stop(): as a crashed "
+                    "instance, nothing handed over; keep the loop running while it should "
+                    "run (`async with scheduler:` around the application's work; "
+                    "anyio.run(scheduler.start) returns at once, ending it), or use "
+                    "SyncScheduler", self.settings.instance_id)
             raise
         except BaseException as exc:
             # Nothing may escape a host task (on trio it would end the whole event loop).
