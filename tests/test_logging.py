@@ -154,7 +154,9 @@ async def test_an_instance_id_shared_by_two_running_schedulers_is_warned_about(
         return
     assert shared == [
         f"j slot {format_slot(slot)} is held under this instance's id 'worker' by another "
-        "process: give every instance its own instance_id (the default is unique); "
+        "process (this instance's previous one, its lease not yet lapsed, or another "
+        "instance with the same id): give every instance its own instance_id (the default "
+        "is unique); "
         "instances that share one do not take over each other's runs that only one of "
         "them knew of (a triggered run, a retry) when it dies"]
 

@@ -192,10 +192,12 @@ class Claimer:
             return
         self._s.carry.shared_id_warned = True
         logger.warning(
-            "%s slot %s is held under this instance's id %r by another process: give "
-            "every instance its own instance_id (the default is unique); instances that "
-            "share one do not take over each other's runs that only one of them knew of "
-            "(a triggered run, a retry) when it dies", job.name, format_slot(slot),
+            "%s slot %s is held under this instance's id %r by another process (this "
+            "instance's previous one, its lease not yet lapsed, or another instance "
+            "with the same id): give every instance its own instance_id (the default is "
+            "unique); instances that share one do not take over each other's runs that "
+            "only one of them knew of (a triggered run, a retry) when it dies",
+            job.name, format_slot(slot),
             self._s.settings.instance_id)
 
     def _settle(self, job: Job, slot: int, reason: Reason, token: str,
