@@ -8,6 +8,7 @@ Re-exported by :mod:`lease_core.abc`, where a backend imports them from.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from ._structures import Attempt, Outcome, RunStatus
@@ -155,3 +156,11 @@ def finish_status(outcome: object) -> RunStatus:
     raise ConfigurationError(
         f"outcome={outcome!r} cannot end a run; use completed, failed or timed_out"
     )
+
+
+def check_not_forked(backend: Any, opened_in: int) -> None:
+    """Refuse, in a forked child, a backend its parent has open (``opened_in``: the pid
+    that opened it): its connections are the parent's. A memory store has none."""
+    if opened_in != os.getpid() and "memory" not in backend.schemes:
+        raise RuntimeError(f"{type(backend).__name__}: this process is a fork of the one "
+                           "that opened it (its connections are the parent's): make one here")

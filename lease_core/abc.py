@@ -94,10 +94,10 @@ the caller claims again later.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from os import getpid
 from typing import Any, Self
 
 from ._checks import (
@@ -107,6 +107,7 @@ from ._checks import (
     check_leave,
     check_limit,
     check_members,
+    check_not_forked,
     check_prune,
     decode_checkpoint,
     encode_checkpoint,
@@ -241,15 +242,14 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         without makes or upgrades the store then: :meth:`_open_joined`). Other calls come
         between it and the last close (else a URL's backend raises). In a forked child, a
         copy its parent had open raises ``RuntimeError`` (memory aside)."""
-        if self._users and self._opened_in != os.getpid() and "memory" not in self.schemes:
-            raise RuntimeError(f"{type(self).__name__}: this process is a fork of the one that "
-                               "opened it (its connections are the parent's): make one here")
+        if self._users:
+            check_not_forked(self, self._opened_in)
         if self._users and not (create and self._existing_only) and self._count_now(1):
             return  # already open, no open or close under way: no wait
         async with self._start_lock:
             if self._users == 0:
                 await (self._open() if create else self._open_existing())
-                self._existing_only, self._opened_in = not create, os.getpid()
+                self._existing_only, self._opened_in = not create, getpid()
             elif create and self._existing_only:  # a reader opened it: upgrade it now
                 await self._open_joined()
                 self._existing_only = False
@@ -267,14 +267,10 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
                 await self._close()
 
     def _drop_user_now(self) -> bool:
-        """Release this user's hold at once when that closes nothing (it is not the last
-        user, and no start or close is under way); return whether it did.
-
-        What :meth:`close` does first, without awaiting (so nothing can cancel it
-        half-way): a :class:`~lease_core.Lease` lets go of its hold this way at every
-        release. False for a subclass with a :meth:`close` of its own, which is then
-        always called.
-        """
+        """Release this user's hold at once when that closes nothing (not the last user, no
+        start or close under way; never for a subclass with a :meth:`close` of its own);
+        return whether it did. What :meth:`close` does first, without awaiting: a
+        :class:`~lease_core.Lease` lets go of its hold this way at every release."""
         return type(self).close is Backend.close and self._users > 1 and self._count_now(-1)
 
     def _count_now(self, change: int) -> bool:

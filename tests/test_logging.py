@@ -179,8 +179,9 @@ def test_a_scheduler_whose_event_loop_ends_under_it_says_so(
     anyio.run(s.start, backend=loop)
     assert s.state == "stopped"
     assert [r.getMessage() for r in caplog.records] == [
-        "scheduler script ended with its event loop, without stop(): as a crashed instance, "
-        "nothing handed over; keep the loop running while it should run (`async with "
+        "scheduler script was cancelled from outside (its event loop ending, or its task "
+        "group cancelled) without stop(): as a crashed instance, nothing handed over; keep "
+        "the loop running while it should run (`async with "
         "scheduler:` around the application's work; anyio.run(scheduler.start) returns at "
         "once, ending it), or use SyncScheduler"]
     caplog.clear()

@@ -82,8 +82,8 @@ class Session:
         self.carry = carry
         self.state = SchedulerState.STARTING
         self.crashed = False
-        self.aborted = False  # abort() was called (a crash asked for, not an accident)
         """True once cancelled from outside or aborted: nothing is finished or handed over."""
+        self.aborted = False  # abort() was called (a crash asked for, not an accident)
         self._eager_hand_over = False
         self._handed: set[str] = set()  # the tokens a hand-over was sent for
         self.grace = 0.0
@@ -170,8 +170,9 @@ class Session:
                 # The event loop ended under it (`anyio.run(scheduler.start)` returns at
                 # once, ending the loop): nothing else would say why nothing ran.
                 logger.warning(
-                    "scheduler %s ended with its event loop, without stop(): as a crashed "
-                    "instance, nothing handed over; keep the loop running while it should "
+                    "scheduler %s was cancelled from outside (its event loop ending, or "
+                    "its task group cancelled) without stop(): as a crashed instance, "
+                    "nothing handed over; keep the loop running while it should "
                     "run (`async with scheduler:` around the application's work; "
                     "anyio.run(scheduler.start) returns at once, ending it), or use "
                     "SyncScheduler", self.settings.instance_id)
