@@ -28,6 +28,15 @@ __all__ = [
 #: Third-party backends register here: ``scheme = "package.module:BackendClass"``.
 ENTRY_POINT_GROUP = "anarchon.backends"
 
+#: What to write instead of a scheme of another tool's for a store anarchon supports.
+_SCHEME_HINTS = {
+    "valkey": " (for Valkey, write redis://: the Redis backend speaks to Valkey too)",
+    "valkeys": " (for Valkey with TLS, write rediss://)",
+    "pg": " (for PostgreSQL, write postgresql://)",
+    "postgresql+asyncpg": " (asyncpg is not supported: write postgresql:// for psycopg, or "
+                          "postgresql+pg8000://)",
+}
+
 _BUILTIN: dict[str, tuple[str, str, str]] = {
     # scheme: (module, class, extra to install)
     "memory": ("backends.memory", "MemoryBackend", ""),
@@ -109,9 +118,10 @@ def backend_from_url(url: str, **options: Any) -> Backend:
     else:
         plugin = _plugins().get(scheme)
         if plugin is None:
+            hint = _SCHEME_HINTS.get(scheme, "")
             raise ConfigurationError(
-                f"backend URL scheme {scheme!r} (in {redact(url)!r}) is unknown; known schemes: "
-                + ", ".join(f"{s}://" for s in known_schemes())
+                f"backend URL scheme {scheme!r} (in {redact(url)!r}) is unknown{hint}; known "
+                "schemes: " + ", ".join(f"{s}://" for s in known_schemes())
             )
         cls = plugin.load()
         if not (isinstance(cls, type) and issubclass(cls, Backend)):

@@ -26,6 +26,18 @@ def test_unknown_scheme_lists_known_ones() -> None:
     assert "secret" not in message
 
 
+@pytest.mark.parametrize(("url", "hint"), [
+    ("valkey://localhost:6379/0", "for Valkey, write redis://"),
+    ("valkeys://localhost:6379/0", "write rediss://"),
+    ("pg://db/app", "write postgresql://"),
+    ("postgresql+asyncpg://db/app", "asyncpg is not supported"),
+])
+def test_another_tool_s_scheme_says_what_to_write(url: str, hint: str) -> None:
+    with pytest.raises(ConfigurationError, match="is unknown") as refused:
+        backend_from_url(url)
+    assert hint in str(refused.value)
+
+
 def test_url_without_scheme() -> None:
     with pytest.raises(ConfigurationError, match="has no scheme"):
         backend_from_url("localhost:5432")
