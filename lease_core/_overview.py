@@ -2,11 +2,11 @@
 
 Read in a bounded number of store calls whatever the number of jobs: the jobs, workflows
 and schedules the store records, every open run, and the newest attempts of all jobs in
-one read each (a job whose last finished attempt is older than that window is read on its
-own). A row shows the job's kind, schedule and next slot (from the schedule the store
-recorded at the declaring instances' start), its last finished run (outcome, when, how
-long), its runs in progress with their holder and the lease left, and ``paused``: who
-paused the job (an operation), else ``None``.
+one read each (a job whose last finished run is older than that window, its attempts there
+all of runs in progress, is read on its own). A row shows the job's kind, schedule and
+next slot (from the schedule the store recorded at the declaring instances' start), its
+last finished run (outcome, when, how long), its runs in progress with their holder and
+the lease left, and ``paused``: who paused the job (an operation), else ``None``.
 """
 
 from __future__ import annotations
@@ -67,7 +67,13 @@ async def read_overview(backend: Backend, *, status: str = "all", query: str = "
     open_runs: defaultdict[str, list[RunInfo]] = defaultdict(list)
     for run in await backend.runs(None, open_only=True, limit=100_000):
         open_runs[run.job].append(run)
-    finished, starts = await _finished_attempts(backend, [*jobs, *steps])
+    # The slots in progress of each job, and of each step its workflow's: an attempt at
+    # one of them ended no run (a failed attempt waiting for its retry, a retried run).
+    busy = {name: {r.slot for r in open_runs[name]} for name in jobs}
+    for name, names in workflows.items():
+        slots = {r.slot for s in names for r in open_runs[step_job(name, s)]}
+        busy.update((step_job(name, s), slots) for s in names)
+    finished, starts = await _finished_attempts(backend, busy)
     paused = await backend.paused()  # operations: who paused which job
 
     rows = [dict(_job_row(name, schedules.get(name), open_runs[name], finished[name], now,
@@ -90,11 +96,12 @@ async def read_overview(backend: Backend, *, status: str = "all", query: str = "
             "rows": chosen[start:start + per_page]}
 
 
-async def _finished_attempts(backend: Backend, names: Sequence[str],
+async def _finished_attempts(backend: Backend, busy: dict[str, set[int]],
                              ) -> tuple[defaultdict[str, list[Attempt]],
                                         dict[tuple[str, int], datetime]]:
     """Each job's finished attempts among the newest of the store, newest first, and when
-    each run read started (its first attempt's claim)."""
+    each run read started (its first attempt's claim). ``busy``: every job (and step),
+    with the slots it (its workflow) has in progress."""
     recent = await backend.history(None, _WINDOW)
     by_job: defaultdict[str, list[Attempt]] = defaultdict(list)
     for attempt in recent:  # only the outcomes that end a run (not lost, handed over)
@@ -102,8 +109,10 @@ async def _finished_attempts(backend: Backend, names: Sequence[str],
             by_job[attempt.job].append(attempt)
     starts = _starts(recent)
     if len(recent) >= _WINDOW:  # the window may have missed a job that runs rarely
-        for name in names:
-            if name not in by_job:
+        for name, open_slots in busy.items():
+            # Read alone too when the window holds only attempts of runs in progress (a
+            # rare job retrying now): its last finished run is older, not missing.
+            if all(a.slot in open_slots for a in by_job.get(name, ())):
                 alone = await backend.history(name, 20)
                 by_job[name] = [a for a in alone if a.outcome in _ENDS]
                 starts.update(_starts(alone))

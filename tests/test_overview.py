@@ -20,9 +20,11 @@ from starlette.testclient import TestClient
 from backends.memory import MemoryBackend
 from lease_core._overview import read_overview
 from lease_core.abc import Backend, Lease, Outcome
+from lease_core.http import create_app
+from lease_core.operations import Admin
 from lease_core.schedules import CronSchedule, IntervalSchedule
 from tests.helpers import wait_for
-from tests.test_http import NEXT, SLOT, _claim, _complete, backend_and_loop, client  # noqa: F401
+from tests.test_http import LEASE, NEXT, SLOT, _claim, _complete, backend_and_loop, client  # noqa: F401
 
 EVERY_MINUTE = json.dumps(IntervalSchedule("1m").spec())
 NIGHTLY = json.dumps(CronSchedule("0 2 * * *", tz="Europe/Lisbon").spec())
@@ -216,3 +218,35 @@ def test_a_taken_over_runs_time_is_from_its_first_attempt(
     assert run["started_at"] == run["attempts"][0]["claimed_at"]
     assert rows["slow"]["last"]["duration_ms"] == (finished - started) // timedelta(milliseconds=1)
     assert rows["slow"]["last"]["duration_ms"] >= 30  # attempt 1's lease ran out first
+
+
+def test_a_rare_job_retried_behind_20000_newer_attempts_keeps_its_last_run() -> None:
+    """The overview reads the newest 20,000 attempts at once, and a job missing from them
+    on its own. A rare job whose only attempt in that window is the failed one of a run
+    retried now (in progress) was not read on its own: its row said it never ran, in the
+    'never' filter, though the store holds its completed run before."""
+    backend = MemoryBackend()
+
+    async def seed() -> None:
+        await backend.register_jobs(["nightly", "busy"])
+        await _complete(backend, "nightly", 1000, "c")
+        for slot in range(2000, 22_000):  # newer than it: the window is full
+            request = _claim("busy", slot, "c")
+            await backend.claim(request)
+            assert await backend.finish(Lease("busy", slot, request.token, LEASE),
+                                        Outcome.COMPLETED)
+        request = _claim("nightly", 100_000, "c")
+        await backend.claim(request)
+        assert await backend.finish(Lease("nightly", 100_000, request.token, LEASE),
+                                    Outcome.FAILED, "boom")
+        await Admin(backend, by="t").retry("nightly", 100_000)
+
+    with TestClient(create_app(backend)) as api:
+        assert api.portal is not None
+        api.portal.call(seed)
+        rows = {row["name"]: row for row in _get(api, "/overview")["rows"]}
+        nightly = rows["nightly"]
+        assert [r["status"] for r in nightly["running"]] == ["handed_over"]
+        assert nightly["last"] is not None and nightly["last"]["id"] == "nightly@1000", nightly
+        assert nightly["state"] == "ok"
+        assert _get(api, "/overview?status=never")["total"] == 0
