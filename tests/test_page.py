@@ -452,6 +452,41 @@ def test_page_operations_buttons_act_through_the_store(
     assert rows["export"]["cells"][0] == "export"
 
 
+def test_page_says_a_triggered_run_is_queued_not_held(
+        browser: Any, served: tuple[str, str]) -> None:
+    """A trigger's run has no attempt yet, and its instance_id names who asked (``http``):
+    the page said "attempt 0 by http, handed over, waiting for a backup" (overview) and
+    "attempt 0 by http" (its job's and its own view), a holder that never held it, where
+    ``anarchon status`` says "queued by http, not claimed yet"."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    base, _ = served
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
+    answer = httpx2.post(f"{base}/jobs/export/trigger",
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+    assert answer.status_code == 200, answer.text
+    triggered = answer.json()["id"]
+    queued = "queued by http, not claimed yet"
+
+    browser.get(f"{base}/#token={TOKEN}")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'tr[data-job="export"]'))
+    cell = browser.find_element(By.CSS_SELECTOR, 'tr[data-job="export"] td:nth-child(8)').text
+    assert queued in cell and "attempt 0" not in cell, cell
+
+    browser.get(f"{base}/#token={TOKEN}&job=export")
+    row = f'tr[data-run="{triggered}"]'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, row))
+    assert browser.find_element(By.CSS_SELECTOR, f"{row} td:nth-child(3)").text == queued
+
+    browser.get(f"{base}/#token={TOKEN}&run={triggered}")
+    card = f'section[data-run="{triggered}"]'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, card))
+    text = browser.find_element(By.CSS_SELECTOR, f"{card} p.muted").text
+    assert text.startswith(queued), text
+
+
 def test_page_without_a_token_shows_no_operations(
         browser: Any, pg16_server: PgServer, tmp_path: Path) -> None:
     """A server without a token (127.0.0.1): the page reads, but offers no operation."""

@@ -166,6 +166,13 @@ function table(headings, rows) {
     el("tbody", {}, ...rows));
 }
 
+// Who holds or held a run: a run queued by an operation (a trigger) has no attempt yet, and
+// its instance_id names who asked (as `anarchon status` says), not a holder.
+function holder(run) {
+  return run.attempt === 0 ? `queued by ${run.instance_id}, not claimed yet`
+    : `attempt ${run.attempt} by ${run.instance_id}`;
+}
+
 // --- the overview -----------------------------------------------------------------------
 
 function inProgress(row) {
@@ -176,7 +183,7 @@ function inProgress(row) {
       : r.status === "retrying" ? "failed, waiting for its retry"
       : r.lease_left_ms > 0 ? `lease ${seconds(r.lease_left_ms)} left`
         : `lease expired ${seconds(-r.lease_left_ms)} ago`;
-    const text = `${step}attempt ${r.attempt} by ${r.instance_id}, ${lease}`;
+    const text = r.attempt === 0 ? `${step}${holder(r)}` : `${step}${holder(r)}, ${lease}`;
     return [...(i ? [el("br")] : []), link(text, { run: r.id }, { class: "run-link" })];
   }));
 }
@@ -266,7 +273,8 @@ function stepsTable(run) {
     run.steps.map((step) => el("tr", { "data-step": step.name, "data-status": step.status },
       el("td", {}, step.name), el("td", {}, status(step.status)),
       el("td", {}, step.attempt === null ? "-" : String(step.attempt)),
-      el("td", {}, step.instance_id), el("td", {}, time(step.started_at)),
+      el("td", {}, step.attempt === 0 ? `queued by ${step.instance_id}` : step.instance_id),
+      el("td", {}, time(step.started_at)),
       el("td", {}, time(step.finished_at)), el("td", {}, time(step.lease_expires_at)))));
 }
 
@@ -285,7 +293,7 @@ async function job(name) {
     el("td", {}, status(run.status)),
     el("td", {}, run.kind === "workflow"
       ? el("span", {}, ...run.steps.map((s) => status(s.status)))
-      : `attempt ${run.attempt} by ${run.instance_id}`),
+      : holder(run)),
     el("td", {}, time(run.kind === "workflow" ? run.attempts[0]?.claimed_at : run.started_at)),
     el("td", {}, time(run.finished_at))));
   keepFocus(() => document.getElementById("view").replaceChildren(
@@ -308,7 +316,7 @@ async function run(id) {
     card.append(stepsTable(data));
   } else {
     const stored = data.store_status === data.status ? "" : ` (${data.store_status.replace("_", " ")})`;
-    card.append(el("p", { class: "muted" }, `attempt ${data.attempt} by ${data.instance_id}${stored}`));
+    card.append(el("p", { class: "muted" }, `${holder(data)}${stored}`));
   }
   // A workflow's run too: a retry resumes it at the step that failed, a cancel cancels
   // its step in progress (the operations find the step).
