@@ -525,6 +525,29 @@ def test_page_takes_a_base64_token_with_plus_signs_as_typed(
         assert browser.execute_script("return params().get('token')") == token
 
 
+def test_page_takes_a_token_with_an_ampersand_as_typed(
+        browser: Any, pg16_server: PgServer, tmp_path: Path) -> None:
+    """A token from a password generator, with "&" in it, given as typed
+    (``#token=p&ss=w0rd``): the page sent only "p" (the "&" ended the value) and every read
+    got 401. The token keeps its "&" across a change of view, and the view's key after it
+    is still read."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    token = "p&ss=w0rd&x"
+    wait = WebDriverWait(browser, 30)
+    with _serve(pg16_server, tmp_path, token) as (base, _):
+        browser.get(f"{base}/#token={token}&job=export")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-run="export@{SLOT}"]')
+                   or "401" in d.find_element(By.ID, "state").text
+                   or "bearer token" in d.find_element(By.ID, "state").text)
+        assert browser.find_elements(By.CSS_SELECTOR, f'tr[data-run="export@{SLOT}"]'), \
+            browser.find_element(By.ID, "state").text
+        browser.execute_script("go({})")
+        _rows(browser, wait, ["close", "export"])
+        assert browser.execute_script("return params().get('token')") == token
+
+
 async def _stored(dsn: str, table: str, jobs: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """``job@slot -> status`` of every run of ``jobs``, and the paused jobs by their names."""
     from lease_core.operations import Admin

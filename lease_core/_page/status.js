@@ -27,9 +27,20 @@ window.anarchonRenderMs = null; // how long the last render took
 // The fragment holds the view and, when the server needs one, the bearer token
 // (#token=...): the fragment never leaves the browser; the token is sent as a header.
 // A "+" in the fragment is itself (a base64 token has them), not a space as in a query:
-// the page writes spaces as %20 (go), so a "+" there was typed or pasted.
+// the page writes spaces as %20 (go), so a "+" there was typed or pasted. So is a "&" not
+// followed by one of the page's keys (a token typed with "&" in it): the page writes a
+// "&" inside a value as %26.
+const KEYS = ["token", "job", "run", "status", "q", "page"];
 function params() {
-  return new URLSearchParams(location.hash.slice(1).replace(/\+/g, "%2B"));
+  const pieces = [];
+  for (const piece of location.hash.slice(1).split("&")) {
+    if (pieces.length && !KEYS.includes(piece.split("=")[0])) {
+      pieces[pieces.length - 1] += "%26" + piece;
+    } else {
+      pieces.push(piece);
+    }
+  }
+  return new URLSearchParams(pieces.join("&").replace(/\+/g, "%2B"));
 }
 
 function go(changes) {
