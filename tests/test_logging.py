@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import anyio
 import pytest
 
 import lease_core
 from lease_core import MemoryBackend, Outcome, RunContext, Scheduler
-from lease_core._structures import format_slot
+from lease_core._structures import ClaimRequest, ClaimResult, format_slot
 from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 
@@ -197,3 +198,40 @@ def test_a_scheduler_whose_event_loop_ends_under_it_says_so(
     for asked in (stopped, aborted):
         anyio.run(asked, scheduler(), backend=loop)
     assert caplog.records == []
+
+
+class _LostReply(MemoryBackend):
+    """A store whose first claim is written, and its answer never arrives."""
+
+    lose = True
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        answers = await super().claim_many(requests)
+        if self.lose:
+            self.lose = False
+            await anyio.sleep_forever()  # until the claim's own time limit gives up on it
+        return answers
+
+
+@pytest.mark.anyio
+async def test_a_claim_answered_late_is_not_taken_for_a_shared_instance_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A claim whose answer did not come in time may have won: claimed again, the slot is
+    found held under this instance's own id, by its own earlier attempt (taken over once
+    its lease lapses). That is no other process sharing the id, and warned as one."""
+    caplog.set_level("WARNING", logger="anarchon")
+    ran: list[int] = []
+
+    async def handler(ctx: RunContext) -> None:
+        ran.append(ctx.attempt)
+
+    s = Scheduler(_LostReply(), instance_id="solo", lease="1.2s", heartbeat="0.2s")
+    s.every("j", "1h", handler, offset=quiet_offset_now())
+    async with s:
+        slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "j", slot)
+        await wait_for(lambda: ran, what="the takeover of the unanswered claim's run")
+    assert ran == [2]
+    assert not [r for r in caplog.records if "by another process" in r.getMessage()]

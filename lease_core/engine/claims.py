@@ -42,6 +42,9 @@ class Claimer:
         self._quarantine_logged = session.carry.quarantine_logged
         # Fences (issue 21): the highest store epoch each job's claims answered with.
         self._epochs: dict[str, int] = {}
+        # Runs whose claim went unanswered: the store may hold them under this instance's
+        # id (its own attempt, won without the answer arriving), not another process's.
+        self._unanswered: set[tuple[str, int]] = set()
 
     @property
     def in_flight(self) -> int:
@@ -185,10 +188,11 @@ class Claimer:
 
     def _shared_id(self, job: Job, slot: int) -> None:
         """Warn, once, of a run held under this instance's id by another attempt (claims
-        are idempotent by token, so not one of ours): another process runs with the same
-        instance id (or this one's previous process, its lease not yet lapsed)."""
-        if self._s.carry.shared_id_warned or any(
-                run.key == (job.name, slot) for run in self._s.runs.held()):
+        are idempotent by token, so not one of ours; nor one whose claim went unanswered
+        here, which may have won): another process runs with the same instance id (or
+        this one's previous process, its lease not yet lapsed)."""
+        if (self._s.carry.shared_id_warned or (job.name, slot) in self._unanswered
+                or any(run.key == (job.name, slot) for run in self._s.runs.held())):
             return
         self._s.carry.shared_id_warned = True
         logger.warning(
@@ -212,7 +216,10 @@ class Claimer:
             answered = s.clock.last_answer
             kept = answered is not None and answered * 1000 + s.clock.offset_ms >= slot
             s.runs.watch(job, slot, reclaim=reason, kept=kept)
+            self._unanswered.add((job.name, slot))
             return None
+        if self._unanswered and result.status is not ClaimStatus.RUNNING:
+            self._unanswered.discard((job.name, slot))  # settled: whoever held it, no more
         if result.epoch != self._epochs.setdefault(job.name, result.epoch):
             self._new_epoch(job, result.epoch)
         lease = Lease(job.name, slot, token, job.lease_ms)
