@@ -172,6 +172,43 @@ print("ok")
         delete_prefix(valkey8_server.url, prefix)
 
 
+def test_a_forked_child_uses_its_copy_of_a_memory_store_subclass_of_its_own_scheme() -> None:
+    """A MemoryBackend subclass with schemes of its own (registered under another name)
+    has no connections either: a forked child's copy is its own store, usable through
+    SyncLease and Lease while the parent holds through it. The fork refusals told it
+    apart by the scheme 'memory', and refused it ('this process is a fork ...')."""
+    script = """
+import os
+import anyio
+from lease_core import Lease, MemoryBackend, SyncLease
+
+class Store(MemoryBackend):
+    schemes = ("store",)
+
+backend = Store()
+parent = SyncLease(backend, "parent", ttl="10s")
+assert parent.acquire(timeout=0)
+lost = Lease(backend, "async-parent", ttl="10s")
+assert anyio.run(lost.acquire, 0)  # its loop ended: the backend is still counted open
+pid = os.fork()
+if pid == 0:
+    try:
+        mine = SyncLease(backend, "child", ttl="10s")
+        got = mine.acquire(timeout=0)
+        mine.release()
+        got = got and anyio.run(Lease(backend, "child-async", ttl="10s").acquire, 0)
+    except RuntimeError:
+        os._exit(3)
+    os._exit(0 if got else 4)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert parent.held
+parent.release()
+print("ok")
+"""
+    assert _run(script).strip() == "ok"
+
+
 def test_a_forked_child_reading_through_the_parent_s_open_backend_is_refused(
         valkey8_server: Any) -> None:
     """A SyncLease whose backend the parent holds open (another SyncLease holds through
