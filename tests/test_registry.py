@@ -47,6 +47,17 @@ def test_builtin_schemes_are_known() -> None:
     assert {"memory", "postgresql", "postgres", "redis", "rediss", "unix"} <= set(known_schemes())
 
 
+def test_the_redis_backend_lists_every_scheme_the_registry_maps_to_it() -> None:
+    """``Backend.schemes`` is "the URL schemes backend_from_url maps to this backend":
+    RedisBackend's left out redis+cluster:// and rediss+cluster://, mapped to it since
+    the Cluster URLs came."""
+    from backends.redis import RedisBackend
+    from lease_core._registry import _BUILTIN
+
+    mapped = {scheme for scheme, (_, cls, _) in _BUILTIN.items() if cls == "RedisBackend"}
+    assert mapped <= set(RedisBackend.schemes)
+
+
 def test_third_party_backend_through_an_installed_entry_point(tmp_path: Path) -> None:
     """A distribution on sys.path declares scheme 'toy' in group anarchon.backends."""
     install_toy_backend(tmp_path, """

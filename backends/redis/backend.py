@@ -43,4 +43,4 @@ class RedisBackend(RedisNamedLeases, RedisOperations, RedisClaims, RedisLeases, 
     releases that hold like any other.
     """
 
-    schemes = ("redis", "rediss", "unix", "redis+sentinel")
+    schemes = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster", "rediss+cluster")
