@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import pytest
 
 import lease_core
-from lease_core import MemoryBackend, Outcome, RunContext, Scheduler
+from lease_core import MemoryBackend, Outcome, Retry, RunContext, Scheduler
 from lease_core._structures import ClaimRequest, ClaimResult, format_slot
 from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for, wait_history
@@ -234,4 +236,44 @@ async def test_a_claim_answered_late_is_not_taken_for_a_shared_instance_id(
         await claim_now(s, "j", slot)
         await wait_for(lambda: ran, what="the takeover of the unanswered claim's run")
     assert ran == [2]
+    assert not [r for r in caplog.records if "by another process" in r.getMessage()]
+
+
+class _SteppedBack(MemoryBackend):
+    """A store whose clock steps back half a second (an NTP step) once a failed attempt
+    is set to wait for its retry: the instance's claim of the retry comes early then."""
+
+    def __init__(self) -> None:
+        self.skew = 0.0
+        super().__init__(clock=lambda: time.time() - self.skew)
+
+    async def retry_later(self, items: Sequence[Any]) -> list[int]:
+        answers = await super().retry_later(items)
+        self.skew = 0.5
+        return answers
+
+
+@pytest.mark.anyio
+async def test_a_retry_claimed_early_is_not_taken_for_a_shared_instance_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A claim of a run waiting for its retry, made before the store's due time ("an
+    early claim only stands by"), finds it under the id of the attempt that failed, this
+    instance's own: no lease is held, no other process is there, and none was to be
+    warned of."""
+    caplog.set_level("WARNING", logger="anarchon")
+    ran: list[int] = []
+
+    async def flaky(ctx: RunContext) -> None:
+        ran.append(ctx.attempt)
+        if len(ran) == 1:
+            raise ValueError("first attempt fails")
+
+    s = Scheduler(_SteppedBack(), instance_id="solo", lease="1.2s", heartbeat="0.2s")
+    s.every("j", "1h", flaky, offset=quiet_offset_now(), retry=Retry(backoff="1s", jitter=0))
+    async with s:
+        slot = s.jobs["j"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "j", slot)
+        await wait_for(lambda: len(ran) == 2, what="the retry")
     assert not [r for r in caplog.records if "by another process" in r.getMessage()]

@@ -16,7 +16,15 @@ import anyio
 
 from .. import events as ev
 from .._batch import Abandoned, ClaimBatcher
-from .._structures import ClaimRequest, ClaimResult, ClaimStatus, Lease, Reason, format_slot
+from .._structures import (
+    ClaimRequest,
+    ClaimResult,
+    ClaimStatus,
+    Lease,
+    Reason,
+    RunStatus,
+    format_slot,
+)
 from .base import logger
 from .runs import AttemptInfo, Run
 
@@ -254,7 +262,8 @@ class Claimer:
                     "%s, when every lease it may have held has expired", job.name,
                     format_slot(slot), result.expires_ms)
         elif result.status is ClaimStatus.RUNNING:
-            if result.instance_id == s.settings.instance_id:
+            if (result.instance_id == s.settings.instance_id
+                    and result.run_status is RunStatus.RUNNING):  # (retrying: no holder)
                 self._shared_id(job, slot)
             s.runs.watch(job, slot)
             if events:
