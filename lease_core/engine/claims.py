@@ -53,6 +53,7 @@ class Claimer:
         # Runs whose claim went unanswered: the store may hold them under this instance's
         # id (its own attempt, won without the answer arriving), not another process's.
         self._unanswered: set[tuple[str, int]] = set()
+        self._unanswered_cap = 256  # pruned past it, of runs no longer tracked
 
     @property
     def in_flight(self) -> int:
@@ -225,6 +226,9 @@ class Claimer:
             kept = answered is not None and answered * 1000 + s.clock.offset_ms >= slot
             s.runs.watch(job, slot, reclaim=reason, kept=kept)
             self._unanswered.add((job.name, slot))
+            if len(self._unanswered) > self._unanswered_cap:  # an outage: slots dropped
+                self._unanswered = {k for k in self._unanswered if s.runs.get(k) is not None}
+                self._unanswered_cap = max(256, 2 * len(self._unanswered))
             return None
         if self._unanswered and result.status is not ClaimStatus.RUNNING:
             self._unanswered.discard((job.name, slot))  # settled: whoever held it, no more
