@@ -277,3 +277,54 @@ async def test_a_retry_claimed_early_is_not_taken_for_a_shared_instance_id(
         await claim_now(s, "j", slot)
         await wait_for(lambda: len(ran) == 2, what="the retry")
     assert not [r for r in caplog.records if "by another process" in r.getMessage()]
+
+
+@pytest.mark.anyio
+@pytest.mark.asyncio_only
+@pytest.mark.parametrize("server", ["pg16_server", "valkey8_server"])
+async def test_an_instance_id_shared_on_a_server_store_is_warned_about(
+    caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest, server: str,
+) -> None:
+    """As on the memory store, on PostgreSQL and Redis: the answer of a claim of a run
+    held elsewhere names its holder's id; two schedulers with one instance_id are warned
+    of, once."""
+    from backends.postgres import PostgresBackend
+    from backends.redis import RedisBackend
+    from tests.stores.postgres import drop_tables, unique_table
+    from tests.stores.redis import delete_prefix
+
+    caplog.set_level("WARNING", logger="anarchon")
+    found = request.getfixturevalue(server)
+    table, prefix = unique_table(), f"x{unique_table()[-12:]}"
+
+    def backend() -> Any:
+        return (PostgresBackend(found.dsn, table=table) if server == "pg16_server"
+                else RedisBackend(found.url, prefix=prefix))
+
+    release = anyio.Event()
+
+    async def hold(ctx: RunContext) -> None:
+        await release.wait()
+
+    def replica() -> Scheduler:
+        s = Scheduler(backend(), instance_id="worker", lease="3s", heartbeat="0.5s")
+        s.every("j", "1h", hold, offset=quiet_offset_now())
+        return s
+
+    a, b = replica(), replica()
+    try:
+        async with a, b:
+            slot = a.jobs["j"].schedule.previous_at_or_before(a.store_now_ms())
+            assert slot is not None
+            await claim_now(a, "j", slot)
+            await wait_for(lambda: a.running, what="a's run")
+            await claim_now(b, "j", slot)
+            await claim_now(b, "j", slot)
+            release.set()
+    finally:
+        if server == "pg16_server":
+            await drop_tables(found.admin_dsn, table)
+        else:
+            delete_prefix(found.url, prefix)
+    shared = [r.getMessage() for r in caplog.records if "by another process" in r.getMessage()]
+    assert len(shared) == 1 and "'worker'" in shared[0], shared
