@@ -55,7 +55,7 @@ def parse_duration(value: object, *, what: str = "duration", allow_zero: bool = 
             total += float(match.group(1)) * _UNITS_MS[match.group(2)] / 1000
             pos = match.end()
         if not text or pos != len(text):
-            raise ConfigurationError(f"{what}={value!r} {_not_a_duration(value)}")
+            raise ConfigurationError(f"{what}={value!r} {_not_a_duration(value, allow_zero)}")
         seconds = total
     else:
         raise ConfigurationError(
@@ -69,7 +69,7 @@ def parse_duration(value: object, *, what: str = "duration", allow_zero: bool = 
     return seconds
 
 
-def _not_a_duration(value: str) -> str:
+def _not_a_duration(value: str, allow_zero: bool = False) -> str:
     """Why the string ``value`` is no duration, and what to write instead: the duration
     it most likely means when that is clear (a bare number, a unit word, a minus sign)."""
     text = value.strip().lower().replace(" ", "")
@@ -78,7 +78,8 @@ def _not_a_duration(value: str) -> str:
         return (f"has no unit: write '{value.strip()}s' for seconds, or pass the number "
                 f"{value.strip()}; {accepted}")
     if text.startswith("-") and (_meant(text[1:]) or _SECONDS.fullmatch(text[1:])):
-        return f"is negative; a duration must be greater than zero: {accepted}"
+        at_least = "0 or more" if allow_zero else "greater than zero"
+        return f"is negative; a duration must be {at_least} here: {accepted}"
     meant = _meant(text)
     if meant is not None:
         return f"is not a duration: write {meant!r}; {accepted}"

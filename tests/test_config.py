@@ -58,6 +58,17 @@ def test_a_near_miss_duration_says_what_to_write(bad: str, says: str) -> None:
         assert parse_typed_duration(bad, what="--older-than") == float(bad)
 
 
+def test_a_negative_duration_where_zero_is_allowed_says_0_or_more() -> None:
+    """A negative string where zero is allowed (a stop's grace, an acquire's timeout)
+    said "a duration must be greater than zero", though 0 is accepted there (and the
+    number -5 said "must be 0 or more")."""
+    with pytest.raises(ConfigurationError,
+                       match=r"^grace='-5s' is negative; a duration must be 0 or more here: use "):
+        parse_duration("-5s", what="grace", allow_zero=True)
+    with pytest.raises(ConfigurationError, match=r"^grace=-5 must be 0 or more$"):
+        parse_duration(-5, what="grace", allow_zero=True)
+
+
 @pytest.mark.parametrize("bad", [0, -1, "0s", timedelta(0), timedelta(seconds=-3),
                                  float("nan"), True, None, [1]])
 def test_zero_negative_and_wrong_types_are_refused(bad: object) -> None:
