@@ -302,6 +302,20 @@ def test_demo_without_the_driver_names_its_extra() -> None:
         assert "Starting embedded" not in out.stdout, out.stdout
 
 
+def test_demo_on_a_cluster_url_says_it_runs_on_one_redis_server(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The Cluster guide says ``anarchon demo --url redis+cluster://...`` is refused, the
+    demo running on one Redis server: it was, as "the demo runs on PostgreSQL or Redis,
+    not on 'redis+cluster://...'", which a Cluster, being Redis, seems to satisfy, and
+    with no way out named."""
+    assert main(["demo", "--url", "rediss+cluster://u:secret@node1:7000"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "anarchon demo: the demo runs on one Redis server, not on a Redis Cluster "
+        "('rediss+cluster://u:***@node1:7000'): give --url redis://host:port of a server "
+        "of its own, or leave out --url for an embedded one\n"), err
+
+
 def test_console_script_version_and_one_line_errors() -> None:
     out = subprocess.run([ANARCHON, "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"anarchon {lease_core.__version__}"

@@ -159,6 +159,11 @@ def namespace_for(url: str, name: str | None = None) -> Namespace:
         return PostgresNamespace(url, name)
     if scheme in ("redis", "rediss", "unix"):
         return RedisNamespace(url, name)
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        raise ConfigurationError(
+            f"the demo runs on one Redis server, not on a Redis Cluster ({redact(url)!r}): "
+            "give --url redis://host:port of a server of its own, or leave out --url for "
+            "an embedded one")
     hint = ("; for the in-process memory store, run `anarchon demo --backend memory` "
             "(no --url)" if scheme == "memory" else "")
     raise ConfigurationError(
