@@ -91,17 +91,19 @@ async def _show_lease(args: argparse.Namespace, backend: Any) -> int:
         await backend.close()
     held = answer.held and answer.holder is not None
     expires_in = max(answer.expires_ms - answer.now_ms, 0) / 1000 if held else None
+    # nobody holds it and nobody may take it yet: the store's quarantine after a failover
+    quarantine = (None if held or answer.expires_ms <= answer.now_ms
+                  else (answer.expires_ms - answer.now_ms) / 1000)
     if args.json:
         print(json.dumps({"name": args.name, "holder": answer.holder if held else None,
                           "token": answer.token if held else None,
-                          "expires_in": expires_in}))
+                          "expires_in": expires_in, "quarantine": quarantine}))
     elif held:
         print(f"lease {args.name!r}: held by {answer.holder!r}, token {answer.token}, "
               f"expires in {expires_in:.1f} s unless renewed")
-    elif answer.expires_ms > answer.now_ms:  # nobody holds it, nobody may take it yet
+    elif quarantine is not None:
         print(f"lease {args.name!r}: free, but not to be taken for at least "
-              f"{(answer.expires_ms - answer.now_ms) / 1000:.1f} s more (the store's "
-              "quarantine after a failover)")
+              f"{quarantine:.1f} s more (the store's quarantine after a failover)")
     else:
         print(f"lease {args.name!r}: free")
         if "memory" in getattr(backend, "schemes", ()):  # as ``anarchon status`` says

@@ -120,7 +120,12 @@ def parse_typed_duration(text: str, *, what: str, allow_zero: bool = False) -> f
         zero = False
     if zero:
         raise ConfigurationError(f"{what} {text.strip()!r} must be greater than zero")
-    meant = _meant(text.strip().lower().replace(" ", ""))
+    bare = text.strip().lower().replace(" ", "")
+    if bare.startswith("-") and (_meant(bare[1:]) or _SECONDS.fullmatch(bare[1:])):
+        raise ConfigurationError(
+            f"{what} {text.strip()!r} is negative; give a duration "
+            f"{'of 0 or more' if allow_zero else 'greater than zero'}, such as 30s or 7d")
+    meant = _meant(bare)
     if meant is not None:
         raise ConfigurationError(f"{what} {text!r} is not a duration; write {meant!r}")
     raise ConfigurationError(

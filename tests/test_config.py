@@ -307,6 +307,16 @@ def test_a_typed_zero_duration_is_said_to_be_zero_not_to_be_no_duration(zero: st
         parse_typed_duration("0x", what="--older-than")
 
 
+@pytest.mark.parametrize("negative", ["-5s", "-30d", " - 5m", "-1h30m"])
+def test_a_typed_negative_duration_is_said_to_be_negative(negative: str) -> None:
+    """``anarchon prune --older-than -5s`` said only "is not a duration"."""
+    with pytest.raises(ConfigurationError, match=rf"^--older-than '{negative.strip()}' is "
+                       "negative; give a duration greater than zero"):
+        parse_typed_duration(negative, what="--older-than")
+    with pytest.raises(ConfigurationError, match="is negative; give a duration of 0 or more"):
+        parse_typed_duration(negative, what="--grace", allow_zero=True)
+
+
 @pytest.mark.parametrize("clock", [5, "monotonic"])
 def test_a_scheduler_clock_that_is_not_callable_is_refused_at_construction(clock: object) -> None:
     """``Scheduler(backend, clock=5)`` was taken, and start() failed with a traceback

@@ -161,7 +161,8 @@ async def test_the_cli_prints_who_holds_a_lease(store: Store,
         assert shown["token"] == held.token and 0 < shown["expires_in"] <= 10
     assert await anyio.to_thread.run_sync(cli, "leader", "--json") == 0
     assert json.loads(capsys.readouterr().out) == {"name": "leader", "holder": None,
-                                                   "token": None, "expires_in": None}
+                                                   "token": None, "expires_in": None,
+                                                   "quarantine": None}
     assert await anyio.to_thread.run_sync(cli, "") == 2
     assert "lease name=''" in capsys.readouterr().err
 
@@ -267,6 +268,10 @@ async def test_a_read_during_a_failover_quarantine_says_when_the_name_can_be_tak
         out = capsys.readouterr().out
         assert code == 0 and out.startswith("lease 'leader': free, but ") and \
             "quarantine" in out, out
+        code = await anyio.to_thread.run_sync(
+            main, ["lease", "leader", "--url", pg16_server.dsn, "--table", table, "--json"])
+        shown = json.loads(capsys.readouterr().out)  # (it said only: nobody holds it)
+        assert code == 0 and shown["holder"] is None and 0 < shown["quarantine"] <= 10
     finally:
         await backend.close()
         await drop_tables(pg16_server.admin_dsn, table)
