@@ -756,6 +756,20 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.stdout, done.stderr)
 
 
+def _run_fork_script(script: Path, server: EmbeddedRedis) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (which forks) with the server's URL and a fresh key prefix, deleted
+    after it; it must exit cleanly."""
+    prefix = f"fork_{uuid.uuid4().hex[:10]}"
+    try:
+        done = subprocess.run([sys.executable, str(script), server.url, prefix],
+                              capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parent.parent)
+    finally:
+        delete_prefix(server.url, prefix)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_an_async_lease_in_a_forked_child_refuses_the_parent_s_open_backend(
         redis62_server: EmbeddedRedis, tmp_path: Path) -> None:
     """A forked child that calls a Lease through a backend its parent holds open (its
@@ -797,14 +811,7 @@ if pid == 0:
 os.waitpid(pid, 0)
 print(os.read(read, 300).decode())
 """)
-    prefix = f"fork_{uuid.uuid4().hex[:10]}"
-    try:
-        done = subprocess.run([sys.executable, str(script), redis62_server.url, prefix],
-                              capture_output=True, text=True, timeout=60,
-                              cwd=Path(__file__).parent.parent)
-    finally:
-        delete_prefix(redis62_server.url, prefix)
-    assert done.returncode == 0, done.stderr
+    done = _run_fork_script(script, redis62_server)
     assert "is a fork of the one that opened it" in done.stdout, done.stdout
 
 
@@ -852,14 +859,7 @@ async def parent():
 
 print(" ".join(taken), anyio.run(lease.acquire, 0), anyio.run(parent))
 """)
-    prefix = f"fork_{uuid.uuid4().hex[:10]}"
-    try:
-        done = subprocess.run([sys.executable, str(script), redis62_server.url, prefix],
-                              capture_output=True, text=True, timeout=60,
-                              cwd=Path(__file__).parent.parent)
-    finally:
-        delete_prefix(redis62_server.url, prefix)
-    assert done.returncode == 0, done.stderr
+    done = _run_fork_script(script, redis62_server)
     # one worker took each name; the parent's copy is another holder again; the child
     # forked while the parent held a lease did not see it as held
     assert done.stdout.split() == ["11", "00", "00", "False", "0"], done.stdout
