@@ -141,8 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     migrate = sub.add_parser(
         "migrate", help="create or upgrade the PostgreSQL store (privileged user)")
     migrate.add_argument("--url", "--dsn", dest="url", default=None,
-                         help=f"PostgreSQL URL or key/value DSN (default: ${URL_ENV}, else "
-                              "the PG* variables)")
+                         help=f"PostgreSQL URL or key/value DSN (default: ${URL_ENV}); "
+                              "--url postgresql:// takes the rest from the PG* variables")
     migrate.add_argument("--table", default=None,
                          help="table name, may be schema.name (default anarchon_runs)")
     history = sub.add_parser("history", help="print the recorded attempts, newest first")
@@ -277,7 +277,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if ok else EXIT_FAILED
     if args.url is None and args.command in ("migrate", "history", "status", "prune",
                                              "serve", *OPERATIONS):  # not libpq's default
-        raise ConfigurationError(f"which store? give --url, or set ${URL_ENV}")
+        pg = ("; --url postgresql:// takes host, user and database from the PG* variables"
+              if args.command == "migrate" else "")
+        raise ConfigurationError(f"which store? give --url, or set ${URL_ENV}{pg}")
     if args.command == "migrate":
         from backends.postgres import CODE_VERSION
         from backends.postgres.upgrade import migrate_to

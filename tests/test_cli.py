@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
@@ -492,7 +493,26 @@ def test_migrate_needs_a_url_rather_than_libpqs_default(
         monkeypatch.delenv(var, raising=False)
     assert main(["migrate"]) == 2
     assert one_line_error(capsys) == (
-        "anarchon migrate: which store? give --url, or set $ANARCHON_URL\n")
+        "anarchon migrate: which store? give --url, or set $ANARCHON_URL; --url "
+        "postgresql:// takes host, user and database from the PG* variables\n")
+
+
+def test_migrate_url_without_a_host_takes_the_pg_variables(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, pg16_server: PgServer
+) -> None:
+    """``--url postgresql://`` is libpq's empty URL: host, port, user, password and
+    database come from the PG* variables, as the error above says."""
+    monkeypatch.delenv("ANARCHON_URL", raising=False)
+    parts = urllib.parse.urlsplit(pg16_server.dsn)
+    table = unique_table()
+    for var, value in (("PGHOST", parts.hostname), ("PGPORT", str(parts.port)),
+                       ("PGUSER", parts.username), ("PGPASSWORD", parts.password),
+                       ("PGDATABASE", parts.path.lstrip("/"))):
+        monkeypatch.setenv(var, str(value))
+    assert main(["migrate", "--url", "postgresql://", "--table", table]) == 0
+    assert f"the tables for {table!r} are ready" in capsys.readouterr().out
+    assert main(["status", "--url", f"postgresql://?table={table}"]) == 0
+    anyio.run(drop_tables, pg16_server.dsn, table)
 
 
 @pytest.mark.parametrize("kind", ["postgres", "redis"])
