@@ -63,7 +63,7 @@ def test_the_overview_has_one_row_per_job_and_workflow(overview: TestClient) -> 
     assert export["next_slot"] > data["now_ms"] and export["next_slot"] % 60_000 == 0
     assert export["last"]["status"] == "completed" and export["last"]["slot"] == SLOT
     assert export["last"]["duration_ms"] >= 0
-    (handed,) = export["running"]  # export@NEXT: handed over, waiting for a backup
+    (handed,) = export["running"]  # export@NEXT: handed over, not claimed yet
     assert handed["slot"] == NEXT and handed["handed_over"] and handed["instance_id"] == "a"
     assert export["state"] == "ok"  # by its last finished run; it also has one running
 

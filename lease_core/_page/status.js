@@ -190,7 +190,7 @@ function inProgress(row) {
   if (row.running.length === 0) return "-";
   return el("span", {}, ...row.running.flatMap((r, i) => {
     const step = r.step ? `${r.step}: ` : "";
-    const lease = r.handed_over ? "handed over, waiting for a backup"
+    const lease = r.handed_over ? "handed over at a stop or retried, next attempt not claimed yet"
       : r.status === "retrying" ? "failed, waiting for its retry"
       : r.lease_left_ms > 0 ? `lease ${seconds(r.lease_left_ms)} left`
         : `lease expired ${seconds(-r.lease_left_ms)} ago`;
