@@ -158,7 +158,7 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
     #: No connections: a forked child's copy is a store of its own, usable there (the fork
     #: refusals of :meth:`~lease_core.abc.Backend.start` and SyncLease spare it, and any
     #: subclass, whatever its schemes).
-    _in_process = True
+    in_process = True
 
     def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         super().__init__()

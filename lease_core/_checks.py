@@ -161,7 +161,7 @@ def finish_status(outcome: object) -> RunStatus:
 def check_not_forked(backend: Any, opened_in: int) -> None:
     """Refuse, in a forked child, a backend its parent has open (``opened_in``: the pid
     that opened it): its connections are the parent's. A memory store (a MemoryBackend,
-    or a subclass of it, whatever its schemes: ``_in_process``) has none."""
-    if opened_in != os.getpid() and not getattr(backend, "_in_process", False):
+    or any backend whose class sets ``in_process``) has none."""
+    if opened_in != os.getpid() and not getattr(backend, "in_process", False):
         raise RuntimeError(f"{type(backend).__name__}: this process is a fork of the one "
                            "that opened it (its connections are the parent's): make one here")

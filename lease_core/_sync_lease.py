@@ -101,7 +101,7 @@ class SyncLease:
         # parent's: using them here breaks the parent's), as SyncAdmin refuses it; not a
         # memory store (no connections: the child's copy is its own).
         backend = self._lease.backend
-        open_there = (backend._users and not getattr(backend, "_in_process", False)
+        open_there = (backend._users and not getattr(backend, "in_process", False)
                       and (self._used not in (None, pid) or _Loop.pid not in (0, pid)))
         if self._forked() or open_there:
             raise RuntimeError(

@@ -211,6 +211,9 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
 
     #: The URL schemes :func:`~lease_core.backend_from_url` maps to this backend.
     schemes: tuple[str, ...] = ()
+    #: True for a store kept in the process's own memory, with no connections: a forked
+    #: child may use its copy (``start()`` in a fork refuses any other open backend).
+    in_process: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         """Refuse a backend class that implements neither method of a required twin pair."""

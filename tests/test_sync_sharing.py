@@ -172,11 +172,16 @@ print("ok")
         delete_prefix(valkey8_server.url, prefix)
 
 
-def test_a_forked_child_uses_its_copy_of_a_memory_store_subclass_of_its_own_scheme() -> None:
+@pytest.mark.parametrize("in_process", [True, False])
+def test_a_forked_child_uses_its_copy_of_a_memory_store_subclass_of_its_own_scheme(
+    in_process: bool,
+) -> None:
     """A MemoryBackend subclass with schemes of its own (registered under another name)
     has no connections either: a forked child's copy is its own store, usable through
     SyncLease and Lease while the parent holds through it. The fork refusals told it
-    apart by the scheme 'memory', and refused it ('this process is a fork ...')."""
+    apart by the scheme 'memory', and refused it ('this process is a fork ...'). What
+    decides is the class's public ``in_process`` (a third-party store of the same kind
+    sets it): a subclass that sets it False is refused in the child (exit 3)."""
     script = """
 import os
 import anyio
@@ -184,6 +189,7 @@ from lease_core import Lease, MemoryBackend, SyncLease
 
 class Store(MemoryBackend):
     schemes = ("store",)
+    in_process = IN_PROCESS
 
 backend = Store()
 parent = SyncLease(backend, "parent", ttl="10s")
@@ -201,11 +207,13 @@ if pid == 0:
         os._exit(3)
     os._exit(0 if got else 4)
 _, status = os.waitpid(pid, 0)
-assert os.waitstatus_to_exitcode(status) == 0, status
+assert os.waitstatus_to_exitcode(status) == EXIT, status
 assert parent.held
 parent.release()
 print("ok")
 """
+    script = script.replace("IN_PROCESS", str(in_process)).replace("EXIT", "0" if in_process
+                                                                   else "3")
     assert _run(script).strip() == "ok"
 
 
