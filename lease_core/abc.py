@@ -211,8 +211,7 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
 
     #: The URL schemes :func:`~lease_core.backend_from_url` maps to this backend.
     schemes: tuple[str, ...] = ()
-    #: True for a store kept in the process's own memory, with no connections: a forked
-    #: child may use its copy (``start()`` in a fork refuses any other open backend).
+    #: True for a store in the process's memory, no connections: a forked child may use it.
     in_process: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
@@ -237,14 +236,14 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
     async def start(self, *, create: bool = True) -> None:
         """Open connections and create the store's structures when missing.
 
-        Safe to call from many schedulers and many processes at once. With
-        ``create=False`` the store is opened only if it exists, and nothing is created or
-        changed (what read-only tools such as ``anarchon status`` use, with SELECT-only
-        rights too): :class:`~lease_core.errors.StoreNotFound` when there is no store
-        there. Later users share what the first opened (one with ``create`` joining one
-        without makes or upgrades the store then: :meth:`_open_joined`). Other calls come
-        between it and the last close (else a URL's backend raises). In a forked child, a
-        copy its parent had open raises ``RuntimeError`` (memory aside)."""
+        Safe to call from many schedulers and processes at once. With ``create=False``
+        the store is opened only if it exists, nothing created or changed (as read-only
+        tools such as ``anarchon status`` do, with SELECT-only rights too):
+        :class:`~lease_core.errors.StoreNotFound` when there is no store there. Later
+        users share what the first opened (one with ``create`` joining one without makes
+        or upgrades the store then: :meth:`_open_joined`). Other calls come between it
+        and the last close (else a URL's backend raises). In a forked child, a copy its
+        parent had open raises ``RuntimeError`` (:attr:`in_process` aside)."""
         if self._users:
             check_not_forked(self, self._opened_in)
         if self._users and not (create and self._existing_only) and self._count_now(1):
