@@ -199,9 +199,8 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
     """The store a :class:`~lease_core.Scheduler` coordinates through.
 
     A backend may be shared by several schedulers in one process. :meth:`start` and
-    :meth:`close` are counted: resources the backend opened itself (a pool made from a
-    DSN, a client made from a URL) are closed when the last user closes it. Resources the
-    user passed in are never closed.
+    :meth:`close` are counted: what the backend opened itself (a pool made from a DSN, a
+    client from a URL) is closed when the last user closes it; what the user passed, never.
 
     A subclass implements the abstract methods and one method of each pair of
     :data:`TWINS` (see *Single and batch twins* in the module docs), and may implement
