@@ -24,7 +24,8 @@ from lease_core.errors import BackendUnavailable, ConfigurationError
 
 from .redis import AsyncClientAdapter, RedisAdapter, SyncClientAdapter
 
-__all__ = ["CLUSTER_SCHEMES", "check_cluster_url", "cluster_adapter", "is_cluster_url"]
+__all__ = ["CLUSTER_SCHEMES", "check_cluster_url", "cluster_adapter", "is_cluster_url",
+           "refuse_replica_reads"]
 
 #: The Cluster schemes, and the scheme of one node's URL each stands for.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -58,6 +59,21 @@ def check_cluster_url(url: str) -> None:
         raise ConfigurationError(
             f"the Redis Cluster URL {redact(url)!r} names no node; write "
             "redis+cluster://host:port (any node of the Cluster)")
+
+
+def refuse_replica_reads(client: Any) -> None:
+    """Refuse a Cluster client that reads from replicas (``read_from_replicas``, or a
+    ``load_balancing_strategy``): a replica lags, so a backup would read a run or a
+    checkpoint older than the primary's (a step's checkpoint from before its effect,
+    which would be made again). A URL cannot ask for it (an unknown parameter)."""
+    if not (getattr(client, "read_from_replicas", False)
+            or getattr(client, "load_balancing_strategy", None) is not None):
+        return
+    raise ConfigurationError(
+        f"the {type(client).__name__} client reads from replicas (read_from_replicas or "
+        "load_balancing_strategy): anarchon reads runs and checkpoints from the primaries "
+        "only (a replica lags: a backup would read a checkpoint older than the step's "
+        "effect, and make it again); give RedisBackend a Cluster client without it")
 
 
 def _node_url(url: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+import warnings
 from collections.abc import Iterator
 
 import anyio.to_thread
@@ -87,6 +88,30 @@ async def test_a_cluster_url_is_checked_before_connecting() -> None:
             RedisBackend(url)
     with pytest.raises(ConfigurationError, match="cannot be used on a Redis Cluster"):
         RedisBackend("redis+cluster://127.0.0.1:7000?wait_replicas=1")
+
+
+@pytest.mark.asyncio_only
+async def test_a_cluster_client_that_reads_from_replicas_is_refused() -> None:
+    """A Cluster client with ``read_from_replicas`` (or a ``load_balancing_strategy``)
+    sends the backend's plain reads (a backup's check of the runs it watches, a step's
+    checkpoint) to replicas, which lag: a taking-over step could read a checkpoint from
+    before its effect and make the effect again. It was accepted, and undocumented; it
+    is refused (a URL's query is refused as unknown, as before)."""
+    from redis.asyncio import RedisCluster
+    from redis.cluster import LoadBalancingStrategy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # redis-py's, of the keyword
+        clients = [RedisCluster(host="127.0.0.1", port=7000, read_from_replicas=True),
+                   RedisCluster(host="127.0.0.1", port=7000,
+                                load_balancing_strategy=LoadBalancingStrategy.ROUND_ROBIN)]
+    for client in clients:
+        with pytest.raises(ConfigurationError, match=r"reads from replicas .*primaries only"):
+            RedisBackend(client)
+    assert RedisBackend(RedisCluster(host="127.0.0.1", port=7000)).wait_replicas is None
+    for query in ("read_from_replicas=false", "load_balancing_strategy=1"):
+        with pytest.raises(ConfigurationError, match="unknown parameter"):
+            RedisBackend(f"redis+cluster://127.0.0.1:7000?{query}")
 
 
 @pytest.mark.asyncio_only

@@ -18,7 +18,12 @@ from urllib.parse import quote, unquote, urlsplit
 import anyio.to_thread
 import sniffio
 
-from adapters._redis_cluster_url import check_cluster_url, cluster_adapter, is_cluster_url
+from adapters._redis_cluster_url import (
+    check_cluster_url,
+    cluster_adapter,
+    is_cluster_url,
+    refuse_replica_reads,
+)
 from adapters.redis import (
     SENTINEL_SCHEME,
     AsyncClientAdapter,
@@ -172,7 +177,7 @@ class RedisStore(Backend):
             _wait_timeout(merged.get("wait_timeout", "1s"))
         )
         self._connection = connection
-        self._refuse_cluster_wait(_is_cluster(connection))
+        self._refuse_cluster_options(_is_cluster(connection), connection)
         self._adapter: RedisAdapter | None = None
         # Jobs this process has added to the jobs set ({P}:jobs); a claim of another job
         # adds it in the same round trip.
@@ -268,7 +273,7 @@ class RedisStore(Backend):
     async def _open(self) -> None:
         adapter = await self._new_adapter()
         try:
-            self._refuse_cluster_wait(adapter.cluster)
+            self._refuse_cluster_options(adapter.cluster, adapter.client)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             self._adapter = adapter
             await self._open_joined()
@@ -334,7 +339,7 @@ class RedisStore(Backend):
         """Open a store that must exist: reads only, :class:`StoreNotFound` if absent."""
         adapter = await self._new_adapter()
         try:
-            self._refuse_cluster_wait(adapter.cluster)
+            self._refuse_cluster_options(adapter.cluster, adapter.client)
             await adapter.load_scripts([s.source for s in SCRIPTS.values()])
             # INFO cluster too (through a client of one node): a Cluster node is refused
             # here as at a first start, whichever node holds {P}:meta (a user that may
@@ -399,9 +404,12 @@ class RedisStore(Backend):
         """Seconds a write waits for ``wait_replicas`` replicas to acknowledge it."""
         return self._wait_timeout_ms / 1000
 
-    def _refuse_cluster_wait(self, cluster: bool) -> None:
-        """``wait_replicas`` on a Cluster: a :class:`ConfigurationError` (at construction
-        for a Cluster client, at start for anything else that turns out to be one)."""
+    def _refuse_cluster_options(self, cluster: bool, client: object) -> None:
+        """``wait_replicas`` on a Cluster, or a Cluster client that reads from replicas: a
+        :class:`ConfigurationError` (at construction for a Cluster client, at start for
+        anything else that turns out to be one)."""
+        if cluster:
+            refuse_replica_reads(client)
         if cluster and self.wait_replicas is not None:
             raise ConfigurationError(
                 f"wait_replicas={self.wait_replicas} cannot be used on a Redis Cluster: "
