@@ -145,6 +145,21 @@ def test_the_readme_is_a_landing_page_whose_links_work_off_the_repository() -> N
     assert relative == []
 
 
+def test_the_readme_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's command block names every subcommand of ``anarchon --help`` (it
+    lacked ``lease`` when that was added)."""
+    from lease_core.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    found = re.search(r"\{([a-z,]+)\}", capsys.readouterr().out)
+    assert found is not None
+    listed: set[str] = set()
+    for line in re.findall(r"^anarchon ([a-z|]+)", (ROOT / "README.md").read_text(), re.M):
+        listed.update(line.split("|"))
+    assert set(found.group(1).split(",")) - listed == set()
+
+
 @pytest.mark.timeout(240)
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
