@@ -28,7 +28,7 @@ from ._backend_check import check_backend
 from ._checks import check_lookup_name, check_storable
 from ._durations import parse_duration, parse_typed_duration
 from ._structures import LAST_SLOT, RunStatus, format_slot
-from .errors import ConfigurationError, OperationRefused
+from .errors import BackendUnavailable, ConfigurationError, OperationRefused
 from .recovery import step_job
 
 if TYPE_CHECKING:
@@ -294,8 +294,12 @@ class Admin:
                         started = False
                         await self.backend.start()
                         started, upgraded = True, True
-                    result = await self.backend.operate(
-                        Operation(kind, job, slot, self.by, grace_ms))
+                    try:
+                        result = await self.backend.operate(
+                            Operation(kind, job, slot, self.by, grace_ms))
+                    except BackendUnavailable as exc:
+                        # Sent: the store may have made it before its answer was lost.
+                        raise BackendUnavailable(_unanswered(kind, name, slot, exc)) from exc
                     if (result.refused == "conflict" and kind is OperationKind.CANCEL
                             and result.status is RunStatus.COMPLETED and name != job
                             and anyio.current_time() < deadline):
@@ -378,6 +382,18 @@ class Admin:
         between = (kind is OperationKind.CANCEL and last != jobs[-1] and state is not None
                    and state.status is RunStatus.COMPLETED)
         return last, last if between else None
+
+
+def _unanswered(kind: OperationKind, name: str, slot: int | None,
+                exc: BaseException) -> str:
+    """The message of an operation sent to the store that did not answer (a connection
+    cut, a Redis write short of its ``wait_replicas``): it may have been made."""
+    what = repr(name) if slot is None else f"run {name}@{slot} ({format_slot(slot)})"
+    again = (" (a second trigger makes a second run)" if kind is OperationKind.TRIGGER
+             else "")
+    return (f"{exc}; the {kind} of {what} was sent and may have been made before its "
+            f"answer was lost: look at the job (`anarchon status`) before making it "
+            f"again{again}")
 
 
 def _between_steps(name: str, slot: int, done: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
+from backends.memory import MemoryBackend
 from lease_core import (
     Admin,
     AttemptEnded,
@@ -29,7 +30,8 @@ from lease_core import (
 )
 from lease_core._structures import ClaimRequest
 from lease_core.abc import Backend
-from lease_core.operations import _slot
+from lease_core.errors import BackendUnavailable
+from lease_core.operations import Operation, OperationResult, _slot
 from lease_core.retry import supports_retries
 from lease_core.testing import claim_now, renew_membership
 from tests.helpers import (
@@ -600,6 +602,39 @@ async def test_bad_input_is_refused_and_changes_nothing(store: Store) -> None:
         with pytest.raises(ValueError, match="grace='999999h' is longer than 30 days"):
             await admin.cancel("known", done.slot, grace="999999h")
         assert [r.slot for r in await s.backend.runs("known")] == [done.slot]
+
+
+class AnswerLost(MemoryBackend):
+    """Makes each operation, then loses its answer (a connection cut after it ran)."""
+
+    async def operate(self, op: Operation) -> OperationResult:
+        await super().operate(op)
+        raise BackendUnavailable("cannot reach the store: server closed the connection")
+
+
+async def test_an_operation_whose_answer_was_lost_says_it_may_have_been_made() -> None:
+    """The store made the operation and its answer was lost: the error said only that
+    the store could not be reached (the HTTP API's 503 documented "changing nothing"),
+    so an operator sent the trigger again and got a second run."""
+    backend = AnswerLost()
+    await backend.start()
+    try:
+        await backend.register_jobs(["report"])
+        admin = Admin(backend, by="cli")
+        with pytest.raises(BackendUnavailable, match=(
+                "closed the connection; the trigger of 'report' was sent and may have been "
+                r"made .* \(a second trigger makes a second run\)")):
+            await admin.trigger("report")
+        [run] = await backend.runs("report")
+        with pytest.raises(BackendUnavailable, match=(
+                rf"the cancel of run report@{run.slot} \(.*\) was sent and may have been "
+                "made")):
+            await admin.cancel("report", run.slot)
+        assert (await backend.runs("report"))[0].status is RunStatus.CANCELLED
+        with pytest.raises(OperationRefused, match="already finished"):  # sent again
+            await admin.cancel("report", run.slot)
+    finally:
+        await backend.close()
 
 
 async def test_heartbeat_at_of_a_running_run_is_its_last_renewal(store: Store) -> None:
