@@ -15,7 +15,9 @@ from typing import Any
 import anyio
 import pytest
 
+from adapters.sql import TransientError
 from backends.memory import MemoryBackend
+from backends.postgres import PostgresBackend
 from lease_core import (
     Admin,
     AttemptEnded,
@@ -633,6 +635,35 @@ async def test_an_operation_whose_answer_was_lost_says_it_may_have_been_made() -
         assert (await backend.runs("report"))[0].status is RunStatus.CANCELLED
         with pytest.raises(OperationRefused, match="already finished"):  # sent again
             await admin.cancel("report", run.slot)
+    finally:
+        await backend.close()
+
+
+async def test_an_operation_postgresql_aborted_is_made_again(store: Store) -> None:
+    """PostgreSQL aborts one of the transactions of a lock cycle (operate_v4.sql: a retry
+    or cancel racing a resume or takeover and a trim), writing nothing: the operation is
+    made again, as a claim is. It raised "PostgreSQL aborted the transaction" to the
+    operator (a 503 of the HTTP API)."""
+    backend = store.backend()
+    if not isinstance(backend, PostgresBackend):
+        pytest.skip("a PostgreSQL store's abort")
+    await backend.start()
+    try:
+        await backend.register_jobs(["report"])
+        adapter = backend._adapter
+        real = adapter.all
+        aborted: list[str] = []
+
+        async def all_(sql: str, params: Any = ()) -> Any:
+            if "o_refused" in sql and len(aborted) < 2:
+                aborted.append(sql)
+                raise TransientError("PostgreSQL aborted the transaction: deadlock detected")
+            return await real(sql, params)
+
+        adapter.all = all_  # type: ignore[method-assign]
+        slot = await Admin(backend, by="cli").trigger("report")
+        assert len(aborted) == 2
+        assert [r.slot for r in await backend.runs("report")] == [slot]
     finally:
         await backend.close()
 

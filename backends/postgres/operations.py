@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from adapters.sql import TransientError
 from lease_core._structures import RunStatus
 from lease_core.errors import ConfigurationError, StoreRefused
 from lease_core.operations import Operation, OperationResult
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from .schema import StoreSchema
 
 __all__ = ["StoreOperations"]
+
+#: How many times an operation PostgreSQL aborted (a deadlock) is made in all.
+_ABORTED_RETRIES = 5
 
 
 class StoreOperations(StoreDescriptions):
@@ -51,8 +55,16 @@ class StoreOperations(StoreDescriptions):
         """
         if self._store.read_as_is:  # not upgraded: each operation tries until one did
             await self._open_joined()
-        [(refused, slot, status)] = await self._adapter.all(
-            self._sql.operate, (str(op.kind), op.job, op.slot, op.by, op.grace_ms))
+        params = (str(op.kind), op.job, op.slot, op.by, op.grace_ms)
+        for tries_left in reversed(range(_ABORTED_RETRIES)):
+            try:
+                [(refused, slot, status)] = await self._adapter.all(self._sql.operate, params)
+                break
+            except TransientError:
+                # PostgreSQL aborted it (a deadlock with a claim, a resume or a trim: see
+                # operate_v4.sql), so nothing was written: made again, as a claim is.
+                if not tries_left:
+                    raise
         return OperationResult(None if refused is None else str(refused),
                                None if slot is None else int(slot),
                                None if status is None else RunStatus(status))
