@@ -391,9 +391,9 @@ def _unanswered(kind: OperationKind, name: str, slot: int | None,
     what = repr(name) if slot is None else f"run {name}@{slot} ({format_slot(slot)})"
     again = (" (a second trigger makes a second run)" if kind is OperationKind.TRIGGER
              else "")
-    return (f"{exc}; the {kind} of {what} was sent and may have been made before its "
-            f"answer was lost: look at the job (`anarchon status`) before making it "
-            f"again{again}")
+    return (f"{exc}; if the {kind} of {what} reached the store, it may have been made "
+            f"before its answer was lost: look at the job (`anarchon status`) before "
+            f"making it again{again}")
 
 
 def _between_steps(name: str, slot: int, done: str) -> str:

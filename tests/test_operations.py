@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
-from adapters.sql import TransientError
+from adapters.sql import TransientError, adapter_for
 from backends.memory import MemoryBackend
 from backends.postgres import PostgresBackend
 from lease_core import (
@@ -47,6 +47,7 @@ from tests.helpers import (
 )
 from tests.stores import Store
 from tests.stores.memory import MemoryStore
+from tests.stores.postgres import PgServer, drop_tables, unique_table
 
 pytestmark = pytest.mark.anyio
 
@@ -624,13 +625,13 @@ async def test_an_operation_whose_answer_was_lost_says_it_may_have_been_made() -
         await backend.register_jobs(["report"])
         admin = Admin(backend, by="cli")
         with pytest.raises(BackendUnavailable, match=(
-                "closed the connection; the trigger of 'report' was sent and may have been "
-                r"made .* \(a second trigger makes a second run\)")):
+                "closed the connection; if the trigger of 'report' reached the store, it may "
+                r"have been made .* \(a second trigger makes a second run\)")):
             await admin.trigger("report")
         [run] = await backend.runs("report")
         with pytest.raises(BackendUnavailable, match=(
-                rf"the cancel of run report@{run.slot} \(.*\) was sent and may have been "
-                "made")):
+                rf"the cancel of run report@{run.slot} \(.*\) reached the store, it may have "
+                "been made")):
             await admin.cancel("report", run.slot)
         assert (await backend.runs("report"))[0].status is RunStatus.CANCELLED
         with pytest.raises(OperationRefused, match="already finished"):  # sent again
@@ -639,33 +640,35 @@ async def test_an_operation_whose_answer_was_lost_says_it_may_have_been_made() -
         await backend.close()
 
 
-async def test_an_operation_postgresql_aborted_is_made_again(store: Store) -> None:
+@pytest.mark.asyncio_only  # (psycopg's async pool; the store code is the same)
+async def test_an_operation_postgresql_aborted_is_made_again(pg16_server: PgServer) -> None:
     """PostgreSQL aborts one of the transactions of a lock cycle (operate_v4.sql: a retry
     or cancel racing a resume or takeover and a trim), writing nothing: the operation is
     made again, as a claim is. It raised "PostgreSQL aborted the transaction" to the
     operator (a 503 of the HTTP API)."""
-    backend = store.backend()
-    if not isinstance(backend, PostgresBackend):
-        pytest.skip("a PostgreSQL store's abort")
+    adapter = adapter_for(pg16_server.dsn)
+    real = adapter.all
+    aborted: list[str] = []
+
+    async def all_(sql: str, params: Any = ()) -> Any:
+        if "o_refused" in sql and len(aborted) < 2:
+            aborted.append(sql)
+            raise TransientError("PostgreSQL aborted the transaction: deadlock detected")
+        return await real(sql, params)
+
+    adapter.all = all_  # type: ignore[method-assign]
+    table = unique_table()
+    backend = PostgresBackend(adapter, table=table)
     await backend.start()
     try:
         await backend.register_jobs(["report"])
-        adapter = backend._adapter
-        real = adapter.all
-        aborted: list[str] = []
-
-        async def all_(sql: str, params: Any = ()) -> Any:
-            if "o_refused" in sql and len(aborted) < 2:
-                aborted.append(sql)
-                raise TransientError("PostgreSQL aborted the transaction: deadlock detected")
-            return await real(sql, params)
-
-        adapter.all = all_  # type: ignore[method-assign]
         slot = await Admin(backend, by="cli").trigger("report")
         assert len(aborted) == 2
         assert [r.slot for r in await backend.runs("report")] == [slot]
     finally:
         await backend.close()
+        await adapter.close()
+        await drop_tables(pg16_server.dsn, table)
 
 
 async def test_heartbeat_at_of_a_running_run_is_its_last_renewal(store: Store) -> None:
