@@ -30,6 +30,7 @@ from ._durations import Duration, parse_duration, to_ms
 from ._lease_clock import lease_clock
 from ._lease_holders import forget_parent, gave_up, holder_id
 from ._lease_keeper import _Hold, _Keeper
+from ._lease_waiters import Waiter, wake_waiters
 from ._named_leases import LeaseAnswer, check_lease
 from .abc import Backend
 from .errors import ConfigurationError, LeaseLost, StoreNotFound
@@ -103,16 +104,15 @@ class Lease:
 
     ``ttl`` is a duration (``"30s"``, a ``timedelta``, seconds) of at least 100 ms.
     ``poll`` is how often a blocking :meth:`acquire` tries again while another holder has
-    the name (default: a tenth of the ttl, between 50 ms and 1 s). ``holder`` names this
-    holder in the store (default: host, process id and a random part, unique to this
-    object, made anew in a forked child's copy); one given must be unique to this object
-    and process too: the store gives a live hold back to the holder that has it, so two
-    leases given one holder would share a hold.
+    the name (default: a tenth of the ttl, between 50 ms and 1 s); a release by a lease of
+    this process, through the same backend on the same thread, wakes it at once.
+    ``holder`` names this holder in the store (default: host, pid and a random part,
+    unique to this object, new in a forked child's copy); one given must be unique too:
+    the store gives a live hold back to its holder, so two leases given one would share it.
 
     .. note:: The lease starts ``backend`` when it acquires and closes it when it
-       releases; both are counted (see :class:`~lease_core.abc.Backend`), so a backend
-       started by its owner stays open, and one backend serves a scheduler and any number
-       of leases. What the backend was given (a pool, a client) is never closed.
+       releases, counted (:class:`~lease_core.abc.Backend`): one backend serves a scheduler
+       and any number of leases; what it was given (a pool, a client) is never closed.
     """
 
     def __init__(self, backend: Backend, name: str, ttl: Duration = "30s", *,
@@ -253,10 +253,10 @@ class Lease:
                                "failed (%s); acquiring anew", self.name, self.token, str(exc))
         give_up = None if wait is None else lease_clock() + wait
         await self.backend.start()
-        self._opened = True
+        self._opened, waiter = True, Waiter(self.backend, self.name)  # (a release wakes it)
         try:
             while True:
-                sent = lease_clock()
+                sent, waiter.woken = lease_clock(), False
                 answer = await self._try_acquire()
                 fresh = lease_clock() < sent + self._alive_s  # else read after a stall
                 if answer.held and (self._abort or not fresh):  # given up, or given away?
@@ -278,7 +278,7 @@ class Lease:
                 if give_up is not None:
                     pause = min(pause, give_up - now)
                 try:
-                    with anyio.CancelScope() as self._pause:  # a release() ends it early
+                    with waiter.pause() as self._pause:  # a release() ends it early
                         await anyio.sleep(pause)
                 finally:
                     self._pause = None
@@ -315,8 +315,8 @@ class Lease:
                     await self.backend.release_lease(self.name, answer.token)
 
     async def release(self) -> None:
-        """Stop renewing and free the name in the store, so a waiter takes it at its next
-        try.
+        """Stop renewing and free the name in the store: a waiter takes it at its next try
+        (one of this process, on the same backend and thread, at once).
 
         While another task's :meth:`acquire` of this lease waits, it makes that acquire
         give up (return False, holding nothing) and waits for it.
@@ -368,6 +368,7 @@ class Lease:
         try:
             if token is not None:
                 await self.backend.release_lease(self.name, token)
+                wake_waiters(self.backend, self.name)  # this process's, at once
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 try:

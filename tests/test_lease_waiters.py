@@ -1,0 +1,102 @@
+"""A release wakes the blocking acquires of the same process waiting for the name on the
+same backend and thread, so one takes it at once, not at its next ``poll``; on every
+scenario store (memory, PostgreSQL direct and through PgBouncer, Redis) and both event
+loops, and through ``SyncLease`` (whose leases share one background loop).
+
+Each waiter polls every 60 s: without the wake-up, none would take the name within the
+10 s these tests allow.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import pytest
+
+from lease_core import Lease, MemoryBackend, SyncLease
+from lease_core.abc import Backend
+from lease_core.testing import Store, wait_for
+
+pytestmark = pytest.mark.anyio
+
+
+def count_tries(backend: Backend) -> list[int]:
+    """Count the backend's answered acquire calls (one item per answer): a waiter whose
+    first try was answered is in its pause by the time the count shows it (nothing
+    between the answer and the pause gives way to another task)."""
+    answered: list[int] = []
+    real = backend.acquire_lease
+
+    async def acquire_lease(*args: Any) -> Any:
+        answer = await real(*args)
+        answered.append(1)
+        return answer
+
+    backend.acquire_lease = acquire_lease  # type: ignore[method-assign]
+    return answered
+
+
+async def test_a_release_wakes_the_waiters_of_this_process_at_once(store: Store) -> None:
+    backend = store.backend()
+    tries = count_tries(backend)
+    holder = Lease(backend, "report-lock", ttl="60s")
+    waiters = [Lease(backend, "report-lock", ttl="60s", poll="60s") for _ in range(2)]
+    assert await holder.acquire(timeout=0)
+    won: list[Lease] = []
+
+    async def wait(lease: Lease) -> None:
+        assert await lease.acquire()
+        won.append(lease)
+        await lease.release()  # and wakes the other, at once too
+
+    async with anyio.create_task_group() as tg:
+        for lease in waiters:
+            tg.start_soon(wait, lease)
+        await wait_for(lambda: len(tries) >= 3, what="both waiters refused once")
+        await holder.release()
+        with anyio.fail_after(10):
+            await wait_for(lambda: len(won) == 2, timeout=10, what="both waiters served")
+    assert holder.token is not None and all(
+        lease.token is not None and lease.token > holder.token for lease in waiters)
+    assert len(tries) <= 6  # one more try each: woken, not polling
+
+
+async def test_a_waiter_elsewhere_keeps_its_poll(store: Store) -> None:
+    """A waiter on another backend object (as in another process) is not woken: it takes
+    the name at its next try, within its ``poll``."""
+    backend = store.backend()
+    holder = Lease(backend, "report-lock", ttl="60s")
+    assert await holder.acquire(timeout=0)
+    elsewhere = Lease(store.backend(), "report-lock", ttl="60s", poll="0.2s")
+    if elsewhere.backend is backend:
+        pytest.skip("this store hands out one backend object")
+    tries = count_tries(elsewhere.backend)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(elsewhere.acquire)
+        await wait_for(lambda: tries, what="the waiter refused once")
+        await holder.release()
+        await wait_for(lambda: elsewhere.held, what="the waiter's next try")
+    assert len(tries) >= 2  # its first try, refused, and the one after its pause
+    await elsewhere.release()
+
+
+@pytest.mark.asyncio_only
+async def test_a_sync_lease_release_wakes_a_sync_waiter_at_once() -> None:
+    backend = MemoryBackend()
+    tries = count_tries(backend)
+    holder = SyncLease(backend, "report-lock", ttl="60s")
+    waiter = SyncLease(backend, "report-lock", ttl="60s", poll="60s")
+    assert holder.acquire(timeout=0)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+    thread.start()
+    try:
+        await wait_for(lambda: len(tries) >= 2, what="the waiter refused once")
+        holder.release()
+        await wait_for(lambda: got, timeout=10, what="the waiter woken")
+        assert got == [True] and waiter.held
+    finally:
+        thread.join(35)
+        waiter.release()
