@@ -685,8 +685,8 @@ async def test_a_zombie_agent_is_refused_everything(store: Store) -> None:
         with pytest.raises(LeaseLost):
             await Checkpoint(backend, old).set({"progress": 9})
         assert not await backend.finish(old, Outcome.COMPLETED)
-        assert await backend.get_checkpoint("close/interest", slot) == {"result": "by b",
-                                                                      "next": "publish"}
+        assert await backend.get_checkpoint("close/interest", slot) == {
+            "result": "by b", "next": "publish", "steps": list(STEPS)}
     finally:
         await backend.close()
     assert finished == ["by b"]

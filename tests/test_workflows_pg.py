@@ -109,7 +109,8 @@ async def test_a_step_s_effect_result_and_completion_commit_together_and_a_zombi
             async with late.transaction() as tx:
                 await tx.execute(f"INSERT INTO {table}_fx VALUES (%s, 99, 'a')", (slot,))
         assert await backend.get_checkpoint("close/interest", slot) == {
-            "result": {"credited": 3}, "next": "publish"}
+            "result": {"credited": 3}, "next": "publish",
+            "steps": ["snapshot", "interest", "publish"]}
     finally:
         await backend.close()
     assert await effects(pg16_server, table) == [(1, "b"), (2, "b"), (3, "b")]

@@ -74,11 +74,16 @@ class StepCoordinator:
         with ``"last": True`` when the step is its workflow's last in this instance's
         definition (a step added later is then not run for this run; see
         :meth:`_ended_otherwise`), else with ``"next": <the next step's name>`` (the run
-        is continued by a backup or at start only with that step; see :meth:`resume`)."""
+        is continued by a backup or at start only with that step; see :meth:`resume`);
+        both with ``"steps"``, the definition's steps: an instance of another release
+        tells a step inserted since (not among them) from a step moved
+        (:meth:`load_results`)."""
         next_step = job.next_step
+        assert job.workflow is not None
+        steps = job.workflow.steps
         if next_step is None:
-            return {"result": value, "last": True}
-        return {"result": value, "next": next_step.step}
+            return {"result": value, "last": True, "steps": steps}
+        return {"result": value, "next": next_step.step, "steps": steps}
 
     async def _ended_otherwise(self, job: Job, slot: int) -> bool:
         """True when ``job``'s completed run at ``slot`` was completed under another
