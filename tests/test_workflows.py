@@ -8,6 +8,7 @@ are schedulers in tasks (tests/helpers.py); every wait has a deadline.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -1094,6 +1095,80 @@ async def test_a_step_added_by_a_release_rolling_out_does_not_run_for_a_run_endi
             await i_old.stop()
     assert (await statuses(new, slot))[2] is None
     assert ("publish", "new") not in ran
+
+
+def _releases(store: Store, waits: dict[str, float], steps: dict[str, tuple[str, ...]],
+              ran: list[tuple[str, str | None, int, list[str]]]) -> dict[str, Scheduler]:
+    """One scheduler per release (its name: its steps of the hourly workflow ``close``);
+    each step records (release, step, attempt, the results it was given), then waits
+    ``waits["release/step"]`` seconds (if given; ``math.inf``: for ever)."""
+    made = {}
+    for name, names in steps.items():
+        s = make(store, name)
+        close = s.workflow("close", every="1h", offset=quiet_offset_now())
+        for step in names:
+            async def handler(ctx: RunContext, name: str = name) -> dict[str, str]:
+                ran.append((name, ctx.step, ctx.attempt, sorted(ctx.results)))
+                await anyio.sleep(waits.get(f"{name}/{ctx.step}", 0))
+                return {"by": name}
+            close.step(step, handler)
+        made[name] = s
+    return made
+
+
+@pytest.mark.parametrize("old_first", [True, False], ids=["old-to-new", "new-to-old"])
+async def test_a_step_taken_over_by_a_release_with_a_step_inserted_before_it_runs(
+    store: Store, old_first: bool,
+) -> None:
+    """A rolling deploy inserts a step before the last one (or removes it) while a run is
+    in flight: the release without it completed the first step, went on with the last
+    one, and its instance dies in it. An instance of the other release takes the last
+    step over and runs it, with the results its run has. It failed: that release's
+    definition wanted a result of the middle step ("no longer in the store (its history
+    was trimmed...)"), which the run never had, and the workflow run failed."""
+    ran: list[tuple[str, str | None, int, list[str]]] = []
+    # old-to-new: the new release inserts "interest"; new-to-old: it removed it.
+    first, then = ("old", "new") if old_first else ("new", "old")
+    releases = _releases(store, {f"{first}/publish": math.inf},
+                         {first: (STEPS[0], STEPS[2]), then: STEPS}, ran)
+    async with anyio.create_task_group() as tg:
+        dying = await Instance(releases[first]).start(tg)
+        slot = current_slot(releases[first])
+        await begin(releases[first], slot)
+        await wait_for(lambda: (first, "publish", 1, ["snapshot"]) in ran,
+                       what="the last step started")
+        backup = await Instance(releases[then]).start(tg)
+        dying.crash()
+        await wait_workflow(releases[first], slot, "completed")
+        await backup.stop()
+    assert ran[-1] == (then, "publish", 2, ["snapshot"])
+    assert (await statuses(releases[then], slot))[1] is None  # interest: never run
+
+
+async def test_a_step_taken_over_by_a_release_that_moved_a_step_before_it_is_not_run(
+    store: Store) -> None:
+    """A rolling deploy swaps the last two steps while the old release runs the middle
+    one, and its instance dies: the new release has the old last step before it, which
+    has not run for this run. The step is not run without it (it would then complete as
+    the new release's last step, and the run complete without that step's effect,
+    silently): the attempt fails, as before inserted steps were told from moved ones (the
+    results name the definition's steps)."""
+    ran: list[tuple[str, str | None, int, list[str]]] = []
+    releases = _releases(store, {"old/interest": math.inf},
+                         {"old": STEPS, "new": (STEPS[0], STEPS[2], STEPS[1])}, ran)
+    old, new = releases["old"], releases["new"]
+    async with anyio.create_task_group() as tg:
+        dying = await Instance(old).start(tg)
+        slot = current_slot(old)
+        await begin(old, slot)
+        await wait_for(lambda: ("old", "interest", 1, ["snapshot"]) in ran,
+                       what="the middle step started")
+        backup = await Instance(new).start(tg)
+        dying.crash()
+        await wait_workflow(new, slot, "failed")
+        await backup.stop()
+    assert [r for r in ran if r[0] == "new"] == []
+    assert (await statuses(old, slot))[2] is None
 
 
 async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:

@@ -209,12 +209,28 @@ class StepCoordinator:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def load_results(self, job: Job, slot: int) -> dict[str, Any]:
-        """The results of the steps before ``job``'s, by step name."""
+        """The results of the steps before ``job``'s, by step name.
+
+        A step the workflow run went on past has none, and is left out: the result before
+        it names a later step as the next one, and was stored under a definition without
+        that step (the step was inserted by a deploy while the run was in flight, or is a
+        step the release that ran the step before it does not have). A step that was in
+        that definition (moved since) still fails the attempt. A step taken over from an
+        instance of another release then runs with the results its run has, rather than
+        failing for want of a result that was never to be."""
         assert job.workflow is not None
         results: dict[str, Any] = {}
+        went: Any = None  # the step the last result read names as the next one
+        steps: Any = None  # and the steps of the definition it was stored under
         for step in job.workflow.previous_steps(job):
             payload = await self._read_checkpoint(step_job(job.workflow.name, step), slot)
             if not isinstance(payload, dict) or "result" not in payload:
+                if (isinstance(went, str) and went != step and isinstance(steps, list)
+                        and step not in steps):
+                    # The run went on past this step, which its definition did not have
+                    # (inserted since, or removed by the release that completed the step
+                    # before): it never ran for this run, and has no result to give.
+                    continue
                 # A completed step's result is stored before (or with) its completion:
                 # none means its run is gone (history trimmed past it: the store does
                 # not keep a workflow run's steps together, or no step of the run was
@@ -226,6 +242,7 @@ class StepCoordinator:
                     "trimmed while no step of the run was running or waiting for a "
                     "retry); keep history_ttl longer than a step waits to be claimed")
             results[step] = payload["result"]
+            went, steps = payload.get("next"), payload.get("steps")
         return results
 
     async def store_result(self, run: Run, value: Any) -> bool | ConfigurationError:
