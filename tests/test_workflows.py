@@ -1171,6 +1171,50 @@ async def test_a_step_taken_over_by_a_release_that_moved_a_step_before_it_is_not
     assert (await statuses(old, slot))[2] is None
 
 
+@pytest.mark.parametrize("new_up", [False, True], ids=["new-starts-after", "new-backs-up"])
+async def test_a_run_left_between_two_steps_by_the_old_release_goes_on_as_it_did(
+    store: Store, new_up: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rolling deploy inserts a step between two while a run is in flight: the old
+    release's instance completes the first step (its result names the old next step) and
+    dies before it claims the next one. The new release, which starts then or backs the
+    run up, goes on with the step the run named, as it did, and not with the inserted one.
+    The run was left there: no step was claimed for it again, and it showed running for
+    ever."""
+    from lease_core.engine.steps import StepCoordinator
+
+    ran: list[tuple[str, str | None, int, list[str]]] = []
+    releases = _releases(store, {"old/snapshot": 1.0 if new_up else 0},
+                         {"old": (STEPS[0], STEPS[2]), "new": STEPS}, ran)
+    old, new = releases["old"], releases["new"]
+
+    async def dies_first(self: StepCoordinator, job: Any, slot: int) -> None:
+        if self._s.settings.instance_id == "new":
+            await completed(self, job, slot)
+
+    async def first_completed() -> bool:
+        return (await statuses(old, slot))[0] is RunStatus.COMPLETED
+
+    completed = StepCoordinator.completed
+    monkeypatch.setattr(StepCoordinator, "completed", dies_first)
+    async with anyio.create_task_group() as tg:
+        dying = await Instance(old).start(tg)
+        slot = current_slot(old)
+        await begin(old, slot)
+        await wait_for(lambda: ("old", "snapshot", 1, []) in ran, what="the first step")
+        if new_up:  # backs the first step up, and sees it completed
+            backup = await Instance(new).start(tg)
+            await wait_for(first_completed, what="the first step completed")
+        dying.crash()
+        if not new_up:
+            await anyio.sleep(0.3)
+            backup = await Instance(new).start(tg)
+        await wait_workflow(old, slot, "completed")
+        await backup.stop()
+    assert ran == [("old", "snapshot", 1, []), ("new", "publish", 1, ["snapshot"])]
+    assert (await statuses(new, slot))[1] is None
+
+
 async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:
     ran: list[tuple[int, str | None, Any]] = []
     late = make(store, "late")

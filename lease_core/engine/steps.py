@@ -73,11 +73,11 @@ class StepCoordinator:
         """The checkpoint that stores a completed step's result: ``{"result": value}``,
         with ``"last": True`` when the step is its workflow's last in this instance's
         definition (a step added later is then not run for this run; see
-        :meth:`_ended_otherwise`), else with ``"next": <the next step's name>`` (the run
+        :meth:`_goes_on_with`), else with ``"next": <the next step's name>`` (the run
         is continued by a backup or at start only with that step; see :meth:`resume`);
         both with ``"steps"``, the definition's steps: an instance of another release
         tells a step inserted since (not among them) from a step moved
-        (:meth:`load_results`)."""
+        (:meth:`_goes_on_with`, :meth:`load_results`)."""
         next_step = job.next_step
         assert job.workflow is not None
         steps = job.workflow.steps
@@ -85,39 +85,62 @@ class StepCoordinator:
             return {"result": value, "last": True, "steps": steps}
         return {"result": value, "next": next_step.step, "steps": steps}
 
-    async def _ended_otherwise(self, job: Job, slot: int) -> bool:
-        """True when ``job``'s completed run at ``slot`` was completed under another
-        definition of its workflow, which did not go on with the step after it in this
-        instance's definition: completed as the last step (a step was added after it
-        since), or naming another next step (a step was inserted, renamed or replaced
-        since). Its successor is then not claimed for that run: a deploy's new step runs
-        from the next run on, not for a run that completed, or went on, under the old
-        definition. A run whose result cannot be read, or was stored by an earlier build
-        (no mark), is continued as before."""
+    async def _goes_on_with(self, job: Job, slot: int) -> Job | None:
+        """The step that ``job``'s completed run at ``slot`` goes on with: the step after
+        it in this instance's definition, unless the run was completed under another
+        definition of its workflow. Then ``None`` when that definition did not go on
+        with a step this one has after ``job``: completed as the last step (a step was
+        added after it since), or naming a next step this definition does not have
+        after it (renamed or replaced since): a deploy's new step runs from the next run
+        on, not for a run that completed, or went on, under the old definition. When
+        the result names a later step of this definition (a step was inserted before it
+        since), that step: the run goes on as it did, and the inserted step runs from
+        the next run on. A run whose result cannot be read, or was stored by an earlier
+        build (no mark), is continued as before."""
+        next_step = job.next_step
+        assert next_step is not None and job.workflow is not None
         try:
             payload = await self._s.settings.backend.get_checkpoint(job.name, slot)
         except Exception as exc:
             self._s.clock.failed(f"reading the checkpoint of {job.name}", exc)
-            return False
+            return next_step
         if not isinstance(payload, dict):
-            return False
-        next_step = job.next_step
-        assert next_step is not None and job.workflow is not None
+            return next_step
         if payload.get("last") is True:
             logger.info("%s slot %s: its run ended with step %r, before step %r was added "
                         "to the workflow; that step runs from the next run on",
                         job.workflow.name, format_slot(slot), job.step, next_step.step)
-            return True
+            return None
         went = payload.get("next")
         if isinstance(went, str) and went != next_step.step:
+            instead = self._past_inserted(job, went, payload.get("steps"))
             logger.info("%s slot %s: its run went on from step %r with step %r, under an "
-                        "earlier definition of the workflow; step %r runs from the next "
+                        "earlier definition of the workflow%s; step %r runs from the next "
                         "run on", job.workflow.name, format_slot(slot), job.step, went,
-                        next_step.step)
-            return True
-        if went is None:
-            return await self._went_on_past(job, next_step, slot)
-        return False
+                        "" if instead is None else ", and goes on so", next_step.step)
+            return instead
+        if went is None and await self._went_on_past(job, next_step, slot):
+            return None
+        return next_step
+
+    @staticmethod
+    def _past_inserted(job: Job, went: str, steps: Any) -> Job | None:
+        """The job of step ``went``, named as the next one by ``job``'s result, stored
+        under the definition of ``steps``: when it comes later in this instance's
+        definition, after steps that one did not have only (inserted since: the run goes
+        on without them). ``None`` otherwise: a step between them was in the run's
+        definition (moved since), or the result does not say which steps it had (stored
+        by an earlier build)."""
+        assert job.workflow is not None
+        if not isinstance(steps, list):
+            return None
+        jobs = job.workflow.jobs
+        for later in jobs[jobs.index(job) + 1:]:
+            if later.step == went:
+                return later
+            if later.step in steps:
+                return None
+        return None
 
     async def _went_on_past(self, job: Job, next_step: Job, slot: int) -> bool:
         """True when a step after ``next_step`` has a run at ``slot``: the workflow run
@@ -148,7 +171,7 @@ class StepCoordinator:
         """``run`` is a later step's, pending, found unclaimed at this member's turn after
         the step before completed elsewhere: True when it is claimed in a task of its
         own, once that step's result shows the workflow run goes on with it
-        (:meth:`_ended_otherwise`; a step added by a release rolling out must not run for
+        (:meth:`_goes_on_with`; a step added by a release rolling out must not run for
         a run the old release ended, or went on with another step). The read is made only
         here, where nobody claimed the step, not at every completion a member backs up."""
         job = run.job
@@ -163,18 +186,22 @@ class StepCoordinator:
         return True
 
     async def _continue_pending(self, before: Job, run: Run) -> None:
-        if await self._ended_otherwise(before, run.slot):
-            self._s.runs.forget(run.key)
-        else:
+        going = await self._goes_on_with(before, run.slot)
+        if going is run.job:
             await self._s.claims.claim(run.job, run.slot,
                                        run.reclaim_reason or Reason.SCHEDULED)
+            return
+        self._s.runs.forget(run.key)
+        if going is not None:
+            await self._s.claims.claim(going, run.slot, Reason.SCHEDULED)
 
     async def _continue(self, job: Job, next_step: Job, slot: int) -> None:
         """Claim ``next_step`` at ``slot``, seen unclaimed after ``job`` completed, unless
-        the run ended with ``job`` or went on with another step
-        (:meth:`_ended_otherwise`)."""
-        if not await self._ended_otherwise(job, slot):
-            await self._s.claims.claim(next_step, slot, Reason.SCHEDULED)
+        the run ended with ``job`` or went on with another step: then the step it went
+        on with, if this instance's definition has it later (:meth:`_goes_on_with`)."""
+        going = await self._goes_on_with(job, slot)
+        if going is not None:
+            await self._s.claims.claim(going, slot, Reason.SCHEDULED)
 
     async def earlier_result(self, ctx: RunContext) -> tuple[bool, Any]:
         """(True, its result) when an earlier attempt of this step completed it (its
