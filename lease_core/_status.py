@@ -22,7 +22,7 @@ from ._redact import redact
 from ._structures import LAST_SLOT, Attempt, RunInfo, RunState, RunStatus, ms_to_datetime
 from .abc import Backend
 from .errors import ConfigurationError
-from .recovery import attempts_by_slot, cancelled_unclaimed, recovery_log, step_job
+from .recovery import attempts_by_slot, cancelled_unclaimed, recovery_log, run_steps, step_job
 
 __all__ = [
     "JobStatus",
@@ -349,7 +349,7 @@ async def _read(backend: Backend, name: str, slot: int,
     """The run's JSON and its attempts (every step's, for a workflow), or ``None``."""
     workflows = await backend.workflows()
     if name in workflows:
-        steps = workflows[name]
+        steps = await run_steps(backend, name, workflows[name], slot)
         jobs = [step_job(name, s) for s in steps]
         found = (await backend.check([(job, slot) for job in jobs])).runs
         states = {s: _info(found.get((job, slot))) for s, job in zip(steps, jobs, strict=True)}

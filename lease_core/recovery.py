@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .abc import Backend
 
 __all__ = ["STEP_SEPARATOR", "RecoveryEntry", "attempts_by_slot", "cancelled_unclaimed",
-           "read_recovery_log", "recovery_log", "sibling_steps", "step_job"]
+           "read_recovery_log", "recovery_log", "run_steps", "sibling_steps", "step_job"]
 
 #: Separates a workflow's name from a step's in the job name of the step's runs.
 STEP_SEPARATOR = "/"
@@ -160,11 +160,27 @@ async def read_recovery_log(backend: Backend, name: str, slot: int, *, limit: in
     if steps is None:
         return recovery_log((await attempts_by_slot(backend, name, {slot}, limit)
                              ).get(slot, []))
+    steps = await run_steps(backend, name, steps, slot)
     attempts: list[Attempt] = []
     for step in steps:
         attempts += (await attempts_by_slot(backend, step_job(name, step), {slot}, limit)
                      ).get(slot, [])
     return recovery_log(attempts, workflow=name, steps=steps)
+
+
+async def run_steps(backend: Backend, name: str, steps: Sequence[str], slot: int,
+                    ) -> list[str]:
+    """The steps of workflow ``name``'s run at ``slot``: ``steps`` (its definition), then
+    any other step of it the store has a run of at that slot, in name order: a step that
+    a deploy removed or renamed since, which an instance of the release before ran for
+    this run (its attempts are this run's too, and it may still be open)."""
+    prefix = name + STEP_SEPARATOR
+    others = [job[len(prefix):] for job in await backend.jobs()
+              if job.startswith(prefix) and job[len(prefix):] not in steps]
+    if not others:
+        return list(steps)
+    found = (await backend.check([(step_job(name, step), slot) for step in others])).runs
+    return [*steps, *(step for step in others if (step_job(name, step), slot) in found)]
 
 
 async def attempts_by_slot(backend: Backend, job: str, slots: set[int], limit: int,

@@ -1215,6 +1215,48 @@ async def test_a_run_left_between_two_steps_by_the_old_release_goes_on_as_it_did
     assert (await statuses(new, slot))[1] is None
 
 
+async def test_a_run_in_flight_in_a_step_a_deploy_removed_shows_that_step(
+    store: Store) -> None:
+    """A rolling deploy removes a step while an instance of the old release runs it for a
+    run, and that instance dies: the new release cannot run the step, nor the run's
+    later steps. The run's view (status API, recovery log) shows that step, open, with
+    its attempts, and the run ended once the step's run is cancelled. They showed neither:
+    the run "running" for ever with no step running, and a recovery log without the
+    step (they read only the steps the new release registered)."""
+    from lease_core._status import read_recovery_log as api_recovery_log
+    from tests.test_operations import admin_for
+
+    ran: list[tuple[str, str | None, int, list[str]]] = []
+    releases = _releases(store, {"old/interest": math.inf},
+                         {"old": STEPS, "new": (STEPS[0], STEPS[2])}, ran)
+    old, new = releases["old"], releases["new"]
+    admin = admin_for(store)
+    async with anyio.create_task_group() as tg:
+        dying = await Instance(old).start(tg)
+        slot = current_slot(old)
+        await begin(old, slot)
+        await wait_for(lambda: ("old", "interest", 1, ["snapshot"]) in ran,
+                       what="the step the deploy removes started")
+        dying.crash()
+        i = await Instance(new).start(tg)  # registers the workflow's two steps
+        await i.stop()
+    async with started(new.backend):
+        run = await read_run(new.backend, "close", slot)
+        log = await api_recovery_log(new.backend, "close", slot)
+    assert run is not None
+    assert [(x["name"], x["status"]) for x in run["steps"]] == [
+        ("snapshot", "completed"), ("publish", "pending"), ("interest", "running")]
+    assert log is not None
+    assert [(e["step"], e["event"]) for e in log] == [
+        ("snapshot", "started"), ("snapshot", "completed"), ("interest", "started")]
+    assert [(e.step, e.event) for e in await new.recovery_log(("close", slot))] == [
+        (e["step"], e["event"]) for e in log]
+    await admin.cancel("close/interest", slot)
+    async with started(new.backend):
+        run = await read_run(new.backend, "close", slot)
+    assert run is not None and run["status"] == "cancelled", run
+
+
 async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:
     ran: list[tuple[int, str | None, Any]] = []
     late = make(store, "late")
