@@ -22,7 +22,14 @@ from ._redact import redact
 from ._structures import LAST_SLOT, Attempt, RunInfo, RunState, RunStatus, ms_to_datetime
 from .abc import Backend
 from .errors import ConfigurationError
-from .recovery import attempts_by_slot, cancelled_unclaimed, recovery_log, run_steps, step_job
+from .recovery import (
+    attempts_by_slot,
+    cancelled_unclaimed,
+    other_steps,
+    recovery_log,
+    run_steps,
+    step_job,
+)
 
 __all__ = [
     "JobStatus",
@@ -289,18 +296,21 @@ async def _job_entry(backend: Backend, name: str, limit: int) -> dict[str, Any]:
 
 async def _workflow_entry(backend: Backend, name: str, steps: Sequence[str],
                           limit: int) -> dict[str, Any]:
+    # A step a deploy removed or renamed shows in the runs it ran for (run_steps).
+    others = await other_steps(backend, name, steps)
     by_step = {s: {r.slot: r for r in await backend.runs(step_job(name, s), limit=limit)}
-               for s in steps}
+               for s in [*steps, *others]}
     slots = sorted({slot for runs in by_step.values() for slot in runs}, reverse=True)
     attempts_by_step = {s: await _attempts(backend, step_job(name, s),
                                            _claimed(by_step[s].values()))
-                        if by_step[s] else {} for s in steps}
+                        if by_step[s] else {} for s in by_step}
     runs = []
     for slot in slots[:limit]:
-        at_slot = {s: by_step[s].get(slot) for s in steps}
+        here = [*steps, *(s for s in others if slot in by_step[s])]
+        at_slot = {s: by_step[s].get(slot) for s in here}
         runs.append(_workflow_run_json(
-            name, steps, slot, at_slot, {s: attempts_by_step[s].get(slot, []) for s in steps},
-            ended=await _ended_before_added_steps(backend, name, steps, slot, at_slot)))
+            name, here, slot, at_slot, {s: attempts_by_step[s].get(slot, []) for s in here},
+            ended=await _ended_before_added_steps(backend, name, here, slot, at_slot)))
     return {"name": name, "kind": "workflow", "steps": list(steps), "runs": runs}
 
 

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from .abc import Backend
 
 __all__ = ["STEP_SEPARATOR", "RecoveryEntry", "attempts_by_slot", "cancelled_unclaimed",
-           "read_recovery_log", "recovery_log", "run_steps", "sibling_steps", "step_job"]
+           "other_steps", "read_recovery_log", "recovery_log", "run_steps", "sibling_steps",
+           "step_job"]
 
 #: Separates a workflow's name from a step's in the job name of the step's runs.
 STEP_SEPARATOR = "/"
@@ -174,13 +175,19 @@ async def run_steps(backend: Backend, name: str, steps: Sequence[str], slot: int
     any other step of it the store has a run of at that slot, in name order: a step that
     a deploy removed or renamed since, which an instance of the release before ran for
     this run (its attempts are this run's too, and it may still be open)."""
-    prefix = name + STEP_SEPARATOR
-    others = [job[len(prefix):] for job in await backend.jobs()
-              if job.startswith(prefix) and job[len(prefix):] not in steps]
+    others = await other_steps(backend, name, steps)
     if not others:
         return list(steps)
     found = (await backend.check([(step_job(name, step), slot) for step in others])).runs
     return [*steps, *(step for step in others if (step_job(name, step), slot) in found)]
+
+
+async def other_steps(backend: Backend, name: str, steps: Sequence[str]) -> list[str]:
+    """The steps of workflow ``name`` the store knows a job of (``<name>/<step>``) that
+    are not among ``steps``, in name order: steps a deploy removed or renamed since."""
+    prefix = name + STEP_SEPARATOR
+    return [job[len(prefix):] for job in await backend.jobs()
+            if job.startswith(prefix) and job[len(prefix):] not in steps]
 
 
 async def attempts_by_slot(backend: Backend, job: str, slots: set[int], limit: int,

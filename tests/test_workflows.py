@@ -1254,7 +1254,11 @@ async def test_a_run_in_flight_in_a_step_a_deploy_removed_shows_that_step(
     await admin.cancel("close/interest", slot)
     async with started(new.backend):
         run = await read_run(new.backend, "close", slot)
+        listed = await read_runs(new.backend, "close")
     assert run is not None and run["status"] == "cancelled", run
+    assert listed is not None
+    assert [([x["name"] for x in r["steps"]], r["status"]) for r in listed["runs"]
+            if r["slot"] == slot] == [(["snapshot", "publish", "interest"], "cancelled")]
 
 
 async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:
