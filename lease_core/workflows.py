@@ -24,7 +24,9 @@ run, on every backend.
 **Checkpoint payload of a step run.** While a step runs, ``ctx.checkpoint`` stores its own
 progress as ``{"progress": value}``; once it completes, the payload is
 ``{"result": value}`` (the last step's with ``"last": True``: a step added to the
-workflow later is not run for that run; the others' with ``"next": <next step's name>``).
+workflow later is not run for that run; the others' with ``"next": <next step's name>``;
+both with ``"steps"``, the definition's step names: another release tells a step inserted
+since from one moved).
 ``ctx.checkpoint.get()`` returns only the progress, and ``ctx.results`` only the results:
 the two never collide.
 
