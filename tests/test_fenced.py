@@ -267,6 +267,82 @@ async def test_session_state_a_fenced_block_left_does_not_outlive_its_commit(
         await backend.close()
 
 
+async def test_the_session_reset_keeps_the_prepared_statements_of_the_protocol(
+    pg16_server: PgServer, table: str,
+) -> None:
+    """The reset used to run ``DEALLOCATE ALL`` inside its ``DO`` block, which also
+    dropped the statements prepared through the protocol, whose owners (the driver, or
+    PgBouncer >= 1.21 with ``max_prepared_statements``, which only notices a top-level
+    ``DEALLOCATE ALL``) still count them as prepared: psycopg then failed on its next use
+    of one with 'prepared statement "_pg3_0" does not exist', and through PgBouncer every
+    other client of that server connection did (``review_pgb/r1_deallocate_in_do.py``).
+    Only what ``PREPARE`` made is dropped."""
+    backend = PostgresBackend(pg16_server.dsn + "?max_size=1", table=table)
+    await backend.start()
+    try:
+        for slot in (1, 2, 3):
+            ctx = await _claimed_run(backend, "prepared", slot)
+            async with ctx.transaction() as tx:
+                conn = tx.connection  # one connection: max_size=1
+                conn.prepare_threshold = 0  # (the pool's connections prepare nothing)
+                try:
+                    cur = await conn.execute("SELECT %s::int + 1", (slot,), prepare=True)
+                    assert await cur.fetchone() == (slot + 1,)
+                finally:
+                    conn.prepare_threshold = None
+                await tx.execute(f"PREPARE by_sql_{slot} AS SELECT 1")
+                prepared = await tx.execute(
+                    "SELECT name FROM pg_prepared_statements WHERE from_sql ORDER BY name")
+                assert prepared == [(f"by_sql_{slot}",)]  # the previous block's was dropped
+    finally:
+        await backend.close()
+
+
+def _pgbouncer_version() -> tuple[int, ...]:
+    import subprocess
+
+    from tests.stores.postgres import PGBOUNCER
+    try:
+        out = subprocess.run([PGBOUNCER, "--version"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except OSError:
+        return ()
+    words = out.split()
+    return tuple(int(p) for p in words[1].split(".")[:2]) if len(words) > 1 else ()
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
+async def test_a_fenced_transaction_leaves_pgbouncers_prepared_statements_alone(
+    pg16_server: PgServer, table: str, driver: str,
+) -> None:
+    """PgBouncer >= 1.21 (``max_prepared_statements``) prepares its clients' statements on
+    its server connections as ``PGBOUNCER_n``: the reset's ``DEALLOCATE ALL``, inside a
+    ``DO`` block PgBouncer does not see, dropped them, and another client of that server
+    connection failed on each later use (runs where the installed PgBouncer has it)."""
+    from tests.stores.postgres import PgBouncer
+
+    if _pgbouncer_version() < (1, 21):
+        pytest.skip("PgBouncer >= 1.21 (max_prepared_statements) is not installed")
+    bouncer = PgBouncer(pg16_server.server, pool_size=1,
+                        extra="max_prepared_statements = 100\n").start()
+    other = await psycopg.AsyncConnection.connect(bouncer.dsn, autocommit=True,
+                                                  prepare_threshold=0)
+    backend = PostgresBackend(_for_driver(bouncer.dsn, driver), table=table)
+    try:
+        await backend.start()
+        query = "SELECT %s::int + 1"
+        assert await (await other.execute(query, (1,))).fetchone() == (2,)
+        ctx = await _claimed_run(backend, "bouncer")
+        async with ctx.transaction() as tx:
+            await tx.execute("SELECT 1")
+        for n in range(3):  # one server connection (pool_size=1): the same one
+            assert await (await other.execute(query, (n,))).fetchone() == (n + 1,)
+    finally:
+        await backend.close()
+        await other.close()
+        bouncer.close()
+
+
 @pytest.mark.parametrize("server", ["pg16_server", "pgbouncer_server"])
 @pytest.mark.parametrize("driver", ["psycopg", "pg8000"])
 @pytest.mark.parametrize("failed", [False, True], ids=["raised", "aborted"])

@@ -28,7 +28,14 @@ __all__ = ["RESET_SESSION", "FencedTransaction", "fenced_transaction"]
 #: would otherwise outlive the commit on the pooled connection, where the backend's
 #: claims and heartbeats run next, and through PgBouncer in transaction mode on a server
 #: connection another client gets. One statement (a ``DO`` block), so one round trip.
-RESET_SESSION = ("DO $$BEGIN RESET ALL; RESET ROLE; DEALLOCATE ALL; UNLISTEN *; "
+#: Only the statements ``PREPARE`` made are dropped (``from_sql``), not ``DEALLOCATE ALL``:
+#: those prepared through the protocol belong to the driver or to PgBouncer (>= 1.21, with
+#: ``max_prepared_statements``), which count them as prepared on that server connection and
+#: notice a ``DEALLOCATE ALL`` only as a top-level command, not inside a ``DO`` block: its
+#: other clients then failed with 'prepared statement "PGBOUNCER_n" does not exist'.
+RESET_SESSION = ("DO $$DECLARE s text; BEGIN RESET ALL; RESET ROLE; "
+                 "FOR s IN SELECT name FROM pg_prepared_statements WHERE from_sql LOOP "
+                 "EXECUTE 'DEALLOCATE ' || quote_ident(s); END LOOP; UNLISTEN *; "
                  "PERFORM pg_advisory_unlock_all(); DISCARD TEMP; END$$")
 
 
