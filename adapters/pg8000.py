@@ -73,6 +73,7 @@ from .base import (
     TransientError,
     WorkerThreads,
     gave_up,
+    pooler_hint,
     read_only,
     redact,
 )
@@ -111,7 +112,7 @@ def translate_error(exc: Exception, *, where: str = "", secret: str | None = Non
         if state in GAVE_UP_STATES:
             return BackendUnavailable(gave_up(at, text))
         if state[:2] in ("08", "53", "57", "58"):
-            return BackendUnavailable(f"cannot reach PostgreSQL{at}: {text}")
+            return BackendUnavailable(f"cannot reach PostgreSQL{at}: {text}{pooler_hint(text)}")
         return exc  # type: ignore[no-any-return]
     if isinstance(exc, pg8000.exceptions.InterfaceError | OSError):
         return BackendUnavailable(f"cannot reach PostgreSQL{at}: {redact(str(exc), secret)}")
@@ -168,6 +169,27 @@ def _run_alone(conn: Any, text: str, values: tuple[Any, ...] | None) -> list[Row
         context = conn.execute_unnamed(text, vals=values)
     rows = context.rows
     return [] if rows is None else [tuple(row) for row in rows]
+
+
+class _Connection(pg8000.native.Connection):  # type: ignore[misc]
+    """pg8000's connection, keeping the server's error when the server then hangs up.
+
+    PgBouncer answers some statements with an error and closes the connection at once
+    ("server login has been failing, try again later (server_login_retry)", "transaction
+    blocks not allowed in statement pooling mode", a ``KILL`` or ``query_wait_timeout``);
+    pg8000 keeps reading for the ReadyForQuery that never comes and raises "network
+    error", dropping the error it read. Here that error is raised instead (the network
+    error as its cause): its SQLSTATE (``08P01``) marks the connection broken all the same.
+    """
+
+    def handle_messages(self, context: Any) -> None:
+        try:
+            super().handle_messages(context)
+        except pg8000.exceptions.InterfaceError as exc:
+            error = getattr(context, "error", None)
+            if isinstance(error, pg8000.exceptions.DatabaseError):
+                raise error from exc
+            raise
 
 
 def _refuses_tls(exc: BaseException) -> bool:
@@ -349,7 +371,7 @@ class Pg8000PoolAdapter(SqlAdapter):
 
     def _open(self, ssl_context: Any) -> Any:
         p = self.params
-        return pg8000.native.Connection(
+        return _Connection(
             p["user"], host=p["host"], port=p["port"], database=p["database"],
             password=p["password"], timeout=self._timeout, unix_sock=p.get("unix_sock"),
             ssl_context=ssl_context, application_name=p.get("application_name"),

@@ -238,12 +238,15 @@ async def test_a_fleet_behind_pgbouncer_rides_out_a_stall_and_a_database_restart
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_pgbouncer_refusing_queries_after_a_failed_login_says_what_to_do() -> None:
+@pytest.mark.parametrize("scheme", ["postgresql://", "postgresql+pg8000://"])
+async def test_pgbouncer_refusing_queries_after_a_failed_login_says_what_to_do(
+    scheme: str,
+) -> None:
     """After its login to a stopped (or restarting) database failed, PgBouncer refuses every
     query for ``server_login_retry`` seconds, however soon the database is back: the
-    error names the setting and says how to shorten that outage (psycopg; pg8000 reports
-    only "network error", as PgBouncer closes the connection after its message)."""
-    scheme = "postgresql://"
+    error names the setting and says how to shorten that outage, with either driver
+    (pg8000 said only "network error": PgBouncer closes the connection after its
+    message, and pg8000 dropped the message it had read)."""
     if not HAVE_PGBOUNCER:
         missing_service("pgbouncer")
     server = EmbeddedPostgres()
