@@ -88,8 +88,13 @@ def pooler_hint(message: str) -> str:
     (server_login_retry)" for ``server_login_retry`` seconds after its login to the
     database failed, which happens at each database restart (its first reconnect reaches
     a server still shutting down or starting up): the database is unreachable through it
-    for that long, however soon it is back.
+    for that long, however soon it is back. In ``pool_mode = statement`` it refuses every
+    transaction (and closes the connection).
     """
+    if "statement pooling mode" in message:
+        return ("; PgBouncer's pool_mode = statement refuses transactions, which anarchon "
+                "needs (start(), migrations and fenced transactions run in one): use "
+                "pool_mode = transaction (or session) for this database")
     if "server_login_retry" not in message:
         return ""
     return ("; PgBouncer refuses every query for server_login_retry seconds after a login "

@@ -280,6 +280,33 @@ async def test_pgbouncer_refusing_queries_after_a_failed_login_says_what_to_do(
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("scheme", ["postgresql://", "postgresql+pg8000://"])
+async def test_pgbouncer_in_statement_mode_is_refused_saying_which_mode_works(
+    pg16_server: PgServer, scheme: str,
+) -> None:
+    """PgBouncer's ``pool_mode = statement`` refuses every transaction (and closes the
+    connection), which ``start()`` needs: it fails saying so and naming the mode that
+    works (pg8000 said only "network error")."""
+    if not HAVE_PGBOUNCER:
+        missing_service("pgbouncer")
+    bouncer = PgBouncer(pg16_server.server, pool_size=2)
+    ini = bouncer.root / "pgbouncer.ini"
+    ini.write_text(ini.read_text().replace("pool_mode = transaction", "pool_mode = statement"))
+    table = unique_table()
+    try:
+        await anyio.to_thread.run_sync(bouncer.start)
+        backend = PostgresBackend(bouncer.dsn.replace("postgresql://", scheme, 1), table=table)
+        with pytest.raises(BackendUnavailable) as raised:
+            await backend.start()
+        await backend.close()
+        assert "statement pooling mode" in str(raised.value), raised.value
+        assert "use pool_mode = transaction" in str(raised.value), raised.value
+    finally:
+        await anyio.to_thread.run_sync(bouncer.close)
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_after_each_database_restart_behind_pgbouncer_every_slot_runs_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
