@@ -2,10 +2,14 @@
 
 A :class:`~lease_core.Lease` whose :meth:`~lease_core.Lease.acquire` waits for another
 holder tries again every ``poll``. When the holder is a lease of the same process, on the
-same backend object and the same thread (so the same event loop: every ``SyncLease``
+same backend object and the same event loop (so the same thread: every ``SyncLease``
 shares one), its release wakes the waiters at once, and one of them takes the name
-without waiting for its next try. Waiters elsewhere (other processes, threads or
-backends) keep their ``poll``: the store has no way to tell them.
+without waiting for its next try. Waiters elsewhere (other processes, threads, event
+loops or backends) keep their ``poll``: the store has no way to tell them. A waiter of
+another loop of the same thread (one that ended, or was stopped, with the acquire's task
+still pending) is not woken: its cancel scope is that loop's, and cancelling it from
+here raised ('Event loop is closed') or left anyio delivering the cancellation at every
+turn of this loop, for ever.
 
 A release that comes while a waiter's try is in flight (refused, as the name was still
 held when the store read it) is not lost: the waiter is marked woken, and skips the
@@ -20,6 +24,7 @@ import weakref
 from collections.abc import Iterator
 
 import anyio
+import anyio.lowlevel
 
 __all__ = ["Waiter", "wake_waiters"]
 
@@ -37,7 +42,8 @@ class Waiter:
     the release came during the try."""
 
     def __init__(self, backend: object, name: str) -> None:
-        self.backend, self.thread = backend, threading.get_ident()
+        self.backend = backend
+        self.loop = anyio.lowlevel.current_token().native_token  # its event loop
         self.woken = False
         self.scope: anyio.CancelScope | None = None
         key = (id(backend), name)
@@ -62,12 +68,13 @@ class Waiter:
 
 
 def wake_waiters(backend: object, name: str) -> None:
-    """Wake the acquires waiting for ``name`` on ``backend`` on this thread (``name`` was
-    just freed): each tries again now."""
-    me = threading.get_ident()
+    """Wake the acquires waiting for ``name`` on ``backend`` on this event loop (``name``
+    was just freed): each tries again now."""
+    loop = anyio.lowlevel.current_token().native_token
     with _lock:
-        waiters = [w for w in _waiting.get((id(backend), name), ()) if w.thread == me]
+        waiters = [w for w in _waiting.get((id(backend), name), ()) if w.loop is loop]
     for waiter in waiters:
         waiter.woken = True
         if waiter.scope is not None:
             waiter.scope.cancel()
+

@@ -100,3 +100,51 @@ async def test_a_sync_lease_release_wakes_a_sync_waiter_at_once() -> None:
     finally:
         thread.join(35)
         waiter.release()
+
+
+@pytest.mark.asyncio_only
+@pytest.mark.parametrize("first_loop", ["closed", "stopped"])
+async def test_a_waiter_left_on_another_loop_of_the_thread_is_not_woken(
+        first_loop: str) -> None:
+    """An acquire left pending on an event loop that ended (closed, or stopped as
+    ``run_until_complete`` leaves it) is not woken by a release on a later loop of the
+    same thread: its cancel scope is the other loop's. The release raised 'Event loop is
+    closed' (closed), or anyio delivered the cancellation at every turn of the later
+    loop, for ever (stopped: a busy loop)."""
+    import asyncio
+    import time
+
+    def scenario() -> tuple[float, str | None]:
+        backend = MemoryBackend()
+        holder = Lease(backend, "report-lock", ttl="60s")
+        waiter = Lease(backend, "report-lock", ttl="60s", poll="60s")
+        loop = asyncio.new_event_loop()
+        left: list[asyncio.Future[bool]] = []
+
+        async def first() -> None:
+            assert await holder.acquire(timeout=0)
+            left.append(asyncio.ensure_future(waiter.acquire()))  # pending with its loop
+            await asyncio.sleep(0.1)
+
+        loop.run_until_complete(first())
+        if first_loop == "closed":
+            loop.close()
+
+        async def second() -> tuple[float, str | None]:
+            error = None
+            try:
+                await holder.release()
+            except RuntimeError as exc:
+                error = str(exc)
+            cpu = time.thread_time()
+            await asyncio.sleep(0.5)
+            return time.thread_time() - cpu, error
+
+        try:
+            return asyncio.run(second())
+        finally:
+            loop.close()
+
+    busy, error = await anyio.to_thread.run_sync(scenario)
+    assert error is None
+    assert busy < 0.25  # idle, not re-delivering a cancellation at every turn
