@@ -19,6 +19,7 @@ pause that follows that try.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -78,3 +79,15 @@ def wake_waiters(backend: object, name: str) -> None:
         if waiter.scope is not None:
             waiter.scope.cancel()
 
+
+def _forked() -> None:
+    """In a forked child: a new lock (a thread of the parent may have held this one as it
+    forked: the child's copy would stay locked, and every acquire wait for it), and no
+    waiters (the parent's, not this process's)."""
+    global _lock
+    _lock = threading.Lock()
+    _waiting.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)

@@ -148,3 +148,44 @@ async def test_a_waiter_left_on_another_loop_of_the_thread_is_not_woken(
     busy, error = await anyio.to_thread.run_sync(scenario)
     assert error is None
     assert busy < 0.25  # idle, not re-delivering a cancellation at every turn
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork")
+async def test_an_acquire_in_a_forked_child_does_not_wait_for_the_parents_lock() -> None:
+    """A fork while another thread of the parent registers a waiter (a SyncLease's
+    acquire on the background loop): the child's copy of the registry's lock stays held,
+    and every acquire of the child waited for it for ever."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, threading, anyio
+        from lease_core import Lease, MemoryBackend
+        from lease_core import _lease_waiters
+        held, forked = threading.Event(), threading.Event()
+        def registering():  # another thread, inside the registry's lock as it forks
+            with _lease_waiters._lock:
+                held.set()
+                forked.wait()
+        threading.Thread(target=registering, daemon=True).start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            async def child():
+                assert await Lease(MemoryBackend(), "n").acquire(timeout=0)
+            anyio.run(child)
+            os._exit(0)
+        forked.set()
+        for _ in range(100):  # 10 s
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                raise SystemExit(os.waitstatus_to_exitcode(status))
+            threading.Event().wait(0.1)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise SystemExit("the child's acquire waited for the lock its parent held")
+    """)
+    done = await anyio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-c", script], timeout=30, capture_output=True))
+    assert done.returncode == 0, done.stderr.decode()
