@@ -184,10 +184,13 @@ async def run_steps(backend: Backend, name: str, steps: Sequence[str], slot: int
 
 async def other_steps(backend: Backend, name: str, steps: Sequence[str]) -> list[str]:
     """The steps of workflow ``name`` the store knows a job of (``<name>/<step>``) that
-    are not among ``steps``, in name order: steps a deploy removed or renamed since."""
+    are not among ``steps``, in name order: steps a deploy removed or renamed since. A
+    job named ``<name>/<a>/<b>`` is no step of it (a step's name has no ``/``): a plain
+    job's, whose runs are not the workflow's."""
     prefix = name + STEP_SEPARATOR
     return [job[len(prefix):] for job in await backend.jobs()
-            if job.startswith(prefix) and job[len(prefix):] not in steps]
+            if job.startswith(prefix) and STEP_SEPARATOR not in job[len(prefix):]
+            and job[len(prefix):] not in steps]
 
 
 async def attempts_by_slot(backend: Backend, job: str, slots: set[int], limit: int,

@@ -1261,6 +1261,42 @@ async def test_a_run_in_flight_in_a_step_a_deploy_removed_shows_that_step(
             if r["slot"] == slot] == [(["snapshot", "publish", "interest"], "cancelled")]
 
 
+async def test_a_plain_job_named_under_a_workflow_is_no_removed_step_of_it(
+        store: Store) -> None:
+    """A plain job ``close/daily/report`` (another service's on the store; job names may
+    have '/') is no step of workflow ``close`` a deploy removed: a step's name has no
+    '/'. Its failed run at the workflow's slot showed as a step of the workflow's run,
+    and the completed run as failed."""
+    wf = make(store, "wf")
+    close = wf.workflow("close", every="1h", offset=quiet_offset_now())
+    close.step("snapshot", lambda ctx: 1)
+    close.step("publish", lambda ctx: 2)
+    other = make(store, "other")
+
+    def report(ctx: RunContext) -> None:
+        raise RuntimeError("the report's own failure")
+    other.every("close/daily/report", "1h", report, offset=quiet_offset_now())
+    async with anyio.create_task_group() as tg:
+        a = await Instance(wf).start(tg)
+        b = await Instance(other).start(tg)
+        slot = current_slot(wf)
+        await begin(wf, slot)
+        await claim_now(other, "close/daily/report", slot)
+        await wait_workflow(wf, slot, "completed")
+        await wait_history(other, lambda h: any(a.finished_at for a in h),
+                           job="close/daily/report", what="the report failed")
+        await a.stop()
+        await b.stop()
+    async with started(wf.backend):
+        run = await read_run(wf.backend, "close", slot)
+        listed = await read_runs(wf.backend, "close")
+    assert run is not None and listed is not None
+    assert ([s["name"] for s in run["steps"]], run["status"]) == (
+        ["snapshot", "publish"], "completed")
+    assert [([s["name"] for s in r["steps"]], r["status"]) for r in listed["runs"]
+            if r["slot"] == slot] == [(["snapshot", "publish"], "completed")]
+
+
 async def test_a_missed_workflow_run_is_caught_up(store: Store) -> None:
     ran: list[tuple[int, str | None, Any]] = []
     late = make(store, "late")
