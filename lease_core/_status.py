@@ -263,9 +263,10 @@ async def list_jobs(backend: Backend, limit: int = 5) -> dict[str, Any]:
     now = await backend.now_ms()
     workflows = await backend.workflows()
     steps_jobs = {step_job(w, s) for w, steps in workflows.items() for s in steps}
-    entries = [await _job_entry(backend, name, limit) for name in await backend.jobs()
+    jobs = await backend.jobs()
+    entries = [await _job_entry(backend, name, limit) for name in jobs
                if name not in steps_jobs]
-    entries += [await _workflow_entry(backend, name, steps, limit)
+    entries += [await _workflow_entry(backend, name, steps, limit, jobs=jobs)
                 for name, steps in workflows.items()]
     entries.sort(key=lambda e: (e["name"], e["kind"]))
     return {"now": iso(ms_to_datetime(now)), "jobs": entries}
@@ -295,9 +296,11 @@ async def _job_entry(backend: Backend, name: str, limit: int) -> dict[str, Any]:
 
 
 async def _workflow_entry(backend: Backend, name: str, steps: Sequence[str],
-                          limit: int) -> dict[str, Any]:
-    # A step a deploy removed or renamed shows in the runs it ran for (run_steps).
-    others = await other_steps(backend, name, steps)
+                          limit: int, *, jobs: Sequence[str] | None = None,
+                          ) -> dict[str, Any]:
+    # A step a deploy removed or renamed shows in the runs it ran for (run_steps); the
+    # store's jobs read once for every workflow of GET /jobs (``jobs``).
+    others = await other_steps(backend, name, steps, jobs=jobs)
     by_step = {s: {r.slot: r for r in await backend.runs(step_job(name, s), limit=limit)}
                for s in [*steps, *others]}
     slots = sorted({slot for runs in by_step.values() for slot in runs}, reverse=True)

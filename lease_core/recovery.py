@@ -182,13 +182,15 @@ async def run_steps(backend: Backend, name: str, steps: Sequence[str], slot: int
     return [*steps, *(step for step in others if (step_job(name, step), slot) in found)]
 
 
-async def other_steps(backend: Backend, name: str, steps: Sequence[str]) -> list[str]:
+async def other_steps(backend: Backend, name: str, steps: Sequence[str], *,
+                      jobs: Sequence[str] | None = None) -> list[str]:
     """The steps of workflow ``name`` the store knows a job of (``<name>/<step>``) that
     are not among ``steps``, in name order: steps a deploy removed or renamed since. A
     job named ``<name>/<a>/<b>`` is no step of it (a step's name has no ``/``): a plain
-    job's, whose runs are not the workflow's."""
+    job's, whose runs are not the workflow's. ``jobs``: the store's jobs, when the caller
+    has read them (else read here)."""
     prefix = name + STEP_SEPARATOR
-    return [job[len(prefix):] for job in await backend.jobs()
+    return [job[len(prefix):] for job in (await backend.jobs() if jobs is None else jobs)
             if job.startswith(prefix) and STEP_SEPARATOR not in job[len(prefix):]
             and job[len(prefix):] not in steps]
 

@@ -114,3 +114,31 @@ async def test_status_shows_a_jobs_open_run_past_ten_thousand_open_runs() -> Non
         assert len(running["elsewhere"]) == 10_000
     finally:
         await backend.close()
+
+
+async def test_the_jobs_list_reads_the_stores_jobs_once_for_every_workflow() -> None:
+    """GET /jobs reads the store's jobs once, not once more for each workflow (to find
+    its steps a deploy removed): a full read of the jobs per workflow listed."""
+    from lease_core import MemoryBackend
+    from lease_core._status import list_jobs
+
+    backend = MemoryBackend()
+    reads: list[int] = []
+    real = backend.jobs
+
+    async def jobs() -> list[str]:
+        reads.append(1)
+        return await real()
+
+    backend.jobs = jobs  # type: ignore[method-assign]
+    await backend.start()
+    try:
+        await backend.register_jobs(["report", *(f"wf{i}/{s}" for i in range(5)
+                                                  for s in ("a", "b"))])
+        await backend.register_workflows({f"wf{i}": ["a", "b"] for i in range(5)})
+        reads.clear()
+        listed = await list_jobs(backend)
+    finally:
+        await backend.close()
+    assert len(listed["jobs"]) == 6
+    assert len(reads) == 1
