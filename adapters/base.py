@@ -126,6 +126,8 @@ def gave_up(at: str, text: str) -> str:
 class TransientError(BackendUnavailable):
     """Raised when PostgreSQL aborted a transaction (deadlock, serialization); retry it."""
 
+    changed_nothing = True
+
 
 class Executor(Protocol):
     """What runs statements inside one transaction."""

@@ -57,6 +57,10 @@ class StoreNotFound(AnarchonError):
 class BackendUnavailable(AnarchonError):
     """Raised when the store cannot be reached or refuses the connection."""
 
+    #: True when the failed call surely changed nothing in the store (PostgreSQL aborted
+    #: its transaction); False when it may have taken effect before its answer was lost.
+    changed_nothing: bool = False
+
 
 class AuthenticationFailed(BackendUnavailable):
     """Raised when the store refuses the login: a wrong user name or password.

@@ -299,6 +299,8 @@ class Admin:
                             Operation(kind, job, slot, self.by, grace_ms))
                     except BackendUnavailable as exc:
                         # Sent: the store may have made it before its answer was lost.
+                        if exc.changed_nothing:
+                            raise
                         raise BackendUnavailable(_unanswered(kind, name, slot, exc)) from exc
                     if (result.refused == "conflict" and kind is OperationKind.CANCEL
                             and result.status is RunStatus.COMPLETED and name != job
