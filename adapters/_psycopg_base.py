@@ -23,6 +23,7 @@ from lease_core.errors import (
 )
 
 from .base import (
+    CONFIG_STATES,
     GAVE_UP_STATES,
     READ_ONLY_STATE,
     Params,
@@ -31,12 +32,12 @@ from .base import (
     pooler_hint,
     read_only,
     redact,
+    refused,
 )
 
 __all__ = ["translate_error"]
 
 _UNAVAILABLE_CLASSES = ("08", "53", "57", "58", "28")
-_CONFIG_STATES = {"42501", "42P01", "3F000", "3D000", "42P07"}
 #: libpq's refusals of a connection parameter's value, made before it connects
 #: (``invalid sslmode value: "x"``, ``invalid integer value "x" for connection option
 #: "keepalives"``, ``invalid port number: "x"``): the URL is wrong, no server is at fault.
@@ -89,8 +90,8 @@ def translate_error(
     at = f" at {where}" if where else ""
     if state in ("40001", "40P01"):
         return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
-    if state in _CONFIG_STATES:
-        return StoreRefused(f"PostgreSQL refused the statement{at}: {text}")
+    if state in CONFIG_STATES:
+        return StoreRefused(refused(at, text, state))
     if state == READ_ONLY_STATE:
         return BackendUnavailable(read_only(at, text))
     if state in GAVE_UP_STATES:

@@ -32,6 +32,7 @@ from lease_core.errors import BackendUnavailable, ConfigurationError
 
 __all__ = [
     "CANCEL_GRACE_S",
+    "CONFIG_STATES",
     "GAVE_UP_STATES",
     "READ_ONLY_STATE",
     "ConnectionLock",
@@ -49,6 +50,7 @@ __all__ = [
     "pooler_hint",
     "read_only",
     "redact",
+    "refused",
     "settle_scope",
 ]
 
@@ -109,6 +111,25 @@ def pooler_hint(message: str) -> str:
 GAVE_UP_STATES = frozenset({"57014", "55P03"})
 #: SQLSTATE read_only_sql_transaction: a write sent to a server that takes none now.
 READ_ONLY_STATE = "25006"
+
+
+#: SQLSTATEs the store's statements are refused with as a configuration error
+#: (:class:`~lease_core.errors.StoreRefused`): no privilege, no such table, schema,
+#: database or function, a table that exists already.
+CONFIG_STATES = frozenset({"42501", "42P01", "3F000", "3D000", "42P07", "42883"})
+
+
+def refused(at: str, text: str, state: str) -> str:
+    """The message of a statement refused with one of :data:`CONFIG_STATES`: a missing
+    table or function says what else than a missing store it may be."""
+    hint = ""
+    if state in ("42P01", "42883"):
+        hint = ("; if the store's tables and functions exist (`anarchon migrate` makes "
+                "them), this connection's search_path does not reach them: behind a "
+                "PgBouncer other applications share, one's SET search_path reaches the "
+                "next client of its server connection; give the table with its schema "
+                "(table=public.anarchon_runs)")
+    return f"PostgreSQL refused the statement{at}: {text}{hint}"
 
 
 def read_only(at: str, text: str) -> str:

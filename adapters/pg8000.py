@@ -62,6 +62,7 @@ from lease_core.errors import (
 from ._pg8000_params import PG8000_PARAMS, SSL_MODES, pg8000_params
 from ._placeholders import inline_parameters, numbered, sql_literal
 from .base import (
+    CONFIG_STATES,
     GAVE_UP_STATES,
     READ_ONLY_STATE,
     ConnectionLock,
@@ -76,6 +77,7 @@ from .base import (
     pooler_hint,
     read_only,
     redact,
+    refused,
 )
 
 __all__ = [
@@ -89,7 +91,6 @@ __all__ = [
     "translate_error",
 ]
 
-_CONFIG_STATES = {"42501", "42P01", "3F000", "3D000", "42P07"}
 def translate_error(exc: Exception, *, where: str = "", secret: str | None = None) -> Exception:
     """Map a pg8000 (or socket) error to anarchon's error types; others return unchanged."""
     at = f" at {where}" if where else ""
@@ -101,8 +102,8 @@ def translate_error(exc: Exception, *, where: str = "", secret: str | None = Non
         text = redact(f"{info.get('S', 'ERROR')}: {info.get('M', '')}", secret)
         if state in ("40001", "40P01"):
             return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
-        if state in _CONFIG_STATES:
-            return StoreRefused(f"PostgreSQL refused the statement{at}: {text}")
+        if state in CONFIG_STATES:
+            return StoreRefused(refused(at, text, state))
         if state == READ_ONLY_STATE:
             return BackendUnavailable(read_only(at, text))
         if state in ("28P01", "28000"):

@@ -32,7 +32,7 @@ from adapters.psycopg import (
 )
 from adapters.sql import SqlAdapter
 from backends.redis import RedisBackend
-from lease_core.errors import BackendUnavailable, ConfigurationError
+from lease_core.errors import BackendUnavailable, ConfigurationError, StoreRefused
 from lease_core.testing import wait_for
 from tests.stores.postgres import PgServer
 
@@ -329,6 +329,29 @@ async def test_a_statement_timeout_is_said_so_the_same_way_and_keeps_the_connect
                 await tx.all("SELECT pg_sleep(2)")
         assert "cannot reach" not in str(raised.value)
         assert await adapter.all("SELECT pg_backend_pid()") == pid
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize(("anyio_backend", "driver"),  # psycopg's async pool: asyncio
+                         [("asyncio", "psycopg"), ("trio", "pg8000")])
+async def test_a_missing_function_or_table_names_the_search_path(
+    pg16_server: PgServer, driver: str
+) -> None:
+    """A store function or table the server cannot find (42883, 42P01) is refused as a
+    configuration error naming the search_path, which another client of a shared
+    PgBouncer can change under anarchon's feet (a SET search_path in transaction mode
+    stays on the server connection); an unknown function reached the scheduler as the
+    driver's own error ("claim failed unexpectedly", with a traceback), a table with no
+    hint."""
+    adapter: SqlAdapter = (PsycopgDsnAdapter(pg16_server.dsn, max_size=1) if driver == "psycopg"
+                           else Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1))
+    await adapter.open()
+    try:
+        for sql in ("SELECT anarchon_no_such_function_v4()", "SELECT * FROM anarchon_no_such"):
+            with pytest.raises(StoreRefused, match="search_path does not reach them"):
+                await adapter.all(sql)
+        assert await adapter.all("SELECT 1") == [(1,)]  # the connection is kept
     finally:
         await adapter.close()
 
