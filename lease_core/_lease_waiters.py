@@ -42,11 +42,13 @@ class Waiter:
     :meth:`pause`, which a release of the name (:func:`wake_waiters`) ends, or skips when
     the release came during the try."""
 
-    def __init__(self, backend: object, name: str) -> None:
+    def __init__(self, backend: object, name: str, blocking: bool = True) -> None:
         self.backend = backend
-        self.loop = anyio.lowlevel.current_token().native_token  # its event loop
         self.woken = False
         self.scope: anyio.CancelScope | None = None
+        if not blocking:  # an acquire that tries once never pauses: nothing to wake
+            return
+        self.loop = anyio.lowlevel.current_token().native_token  # its event loop
         key = (id(backend), name)
         with _lock:
             if len(_waiting) > 64:  # names whose waiters have all gone
@@ -71,6 +73,8 @@ class Waiter:
 def wake_waiters(backend: object, name: str) -> None:
     """Wake the acquires waiting for ``name`` on ``backend`` on this event loop (``name``
     was just freed): each tries again now."""
+    if not _waiting.get((id(backend), name)):  # (no lock: a waiter of this loop would be
+        return                                  # registered already, on this thread)
     loop = anyio.lowlevel.current_token().native_token
     with _lock:
         waiters = [w for w in _waiting.get((id(backend), name), ()) if w.loop is loop]

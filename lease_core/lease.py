@@ -253,7 +253,7 @@ class Lease:
                                "failed (%s); acquiring anew", self.name, self.token, str(exc))
         give_up = None if wait is None else lease_clock() + wait
         await self.backend.start()
-        self._opened, waiter = True, Waiter(self.backend, self.name)  # (a release wakes it)
+        self._opened, waiter = True, Waiter(self.backend, self.name, wait != 0)
         try:
             while True:
                 sent, waiter.woken = lease_clock(), False
