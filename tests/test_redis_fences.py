@@ -314,6 +314,65 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
                 client.close()
 
 
+async def test_a_registered_jobs_first_win_lost_in_a_failover_is_fenced_above() -> None:
+    """A job registered on the primary (its marker and epoch replicated) whose first win
+    there is lost with the failover: the promoted replica has the job's hash without the
+    server id that win recorded. A backend that registered the job but never saw that
+    win (its history sequence finds no loss) must not win the same attempt again at the
+    same epoch: the job's data changed servers, so it starts a new epoch, after the
+    quarantine of a promoted server (the lost win's holder may still run)."""
+    binary = find_server("redis")
+    assert binary is not None
+    fast = ("--repl-diskless-sync-delay", "0")
+    with EmbeddedRedis(binary, extra_args=fast) as primary, EmbeddedRedis(
+            binary, extra_args=(*fast, "--replicaof", "127.0.0.1", str(primary.port))
+    ) as replica:
+        clients = [redis.Redis(port=s.port) for s in (primary, replica)]
+        try:
+            for client in clients:  # the backends log in as "app"; the replica as default
+                client.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all")
+            await wait_for(lambda: clients[0].info("replication").get("slave0", {}).get(
+                "state") == "online", timeout=15, what="the replica in sync")
+            prefix = f"f{uuid.uuid4().hex[:10]}"
+            old = RedisBackend(f"redis://app:pw@127.0.0.1:{primary.port}/0", prefix=prefix)
+            await old.start()
+            try:
+                await old.register_jobs(["job"])
+                assert clients[0].execute_command("WAIT", 1, 5000) == 1
+                # the replica can no longer sync: what the primary acknowledges now is lost
+                clients[0].execute_command("ACL", "SETUSER", "default", "off")
+                clients[0].execute_command("CLIENT", "KILL", "TYPE", "replica")
+                lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                                    overlap_skip=False))
+                assert _number(_fence(lost)) == 1
+            finally:
+                await old.close()
+            primary.stop()
+            clients[1].execute_command("REPLICAOF", "NO", "ONE")
+            promoted = _server_ms(clients[1])
+            assert clients[1].hget("{" + prefix + "/job}:job", "sid") is not None
+
+            new = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
+            await new.start()
+            try:
+                await new.register_jobs(["job"])  # as a scheduler does before its claims
+                quiet = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                     overlap_skip=False))
+                assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None), (
+                    quiet, lost)
+                assert quiet.expires_ms is not None and quiet.expires_ms >= promoted + 300
+                await _after(clients[1], quiet.expires_ms)
+                again = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                     overlap_skip=False))
+                assert again.attempt == lost.attempt == 1  # numbered again ...
+                assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
+            finally:
+                await new.close()
+        finally:
+            for client in clients:
+                client.close()
+
+
 # -- schedulers ------------------------------------------------------------------------
 
 

@@ -62,8 +62,14 @@ end
 -- so may a restarted server), so a different id means the job's data changed servers
 -- and may have lost writes that no marker can show (the newest claims or renewals of a
 -- job whose keys survived). The job then starts a new epoch, 'ep' = now: every attempt
--- won from now on is fenced above every attempt won before. A job with no 'rid' yet
--- (new, or written before it was kept) just records it. INFO is read before wins only.
+-- won from now on is fenced above every attempt won before. 'rid' is written with the
+-- job's first epoch (its registration or first claim in the store, see register.lua and
+-- 1.), and only ever with an epoch started in the same call: a job with an epoch and no
+-- 'rid' lost the win that would have recorded it (its registration replicated, its first
+-- win not: the promoted server has the job without the id, and a caller that never saw
+-- that win finds no loss of history), or was written before 'rid' was kept (or by a
+-- release that did not write it with the epoch); it is taken as moved, a new epoch and
+-- on a promoted server the quarantine. INFO is read before wins only.
 -- Quarantine on a promoted server (issue 21, sentinelfix): the holder of a lease the
 -- failover lost (its claim, or the renewals that kept it live) still runs until its next
 -- heartbeat, so the win that finds the new id on a server that was promoted (it has a
@@ -86,11 +92,18 @@ local function info_value(info, name)
   return string.sub(info, at + #name, stop - 1)
 end
 
+-- (read once per script: a script runs whole, so the server's role cannot change in it;
+-- claim_many.lua's claims and a new job's first claim, which records the id with its
+-- epoch before its win, share the one INFO)
+local server_id_read, server_is_promoted
 local function server_id()
-  local info = redis.call('INFO', 'replication')
-  local id = info_value(info, '\nmaster_replid:')
-  local before = info_value(info, '\nmaster_replid2:')
-  return id, string.find(before, '[1-9a-f]') ~= nil  -- (promoted: a non-zero replid2)
+  if not server_id_read then
+    local info = redis.call('INFO', 'replication')
+    server_id_read = info_value(info, '\nmaster_replid:')
+    local before = info_value(info, '\nmaster_replid2:')
+    server_is_promoted = string.find(before, '[1-9a-f]') ~= nil  -- (a non-zero replid2)
+  end
+  return server_id_read, server_is_promoted
 end
 
 local function server_moved(job, jf, rid, epoch, lease_ms, longest)
@@ -100,9 +113,6 @@ local function server_moved(job, jf, rid, epoch, lease_ms, longest)
   end
   jf[#jf + 1] = 'rid'
   jf[#jf + 1] = id
-  if not rid then
-    return nil, epoch
-  end
   epoch = math.max(epoch, now)
   jf[#jf + 1] = 'ep'
   jf[#jf + 1] = epoch
@@ -184,10 +194,14 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     -- whole fleet); nothing tells the two apart, so it starts a new epoch, now, above
     -- every fence it had before (as a named lease new to the server does). A job that
     -- another caller saw lost was given one above ('lost').
+    -- The server's id is recorded with the epoch (see server_moved).
     if not ep then
       epoch = math.max(epoch, now)
+      rid = server_id()  -- (its first value: the id)
       jf[#jf + 1] = 'ep'
       jf[#jf + 1] = epoch
+      jf[#jf + 1] = 'rid'
+      jf[#jf + 1] = rid
     end
   end
   if not first then

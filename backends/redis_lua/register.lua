@@ -5,7 +5,9 @@
 -- it, instead of taking the lost job for a new one and skipping the quarantine.
 -- A job given its marker here starts an epoch ('ep' = now; see _claim.lua section 1):
 -- it is new, or lost every key with no caller left that saw them, so its fences start
--- above every fence it had before.
+-- above every fence it had before; the server's replication id is recorded with it
+-- ('rid', see _claim.lua server_moved), so that a failover that loses the job's first
+-- win (this registration replicated, the win not) is found at the next win.
 -- KEYS[1] job hash, KEYS[2] open zset; ARGV[1] a random seed of the caller's.
 -- Returns {first_seen, last_slot or '', 1 if new else 0, marker, open slot, ...}.
 local new = redis.call('HSETNX', KEYS[1], 'first_seen', now)
@@ -13,7 +15,16 @@ local first, last, sid = unpack(redis.call('HMGET', KEYS[1], 'first_seen', 'last
 if not sid then
   sid = redis.sha1hex(ARGV[1] .. KEYS[1])  -- new and unique, as a claim's (see 0.)
   redis.call('HSET', KEYS[1], 'sid', sid)
-  redis.call('HSETNX', KEYS[1], 'ep', now)
+  if redis.call('HSETNX', KEYS[1], 'ep', now) == 1 then
+    -- (the id cut out with plain finds, as in _claim.lua; '' when the server prints none)
+    local info = redis.call('INFO', 'replication')
+    local at = string.find(info, '\nmaster_replid:', 1, true)
+    local id = ''
+    if at then
+      id = string.sub(info, at + 15, (string.find(info, '\r', at, true) or (#info + 1)) - 1)
+    end
+    redis.call('HSET', KEYS[1], 'rid', id)
+  end
 end
 local out = {first, last or '', new, sid}
 for _, slot in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
