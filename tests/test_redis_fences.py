@@ -373,6 +373,73 @@ async def test_a_registered_jobs_first_win_lost_in_a_failover_is_fenced_above() 
                 client.close()
 
 
+async def test_a_quarantine_found_again_on_a_promoted_replica_starts_a_new_epoch() -> None:
+    """A loss found on the primary starts an epoch and a quarantine; after it a win
+    there (at that epoch) is lost with a failover. On the promoted replica, which has
+    the loss replicated, a caller that still knows the marker from before that loss and
+    a longer lease raises the old quarantine: the server's id it records then must come
+    with a new epoch, or the win after that quarantine numbers the lost attempt again at
+    the lost epoch (no change of server found any more: sentinelfix)."""
+    binary = find_server("redis")
+    assert binary is not None
+    fast = ("--repl-diskless-sync-delay", "0")
+    with EmbeddedRedis(binary, extra_args=fast) as primary, EmbeddedRedis(
+            binary, extra_args=(*fast, "--replicaof", "127.0.0.1", str(primary.port))
+    ) as replica:
+        clients = [redis.Redis(port=s.port) for s in (primary, replica)]
+        try:
+            for client in clients:  # the backends log in as "app"; the replica as default
+                client.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all")
+            await wait_for(lambda: clients[0].info("replication").get("slave0", {}).get(
+                "state") == "online", timeout=15, what="the replica in sync")
+            prefix = f"f{uuid.uuid4().hex[:10]}"
+            key = "{" + prefix + "/job}:job"
+            urls = [f"redis://app:pw@127.0.0.1:{s.port}/0" for s in (primary, replica)]
+            old = RedisBackend(urls[0], prefix=prefix)
+            await old.start()
+            try:
+                await old.register_jobs(["job"])
+                first_marker = clients[0].hget(key, "sid").decode()
+                clients[0].hdel(key, "sid")  # a loss of the marker, found by old's claim
+                held = await old.claim(ClaimRequest("job", 2_000, "inst", "a", 300,
+                                                    overlap_skip=False))
+                assert (held.status, held.run_status) == (ClaimStatus.RUNNING, None)
+                await _after(clients[0], held.expires_ms)
+                assert clients[0].execute_command("WAIT", 1, 5000) == 1
+                # the replica can no longer sync: what the primary acknowledges now is lost
+                clients[0].execute_command("ACL", "SETUSER", "default", "off")
+                clients[0].execute_command("CLIENT", "KILL", "TYPE", "replica")
+                lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                                    overlap_skip=False))
+                assert _number(_fence(lost)) == 1 and lost.epoch == held.epoch
+            finally:
+                await old.close()
+            primary.stop()
+            clients[1].execute_command("REPLICAOF", "NO", "ONE")
+            promoted = _server_ms(clients[1])
+            assert int(clients[1].hget(key, "lost") or 0) == lost.epoch
+
+            # a process that registered the job before the loss and claimed nothing
+            # since (it knows the first marker), with a longer lease
+            stale = RedisBackend(urls[1], prefix=prefix)
+            await stale.start()
+            stale._markers["job"] = first_marker
+            try:
+                quiet = await stale.claim(ClaimRequest("job", 2_000, "inst", "c", 3_000,
+                                                       overlap_skip=False))
+                assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None)
+                await _after(clients[1], quiet.expires_ms)
+                again = await stale.claim(ClaimRequest("job", 2_000, "inst", "c", 3_000,
+                                                       overlap_skip=False))
+                assert again.attempt == lost.attempt == 1  # numbered again ...
+                assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
+            finally:
+                await stale.close()
+        finally:
+            for client in clients:
+                client.close()
+
+
 # -- schedulers ------------------------------------------------------------------------
 
 

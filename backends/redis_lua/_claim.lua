@@ -173,10 +173,17 @@ local function claim(job, run, open, hist, att, done, slot, inst, token, lease_m
     end
   end
   -- (sentinelfix) a quarantine found here covers the server's change too: its id is
-  -- recorded, so that the win after it is not held back a second time
+  -- recorded, so that the win after it is not held back a second time. The id is
+  -- recorded with a new epoch ('ep' = now), never alone: the quarantine may be one
+  -- found earlier (its 'lost' replicated from the server before, or raised by a caller
+  -- with a longer lease), whose epoch the attempts the failover lost carry already.
   if seen ~= '' and sid ~= seen and quiet and quiet > now then
-    rid = server_id()  -- (its first value: the id)
-    redis.call('HSET', job, 'rid', rid)
+    local id = server_id()  -- (its first value: the id)
+    if id ~= rid then
+      rid = id
+      ep = math.max(tonumber(ep) or 0, now)
+      redis.call('HSET', job, 'rid', rid, 'ep', ep)
+    end
   end
   local epoch = math.max(tonumber(lost) or 0, tonumber(ep) or 0)
   if quiet and quiet > now then
