@@ -38,8 +38,8 @@ key                          type    content
                                      ``sid`` (marker of the job's data), ``lost`` and
                                      ``quiet`` (when a data loss was found, and the end
                                      of its quarantine; ms), ``rid`` and ``ep`` (the
-                                     server's replication id at the last win, the epoch
-                                     from a change of it; ms)
+                                     server's replication id, recorded with each new
+                                     epoch, and the epoch; ms)
 ``{P/E}:run:<slot>``         hash    ``st`` status, ``att`` attempt, ``tok`` token, ``inst``
                                      instance, ``exp`` expiry (ms; ``tok`` and ``exp`` are
                                      ``''`` once the run ended), ``cp`` checkpoint JSON,
@@ -95,7 +95,9 @@ Fences (issue 21): every claim reply carries the job's epoch as ``ClaimResult.ep
 the later of ``lost`` (below) and ``ep``, set when the job is new to the server (its
 first registration or claim there gives it a marker: ``ep`` = now), and when an attempt
 won on a server whose replication id differs from the one the job hash recorded at its last win
-(``rid``; a promoted replica, a restarted server). An attempt numbered again after a
+(``rid``; a promoted replica, a restarted server; the id is recorded with every new
+epoch, from the job's first registration or claim on, and a job with an epoch but no id
+counts as moved). An attempt numbered again after a
 failover so has a fence (:func:`lease_core.fence_of`) above every earlier one. On a
 promoted server (one with a ``master_replid2``) that win does not take effect: the job is
 quarantined (``quiet``, below) for the longest lease known (at least the claim's own),
