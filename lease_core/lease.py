@@ -105,7 +105,7 @@ class Lease:
     ``ttl`` is a duration (``"30s"``, a ``timedelta``, seconds) of at least 100 ms.
     ``poll`` is how often a blocking :meth:`acquire` tries again while another holder has
     the name (default: a tenth of the ttl, between 50 ms and 1 s); a release by a lease of
-    this process, through the same backend on the same thread, wakes it at once.
+    this process, through the same backend on the same event loop, wakes it at once.
     ``holder`` names this holder in the store (default: host, pid and a random part,
     unique to this object, new in a forked child's copy); one given must be unique too:
     the store gives a live hold back to its holder, so two leases given one would share it.
@@ -316,7 +316,7 @@ class Lease:
 
     async def release(self) -> None:
         """Stop renewing and free the name in the store: a waiter takes it at its next try
-        (one of this process, on the same backend and thread, at once).
+        (one of this process, on the same backend and event loop, at once).
 
         While another task's :meth:`acquire` of this lease waits, it makes that acquire
         give up (return False, holding nothing) and waits for it.
