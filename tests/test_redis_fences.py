@@ -8,6 +8,7 @@ above every fence issued before the loss.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -242,11 +243,11 @@ async def test_a_loss_of_only_the_newest_writes_is_found_by_a_caller_that_saw_th
     assert again.epoch >= held.epoch
 
 
-async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above() -> None:
-    """A replica promoted without the primary's newest claim: its holder may still run,
-    so no attempt wins before that lease has passed (the quarantine of a server with
-    another replication id); then a backend that never saw that claim wins the same
-    attempt number again, with a fence above it (a new epoch)."""
+@contextlib.asynccontextmanager
+async def _primary_and_replica() -> AsyncIterator[
+        tuple[EmbeddedRedis, EmbeddedRedis, list[redis.Redis]]]:
+    """An embedded primary and its replica, in sync, the user "app" on both (the backends
+    log in as it; the replica as default): the two servers and raw clients of each."""
     binary = find_server("redis")
     assert binary is not None
     fast = ("--repl-diskless-sync-delay", "0")
@@ -255,63 +256,76 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
     ) as replica:
         clients = [redis.Redis(port=s.port) for s in (primary, replica)]
         try:
-            for client in clients:  # the backends log in as "app"; the replica as default
+            for client in clients:
                 client.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all")
             await wait_for(lambda: clients[0].info("replication").get("slave0", {}).get(
                 "state") == "online", timeout=15, what="the replica in sync")
-            prefix = f"f{uuid.uuid4().hex[:10]}"
-            old = RedisBackend(f"redis://app:pw@127.0.0.1:{primary.port}/0", prefix=prefix)
-            await old.start()
-            try:
-                first = await old.claim(_request("job", "a"))
-                assert _number(_fence(first)) == 1
-                leader = await old.acquire_lease("leader", "h1", 200)
-                assert clients[0].execute_command("WAIT", 1, 5000) == 1
-                # the replica can no longer sync: what the primary acknowledges now is lost
-                clients[0].execute_command("ACL", "SETUSER", "default", "off")
-                clients[0].execute_command("CLIENT", "KILL", "TYPE", "replica")
-                lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
-                                                    overlap_skip=False))
-                assert _number(_fence(lost)) == 1 and lost.epoch == first.epoch
-                await _after(clients[0], leader.expires_ms)
-                taken = await old.acquire_lease("leader", "h2", 60_000)  # lost too
-                assert taken.held and taken.token == leader.token + 1
-            finally:
-                await old.close()
-            primary.stop()
-            clients[1].execute_command("REPLICAOF", "NO", "ONE")
-            promoted = _server_ms(clients[1])
-
-            new = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
-            await new.start()
-            try:
-                # the lost claim's holder ("b") may still run: nobody wins until its
-                # lease (300 ms, the longest known) has surely passed (sentinelfix)
-                quiet = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
-                                                     overlap_skip=False))
-                assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None)
-                assert quiet.expires_ms is not None
-                assert quiet.expires_ms >= promoted + 300 > lost.expires_ms  # type: ignore[operator]
-                assert quiet.epoch >= promoted
-                assert (await new.claim(ClaimRequest("job", 3_000, "inst", "e", 300,
-                                                     overlap_skip=False))).run_status is None
-                await _after(clients[1], quiet.expires_ms)
-                again = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
-                                                     overlap_skip=False))
-                assert again.status is ClaimStatus.WON
-                assert again.attempt == lost.attempt == 1  # numbered again ...
-                assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
-                later = await new.claim(ClaimRequest("job", 3_000, "inst", "d", 300,
-                                                     overlap_skip=False))
-                assert later.epoch == again.epoch  # one new epoch per change of server
-                await _after(clients[1], leader.expires_ms)
-                token = (await new.acquire_lease("leader", "h3", 60_000)).token
-                assert token > taken.token and token >> FENCE_NUMBER_BITS >= promoted
-            finally:
-                await new.close()
+            yield primary, replica, clients
         finally:
             for client in clients:
                 client.close()
+
+
+def _cut_the_replica_off(primary: redis.Redis) -> None:
+    """The replica can no longer sync: what the primary acknowledges from now is lost."""
+    primary.execute_command("ACL", "SETUSER", "default", "off")
+    primary.execute_command("CLIENT", "KILL", "TYPE", "replica")
+
+
+async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above() -> None:
+    """A replica promoted without the primary's newest claim: its holder may still run,
+    so no attempt wins before that lease has passed (the quarantine of a server with
+    another replication id); then a backend that never saw that claim wins the same
+    attempt number again, with a fence above it (a new epoch)."""
+    async with _primary_and_replica() as (primary, replica, clients):
+        prefix = f"f{uuid.uuid4().hex[:10]}"
+        old = RedisBackend(f"redis://app:pw@127.0.0.1:{primary.port}/0", prefix=prefix)
+        await old.start()
+        try:
+            first = await old.claim(_request("job", "a"))
+            assert _number(_fence(first)) == 1
+            leader = await old.acquire_lease("leader", "h1", 200)
+            assert clients[0].execute_command("WAIT", 1, 5000) == 1
+            _cut_the_replica_off(clients[0])
+            lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                                overlap_skip=False))
+            assert _number(_fence(lost)) == 1 and lost.epoch == first.epoch
+            await _after(clients[0], leader.expires_ms)
+            taken = await old.acquire_lease("leader", "h2", 60_000)  # lost too
+            assert taken.held and taken.token == leader.token + 1
+        finally:
+            await old.close()
+        primary.stop()
+        clients[1].execute_command("REPLICAOF", "NO", "ONE")
+        promoted = _server_ms(clients[1])
+
+        new = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
+        await new.start()
+        try:
+            # the lost claim's holder ("b") may still run: nobody wins until its
+            # lease (300 ms, the longest known) has surely passed (sentinelfix)
+            quiet = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                 overlap_skip=False))
+            assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None)
+            assert quiet.expires_ms is not None
+            assert quiet.expires_ms >= promoted + 300 > lost.expires_ms  # type: ignore[operator]
+            assert quiet.epoch >= promoted
+            assert (await new.claim(ClaimRequest("job", 3_000, "inst", "e", 300,
+                                                 overlap_skip=False))).run_status is None
+            await _after(clients[1], quiet.expires_ms)
+            again = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                 overlap_skip=False))
+            assert again.status is ClaimStatus.WON
+            assert again.attempt == lost.attempt == 1  # numbered again ...
+            assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
+            later = await new.claim(ClaimRequest("job", 3_000, "inst", "d", 300,
+                                                 overlap_skip=False))
+            assert later.epoch == again.epoch  # one new epoch per change of server
+            await _after(clients[1], leader.expires_ms)
+            token = (await new.acquire_lease("leader", "h3", 60_000)).token
+            assert token > taken.token and token >> FENCE_NUMBER_BITS >= promoted
+        finally:
+            await new.close()
 
 
 async def test_a_registered_jobs_first_win_lost_in_a_failover_is_fenced_above() -> None:
@@ -321,56 +335,40 @@ async def test_a_registered_jobs_first_win_lost_in_a_failover_is_fenced_above() 
     win (its history sequence finds no loss) must not win the same attempt again at the
     same epoch: the job's data changed servers, so it starts a new epoch, after the
     quarantine of a promoted server (the lost win's holder may still run)."""
-    binary = find_server("redis")
-    assert binary is not None
-    fast = ("--repl-diskless-sync-delay", "0")
-    with EmbeddedRedis(binary, extra_args=fast) as primary, EmbeddedRedis(
-            binary, extra_args=(*fast, "--replicaof", "127.0.0.1", str(primary.port))
-    ) as replica:
-        clients = [redis.Redis(port=s.port) for s in (primary, replica)]
+    async with _primary_and_replica() as (primary, replica, clients):
+        prefix = f"f{uuid.uuid4().hex[:10]}"
+        old = RedisBackend(f"redis://app:pw@127.0.0.1:{primary.port}/0", prefix=prefix)
+        await old.start()
         try:
-            for client in clients:  # the backends log in as "app"; the replica as default
-                client.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all")
-            await wait_for(lambda: clients[0].info("replication").get("slave0", {}).get(
-                "state") == "online", timeout=15, what="the replica in sync")
-            prefix = f"f{uuid.uuid4().hex[:10]}"
-            old = RedisBackend(f"redis://app:pw@127.0.0.1:{primary.port}/0", prefix=prefix)
-            await old.start()
-            try:
-                await old.register_jobs(["job"])
-                assert clients[0].execute_command("WAIT", 1, 5000) == 1
-                # the replica can no longer sync: what the primary acknowledges now is lost
-                clients[0].execute_command("ACL", "SETUSER", "default", "off")
-                clients[0].execute_command("CLIENT", "KILL", "TYPE", "replica")
-                lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
-                                                    overlap_skip=False))
-                assert _number(_fence(lost)) == 1
-            finally:
-                await old.close()
-            primary.stop()
-            clients[1].execute_command("REPLICAOF", "NO", "ONE")
-            promoted = _server_ms(clients[1])
-            assert clients[1].hget("{" + prefix + "/job}:job", "sid") is not None
-
-            new = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
-            await new.start()
-            try:
-                await new.register_jobs(["job"])  # as a scheduler does before its claims
-                quiet = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
-                                                     overlap_skip=False))
-                assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None), (
-                    quiet, lost)
-                assert quiet.expires_ms is not None and quiet.expires_ms >= promoted + 300
-                await _after(clients[1], quiet.expires_ms)
-                again = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
-                                                     overlap_skip=False))
-                assert again.attempt == lost.attempt == 1  # numbered again ...
-                assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
-            finally:
-                await new.close()
+            await old.register_jobs(["job"])
+            assert clients[0].execute_command("WAIT", 1, 5000) == 1
+            _cut_the_replica_off(clients[0])
+            lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                                overlap_skip=False))
+            assert _number(_fence(lost)) == 1
         finally:
-            for client in clients:
-                client.close()
+            await old.close()
+        primary.stop()
+        clients[1].execute_command("REPLICAOF", "NO", "ONE")
+        promoted = _server_ms(clients[1])
+        assert clients[1].hget("{" + prefix + "/job}:job", "sid") is not None
+
+        new = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
+        await new.start()
+        try:
+            await new.register_jobs(["job"])  # as a scheduler does before its claims
+            quiet = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                 overlap_skip=False))
+            assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None), (
+                quiet, lost)
+            assert quiet.expires_ms is not None and quiet.expires_ms >= promoted + 300
+            await _after(clients[1], quiet.expires_ms)
+            again = await new.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                 overlap_skip=False))
+            assert again.attempt == lost.attempt == 1  # numbered again ...
+            assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
+        finally:
+            await new.close()
 
 
 async def test_a_quarantine_found_again_on_a_promoted_replica_starts_a_new_epoch() -> None:
@@ -380,64 +378,48 @@ async def test_a_quarantine_found_again_on_a_promoted_replica_starts_a_new_epoch
     a longer lease raises the old quarantine: the server's id it records then must come
     with a new epoch, or the win after that quarantine numbers the lost attempt again at
     the lost epoch (no change of server found any more: sentinelfix)."""
-    binary = find_server("redis")
-    assert binary is not None
-    fast = ("--repl-diskless-sync-delay", "0")
-    with EmbeddedRedis(binary, extra_args=fast) as primary, EmbeddedRedis(
-            binary, extra_args=(*fast, "--replicaof", "127.0.0.1", str(primary.port))
-    ) as replica:
-        clients = [redis.Redis(port=s.port) for s in (primary, replica)]
+    async with _primary_and_replica() as (primary, replica, clients):
+        prefix = f"f{uuid.uuid4().hex[:10]}"
+        key = "{" + prefix + "/job}:job"
+        urls = [f"redis://app:pw@127.0.0.1:{s.port}/0" for s in (primary, replica)]
+        old = RedisBackend(urls[0], prefix=prefix)
+        await old.start()
         try:
-            for client in clients:  # the backends log in as "app"; the replica as default
-                client.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all")
-            await wait_for(lambda: clients[0].info("replication").get("slave0", {}).get(
-                "state") == "online", timeout=15, what="the replica in sync")
-            prefix = f"f{uuid.uuid4().hex[:10]}"
-            key = "{" + prefix + "/job}:job"
-            urls = [f"redis://app:pw@127.0.0.1:{s.port}/0" for s in (primary, replica)]
-            old = RedisBackend(urls[0], prefix=prefix)
-            await old.start()
-            try:
-                await old.register_jobs(["job"])
-                first_marker = clients[0].hget(key, "sid").decode()
-                clients[0].hdel(key, "sid")  # a loss of the marker, found by old's claim
-                held = await old.claim(ClaimRequest("job", 2_000, "inst", "a", 300,
-                                                    overlap_skip=False))
-                assert (held.status, held.run_status) == (ClaimStatus.RUNNING, None)
-                await _after(clients[0], held.expires_ms)
-                assert clients[0].execute_command("WAIT", 1, 5000) == 1
-                # the replica can no longer sync: what the primary acknowledges now is lost
-                clients[0].execute_command("ACL", "SETUSER", "default", "off")
-                clients[0].execute_command("CLIENT", "KILL", "TYPE", "replica")
-                lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
-                                                    overlap_skip=False))
-                assert _number(_fence(lost)) == 1 and lost.epoch == held.epoch
-            finally:
-                await old.close()
-            primary.stop()
-            clients[1].execute_command("REPLICAOF", "NO", "ONE")
-            promoted = _server_ms(clients[1])
-            assert int(clients[1].hget(key, "lost") or 0) == lost.epoch
-
-            # a process that registered the job before the loss and claimed nothing
-            # since (it knows the first marker), with a longer lease
-            stale = RedisBackend(urls[1], prefix=prefix)
-            await stale.start()
-            stale._markers["job"] = first_marker
-            try:
-                quiet = await stale.claim(ClaimRequest("job", 2_000, "inst", "c", 3_000,
-                                                       overlap_skip=False))
-                assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None)
-                await _after(clients[1], quiet.expires_ms)
-                again = await stale.claim(ClaimRequest("job", 2_000, "inst", "c", 3_000,
-                                                       overlap_skip=False))
-                assert again.attempt == lost.attempt == 1  # numbered again ...
-                assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
-            finally:
-                await stale.close()
+            await old.register_jobs(["job"])
+            first_marker = clients[0].hget(key, "sid").decode()
+            clients[0].hdel(key, "sid")  # a loss of the marker, found by old's claim
+            held = await old.claim(ClaimRequest("job", 2_000, "inst", "a", 300,
+                                                overlap_skip=False))
+            assert (held.status, held.run_status) == (ClaimStatus.RUNNING, None)
+            await _after(clients[0], held.expires_ms)
+            assert clients[0].execute_command("WAIT", 1, 5000) == 1
+            _cut_the_replica_off(clients[0])
+            lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 300,
+                                                overlap_skip=False))
+            assert _number(_fence(lost)) == 1 and lost.epoch == held.epoch
         finally:
-            for client in clients:
-                client.close()
+            await old.close()
+        primary.stop()
+        clients[1].execute_command("REPLICAOF", "NO", "ONE")
+        promoted = _server_ms(clients[1])
+        assert int(clients[1].hget(key, "lost") or 0) == lost.epoch
+
+        # a process that registered the job before the loss and claimed nothing
+        # since (it knows the first marker), with a longer lease
+        stale = RedisBackend(urls[1], prefix=prefix)
+        await stale.start()
+        stale._markers["job"] = first_marker
+        try:
+            quiet = await stale.claim(ClaimRequest("job", 2_000, "inst", "c", 3_000,
+                                                   overlap_skip=False))
+            assert (quiet.status, quiet.run_status) == (ClaimStatus.RUNNING, None)
+            await _after(clients[1], quiet.expires_ms)
+            again = await stale.claim(ClaimRequest("job", 2_000, "inst", "c", 3_000,
+                                                   overlap_skip=False))
+            assert again.attempt == lost.attempt == 1  # numbered again ...
+            assert again.epoch >= promoted and _fence(again) > _fence(lost)  # ... fenced
+        finally:
+            await stale.close()
 
 
 # -- schedulers ------------------------------------------------------------------------
