@@ -95,7 +95,7 @@ the caller claims again later.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from os import getpid
 from typing import Any, Self
@@ -114,6 +114,7 @@ from ._checks import (
     finish_status,
     run_status,
 )
+from ._descriptions import DescriptionStore
 from ._named_leases import LeaseAnswer, NamedLeaseStore
 from ._operations_store import OperationsStore
 from ._per_loop import StartLock
@@ -195,7 +196,7 @@ def _require(cls: type, twin: str, caller: str) -> None:
         )
 
 
-class Backend(NamedLeaseStore, OperationsStore, ABC):
+class Backend(NamedLeaseStore, OperationsStore, DescriptionStore, ABC):
     """The store a :class:`~lease_core.Scheduler` coordinates through.
 
     A backend may be shared by several schedulers in one process. :meth:`start` and
@@ -414,36 +415,6 @@ class Backend(NamedLeaseStore, OperationsStore, ABC):
         ``limit`` 0 answers ``[]``; a negative one raises
         :class:`~lease_core.errors.ConfigurationError` (:func:`check_limit`), as :meth:`runs`.
         """
-
-    async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
-        """Record each workflow's steps, in order, so readers of the store can show them.
-
-        A workflow's steps run as jobs ``<workflow>/<step>`` (see :mod:`lease_core.recovery`);
-        this records which jobs those are and their order, for status pages that have no
-        declarations. A newer registration replaces an older one. The default keeps them in
-        this object only; the built-in backends keep them in the store.
-        """
-        known = self.__dict__.setdefault("_workflows_here", {})
-        known.update({name: list(steps) for name, steps in workflows.items()})
-
-    async def workflows(self) -> dict[str, list[str]]:
-        """Return every recorded workflow's steps, in order (see :meth:`register_workflows`)."""
-        return dict(self.__dict__.get("_workflows_here", {}))
-
-    async def register_schedules(self, schedules: Mapping[str, str]) -> None:
-        """Record each job's schedule (a JSON :meth:`~lease_core.schedules.Schedule.spec`).
-
-        For readers of the store that have no declarations: the status page shows each
-        job's schedule and next slot from them. A newer registration replaces an older
-        one. The default keeps them in this object only; the built-in backends keep them
-        in the store.
-        """
-        known = self.__dict__.setdefault("_schedules_here", {})
-        known.update(schedules)
-
-    async def schedules(self) -> dict[str, str]:
-        """Return every recorded job's schedule spec (see :meth:`register_schedules`)."""
-        return dict(self.__dict__.get("_schedules_here", {}))
 
     async def prune(self, job: str, *, keep: int | None = None,
                     older_than_ms: int | None = None, batch: int = 1000) -> int:

@@ -40,6 +40,7 @@ from tests.helpers import (
     Instance,
     quiet_offset,
     quiet_offset_now,
+    started,
     stop_all,
     store_now_ms,
     wait_for,
@@ -822,6 +823,39 @@ async def test_trigger_of_a_workflow_by_its_name_runs_it_from_its_first_step(
     assert [(e.step, e.event) for e in log] == [
         ("snapshot", "started"), ("snapshot", "completed"),
         ("publish", "started"), ("publish", "completed")]
+
+
+async def test_a_job_that_takes_a_former_workflow_s_name_is_acted_on_as_the_job(
+        store: Store) -> None:
+    """A new release declares a plain job named as the old release's workflow: from its
+    start, the store no longer describes the name as a workflow, so a trigger runs the
+    job (not the former workflow's first step); other workflows keep their record."""
+    old = make(store, "old")
+    for name in ("close", "sync"):
+        wf = old.workflow(name, every="1h", offset=quiet_offset_now())
+        for step in ("first", "second"):
+            wf.step(step)(lambda ctx: None)
+    async with anyio.create_task_group() as tg:
+        await stop_all([await Instance(old).start(tg)])
+    async with started(old.backend):
+        assert set(await old.backend.workflows()) == {"close", "sync"}
+
+    ran: list[str] = []
+    new = make(store, "new")
+
+    async def close(ctx: RunContext) -> None:
+        ran.append(ctx.job)
+
+    new.every("close", "1h", close, offset=quiet_offset_now())
+
+    async with anyio.create_task_group() as tg:
+        instance = await Instance(new).start(tg)
+        assert await new.backend.workflows() == {"sync": ["first", "second"]}
+        slot = await admin_for(store, by="ops").trigger("close")
+        await wait_for(lambda: ran == ["close"], what="the triggered job ran")
+        await stop_all([instance])
+    assert [(a.job, a.reason) for a in await new.history() if a.slot == slot] == [
+        ("close", "manual")]
 
 
 async def test_a_triggered_workflows_step_is_taken_over_and_the_rest_runs_once(

@@ -29,7 +29,7 @@ class StoreDescriptions(Backend):
 
     async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
         """Record each workflow's steps in ``<table>_meta`` (one statement; rewrites only
-        what changed)."""
+        what changed, and deletes the row of a name given no steps)."""
         if not workflows:
             return
         names = sorted(workflows)

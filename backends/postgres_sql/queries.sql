@@ -665,9 +665,16 @@ WHERE left(m.key, 7) = 'member:'
 DELETE FROM {meta} WHERE key = 'member:' || %s::text RETURNING 1
 
 -- name: write_workflows
--- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>'.
+-- Each workflow's ordered step names, as a JSON array under the key 'workflow:<name>';
+-- a name given no steps ('[]') is no longer a workflow: its row is deleted.
+WITH w AS (
+    SELECT 'workflow:' || n.name AS key, n.steps
+    FROM unnest(%s::text[], %s::text[]) AS n(name, steps)
+), gone AS (
+    DELETE FROM {meta} WHERE key IN (SELECT key FROM w WHERE steps = '[]')
+)
 INSERT INTO {meta} (key, value)
-SELECT 'workflow:' || w.name, w.steps FROM unnest(%s::text[], %s::text[]) AS w(name, steps)
+SELECT key, steps FROM w WHERE steps <> '[]'
 ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value
 WHERE {meta}.value IS DISTINCT FROM EXCLUDED.value
 

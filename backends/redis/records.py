@@ -60,14 +60,24 @@ class RedisRecords(RedisStore):
         return items[:limit]
 
     async def register_workflows(self, workflows: Mapping[str, Sequence[str]]) -> None:
-        """Record each workflow's steps in the ``{P}:meta`` hash (``workflow:<name>``)."""
-        if not workflows:
-            return
+        """Record each workflow's steps in the ``{P}:meta`` hash (``workflow:<name>``), and
+        delete the field of a name given no steps (one round trip)."""
         fields: list[str] = []
+        gone: list[str] = []
         for name, steps in workflows.items():
-            fields += [_WORKFLOW_FIELD + name, json.dumps(list(steps))]
-        await self._run([("HSET", self._meta_key, *fields)])
-        self._remember_meta(fields)
+            if steps:
+                fields += [_WORKFLOW_FIELD + name, json.dumps(list(steps))]
+            else:
+                gone.append(_WORKFLOW_FIELD + name)
+        commands: list[Command] = []
+        if gone:
+            commands.append(("HDEL", self._meta_key, *gone))
+        if fields:
+            commands.append(("HSET", self._meta_key, *fields))
+        if not commands:
+            return
+        await self._run(commands)
+        self._remember_meta(fields, gone)
 
     async def workflows(self) -> dict[str, list[str]]:
         """Return every recorded workflow's steps, in order."""
@@ -84,11 +94,13 @@ class RedisRecords(RedisStore):
         await self._run([("HSET", self._meta_key, *fields)])
         self._remember_meta(fields)
 
-    def _remember_meta(self, fields: Sequence[str]) -> None:
-        """Keep the ``{P}:meta`` fields this backend recorded, which
-        :meth:`~backends.redis.claims.RedisClaims.register_jobs` records again after a
-        loss of the data (a bound for processes that make up names)."""
+    def _remember_meta(self, fields: Sequence[str], gone: Sequence[str] = ()) -> None:
+        """Keep the ``{P}:meta`` fields this backend recorded (and forget those it
+        deleted), which :meth:`~backends.redis.claims.RedisClaims.register_jobs` records
+        again after a loss of the data (a bound for processes that make up names)."""
         registered = dict(zip(self._registered[::2], self._registered[1::2], strict=True))
+        for field in gone:
+            registered.pop(field, None)
         registered.update(zip(fields[::2], fields[1::2], strict=True))
         if len(registered) <= 10_000:
             self._registered = [item for pair in registered.items() for item in pair]

@@ -31,6 +31,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from .. import events as ev
 from .._outcome import Interruption
 from .._structures import JobInfo, Lease, RunStatus
+from ..recovery import STEP_SEPARATOR
 from .base import (
     HANDLER_THREADS,
     SUBSCRIBER_THREADS,
@@ -235,10 +236,7 @@ class Session:
                 await self.clock.sample()
             infos = await backend.register_jobs(list(self.jobs))
             await self.fleet.renew()
-            workflows = self.registry.workflows
-            if workflows:
-                await backend.register_workflows(
-                    {name: wf.steps for name, wf in workflows.items()})
+            await self._describe_workflows()
             await backend.register_schedules({
                 name: json.dumps(job.schedule.spec(), sort_keys=True)
                 for name, job in self.jobs.items() if job.scheduled})
@@ -247,6 +245,21 @@ class Session:
             with anyio.CancelScope(shield=True):
                 await backend.close()
             raise
+
+    async def _describe_workflows(self) -> None:
+        """Record this scheduler's workflows in the store, and end the record of a former
+        workflow that one of its plain jobs is named after (a workflow turned into a job
+        of the same name in a new release), which readers of the store would otherwise
+        still take for the workflow."""
+        backend = self.settings.backend
+        described: dict[str, list[str]] = {
+            name: list(wf.steps) for name, wf in self.registry.workflows.items()}
+        plain = {name for name, job in self.jobs.items()
+                 if job.workflow is None and STEP_SEPARATOR not in name}
+        if plain:
+            described.update({name: [] for name in plain & set(await backend.workflows())})
+        if described:
+            await backend.register_workflows(described)
 
     async def _run_jobs(self, infos: dict[str, JobInfo], task_status: TaskStatus[None]) -> None:
         async with anyio.create_task_group() as tg:

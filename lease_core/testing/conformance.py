@@ -636,6 +636,10 @@ async def test_workflow_steps_are_recorded_in_the_store(store: Store) -> None:
                                        "sync": ["pull", "push"]}
         await a.register_workflows({})
         assert len(await b.workflows()) == 2
+        await a.register_workflows({"sync": [], "export": []})  # no steps: not a workflow
+        assert await b.workflows() == {"close": ["snapshot", "interest", "publish"]}
+        await b.register_workflows({"sync": ["pull"], "close": []})
+        assert await a.workflows() == {"sync": ["pull"]}
     finally:
         await a.close()
         await b.close()
