@@ -44,6 +44,11 @@ Example with asyncpg::
 
     backend = PostgresBackend(AsyncpgAdapter(pool))
 
+asyncpg prepares every statement it runs and keeps it on the connection. Behind PgBouncer
+in transaction mode, create the pool with ``statement_cache_size=0`` (asyncpg's own advice
+for PgBouncer), unless PgBouncer is 1.21 or later with ``max_prepared_statements`` set:
+otherwise a statement prepared on one server connection is looked for on another.
+
 Errors your adapter raises reach the caller unchanged, so raise
 :class:`~lease_core.errors.BackendUnavailable` for connection failures if the scheduler
 should retry. The object is never closed.
