@@ -112,6 +112,13 @@ def backend_from_url(url: str, **options: Any) -> Backend:
         )
     else:
         scheme = url.split("://", 1)[0].lower()
+        try:
+            urlsplit(url)
+        except ValueError as exc:  # an unclosed IPv6 bracket, for one
+            raise ConfigurationError(
+                f"backend URL {redact(url)!r} cannot be read: {exc} (write an IPv6 host "
+                "in brackets, [::1], and percent-encode reserved characters in the user "
+                "and password)") from None
     cls: type[Backend]
     if scheme in _BUILTIN:
         cls = _load_builtin(scheme)

@@ -67,6 +67,25 @@ def test_the_driver_gets_its_parameters_as_written() -> None:
         "redis://db/0?client_name=a%20b", {"prefix": "p"})
 
 
+def test_a_redis_url_s_bad_ssl_cert_reqs_is_refused_before_connecting() -> None:
+    """redis-py refuses it only as it first connects, which looked like a store that
+    cannot be reached."""
+    with pytest.raises(ConfigurationError,
+                       match="ssl_cert_reqs='bogus' must be one of none, optional"):
+        backend_from_url("rediss://db/0?ssl_cert_reqs=bogus")
+    assert isinstance(backend_from_url("rediss://db/0?ssl_cert_reqs=none"), RedisBackend)
+
+
+@pytest.mark.parametrize("url", ["postgresql://app:secret@[::1/db",
+                                 "redis://:secret@[fe80::1:6379/0",
+                                 "postgresql+pg8000://app:secret@db]/app"])
+def test_a_url_that_cannot_be_read_is_refused_naming_it_without_its_password(
+        url: str) -> None:
+    with pytest.raises(ConfigurationError, match="cannot be read") as info:
+        backend_from_url(url)
+    assert "secret" not in str(info.value) and "***" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("url", "options", "named", "accepted"),
     [

@@ -74,6 +74,14 @@ def _wait_timeout(value: object) -> float:
     return parse_duration(value, what="wait_timeout")
 
 
+def _cert_reqs(value: str) -> str:
+    """``ssl_cert_reqs`` as redis-py reads it from a URL (it refuses any other only when
+    it first connects, an error that looked like an unreachable server)."""
+    if value not in ("none", "optional", "required"):
+        raise ValueError("one of none, optional and required")
+    return value
+
+
 def _check_url(url: str) -> None:
     """Refuse a bad port, a query parameter neither the backend nor redis-py knows, or a
     value either refuses (:func:`lease_core._registry.check_url`)."""
@@ -83,7 +91,7 @@ def _check_url(url: str) -> None:
         parsers = {}
     read: dict[str, Any] = {**parsers, "max_connections": positive_whole,
                             "wait_replicas": positive_whole,
-                            "wait_timeout": _wait_timeout}
+                            "wait_timeout": _wait_timeout, "ssl_cert_reqs": _cert_reqs}
     check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
     parts = urlsplit(url)
     if parts.scheme == SENTINEL_SCHEME:
