@@ -74,11 +74,16 @@ def trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Ru
     if doomed:
         keep = [a for i, a in enumerate(history) if i not in doomed]
         attempts[job] = keep
-        slots = {a.slot for a in keep}
+        # The finished runs of the deleted attempts' slots left with no attempt go (as on
+        # PostgreSQL and Redis): only those runs are looked at, not every run of the
+        # store, so a trimming costs the job's history, not jobs times runs.
+        slots = {history[i].slot for i in doomed}.difference(a.slot for a in keep)
         record = jobs.get(job)
-        for key in [k for k, r in runs.items()
-                    if k[0] == job and r.status.finished and k[1] not in slots]:
-            del runs[key]
+        for slot in slots:
+            run = runs.get((job, slot))
+            if run is None or not run.status.finished:
+                continue
+            del runs[(job, slot)]
             if record is not None:  # the newest slot trimmed (ClaimRequest.scheduled)
-                record.trimmed_slot = max(key[1], record.trimmed_slot or key[1])
+                record.trimmed_slot = max(slot, record.trimmed_slot or slot)
     return len(doomed)

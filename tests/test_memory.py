@@ -253,3 +253,39 @@ async def test_a_quiet_hourly_job_does_not_fire_when_the_store_clock_crosses_mid
         (midnight_ms, Outcome.SKIPPED), (midnight_ms - HOUR_MS, None)
     ]
     assert [(h.slot, h.outcome) for h in quiet] == [(slots["quiet"], None)]
+
+
+async def finished_slots(backend: MemoryBackend, job: str, runs: int) -> None:
+    """Record ``runs`` completed runs of ``job`` (slots 1 to ``runs``)."""
+    requests = [ClaimRequest(job, slot, "w", f"{job}-{slot}", 60_000, overlap_skip=False)
+                for slot in range(1, runs + 1)]
+    assert all(r.status is ClaimStatus.WON for r in await backend.claim_many(requests))
+    assert all(await backend.finish_many([(Lease(job, r.slot, r.token, 60_000),
+                                           Outcome.COMPLETED, None) for r in requests]))
+
+
+@pytest.mark.asyncio_only
+async def test_trimming_a_job_costs_its_own_history_not_the_whole_store() -> None:
+    """A job's trimming looks at the runs of the attempts it deletes, not at every run
+    of every job: it went through the store's every run for each job it trimmed, so a
+    period's trimming grew with jobs times runs (1,000 jobs of 100 runs: 4 s with the
+    lock held and the event loop blocked, a second per 100 jobs at 3,000)."""
+    trimmed = [f"t{i}" for i in range(100)]
+
+    async def trimming(others: int) -> float:
+        backend = MemoryBackend()
+        for job in trimmed:
+            await finished_slots(backend, job, 11)
+        for i in range(others):
+            await finished_slots(backend, f"other{i}", 100)
+        began = time.perf_counter()
+        counts = await backend.prune_many(trimmed, keep=10)
+        took = time.perf_counter() - began
+        assert counts == dict.fromkeys(trimmed, 1)  # each job's oldest run went
+        assert [a.slot for a in await backend.history("t0")] == list(range(11, 1, -1))
+        assert len(await backend.history("other0", limit=1000)) == (100 if others else 0)
+        return took
+
+    alone = await trimming(0)
+    beside = await trimming(1_000)  # 100,000 runs of other jobs
+    assert beside < 0.1 + 3 * alone, (alone, beside)
