@@ -8,6 +8,7 @@ none while the run goes on (see :func:`held_slots`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from lease_core._structures import Attempt, RunStatus, ms_to_datetime
@@ -33,6 +34,15 @@ def held_slots(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _
         held |= {a.slot for step in steps for a in attempts.get(step, ())
                  if a.slot in slots and (a.finished_at is None or a.finished_at >= cutoff)}
     return held
+
+
+def _instant(ms: int) -> datetime | None:
+    """``ms`` as a datetime, or None before any datetime can be (a ttl longer than the
+    clock's count: nothing finished that long ago)."""
+    try:
+        return ms_to_datetime(ms)
+    except (ValueError, OverflowError, OSError):
+        return None
 
 
 def trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Run],
@@ -65,8 +75,8 @@ def trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Ru
         beyond = [i for i in range(len(history) - size) if trimmable(history[i])]
         held = held_slots(attempts, runs, steps, {history[i].slot for i in beyond}, None)
         doomed.update([i for i in beyond if history[i].slot not in held][:batch])
-    if ttl_ms is not None:
-        cutoff = ms_to_datetime(now - ttl_ms)
+    cutoff = None if ttl_ms is None else _instant(now - ttl_ms)
+    if ttl_ms is not None and cutoff is not None:
         old = [i for i, a in enumerate(history)
                if a.finished_at is not None and a.finished_at < cutoff and trimmable(a)]
         held = held_slots(attempts, runs, steps, {history[i].slot for i in old}, now - ttl_ms)

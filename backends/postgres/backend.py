@@ -66,9 +66,18 @@ from .statements import (
 
 __all__ = ["PostgresBackend", "driver_dsn"]
 
-#: OFFSET for "keep every attempt" (a NULL offset would keep none).
+#: OFFSET for "keep every attempt" (a NULL offset would keep none), and the cap of the
+#: limits trimming and maintenance are given: beyond any history, within a bigint.
 _NO_LIMIT = 2**62
 _CLAIM_RETRIES = 5
+
+
+def _trim_limits(keep: int | None, older_than_ms: int | None, batch: int) -> dict[str, Any]:
+    """The trim statements' limits: one beyond any history means the same at _NO_LIMIT,
+    within a bigint (a larger one failed: bigint out of range)."""
+    return {"keep": _NO_LIMIT if keep is None else min(keep, _NO_LIMIT),
+            "older_than_ms": None if older_than_ms is None else min(older_than_ms, _NO_LIMIT),
+            "batch": min(batch, _NO_LIMIT)}
 
 
 def _claim_result(req: ClaimRequest, row: Sequence[Any]) -> ClaimResult:
@@ -496,15 +505,12 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         names = list(dict.fromkeys(jobs))
         if not names:
             return {}
+        limits = _trim_limits(keep, older_than_ms, batch)
         if len(names) == 1:
             (job,) = names
-            rows = await self._adapter.all(self._sql.trim_job, {
-                "job": job, "keep": _NO_LIMIT if keep is None else keep,
-                "older_than_ms": older_than_ms, "batch": batch})
+            rows = await self._adapter.all(self._sql.trim_job, {"job": job, **limits})
             return {job: int(rows[0][0])}
-        rows = await self._adapter.all(self._sql.trim_jobs, {
-            "jobs": names, "keep": _NO_LIMIT if keep is None else keep,
-            "older_than_ms": older_than_ms, "batch": batch})
+        rows = await self._adapter.all(self._sql.trim_jobs, {"jobs": names, **limits})
         counts = {str(job): int(count) for job, count in rows}
         return {job: counts.get(job, 0) for job in names}
 
@@ -512,7 +518,8 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         """Win the maintenance period with one conditional upsert of ``<table>_meta``; the
         winner goes on with an upgrade's ``claimed_at`` fill (``StoreSchema.fill_some``)."""
         check_every(every_ms)
-        rows = await self._adapter.all(self._sql.maintenance_due, (every_ms, instance_id))
+        rows = await self._adapter.all(self._sql.maintenance_due,
+                                       (min(every_ms, _NO_LIMIT), instance_id))
         if rows and self._store.fill_pending:
             await self._store.fill_some(self._adapter)
         return bool(rows)

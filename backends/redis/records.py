@@ -24,6 +24,10 @@ __all__ = ["RedisRecords"]
 
 #: Field prefix of a workflow's steps in the ``{P}:meta`` hash.
 _WORKFLOW_FIELD = "workflow:"
+#: The cap of the limits trimming and maintenance are given (a count, ms): beyond any
+#: history, and a whole number to Lua's doubles and to Redis (a larger batch or period
+#: was refused: 'value is not an integer or out of range').
+_FOREVER = 2**53
 _SCHEDULE_FIELD = "schedule:"
 
 
@@ -141,7 +145,9 @@ class RedisRecords(RedisStore):
         names = list(dict.fromkeys(jobs))
         if not names:
             return {}
-        limits = ["" if keep is None else keep, "" if older_than_ms is None else older_than_ms]
+        limits = ["" if keep is None else min(keep, _FOREVER),
+                  "" if older_than_ms is None else min(older_than_ms, _FOREVER)]
+        batch = min(batch, _FOREVER)
 
         def trim(job: str, *mode: str | int) -> Command:
             keys = self._job_keys(job)
@@ -228,7 +234,7 @@ class RedisRecords(RedisStore):
         """Win the maintenance period with one ``SET NX PX`` (the key expires with it)."""
         check_every(every_ms)
         (reply,) = await self._run([("SET", self._maintenance_key, instance_id, "NX",
-                                     "PX", every_ms)])
+                                     "PX", min(every_ms, _FOREVER))])
         return reply is not None and reply is not False
 
     async def members(self, instance_id: str, ttl_ms: int) -> list[str]:

@@ -739,6 +739,31 @@ async def test_prune_many_trims_each_job_as_prune_does(store: Store) -> None:
         await a.close()
 
 
+async def test_prune_and_maintenance_take_limits_beyond_any_history(store: Store) -> None:
+    """Any whole number is a limit (``keep``, ``older_than_ms``, ``batch``, ``every_ms``):
+    one far beyond any history (a ttl of a million years, 2**64) keeps everything, or
+    wins the period for good, instead of failing in the store (a bigint out of range on
+    PostgreSQL, a date before year 1 in memory), which made every trimming of a
+    scheduler with such a ``history_ttl`` or ``history_size`` fail."""
+    a = await started(store)
+    try:
+        r = req("far", overlap_skip=False)
+        await a.claim(r)
+        assert await a.finish(lease_of(r), Outcome.COMPLETED)
+        million_years = 1_000_000 * 365 * 86_400_000
+        for kwargs in ({"older_than_ms": million_years}, {"older_than_ms": 2**64},
+                       {"keep": 2**64}, {"keep": 2**64, "older_than_ms": 2**64},
+                       {"keep": 0, "batch": 2**64}):
+            deleted = 1 if kwargs.get("keep") == 0 else 0
+            assert await a.prune("far", **kwargs) == deleted, kwargs
+            assert await a.prune_many(["far", "none"], **kwargs) == {"far": 0, "none": 0}
+        assert await a.history("far") == []
+        assert await a.maintenance_due("forever", 2**64)
+        assert not await a.maintenance_due("other", 1)
+    finally:
+        await a.close()
+
+
 async def _later(backend: Backend, ms: int) -> bool:
     return await backend.now_ms() > ms
 
