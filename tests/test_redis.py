@@ -19,6 +19,7 @@ import redis
 import redis.asyncio
 from redis.crc import key_slot
 
+from adapters.redis import AsyncClientAdapter
 from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, _free_port, find_server
 from backends.memory import MemoryBackend
 from backends.redis import STORE_FORMAT, RedisBackend
@@ -988,6 +989,58 @@ async def test_works_on_a_cluster(cluster_node: EmbeddedRedisCluster) -> None:
     finally:
         await backend.close()
         await client.aclose()
+
+
+class _TrimRounds(AsyncClientAdapter):
+    """Records, while ``recording``, the attempts each round trip's scripts deleted."""
+
+    recording = False
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client, owned=False)
+        self.rounds: list[int] = []
+
+    async def execute(self, commands: Any, *, resend: bool = True) -> list[Any]:
+        replies = await super().execute(commands, resend=resend)
+        if self.recording:
+            self.rounds.append(sum(r for c, r in zip(commands, replies, strict=True)
+                                   if c[0] == "EVALSHA" and isinstance(r, int)))
+        return replies
+
+
+@pytest.mark.asyncio_only
+async def test_a_trimming_backlog_is_deleted_in_round_trips_of_bounded_size(url: str) -> None:
+    """Redis runs a pipeline's scripts back to back, every other client waiting: a
+    backlog deleted in one round trip held the server for about a second per 50,000
+    attempts. One round trip deletes about trim_round_trip attempts at most; trimming
+    with nothing beyond each job's share is one round trip still."""
+    client = redis.asyncio.Redis.from_url(url)
+    adapter = _TrimRounds(client)
+    backend = RedisBackend(adapter, prefix=_prefix())
+    backend.trim_round_trip = 100
+    jobs = [f"j{i}" for i in range(8)]
+    await backend.start()
+    try:
+        requests = [_request(job, slot, f"{job}-{slot}", overlap_skip=False)
+                    for job in jobs for slot in range(1, 101)]
+        assert all(r.status is ClaimStatus.WON for r in await backend.claim_many(requests))
+        assert all(await backend.finish_many([
+            (Lease(r.job, r.slot, r.token, 30_000), Outcome.COMPLETED, None)
+            for r in requests]))
+        adapter.recording = True
+        assert await backend.prune_many(jobs, keep=95, batch=500) == dict.fromkeys(jobs, 5)
+        assert len(adapter.rounds) == 1  # 5 each: within its share (6) of the 100
+        adapter.rounds.clear()
+        assert await backend.prune_many(jobs, keep=0, batch=500) == dict.fromkeys(jobs, 95)
+        assert sum(adapter.rounds) == 8 * 95 and max(adapter.rounds) <= 100, adapter.rounds
+        assert await backend.history("j0") == []
+        adapter.rounds.clear()
+        assert await backend.prune_many(jobs, keep=0, batch=500) == dict.fromkeys(jobs, 0)
+        assert adapter.rounds == [0]
+    finally:
+        await backend.close()
+        await client.aclose()
+        delete_prefix(url, backend.prefix)
 
 
 def test_an_embedded_server_whose_port_was_taken_before_its_first_start_takes_another() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from adapters.redis import Command
 from lease_core._structures import Attempt, RunInfo, RunStatus
@@ -38,6 +39,12 @@ def _slot(attempt_id: str) -> str:
 
 class RedisRecords(RedisStore):
     """The history, runs, jobs and workflows of a :class:`~backends.redis.RedisBackend`."""
+
+    trim_round_trip: int = 4_000
+    """About the most attempts one pipelined round trip of history trimming deletes
+    (:meth:`prune_many`). A backlog (after ``history_size`` was lowered, or trimming was
+    off) deleted in one round trip held the server for about a second per 50,000
+    attempts, every other client of the server waiting."""
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:
         """Return at most ``limit`` attempts, newest first, of one job or of every job under
@@ -127,8 +134,14 @@ class RedisRecords(RedisStore):
     async def prune_many(self, jobs: Sequence[str], *, keep: int | None = None,
                          older_than_ms: int | None = None,
                          batch: int = 1000) -> dict[str, int]:
-        """Trim the jobs' histories, one ``trim.lua`` call each, in one pipelined round trip
+        """Trim the jobs' histories with ``trim.lua`` calls, pipelined
         (:meth:`~lease_core.abc.Backend.prune` is inherited: a batch of one).
+
+        Redis runs a pipeline's scripts back to back while every other client waits, so
+        one round trip deletes about :attr:`trim_round_trip` attempts at most: the first
+        gives each job an equal share of them (one round trip when no job has more to
+        delete than its share), and the jobs that used theirs up go on in the next ones,
+        up to ``batch`` of each kind.
 
         A workflow run's steps are kept while it goes on, and by age (not beyond the
         newest ``keep``) until ``older_than_ms`` after its end. Its steps' keys are in
@@ -149,26 +162,47 @@ class RedisRecords(RedisStore):
                   "" if older_than_ms is None else min(older_than_ms, _FOREVER)]
         batch = min(batch, _FOREVER)
 
-        def trim(job: str, *mode: str | int) -> Command:
+        def trim(job: str, *mode: str | int, size: int = batch) -> Command:
             keys = self._job_keys(job)
             return self._eval("trim", [keys[k] for k in ("hist", "att", "done", "orphan",
                                                            "job", "hold")],
-                              [*limits, f"{self._tag(job)}:run:", batch, *mode])
+                              [*limits, f"{self._tag(job)}:run:", size, *mode])
 
         steps = [job for job in names if STEP_SEPARATOR in job]
         workflows = sorted({job.partition(STEP_SEPARATOR)[0] for job in steps})
-        commands = [trim(job, "list") if job in steps else trim(job) for job in names]
-        if workflows:
-            commands.append(("HMGET", self._meta_key,
-                             *[_WORKFLOW_FIELD + name for name in workflows]))
-        replies = await self._run(commands)
-        counts = {job: 0 if job in steps else int(reply)
-                  for job, reply in zip(names, replies, strict=False)}
+        counts = dict.fromkeys(names, 0)
+        # The other jobs in rounds of trim_round_trip attempts at most: the first round
+        # (with the steps' listings) gives each job an equal share, the jobs that used
+        # theirs up go on in the next rounds, up to ``batch`` of each kind.
+        left = dict.fromkeys((job for job in names if job not in steps), batch)
+        active, first = list(left), True
+        lists: dict[str, Any] = {}
+        described: Any = None
+        while first or active:
+            take = active[:max(1, self.trim_round_trip // 2)]
+            share = max(1, self.trim_round_trip // (2 * max(1, len(active))))
+            sizes = [min(share, left[job]) for job in take]
+            commands = [trim(job, size=size) for job, size in zip(take, sizes, strict=True)]
+            if first:
+                commands += [trim(job, "list") for job in steps]
+                if workflows:
+                    commands.append(("HMGET", self._meta_key,
+                                     *[_WORKFLOW_FIELD + name for name in workflows]))
+            replies = await self._run(commands)
+            if first:
+                lists = dict(zip(steps, replies[len(take):], strict=False))
+                described, first = (replies[-1] if workflows else None), False
+            again = []
+            for job, size, reply in zip(take, sizes, replies, strict=False):
+                counts[job] += int(reply)
+                left[job] -= size
+                if int(reply) >= size and left[job] > 0:
+                    again.append(job)
+            active = again + active[len(take):]
         if not steps:
             return counts
         recorded = {name: [str(s) for s in json.loads(as_text(raw))]
-                    for name, raw in zip(workflows, replies[-1], strict=True) if raw}
-        lists = dict(zip(names, replies, strict=False))
+                    for name, raw in zip(workflows, described, strict=True) if raw}
         kept_before: dict[str, set[str]] = {}
         while steps:
             listed = {job: ([as_text(i) for i in lists[job][0]],
