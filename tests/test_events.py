@@ -412,6 +412,44 @@ async def test_a_subscriber_letting_out_a_stray_cancellation_is_logged_and_ends_
     assert len(failures) == 2, caplog.text
 
 
+@pytest.mark.parametrize("kind", ["coroutine", "generator"])
+async def test_a_plain_subscriber_that_returns_a_coroutine_is_logged_as_failing(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``subscribe(lambda event: record(event))`` with ``async def record``: the lambda is a
+    plain function, run in a worker thread, which returned ``record``'s coroutine; nobody
+    awaited it, so no event was ever recorded, and nothing but a RuntimeWarning at its
+    collection said so. It is logged as the subscriber's failure at each event, naming
+    the coroutine (or the generator, of a function with ``yield``)."""
+    seen: list[str] = []
+
+    async def record(event: Event) -> None:
+        seen.append(type(event).__name__)
+
+    def export(event: Event) -> Any:
+        seen.append(type(event).__name__)
+        yield event
+
+    def failures() -> list[str]:
+        return [str(r.exc_info[1]) for r in caplog.records
+                if "event subscriber" in r.getMessage() and r.exc_info]
+
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    s.subscribe((lambda e: record(e)) if kind == "coroutine" else (lambda e: export(e)))
+    s.every("j", "1h", lambda ctx: None, offset=quiet_offset_now())
+    async with s:
+        await claim_now(s, "j", current_slot(s, "j"))
+        await wait_for(lambda: len(failures()) == 2,
+                       what="Claimed and Completed logged as the subscriber's failures")
+        assert s.health().ready
+    made = ("returned a coroutine of " if kind == "coroutine"
+            else "returned a generator of ")
+    ran = ".record without running it" if kind == "coroutine" else ".export without running it"
+    hint = "'async def'" if kind == "coroutine" else "'yield'"
+    assert all(made in error and ran in error and hint in error
+               for error in failures()), failures()
+    assert seen == []
+
+
 @pytest.mark.parametrize("then", ["completes", "is-cancelled"])
 async def test_a_frozen_holder_whose_run_was_taken_over_reports_its_attempt_lost(
         then: str) -> None:

@@ -194,7 +194,30 @@ def _call_in_thread(callback: Callable[[ev.Event], Any], event: ev.Event) -> Any
     """A sync subscriber's call in its worker thread: its ``sys.exit()`` or a
     ``KeyboardInterrupt`` it raises ends the call only, as in any thread."""
     try:
-        return callback(event)
+        value = callback(event)
     except (SystemExit, KeyboardInterrupt) as exc:
         raise RuntimeError(f"the subscriber raised {exc!r}") from exc
+    if inspect.isawaitable(value) or inspect.isgenerator(value) or inspect.isasyncgen(value):
+        raise _unrun(callback, value)
+    return value
+
+
+def _unrun(callback: Callable[[ev.Event], Any], value: Any) -> TypeError:
+    """The failure of a sync subscriber that returned an awaitable or a generator without
+    running it: a plain function (``lambda event: record(event)`` of an ``async def
+    record``, a wrapper without ``async``) whose coroutine nobody awaits, so none of its
+    work ran at any event; logged as the subscriber's failure, not silently dropped."""
+    close = getattr(value, "close", None)
+    if (inspect.iscoroutine(value) or inspect.isgenerator(value)) and callable(close):
+        close()  # never run: no "coroutine was never awaited" warning at its collection
+    name = getattr(callback, "__qualname__", None) or repr(callback)
+    made = getattr(value, "__qualname__", None)
+    return TypeError(
+        f"the event subscriber {name} is a plain function that returned a "
+        f"{type(value).__name__}{f' of {made}' if made else ''} without running it, so "
+        "none of its work ran: "
+        + ("a function with 'yield' runs none of its body when called; do the work "
+           "without 'yield'" if inspect.isgenerator(value) or inspect.isasyncgen(value)
+           else "subscribe a function declared with 'async def' (a lambda or a wrapper "
+           "that calls an async function must be 'async def' and await it)"))
 
