@@ -394,12 +394,12 @@ class Scheduler:
         function that unsubscribes it.
 
         ``callback`` may be a coroutine function (awaited in a task of the scheduler) or
-        a plain function (called in a worker thread). Each subscriber gets the events in
-        order through its own buffer of :data:`EVENT_BUFFER` events: a slow subscriber
-        never delays heartbeats or claims; when its buffer is full, newer events are
-        dropped and counted (:attr:`events_dropped`). An exception raised by ``callback``
-        is logged, and the subscriber stays subscribed. May be called before or after
-        :meth:`start`, from the event loop's thread.
+        a plain function (called in a worker thread). Each gets the events in order
+        through its own buffer of :data:`EVENT_BUFFER` events (4 per job when more: a
+        burst of every job fits): a slow subscriber never delays heartbeats or claims;
+        when its buffer is full, newer events are dropped and counted
+        (:attr:`events_dropped`). A callback's exception is logged, and it stays
+        subscribed. Call it before or after :meth:`start`, from the event loop's thread.
         """
         return self._bus.subscribe(callback)
 

@@ -163,6 +163,7 @@ async def test_slow_and_failing_subscribers_delay_no_heartbeat(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(lease_core.engine.base, "EVENT_BUFFER", 1)
+    monkeypatch.setattr(lease_core.engine.base, "EVENTS_PER_JOB", 0)  # 1 event in all
     backend = MemoryBackend()
     s = Scheduler(backend, instance_id="a", **FAST)
     release = threading.Event()

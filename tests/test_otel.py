@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+import lease_core.engine.base
 from lease_core import MemoryBackend, Outcome, RunContext, Scheduler
 from lease_core.otel import instrument
 from lease_core.testing import claim_now
@@ -76,6 +78,44 @@ async def test_attempts_durations_and_leases_held() -> None:
               for p in found["anarchon.claim.duration"]}
     assert claims == {("ok", "won"): 1, ("boom", "won"): 1}
     assert all(p.sum >= 0 for p in found["anarchon.claim.duration"])
+
+
+async def test_a_burst_of_more_jobs_than_the_event_buffer_is_counted_in_full(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every job due at the same instant: their claims are settled, and their Claimed
+    events made, in one go, faster than any subscriber takes them. With more jobs than
+    EVENT_BUFFER (1,000), the instrument's buffer overflowed at each burst, however fast
+    it recorded: attempts went uncounted, and anarchon.leases.held fell below zero (the
+    ends of attempts whose claims were dropped). A subscriber's buffer holds a burst of
+    every declared job."""
+    monkeypatch.setattr(lease_core.engine.base, "EVENT_BUFFER", 20)  # as 1,000, cheaper
+    jobs = 60
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    s = Scheduler(MemoryBackend(), instance_id="a", lease="10s", heartbeat="1s")
+    slot = (int(time.time() * 1000) + 1500) // 1000 * 1000 + 1000  # memory: wall clock
+
+    async def handler(ctx: RunContext) -> None:
+        pass
+
+    for j in range(jobs):
+        s.every(f"burst-{j}", "1h", handler, offset=(slot % 3_600_000) / 1000,
+                catch_up="none")
+    instrument(s, meter_provider=provider)
+    async with s:
+        await wait_history(s, lambda h: len([a for a in h if a.slot == slot and a.outcome
+                                             is Outcome.COMPLETED]) == jobs,
+                           timeout=15)
+
+        def counted() -> float:
+            return sum(p.value for p in points(reader).get("anarchon.attempts", []))
+
+        await wait_for(lambda: counted() >= jobs, what="every attempt counted")
+        found = points(reader)
+    assert s.events_dropped == 0
+    assert counted() == jobs
+    assert {p.value for p in found["anarchon.leases.held"]} == {0}, "no lease held"
+    assert len(found["anarchon.leases.held"]) == jobs
 
 
 @pytest.mark.asyncio_only

@@ -457,6 +457,7 @@ def test_events_dropped_is_read_as_on_scheduler(monkeypatch: pytest.MonkeyPatch)
     import lease_core.engine.base
 
     monkeypatch.setattr(lease_core.engine.base, "EVENT_BUFFER", 1)
+    monkeypatch.setattr(lease_core.engine.base, "EVENTS_PER_JOB", 0)  # 1 event in all
     release = threading.Event()
     s = SyncScheduler(MemoryBackend(), instance_id="a", **FAST)
     s.every("j", "1h", lambda ctx: None, catch_up="none", offset=quiet_offset_now())

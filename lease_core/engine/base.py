@@ -19,6 +19,7 @@ from ..errors import AnarchonError, ConfigurationError
 __all__ = [
     "CATCH_UP_LIMIT",
     "CATCH_UP_WINDOW_MS",
+    "EVENTS_PER_JOB",
     "EVENT_BUFFER",
     "HANDLER_THREADS",
     "INSIDE",
@@ -40,6 +41,10 @@ logger = logging.getLogger("anarchon")
 
 #: Events a subscriber may fall behind by; later ones are dropped (and counted).
 EVENT_BUFFER = 1000
+#: ... or this many per declared job, when more: every job due at the same instant is
+#: claimed and ended within a few turns of the event loop, faster than a subscriber that
+#: keeps up takes the events (one a turn), and such a burst must fit in its buffer.
+EVENTS_PER_JOB = 4
 #: Worker threads for sync handlers (beyond them, handlers wait to start). They are not
 #: anyio's default threads, which the store's blocking drivers use for heartbeats.
 HANDLER_THREADS = 256

@@ -47,6 +47,7 @@ class EventBus:
         self._receivers: list[MemoryObjectReceiveStream[ev.Event]] = []
         self._tg: TaskGroup | None = None
         self._threads: anyio.CapacityLimiter | None = None
+        self._capacity = base.EVENT_BUFFER
         self.dropped = 0
         """Events dropped because a subscriber's buffer was full (since creation)."""
 
@@ -99,9 +100,13 @@ class EventBus:
 
         return unsubscribe
 
-    def open(self, tg: TaskGroup, threads: anyio.CapacityLimiter) -> None:
-        """Start feeding every subscriber, in tasks of ``tg`` (sync ones in ``threads``)."""
+    def open(self, tg: TaskGroup, threads: anyio.CapacityLimiter, *, jobs: int = 0) -> None:
+        """Start feeding every subscriber, in tasks of ``tg`` (sync ones in ``threads``),
+        each through a buffer of :data:`~lease_core.engine.base.EVENT_BUFFER` events, or
+        :data:`~lease_core.engine.base.EVENTS_PER_JOB` per one of the ``jobs`` declared
+        when more (a burst of them all due at once fits)."""
         self._tg, self._threads = tg, threads
+        self._capacity = max(base.EVENT_BUFFER, base.EVENTS_PER_JOB * jobs)
         for sub in self._subscribers:
             self._open_subscriber(sub)
 
@@ -133,7 +138,7 @@ class EventBus:
 
     def _open_subscriber(self, sub: _Subscriber) -> None:
         assert self._tg is not None
-        send, receive = anyio.create_memory_object_stream[ev.Event](base.EVENT_BUFFER)
+        send, receive = anyio.create_memory_object_stream[ev.Event](self._capacity)
         dispatch = self._dispatch(sub, receive)
         try:
             self._tg.start_soon(lambda: dispatch)

@@ -200,7 +200,7 @@ class Session:
                 opened = True
                 try:
                     async with anyio.create_task_group() as events_tg:
-                        self.bus.open(events_tg, self.subscriber_threads)
+                        self.bus.open(events_tg, self.subscriber_threads, jobs=len(self.jobs))
                         await self._run_jobs(infos, task_status)
                         # Runs won or stopped after the last round (their endings
                         # outlived the drain): every execution and claim has ended now.
