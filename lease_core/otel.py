@@ -6,8 +6,9 @@
   ``reason`` and ``outcome`` (skipped and escalated runs included);
 - ``anarchon.run.duration`` (histogram, seconds): from the claim to the end of each of this
   instance's attempts, with ``job`` and ``outcome``;
-- ``anarchon.claim.duration`` (histogram, seconds): each claim that reached the store, with
-  ``job`` and ``status`` (``won``, ``running``, ``skipped``, ``escalated``);
+- ``anarchon.claim.duration`` (histogram, seconds): each claim the store answered ``won``,
+  ``running`` (held elsewhere, or a retry not due yet), ``skipped`` or ``escalated``, with
+  ``job`` and that ``status`` (a claim of a run already finished is not recorded);
 - ``anarchon.leases.held`` (up-down counter): the runs this instance holds, by ``job``.
 """
 
