@@ -25,7 +25,7 @@ import anyio.lowlevel
 import pytest
 
 from backends.memory import MemoryBackend
-from lease_core import ConfigurationError, Outcome, RunContext, Scheduler
+from lease_core import ConfigurationError, Outcome, Retry, RunContext, Scheduler
 from lease_core._wakeups import (
     PRECISE_FROM,
     Alarm,
@@ -36,7 +36,8 @@ from lease_core._wakeups import (
 )
 from lease_core.abc import ClaimRequest, ClaimResult, ClaimStatus, Lease
 from lease_core.engine.dispatch import WINDOW_LIMIT, wake_slot
-from tests.helpers import wait_history
+from lease_core.testing import claim_now
+from tests.helpers import quiet_offset_now, wait_history
 
 pytestmark = pytest.mark.anyio
 
@@ -282,6 +283,39 @@ async def test_a_handler_does_not_see_what_an_earlier_handler_set_in_a_context_v
             await enough.wait()
         await scheduler.stop(grace=1)
     assert seen and set(seen) == {"unset"}, seen
+
+
+async def test_a_next_step_or_a_retry_does_not_see_what_the_handler_before_it_set() -> None:
+    # The next step of a workflow run, and a retry, are claimed from the task of the
+    # handler that just ended: their handlers inherited what it set in context variables
+    # (a logging context bound in the handler, a tracing span left current), as the
+    # next run of the same worker did before it got a fresh copy.
+    scheduler = Scheduler(MemoryBackend(), instance_id="contextvars", lease="2s",
+                          heartbeat="200ms")
+    seen: dict[str, str] = {}
+
+    async def handler(ctx: RunContext) -> None:
+        seen[f"{ctx.job} attempt {ctx.attempt}"] = LEAK.get()
+        LEAK.set(f"set by {ctx.job} attempt {ctx.attempt}")
+        if ctx.job == "retried" and ctx.attempt == 1:
+            raise ValueError("retried (test)")
+
+    close = scheduler.workflow("close", every="1h", offset=quiet_offset_now())
+    close.step("first", handler)
+    close.step("second", handler)
+    scheduler.every("retried", "1h", handler, catch_up="none", offset=quiet_offset_now(),
+                    retry=Retry(retries=1, backoff=0))
+    async with scheduler:
+        now = scheduler.store_now_ms()
+        for name, schedule in (("close", scheduler.workflows["close"].schedule),
+                               ("retried", scheduler.jobs["retried"].schedule)):
+            slot = schedule.previous_at_or_before(now)
+            assert slot is not None
+            await claim_now(scheduler, name, slot)
+        await wait_history(scheduler, lambda h: sum(
+            a.outcome is Outcome.COMPLETED for a in h) == 3)
+    assert seen == {"close/first attempt 1": "unset", "close/second attempt 1": "unset",
+                    "retried attempt 1": "unset", "retried attempt 2": "unset"}, seen
 
 
 async def test_the_worker_pool_reuses_idle_workers_and_starts_one_when_none_is_idle() -> None:

@@ -10,6 +10,7 @@ one ``finish_many`` call), or backs the run up when its lease was lost.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from .._structures import (
     fence_of,
     format_slot,
 )
+from .._wakeups import in_context
 from ..context import RunContext
 from ..errors import ConfigurationError
 from .base import INSIDE, logger
@@ -136,6 +138,9 @@ class Executor:
         # is in progress; a stop waits for them before it hands over (drain).
         self._executing = 0
         self._none_executing: anyio.Event | None = None
+        # Each handler runs in a fresh copy of this context (the scheduler's, at its
+        # start), as in a new task: never in one a handler before it changed.
+        self._context = contextvars.copy_context()
 
     def launch(self, job: Job, lease: Lease, result: ClaimResult, sent_loop: float,
                attempt: AttemptInfo | None, *, deferred: list[Run] | None = None) -> None:
@@ -166,9 +171,14 @@ class Executor:
                         format_slot(lease.slot), lease.slot, s.settings.instance_id,
                         result.attempt, reason)
         if deferred is None:
-            s.tg.start_soon(self._execute, run)
+            s.tg.start_soon(self._execute_afresh, run)
         else:
-            deferred.append(run)
+            deferred.append(run)  # run by a worker, in a fresh copy of its context
+
+    async def _execute_afresh(self, run: Run) -> None:
+        # Started from the task of a handler that just ended (its workflow's next step,
+        # its retry), the task would inherit what that handler set in context variables.
+        await in_context(self._execute(run), self._context.copy())
 
     async def execute(self, run: Run) -> None:
         """Run a deferred run's handler in the calling task (a worker of the dispatcher's,
