@@ -505,6 +505,40 @@ async def test_a_finish_the_store_did_not_answer_is_sent_again_within_the_lease(
     assert ended == ["Completed"]
 
 
+class ClaimHangsOnce(MemoryBackend):
+    """A store whose first claim never answers (a hung connection)."""
+
+    hung = False
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimResult]:
+        if not self.hung:
+            self.hung = True
+            await anyio.sleep(30)
+        return await super().claim_many(requests)
+
+
+async def test_a_claim_the_store_never_answers_is_reported_and_made_again(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A claim given up for want of an answer within half the lease was made again at
+    the next tick, with no log and no StoreUnreachable: a hung store went unseen."""
+    s = Scheduler(ClaimHangsOnce(), instance_id="a", lease="0.9s", heartbeat="0.2s")
+    calls: list[int] = []
+    seen: list[str] = []
+    s.every("export", "1h", lambda ctx: calls.append(ctx.attempt), offset=quiet_offset_now())
+    s.subscribe(lambda e: seen.append(type(e).__name__)
+                if type(e).__name__ in ("StoreUnreachable", "StoreBack") else None)
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = s.jobs["export"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "export", slot)
+        await wait_for(lambda: calls and seen[-1:] == ["StoreBack"], timeout=10,
+                       what="the run claimed again and the store back")
+        await i.stop()
+    assert calls == [1] and seen == ["StoreUnreachable", "StoreBack"]
+    assert any("did not answer within 0.45s" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.asyncio_only  # engine timing; the loops are covered elsewhere
 async def test_a_catch_up_of_a_job_faster_than_the_heartbeat_gets_back_on_time() -> None:
     """``catch_up="all"`` runs every missed slot one after another; each waited a whole

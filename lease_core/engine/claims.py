@@ -25,6 +25,7 @@ from .._structures import (
     RunStatus,
     format_slot,
 )
+from ..errors import BackendUnavailable
 from .base import logger
 from .runs import AttemptInfo, Run
 
@@ -114,9 +115,9 @@ class Claimer:
         # waits for claims in flight before it hands over.
         self._in_flight += 1
         self._claims_in_flight += len(claims)
+        limit = min(job.lease_ms for job, _, _ in claims) / 2000
         try:
-            with anyio.move_on_after(min(job.lease_ms for job, _, _ in claims) / 2000,
-                                     shield=True):
+            with anyio.move_on_after(limit, shield=True):
                 answers = await self._batcher.claim_many(requests)
         finally:
             self._in_flight -= 1
@@ -124,6 +125,13 @@ class Claimer:
             if not self._in_flight and self._idle is not None:
                 self._idle.set()
         received = clock()
+        if answers is None:  # no answer in time: as a claim that failed (retried)
+            s.clock.failed(
+                f"claim of {claims[0][0].name} slot {format_slot(claims[0][1])}"
+                + (f" and {len(claims) - 1} more" if len(claims) > 1 else "")
+                + " (will retry)",
+                BackendUnavailable(f"the store did not answer within {limit:g}s"),
+                write=True)
         answered = next((a for a in answers or () if isinstance(a, ClaimResult)), None)
         if answered is not None:
             # Only a claim that recorded an attempt surely wrote: one that found the run
