@@ -43,8 +43,10 @@ class DescriptionStore:
 
         For readers of the store that have no declarations: the status page shows each
         job's schedule and next slot from them. A newer registration replaces an older
-        one. The default keeps them in this object only; the built-in backends keep them
-        in the store.
+        one. The scheduler adds ``since_ms`` to a spec, when its schedule took effect
+        (it reads the record back at its start, so a changed schedule catches up no slot
+        from before its release). The default keeps them in this object only; the
+        built-in backends keep them in the store.
         """
         known = self.__dict__.setdefault("_schedules_here", {})
         known.update(schedules)

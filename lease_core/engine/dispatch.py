@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -87,6 +88,38 @@ class Dispatcher:
         earlier, within its slack, shares that wake-up)."""
         # Per job, the last slot a catch-up claimed (it may still run).
         self._caught_up: dict[str, int] = {}
+        # Per job, since when (store ms) its schedule is the one declared here, when known.
+        self._since: dict[str, int] = {}
+
+    def schedule_records(self, recorded: Mapping[str, str], now: int) -> dict[str, str]:
+        """The records of the scheduled jobs' schedules to register, given the store's
+        ``recorded`` ones: each job's spec, and since when (``since_ms``) it applies.
+
+        A schedule that differs from the recorded one takes effect ``now``: its slots
+        before then were never due (another schedule was), so a start-up catch-up never
+        claims them, on this instance or on the next ones of the same release. A
+        recorded schedule without ``since_ms`` (recorded by an earlier version) is taken
+        to have applied forever, as before.
+        """
+        out: dict[str, str] = {}
+        for name, job in self._s.jobs.items():
+            if not job.scheduled:
+                continue
+            spec: dict[str, str | int] = job.schedule.spec()
+            since: object = None
+            try:
+                previous = json.loads(recorded[name])
+            except (KeyError, TypeError, ValueError):
+                previous = None  # unknown: a new job, or a store that keeps no record
+            if isinstance(previous, dict):
+                since = previous.pop("since_ms", None)
+                if previous != spec:
+                    since = now
+            if isinstance(since, int) and not isinstance(since, bool):
+                self._since[name] = since
+                spec = {**spec, "since_ms": since}
+            out[name] = json.dumps(spec, sort_keys=True)
+        return out
 
     def schedule_next(self, job: Job, last: int) -> None:
         """Queue ``job``'s first slot after ``last`` (store ms)."""
@@ -113,7 +146,8 @@ class Dispatcher:
                 # the ticker); caught-up slots would only be skipped meanwhile.
                 for slot in info.open_slots:
                     await self.wait_run_ended(job.name, slot)
-            watermark = max(info.first_seen_ms, info.last_slot or info.first_seen_ms)
+            watermark = max(info.first_seen_ms, info.last_slot or info.first_seen_ms,
+                            self._since.get(job.name, info.first_seen_ms))
             await self._catch_up(job, watermark, now, final_reason=Reason.CATCH_UP)
             self.schedule_next(job, now)
 

@@ -21,7 +21,6 @@ The components import none of each other; they reach each other through the sess
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 
 import anyio
@@ -237,9 +236,11 @@ class Session:
             infos = await backend.register_jobs(list(self.jobs))
             await self.fleet.renew()
             await self._describe_workflows()
-            await backend.register_schedules({
-                name: json.dumps(job.schedule.spec(), sort_keys=True)
-                for name, job in self.jobs.items() if job.scheduled})
+            # Read first: a schedule that differs from the recorded one takes effect now.
+            recorded = (await backend.schedules()
+                        if any(job.scheduled for job in self.jobs.values()) else {})
+            await backend.register_schedules(
+                self.dispatch.schedule_records(recorded, self.clock.now_ms()))
             return infos
         except BaseException:
             with anyio.CancelScope(shield=True):
