@@ -175,6 +175,27 @@ def _check_expression(expression: object) -> str:
     return expression.strip()
 
 
+#: What each field takes, for an error naming the field refused.
+_FIELD_VALUES = {"minute": "0-59", "hour": "0-23", "day": "1-31", "month": "1-12 or JAN-DEC",
+                 "weekday": "0-7 (0 and 7 are Sunday) or SUN-SAT", "second": "0-59"}
+
+
+def _bad_field(expression: str) -> str:
+    """The first field of ``expression`` that croniter refuses on its own, said for an
+    error message (``": '25' in the hour field ..."``); ``""`` when each field passes."""
+    fields = expression.split()
+    for i, (name, field) in enumerate(zip(_FIELD_NAMES, fields, strict=False)):
+        alone = ["*"] * len(fields)
+        alone[i] = field
+        try:
+            croniter(" ".join(alone))
+        except (CroniterBadCronError, CroniterError, ValueError, KeyError):
+            return (f": {field!r} in the {name} field is not accepted; the {name} field "
+                    f"takes {_FIELD_VALUES[name]}, as single values, lists (1,15), ranges "
+                    "(1-5) and steps (*/15)")
+    return ""
+
+
 def _check_quartz(expression: str) -> None:
     """Refuse Quartz's and Spring's form (seconds first, '?' for "no value" in a day
     field, a year seventh), which croniter read with seconds last or refused as "Question
@@ -253,8 +274,9 @@ class CronSchedule(Schedule):
             ) from None
         except (CroniterBadCronError, CroniterError, ValueError, KeyError) as exc:
             raise ConfigurationError(
-                f"cron expression {expression!r} is invalid ({exc}); "
-                "use five fields 'minute hour day month weekday', e.g. '0 3 * * *'"
+                f"cron expression {expression!r} is invalid" + (_bad_field(stripped) or (
+                    f" ({exc}); use five fields 'minute hour day month weekday', "
+                    "e.g. '0 3 * * *'"))
             ) from None
         self._period = max(1000, int((second - first).total_seconds() * 1000))
 

@@ -213,6 +213,24 @@ def test_an_expression_that_never_fires_is_refused_as_such(expression: str) -> N
     assert repr(expression) in str(info.value) and "five fields" not in str(info.value)
 
 
+@pytest.mark.parametrize(("expression", "value", "field", "takes"), [
+    ("0 25 * * *", "25", "hour", "0-23"), ("60 2 * * *", "60", "minute", "0-59"),
+    ("0 0 0 * *", "0", "day", "1-31"), ("0 0 1 13 *", "13", "month", "1-12 or JAN-DEC"),
+    ("0 0 * * 8", "8", "weekday", "0-7"), ("0 0 * * MON-FRY", "MON-FRY", "weekday", "SUN-SAT"),
+    ("*/0 * * * *", "*/0", "minute", "0-59"), ("0 0 * * * 61", "61", "second", "0-59"),
+])
+def test_a_bad_value_is_refused_naming_its_field_and_what_it_takes(
+        expression: str, value: str, field: str, takes: str) -> None:
+    """The error named the whole expression with croniter's "is not acceptable, out of
+    range" and said to use five fields, which it had: now it names the value refused,
+    its field, and the values that field takes."""
+    with pytest.raises(ConfigurationError) as info:
+        CronSchedule(expression)
+    message = str(info.value)
+    assert f"{expression!r} is invalid: {value!r} in the {field} field" in message, message
+    assert takes in message and "five fields" not in message, message
+
+
 # ----------------------------------------------------------------- intervals
 
 
