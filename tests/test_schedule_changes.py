@@ -1,5 +1,6 @@
-"""A job's schedule changed by a new release: the slots the new schedule had before it
-was deployed were never due, so they are not caught up.
+"""Catch-up at a start: a job's schedule changed by a new release (the slots the new
+schedule had before it was deployed were never due, so they are not caught up), and a
+start that first waits for a run a dead instance left open.
 
 The memory store's clock and the schedulers' are shifted together, so the tests place
 "now" at a chosen time of day and jump it forward.
@@ -102,3 +103,46 @@ async def test_an_unchanged_schedule_still_catches_up_after_a_downtime() -> None
         await again.stop()
     assert [(slot, reason) for _, slot, reason in ran] == [
         (TEN, "scheduled"), (TEN + HOUR, "catch-up")], ran
+
+
+async def test_latest_catches_up_the_newest_slot_once_a_run_left_open_has_ended() -> None:
+    """An hourly job's 10:00 run was left open by a crash; the next instance starts at
+    13:10 and, the job not overlapping, first waits for that run (taken over) to end, at
+    14:00:30. ``catch_up="latest"`` then claimed the newest slot before its start, 13:00,
+    and the dispatcher 14:00 beside it: two catch-up runs, one of them stale. Now only
+    the newest slot missed until the wait ended runs."""
+    clocks = Clocks(TEN - 800)
+    ran: list[tuple[str, int, str]] = []
+    gate = anyio.Event()
+
+    def hourly(name: str) -> Scheduler:
+        s = Scheduler(clocks.backend, instance_id=name, lease="2h", heartbeat="0.3s",
+                      clock=lambda: time.monotonic() + clocks.shift)
+
+        async def handler(ctx: RunContext) -> None:
+            ran.append((name, ctx.slot, str(ctx.reason)))
+            if ctx.slot == TEN:
+                await gate.wait()
+        s.every("hourly", "1h", handler)  # overlap="skip", catch_up="latest"
+        return s
+
+    async with anyio.create_task_group() as tg:
+        a = await Instance(hourly("a")).start(tg)
+        await wait_for(lambda: ran, timeout=5, what="the 10:00 run")
+        a.crash()
+        await a.wait_done()
+        clocks.jump_to(TEN + 3 * HOUR + HOUR // 6)  # 13:10: the 10:00 run's lease lapsed
+        b = await Instance(hourly("b")).start(tg)
+        await wait_for(lambda: len(ran) >= 2, timeout=5, what="the takeover of 10:00")
+        clocks.jump_to(TEN + 4 * HOUR + 30_000)  # 14:00:30, the takeover still runs
+        gate.set()
+        fifteen = TEN + 5 * HOUR
+        await wait_for(lambda: any(r[1] >= TEN + 4 * HOUR for r in ran), timeout=5,
+                       what="the catch-up")
+        clocks.jump_to(fifteen - 800)
+        await wait_for(lambda: any(r[1] == fifteen for r in ran), timeout=5,
+                       what="the 15:00 run")
+        await b.stop()
+    assert [(slot, reason) for _, slot, reason in ran] == [
+        (TEN, "scheduled"), (TEN, "takeover"), (TEN + 4 * HOUR, "catch-up"),
+        (TEN + 5 * HOUR, "scheduled")], ran

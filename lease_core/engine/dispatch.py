@@ -139,13 +139,15 @@ class Dispatcher:
     async def start_job(self, job: Job, info: JobInfo) -> None:
         """Catch up a job the store knew before this start, then queue its next slot."""
         s = self._s
-        now = s.clock.now_ms()
         with s.stoppable():
             if job.overlap == "skip":
                 # Runs left open by stopped or dead instances are taken over first (by
                 # the ticker); caught-up slots would only be skipped meanwhile.
                 for slot in info.open_slots:
                     await self.wait_run_ended(job.name, slot)
+            # After that wait, which may have lasted slots: "latest" is the newest slot
+            # missed until now, not until the start (which then ran beside the newest).
+            now = s.clock.now_ms()
             watermark = max(info.first_seen_ms, info.last_slot or info.first_seen_ms,
                             self._since.get(job.name, info.first_seen_ms))
             await self._catch_up(job, watermark, now, final_reason=Reason.CATCH_UP)
