@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from datetime import UTC, datetime, timedelta
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from croniter import CroniterBadCronError, CroniterBadDateError, CroniterError, croniter
 
@@ -237,9 +237,16 @@ def _zone(tz: object) -> ZoneInfo:
     try:
         return ZoneInfo(tz)
     except (ZoneInfoNotFoundError, ValueError, TypeError):
-        raise ConfigurationError(
-            f"time zone {tz!r} is unknown; use an IANA name such as 'UTC' or 'Europe/Lisbon'"
-        ) from None
+        pass
+    # Names are case-sensitive (files on most systems): 'europe/berlin' or ' UTC' is
+    # unknown, and the error names the zone meant.
+    meant = sorted(name for name in available_timezones()
+                   if name.lower() == tz.strip().lower() and name != "localtime")
+    hint = "use an IANA name such as 'UTC' or 'Europe/Lisbon'"
+    if meant:
+        hint = f"write {meant[0]!r}" + (
+            "" if meant[0] == tz.strip() else " (names are case-sensitive)")
+    raise ConfigurationError(f"time zone {tz!r} is unknown; {hint}")
 
 
 class CronSchedule(Schedule):

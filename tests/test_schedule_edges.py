@@ -206,6 +206,24 @@ def test_the_machine_s_own_zone_is_refused() -> None:
     assert "'localtime'" in str(info.value) and "'Europe/Lisbon'" in str(info.value)
 
 
+@pytest.mark.parametrize(("tz", "meant"), [
+    ("europe/berlin", "'Europe/Berlin' (names are case-sensitive)"),
+    ("utc", "'UTC' (names are case-sensitive)"), ("US/EASTERN", "'US/Eastern'"),
+    (" Europe/Lisbon", "write 'Europe/Lisbon'"),
+])
+def test_a_zone_name_in_other_case_or_with_spaces_is_refused_naming_the_zone_meant(
+        tz: str, meant: str) -> None:
+    """'europe/berlin' was called unknown, and the error gave 'UTC' and 'Europe/Lisbon'
+    as examples (on a file system that ignores case, such as macOS's, it may even load,
+    so a developer's machine took what the fleet's refused). The error now names the
+    zone meant."""
+    with pytest.raises(ConfigurationError, match="unknown") as info:
+        CronSchedule("0 2 * * *", tz=tz)
+    assert f"{tz!r} is unknown; write " in str(info.value) and meant in str(info.value)
+    if meant.startswith("write"):
+        assert "case-sensitive" not in str(info.value)
+
+
 @pytest.mark.parametrize("expression", ["0 0 30 2 *", "0 0 31 4,6 *", "0 12 30,31 2 *"])
 def test_an_expression_that_never_fires_is_refused_as_such(expression: str) -> None:
     with pytest.raises(ConfigurationError, match="never fires") as info:
