@@ -192,8 +192,24 @@ def _bad_field(expression: str) -> str:
         except (CroniterBadCronError, CroniterError, ValueError, KeyError):
             return (f": {field!r} in the {name} field is not accepted; the {name} field "
                     f"takes {_FIELD_VALUES[name]}, as single values, lists (1,15), ranges "
-                    "(1-5) and steps (*/15)")
+                    "(1-5) and steps (*/15)") + _seconds_first(fields)
     return ""
+
+
+def _seconds_first(fields: list[str]) -> str:
+    """For six fields that read well with the seconds first (Quartz's and Spring's
+    ``0 30 9 * * MON-FRI``), the five fields meant, said for an error message."""
+    if len(fields) != 6:
+        return ""
+    meant = " ".join(fields[1:] + ([] if fields[0] == "0" else [fields[0]]))
+    try:
+        croniter(meant)
+    except (CroniterBadCronError, CroniterError, ValueError, KeyError):
+        return ""
+    return (f". Six fields put the seconds last, here; with the seconds first (Quartz's "
+            f"and Spring's form), write {meant!r}"
+            + (" (Quartz numbers the weekdays from 1, Sunday: one more than cron)"
+               if any(c.isdigit() for c in fields[5]) else ""))
 
 
 def _check_quartz(expression: str) -> None:

@@ -249,6 +249,28 @@ def test_a_bad_value_is_refused_naming_its_field_and_what_it_takes(
     assert takes in message and "five fields" not in message, message
 
 
+@pytest.mark.parametrize(("expression", "meant"), [
+    ("0 30 9 * * MON-FRI", "'30 9 * * MON-FRI'"), ("0 0 12 * * MON", "'0 12 * * MON'"),
+    ("15 30 9 * * 1-5", "'30 9 * * 1-5 15' (Quartz numbers the weekdays from 1"),
+])
+def test_a_bad_six_field_expression_that_reads_with_the_seconds_first_says_so(
+        expression: str, meant: str) -> None:
+    """Spring's '0 30 9 * * MON-FRI' (seconds first, no '?') was refused with croniter's
+    "out of range": the hour field, read with the seconds last, is 30. The error names
+    that field and the five fields meant with the seconds first."""
+    with pytest.raises(ConfigurationError) as info:
+        CronSchedule(expression)
+    message = str(info.value)
+    assert "Six fields put the seconds last" in message and f"write {meant}" in message, message
+
+
+@pytest.mark.parametrize("expression", ["0 25 * * *", "0 0 * * * 61", "0 0 1 * * 61"])
+def test_no_seconds_first_reading_is_offered_where_none_reads(expression: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        CronSchedule(expression)
+    assert "seconds first" not in str(info.value)
+
+
 # ----------------------------------------------------------------- intervals
 
 
