@@ -378,21 +378,21 @@ class SyncScheduler:
         """Call ``callback`` with every event; return a function that unsubscribes it.
 
         As :meth:`Scheduler.subscribe`, from any thread, before or after :meth:`start`
-        (while running, the subscription is made on the scheduler's own thread).
+        (while running, the subscription is made on the scheduler's own thread, and so is
+        the unsubscription, wherever the subscription was made).
         """
         self._check_process()
         portal = self._live_portal()
+        unsubscribe: Callable[[], None]
         if portal is None or threading.current_thread() is self._loop_thread or _Loop.here():
-            return self.scheduler.subscribe(callback)
-        unsubscribe: Callable[[], None] = portal.call(self.scheduler.subscribe, callback)
+            unsubscribe = self.scheduler.subscribe(callback)
+        else:
+            unsubscribe = portal.call(self.scheduler.subscribe, callback)
 
         def off() -> None:
-            now = self._portal
-            if (now is not None and threading.current_thread() is not self._loop_thread
-                    and not _Loop.here()):
-                now.call(unsubscribe)
-            else:
-                unsubscribe()
+            # Made before start() too: while the scheduler runs, the subscriber's stream
+            # is closed on the loop's thread, not beside the loop feeding it.
+            self._on_loop(unsubscribe)
 
         return off
 

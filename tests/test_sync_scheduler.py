@@ -394,6 +394,7 @@ def test_use_in_a_forked_child_raises_instead_of_hanging() -> None:
         s.every("tick", "1s", lambda ctx: None)
         ops = SyncAdmin(s.backend)  # never used here: its backend is open all the same
         s.start()
+        off = s.subscribe(lambda event: None)  # its unsubscribe hung in the child
         pid = os.fork()
         if pid == 0:
             assert not s.started
@@ -404,7 +405,7 @@ def test_use_in_a_forked_child_raises_instead_of_hanging() -> None:
                     assert "fork" in str(exc) and "in the child" in str(exc), exc
                 else:
                     sys.exit("a SyncAdmin on the parent's open backend did not raise")
-            for call in (s.history, s.stop, s.start, lambda: s.running, s.admin.paused):
+            for call in (s.history, s.stop, s.start, lambda: s.running, s.admin.paused, off):
                 try:
                     call()
                 except AnarchonError as exc:

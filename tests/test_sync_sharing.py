@@ -373,3 +373,40 @@ def test_subscribing_from_another_thread_while_it_starts_feeds_the_subscriber() 
             assert open_event_streams(s.scheduler) == subscriber_count(s.scheduler)
         finally:
             s.stop()
+
+
+def test_an_unsubscribe_made_before_start_is_made_on_the_loop_while_it_runs() -> None:
+    """The unsubscribe function of a subscription made before start() closed the
+    subscriber's stream from the caller's thread while the scheduler ran, beside the
+    loop feeding it: asyncio's debug mode raised RuntimeError ('Non-thread-safe
+    operation') half-way, and the scheduler's stop then waited for that subscriber
+    forever; without debug mode, its delivery task woke only at the loop's next wake-up,
+    and the subscriber list changed while the loop read it."""
+    script = """
+import os, time
+from lease_core import MemoryBackend, SyncScheduler
+from lease_core.testing import open_event_streams
+
+def wait_for(streams):
+    deadline = time.monotonic() + 10
+    while open_event_streams(s.scheduler) != streams:
+        assert time.monotonic() < deadline, open_event_streams(s.scheduler)
+        time.sleep(0.02)
+
+s = SyncScheduler(MemoryBackend(), lease="30s", heartbeat="0.2s")
+s.every("idle", "1h", lambda ctx: None)
+offs = [s.subscribe(lambda event: None)]  # before start
+with s:
+    offs.append(s.subscribe(lambda event: None))  # while it runs
+    wait_for(2)
+    try:
+        for off in offs:
+            off()
+    except RuntimeError as exc:  # the stop would then wait for the subscriber forever
+        print("off() raised:", exc, flush=True)
+        os._exit(1)
+    wait_for(0)
+    offs[0]()  # twice: nothing more
+print("ok")
+"""
+    assert _run(script, {"PYTHONASYNCIODEBUG": "1"}).strip() == "ok"
