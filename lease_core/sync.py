@@ -212,9 +212,13 @@ class SyncScheduler:
 
     def _check_thread(self, what: str) -> None:
         if threading.current_thread() is self._loop_thread or _Loop.here():
+            instead = (
+                "call it from sync code (the main thread, a thread of your own, a sync "
+                "handler)" if what == "start" else
+                f"from an async handler, use 'await sync_scheduler.scheduler.{what}(...)' "
+                "instead")
             raise AnarchonError(
-                f"SyncScheduler.{what}() would block the event loop it runs on; from an "
-                f"async handler, use 'await sync_scheduler.scheduler.{what}(...)' instead"
+                f"SyncScheduler.{what}() would block the event loop it runs on; {instead}"
             )
 
     def start(self) -> None:
@@ -222,9 +226,11 @@ class SyncScheduler:
 
         Raises the scheduler's start error (e.g. :class:`BackendUnavailable`,
         :class:`ConfigurationError`) here, with nothing left running, and
-        :class:`AnarchonError` if it is already started.
+        :class:`AnarchonError` if it is already started, or when called on the
+        background loop (by an async handler), which it would block.
         """
         self._check_process()
+        self._check_thread("start")
         with self._lock:
             if self._state is not SchedulerState.STOPPED:
                 raise AnarchonError(

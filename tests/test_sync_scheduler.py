@@ -293,21 +293,30 @@ def test_lifecycle_misuse() -> None:
 
 def test_blocking_calls_from_an_async_handler_raise() -> None:
     s = SyncScheduler(MemoryBackend(), **FAST)
+    other = SyncScheduler(MemoryBackend(), **FAST)
     errors: list[str] = []
 
     @s.every("tick", "1s")
     async def tick(ctx: RunContext) -> None:
-        for call in (s.history, s.stop, s.admin.paused):
+        if errors:
+            return
+        for call in (s.history, s.stop, s.admin.paused, other.start):
             try:
                 call()
-            except AnarchonError as exc:
-                errors.append(str(exc))
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
 
     with s:
-        wait_until(lambda: len(errors) >= 3, what="the handler's calls")
+        wait_until(lambda: len(errors) >= 4, what="the handler's calls")
         assert s.started
+    assert all(error.startswith("AnarchonError: ") for error in errors), errors
     assert "history() would block" in errors[0] and "stop() would block" in errors[1]
     assert "SyncAdmin.paused() would block" in errors[2], errors[2]
+    # start() blocked on the loop it waits for: anyio's bare RuntimeError said neither
+    # what was wrong nor what to do
+    assert "SyncScheduler.start() would block" in errors[3], errors[3]
+    assert "from sync code" in errors[3], errors[3]
+    assert other.state is SchedulerState.STOPPED
 
 
 def _threads() -> set[threading.Thread]:
