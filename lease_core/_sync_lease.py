@@ -157,10 +157,10 @@ class SyncLease:
         without the lease)."""
         if self._forked():
             return  # the parent's hold: a forked child never releases it
+        portal = self._portal("release")  # refused (on the loop's thread): nothing changes
         if self._in_body and self.held:
             self._released_in_body = True
             self.lost.set()
-        portal = self._portal("release")
         try:
             portal.call(self._lease.release)
             self._pid = None

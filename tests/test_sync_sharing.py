@@ -24,9 +24,17 @@ import pytest
 
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
-from lease_core import MemoryBackend, RunContext, SchedulerState, SyncLease, SyncScheduler
+from lease_core import (
+    LeaseLost,
+    MemoryBackend,
+    RunContext,
+    SchedulerState,
+    SyncLease,
+    SyncScheduler,
+)
 from lease_core.abc import Backend
-from lease_core.testing import open_event_streams, subscriber_count
+from lease_core.testing import claim_now_sync, open_event_streams, subscriber_count
+from tests.helpers import quiet_offset_now
 from tests.stores.postgres import PgServer, drop_tables, unique_table
 from tests.stores.redis import delete_prefix
 
@@ -126,6 +134,55 @@ def test_one_sync_lease_has_one_with_body_at_a_time() -> None:
     assert isinstance(error, RuntimeError) and "already entered by `with`" in str(error)
     with lease:  # free again
         assert lease.held
+
+
+def test_a_refused_release_does_not_end_the_with_body_in_another_thread() -> None:
+    """release() from an async handler (on the background loop, which it would block)
+    raises RuntimeError; it set :attr:`SyncLease.lost` first, and the ``with`` body of
+    another thread then ended with LeaseLost 'released while the body ran', the lease
+    held all along."""
+    lease = SyncLease(MemoryBackend(), "job", ttl="10s")
+    inside, leave = threading.Event(), threading.Event()
+    seen: list[object] = []
+
+    def body() -> None:
+        try:
+            with lease:
+                inside.set()
+                leave.wait(10)
+                seen.append(lease.lost.is_set())
+        except LeaseLost as exc:
+            seen.append(exc)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    assert inside.wait(10)
+    refused: list[str] = []
+    s = SyncScheduler(MemoryBackend(), **FAST)
+
+    @s.every("release", "1h", offset=quiet_offset_now())
+    async def release(ctx: RunContext) -> None:
+        try:
+            lease.release()
+        except RuntimeError as exc:
+            refused.append(str(exc))
+
+    try:
+        with s:
+            slot = s.jobs["release"].schedule.previous_at_or_before(int(time.time() * 1000))
+            assert slot is not None
+            claim_now_sync(s, "release", slot)
+            deadline = time.monotonic() + 10
+            while not refused:
+                assert time.monotonic() < deadline, "the handler did not run"
+                time.sleep(0.02)
+        assert "would block the event loop" in refused[0], refused
+        assert lease.held and not lease.lost.is_set()
+    finally:
+        leave.set()
+        thread.join(10)
+    assert seen == [False], seen
+    assert not lease.held
 
 
 def _run(script: str, env: dict[str, str] | None = None) -> str:
