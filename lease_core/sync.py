@@ -233,9 +233,14 @@ class SyncScheduler:
         self._check_thread("start")
         with self._lock:
             if self._state is not SchedulerState.STOPPED:
+                if self._state is not SchedulerState.RUNNING or self.started:
+                    raise AnarchonError(f"SyncScheduler {self.instance_id!r} is already "
+                                        "started; call stop() first")
                 raise AnarchonError(
-                    f"SyncScheduler {self.instance_id!r} is already started; call stop() first"
-                )
+                    f"SyncScheduler {self.instance_id!r} is {self.state.value}: a handler "
+                    "called stop(), or it ended on its own, and no stop() from outside has "
+                    "ended it since; call stop() first (it waits for the hand-over, and "
+                    "raises the error it ended with), then start()")
             self._state = SchedulerState.STARTING
             self._stop_pending = None
             host: Future[None] | None = None

@@ -291,6 +291,30 @@ def test_lifecycle_misuse() -> None:
     assert not s.started
 
 
+def test_start_after_a_handler_s_stop_says_to_call_stop_first() -> None:
+    """A handler's stop() only requests it; the scheduler then reads STOPPED, not
+    started, and start() said it "is already started"."""
+    s = SyncScheduler(MemoryBackend(), instance_id="a", **FAST)
+    s.every("quit", "1h", lambda ctx: s.stop(), offset=quiet_offset_now())
+    s.start()
+    try:
+        slot = s.jobs["quit"].schedule.previous_at_or_before(int(time.time() * 1000))
+        assert slot is not None
+        claim_now_sync(s, "quit", slot)
+        wait_until(lambda: s.state is SchedulerState.STOPPED, what="the handler's stop")
+        assert not s.started
+        with pytest.raises(AnarchonError) as refused:
+            s.start()
+        assert "is stopped: a handler called stop()" in str(refused.value)
+        assert "call stop() first" in str(refused.value)
+    finally:
+        s.stop()
+    s.start()  # the stop() from outside ended it: it starts again
+    assert s.started
+    s.stop()
+    assert runs_of(s.history("quit"), slot) == [(1, Reason.SCHEDULED, Outcome.COMPLETED)]
+
+
 def test_blocking_calls_from_an_async_handler_raise() -> None:
     s = SyncScheduler(MemoryBackend(), **FAST)
     other = SyncScheduler(MemoryBackend(), **FAST)
