@@ -231,9 +231,9 @@ class Lease:
             raise RuntimeError(f"Lease {self.name!r}: acquire() while its lost `async with` "
                                "body runs; let it end (LeaseLost) and enter it again")
         if self._acquiring:
-            raise RuntimeError(
-                f"Lease {self.name!r}: acquire() is already running in another task; one "
-                "Lease is one holder: give each task a Lease of its own")
+            raise RuntimeError(f"Lease {self.name!r}: acquire() is already running in another "
+                               "task; one holder each: give each task a Lease, each thread a "
+                               "SyncLease, of its own")
         self._acquiring = True
         try:
             return await self._acquire(wait)

@@ -136,6 +136,38 @@ def test_one_sync_lease_has_one_with_body_at_a_time() -> None:
         assert lease.held
 
 
+def test_a_second_thread_s_acquire_of_one_sync_lease_says_to_give_each_thread_one() -> None:
+    """Refused while another thread's acquire() of the same SyncLease runs: the error
+    spoke of async tasks and of Lease only."""
+    backend = MemoryBackend()
+    holder, lease = SyncLease(backend, "n", ttl="10s"), SyncLease(backend, "n", ttl="10s")
+    assert holder.acquire(timeout=0)
+    refusals: list[str] = []
+
+    def wait_for_it() -> None:
+        try:
+            lease.acquire(timeout=10)
+        except RuntimeError as exc:  # the main thread's acquire() ran first
+            refusals.append(str(exc))
+
+    waiting = threading.Thread(target=wait_for_it)
+    waiting.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not refusals:
+            try:
+                assert not lease.acquire(timeout=0)
+            except RuntimeError as exc:
+                refusals.append(str(exc))
+            assert time.monotonic() < deadline, "no acquire() was refused"
+            time.sleep(0.005)
+    finally:
+        holder.release()
+        waiting.join(10)
+        lease.release()
+    assert "each thread a SyncLease" in refusals[0], refusals
+
+
 def test_a_refused_release_does_not_end_the_with_body_in_another_thread() -> None:
     """release() from an async handler (on the background loop, which it would block)
     raises RuntimeError; it set :attr:`SyncLease.lost` first, and the ``with`` body of
