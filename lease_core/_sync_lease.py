@@ -155,6 +155,11 @@ class SyncLease:
         Called while another thread runs the body of ``with``: :attr:`lost` is set and
         ``with`` raises :class:`~lease_core.errors.LeaseLost` at its end (the body ran on
         without the lease)."""
+        self._release(None)
+
+    def _release(self, within: float | None) -> None:
+        """:meth:`release`, given up after ``within`` seconds if not None (as ``async
+        with`` gives up a lost lease's release: see :meth:`Lease.__aexit__`)."""
         if self._forked():
             return  # the parent's hold: a forked child never releases it
         portal = self._portal("release")  # refused (on the loop's thread): nothing changes
@@ -162,7 +167,10 @@ class SyncLease:
             self._released_in_body = True
             self.lost.set()
         try:
-            portal.call(self._lease.release)
+            if within is None:
+                portal.call(self._lease.release)
+            else:
+                portal.call(_release_within, self._lease, within)
             self._pid = None
         finally:
             mirror, self._mirror = self._mirror, None
@@ -211,8 +219,15 @@ class SyncLease:
             return
         failed: Exception | None = None
         try:  # lost: the release is a courtesy, never in the way of the LeaseLost
-            self.release()
+            # Bounded, as by ``async with``: a store that stopped answering made the loss,
+            # and a release through a partition waited for it as long as the network did.
+            self._release(min(self._lease.ttl, 5.0))
         except Exception as error:
             failed = error
         if exc is None:
             raise lost from failed
+
+
+async def _release_within(lease: Lease, seconds: float) -> None:
+    with anyio.move_on_after(seconds):
+        await lease.release()

@@ -9,13 +9,16 @@ decides every expiry.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -314,6 +317,52 @@ async def test_lost_through_a_network_partition(store: Store) -> None:
         assert other.token > lease.token
     finally:
         await other.release()
+
+
+def test_a_lost_sync_lease_s_with_ends_through_a_partition(pg16_server: PgServer) -> None:
+    """The end of ``with SyncLease`` whose lease a partition lost gives its release up
+    after min(ttl, 5 s), as ``async with`` does, and raises LeaseLost: through a
+    PostgreSQL that stopped answering, it waited as long as the partition lasted
+    (minutes), the thread blocked at the end of its body."""
+    table = unique_table()
+    port = urlsplit(pg16_server.dsn).port
+    assert port is not None
+    proxy = Proxy(port)
+    proxy.start()
+    try:
+        ended = _with_sync_lease_through_a_partition(
+            proxy, PostgresBackend(_with_port(pg16_server.dsn, proxy.port), table=table))
+    finally:
+        proxy.resume()
+        proxy.close()
+        # The connections the pool opened to the paused proxy end with the proxy's loop:
+        # collected later, their streams would warn "loop is closed" in another test.
+        del proxy
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
+        anyio.run(drop_tables, pg16_server.admin_dsn, table)
+    assert isinstance(ended, LeaseLost), ended
+
+
+def _with_sync_lease_through_a_partition(proxy: Proxy, backend: Backend) -> BaseException:
+    """Pause ``proxy`` in the body of ``with SyncLease``; return how the ``with`` ended."""
+    lease = SyncLease(backend, "partition", ttl="2s")
+    ended: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            with lease:
+                proxy.pause()
+                assert lease.lost.wait(20)
+        except BaseException as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(45)  # the ttl, then about 12 s (as async with: see the leases guide)
+    assert not thread.is_alive(), "with SyncLease had not ended 45 s into the partition"
+    return ended[0]
 
 
 async def test_sync_lease_excludes_an_async_one_and_reports_a_loss(store: Store) -> None:
