@@ -94,10 +94,10 @@ class _Loop:
             if manager is None or portal is None:
                 return
             try:
-                held = [lease for lease in cls.leases if lease.held]
-                if held:
+                tracked = list(cls.leases)
+                if tracked:
                     with contextlib.suppress(Exception):
-                        portal.call(_release_all, held)
+                        portal.call(_release_all, tracked)
             finally:  # whatever happened, the loop's thread ends (else the exit hangs)
                 with contextlib.suppress(RuntimeError):
                     portal.call(portal.stop, True)  # a lease still held: nothing waits
@@ -105,10 +105,14 @@ class _Loop:
 
 
 async def _release_all(leases: list[Lease]) -> None:
+    """Release those of ``leases`` still held, on the loop: a look at ``held`` may mark
+    one lost, which only its own loop may do (asyncio's debug mode refuses it from
+    another thread, and the leases were then left held)."""
     with anyio.move_on_after(5):
         async with anyio.create_task_group() as tg:
             for lease in leases:
-                tg.start_soon(lease.release)
+                if lease.held:
+                    tg.start_soon(lease.release)
 
 
 atexit.register(_Loop.close)
