@@ -1037,6 +1037,19 @@ async def test_a_trimming_backlog_is_deleted_in_round_trips_of_bounded_size(url:
         adapter.rounds.clear()
         assert await backend.prune_many(jobs, keep=0, batch=500) == dict.fromkeys(jobs, 0)
         assert adapter.rounds == [0]
+        # A workflow's steps: their listed attempts are deleted in bounded round trips too.
+        steps = [f"wf/{step}" for step in "abcd"]
+        await backend.register_workflows({"wf": list("abcd")})
+        requests = [_request(job, slot, f"{job}-{slot}", overlap_skip=False)
+                    for job in steps for slot in range(1, 31)]
+        assert all(r.status is ClaimStatus.WON for r in await backend.claim_many(requests))
+        assert all(await backend.finish_many([
+            (Lease(r.job, r.slot, r.token, 30_000), Outcome.COMPLETED, None)
+            for r in requests]))
+        adapter.rounds.clear()
+        assert await backend.prune_many(steps, keep=0, batch=500) == dict.fromkeys(steps, 30)
+        deleting = [n for n in adapter.rounds if n]
+        assert sum(deleting) == 120 and max(deleting) <= 100, adapter.rounds
     finally:
         await backend.close()
         await client.aclose()

@@ -222,11 +222,12 @@ class RedisRecords(RedisStore):
                             or (_slot(i) in ended and i not in beyond)}
                 kept = {_slot(i) for i in kept_ids}
                 doomed = [i for i in ids if i not in kept_ids]
-                final.append(trim(job, "ids", len(doomed), *doomed, *sorted(kept)))
+                final.append((len(doomed), trim(job, "ids", len(doomed), *doomed,
+                                                *sorted(kept))))
                 if {_slot(i) for i in counted} & (kept - kept_before.setdefault(job, set())):
                     again.append(job)  # newly held: listed again, past them
                 kept_before[job] |= kept
-            replies = await self._run(final) if final else []
+            replies = await self._in_rounds(final)
             for job, reply in zip(listed, replies, strict=True):
                 counts[job] += int(reply)
             steps = [job for job in again if counts[job] < batch]
@@ -234,6 +235,21 @@ class RedisRecords(RedisStore):
                 lists = dict(zip(steps, await self._run([trim(job, "list") for job in steps]),
                                  strict=True))
         return counts
+
+    async def _in_rounds(self, commands: Sequence[tuple[int, Command]]) -> list[Any]:
+        """Run trims that delete the given numbers of attempts, pipelined in round trips
+        of about :attr:`trim_round_trip` attempts (one trim a round trip at least)."""
+        replies: list[Any] = []
+        start = 0
+        while start < len(commands):
+            end, total = start, 0
+            while end < len(commands) and (end == start
+                                           or total + commands[end][0] <= self.trim_round_trip):
+                total += commands[end][0]
+                end += 1
+            replies += await self._run([command for _, command in commands[start:end]])
+            start = end
+        return replies
 
     async def _held(self, listed: Mapping[str, list[str]],
                     recorded: Mapping[str, Sequence[str]],
