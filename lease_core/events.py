@@ -82,10 +82,11 @@ class TakenOver(RunEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StandingBy(RunEvent):
-    """Another instance holds the run; this one backs it up."""
+    """Another instance holds the run (or it waits for its retry); this one backs it up."""
 
     holder: str | None
-    """The instance holding the run, when the store says."""
+    """The instance holding the run, when the store says; ``None`` for a run waiting for
+    its retry, which no instance holds."""
     claim_duration: float
 
 

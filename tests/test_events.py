@@ -23,6 +23,7 @@ from lease_core import (
     MemoryBackend,
     Outcome,
     Reason,
+    Retry,
     RunContext,
     Scheduler,
     Skipped,
@@ -32,6 +33,7 @@ from lease_core import (
     TakenOver,
     TimedOut,
 )
+from lease_core.retry import supports_retries
 from lease_core.testing import claim_now, open_event_streams, subscriber_count
 from tests.helpers import Unplugged, quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
@@ -98,6 +100,39 @@ async def test_claim_stand_by_hand_over_take_over_and_complete(store: Store) -> 
     assert (done.slot, done.attempt, done.reason, done.outcome) == (
         slot, 2, Reason.HAND_OVER, Outcome.COMPLETED)
     assert done.duration >= 0
+
+
+async def test_a_backup_of_a_run_waiting_for_its_retry_names_no_holder(
+        store: Store) -> None:
+    """A run that waits for its retry holds no lease: a member that finds it so stands by
+    naming no holder (it named the failed attempt's instance, this one's own at times)."""
+    seen = {"a": Recorder(), "b": Recorder()}
+    schedulers = {}
+    for name in ("a", "b"):
+        s = Scheduler(store.backend(), instance_id=name, **FAST)
+
+        @s.every("flaky", "1h", retry=Retry(retries=1, backoff="1h"), offset=quiet_offset_now())
+        async def flaky(ctx: RunContext) -> None:
+            raise RuntimeError("boom")
+
+        s.subscribe(seen[name])
+        schedulers[name] = s
+    a, b = schedulers["a"], schedulers["b"]
+    if not supports_retries(a.backend):
+        pytest.skip(f"{type(a.backend).__name__} has no retry_later()")
+    await a.start()
+    await b.start()
+    try:
+        slot = current_slot(a, "flaky")
+        await claim_now(a, "flaky", slot)
+        await wait_for(lambda: seen["a"].of(Failed), what="the attempt failed, retry later")
+        await claim_now(b, "flaky", slot)
+        await wait_for(lambda: seen["b"].of(StandingBy), what="b stands by")
+    finally:
+        await a.stop(grace=0)
+        await b.stop(grace=0)
+    [standing] = seen["b"].of(StandingBy)
+    assert (standing.slot, standing.holder) == (slot, None)
 
 
 async def test_failed_timed_out_and_skipped() -> None:

@@ -279,7 +279,9 @@ class Claimer:
                 self._shared_id(job, slot)
             s.runs.watch(job, slot)
             if events:
-                s.bus.emit(ev.StandingBy(**run, holder=result.instance_id, claim_duration=took))
+                holder = (None if result.run_status is RunStatus.RETRYING  # nobody holds it
+                          else result.instance_id)
+                s.bus.emit(ev.StandingBy(**run, holder=holder, claim_duration=took))
         else:
             s.runs.forget((job.name, slot))
             if result.status is ClaimStatus.SKIPPED:
