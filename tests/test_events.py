@@ -11,6 +11,7 @@ import pytest
 
 import lease_core.engine.base
 from lease_core import (
+    AnarchonError,
     AttemptEnded,
     BackendUnavailable,
     Claimed,
@@ -100,6 +101,26 @@ async def test_claim_stand_by_hand_over_take_over_and_complete(store: Store) -> 
     assert (done.slot, done.attempt, done.reason, done.outcome) == (
         slot, 2, Reason.HAND_OVER, Outcome.COMPLETED)
     assert done.duration >= 0
+
+
+@pytest.mark.asyncio_only
+async def test_a_subscribe_from_another_thread_while_running_says_where_to_call_it() -> None:
+    s = Scheduler(MemoryBackend(), instance_id="a", **FAST)
+    s.every("x", "1h", lambda ctx: None, offset=quiet_offset_now())
+    errors: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            s.subscribe(lambda e: None)
+        except BaseException as exc:
+            errors.append(exc)
+
+    async with s:
+        before = subscriber_count(s)
+        await anyio.to_thread.run_sync(elsewhere)
+        assert subscriber_count(s) == before  # nothing registered
+    [error] = errors
+    assert isinstance(error, AnarchonError) and "event loop's thread" in str(error)
 
 
 async def test_a_backup_of_a_run_waiting_for_its_retry_names_no_holder(

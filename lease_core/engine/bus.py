@@ -15,7 +15,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .. import events as ev
-from ..errors import ConfigurationError
+from ..errors import AnarchonError, ConfigurationError
 from . import base
 from .base import INSIDE, is_async, logger
 from .execution import _stray
@@ -142,10 +142,16 @@ class EventBus:
         dispatch = self._dispatch(sub, receive)
         try:
             self._tg.start_soon(lambda: dispatch)
-        except BaseException:
+        except BaseException as exc:
             dispatch.close()
             send.close()
             receive.close()
+            if isinstance(exc, anyio.NoEventLoopError):
+                raise AnarchonError(
+                    "subscribe() of a running scheduler must be called on its event loop's "
+                    "thread; from another thread, call it on that loop (anyio.from_thread.run_sync("
+                    "scheduler.subscribe, callback, token=...)), or subscribe "
+                    "before start()") from exc
             raise
         sub.send = send
         self._receivers.append(receive)
