@@ -103,6 +103,31 @@ async def test_claim_stand_by_hand_over_take_over_and_complete(store: Store) -> 
     assert done.duration >= 0
 
 
+async def test_a_subscribe_while_a_stop_delivers_the_last_events_does_not_hold_it_up() -> None:
+    """A callback subscribed by a subscriber as the stop delivered its last events was fed
+    through a stream nothing closed, so the stop waited max(1 s, heartbeat) for it."""
+    s = Scheduler(MemoryBackend(), instance_id="a", lease="30s", heartbeat="10s")
+    late: list[Event] = []
+    handed: list[HandedOver] = []
+
+    @s.every("long", "1h", offset=quiet_offset_now())
+    async def long(ctx: RunContext) -> None:
+        await anyio.sleep_forever()
+
+    async def on_event(event: Event) -> None:
+        if isinstance(event, HandedOver):
+            handed.append(event)
+            await anyio.sleep(0.3)  # so that the stop's delivery of the last events runs
+            s.subscribe(late.append)
+
+    s.subscribe(on_event)
+    await s.start()
+    await claim_now(s, "long", current_slot(s, "long"))
+    with anyio.fail_after(5):  # 10 s before
+        await s.stop(grace=0)
+    assert len(handed) == 1 and subscriber_count(s) == 2 and late == []  # kept, not fed
+
+
 @pytest.mark.asyncio_only
 async def test_a_subscribe_from_another_thread_while_running_says_where_to_call_it() -> None:
     s = Scheduler(MemoryBackend(), instance_id="a", **FAST)

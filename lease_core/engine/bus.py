@@ -111,9 +111,10 @@ class EventBus:
             self._open_subscriber(sub)
 
     def close(self, *, senders_only: bool = False) -> None:
-        """Stop taking events; with ``senders_only``, let the subscribers drain theirs."""
-        if not senders_only:
-            self._tg = None
+        """Stop taking events; with ``senders_only``, let the subscribers drain theirs (a
+        callback subscribed meanwhile is kept for the next start, not fed: the drain would
+        wait for its stream, which nothing closes, until its time ran out)."""
+        self._tg = None
         for sub in self._subscribers:
             if sub.send is not None:
                 sub.send.close()
