@@ -445,10 +445,9 @@ class Scheduler:
     async def abort(self) -> None:
         """Stop at once, as a crashed instance would; return when the store is closed.
 
-        Handlers are cancelled, nothing is finished or handed over: backups take the held
-        runs over when their leases expire. Events still buffered for subscribers are
-        dropped, not delivered. A no-op when the scheduler is stopped.
-        """
+        Handlers are cancelled, nothing is finished or handed over (buffered events are
+        dropped): backups take the held runs over when their leases expire. A no-op when
+        the scheduler is stopped."""
         session = self._session
         if session is None or session.state is SchedulerState.STOPPED:
             return
