@@ -262,7 +262,7 @@ class Lease:
                 if answer.held and (self._abort or not fresh):  # given up, or given away?
                     with anyio.CancelScope(shield=True), contextlib.suppress(Exception), \
                             anyio.move_on_after(min(self.ttl, 5.0)):
-                        await self.backend.release_lease(self.name, answer.token)
+                        await _free(self, answer.token)
                 if self._abort:  # released meanwhile (by another task): give up
                     await self._close_backend()
                     return False
@@ -312,7 +312,7 @@ class Lease:
                 answer = await self.backend.acquire_lease(self.name, self.holder,
                                                           self._ttl_ms)
                 if answer.held:
-                    await self.backend.release_lease(self.name, answer.token)
+                    await _free(self, answer.token)
 
     async def release(self) -> None:
         """Stop renewing and free the name in the store: a waiter takes it at its next try
@@ -376,7 +376,7 @@ class Lease:
                         # Bounded: a cancellation is not held up for a driver's timeout
                         # (unanswered, the name is free when its ttl runs out).
                         with anyio.move_on_after(min(self.ttl, 5.0)):
-                            await self.backend.release_lease(self.name, token)
+                            await _free(self, token)
                 finally:
                     await self._close_backend()
             raise
@@ -487,3 +487,11 @@ class Lease:
         if exc is None or swallowed:
             raise lost from failed
         return bool(swallowed)
+
+
+async def _free(lease: Lease, token: int) -> None:
+    """Free ``lease``'s name in the store if ``token`` holds it, and wake the waiters of
+    this process for it (the rarer paths that free a name; a plain release does both
+    itself)."""
+    if await lease.backend.release_lease(lease.name, token):
+        wake_waiters(lease.backend, lease.name)

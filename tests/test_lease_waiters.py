@@ -63,6 +63,42 @@ async def test_a_release_wakes_the_waiters_of_this_process_at_once(store: Store)
     assert len(tries) <= 6  # one more try each: woken, not polling
 
 
+async def test_a_release_sent_again_after_a_cancellation_wakes_the_waiters(
+        store: Store) -> None:
+    """A release cancelled before the store answered is sent again, shielded; that one
+    frees the name too, and wakes this process's waiters (they waited for their poll)."""
+    backend = store.backend()
+    tries = count_tries(backend)
+    real = backend.release_lease
+    calls: list[int] = []
+
+    async def release_lease(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            await anyio.sleep_forever()  # the first one is cancelled before it is sent
+        return await real(*args)
+
+    backend.release_lease = release_lease  # type: ignore[method-assign]
+    holder = Lease(backend, "report-lock", ttl="60s")
+    waiter = Lease(backend, "report-lock", ttl="60s", poll="60s")
+    assert await holder.acquire(timeout=0)
+    won: list[Lease] = []
+
+    async def wait() -> None:
+        assert await waiter.acquire()
+        won.append(waiter)
+        await waiter.release()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await wait_for(lambda: len(tries) >= 2, what="the waiter refused once")
+        with anyio.move_on_after(0.2):
+            await holder.release()
+        with anyio.fail_after(10):
+            await wait_for(lambda: won == [waiter], timeout=10, what="the waiter served")
+    assert len(calls) == 3  # the cancelled one, the one sent again, the waiter's
+
+
 async def test_a_waiter_elsewhere_keeps_its_poll(store: Store) -> None:
     """A waiter on another backend object (as in another process) is not woken: it takes
     the name at its next try, within its ``poll``."""
