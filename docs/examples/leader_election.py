@@ -1,10 +1,10 @@
 """Leader election with a Lease: one process of the fleet leads, the others wait.
 
 Run it in several terminals against one store; exactly one prints "leading". Stop the
-leader (Ctrl-C, or kill it) and another takes over: at once after a clean exit (the lease
-is released), within the ttl after a crash. A store that stops answering makes the leader
-step down (within the ttl) and every process stand by, trying again each second, until
-it answers.
+leader (Ctrl-C, or kill it) and another takes over: at its next try, within a second,
+after a clean exit (the lease is released), within the ttl after a crash. A store that
+stops answering makes the leader step down (within the ttl) and every process stand by,
+trying again each second, until it answers.
 
     python docs/examples/leader_election.py redis://localhost:6379/0
     python docs/examples/leader_election.py postgresql://localhost/postgres
