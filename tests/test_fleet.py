@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from lease_core import Admin, ConfigurationError, RunContext, Scheduler
+from lease_core.abc import ClaimStatus
 from lease_core.engine.fleet import group_of, member_name, rendezvous_rank
 from lease_core.testing import claim_now, renew_membership
 from tests.helpers import (
@@ -585,6 +586,50 @@ async def test_slots_deferred_at_capacity_do_not_pile_up_and_run_oldest_first() 
                        timeout=5, what="the superseded slots forgotten")
         await inst.stop()
     assert ran == [newest]
+
+
+async def test_a_slot_deferred_at_capacity_does_not_run_beside_a_newer_one() -> None:
+    """A slot deferred at capacity was claimed at the next tick even when a newer slot of
+    its job had been claimed meanwhile, once a handler ended: it ran after the newer one
+    and beside it, an overlap="skip" job too (the store skips a slot for earlier runs
+    only). The newer slot's claim supersedes it, as a newer deferral does."""
+    from lease_core import MemoryBackend
+
+    backend = MemoryBackend()
+    offset = quiet_offset(await store_now_ms(backend))
+    release, done = anyio.Event(), anyio.Event()
+    started: list[int] = []
+    s = Scheduler(backend, instance_id="alone", max_running=2, **FAST)
+
+    for name in ("hold", "hold-2"):
+        @s.every(name, "1h", offset=offset)
+        async def hold(ctx: RunContext) -> None:
+            await release.wait()
+
+    @s.every("tick", "1h", offset=(offset + 60) % 3600)  # overlap="skip"
+    async def tick(ctx: RunContext) -> None:
+        started.append(ctx.slot)
+        await done.wait()
+
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        hold_slot, newest = current_slots(s, "hold", "tick")
+        older = newest - 3_600_000
+        await claim_now(s, "hold", hold_slot)
+        await claim_now(s, "hold-2", hold_slot)
+        assert await claim_now(s, "tick", older) is None  # at capacity: deferred
+        release.set()
+        await wait_for(lambda: s.running == [], timeout=5, what="capacity free")
+        won = await claim_now(s, "tick", newest)  # as its slot falls due
+        assert won is not None and won.status is ClaimStatus.WON
+        # the deferred slot is forgotten at the next check: nobody claimed it
+        await wait_for(lambda: ("tick", older) not in s.watching, timeout=5,
+                       what="the older deferred slot superseded")
+        history = await s.history("tick", 10)
+        done.set()
+        await inst.stop()
+    assert started == [newest]
+    assert [a.slot for a in history] == [newest]
 
 
 async def test_a_sync_handler_past_its_timeout_still_counts_against_max_running() -> None:

@@ -55,6 +55,9 @@ class Claimer:
         # id (its own attempt, won without the answer arriving), not another process's.
         self._unanswered: set[tuple[str, int]] = set()
         self._unanswered_cap = 256  # pruned past it, of runs no longer tracked
+        # Per job, the newest slot whose scheduled claim waits here for capacity (see
+        # _claim_within and _supersede_deferred).
+        self._deferred: dict[str, int] = {}
 
     @property
     def in_flight(self) -> int:
@@ -106,6 +109,8 @@ class Claimer:
             )
             for job, slot, reason in claims
         ]
+        if self._deferred:
+            self._supersede_deferred(claims)
         clock = settings.clock
         sent = clock()
         sent_loop = anyio.current_time()
@@ -159,18 +164,32 @@ class Claimer:
         # member ranked next takes them meanwhile if it can).
         now = self._s.clock.now_ms()
         for job, slot, reason in claims[free:]:
-            if (reason is Reason.SCHEDULED and job.scheduled
-                    and (job.catch_up != "all" or job.overlap == "skip")):
+            if _supersedes(job, reason):
                 # As after a store failure (leases.py, _newest_missed): a job's slots
                 # deferred at capacity do not pile up and run oldest first once a handler
                 # ends; only the newest waits (catch_up="all" with overlapping runs keeps
                 # them all). The older ones are backed up only if someone claimed them.
                 self._s.runs.superseded(job, slot)
+                self._deferred[job.name] = max(slot, self._deferred.get(job.name, slot))
             self._s.runs.pending(job, slot, claim_after=now, reason=reason,
                                  successor=after_step)
         results = (await self.claim_many(claims[:free], deferred=deferred,
                                          after_step=after_step) if free else [])
         return results + [None] * (len(claims) - free)
+
+    def _supersede_deferred(self, claims: Sequence[tuple[Job, int, Reason]]) -> None:
+        """A scheduled claim sent of a slot newer than one deferred here at capacity
+        supersedes it (as a newer deferral does): once capacity freed, the newer slot
+        was claimed at once, and the deferred one, claimed at the next tick, ran beside
+        it (a job with overlap="skip" too: the store skips a slot only for earlier runs)
+        and after it. It is backed up only if another member claimed it."""
+        for job, slot, reason in claims:
+            deferred = self._deferred.get(job.name)
+            if deferred is None or slot < deferred or not _supersedes(job, reason):
+                continue
+            del self._deferred[job.name]
+            if slot > deferred:
+                self._s.runs.superseded(job, slot)
 
     async def drain(self, seconds: float) -> None:
         """Wait, for ``seconds`` at most, until no claim is in flight."""
@@ -313,3 +332,11 @@ class Claimer:
                             job.name, format_slot(slot))
                 s.steps.seen_finished(job, slot, result.run_status)
         return result
+
+
+def _supersedes(job: Job, reason: Reason) -> bool:
+    """Whether a claim of ``job`` with ``reason`` makes its older scheduled slots still
+    waiting here no longer due: only the newest waits, except for a job with
+    ``catch_up="all"`` whose runs may overlap."""
+    return (reason is Reason.SCHEDULED and job.scheduled
+            and (job.catch_up != "all" or job.overlap == "skip"))
