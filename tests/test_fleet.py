@@ -632,6 +632,59 @@ async def test_a_slot_deferred_at_capacity_does_not_run_beside_a_newer_one() -> 
     assert [a.slot for a in history] == [newest]
 
 
+async def test_a_slot_the_first_member_deferred_does_not_run_beside_its_next_one() -> None:
+    """The first-ranked member, at capacity at a slot, is free at the job's next slot and
+    runs it; the next-ranked member's turn for the deferred slot comes a check interval
+    after that slot, while the next one runs. It claimed it, and ran it beside the next
+    one, though the job has overlap="skip" (the store skips a slot for earlier runs
+    only). A slot whose turn comes while a newer slot of its job runs is not claimed."""
+    from lease_core import MemoryBackend
+
+    backend = MemoryBackend()
+    offset = quiet_offset(await store_now_ms(backend))
+    job = next(f"due-{n}" for n in range(100)
+               if rendezvous_rank(f"due-{n}", "full", ("full", "spare")) == 0)
+    release = anyio.Event()
+    active: list[int] = []
+    overlapped: list[tuple[int, ...]] = []
+
+    def build(name: str, **kw: Any) -> Scheduler:
+        s = Scheduler(backend, instance_id=name, lease="6s", heartbeat="2s", **kw)
+
+        @s.every("hold", "1h", offset=offset)
+        async def hold(ctx: RunContext) -> None:
+            await release.wait()
+
+        @s.every(job, "1s")  # overlap="skip"
+        async def due(ctx: RunContext) -> None:
+            active.append(ctx.slot)
+            if len(active) > 1:
+                overlapped.append(tuple(active))
+            try:
+                await anyio.sleep(2.5)
+            finally:
+                active.remove(ctx.slot)
+
+        return s
+
+    full, spare = build("full", max_running=1), build("spare")
+    async with anyio.create_task_group() as tg:
+        i_full = await Instance(full).start(tg)
+        i_spare = await Instance(spare).start(tg)
+        assert await renew_membership(full) == await renew_membership(spare) == (
+            "full", "spare")
+        (hold_slot,) = current_slots(full, "hold")
+        await claim_now(full, "hold", hold_slot)
+        await wait_for(lambda: any(key[0] == job for key in full.watching), timeout=10,
+                       interval=0.01, what="full deferring a slot at capacity")
+        deferred = max(slot for name, slot in full.watching if name == job)
+        release.set()  # full runs the next slot itself; spare's turn for this one comes
+        await wait_for(lambda: spare.store_now_ms() > deferred + 4500, timeout=15,
+                       what="spare's turn for the deferred slot, and the slot after")
+        await stop_all([i_full, i_spare])
+    assert not overlapped
+
+
 async def test_a_sync_handler_past_its_timeout_still_counts_against_max_running() -> None:
     """A sync handler's thread cannot be cancelled: its run ends at the timeout, but the
     thread goes on, and the instance must not start another handler beside it."""

@@ -16,7 +16,7 @@ import anyio
 from .._durations import to_ms
 from .._lease_clock import RESUME_CHECK, lease_clock
 from .._outcome import Interruption
-from .._structures import Reason, format_slot
+from .._structures import CheckResult, Reason, RunStatus, format_slot
 from .base import logger
 from .runs import Phase
 
@@ -202,7 +202,8 @@ class LeaseKeeper:
         keys = [run.key for run in backups]
         clock = s.settings.clock
         sent = clock()
-        result = await s.settings.backend.check(keys)
+        result = await s.settings.backend.check(
+            keys + _newer_keys(backups, s.clock.now_ms(), keys))
         s.clock.note(result.now_ms, sent, clock())
         claims: list[tuple[Job, int, Reason]] = []
         due: list[tuple[Job, int, Reason]] = []
@@ -220,7 +221,7 @@ class LeaseKeeper:
                 s.runs.forget(key)
                 await s.claims.claim(run.job, key[1], Reason.TAKEOVER)
             elif run.phase is Phase.PENDING and not _ended(run, state):
-                if self._settle_pending(run, state, result.now_ms, due):
+                if self._settle_pending(run, state, result.now_ms, due, result):
                     later.setdefault(run.claim_after, []).append(key)
             elif state is None or state.status.finished:
                 self._ended_run(run, state, result.now_ms)
@@ -291,10 +292,12 @@ class LeaseKeeper:
                            successor=own)
 
     def _settle_pending(self, run: Run, state: RunState | None, now_ms: int,
-                        claims: list[tuple[Job, int, Reason]]) -> bool:
+                        claims: list[tuple[Job, int, Reason]],
+                        result: CheckResult | None = None) -> bool:
         """Act on what the store says of a ``PENDING`` run that has not ended (see
         :func:`_ended`): claimed by another member (back it up), unclaimed (no run, or
-        one to take over) with its turn come (claim it: appended to ``claims``). True when
+        one to take over) with its turn come (claim it: appended to ``claims``), unless
+        ``result`` shows a newer slot of its job running (:func:`_newer_keys`). True when
         it is unclaimed and its turn comes later (a timer claims it then)."""
         if state is not None and not state.claimable(now_ms):
             self._s.runs.watch(run.job, run.slot)  # claimed by another: back it up
@@ -302,6 +305,11 @@ class LeaseKeeper:
         if now_ms >= run.claim_after:
             if state is None:  # nobody claimed it: the member ranked first may be gone
                 self._s.fleet.renew_soon()
+                if result is not None and _newer_running(run, result):
+                    self._s.runs.watch(run.job, run.slot)  # forgotten unless claimed
+                    logger.info("%s slot %s not claimed: a newer slot of the job runs "
+                                "(overlap=\"skip\")", run.job.name, format_slot(run.slot))
+                    return False
                 if self._s.steps.continue_later(run):
                     return False
             claims.append((run.job, run.slot, run.reclaim_reason or Reason.SCHEDULED))
@@ -322,8 +330,10 @@ class LeaseKeeper:
             if not runs:
                 return
             sent = s.settings.clock()
+            keys = [run.key for run in runs]
             try:
-                result = await s.settings.backend.check([run.key for run in runs])
+                result = await s.settings.backend.check(
+                    keys + _newer_keys(runs, at_ms, keys))
             except Exception as exc:  # the next tick checks them again
                 s.clock.failed("check of runs ranked to another member", exc)
                 return
@@ -335,7 +345,8 @@ class LeaseKeeper:
                     if _ended(run, state):
                         self._ended_run(run, state, result.now_ms)
                     else:
-                        self._settle_pending(run, state, max(result.now_ms, at_ms), claims)
+                        self._settle_pending(run, state, max(result.now_ms, at_ms), claims,
+                                             result)
             await s.claims.claim_many(claims)
 
     async def _adopt(self) -> None:
@@ -405,6 +416,62 @@ class LeaseKeeper:
                                claim_after=now_ms + rank * interval)
         if claims:
             await s.claims.claim_many(claims)
+
+
+def _skips_behind_newer(run: Run) -> bool:
+    """Whether ``run`` is a scheduled slot of a job with ``overlap="skip"`` waiting for its
+    turn, which must not start while a newer slot of its job runs."""
+    return (run.phase is Phase.PENDING and run.reclaim_reason is Reason.SCHEDULED
+            and run.job.scheduled and run.job.overlap == "skip" and not run.successor)
+
+
+def _newer(run: Run, now_ms: int) -> list[int]:
+    """The job's newest two slots due by ``now_ms`` that are newer than ``run``'s."""
+    schedule = run.job.schedule
+    slots: list[int] = []
+    if schedule.next_after(run.slot) > now_ms:
+        return slots  # the common case, one computation: a slot's turn before the next
+    latest = schedule.previous_at_or_before(now_ms)
+    while latest is not None and latest > run.slot and len(slots) < 2:
+        slots.append(latest)
+        latest = schedule.previous_at_or_before(latest - 1)
+    return slots
+
+
+def _newer_keys(runs: list[Run], now_ms: int, keys: list[tuple[str, int]]
+                ) -> list[tuple[str, int]]:
+    """The keys to read beside ``keys`` so that a pending slot of a job with
+    ``overlap="skip"`` whose turn comes by ``now_ms`` is not claimed while a newer slot of
+    its job runs (:func:`_newer_running`): the job's newest two slots due by then.
+
+    The store skips a slot only while an *earlier* one runs; a member's turn for a slot
+    that the member ranked first could not claim (at capacity, or gone) comes a check
+    interval or more after it, and the first member (free again, or re-ranked) may have
+    claimed the job's next slots meanwhile, which run then."""
+    seen = set(keys)
+    extra: list[tuple[str, int]] = []
+    for run in runs:
+        if _skips_behind_newer(run) and run.claim_after <= now_ms:
+            for slot in _newer(run, now_ms):
+                if (run.job.name, slot) not in seen:
+                    seen.add((run.job.name, slot))
+                    extra.append((run.job.name, slot))
+    return extra
+
+
+def _newer_running(run: Run, result: CheckResult) -> bool:
+    """Whether ``result`` shows a newer slot of ``run``'s job holding a live lease or
+    waiting for its retry, as a store skips a slot for an earlier one
+    (:func:`_newer_keys`)."""
+    if not _skips_behind_newer(run):
+        return False
+    now_ms = result.now_ms
+    for slot in _newer(run, now_ms):
+        state = result.runs.get((run.job.name, slot))
+        if state is not None and (state.status is RunStatus.RETRYING or (
+                state.status is RunStatus.RUNNING and not state.claimable(now_ms))):
+            return True
+    return False
 
 
 def _ended(run: Run, state: RunState | None) -> bool:
