@@ -32,6 +32,9 @@ __all__ = ["LeaseKeeper"]
 #: first (a job's, when the listing of every job's was full).
 _OPEN_LIMIT = 10_000
 
+#: The most slots newer than a pending one that its turn's check reads (see _newer_keys).
+_NEWER_LIMIT = 32
+
 #: How much more time :func:`lease_clock` may count than the event loop's clock over one
 #: nap of the ticker before the machine is taken to have been suspended (seconds).
 _SUSPEND_S = 0.25
@@ -426,23 +429,20 @@ def _skips_behind_newer(run: Run) -> bool:
 
 
 def _newer(run: Run, now_ms: int) -> list[int]:
-    """The job's newest two slots due by ``now_ms`` that are newer than ``run``'s."""
+    """The job's slots due by ``now_ms`` that are newer than ``run``'s, the newest
+    :data:`_NEWER_LIMIT` at most (the slots of a job whose period is shorter than the
+    turn's delay: a newer slot that runs may be followed by slots skipped for it)."""
     schedule = run.job.schedule
-    slots: list[int] = []
     if schedule.next_after(run.slot) > now_ms:
-        return slots  # the common case, one computation: a slot's turn before the next
-    latest = schedule.previous_at_or_before(now_ms)
-    while latest is not None and latest > run.slot and len(slots) < 2:
-        slots.append(latest)
-        latest = schedule.previous_at_or_before(latest - 1)
-    return slots
+        return []  # the common case, one computation: a slot's turn before the next
+    return schedule.slots_between(run.slot, now_ms, _NEWER_LIMIT)
 
 
 def _newer_keys(runs: list[Run], now_ms: int, keys: list[tuple[str, int]]
                 ) -> list[tuple[str, int]]:
     """The keys to read beside ``keys`` so that a pending slot of a job with
     ``overlap="skip"`` whose turn comes by ``now_ms`` is not claimed while a newer slot of
-    its job runs (:func:`_newer_running`): the job's newest two slots due by then.
+    its job runs (:func:`_newer_running`): the job's slots due since (:func:`_newer`).
 
     The store skips a slot only while an *earlier* one runs; a member's turn for a slot
     that the member ranked first could not claim (at capacity, or gone) comes a check
