@@ -632,6 +632,47 @@ async def test_a_slot_deferred_at_capacity_does_not_run_beside_a_newer_one() -> 
     assert [a.slot for a in history] == [newest]
 
 
+async def test_slots_of_a_job_claimed_together_go_to_the_store_oldest_first() -> None:
+    """Slots of an overlap="skip" job whose turns come at one check are claimed in one
+    batch, which the store answers claim by claim, skipping a slot for the earlier runs
+    only: in the order their records were made (newest first here), both ran, side by
+    side. Oldest first, the older runs and the newer is skipped."""
+    from lease_core import MemoryBackend
+
+    backend = MemoryBackend()
+    offset = quiet_offset(await store_now_ms(backend))
+    release, done = anyio.Event(), anyio.Event()
+    started: list[int] = []
+    s = Scheduler(backend, instance_id="alone", max_running=2, **FAST)
+
+    for name in ("hold", "hold-2"):
+        @s.every(name, "1h", offset=offset)
+        async def hold(ctx: RunContext) -> None:
+            await release.wait()
+
+    @s.every("tick", "1h", offset=(offset + 60) % 3600)  # overlap="skip"
+    async def tick(ctx: RunContext) -> None:
+        started.append(ctx.slot)
+        await done.wait()
+
+    async with anyio.create_task_group() as tg:
+        inst = await Instance(s).start(tg)
+        hold_slot, newest = current_slots(s, "hold", "tick")
+        newer, older = newest - 3_600_000, newest - 7_200_000
+        await claim_now(s, "hold", hold_slot)
+        await claim_now(s, "hold-2", hold_slot)
+        assert await claim_now(s, "tick", newer) is None  # at capacity: deferred
+        assert await claim_now(s, "tick", older) is None
+        release.set()  # both claimed at the next check
+        history = await wait_history(s, lambda h: len(h) == 2, job="tick", timeout=5,
+                                     what="both deferred slots claimed")
+        done.set()
+        await inst.stop()
+    assert started == [older]
+    assert sorted((a.slot, a.outcome) for a in history) == [
+        (older, None), (newer, "skipped")]
+
+
 async def test_a_slot_the_first_member_deferred_does_not_run_beside_its_next_one() -> None:
     """The first-ranked member, at capacity at a slot, is free at the job's next slot and
     runs it; the next-ranked member's turn for the deferred slot comes a check interval

@@ -235,7 +235,9 @@ class LeaseKeeper:
         for at, keys_due in later.items():
             assert s.tg is not None
             s.tg.start_soon(self._cover_at, at, keys_due)
-        await s.claims.claim_many(claims + self._newest_missed(due))
+        # Oldest slot first: the store skips a slot of an overlap="skip" job for the
+        # earlier runs of the batch, not for the later ones.
+        await s.claims.claim_many(claims + sorted(self._newest_missed(due), key=_slot))
 
     def _newest_missed(self, due: list[tuple[Job, int, Reason]]) -> list[tuple[Job, int, Reason]]:
         """The claims of runs ranked to this member whose turn came, less the older slots
@@ -350,7 +352,7 @@ class LeaseKeeper:
                     else:
                         self._settle_pending(run, state, max(result.now_ms, at_ms), claims,
                                              result)
-            await s.claims.claim_many(claims)
+            await s.claims.claim_many(sorted(claims, key=_slot))  # as in _check_watched
 
     async def _adopt(self) -> None:
         """Back up the open runs of declared jobs that members which left or lapsed
@@ -419,6 +421,11 @@ class LeaseKeeper:
                                claim_after=now_ms + rank * interval)
         if claims:
             await s.claims.claim_many(claims)
+
+
+def _slot(claim: tuple[Job, int, Reason]) -> int:
+    """A claim's slot (the order of a batch of claims)."""
+    return claim[1]
 
 
 def _skips_behind_newer(run: Run) -> bool:
