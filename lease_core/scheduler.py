@@ -88,7 +88,8 @@ class Health:
     """Runs this instance backs up (or must claim again)."""
     fleet_size: int | None = None
     """The live instances this one knows that declare the same jobs, itself included
-    (``None``: unknown, or the backend keeps no membership)."""
+    (``None``: unknown, the backend keeps no membership, or this instance left the
+    fleet: it stops or stopped)."""
 
     @property
     def ready(self) -> bool:
@@ -316,7 +317,7 @@ class Scheduler:
             since_store_answer=since,
             runs_held=0 if s is None else s.runs.held_count,
             runs_watched=0 if s is None else s.runs.watched_count,
-            fleet_size=None if s is None or s.fleet.members is None else len(s.fleet.members),
+            fleet_size=None if s is None else s.fleet.size,
         )
 
     @property

@@ -21,6 +21,7 @@ from lease_core.testing import claim_now, renew_membership
 from tests.helpers import (
     Instance,
     quiet_offset,
+    quiet_offset_now,
     stop_all,
     store_now_ms,
     wait_for,
@@ -281,6 +282,27 @@ async def leaving_on_stop(store: Store) -> None:
     late_ms = [x.claimed_at.timestamp() * 1000 - x.slot for x in history]
     # Ranked second with a still listed, b would claim a check interval (500 ms) late.
     assert all(late < 400 for late in late_ms), late_ms
+
+
+async def test_fleet_size_is_unknown_once_the_instance_stops() -> None:
+    """An instance that stops leaves the fleet; its health reported the last membership
+    it renewed, itself included, for good."""
+    from lease_core import MemoryBackend
+
+    backend = MemoryBackend()
+    schedulers = [Scheduler(backend, instance_id=name, **FAST) for name in ("a", "b")]
+    for s in schedulers:
+        s.every("job", "1h", lambda ctx: None, offset=quiet_offset_now())
+    a, b = schedulers
+    async with anyio.create_task_group() as tg:
+        ia, ib = await Instance(a).start(tg), await Instance(b).start(tg)
+        await wait_for(lambda: a.health().fleet_size == b.health().fleet_size == 2,
+                       timeout=10, what="both members known")
+        await ia.stop()
+        assert a.health().fleet_size is None
+        assert await renew_membership(b) == ("b",)
+        await ib.stop()
+    assert b.health().fleet_size is None
 
 
 async def test_a_job_only_one_instance_declares_is_claimed_at_its_slots(

@@ -106,6 +106,12 @@ class Fleet:
         self._everyone: frozenset[str] = frozenset()
         """The instance ids of the live members of every group, at the last renewal."""
 
+    @property
+    def size(self) -> int | None:
+        """The live members of this instance's group, itself included, at the last
+        renewal; ``None`` when unknown, or once this instance left (it stops)."""
+        return None if self._left or self.members is None else len(self.members)
+
     def renewal_due(self) -> bool:
         """True when half a lease passed since the last renewal (the membership lasts one),
         or a check interval since it when :meth:`renew_soon` asked for one."""
