@@ -610,6 +610,58 @@ async def test_slots_deferred_at_capacity_do_not_pile_up_and_run_oldest_first() 
     assert ran == [newest]
 
 
+async def test_a_first_member_at_capacity_does_not_renew_its_membership_every_tick(
+        ) -> None:
+    """The member ranked first for a job, at capacity, finds its deferred slot unclaimed
+    at every tick; that asked for a membership renewal at every tick (a write), as if a
+    member ranked before it might be gone, where none is."""
+    from lease_core import MemoryBackend
+
+    class Renewals(MemoryBackend):
+        renewals = 0
+
+        async def members(self, instance_id: str, ttl_ms: int) -> list[str]:
+            if instance_id.startswith("full#"):
+                Renewals.renewals += 1
+            return await super().members(instance_id, ttl_ms)
+
+    backend = Renewals()
+    offset = quiet_offset(await store_now_ms(backend))
+    job = next(f"due-{n}" for n in range(100)
+               if rendezvous_rank(f"due-{n}", "full", ("full", "spare")) == 0)
+    release = anyio.Event()
+
+    def build(name: str) -> Scheduler:
+        s = Scheduler(backend, instance_id=name, max_running=1, **FAST)
+
+        @s.every("hold", "1h", offset=offset)
+        async def hold(ctx: RunContext) -> None:
+            await release.wait()
+
+        @s.every(job, "1h", offset=(offset + 60) % 3600)
+        async def due(ctx: RunContext) -> None:
+            pass
+
+        return s
+
+    full, spare = build("full"), build("spare")
+    async with anyio.create_task_group() as tg:
+        i_full = await Instance(full).start(tg)
+        i_spare = await Instance(spare).start(tg)
+        assert await renew_membership(full) == await renew_membership(spare) == (
+            "full", "spare")
+        hold_slot, slot = current_slots(full, "hold", job)
+        await claim_now(full, "hold", hold_slot)
+        await claim_now(spare, "hold", hold_slot)  # held by full: spare backs it up
+        assert await claim_now(full, job, slot) is None  # at capacity: deferred
+        before = Renewals.renewals
+        await anyio.sleep(2.4)  # 12 ticks; the membership lasts 1.2 s: 4 renewals
+        renewed = Renewals.renewals - before
+        release.set()
+        await stop_all([i_full, i_spare])
+    assert renewed <= 6, renewed
+
+
 async def test_a_slot_deferred_at_capacity_does_not_run_beside_a_newer_one() -> None:
     """A slot deferred at capacity was claimed at the next tick even when a newer slot of
     its job had been claimed meanwhile, once a handler ended: it ran after the newer one

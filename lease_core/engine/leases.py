@@ -309,7 +309,11 @@ class LeaseKeeper:
             return False
         if now_ms >= run.claim_after:
             if state is None:  # nobody claimed it: the member ranked first may be gone
-                self._s.fleet.renew_soon()
+                if self._s.fleet.rank(run.job.name):
+                    # Not when ranked first: then it waited for this instance's capacity
+                    # (or its claim failed), and a renewal at every tick would change no
+                    # rank.
+                    self._s.fleet.renew_soon()
                 if result is not None and _newer_running(run, result):
                     self._s.runs.watch(run.job, run.slot)  # forgotten unless claimed
                     logger.info("%s slot %s not claimed: a newer slot of the job runs "
