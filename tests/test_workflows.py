@@ -1192,11 +1192,24 @@ async def test_a_run_left_between_two_steps_by_the_old_release_goes_on_as_it_did
         if self._s.settings.instance_id == "new":
             await completed(self, job, slot)
 
+    def sees_nothing(self: StepCoordinator, job: Any, slot: int, status: Any) -> None:
+        # Nor does the old instance continue the run by another way, as its start-up
+        # resume (it may read the run after the test's claim completed its first step).
+        if self._s.settings.instance_id == "new":
+            seen_finished(self, job, slot, status)
+
+    async def resumes_nothing(self: StepCoordinator, *args: Any) -> None:
+        if self._s.settings.instance_id == "new":
+            await resume(self, *args)
+
     async def first_completed() -> bool:
         return (await statuses(old, slot))[0] is RunStatus.COMPLETED
 
-    completed = StepCoordinator.completed
+    completed, seen_finished = StepCoordinator.completed, StepCoordinator.seen_finished
+    resume = StepCoordinator.resume
     monkeypatch.setattr(StepCoordinator, "completed", dies_first)
+    monkeypatch.setattr(StepCoordinator, "seen_finished", sees_nothing)
+    monkeypatch.setattr(StepCoordinator, "resume", resumes_nothing)
     async with anyio.create_task_group() as tg:
         dying = await Instance(old).start(tg)
         slot = current_slot(old)
