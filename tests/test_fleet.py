@@ -662,11 +662,10 @@ async def test_a_first_member_at_capacity_does_not_renew_its_membership_every_ti
     assert renewed <= 6, renewed
 
 
-async def test_a_slot_deferred_at_capacity_does_not_run_beside_a_newer_one() -> None:
-    """A slot deferred at capacity was claimed at the next tick even when a newer slot of
-    its job had been claimed meanwhile, once a handler ended: it ran after the newer one
-    and beside it, an overlap="skip" job too (the store skips a slot for earlier runs
-    only). The newer slot's claim supersedes it, as a newer deferral does."""
+async def full_with_tick() -> tuple[Scheduler, anyio.Event, anyio.Event, list[int]]:
+    """An instance with max_running=2, whose jobs "hold" and "hold-2" (hourly) fill it
+    until ``release`` is set, and whose job "tick" (overlap="skip", a minute later each
+    hour) records its slots in ``started`` and runs until ``done`` is set."""
     from lease_core import MemoryBackend
 
     backend = MemoryBackend()
@@ -684,6 +683,16 @@ async def test_a_slot_deferred_at_capacity_does_not_run_beside_a_newer_one() -> 
     async def tick(ctx: RunContext) -> None:
         started.append(ctx.slot)
         await done.wait()
+
+    return s, release, done, started
+
+
+async def test_a_slot_deferred_at_capacity_does_not_run_beside_a_newer_one() -> None:
+    """A slot deferred at capacity was claimed at the next tick even when a newer slot of
+    its job had been claimed meanwhile, once a handler ended: it ran after the newer one
+    and beside it, an overlap="skip" job too (the store skips a slot for earlier runs
+    only). The newer slot's claim supersedes it, as a newer deferral does."""
+    s, release, done, started = await full_with_tick()
 
     async with anyio.create_task_group() as tg:
         inst = await Instance(s).start(tg)
@@ -711,23 +720,7 @@ async def test_slots_of_a_job_claimed_together_go_to_the_store_oldest_first() ->
     batch, which the store answers claim by claim, skipping a slot for the earlier runs
     only: in the order their records were made (newest first here), both ran, side by
     side. Oldest first, the older runs and the newer is skipped."""
-    from lease_core import MemoryBackend
-
-    backend = MemoryBackend()
-    offset = quiet_offset(await store_now_ms(backend))
-    release, done = anyio.Event(), anyio.Event()
-    started: list[int] = []
-    s = Scheduler(backend, instance_id="alone", max_running=2, **FAST)
-
-    for name in ("hold", "hold-2"):
-        @s.every(name, "1h", offset=offset)
-        async def hold(ctx: RunContext) -> None:
-            await release.wait()
-
-    @s.every("tick", "1h", offset=(offset + 60) % 3600)  # overlap="skip"
-    async def tick(ctx: RunContext) -> None:
-        started.append(ctx.slot)
-        await done.wait()
+    s, release, done, started = await full_with_tick()
 
     async with anyio.create_task_group() as tg:
         inst = await Instance(s).start(tg)

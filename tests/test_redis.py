@@ -1008,6 +1008,16 @@ class _TrimRounds(AsyncClientAdapter):
         return replies
 
 
+async def _completed_runs(backend: RedisBackend, jobs: list[str], runs: int) -> None:
+    """Record ``runs`` completed runs of each of ``jobs`` (slots 1 to ``runs``)."""
+    requests = [_request(job, slot, f"{job}-{slot}", overlap_skip=False)
+                for job in jobs for slot in range(1, runs + 1)]
+    assert all(r.status is ClaimStatus.WON for r in await backend.claim_many(requests))
+    assert all(await backend.finish_many([
+        (Lease(r.job, r.slot, r.token, 30_000), Outcome.COMPLETED, None)
+        for r in requests]))
+
+
 @pytest.mark.asyncio_only
 async def test_a_trimming_backlog_is_deleted_in_round_trips_of_bounded_size(url: str) -> None:
     """Redis runs a pipeline's scripts back to back, every other client waiting: a
@@ -1021,12 +1031,7 @@ async def test_a_trimming_backlog_is_deleted_in_round_trips_of_bounded_size(url:
     jobs = [f"j{i}" for i in range(8)]
     await backend.start()
     try:
-        requests = [_request(job, slot, f"{job}-{slot}", overlap_skip=False)
-                    for job in jobs for slot in range(1, 101)]
-        assert all(r.status is ClaimStatus.WON for r in await backend.claim_many(requests))
-        assert all(await backend.finish_many([
-            (Lease(r.job, r.slot, r.token, 30_000), Outcome.COMPLETED, None)
-            for r in requests]))
+        await _completed_runs(backend, jobs, 100)
         adapter.recording = True
         assert await backend.prune_many(jobs, keep=95, batch=500) == dict.fromkeys(jobs, 5)
         assert len(adapter.rounds) == 1  # 5 each: within its share (6) of the 100
@@ -1040,12 +1045,7 @@ async def test_a_trimming_backlog_is_deleted_in_round_trips_of_bounded_size(url:
         # A workflow's steps: their listed attempts are deleted in bounded round trips too.
         steps = [f"wf/{step}" for step in "abcd"]
         await backend.register_workflows({"wf": list("abcd")})
-        requests = [_request(job, slot, f"{job}-{slot}", overlap_skip=False)
-                    for job in steps for slot in range(1, 31)]
-        assert all(r.status is ClaimStatus.WON for r in await backend.claim_many(requests))
-        assert all(await backend.finish_many([
-            (Lease(r.job, r.slot, r.token, 30_000), Outcome.COMPLETED, None)
-            for r in requests]))
+        await _completed_runs(backend, steps, 30)
         adapter.rounds.clear()
         assert await backend.prune_many(steps, keep=0, batch=500) == dict.fromkeys(steps, 30)
         deleting = [n for n in adapter.rounds if n]
