@@ -16,16 +16,21 @@ import contextlib
 import os
 import threading
 import weakref
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.from_thread
+
+from .errors import BackendUnavailable
 
 if TYPE_CHECKING:
     from .lease import Lease
 
 __all__: list[str] = []  # private: lease.py uses _Loop
+
+_T = TypeVar("_T")
 
 
 class _Loop:
@@ -113,6 +118,28 @@ async def _release_all(leases: list[Lease]) -> None:
             for lease in leases:
                 if lease.held:
                     tg.start_soon(lease.release)
+
+
+async def answered_within(seconds: float, what: str, after: str,
+                          operation: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+    """``await operation(*args)``, given up after ``seconds``: a blocking call of the sync
+    front ends must not wait as long as a partition lasts (a query through a network
+    that stopped answering waits for the kernel's TCP timeout, many minutes), where its
+    caller (a web view, a shutdown hook) has no timeout of its own to put around it.
+
+    Given up, it raises :class:`BackendUnavailable` naming ``what`` and the time, then
+    ``after`` (what became of the operation).
+    """
+    failed: BackendUnavailable | None = None
+    with anyio.move_on_after(seconds) as scope:
+        try:
+            return await operation(*args)
+        except BackendUnavailable as error:
+            if not scope.cancel_called:
+                raise
+            failed = error  # the driver's word on the query given up: the cause
+    raise BackendUnavailable(f"{what}: the store did not answer within {seconds:g} s "
+                             f"(unreachable, or a network partition); {after}") from failed
 
 
 atexit.register(_Loop.close)

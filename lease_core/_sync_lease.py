@@ -6,6 +6,7 @@ block, run on the background event loop that every SyncLease and
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from concurrent.futures import Future, wait
@@ -18,10 +19,12 @@ import anyio.from_thread
 from ._durations import Duration
 from ._lease_clock import lease_clock
 from ._lease_holders import gave_up
-from ._lease_loop import _Loop
+from ._lease_loop import _Loop, answered_within
 from .abc import Backend
 from .errors import LeaseLost
 from .lease import Lease, LeaseHolder
+
+logger = logging.getLogger("anarchon")
 
 __all__ = ["SyncLease"]
 
@@ -89,8 +92,13 @@ class SyncLease:
 
     def current_holder(self) -> LeaseHolder | None:
         """Who holds the name now, read without taking it, blocking (see
-        :meth:`Lease.current_holder`)."""
-        return self._portal("current_holder").call(self._lease.current_holder)
+        :meth:`Lease.current_holder`). A store that does not answer within ``max(ttl, 5 s)``
+        raises :class:`~lease_core.errors.BackendUnavailable`."""
+        holder: LeaseHolder | None = self._portal("current_holder").call(partial(
+            answered_within, max(self._lease.ttl, 5.0),
+            f"SyncLease {self.name!r}.current_holder()", "nothing was read",
+            self._lease.current_holder))
+        return holder
 
     def _forked(self) -> bool:  # a fork of a process holding it: the hold is the parent's
         return self._pid is not None and self._pid != os.getpid()
@@ -131,7 +139,7 @@ class SyncLease:
             pending.cancel()
             with contextlib.suppress(BaseException):
                 wait([pending])
-                portal.call(self._lease.release)
+                portal.call(_release_within, self._lease, min(self._lease.ttl, 5.0))
             raise
         if got:
             self._pid = os.getpid()
@@ -154,12 +162,16 @@ class SyncLease:
 
         Called while another thread runs the body of ``with``: :attr:`lost` is set and
         ``with`` raises :class:`~lease_core.errors.LeaseLost` at its end (the body ran on
-        without the lease)."""
-        self._release(None)
+        without the lease).
 
-    def _release(self, within: float | None) -> None:
-        """:meth:`release`, given up after ``within`` seconds if not None (as ``async
-        with`` gives up a lost lease's release: see :meth:`Lease.__aexit__`)."""
+        A store that does not answer (a partition) is given up after ``min(ttl, 5 s)``
+        (twice that at most, the release being sent again once), with a warning: the
+        lease is no longer held here, and the store frees the name when its ttl runs out.
+        """
+        self._release(min(self._lease.ttl, 5.0))
+
+    def _release(self, within: float) -> None:
+        """:meth:`release`, given up after ``within`` seconds."""
         if self._forked():
             return  # the parent's hold: a forked child never releases it
         portal = self._portal("release")  # refused (on the loop's thread): nothing changes
@@ -167,10 +179,7 @@ class SyncLease:
             self._released_in_body = True
             self.lost.set()
         try:
-            if within is None:
-                portal.call(self._lease.release)
-            else:
-                portal.call(_release_within, self._lease, within)
+            portal.call(_release_within, self._lease, within)
             self._pid = None
         finally:
             mirror, self._mirror = self._mirror, None
@@ -229,5 +238,9 @@ class SyncLease:
 
 
 async def _release_within(lease: Lease, seconds: float) -> None:
+    """``lease.release()``, given up after ``seconds`` with a warning."""
     with anyio.move_on_after(seconds):
         await lease.release()
+        return
+    logger.warning("lease %r: the store did not answer its release within %g s; the name "
+                   "is free when its ttl (%g s) runs out", lease.name, seconds, lease.ttl)

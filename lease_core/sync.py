@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, wait
 from datetime import datetime
 from functools import partial
@@ -25,7 +25,7 @@ import anyio.from_thread
 
 from . import events as ev
 from ._durations import Duration, parse_duration
-from ._lease_loop import _Loop
+from ._lease_loop import _Loop, answered_within
 from ._structures import Attempt
 from .abc import Backend
 from .engine.base import INSIDE as _INSIDE
@@ -61,7 +61,11 @@ class SyncScheduler:
 
     ``SyncScheduler(backend, **options)`` takes the options of :class:`Scheduler`
     (``instance_id``, ``lease``, ``heartbeat``, ``history_size``, ``history_ttl``,
-    ``clock``, ``prune_every``, ``max_running``, ``timer_slack``), and ``exit_grace``.
+    ``clock``, ``prune_every``, ``max_running``, ``timer_slack``), ``exit_grace``, and
+    ``call_timeout`` (default 30 s): how long :meth:`history`, :meth:`recovery_log` and
+    the :attr:`admin` operations wait for the store before they raise
+    :class:`~lease_core.errors.BackendUnavailable` (a partition would otherwise block
+    the calling thread for as long as the network stays silent).
     Jobs and workflows are declared with the same :meth:`every`, :meth:`cron` and
     :meth:`workflow`, directly or as decorators; handlers may be sync (run in worker
     threads) or async (run on the background thread's event loop).
@@ -95,9 +99,13 @@ class SyncScheduler:
        the loop), but not an async scheduler of the application's own loop as well.
     """
 
-    def __init__(self, backend: Backend, *, exit_grace: Duration = "10s", **options: Any) -> None:
+    def __init__(self, backend: Backend, *, exit_grace: Duration = "10s",
+                 call_timeout: Duration = "30s", **options: Any) -> None:
         self.exit_grace: float = parse_duration(exit_grace, what="exit_grace", allow_zero=True)
         """Grace of the :meth:`stop` made at interpreter exit, in seconds."""
+        self.call_timeout: float = parse_duration(call_timeout, what="call_timeout")
+        """Seconds :meth:`history`, :meth:`recovery_log` and the :attr:`admin` operations
+        wait for the store's answer before raising ``BackendUnavailable``."""
         self.scheduler = Scheduler(backend, **options)
         """The async scheduler this one drives; its jobs, options and state."""
         self.every = self.scheduler.every
@@ -125,7 +133,8 @@ class SyncScheduler:
     def admin(self) -> SyncAdmin:
         """Fleet-wide operations (:class:`SyncAdmin`), made as this instance; blocking
         calls for any thread but the background loop's, before, during or after a run."""
-        return SyncAdmin(self.backend, by=self.instance_id, _owner=self)
+        return SyncAdmin(self.backend, by=self.instance_id, call_timeout=self.call_timeout,
+                         _owner=self)
 
     @property
     def instance_id(self) -> str:
@@ -414,33 +423,33 @@ class SyncScheduler:
 
         Works before :meth:`start` and after :meth:`stop` too (on the background loop).
         """
-        self._check_process()
-        self._check_thread("history")
-        portal = self._live_portal()
-        if portal is not None:
-            try:
-                return portal.call(self.scheduler.history, job, limit)
-            except RuntimeError:
-                if self._portal is portal:
-                    raise
-                # stopped meanwhile: read on the background loop anew
-        return _Loop.get().call(self.scheduler.history, job, limit)
+        return self._read("history", self.scheduler.history, job, limit)
 
     def recovery_log(self, run: str | tuple[str, int | str]) -> list[RecoveryEntry]:
         """Return the recovery log of one run, oldest first: see :meth:`Scheduler.recovery_log`.
 
         Works before :meth:`start` and after :meth:`stop` too (on the background loop).
         """
+        return self._read("recovery_log", self.scheduler.recovery_log, run)
+
+    def _read(self, what: str, read: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+        """``read(*args)`` on the scheduler's loop (the background loop's), bounded by
+        :attr:`call_timeout`."""
         self._check_process()
-        self._check_thread("recovery_log")
+        self._check_thread(what)
+        async def bounded() -> _T:
+            return await answered_within(self.call_timeout, f"SyncScheduler.{what}()",
+                                         "nothing was read", read, *args)
+
         portal = self._live_portal()
         if portal is not None:
             try:
-                return portal.call(self.scheduler.recovery_log, run)
+                return portal.call(bounded)
             except RuntimeError:
                 if self._portal is portal:
                     raise
-        return _Loop.get().call(self.scheduler.recovery_log, run)
+                # stopped meanwhile: read on the background loop anew
+        return _Loop.get().call(bounded)
 
 
 class SyncAdmin:
@@ -461,12 +470,20 @@ class SyncAdmin:
     forked child, make a SyncAdmin and its backend anew. A call interrupted while it
     waits (Ctrl-C) raises that at once, but the operation goes on on the background loop
     and may still be made: read the store (:meth:`paused`, the history) to know.
+
+    Each call waits ``call_timeout`` (default 30 s) at most for the store's answer, then
+    raises :class:`~lease_core.errors.BackendUnavailable`; an operation given up so may
+    still have been made, as one interrupted.
     """
 
     def __init__(self, backend: Backend, *, by: str = "admin",
+                 call_timeout: Duration = "30s",
                  _owner: SyncScheduler | None = None) -> None:
         self.admin = Admin(backend, by=by)
         """The async :class:`~lease_core.Admin` whose operations this one makes."""
+        self.call_timeout: float = parse_duration(call_timeout, what="call_timeout")
+        """Seconds each call waits for the store's answer before raising
+        ``BackendUnavailable``."""
         self._owner = _owner
         self._pid: int | None = None
 
@@ -492,7 +509,11 @@ class SyncAdmin:
                 f"SyncAdmin.{what}() would block the event loop it runs on (called from an "
                 f"async handler?); there, use 'await scheduler.admin.{what}(...)'")
         self._pid = os.getpid()
-        return _Loop.get().call(operation, *args)
+        after = ("nothing was read" if what == "paused" else
+                 "the operation may still have been made: read the store (paused(), the "
+                 "history) to know")
+        return _Loop.get().call(partial(answered_within, self.call_timeout,
+                                        f"SyncAdmin.{what}()", after, operation, *args))
 
     def trigger(self, job: str) -> int:
         """Make one extra run of ``job`` now; return its slot (:meth:`Admin.trigger`)."""

@@ -9,7 +9,6 @@ decides every expiry.
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 import logging
 import signal
@@ -18,13 +17,12 @@ import sys
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import anyio
 import pytest
@@ -38,7 +36,7 @@ from lease_core import ConfigurationError, Lease, LeaseLost, MemoryBackend, Sync
 from lease_core.abc import Backend
 from lease_core.errors import BackendUnavailable
 from lease_core.testing import Store, backend_users, wait_for
-from tests.chaos.proxy import Proxy
+from tests.chaos.proxy import Proxy, proxy_in_front, with_port
 from tests.helpers import Suspend
 from tests.stores.memory import MemoryStore
 from tests.stores.postgres import PgServer, PostgresStore, drop_tables, unique_table
@@ -47,12 +45,6 @@ from tests.stores.redis import RedisStore, delete_prefix
 pytestmark = pytest.mark.anyio
 
 TTL = 0.6  # s: short leases, waited out with deadlines
-
-
-def _with_port(url: str, port: int) -> str:
-    parts = urlsplit(url)
-    netloc = parts.netloc.rsplit(":", 1)[0] + f":{port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _loop() -> str | None:
@@ -68,12 +60,12 @@ def url_backend(store: Store, port: int | None = None) -> Backend:
     if isinstance(store, PostgresStore):
         dsn = store.server.dsn
         if port is not None:
-            dsn = _with_port(dsn, port)
+            dsn = with_port(dsn, port)
         if _loop() == "trio":  # psycopg's async pool needs asyncio
             dsn = "postgresql+pg8000://" + dsn.split("://", 1)[1]
         return PostgresBackend(dsn, table=store.table)
     if isinstance(store, RedisStore):
-        url = store.url if port is None else _with_port(store.url, port)
+        url = store.url if port is None else with_port(store.url, port)
         return RedisBackend(url, prefix=store.prefix)
     assert isinstance(store, MemoryStore) and port is None
     return store.backend()
@@ -325,22 +317,11 @@ def test_a_lost_sync_lease_s_with_ends_through_a_partition(pg16_server: PgServer
     PostgreSQL that stopped answering, it waited as long as the partition lasted
     (minutes), the thread blocked at the end of its body."""
     table = unique_table()
-    port = urlsplit(pg16_server.dsn).port
-    assert port is not None
-    proxy = Proxy(port)
-    proxy.start()
     try:
-        ended = _with_sync_lease_through_a_partition(
-            proxy, PostgresBackend(_with_port(pg16_server.dsn, proxy.port), table=table))
+        with proxy_in_front(pg16_server.dsn) as proxy:
+            ended = _with_sync_lease_through_a_partition(
+                proxy, PostgresBackend(with_port(pg16_server.dsn, proxy.port), table=table))
     finally:
-        proxy.resume()
-        proxy.close()
-        # The connections the pool opened to the paused proxy end with the proxy's loop:
-        # collected later, their streams would warn "loop is closed" in another test.
-        del proxy
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            gc.collect()
         anyio.run(drop_tables, pg16_server.admin_dsn, table)
     assert isinstance(ended, LeaseLost), ended
 

@@ -35,6 +35,7 @@ __all__ = [
     "log_failure",
     "logger",
     "timer_slack_ms",
+    "unrun",
 ]
 
 logger = logging.getLogger("anarchon")
@@ -180,3 +181,31 @@ def is_async(handler: Callable[..., Any]) -> bool:
         return True
     call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects too
     return call is not None and inspect.iscoroutinefunction(call)
+
+
+def unrun(value: Any, function: Any, what: str, effect: str, *, where: str = "",
+          fix: str) -> TypeError | None:
+    """The failure of a plain ``function`` (a ``what``: a handler, an event subscriber)
+    that returned ``value`` without running it, or ``None`` when ``value`` is not one.
+
+    A lambda or a wrapper without ``async`` around an ``async def`` returns a coroutine
+    nobody awaits; around a function with ``yield``, a generator: none of the work ran.
+    ``effect`` says what became of the call, ``where`` where to do the work instead of
+    yielding, ``fix`` how to declare it (followed by the lambda and wrapper case). The
+    value is closed, so no "coroutine was never awaited" warning comes at its collection.
+    """
+    generator = inspect.isgenerator(value) or inspect.isasyncgen(value)
+    if not (generator or inspect.isawaitable(value)):
+        return None
+    close = getattr(value, "close", None)
+    if (inspect.iscoroutine(value) or inspect.isgenerator(value)) and callable(close):
+        close()
+    name = getattr(function, "__qualname__", None) or repr(function)
+    made = getattr(value, "__qualname__", None)
+    return TypeError(
+        f"the {what} {name} is a plain function that returned a {type(value).__name__}"
+        f"{f' of {made}' if made else ''} without running it, {effect}: "
+        + (f"a function with 'yield' runs none of its body when called; do the work{where} "
+           "without 'yield'" if generator else
+           f"{fix} 'async def' (a lambda or a wrapper that calls an async function must be "
+           "'async def' and await it)"))

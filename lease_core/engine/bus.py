@@ -17,7 +17,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .. import events as ev
 from ..errors import AnarchonError, ConfigurationError
 from . import base
-from .base import INSIDE, is_async, logger
+from .base import INSIDE, is_async, logger, unrun
 from .execution import _stray
 
 __all__ = ["EventBus"]
@@ -209,27 +209,8 @@ def _call_in_thread(callback: Callable[[ev.Event], Any], event: ev.Event) -> Any
         value = callback(event)
     except (SystemExit, KeyboardInterrupt) as exc:
         raise RuntimeError(f"the subscriber raised {exc!r}") from exc
-    if inspect.isawaitable(value) or inspect.isgenerator(value) or inspect.isasyncgen(value):
-        raise _unrun(callback, value)
+    failure = unrun(value, callback, "event subscriber", "so none of its work ran",
+                    fix="subscribe a function declared with")
+    if failure is not None:
+        raise failure
     return value
-
-
-def _unrun(callback: Callable[[ev.Event], Any], value: Any) -> TypeError:
-    """The failure of a sync subscriber that returned an awaitable or a generator without
-    running it: a plain function (``lambda event: record(event)`` of an ``async def
-    record``, a wrapper without ``async``) whose coroutine nobody awaits, so none of its
-    work ran at any event; logged as the subscriber's failure, not silently dropped."""
-    close = getattr(value, "close", None)
-    if (inspect.iscoroutine(value) or inspect.isgenerator(value)) and callable(close):
-        close()  # never run: no "coroutine was never awaited" warning at its collection
-    name = getattr(callback, "__qualname__", None) or repr(callback)
-    made = getattr(value, "__qualname__", None)
-    return TypeError(
-        f"the event subscriber {name} is a plain function that returned a "
-        f"{type(value).__name__}{f' of {made}' if made else ''} without running it, so "
-        "none of its work ran: "
-        + ("a function with 'yield' runs none of its body when called; do the work "
-           "without 'yield'" if inspect.isgenerator(value) or inspect.isasyncgen(value)
-           else "subscribe a function declared with 'async def' (a lambda or a wrapper "
-           "that calls an async function must be 'async def' and await it)"))
-

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from .._structures import (
 from .._wakeups import in_context
 from ..context import RunContext
 from ..errors import ConfigurationError
-from .base import INSIDE, logger
+from .base import INSIDE, logger, unrun
 from .recording import OutcomeRecorder
 from .runs import AttemptInfo, Execution, Run
 
@@ -71,9 +70,10 @@ class _Thread:
         self.state = 1
         try:
             value = handler(ctx)
-            if inspect.isawaitable(value) or inspect.isgenerator(value) or inspect.isasyncgen(
-                    value):
-                raise _awaitable_returned(handler, value)
+            failure = unrun(value, handler, "handler", "which fails its run",
+                            where=" in the handler", fix="declare the handler with")
+            if failure is not None:
+                raise failure
             return value
         except (SystemExit, KeyboardInterrupt) as exc:
             # In a thread these end the thread only; carried to the event loop they would
@@ -95,27 +95,6 @@ def _stray(exc: asyncio.CancelledError) -> bool:
     # No task with an asyncio loop running: trio in guest mode on an asyncio host (its
     # code runs in the host loop's callbacks), where it is trio's exception that cancels.
     return task is None or not task.cancelling()
-
-
-def _awaitable_returned(handler: Any, value: Any) -> TypeError:
-    """The failure of a sync handler that returned an awaitable: a plain function (a
-    ``lambda ctx: work(ctx)`` of an ``async def work``, a wrapper without ``async``)
-    whose coroutine nobody awaits, so its work never ran; it was recorded completed.
-    A generator or async generator returned (a wrapper of a function with ``yield``)
-    fails the same way: none of its body ran."""
-    close = getattr(value, "close", None)
-    if (inspect.iscoroutine(value) or inspect.isgenerator(value)) and callable(close):
-        close()  # never run: no "coroutine was never awaited" warning at its collection
-    name = getattr(handler, "__qualname__", None) or repr(handler)
-    made = getattr(value, "__qualname__", None)
-    return TypeError(
-        f"the handler {name} is a plain function that returned a {type(value).__name__}"
-        f"{f' of {made}' if made else ''} without running it, which fails its run: "
-        + ("a function with 'yield' runs none of its body when called; do the work in "
-           "the handler without 'yield'" if inspect.isgenerator(value)
-           or inspect.isasyncgen(value) else
-           "declare the handler with 'async def' (a lambda or a wrapper that calls an "
-           "async function must be 'async def' and await it)"))
 
 
 def _exited(exc: BaseException) -> RuntimeError:

@@ -11,9 +11,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
+import warnings
+from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["Proxy"]
+__all__ = ["Proxy", "proxy_in_front", "with_port"]
+
+
+def with_port(url: str, port: int) -> str:
+    """``url`` with its port replaced by ``port`` (to connect through a proxy)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit(":", 1)[0] + f":{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+@contextlib.contextmanager
+def proxy_in_front(url: str) -> Iterator[Proxy]:
+    """A started :class:`Proxy` in front of the server of ``url``; at the end resumed and
+    closed, and the connections opened through it collected (collected later, their
+    streams would warn "loop is closed" in another test)."""
+    port = urlsplit(url).port
+    assert port is not None, url
+    proxy = Proxy(port)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.resume()
+        proxy.close()
+        del proxy
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
 
 
 class Proxy:
