@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -228,6 +229,9 @@ class RunContext:
         self._backend = backend
         self._lease = lease
         self._stop_reason: str | None = None
+        #: ``time.monotonic()`` at which the run's ``timeout`` ends it (None: no timeout).
+        #: Its cancellation has no hook to set the reason first: read at the deadline.
+        self._timeout_at: float | None = None
         self._transaction_hook: Callable[[bool, float | None], None] | None = None
         self._before_commit: Callable[[RunContext, Any], Awaitable[None]] | None = None
         self.completed_by_transaction = False
@@ -251,7 +255,12 @@ class RunContext:
 
     @property
     def stop_reason(self) -> str | None:
-        """Why the run was asked to stop (``"stopping"``, ``"lease lost"``...), if it was."""
+        """Why the run was asked to stop (``"stopping"``, ``"lease lost"``, ``"timed
+        out"``...), if it was: ``"timed out"`` from the instant the job's ``timeout``
+        passed, so the ``finally`` of a handler its timeout cancels knows why."""
+        if (self._stop_reason is None and self._timeout_at is not None
+                and time.monotonic() >= self._timeout_at):
+            return "timed out"
         return self._stop_reason
 
     def raise_if_stopping(self) -> None:
@@ -259,10 +268,9 @@ class RunContext:
 
         Call it between items of a batch. Safe to call from a sync handler's thread.
         """
-        if self._stop_reason is not None:
-            raise StopRequested(
-                f"run {self.job!r} slot {self.slot} asked to stop: {self._stop_reason}"
-            )
+        reason = self.stop_reason
+        if reason is not None:
+            raise StopRequested(f"run {self.job!r} slot {self.slot} asked to stop: {reason}")
 
     @asynccontextmanager
     async def transaction(self, *, complete: bool = True) -> AsyncIterator[Any]:

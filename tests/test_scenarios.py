@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import pytest
 
-from lease_core import Outcome, Reason, RunContext, Scheduler
+from lease_core import Outcome, Reason, RunContext, Scheduler, StopRequested
 from lease_core.abc import HeartbeatResult, Lease
 from lease_core.testing import claim_now
 from tests.helpers import (
@@ -239,12 +239,14 @@ async def test_overlap_allow_runs_slots_concurrently(store: Store) -> None:
 async def test_timeout_cancels_and_records_timed_out(store: Store) -> None:
     a = make(store, "a")
     cancelled = anyio.Event()
+    reasons: list[str | None] = []
 
     @a.every("hang", "1s", timeout="0.3s")
     async def hang(ctx: RunContext) -> None:
         try:
             await anyio.sleep_forever()
-        finally:
+        finally:  # the cancellation's cleanup knows why (it was None there)
+            reasons.append(ctx.stop_reason)
             cancelled.set()
 
     async with anyio.create_task_group() as tg:
@@ -253,9 +255,37 @@ async def test_timeout_cancels_and_records_timed_out(store: Store) -> None:
         history = await wait_history(a, lambda h: h and h[-1].outcome, job="hang")
         await ia.stop()
     assert cancelled.is_set()
+    assert reasons[0] == "timed out", reasons
     done = [h for h in history if h.outcome]
     assert done[-1].outcome == Outcome.TIMED_OUT
     assert done[-1].error is not None and "timed out" in done[-1].error
+
+
+async def test_raise_if_stopping_at_the_timeout_records_timed_out(store: Store) -> None:
+    """A handler that checks ``ctx.raise_if_stopping()`` between items and has not
+    awaited since its timeout passed is stopped by that check ("timed out"), before the
+    timeout's cancellation can reach it: the run timed out, it did not fail."""
+    a = make(store, "a")
+    seen: list[str] = []
+
+    @a.every("items", "1s", timeout="0.3s")
+    async def items(ctx: RunContext) -> None:
+        await anyio.sleep(0.05)
+        try:
+            for _ in range(400):  # 2 s of items that never await (CPU work, blocking)
+                ctx.raise_if_stopping()
+                time.sleep(0.005)  # noqa: ASYNC251 (work that blocks, on purpose)
+        except StopRequested as stopped:
+            seen.append(str(stopped))
+            raise
+
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        history = await wait_history(a, lambda h: h and h[-1].outcome, job="items")
+        await ia.stop()
+    assert seen and seen[0].endswith("asked to stop: timed out"), seen
+    done = [h for h in history if h.outcome]
+    assert done[-1].outcome == Outcome.TIMED_OUT, done[-1]
 
 
 async def test_failed_handler_records_the_error(store: Store) -> None:

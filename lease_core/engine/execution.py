@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ import anyio
 import anyio.to_thread
 
 from .. import events as ev
-from .._outcome import Interruption, decide_outcome
+from .._outcome import Interruption, classify, decide_outcome
 from .._structures import (
     ClaimResult,
     Lease,
@@ -33,7 +34,7 @@ from .._structures import (
 )
 from .._wakeups import in_context
 from ..context import RunContext
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, StopRequested
 from .base import INSIDE, logger, unrun
 from .recording import OutcomeRecorder
 from .runs import AttemptInfo, Execution, Run
@@ -417,6 +418,7 @@ class Executor:
                 if not job.timeout:  # no scope that could never fire: one fewer per run
                     ran.value = await self._call(job, ctx, slot, ran)
                 else:
+                    ctx._timeout_at = time.monotonic() + job.timeout  # before the scope's
                     with anyio.move_on_after(job.timeout) as timeout_scope:
                         ran.value = await self._call(job, ctx, slot, ran)
                     ran.timed_out = timeout_scope.cancelled_caught
@@ -425,6 +427,11 @@ class Executor:
             except SystemExit as exc:  # it would end the event loop, and every task on it
                 ran.raised = _exited(exc)
                 ran.raised.__cause__ = exc
+        if (ran.raised is not None and classify(ran.raised) is StopRequested
+                and ctx.stop_reason == "timed out"):
+            # ``ctx.raise_if_stopping()`` at the timeout, before the scope's cancellation
+            # came (a handler that had not awaited since): the run timed out, not failed.
+            ran.raised, ran.timed_out = None, True
         if execution.scope.cancelled_caught:
             ran.interrupted = execution.cancel_reason or Interruption.DEADLINE
         return ran
