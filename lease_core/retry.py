@@ -24,6 +24,8 @@ __all__ = ["Retry", "RetryOption", "supports_retries", "to_retry"]
 MAX_BACKOFF_S = 30 * 86400
 #: The most retries of one run: each retry's delay is sent to the store with the failure.
 MAX_RETRIES = 1000
+#: ``max_backoff`` when none is given.
+_DEFAULT_MAX_BACKOFF = "5m"
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ class Retry:
     ``retries``: the most retries of one run (``Retry(retries=3)`` runs it 4 times at
     most; 1,000 at most).
     The ``n``-th retry waits ``backoff * factor ** (n - 1)``, spread by ``jitter`` (0.1:
-    up to 10 % shorter or longer), never more than ``max_backoff``, on the store's clock.
+    up to 10 % shorter or longer), never more than ``max_backoff``, on the store's clock
+    (a ``max_backoff`` shorter than the ``backoff`` is refused: the backoff would never
+    apply).
     Exceptions that are instances of a type in ``no_retry`` are never retried, also
     when they come out of a task group (an exception group holding one): the run ends
     ``failed`` at once. A timeout counts as a failure.
@@ -42,7 +46,7 @@ class Retry:
     retries: int = 3
     backoff: Duration = "1s"
     factor: float = 2.0
-    max_backoff: Duration = "5m"
+    max_backoff: Duration = _DEFAULT_MAX_BACKOFF
     jitter: float = 0.1
     no_retry: tuple[type[BaseException], ...] = ()
 
@@ -57,12 +61,19 @@ class Retry:
                 raise ConfigurationError(
                     f"{what}={value!r} is longer than {MAX_BACKOFF_S // 86400} days; a retry "
                     "waits at most that long")
-        if (parse_duration(self.max_backoff, what="max_backoff", allow_zero=True) == 0
-                < parse_duration(self.backoff, what="backoff", allow_zero=True)):
+        cap = parse_duration(self.max_backoff, what="max_backoff", allow_zero=True)
+        base = parse_duration(self.backoff, what="backoff", allow_zero=True)
+        if cap == 0 < base:
             raise ConfigurationError(
                 f"max_backoff={self.max_backoff!r} caps every wait at 0, so "
                 f"backoff={self.backoff!r} would never apply; for retries at once give "
                 "backoff=0, else a max_backoff of at least the backoff")
+        if cap < base:  # every wait, the first too, would be the cap: backoff ignored
+            default = " (the default)" if self.max_backoff == _DEFAULT_MAX_BACKOFF else ""
+            raise ConfigurationError(
+                f"backoff={self.backoff!r} is longer than max_backoff={self.max_backoff!r}"
+                f"{default}, which caps every wait, so no retry would wait the backoff; "
+                "give a max_backoff of at least the backoff")
         factor = self.factor
         if (isinstance(factor, bool) or not isinstance(factor, int | float)
                 or not 1 <= factor < math.inf):

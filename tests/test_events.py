@@ -157,7 +157,8 @@ async def test_a_backup_of_a_run_waiting_for_its_retry_names_no_holder(
     for name in ("a", "b"):
         s = Scheduler(store.backend(), instance_id=name, **FAST)
 
-        @s.every("flaky", "1h", retry=Retry(retries=1, backoff="1h"), offset=quiet_offset_now())
+        @s.every("flaky", "1h", retry=Retry(retries=1, backoff="1h", max_backoff="1h"),
+                 offset=quiet_offset_now())
         async def flaky(ctx: RunContext) -> None:
             raise RuntimeError("boom")
 

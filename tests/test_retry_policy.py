@@ -100,3 +100,16 @@ def test_a_long_policy_is_capped_not_overflowed() -> None:
                        jitter=0)
         delays = policy.delays_ms()
         assert len(delays) == 1000 and delays[0] == 10 and set(delays[10:]) == {50}
+
+
+def test_a_backoff_longer_than_its_cap_is_refused_naming_both() -> None:
+    """Every wait, the first too, was cut to ``max_backoff``: ``Retry(backoff="1h")`` waited
+    5 minutes (the default cap), the backoff given never applied."""
+    with pytest.raises(ConfigurationError) as caught:
+        Retry(retries=1, backoff="1h")
+    assert "backoff='1h' is longer than max_backoff='5m' (the default)" in str(caught.value)
+    with pytest.raises(ConfigurationError, match=r"backoff='10s' is longer than max_backoff=5"):
+        Retry(backoff="10s", max_backoff=5)
+    assert Retry(retries=1, backoff="1h", max_backoff="1h", jitter=0).delays_ms() == (
+        3_600_000,)
+    assert Retry(backoff="5m").delays_ms()[0] <= 300_000  # a backoff at the cap is fine
