@@ -529,7 +529,8 @@ class SyncAdmin:
         self._call("resume", self.admin.resume, job)
 
     def retry(self, job: str, slot: int | str | datetime) -> None:
-        """Run a failed, timed-out or cancelled run again (:meth:`Admin.retry`)."""
+        """Run a failed, timed-out or escalated run again (:meth:`Admin.retry`); a cancelled
+        one is refused."""
         self._call("retry", self.admin.retry, job, slot)
 
     def cancel(self, job: str, slot: int | str | datetime,
