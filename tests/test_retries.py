@@ -425,6 +425,41 @@ async def test_a_retrying_run_shows_no_lease_and_a_cancelled_workflow_is_cancell
         await i.stop()
 
 
+async def test_a_pause_leaves_a_waiting_retry_to_run_and_a_cancel_ends_it(store: Store) -> None:
+    """A run waiting for its retry is in progress: a pause of its job does not stop its
+    retries (as the guide says); a cancel ends it, with no retry after."""
+    from lease_core import Admin
+
+    tries: list[tuple[int, str]] = []
+    s = make(store, "a")
+
+    @s.every("sync", "1h", offset=quiet_offset_now(),
+             retry=Retry(retries=3, backoff="0.4s", jitter=0))
+    async def sync(ctx: RunContext) -> None:
+        tries.append((ctx.attempt, ctx.reason))
+        raise Transient(f"down {ctx.attempt}")
+
+    admin = Admin(s.backend, by="ops")
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = slot_of(s, "sync")
+        await claim_now(s, "sync", slot)
+        await wait_status(s, "sync", slot, RunStatus.RETRYING)
+        await admin.pause("sync")
+        await wait_for(lambda: len(tries) == 2, timeout=15, what="the retry, while paused")
+        await wait_status(s, "sync", slot, RunStatus.RETRYING)  # the second one waits 0.8s
+        await admin.cancel("sync", slot)
+        await anyio.sleep(1.5)  # past the second retry's due time, and a backup check
+        assert await run_status(s, "sync", slot) == RunStatus.CANCELLED
+        await admin.resume("sync")
+        await i.stop()
+    assert tries == [(1, "scheduled"), (2, "retry")]
+    log = await s.recovery_log(("sync", slot))
+    assert [(e.attempt, e.event) for e in log] == [
+        (1, "started"), (1, "failed"), (2, "retried"), (2, "failed"), (3, "cancelled")]
+    assert log[-1].detail == "cancelled by ops before any instance claimed it (retry)"
+
+
 async def test_a_no_retry_error_raised_through_a_task_group_is_not_retried(
         store: Store) -> None:
     """anyio's task groups raise exception groups: a ``no_retry`` type inside one is still
