@@ -132,6 +132,9 @@ def to_retry(value: object) -> Retry | None:
         raise ConfigurationError(
             f"retry={value!r} must be a number of retries (0 or more), a "
             "lease_core.Retry(...) or None")
+    if value > MAX_RETRIES:  # named as given (Retry would name its own retries=)
+        raise ConfigurationError(
+            f"retry={value!r} must be a number of retries from 0 to {MAX_RETRIES}")
     return Retry(retries=value) if value else None
 
 

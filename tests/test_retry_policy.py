@@ -65,6 +65,9 @@ def test_bad_retry_options_are_refused_at_declaration() -> None:
         s.every("a", "1h", lambda ctx: None, retry=-2)
     with pytest.raises(ConfigurationError, match=r"retry='3'"):
         s.cron("b", "0 * * * *", lambda ctx: None, retry="3")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"^retry=5000 must be a number of retries "
+                       r"from 0 to 1000$"):
+        s.every("big", "1h", lambda ctx: None, retry=5000)
     with pytest.raises(ConfigurationError, match=r"retry=1.5"):
         s.workflow("w", every="1h", retry=1.5)  # type: ignore[arg-type]
     wf = s.workflow("w2", every="1h", retry=2)
