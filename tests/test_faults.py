@@ -727,3 +727,51 @@ async def test_a_retry_the_store_did_not_answer_is_sent_again_within_the_lease(
     assert sorted((x.attempt, x.reason, x.outcome) for x in history) == [
         (1, Reason.SCHEDULED, Outcome.FAILED), (2, Reason.RETRY, Outcome.COMPLETED)]
     assert calls == [1, 2]
+
+
+class LastRetryLaterAnswerLost(MemoryBackend):
+    """A memory backend that applies the ``retry_later`` ending a run (no retry left),
+    then loses its answer with the connection, once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = False
+
+    async def retry_later(self, items: Sequence[tuple[Lease, Outcome, str | None,
+                                                        Sequence[int]]]) -> list[int]:
+        answers = await super().retry_later(items)
+        if answers == [0] and not self.lost:
+            self.lost = True
+            raise BackendUnavailable("the connection dropped (test)")
+        return answers
+
+
+async def test_a_last_failure_whose_answer_was_lost_is_logged_as_the_run_s_end(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The re-sent retry_later of the last failure is refused, and the store has the run
+    ended by that attempt: logged as the run failed after its retries (it was logged
+    "retry recorded", for a run with no retry left)."""
+    caplog.set_level("INFO", logger="anarchon")
+    backend = LastRetryLaterAnswerLost()
+    s = Scheduler(backend, instance_id="a", lease="0.9s", heartbeat="0.2s")
+
+    def doomed(ctx: RunContext) -> None:
+        raise RuntimeError(f"down {ctx.attempt}")
+
+    s.every("export", "1h", doomed, offset=quiet_offset_now(),
+            retry=Retry(retries=1, backoff="0.1s", jitter=0))
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = s.jobs["export"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "export", slot)
+        await wait_for(lambda: backend.lost and any(
+            "failed after" in r.getMessage() or "retry recorded" in r.getMessage()
+            for r in caplog.records), timeout=10, what="the run's end logged")
+        await i.stop()
+    history = await s.history("export")
+    assert sorted((a.attempt, a.outcome) for a in history) == [
+        (1, Outcome.FAILED), (2, Outcome.FAILED)]
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "retry recorded" in m], messages
+    assert any("export slot" in m and "failed after 1 retries" in m for m in messages)

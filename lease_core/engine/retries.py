@@ -117,8 +117,9 @@ class Retrier:
         As a finish, sent again a check interval later while the lease is still the
         attempt's (not once the scheduler stops): backed up at once, the run would be
         taken over, not retried. Sent again after the first was recorded, it is refused;
-        then :data:`_RECORDED` when the store has the run waiting for its retry, or ended
-        (no retry left), by this attempt."""
+        then :data:`_RECORDED` when the store has the run waiting for its retry by this
+        attempt, 0 when this attempt ended it (no retry was left), as the first answer
+        would have said."""
         s, lease, execution = self._s, run.lease, run.execution
         assert lease is not None
         deadline = math.inf if execution is None else execution.deadline
@@ -135,10 +136,11 @@ class Retrier:
                 else:
                     if answer < 0 and sent_before and execution is not None:
                         state = await s.execution.state_in_store(lease)
-                        if (state is not None and state.attempt == execution.ctx.attempt
-                                and state.status in (RunStatus.RETRYING,
-                                                     RunStatus(outcome.value))):
-                            return _RECORDED
+                        if state is not None and state.attempt == execution.ctx.attempt:
+                            if state.status is RunStatus.RETRYING:
+                                return _RECORDED
+                            if state.status is RunStatus(outcome.value):
+                                return 0  # ended by it: no retry was left
                     return answer
             pause = s.settings.heartbeat
             if s.crashed or s.stopping or anyio.current_time() + pause >= deadline:
