@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
+import inspect
 import logging
 import os
 import threading
@@ -41,6 +43,22 @@ __all__ = ["SyncAdmin", "SyncScheduler"]
 logger = logging.getLogger("anarchon")
 
 _T = TypeVar("_T")
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuse an option neither :class:`SyncScheduler` nor :class:`Scheduler` takes,
+    naming SyncScheduler (Python's own error named ``Scheduler.__init__()``, which the
+    caller never called) and the option meant."""
+    known = [name for name, parameter in inspect.signature(Scheduler).parameters.items()
+             if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    known += ["exit_grace", "call_timeout"]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise TypeError(
+                f"SyncScheduler() got an unexpected option {name!r}"
+                + (f"; did you mean {close[0]!r}?" if close else
+                   f"; it takes {', '.join(sorted(known))}"))
 
 
 def _host_ended(started: Future[None], host: Future[None]) -> None:
@@ -106,6 +124,7 @@ class SyncScheduler:
         self.call_timeout: float = parse_duration(call_timeout, what="call_timeout")
         """Seconds :meth:`history`, :meth:`recovery_log` and the :attr:`admin` operations
         wait for the store's answer before raising ``BackendUnavailable``."""
+        _check_options(options)
         self.scheduler = Scheduler(backend, **options)
         """The async scheduler this one drives; its jobs, options and state."""
         self.every = self.scheduler.every

@@ -279,6 +279,12 @@ def test_lifecycle_misuse() -> None:
         SyncScheduler(MemoryBackend(), exit_grace=-1)
     with pytest.raises(ConfigurationError, match="lease"):
         SyncScheduler(MemoryBackend(), lease="1s", heartbeat="1s")
+    # A mistyped option names SyncScheduler (not Scheduler.__init__) and the one meant.
+    with pytest.raises(TypeError, match=r"^SyncScheduler\(\) got an unexpected option "
+                                        r"'leese'; did you mean 'lease'\?$"):
+        SyncScheduler(MemoryBackend(), leese="30s")
+    with pytest.raises(TypeError, match="'colour'; it takes call_timeout, clock, exit_grace"):
+        SyncScheduler(MemoryBackend(), colour="red")
     s.start()
     try:
         with pytest.raises(AnarchonError, match="already started"):
