@@ -324,10 +324,14 @@ class SyncScheduler:
                 f"SyncScheduler {self.instance_id!r} ended: {exc!r} was raised in it "
                 "(by a handler or a subscriber?)") from exc
 
-    def _request_stop(self, grace: float) -> None:
+    def _request_stop(self, grace: float, requested: anyio.Event | None = None) -> None:
+        """Ask the host task to stop (on the loop); ``requested`` is the host's event as
+        the caller saw it, which a stop from outside may have cleared meanwhile."""
+        requested = requested or self._stop_requested
+        if requested is None:
+            return  # ended meanwhile
         self._grace = grace
-        assert self._stop_requested is not None
-        self._stop_requested.set()
+        requested.set()
 
     def stop(self, grace: Duration = "10s") -> None:
         """Stop claiming, let handlers finish for ``grace``, hand over the rest; block.
@@ -347,9 +351,10 @@ class SyncScheduler:
         self._check_thread("stop")
         if _INSIDE.get() is self.scheduler:
             # Called by one of its own sync handlers: waiting would wait for the caller.
-            portal = self._portal
-            if portal is not None and self._stop_requested is not None:
-                portal.call(self._request_stop, grace_s)
+            # (Read once: a stop from outside ending meanwhile clears them.)
+            portal, requested = self._portal, self._stop_requested
+            if portal is not None and requested is not None:
+                portal.call(self._request_stop, grace_s, requested)
             return
         with self._lock:
             if self._state is SchedulerState.STARTING:
