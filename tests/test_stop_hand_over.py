@@ -4,6 +4,7 @@ on every store; the store's hand-over itself is tested in the conformance suite)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -11,6 +12,7 @@ import pytest
 
 from lease_core import Admin, Outcome, Reason, RunContext, Scheduler
 from lease_core import events as ev
+from lease_core.errors import BackendUnavailable
 from lease_core.recovery import step_job
 from lease_core.testing import claim_now
 from tests.helpers import Instance, wait_for
@@ -258,10 +260,11 @@ class CancelBeforeHandOver:
         return hand_over
 
 
-async def test_a_cancel_that_lands_before_the_hand_over_is_reported_cancelled() -> None:
-    """The stop cancelled the handler once its grace had passed; the run waits for its
-    hand-over, and an operator cancels it meanwhile. The store refuses the hand-over (the
-    run is over): the attempt ended cancelled, not lost."""
+async def _stop_during_a_run(wrap: Callable[[Any, int], Any],
+                            ) -> tuple[list[ev.AttemptEnded], list[tuple[int, str | None]], int]:
+    """Run job ``report`` on a store wrapped by ``wrap(backend, slot)``, and stop while its
+    handler runs (cancelled once the stop's grace has passed; then the hand-over); return
+    the attempts' endings as reported, the history's (slot, outcome), and the slot."""
     store = MemoryStore()
     started = anyio.Event()
     seen: list[ev.Event] = []
@@ -269,12 +272,12 @@ async def test_a_cancel_that_lands_before_the_hand_over_is_reported_cancelled() 
 
     async def report(ctx: RunContext) -> None:
         started.set()
-        await anyio.sleep_forever()  # cancelled by the stop once its grace has passed
+        await anyio.sleep_forever()
 
     s.every("report", "1h", report, offset=quiet_offset_now())
     slot = s.jobs["report"].schedule.previous_at_or_before(int(time.time() * 1000))
     assert slot is not None
-    s.backend = CancelBeforeHandOver(s.backend, "report", slot)  # type: ignore[assignment]
+    s.backend = wrap(s.backend, slot)
     s.subscribe(seen.append)
     async with anyio.create_task_group() as tg:
         ia = await Instance(s).start(tg)
@@ -282,8 +285,44 @@ async def test_a_cancel_that_lands_before_the_hand_over_is_reported_cancelled() 
         with anyio.fail_after(10):
             await started.wait()
         await ia.stop(grace=0.2)
-    ended = [e for e in seen if isinstance(e, ev.AttemptEnded)]
+    history = await store.backend().history("report")
+    return ([e for e in seen if isinstance(e, ev.AttemptEnded)],
+            [(a.slot, a.outcome) for a in history], slot)
+
+
+async def test_a_cancel_that_lands_before_the_hand_over_is_reported_cancelled() -> None:
+    """The stop cancelled the handler once its grace had passed; the run waits for its
+    hand-over, and an operator cancels it meanwhile. The store refuses the hand-over (the
+    run is over): the attempt ended cancelled, not lost."""
+    ended, history, slot = await _stop_during_a_run(
+        lambda backend, slot: CancelBeforeHandOver(backend, "report", slot))
     assert [(type(e).__name__, e.outcome) for e in ended] == [
         ("Cancelled", Outcome.CANCELLED)], ended
-    history = await store.backend().history("report")
-    assert [(a.slot, a.outcome) for a in history] == [(slot, "cancelled")], history
+    assert history == [(slot, "cancelled")], history
+
+
+class HandOverAnswerLost:
+    """The store makes the hand-over, then its answer is lost with the connection."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr != "hand_over":
+            return value
+
+        async def hand_over(leases: Any) -> Any:
+            await value(leases)
+            raise BackendUnavailable("the connection dropped (test)")
+        return hand_over
+
+
+async def test_a_hand_over_whose_answer_was_lost_is_reported_handed_over() -> None:
+    """The store handed the run over and its answer was lost: the store says so when
+    asked, and the attempt is reported ``HandedOver`` as the history has it (it was
+    reported ``Lost``, "not handed over")."""
+    ended, history, slot = await _stop_during_a_run(
+        lambda backend, slot: HandOverAnswerLost(backend))
+    assert [type(e).__name__ for e in ended] == ["HandedOver"], ended
+    assert history == [(slot, "handed_over")], history

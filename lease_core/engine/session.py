@@ -350,25 +350,35 @@ class Session:
             return
         self._handed.update(lease.token for lease in leases)
         backend = self.settings.backend
-        done: frozenset[str] = frozenset()
+        done: set[str] = set()
         cancelled: set[tuple[str, int]] = set()
         with anyio.move_on_after(10, shield=True):
+            answered = False
             try:
-                done = await backend.hand_over(leases)
+                done.update(await backend.hand_over(leases))
+                answered = True
                 logger.info("instance %s handed over %d runs", self.settings.instance_id,
                             len(done))
-                # A run the store did not hand over may have been cancelled by an
-                # operator since its last heartbeat: that attempt ended cancelled.
-                kept = [(lease.job, lease.slot) for lease in leases
-                        if lease.token not in done]
-                if kept:
-                    found = (await backend.check(kept)).runs
-                    # This attempt's cancel, not another's (the run taken over meanwhile).
-                    cancelled = {key for key, state in found.items()
-                                 if state.status is RunStatus.CANCELLED
-                                 and state.attempt == self._attempt_of(key)}
             except Exception as exc:
                 self.clock.failed("hand-over", exc, write=True)
+            # A run the store did not hand over may have been cancelled by an operator
+            # since its last heartbeat: that attempt ended cancelled. A hand-over whose
+            # answer was lost may have been made: the store says which.
+            kept = {(lease.job, lease.slot): lease for lease in leases
+                    if lease.token not in done}
+            try:
+                found = (await backend.check(list(kept))).runs if kept else {}
+            except Exception as exc:
+                found = {}
+                if answered:  # else the outage the hand-over reported
+                    self.clock.failed("hand-over", exc, write=True)
+            for key, state in found.items():
+                # This attempt's ending, not another's (the run taken over meanwhile).
+                if state.attempt == self._attempt_of(key):
+                    if state.status is RunStatus.CANCELLED:
+                        cancelled.add(key)
+                    elif state.status is RunStatus.HANDED_OVER and not answered:
+                        done.add(kept[key].token)
         for lease in leases:
             if lease.token in done:
                 self.execution.ended(ev.HandedOver, lease)
