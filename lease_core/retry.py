@@ -102,6 +102,10 @@ class Retry:
 
     def delay_ms(self, retry: int) -> int:
         """The wait before retry number ``retry`` (1 for the first), jitter applied."""
+        if isinstance(retry, bool) or not isinstance(retry, int) or retry < 1:
+            raise ConfigurationError(
+                f"delay_ms({retry!r}): a retry's number is 1 for the first, 2 for the "
+                "second...")
         base = parse_duration(self.backoff, what="backoff", allow_zero=True)
         cap = parse_duration(self.max_backoff, what="max_backoff", allow_zero=True)
         if base == 0:

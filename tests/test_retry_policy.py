@@ -25,6 +25,12 @@ def test_jitter_spreads_each_wait_within_its_bounds() -> None:
     assert len(waits) > 1  # spread, not one value
 
 
+@pytest.mark.parametrize("number", [0, -1, 1.5, True, "1"])
+def test_a_retry_number_below_one_is_refused(number: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"delay_ms\(.*\): a retry's number is 1"):
+        Retry().delay_ms(number)  # type: ignore[arg-type]
+
+
 def test_no_retry_types_and_timeouts() -> None:
     policy = Retry(no_retry=(KeyError,))
     assert not policy.retries_error(KeyError("x"))
