@@ -76,6 +76,18 @@ def test_a_redis_url_s_bad_ssl_cert_reqs_is_refused_before_connecting() -> None:
     assert isinstance(backend_from_url("rediss://db/0?ssl_cert_reqs=none"), RedisBackend)
 
 
+@pytest.mark.parametrize("url", ["redis://:secret@db/0?ssl_ca_certs=/etc/ssl/ca.pem",
+                                 "unix:///run/redis.sock?db=1&ssl_cert_reqs=none"])
+def test_tls_options_on_a_url_without_tls_are_refused_before_connecting(url: str) -> None:
+    """redis-py keeps them for its plain connection, which refused them with a TypeError
+    at start(): a URL meant for TLS (rediss://) that says nothing of it."""
+    with pytest.raises(ConfigurationError, match=r"apply to TLS only.*write rediss://") as caught:
+        backend_from_url(url)
+    assert "secret" not in str(caught.value)
+    assert isinstance(backend_from_url("rediss://:secret@db/0?ssl_ca_certs=/etc/ssl/ca.pem"),
+                      RedisBackend)
+
+
 @pytest.mark.parametrize("url", ["postgresql://app:secret@[::1/db",
                                  "redis://:secret@[fe80::1:6379/0",
                                  "postgresql+pg8000://app:secret@db]/app"])

@@ -13,7 +13,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Self
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import anyio.to_thread
 import sniffio
@@ -94,6 +94,14 @@ def _check_url(url: str) -> None:
                             "wait_timeout": _wait_timeout, "ssl_cert_reqs": _cert_reqs}
     check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
     parts = urlsplit(url)
+    tls = sorted({name for name, _ in parse_qsl(parts.query) if name.startswith("ssl_")})
+    if tls and parts.scheme in ("redis", "unix"):
+        # (redis-py keeps them for a plain connection, which refuses them with a TypeError
+        # at the first command: start() failed with no word of TLS)
+        raise ConfigurationError(
+            f"the Redis URL {redact(url)!r} sets {', '.join(tls)}, which apply to TLS only, "
+            f"and {parts.scheme}:// connects without TLS: write rediss://host:port/db for "
+            "TLS, or drop them")
     if parts.scheme == SENTINEL_SCHEME:
         sentinel_parts(url)  # its service, db and query, as the adapter will read them
     if is_cluster_url(url):
