@@ -25,7 +25,8 @@ _SENTINEL_PRIMARY_OPTIONS = ("socket_timeout", "socket_connect_timeout", "socket
 
 
 def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
-    """Split ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]``.
+    """Split ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]``
+    (an IPv6 host in brackets, ``[::1]:26379``).
 
     Returns the Sentinels' addresses (port 26379 when none is given), the service name
     (the primary's name in the Sentinels' ``sentinel monitor``) and the keyword arguments
@@ -41,7 +42,11 @@ def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]
     user, _, password = auth.partition(":")
     sentinels = []
     for host in hosts.split(","):
-        name, _, port = host.rpartition(":") if ":" in host else (host, "", "26379")
+        if host.startswith("["):  # an IPv6 address, [::1] or [::1]:26379
+            name, _, port = host[1:].partition("]")
+            port = port.removeprefix(":")
+        else:
+            name, _, port = host.rpartition(":") if ":" in host else (host, "", "26379")
         sentinels.append((name or "127.0.0.1", int(port or 26379)))
     path = [unquote(part) for part in parts.path.split("/") if part]
     if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):

@@ -34,6 +34,17 @@ def test_the_url_names_the_sentinels_the_service_and_the_db() -> None:
             sentinel_parts(bad)
 
 
+def test_an_ipv6_sentinel_is_named_without_its_brackets() -> None:
+    # The brackets were kept as part of the host name ("[::1]", which no resolver
+    # knows), and "[::1]" without a port raised a bare ValueError (port "1]").
+    for url, expected in (("redis+sentinel://[::1]:26380/jobs", [("::1", 26380)]),
+                          ("redis+sentinel://[::1]/jobs", [("::1", 26379)]),
+                          ("redis+sentinel://s1,[fd00::2]:5000,[fd00::3]/jobs/1",
+                           [("s1", 26379), ("fd00::2", 5000), ("fd00::3", 26379)])):
+        assert sentinel_parts(url)[0] == expected
+        backend_from_url(url)  # accepted as the adapter reads it
+
+
 async def test_the_urls_pool_and_connection_options_reach_the_primarys_client() -> None:
     # ?max_connections= and ?timeout= (the pool's bounds, as on a redis:// URL) and the
     # connections' options were accepted and dropped: the pool stayed at 8 connections.
