@@ -94,7 +94,15 @@ def _check_url(url: str) -> None:
                             "wait_timeout": _wait_timeout, "ssl_cert_reqs": _cert_reqs}
     check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
     parts = urlsplit(url)
-    tls = sorted({name for name, _ in parse_qsl(parts.query) if name.startswith("ssl_")})
+    given: dict[str, str] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if given.setdefault(name, value) != value:
+            # (redis-py reads the first, a Sentinel URL and libpq the last)
+            values = ("" if "password" in name
+                      else f", as {given[name]!r} and {value!r}")
+            raise ConfigurationError(
+                f"the Redis URL {redact(url)!r} gives {name!r} twice{values}; give it once")
+    tls = sorted(name for name in given if name.startswith("ssl_"))
     if tls and parts.scheme in ("redis", "unix"):
         # (redis-py keeps them for a plain connection, which refuses them with a TypeError
         # at the first command: start() failed with no word of TLS)
@@ -114,6 +122,12 @@ def _check_url(url: str) -> None:
             "number: write redis://host:port/<number> (0 to 15 on a default server), or "
             "no path for database 0"
         )
+    if parts.scheme in ("redis", "rediss") and database and "db" in given and (
+            int(database) != int(given["db"])):
+        # (redis-py lets ?db= win over the path)
+        raise ConfigurationError(
+            f"the Redis URL {redact(url)!r} names database {database} in its path and "
+            f"{given['db']} in ?db=; name it once")
 
 
 def _is_cluster(connection: object) -> bool:
