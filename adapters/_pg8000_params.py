@@ -7,6 +7,7 @@ re-exports it and documents the parameters. It needs no driver.
 
 from __future__ import annotations
 
+import math
 import os
 import ssl
 from typing import Any
@@ -106,7 +107,7 @@ def pg8000_params(dsn: str | None) -> dict[str, Any]:
             seconds = float(timeout)
         except ValueError:
             seconds = -1.0
-        if seconds < 0:
+        if not 0 <= seconds < math.inf:  # (nan, inf: a ValueError of the socket at start)
             raise ConfigurationError(
                 f"{source} {timeout!r} is not a number of seconds (0 waits forever)"
             )

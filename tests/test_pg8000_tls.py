@@ -134,6 +134,10 @@ def test_unknown_and_bad_parameters_are_refused_by_name(tmp_path: Path) -> None:
         "?port=54x": "port '54x'",
         "?host=a,b": "one host",
         "?connect_timeout=soon": "connect_timeout 'soon'",
+        # as psycopg refuses them; they raised the socket's ValueError (OverflowError) at
+        # start()
+        "?connect_timeout=nan": "connect_timeout 'nan' is not a number of seconds",
+        "?connect_timeout=inf": "connect_timeout 'inf' is not a number of seconds",
         "?sslmode=require&sslkey=/k.pem": "sslkey .* set sslcert too",
         f"?sslmode=verify-ca&sslrootcert={tmp_path}/none.pem": "cannot load sslrootcert .*none.pem",
         f"?sslmode=require&sslcert={tmp_path}/none.pem": "cannot load sslcert",
