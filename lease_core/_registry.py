@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
@@ -255,6 +255,7 @@ def check_url(
     if "://" in url:
         parts = urlsplit(url)
         pairs = parse_qsl(parts.query, keep_blank_values=True)
+        _check_ports(kind, url, (value for key, value in pairs if key == "port"))
         port = parts.netloc.rpartition("@")[2]
         for host in port.split(","):  # a multi-host URL: host1:5432,host2:5433
             text = host.rpartition("]")[2].partition(":")[2] if ":" in host else ""
@@ -273,12 +274,7 @@ def check_url(
                 )
     else:
         pairs = [(m.group(1), m.group(2).strip("'")) for m in _PAIR.finditer(url)]
-        for text in (v for key, value in pairs if key == "port" for v in value.split(",")):
-            if text and not (text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
-                raise ConfigurationError(
-                    f"the {kind} DSN {redact(url)!r} has the port {text!r}, which is not a "
-                    "number from 1 to 65535"
-                )
+        _check_ports(kind, url, (value for key, value in pairs if key == "port"))
     unknown = [key for key, _ in pairs if key not in own and key not in driver]
     if unknown:
         drivers = f"; the driver's: {', '.join(sorted(driver))}" if driver else ""
@@ -301,6 +297,19 @@ def check_url(
             raise ConfigurationError(
                 f"{key}={value!r} must be {what} (in the {kind} URL {redact(url)!r})"
             ) from None
+
+
+def _check_ports(kind: str, url: str, values: Iterable[str]) -> None:
+    """Refuse a ``port`` parameter (of a DSN, or of a URL's query, which overrides the
+    URL's own port) that is not a number from 1 to 65535; a list (``5432,5433``) is each
+    host's."""
+    what = "URL" if "://" in url else "DSN"
+    for text in (v for value in values for v in value.split(",")):
+        if text and not (text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
+            raise ConfigurationError(
+                f"the {kind} {what} {redact(url)!r} has the port {text!r}, which is not a "
+                "number from 1 to 65535"
+            )
 
 
 #: How :func:`check_url` words a bad value for a driver's plain parsers.

@@ -236,8 +236,14 @@ def test_a_redis_wait_timeout_in_the_query_may_be_a_number_of_seconds() -> None:
 
 
 @pytest.mark.parametrize("dsn", ["host=db port=abc dbname=app", "host=a,b port=5432,x",
-                                 "host=db port=70000"])
-def test_a_bad_port_in_a_key_value_dsn_is_refused_before_connecting(dsn: str) -> None:
+                                 "host=db port=70000",
+                                 # the query's port, which overrides the URL's own: with
+                                 # pg8000, 0 and 99999 read as a server that cannot be
+                                 # reached (exit 1, and a scheduler retrying for ever)
+                                 "postgresql+pg8000://app@db/app?port=99999",
+                                 "postgresql+pg8000://app@db:5432/app?port=0",
+                                 "postgresql://app@db/app?port=5432,70000"])
+def test_a_bad_port_in_a_dsn_or_a_url_s_query_is_refused_before_connecting(dsn: str) -> None:
     """As in a URL: a configuration error (exit 2), not "cannot reach" (exit 1)."""
     with pytest.raises(ConfigurationError, match="which is not a number from 1 to 65535"):
         backend_from_url(dsn)
