@@ -29,6 +29,7 @@ from .base import (
     Params,
     TransientError,
     gave_up,
+    in_users_transaction,
     pooler_hint,
     read_only,
     redact,
@@ -152,6 +153,15 @@ def _where_of(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> s
         return f"{conn.info.host}:{conn.info.port}"
     except psycopg.Error:  # pragma: no cover - closed connection
         return ""
+
+def _refuse_open(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> None:
+    """Raise :func:`~adapters.base.in_users_transaction` for a connection in a transaction
+    (or a failed one) before the store runs anything on it: a connection passed in that the
+    application left so (the adapters' own transactions always end)."""
+    if conn.info.transaction_status in (psycopg.pq.TransactionStatus.INTRANS,
+                                        psycopg.pq.TransactionStatus.INERROR):
+        raise in_users_transaction("psycopg")
+
 
 def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
     # The result's status, not ``cur.description``: that builds a Column per column.

@@ -47,6 +47,7 @@ __all__ = [
     "conninfo_params",
     "dsn_query",
     "gave_up",
+    "in_users_transaction",
     "pooler_hint",
     "read_only",
     "redact",
@@ -130,6 +131,22 @@ def refused(at: str, text: str, state: str) -> str:
                 "next client of its server connection; give the table with its schema "
                 "(table=public.anarchon_runs)")
     return f"PostgreSQL refused the statement{at}: {text}{hint}"
+
+
+def in_users_transaction(driver: str) -> ConfigurationError:
+    """The error for a connection passed in that the application left in a transaction.
+
+    Run in it, the store's statements would be seen by no other instance until the
+    application commits (a claim's row locks held as long), and undone by its rollback;
+    the store's own ``COMMIT`` would commit the application's work.
+    """
+    return ConfigurationError(
+        f"the {driver} connection passed to the backend is in a transaction the application "
+        "opened (autocommit is off and a statement of its own ran without a commit): the "
+        "backend's statements would run inside it, seen by no other instance until it "
+        "commits and undone by its rollback; commit or roll it back first, open the "
+        "connection in autocommit mode, or give the backend a connection (or a pool) of "
+        "its own")
 
 
 def read_only(at: str, text: str) -> str:

@@ -74,6 +74,7 @@ from .base import (
     TransientError,
     WorkerThreads,
     gave_up,
+    in_users_transaction,
     pooler_hint,
     read_only,
     redact,
@@ -283,7 +284,6 @@ class Pg8000ConnectionAdapter(SqlAdapter):
     """Queue statements, one at a time, on one pg8000 connection; never closed."""
 
     concurrent = False
-
     anyio_backends = ("asyncio", "trio")
 
     def __init__(self, conn: Any) -> None:
@@ -294,20 +294,32 @@ class Pg8000ConnectionAdapter(SqlAdapter):
             )
         self.conn = conn
         self._lock = ConnectionLock("this pg8000 connection")
+        self._left_open = False  # by a transaction of this adapter (see _refuse_open)
         self._where = _where_of(conn)
         # One statement at a time (the lock): its thread is never queued behind the
         # application's own (anyio's default limiter).
         self._threads = WorkerThreads(1)
 
+    def _refuse_open(self) -> None:
+        """Refuse a connection the application left in a transaction (not one broken here)."""
+        if not (_idle(self.conn) or self._left_open):
+            raise in_users_transaction("pg8000")
+
     async def all(self, sql: str, params: Params = ()) -> list[Row]:
         """Run one statement in a worker thread when the connection is free."""
         async with self._lock.held():
+            self._refuse_open()
             return await _Tx(self.conn, self._where, self._threads, alone=True).all(sql, params)
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Executor]:
-        async with self._lock.held(), _transaction(self.conn, self._where, self._threads) as tx:
-            yield tx
+        async with self._lock.held():
+            self._refuse_open()
+            try:
+                async with _transaction(self.conn, self._where, self._threads) as tx:
+                    yield tx
+            finally:
+                self._left_open = not _idle(self.conn)
 
     def transaction(self) -> Any:
         """Open a transaction when the connection is free."""

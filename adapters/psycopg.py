@@ -53,6 +53,7 @@ from ._psycopg_base import (
     _mapped,
     _params,
     _query,
+    _refuse_open,
     _secret_of,
     _where,
     _where_of,
@@ -149,6 +150,7 @@ def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Params) -> list[R
 async def _async_single(
     conn: psycopg.AsyncConnection[Any], sql: str, params: Params
 ) -> list[Row]:
+    _refuse_open(conn)
     if conn.autocommit:
         return await _async_all(conn, sql, params)
     if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
@@ -163,6 +165,7 @@ async def _async_single(
 
 
 def _sync_single(conn: psycopg.Connection[Any], sql: str, params: Params) -> list[Row]:
+    _refuse_open(conn)
     if conn.autocommit:
         return _sync_all(conn, sql, params)
     if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
@@ -250,6 +253,7 @@ async def _async_transaction(
     conn: psycopg.AsyncConnection[Any], where: str, *, reset: str | None = None
 ) -> AsyncIterator[Executor]:
     with _mapped(where):
+        _refuse_open(conn)
         tx = psycopg.AsyncTransaction(conn)
         async with _settled(conn, where, deliver=False):
             await tx.__aenter__()
@@ -275,6 +279,7 @@ async def _async_transaction(
 async def _sync_transaction(conn: psycopg.Connection[Any], where: str, threads: WorkerThreads
                             ) -> AsyncIterator[Executor]:
     with _mapped(where):
+        _refuse_open(conn)
         tx = conn.transaction()
         await threads.run(tx.__enter__)
         try:

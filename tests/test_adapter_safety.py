@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import pg8000.dbapi
 import pg8000.native
 import psycopg
 import pytest
@@ -26,6 +27,7 @@ from psycopg_pool import ConnectionPool
 from adapters.base import WorkerThreads
 from adapters.pg8000 import Pg8000ConnectionAdapter, Pg8000PoolAdapter, pg8000_params
 from adapters.psycopg import (
+    PsycopgConnectionAdapter,
     PsycopgDsnAdapter,
     PsycopgSyncConnectionAdapter,
     PsycopgSyncPoolAdapter,
@@ -149,6 +151,72 @@ async def test_pg8000_pool_closes_a_connection_given_back_in_a_transaction(
         assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 1
     finally:
         await adapter.close()
+        await _drop(pg16_server.admin_dsn, table)
+
+
+def _user_connection(kind: str, dsn: str) -> Any:
+    """A connection of the application's, in a transaction it opened and left open."""
+    if kind == "pg8000":
+        p = pg8000_params(dsn)
+        conn = pg8000.dbapi.Connection(p["user"], host=p["host"], port=p["port"],
+                                       password=p["password"], database=p["database"])
+        conn.cursor().execute("SELECT 1")  # the DB-API opens a transaction at it
+        return conn
+    conn = psycopg.connect(dsn)  # autocommit off: the SELECT opens a transaction
+    conn.execute("SELECT 1")
+    return conn
+
+
+@pytest.mark.parametrize("kind", ["pg8000", "psycopg-sync"])
+async def test_a_connection_the_application_left_in_a_transaction_is_refused(
+    pg16_server: PgServer, kind: str
+) -> None:
+    """The store's statements ran inside the application's transaction: psycopg's as
+    savepoints, seen by no other instance (a claim's row locks held) until the
+    application committed; pg8000's BEGIN was ignored with a warning and its COMMIT
+    committed the application's work. Both are refused, and nothing is written; once the
+    application commits, the connection serves the store as any other."""
+    table = await _table(pg16_server.admin_dsn)
+    conn = _user_connection(kind, pg16_server.dsn)
+    adapter: SqlAdapter = (Pg8000ConnectionAdapter(conn) if kind == "pg8000"
+                           else PsycopgSyncConnectionAdapter(conn))
+    try:
+        with pytest.raises(ConfigurationError, match="in a transaction the application opened"):
+            await adapter.all(f"INSERT INTO {table} VALUES (1)")
+        with pytest.raises(ConfigurationError, match="commit or roll it back first"):
+            async with adapter.transaction() as tx:
+                await tx.all(f"INSERT INTO {table} VALUES (2)")
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 0
+        conn.commit()
+        await adapter.all(f"INSERT INTO {table} VALUES (3)")
+        async with adapter.transaction() as tx:
+            await tx.all(f"INSERT INTO {table} VALUES (4)")
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 2
+    finally:
+        conn.close()
+        await _drop(pg16_server.admin_dsn, table)
+
+
+@pytest.mark.asyncio_only
+async def test_an_async_psycopg_connection_left_in_a_transaction_is_refused(
+    pg16_server: PgServer,
+) -> None:
+    table = await _table(pg16_server.admin_dsn)
+    conn = await psycopg.AsyncConnection.connect(pg16_server.dsn)
+    await conn.execute("SELECT 1")
+    adapter = PsycopgConnectionAdapter(conn)
+    try:
+        with pytest.raises(ConfigurationError, match="in a transaction the application opened"):
+            await adapter.all(f"INSERT INTO {table} VALUES (1)")
+        with pytest.raises(ConfigurationError, match="in a transaction the application opened"):
+            async with adapter.transaction() as tx:
+                await tx.all(f"INSERT INTO {table} VALUES (2)")
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 0
+        await conn.commit()
+        await adapter.all(f"INSERT INTO {table} VALUES (3)")
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 1
+    finally:
+        await conn.close()
         await _drop(pg16_server.admin_dsn, table)
 
 
