@@ -329,7 +329,6 @@ class Pg8000ConnectionAdapter(SqlAdapter):
 @dataclass
 class _Outcome:
     """What one worker-thread call of :class:`Pg8000PoolAdapter` did."""
-
     conn: Any  # the connection to keep, or None (none opened, or closed as broken)
     rows: list[Row]
     error: Exception | None
@@ -467,6 +466,7 @@ class Pg8000PoolAdapter(SqlAdapter):
 
     async def open(self) -> None:
         """Open the first connection, so a bad login or host is reported at once."""
+        self._closed = False  # (again after close(): its connections are kept again)
         async with self._slot():
             conn = await self._acquire()
             await self._release(conn, None)

@@ -12,11 +12,14 @@ from typing import Any
 import anyio
 import pytest
 
+from adapters.pg8000 import Pg8000PoolAdapter, pg8000_params
 from adapters.psycopg import PsycopgDsnAdapter
 from adapters.redis import MAX_CONNECTIONS, redis_adapter
+from adapters.sql import SqlAdapter
 from backends.postgres import PostgresBackend
 from backends.redis import RedisBackend
 from lease_core.errors import BackendUnavailable
+from tests.stores.postgres import drop_tables, unique_table
 
 pytestmark = pytest.mark.anyio
 
@@ -102,7 +105,26 @@ async def test_the_psycopg_pool_lends_the_connection_given_back_last(pg16_server
         await adapter.close()
 
 
-async def _pid(adapter: PsycopgDsnAdapter) -> int:
+async def test_a_pg8000_pool_keeps_its_connections_after_a_close_and_a_new_start(
+    pg16_server: Any,
+) -> None:
+    """A pool passed in, which its backend's close() closes: at a new start() it still
+    took itself for closed and closed every connection given back, so each statement
+    logged in anew."""
+    adapter = Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=2)
+    backend = PostgresBackend(adapter, table=unique_table())
+    try:
+        for _ in range(2):  # the first start, then a new one after close()
+            await backend.start()
+            pids = [await _pid(adapter) for _ in range(3)]
+            assert len(set(pids)) == 1, pids
+            await backend.close()
+    finally:
+        await backend.close()
+        await drop_tables(pg16_server.admin_dsn, backend.table)
+
+
+async def _pid(adapter: SqlAdapter) -> int:
     ((pid,),) = await adapter.all("SELECT pg_backend_pid()")
     return int(pid)
 
