@@ -39,12 +39,15 @@ def is_cluster_url(url: object) -> bool:
 def check_cluster_url(url: str) -> None:
     """Refuse a Cluster URL with no host, or a database other than 0."""
     parts = urlsplit(url)
-    database = unquote(parts.path).strip("/")
-    if database not in ("", "0"):
-        raise ConfigurationError(
-            f"the Redis Cluster URL {redact(url)!r} names database {database!r}; a Cluster "
-            "has database 0 only: write no path (or /0)")
-    names = {name for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    names = set(query)
+    # (a ?db= other than 0 raised redis-py's own RedisClusterException at start() under
+    # asyncio, and read as an unreachable Cluster under trio)
+    for database in (unquote(parts.path).strip("/"), query.get("db", "")):
+        if database not in ("", "0"):
+            raise ConfigurationError(
+                f"the Redis Cluster URL {redact(url)!r} names database {database!r}; a "
+                "Cluster has database 0 only: write no path (or /0) and no ?db=")
     if "timeout" in names:
         raise ConfigurationError(
             f"the Redis Cluster URL {redact(url)!r} sets timeout=, the wait for a free "

@@ -81,6 +81,8 @@ async def test_a_cluster_url_reaches_the_jobs_on_every_node(
 
 async def test_a_cluster_url_is_checked_before_connecting() -> None:
     for url, why in (("redis+cluster://127.0.0.1:7000/3", "database 0 only"),
+                     ("redis+cluster://127.0.0.1:7000?db=2", "names database '2'.* no \\?db="),
+                     ("rediss+cluster://h:7000/0?db=1", "database 0 only"),
                      ("redis+cluster:///0", "names no node"),
                      ("redis+cluster://h:7000?timeout=5", "no such wait"),
                      ("redis+cluster://h:7000?ssl_cert_reqs=none", "rediss\\+cluster")):
