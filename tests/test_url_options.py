@@ -92,18 +92,22 @@ def test_tls_options_on_a_url_without_tls_are_refused_before_connecting(url: str
 @pytest.mark.parametrize(("url", "must"), [
     ("redis://db/0?max_connections=4&max_connections=32",
      "gives 'max_connections' twice, as '4' and '32'; give it once"),
-    ("redis://db/0?password=secret&password=other", "gives 'password' twice; give it once"),
+    ("redis://db/0?password=s3cr3t&password=0th3r", "gives 'password' twice; give it once"),
     ("rediss://db:6380/2?db=3", "names database 2 in its path and 3 in ?db=; name it once"),
+    ("redis://:s3cr3t@db/0?password=0th3r", "gives a password before the host and another"),
+    ("redis://alice:pw@db/0?username=bob", "gives a username before the host and another"),
 ])
 def test_a_redis_url_that_says_two_things_is_refused(url: str, must: str) -> None:
     """redis-py reads the first of a repeated parameter (a Sentinel URL, and libpq for
-    PostgreSQL, the last) and lets ?db= win over the path: the pool was silently 4
-    connections, the database 3."""
+    PostgreSQL, the last), lets ?db= win over the path and the user and password before
+    the host win over the query's: the pool was silently 4 connections, the database 3,
+    the password the first."""
     with pytest.raises(ConfigurationError, match=re.escape(must)) as caught:
         backend_from_url(url)
-    assert "secret" not in str(caught.value) and "other" not in str(caught.value)
+    assert "s3cr3t" not in str(caught.value) and "0th3r" not in str(caught.value)
     for same in ("redis://db/0?max_connections=4&max_connections=4", "redis://db/3?db=3",
-                 "redis://db?db=3", "unix:///run/redis.sock?db=3"):
+                 "redis://db?db=3", "unix:///run/redis.sock?db=3",
+                 "redis://:p%40ss@db/0?password=p%40ss", "redis://db/0?password=x"):
         assert isinstance(backend_from_url(same), RedisBackend)
 
 

@@ -102,6 +102,14 @@ def _check_url(url: str) -> None:
                       else f", as {given[name]!r} and {value!r}")
             raise ConfigurationError(
                 f"the Redis URL {redact(url)!r} gives {name!r} twice{values}; give it once")
+    for name in ("username", "password") if parts.scheme != SENTINEL_SCHEME else ():
+        # (redis-py lets the URL's user and password win over the query's; a Sentinel URL
+        # refuses them in the query, below)
+        before = getattr(parts, name)
+        if before and name in given and unquote(before) != given[name]:
+            raise ConfigurationError(
+                f"the Redis URL {redact(url)!r} gives a {name} before the host and another "
+                f"in ?{name}=; give it once")
     tls = sorted(name for name in given if name.startswith("ssl_"))
     if tls and parts.scheme in ("redis", "unix"):
         # (redis-py keeps them for a plain connection, which refuses them with a TypeError
