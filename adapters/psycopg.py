@@ -44,6 +44,7 @@ import anyio
 import anyio.lowlevel
 import psycopg
 import psycopg.conninfo
+from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from lease_core.errors import BackendUnavailable, ConfigurationError
@@ -126,20 +127,27 @@ class _SyncTx:
         return rows
 
 
+# Each statement on a cursor of psycopg's own class with tuple rows, whatever the user's
+# connection or pool says (row_factory=dict_row gave rows of column names; a RawCursor
+# refused %s placeholders).
+
+
 async def _async_all(
     conn: psycopg.AsyncConnection[Any], sql: str, params: Params
 ) -> list[Row]:
-    cur = await conn.execute(_query(sql), _params(params), prepare=False)
+    cur = psycopg.AsyncCursor(conn, row_factory=tuple_row)
+    await cur.execute(_query(sql), _params(params), prepare=False)
     if not _has_rows(cur):
         return []
-    return [tuple(row) for row in await cur.fetchall()]
+    return await cur.fetchall()
 
 
 def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Params) -> list[Row]:
-    cur = conn.execute(_query(sql), _params(params), prepare=False)
+    cur = psycopg.Cursor(conn, row_factory=tuple_row)
+    cur.execute(_query(sql), _params(params), prepare=False)
     if not _has_rows(cur):
         return []
-    return [tuple(row) for row in cur.fetchall()]
+    return cur.fetchall()
 
 
 # A single statement runs in autocommit mode: one round trip, where BEGIN ... COMMIT

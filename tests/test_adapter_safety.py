@@ -220,6 +220,44 @@ async def test_an_async_psycopg_connection_left_in_a_transaction_is_refused(
         await _drop(pg16_server.admin_dsn, table)
 
 
+@pytest.mark.asyncio_only
+@pytest.mark.parametrize("setting", ["row_factory", "cursor_factory"])
+@pytest.mark.parametrize("kind", ["async-pool", "sync-connection"])
+async def test_a_psycopg_row_factory_or_cursor_class_of_the_users_is_not_the_stores(
+    pg16_server: PgServer, kind: str, setting: str
+) -> None:
+    """A pool or connection made with row_factory=dict_row gave the store rows of column
+    names (start() raised IndexError), one with a RawCursor class refused the store's %s
+    placeholders (TypeError); the store's statements use psycopg's own cursor, tuple rows."""
+    from psycopg.rows import dict_row
+    from psycopg_pool import AsyncConnectionPool
+
+    from backends.postgres import PostgresBackend
+    from lease_core.abc import ClaimRequest, ClaimStatus
+    from tests.stores.postgres import drop_tables, unique_table
+
+    raw = psycopg.AsyncRawCursor if kind == "async-pool" else psycopg.RawCursor
+    options: dict[str, Any] = {setting: dict_row if setting == "row_factory" else raw}
+    pool: Any = None
+    if kind == "async-pool":
+        pool = given = AsyncConnectionPool(pg16_server.dsn, kwargs=options, open=False)
+        await pool.open()
+    else:
+        given = psycopg.connect(pg16_server.dsn, **options)
+    backend = PostgresBackend(given, table=unique_table())
+    try:
+        await backend.start()
+        assert abs(await backend.now_ms() - time.time() * 1000) < 60_000
+        won = await backend.claim(ClaimRequest("job", 1, "a", "ta", 60_000))
+        held = await backend.claim(ClaimRequest("job", 1, "b", "tb", 60_000))
+        assert (won.status, held.status) == (ClaimStatus.WON, ClaimStatus.RUNNING)
+        assert [(a.job, a.instance_id) for a in await backend.history("job")] == [("job", "a")]
+    finally:
+        await backend.close()
+        await pool.close() if pool is not None else given.close()
+        await drop_tables(pg16_server.admin_dsn, backend.table)
+
+
 # -- 2. sync psycopg: the same, and a block cancelled during a statement goes no further ---
 
 
