@@ -302,6 +302,28 @@ async def test_postgres_url_options_reach_the_backend_and_the_driver(
         await drop_tables(pg16_server.admin_dsn, table)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("scheme", ["POSTGRESQL://", "PostgreSQL+pg8000://", "Postgres://"])
+async def test_a_postgres_url_s_scheme_is_read_whatever_its_case(
+    anyio_backend: str, pg16_server: PgServer, scheme: str
+) -> None:
+    """The registry reads a scheme in any case, as a URL's scheme is (Redis URLs too);
+    PostgresBackend then refused it ('missing "=" after ...', 'unknown PostgreSQL URL
+    scheme')."""
+    table = unique_table()
+    # (no query of the backend's: a URL rebuilt without it came back with a lower-case
+    # scheme, and worked)
+    backend = backend_from_url(pg16_server.dsn.replace("postgresql://", scheme, 1),
+                               table=table)
+    try:
+        await backend.start()
+        won = await backend.claim(ClaimRequest("job", 1, "i", "t", 60_000))
+        assert won.status is ClaimStatus.WON
+    finally:
+        await backend.close()
+        await drop_tables(pg16_server.admin_dsn, table)
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_redis_url_options_reach_the_backend_and_the_driver(
     anyio_backend: str, valkey8_server: EmbeddedRedis

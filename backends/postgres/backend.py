@@ -151,6 +151,8 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
             f"{redact(url)!r} is not a PostgreSQL URL; use "
             "postgresql://user:password@host:5432/db or a key/value DSN"
         )
+    if scheme is not None:  # a scheme is case-insensitive (RFC 3986); libpq reads it lower
+        url = scheme + url[len(scheme):]
     driver: tuple[str, ...] = _LIBPQ
     if scheme is not None and scheme.endswith("+pg8000"):
         refuse_multi_host(url)
