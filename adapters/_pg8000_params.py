@@ -42,7 +42,8 @@ SSL_MODES = ("disable", "prefer", "require", "verify-ca", "verify-full")
 
 def refuse_multi_host(dsn: str) -> None:
     """Raise :class:`ConfigurationError` for a URL naming several hosts: pg8000 takes one."""
-    if "," in dsn.partition("://")[2].partition("/")[0] + dsn_query(dsn).get("host", ""):
+    hosts = dsn.partition("://")[2].partition("/")[0].rpartition("@")[2]  # (not a password)
+    if "," in hosts + dsn_query(dsn).get("host", ""):
         raise ConfigurationError(
             f"the pg8000 driver connects to one host, and {redact(dsn)!r} names several: "
             "for a multi-host URL (host1,host2 with target_session_attrs=read-write, to reach "

@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from adapters.pg8000 import pg8000_params
 from adapters.sql import adapter_for
 from backends.embedded.postgres import EmbeddedPostgres
 from backends.postgres import PostgresBackend
@@ -149,6 +150,17 @@ def test_unknown_and_bad_parameters_are_refused_by_name(tmp_path: Path) -> None:
         assert secret not in str(info.value)
     with pytest.raises(ConfigurationError, match="'sslmod'"):
         PostgresBackend(base.replace("+pg8000", "") + "?sslmod=require", driver="pg8000")
+
+
+def test_a_comma_in_the_password_is_not_a_second_host() -> None:
+    """A comma may stand unencoded in a URL's user and password (libpq reads it so): it
+    was refused as a multi-host URL, which pg8000 cannot reach."""
+    params = pg8000_params("postgresql+pg8000://app,x:pa,ss@db.example:5433/app")
+    assert (params["user"], params["password"], params["host"], params["port"]) == (
+        "app,x", "pa,ss", "db.example", 5433)
+    assert isinstance(PostgresBackend("postgresql+pg8000://app:pa,ss@db/app"), PostgresBackend)
+    with pytest.raises(ConfigurationError, match="names several"):
+        PostgresBackend("postgresql+pg8000://app:pa,ss@db1,db2/app")
 
 
 def test_bad_pgsslmode_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
