@@ -10,6 +10,7 @@ records), combined in :class:`~backends.redis.RedisBackend`.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Self
@@ -82,6 +83,45 @@ def _cert_reqs(value: str) -> str:
     return value
 
 
+def _number_reader(what: str, *, whole: bool = False, least: float = 0.0,
+                   above: bool = False) -> Callable[[str], float]:
+    """A reader of a URL option's number for :func:`check_url`: finite, at least ``least``
+    (more than it with ``above``), whole with ``whole``. redis-py's own parsers (``float``,
+    ``int``) took nan, negative numbers and 0 alike: a socket's ValueError at start(), or
+    a store said to be unreachable."""
+
+    def read(text: str) -> float:
+        try:
+            number = float(int(text) if whole else float(text))
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number < least or (above and number == least):
+            raise ValueError(what)
+        return number
+
+    return read
+
+
+def _protocol(text: str) -> int:
+    """``protocol``: RESP2 or RESP3 (redis-py refused any other as it first connected, an
+    error that read as an unreachable store)."""
+    if text not in ("2", "3"):
+        raise ValueError("2 or 3")
+    return int(text)
+
+
+#: Readers of redis-py's options whose own parser accepts values it then fails on.
+_DRIVER_READERS: dict[str, Callable[[str], float]] = {
+    "socket_timeout": _number_reader("a number of seconds, more than 0", above=True),
+    "socket_connect_timeout": _number_reader("a number of seconds, more than 0", above=True),
+    "timeout": _number_reader("a number of seconds, 0 or more"),
+    "health_check_interval": _number_reader("a whole number of seconds, 0 or more",
+                                            whole=True),
+    "socket_read_size": _number_reader("a whole number, at least 1", whole=True, least=1),
+    "protocol": _protocol,
+}
+
+
 def _check_url(url: str) -> None:
     """Refuse a bad port, a query parameter neither the backend nor redis-py knows, or a
     value either refuses (:func:`lease_core._registry.check_url`)."""
@@ -89,7 +129,7 @@ def _check_url(url: str) -> None:
         from redis.connection import URL_QUERY_ARGUMENT_PARSERS as parsers
     except ImportError:  # the driver's absence is reported when connecting
         parsers = {}
-    read: dict[str, Any] = {**parsers, "max_connections": positive_whole,
+    read: dict[str, Any] = {**parsers, **_DRIVER_READERS, "max_connections": positive_whole,
                             "wait_replicas": positive_whole,
                             "wait_timeout": _wait_timeout, "ssl_cert_reqs": _cert_reqs}
     check_url("Redis", url, _OPTIONS, (*_DRIVER_PARAMS, *parsers), read=read)
