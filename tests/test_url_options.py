@@ -85,8 +85,29 @@ def test_tls_options_on_a_url_without_tls_are_refused_before_connecting(url: str
     with pytest.raises(ConfigurationError, match=r"apply to TLS only.*write rediss://") as caught:
         backend_from_url(url)
     assert "secret" not in str(caught.value)
-    assert isinstance(backend_from_url("rediss://:secret@db/0?ssl_ca_certs=/etc/ssl/ca.pem"),
+    assert isinstance(backend_from_url("rediss://:secret@db/0?ssl_cert_reqs=none"),
                       RedisBackend)
+
+
+def test_a_rediss_url_s_missing_tls_file_or_bad_tls_version_is_refused_before_connecting(
+    tmp_path: Path,
+) -> None:
+    """A missing CA file failed each connection with "Error 2 connecting to host:port.
+    No such file or directory" (the store said to be unreachable, exit 1), and a
+    ssl_min_version that is no TLS version with a bare ValueError at start()."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    for query, must in ((f"ssl_ca_certs={tmp_path}/none.pem", "not a readable file"),
+                        (f"ssl_certfile={tmp_path}", "not a readable file"),
+                        (f"ssl_ca_path={ca}", "not a readable directory"),
+                        ("ssl_min_version=99", "must be a number of Python's ssl.TLSVersion")):
+        for scheme in ("rediss://:secret@db/0", "rediss+cluster://:secret@db:7000"):
+            with pytest.raises(ConfigurationError, match=must) as caught:
+                backend_from_url(f"{scheme}?{query}")
+            assert "secret" not in str(caught.value)
+    assert isinstance(backend_from_url(
+        f"rediss://db/0?ssl_ca_certs={ca}&ssl_ca_path={tmp_path}&ssl_min_version=771"),
+        RedisBackend)
 
 
 @pytest.mark.parametrize(("url", "must"), [

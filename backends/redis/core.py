@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -110,6 +112,20 @@ def _protocol(text: str) -> int:
     return int(text)
 
 
+def _tls_version(text: str) -> int:
+    """``ssl_min_version``: a number of Python's :class:`ssl.TLSVersion`, as redis-py takes
+    it (it failed at start() with a bare ValueError)."""
+    try:
+        return int(ssl.TLSVersion(int(text)))
+    except ValueError:
+        raise ValueError("a number of Python's ssl.TLSVersion: 771 for TLS 1.2, 772 for "
+                         "TLS 1.3") from None
+
+
+#: The TLS files a ``rediss://`` URL may name, and what each must be.
+_TLS_FILES = {"ssl_ca_certs": "file", "ssl_certfile": "file", "ssl_keyfile": "file",
+              "ssl_ca_path": "directory"}
+
 #: Readers of redis-py's options whose own parser accepts values it then fails on.
 _DRIVER_READERS: dict[str, Callable[[str], float]] = {
     "socket_timeout": _number_reader("a number of seconds, more than 0", above=True),
@@ -119,6 +135,7 @@ _DRIVER_READERS: dict[str, Callable[[str], float]] = {
                                             whole=True),
     "socket_read_size": _number_reader("a whole number, at least 1", whole=True, least=1),
     "protocol": _protocol,
+    "ssl_min_version": _tls_version,
 }
 
 
@@ -158,6 +175,14 @@ def _check_url(url: str) -> None:
             f"the Redis URL {redact(url)!r} sets {', '.join(tls)}, which apply to TLS only, "
             f"and {parts.scheme}:// connects without TLS: write rediss://host:port/db for "
             "TLS, or drop them")
+    for name, kind in _TLS_FILES.items() if parts.scheme.startswith("rediss") else ():
+        # (a missing one failed each connection with "Error 2 connecting to host:port. No
+        # such file or directory", said to be an unreachable store)
+        path = given.get(name)
+        found = path and (os.path.isdir(path) if kind == "directory" else os.path.isfile(path))
+        if path and not (found and os.access(path, os.R_OK)):
+            raise ConfigurationError(
+                f"{name}={path!r} in the Redis URL {redact(url)!r} is not a readable {kind}")
     if parts.scheme == SENTINEL_SCHEME:
         sentinel_parts(url)  # its service, db and query, as the adapter will read them
     if is_cluster_url(url):
