@@ -18,10 +18,16 @@ _USERINFO = re.compile(
 _USERINFO_UNESCAPED = re.compile(
     r"""(?<=://)([^:/@\s'"]*):(?!\*\*\*@)([^\s'"]*)@(?=[^\s'"@]*(?:[\s'"]|$))"""
 )
-# ``password=...`` in a key/value DSN (``password='a b'`` quoted, or up to a space) and in a
-# URL query (up to ``&`` or ``#``); also ``sslpassword=`` and friends.
+# ``password=...`` in a URL query (after ``?`` or ``&``, up to ``&`` or ``#``); also
+# ``sslpassword=`` and friends.
+_QUERY_PASSWORD = re.compile(
+    r"""((?<=[?&])[A-Za-z_]*(?:password|passwd)=)([^\s&#'"]+)""", re.IGNORECASE)
+# ``password=...`` anywhere else, as in a key/value DSN: quoted (``password='a b'``), or up
+# to a space (libpq reads ``password=a&b`` as ``a&b``: a URL's end at ``&`` or ``#`` showed
+# the rest).
 _PASSWORD_PAIR = re.compile(
-    r"""((?:[A-Za-z_]*password|passwd)\s*=\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\s&#'"]+)""",
+    r"""((?<![A-Za-z_?&])(?:[A-Za-z_]*password|passwd)\s*=\s*)"""
+    r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\s'"]+)""",
     re.IGNORECASE,
 )
 
@@ -38,4 +44,5 @@ def redact(text: str, *secrets: str | None) -> str:
             text = text.replace(secret, MASK)
     text = _USERINFO.sub(lambda m: f"{m.group(1)}:{MASK}@", text)
     text = _USERINFO_UNESCAPED.sub(lambda m: f"{m.group(1)}:{MASK}@", text)
+    text = _QUERY_PASSWORD.sub(lambda m: m.group(1) + MASK, text)
     return _PASSWORD_PAIR.sub(lambda m: m.group(1) + MASK, text)

@@ -55,6 +55,12 @@ def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
         (f"host=db password={SECRET} dbname=jobs", "host=db password=*** dbname=jobs"),
         (f"host=db password = '{SECRET} \\' x' dbname=jobs", "host=db password = *** dbname=jobs"),
         (f"url 'host=db password={SECRET}' is bad", "url 'host=db password=***' is bad"),
+        # libpq reads a DSN's unquoted value to the next space: '&' and '#' are in it (the
+        # end of a value in a URL's query, where the rest of the password was shown)
+        ("host=db password=s3cr&et#42 dbname=jobs", "host=db password=*** dbname=jobs"),
+        ("sslpassword=k3y&pass host=db", "sslpassword=*** host=db"),
+        ("postgresql://db/jobs?sslpassword=k3y&sslmode=require",
+         "postgresql://db/jobs?sslpassword=***&sslmode=require"),
         (f"app:{SECRET}@db:5432", "app:***@db:5432"),
         # unescaped '#', '/', '?' in the password (a URL parser ends the userinfo there)
         ("postgresql://app:s3cr#et@db:5432/jobs", "postgresql://app:***@db:5432/jobs"),
