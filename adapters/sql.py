@@ -83,6 +83,13 @@ def adapter_for(connection: Any, *, driver: str | None = None, **options: Any) -
     """
     if driver not in (None, "psycopg", "pg8000"):
         raise ConfigurationError(f"unknown PostgreSQL driver {driver!r}; use 'psycopg' or 'pg8000'")
+    named = connection.split("://", 1)[0].lower().partition("+")[2] if isinstance(
+        connection, str) and "://" in connection else ""
+    if driver is not None and named in ("psycopg", "pg8000") and named != driver:
+        # (the URL's driver won over the keyword's, or the keyword over the URL's, silently)
+        raise ConfigurationError(
+            f"driver={driver!r} contradicts the URL {redact(connection)!r}, which names "
+            f"{named}; give the driver once")
     if isinstance(connection, str) and connection.startswith(
         ("postgresql+psycopg://", "postgres+psycopg://")
     ):

@@ -286,6 +286,21 @@ def test_a_bad_port_in_a_dsn_or_a_url_s_query_is_refused_before_connecting(dsn: 
         backend_from_url(dsn)
 
 
+def test_a_driver_keyword_that_contradicts_the_url_s_driver_is_refused() -> None:
+    """postgresql+pg8000:// with driver="psycopg" made a pg8000 pool, postgresql+psycopg://
+    with driver="pg8000" a pg8000 one: one of the two was dropped, silently."""
+    for url, driver in (("postgresql+pg8000://app:s3cr3t@db/app", "psycopg"),
+                        ("postgresql+psycopg://app:s3cr3t@db/app", "pg8000"),
+                        ("postgres+pg8000://app@db/app?table=jobs", "psycopg")):
+        with pytest.raises(ConfigurationError, match=f"driver='{driver}' contradicts") as info:
+            backend_from_url(url, driver=driver)
+        assert "s3cr3t" not in str(info.value)
+    for url, driver in (("postgresql+pg8000://app@db/app", "pg8000"),
+                        ("postgresql+psycopg://app@db/app", "psycopg"),
+                        ("postgresql://app@db/app", "pg8000")):
+        assert isinstance(backend_from_url(url, driver=driver), PostgresBackend)
+
+
 def test_the_short_scheme_with_a_driver_is_known() -> None:
     """``postgres+pg8000://`` and ``postgres+psycopg://``, which PostgresBackend takes, are
     schemes of the registry too."""
