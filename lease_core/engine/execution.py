@@ -98,6 +98,14 @@ def _stray(exc: asyncio.CancelledError) -> bool:
     return task is None or not task.cancelling()
 
 
+def _stopped_by_its_timeout(ran: _Ran, ctx: RunContext) -> None:
+    """A handler stopped by ``ctx.raise_if_stopping()`` at its timeout, before the scope's
+    cancellation came (it had not awaited since), timed out: it did not fail."""
+    if (ran.raised is not None and classify(ran.raised) is StopRequested
+            and ctx.stop_reason == "timed out"):
+        ran.raised, ran.timed_out = None, True
+
+
 def _exited(exc: BaseException) -> RuntimeError:
     """The failure a handler's ``sys.exit()`` (or a raised ``KeyboardInterrupt``) is."""
     return RuntimeError(f"the handler raised {exc!r}, which fails its run (a handler "
@@ -427,11 +435,7 @@ class Executor:
             except SystemExit as exc:  # it would end the event loop, and every task on it
                 ran.raised = _exited(exc)
                 ran.raised.__cause__ = exc
-        if (ran.raised is not None and classify(ran.raised) is StopRequested
-                and ctx.stop_reason == "timed out"):
-            # ``ctx.raise_if_stopping()`` at the timeout, before the scope's cancellation
-            # came (a handler that had not awaited since): the run timed out, not failed.
-            ran.raised, ran.timed_out = None, True
+        _stopped_by_its_timeout(ran, ctx)
         if execution.scope.cancelled_caught:
             ran.interrupted = execution.cancel_reason or Interruption.DEADLINE
         return ran
