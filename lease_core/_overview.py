@@ -6,7 +6,8 @@ one read each (a job whose last finished run is older than that window, its atte
 all of runs in progress, is read on its own). A row shows the job's kind, schedule and
 next slot (from the schedule the store recorded at the declaring instances' start), its
 last finished run (outcome, when, how long), its runs in progress with their holder and
-the lease left, and ``paused``: who paused the job (an operation), else ``None``.
+the lease left (or, waiting for a retry, when it is due), and ``paused``: who paused the
+job (an operation), else ``None``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from ._status import iso, run_id, workflow_status
+from ._status import iso, run_id, with_retry_due, workflow_status
 from ._structures import Attempt, Outcome, RunInfo, RunStatus, ms_to_datetime
 from .abc import Backend
 from .errors import ConfigurationError
@@ -65,7 +66,8 @@ async def read_overview(backend: Backend, *, status: str = "all", query: str = "
     steps = {step_job(w, s) for w, names in workflows.items() for s in names}
     jobs = [name for name in await backend.jobs() if name not in steps]
     open_runs: defaultdict[str, list[RunInfo]] = defaultdict(list)
-    for run in await backend.runs(None, open_only=True, limit=100_000):
+    for run in await with_retry_due(backend,
+                                    await backend.runs(None, open_only=True, limit=100_000)):
         open_runs[run.job].append(run)
     # The slots in progress of each job, and of each step its workflow's: an attempt at
     # one of them ended no run (a failed attempt waiting for its retry, a retried run).
@@ -152,12 +154,13 @@ def _next(spec: str | None, now: int) -> tuple[str | None, int | None]:
 def _running(name: str, runs: Sequence[RunInfo], now: int) -> list[dict[str, Any]]:
     """The runs in progress: ``status`` is ``running``, ``handed_over`` or ``retrying``
     (its attempt failed, and the retry waits, unleased); only a running run has
-    ``lease_left_ms``."""
+    ``lease_left_ms``, only a retrying one ``retry_at`` (when its retry is due)."""
     return [{"id": run_id(name, r.slot), "slot": r.slot, "scheduled_at": iso(r.scheduled_at),
              "attempt": r.attempt, "instance_id": r.instance_id, "status": str(r.status),
              "handed_over": r.status is RunStatus.HANDED_OVER,
              "lease_left_ms": (r.expires_ms - now if r.expires_ms is not None
-                               and r.status is RunStatus.RUNNING else None)}
+                               and r.status is RunStatus.RUNNING else None),
+             "retry_at": iso(r.expires_at) if r.status is RunStatus.RETRYING else None}
             for r in sorted(runs, key=lambda r: r.slot)]
 
 

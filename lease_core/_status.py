@@ -13,7 +13,7 @@ at the same slot, and the steps and their order are those the store recorded
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -44,6 +44,7 @@ __all__ = [
     "render_status",
     "run_id",
     "run_status",
+    "with_retry_due",
     "workflow_status",
 ]
 
@@ -51,6 +52,33 @@ __all__ = [
 _RECENT = 20
 #: The open runs one listing reads at most (of every job; of one job when that was full).
 _OPEN = 10_000
+#: The runs one ``check`` reads at most when finding when retries are due.
+_CHECK_BATCH = 500
+
+
+async def with_retry_due(backend: Backend, runs: Sequence[RunInfo]) -> list[RunInfo]:
+    """``runs`` (from :meth:`~lease_core.abc.Backend.runs`), each ``retrying`` one with
+    ``expires_ms`` set to when its retry is due.
+
+    ``runs`` reports a lease's expiry only while ``running``; the store keeps a retrying
+    run's due time as its expiry, which :meth:`~lease_core.abc.Backend.check` reads (in
+    batches, only when some run is retrying). A run that changed in between (its retry
+    claimed, cancelled) keeps ``expires_ms`` ``None``: no due time is shown for it.
+    """
+    waiting = [(r.job, r.slot) for r in runs if r.status is RunStatus.RETRYING]
+    if not waiting:
+        return list(runs)
+    states: dict[tuple[str, int], RunState] = {}
+    for start in range(0, len(waiting), _CHECK_BATCH):
+        states.update((await backend.check(waiting[start:start + _CHECK_BATCH])).runs)
+    found = []
+    for run in runs:
+        state = states.get((run.job, run.slot))
+        if (run.status is RunStatus.RETRYING and state is not None
+                and state.status is RunStatus.RETRYING and state.attempt == run.attempt):
+            run = replace(run, expires_ms=state.expires_ms)
+        found.append(run)
+    return found
 
 
 def iso(moment: datetime | None) -> str | None:
@@ -101,9 +129,22 @@ def _run_json(run: RunInfo) -> dict[str, Any]:
         "status": str(run.status),
         "attempt": run.attempt,
         "instance_id": run.instance_id,
-        # a cancelled run keeps the end of its holder's grace there (Admin.cancel): no lease
-        "lease_expires_at": None if run.status.finished else iso(run.expires_at),
+        **_expiry_fields(run),
     }
+
+
+def _expiry_fields(run: RunInfo | None) -> dict[str, str | None]:
+    """``lease_expires_at`` and ``retry_at``: what a run's stored expiry means.
+
+    Only a running run holds a lease (its expiry, past when the holder stopped renewing
+    it); a retrying run's expiry is when its retry is due (``retry_at``); a handed-over
+    run's is past, and a cancelled run keeps the end of its holder's grace there
+    (:meth:`~lease_core.operations.Admin.cancel`): no lease, no retry.
+    """
+    status = None if run is None else run.status
+    expiry = None if run is None else iso(run.expires_at)
+    return {"lease_expires_at": expiry if status is RunStatus.RUNNING else None,
+            "retry_at": expiry if status is RunStatus.RETRYING else None}
 
 
 async def read_status(backend: Backend, job: str | Sequence[str] | None = None,
@@ -114,7 +155,8 @@ async def read_status(backend: Backend, job: str | Sequence[str] | None = None,
     names = (await backend.jobs() if job is None
              else [job] if isinstance(job, str) else list(job))
     one = names[0] if len(names) == 1 else None
-    open_runs = await backend.runs(one, open_only=True, limit=_OPEN)
+    open_runs = await with_retry_due(
+        backend, await backend.runs(one, open_only=True, limit=_OPEN))
     # A full listing may leave some jobs' open runs out: each job's are read then.
     full = len(open_runs) >= _OPEN and one is None
     paused = await backend.paused()
@@ -122,7 +164,8 @@ async def read_status(backend: Backend, job: str | Sequence[str] | None = None,
     for name in names:
         recent = await backend.runs(name, limit=_RECENT)
         last = next((r for r in recent if r.status.finished), None)
-        mine = (await backend.runs(name, open_only=True, limit=_OPEN) if full
+        mine = (await with_retry_due(backend, await backend.runs(
+                    name, open_only=True, limit=_OPEN)) if full
                 else [r for r in open_runs if r.job == name])
         jobs.append(JobStatus(name, mine, last, paused.get(name)))
     return StoreStatus(now, jobs)
@@ -161,6 +204,10 @@ def _describe_open(run: RunInfo, now_ms: int) -> str:
     if run.expires_ms is None:
         return f"slot {slot} attempt {run.attempt} {run.status} (by {run.instance_id})"
     left = (run.expires_ms - now_ms) / 1000
+    if run.status is RunStatus.RETRYING:  # no holder: the expiry is when the retry is due
+        due = f"due in {left:.1f}s" if left > 0 else f"due {-left:.1f}s ago, not claimed yet"
+        return (f"slot {slot} attempt {run.attempt} by {run.instance_id} failed; retry at "
+                f"{iso(run.expires_at)} ({due}, retrying)")
     state = f"lease {left:.1f}s left" if left > 0 else f"lease expired {-left:.1f}s ago"
     return (f"slot {slot} attempt {run.attempt} held by {run.instance_id}, "
             f"{state} (until {iso(run.expires_at)})")
@@ -289,7 +336,7 @@ async def read_runs(backend: Backend, name: str, limit: int = 20) -> dict[str, A
 
 
 async def _job_entry(backend: Backend, name: str, limit: int) -> dict[str, Any]:
-    runs = await backend.runs(name, limit=limit)
+    runs = await with_retry_due(backend, await backend.runs(name, limit=limit))
     attempts = await _attempts(backend, name, _claimed(runs)) if runs else {}
     return {"name": name, "kind": "job", "runs": [
         _job_run_json(name, r, attempts.get(r.slot, [])) for r in runs]}
@@ -301,7 +348,8 @@ async def _workflow_entry(backend: Backend, name: str, steps: Sequence[str],
     # A step a deploy removed or renamed shows in the runs it ran for (run_steps); the
     # store's jobs read once for every workflow of GET /jobs (``jobs``).
     others = await other_steps(backend, name, steps, jobs=jobs)
-    by_step = {s: {r.slot: r for r in await backend.runs(step_job(name, s), limit=limit)}
+    by_step = {s: {r.slot: r for r in await with_retry_due(
+                   backend, await backend.runs(step_job(name, s), limit=limit))}
                for s in [*steps, *others]}
     slots = sorted({slot for runs in by_step.values() for slot in runs}, reverse=True)
     attempts_by_step = {s: await _attempts(backend, step_job(name, s),
@@ -437,10 +485,7 @@ def _run_fields(run: RunInfo | None, attempts: list[Attempt]) -> dict[str, Any]:
                             if not cancelled_unclaimed(a)), None),
         "finished_at": None if open_run or not attempts else iso(attempts[-1].finished_at),
         "heartbeat_at": None,
-        # Only a running run holds a lease: a retrying run's expiry is when its retry is
-        # due, a handed-over run's is past.
-        "lease_expires_at": (iso(run.expires_at)
-                             if run is not None and run.status is RunStatus.RUNNING else None),
+        **_expiry_fields(run),
     }
 
 

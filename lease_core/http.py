@@ -10,10 +10,11 @@ the operations (``POST``, always with the token: see :mod:`lease_core._http_oper
                                    are shown in its runs, not as jobs
 ``GET /overview``                  one row per job and workflow: kind, schedule, next slot,
                                    last outcome, when and how long, runs in progress with
-                                   holder and lease left; ``?status=`` (all, running,
-                                   failed, ok, never), ``?q=`` (part of the name),
-                                   ``?page=``, ``?per_page=`` (up to 200); with the count of
-                                   every filter
+                                   holder and lease left (``retry_at`` for one waiting for
+                                   its retry); ``?status=`` (all, running, failed, ok,
+                                   never), ``?q=`` (part of the name), ``?page=``,
+                                   ``?per_page=`` (up to 200); with the count of every
+                                   filter
 ``GET /runs/{name}``               one job's or workflow's latest runs (``?limit=N``, default
                                    20)
 ``GET /jobs/{id}``                 one run; ``id`` is ``<name>@<slot>``, the slot in epoch
@@ -30,11 +31,14 @@ or ``workflow``), ``slot``, ``scheduled_at``, ``status`` (``pending``, ``running
 ``completed``, ``failed``, ``skipped``, ``escalated``, ``cancelled``), ``attempts``
 (every attempt, oldest first), and for a workflow ``steps``, each with ``name``,
 ``status``, ``attempt``, ``instance_id`` (the holder, or the last one), ``started_at``,
-``finished_at``, ``heartbeat_at`` and ``lease_expires_at``. A job's run has those step
-fields itself. ``heartbeat_at`` is when the holder last renewed the lease (or claimed the
-run), on the stores that record it (memory, PostgreSQL, Redis); ``lease_expires_at`` tells
-whether it is alive. ``store_status`` is the run's status as stored (``handed_over``, ``retrying``,
-``timed_out``, ...).
+``finished_at``, ``heartbeat_at``, ``lease_expires_at`` and ``retry_at``. A job's run has
+those step fields itself. ``heartbeat_at`` is when the holder last renewed the lease (or
+claimed the run), on the stores that record it (memory, PostgreSQL, Redis);
+``lease_expires_at`` tells whether it is alive (``None`` unless its ``store_status`` is
+``running``: only a running run holds a lease). ``retry_at`` is when a run waiting for its
+retry is due (``None`` unless its ``store_status`` is ``retrying``; it holds no lease
+meanwhile). ``store_status`` is the run's status as stored (``handed_over``,
+``retrying``, ``timed_out``, ...).
 
 With a ``token``, every request needs the header ``Authorization: Bearer <token>`` and
 gets 401 without it. The page asked without it answers 401 too, with the page itself,

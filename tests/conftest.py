@@ -24,7 +24,7 @@ SPECS = {spec.id: spec for spec in all_specs()}
 # Modules that run whole schedulers: only on stores with ``scenarios=True``.
 SCENARIO_MODULES = ("test_scenarios", "test_lifecycle", "test_events", "test_workflows",
                     "test_retention", "test_burst", "test_fleet", "test_retries",
-                    "test_operations")
+                    "test_operations", "test_retry_at")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -472,6 +472,54 @@ def test_status_of_a_redis_store(
         delete_prefix(valkey8_server.url, prefix)
 
 
+async def _seed_retrying(url: str, **options: str) -> None:
+    """'flaky': its attempt failed, its retry due in 90 s; 'held': running."""
+    backend = backend_from_url(url, **options)
+    await backend.start()
+    try:
+        for job in ("flaky", "held"):
+            await backend.claim(ClaimRequest(job, 1_700_000_000_000, "host-a", job, 60_000))
+        assert await backend.retry_later([(Lease("flaky", 1_700_000_000_000, "flaky", 60_000),
+                                           Outcome.FAILED, "boom", [90_000])]) == [1]
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("server", ["pg16_server", "valkey8_server"])
+def test_status_shows_when_a_waiting_retry_is_due(
+        capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest, server: str,
+) -> None:
+    """A run waiting for its retry holds no lease: ``anarchon status`` said "held by
+    host-a, lease 89.9s left" and ``--json`` had its due time as ``lease_expires_at``."""
+    url = request.getfixturevalue(server).url if server == "valkey8_server" else \
+        request.getfixturevalue(server).dsn
+    where = f"anarchon_t_{uuid.uuid4().hex[:12]}"
+    flag = ["--table", where] if server == "pg16_server" else ["--prefix", where]
+    options = {"table": where} if server == "pg16_server" else {"prefix": where}
+    try:
+        anyio.run(lambda: _seed_retrying(url, **options))
+        assert main(["status", "--url", url, *flag, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        jobs = {job["name"]: job["running"][0] for job in data["jobs"]}
+        flaky, held = jobs["flaky"], jobs["held"]
+        assert flaky["status"] == "retrying" and flaky["lease_expires_at"] is None
+        due = datetime.fromisoformat(flaky["retry_at"]) - datetime.fromisoformat(data["now"])
+        assert 0 < due.total_seconds() <= 90, due
+        assert held["retry_at"] is None and held["lease_expires_at"] is not None
+
+        assert main(["status", "--url", url, *flag]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        line = next(line for line in lines if line.startswith("flaky"))
+        assert re.search(r"slot 2023-11-14T22:13:20.000\+00:00 attempt 1 by host-a failed; "
+                         r"retry at \S+ \(due in \d+\.\ds, retrying\)$", line), line
+        assert flaky["retry_at"] in line
+    finally:
+        if server == "pg16_server":
+            anyio.run(drop_tables, request.getfixturevalue(server).admin_dsn, where)
+        else:
+            delete_prefix(url, where)
+
+
 def test_status_needs_a_url(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,7 +32,7 @@ SLOT = 1_764_460_800_000  # 2025-11-30T00:00:00Z
 NEXT = SLOT + 86_400_000  # the day after
 LEASE = 60_000
 STEP_FIELDS = {"name", "job", "status", "store_status", "attempt", "instance_id", "started_at",
-               "finished_at", "heartbeat_at", "lease_expires_at"}
+               "finished_at", "heartbeat_at", "lease_expires_at", "retry_at"}
 
 STORES = [
     pytest.param(("memory", "asyncio"), id="memory-asyncio"),

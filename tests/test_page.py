@@ -272,7 +272,7 @@ def test_page_overview_drill_down_and_recovery_log(
     anyio.run(_add_job, pg16_server.dsn, table, "flaky", True)
     rows = {row["name"]: row for row in _rows(browser, wait,
                                                ["close", "export", "flaky", "report"])}
-    assert "attempt 1 by c, failed, waiting for its retry" in rows["flaky"]["cells"][7]
+    assert "attempt 1 by c, failed, retry at " in rows["flaky"]["cells"][7]
     assert rows["flaky"]["state"] == "never" and rows["flaky"]["running"] == 1
 
 
@@ -487,6 +487,82 @@ def test_page_says_a_triggered_run_is_queued_not_held(
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, card))
     text = browser.find_element(By.CSS_SELECTOR, f"{card} p.muted").text
     assert text.startswith(queued), text
+
+
+async def _add_retrying_step(dsn: str, table: str) -> None:
+    """Workflow ``books``: its step ``post`` at SLOT failed, its retry due in an hour."""
+    from lease_core.abc import ClaimRequest, Lease, Outcome
+
+    backend = PostgresBackend(dsn, table=table)
+    await backend.start()
+    try:
+        await backend.register_workflows({"books": ["post"]})
+        await backend.claim(ClaimRequest("books/post", SLOT, "c", "t-books", 60_000))
+        assert await backend.retry_later([(Lease("books/post", SLOT, "t-books", 60_000),
+                                           Outcome.FAILED, "boom", [3_600_000])]) == [1]
+    finally:
+        await backend.close()
+
+
+def test_page_shows_when_a_waiting_retry_is_due(
+        browser: Any, served: tuple[str, str], pg16_server: PgServer) -> None:
+    """A run (or a workflow's step) waiting for its retry holds no lease: the page said
+    "failed, waiting for its retry" and showed no time. It shows "retry at HH:MM:SSZ"
+    (the API's ``retry_at``) in the overview, the job's runs, the run's view and the
+    step's lease column."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    base, table = served
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
+    anyio.run(_add_job, pg16_server.dsn, table, "flaky", True)
+    anyio.run(_add_retrying_step, pg16_server.dsn, table)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    run = httpx2.get(f"{base}/jobs/flaky@{SLOT}", headers=headers).json()
+    assert run["store_status"] == "retrying" and run["lease_expires_at"] is None
+    due = run["retry_at"]
+    (step,) = httpx2.get(f"{base}/jobs/books@{SLOT}", headers=headers).json()["steps"]
+    step_due = step["retry_at"]
+    assert step["store_status"] == "retrying" and step["lease_expires_at"] is None
+    assert due is not None and step_due is not None
+
+    def retry_at(selector: str, when: str) -> str:
+        """The text of ``selector``, once it shows the retry due at ``when``."""
+        def shown(driver: Any) -> bool:
+            found = driver.find_elements(By.CSS_SELECTOR, f"{selector} .retry-at time")
+            return bool(found) and found[0].get_attribute("datetime") == when
+
+        wait.until(shown)
+        text = browser.find_element(By.CSS_SELECTOR, selector).text
+        assert f"retry at {when[11:19]}" in text, text  # HH:MM:SS, with its date if not today
+        return str(text)
+
+    browser.get(f"{base}/#token={TOKEN}")
+    text = retry_at('tr[data-job="flaky"] td:nth-child(8)', due)
+    assert text.startswith("attempt 1 by c, failed, retry at "), text
+    text = retry_at('tr[data-job="books"] td:nth-child(8)', step_due)
+    assert text.startswith("post: attempt 1 by c, failed, retry at "), text
+    held = browser.find_element(By.CSS_SELECTOR, 'tr[data-job="close"] td:nth-child(8)').text
+    assert "lease" in held and "retry at" not in held, held  # a running run: its lease
+
+    browser.get(f"{base}/#token={TOKEN}&job=flaky")
+    text = retry_at(f'tr[data-run="flaky@{SLOT}"] td:nth-child(3)', due)
+    assert text.startswith("attempt 1 by c, retry at "), text
+
+    browser.get(f"{base}/#token={TOKEN}&run=flaky@{SLOT}")
+    text = retry_at(f'section[data-run="flaky@{SLOT}"] p.muted', due)
+    assert text.startswith("attempt 1 by c (retrying), retry at "), text
+
+    browser.get(f"{base}/#token={TOKEN}&run=books@{SLOT}")
+    text = retry_at(f'section[data-run="books@{SLOT}"] tr[data-step="post"] td:nth-child(7)',
+                    step_due)
+    assert text.startswith("retry at "), text
+    browser.get(f"{base}/#token={TOKEN}&run=close@{NEXT}")
+    cell = f'section[data-run="close@{NEXT}"] tr[data-step="interest"] td:nth-child(7)'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, cell))
+    lease = browser.find_element(By.CSS_SELECTOR, cell).text
+    assert lease != "-" and "retry" not in lease, lease  # running: when its lease expires
 
 
 def test_page_without_a_token_shows_no_operations(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -79,6 +80,50 @@ async def test_status_shows_a_paused_job_and_who_paused_it(store: Store) -> None
             in export, export
         report = next(line for line in lines if line.startswith("report"))
         assert "paused" not in report, report
+    finally:
+        await backend.close()
+
+
+async def test_only_a_running_run_shows_a_lease_and_a_retrying_one_its_retry(
+        store: Store) -> None:
+    """``anarchon status --json`` showed a retrying run's due time, and a handed-over
+    run's past expiry, as ``lease_expires_at``: neither holds a lease. A retrying run
+    shows ``retry_at``; a run cancelled in its holder's grace shows no lease either."""
+    from lease_core import Admin
+
+    backend = store.backend()
+    await backend.start()
+    try:
+        requests = {job: _req(job, SLOT, "a") for job in ("held", "handed", "waiting", "gone")}
+        for r in requests.values():
+            await backend.claim(r)
+        lease = {job: Lease(job, SLOT, r.token, 60_000) for job, r in requests.items()}
+        assert await backend.hand_over([lease["handed"]])
+        assert await backend.retry_later(
+            [(lease["waiting"], Outcome.FAILED, "boom", [90_000])]) == [1]
+        (failed,) = await backend.history("waiting", 1)
+        assert failed.finished_at is not None
+        await Admin(backend, by="ops").cancel("gone", SLOT, grace="30s")
+
+        status = await read_status(backend)
+        jobs = {j["name"]: j for j in status.as_json()["jobs"]}
+        held, handed, waiting = (jobs[j]["running"][0] for j in ("held", "handed", "waiting"))
+        assert held["retry_at"] is None
+        assert datetime.fromisoformat(held["lease_expires_at"]).timestamp() * 1000 \
+            > status.now_ms
+        assert (handed["status"], handed["lease_expires_at"], handed["retry_at"]) == (
+            "handed_over", None, None)
+        assert waiting["status"] == "retrying" and waiting["lease_expires_at"] is None
+        due = datetime.fromisoformat(waiting["retry_at"]) - failed.finished_at
+        assert abs(due - timedelta(seconds=90)) < timedelta(milliseconds=2), due  # store clock
+        gone = jobs["gone"]["last"]
+        assert (gone["status"], gone["lease_expires_at"], gone["retry_at"]) == (
+            "cancelled", None, None)
+
+        line = next(line for line in render_status(status).splitlines()
+                    if line.startswith("waiting"))
+        assert f"attempt 1 by a failed; retry at {waiting['retry_at']} (due in " in line
+        assert "s, retrying)" in line and "lease" not in line and "held by" not in line
     finally:
         await backend.close()
 

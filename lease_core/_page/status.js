@@ -164,6 +164,15 @@ function time(iso) {
   return iso ? el("time", { datetime: iso }, shortTime(iso)) : "-";
 }
 
+// When a run waiting for its retry (store status retrying: no lease) will be retried:
+// "retry at 14:03:07Z" that day (UTC, as every time on the page), else with its date.
+function retryAt(iso) {
+  const today = iso.slice(0, 10) === new Date().toISOString().slice(0, 10);
+  return el("span", { class: "retry-at" }, "retry at ",
+    el("time", { datetime: iso, title: shortTime(iso) },
+       today ? iso.slice(11, 19) + "Z" : shortTime(iso)));
+}
+
 function seconds(ms) {
   if (ms === null || ms === undefined) return "-";
   if (ms < 1000) return `${ms} ms`;
@@ -191,11 +200,13 @@ function inProgress(row) {
   return el("span", {}, ...row.running.flatMap((r, i) => {
     const step = r.step ? `${r.step}: ` : "";
     const lease = r.handed_over ? "handed over at a stop or retried, next attempt not claimed yet"
-      : r.status === "retrying" ? "failed, waiting for its retry"
+      : r.status === "retrying" ? (r.retry_at ? "failed, " : "failed, waiting for its retry")
       : r.lease_left_ms > 0 ? `lease ${seconds(r.lease_left_ms)} left`
         : `lease expired ${seconds(-r.lease_left_ms)} ago`;
     const text = r.attempt === 0 ? `${step}${holder(r)}` : `${step}${holder(r)}, ${lease}`;
-    return [...(i ? [el("br")] : []), link(text, { run: r.id }, { class: "run-link" })];
+    // "failed, retry at 14:03:07Z": when the retry of a run waiting for it is due
+    const shown = r.retry_at ? el("span", {}, text, retryAt(r.retry_at)) : text;
+    return [...(i ? [el("br")] : []), link(shown, { run: r.id }, { class: "run-link" })];
   }));
 }
 
@@ -286,7 +297,8 @@ function stepsTable(run) {
       el("td", {}, step.attempt === null ? "-" : String(step.attempt)),
       el("td", {}, step.attempt === 0 ? `queued by ${step.instance_id}` : step.instance_id),
       el("td", {}, time(step.started_at)),
-      el("td", {}, time(step.finished_at)), el("td", {}, time(step.lease_expires_at)))));
+      el("td", {}, time(step.finished_at)),
+      el("td", {}, step.retry_at ? retryAt(step.retry_at) : time(step.lease_expires_at)))));
 }
 
 function logTable(entries) {
@@ -304,7 +316,7 @@ async function job(name) {
     el("td", {}, status(run.status)),
     el("td", {}, run.kind === "workflow"
       ? el("span", {}, ...run.steps.map((s) => status(s.status)))
-      : holder(run)),
+      : el("span", {}, holder(run), ...(run.retry_at ? [", ", retryAt(run.retry_at)] : []))),
     el("td", {}, time(run.kind === "workflow" ? run.attempts[0]?.claimed_at : run.started_at)),
     el("td", {}, time(run.finished_at))));
   keepFocus(() => document.getElementById("view").replaceChildren(
@@ -327,7 +339,8 @@ async function run(id) {
     card.append(stepsTable(data));
   } else {
     const stored = data.store_status === data.status ? "" : ` (${data.store_status.replace("_", " ")})`;
-    card.append(el("p", { class: "muted" }, `${holder(data)}${stored}`));
+    card.append(el("p", { class: "muted" }, `${holder(data)}${stored}`,
+                   ...(data.retry_at ? [", ", retryAt(data.retry_at)] : [])));
   }
   // A workflow's run too: a retry resumes it at the step that failed, a cancel cancels
   // its step in progress (the operations find the step).
