@@ -108,7 +108,8 @@ CLAIM_ARG_TYPES = CLAIM_ARG_TYPES_V3 + ", boolean"
 CLAIM_ARG_COUNT = CLAIM_ARG_TYPES.count(",") + 1
 #: Function suffix -> a text its body of this build contains: a function of this store
 #: code whose body an earlier build of it made (without the text) is made again on start.
-BODY_MARKS = {OPERATE_SUFFIX: "operate body 3", CLAIM_SUFFIX: "claimed_at written"}
+BODY_MARKS = {OPERATE_SUFFIX: "operate body 3", CLAIM_SUFFIX: "claimed_at written",
+              "_claim": "in the words of 0.1.0"}
 #: The parameters of the store code v1 and v2 claim functions (which also took the
 #: history to keep and trimmed it); their names now call the current function.
 CLAIM_ARGS_V2 = (CLAIM_ARGS_V3 + ", p_history_size bigint, p_history_ttl_ms bigint, "
