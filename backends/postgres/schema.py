@@ -373,6 +373,10 @@ class StoreSchema:
             # A newer release upgraded the store meanwhile: its functions stay as it made them.
             self._use_newer(code, named)
             return
+        if len(existing) == 4 and function and code == CODE_VERSION:
+            # Made or upgraded meanwhile (a migrate or a start this one waited for): used
+            # as it is, as ensure() would have; making it again needs its owner's rights.
+            return
         if len(existing) < 4:
             for statement in self._sql.ddl:
                 await tx.all(statement)
