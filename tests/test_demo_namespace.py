@@ -419,6 +419,30 @@ def test_remove_leaves_a_store_of_yours_named_with_the_namespace_as_prefix(
     assert row is not None and row[0] >= 1
 
 
+def test_remove_leaves_your_tables_named_like_the_demo_store_s_functions_and_indexes(
+    database: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A demo kept under namespace ``jobs``, then tables of yours ``jobs_open`` and
+    ``jobs_claim`` made beside it: names of the demo store's index (an older release's)
+    and function, never of a table of its. Removing the demo dropped them with its own."""
+    namespace_for(database, "jobs").claim("fleet")  # as the fleet demo does, kept
+    run_job_once(database, "report", namespace="jobs")
+    mine = {"jobs_open": "CREATE TABLE jobs_open (id int PRIMARY KEY, note text)",
+            "jobs_claim": "CREATE TABLE jobs_claim (id int PRIMARY KEY, note text)"}
+    make_user_tables(database, mine, {name: f"INSERT INTO {name} VALUES (1, 'mine')"
+                                      for name in mine})
+    before = user_data(database, list(mine))
+    assert main(["demo", "--url", database, "--remove", "jobs"]) == 0
+    out = capsys.readouterr().out
+    assert "removed namespace jobs:" in out and "which no demo makes (not removed)" in out
+    assert "jobs_open" in out and "jobs_claim" in out, out
+    assert user_data(database, list(mine)) == before
+    assert not any(row[2] in ("jobs", "jobs_demo", "jobs_meta", "jobs_claim_v4(text,bigint,"
+                                                                 "text,text,bigint,text,"
+                                                                 "boolean,bigint,boolean)")
+                   for row in catalog(database))
+
+
 def test_remove_refuses_a_demo_namespace_a_scheduler_of_yours_uses(
     database: str, capsys: pytest.CaptureFixture[str],
 ) -> None:

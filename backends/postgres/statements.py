@@ -78,18 +78,22 @@ LOCK_NOT_AVAILABLE = "55P03"
 
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: Suffixes of the names derived from ``table`` (tables, indexes, claim functions).
-_SUFFIXES = ("", "_attempts", "_jobs", "_meta", "_open", OPEN_SUFFIX, "_a_seq", "_a_claimed",
-             "_a_job", "_a_fin", "_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3",
-             CLAIM_SUFFIX, BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX,
-             FAILOVER_SUFFIX, LEASE_SUFFIX)
+#: Suffixes of the names derived from ``table``, by kind: tables, indexes, functions.
+_KIND_SUFFIXES = {
+    "table": ("", "_attempts", "_jobs", "_meta"),
+    "index": ("_open", OPEN_SUFFIX, "_a_seq", "_a_claimed", "_a_job", "_a_fin"),
+    "function": ("_claim", "_claim_v2", "_batch_v2", "_claim_v3", "_batch_v3", CLAIM_SUFFIX,
+                 BATCH_SUFFIX, FINISH_SUFFIX, OPERATE_SUFFIX, FAILOVER_SUFFIX, LEASE_SUFFIX),
+}
+_SUFFIXES = tuple(suffix for suffixes in _KIND_SUFFIXES.values() for suffix in suffixes)
 
 
-
-def store_names(table: str) -> tuple[str, ...]:
+def store_names(table: str, kind: str | None = None) -> tuple[str, ...]:
     """Every name a store whose runs table is ``table`` may create in its schema (tables,
-    sequences, indexes and functions, of this release and the earlier ones it upgrades)."""
-    return tuple(table + suffix for suffix in _SUFFIXES)
+    indexes and functions, of this release and the earlier ones it upgrades); with
+    ``kind`` (``"table"``, ``"index"`` or ``"function"``), those of that kind only."""
+    suffixes = _SUFFIXES if kind is None else _KIND_SUFFIXES[kind]
+    return tuple(table + suffix for suffix in suffixes)
 
 
 NOW = "(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"

@@ -20,11 +20,12 @@ fails, and so changes nothing, if another session took one of the names meanwhil
 :meth:`Namespace.remove` deletes a namespace only while its marker is there, only while
 the store under it holds no job but the demos' own (:data:`DEMO_JOBS`: a scheduler of
 yours pointed at it would otherwise lose its history), and only what a demo creates: on
-PostgreSQL the names a demo's store and tables have (:func:`demo_names`; another object
-that merely starts with ``<ns>_``, such as a store of yours named ``<ns>_runs``, is left
-and reported), dropped in one transaction without ``CASCADE`` (an object of someone
-else's that depends on them makes it fail and change nothing); on Redis its keys, the
-marker last.
+PostgreSQL the names a demo's store and tables have (:func:`demo_names`), each as the
+kind a demo makes it (another object that merely starts with ``<ns>_``, such as a store
+of yours named ``<ns>_runs`` or a table of yours named like a function of the demo's
+store, ``<ns>_claim``, is left and reported), dropped in one transaction without
+``CASCADE`` (an object of someone else's that depends on them makes it fail and change
+nothing); on Redis its keys, the marker last.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _demo_job(job: str) -> bool:
 def demo_names(name: str) -> frozenset[str]:
     """Every name a demo may create in its namespace ``name`` on PostgreSQL: its store's
     (runs table ``name``), its own tables and the marker; :meth:`PostgresNamespace.remove`
-    drops only these."""
+    drops only these, each as the kind a demo makes it."""
     return frozenset((*store_names(name), f"{name}_{MARKER}",
                       *(f"{name}_{table}" for table in DEMO_TABLES)))
 
@@ -201,10 +202,13 @@ FROM pg_catalog.pg_namespace n WHERE n.nspname = current_schema()
 """
 
 #: The tables and sequences (``regclass``) and functions (``regprocedure``) of the
-#: namespace in the current schema, with whether a demo makes that name (``remove``
-#: drops only those).
+#: namespace in the current schema, with whether a demo makes that name as that kind
+#: (``remove`` drops only those: a table of yours named like the demo store's function
+#: or index, such as ``<ns>_claim`` or ``<ns>_open``, is not the demo's).
 _PG_OWNED = """
-SELECT kind, object, name = ANY(%(ours)s) FROM (
+SELECT kind, object,
+       name = ANY(CASE WHEN kind = 'function' THEN %(functions)s::text[]
+                       ELSE %(tables)s::text[] END) FROM (
     SELECT CASE c.relkind WHEN 'S' THEN 'sequence' ELSE 'table' END AS kind,
            c.oid::regclass::text AS object, c.relname::text AS name
     FROM pg_catalog.pg_class c
@@ -245,8 +249,11 @@ class PostgresNamespace(Namespace):
         return f"{self.name}_{MARKER}"
 
     def _params(self) -> dict[str, Any]:
+        tables = {*store_names(self.name, "table"), self.marker,
+                  *(f"{self.name}_{table}" for table in DEMO_TABLES)}
         return {"ns": self.name, "length": len(self.name) + 1, "under": self.name + "_",
-                "ours": sorted(demo_names(self.name))}
+                "tables": sorted(tables), "functions": sorted(store_names(self.name,
+                                                                          "function"))}
 
     def _connect(self) -> Any:
         try:
