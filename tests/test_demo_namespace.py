@@ -443,6 +443,33 @@ def test_remove_leaves_your_tables_named_like_the_demo_store_s_functions_and_ind
                    for row in catalog(database))
 
 
+def test_remove_on_redis_leaves_keys_of_yours_in_the_namespace_s_hash_tag(
+    redis_url: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A demo kept under namespace ``tagged``, then keys of yours with its hash tag but in
+    no shape a store or a demo writes (``{tagged}:queue``): removing the demo deleted
+    every key of the pattern ``{tagged}*``, yours too."""
+    namespace_for(redis_url, "tagged").claim("fleet")  # as the fleet demo does, kept
+    run_job_once(redis_url, "report", namespace="tagged")
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set("{tagged}:queue", "mine")
+        client.set("{tagged}", "mine")
+        client.hset("{tagged/cart}", "item", "mine")
+        client.set("{tagged/report}:mine", "mine")
+        mine = {key: value for key, value in keys(redis_url).items()
+                if key in (b"{tagged}:queue", b"{tagged}", b"{tagged/cart}",
+                           b"{tagged/report}:mine")}
+        assert len(mine) == 4
+        assert client.exists("{tagged}:meta", "{tagged/report}:job") == 2
+        assert main(["demo", "--url", redis_url, "--remove", "tagged"]) == 0
+        out = capsys.readouterr().out
+        assert "removed namespace tagged:" in out and "left 4 keys" in out, out
+        assert keys(redis_url) == mine
+    finally:
+        client.close()
+
+
 def test_remove_refuses_a_demo_namespace_a_scheduler_of_yours_uses(
     database: str, capsys: pytest.CaptureFixture[str],
 ) -> None:

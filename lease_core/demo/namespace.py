@@ -25,7 +25,9 @@ kind a demo makes it (another object that merely starts with ``<ns>_``, such as 
 of yours named ``<ns>_runs`` or a table of yours named like a function of the demo's
 store, ``<ns>_claim``, is left and reported), dropped in one transaction without
 ``CASCADE`` (an object of someone else's that depends on them makes it fail and change
-nothing); on Redis its keys, the marker last.
+nothing); on Redis its keys of the shapes a store and its marker have (a key of yours
+that merely shares the namespace's hash tag, such as ``{<ns>}:queue``, is left and
+reported), the marker last.
 """
 
 from __future__ import annotations
@@ -406,6 +408,17 @@ def _shell(text: str) -> str:
 # --------------------------------------------------------------------------- Redis
 
 
+#: The keys a demo's store and its marker have under namespace ``{ns}`` (a regular
+#: expression, filled with the name escaped): the store's own ``{ns}:<name>``, each
+#: job's ``{ns/<job>}:<name>`` (the job percent-encoded: no brace or slash), its runs'
+#: ``{ns/<job>}:run:<slot>`` and operations' ``{ns/<job>}:op:<hex>``, and each named
+#: lease's ``{ns/lease/<name>}`` (see backends.redis).
+_REDIS_KEYS = (r"\{{{ns}\}}:(?:meta|jobs|members|maintenance|" + MARKER + r")"
+               r"|\{{{ns}/lease/[^{{}}/]*\}}"
+               r"|\{{{ns}/[^{{}}/]+\}}:(?:job|open|hist|att|done|orphan|hold|run:-?[0-9]+"
+               r"|op:[0-9a-f]+)")
+
+
 class RedisNamespace(Namespace):
     """The namespace as a key prefix on a Redis server: ``{<ns>}:*`` and ``{<ns>/*``."""
 
@@ -442,6 +455,12 @@ class RedisNamespace(Namespace):
             if limit is not None and len(keys) >= limit:
                 break
         return keys
+
+    def _ours(self, key: bytes) -> bool:
+        """Whether ``key`` has a shape the store or a demo writes (:data:`_REDIS_KEYS`): a
+        key of yours that merely shares the namespace's hash tag is not the demo's."""
+        return re.fullmatch(_REDIS_KEYS.format(ns=re.escape(self.name)).encode(),
+                            key) is not None
 
     def where(self) -> str:
         return f"keys {{{self.name}}}:* and {{{self.name}/<job>}}:*"
@@ -498,15 +517,20 @@ class RedisNamespace(Namespace):
                 raise _foreign_jobs(self.name, foreign)
             removed = 0
             while True:  # the marker last, so an interrupted removal can be run again
-                keys = [k for k in self._keys(client) if k != self.marker.encode()]
+                found = self._keys(client)
+                keys = [k for k in found if k != self.marker.encode() and self._ours(k)]
                 if not keys:
                     break
                 for i in range(0, len(keys), 500):
                     removed += int(client.delete(*keys[i:i + 500]))
+            others = [k.decode(errors="replace") for k in found
+                      if k != self.marker.encode() and not self._ours(k)]
             removed += int(client.delete(self.marker))
         finally:
             client.close()
-        return f"removed namespace {self.name}: {removed} keys"
+        left = (f"; left {len(others)} keys which no demo makes (not removed): "
+                f"{_shown(sorted(others))}" if others else "")
+        return f"removed namespace {self.name}: {removed} keys{left}"
 
     def look_commands(self, url: str) -> list[str]:
         quoted = _shell(url)
