@@ -443,6 +443,24 @@ def test_remove_leaves_your_tables_named_like_the_demo_store_s_functions_and_ind
                    for row in catalog(database))
 
 
+def test_remove_of_a_fleet_demo_leaves_your_table_named_like_a_bank_close_table(
+    database: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A fleet demo kept under namespace ``bank``, then a table of yours
+    ``bank_accounts``: a name the bank-close demo gives a table of its, never the fleet
+    demo. Removing the fleet demo dropped it."""
+    namespace_for(database, "bank").claim("fleet")  # as the fleet demo does, kept
+    run_job_once(database, "report", namespace="bank")
+    mine = {"bank_accounts": "CREATE TABLE bank_accounts (id int PRIMARY KEY, cents int)"}
+    make_user_tables(database, mine, {"bank_accounts": "INSERT INTO bank_accounts "
+                                                       "VALUES (1, 4242)"})
+    before = user_data(database, list(mine))
+    assert main(["demo", "--url", database, "--remove", "bank"]) == 0
+    out = capsys.readouterr().out
+    assert "removed namespace bank:" in out and "left bank_accounts" in out, out
+    assert user_data(database, list(mine)) == before
+
+
 def test_remove_on_redis_leaves_keys_of_yours_in_the_namespace_s_hash_tag(
     redis_url: str, capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -62,6 +62,8 @@ MARKER = "demo"
 _NAME_OPTIONS = ("table", "prefix", "namespace")
 #: The tables of its own a demo may create, ``<ns>_<name>`` (the bank-close demo's).
 DEMO_TABLES = ("accounts", "opening", "snapshot", "interest", "statements")
+#: The demos that make tables of their own, and those tables (the fleet demo makes none).
+_OWN_TABLES = {"bank-close": DEMO_TABLES}
 #: The jobs and workflows the demos declare (a workflow's steps are ``<workflow>/<step>``):
 #: a store holding any other is not only a demo's, and :meth:`Namespace.remove` refuses it.
 DEMO_JOBS = frozenset({"report", "export", "bank-close"})
@@ -250,9 +252,10 @@ class PostgresNamespace(Namespace):
         """The marker table's name."""
         return f"{self.name}_{MARKER}"
 
-    def _params(self) -> dict[str, Any]:
+    def _params(self, demo: str | None = None) -> dict[str, Any]:
+        """The names of the namespace's queries; the tables of the demo ``demo`` made."""
         tables = {*store_names(self.name, "table"), self.marker,
-                  *(f"{self.name}_{table}" for table in DEMO_TABLES)}
+                  *(f"{self.name}_{table}" for table in _OWN_TABLES.get(demo or "", ()))}
         return {"ns": self.name, "length": len(self.name) + 1, "under": self.name + "_",
                 "tables": sorted(tables), "functions": sorted(store_names(self.name,
                                                                           "function"))}
@@ -313,21 +316,22 @@ class PostgresNamespace(Namespace):
         return (f"anarchon demo {demo}: marks namespace {self.name}; "
                 f"'anarchon demo --url URL --remove {self.name}' drops it")
 
-    def _is_marker(self, conn: Any) -> bool:
-        """Whether the table ``<ns>_demo`` is a demo's marker: its comment, and its row."""
+    def _marker_demo(self, conn: Any) -> str | None:
+        """The demo whose marker the table ``<ns>_demo`` is (its comment, and its row),
+        or None when it is none."""
         row = conn.execute(
             "SELECT pg_catalog.obj_description(c.oid, 'pg_class') FROM pg_catalog.pg_class c "
             "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
             "WHERE n.nspname = current_schema() AND c.relname = %s AND c.relkind = 'r'",
             (self.marker,)).fetchone()
         if row is None or not isinstance(row[0], str):
-            return False
+            return None
         demo = row[0].removeprefix("anarchon demo ").split(":", 1)[0]
         if row[0] != self._comment(demo):
-            return False
+            return None
         found = conn.execute(f'SELECT demo FROM "{self.marker}" WHERE namespace = %s',
                              (self.name,)).fetchone()
-        return found is not None and found[0] == demo
+        return demo if found is not None and found[0] == demo else None
 
     def _in_use(self, taken: list[str]) -> NamespaceInUse:
         shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
@@ -341,8 +345,9 @@ class PostgresNamespace(Namespace):
 
         with self._connect() as conn:
             conn.execute(f"SET LOCAL lock_timeout = '{_PG_LOCK_TIMEOUT}'")
-            found = conn.execute(_PG_OWNED, self._params()).fetchall()
-            if not self._is_marker(conn):
+            demo = self._marker_demo(conn)
+            found = conn.execute(_PG_OWNED, self._params(demo)).fetchall()
+            if demo is None:
                 if found:
                     raise NotADemoNamespace(
                         f"namespace {self.name} has no demo marker (table {self.marker}), so "
