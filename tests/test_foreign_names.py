@@ -162,6 +162,40 @@ def test_a_redis_store_whose_meta_was_lost_after_its_fleet_was_down_says_how_to_
         client.close()
 
 
+def test_a_redis_store_is_never_made_in_an_applications_hash_of_its_meta_s_name(
+    valkey8_server: EmbeddedRedis,
+) -> None:
+    """An application's hash ``{P}:meta`` (its settings, no store format): the store was
+    made in it, its format and creation time written among the application's fields. It
+    is refused, and nothing is written; a hash of the fields a store keeps there (the
+    workflows' steps and schedules written again after its format was lost) opens."""
+    prefix = "app_" + uuid.uuid4().hex[:8]
+    client = redis.Redis.from_url(valkey8_server.url)
+    meta = "{" + prefix + "}:meta"
+    url = f"{valkey8_server.url}?prefix={prefix}"
+
+    async def run_once() -> None:
+        backend = backend_from_url(url)
+        await backend.start()
+        await backend.close()
+
+    try:
+        client.hset(meta, mapping={"owner": "me", "theme": "dark"})
+        with pytest.raises(StoreFormatError, match=re.escape(meta) + " .*owner.*: not an "
+                           "anarchon store's"):
+            anyio.run(run_once)
+        assert client.hgetall(meta) == {b"owner": b"me", b"theme": b"dark"}
+        assert sorted(client.keys("{" + prefix + "*")) == [meta.encode()]
+        client.delete(meta)
+        client.hset(meta, mapping={"workflow:close": '["a", "b"]', "schedule:j": "every 1m",
+                                   "created": "1"})
+        anyio.run(run_once)
+        assert client.hget(meta, "format") is not None
+    finally:
+        delete_prefix(valkey8_server.url, prefix)
+        client.close()
+
+
 @pytest.mark.parametrize("spelled", ["search_path", "table"])
 def test_a_store_in_the_sessions_temporary_schema_is_refused(
         pg16_server: PgServer, spelled: str) -> None:

@@ -400,7 +400,8 @@ class RedisStore(Backend):
 
     def _check_format(self, found: object) -> None:
         """Refuse a store of a newer format, or a ``{P}:meta`` that is not an anarchon
-        store's (``found``: its format, or ``'type <t>'`` for a key that is no hash)."""
+        store's (``found``: its format, ``'type <t>'`` for a key that is no hash, or
+        ``'field <f>'`` for a hash without a format holding a field no store writes)."""
         text = as_text(found) if isinstance(found, bytes) else str(found)
         if text.startswith("key "):
             raise StoreFormatError(
@@ -414,6 +415,8 @@ class RedisStore(Backend):
             found = int(text)
         except ValueError:
             what = (f"a {text[5:]}, not a hash" if text.startswith("type ")
+                    else f"a hash without a store format, with a field {text[6:]!r} no "
+                         "store writes" if text.startswith("field ")
                     else f"a hash whose format is {text!r}, not a number")
             raise StoreFormatError(
                 f"the key {self._meta_key} (prefix {self.prefix!r}) is {what}: not an "

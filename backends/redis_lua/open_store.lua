@@ -40,6 +40,18 @@ if kind == 'none' then
   end
 end
 local current = redis.call('HGET', KEYS[1], 'format')
+-- A hash without a format holds only the fields a store keeps there, written again after
+-- a loss of its format (the workflows' steps, the schedules); a field of another name is
+-- another application's hash under this prefix: returned as found, written never.
+if kind == 'hash' and not current then
+  for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+    local head = string.sub(field, 1, 9)
+    if field ~= 'created' and field ~= 'upgraded' and head ~= 'workflow:'
+        and head ~= 'schedule:' then
+      return {'field ' .. field, policy, clustered}
+    end
+  end
+end
 if current and not tonumber(current) then
   return {current, policy, clustered}
 end
