@@ -1,16 +1,25 @@
-"""The ``AsyncConnectionPool`` subclasses of :class:`adapters.psycopg.PsycopgDsnAdapter`.
+"""The psycopg pools' part of :mod:`adapters.psycopg`: the ``AsyncConnectionPool``
+subclasses of :class:`~adapters.psycopg.PsycopgDsnAdapter`, and what the pool adapters
+do with a pool.
 
-Both hook psycopg_pool internals (it has no public option for either); a psycopg_pool
-without the hook behaves as its own.
+Both subclasses hook psycopg_pool internals (it has no public option for either); a
+psycopg_pool without the hook behaves as its own.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import anyio
+import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-__all__ = ["RECONNECT_MAX_DELAY_S", "CappedReconnectPool", "RecentFirstPool"]
+from lease_core.errors import BackendUnavailable, ConfigurationError
+
+from .base import CANCEL_GRACE_S, TransientError
+
+__all__ = ["RECONNECT_MAX_DELAY_S", "CappedReconnectPool", "RecentFirstPool", "check_after",
+           "dsn_pools", "give_back", "refuse_unopened"]
 
 #: The longest wait (seconds) between two reconnection attempts of a pool opened from a DSN.
 RECONNECT_MAX_DELAY_S = 2.0
@@ -70,3 +79,42 @@ class RecentFirstPool(CappedReconnectPool):
         if len(idle) > 1:
             idle.rotate(1)  # the last given back to the front, the others in order
         return await super()._get_ready_connection(timeout)
+
+
+def dsn_pools(conninfo: str, min_size: int, max_size: int, timeout: float,
+              ) -> tuple[AsyncConnectionPool[Any], AsyncConnectionPool[Any]]:
+    """The two pools of a :class:`~adapters.psycopg.PsycopgDsnAdapter`, unopened: its pool
+    of ``max_size`` connections, and its one reserved connection (heartbeats). Made anew
+    at each open after a close: a psycopg pool closed is never opened again."""
+    kwargs = {"autocommit": True, "prepare_threshold": None}
+    return (RecentFirstPool(conninfo, min_size=min_size, max_size=max_size, open=False,
+                            timeout=timeout, kwargs=kwargs, name="anarchon"),
+            CappedReconnectPool(conninfo, min_size=1, max_size=1, open=False,
+                                timeout=timeout, kwargs=kwargs, name="anarchon-reserved"))
+
+
+def refuse_unopened(pool: Any) -> None:
+    """Refuse a pool passed in that is not open (never opened, or closed): psycopg fails
+    each statement on it ("not open yet"), which read as a store that cannot be reached,
+    and a scheduler waited for it for ever."""
+    if pool.closed:
+        raise ConfigurationError(
+            f"the psycopg pool {pool.name!r} passed to the backend is not open: open it "
+            "before the backend starts (await pool.open(), pool.open(), or 'async with' / "
+            "'with' the pool), or give the backend a DSN and it makes a pool of its own")
+
+
+async def give_back(pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]) -> None:
+    """Return ``conn`` to ``pool``, shielded: a connection lost between the pool and its
+    borrower would shrink the pool."""
+    with anyio.CancelScope(shield=True):
+        await pool.putconn(conn)
+
+
+async def check_after(exc: BackendUnavailable, pool: AsyncConnectionPool[Any]) -> None:
+    """After a connection failure, test the other pool's idle connections (a restart of the
+    server broke them too), so that each is not found broken by a call of its own."""
+    if isinstance(exc, TransientError) or pool.closed:
+        return
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_GRACE_S):
+        await pool.check()

@@ -60,16 +60,14 @@ from ._psycopg_base import (
     _where_of,
     translate_error,
 )
-from ._psycopg_pools import CappedReconnectPool, RecentFirstPool
+from ._psycopg_pools import check_after, dsn_pools, give_back, refuse_unopened
 from .base import (
-    CANCEL_GRACE_S,
     ConnectionLock,
     Executor,
     Params,
     Row,
     Slots,
     SqlAdapter,
-    TransientError,
     WorkerThreads,
     conninfo_params,
     redact,
@@ -237,12 +235,6 @@ async def _abandon(conn: psycopg.AsyncConnection[Any], where: str) -> None:
     )
 
 
-async def _give_back(pool: AsyncConnectionPool[Any], conn: psycopg.AsyncConnection[Any]) -> None:
-    # Shielded: a connection lost between the pool and its borrower would shrink the pool.
-    with anyio.CancelScope(shield=True):
-        await pool.putconn(conn)
-
-
 async def _reset(conn: psycopg.AsyncConnection[Any], where: str, reset: str) -> bool:
     """Run ``reset`` in the transaction a block left by raising; False if it cannot run
     (the transaction is aborted, or the connection failed)."""
@@ -317,6 +309,11 @@ class PsycopgPoolAdapter(SqlAdapter):
         self._where = where if where is not None else _where(pool.conninfo)
         self._secret = secret
 
+    async def open(self) -> None:
+        """Refuse a pool passed in that is not open (:func:`refuse_unopened`)."""
+        if not self.owned:
+            refuse_unopened(self.pool)
+
     async def close(self) -> None:
         """Close the pool if this adapter opened it."""
         if self.owned:
@@ -345,7 +342,7 @@ class PsycopgPoolAdapter(SqlAdapter):
             try:
                 return await _single_settled(conn, self._where, sql, params)
             finally:
-                await _give_back(pool, conn)
+                await give_back(pool, conn)
 
     @asynccontextmanager
     async def _transaction(self, *, reset: str | None = None) -> AsyncIterator[Executor]:
@@ -355,7 +352,7 @@ class PsycopgPoolAdapter(SqlAdapter):
                 async with _async_transaction(conn, self._where, reset=reset) as tx:
                     yield tx
             finally:
-                await _give_back(self.pool, conn)
+                await give_back(self.pool, conn)
 
     def transaction(self) -> Any:
         """Open a transaction on a pooled connection."""
@@ -406,22 +403,17 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
             raise ConfigurationError(
                 f"{source} {value!r} is not a number of seconds (0 waits forever)"
             ) from None
-        pool: AsyncConnectionPool[Any] = RecentFirstPool(
-            conninfo, min_size=min_size, max_size=max_size, open=False, timeout=timeout,
-            kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon",
-        )
+        self._sizes = (min_size, max_size, timeout)
+        pool, self.reserved_pool = dsn_pools(conninfo, *self._sizes)
         super().__init__(pool, owned=True, where=_where(conninfo),
                          secret=str(secret) if secret else None)
         self._conninfo = conninfo
+        self._opened = False  # once: a new open() after a close() makes new pools
         # The first login's own timeout: the one the DSN (or PGCONNECT_TIMEOUT) gives,
         # else 10 seconds (libpq's default is to wait for ever).
         self._first_timeout: dict[str, Any] = (
             {} if "connect_timeout" in given or os.environ.get("PGCONNECT_TIMEOUT")
             else {"connect_timeout": 10})
-        self.reserved_pool: AsyncConnectionPool[Any] = CappedReconnectPool(
-            conninfo, min_size=1, max_size=1, open=False, timeout=timeout,
-            kwargs={"autocommit": True, "prepare_threshold": None}, name="anarchon-reserved",
-        )
         self._reserved_busy = False
 
     async def open(self) -> None:
@@ -429,6 +421,9 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         with _mapped(self._where, self._secret):
             conn = await psycopg.AsyncConnection.connect(self._conninfo, **self._first_timeout)
             await conn.close()
+            if self._opened and self.pool.closed:  # by close(): the backend's, passed in
+                self.pool, self.reserved_pool = dsn_pools(self._conninfo, *self._sizes)
+            self._opened = True
             await self.pool.open(wait=False)
             await self.reserved_pool.open(wait=False)
 
@@ -442,7 +437,7 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         try:
             return await self._all_on(self.pool, sql, params)
         except BackendUnavailable as exc:
-            await _check_after(exc, self.reserved_pool)
+            await check_after(exc, self.reserved_pool)
             raise
 
     async def all_reserved(self, sql: str, params: Params = ()) -> list[Row]:
@@ -453,19 +448,10 @@ class PsycopgDsnAdapter(PsycopgPoolAdapter):
         try:
             return await self._all_on(self.reserved_pool, sql, params)
         except BackendUnavailable as exc:
-            await _check_after(exc, self.pool)
+            await check_after(exc, self.pool)
             raise
         finally:
             self._reserved_busy = False
-
-
-async def _check_after(exc: BackendUnavailable, pool: AsyncConnectionPool[Any]) -> None:
-    """After a connection failure, test the other pool's idle connections (a restart of the
-    server broke them too), so that each is not found broken by a call of its own."""
-    if isinstance(exc, TransientError) or pool.closed:
-        return
-    with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_GRACE_S):
-        await pool.check()
 
 
 class PsycopgSyncPoolAdapter(SqlAdapter):
@@ -484,6 +470,10 @@ class PsycopgSyncPoolAdapter(SqlAdapter):
         # for that connection, holds. Both follow pool.resize().
         self._checkouts = Slots(lambda: pool.max_size)
         self._threads = WorkerThreads(lambda: pool.max_size)
+
+    async def open(self) -> None:
+        """Refuse a pool passed in that is not open (:func:`refuse_unopened`)."""
+        refuse_unopened(self.pool)
 
     def _checkout(self) -> AbstractAsyncContextManager[None]:
         """Hold one of the checkouts.

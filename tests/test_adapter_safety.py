@@ -258,6 +258,37 @@ async def test_a_psycopg_row_factory_or_cursor_class_of_the_users_is_not_the_sto
         await drop_tables(pg16_server.admin_dsn, backend.table)
 
 
+@pytest.mark.parametrize(("anyio_backend", "kind"), [
+    ("asyncio", "async"), ("asyncio", "sync"), ("trio", "sync")])
+async def test_a_psycopg_pool_passed_in_unopened_is_refused_at_start(
+    pg16_server: PgServer, kind: str
+) -> None:
+    """A pool passed in that the application had not opened failed each statement ("the
+    pool is not open yet"), read as a store that cannot be reached: a scheduler waited for
+    it for ever. start() refuses it, saying to open it; opened, it serves."""
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    from backends.postgres import PostgresBackend
+    from lease_core import ConfigurationError
+    from tests.stores.postgres import drop_tables, unique_table
+
+    make = AsyncConnectionPool if kind == "async" else ConnectionPool
+    pool: Any = make(pg16_server.dsn, min_size=1, max_size=2, open=False, name="app-pool")
+    backend = PostgresBackend(pool, table=unique_table())
+    try:
+        with pytest.raises(ConfigurationError,
+                           match="the psycopg pool 'app-pool' passed to the backend is not "
+                                 "open: open it before the backend starts"):
+            await backend.start()
+        await pool.open() if kind == "async" else pool.open()
+        await backend.start()
+        assert abs(await backend.now_ms() - time.time() * 1000) < 60_000
+    finally:
+        await backend.close()
+        await pool.close() if kind == "async" else pool.close()
+        await drop_tables(pg16_server.admin_dsn, backend.table)
+
+
 # -- 2. sync psycopg: the same, and a block cancelled during a statement goes no further ---
 
 

@@ -124,6 +124,27 @@ async def test_a_pg8000_pool_keeps_its_connections_after_a_close_and_a_new_start
         await drop_tables(pg16_server.admin_dsn, backend.table)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the psycopg pool: asyncio only
+async def test_a_dsn_adapter_passed_in_works_after_a_close_and_a_new_start(
+    pg16_server: Any,
+) -> None:
+    """A ``PsycopgDsnAdapter`` passed to a backend, whose close() closes its pools: a new
+    start() failed ("pool has already been opened/closed and cannot be reused"), so a
+    Lease on such a backend (which starts and closes it at each acquire and release)
+    could be taken once."""
+    adapter = PsycopgDsnAdapter(pg16_server.dsn, max_size=2)
+    backend = PostgresBackend(adapter, table=unique_table())
+    try:
+        for _ in range(3):  # the first start, then new ones after close()
+            await backend.start()
+            assert await _pid(adapter) > 0
+            await backend.close()
+        assert adapter.pool.closed  # what it opened, closed
+    finally:
+        await backend.close()
+        await drop_tables(pg16_server.admin_dsn, backend.table)
+
+
 async def _pid(adapter: SqlAdapter) -> int:
     ((pid,),) = await adapter.all("SELECT pg_backend_pid()")
     return int(pid)
