@@ -353,18 +353,18 @@ async def test_a_job_whose_schedule_a_new_release_changed_is_claimed_at_its_slot
                   if rendezvous_rank(job, f"old-{n}", (f"old-{n}", "new")) == 0)
     old = Scheduler(store.backend(), instance_id=old_id, lease="3s", heartbeat="0.5s")
     new = Scheduler(store.backend(), instance_id="new", lease="3s", heartbeat="0.5s")
-    old.every(job, "2s", lambda ctx: None)               # at even seconds
-    new.every(job, "2s", lambda ctx: None, offset="1s")  # the new release: odd seconds
+    old.every(job, "1s", lambda ctx: None)                 # at whole seconds
+    new.every(job, "1s", lambda ctx: None, offset="0.5s")  # the new release: half past
     async with anyio.create_task_group() as tg:
         fleet = [await Instance(s).start(tg) for s in (old, new)]
         await renew_membership(old)  # each now knows the other, whatever its group
         await renew_membership(new)
         since = (new.store_now_ms() // 1000 + 1) * 1000
         history = await wait_history(
-            new, lambda h: len({x.slot for x in h if x.slot >= since and x.slot % 2000}) >= 3,
+            new, lambda h: len({x.slot for x in h if x.slot >= since and x.slot % 1000}) >= 3,
             job=job, timeout=15)
         await stop_all(fleet)
-    moved = [x for x in history if x.slot >= since and x.slot % 2000]
+    moved = [x for x in history if x.slot >= since and x.slot % 1000]
     assert {x.instance_id for x in moved} == {"new"}
     late_ms = [x.claimed_at.timestamp() * 1000 - x.slot for x in moved]
     assert all(late < 250 for late in late_ms), late_ms

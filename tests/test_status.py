@@ -115,7 +115,8 @@ async def test_only_a_running_run_shows_a_lease_and_a_retrying_one_its_retry(
             "handed_over", None, None)
         assert waiting["status"] == "retrying" and waiting["lease_expires_at"] is None
         due = datetime.fromisoformat(waiting["retry_at"]) - failed.finished_at
-        assert abs(due - timedelta(seconds=90)) < timedelta(milliseconds=2), due  # store clock
+        # On the store's clock (PostgreSQL reads it more than once in the statement).
+        assert abs(due - timedelta(seconds=90)) < timedelta(seconds=1), due
         gone = jobs["gone"]["last"]
         assert (gone["status"], gone["lease_expires_at"], gone["retry_at"]) == (
             "cancelled", None, None)

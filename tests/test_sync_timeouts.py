@@ -26,23 +26,26 @@ from tests.stores.postgres import PgServer, drop_tables, unique_table
 
 
 def _timed(calls: dict[str, Callable[[], object]]) -> dict[str, tuple[object, float]]:
-    """Make each call in turn in a thread of its own; return how each ended, and when.
-    A call still blocked a minute in fails the test (it would block for minutes)."""
+    """Make the calls at once, each in a thread of its own; return how each ended, and
+    when. A call still blocked a minute in fails the test (it would block for minutes)."""
     ended: dict[str, tuple[object, float]] = {}
 
-    def run() -> None:
-        for name, call in calls.items():
-            started = time.monotonic()
-            try:
-                outcome: object = call()
-            except Exception as exc:
-                outcome = exc
-            ended[name] = (outcome, time.monotonic() - started)
+    def run(name: str, call: Callable[[], object]) -> None:
+        started = time.monotonic()
+        try:
+            outcome: object = call()
+        except Exception as exc:
+            outcome = exc
+        ended[name] = (outcome, time.monotonic() - started)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(60)
-    assert not thread.is_alive(), f"still blocked a minute into the partition; ended: {ended}"
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), (
+        f"still blocked a minute into the partition; ended: {ended}")
     return ended
 
 
