@@ -1168,7 +1168,7 @@ async def test_slots_due_while_paused_are_not_caught_up_when_no_instance_ran(
 
     def build() -> Scheduler:
         s = make(store, "a")
-        s.every("tick", "1s", tick, catch_up="all")
+        s.every("tick", "0.5s", tick, catch_up="all")
         return s
 
     backend = store.backend()
@@ -1178,12 +1178,12 @@ async def test_slots_due_while_paused_are_not_caught_up_when_no_instance_ran(
     await admin.pause("tick")
     paused_at = await store_now_ms(backend)
     # Three slots come due while paused and no instance runs.
-    await wait_for(lambda: _after(backend, paused_at + 3000), what="three slots due")
+    await wait_for(lambda: _after(backend, paused_at + 1500), what="three slots due")
     await admin.resume("tick")
     resumed_at = await store_now_ms(backend)
     s = build()
     async with s:
-        await wait_history(s, lambda h: any(a.slot > resumed_at + 1000 and a.outcome == "completed"
+        await wait_history(s, lambda h: any(a.slot > resumed_at + 500 and a.outcome == "completed"
                                             for a in h),
                            job="tick", what="a run of a slot after the resume")
         history = await s.history("tick", limit=1000)

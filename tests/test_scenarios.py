@@ -396,14 +396,14 @@ async def test_catch_up_after_downtime(store: Store) -> None:
 
 
 async def test_catch_up_all_and_none(store: Store) -> None:
-    """One instance ran both jobs, then none did for over 3 s: the next instance catches
-    up every missed slot of the ``catch_up="all"`` job and none of the other's."""
+    """One instance ran both jobs, then none did for over three slots: the next instance
+    catches up every missed slot of the ``catch_up="all"`` job and none of the other's."""
     jobs = {"all": "c-all", "none": "c-none"}
 
     def make_one(name: str) -> Scheduler:
         s = Scheduler(store.backend(), instance_id=name, **FAST)
         for policy, job in jobs.items():
-            s.every(job, "1s", lambda ctx: None, catch_up=policy)
+            s.every(job, "0.5s", lambda ctx: None, catch_up=policy)
         return s
 
     s = make_one("one")
@@ -413,7 +413,7 @@ async def test_catch_up_all_and_none(store: Store) -> None:
             await wait_history(s, lambda h: h, job=job)
         await i.stop()
     last_run = max([h.slot for job in jobs.values() for h in await s.history(job)])
-    await wait_for(lambda: s.store_now_ms() > last_run + 3500, timeout=10, what="downtime")
+    await wait_for(lambda: s.store_now_ms() > last_run + 1750, timeout=10, what="downtime")
     s2 = make_one("two")
     async with anyio.create_task_group() as tg:
         i = await Instance(s2).start(tg)
@@ -593,11 +593,11 @@ async def test_cron_job_fires_on_its_seconds_field(store: Store) -> None:
 async def test_history_size_and_ttl_are_applied(store: Store) -> None:
     a = Scheduler(store.backend(), instance_id="a", history_size=2, prune_every="0.5s",
                   **FAST)
-    a.every("short-memory", "1s", lambda ctx: None)
+    a.every("short-memory", "0.5s", lambda ctx: None)
     async with anyio.create_task_group() as tg:
         ia = await Instance(a).start(tg)
         await wait_for(
-            lambda: _count_distinct(a, "short-memory", 4), timeout=10, what="4 runs"
+            lambda: _count_distinct(a, "short-memory", 4, 500), timeout=10, what="4 runs"
         )
 
         async def trimmed() -> bool:  # by the ticker's trimming, not by the claims
@@ -609,12 +609,12 @@ async def test_history_size_and_ttl_are_applied(store: Store) -> None:
     assert 1 <= len(history) <= 3
 
 
-async def _count_distinct(s: Scheduler, job: str, n: int) -> bool:
+async def _count_distinct(s: Scheduler, job: str, n: int, interval_ms: int) -> bool:
     # The job's last_slot advances with every claim even when history is trimmed.
     info = await s.backend.register_jobs([job])
     first = info[job].first_seen_ms
     last = info[job].last_slot
-    return last is not None and last - first >= n * 1000
+    return last is not None and last - first >= n * interval_ms
 
 
 async def test_one_heartbeat_and_one_check_per_tick_whatever_the_number_of_jobs(
