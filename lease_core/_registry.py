@@ -130,7 +130,15 @@ def backend_from_url(url: str, **options: Any) -> Backend:
                 f"backend URL scheme {scheme!r} (in {redact(url)!r}) is unknown{hint}; known "
                 "schemes: " + ", ".join(f"{s}://" for s in known_schemes())
             )
-        cls = plugin.load()
+        try:
+            cls = plugin.load()
+        except Exception as exc:  # its module, or a driver it imports, is missing or broken
+            dist = getattr(getattr(plugin, "dist", None), "name", None)
+            raise ConfigurationError(
+                f"the backend for {scheme}:// (entry point {plugin.value!r}"
+                f"{f' of the package {dist!r}' if dist else ''}) failed to load: "
+                f"{type(exc).__name__}: {exc}; install what it needs, or reinstall it"
+            ) from exc
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise ConfigurationError(
                 f"entry point {plugin.value!r} for scheme {scheme!r} is not a Backend subclass"

@@ -87,6 +87,29 @@ def test_third_party_backend_through_an_installed_entry_point(tmp_path: Path) ->
     assert out.stdout.strip() == "ToyBackend toy://here {'flavour': 'x'} True"
 
 
+def test_a_third_party_backend_that_fails_to_load_names_its_plugin(tmp_path: Path) -> None:
+    """A plugin whose module fails to import (a driver of its own missing) raised a raw
+    ImportError from importlib, naming neither the scheme nor the package."""
+    install_toy_backend(tmp_path, """
+        import toy_driver_not_installed
+    """, {"toy": "ToyBackend"})
+    code = textwrap.dedent("""
+        from lease_core import ConfigurationError, backend_from_url
+        try:
+            backend_from_url("toy://here")
+        except ConfigurationError as exc:
+            print(exc)
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.stdout.strip() == (
+        "the backend for toy:// (entry point 'toy_backend:ToyBackend' of the package "
+        "'toy-backend') failed to load: ModuleNotFoundError: No module named "
+        "'toy_driver_not_installed'; install what it needs, or reinstall it"), out
+
+
 def test_importing_lease_core_needs_no_driver() -> None:
     """With the drivers hidden, the core imports, and a backend names its extra."""
     code = textwrap.dedent("""
