@@ -224,13 +224,30 @@ def merge_options(
     for key, value in keywords.items():
         if value is None:
             continue
-        if key in from_url and str(value) != from_url[key]:
+        if key in from_url and not _same(value, from_url[key]):
             raise ConfigurationError(
                 f"{owner} got {key}={value!r} and {key}={from_url[key]!r} in the URL; "
                 "give it once, or the same value both ways"
             )
         merged[key] = value
     return merged
+
+
+def _same(value: Any, text: str) -> bool:
+    """Whether a keyword option's ``value`` says what the URL's ``text`` says: the same
+    text, or the same number (``timeout=10.0`` and ``?timeout=10``), or the same truth
+    (``True`` and ``?x=true``)."""
+    if str(value) == text:
+        return True
+    if isinstance(value, bool):
+        return text.strip().lower() in (("true", "1", "yes", "on") if value
+                                        else ("false", "0", "no", "off"))
+    if isinstance(value, int | float):
+        try:
+            return float(text) == float(value)
+        except ValueError:
+            return False
+    return False
 
 
 def check_options(owner: str, options: Collection[str], accepted: Collection[str]) -> None:

@@ -184,6 +184,10 @@ def test_one_option_given_two_different_values_is_refused(
 def test_the_same_value_given_both_ways_is_accepted() -> None:
     backend = backend_from_url("postgresql://db/app?table=a&max_size=2", table="a", max_size=2)
     assert isinstance(backend, PostgresBackend) and backend.table == "a"
+    # The same number written another way (they were compared as text, and refused).
+    backend_from_url("postgresql://db/app?timeout=10", timeout=10.0)
+    with pytest.raises(ConfigurationError, match=r"timeout=10\.5 and timeout='10'"):
+        backend_from_url("postgresql://db/app?timeout=10", timeout=10.5)
 
 
 @pytest.mark.parametrize("bad", ["min_size=0", "max_size=x", "timeout=soon"])
