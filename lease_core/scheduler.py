@@ -267,8 +267,8 @@ class Scheduler:
     ) -> Workflow:
         """Declare a workflow that runs ``every`` interval or on a ``cron`` expression.
 
-        Exactly one of ``every`` and ``cron`` is required (``tz`` applies to ``cron``,
-        ``offset`` to ``every``). ``max_attempts``, ``retry``, ``timeout`` and ``lease`` are the
+        Exactly one of ``every`` and ``cron`` is required (``tz`` only with ``cron``,
+        ``offset`` with ``every``). ``max_attempts``, ``retry``, ``timeout``, ``lease`` are the
         defaults of its steps; ``catch_up`` applies to workflow runs missed while no
         instance was up, as for jobs. Add steps with :meth:`Workflow.step
         <lease_core.workflows.Workflow.step>`, in order; see :mod:`lease_core.workflows`.

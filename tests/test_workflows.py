@@ -1356,6 +1356,10 @@ def test_bad_declarations_are_configuration_errors() -> None:
         s.workflow("w")
     with pytest.raises(ConfigurationError, match="'a/b'"):
         s.workflow("a/b", every="1h", offset=quiet_offset_now())
+    # A time zone means nothing to an interval (its slots count from the epoch): it was
+    # ignored, and the runs came at UTC's midnight, not Lisbon's.
+    with pytest.raises(ConfigurationError, match="tz='Europe/Lisbon' needs cron="):
+        s.workflow("w", every="24h", tz="Europe/Lisbon")
     w = s.workflow("w", cron="0 2 * * *", tz="Europe/Lisbon", max_attempts=3)
     assert isinstance(w, Workflow)
     with pytest.raises(ConfigurationError, match="already declared"):

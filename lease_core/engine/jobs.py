@@ -213,6 +213,13 @@ class JobRegistry:
             )
         if offset is not None and every is None:
             raise ConfigurationError(f"workflow {name!r}: offset={offset!r} needs every=...")
+        if tz != "UTC" and cron is None:
+            # An interval's slots are counted from the epoch: a time zone changes nothing,
+            # and was ignored (every="24h", tz="Europe/Lisbon" ran at 00:00 UTC).
+            raise ConfigurationError(
+                f"workflow {name!r}: tz={tz!r} needs cron=... (every=... counts its "
+                "intervals from the epoch, whatever the time zone; shift them with "
+                "offset=...)")
         schedule: Schedule = (
             IntervalSchedule(every, offset or 0) if every is not None
             else CronSchedule(cron or "", tz)
