@@ -208,8 +208,39 @@ class Admin:
 
         The slots due while it was paused are never caught up, even those no instance
         was running to record ``skipped``. A job not paused is refused
-        (:class:`~lease_core.errors.OperationRefused`, ``conflict``)."""
-        await self._operate(OperationKind.RESUME, job, None)
+        (:class:`~lease_core.errors.OperationRefused`, ``conflict``).
+
+        A workflow's resume also ends the pause of a former first step, or of the former
+        job of its name, that a release which changed its first step left paused (the
+        pause was carried to the new first step at that release's start)."""
+        former = await self._formerly_first(job)
+        try:
+            await self._operate(OperationKind.RESUME, job, None)
+        except OperationRefused as refused:
+            if refused.kind != "conflict" or not former:
+                raise
+        for name in former:
+            await self._made(Operation(OperationKind.RESUME, name, None, self.by))
+
+    async def _formerly_first(self, workflow: str) -> list[str]:
+        """The paused jobs that were ``workflow``'s first before a release changed it: a
+        later step's, or the job of its own name (a job turned into the workflow)."""
+        await self.backend.start(create=False)
+        try:
+            steps = (await self.backend.workflows()).get(workflow) or []
+            paused = await self.backend.paused() if steps else {}
+        finally:
+            await self.backend.close()
+        return [name for name in [workflow, *(step_job(workflow, s) for s in steps[1:])]
+                if name in paused]
+
+    async def _made(self, op: Operation) -> None:
+        """``op`` made as it is (no lookup of names), the store started for it."""
+        await self.backend.start()
+        try:
+            await self.backend.operate(op)
+        finally:
+            await self.backend.close()
 
     async def retry(self, job: str, slot: int | str | datetime) -> None:
         """Run a ``failed``, ``timed_out`` or ``escalated`` run again (reason ``retry``).

@@ -939,6 +939,51 @@ async def test_pause_of_a_workflow_by_its_name_skips_its_slots_until_resume(
     assert not {a.slot for a in skipped} & set(ran)
 
 
+async def test_a_pause_outlives_a_release_that_changes_a_workflows_first_step(
+        store: Store) -> None:
+    """A paused workflow, then a release that puts a step before its first one (or turns
+    a paused job into a workflow of its name): the pause stayed on the former first job
+    only, so each slot ran the new first step and stopped at the former one, skipped,
+    and the workflow's resume was refused as not paused. The release's start carries the
+    pause to the new first step, by its author; the workflow's resume ends both."""
+    admin = admin_for(store, by="ops")
+    ran: list[tuple[str, str]] = []
+
+    def release(steps: list[str], plain: bool = False) -> Scheduler:
+        s = make(store, "a")
+        if plain:
+            s.every("report", "1h", lambda ctx: None)
+        else:
+            for name in ("flow", "report"):
+                flow = s.workflow(name, every="0.5s")
+                for step in steps:
+                    flow.step(step)(_recording(ran, name, step))
+        return s
+
+    async with release(["a", "b"]):  # the store knows the workflow and its steps
+        pass
+    async with release([], plain=True):
+        pass
+    await admin.pause("flow")
+    await admin.pause("report")  # the plain job, paused before it becomes a workflow
+    new = release(["prepare", "a", "b"])
+    async with new:
+        assert await new.backend.paused() == {
+            "flow/prepare": "ops", "flow/a": "ops", "report/prepare": "ops", "report": "ops"}
+        await admin.resume("flow")
+        await admin.resume("report")
+        assert await new.backend.paused() == {}
+        await wait_for(lambda: {("flow", "b"), ("report", "b")} <= set(ran),
+                       what="a whole run of each after the resume")
+    assert ("flow", "prepare") in ran
+
+
+def _recording(ran: list[tuple[str, str]], workflow: str, step: str) -> Any:
+    async def handler(ctx: RunContext) -> None:
+        ran.append((workflow, step))
+    return handler
+
+
 async def register_close(store: Store) -> None:
     """Record the two-step workflow ``close`` and its steps' jobs, as a start would."""
     backend = store.backend()

@@ -30,7 +30,8 @@ from anyio.abc import TaskGroup, TaskStatus
 from .. import events as ev
 from .._outcome import Interruption
 from .._structures import JobInfo, Lease, RunStatus
-from ..recovery import STEP_SEPARATOR
+from ..operations import Operation, OperationKind
+from ..recovery import STEP_SEPARATOR, step_job
 from .base import (
     HANDLER_THREADS,
     SUBSCRIBER_THREADS,
@@ -257,10 +258,33 @@ class Session:
             name: list(wf.steps) for name, wf in self.registry.workflows.items()}
         plain = {name for name, job in self.jobs.items()
                  if job.workflow is None and STEP_SEPARATOR not in name}
+        recorded = await backend.workflows() if plain or described else {}
         if plain:
-            described.update({name: [] for name in plain & set(await backend.workflows())})
+            described.update({name: [] for name in plain & set(recorded)})
         if described:
             await backend.register_workflows(described)
+        await self._carry_pauses(recorded)
+
+    async def _carry_pauses(self, recorded: dict[str, list[str]]) -> None:
+        """A workflow whose first step this release changed (a step put before it, or
+        renamed; or a job turned into the workflow): the pause of the former first job is
+        carried to the new first step's job, by the same author. The former stays paused
+        (the old release's instances skip it meanwhile); resuming the workflow
+        (:meth:`Admin.resume <lease_core.Admin.resume>`) resumes both. Else the new first
+        step would run at every slot and each run stop at the former one, paused."""
+        moved = {}
+        for name, wf in self.registry.workflows.items():
+            steps = recorded.get(name)
+            former = step_job(name, steps[0]) if steps else name
+            if former != wf.jobs[0].name:
+                moved[wf.jobs[0].name] = former
+        paused = await self.settings.backend.paused() if moved else {}
+        for first, former in moved.items():
+            if former in paused and first not in paused:
+                await self.settings.backend.operate(
+                    Operation(OperationKind.PAUSE, first, None, paused[former]))
+                logger.info("%s: paused by %s as %s was (the workflow's first step "
+                            "changed)", first, paused[former], former)
 
     async def _run_jobs(self, infos: dict[str, JobInfo], task_status: TaskStatus[None]) -> None:
         async with anyio.create_task_group() as tg:
