@@ -775,3 +775,55 @@ async def test_a_last_failure_whose_answer_was_lost_is_logged_as_the_run_s_end(
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "retry recorded" in m], messages
     assert any("export slot" in m and "failed after 1 retries" in m for m in messages)
+
+
+class CheckpointsUnread(MemoryBackend):
+    """A memory backend whose checkpoint reads fail, as through an outage, while
+    ``down`` is set (its other calls answer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = True
+        self.failed_reads = 0
+
+    async def get_checkpoint(self, job: str, slot: int) -> object:
+        if self.down:
+            self.failed_reads += 1
+            raise BackendUnavailable("the connection dropped (test)")
+        return await super().get_checkpoint(job, slot)
+
+
+async def test_a_step_that_cannot_read_the_results_before_it_is_lost_not_failed() -> None:
+    """A later step whose read of the earlier steps' results met a store that did not
+    answer (three tries over two heartbeats) failed, and so ended its workflow run,
+    although no handler of it had run: it is lost, and taken over once the store
+    answers, as after a failed renewal."""
+    backend = CheckpointsUnread()
+    s = Scheduler(backend, instance_id="a", lease="0.9s", heartbeat="0.2s")
+    flow = s.workflow("close", every="1h", offset=quiet_offset_now())
+    ran: list[str] = []
+
+    @flow.step("snapshot")
+    async def snapshot(ctx: RunContext) -> int:
+        ran.append("snapshot")
+        return 7
+
+    @flow.step("interest")
+    async def interest(ctx: RunContext) -> None:
+        ran.append(f"interest {ctx.results['snapshot']}")
+
+    async with anyio.create_task_group() as tg:
+        i = await Instance(s).start(tg)
+        slot = s.jobs["close/snapshot"].schedule.previous_at_or_before(s.store_now_ms())
+        assert slot is not None
+        await claim_now(s, "close/snapshot", slot)
+        await wait_for(lambda: backend.failed_reads >= 3, timeout=10,
+                       what="the results' reads given up")
+        backend.down = False
+        history = await wait_history(
+            s, lambda h: any(a.outcome == Outcome.COMPLETED for a in h),
+            job="close/interest", what="the step taken over and completed")
+        await i.stop()
+    assert ran == ["snapshot", "interest 7"], ran
+    assert [(a.attempt, a.outcome) for a in sorted(history, key=lambda a: a.attempt)] == [
+        (1, Outcome.LOST), (2, Outcome.COMPLETED)], history

@@ -17,7 +17,7 @@ import anyio
 from .. import events as ev
 from .._structures import JobInfo, Outcome, Reason, RunStatus, format_slot
 from ..context import RunContext
-from ..errors import AnarchonError, ConfigurationError
+from ..errors import AnarchonError, BackendUnavailable, ConfigurationError, LeaseLost
 from ..recovery import step_job
 from .base import logger
 from .runs import Phase
@@ -209,8 +209,8 @@ class StepCoordinator:
         its finish was recorded: this attempt completes the step with that result,
         without running the handler again (which would apply its effects twice).
         (False, None) otherwise. The read is tried again within the lease, as the earlier
-        steps' results are; a store that still does not answer fails the attempt (its
-        :class:`AnarchonError`) rather than run a step that may have completed."""
+        steps' results are; a store that still does not answer ends the attempt lost
+        (:meth:`_read_checkpoint`) rather than run a step that may have completed."""
         if ctx.attempt < 2:
             return False, None
         payload = await self._read_checkpoint(ctx.job, ctx.slot)
@@ -223,13 +223,19 @@ class StepCoordinator:
 
     async def _read_checkpoint(self, job: str, slot: int) -> Any:
         """A step run's checkpoint. A brief store outage must not fail the workflow run:
-        the read is tried again within the step's lease before its error is raised."""
+        the read is tried again within the step's lease. A store that still does not
+        answer ends the attempt lost (:class:`LeaseLost`: no handler ran, and the step
+        is taken over once the store answers, as after a failed renewal), not failed,
+        which would have ended the workflow run; another error of the store is raised."""
         s = self._s
         for tries_left in (2, 1, 0):
             try:
                 return await s.settings.backend.get_checkpoint(job, slot)
             except AnarchonError as exc:
                 if not tries_left:
+                    if isinstance(exc, BackendUnavailable):
+                        raise LeaseLost(f"the store did not answer reading the checkpoint "
+                                        f"of {job} ({exc})") from exc
                     raise
                 s.clock.failed(f"reading the checkpoint of {job}", exc)
                 await anyio.sleep(s.settings.heartbeat)
