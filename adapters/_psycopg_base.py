@@ -25,7 +25,6 @@ from lease_core.errors import (
 from .base import (
     CONFIG_STATES,
     GAVE_UP_STATES,
-    READ_ONLY_STATE,
     Params,
     TransientError,
     gave_up,
@@ -34,6 +33,7 @@ from .base import (
     read_only,
     redact,
     refused,
+    refuses_writes,
 )
 
 __all__ = ["translate_error"]
@@ -93,7 +93,7 @@ def translate_error(
         return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
     if state in CONFIG_STATES:
         return StoreRefused(refused(at, text, state))
-    if state == READ_ONLY_STATE:
+    if refuses_writes(state, text):
         return BackendUnavailable(read_only(at, text))
     if state in GAVE_UP_STATES:
         return BackendUnavailable(gave_up(at, text))

@@ -52,6 +52,7 @@ __all__ = [
     "read_only",
     "redact",
     "refused",
+    "refuses_writes",
     "settle_scope",
 ]
 
@@ -114,6 +115,15 @@ GAVE_UP_STATES = frozenset({"57014", "55P03"})
 READ_ONLY_STATE = "25006"
 
 
+def refuses_writes(state: str, text: str) -> bool:
+    """Whether an error (SQLSTATE ``state``, message ``text``) says the server takes no
+    writes now: ``25006`` (read_only_sql_transaction), or ``55000`` "recovery is in
+    progress", which a hot standby answers to the WAL functions the store's claims and
+    named leases call (``pg_current_wal_lsn()``, failover detection) before any write."""
+    return state == READ_ONLY_STATE or (state == "55000"
+                                        and "recovery is in progress" in text)
+
+
 #: SQLSTATEs the store's statements are refused with as a configuration error
 #: (:class:`~lease_core.errors.StoreRefused`): no privilege, no such table, schema,
 #: database or function, a table that exists already.
@@ -152,7 +162,9 @@ def in_users_transaction(driver: str) -> ConfigurationError:
 def read_only(at: str, text: str) -> str:
     """The message of a write a server in read-only mode refused (``at``: where)."""
     return (f"PostgreSQL takes no writes now{at}: {text} (a standby, or "
-            "default_transaction_read_only is on; point the URL at the primary)")
+            "default_transaction_read_only is on; point the URL at the primary: after a "
+            "failover, point PgBouncer at the promoted server, or list every host with "
+            "target_session_attrs=read-write)")
 
 
 def gave_up(at: str, text: str) -> str:

@@ -64,7 +64,6 @@ from ._placeholders import inline_parameters, numbered, sql_literal
 from .base import (
     CONFIG_STATES,
     GAVE_UP_STATES,
-    READ_ONLY_STATE,
     ConnectionLock,
     Executor,
     Params,
@@ -79,6 +78,7 @@ from .base import (
     read_only,
     redact,
     refused,
+    refuses_writes,
 )
 
 __all__ = [
@@ -105,7 +105,7 @@ def translate_error(exc: Exception, *, where: str = "", secret: str | None = Non
             return TransientError(f"PostgreSQL aborted the transaction{at}: {text}")
         if state in CONFIG_STATES:
             return StoreRefused(refused(at, text, state))
-        if state == READ_ONLY_STATE:
+        if refuses_writes(state, text):
             return BackendUnavailable(read_only(at, text))
         if state in ("28P01", "28000"):
             return AuthenticationFailed(

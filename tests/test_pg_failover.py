@@ -29,7 +29,7 @@ from backends.embedded.pg_replica import EmbeddedReplica
 from backends.embedded.postgres import EmbeddedPostgres
 from lease_core import PostgresBackend, RunContext, Scheduler, fence_of
 from lease_core.abc import ClaimRequest, ClaimResult, ClaimStatus, Lease, Outcome
-from lease_core.errors import AnarchonError
+from lease_core.errors import AnarchonError, BackendUnavailable
 from lease_core.testing import claim_now, wait_for
 from tests.helpers import Instance, quiet_offset, store_now_ms
 from tests.stores import missing_service
@@ -345,3 +345,33 @@ async def test_a_second_failover_raises_the_epoch_again(pair: Pair) -> None:
         await backend.close()
         if second is not None:
             second.stop()
+
+
+@pytest.mark.asyncio_only
+async def test_a_claim_or_a_named_lease_on_a_standby_says_it_takes_no_writes(
+        pair: Pair) -> None:
+    """A backend pointed at a hot standby (PgBouncer still at the old primary rejoined as a
+    standby, a single-host URL): a claim past the fast path and a named lease's acquire
+    fail with BackendUnavailable saying the server takes no writes, on both drivers, not
+    with a driver's error nor as an unreachable server."""
+    table = "standby_runs"
+    creator = PostgresBackend(pair.primary.dsn, table=table)
+    await creator.start()
+    try:
+        assert (await creator.claim(request(1, "a", "a1"))).status is ClaimStatus.WON
+        pair.replica.wait_replayed()
+    finally:
+        await creator.close()
+    for driver in ("postgresql", "postgresql+pg8000"):
+        standby = PostgresBackend(pair.replica.dsn.replace("postgresql", driver, 1),
+                                  table=table)
+        await standby.start()  # reads only: a standby allows it
+        try:
+            with pytest.raises(BackendUnavailable, match="takes no writes") as claimed:
+                await standby.claim(request(2, "b", "b2"))
+            with pytest.raises(BackendUnavailable, match="takes no writes") as acquired:
+                await standby.acquire_lease("n", "h", LEASE_MS)
+            for info in (claimed, acquired):
+                assert "target_session_attrs" in str(info.value), driver
+        finally:
+            await standby.close()
