@@ -375,3 +375,32 @@ async def test_a_claim_or_a_named_lease_on_a_standby_says_it_takes_no_writes(
                 assert "target_session_attrs" in str(info.value), driver
         finally:
             await standby.close()
+
+
+@pytest.mark.asyncio_only
+async def test_a_failover_that_lost_the_stores_first_claims_is_detected(pair: Pair) -> None:
+    """The store's timeline is recorded when the store is made, not by its first claim: a
+    failover that lost every claim since (the replica cut off right after the store was
+    made or upgraded) is detected, so attempt 1 of a run is not fenced 1 twice, nor a
+    named lease's token 1 handed out twice."""
+    table = "first_runs"
+    backend = PostgresBackend(pair.url(), table=table)
+    await backend.start()
+    try:
+        pair.replica.wait_replayed()
+        pair.replica.detach()
+        lost = await backend.claim(request(1, "a", "a1"))
+        assert (lost.status, lost.attempt, lost.epoch) == (ClaimStatus.WON, 1, 0)
+        assert (await backend.acquire_lease("n", "h1", LEASE_MS)).token == 1
+        pair.fail_over()
+        # The named lease's token 1 is not handed out again: nobody takes it for now.
+        taken = await until("the first acquire on the promoted server",
+                            lambda: backend.acquire_lease("n", "h2", LEASE_MS),
+                            lambda r: True)
+        assert not taken.held, taken  # type: ignore[attr-defined]
+        again = await backend.claim(request(1, "b", "b1"))
+        # Detected: quarantined for the lost holder's lease, then fenced in a new epoch.
+        assert again.status is ClaimStatus.RUNNING and again.run_status is None, again
+        assert again.epoch > 0 and again.expires_ms >= again.epoch + LEASE_MS
+    finally:
+        await backend.close()

@@ -146,7 +146,7 @@ async def test_eight_backends_create_the_tables_concurrently(
             tg.start_soon(backend.start)
     results = [await b.claim(request_for("j", 1, f"t{i}")) for i, b in enumerate(backends)]
     assert [r.status for r in results].count(ClaimStatus.WON) == 1
-    # The first claim also records the server's timeline, epoch 0 (failover detection).
+    # The store's creation also records the server's timeline, epoch 0 (failover detection).
     assert admin(pg16_server, f"SELECT key, value FROM {table}_meta ORDER BY key") == [
         ("code", str(CODE_VERSION)), ("failover", "00000001 0 0"),
         ("format", str(FORMAT_VERSION))

@@ -410,6 +410,7 @@ class StoreSchema:
             # functions of an unreleased store of this version (without the epoch) dropped first.
             await tx.all(self._sql.create_failover_function)
             await tx.all(self._sql.grant_failover)
+            await tx.all(self._sql.record_timeline)
             await tx.all(self._sql.drop_claim_unfenced)
             await tx.all(self._sql.drop_batch_unfenced)
             await tx.all(self._sql.create_claim_function)

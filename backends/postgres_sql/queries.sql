@@ -211,6 +211,17 @@ GRANT EXECUTE ON FUNCTION {batch_v3}(text[], bigint[], text[], text[], bigint[],
 -- Failover detection (issue 21): the function claims and named leases call.
 GRANT EXECUTE ON FUNCTION {failover}(bigint) TO PUBLIC
 
+-- name: record_timeline
+-- Failover (issue 21): the store's 'failover' row ('<timeline> <epoch> <quiet>', see
+-- failover_v<N>.sql), written with the server's timeline and epoch 0 in the transaction
+-- that makes (or upgrades) the store, when missing. Left to the first claim, a failover
+-- that lost every claim made since (the replica cut off meanwhile) would find no row,
+-- record the promoted server's timeline as the store's and detect nothing: attempt 1 of
+-- a run would be fenced 1 twice, with both holders live.
+INSERT INTO {meta} (key, value)
+VALUES ('failover', left(pg_walfile_name(pg_current_wal_lsn()), 8) || ' 0 0')
+ON CONFLICT (key) DO NOTHING
+
 -- name: drop_claim_unfenced
 -- The claim and batch functions of this code version made by earlier builds of this
 -- unreleased version: before they returned the epoch (failover, issue 21: CREATE OR
