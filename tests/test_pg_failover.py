@@ -373,6 +373,9 @@ async def test_a_claim_or_a_named_lease_on_a_standby_says_it_takes_no_writes(
                 await standby.acquire_lease("n", "h", LEASE_MS)
             for info in (claimed, acquired):
                 assert "target_session_attrs" in str(info.value), driver
+            # A backup's check, a plain read, works there (a missing run is not lost).
+            seen = await standby.check([("j", 1), ("j", 2)])
+            assert set(seen.runs) == {("j", 1)} and seen.lost == frozenset(), driver
         finally:
             await standby.close()
 
@@ -402,5 +405,36 @@ async def test_a_failover_that_lost_the_stores_first_claims_is_detected(pair: Pa
         # Detected: quarantined for the lost holder's lease, then fenced in a new epoch.
         assert again.status is ClaimStatus.RUNNING and again.run_status is None, again
         assert again.epoch > 0 and again.expires_ms >= again.epoch + LEASE_MS
+    finally:
+        await backend.close()
+
+
+@pytest.mark.asyncio_only
+async def test_a_check_before_any_claim_on_the_promoted_server_reports_a_lost_run(
+        pair: Pair) -> None:
+    """A backup's check that reaches the promoted server before any claim there reports a
+    watched run the failover lost as lost (the scheduler claims it again, and that claim
+    detects the promotion), not as deleted: backups then stopped watching it, and the
+    slot whose holder learnt at its heartbeat that its lease was gone never ran."""
+    table = "check_runs"
+    backend = PostgresBackend(pair.url(), table=table)
+    await backend.start()
+    try:
+        assert (await backend.claim(request(1, "a", "a1"))).status is ClaimStatus.WON
+        pair.replica.wait_replayed()
+        pair.replica.detach()
+        assert (await backend.claim(request(2, "a", "a2"))).status is ClaimStatus.WON
+        before = await backend.check([("j", 1), ("j", 2), ("j", 3)])
+        assert set(before.runs) == {("j", 1), ("j", 2)} and before.lost == frozenset()
+        pair.fail_over()
+        seen = await until("a check on the promoted server",
+                           lambda: backend.check([("j", 1), ("j", 2)]), lambda r: True)
+        assert set(seen.runs) == {("j", 1)}, seen  # type: ignore[attr-defined]
+        assert seen.lost == frozenset({("j", 2)}), seen  # type: ignore[attr-defined]
+        # The claim it leads to detects the promotion: quarantined, in a new epoch.
+        again = await backend.claim(request(2, "b", "b2"))
+        assert again.status is ClaimStatus.RUNNING and again.run_status is None, again
+        assert again.epoch > 0
+        assert (await backend.check([("j", 2)])).lost == frozenset({("j", 2)})
     finally:
         await backend.close()

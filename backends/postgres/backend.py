@@ -463,23 +463,25 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
     async def check(self, runs: Sequence[tuple[str, int]]) -> CheckResult:
         """Read the watched runs with one plain ``SELECT``.
 
-        During the quarantine after a detected failover, a missing run is reported lost
-        (``CheckResult.lost``), not deleted: the scheduler claims it again.
+        During the quarantine after a detected failover, or after a promotion no claim
+        has detected yet (the store last wrote on another timeline), a missing run is
+        reported lost (``CheckResult.lost``), not deleted: the scheduler claims it again.
         """
         rows = await self._adapter.all(self._sql.check, (
             text_array([job for job, _ in runs]), int_array([slot for _, slot in runs]),
         ))
-        now, quiet = int(rows[0][0]), rows[0][-1]
+        now, quiet, moved = int(rows[0][0]), rows[0][-2], rows[0][-1]
         found: dict[tuple[str, int], RunState] = {}
-        for _, job, slot, status, attempt, expires, instance, _ in rows:
+        for _, job, slot, status, attempt, expires, instance, _, _ in rows:
             if job is None:
                 continue
             key = (str(job), int(slot))
             found[key] = RunState(key[0], key[1], RunStatus(status), int(attempt),
                                   None if expires is None else int(expires),
                                   None if instance is None else str(instance))
+        quarantined = quiet is not None and now < int(quiet)
         lost = (frozenset((job, int(slot)) for job, slot in runs) - found.keys()
-                if quiet is not None and now < int(quiet) else frozenset())
+                if quarantined or moved else frozenset())
         return CheckResult(now, found, lost)
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[Attempt]:

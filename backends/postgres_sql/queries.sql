@@ -370,11 +370,18 @@ SELECT token FROM run
 -- name: check
 -- Failover (issue 21): n.quiet is the end of the quarantine after a detected promotion
 -- (failover_v<N>.sql; NULL before any): a watched run missing before it was lost with the
--- old primary's commits, not deleted.
-SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id, n.quiet
+-- old primary's commits, not deleted. n.moved: the store last wrote on another timeline
+-- than the server writes, a promotion no claim has detected yet (NULL on a standby, or
+-- without the row): a missing run is lost too, and its claim detects the promotion.
+SELECT n.now, r.job, r.slot, r.status, r.attempt, r.expires_ms, r.instance_id, n.quiet,
+       n.moved
 FROM (SELECT {now} AS now,
              (SELECT split_part(m.value, ' ', 3)::bigint FROM {meta} m
-              WHERE m.key = 'failover') AS quiet) AS n
+              WHERE m.key = 'failover') AS quiet,
+             (SELECT split_part(m.value, ' ', 1)
+                     <> CASE WHEN NOT pg_is_in_recovery()
+                             THEN left(pg_walfile_name(pg_current_wal_lsn()), 8) END
+              FROM {meta} m WHERE m.key = 'failover') AS moved) AS n
 LEFT JOIN ({runs} r JOIN unnest(%s::text[], %s::bigint[]) AS u(job, slot)
            ON r.job = u.job AND r.slot = u.slot) ON true
 
