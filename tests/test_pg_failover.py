@@ -14,6 +14,7 @@ PgBouncer carries on once PgBouncer is pointed at the promoted replica.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,14 @@ from lease_core.errors import AnarchonError, BackendUnavailable
 from lease_core.testing import claim_now, wait_for
 from tests.helpers import Instance, quiet_offset, store_now_ms
 from tests.stores import missing_service
-from tests.stores.postgres import PGBOUNCER, SYSTEM_BINDIR, PgBouncer
+from tests.stores.postgres import (
+    PGBOUNCER,
+    SYSTEM_BINDIR,
+    PgBouncer,
+    PgServer,
+    drop_tables,
+    unique_table,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -438,3 +446,36 @@ async def test_a_check_before_any_claim_on_the_promoted_server_reports_a_lost_ru
         assert (await backend.check([("j", 2)])).lost == frozenset({("j", 2)})
     finally:
         await backend.close()
+
+
+@pytest.mark.asyncio_only
+async def test_the_quarantine_warning_says_what_happened_and_until_when(
+        pg16_server: PgServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The scheduler's warning at a quarantine names a possible failover and gives its end
+    as a time (it said "the store lost its data" with a bare number of milliseconds)."""
+    table = unique_table()
+    scheduler = Scheduler(PostgresBackend(pg16_server.dsn, table=table), lease="1s",
+                          heartbeat="0.2s")
+
+    @scheduler.every("tick", "0.5s")
+    async def tick(ctx: RunContext) -> None:
+        return None
+
+    try:
+        async with anyio.create_task_group() as tg:
+            instance = await Instance(scheduler).start(tg)
+            try:
+                # The store last wrote on another timeline: as after a promotion.
+                with psycopg.connect(pg16_server.admin_dsn, autocommit=True) as conn:
+                    conn.execute(f"UPDATE {table}_meta SET value = 'FFFFFFFF 0 0' "
+                                 "WHERE key = 'failover'")
+                warned = await wait_for(
+                    lambda: [r.getMessage() for r in caplog.records
+                             if "acknowledged may be lost" in r.getMessage()],
+                    what="the quarantine's warning")
+            finally:
+                await instance.stop()
+    finally:
+        await drop_tables(pg16_server.admin_dsn, table)
+    assert "a failover to a replica" in warned[0], warned
+    assert re.search(r"no new attempt before \d{4}-\d\d-\d\dT[\d:.]+Z", warned[0]), warned

@@ -289,9 +289,11 @@ class Claimer:
             if self._quarantine_logged.get(job.name) != result.expires_ms:
                 self._quarantine_logged[job.name] = result.expires_ms
                 logger.warning(
-                    "%s slot %s: the store lost its data; no new attempt before store time "
-                    "%s, when every lease it may have held has expired", job.name,
-                    format_slot(slot), result.expires_ms)
+                    "%s slot %s: the store found that writes it acknowledged may be lost "
+                    "(a failover to a replica, or a server that lost its data): no new "
+                    "attempt before %s (the store's clock), when every lease it may have "
+                    "held has expired; it goes on by itself", job.name,
+                    format_slot(slot), format_slot(result.expires_ms or 0))
         elif result.status is ClaimStatus.RUNNING:
             if (result.instance_id == s.settings.instance_id
                     and result.run_status is RunStatus.RUNNING):  # (retrying: no holder)
