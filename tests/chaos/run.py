@@ -1097,8 +1097,13 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                 report.stale_transaction.append((*key, e["a"]))
         # Checkpoints: only the holder writes; a new attempt never reads less than what
         # earlier attempts were told they wrote; the stored value is the newest writer's.
+        held_until = _held_until(evs)
         for e in evs:
-            if e["e"] == "cp_foreign":
+            # A read after the attempt's lease ran out (a process frozen past it, whose
+            # handler read once more before the loss's cancellation reached it) sees the
+            # next holder's writes, as it should: only a read while it held the run counts.
+            if e["e"] == "cp_foreign" and float(e["t"]) * 1000 < held_until.get(
+                    int(e["a"]), float("inf")):
                 report.stale_checkpoint.append((*key, e["a"]))
         written: dict[int, int] = defaultdict(int)
         for e in evs:
@@ -1352,6 +1357,17 @@ def _judge_fences(report: Report, runs: dict[tuple[str, int], list[Attempt]],
 
 
 # -- effects and checkpoints a PostgreSQL failover lost (issue 21, item 5; pglossy) ------
+
+
+def _held_until(evs: list[dict[str, Any]]) -> dict[int, float]:
+    """Each attempt's last known lease expiry (store ms) from its claim and heartbeats."""
+    attempt_of = {e["k"]: int(e["a"]) for e in evs if e["e"] == "claim" and "k" in e}
+    until: dict[int, float] = {}
+    for e in evs:
+        if e["e"] in ("claim", "hb") and e.get("k") in attempt_of and "x" in e:
+            attempt = attempt_of[e["k"]]
+            until[attempt] = max(until.get(attempt, 0.0), float(e["x"]))
+    return until
 
 
 def _in_windows(at: float, faults: list[Fault]) -> bool:

@@ -105,6 +105,25 @@ def test_a_checkpoint_changed_under_its_holder_is_reported() -> None:
     assert report.violations["checkpoint from a superseded attempt"] == [(*KEY, 2)]
 
 
+def test_a_read_after_its_lease_ran_out_that_sees_the_next_holder_is_no_violation() -> None:
+    """A worker frozen past its lease whose handler read the checkpoint once more before
+    the loss's cancellation reached it saw the next holder's write: reported as a
+    checkpoint from a superseded attempt, though no stale write happened. Only a read
+    while the attempt held the run (before its last known expiry) counts."""
+    def read_at(t: float) -> dict[str, Any]:
+        return {KEY: [
+            event("claim", 1, k="t1", x=(T0 + 1.5) * 1000),
+            event("hb", 1, k="t1", x=(T0 + 2.0) * 1000),
+            event("cp", 1, step=1),
+            event("cp_foreign", 1, t=t, seen={"a": 2, "step": 3},
+                  expected={"a": 1, "step": 1})]}
+
+    late = judge(CONFIG, observed(events=read_at(T0 + 3.5)))
+    assert "checkpoint from a superseded attempt" not in late.violations
+    held = judge(CONFIG, observed(events=read_at(T0 + 1.9)))
+    assert held.violations["checkpoint from a superseded attempt"] == [(*KEY, 1)]
+
+
 def test_a_late_takeover_is_listed() -> None:
     history = [attempt(1, "w1", 0.0, Outcome.LOST),
                attempt(2, "w2", 4.0, Outcome.COMPLETED, Reason.TAKEOVER)]
