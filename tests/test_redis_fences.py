@@ -512,3 +512,40 @@ async def test_slots_due_in_a_quarantine_are_all_claimed_after_it(
     during = range(first_held, quiet - 400, 400)
     assert len(during) >= 2
     assert all(s in slots for s in during), (sorted(slots), list(during))
+
+
+async def test_a_check_before_any_claim_on_a_promoted_replica_reports_a_lost_run() -> None:
+    """A backup's check that reaches a promoted replica before any claim there reports a
+    watched run whose claim the failover lost as lost (the scheduler claims it again, and
+    that claim is quarantined), not as deleted: backups then stopped watching it, its
+    holder learnt at its heartbeat that its lease was gone, and the slot never ran."""
+    async with _primary_and_replica() as (primary, replica, clients):
+        prefix = f"f{uuid.uuid4().hex[:10]}"
+        old = RedisBackend(f"redis://app:pw@127.0.0.1:{primary.port}/0", prefix=prefix)
+        await old.start()
+        try:
+            assert (await old.claim(_request("job", "a"))).status is ClaimStatus.WON
+            assert clients[0].execute_command("WAIT", 1, 5000) == 1
+            _cut_the_replica_off(clients[0])
+            lost = await old.claim(ClaimRequest("job", 2_000, "inst", "b", 60_000,
+                                                overlap_skip=False))
+            assert lost.status is ClaimStatus.WON
+            before = await old.check([("job", 1_000), ("job", 2_000), ("job", 3_000)])
+            assert set(before.runs) == {("job", 1_000), ("job", 2_000)}
+            assert before.lost == frozenset()
+        finally:
+            await old.close()
+        primary.stop()
+        clients[1].execute_command("REPLICAOF", "NO", "ONE")
+
+        backup = RedisBackend(f"redis://app:pw@127.0.0.1:{replica.port}/0", prefix=prefix)
+        await backup.start()
+        try:
+            seen = await backup.check([("job", 1_000), ("job", 2_000)])
+            assert set(seen.runs) == {("job", 1_000)}, seen
+            assert seen.lost == frozenset({("job", 2_000)}), seen
+            again = await backup.claim(ClaimRequest("job", 2_000, "inst", "c", 300,
+                                                    overlap_skip=False))
+            assert (again.status, again.run_status) == (ClaimStatus.RUNNING, None), again
+        finally:
+            await backup.close()

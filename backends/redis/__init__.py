@@ -124,8 +124,9 @@ Until ``quiet`` every claim of the job answers ``RUNNING`` with no run (``run_st
 its next tick. By then every lease that may have been live at the loss has expired, and
 its holder has learnt at a heartbeat that its lease is gone. :meth:`RedisBackend.check`
 reads the markers too: a watched run missing from a job whose marker is gone or changed,
-or whose quarantine is not over, was lost, not deleted (``CheckResult.lost``), and the
-scheduler claims it again. The
+or whose quarantine is not over, or whose ``rid`` is not the server's (``moved.lua``: a
+promoted replica or a restarted server, before any claim there found the move), was
+lost, not deleted (``CheckResult.lost``), and the scheduler claims it again. The
 marker lives with the job's keys, so on a Cluster the loss of one shard is found for
 exactly the jobs on it.
 A process that started after the loss (it never registered the job before it) cannot

@@ -172,8 +172,10 @@ class RedisLeases(RedisStore):
         """Read the watched runs and the server time in one pipelined round trip.
 
         The same round trip reads the data markers of the runs' jobs: a missing run of a
-        job whose marker is gone or changed, or whose quarantine is not over, was lost
-        with the data (``lost``).
+        job whose marker is gone or changed, or whose quarantine is not over, or whose
+        last win was on another server (``moved.lua``: a promoted replica, a restarted
+        server, before any claim there found the move), was lost with the data
+        (``lost``): the scheduler claims it again, and that claim finds the loss.
         """
         commands: list[Command] = [("TIME",)]
         commands += [("HMGET", self._run_key(job, slot), "st", "att", "exp", "inst")
@@ -183,6 +185,13 @@ class RedisLeases(RedisStore):
         jobs = list(dict.fromkeys(job for job, _ in runs))
         known = [job for job in jobs if job in self._markers]
         commands += [("HGET", f"{self._tag(job)}:job", "sid") for job in jobs]
+        # Jobs whose last win was on another server (a promoted replica, a restarted
+        # one): a run missing there may be a claim the failover lost, not a deletion,
+        # before any claim there has found the move. One call per job on a Cluster.
+        adapter = self._adapter or await self._require()
+        groups = [[job] for job in jobs] if adapter.cluster else [jobs] if jobs else []
+        commands += [self._eval("moved", [f"{self._tag(job)}:job" for job in group], [])
+                     for group in groups]
         replies = await self._run(commands)
         found = {}
         for (job, slot), reply in zip(runs, replies[1:], strict=False):
@@ -191,10 +200,13 @@ class RedisLeases(RedisStore):
                 found[(job, slot)] = RunState(job, slot, RunStatus(st), int(att or 0),
                                               int(exp) if exp else None, inst)
         now = time_ms(replies[0])
-        markers = dict(zip(jobs, replies[1 + len(runs):], strict=True))
+        at = 1 + len(runs) + len(jobs)
+        markers = dict(zip(jobs, replies[1 + len(runs):at], strict=True))
+        moved = "".join(as_text(flags) for flags in replies[at:])
         changed = {job for job in known
                    if markers[job] is None or as_text(markers[job]) != self._markers.get(job)
                    or now < self._quiet.get(job, 0)}
+        changed.update(job for job, flag in zip(jobs, moved, strict=True) if flag == "1")
         for job in jobs:
             if job not in self._markers and markers[job] is not None:
                 self._markers[job] = as_text(markers[job])

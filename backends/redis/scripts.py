@@ -1,6 +1,7 @@
 """The Lua scripts of the Redis backend (``backends/redis_lua/``) and the limits of a call.
 
-Each script is sent prefixed with ``_prelude.lua`` (and the files of :data:`_INCLUDES`),
+Each script is sent prefixed with ``_prelude.lua`` (and the files of :data:`_INCLUDES`;
+the named leases' with ``_lease_prelude.lua``, ``moved.lua`` with none),
 registered with the driver and run with ``EVALSHA``; :data:`SCRIPTS` holds them by name.
 """
 
@@ -29,6 +30,8 @@ SCRIPT_BATCH = 100
 #: The named leases' scripts (backends/redis/named.py), one key each, prefixed with the
 #: short ``_lease_prelude.lua`` (the server's clock only).
 _LEASE_SCRIPTS = ("lease_acquire", "lease_renew", "lease_release", "lease_read")
+#: Scripts sent without a prelude (they need neither the clock nor the helpers).
+_BARE_SCRIPTS = ("moved",)
 
 #: Leases one ``heartbeat.lua`` call renews at most on a server that is not a Cluster.
 HEARTBEAT_BATCH = 1000
@@ -52,10 +55,11 @@ def _load_scripts() -> dict[str, Script]:
     prelude = (folder / "_prelude.lua").read_text(encoding="utf-8")
     lease_prelude = (folder / "_lease_prelude.lua").read_text(encoding="utf-8")
     scripts = {}
-    for name in (*_SCRIPTS, *_LEASE_SCRIPTS):
+    for name in (*_SCRIPTS, *_LEASE_SCRIPTS, *_BARE_SCRIPTS):
         first = lease_prelude if name in _LEASE_SCRIPTS else prelude
-        parts = [first] + [(folder / f"{part}.lua").read_text(encoding="utf-8")
-                           for part in (*_INCLUDES.get(name, ()), name)]
+        parts = ([] if name in _BARE_SCRIPTS else [first]) + [
+            (folder / f"{part}.lua").read_text(encoding="utf-8")
+            for part in (*_INCLUDES.get(name, ()), name)]
         source = "\n".join(parts)
         sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
         scripts[name] = Script(name, source, sha)
