@@ -86,11 +86,15 @@ async def test_finishes_checkpoints_and_operations_wait_for_the_replicas(
             await waited.set_checkpoint(_lease("job", 4, "t4"), {"at": 4})
         with pytest.raises(BackendUnavailable, match=r"the finish of 'job' slot 4 .* 0 of"):
             await waited.finish(_lease("job", 4, "t4"), Outcome.COMPLETED)
-        # the primary made the write: it does not count, but a failover may lose it
+        # the primary made the write: not taken as done, but kept (a failover may lose it)
         state = (await plain.check([("job", 4)])).runs[("job", 4)]
         assert state.status is RunStatus.COMPLETED
-        with pytest.raises(BackendUnavailable, match="the operation resume of 'job'"):
+        with pytest.raises(BackendUnavailable, match="the operation resume of 'job'") as raised:
             await waited.operate(Operation(OperationKind.RESUME, "job", None, "test"))
+        # ... and the error says so: the resume is in effect, not to be sent again
+        assert "the Redis primary made it" in str(raised.value)
+        assert "does not count" not in str(raised.value)
+        assert await plain.paused() == {}
     finally:
         await waited.close()
         await plain.close()

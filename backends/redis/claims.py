@@ -126,7 +126,7 @@ class RedisClaims(RedisStore):
             what = (f"the claim of {won[0].job!r} slot {won[0].slot}" if len(won) == 1
                     else f"the claims of {len(won)} runs")
             try:
-                self._check_wait(replies[-1], what)
+                self._check_wait(replies[-1], what, undone=True)
             except BackendUnavailable:
                 await self._give_back(requests, results)
                 raise

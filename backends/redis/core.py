@@ -544,12 +544,19 @@ class RedisStore(Backend):
             self._check_wait(replies[-1], what)
         return replies[:-1]
 
-    def _check_wait(self, reply: Any, what: str) -> None:
+    def _check_wait(self, reply: Any, what: str, *, undone: bool = False) -> None:
+        """Raise :class:`~lease_core.errors.BackendUnavailable` when fewer than
+        ``wait_replicas`` replicas acknowledged ``what``. ``undone``: the caller gives the
+        write back (a claim's runs, a named lease's hold); else the primary keeps it, and
+        the message says so (an operator's operation is in effect, a finish is made)."""
         acks = int(reply)
         if self.wait_replicas is not None and acks < self.wait_replicas:
+            kept = ("so it does not count" if undone else
+                    "so it is not taken as done, although the Redis primary made it and "
+                    "keeps it (a failover may lose it)")
             raise BackendUnavailable(
                 f"{what} was acknowledged by {acks} of wait_replicas={self.wait_replicas} "
-                f"replicas within {self._wait_timeout_ms} ms, so it does not count; check "
+                f"replicas within {self._wait_timeout_ms} ms, {kept}; check "
                 "the replicas of the Redis primary or lower wait_replicas"
             )
 

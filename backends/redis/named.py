@@ -92,7 +92,7 @@ class RedisNamedLeases(RedisStore):
         released (best-effort: a failure leaves it to expire with its ttl) and
         :class:`~lease_core.errors.BackendUnavailable` raised, as for a claim."""
         try:
-            self._check_wait(acks, f"the acquire of lease {name!r}")
+            self._check_wait(acks, f"the acquire of lease {name!r}", undone=True)
         except BackendUnavailable:
             with contextlib.suppress(Exception):
                 await self._run([self._eval(
