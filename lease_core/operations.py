@@ -225,6 +225,8 @@ class Admin:
     async def _formerly_first(self, workflow: str) -> list[str]:
         """The paused jobs that were ``workflow``'s first before a release changed it: a
         later step's, or the job of its own name (a job turned into the workflow)."""
+        if not isinstance(workflow, str) or not workflow:
+            return []  # refused by the resume itself, naming it
         await self.backend.start(create=False)
         try:
             steps = (await self.backend.workflows()).get(workflow) or []

@@ -978,6 +978,14 @@ async def test_a_pause_outlives_a_release_that_changes_a_workflows_first_step(
     assert ("flow", "prepare") in ran
 
 
+@pytest.mark.parametrize("bad", [None, "", ["x"], 3])
+async def test_a_job_operation_on_a_bad_name_is_refused_naming_it(bad: Any) -> None:
+    admin = Admin(MemoryBackend(), by="ops")
+    for act in (admin.trigger, admin.pause, admin.resume):
+        with pytest.raises(ConfigurationError, match="must be a non-empty job name"):
+            await act(bad)
+
+
 def _recording(ran: list[tuple[str, str]], workflow: str, step: str) -> Any:
     async def handler(ctx: RunContext) -> None:
         ran.append((workflow, step))
