@@ -1,7 +1,8 @@
 """The Lua scripts of the Redis backend (``backends/redis_lua/``) and the limits of a call.
 
 Each script is sent prefixed with ``_prelude.lua`` (and the files of :data:`_INCLUDES`;
-the named leases' with ``_lease_prelude.lua``, ``moved.lua`` with none),
+the named leases' with ``_lease_prelude.lua``, ``moved.lua`` with none;
+``_replid.lua`` where the server's replication id is read),
 registered with the driver and run with ``EVALSHA``; :data:`SCRIPTS` holds them by name.
 """
 
@@ -22,7 +23,8 @@ _SCRIPTS = ("open_store", "claim", "claim_many", "heartbeat", "finish", "finish_
             "retry_later", "operate")
 #: Files prepended to a script after the prelude (the function it calls).
 _INCLUDES = {"claim": ("_claim",), "claim_many": ("_claim",), "finish": ("_finish",),
-             "finish_many": ("_finish",), "trim": ("_trim",)}
+             "finish_many": ("_finish",), "trim": ("_trim",), "register": ("_replid",),
+             "lease_acquire": ("_replid",), "moved": ("_replid",)}
 #: Claims per ``claim_many.lua`` call, and finishes per ``finish_many.lua`` call, at most:
 #: one script call keeps the server busy, so a large batch goes as several calls (in the
 #: same pipeline).

@@ -22,14 +22,7 @@ if expires > now and hold ~= ARGV[1] then
   return {epoch, token, expires, now, hold or ''}
 end
 if expires <= now then
-  -- (the id cut out with plain finds, as in _claim.lua: cheaper for the server than a
-  -- pattern; '' when the server prints none)
-  local info = redis.call('INFO', 'replication')
-  local at = string.find(info, '\nmaster_replid:', 1, true)
-  local id = ''
-  if at then
-    id = string.sub(info, at + 15, (string.find(info, '\r', at, true) or (#info + 1)) - 1)
-  end
+  local id = replication_id()
   if not ep or token + 1 >= 1048576 or (rid and rid ~= id) then
     epoch = math.max(now, epoch + 1)
     token = 1

@@ -3,12 +3,7 @@
 -- hash records the replication id ('rid') of another server than this one (a promoted
 -- replica, or a restarted server, that may have lost the newest claims: a watched run
 -- missing there was lost, not deleted), else '0'. Writes nothing.
-local info = redis.call('INFO', 'replication')
-local at = string.find(info, '\nmaster_replid:', 1, true)
-local id = ''
-if at then
-  id = string.sub(info, at + 15, (string.find(info, '\r', at, true) or (#info + 1)) - 1)
-end
+local id = replication_id()
 local flags = {}
 for i, key in ipairs(KEYS) do
   local rid = redis.call('HGET', key, 'rid')

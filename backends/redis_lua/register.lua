@@ -16,14 +16,7 @@ if not sid then
   sid = redis.sha1hex(ARGV[1] .. KEYS[1])  -- new and unique, as a claim's (see 0.)
   redis.call('HSET', KEYS[1], 'sid', sid)
   if redis.call('HSETNX', KEYS[1], 'ep', now) == 1 then
-    -- (the id cut out with plain finds, as in _claim.lua; '' when the server prints none)
-    local info = redis.call('INFO', 'replication')
-    local at = string.find(info, '\nmaster_replid:', 1, true)
-    local id = ''
-    if at then
-      id = string.sub(info, at + 15, (string.find(info, '\r', at, true) or (#info + 1)) - 1)
-    end
-    redis.call('HSET', KEYS[1], 'rid', id)
+    redis.call('HSET', KEYS[1], 'rid', replication_id())
   end
 end
 local out = {first, last or '', new, sid}
