@@ -6,6 +6,7 @@ module small; nothing here is public beyond that function.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -13,6 +14,7 @@ from typing import Any, LiteralString, cast
 
 import psycopg
 import psycopg.conninfo
+from psycopg.rows import tuple_row
 from psycopg_pool import PoolTimeout
 
 from lease_core.errors import (
@@ -26,6 +28,7 @@ from .base import (
     CONFIG_STATES,
     GAVE_UP_STATES,
     Params,
+    Row,
     TransientError,
     gave_up,
     in_users_transaction,
@@ -163,8 +166,109 @@ def _refuse_open(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -
         raise in_users_transaction("psycopg")
 
 
+#: The transaction characteristics the store's transactions run with: read committed, the
+#: claims' row locks and ``SKIP LOCKED`` rely on it, and read write.
+_STORE_CHARACTERISTICS: tuple[psycopg.IsolationLevel | None, bool | None] = (
+    psycopg.IsolationLevel.READ_COMMITTED, False)
+
+
+def users_characteristics(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]
+                          ) -> tuple[psycopg.IsolationLevel | None, bool | None] | None:
+    """The isolation level and read-only flag the application set on a connection (or a
+    pool's) that would reach the store's transactions, or None when they are the store's.
+
+    psycopg begins every transaction of a connection with them: under repeatable read or
+    serializable, claims racing for a run fail with serialization errors; read only, every
+    write is refused as if the server were a standby. The store's transactions run with
+    :data:`_STORE_CHARACTERISTICS` instead, and the application's are put back after (both
+    are client-side flags: no round trip)."""
+    level, read_only_ = conn.isolation_level, conn.read_only
+    if (level is None or level == psycopg.IsolationLevel.READ_COMMITTED) and not read_only_:
+        return None
+    return level, read_only_
+
+
+async def set_async_characteristics(conn: psycopg.AsyncConnection[Any],
+                                    values: tuple[psycopg.IsolationLevel | None, bool | None],
+                                    ) -> None:
+    """Set ``values`` (see :func:`users_characteristics`) on an idle connection; a closed
+    one is left (it is given back broken, and never used again)."""
+    if conn.closed:
+        return
+    await conn.set_isolation_level(values[0])
+    await conn.set_read_only(values[1])
+
+
+def set_sync_characteristics(conn: psycopg.Connection[Any],
+                             values: tuple[psycopg.IsolationLevel | None, bool | None]) -> None:
+    """:func:`set_async_characteristics` for a sync connection."""
+    if conn.closed:
+        return
+    conn.isolation_level = values[0]
+    conn.read_only = values[1]
+
+
 def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
     # The result's status, not ``cur.description``: that builds a Column per column.
     result = cur.pgresult
     return result is not None and result.status == psycopg.pq.ExecStatus.TUPLES_OK
 
+
+# Each statement on a cursor of psycopg's own class with tuple rows, whatever the user's
+# connection or pool says (row_factory=dict_row gave rows of column names; a RawCursor
+# refused %s placeholders).
+
+
+async def _async_all(
+    conn: psycopg.AsyncConnection[Any], sql: str, params: Params
+) -> list[Row]:
+    cur = psycopg.AsyncCursor(conn, row_factory=tuple_row)
+    await cur.execute(_query(sql), _params(params), prepare=False)
+    if not _has_rows(cur):
+        return []
+    return await cur.fetchall()
+
+
+def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Params) -> list[Row]:
+    cur = psycopg.Cursor(conn, row_factory=tuple_row)
+    cur.execute(_query(sql), _params(params), prepare=False)
+    if not _has_rows(cur):
+        return []
+    return cur.fetchall()
+
+
+# A single statement runs in autocommit mode: one round trip, where BEGIN ... COMMIT
+# around it would take three. The connection's own setting is restored afterwards; the
+# switch is a client-side flag and costs no round trip while the connection is idle.
+
+
+async def _async_single(
+    conn: psycopg.AsyncConnection[Any], sql: str, params: Params
+) -> list[Row]:
+    _refuse_open(conn)
+    if conn.autocommit:
+        return await _async_all(conn, sql, params)
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        await conn.set_autocommit(True)
+        try:
+            return await _async_all(conn, sql, params)
+        finally:
+            with contextlib.suppress(psycopg.Error):  # a broken connection stays broken
+                await conn.set_autocommit(False)
+    async with conn.transaction():
+        return await _async_all(conn, sql, params)
+
+
+def _sync_single(conn: psycopg.Connection[Any], sql: str, params: Params) -> list[Row]:
+    _refuse_open(conn)
+    if conn.autocommit:
+        return _sync_all(conn, sql, params)
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        conn.autocommit = True
+        try:
+            return _sync_all(conn, sql, params)
+        finally:
+            with contextlib.suppress(psycopg.Error):  # a broken connection stays broken
+                conn.autocommit = False
+    with conn.transaction():
+        return _sync_all(conn, sql, params)

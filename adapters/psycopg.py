@@ -44,21 +44,25 @@ import anyio
 import anyio.lowlevel
 import psycopg
 import psycopg.conninfo
-from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from lease_core.errors import BackendUnavailable, ConfigurationError
 
 from ._psycopg_base import (
-    _has_rows,
+    _STORE_CHARACTERISTICS,
+    _async_all,
+    _async_single,
     _mapped,
-    _params,
-    _query,
     _refuse_open,
     _secret_of,
+    _sync_all,
+    _sync_single,
     _where,
     _where_of,
+    set_async_characteristics,
+    set_sync_characteristics,
     translate_error,
+    users_characteristics,
 )
 from ._psycopg_pools import check_after, dsn_pools, give_back, refuse_unopened
 from .base import (
@@ -123,66 +127,6 @@ class _SyncTx:
         # the block, which then rolls back; not the rows, so its code goes no further.
         await anyio.lowlevel.checkpoint_if_cancelled()
         return rows
-
-
-# Each statement on a cursor of psycopg's own class with tuple rows, whatever the user's
-# connection or pool says (row_factory=dict_row gave rows of column names; a RawCursor
-# refused %s placeholders).
-
-
-async def _async_all(
-    conn: psycopg.AsyncConnection[Any], sql: str, params: Params
-) -> list[Row]:
-    cur = psycopg.AsyncCursor(conn, row_factory=tuple_row)
-    await cur.execute(_query(sql), _params(params), prepare=False)
-    if not _has_rows(cur):
-        return []
-    return await cur.fetchall()
-
-
-def _sync_all(conn: psycopg.Connection[Any], sql: str, params: Params) -> list[Row]:
-    cur = psycopg.Cursor(conn, row_factory=tuple_row)
-    cur.execute(_query(sql), _params(params), prepare=False)
-    if not _has_rows(cur):
-        return []
-    return cur.fetchall()
-
-
-# A single statement runs in autocommit mode: one round trip, where BEGIN ... COMMIT
-# around it would take three. The connection's own setting is restored afterwards; the
-# switch is a client-side flag and costs no round trip while the connection is idle.
-
-
-async def _async_single(
-    conn: psycopg.AsyncConnection[Any], sql: str, params: Params
-) -> list[Row]:
-    _refuse_open(conn)
-    if conn.autocommit:
-        return await _async_all(conn, sql, params)
-    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-        await conn.set_autocommit(True)
-        try:
-            return await _async_all(conn, sql, params)
-        finally:
-            with contextlib.suppress(psycopg.Error):  # a broken connection stays broken
-                await conn.set_autocommit(False)
-    async with conn.transaction():
-        return await _async_all(conn, sql, params)
-
-
-def _sync_single(conn: psycopg.Connection[Any], sql: str, params: Params) -> list[Row]:
-    _refuse_open(conn)
-    if conn.autocommit:
-        return _sync_all(conn, sql, params)
-    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-        conn.autocommit = True
-        try:
-            return _sync_all(conn, sql, params)
-        finally:
-            with contextlib.suppress(psycopg.Error):  # a broken connection stays broken
-                conn.autocommit = False
-    with conn.transaction():
-        return _sync_all(conn, sql, params)
 
 
 @asynccontextmanager
@@ -254,25 +198,33 @@ async def _async_transaction(
 ) -> AsyncIterator[Executor]:
     with _mapped(where):
         _refuse_open(conn)
-        tx = psycopg.AsyncTransaction(conn)
-        async with _settled(conn, where, deliver=False):
-            await tx.__aenter__()
+        users = users_characteristics(conn)  # the application's, put back after
+        if users is not None:
+            await set_async_characteristics(conn, _STORE_CHARACTERISTICS)
         try:
-            yield _AsyncTx(conn, where)
-        except BaseException as exc:
-            if reset is not None and not await _reset(conn, where, reset):
-                # closed in the transaction, not rolled back: its session ends
-                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    await conn.close()  # (the pool replaces it)
+            tx = psycopg.AsyncTransaction(conn)
+            async with _settled(conn, where, deliver=False):
+                await tx.__aenter__()
+            try:
+                yield _AsyncTx(conn, where)
+            except BaseException as exc:
+                if reset is not None and not await _reset(conn, where, reset):
+                    # closed in the transaction, not rolled back: its session ends
+                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                        await conn.close()  # (the pool replaces it)
+                    raise
+                # The rollback runs even when the block was cancelled (a connection left in a
+                # transaction would be closed by its pool).
+                with contextlib.suppress(BackendUnavailable):
+                    async with _settled(conn, where, deliver=False):
+                        await tx.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
-            # The rollback runs even when the block was cancelled (a connection left in a
-            # transaction would be closed by its pool).
-            with contextlib.suppress(BackendUnavailable):
-                async with _settled(conn, where, deliver=False):
-                    await tx.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        async with _settled(conn, where, deliver=False):  # a commit is reported as done
-            await tx.__aexit__(None, None, None)
+            async with _settled(conn, where, deliver=False):  # a commit is reported as done
+                await tx.__aexit__(None, None, None)
+        finally:
+            if users is not None:
+                with anyio.CancelScope(shield=True), contextlib.suppress(psycopg.Error):
+                    await set_async_characteristics(conn, users)
 
 
 @asynccontextmanager
@@ -280,20 +232,28 @@ async def _sync_transaction(conn: psycopg.Connection[Any], where: str, threads: 
                             ) -> AsyncIterator[Executor]:
     with _mapped(where):
         _refuse_open(conn)
-        tx = conn.transaction()
-        await threads.run(tx.__enter__)
+        users = users_characteristics(conn)  # the application's, put back after
+        if users is not None:
+            await threads.run(set_sync_characteristics, conn, _STORE_CHARACTERISTICS)
         try:
-            yield _SyncTx(conn, where, threads)
-        except BaseException as exc:
+            tx = conn.transaction()
+            await threads.run(tx.__enter__)
+            try:
+                yield _SyncTx(conn, where, threads)
+            except BaseException as exc:
+                with anyio.CancelScope(shield=True):
+                    await threads.run(tx.__exit__, type(exc), exc, exc.__traceback__)
+                raise
+            # Shielded, as the rollback: a cancellation pending as the block ends would
+            # otherwise send no COMMIT and leave the connection in the transaction (a user's
+            # connection for good: its later statements would become savepoints in it). A
+            # commit is reported as done; the cancellation comes at the next checkpoint.
             with anyio.CancelScope(shield=True):
-                await threads.run(tx.__exit__, type(exc), exc, exc.__traceback__)
-            raise
-        # Shielded, as the rollback: a cancellation pending as the block ends would
-        # otherwise send no COMMIT and leave the connection in the transaction (a user's
-        # connection for good: its later statements would become savepoints in it). A
-        # commit is reported as done; the cancellation comes at the next checkpoint.
-        with anyio.CancelScope(shield=True):
-            await threads.run(tx.__exit__, None, None, None)
+                await threads.run(tx.__exit__, None, None, None)
+        finally:
+            if users is not None:
+                with anyio.CancelScope(shield=True), contextlib.suppress(psycopg.Error):
+                    await threads.run(set_sync_characteristics, conn, users)
 
 
 class PsycopgPoolAdapter(SqlAdapter):

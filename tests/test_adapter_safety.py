@@ -221,6 +221,59 @@ async def test_an_async_psycopg_connection_left_in_a_transaction_is_refused(
 
 
 @pytest.mark.asyncio_only
+@pytest.mark.parametrize("kind", ["async-connection", "sync-connection", "sync-pool"])
+async def test_the_applications_isolation_level_and_read_only_do_not_reach_the_stores(
+    pg16_server: PgServer, kind: str
+) -> None:
+    """psycopg began the store's transactions with the isolation level and read-only flag
+    the application set on its connection or pool: read only, every write was refused as
+    by a standby; serializable, racing claims failed. The store's transactions are read
+    committed and read write, and the application's settings are put back after."""
+    table = await _table(pg16_server.admin_dsn)
+    level, ro = psycopg.IsolationLevel.SERIALIZABLE, True
+
+    def configure(conn: Any) -> None:
+        conn.isolation_level, conn.read_only = level, ro
+
+    conn: Any = None
+    pool: Any = None
+    if kind == "async-connection":
+        conn = await psycopg.AsyncConnection.connect(pg16_server.dsn)
+        await conn.set_isolation_level(level)
+        await conn.set_read_only(ro)
+        adapter: SqlAdapter = PsycopgConnectionAdapter(conn)
+    elif kind == "sync-connection":
+        conn = psycopg.connect(pg16_server.dsn)
+        configure(conn)
+        adapter = PsycopgSyncConnectionAdapter(conn)
+    else:
+        pool = ConnectionPool(pg16_server.dsn, min_size=1, max_size=1, open=True,
+                              configure=configure)
+        adapter = PsycopgSyncPoolAdapter(pool)
+    try:
+        async with adapter.transaction() as tx:
+            await tx.all(f"INSERT INTO {table} VALUES (1)")
+            seen = await tx.all("SELECT current_setting('transaction_isolation'), "
+                                "current_setting('transaction_read_only')")
+        assert seen == [("read committed", "off")]
+        await adapter.all(f"INSERT INTO {table} VALUES (2)")  # a single statement too
+        assert await _query(pg16_server.admin_dsn, f"SELECT count(*) FROM {table}") == 2
+        if pool is not None:
+            with pool.connection() as conn:
+                assert (conn.isolation_level, conn.read_only) == (level, ro)
+        else:
+            assert (conn.isolation_level, conn.read_only) == (level, ro)
+    finally:
+        if pool is not None:
+            pool.close()
+        elif kind == "async-connection":
+            await conn.close()
+        else:
+            conn.close()
+        await _drop(pg16_server.admin_dsn, table)
+
+
+@pytest.mark.asyncio_only
 @pytest.mark.parametrize("setting", ["row_factory", "cursor_factory"])
 @pytest.mark.parametrize("kind", ["async-pool", "sync-connection"])
 async def test_a_psycopg_row_factory_or_cursor_class_of_the_users_is_not_the_stores(
