@@ -12,8 +12,10 @@ import os
 import ssl
 from typing import Any
 
+import pg8000.exceptions
+
 from lease_core._redact import redact
-from lease_core.errors import ConfigurationError
+from lease_core.errors import BackendUnavailable, ConfigurationError
 
 from .base import conninfo_params, dsn_query
 
@@ -172,3 +174,32 @@ def _load(setting: tuple[str | None, str], load: Any) -> None:
         raise ConfigurationError(
             f"cannot load {setting[1]} {setting[0]!r}: {reason}; give a readable PEM file"
         ) from None
+
+
+def refuses_tls(exc: BaseException) -> bool:
+    """Whether pg8000's ``exc`` says the server refused TLS."""
+    return bool(exc.args) and exc.args[0] == "Server refuses SSL"
+
+
+def tls_error(exc: Exception, where: str, mode: str | None, secret: str | None
+              ) -> Exception | None:
+    """The error of a TLS failure connecting to ``where`` (``sslmode=mode``), or None for
+    another error."""
+    if isinstance(exc, pg8000.exceptions.InterfaceError) and refuses_tls(exc):
+        return BackendUnavailable(
+            f"PostgreSQL at {where} does not accept TLS, which sslmode={mode} "
+            "requires; turn ssl on in the server, or use sslmode=prefer or disable"
+        )
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return BackendUnavailable(
+            f"the TLS certificate of PostgreSQL at {where} failed verification "
+            f"(sslmode={mode}): {exc.verify_message}; check sslrootcert names the CA "
+            "that signed the server's certificate, and for verify-full that the "
+            "certificate names the host"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return BackendUnavailable(
+            f"TLS with PostgreSQL at {where} failed (sslmode={mode}): "
+            f"{redact(str(exc), secret)}"
+        )
+    return None

@@ -40,7 +40,6 @@ socket timeout, which pg8000 applies to every read and write, not only to connec
 
 from __future__ import annotations
 
-import ssl
 import threading
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
@@ -59,7 +58,7 @@ from lease_core.errors import (
     StoreRefused,
 )
 
-from ._pg8000_params import PG8000_PARAMS, SSL_MODES, pg8000_params
+from ._pg8000_params import PG8000_PARAMS, SSL_MODES, pg8000_params, refuses_tls, tls_error
 from ._placeholders import inline_parameters, numbered, sql_literal
 from .base import (
     CONFIG_STATES,
@@ -192,10 +191,6 @@ class _Connection(pg8000.native.Connection):  # type: ignore[misc]
             if isinstance(error, pg8000.exceptions.DatabaseError):
                 raise error from exc
             raise
-
-
-def _refuses_tls(exc: BaseException) -> bool:
-    return bool(exc.args) and exc.args[0] == "Server refuses SSL"
 
 
 def _idle(conn: Any) -> bool:
@@ -377,7 +372,7 @@ class Pg8000PoolAdapter(SqlAdapter):
             return self._open(ssl_context)
         except pg8000.exceptions.InterfaceError as exc:
             # An SSLContext of our own makes pg8000 insist on TLS; "prefer" falls back.
-            if p.get("sslmode") != "prefer" or not _refuses_tls(exc):
+            if p.get("sslmode") != "prefer" or not refuses_tls(exc):
                 raise
         return self._open(False)
 
@@ -389,26 +384,10 @@ class Pg8000PoolAdapter(SqlAdapter):
             ssl_context=ssl_context, application_name=p.get("application_name"),
         )
 
-    def _tls_error(self, exc: Exception) -> Exception | None:
-        mode = self.params.get("sslmode")
-        if isinstance(exc, pg8000.exceptions.InterfaceError) and _refuses_tls(exc):
-            return BackendUnavailable(
-                f"PostgreSQL at {self._where} does not accept TLS, which sslmode={mode} "
-                "requires; turn ssl on in the server, or use sslmode=prefer or disable"
-            )
-        if isinstance(exc, ssl.SSLCertVerificationError):
-            return BackendUnavailable(
-                f"the TLS certificate of PostgreSQL at {self._where} failed verification "
-                f"(sslmode={mode}): {exc.verify_message}; check sslrootcert names the CA "
-                "that signed the server's certificate, and for verify-full that the "
-                "certificate names the host"
-            )
-        if isinstance(exc, ssl.SSLError):
-            return BackendUnavailable(
-                f"TLS with PostgreSQL at {self._where} failed (sslmode={mode}): "
-                f"{redact(str(exc), self._secret)}"
-            )
-        return None
+    def _connect_error(self, exc: Exception) -> Exception:
+        """A connection's error mapped to anarchon's types (``exc`` itself if none fits)."""
+        return (tls_error(exc, self._where, self.params.get("sslmode"), self._secret)
+                or translate_error(exc, where=self._where, secret=self._secret))
 
     def _take_idle(self) -> Any:
         """An idle connection, or None."""
@@ -428,12 +407,14 @@ class Pg8000PoolAdapter(SqlAdapter):
         conn = self._take_idle()
         if conn is not None:
             return conn
+        return await self._new()
+
+    async def _new(self) -> Any:
+        """A new connection, its errors mapped to anarchon's types."""
         try:
             return await self._threads.run(self._connect)
         except (pg8000.exceptions.Error, OSError) as exc:
-            mapped = self._tls_error(exc) or translate_error(
-                exc, where=self._where, secret=self._secret
-            )
+            mapped = self._connect_error(exc)
             if mapped is exc:
                 raise
             raise mapped from None
@@ -465,11 +446,16 @@ class Pg8000PoolAdapter(SqlAdapter):
                 self._idle.append(conn)
 
     async def open(self) -> None:
-        """Open the first connection, so a bad login or host is reported at once."""
+        """Open ``min_size`` connections, the first alone, so a bad login or host is
+        reported at once. (Connections opened later are kept too, up to ``max_size``.)"""
         self._closed = False  # (again after close(): its connections are kept again)
         async with self._slot():
             conn = await self._acquire()
             await self._release(conn, None)
+        with self._guard:
+            missing = self._min_size - len(self._idle)
+        for _ in range(missing):
+            await self._release(await self._new(), None)
 
     async def close(self) -> None:
         """Close every idle connection; busy ones close when they are released."""
@@ -555,8 +541,7 @@ class Pg8000PoolAdapter(SqlAdapter):
         if done.conn is None:  # no connection, or closed as broken
             await self._discard_idle()
         if done.connecting:
-            mapped = self._tls_error(exc) or translate_error(
-                exc, where=self._where, secret=self._secret)
+            mapped = self._connect_error(exc)
             if mapped is exc:
                 raise exc
             raise mapped from None

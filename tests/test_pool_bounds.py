@@ -124,6 +124,21 @@ async def test_a_pg8000_pool_keeps_its_connections_after_a_close_and_a_new_start
         await drop_tables(pg16_server.admin_dsn, backend.table)
 
 
+async def test_a_pg8000_pool_opens_min_size_connections_at_start(pg16_server: Any) -> None:
+    """``?min_size=`` was taken and ignored with pg8000 (one connection at start, as the
+    psycopg pool's does not): it opens ``min_size`` connections at open()."""
+    app = unique_table()
+    adapter = Pg8000PoolAdapter(pg8000_params(f"{pg16_server.dsn}?application_name={app}"),
+                                min_size=3, max_size=4)
+    try:
+        await adapter.open()
+        rows = await adapter.all("SELECT count(*) FROM pg_stat_activity "
+                                 "WHERE application_name = %s", (app,))
+        assert rows == [(3,)]
+    finally:
+        await adapter.close()
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the psycopg pool: asyncio only
 async def test_a_dsn_adapter_passed_in_works_after_a_close_and_a_new_start(
     pg16_server: Any,
