@@ -291,7 +291,7 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
                                                 overlap_skip=False))
             assert _number(_fence(lost)) == 1 and lost.epoch == first.epoch
             await _after(clients[0], leader.expires_ms)
-            taken = await old.acquire_lease("leader", "h2", 60_000)  # lost too
+            taken = await old.acquire_lease("leader", "h2", 400)  # lost too
             assert taken.held and taken.token == leader.token + 1
         finally:
             await old.close()
@@ -321,9 +321,22 @@ async def test_an_attempt_numbered_again_on_a_promoted_replica_is_fenced_above()
             later = await new.claim(ClaimRequest("job", 3_000, "inst", "d", 300,
                                                  overlap_skip=False))
             assert later.epoch == again.epoch  # one new epoch per change of server
+            # the lost acquire's holder ("h2") may still run: nobody takes the name
+            # until the longest ttl known (this caller's 400 ms; the survivor's was
+            # 200) has passed since the failover was found
             await _after(clients[1], leader.expires_ms)
-            token = (await new.acquire_lease("leader", "h3", 60_000)).token
+            found = _server_ms(clients[1])
+            waits = await new.acquire_lease("leader", "h3", 400)
+            assert not waits.held and waits.holder is None
+            assert waits.expires_ms >= found + 400
+            assert (await new.read_lease("leader")).expires_ms == waits.expires_ms
+            assert not (await new.acquire_lease("leader", "h2", 400)).held  # not its own
+            await _after(clients[1], waits.expires_ms)
+            token = (await new.acquire_lease("leader", "h3", 400)).token
             assert token > taken.token and token >> FENCE_NUMBER_BITS >= promoted
+            assert await new.release_lease("leader", token)
+            after = await new.acquire_lease("leader", "h4", 400)  # one quarantine only
+            assert after.held and after.token == token + 1
         finally:
             await new.close()
 

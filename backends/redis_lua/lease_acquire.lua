@@ -12,26 +12,39 @@
 -- starts likewise. And a key that survived on a promoted replica (or a restarted server)
 -- without its newest holders: 'rid' keeps the server's replication id at the last new
 -- holder, and a new holder on a server with another id starts a new epoch.
+-- Quarantine on a promoted server (as for jobs, _claim.lua's server_moved): a holder
+-- whose acquire or renewals the failover lost may still run until its next renewal, so
+-- the first acquire that finds the key's id changed on a server that was promoted takes
+-- nothing: the new epoch starts with nobody holding the name until now + the longest ttl
+-- known ('ttl', the last holder's, or this caller's), when every such hold has expired.
+-- A key the failover lost entirely looks new and is not quarantined (its fences are
+-- above all the same); a plain restart only starts the new epoch.
 -- ARGV: holder, ttl_ms. Returns {epoch, number, expires} when the caller holds the name
 -- (its holder is ARGV[1] and now is expires - ttl: a short reply, the hot path), else
--- {epoch, number, expires, now, holder} of the current hold.
-local ep, tok, exp, hold, rid = unpack(redis.call('HMGET', KEYS[1], 'ep', 'tok', 'exp', 'hold',
-  'rid'))
+-- {epoch, number, expires, now, holder} of the current hold ('' for none).
+local ep, tok, exp, hold, rid, ttl = unpack(redis.call('HMGET', KEYS[1], 'ep', 'tok', 'exp',
+  'hold', 'rid', 'ttl'))
 local epoch, token, expires = tonumber(ep or '0'), tonumber(tok or '0'), tonumber(exp or '0')
 if expires > now and hold ~= ARGV[1] then
   return {epoch, token, expires, now, hold or ''}
 end
 if expires <= now then
-  local id = replication_id()
-  if not ep or token + 1 >= 1048576 or (rid and rid ~= id) then
+  local id, promoted = replication_ids()
+  local moved = rid and rid ~= id
+  if not ep or token + 1 >= 1048576 or moved then
     epoch = math.max(now, epoch + 1)
     token = 1
   else
     token = token + 1
   end
+  if moved and promoted then
+    local quiet = now + math.max(tonumber(ttl or '0'), tonumber(ARGV[2]))
+    redis.call('HSET', KEYS[1], 'ep', epoch, 'tok', 0, 'exp', quiet, 'hold', '', 'rid', id)
+    return {epoch, 0, quiet, now, ''}
+  end
   rid = id
 end
 expires = now + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'ep', epoch, 'tok', token, 'exp', expires, 'hold', ARGV[1],
-  'rid', rid or '')
+  'rid', rid or '', 'ttl', ARGV[2])
 return {epoch, token, expires}
