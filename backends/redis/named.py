@@ -15,7 +15,10 @@ trusted on a Cluster): it treats every missing key as lost, which costs nothing 
 large tokens. A key that survives without its newest holders (a replica promoted a
 little behind) is found by the server's replication id, kept in the key at each new
 holder: a new holder on a server with another id (a promoted replica, a restarted
-server) starts a new epoch too.
+server) starts a new epoch too; on a promoted server (one that reports a
+``master_replid2``) that acquire takes nothing and nobody holds the name until the
+longest ttl known has passed (a quarantine, as PostgreSQL's after a promotion: a holder
+whose acquire or renewals the failover lost may still run until its next renewal).
 
 ``wait_replicas`` (see :class:`~backends.redis.RedisBackend`): an acquire and a renewal
 send ``WAIT`` in the same round trip. An acquire that took the name but too few replicas
