@@ -468,7 +468,7 @@ async def test_a_run_of_a_member_that_went_is_backed_up_past_ten_thousand_open_r
         await wait_for(lambda: len(ran) == 1, timeout=10, what="the run started")
         instances[0].crash()
         await instances[0].wait_done()
-        await wait_for(lambda: len(ran) == 2, timeout=20, what="the run taken over")
+        await wait_for(lambda: len(ran) == 2, timeout=45, what="the run taken over")
         await stop_all(instances[1:])
     assert ran == [("a", 1, "scheduled"), ("b", 2, "takeover")], ran
 
