@@ -218,10 +218,10 @@ def test_page_overview_drill_down_and_recovery_log(
     _shoot(browser, tmp_path, "status-overview.png")
 
     # Filters and search narrow the rows; the fragment keeps the token.
-    browser.find_element(By.CSS_SELECTOR, '[data-filter="failed"]').click()
+    _press(wait, '[data-filter="failed"]')
     _rows(browser, wait, ["close"])
     assert "token=" in browser.current_url and "status=failed" in browser.current_url
-    browser.find_element(By.CSS_SELECTOR, '[data-filter="all"]').click()
+    _press(wait, '[data-filter="all"]')
     _rows(browser, wait, ["close", "export"])
     browser.find_element(By.ID, "search").send_keys("EXP")
     _rows(browser, wait, ["export"])
@@ -236,14 +236,14 @@ def test_page_overview_drill_down_and_recovery_log(
     assert after[0] - before[0] == after[1] - before[1] >= 2
 
     # Drill down: the workflow's runs, then the failed run's steps and recovery log.
-    browser.find_element(By.CSS_SELECTOR, 'tr[data-job="close"] td a').click()
+    _press(wait, 'tr[data-job="close"] td a')
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr[data-run="close@{NEXT}"]'))
     statuses = browser.execute_script(
         "return Array.from(document.querySelectorAll('tr[data-run]'))"
         ".map((row) => [row.dataset.run, row.dataset.status])")
     assert statuses == [[f"close@{NEXT}", "running"], [f"close@{SLOT}", "failed"]]
     _shoot(browser, tmp_path, "status-job.png")
-    browser.find_element(By.CSS_SELECTOR, f'tr[data-run="close@{SLOT}"] a').click()
+    _press(wait, f'tr[data-run="close@{SLOT}"] a')
     wait.until(lambda d: d.find_elements(
         By.CSS_SELECTOR, f'section[data-run="close@{SLOT}"] [data-event="escalated"]'))
     failed = browser.execute_script(_READ_RUN, f"close@{SLOT}")
@@ -347,7 +347,7 @@ def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path,
     browser.get(f"{served_many}/")
     wait.until(lambda d: len(d.execute_script(_ROWS)) == 50)
     shown = time.monotonic() - started
-    assert browser.find_element(By.ID, "page").text == "page 1 of 20, 1000 jobs"
+    assert _text(wait, "#page") == "page 1 of 20, 1000 jobs"
     counts = {b.get_attribute("data-filter"): b.text
               for b in browser.find_elements(By.CSS_SELECTOR, "#filters button")}
     assert counts == {"all": "all (1000)", "running": "running (333)", "failed": "failed (333)",
@@ -356,12 +356,40 @@ def test_page_with_1000_jobs(browser: Any, served_many: str, tmp_path: Path,
     record_property(REPORTED, f"1,000 jobs: first page shown {shown * 1000:.0f} ms after "
                               f"navigation, rendered in {render_ms:.1f} ms")
     _shoot(browser, tmp_path, "status-1000-jobs.png")
-    browser.find_element(By.ID, "next").click()
+    _press(wait, "#next")
     wait.until(lambda d: d.execute_script(_ROWS)[0]["name"] == "job-0050")
-    browser.find_element(By.CSS_SELECTOR, '[data-filter="running"]').click()
+    _press(wait, '[data-filter="running"]')
     wait.until(lambda d: d.find_element(By.ID, "page").text == "page 1 of 7, 333 jobs")
     rows = browser.execute_script(_ROWS)
     assert len(rows) == 50 and all(row["running"] == 1 for row in rows)
+
+
+def _press(wait: Any, selector: str) -> None:
+    """Click the element ``selector`` (CSS) finds. The view redraws itself every few
+    seconds: an element found just before a redraw is stale when clicked, so finding and
+    clicking are tried again together (``wait`` ignores stale elements)."""
+    from selenium.webdriver.common.by import By
+
+    def press(driver: Any) -> bool:
+        driver.find_element(By.CSS_SELECTOR, selector).click()
+        return True
+
+    wait.until(press)
+
+
+def _text(wait: Any, selector: str) -> str:
+    """The text of the element ``selector`` (CSS) finds, read again if a redraw made the
+    element stale as it was read."""
+    from selenium.webdriver.common.by import By
+
+    found: list[str] = []
+
+    def read(driver: Any) -> bool:
+        found[:] = [driver.find_element(By.CSS_SELECTOR, selector).text]
+        return True
+
+    wait.until(read)
+    return found[0]
 
 
 def _click(wait: Any, operation: str, within: str = "") -> str:
@@ -474,18 +502,18 @@ def test_page_says_a_triggered_run_is_queued_not_held(
 
     browser.get(f"{base}/#token={TOKEN}")
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'tr[data-job="export"]'))
-    cell = browser.find_element(By.CSS_SELECTOR, 'tr[data-job="export"] td:nth-child(8)').text
+    cell = _text(wait, 'tr[data-job="export"] td:nth-child(8)')
     assert queued in cell and "attempt 0" not in cell, cell
 
     browser.get(f"{base}/#token={TOKEN}&job=export")
     row = f'tr[data-run="{triggered}"]'
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, row))
-    assert browser.find_element(By.CSS_SELECTOR, f"{row} td:nth-child(3)").text == queued
+    assert _text(wait, f"{row} td:nth-child(3)") == queued
 
     browser.get(f"{base}/#token={TOKEN}&run={triggered}")
     card = f'section[data-run="{triggered}"]'
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, card))
-    text = browser.find_element(By.CSS_SELECTOR, f"{card} p.muted").text
+    text = _text(wait, f"{card} p.muted")
     assert text.startswith(queued), text
 
 
@@ -534,7 +562,7 @@ def test_page_shows_when_a_waiting_retry_is_due(
             return bool(found) and found[0].get_attribute("datetime") == when
 
         wait.until(shown)
-        text = browser.find_element(By.CSS_SELECTOR, selector).text
+        text = _text(wait, selector)
         assert f"retry at {when[11:19]}" in text, text  # HH:MM:SS, with its date if not today
         return str(text)
 
@@ -543,7 +571,7 @@ def test_page_shows_when_a_waiting_retry_is_due(
     assert text.startswith("attempt 1 by c, failed, retry at "), text
     text = retry_at('tr[data-job="books"] td:nth-child(8)', step_due)
     assert text.startswith("post: attempt 1 by c, failed, retry at "), text
-    held = browser.find_element(By.CSS_SELECTOR, 'tr[data-job="close"] td:nth-child(8)').text
+    held = _text(wait, 'tr[data-job="close"] td:nth-child(8)')
     assert "lease" in held and "retry at" not in held, held  # a running run: its lease
 
     browser.get(f"{base}/#token={TOKEN}&job=flaky")
@@ -561,7 +589,7 @@ def test_page_shows_when_a_waiting_retry_is_due(
     browser.get(f"{base}/#token={TOKEN}&run=close@{NEXT}")
     cell = f'section[data-run="close@{NEXT}"] tr[data-step="interest"] td:nth-child(7)'
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, cell))
-    lease = browser.find_element(By.CSS_SELECTOR, cell).text
+    lease = _text(wait, cell)
     assert lease != "-" and "retry" not in lease, lease  # running: when its lease expires
 
 
@@ -765,7 +793,7 @@ def test_page_keeps_its_view_focus_and_word_across_refreshes_and_errors(
     # A search that matches nothing, in a store that has jobs.
     browser.execute_script("go({q: 'no such job'})")
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#view p.empty"))
-    assert browser.find_element(By.CSS_SELECTOR, "#view p.empty").text == "no job matches"
+    assert _text(wait, "#view p.empty") == "no job matches"
     browser.execute_script("go({})")
     _rows(browser, wait, [html, "close", "export"])
 
