@@ -559,3 +559,30 @@ def test_a_backend_the_url_contradicts_is_refused(
     assert main(["demo", "--backend", "redis", "--url", database]) == 2
     assert "--backend redis contradicts --url" in capsys.readouterr().err
     assert catalog(database) == before
+
+
+def test_the_demo_gives_up_on_a_postgres_server_that_never_answers(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The demo's own connection (to claim or remove its namespace) had no connect_timeout,
+    and libpq's default is to wait for ever: `anarchon demo --url` and `--remove` on a
+    server that accepts and never answers hung without bound (the other commands give up
+    after 10 s). Its wait is cut to libpq's least, 2 s, here."""
+    import socket
+    import threading
+
+    from lease_core.demo import namespace
+
+    monkeypatch.setattr(namespace, "CONNECT_TIMEOUT", 1)
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    with socket.socket() as silent:  # the kernel accepts; nothing ever answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"postgresql://u:pw@127.0.0.1:{silent.getsockname()[1]}/db?sslmode=disable"
+        codes: list[int] = []  # (--remove connects the same way)
+        waiting = threading.Thread(target=lambda: codes.append(main(
+            ["demo", "--url", url, "--namespace", "x"])), daemon=True)
+        waiting.start()
+        waiting.join(60)
+        assert codes == [1]
+        assert "could not connect" in capsys.readouterr().err

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import secrets
 import time
@@ -232,6 +233,10 @@ ORDER BY 1, 2
 
 #: How long removal waits for a lock on the namespace's tables (a worker still running).
 _PG_LOCK_TIMEOUT = "10s"
+#: Seconds a connection of the demo's (to claim or remove a namespace) waits for the
+#: server's login, unless the URL's ``connect_timeout`` or ``$PGCONNECT_TIMEOUT`` says:
+#: libpq's own default is to wait for ever (the backend's first login waits as long).
+CONNECT_TIMEOUT = 10
 
 
 class PostgresNamespace(Namespace):
@@ -268,8 +273,12 @@ class PostgresNamespace(Namespace):
                                      "pip install 'anarchon[postgres]'") from None
         from backends.postgres import driver_dsn
 
+        dsn = driver_dsn(self.url)
+        timeout: dict[str, Any] = (
+            {} if "connect_timeout" in psycopg.conninfo.conninfo_to_dict(dsn)
+            or os.environ.get("PGCONNECT_TIMEOUT") else {"connect_timeout": CONNECT_TIMEOUT})
         try:
-            return psycopg.connect(driver_dsn(self.url))
+            return psycopg.connect(dsn, **timeout)
         except psycopg.OperationalError as exc:
             raise BackendUnavailable(
                 f"could not connect to {redact(self.url)!r}: "
