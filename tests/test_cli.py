@@ -315,6 +315,14 @@ def test_demo_on_a_cluster_url_says_it_runs_on_one_redis_server(
         "anarchon demo: the demo runs on one Redis server, not on a Redis Cluster "
         "('rediss+cluster://u:***@node1:7000'): give --url redis://host:port of a server "
         "of its own, or leave out --url for an embedded one\n"), err
+    # Sentinel alike; and a Redis URL the store would refuse is refused as it refuses it
+    # (the demo's own client ended with "unexpected error: TypeError" or "ValueError").
+    for url, says in ((f"redis+sentinel://:{SECRET}@node1:26379/main", "not through Sentinel"),
+                      (f"redis://:{SECRET}@127.0.0.1:1/0?bogus=1", "unknown parameter 'bogus'"),
+                      (f"redis://:{SECRET}@127.0.0.1:abc/0", "has the port 'abc'")):
+        for remove in ([], ["--remove", "x"]):
+            assert main(["demo", "--url", url, *remove]) == 2, url
+            assert says in one_line_error(capsys)
 
 
 def test_console_script_version_and_one_line_errors() -> None:

@@ -44,7 +44,7 @@ from typing import Any
 
 from backends.postgres.statements import quote_ident, store_names
 from lease_core._redact import MASK, redact
-from lease_core._registry import split_url_options
+from lease_core._registry import backend_from_url, split_url_options
 from lease_core.errors import AnarchonError, BackendUnavailable, ConfigurationError
 
 __all__ = ["DEMO_JOBS", "DEMO_TABLES", "PREFIX", "Namespace", "NamespaceInUse",
@@ -164,10 +164,14 @@ def namespace_for(url: str, name: str | None = None) -> Namespace:
     if scheme.split("+")[0] in ("postgresql", "postgres"):
         return PostgresNamespace(url, name)
     if scheme in ("redis", "rediss", "unix"):
+        # The store's own checks of the URL (a bad port or query parameter), which
+        # redis-py's from_url reported as a TypeError or a ValueError.
+        backend_from_url(url)
         return RedisNamespace(url, name)
-    if scheme in ("redis+cluster", "rediss+cluster"):
+    if scheme in ("redis+cluster", "rediss+cluster", "redis+sentinel"):
+        what = "through Sentinel" if scheme == "redis+sentinel" else "on a Redis Cluster"
         raise ConfigurationError(
-            f"the demo runs on one Redis server, not on a Redis Cluster ({redact(url)!r}): "
+            f"the demo runs on one Redis server, not {what} ({redact(url)!r}): "
             "give --url redis://host:port of a server of its own, or leave out --url for "
             "an embedded one")
     hint = ("; for the in-process memory store, run `anarchon demo --backend memory` "
