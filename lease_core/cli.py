@@ -452,6 +452,10 @@ def _remove_demo(args: argparse.Namespace) -> int:
         raise ConfigurationError("--remove needs --url: the store whose namespace a demo kept")
     if args.workflow is not None or args.keep or args.serve or args.namespace is not None:
         raise ConfigurationError("--remove takes only --url")
+    if args.backend is not None:  # was ignored: --backend redis removed it on PostgreSQL
+        raise ConfigurationError(
+            f"--remove takes only --url: it removes the namespace from the store "
+            f"{args.url_source} names ({redact(args.url)}); leave out --backend")
     from .demo.namespace import namespace_for
 
     print(f"anarchon demo: {namespace_for(args.url, args.remove).remove()}")

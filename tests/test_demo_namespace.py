@@ -559,6 +559,14 @@ def test_a_backend_the_url_contradicts_is_refused(
     assert main(["demo", "--backend", "redis", "--url", database]) == 2
     assert "--backend redis contradicts --url" in capsys.readouterr().err
     assert catalog(database) == before
+    # --remove ignored --backend: `--backend redis --remove NS` removed NS on PostgreSQL.
+    namespace_for(database, "kept").claim("fleet")
+    kept = catalog(database)
+    assert main(["demo", "--backend", "redis", "--url", database, "--remove", "kept"]) == 2
+    assert "leave out --backend" in capsys.readouterr().err
+    assert catalog(database) == kept
+    assert main(["demo", "--url", database, "--remove", "kept"]) == 0
+    assert catalog(database) == before
 
 
 def test_the_demo_gives_up_on_a_postgres_server_that_never_answers(
