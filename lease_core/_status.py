@@ -88,6 +88,14 @@ def iso(moment: datetime | None) -> str | None:
     return moment.isoformat(timespec="milliseconds")
 
 
+def one_line(text: str) -> str:
+    """``text`` as one line of a terminal's table: a character that is not printable (a
+    traceback's line break, a tab, an escape sequence's ESC) written as its escape,
+    ``\\n``, ``\\x1b``, so a row stays one line and nothing in it acts on the terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 @dataclass(frozen=True)
 class JobStatus:
     """One job: its runs in progress and its last finished run."""
@@ -183,8 +191,8 @@ def render_status(status: StoreStatus) -> str:
         last = job.last
         progress = "; ".join(([f"paused by {job.paused}"] if job.paused is not None else [])
                              + [_describe_open(r, status.now_ms) for r in job.open]) or "-"
-        rows.append((job.name, str(last.status) if last else "-",
-                     iso(last.scheduled_at) or "-" if last else "-", progress))
+        rows.append((one_line(job.name), str(last.status) if last else "-",
+                     iso(last.scheduled_at) or "-" if last else "-", one_line(progress)))
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(3)]
     for row in (header, *rows):
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))

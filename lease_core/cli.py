@@ -44,6 +44,7 @@ from ._cli_operations import add_parsers as add_operation_parsers
 from ._cli_operations import run_operation
 from ._redact import redact
 from ._status import iso as _iso
+from ._status import one_line
 from .errors import AnarchonError, ConfigurationError, OperationRefused, StoreNotFound
 
 __all__ = ["main"]
@@ -583,8 +584,9 @@ async def _history(args: argparse.Namespace) -> int:
         where = f"job {args.job!r}" if args.job else "any job"
         print(f"no history for {where} in {redact(args.url)}")
         return 0
-    table = [[c.upper() for c in _COLUMNS]] + [
-        [("running" if r[c] is None and c == "outcome" else str(r[c] or "")) for c in _COLUMNS]
+    table = [[c.upper() for c in _COLUMNS]] + [  # one line a row: a traceback's \n escaped
+        [("running" if r[c] is None and c == "outcome" else one_line(str(r[c] or "")))
+         for c in _COLUMNS]
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS) - 1)]

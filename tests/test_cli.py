@@ -375,6 +375,10 @@ def test_wrong_redis_password_is_a_refused_login(
     assert "refused the login" in out.stderr
 
 
+#: The error of the failed attempt _seed records: two lines, and an escape sequence.
+ERROR = "OSError: disk full\nwhile writing \x1b[31m/var/x"
+
+
 async def _seed(url: str, **options: str) -> None:
     """Record two attempts of 'nightly': one failed, and one still running."""
     backend = backend_from_url(url, **options)
@@ -383,7 +387,7 @@ async def _seed(url: str, **options: str) -> None:
         first = ClaimRequest("nightly", 1_700_000_000_000, "host-a", "t1", 60_000)
         assert (await backend.claim(first)).status == "won"
         await backend.finish(Lease("nightly", first.slot, "t1", 60_000),
-                             Outcome.FAILED, "disk full")
+                             Outcome.FAILED, ERROR)
         second = ClaimRequest("nightly", 1_700_000_060_000, "host-a", "t2", 60_000)
         assert (await backend.claim(second)).status == "won"
     finally:
@@ -403,12 +407,16 @@ def check_history_output(capsys: pytest.CaptureFixture[str], url: str, flag: lis
                           "scheduled", "failed"]
     assert datetime.fromisoformat(oldest[6]).tzinfo is not None
     assert datetime.fromisoformat(oldest[7]) >= datetime.fromisoformat(oldest[6])
-    assert " ".join(oldest[8:]) == "disk full"
+    # One line a row: the error's line break and ESC were written to the terminal as
+    # they are, the row split in two and the rest of the screen red.
+    assert " ".join(oldest[8:]) == r"OSError: disk full\nwhile writing \x1b[31m/var/x"
 
     assert main(["history", "--url", url, *flag, "--json", "--limit", "1"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["job"], r["scheduled_at"], r["outcome"], r["finished_at"]) for r in rows] == [
         ("nightly", "2023-11-14T22:14:20.000+00:00", None, None)]
+    assert main(["history", "--url", url, *flag, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[1]["error"] == ERROR  # as it is
 
     assert main(["history", "--url", url, *flag, "--job", "other"]) == 0
     assert capsys.readouterr().out.strip().startswith("no history for job 'other' in ")

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
-from lease_core import Outcome, RunStatus, backend_from_url
+from lease_core import Admin, Outcome, RunStatus, backend_from_url
 from lease_core.abc import ClaimRequest, Lease
 from lease_core.cli import main
 from tests.stores.postgres import PgServer, drop_tables, unique_table
@@ -104,6 +104,13 @@ def test_a_run_queued_by_an_operation_reads_as_queued(
     for slot in (triggered, 1000):
         assert main(["retry", f"sync@{slot}", "--url", url]) == 2
         assert "it is handed_over (waiting to be claimed" in capsys.readouterr().err
+    # A name with a line break or an escape sequence (who paused it, an instance id)
+    # keeps the row one line, and does not act on the terminal.
+    store(url, lambda b: Admin(b, by="ops\n\x1b[2Jteam").pause("sync"))
+    assert main(["status", "--url", url]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("sync "))
+    assert r"paused by ops\n\x1b[2Jteam; slot" in line and "\x1b" not in out, line
 
 
 def test_refusals_exit_2_and_change_nothing(url: str,
