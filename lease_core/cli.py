@@ -185,6 +185,9 @@ def _parser() -> argparse.ArgumentParser:
                             "which unlike this flag does not show in ps)")
     _namespace_options(serve)
     add_operation_parsers(sub, url_help, _namespace_options)
+    for command in sub.choices.values():  # also after it, where an error's hint leads
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of an unexpected error")
     return parser
 
 

@@ -253,6 +253,10 @@ def test_unexpected_error_is_one_line_and_the_traceback_needs_debug(
     assert main(["--debug", "history", "--url", "memory://"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "RuntimeError" in err and SECRET not in err
+    # Also after the subcommand, where one adds it to the command that said to (it was
+    # "unrecognized arguments: --debug", exit 2).
+    assert main(["history", "--url", "memory://", "--debug"]) == 1
+    assert "Traceback" in capsys.readouterr().err
     monkeypatch.setenv("ANARCHON_DEBUG", "1")
     assert main(["history", "--url", "memory://"]) == 1
     assert "Traceback" in capsys.readouterr().err
