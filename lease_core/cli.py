@@ -444,6 +444,9 @@ async def _jobs_named(backend: Any, job: str | None, *,
     has never seen (a typo read as "nothing to show"); else that name alone."""
     if job is None:
         return None
+    if not job:  # a script's `--job "$JOB"` with JOB unset: not "every job", nor "no history"
+        raise ConfigurationError("--job is empty: give a job's name, or leave --job out for "
+                                 "every job")
     known = await backend.jobs()
     if job in known:
         return [job]
@@ -508,7 +511,9 @@ async def _history(args: argparse.Namespace) -> int:
         return 0
     if not rows:
         where = f"job {args.job!r}" if args.job else "any job"
-        print(f"no history for {where} in {redact(args.url)}")
+        named = "".join(f" (--{flag} {value})" for flag in ("table", "prefix", "namespace")
+                        if (value := getattr(args, flag)) is not None)  # not the default's
+        print(f"no history for {where} in {redact(args.url)}{named}")
         return 0
     table = [[c.upper() for c in _COLUMNS]] + [  # one line a row: a traceback's \n escaped
         [("running" if r[c] is None and c == "outcome" else one_line(str(r[c] or "")))

@@ -423,7 +423,12 @@ def check_history_output(capsys: pytest.CaptureFixture[str], url: str, flag: lis
     assert json.loads(capsys.readouterr().out)[1]["error"] == ERROR  # as it is
 
     assert main(["history", "--url", url, *flag, "--job", "other"]) == 0
-    assert capsys.readouterr().out.strip().startswith("no history for job 'other' in ")
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("no history for job 'other' in "), out
+    assert (f"({' '.join(flag)})" if flag else "?table=") in out, out  # which store
+    # An empty --job (a script's unset $JOB) said "no history for any job": exit 2.
+    assert main(["history", "--url", url, *flag, "--job", ""]) == 2
+    assert "--job is empty" in capsys.readouterr().err
 
 
 def test_history_of_a_postgres_store(
