@@ -19,8 +19,9 @@ in one line on stderr, never as a traceback. Exit codes, the same for every subc
 
 ``--url`` defaults to ``$ANARCHON_URL`` for every subcommand, and ``serve``'s ``--token``
 to ``$ANARCHON_TOKEN``: neither then shows in ``ps``. An empty ``$ANARCHON_TOKEN`` is a
-usage error (exit 2), not "no token". ``--debug`` (or ``ANARCHON_DEBUG=1``)
-adds the traceback of an unexpected error.
+usage error (exit 2), not "no token"; an empty ``--url`` (or a blank ``$ANARCHON_URL``)
+too, not libpq's default server. ``--debug`` (before or after the subcommand, or
+``ANARCHON_DEBUG=1``) adds the traceback of an unexpected error.
 """
 
 from __future__ import annotations
@@ -265,6 +266,13 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.url is not None and not args.url.strip():
+        # A script's `--url "$URL"` with URL unset: libpq read it as its default server,
+        # so migrate created tables and the demo ran (or removed) on whatever that was.
+        raise ConfigurationError(
+            f"{args.url_source} is empty: give the store's URL (postgresql://..., "
+            "redis://...)" + (f", or leave out --url to use ${URL_ENV}"
+                              if args.url_source == "--url" else f", or unset {URL_ENV}"))
     if args.command == "demo":
         from .demo.command import run_command
 

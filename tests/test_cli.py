@@ -232,6 +232,23 @@ def test_configuration_mistakes(
         assert name in err
 
 
+@pytest.mark.parametrize("argv", [["migrate"], ["demo"], ["demo", "--remove", "x"],
+                                  ["status"], ["trigger", "nightly"]])
+def test_an_empty_url_is_a_usage_error_not_libpqs_default_server(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    """A script's `--url "$URL"` with URL unset: migrate, the demo and --remove read it as
+    libpq's default server (PG* variables, the local socket), and acted on whatever that
+    was; the other commands said only "no scheme". A blank $ANARCHON_URL alike."""
+    monkeypatch.setenv("PGHOST", "127.0.0.1")
+    monkeypatch.setenv("PGPORT", str(find_free_port()))  # nobody: not reached, either way
+    assert main([*argv, "--url", ""]) == 2
+    assert "--url is empty" in one_line_error(capsys)
+    monkeypatch.setenv("ANARCHON_URL", " ")
+    assert main(argv) == 2
+    assert "$ANARCHON_URL is empty" in one_line_error(capsys)
+
+
 def test_unreachable_store_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     port = find_free_port()
     assert main(["history", "--dsn", f"host=127.0.0.1 port={port} password={SECRET}"]) == 1
