@@ -346,6 +346,16 @@ def test_demo_on_a_cluster_url_says_it_runs_on_one_redis_server(
             assert says in one_line_error(capsys)
 
 
+def test_a_bad_demo_namespace_is_refused_before_a_server_starts(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was refused once the embedded PostgreSQL had started (and was stopped again)."""
+    monkeypatch.delenv("ANARCHON_URL", raising=False)
+    assert main(["demo", "--namespace", "Jobs"]) == 2
+    captured = capsys.readouterr()
+    assert "namespace 'Jobs' is not valid" in captured.err
+    assert "Starting embedded" not in captured.out, captured.out
+
+
 def test_console_script_version_and_one_line_errors() -> None:
     out = subprocess.run([ANARCHON, "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"anarchon {lease_core.__version__}"

@@ -25,6 +25,10 @@ def run_command(args: argparse.Namespace) -> int:
     """Run ``anarchon demo`` as ``args`` (parsed by :mod:`lease_core.cli`) asks."""
     if args.remove is not None:
         return _remove_demo(args)
+    if args.namespace is not None:  # before an embedded server is started for nothing
+        from .namespace import validate_name
+
+        validate_name(args.namespace)
     args.backend = _demo_backend(args.backend, args.url, args.url_source)
     _check_demo_extra(args.backend, args.url)
     if args.workflow is not None:
