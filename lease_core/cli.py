@@ -15,7 +15,8 @@ in one line on stderr, never as a traceback. Exit codes, the same for every subc
   operations never create one; ``status`` and ``history`` only read, and work with
   SELECT-only rights; ``prune`` deletes old history; ``serve`` reads, and its operations
   write as the operations do);
-- 130: interrupted (Ctrl-C); ``serve`` stopped by SIGTERM stops gracefully and exits 143.
+- 130: interrupted (Ctrl-C); ``serve`` stopped by SIGTERM stops gracefully and exits 143,
+  and so does the demo, once it has stopped its workers and removed its namespace.
 
 ``--url`` defaults to ``$ANARCHON_URL`` for every subcommand, and ``serve``'s ``--token``
 to ``$ANARCHON_TOKEN``: neither then shows in ``ps``. An empty ``$ANARCHON_TOKEN`` is a
@@ -27,14 +28,16 @@ too, not libpq's default server. ``--debug`` (before or after the subcommand, or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import ipaddress
 import json
 import os
 import signal
 import sys
+import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import anyio
@@ -55,6 +58,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NO_STORE = 3
 EXIT_INTERRUPTED = 130
+#: The exit code of a command stopped by SIGTERM after cleaning up (serve, the demo).
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
 #: The environment variable every subcommand reads the store's URL from, without --url.
 URL_ENV = "ANARCHON_URL"
@@ -106,7 +111,7 @@ EXIT_CODES = """exit codes (the same for every subcommand):
   3    no anarchon store at the URL (status, history, prune, serve and the operations
        never create one)
   130  interrupted (Ctrl-C)
-  143  serve stopped by SIGTERM, after a graceful shutdown"""
+  143  serve or the demo stopped by SIGTERM, after a graceful shutdown"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -211,6 +216,7 @@ def _namespace_options(command: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``anarchon`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
+    _terminated.clear()
     debug = args.debug or os.environ.get("ANARCHON_DEBUG", "") not in ("", "0")
     prog = f"anarchon {args.command}"
     args.url_source = "--url"
@@ -238,6 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: {_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
+        if _terminated:  # cleaned up: now die of the signal, as serve does (143)
+            print(f"{prog}: terminated (SIGTERM)", file=sys.stderr)
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+            return EXIT_TERMINATED  # pragma: no cover - not reached
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
@@ -247,6 +260,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "" if debug else " (run with --debug for the traceback)"
         print(f"{prog}: unexpected error: {type(exc).__name__}: {text}{hint}", file=sys.stderr)
         return EXIT_FAILED
+
+
+#: Set when SIGTERM stopped the demo (its exit is then 143, not Ctrl-C's 130).
+_terminated: list[int] = []
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM stops the block as Ctrl-C does: a demo killed by ``kill`` or a supervisor
+    ended without a cleanup, its worker processes left running on the user's store and
+    its namespace left behind."""
+    def stop(signum: int, frame: Any) -> None:
+        _terminated.append(signum)
+        ctrl_c = signal.getsignal(signal.SIGINT)  # asyncio's while it runs: it cancels
+        if callable(ctrl_c):
+            ctrl_c(signal.SIGINT, frame)
+        else:  # SIGINT ignored (a background job) or the default action
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():  # (main() in a thread)
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _line(exc: BaseException, *, first_only: bool = False) -> str:
@@ -276,7 +316,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo.command import run_command
 
-        return run_command(args)
+        with _sigterm_as_ctrl_c():  # the demo then removes its namespace, as on Ctrl-C
+            return run_command(args)
     if args.url is None and args.command in ("migrate", "history", "status", "prune",
                                              "serve", *OPERATIONS):  # not libpq's default
         pg = ("; --url postgresql:// takes host, user and database from the PG* variables"

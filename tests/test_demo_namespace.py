@@ -392,6 +392,68 @@ def test_redis_namespace_in_use_is_refused(redis_url: str,
     assert keys(redis_url) == before
 
 
+def test_the_demo_stopped_by_sigterm_removes_its_namespace_and_exits_143(
+        redis_url: str) -> None:
+    """`kill PID` (or a supervisor's stop) killed the demo at once: no cleanup, its
+    worker processes left running on the user's store, its namespace left behind."""
+    before = keys(redis_url)
+    proc = subprocess.Popen([sys.executable, "-m", "lease_core.cli", "demo", "--url",
+                             redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Timeline:"):  # the namespace claimed, the workers starting
+                proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        err = proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    out = "".join(lines)
+    assert proc.returncode == -signal.SIGTERM, out + err  # 143 in a shell, as serve's
+    assert err == "anarchon demo: terminated (SIGTERM)\n", err
+    assert f"Removed namespace {namespace_of(out)}" in out, out
+    assert keys(redis_url) == before
+
+
+def test_a_demo_worker_ends_when_its_demo_is_gone(redis_url: str) -> None:
+    """A demo SIGKILLed left its workers running on the user's store for ever: a worker
+    now stops once the process that started it has ended (here a shell, killed)."""
+    import os
+
+    parent = subprocess.Popen(
+        ["bash", "-c", '"$0" -m lease_core.demo worker - A orphaned & echo $!; wait',
+         sys.executable], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "ANARCHON_DEMO_URL": redis_url})
+    assert parent.stdout is not None
+    with parent.stdout:
+        worker = int(parent.stdout.readline())
+        assert parent.stdout.readline() == "started\n"
+        parent.kill()
+        parent.wait()
+
+    def running() -> bool:
+        try:  # (a zombie no one has reaped yet has ended)
+            with open(f"/proc/{worker}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if running():  # pragma: no cover - the failure's own cleanup
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail("the worker outlived the process that started it")
+
+
 # --------------------------------------------------------------------------- removal edges
 
 

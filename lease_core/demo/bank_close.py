@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import signal
+import os
 import socket
 import sys
 import time
@@ -43,7 +43,7 @@ from lease_core import Backend, RunContext, Scheduler, backend_from_url
 from lease_core.errors import ConfigurationError
 from lease_core.recovery import recovery_log, step_job
 
-from .fleet import ProcessFleet
+from .fleet import ProcessFleet, until_stopped
 from .namespace import DEMO_TABLES, PostgresNamespace, claimed, namespace_for, new_name
 
 __all__ = ["build_scheduler", "run_bank_close", "worker_main"]
@@ -187,16 +187,17 @@ def build_scheduler(backend: Backend, name: str, url: str, offset_ms: int,
 
 
 def worker_main(url: str, name: str, offset_ms: str, namespace: str) -> None:
-    """Run one bank-close instance until SIGTERM (then stop gracefully) or SIGKILL."""
+    """Run one bank-close instance until SIGTERM (then stop gracefully) or SIGKILL, or
+    until the demo that started it is gone."""
+
+    parent = os.getppid()  # (read before "started": the demo may end right after)
 
     async def main() -> None:
         backend = backend_from_url(url, namespace=namespace)
         async with build_scheduler(backend, name, url, int(offset_ms),
                                    namespace) as scheduler:
             print("started", flush=True)
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    break
+            await until_stopped(parent)
             await scheduler.stop(grace="2s")
 
     anyio.run(main)

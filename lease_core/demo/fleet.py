@@ -38,7 +38,7 @@ from lease_core.errors import ConfigurationError
 
 from .namespace import claimed, namespace_for
 
-__all__ = ["URL_VARIABLE", "run_demo", "verdict", "worker_main"]
+__all__ = ["URL_VARIABLE", "run_demo", "until_stopped", "verdict", "worker_main"]
 
 NAMES = ("A", "B", "C")
 LEASE = "3s"
@@ -205,18 +205,37 @@ class TaskFleet(Fleet):
 
 
 def worker_main(url: str, name: str, namespace: str) -> None:
-    """Run one demo instance until SIGTERM (then stop gracefully) or SIGKILL."""
+    """Run one demo instance until SIGTERM (then stop gracefully) or SIGKILL, or until
+    the demo that started it is gone."""
+
+    parent = os.getppid()  # (read before "started": the demo may end right after)
 
     async def main() -> None:
         backend = backend_from_url(url, namespace=namespace)
         async with build_scheduler(backend, name) as scheduler:
             print("started", flush=True)
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    break
+            await until_stopped(parent)
             await scheduler.stop(grace="2s")
 
     anyio.run(main)
+
+
+async def until_stopped(parent: int) -> None:
+    """Wait for SIGTERM or SIGINT, or for the demo process ``parent`` that started this
+    worker to end (it is SIGKILLed, or ended without stopping its workers): then this
+    process has another parent. A worker outlived its demo, and ran on the user's store
+    for ever."""
+    async with anyio.create_task_group() as tg:
+        async def signalled() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(signalled)
+        while os.getppid() == parent:  # noqa: ASYNC110 - a parent's end sets no event
+            await anyio.sleep(0.2)
+        tg.cancel_scope.cancel()
 
 
 # --------------------------------------------------------------------------- timeline
