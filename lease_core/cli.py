@@ -150,8 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     migrate.add_argument("--url", "--dsn", dest="url", default=None,
                          help=f"PostgreSQL URL or key/value DSN (default: ${URL_ENV}); "
                               "--url postgresql:// takes the rest from the PG* variables")
-    migrate.add_argument("--table", default=None,
-                         help="table name, may be schema.name (default anarchon_runs)")
+    migrate.add_argument("--table", "--namespace", dest="table", default=None,
+                         help="table name, may be schema.name (default anarchon_runs); "
+                              "--namespace, as the other commands take it, is the same")
     history = sub.add_parser("history", help="print the recorded attempts, newest first")
     history.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     history.add_argument("--job", default=None,
