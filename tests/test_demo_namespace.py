@@ -656,3 +656,13 @@ def test_the_demo_gives_up_on_a_postgres_server_that_never_answers(
         waiting.join(60)
         assert codes == [1]
         assert "could not connect" in capsys.readouterr().err
+
+
+def test_the_psql_command_a_kept_namespace_prints_is_one_psql_reads() -> None:
+    """psql refused the URL as given to the demo: a driver in its scheme, or anarchon's
+    own parameters in its query ("invalid URI query parameter")."""
+    for url in ("postgresql+pg8000://app:***@db/app?min_size=2&sslmode=require",
+                "host=db user=app password=*** max_size=3 sslmode=require"):
+        psql = namespace_for(url, "kept").look_commands(url)[2]
+        assert psql.startswith("psql ") and "pg8000" not in psql and "_size" not in psql
+        assert "sslmode=require" in psql, psql

@@ -400,9 +400,13 @@ class PostgresNamespace(Namespace):
 
     def look_commands(self, url: str) -> list[str]:
         quoted = _shell(url)
+        # psql refused a driver in the scheme (postgresql+pg8000://) and anarchon's own
+        # parameters (?min_size=2): it is given neither.
+        plain = _shell(re.sub(r"^postgres(?:ql)?\+\w+://", "postgresql://", split_url_options(
+            url, ("min_size", "max_size", "timeout"))[0]))
         return [f"anarchon status --url {quoted} --namespace {self.name}",
                 f"anarchon history --url {quoted} --namespace {self.name}",
-                f"psql {quoted} -c '\\dt {self.name}*'"]
+                f"psql {plain} -c '\\dt {self.name}*'"]
 
 
 def _shown(names: list[str]) -> str:
