@@ -484,7 +484,25 @@ def _backend(args: argparse.Namespace) -> Any:
     # default store (a script's `--table "$T"` with T unset pruning the default store).
     options = {k: v for k in ("table", "prefix", "namespace")
                if (v := getattr(args, k, None)) is not None}
+    scheme = args.url.split("://", 1)[0].lower().split("+")[0] if "://" in args.url \
+        else "postgresql"  # a key/value DSN
+    kind = _KINDS.get(scheme)
+    for flag, (store, what) in _FLAG_STORES.items():  # the backend named its keyword
+        if flag in options and kind is not None and kind != store:
+            raise ConfigurationError(
+                f"--{flag} names {what}, and {redact(args.url)!r} is a {kind} store: give "
+                "--namespace, the table or key prefix whatever the store"
+                + (", or --prefix" if kind == "Redis" else ", or --table"
+                   if kind == "PostgreSQL" else ""))
     return backend_from_url(args.url, **options)
+
+
+#: The built-in stores by URL scheme (without a driver: postgresql+pg8000 is postgresql).
+_KINDS = {"postgresql": "PostgreSQL", "postgres": "PostgreSQL", "redis": "Redis",
+          "rediss": "Redis", "unix": "Redis", "memory": "memory"}
+#: The store each store-specific flag is for, and what it names there.
+_FLAG_STORES = {"table": ("PostgreSQL", "a PostgreSQL table"),
+                "prefix": ("Redis", "a Redis key prefix")}
 
 
 async def _jobs_named(backend: Any, job: str | None, *,

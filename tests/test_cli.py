@@ -215,8 +215,12 @@ def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "names"),
     [
-        (["history", "--url", "redis://127.0.0.1:1/0", "--table", "foo"], ["'table'", "prefix"]),
-        (["history", "--url", "memory://", "--prefix", "foo"], ["'prefix'", "namespace"]),
+        # the flags named, not the backends' keywords ("does not accept the option 'table'")
+        (["history", "--url", "redis://127.0.0.1:1/0", "--table", "foo"],
+         ["--table names a PostgreSQL table", "a Redis store", "--namespace", "--prefix"]),
+        (["history", "--url", "memory://", "--prefix", "foo"],
+         ["--prefix names a Redis key prefix", "a memory store", "--namespace"]),
+        (["status", "--url", "host=db", "--prefix", "foo"], ["a PostgreSQL store", "--table"]),
         (["history", "--url", f"postgresql://u:{SECRET}@127.0.0.1:1/x?min_size=x"],
          ["min_size"]),
         (["history", "--url", f"postgresql://u:{SECRET}@127.0.0.1:1/x?table=a", "--table", "b"],
