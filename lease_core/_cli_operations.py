@@ -17,6 +17,7 @@ from typing import Any
 
 from ._status import parse_run_id
 from ._structures import format_slot
+from .errors import OperationRefused
 
 __all__ = ["COMMANDS", "add_parsers", "run_operation"]
 
@@ -58,8 +59,26 @@ async def run_operation(args: argparse.Namespace, backend: Any) -> int:
 
     if args.command == "lease":
         return await _show_lease(args, backend)
+    try:
+        return await _operate(args, Admin(backend, by="cli"))
+    except OperationRefused as refused:
+        if refused.kind != "unknown_job" or not _in_memory(backend):
+            raise
+        # Not "check the name": this command has a new store of its own, always empty.
+        raise OperationRefused(refused.kind, f"{refused} {MEMORY_NOTE}") from None
+
+
+#: What a command on ``memory://`` says: its store is its own, not the services'.
+MEMORY_NOTE = ("(memory:// is a store inside one process: this command has an empty one "
+               "of its own, not your services'; give the URL of the store they use)")
+
+
+def _in_memory(backend: Any) -> bool:
+    return "memory" in getattr(backend, "schemes", ())
+
+
+async def _operate(args: argparse.Namespace, admin: Any) -> int:
     # One call, no ``async with``: the store is upgraded only if the operation is made.
-    admin = Admin(backend, by="cli")
     if args.command == "trigger":
         slot = await admin.trigger(args.job)
         print(f"anarchon trigger: {args.job}@{slot} ({format_slot(slot)}) queued; an "
@@ -106,7 +125,6 @@ async def _show_lease(args: argparse.Namespace, backend: Any) -> int:
               f"{quarantine:.1f} s more (the store's quarantine after a failover)")
     else:
         print(f"lease {args.name!r}: free")
-        if "memory" in getattr(backend, "schemes", ()):  # as ``anarchon status`` says
-            print("(memory:// is a store inside one process: this command has an empty one "
-                  "of its own, not your services'; give the URL of the store they use)")
+        if _in_memory(backend):  # as ``anarchon status`` says
+            print(MEMORY_NOTE)
     return 0

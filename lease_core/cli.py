@@ -44,8 +44,8 @@ import anyio
 
 from . import __version__
 from ._cli_operations import COMMANDS as OPERATIONS
+from ._cli_operations import MEMORY_NOTE, run_operation
 from ._cli_operations import add_parsers as add_operation_parsers
-from ._cli_operations import run_operation
 from ._redact import redact
 from ._status import iso as _iso
 from ._status import one_line
@@ -375,7 +375,8 @@ async def _prune(args: argparse.Namespace) -> int:
         which.append(f"that finished more than {args.older_than.strip()}{'s' if bare else ''}"
                      " ago")
     print(f"anarchon prune: deleted {_count(total, 'attempt')} {' or '.join(which)}, from "
-          f"{_count(len(jobs), 'job')}")
+          f"{_count(len(jobs), 'job')}" + ("" if jobs or "memory" not in getattr(
+              backend, "schemes", ()) else f" {MEMORY_NOTE}"))
     return 0
 
 
@@ -548,8 +549,7 @@ async def _status(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render_status(status))
         if not status.jobs and "memory" in getattr(backend, "schemes", ()):
-            print("(memory:// is a store inside one process: this command has an empty one "
-                  "of its own, not your services'; give the URL of the store they use)")
+            print(MEMORY_NOTE)
     return 0
 
 

@@ -118,6 +118,13 @@ def test_lease_on_memory_says_it_sees_a_store_of_its_own(
     assert "memory:// is a store inside one process" in out
     assert main(["lease", "leader", "--url", "memory://", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["holder"] is None
+    # The operations and prune alike: "never seen it; check the name" and "deleted 0
+    # attempts ... from 0 jobs" read as about the services' store.
+    assert main(["trigger", "nightly", "--url", "memory://"]) == 2
+    err = capsys.readouterr().err
+    assert "never seen it" in err and "memory:// is a store inside one process" in err, err
+    assert main(["prune", "--keep", "1", "--url", "memory://"]) == 0
+    assert "memory:// is a store inside one process" in capsys.readouterr().out
 
 
 def test_the_demo_given_a_memory_url_points_to_its_memory_backend(
