@@ -666,3 +666,16 @@ def test_the_psql_command_a_kept_namespace_prints_is_one_psql_reads() -> None:
         psql = namespace_for(url, "kept").look_commands(url)[2]
         assert psql.startswith("psql ") and "pg8000" not in psql and "_size" not in psql
         assert "sslmode=require" in psql, psql
+
+
+def test_a_kept_namespace_says_how_to_remove_it_when_the_demo_fails(redis_url: str) -> None:
+    """`--keep` and a demo that fails (or is stopped): the namespace was kept without a
+    word of it, nor of how to remove it."""
+    from lease_core.demo.namespace import claimed
+
+    out = io.StringIO()
+    with pytest.raises(RuntimeError), claimed(namespace_for(redis_url, "failed"), "fleet",
+                                              out, keep=True, shown_url=redis_url):
+        raise RuntimeError("the demo failed")
+    assert f"anarchon demo --url {redis_url} --remove failed" in out.getvalue(), out.getvalue()
+    assert main(["demo", "--url", redis_url, "--remove", "failed"]) == 0

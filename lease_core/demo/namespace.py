@@ -584,6 +584,9 @@ def claimed(ns: Namespace, demo: str, out: Any, *, keep: bool = False, shown_url
     except BaseException:
         if not keep:
             _remove_quietly(ns, out, remove, password)
+        else:  # the demo failed or was stopped: what it made is kept, as asked
+            print(f"\nKept namespace {ns.name}; to remove it{password}:\n  {remove}",
+                  file=out, flush=True)
         raise
     if keep:
         print(f"\nKept namespace {ns.name} ({ns.where()}).\nTo look at it{password}:",
