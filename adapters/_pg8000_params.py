@@ -12,8 +12,6 @@ import os
 import ssl
 from typing import Any
 
-import pg8000.exceptions
-
 from lease_core._redact import redact
 from lease_core.errors import BackendUnavailable, ConfigurationError
 
@@ -185,6 +183,8 @@ def tls_error(exc: Exception, where: str, mode: str | None, secret: str | None
               ) -> Exception | None:
     """The error of a TLS failure connecting to ``where`` (``sslmode=mode``), or None for
     another error."""
+    import pg8000.exceptions  # (here: this module is read without the driver installed)
+
     if isinstance(exc, pg8000.exceptions.InterfaceError) and refuses_tls(exc):
         return BackendUnavailable(
             f"PostgreSQL at {where} does not accept TLS, which sslmode={mode} "
