@@ -35,7 +35,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             loops = ["asyncio"] if asyncio_only else ["asyncio", "trio"]
             metafunc.parametrize("anyio_backend", loops)
         return
-    scenario_module = metafunc.module.__name__.endswith(SCENARIO_MODULES)
+    scenario_module = (metafunc.module.__name__.endswith(SCENARIO_MODULES)
+                       or metafunc.definition.get_closest_marker("server_timing") is not None)
     combos = [
         pytest.param(loop, spec.id, id=f"{spec.id}-{loop}")
         for spec in SPECS.values()

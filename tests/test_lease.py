@@ -140,6 +140,7 @@ async def test_blocking_acquire_gets_it_when_the_holder_releases(store: Store) -
     assert not waiter.held
 
 
+@pytest.mark.server_timing
 async def test_blocking_acquire_gets_it_when_the_holder_ttl_passes(store: Store) -> None:
     backend = store.backend()
     await backend.start()
@@ -177,6 +178,7 @@ async def test_timeout_zero_tries_once(store: Store) -> None:
     assert calls == [b.holder]
 
 
+@pytest.mark.server_timing
 async def test_renewal_keeps_it_past_the_ttl(store: Store) -> None:
     a = Lease(store.backend(), "kept", ttl=TTL)
     b = Lease(store.backend(), "kept", ttl=TTL)
@@ -196,6 +198,7 @@ async def test_renewal_keeps_it_past_the_ttl(store: Store) -> None:
         await probe.close()
 
 
+@pytest.mark.server_timing
 async def test_a_process_clock_far_off_changes_nothing(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     real = time.time
@@ -537,6 +540,7 @@ async def test_an_acquire_cancelled_on_its_way_leaves_the_name_free(store: Store
     await other.release()
 
 
+@pytest.mark.server_timing
 async def test_a_stalled_holder_knows_it_lost_the_lease_before_its_keeper_runs(
         store: Store) -> None:
     """A process stalled past the ttl (a long GC, a blocking call, SIGSTOP): the store
@@ -714,6 +718,7 @@ async def test_a_release_by_another_task_during_the_body_cancels_it() -> None:
             pass
 
 
+@pytest.mark.server_timing
 async def test_an_acquire_while_a_lost_async_with_still_runs_is_refused(
         store: Store) -> None:
     """A hold lost while the body of ``async with`` runs (here a stall past the ttl):
@@ -1093,6 +1098,7 @@ def _example(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.server_timing
 async def test_the_leader_election_example_hands_the_lead_over(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     example = _example("leader_election")

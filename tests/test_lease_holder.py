@@ -54,6 +54,7 @@ async def test_an_observer_learns_who_holds_the_name_and_takes_nothing(store: St
         await observer.release()
 
 
+@pytest.mark.server_timing
 async def test_a_hold_that_lapsed_reads_as_free(store: Store) -> None:
     backend, watching = store.backend(), store.backend()
     await backend.start()
