@@ -20,7 +20,7 @@ from backends.embedded.redis import EmbeddedRedis, EmbeddedRedisCluster, find_se
 from backends.redis import RedisBackend
 from lease_core import Lease
 from lease_core._structures import ClaimRequest, ClaimStatus
-from lease_core.errors import BackendUnavailable, ConfigurationError
+from lease_core.errors import BackendUnavailable, ConfigurationError, StoreRefused
 from tests.stores.redis import delete_prefix
 
 pytestmark = pytest.mark.anyio
@@ -61,6 +61,20 @@ async def test_a_user_who_may_not_run_info_is_refused_at_start(server: EmbeddedR
             assert lease.token
     finally:
         await allowed.close()
+
+
+async def test_a_user_who_may_not_run_wait_is_refused_at_start_with_wait_replicas(
+        server: EmbeddedRedis) -> None:
+    """With wait_replicas, every claim sends WAIT after its script: a user without it
+    started, and each claim's scripts won runs before the WAIT was refused (the runs left
+    running with nobody holding them, taken over and counted toward max_attempts)."""
+    url = _user(server, "~*", "+@all", "-@dangerous", "+info", "-wait")
+    backend = RedisBackend(url, prefix=f"p{uuid.uuid4().hex[:8]}", wait_replicas=1)
+    with pytest.raises(StoreRefused, match=r"may not run.*WAIT"):
+        await backend.start()
+    plain = RedisBackend(url, prefix=backend.prefix)  # without wait_replicas: no WAIT
+    await plain.start()
+    await plain.close()
 
 
 async def test_a_claim_a_revoked_permission_refuses_says_which_grant_is_missing(

@@ -390,9 +390,12 @@ class RedisStore(Backend):
         server: at the first start, or at one that may create joining a reader's."""
         adapter = self._adapter
         assert adapter is not None
-        ((found, policy, clustered),) = await self._run([self._eval(
+        # With wait_replicas, a WAIT that waits for nothing: a user that may not run it is
+        # refused here, not at each claim after its scripts won runs it then cannot hold.
+        probe = [] if self.wait_replicas is None else [("WAIT", 0, 1)]
+        ((found, policy, clustered), *_) = await self._run([self._eval(
             "open_store", [self._meta_key, self._members_key],
-            [STORE_FORMAT, MEMBER_RETENTION_MS])])
+            [STORE_FORMAT, MEMBER_RETENTION_MS]), *probe])
         if int(clustered) and not adapter.cluster:
             raise adapter.not_a_cluster_client("it reports cluster_enabled:1")
         self._check_format(found)
