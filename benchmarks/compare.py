@@ -4,7 +4,10 @@
 Only ratios are compared (library/raw, raw/library speed, reduction against the model),
 never absolute times, so a busier machine does not fail the comparison. Every ratio is
 oriented so that higher is better; a ratio regressed when ``new < old * (1 - threshold)``.
-Exits 1 when any ratio regressed, 2 on unusable input, else 0.
+Exits 1 when any ratio regressed, 2 on unusable input, else 0. A ratio of NEW that is
+not a finite number (NaN, infinity) counts as regressed: ``new < old`` is false for NaN,
+so it would pass whatever it hides. A ratio of OLD that is not finite and positive is
+unusable input, as is a threshold outside [0, 1): either would gate nothing.
 
 A ratio of OLD that no NEW file has fails too (a benchmark that stopped producing it, or
 a contender that could not run, must not pass the gate by its absence); a ratio only in
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,12 +66,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the sections measuring the regressed ratios here "
                              "(empty: every section)")
     args = parser.parse_args(argv)
+    if not 0 <= args.threshold < 1:
+        print(f"compare: --threshold {args.threshold} is outside [0, 1): no ratio could "
+              "regress", file=sys.stderr)
+        return 2
     try:
         old = load_ratios(args.old)
+        ungated = sorted(k for k, v in old.items() if not (math.isfinite(v) and v > 0))
+        if ungated:
+            raise ValueError(f"{args.old}: ratios that are not finite and positive gate "
+                             f"nothing: {', '.join(ungated)}")
         new: dict[str, float] = {}
         for path in args.new:
             for key, value in load_ratios(path).items():
-                new[key] = max(value, new.get(key, value))
+                # the best measurement; a finite one over NaN (max() keeps its first
+                # argument when a comparison with NaN is false)
+                best = new.get(key, value)
+                new[key] = value if math.isnan(best) or value > best else best
     except (OSError, ValueError) as exc:
         print(f"compare: {exc}", file=sys.stderr)
         return 2
@@ -83,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         if a is None:
             print(f"{key:<{width}}  {'-':>8}  {b:>8.3f}  {'new':>8}")
             continue
-        change = (b - a) / a if a else 0.0
+        change = (b - a) / a
         flag = ""
+        if not math.isfinite(b):
+            print(f"{key:<{width}}  {a:>8.3f}  {b!s:>8}  {'':>8}  INVALID")
+            regressed.append(key)
+            continue
         if b < a * (1 - args.threshold):
             flag = "  REGRESSED"
             regressed.append(key)
@@ -95,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if regressed:
         print(f"\n{len(regressed)} of {len(old)} ratios regressed by more than "
-              f"{args.threshold:.0%} or are missing: {', '.join(regressed)}")
+              f"{args.threshold:.0%} or are missing or not a number: {', '.join(regressed)}")
         if args.sections_file:
             args.sections_file.write_text(",".join(sections_of(regressed)) + "\n")
         return 1

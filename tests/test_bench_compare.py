@@ -55,3 +55,30 @@ def test_every_tracked_prefix_names_a_real_section() -> None:
     assert set(compare.SECTION_OF_PREFIX.values()) <= set(SECTIONS)
     baseline = compare.load_ratios(Path(compare.__file__).parent / "baseline-quick.json")
     assert compare.sections_of(sorted(baseline)), "a baseline ratio has no known section"
+
+
+def test_a_ratio_that_is_not_a_number_fails(tmp_path: Path) -> None:
+    """NaN compares false with everything: it passed as if it had not regressed."""
+    old = _write(tmp_path / "old.json", {"lease.pg.vs_y": 1.0})
+    nan = tmp_path / "nan.json"
+    nan.write_text('{"ratios": {"lease.pg.vs_y": NaN}}')
+    inf = tmp_path / "inf.json"
+    inf.write_text('{"ratios": {"lease.pg.vs_y": Infinity}}')
+    good = _write(tmp_path / "good.json", {"lease.pg.vs_y": 0.9})
+    assert compare.main([str(old), str(nan)]) == 1
+    assert compare.main([str(old), str(inf)]) == 1
+    # a finite measurement among the runs is the best one, whichever file comes first
+    assert compare.main([str(old), str(nan), str(good)]) == 0
+    assert compare.main([str(old), str(good), str(nan)]) == 0
+
+
+def test_a_baseline_or_threshold_that_gates_nothing_is_refused(tmp_path: Path) -> None:
+    new = _write(tmp_path / "new.json", {"lease.pg.vs_y": 0.01})
+    for bad in ("0", "-1.0", "NaN"):
+        old = tmp_path / "old.json"
+        old.write_text('{"ratios": {"lease.pg.vs_y": ' + bad + '}}')
+        assert compare.main([str(old), str(new)]) == 2
+    old = _write(tmp_path / "old.json", {"lease.pg.vs_y": 1.0})
+    assert compare.main([str(old), str(new), "--threshold", "1"]) == 2
+    assert compare.main([str(old), str(new), "--threshold", "-0.5"]) == 2
+    assert compare.main([str(old), str(new), "--threshold", "0.5"]) == 1
