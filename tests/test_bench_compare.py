@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from benchmarks import compare
 
@@ -82,3 +83,22 @@ def test_a_baseline_or_threshold_that_gates_nothing_is_refused(tmp_path: Path) -
     assert compare.main([str(old), str(new), "--threshold", "1"]) == 2
     assert compare.main([str(old), str(new), "--threshold", "-0.5"]) == 2
     assert compare.main([str(old), str(new), "--threshold", "0.5"]) == 1
+
+
+def test_a_fleet_kill_trial_with_a_slot_never_claimed_fails_its_ratio() -> None:
+    """The tracked ratio was (lease + heartbeat) ÷ the worst *claimed* next slot: a trial
+    whose orphan missed its next slot, the one after claimed on time, kept it high."""
+    from benchmarks import fleet_kill
+
+    def trial(worst: int | None, unclaimed: int) -> dict[str, Any]:
+        return {"next_slot_late_ms": {"max": worst}, "unclaimed_slots": unclaimed}
+
+    fine = fleet_kill.summarise([trial(1000, 0), trial(1000, 0)])
+    assert fine["met"] and fine["ratio_target_over_worst"]["median"] == 3.5
+    for bad in ([trial(1000, 0), trial(900, 1), trial(900, 2)],
+                [trial(None, 0), trial(None, 0)]):
+        summary = fleet_kill.summarise(bad)
+        assert not summary["met"]
+        assert summary["ratio_target_over_worst"]["median"] == 0.0
+    ratios = fleet_kill.ratios({"instances": 5, "stores": {"pg": summary}})
+    assert ratios == {"fleet_kill.pg.i5.target_over_worst_next_slot": 0.0}
