@@ -34,7 +34,14 @@ from backends.redis import SCRIPTS, RedisBackend
 from lease_core.abc import ClaimRequest, ClaimStatus, Lease
 
 from .peers import interleaved
-from .throughput import HISTORY, INSTANCE, LEASE_MS, claim_finish_op
+from .throughput import (
+    HISTORY,
+    INSTANCE,
+    LEASE_MS,
+    claim_finish_op,
+    redis_claim_command,
+    redis_claim_won,
+)
 
 __all__ = ["NODES", "run_cluster"]
 
@@ -45,20 +52,6 @@ JOBS = 64
 
 def _tag(job: str) -> str:
     return "{" + PREFIX + "/" + quote(job, safe="") + "}"
-
-
-def _claim_command(job: str, slot: int, token: str, marker: Any) -> tuple[Any, ...]:
-    """The claim script's EVALSHA exactly as the library sends it for a default request.
-
-    ``marker`` is the job's data marker the last claim returned (``""`` before), sent
-    with the longest lease, as the library does.
-    """
-    tag = _tag(job)
-    keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
-            f"{tag}:done"]
-    args = [slot, INSTANCE, token, LEASE_MS, "scheduled", 1, "", f"{tag}:run:", marker,
-            LEASE_MS]
-    return ("EVALSHA", SCRIPTS["claim"].sha, len(keys), *keys, *args)
 
 
 def _finish_command(job: str, slot: int, token: str) -> tuple[Any, ...]:
@@ -93,10 +86,12 @@ async def _cells(cluster: EmbeddedRedisCluster, seconds: float, rounds: int,
     run = uuid.uuid4().hex[:6]
     try:
         listed: set[str] = set()
-        markers: dict[str, Any] = {}  # the marker of each job's data, as the library keeps
+        # each job's data marker and history sequence, as the library keeps them
+        markers: dict[str, Any] = {}
+        seqs: dict[str, int] = {}
 
         async def raw_claim(job: str, slot: int, token: str) -> bool:
-            command = _claim_command(job, slot, token, markers.get(job, ""))
+            command = redis_claim_command(PREFIX, job, slot, token, markers, seqs)
             if job in listed:
                 reply = await client.execute_command(*command)
             else:
@@ -105,9 +100,7 @@ async def _cells(cluster: EmbeddedRedisCluster, seconds: float, rounds: int,
                 pipe.execute_command("SADD", "{" + PREFIX + "}:jobs", job)
                 reply = (await pipe.execute())[0]
                 listed.add(job)
-            status, *_, marker, _instance = reply.split(b"|", 7)
-            markers[job] = marker
-            return bool(status == b"won")
+            return redis_claim_won(job, reply, markers, seqs)
 
         async def lib_claim(i: int) -> None:
             request = ClaimRequest(f"c{run}-l{i}", 1, INSTANCE, uuid.uuid4().hex, LEASE_MS,

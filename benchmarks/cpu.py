@@ -50,7 +50,14 @@ from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease, Outcome
 
 from ._util import Servers
 from .peers import _spread
-from .throughput import HISTORY, INSTANCE, LEASE_MS, _pg_claim_params
+from .throughput import (
+    HISTORY,
+    INSTANCE,
+    LEASE_MS,
+    _pg_claim_params,
+    redis_claim_command,
+    redis_claim_won,
+)
 
 __all__ = ["LOADS", "run_cpu"]
 
@@ -216,7 +223,9 @@ class _Redis(_Store):
         await setup.start()  # loads the scripts
         await setup.close()
         self.listed: set[str] = set()
-        self.markers: dict[str, bytes] = {}  # each job's data marker, as the library keeps
+        # each job's data marker and history sequence, as the library keeps them
+        self.markers: dict[str, Any] = {}
+        self.seqs: dict[str, int] = {}
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -228,11 +237,7 @@ class _Redis(_Store):
         # As benchmarks/throughput.py's raw claim: claim.lua (+ SADD the first time), then
         # finish.lua, the keys and arguments the library sends.
         token, tag = uuid.uuid4().hex, "{" + TABLE + "/" + quote(job, safe="") + "}"
-        keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
-                f"{tag}:done"]
-        args = [slot, INSTANCE, token, LEASE_MS, "scheduled", 1, "", f"{tag}:run:",
-                self.markers.get(job, ""), LEASE_MS]
-        claim = ("EVALSHA", SCRIPTS["claim"].sha, len(keys), *keys, *args)
+        claim = redis_claim_command(TABLE, job, slot, token, self.markers, self.seqs)
         if job in self.listed:
             reply = await self.client.execute_command(*claim)
         else:
@@ -241,9 +246,7 @@ class _Redis(_Store):
             pipe.execute_command("SADD", "{" + TABLE + "}:jobs", job)
             reply = (await pipe.execute())[0]
             self.listed.add(job)
-        status, *_, marker, _instance = reply.split(b"|", 7)
-        self.markers[job] = marker
-        if status != b"won":
+        if not redis_claim_won(job, reply, self.markers, self.seqs):
             raise RuntimeError(f"raw claim of {job} slot {slot}: {reply!r}")
         await self.client.execute_command(
             "EVALSHA", SCRIPTS["finish"].sha, 4, f"{tag}:run:{slot}", f"{tag}:open",

@@ -37,7 +37,7 @@ from lease_core.abc import Backend, ClaimRequest, ClaimStatus, Lease, Outcome
 
 from ._util import Servers, timed_ops
 
-__all__ = ["Cell", "run_throughput"]
+__all__ = ["Cell", "redis_claim_command", "redis_claim_won", "run_throughput"]
 
 SLOT = 1_000
 LEASE_MS = 30_000
@@ -225,6 +225,33 @@ class Pg8000(Variant):
             self.idle.append(conn)
 
 
+def redis_claim_command(prefix: str, job: str, slot: int, token: str,
+                        markers: dict[str, Any], seqs: dict[str, int]) -> tuple[Any, ...]:
+    """The claim script's ``EVALSHA`` exactly as the library sends it for a default request
+    of :data:`INSTANCE` (lease :data:`LEASE_MS`, the longest the client has seen):
+    ``markers`` and ``seqs`` hold what :func:`redis_claim_won` kept of the job's last
+    reply (its data marker and history sequence), as the library keeps them."""
+    tag = "{" + prefix + "/" + quote(job, safe="") + "}"
+    keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
+            f"{tag}:done"]
+    args = [slot, INSTANCE, token, LEASE_MS, "scheduled", 1, "", f"{tag}:run:",
+            markers.get(job, ""), LEASE_MS, seqs.get(job, ""), 1]
+    return ("EVALSHA", SCRIPTS["claim"].sha, len(keys), *keys, *args)
+
+
+def redis_claim_won(job: str, reply: bytes, markers: dict[str, Any],
+                    seqs: dict[str, int]) -> bool:
+    """Keep the job's marker and sequence from a claim's reply, as the library does; True
+    when the claim won."""
+    fields = reply.split(b"|", 9)  # status|now|attempt|reason|expires|run_status|marker|...
+    if markers.get(job) != fields[6]:
+        markers[job] = fields[6]
+        seqs.pop(job, None)  # a new marker: a new sequence
+    if fields[8] and int(fields[8]) > seqs.get(job, 0):
+        seqs[job] = int(fields[8])
+    return fields[0] == b"won"
+
+
 class RedisAsyncio(Variant):
     """A user's ``redis.asyncio.Redis`` client; the claim is EVALSHA claim.lua (+ SADD).
 
@@ -240,9 +267,10 @@ class RedisAsyncio(Variant):
         self.prefix = table
         self.backend = RedisBackend(self.client, prefix=table)
         await self.backend.start()
-        self.sha = SCRIPTS["claim"].sha
         self.listed: set[str] = set()
-        self.markers: dict[str, bytes] = {}  # the marker of each job's data, as the library
+        # each job's data marker and history sequence, as the library keeps them
+        self.markers: dict[str, Any] = {}
+        self.seqs: dict[str, int] = {}
 
     async def close(self) -> None:
         """Close the backend and the client."""
@@ -251,24 +279,17 @@ class RedisAsyncio(Variant):
 
     async def raw(self, job: str, slot: int) -> bool:
         """The same script and SADD in one non-transactional pipeline."""
-        tag = "{" + self.prefix + "/" + quote(job, safe="") + "}"
-        keys = [f"{tag}:job", f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:hist", f"{tag}:att",
-                f"{tag}:done"]
-        args = [slot, INSTANCE, uuid.uuid4().hex, LEASE_MS, "scheduled", 1, "", f"{tag}:run:",
-                self.markers.get(job, ""), LEASE_MS]
+        command = redis_claim_command(self.prefix, job, slot, uuid.uuid4().hex, self.markers,
+                                      self.seqs)
         if job in self.listed:
-            reply = await self.client.evalsha(self.sha, len(keys), *keys, *args)
-            status, *_, marker, _instance = reply.split(b"|", 7)
-            self.markers[job] = marker
-            return bool(status == b"won")
-        pipe = self.client.pipeline(transaction=False)
-        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
-        pipe.execute_command("SADD", "{" + self.prefix + "}:jobs", job)
-        replies = await pipe.execute(raise_on_error=False)
-        self.listed.add(job)
-        status, *_, marker, _instance = replies[0].split(b"|", 7)
-        self.markers[job] = marker
-        return bool(status == b"won")
+            reply = await self.client.execute_command(*command)
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.execute_command(*command)
+            pipe.execute_command("SADD", "{" + self.prefix + "}:jobs", job)
+            reply = (await pipe.execute(raise_on_error=False))[0]
+            self.listed.add(job)
+        return redis_claim_won(job, reply, self.markers, self.seqs)
 
 
 VARIANTS: dict[str, type[Variant]] = {

@@ -1,4 +1,5 @@
-"""The CI benchmark gate (benchmarks/compare.py): which ratios fail, and what is measured again."""
+"""The CI benchmark gate (benchmarks/compare.py): which ratios fail, and what is measured
+again; and the benchmarks' logic that needs no timing (what each side sends, the ratios)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+import redis.asyncio
+
+from backends.embedded.redis import EmbeddedRedis
+from backends.redis import SCRIPTS, RedisBackend
 from benchmarks import compare
+from benchmarks.throughput import INSTANCE, LEASE_MS, redis_claim_command, redis_claim_won
+from lease_core.abc import ClaimRequest
 
 
 def _write(path: Path, ratios: dict[str, float]) -> Path:
@@ -102,3 +110,41 @@ def test_a_fleet_kill_trial_with_a_slot_never_claimed_fails_its_ratio() -> None:
         assert summary["ratio_target_over_worst"]["median"] == 0.0
     ratios = fleet_kill.ratios({"instances": 5, "stores": {"pg": summary}})
     assert ratios == {"fleet_kill.pg.i5.target_over_worst_next_slot": 0.0}
+
+
+@pytest.mark.anyio
+@pytest.mark.asyncio_only
+async def test_the_raw_redis_claim_sends_what_the_library_sends(
+        redis62_server: EmbeddedRedis) -> None:
+    """The raw side of the Redis claim cells (throughput, cluster, cpu) sent 10 of the
+    claim script's 12 arguments (no history sequence, no 'scheduled' flag): not the
+    library's command. Both sides' claims, read back from the server's SLOWLOG."""
+    client = redis.asyncio.Redis.from_url(redis62_server.url)
+    prefix = "rawcmp"
+    backend = RedisBackend(client, prefix=prefix)
+    await backend.start()
+    config = await client.config_get("slowlog-log-slower-than")
+    try:
+        await client.config_set("slowlog-log-slower-than", 0)
+        await client.slowlog_reset()
+        for slot in (1, 2):  # a new job, then a listed one (the marker and sequence kept)
+            await backend.claim(ClaimRequest("lib", slot, INSTANCE, f"t{slot}", LEASE_MS))
+        markers: dict[str, Any] = {}
+        seqs: dict[str, int] = {}
+        for slot in (1, 2):
+            command = redis_claim_command(prefix, "raw", slot, f"t{slot}", markers, seqs)
+            redis_claim_won("raw", await client.execute_command(*command), markers, seqs)
+        log = await client.slowlog_get(128)
+    finally:
+        await client.config_set("slowlog-log-slower-than",
+                                config["slowlog-log-slower-than"])
+        await backend.close()
+        await client.aclose()
+    sent: dict[str, list[list[bytes]]] = {"lib": [], "raw": []}
+    for entry in reversed(log):  # oldest first
+        args = entry["command"].split(b" ")
+        if args[0].upper() == b"EVALSHA" and args[1] == SCRIPTS["claim"].sha.encode():
+            side = "lib" if b"/lib}" in args[3] else "raw"
+            sent[side].append([a.replace(b"/raw}", b"/lib}") for a in args])
+    assert len(sent["lib"]) == 2
+    assert sent["raw"] == sent["lib"]
