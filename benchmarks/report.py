@@ -83,8 +83,10 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
                 out[f"lease.{store}.vs_{name}"] = spread["median"]
     cpu = results.get("cpu", {})
     for cell in cpu.get("cells", []):
-        out[f"cpu.{cell['store']}.r{cell['offered_runs_s']}.runs_per_cpu_s_vs_raw"] = (
-            cell["ratio_vs_raw"]["median"])
+        at = f"cpu.{cell['store']}.r{cell['offered_runs_s']}"
+        out[f"{at}.runs_per_cpu_s_vs_raw"] = cell["ratio_vs_raw"]["median"]
+        if cell.get("exact_ratio_vs_raw"):  # the same statements as the raw side's
+            out[f"{at}.exact_runs_per_cpu_s_vs_raw"] = cell["exact_ratio_vs_raw"]["median"]
     return out
 
 
