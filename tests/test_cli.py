@@ -234,7 +234,7 @@ def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
          ["'a'", "'b'"]),
         (["history", "--url", f"host=127.0.0.1 password={SECRET} bogus=1"], ["bogus"]),
         (["history", "--url", f"127.0.0.1 password={SECRET}"], ["no scheme"]),
-        (["migrate", "--url", "redis://127.0.0.1:1/0"], ["PostgreSQL URL"]),
+        (["migrate", "--url", "redis://127.0.0.1:1/0"], ["PostgreSQL URL", "postgresql://user@host:5432/db"]),
     ],
 )
 def test_configuration_mistakes(

@@ -149,7 +149,8 @@ def _split_url(url: str, schemes: Sequence[str]) -> tuple[str, dict[str, str]]:
     if scheme is not None and scheme not in (*schemes, "postgres+psycopg", "postgres+pg8000"):
         raise ConfigurationError(
             f"{redact(url)!r} is not a PostgreSQL URL; use "
-            "postgresql://user:password@host:5432/db or a key/value DSN"
+            "postgresql://user@host:5432/db (the password, if any, after the user) or a "
+            "key/value DSN"
         )
     if scheme is not None:  # a scheme is case-insensitive (RFC 3986); libpq reads it lower
         url = scheme + url[len(scheme):]
