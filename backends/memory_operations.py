@@ -108,8 +108,10 @@ def operate(store: MemoryBackend, op: Operation, now: int,
             op.job, op.slot, run.attempt, op.by, reason, at, at, Outcome.CANCELLED,
             f"cancelled by {op.by}", run.queued_by if run.queued else None))
     # cancel(grace=): the holder's token stays, with the grace, so the holder's next
-    # heartbeat answers "cancelled" with it.
-    run.status, run.expires_ms, run.grace_ms = RunStatus.CANCELLED, None, op.grace_ms
+    # heartbeat answers "cancelled" with it; the run's expiry is the grace's end (as the
+    # other stores keep it: a claim and a check of the run report it).
+    grace = max(op.grace_ms, 0)
+    run.status, run.expires_ms, run.grace_ms = RunStatus.CANCELLED, now + grace, grace
     run.queued = run.queued_by = None
     return OperationResult(slot=op.slot, status=before)
 

@@ -1162,6 +1162,13 @@ async def test_trimming_keeps_a_run_cancelled_within_its_grace(store: Store) -> 
         await admin.cancel("g", 1000, grace="60s")
         await admin.cancel("g", 2000, grace="0.3s")
         graced = Lease("g", 1000, "t1000", 30_000)
+        # The cancelled run's expiry is the end of its grace, on every store (memory's
+        # said None): a check and a claim report it.
+        seen = await backend.check([("g", 1000)])
+        ends = seen.runs[("g", 1000)].expires_ms
+        assert ends is not None and seen.now_ms < ends <= seen.now_ms + 60_000, seen
+        late = await backend.claim(ClaimRequest("g", 1000, "i-2", "t-late", 30_000))
+        assert (str(late.status), late.expires_ms) == ("finished", ends), late
 
         async def slots() -> set[int]:
             return {r.slot for r in await backend.runs("g", limit=100)}
