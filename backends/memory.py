@@ -172,7 +172,8 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
         self._jobs: dict[str, _Job] = {}
         self._runs: dict[tuple[str, int], _Run] = {}
         #: Per job, the slots whose runs may be running (a superset, pruned as it is
-        #: read): the overlap check reads these, not every run in the store.
+        #: read, and of the runs trimming deletes): the overlap check reads these, not
+        #: every run in the store.
         self._maybe_running: dict[str, set[int]] = {}
         self._attempts: dict[str, list[Attempt]] = {}
         #: When the current maintenance period ends (ms), and who won it.
@@ -378,7 +379,8 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
         with self._lock:
             now = self._now()
             return {job: trim_job(self._attempts, self._runs, self._jobs, job, keep,
-                                  older_than_ms, now, batch, sibling_steps(job, workflows))
+                                  older_than_ms, now, batch, sibling_steps(job, workflows),
+                                  self._maybe_running)
                     for job in dict.fromkeys(jobs)}
 
     def _held(self, lease: Lease, now: int, *, live: bool = False) -> _Run | None:

@@ -47,12 +47,15 @@ def _instant(ms: int) -> datetime | None:
 
 def trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Run],
              jobs: dict[str, _Job], job: str, size: int | None, ttl_ms: int | None,
-             now: int, batch: int, steps: Sequence[str] = ()) -> int:
+             now: int, batch: int, steps: Sequence[str] = (),
+             maybe_running: dict[str, set[int]] | None = None) -> int:
     """Trim ``job``'s history (:meth:`Backend.prune`); return the attempts deleted.
 
     ``steps`` are the jobs of every step of ``job``'s workflow when it is a step of one
     (:func:`lease_core.recovery.sibling_steps`): the attempts of a workflow run that goes
-    on are kept (:func:`held_slots`)."""
+    on are kept (:func:`held_slots`). ``maybe_running`` is the store's index of the slots
+    whose runs may be running, by job: a deleted run's slot leaves it (only an overlap
+    check pruned it, so a job whose overlap is allowed kept every slot it ever ran)."""
     history = attempts.get(job, [])
     doomed: set[int] = set()
 
@@ -94,6 +97,8 @@ def trim_job(attempts: dict[str, list[Attempt]], runs: dict[tuple[str, int], _Ru
             if run is None or not run.status.finished:
                 continue
             del runs[(job, slot)]
+            if maybe_running is not None:
+                maybe_running.get(job, set()).discard(slot)
             if record is not None:  # the newest slot trimmed (ClaimRequest.scheduled)
                 record.trimmed_slot = max(slot, record.trimmed_slot or slot)
     return len(doomed)

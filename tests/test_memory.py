@@ -281,3 +281,38 @@ async def test_trimming_jobs_beside_many_others_deletes_only_their_oldest_runs()
     assert len(await backend.history("other0", limit=1000)) == 100
     runs = {(r.job, r.slot) for r in await backend.runs(limit=10_000)}
     assert ("t0", 1) not in runs and ("t0", 2) in runs and ("other0", 1) in runs
+
+
+@pytest.mark.asyncio_only
+async def test_a_long_running_store_whose_history_is_trimmed_stays_bounded() -> None:
+    """A process that runs a job for good (here with overlap allowed, which no overlap
+    check reads) and trims its history keeps a bounded store: the memory backend kept
+    every slot ever run in its index of runs that may be running (the overlap check
+    pruned it only when it read it), growing by one slot per run, forever."""
+    import tracemalloc
+
+    backend = MemoryBackend()
+    done = 0
+
+    async def run(count: int) -> None:
+        nonlocal done
+        for _ in range(count):
+            done += 1
+            r = ClaimRequest("forever", done, "w", f"t{done}", 60_000, overlap_skip=False)
+            assert (await backend.claim(r)).status is ClaimStatus.WON
+            assert await backend.finish(Lease("forever", done, r.token, 60_000),
+                                        Outcome.COMPLETED)
+            await backend.prune("forever", keep=5)
+
+    mine = [tracemalloc.Filter(True, "*/backends/memory*.py")]
+    tracemalloc.start()
+    try:
+        await run(200)
+        before = tracemalloc.take_snapshot().filter_traces(mine)
+        await run(1000)
+        after = tracemalloc.take_snapshot().filter_traces(mine)
+    finally:
+        tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert grown < 4_000, [str(s) for s in after.compare_to(before, "lineno")[:5]]
+    assert len(await backend.runs("forever", limit=100)) == 5
