@@ -1,12 +1,17 @@
 """Named leases (:class:`~lease_core.Lease`) on the in-memory store.
 
 The memory backend's half of the named-lease calls, kept apart from
-:mod:`backends.memory`; each call runs under the backend's lock, on its clock.
+:mod:`backends.memory`; each call runs under the backend's lock, on its clock, after a
+checkpoint of the event loop, as every call of the backend makes: a call in a cancelled
+scope raises there (a real store's raises at its round trip), so a test on this store
+meets the cancellations a real one's does.
 """
 
 from __future__ import annotations
 
 import threading
+
+import anyio.lowlevel
 
 from lease_core._named_leases import LeaseAnswer, check_lease
 
@@ -27,6 +32,7 @@ class MemoryNamedLeases:
     async def acquire_lease(self, name: str, holder: str, ttl_ms: int) -> LeaseAnswer:
         """Take ``name`` for ``holder`` when it is free, under the lock."""
         check_lease(name, holder=holder, ttl_ms=ttl_ms)
+        await anyio.lowlevel.checkpoint()
         with self._lock:
             now = self._now()
             token, expires, current = self._named.get(name, (0, 0, None))
@@ -40,6 +46,7 @@ class MemoryNamedLeases:
     async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
         """Extend the live hold of ``token`` to ``now + ttl_ms``, under the lock."""
         check_lease(name, ttl_ms=ttl_ms, token=token)
+        await anyio.lowlevel.checkpoint()
         with self._lock:
             now = self._now()
             held, expires, holder = self._named.get(name, (0, 0, None))
@@ -51,6 +58,7 @@ class MemoryNamedLeases:
     async def read_lease(self, name: str) -> LeaseAnswer:
         """Who holds ``name`` now, under the lock; nothing changes."""
         check_lease(name)
+        await anyio.lowlevel.checkpoint()
         with self._lock:
             now = self._now()
             token, expires, holder = self._named.get(name, (0, 0, None))
@@ -61,6 +69,7 @@ class MemoryNamedLeases:
     async def release_lease(self, name: str, token: int) -> bool:
         """Free ``name`` if ``token`` holds it live, keeping the token, under the lock."""
         check_lease(name, token=token)
+        await anyio.lowlevel.checkpoint()
         with self._lock:
             held, expires, _ = self._named.get(name, (0, 0, None))
             if held != token or expires <= self._now():

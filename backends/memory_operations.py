@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import anyio.lowlevel
+
 from lease_core._structures import (
     Attempt,
     ClaimRequest,
@@ -125,12 +127,14 @@ class MemoryOperations:
 
     async def paused(self) -> dict[str, str]:
         """Return the paused jobs, each with who paused it."""
+        await anyio.lowlevel.checkpoint()
         with self._lock:
             return {name: j.paused_by for name, j in self._jobs.items() if j.paused_by}
 
     async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
         """Return the triggered and retried runs of ``jobs`` not claimed yet."""
         wanted = set(jobs)
+        await anyio.lowlevel.checkpoint()
         with self._lock:
             return sorted(key for key, run in self._runs.items()
                           if key[0] in wanted and run.queued is not None
@@ -139,5 +143,6 @@ class MemoryOperations:
     async def heartbeats(self, runs: Sequence[tuple[str, int]],
                          ) -> dict[tuple[str, int], int | None]:
         """Return when each run's lease was last renewed (``None``: not since its claim)."""
+        await anyio.lowlevel.checkpoint()
         with self._lock:
             return {key: self._runs[key].heartbeat_ms for key in runs if key in self._runs}

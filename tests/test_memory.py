@@ -316,3 +316,25 @@ async def test_a_long_running_store_whose_history_is_trimmed_stays_bounded() -> 
     grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
     assert grown < 4_000, [str(s) for s in after.compare_to(before, "lineno")[:5]]
     assert len(await backend.runs("forever", limit=100)) == 5
+
+
+async def test_every_call_is_a_cancellation_point_as_on_a_real_store() -> None:
+    """The named leases' calls and the operations' reads raise in a cancelled scope, as
+    the backend's other calls and a real store's (at their round trip) do: they never did,
+    so a test on memory never met a lease's acquire or release cancelled (the shielded
+    release that follows one, say)."""
+    backend = MemoryBackend()
+    taken = await backend.acquire_lease("n", "h", 60_000)
+    calls = [lambda: backend.acquire_lease("m", "h", 60_000),
+             lambda: backend.renew_lease("n", taken.token, 60_000),
+             lambda: backend.read_lease("n"),
+             lambda: backend.release_lease("n", taken.token),
+             backend.paused, lambda: backend.queued(["j"]),
+             lambda: backend.heartbeats([("j", 1)])]
+    for call in calls:
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await call()
+        assert scope.cancelled_caught, call
+    assert not (await backend.read_lease("m")).held  # the cancelled acquire took nothing
+    assert (await backend.read_lease("n")).held  # nor did the release free it
