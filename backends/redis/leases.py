@@ -142,8 +142,8 @@ class RedisLeases(RedisStore):
             tag, slot = self._tag(lease.job), int(lease.slot)
             commands.append(self._eval(
                 "retry_later", [f"{tag}:run:{slot}", f"{tag}:open", f"{tag}:att", f"{tag}:done"],
-                [lease.token, slot, finish_status(outcome).value, error or "",
-                 *(int(d) for d in delays)]))
+                [lease.token, slot, finish_status(outcome).value,
+                 "" if error is None else "E" + error, *(int(d) for d in delays)]))
         if not commands:
             return []
         # Not sent again after a failed connection: a second end of the same attempt

@@ -249,12 +249,14 @@ def _make_machine(real: Backend, portal: anyio.from_thread.BlockingPortal,
 
         # -- retries within a run (issue 19, part 1)
         @rule(index=st.integers(0, 99), outcome=st.sampled_from(FINAL[1:]),
-              delays=st.lists(st.sampled_from([SHORT_MS, LONG_MS]), max_size=2))
-        def retry_later(self, index: int, outcome: Outcome, delays: list[int]) -> None:
+              delays=st.lists(st.sampled_from([SHORT_MS, LONG_MS]), max_size=2),
+              error=st.sampled_from(["again", None, ""]))
+        def retry_later(self, index: int, outcome: Outcome, delays: list[int],
+                        error: str | None = "again") -> None:
             lease = self.pick(index)
             if lease is None or not supports_retries(real):
                 return
-            mem, got = self.both(lambda b: b.retry_later([(self.on(b, lease), outcome, "again",
+            mem, got = self.both(lambda b: b.retry_later([(self.on(b, lease), outcome, error,
                                                             delays)]))
             assert got == mem, f"retry_later {lease} {delays}: real {got}, memory {mem}"
             if mem[0] > 0:
