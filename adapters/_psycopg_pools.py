@@ -8,6 +8,7 @@ psycopg_pool without the hook behaves as its own.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import anyio
@@ -51,7 +52,24 @@ class CappedReconnectPool(AsyncConnectionPool[Any]):
                 attempt = _CappedAttempt(timeout=self.reconnect_timeout)
             except TypeError:  # another psycopg_pool's signature: its own backoff, as is
                 attempt = None
-        await super()._add_connection(attempt, *args, **kwargs)
+        try:
+            await super()._add_connection(attempt, *args, **kwargs)
+        finally:
+            _cancel_again_if_swallowed()
+
+
+def _cancel_again_if_swallowed() -> None:
+    """Cancel the current task again if it was cancelled during a connection attempt.
+
+    psycopg_pool catches the cancellation of its connection attempts, and its workers
+    that of their tasks, so that a worker never dies: a loop that ended (``asyncio.run``
+    returning, say with a lease left held) while one of the pool's connections was being
+    made cancelled that worker, which went back to wait for its next task, and
+    ``asyncio.run`` waited for it for ever. Cancelled again, the worker's next wait (outside
+    psycopg_pool's catch) ends it."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        task.cancel()
 
 
 if _Attempt is not None:

@@ -220,6 +220,39 @@ async def test_an_async_psycopg_connection_left_in_a_transaction_is_refused(
         await _drop(pg16_server.admin_dsn, table)
 
 
+def test_a_loop_that_ends_while_the_pool_connects_ends() -> None:
+    """psycopg_pool catches the cancellation of a connection attempt (and its workers that
+    of their tasks): an ``asyncio.run`` that returned while a DSN adapter's pool was
+    making a connection (a CLI run, a lease left held, right after a start) cancelled the
+    worker making it, which went back to wait for its next task, and ``asyncio.run``
+    waited for it for ever. Here the server accepts and never answers."""
+    import asyncio
+    import socket
+
+    from adapters._psycopg_pools import dsn_pools
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        pools = dsn_pools(f"host=127.0.0.1 port={port} user=u dbname=d connect_timeout=60",
+                          1, 2, 10.0)
+
+        async def main() -> None:
+            for pool in pools:
+                await pool.open(wait=False)  # as PsycopgDsnAdapter.open() does
+            await asyncio.sleep(0.2)  # its connections are being made: the loop ends
+
+        ended = threading.Event()
+
+        def run() -> None:
+            asyncio.run(main())
+            ended.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        assert ended.wait(30), "asyncio.run did not return: the pool's worker outlived it"
+
+
 @pytest.mark.asyncio_only
 @pytest.mark.parametrize("kind", ["async-connection", "sync-connection", "sync-pool"])
 async def test_the_applications_isolation_level_and_read_only_do_not_reach_the_stores(
