@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -127,6 +127,29 @@ def objects_named(objects: list[tuple[Any, ...]], namespace: str) -> bool:
 # --------------------------------------------------------------------------- PostgreSQL
 
 
+def _signal_at(proc: subprocess.Popen[str], at: Callable[[str], bool],
+               signum: int) -> tuple[str, str]:
+    """Read the demo's output, send ``signum`` at each line ``at`` accepts, wait for its
+    end (killed if it has not ended); its stdout and stderr."""
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if at(line):
+                proc.send_signal(signum)
+        proc.wait(timeout=60)
+        err = proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    return "".join(lines), err
+
+
 def test_bank_close_leaves_the_users_tables_and_nothing_of_its_own(database: str) -> None:
     """Also: a driver-qualified URL with pool options, as the backend accepts it (the
     demo's own statements went to psycopg as written, which refused both)."""
@@ -185,23 +208,7 @@ def test_bank_close_interrupted_removes_its_namespace(database: str) -> None:
          "--url", database], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # A child started in the background may inherit SIGINT ignored; Ctrl-C's default.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "*** SIGKILL" in line:
-                proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-        err = proc.stderr.read() if proc.stderr else ""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-    out = "".join(lines)
+    out, err = _signal_at(proc, lambda line: "*** SIGKILL" in line, signal.SIGINT)
     assert proc.returncode == 130, out + err
     assert "anarchon demo: interrupted" in err
     assert "VERDICT" not in out
@@ -400,23 +407,8 @@ def test_the_demo_stopped_by_sigterm_removes_its_namespace_and_exits_143(
     proc = subprocess.Popen([sys.executable, "-m", "lease_core.cli", "demo", "--url",
                              redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("Timeline:"):  # the namespace claimed, the workers starting
-                proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        err = proc.stderr.read() if proc.stderr else ""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-    out = "".join(lines)
+    # at "Timeline:" the namespace is claimed and the workers are starting
+    out, err = _signal_at(proc, lambda line: line.startswith("Timeline:"), signal.SIGTERM)
     assert proc.returncode == -signal.SIGTERM, out + err  # 143 in a shell, as serve's
     assert err == "anarchon demo: terminated (SIGTERM)\n", err
     assert f"Removed namespace {namespace_of(out)}" in out, out
