@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -137,6 +138,50 @@ class _Fleet:
             self._members.pop(instance_id, None)
 
 
+class _Users:
+    """Start and close of :class:`MemoryBackend`: a count of users, nothing to open."""
+
+    _lock: threading.Lock
+    _users: int
+    _clock: Callable[[], float]
+    #: Whether a use before start() was warned of (once per store, :meth:`_now`).
+    _warned = False
+
+    async def start(self, *, create: bool = True) -> None:
+        """Count a user; there is nothing to open (safe from any event loop or thread).
+
+        ``create`` is accepted for the contract's sake: an in-process store always exists.
+        """
+        with self._lock:
+            self._users += 1
+
+    async def close(self) -> None:
+        """Release a user; nothing is closed."""
+        with self._lock:
+            self._users = max(0, self._users - 1)
+
+    async def _open(self) -> None:
+        pass
+
+    async def _close(self) -> None:
+        pass
+
+    def _now(self) -> int:
+        if not (self._users or self._warned):
+            self._warn_unstarted()
+        return int(self._clock() * 1000)
+
+    def _warn_unstarted(self) -> None:
+        # Once per store: a library author's test on memory should still catch the
+        # missing start() (or a use after close()) that the other backends refuse.
+        self._warned = True
+        warnings.warn(
+            f"{type(self).__name__} is used before start() or after close(); "
+            "PostgresBackend and RedisBackend raise ConfigurationError here. Call "
+            "'await backend.start()' first (a Scheduler, Admin or Lease starts it "
+            "itself), and close() it when done", RuntimeWarning, stacklevel=4)
+
+
 def _clock_option(url: str, options: dict[str, Any]) -> Callable[[], float] | None:
     """The ``clock`` of ``memory://`` options; any option but ``namespace`` is refused
     (by :func:`lease_core._registry.check_url`, as every backend's)."""
@@ -147,7 +192,7 @@ def _clock_option(url: str, options: dict[str, Any]) -> Callable[[], float] | No
     return clock
 
 
-class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperations, Backend):
+class MemoryBackend(_Users, _Fleet, MemoryNamedLeases, memory_operations.MemoryOperations, Backend):
     """Keep runs, attempts and checkpoints in this process's memory.
 
     ``clock`` returns the store's time in seconds since the epoch; it defaults to the
@@ -192,28 +237,6 @@ class MemoryBackend(_Fleet, MemoryNamedLeases, memory_operations.MemoryOperation
         :class:`~lease_core.errors.ConfigurationError`.
         """
         return cls(clock=_clock_option(url, options))
-
-    async def start(self, *, create: bool = True) -> None:
-        """Count a user; there is nothing to open (safe from any event loop or thread).
-
-        ``create`` is accepted for the contract's sake: an in-process store always exists.
-        """
-        with self._lock:
-            self._users += 1
-
-    async def close(self) -> None:
-        """Release a user; nothing is closed."""
-        with self._lock:
-            self._users = max(0, self._users - 1)
-
-    async def _open(self) -> None:
-        pass
-
-    async def _close(self) -> None:
-        pass
-
-    def _now(self) -> int:
-        return int(self._clock() * 1000)
 
     async def now_ms(self) -> int:
         """Return the injected clock's time in epoch milliseconds."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import anyio.lowlevel
 
+from lease_core._operations_store import QUEUED_LIMIT
 from lease_core._structures import (
     Attempt,
     ClaimRequest,
@@ -129,7 +130,8 @@ class MemoryOperations:
         """Return the paused jobs, each with who paused it."""
         await anyio.lowlevel.checkpoint()
         with self._lock:
-            return {name: j.paused_by for name, j in self._jobs.items() if j.paused_by}
+            return {name: j.paused_by for name, j in sorted(self._jobs.items())
+                    if j.paused_by}
 
     async def queued(self, jobs: Sequence[str]) -> list[tuple[str, int]]:
         """Return the triggered and retried runs of ``jobs`` not claimed yet."""
@@ -138,7 +140,7 @@ class MemoryOperations:
         with self._lock:
             return sorted(key for key, run in self._runs.items()
                           if key[0] in wanted and run.queued is not None
-                          and run.status is RunStatus.HANDED_OVER)
+                          and run.status is RunStatus.HANDED_OVER)[:QUEUED_LIMIT]
 
     async def heartbeats(self, runs: Sequence[tuple[str, int]],
                          ) -> dict[tuple[str, int], int | None]:

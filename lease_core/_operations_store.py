@@ -16,7 +16,11 @@ from .errors import ConfigurationError
 if TYPE_CHECKING:
     from .operations import Operation, OperationResult
 
-__all__ = ["OperationsStore"]
+__all__ = ["QUEUED_LIMIT", "OperationsStore"]
+
+#: The most runs one :meth:`OperationsStore.queued` read returns (PostgreSQL's ``queued``
+#: statement has the same ``LIMIT``).
+QUEUED_LIMIT = 1000
 
 
 class OperationsStore:
@@ -56,10 +60,12 @@ class OperationsStore:
         """Return the triggered and retried runs of ``jobs`` that no attempt claimed yet.
 
         The engine reads it once per heartbeat to run them (no instance watches them).
-        The built-in backends return only those; the default, derived from :meth:`runs`,
-        returns every ``handed_over`` run (a plain hand-over too, which the backups
-        watching it claim anyway).
+        Sorted by job, then slot; at most :data:`QUEUED_LIMIT` (the rest come in later
+        reads, as these are claimed). The built-in backends return only those; the
+        default, derived from :meth:`runs`, returns every ``handed_over`` run (a plain
+        hand-over too, which the backups watching it claim anyway).
         """
         wanted = set(jobs)
-        return [(r.job, r.slot) for r in await self.runs(open_only=True, limit=1000)
-                if r.job in wanted and r.status is RunStatus.HANDED_OVER]
+        return sorted((r.job, r.slot)
+                      for r in await self.runs(open_only=True, limit=QUEUED_LIMIT)
+                      if r.job in wanted and r.status is RunStatus.HANDED_OVER)

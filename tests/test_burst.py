@@ -205,6 +205,7 @@ async def test_concurrent_claims_of_one_instant_share_one_call() -> None:
     from backends.memory import MemoryBackend
 
     backend = MemoryBackend()
+    await backend.start()
     calls = Calls(backend)
     batcher = ClaimBatcher(backend)
     results: dict[str, Any] = {}
@@ -225,6 +226,7 @@ async def test_a_large_batch_goes_in_ordered_chunks() -> None:
     from backends.memory import MemoryBackend
 
     backend = MemoryBackend()
+    await backend.start()
     calls = Calls(backend)
     batcher = ClaimBatcher(backend, limit=10)
     # Two claims of the same run in one batch: the second sees what the first wrote.
@@ -243,6 +245,7 @@ async def test_a_failed_chunk_fails_only_its_claims_and_a_cancelled_sender_aband
     from backends.memory import MemoryBackend
 
     backend = MemoryBackend()
+    await backend.start()
     calls = Calls(backend, fail_first=1)
     batcher = ClaimBatcher(backend, limit=3)
     results = await batcher.claim_many([_request(f"j{j}") for j in range(5)])

@@ -81,6 +81,7 @@ def _request(slot: int, token: str, lease_ms: int = 10_000) -> ClaimRequest:
 async def test_the_memory_overlap_check_follows_runs_that_stop_and_start_running() -> None:
     now = [1000.0]
     store = MemoryBackend(clock=lambda: now[0])
+    await store.start()
     # Other jobs' runs in the store do not matter to this job's overlap check.
     for i in range(50):
         await store.claim(ClaimRequest(f"other-{i}", 1_000_000, "me", f"o{i}", 10_000))
@@ -120,6 +121,7 @@ async def test_slots_due_within_the_timer_slack_are_claimed_in_one_wake_up() -> 
     # Three jobs whose slots lie within the default timer_slack (50 ms) of the first, and
     # a fourth 300 ms later.
     store = _Batches()
+    await store.start()
     scheduler = Scheduler(store, instance_id="coalesce")
 
     async def handler(ctx: RunContext) -> None:

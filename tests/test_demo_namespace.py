@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import psycopg
 import pytest
 import redis
@@ -671,3 +672,33 @@ def test_a_kept_namespace_says_how_to_remove_it_when_the_demo_fails(redis_url: s
         raise RuntimeError("the demo failed")
     assert f"anarchon demo --url {redis_url} --remove failed" in out.getvalue(), out.getvalue()
     assert main(["demo", "--url", redis_url, "--remove", "failed"]) == 0
+
+
+@pytest.mark.parametrize("server", ["database", "redis_url"])
+def test_remove_refuses_a_namespace_schedulers_are_running_on(
+    server: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--remove` of a kept demo's namespace while that demo still ran dropped the store
+    under its workers (which then wrote keys again, left behind): refused while the
+    namespace's fleet has a live member, removed once it left."""
+    from lease_core import backend_from_url
+
+    url = request.getfixturevalue(server)
+    namespace_for(url, "busy").claim("fleet")  # as the fleet demo does, kept
+    backend = backend_from_url(url, namespace="busy")
+
+    async def member(leave: bool) -> None:
+        await backend.start()
+        try:
+            await (backend.leave("worker-2") if leave else backend.members("worker-2", 60_000))
+        finally:
+            await backend.close()
+
+    anyio.run(member, False)
+    assert main(["demo", "--url", url, "--remove", "busy"]) == 2
+    err = capsys.readouterr().err
+    assert "in use: schedulers are running on it now (worker-2)" in err, err
+    assert "nothing was removed" in err
+    anyio.run(member, True)  # the worker stopped: its membership ended
+    assert main(["demo", "--url", url, "--remove", "busy"]) == 0
+    assert "removed namespace busy" in capsys.readouterr().out

@@ -49,6 +49,7 @@ async def test_an_outage_longer_than_the_lease_cancels_and_recovers(
     error: type[Exception],
 ) -> None:
     backend = Unplugged()
+    await backend.start()
     s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
     cancelled = anyio.Event()
     runs: list[int] = []
@@ -199,6 +200,7 @@ class SlowAnswer(MemoryBackend):
 async def test_local_deadline_counts_from_when_the_claim_was_sent() -> None:
     """A slow claim answer, then a partition: the handler stops before the store's expiry."""
     backend = SlowAnswer(delay=0.6)
+    await backend.start()
     backend.partitioned = True
     s = Scheduler(backend, instance_id="a", lease="1.5s", heartbeat="0.5s")
     stopped_at: list[int] = []
@@ -246,6 +248,7 @@ async def test_a_win_read_after_the_local_deadline_starts_no_handler() -> None:
     # when the store's lease has expired. No handler code of attempt 1 may run (a
     # backup could own the run); the run is taken over (here by the same instance).
     backend = FrozenReader(1.3)
+    await backend.start()
     s = Scheduler(backend, instance_id="a", lease="1s", heartbeat="0.2s")
     started: list[int] = []
 
@@ -270,6 +273,7 @@ async def test_a_win_read_after_the_local_deadline_starts_no_handler() -> None:
 
 async def test_stop_with_a_claim_in_flight_hands_the_run_over() -> None:
     backend = SlowAnswer(delay=0.5)
+    await backend.start()
     s = Scheduler(backend, instance_id="a", lease="3s", heartbeat="0.2s")
 
     @s.every("j", "1s", catch_up="none")
@@ -287,6 +291,7 @@ async def test_stop_with_a_claim_in_flight_hands_the_run_over() -> None:
 
 async def test_stop_requested_inside_a_task_group_is_a_hand_over() -> None:
     backend = MemoryBackend()
+    await backend.start()
     s = Scheduler(backend, instance_id="a", lease="3s", heartbeat="0.2s")
     started = anyio.Event()
 
@@ -342,6 +347,7 @@ async def test_a_stop_hands_a_short_lease_over_before_waiting_for_slower_endings
     so that its lease, shorter than that wait, does not lapse: its backup starts it at
     once, as a hand-over, instead of taking it over once it expired."""
     backend = SlowFinish("slow", delay=3)
+    await backend.start()
     started: list[tuple[str, str]] = []
 
     def build(name: str) -> Scheduler:
@@ -405,6 +411,7 @@ async def test_a_cancelled_stop_still_cleans_up() -> None:
 
 async def test_a_takeover_that_failed_during_an_outage_is_not_forgotten() -> None:
     backend = Unplugged()
+    await backend.start()
     now = await backend.now_ms()
     first = now - now % 1000
     # A dead instance holds slot `first`; its lease expires in half a second.
@@ -631,6 +638,7 @@ async def test_a_handler_is_cancelled_soon_after_the_machine_resumes_from_a_susp
     the store's clock."""
     suspend = Suspend(monkeypatch)
     backend = MemoryBackend(clock=suspend.store_clock)
+    await backend.start()
     s = Scheduler(backend, instance_id="a", lease="60s", heartbeat="20s")
     started, cancelled = anyio.Event(), anyio.Event()
 

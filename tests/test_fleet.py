@@ -945,6 +945,7 @@ async def test_one_failed_check_at_a_backups_turn_does_not_drop_its_slot() -> No
             return await super().check(keys)
 
     backend = FailOnce()
+    await backend.start()
     s = Scheduler(backend, instance_id="b", lease="6s", heartbeat="1s")
     s.every(job, "500ms", lambda ctx: None)
     await backend.members(member_name("a", group_of(s.jobs)), 60_000)  # renewed, then froze

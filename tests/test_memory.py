@@ -53,6 +53,7 @@ def request(token: str, **kw: object) -> ClaimRequest:
 async def test_expiry_follows_the_injected_clock_exactly() -> None:
     clock = FakeClock()
     backend = MemoryBackend(clock=clock)
+    await backend.start()
     assert (await backend.claim(request("t1"))).status is ClaimStatus.WON
     clock.advance(29.999)
     assert (await backend.claim(request("t2"))).status is ClaimStatus.RUNNING
@@ -68,6 +69,7 @@ async def test_expiry_follows_the_injected_clock_exactly() -> None:
 async def test_history_ttl_with_an_injected_clock() -> None:
     clock = FakeClock()
     backend = MemoryBackend(clock=clock)
+    await backend.start()
     for i in range(3):
         r = ClaimRequest("j", i, "a", f"t{i}", 1000, history_ttl_ms=60_000)
         await backend.claim(r)
@@ -159,6 +161,7 @@ class _HistoryOnly(MemoryBackend):
 async def test_default_jobs_and_runs_derive_from_history() -> None:
     clock = FakeClock()
     backend = _HistoryOnly(clock=clock)
+    await backend.start()
     done = ClaimRequest("alpha", 1000, "a", "t1", 5000)
     held = ClaimRequest("alpha", 2000, "b", "t2", 5000, overlap_skip=False)
     other = ClaimRequest("beta", 1000, "a", "t3", 5000)
@@ -225,6 +228,7 @@ async def test_a_quiet_hourly_job_does_not_fire_when_the_store_clock_crosses_mid
     midnight_ms = int(datetime(2031, 1, 1, tzinfo=UTC).timestamp() * 1000)
     shift = midnight_ms / 1000 - 2.0 - time.time()
     backend = MemoryBackend(clock=lambda: time.time() + shift)
+    await backend.start()
     s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
     release = anyio.Event()
 
@@ -271,6 +275,7 @@ async def test_trimming_jobs_beside_many_others_deletes_only_their_oldest_runs()
     jobs of 100 runs took 4 s with the lock held); the other jobs' runs stay."""
     trimmed = [f"t{i}" for i in range(100)]
     backend = MemoryBackend()
+    await backend.start()
     for job in trimmed:
         await finished_slots(backend, job, 11)
     for i in range(20):
@@ -292,6 +297,7 @@ async def test_a_long_running_store_whose_history_is_trimmed_stays_bounded() -> 
     import tracemalloc
 
     backend = MemoryBackend()
+    await backend.start()
     done = 0
 
     async def run(count: int) -> None:
@@ -324,6 +330,7 @@ async def test_every_call_is_a_cancellation_point_as_on_a_real_store() -> None:
     so a test on memory never met a lease's acquire or release cancelled (the shielded
     release that follows one, say)."""
     backend = MemoryBackend()
+    await backend.start()
     taken = await backend.acquire_lease("n", "h", 60_000)
     calls = [lambda: backend.acquire_lease("m", "h", 60_000),
              lambda: backend.renew_lease("n", taken.token, 60_000),
@@ -338,3 +345,38 @@ async def test_every_call_is_a_cancellation_point_as_on_a_real_store() -> None:
         assert scope.cancelled_caught, call
     assert not (await backend.read_lease("m")).held  # the cancelled acquire took nothing
     assert (await backend.read_lease("n")).held  # nor did the release free it
+
+
+async def test_a_use_before_start_or_after_close_warns_once_as_the_real_stores_refuse() -> None:
+    """PostgreSQL and Redis backends raise ConfigurationError when called before start()
+    (or after close()); the memory store answered silently, so a library author's test on
+    memory never caught the missing start(). It answers still, with one RuntimeWarning."""
+    backend = MemoryBackend()
+    with pytest.warns(RuntimeWarning, match=r"before start\(\).*await backend.start\(\)"):
+        assert (await backend.claim(request("t1"))).status is ClaimStatus.WON
+    await backend.claim(request("t2"))  # once per store: no second warning (an error here)
+    started = MemoryBackend()
+    await started.start()
+    await started.claim(request("t1"))  # started: no warning
+    await started.close()
+    with pytest.warns(RuntimeWarning, match="after close"):
+        await started.claim(request("t2"))
+
+
+async def test_operations_reads_are_ordered_and_bounded_as_on_postgresql() -> None:
+    """``queued`` returns at most 1,000 runs sorted by job and slot, ``paused`` its jobs in
+    name order (PostgreSQL's statements have that ORDER BY and LIMIT; memory had neither)."""
+    from lease_core import Admin
+
+    backend = MemoryBackend()
+    admin = Admin(backend, by="ops")
+    async with admin:
+        await backend.register_jobs(["b", "a"])
+        for job in ("b", "a"):
+            await admin.pause(job)
+        assert list(await backend.paused()) == ["a", "b"]
+        for _ in range(1001):
+            await admin.trigger("b")
+        await admin.trigger("a")
+        queued = await backend.queued(["b", "a"])
+        assert len(queued) == 1000 and queued == sorted(queued) and queued[0][0] == "a"

@@ -933,6 +933,7 @@ async def test_behaves_like_the_memory_backend(backend: RedisBackend, raw: redis
         return clock[0]
 
     memory = MemoryBackend(clock=ticking)
+    await memory.start()
 
     async def memory_expire() -> None:
         clock[0] += STORY_LEASE_MS / 1000 + 0.05

@@ -354,6 +354,7 @@ class PruneFailsTwice(MemoryBackend):
 
 async def test_a_failed_trimming_is_reported_and_tried_again() -> None:
     backend = PruneFailsTwice()
+    await backend.start()
     await finished_runs(backend, "old", range(SLOT, SLOT + 3))
     s = Scheduler(backend, instance_id="a", history_size=1, prune_every="0.2s", **FAST)
     seen = Recorder()
@@ -386,6 +387,7 @@ async def test_what_a_trimming_deleted_before_it_failed_is_reported() -> None:
     short) reported nothing of what its first call deleted: no ``HistoryTrimmed``, no
     log line. It reports them, not complete; the next period trims the rest."""
     backend = PruneFailsSecond()
+    await backend.start()
     jobs = [f"job{i:03}" for i in range(PRUNE_JOBS + 1)]
     for job in jobs:
         await finished_runs(backend, job, range(SLOT, SLOT + 3))

@@ -318,6 +318,7 @@ def test_every_spec_reads_back(interval_ms: int, data: st.DataObject) -> None:
 def test_a_job_whose_next_slot_has_no_date_does_not_fail_the_overview() -> None:
     async def main() -> dict[str, dict[str, object]]:
         backend = MemoryBackend()
+        await backend.start()
         far = json.dumps({"every_ms": 4_000_000 * 86_400_000, "offset_ms": 0})  # an old store
         await backend.register_schedules({"far": far,
                                           "near": json.dumps(IntervalSchedule("1m").spec())})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
+from lease_core._operations_store import QUEUED_LIMIT
 from lease_core._structures import RunStatus
 from lease_core.operations import Operation, OperationResult
 
@@ -64,8 +65,9 @@ class RedisOperations(RedisStore):
             return []
         rows = await self._run([("HMGET", self._run_key(job, slot), "st", "q")
                                 for job, slot in keys])
-        return [key for key, (st, q) in zip(keys, rows, strict=True)
-                if q is not None and st is not None and as_text(st) == "handed_over"]
+        return sorted(key for key, (st, q) in zip(keys, rows, strict=True)
+                      if q is not None and st is not None
+                      and as_text(st) == "handed_over")[:QUEUED_LIMIT]
 
     async def heartbeats(self, runs: Sequence[tuple[str, int]],
                          ) -> dict[tuple[str, int], int | None]:

@@ -18,6 +18,7 @@ creates the marker (and, on PostgreSQL, its own tables) in one transaction, whic
 fails, and so changes nothing, if another session took one of the names meanwhile.
 
 :meth:`Namespace.remove` deletes a namespace only while its marker is there, only while
+no scheduler runs on it (a kept demo still running: its fleet's live members), only while
 the store under it holds no job but the demos' own (:data:`DEMO_JOBS`: a scheduler of
 yours pointed at it would otherwise lose its history), and only what a demo creates: on
 PostgreSQL the names a demo's store and tables have (:func:`demo_names`), each as the
@@ -235,6 +236,17 @@ SELECT kind, object,
 ORDER BY 1, 2
 """
 
+#: The instances whose membership of the namespace's fleet has not ended (on the server's
+#: clock): a scheduler renews it every half lease and ends it when it stops, so one is
+#: running there now (or died less than a lease ago).
+_PG_LIVE_MEMBERS = """
+SELECT substr(key, 8) FROM {meta}
+WHERE left(key, 7) = 'member:'
+  AND CASE WHEN value ~ '^[0-9]+$' AND length(value) < 19 THEN value::bigint ELSE 0 END
+      > floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint
+ORDER BY 1
+"""
+
 #: How long removal waits for a lock on the namespace's tables (a worker still running).
 _PG_LOCK_TIMEOUT = "10s"
 #: Seconds a connection of the demo's (to claim or remove a namespace) waits for the
@@ -369,6 +381,12 @@ class PostgresNamespace(Namespace):
                 return f"nothing to remove under namespace {self.name}"
             owned = [(kind, name) for kind, name, ours in found if ours]
             others = [name for _, name, ours in found if not ours]
+            meta_table = f"{self.name}_meta"
+            if any(name == meta_table for kind, name in owned if kind == "table"):
+                live = [member for (member,) in conn.execute(
+                    _PG_LIVE_MEMBERS.format(meta=quote_ident(meta_table))).fetchall()]
+                if live:
+                    raise _running(self.name, live)
             jobs_table = f"{self.name}_jobs"
             if any(name == jobs_table for kind, name in owned if kind == "table"):
                 foreign = [job for (job,) in conn.execute(
@@ -412,6 +430,14 @@ class PostgresNamespace(Namespace):
 def _shown(names: list[str]) -> str:
     """The first five of ``names``, and how many more."""
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _running(name: str, members: list[str]) -> NamespaceInUse:
+    return NamespaceInUse(
+        f"namespace {name} is in use: schedulers are running on it now ("
+        f"{_shown(members)}), such as the demo kept there, still running; stop them (Ctrl-C "
+        "in the demo's terminal) or, if they were killed, wait for their membership to "
+        "end (a lease after they died), then remove it: nothing was removed")
 
 
 def _foreign_jobs(name: str, jobs: list[str]) -> NotADemoNamespace:
@@ -532,6 +558,11 @@ class RedisNamespace(Namespace):
             if client.type(jobs) not in (b"set", b"none"):
                 raise NotADemoNamespace(f"namespace {self.name}'s key {jobs} is not a demo "
                                         "store's set of jobs: nothing was removed")
+            seconds, micros = client.time()
+            live = client.zrangebyscore("{" + self.name + "}:members",
+                                        f"({seconds * 1000 + micros // 1000}", "+inf")
+            if live:
+                raise _running(self.name, sorted(m.decode(errors="replace") for m in live))
             foreign = sorted(job for job in (j.decode(errors="replace")
                                              for j in client.smembers(jobs))
                              if not _demo_job(job))

@@ -91,6 +91,7 @@ def _make_machine(real: Backend, portal: anyio.from_thread.BlockingPortal,
             super().__init__()
             self.clock = SteppingClock()
             self.memory = MemoryBackend(clock=self.clock)
+            portal.call(self.memory.start)
             # Job names unique to this example: the real store is shared by all examples.
             self.prefix = f"x{next(counter)}-{uuid.uuid4().hex[:6]}-"
             self.leases: list[Lease] = []
