@@ -475,7 +475,7 @@ async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
 
 
 _COLUMNS = ("job", "scheduled_at", "attempt", "instance_id", "reason", "outcome",
-            "claimed_at", "finished_at", "error")
+            "claimed_at", "finished_at", "requested_by", "error")
 
 
 def _backend(args: argparse.Namespace) -> Any:

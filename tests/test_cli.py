@@ -444,7 +444,7 @@ def check_history_output(capsys: pytest.CaptureFixture[str], url: str, flag: lis
     assert main(["history", "--url", url, *flag]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["JOB", "SCHEDULED_AT", "ATTEMPT", "INSTANCE_ID", "REASON",
-                                "OUTCOME", "CLAIMED_AT", "FINISHED_AT", "ERROR"]
+                                "OUTCOME", "CLAIMED_AT", "FINISHED_AT", "REQUESTED_BY", "ERROR"]
     assert len(lines) == 3
     newest, oldest = lines[1].split(), lines[2].split()
     assert newest[:6] == ["nightly", "2023-11-14T22:14:20.000+00:00", "1", "host-a",

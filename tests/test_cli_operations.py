@@ -85,6 +85,15 @@ def test_operations_act_on_the_store(url: str, capsys: pytest.CaptureFixture[str
     history = store(url, lambda b: b.history("sync", 100))
     cancelled = [a for a in history if a.slot == 3000]
     assert [(a.outcome, a.error) for a in cancelled] == [("cancelled", "cancelled by cli")]
+    # The retry's attempt, once claimed, says who asked for it in `history` (the text
+    # had no column for it; --json had it).
+    store(url, lambda b: b.claim(ClaimRequest("sync", 1000, "i-2", "t-again", 30_000)))
+    capsys.readouterr()
+    assert main(["history", "--url", url, "--job", "sync"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    column = header.index("REQUESTED_BY")
+    retried = next(r for r in rows if " i-2 " in r)
+    assert retried[column:].split()[0] == "cli", (header, retried)
 
 
 def test_a_run_queued_by_an_operation_reads_as_queued(
