@@ -43,6 +43,9 @@ checkpoints and effect rows from the store and the records of every worker, and 
   that attempt not having ended by itself before (completed, failed, timed out, handed
   over);
 - double completions: runs with two ``completed`` attempts;
+- cancelled runs taken over (an attempt claimed after the cancel) or completed (an
+  attempt completed, a fenced effect committed, or a run status other than
+  ``cancelled``);
 - a finish from a superseded attempt: a finish the store acknowledged that was sent after
   another attempt of the run (kept in its history) had been claimed;
 - double fenced effects: two committed effect transactions for one run;

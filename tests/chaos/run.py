@@ -944,6 +944,8 @@ class Observed:
     answers: list[tuple[float, float]] | None = None
     """(sent, answered) wall times of the store probe's requests (:class:`StoreProbe`);
     ``None`` when the store was not probed."""
+    statuses: dict[tuple[str, int], RunStatus] | None = None
+    """Every run's status after every worker stopped (``None``: not read)."""
 
 
 def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fault],
@@ -951,14 +953,16 @@ def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fau
           open_before: list[RunInfo], skewed: frozenset[str] = frozenset(),
           answers: list[tuple[float, float]] | None = None) -> Report:
     """Read the store and the workers' records, then :func:`judge` them."""
-    async def read(backend: Backend) -> tuple[list[Attempt], list[RunInfo], dict[Any, Any]]:
+    async def read(backend: Backend) -> tuple[list[Attempt], list[RunInfo], dict[Any, Any],
+                                              list[RunInfo]]:
         history = await backend.history(None, 10_000_000)
         open_runs = await backend.runs(open_only=True, limit=1_000_000)
+        every = await backend.runs(limit=10_000_000)
         keys = {(a.job, a.slot) for a in history}
         checkpoints = {k: await backend.get_checkpoint(*k) for k in keys}
-        return history, open_runs, checkpoints
+        return history, open_runs, checkpoints, every
 
-    history, open_after, checkpoints = _read_store(store, read)
+    history, open_after, checkpoints, every = _read_store(store, read)
     if config.verbose:
         with open(logdir / "history.ndjson", "w") as out:
             for a in history:
@@ -976,7 +980,7 @@ def audit(store: ChaosStore, config: ChaosConfig, logdir: Path, faults: list[Fau
     effects = store.effects() if isinstance(store, PostgresChaosStore) else []
     observed = Observed(history, open_before, open_after, checkpoints, effects,
                         _events(logdir), faults, started, faults_over, audit_at, skewed,
-                        answers)
+                        answers, {(r.job, r.slot): r.status for r in every})
     report = judge(config, observed)
     report.version = store.version
     return report
@@ -1155,7 +1159,7 @@ def judge(config: ChaosConfig, seen: Observed) -> Report:
                     report.missed_store_unreachable += 1
                 else:
                     report.missed_while_answered.append((job, s))
-    _judge_cancels(report, faults, runs, seen.open_after)
+    _judge_cancels(report, faults, runs, seen.open_after, seen.statuses or {}, effect_of)
     _judge_leases(report, runs, events)
     _judge_fences(report, runs, events, faults)
     _judge_lost_effects(report, events, effects, faults)
@@ -1435,8 +1439,15 @@ def _judge_lost_effects(report: Report, events: dict[tuple[str, int], list[dict[
 
 def _judge_cancels(report: Report, faults: list[Fault],
                    runs: dict[tuple[str, int], list[Attempt]],
-                   open_after: list[RunInfo]) -> None:
+                   open_after: list[RunInfo],
+                   statuses: dict[tuple[str, int], RunStatus] | None = None,
+                   effect_of: dict[tuple[str, int], int] | None = None) -> None:
     """A cancelled run is never taken over, never completed, and stays ``cancelled``.
+
+    Completed: an attempt of it completed, its run's status (read after the workers
+    stopped) is another, or a fenced effect of it committed (PostgreSQL: the effect
+    commits with the run's completion, and a finish accepted after the cancel may leave
+    the cancelled attempt's outcome as it was, only the run's status changed).
 
     The cancel's instant is the store's: the cancelled attempt's end (every store ends
     the attempt holding the run at the cancel, or records one of its own for a run
@@ -1464,10 +1475,15 @@ def _judge_cancels(report: Report, faults: list[Fault],
         for a in attempts:
             if a.claimed_at.timestamp() > at or (last is not None and a.attempt > last):
                 report.cancelled_taken_over.append((*f.run, a.attempt))
+        status = (statuses or {}).get(f.run)
         if any(a.outcome is Outcome.COMPLETED for a in attempts):
             report.cancelled_completed.append((*f.run, "completed"))
+        elif f.run in (effect_of or {}):
+            report.cancelled_completed.append((*f.run, "fenced effect committed"))
         elif f.run in still_open or not ended:
             report.cancelled_completed.append((*f.run, "not cancelled"))
+        elif status is not None and status is not RunStatus.CANCELLED:
+            report.cancelled_completed.append((*f.run, f"status {status}"))
 
 
 def results_markdown(summaries: list[dict[str, Any]], command: str) -> str:

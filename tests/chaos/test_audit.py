@@ -91,6 +91,20 @@ BROKEN: dict[str, dict[str, Any]] = {
 }
 
 
+def test_an_effect_row_of_an_attempt_that_did_not_complete_is_reported() -> None:
+    # the effect commits with the run's completion: attempt 2 failed, yet its row is there
+    seen = observed(history=[attempt(1, "w1", 0.0, Outcome.LOST),
+                             attempt(2, "w2", 1.7, Outcome.FAILED, Reason.TAKEOVER)])
+    report = judge(CONFIG, seen)
+    assert report.violations["transaction from a superseded attempt"] == [(*KEY, 2)]
+
+
+def test_a_stored_checkpoint_below_a_step_written_went_backwards() -> None:
+    # attempt 2 wrote step 3, the store holds its step 2: a write was undone
+    report = judge(CONFIG, observed(checkpoints={KEY: {"a": 2, "step": 2}}))
+    assert report.violations == {"checkpoint went backwards": [(*KEY, 2)]}
+
+
 @pytest.mark.parametrize("what", list(BROKEN))
 def test_each_broken_invariant_is_reported_with_its_run(what: str) -> None:
     report = judge(CONFIG, observed(**BROKEN[what]))
@@ -244,6 +258,8 @@ def test_a_retry_before_its_failure_ended_is_reported() -> None:
         event("rstart", 1, r="scheduled"), {**event("rfail", 1), "t": T0 + 0.9},
         {**event("rstart", 2, r="retry"), "t": T0 + 0.6}]))
     assert running.retry_overlaps == [(*KEY, 2)]
+    # claimed before the failure was recorded, with no handler records to show it
+    assert judge(CONFIG, _retried(0.2, events=[])).retry_overlaps == [(*KEY, 2)]
 
 
 def test_records_of_an_attempt_a_failover_lost_are_not_the_retry_s() -> None:
@@ -280,6 +296,27 @@ def test_a_cancelled_run_taken_over_or_completed_breaks_the_invariant() -> None:
         attempt(2, "w2", 1.7, Outcome.COMPLETED, Reason.TAKEOVER)))
     assert report.violations["cancelled runs taken over"] == [(*KEY, 2)]
     assert report.violations["cancelled runs completed"] == [(*KEY, "completed")]
+
+
+def test_a_cancelled_run_a_late_write_completed_breaks_the_invariant() -> None:
+    """The holder's write that ends the run, sent within the cancel's grace (its token
+    still on the run), was accepted: the attempt may stay 'cancelled' in the history (a
+    finish never overwrites an outcome), while the run's status or its fenced effect
+    shows the completion."""
+    seen = cancelled(attempt(1, "w1", 0.0, Outcome.CANCELLED))
+    seen.statuses = {KEY: RunStatus.COMPLETED}
+    assert judge(CONFIG, seen).violations == {
+        "cancelled runs completed": [(*KEY, "status completed")]}
+    seen.statuses, seen.effects = {KEY: RunStatus.CANCELLED}, [("job0", SLOT, 1, "w1")]
+    assert judge(CONFIG, seen).violations["cancelled runs completed"] == [
+        (*KEY, "fenced effect committed")]
+
+
+def test_a_duplicate_key_refusal_of_a_fenced_effect_is_a_double_effect() -> None:
+    # the second attempt's effect reached the table: only the unique key refused it
+    seen = observed(events={KEY: [event("tx", 1), event("tx_dup", 2)]},
+                    effects=[("job0", SLOT, 1, "w1")])
+    assert judge(CONFIG, seen).violations["double fenced effects"] == [KEY]
 
 
 def test_a_cancel_the_store_did_not_keep_is_reported() -> None:
