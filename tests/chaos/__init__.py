@@ -28,7 +28,12 @@ for a job drawn at random, so the fleet must re-rank that job's slots:
   Redis) and is resumed once another worker claimed its run (at most 1.5-2.5 leases
   later), so that the write goes out from a superseded attempt while the run runs again:
   the store must refuse it (recorded as ``zombie-cp``, ``-tx``, ``-fin``; ``zombie-idle``
-  when no such write came within 2 s).
+  when no such write came within 2 s). The write is made shielded from the handler's
+  cancellation by its lease deadline, as a write already sent would be (a ``thawed``
+  record says what became of it). ``zombie-end`` and ``zombie-cp`` (in a run's first
+  faults) ask for the write that ends the run or a checkpoint; ``zombie-cancel`` stops the
+  worker before the write that ends its run, cancels that run through the store and
+  resumes the worker at once, within the cancel's grace: the write must be refused.
 
 Every handler reads its checkpoint, records ``start`` (the un-fenced effect: an
 append-only JSON line, see :mod:`tests.chaos.worker`), writes checkpoints

@@ -601,19 +601,28 @@ class Frozen:
 
     def __init__(self) -> None:
         self._instances: set[str] = set()
+        self._reserved: set[str] = set()
         self._changed = threading.Condition()
 
     @contextlib.contextmanager
-    def during(self, instance: str) -> Any:
-        """``instance`` is frozen for the ``with`` block."""
+    def during(self, instance: str, reserved: bool = False) -> Any:
+        """``instance`` is frozen for the ``with`` block; ``reserved``: its runs are the
+        coordinator's own (a zombie fault's), which the operator neither waits for nor
+        cancels."""
+        into = self._reserved if reserved else self._instances
         with self._changed:
-            self._instances.add(instance)
+            into.add(instance)
             self._changed.notify_all()
         try:
             yield
         finally:
             with self._changed:
-                self._instances.discard(instance)
+                into.discard(instance)
+
+    def reserved(self) -> frozenset[str]:
+        """The instances whose runs the operator leaves alone now."""
+        with self._changed:
+            return frozenset(self._reserved)
 
     def wait(self, timeout: float) -> frozenset[str]:
         """The instances frozen now, waiting up to ``timeout`` seconds for one."""
@@ -624,7 +633,8 @@ class Frozen:
 
 def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosStore,
             config: ChaosConfig, skew_sign: list[float], probe: StoreProbe,
-            retired: list[Worker], frozen: Frozen | None = None) -> Fault:
+            retired: list[Worker], frozen: Frozen | None = None,
+            cancels: list[Fault] | None = None) -> Fault:
     frozen = frozen or Frozen()
     long = config.lease * rng.uniform(1.5, 2.5)
     if kind == "restart":
@@ -665,17 +675,33 @@ def _inject(rng: random.Random, kind: str, workers: list[Worker], store: ChaosSt
         with frozen.during(worker.instance):
             time.sleep(long)
         worker.proxy.resume()
-    elif kind == "zombie":
+    elif kind.startswith("zombie"):
         # Stopped just before a fenced write, past its lease: the write goes out as it
-        # resumes, from an attempt a backup has taken over meanwhile.
+        # resumes, from an attempt a backup has taken over meanwhile. ``zombie-end`` (in
+        # ``first``) asks for the write that ends the run (the fenced transaction, the
+        # finish), ``zombie-cp`` for a checkpoint; ``zombie`` draws one.
+        # ``zombie-cancel``: stopped before the write that ends the run, whose run an
+        # operator cancels meanwhile (recorded in ``cancels``); resumed at once, within the
+        # cancel's grace (its token still on the run), the write must be refused: a
+        # cancelled run is never completed.
         writes = ("cp", "tx") if store.fenced_transactions else ("cp", "fin")
         write = rng.choice(writes)
+        if kind != "zombie":
+            write = writes[0] if kind == "zombie-cp" else writes[1]
         if worker.freeze_before(write, ZOMBIE_WAIT_S):
             fault.kind, fault.start = f"zombie-{write}", time.time()
-            with frozen.during(worker.instance):
+            # (the operator's cancels leave these two alone: a cancel would take the
+            # takeover that zombie-end waits for)
+            with frozen.during(worker.instance,
+                               reserved=kind in ("zombie-end", "zombie-cancel")):
+                if kind == "zombie-cancel":
+                    cancel = _cancel(rng, store, frozenset({worker.instance}),
+                                     _last_freeze(worker.logdir, worker.instance))
+                    cancel.holder = worker.instance if cancel.run is not None else ""
+                    (cancels if cancels is not None else []).append(cancel)
                 # Resumed once another attempt claimed the run (or after `long`), within
                 # that attempt's run: the write lands while the run is running again.
-                if wait_for_takeover(worker.logdir, worker.instance, long):
+                elif wait_for_takeover(worker.logdir, worker.instance, long):
                     time.sleep(rng.uniform(0.0, 0.1))
             worker.signal(signal.SIGCONT)
         else:
@@ -704,9 +730,7 @@ def wait_for_takeover(logdir: Path, instance: str, timeout: float) -> bool:
     froze in (its last ``freeze`` record), made after the freeze by another token; False
     after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    mine = logdir / f"{instance}.jsonl"
-    frozen = [json.loads(line) for line in mine.read_text().splitlines()
-              if '"e":"freeze"' in line]
+    frozen = _freezes(logdir, instance)
     if not frozen:
         time.sleep(timeout)
         return False
@@ -731,16 +755,34 @@ def wait_for_takeover(logdir: Path, instance: str, timeout: float) -> bool:
     return False
 
 
+def _freezes(logdir: Path, instance: str) -> list[dict[str, Any]]:
+    """The ``freeze`` records of ``instance`` (:class:`tests.chaos.worker.Freezer`)."""
+    mine = logdir / f"{instance}.jsonl"
+    return [json.loads(line) for line in mine.read_text().splitlines()
+            if '"e":"freeze"' in line]
+
+
+def _last_freeze(logdir: Path, instance: str) -> tuple[str, int] | None:
+    """The run (job, slot) ``instance`` last stopped itself in, if any."""
+    frozen = _freezes(logdir, instance)
+    return (str(frozen[-1]["j"]), int(frozen[-1]["s"])) if frozen else None
+
+
 def _cancel(rng: random.Random, store: ChaosStore,
-            holders: frozenset[str] | None = None) -> Fault:
+            holders: frozenset[str] | None = None,
+            only: tuple[str, int] | None = None,
+            spare: frozenset[str] = frozenset()) -> Fault:
     """Cancel a running run drawn at random, through the store, as an operator would; one
-    held by one of ``holders`` when given."""
+    held by one of ``holders`` when given; the run ``only`` when given; none held by one
+    of ``spare``."""
     fault = Fault("cancel", "", time.time())
 
     async def cancel(backend: Backend) -> tuple[str, int] | None:
         running = [r for r in await backend.runs(open_only=True, limit=1_000_000)
                    if r.status is RunStatus.RUNNING
-                   and (holders is None or r.instance_id in holders)]
+                   and (holders is None or r.instance_id in holders)
+                   and (only is None or (r.job, r.slot) == only)
+                   and r.instance_id not in spare]
         if not running:
             return None
         run = rng.choice(sorted(running, key=lambda r: (r.job, r.slot)))
@@ -789,7 +831,7 @@ class Operator:
             for _ in range(20):
                 fault: Fault | None = None
                 with contextlib.suppress(Exception):
-                    fault = _cancel(self.rng, self.store)
+                    fault = _cancel(self.rng, self.store, spare=self.frozen.reserved())
                 if fault is not None and fault.run is not None:
                     self.faults.append(fault)
                     break
@@ -867,7 +909,7 @@ def run_chaos(config: ChaosConfig, workdir: Path | None = None,
             kinds = _kinds(config, workers)
             kind = first.pop(0) if first else rng.choice(kinds)
             faults.append(_inject(rng, kind, workers, store, config, skew_sign, probe,
-                                  retired, frozen))
+                                  retired, frozen, operator.faults))
         operator.stop()
         faults = sorted(faults + operator.faults, key=lambda f: f.start)
         faults_over = time.time()
@@ -1190,7 +1232,8 @@ def _owner_faults(faults: list[Fault], history: list[Attempt]) -> int:
 def _zombie_writes(faults: list[Fault], history: list[Attempt],
                    events: dict[tuple[str, int], list[dict[str, Any]]]) -> int:
     """How many ``zombie`` faults sent their fenced write as a superseded attempt's: another
-    attempt of the frozen run was claimed (the store's history) while it was stopped."""
+    attempt of the frozen run was claimed (the store's history) while it was stopped, and
+    the write was made after it resumed (its ``thawed`` record)."""
     claims: dict[tuple[str, int], list[tuple[float, str]]] = defaultdict(list)
     for a in history:
         claims[(a.job, a.slot)].append((a.claimed_at.timestamp(), a.instance_id))
@@ -1198,11 +1241,12 @@ def _zombie_writes(faults: list[Fault], history: list[Attempt],
     for f in faults:
         if not f.kind.startswith("zombie-") or f.kind == "zombie-idle":
             continue
-        frozen = [(key, float(e["t"])) for key, evs in events.items() for e in evs
+        frozen = [(key, float(e["t"]), e["k"]) for key, evs in events.items() for e in evs
                   if e["e"] == "freeze" and e["i"] == f.target
                   and f.start - ZOMBIE_WAIT_S - 1 <= float(e["t"]) <= f.end]
         if any(at <= claimed <= f.end and instance != f.target
-               for key, at in frozen for claimed, instance in claims.get(key, [])):
+               and any(e["e"] == "thawed" and e["k"] == token for e in events[key])
+               for key, at, token in frozen for claimed, instance in claims.get(key, [])):
             sent += 1
     return sent
 

@@ -89,7 +89,8 @@ def _zombie(fin_sent: float) -> tuple[ChaosConfig, Observed]:
             ev("freeze", 1, "w1", 0.4, 1, k="t1", w="fin"),
             {**ev("claim", 2, "w2", 1.9, 2, k="t2"), "n": round((T0 + 1.9) * 1000)},
             ev("fin", 1, "w1", fin_sent + 0.01, 1, k="t1", o="completed",
-               w=round((T0 + fin_sent) * 1000))]},
+               w=round((T0 + fin_sent) * 1000)),
+            ev("thawed", 1, "w1", fin_sent + 0.01, 1, k="t1", w="fin", ok=True)]},
         faults=[Fault("zombie-fin", "w1", T0 + 0.4, T0 + 2.0, jobs=("job0",))])
     return ChaosConfig(store="redis"), seen
 
@@ -100,6 +101,12 @@ def test_a_zombie_s_write_after_the_takeover_is_counted() -> None:
     assert report.zombie_writes == 1
     # ... and its finish, acknowledged, is one the store took from a superseded attempt
     assert report.violations == {"finish from a superseded attempt": [(*KEY, 1)]}
+
+
+def test_a_zombie_whose_write_was_never_made_sent_nothing() -> None:
+    config, seen = _zombie(fin_sent=2.0)
+    seen.events[KEY] = [e for e in seen.events[KEY] if e["e"] not in ("thawed", "fin")]
+    assert judge(config, seen).zombie_writes == 0
 
 
 def test_a_finish_sent_before_the_takeover_is_none_of_a_superseded_attempt() -> None:

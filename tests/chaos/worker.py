@@ -60,25 +60,46 @@ class Freezer:
     the process (SIGSTOP) before the write is sent. Nothing checks the lease between the
     resume and the write: as a process paused between its check and its write, the
     write reaches the store from an attempt that may have been superseded meanwhile.
+    The write is made through :meth:`sent`, shielded: without that, the handler's
+    cancellation by its local lease deadline (due at once on resume) took most of them
+    before they were sent, and the store's fencing was not put to the test.
     """
 
     def __init__(self, path: str | None, log: EventLog) -> None:
         self.path, self.log = path, log
 
-    def before(self, kind: str, job: str, slot: int, token: str) -> None:
-        """Called just before a fenced write of ``kind`` of the run (job, slot)."""
+    def before(self, kind: str, job: str, slot: int, token: str) -> bool:
+        """Called just before a fenced write of ``kind`` of the run (job, slot); True when
+        the process stopped (the write is then to be made through :meth:`sent`)."""
         if self.path is None or not os.path.exists(self.path):
-            return
+            return False
         try:
             with open(self.path) as request:
                 if request.read().strip() != kind:
-                    return
+                    return False
             os.rename(self.path, self.path + ".taken")
         except OSError:
-            return  # withdrawn meanwhile
+            return False  # withdrawn meanwhile
         self.log.raw({"e": "freeze", "w": kind, "j": job, "s": slot, "k": token,
                       "i": self.log.instance, "t": _real_time()})
         os.kill(os.getpid(), signal.SIGSTOP)
+        return True
+
+    async def sent(self, kind: str, job: str, slot: int, token: str, write: Any) -> Any:
+        """Await ``write`` (the frozen write), shielded from cancellation, and record
+        ``thawed`` with what became of it: ``ok`` (its answer) or the exception raised."""
+        outcome: Any = "cancelled"
+        try:
+            with anyio.CancelScope(shield=True):
+                result = await write
+            outcome = result if isinstance(result, bool | list) else True
+            return result
+        except Exception as exc:
+            outcome = type(exc).__name__
+            raise
+        finally:
+            self.log.raw({"e": "thawed", "w": kind, "j": job, "s": slot, "k": token,
+                          "ok": outcome, "i": self.log.instance, "t": _real_time()})
 
 
 def acknowledged(backend: Any, log: EventLog, freezer: Freezer | None = None) -> None:
@@ -107,11 +128,15 @@ def acknowledged(backend: Any, log: EventLog, freezer: Freezer | None = None) ->
         return results
 
     async def finishes(items: Any) -> Any:
-        if items:
-            lease = items[0][0]
-            freezer.before("fin", lease.job, lease.slot, lease.token)
+        froze = bool(items) and freezer.before("fin", items[0][0].job, items[0][0].slot,
+                                               items[0][0].token)
         sent = _real_time()  # (the store's time of the finish is later: "w", in ms)
-        done = await finish_many(items)
+        if froze:
+            lease = items[0][0]
+            done = await freezer.sent("fin", lease.job, lease.slot, lease.token,
+                                      finish_many(items))
+        else:
+            done = await finish_many(items)
         for (lease, outcome, _), ok in zip(items, done, strict=True):
             if ok:
                 log.raw({"e": "fin", "j": lease.job, "s": lease.slot, "k": lease.token,
@@ -133,7 +158,9 @@ def acknowledged(backend: Any, log: EventLog, freezer: Freezer | None = None) ->
         return result
 
     async def checkpoint(lease: Any, value: Any) -> Any:
-        freezer.before("cp", lease.job, lease.slot, lease.token)
+        if freezer.before("cp", lease.job, lease.slot, lease.token):
+            return await freezer.sent("cp", lease.job, lease.slot, lease.token,
+                                      set_checkpoint(lease, value))
         return await set_checkpoint(lease, value)
 
     async def claim(request: Any) -> Any:
@@ -169,6 +196,15 @@ def build(config: dict[str, Any], log: EventLog) -> Scheduler:
     fenced = bool(config["fenced"])
     effects = config.get("effects_table", "chaos_effects")
 
+    async def effect(ctx: RunContext) -> bool:
+        async with ctx.transaction() as tx:
+            await tx.execute(
+                f"INSERT INTO {effects} (job, slot, attempt, instance) "
+                "VALUES (%s, %s, %s, %s)",
+                (ctx.job, ctx.slot, ctx.attempt, ctx.instance_id),
+            )
+        return True
+
     async def handler(ctx: RunContext) -> None:
         stored = await ctx.checkpoint.get()
         log.write("start", ctx, cp=stored, r=str(ctx.reason))
@@ -191,14 +227,12 @@ def build(config: dict[str, Any], log: EventLog) -> Scheduler:
             await ctx.checkpoint.set(last)
             log.write("cp", ctx, step=n + 1)
         if fenced:
-            freezer.before("tx", ctx.job, ctx.slot, ctx.token)
+            froze = freezer.before("tx", ctx.job, ctx.slot, ctx.token)
             try:
-                async with ctx.transaction() as tx:
-                    await tx.execute(
-                        f"INSERT INTO {effects} (job, slot, attempt, instance) "
-                        "VALUES (%s, %s, %s, %s)",
-                        (ctx.job, ctx.slot, ctx.attempt, ctx.instance_id),
-                    )
+                if froze:
+                    await freezer.sent("tx", ctx.job, ctx.slot, ctx.token, effect(ctx))
+                else:
+                    await effect(ctx)
             except LeaseLost:
                 raise
             except Exception as exc:
