@@ -244,17 +244,28 @@ def build(config: dict[str, Any], log: EventLog) -> Scheduler:
 
     flaky_ms = int(config["jobs"][0][1])
 
-    async def flaky(ctx: RunContext) -> None:
-        # Every other run fails on its first try, transiently: retried within its run.
+    # The flaky job's handler outlives this timeout on the turns it times out.
+    flaky_timeout = 3 * step_s
+
+    def flaky(ctx: RunContext) -> None:
+        # A sync handler (it runs in a thread). Every other run fails on its first try,
+        # transiently, and is retried within its run: half of those raise, half outlive
+        # their timeout (the thread goes on after the scheduler gave up on it, then
+        # returns): the retry must wait for the thread, not start beside it.
         log.write("rstart", ctx, r=str(ctx.reason))
-        await anyio.sleep(step_s)
-        if ctx.reason != "retry" and (ctx.slot // flaky_ms) % 2 == 0:
+        turn = ctx.slot // flaky_ms
+        if ctx.reason != "retry" and turn % 4 == 2:
+            time.sleep(flaky_timeout + 4 * step_s)
+            log.write("rfail", ctx, why="timed out")
+            return
+        time.sleep(step_s)
+        if ctx.reason != "retry" and turn % 2 == 0:
             log.write("rfail", ctx)
             raise TransientFailure("the ledger is busy (chaos)")
         log.write("rdone", ctx)
 
     if config.get("flaky"):
-        scheduler.every("flaky", f"{flaky_ms}ms", flaky, timeout=config.get("timeout", "20s"),
+        scheduler.every("flaky", f"{flaky_ms}ms", flaky, timeout=flaky_timeout,
                         retry=Retry(retries=3, backoff="100ms", jitter=0.2))
 
     for name, interval_ms, overlap, offset_ms in config["jobs"]:
