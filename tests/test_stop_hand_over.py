@@ -15,9 +15,9 @@ from lease_core import events as ev
 from lease_core.errors import BackendUnavailable
 from lease_core.recovery import step_job
 from lease_core.testing import claim_now
-from tests.helpers import Instance, wait_for
+from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
 from tests.stores.memory import MemoryStore
-from tests.test_workflows import begin, current_slot, make, quiet_offset_now, wait_workflow
+from tests.test_workflows import begin, current_slot, make, wait_workflow
 
 pytestmark = pytest.mark.anyio
 
@@ -326,3 +326,55 @@ async def test_a_hand_over_whose_answer_was_lost_is_reported_handed_over() -> No
         lambda backend, slot: HandOverAnswerLost(backend))
     assert [type(e).__name__ for e in ended] == ["HandedOver"], ended
     assert history == [(slot, "handed_over")], history
+
+
+async def test_a_run_its_handler_hands_over_in_the_grace_goes_at_once() -> None:
+    """Job ``quick``'s handler stops at the soft signal (``raise_if_stopping``); job
+    ``slow`` goes on through the grace (5 s, longer than the 0.6 s lease) until the
+    backup has run ``quick``. ``quick`` is handed over at once, not left unrenewed until
+    the grace ends, its lease lapsing and the backup taking it over."""
+    store = MemoryStore()
+    ran: list[tuple[str, str, Reason]] = []
+    b_ran_quick = anyio.Event()
+    quick_started = anyio.Event()
+
+    def build(name: str) -> Scheduler:
+        s = Scheduler(store.backend(), instance_id=name, lease="0.6s", heartbeat="0.2s")
+
+        async def quick(ctx: RunContext) -> None:
+            ran.append((name, ctx.job, ctx.reason))
+            if name == "b":
+                b_ran_quick.set()
+                return
+            quick_started.set()
+            await ctx.stopping.wait()
+            ctx.raise_if_stopping()
+
+        async def slow(ctx: RunContext) -> None:
+            ran.append((name, ctx.job, ctx.reason))
+            await ctx.stopping.wait()
+            await b_ran_quick.wait()
+
+        s.every("quick", "1h", quick, offset=quiet_offset_now())
+        s.every("slow", "1h", slow, offset=quiet_offset_now(), lease="10s")
+        return s
+
+    a, b = build("a"), build("b")
+    async with anyio.create_task_group() as tg:
+        ia = await Instance(a).start(tg)
+        ib = await Instance(b).start(tg)
+        slot = a.jobs["quick"].schedule.previous_at_or_before(a.store_now_ms())
+        assert slot is not None
+        await claim_now(a, "quick", slot)
+        await claim_now(a, "slow", slot)
+        await claim_now(b, "quick", slot)  # b backs quick up
+        with anyio.fail_after(10):
+            await quick_started.wait()
+        with anyio.fail_after(10):
+            await ia.stop(grace=5)
+        history = await wait_history(b, lambda h: any(
+            x.job == "quick" and x.instance_id == "b" and x.outcome for x in h), job="quick")
+        await ib.stop()
+    assert [(h.attempt, h.instance_id, h.reason, h.outcome) for h in history] == [
+        (2, "b", Reason.HAND_OVER, Outcome.COMPLETED),
+        (1, "a", Reason.SCHEDULED, Outcome.HANDED_OVER)], history

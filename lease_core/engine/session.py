@@ -87,6 +87,8 @@ class Session:
         self.aborted = False  # abort() was called (a crash asked for, not an accident)
         self._eager_hand_over = False
         self._handed: set[str] = set()  # the tokens a hand-over was sent for
+        self._soon: list[Lease] = []  # for hand_over_soon's sender, and whether it runs
+        self._sending = False
         self.grace = 0.0
         self.tg: TaskGroup | None = None
         """The task group of the jobs, while the scheduler runs them."""
@@ -326,6 +328,10 @@ class Session:
 
     async def _stop_gracefully(self) -> None:
         self.state = SchedulerState.STOPPING
+        # A run whose handler stops itself in the grace (ctx.raise_if_stopping), or that is
+        # won meanwhile, is handed over at once: held unrenewed until the grace ends, its
+        # lease would lapse in a grace longer than it, and a backup would wait for that.
+        self._eager_hand_over = True
         for scope in list(self._loop_scopes):
             scope.cancel()
         await self._leave_fleet()
@@ -338,12 +344,10 @@ class Session:
             run.execution.cancel_reason = Interruption.STOPPED
             run.execution.scope.cancel()
         await self._wait_no_handler(max(self.settings.heartbeat, 1.0))
-        # Hand-over in two rounds. First the runs already waiting for it, so that a short
-        # lease does not lapse while the stop waits for the other runs' endings.
+        # Hand-over in two rounds. First the runs already waiting for it (those
+        # hand_over_soon has not sent yet), so that a short lease does not lapse while the
+        # stop waits for the other runs' endings.
         await self._hand_over(self.runs.awaiting_hand_over())
-        # From now on a run to hand over goes at once (hand_over_soon): its lease is not
-        # renewed while the stop waits for the other runs' endings.
-        self._eager_hand_over = True
         # Then the runs those endings gave: a step completed in the grace claims its next
         # step, which is won here and handed over (no backup has to start it, see
         # Claims.claim_many).
@@ -364,9 +368,22 @@ class Session:
                                      why="handler still running at the end of the stop")
 
     def hand_over_soon(self, lease: Lease) -> None:
-        """A run to hand over once the stop's first round is done: hand it over now."""
-        if self._eager_hand_over and self.tg is not None:
-            self.tg.start_soon(self._hand_over, [lease])
+        """A run to hand over while the scheduler stops: hand it over now, with the others
+        of the moment (the handlers the grace's end cancels end together: one call)."""
+        if not self._eager_hand_over or self.tg is None:
+            return
+        self._soon.append(lease)
+        if not self._sending:
+            self._sending = True
+            self.tg.start_soon(self._send_soon)
+
+    async def _send_soon(self) -> None:
+        try:
+            while self._soon:
+                leases, self._soon = self._soon, []
+                await self._hand_over(leases)
+        finally:
+            self._sending = False
 
     async def _hand_over(self, leases: list[Lease]) -> None:
         leases = [lease for lease in leases if lease.token not in self._handed]
