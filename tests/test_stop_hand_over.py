@@ -302,10 +302,11 @@ async def test_a_cancel_that_lands_before_the_hand_over_is_reported_cancelled() 
 
 
 class HandOverAnswerLost:
-    """The store makes the hand-over, then its answer is lost with the connection."""
+    """The store makes the hand-over, then its answer is lost with the connection (the
+    first call's: the hand-over sent again finds nothing to hand over)."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        self.inner, self.lost = inner, False
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self.inner, attr)
@@ -313,7 +314,10 @@ class HandOverAnswerLost:
             return value
 
         async def hand_over(leases: Any) -> Any:
-            await value(leases)
+            done = await value(leases)
+            if self.lost:  # sent again: the store has it handed over already
+                return done
+            self.lost = True
             raise BackendUnavailable("the connection dropped (test)")
         return hand_over
 
@@ -378,6 +382,35 @@ async def test_a_run_its_handler_hands_over_in_the_grace_goes_at_once() -> None:
     assert [(h.attempt, h.instance_id, h.reason, h.outcome) for h in history] == [
         (2, "b", Reason.HAND_OVER, Outcome.COMPLETED),
         (1, "a", Reason.SCHEDULED, Outcome.HANDED_OVER)], history
+
+
+class HandOverFailsOnce:
+    """The store is out of reach for the stop's first hand-over call, back for the next."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.failed = inner, False
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr != "hand_over":
+            return value
+
+        async def hand_over(leases: Any) -> Any:
+            if not self.failed:
+                self.failed = True
+                raise BackendUnavailable("the store is out of reach (test)")
+            return await value(leases)
+        return hand_over
+
+
+async def test_a_hand_over_the_store_missed_is_sent_again() -> None:
+    """The store did not answer the hand-over (a failover, a connection dropped) and
+    answers again a moment later: the run is handed over then, not left for its lease to
+    lapse (reported ``Lost``, "not handed over")."""
+    ended, history, slot = await _stop_during_a_run(
+        lambda backend, slot: HandOverFailsOnce(backend))
+    assert [type(e).__name__ for e in ended] == ["HandedOver"], ended
+    assert history == [(slot, "handed_over")], history
 
 
 class HeartbeatAcrossAHandOver:

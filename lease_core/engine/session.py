@@ -394,17 +394,26 @@ class Session:
         done: set[str] = set()
         cancelled: set[tuple[str, int]] = set()
         with anyio.move_on_after(10, shield=True):
-            answered = False
-            try:
-                done.update(await backend.hand_over(leases))
-                answered = True
-                logger.info("instance %s handed over %d runs", self.settings.instance_id,
-                            len(done))
-            except Exception as exc:
-                self.clock.failed("hand-over", exc, write=True)
+            answered = unsure = False
+            # Sent again every heartbeat while the store does not answer (a failover, a
+            # dropped connection), for as long as it is worth it: once the leases lapse,
+            # the backups take the runs over anyway.
+            until = anyio.current_time() + min(5.0, min(x.lease_ms for x in leases) / 1000)
+            while not answered:
+                try:
+                    done.update(await backend.hand_over(leases))
+                    answered = True
+                    logger.info("instance %s handed over %d runs",
+                                self.settings.instance_id, len(done))
+                except Exception as exc:
+                    self.clock.failed("hand-over", exc, write=True)
+                    unsure = True
+                    if anyio.current_time() + self.settings.heartbeat >= until:
+                        break
+                    await anyio.sleep(self.settings.heartbeat)
             # A run the store did not hand over may have been cancelled by an operator
             # since its last heartbeat: that attempt ended cancelled. A hand-over whose
-            # answer was lost may have been made: the store says which.
+            # answer was lost (an earlier call's too) may have been made: the store says.
             kept = {(lease.job, lease.slot): lease for lease in leases
                     if lease.token not in done}
             try:
@@ -418,7 +427,7 @@ class Session:
                 if state.attempt == self._attempt_of(key):
                     if state.status is RunStatus.CANCELLED:
                         cancelled.add(key)
-                    elif state.status is RunStatus.HANDED_OVER and not answered:
+                    elif state.status is RunStatus.HANDED_OVER and unsure:
                         done.add(kept[key].token)
         for lease in leases:
             if lease.token in done:
