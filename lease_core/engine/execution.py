@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,16 +60,30 @@ class _Ran:
 
 
 class _Thread:
-    """A sync handler's call in a worker thread, which says when it runs: 0 not started
-    (a call cancelled before its thread took it never starts), 1 running, 2 returned."""
+    """A sync handler's call in a worker thread, which says when it runs: 0 not started,
+    1 running, 2 returned, 3 never to start (:meth:`abandon`)."""
 
-    __slots__ = ("state",)
+    __slots__ = ("_lock", "state")
 
     def __init__(self) -> None:
         self.state = 0
+        self._lock = threading.Lock()
+
+    def abandon(self) -> bool:
+        """The call was cancelled: a call its thread has not started yet never starts
+        (on trio, a thread started for it runs it however late unless told: its run
+        would be handed over, and the handler run beside the backup's attempt). Return
+        True when the handler runs now."""
+        with self._lock:
+            if self.state == 0:
+                self.state = 3
+            return self.state == 1
 
     def call(self, handler: Any, ctx: RunContext) -> Any:
-        self.state = 1
+        with self._lock:
+            if self.state == 3:
+                return None  # abandoned before it started: nobody reads the result
+            self.state = 1
         try:
             value = handler(ctx)
             failure = unrun(value, handler, "handler", "which fails its run",
@@ -468,7 +483,7 @@ class Executor:
                 thread.call, job.handler, ctx, abandon_on_cancel=True,
                 limiter=self._s.handler_threads)
         except BaseException:
-            if thread.state == 1 and self._s.settings.max_running is not None:
+            if thread.abandon() and self._s.settings.max_running is not None:
                 self._abandoned.add(thread)  # abandoned: the thread goes on
             raise
 
