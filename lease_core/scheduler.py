@@ -413,10 +413,10 @@ class Scheduler:
         """Stop claiming, let handlers finish for ``grace``, hand over the rest.
 
         Running handlers see :attr:`RunContext.stopping` at once and are cancelled when
-        ``grace`` ends. Every run still held is handed over, so a backup claims it at its
-        next check without waiting for the lease to expire. Heartbeats stop last. Events
-        still buffered are delivered for at most ``max(1s, heartbeat)`` more. Returns once
-        the scheduler is stopped and the store closed; a no-op when it is stopped.
+        ``grace`` ends (a later, shorter ``grace`` shortens it). Every run still held is
+        handed over: a backup claims it at its next check, before its lease expires.
+        Heartbeats stop last; buffered events are delivered for at most ``max(1s,
+        heartbeat)`` more. Returns once stopped, the store closed; a no-op when stopped.
 
         May be awaited from any task of the event loop the scheduler runs on (called by
         one of the scheduler's own handlers or event subscribers, it only requests the

@@ -74,6 +74,22 @@ def _host_ended(started: Future[None], host: Future[None]) -> None:
             started.set_exception(AnarchonError("the scheduler ended before it started"))
 
 
+def _request_stop(sync: SyncScheduler, grace: float, requested: anyio.Event | None) -> None:
+    """Ask ``sync``'s host task to stop (on the loop); ``requested`` is the host's event as
+    the caller saw it, which a stop from outside may have cleared meanwhile. A stop under
+    way is shortened by a shorter grace."""
+    requested = requested or sync._stop_requested
+    if requested is None:
+        return  # ended meanwhile
+    if requested.is_set():
+        session = sync.scheduler._session
+        if grace < sync._grace and session is not None:
+            session.request_stop(grace)
+        grace = min(grace, sync._grace)
+    sync._grace = grace
+    requested.set()
+
+
 class SyncScheduler:
     """A :class:`~lease_core.Scheduler` for sync code, running on a background thread.
 
@@ -325,13 +341,8 @@ class SyncScheduler:
                 "(by a handler or a subscriber?)") from exc
 
     def _request_stop(self, grace: float, requested: anyio.Event | None = None) -> None:
-        """Ask the host task to stop (on the loop); ``requested`` is the host's event as
-        the caller saw it, which a stop from outside may have cleared meanwhile."""
-        requested = requested or self._stop_requested
-        if requested is None:
-            return  # ended meanwhile
-        self._grace = grace
-        requested.set()
+        """Ask the host task to stop (on the loop): see :func:`_request_stop`."""
+        _request_stop(self, grace, requested)
 
     def stop(self, grace: Duration = "10s") -> None:
         """Stop claiming, let handlers finish for ``grace``, hand over the rest; block.
@@ -344,7 +355,9 @@ class SyncScheduler:
         interpreter's exit, waits for the scheduler. Interrupted while it waits (a second
         Ctrl-C), it raises that; the scheduler goes on handing over, and a later
         ``stop()`` or the interpreter's exit waits for it. Called by a signal's handler
-        that interrupted :meth:`start`, the scheduler stops as soon as it has started.
+        that interrupted :meth:`start`, the scheduler stops as soon as it has started. A
+        ``stop()`` with a shorter grace than the one under way (from another thread, or
+        after a second Ctrl-C) shortens it.
         """
         grace_s = parse_duration(grace, what="grace", allow_zero=True)
         self._check_process()
@@ -356,6 +369,9 @@ class SyncScheduler:
             if portal is not None and requested is not None:
                 portal.call(self._request_stop, grace_s, requested)
             return
+        if self._state is SchedulerState.STOPPING and (portal := self._portal) is not None:
+            with contextlib.suppress(Exception):  # another stop() holds the lock: shorten it
+                portal.call(self._request_stop, grace_s)  # (or it ended: portal closed)
         with self._lock:
             if self._state is SchedulerState.STARTING:
                 # Only this thread can be here now (start() holds the lock): a signal's

@@ -515,3 +515,32 @@ async def test_a_sync_handler_cancelled_before_its_thread_started_never_runs() -
         release.set()
     handed = {i for i, outcome in outcomes.items() if outcome == Outcome.HANDED_OVER}
     assert not handed & started, (sorted(handed & started), outcomes)
+
+
+async def test_a_second_stop_with_a_shorter_grace_shortens_the_one_under_way() -> None:
+    """``stop(grace=60)`` under way, then ``stop(grace=0)`` (a second Ctrl-C): the first
+    grace was kept, so the second stop waited the whole minute for a handler that ignores
+    the soft signal. The handler is cancelled at once and its run handed over."""
+    backend = MemoryBackend()
+    s = Scheduler(backend, instance_id="a", lease="5s", heartbeat="0.2s")
+    started = anyio.Event()
+
+    async def stubborn(ctx: RunContext) -> None:
+        started.set()
+        await anyio.sleep_forever()  # ignores ctx.stopping; only its cancellation ends it
+
+    s.every("stubborn", "1h", stubborn, offset=quiet_offset_now())
+    await s.start()
+    slot = s.jobs["stubborn"].schedule.previous_at_or_before(s.store_now_ms())
+    assert slot is not None
+    await claim_now(s, "stubborn", slot)
+    with anyio.fail_after(10):
+        await started.wait()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.stop, 60)
+        await wait_for(lambda: s.state == "stopping", timeout=10, what="the first stop")
+        with anyio.fail_after(10):  # not the first stop's 60 s
+            await s.stop(grace=0)
+    await backend.start()
+    history = await backend.history("stubborn")
+    assert [(h.attempt, h.outcome) for h in history] == [(1, Outcome.HANDED_OVER)], history

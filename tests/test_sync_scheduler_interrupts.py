@@ -164,3 +164,35 @@ def test_an_interrupted_operation_raises_at_once_and_is_still_made() -> None:
         assert time.monotonic() < deadline, "the interrupted pause was not made"
         time.sleep(0.05)
     assert backend_users(backend) == 0
+
+
+def test_a_second_stop_with_a_shorter_grace_shortens_the_one_under_way() -> None:
+    """``stop(60)`` under way in one thread, ``stop(0)`` in another: the second waited on
+    the first's lock for the whole minute (the first grace was kept) while a handler
+    ignoring the soft signal ran on. Both return once the handler is cancelled."""
+    s = SyncScheduler(MemoryBackend(), instance_id="g", **FAST)
+    started = threading.Event()
+
+    async def stubborn(ctx: Any) -> None:
+        started.set()
+        await anyio.sleep_forever()  # ignores ctx.stopping; only its cancellation ends it
+
+    s.every("stubborn", "1s", stubborn)
+    s.start()
+    first = threading.Thread(target=s.stop, args=(60,))
+    try:
+        assert started.wait(10), "the handler never started"
+        first.start()
+        deadline = time.monotonic() + 10
+        while s.scheduler.state is not SchedulerState.STOPPING:
+            assert time.monotonic() < deadline, "the first stop never began"
+            time.sleep(0.01)
+        second = threading.Thread(target=s.stop, args=(0,))
+        second.start()
+        for stop in (second, first):
+            stop.join(10)  # not the first stop's 60 s
+            assert not stop.is_alive(), "a stop still waits for the first grace"
+        assert s.state is SchedulerState.STOPPED
+    finally:
+        s.stop(0)
+        first.join(60)

@@ -21,6 +21,7 @@ The components import none of each other; they reach each other through the sess
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import anyio
@@ -90,6 +91,7 @@ class Session:
         self._soon: list[Lease] = []  # for hand_over_soon's sender, and whether it runs
         self._sending = False
         self.grace = 0.0
+        self._grace_scope: anyio.CancelScope | None = None  # the grace's wait, once it runs
         self.tg: TaskGroup | None = None
         """The task group of the jobs, while the scheduler runs them."""
         self.run_scope = anyio.CancelScope()
@@ -133,10 +135,17 @@ class Session:
             self._loop_scopes.discard(scope)
 
     def request_stop(self, grace: float) -> None:
-        """Begin a graceful stop with ``grace`` seconds for the handlers (once)."""
+        """Begin a graceful stop with ``grace`` seconds for the handlers; a later request
+        with a shorter grace (a second Ctrl-C, ``stop(grace=0)``) shortens the one under
+        way, counted from now. Called on the scheduler's event loop."""
         if not self.stop_requested.is_set():
             self.grace = grace
             self.stop_requested.set()
+        elif grace < self.grace:
+            self.grace = grace
+            if self._grace_scope is not None:
+                self._grace_scope.deadline = min(self._grace_scope.deadline,
+                                                 anyio.current_time() + grace)
 
     def abort(self) -> None:
         """Stop at once, as a crash would: nothing is finished or handed over."""
@@ -338,7 +347,10 @@ class Session:
         for run in self.runs.held():
             assert run.execution is not None
             run.execution.ctx._request_stop("stopping")
-        await self._wait_no_handler(self.grace)
+        with anyio.CancelScope(deadline=anyio.current_time() + self.grace) as scope:
+            self._grace_scope = scope
+            await self._wait_no_handler(math.inf)
+        self._grace_scope = None
         for run in self.runs.held():
             assert run.execution is not None
             run.execution.cancel_reason = Interruption.STOPPED
