@@ -673,35 +673,54 @@ async def test_claims_that_write_no_attempt_leave_the_job_row_alone(
 async def test_racing_claimers_elect_one_winner_per_run_and_takeover(
     pg16_server: PgServer, table: str, scheme: str, anyio_backend: str
 ) -> None:
+    """Six claims of one run at once elect one winner, and so again for its takeover.
+    Left to timing, the first claim commits before the others arrive, which then answer
+    from the read of the committed run and never meet the check made under the job row's
+    lock; so for the last slot and the takeover the job row is held locked until all six
+    wait for it: each then finds the run its predecessor won, live, under the lock."""
     dsn = pg16_server.dsn.replace("postgresql://", scheme, 1)
     backends = [PostgresBackend(dsn, table=table, min_size=1, max_size=1) for _ in range(6)]
     for backend in backends:
         await backend.start()
     try:
         results: list[Any] = []
-        for slot in (1, 2, 3):
+
+        async def claim_all(slot: int, prefix: str, lease_ms: int, *, queued: bool) -> None:
             results.clear()
 
-            async def claim(i: int, slot: int = slot) -> None:
-                results.append(await backends[i].claim(
-                    request_for("race", slot, f"s{slot}-{i}", lease_ms=3000, overlap_skip=False)))
+            async def claim(i: int) -> None:
+                results.append(await backends[i].claim(request_for(
+                    "race", slot, f"{prefix}{slot}-{i}", lease_ms=lease_ms,
+                    overlap_skip=False)))
 
-            async with anyio.create_task_group() as tg:
-                for i in range(len(backends)):
-                    tg.start_soon(claim, i)
+            with contextlib.ExitStack() as stack:
+                if queued:  # every claim waits for the job row's lock (60 s lease: 4 s)
+                    locker = stack.enter_context(psycopg.connect(pg16_server.admin_dsn))
+                    locker.execute(f'SELECT 1 FROM "{table}_jobs" WHERE job = %s FOR UPDATE',
+                                   ("race",))
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(backends)):
+                        tg.start_soon(claim, i)
+                    if queued:
+                        await wait_for(lambda: admin(
+                            pg16_server, "SELECT count(*) FROM pg_stat_activity WHERE "
+                            "wait_event_type = 'Lock' AND query LIKE %s",
+                            (f"%{table}_claim_v%",)) == [(len(backends),)],
+                            what="every claim waiting for the job row's lock")
+                        locker.rollback()
+
+        for slot in (1, 2, 3):
+            await claim_all(slot, "s", 3000 if slot < 3 else 60_000, queued=slot == 3)
             statuses = sorted(r.status.value for r in results)
             assert statuses == ["running"] * 5 + ["won"], statuses
-        expires = max((await backends[0].check([("race", 3)])).runs[("race", 3)].expires_ms or 0,
-                      0)
-        await wait_until_expired(backends[0], expires)
-        results.clear()
-
-        async def take(i: int) -> None:
-            results.append(await backends[i].claim(request_for("race", 3, f"t{i}")))
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(backends)):
-                tg.start_soon(take, i)
+        [winner] = [r for r in results if r.status is ClaimStatus.WON]
+        token = winner.instance_id.removeprefix("i-")
+        # Its last renewal asks for a short lease: it expires when the test means it to.
+        beat = await backends[0].heartbeat([Lease("race", 3, token, 300)])
+        assert beat.held == {token}
+        expires = (await backends[0].check([("race", 3)])).runs[("race", 3)].expires_ms
+        await wait_until_expired(backends[0], expires or 0)
+        await claim_all(3, "t", 60_000, queued=True)
         won = [r for r in results if r.status is ClaimStatus.WON]
         assert len(won) == 1 and (won[0].reason, won[0].attempt) == (Reason.TAKEOVER, 2)
         assert {r.status for r in results} == {ClaimStatus.WON, ClaimStatus.RUNNING}
