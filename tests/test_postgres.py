@@ -685,7 +685,8 @@ async def test_racing_claimers_elect_one_winner_per_run_and_takeover(
     try:
         results: list[Any] = []
 
-        async def claim_all(slot: int, prefix: str, lease_ms: int, *, queued: bool) -> None:
+        async def claim_all(slot: int, prefix: str, lease_ms: int, *, queued: bool,
+                            meanwhile: Any = None) -> None:
             results.clear()
 
             async def claim(i: int) -> None:
@@ -707,6 +708,8 @@ async def test_racing_claimers_elect_one_winner_per_run_and_takeover(
                             "wait_event_type = 'Lock' AND query LIKE %s",
                             (f"%{table}_claim_v%",)) == [(len(backends),)],
                             what="every claim waiting for the job row's lock")
+                        if meanwhile is not None:
+                            await meanwhile()
                         locker.rollback()
 
         for slot in (1, 2, 3):
@@ -726,6 +729,24 @@ async def test_racing_claimers_elect_one_winner_per_run_and_takeover(
         assert {r.status for r in results} == {ClaimStatus.WON, ClaimStatus.RUNNING}
         assert admin(pg16_server, f"SELECT seq FROM {table}_jobs") == [(4,)]
         assert len(await backends[0].history("race")) == 4
+        # Its lease expires too, and claims queue to take it over; meanwhile its holder
+        # fails it with a retry due in a minute: the claims find it waiting, under the lock.
+        held = Lease("race", 3, f"t3-{won[0].instance_id.removeprefix('i-t3-')}", 300)
+        assert (await backends[0].heartbeat([held])).held == {held.token}
+        await wait_until_expired(backends[0], (await backends[0].check(
+            [("race", 3)])).runs[("race", 3)].expires_ms or 0)
+
+        async def retry_later() -> None:  # through a pool of its own: the claims hold theirs
+            side = PostgresBackend(dsn, table=table, min_size=1, max_size=1)
+            await side.start()
+            try:
+                assert await side.retry_later([(held, Outcome.FAILED, "boom", [60_000])]) == [1]
+            finally:
+                await side.close()
+
+        await claim_all(3, "u", 60_000, queued=True, meanwhile=retry_later)
+        assert [r.status for r in results] == [ClaimStatus.RUNNING] * 6, results
+        assert {r.run_status for r in results} == {RunStatus.RETRYING}
     finally:
         for backend in backends:
             await backend.close()
