@@ -222,19 +222,32 @@ async def test_expired_lease_is_not_revived_by_heartbeat(store: Store) -> None:
 
 async def test_a_run_that_ended_or_was_handed_over_fences_its_last_holder(
         store: Store) -> None:
-    """Once its attempt has ended (finished, handed over, or failed and left waiting for
-    a retry), the last holder's token holds nothing, although no other attempt has taken
-    the run yet: a heartbeat does not renew it, a checkpoint write or delete, a hand-over
-    and a finish change nothing. A backend that fences by token alone (keeping the token
-    on the run once it ended) or by token and expiry (not the run's status) fails here."""
+    """Once its attempt has ended (finished, handed over, failed and left waiting for a
+    retry, or cancelled by an operator with a grace, which keeps its holder's token), the
+    last holder's token holds nothing, although no other attempt has taken the run yet: a
+    heartbeat does not renew it, a checkpoint write or delete, a hand-over, a finish (one,
+    or a batch of them) and a ``retry_later`` change nothing. A backend that fences by
+    token alone (keeping the token on the run once it ended) or by token and expiry (not
+    the run's status) fails here."""
+    from lease_core.operations import Operation, OperationKind
+
     a = await started(store)
     try:
-        ended = {RunStatus.COMPLETED: req("ended"), RunStatus.HANDED_OVER: req("handed")}
+        ended = {RunStatus.COMPLETED: req("ended"), RunStatus.HANDED_OVER: req("handed"),
+                 RunStatus.CANCELLED: req("cancelled")}
         if supports_retries(a):
             ended[RunStatus.RETRYING] = req("retrying")
         for r in ended.values():
             assert (await a.claim(r)).status is ClaimStatus.WON
             assert await a.set_checkpoint(lease_of(r), {"at": "start"})
+        try:
+            cancelled = await a.operate(Operation(OperationKind.CANCEL, "cancelled", SLOT,
+                                                  "ops", grace_ms=60_000))
+            assert cancelled.refused is None, cancelled
+        except ConfigurationError as exc:  # a backend without operations
+            if "has no operations" not in str(exc):
+                raise
+            del ended[RunStatus.CANCELLED]
         assert await a.finish(lease_of(ended[RunStatus.COMPLETED]), Outcome.COMPLETED)
         handed = ended[RunStatus.HANDED_OVER]
         assert await a.hand_over([lease_of(handed)]) == {handed.token}
@@ -256,6 +269,16 @@ async def test_a_run_that_ended_or_was_handed_over_fences_its_last_holder(
             state = (await a.check([(r.job, SLOT)])).runs[(r.job, SLOT)]
             assert (state.status, state.attempt) == (status, 1), (
                 f"{who} changed the run: {state}")
+        olds = [lease_of(r) for r in ended.values()]
+        assert await a.finish_many([(old, Outcome.COMPLETED, None) for old in olds]) == [
+            False] * len(olds), "finish_many() ended a run its token no longer holds"
+        if supports_retries(a):
+            assert await a.retry_later([(old, Outcome.FAILED, "late", [60_000])
+                                        for old in olds]) == [-1] * len(olds), (
+                "retry_later() ended a run its token no longer holds")
+        state_of = (await a.check([(r.job, SLOT) for r in ended.values()])).runs
+        assert {status: state_of[(r.job, SLOT)].status for status, r in ended.items()} == {
+            status: status for status in ended}, "a late batch changed a run"
         took = await a.claim(req("handed", instance="b"))  # the run is as it was left
         assert (took.status, took.attempt, took.reason) == (
             ClaimStatus.WON, 2, Reason.HAND_OVER)
