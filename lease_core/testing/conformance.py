@@ -443,6 +443,48 @@ async def test_a_paused_job_s_new_slots_are_skipped_until_it_resumes(store: Stor
         await a.close()
 
 
+async def test_a_run_operation_the_run_s_status_forbids_is_refused_by_the_store(
+        store: Store) -> None:
+    """With operations: the store refuses, changing nothing, a retry of a run that is not
+    over (running, handed over, waiting for its retry) and a cancel of a run that is.
+    ``Admin`` reads the status first, but only the store's check is atomic: a retry of a
+    running run made the run claimable while its holder ran on (the run ran twice at
+    once). Skipped for a backend without operations."""
+    from lease_core.operations import Operation, OperationKind
+
+    a = await started(store)
+    try:
+        runs = {RunStatus.RUNNING: req("op-running"), RunStatus.HANDED_OVER: req("op-handed"),
+                RunStatus.COMPLETED: req("op-done")}
+        if supports_retries(a):
+            runs[RunStatus.RETRYING] = req("op-retrying")
+        for r in runs.values():
+            assert (await a.claim(r)).status is ClaimStatus.WON
+        try:  # (a slot with no run: refused, whatever the backend)
+            await a.operate(Operation(OperationKind.RETRY, "op-running", SLOT + 1, "ops"))
+        except ConfigurationError as exc:
+            if "has no operations" in str(exc):
+                pytest.skip(str(exc))
+            raise
+        assert await a.hand_over([lease_of(runs[RunStatus.HANDED_OVER])])
+        assert await a.finish(lease_of(runs[RunStatus.COMPLETED]), Outcome.COMPLETED)
+        if RunStatus.RETRYING in runs:
+            assert await a.retry_later([(lease_of(runs[RunStatus.RETRYING]), Outcome.FAILED,
+                                         "boom", [60_000])]) == [1]
+        for status, r in runs.items():
+            kind = OperationKind.CANCEL if status.finished else OperationKind.RETRY
+            got = await a.operate(Operation(kind, r.job, SLOT, "ops"))
+            assert (got.refused, got.status) == ("conflict", status), (
+                f"a {kind.value} of a run {status.value} must be refused: {got}")
+            state = (await a.check([(r.job, SLOT)])).runs[(r.job, SLOT)]
+            assert (state.status, state.attempt) == (status, 1), (kind, state)
+        running = lease_of(runs[RunStatus.RUNNING])
+        assert (await a.heartbeat([running])).held == {running.token}
+        assert await a.queued([r.job for r in runs.values()]) == []
+    finally:
+        await a.close()
+
+
 async def test_register_jobs_reports_first_seen_last_slot_and_open_runs(store: Store) -> None:
     a = await started(store)
     try:
