@@ -226,7 +226,8 @@ async def test_a_run_that_ended_or_was_handed_over_fences_its_last_holder(
     retry, or cancelled by an operator with a grace, which keeps its holder's token), the
     last holder's token holds nothing, although no other attempt has taken the run yet: a
     heartbeat does not renew it, a checkpoint write or delete, a hand-over, a finish (one,
-    or a batch of them) and a ``retry_later`` change nothing. A backend that fences by
+    or a batch of them), a ``retry_later`` and its claim sent again (with its token)
+    change nothing. A backend that fences by
     token alone (keeping the token on the run once it ended) or by token and expiry (not
     the run's status) fails here."""
     from lease_core.operations import Operation, OperationKind
@@ -266,6 +267,11 @@ async def test_a_run_that_ended_or_was_handed_over_fences_its_last_holder(
             assert not await a.finish(old, Outcome.FAILED, "late"), f"finish() ended {who}"
             assert await a.get_checkpoint(r.job, SLOT) == {"at": "start"}, (
                 f"the checkpoint of {who} changed")
+            if status is not RunStatus.HANDED_OVER:  # (which any claim may take)
+                for how, claim in _both_claims(a):  # its claim sent again, as after a
+                    again = await claim(r)           # lost reply: not won again
+                    assert again.status is not ClaimStatus.WON, (
+                        f"{how}() sent again by {who} won it: {again}")
             state = (await a.check([(r.job, SLOT)])).runs[(r.job, SLOT)]
             assert (state.status, state.attempt) == (status, 1), (
                 f"{who} changed the run: {state}")
