@@ -636,6 +636,41 @@ async def test_an_acquire_answered_after_the_ttl_is_not_a_hold(
     assert backend_users(backend) == 0
 
 
+async def test_a_renewal_answered_late_counts_the_hold_from_when_it_was_sent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process froze between the store's answer to a renewal and reading it (a
+    suspend, SIGSTOP, a long GC): the renewed hold ends a ttl after the renewal was sent,
+    as the store's does, not a ttl after the answer was read. Counted from the read, the
+    lease said ``held`` for as long as the freeze past the store's expiry, with the name
+    free for another holder. The freeze is stood in for by shifting the clocks; later
+    renewals never answer."""
+    suspend = Suspend(monkeypatch)
+    renewals: list[int | None] = []
+
+    class Late(MemoryBackend):
+        async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
+            if renewals:
+                await anyio.sleep_forever()  # the next renewal is never answered
+            expires = await super().renew_lease(name, token, ttl_ms)
+            suspend.slept += 42.0  # frozen for 0.7 ttl, after the store answered
+            # (read by the lease before anything else runs: it awaits nothing until then)
+            renewals.append(expires)
+            return expires
+
+    backend = Late(clock=suspend.store_clock)
+    lease = Lease(backend, "late-renewal", ttl="60s")
+    assert await lease.acquire(timeout=0)
+    suspend.slept += 20.0  # a third of the ttl: the renewal is due
+    await wait_for(lambda: renewals, timeout=10, what="the late renewal read")
+    assert renewals[0] is not None
+    assert lease.held  # 42 s after the renewal was sent: live in the store too
+    suspend.slept += 24.0  # 66 s after it was sent: expired in the store
+    assert (await backend.acquire_lease("late-renewal", "other", 60_000)).held
+    assert not lease.held and lease.lost.is_set()
+    await lease.release()
+    assert backend_users(backend) == 0
+
+
 def test_a_sync_body_that_outlasted_the_ttl_ends_with_lease_lost() -> None:
     """As above for SyncLease, whose renewal runs on a loop of its own: here that loop is
     blocked for 1.5 s (another SyncLease's store call that blocks it) while the body
