@@ -17,6 +17,7 @@ import pytest
 
 from lease_core import LeaseLost, Outcome, PostgresBackend, Reason, RunContext, Scheduler
 from lease_core.abc import ClaimRequest, ClaimStatus, Lease, RunStatus
+from lease_core.operations import Operation, OperationKind
 from lease_core.testing import claim_now
 from tests.helpers import Instance, quiet_offset, store_now_ms, wait_for, wait_history
 from tests.stores.postgres import PgServer, drop_tables, unique_table
@@ -122,6 +123,18 @@ async def test_batches_commit_with_their_progress_and_a_late_attempt_writes_neit
                 await tx.execute(f"INSERT INTO {effects} VALUES (%s)", (4,))
         assert await backend.get_checkpoint("batches", 1) == {"done": 2}
         assert _admin(pg16_server, f"SELECT n FROM {effects} ORDER BY n") == [(1,), (2,)]
+        # an operator cancels a run with a grace (its holder keeps its token while the
+        # grace runs): the holder's next batch is refused too, as the run is over
+        late = await _claimed_run(backend, "cancelled")
+        cancelled = await backend.operate(
+            Operation(OperationKind.CANCEL, "cancelled", 1, "ops", grace_ms=60_000))
+        assert cancelled.refused is None, cancelled
+        with pytest.raises(LeaseLost):
+            async with late.transaction(complete=False) as tx:
+                await tx.execute(f"INSERT INTO {effects} VALUES (%s)", (5,))
+        assert _admin(pg16_server, f"SELECT n FROM {effects} ORDER BY n") == [(1,), (2,)]
+        state = (await backend.check([("cancelled", 1)])).runs[("cancelled", 1)]
+        assert state.status is RunStatus.CANCELLED
     finally:
         await backend.close()
         _admin(pg16_server, f"DROP TABLE IF EXISTS {effects}")
