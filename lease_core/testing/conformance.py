@@ -260,6 +260,10 @@ async def test_a_run_that_ended_or_was_handed_over_fences_its_last_holder(
             old, who = lease_of(r), f"the last holder of a run now {status.value}"
             assert r.token not in (await a.heartbeat([old])).held, (
                 f"heartbeat() renewed {who}: it must hold only a running run")
+            stranger = Lease(r.job, SLOT, "not-its-token", r.lease_ms)
+            beat = await a.heartbeat([stranger])
+            assert not beat.held and not beat.cancelled, (
+                f"heartbeat() answered a token that never held the run now {status}: {beat}")
             assert not await a.set_checkpoint(old, {"at": "late"}), (
                 f"set_checkpoint() wrote for {who}")
             assert not await a.delete_checkpoint(old), f"delete_checkpoint() deleted for {who}"
