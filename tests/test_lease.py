@@ -671,6 +671,40 @@ async def test_a_renewal_answered_late_counts_the_hold_from_when_it_was_sent(
     assert backend_users(backend) == 0
 
 
+async def test_a_renewal_the_store_never_answers_loses_the_lease_at_its_ttl(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renewal sent to a store that then answers nothing, through a driver call that a
+    cancellation does not interrupt mid-statement: the hold is lost when its ttl since
+    the last renewal sent has passed, on the lease's clock, and the body is cancelled,
+    without waiting for the call to give up. The passing time is stood in for by
+    shifting the clocks (a suspend), which the event loop's timers do not count."""
+    suspend = Suspend(monkeypatch)
+    answer = anyio.Event()
+    sent: list[int] = []
+
+    class Hung(MemoryBackend):
+        async def renew_lease(self, name: str, token: int, ttl_ms: int) -> int | None:
+            sent.append(token)
+            with anyio.CancelScope(shield=True):  # a driver call not interrupted
+                await answer.wait()
+            return None
+
+    backend = Hung(clock=suspend.store_clock)
+    lease = Lease(backend, "hung-renewal", ttl="60s")
+    try:
+        with pytest.raises(LeaseLost, match="has not answered yet"):
+            async with lease:
+                suspend.slept += 20.0  # a third of the ttl: the renewal is due
+                await wait_for(lambda: sent, timeout=10, what="the renewal sent")
+                suspend.slept += 45.0  # past the ttl since the acquire, still unanswered
+                with anyio.fail_after(10):  # cancelled at the hold's deadline
+                    await anyio.sleep_forever()
+        assert lease.lost.is_set() and not lease.held
+    finally:
+        answer.set()
+    await wait_for(lambda: backend_users(backend) == 0, timeout=10, what="the lease closed")
+
+
 def test_a_sync_body_that_outlasted_the_ttl_ends_with_lease_lost() -> None:
     """As above for SyncLease, whose renewal runs on a loop of its own: here that loop is
     blocked for 1.5 s (another SyncLease's store call that blocks it) while the body
