@@ -111,6 +111,7 @@ def _defined(cls: type) -> set[str]:
 
 async def test_a_backend_with_the_single_calls_only_gets_batches_that_loop_over_them() -> None:
     backend = OnlySingles()
+    await backend.start()
     results = await backend.claim_many([_request("a", "ta"), _request("b", "tb"),
                                         _request("a", "other")])
     assert [r.status for r in results] == [ClaimStatus.WON, ClaimStatus.WON,
@@ -131,6 +132,7 @@ async def test_a_backend_with_the_single_calls_only_gets_batches_that_loop_over_
 
 async def test_a_backend_with_the_batches_only_answers_lone_calls_as_batches_of_one() -> None:
     backend = OnlyBatches()
+    await backend.start()
     won = await backend.claim(_request("a", "ta"))
     assert (won.status, won.job, won.attempt) == (ClaimStatus.WON, "a", 1)
     assert (await backend.claim(_request("a", "other"))).status is ClaimStatus.RUNNING
@@ -177,6 +179,7 @@ async def test_a_backend_with_neither_prune_twin_keeps_its_history() -> None:
         prune_many = Backend.prune_many
 
     backend = KeepsAll()
+    await backend.start()
     r = _request("a", "ta")
     await backend.claim(r)
     await backend.finish(Lease("a", 1, "ta", 60_000), Outcome.COMPLETED)
@@ -215,6 +218,7 @@ async def test_an_override_of_a_built_in_backend_s_single_call_still_works() -> 
                                result.run_status, "tagged")
 
     backend = Tagged()
+    await backend.start()
     assert (await backend.claim(_request("a"))).instance_id == "tagged"
     # Its batches are still the memory store's own (they never went through claim()).
     (batched,) = await backend.claim_many([_request("b")])

@@ -142,10 +142,13 @@ class Namespace(ABC):
         """Refuse a namespace in use; else create the marker (and ``statements``) at once."""
 
     @abstractmethod
-    def remove(self) -> str:
+    def remove(self, *, own: bool = False) -> str:
         """Delete what the namespace holds; return what was removed, for people.
 
-        Raises :class:`NotADemoNamespace` when the namespace holds names but no marker.
+        Raises :class:`NotADemoNamespace` when the namespace holds names but no marker,
+        :class:`NamespaceInUse` while schedulers run on it, unless ``own``: the demo
+        that claimed it removes it after stopping its workers (a killed one's membership
+        lasts a lease longer).
         """
 
     @abstractmethod
@@ -365,7 +368,7 @@ class PostgresNamespace(Namespace):
             f"already holds {shown}; the demo creates only names of its own, so it changed "
             "nothing (give another --namespace, or leave it out for a new one)")
 
-    def remove(self) -> str:
+    def remove(self, *, own: bool = False) -> str:
         import psycopg
 
         with self._connect() as conn:
@@ -385,7 +388,7 @@ class PostgresNamespace(Namespace):
             if any(name == meta_table for kind, name in owned if kind == "table"):
                 live = [member for (member,) in conn.execute(
                     _PG_LIVE_MEMBERS.format(meta=quote_ident(meta_table))).fetchall()]
-                if live:
+                if live and not own:
                     raise _running(self.name, live)
             jobs_table = f"{self.name}_jobs"
             if any(name == jobs_table for kind, name in owned if kind == "table"):
@@ -541,7 +544,7 @@ class RedisNamespace(Namespace):
         return (isinstance(value, dict) and value.get("namespace") == self.name
                 and isinstance(value.get("demo"), str))
 
-    def remove(self) -> str:
+    def remove(self, *, own: bool = False) -> str:
         client = self._client()
         try:
             if not self._is_marker(client):
@@ -561,7 +564,7 @@ class RedisNamespace(Namespace):
             seconds, micros = client.time()
             live = client.zrangebyscore("{" + self.name + "}:members",
                                         f"({seconds * 1000 + micros // 1000}", "+inf")
-            if live:
+            if live and not own:
                 raise _running(self.name, sorted(m.decode(errors="replace") for m in live))
             foreign = sorted(job for job in (j.decode(errors="replace")
                                              for j in client.smembers(jobs))
@@ -627,7 +630,7 @@ def claimed(ns: Namespace, demo: str, out: Any, *, keep: bool = False, shown_url
         print(f"To remove it:\n  {remove}", file=out, flush=True)
         return
     try:
-        print("\n" + _capital(ns.remove()), file=out, flush=True)
+        print("\n" + _capital(ns.remove(own=True)), file=out, flush=True)
     except BaseException:
         print(f"\nNamespace {ns.name} was not removed; to remove it{password}:\n  {remove}",
               file=out, flush=True)
@@ -637,7 +640,7 @@ def claimed(ns: Namespace, demo: str, out: Any, *, keep: bool = False, shown_url
 def _remove_quietly(ns: Namespace, out: Any, remove: str, password: str) -> None:
     """Remove ``ns`` after an error: say what happened, never hide the error itself."""
     try:
-        print("\n" + _capital(ns.remove()), file=out, flush=True)
+        print("\n" + _capital(ns.remove(own=True)), file=out, flush=True)
     except BaseException as exc:
         reason = " ".join(redact(str(exc)).split()) or type(exc).__name__
         print(f"\nNamespace {ns.name} was not removed ({reason}); to remove it{password}:\n"
