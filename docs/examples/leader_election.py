@@ -1,7 +1,7 @@
 """Leader election with a Lease: one process of the fleet leads, the others wait.
 
 Run it in several terminals against one store; exactly one prints "leading". Stop the
-leader (Ctrl-C, or kill it) and another takes over: at its next try, within a second,
+leader (Ctrl-C or SIGTERM, or kill it) and another takes over: at its next try, within a second,
 after a clean exit (the lease is released), within the ttl after a crash. A store that
 stops answering makes the leader step down (within the ttl) and every process stand by,
 trying again each second, until it answers.
@@ -12,6 +12,7 @@ trying again each second, until it answers.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import anyio
@@ -46,8 +47,17 @@ async def elect(backend: Backend, name: str = "leader", *, ttl: str = "10s",
     return tokens
 
 
+async def main(url: str) -> None:
+    """Lead until Ctrl-C or SIGTERM (what a container runtime sends), then step down:
+    the lease is released on the way out, so another process leads at its next try."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(elect, backend_from_url(url))
+            async for _ in signals:
+                tg.cancel_scope.cancel()
+                break
+    print("stepped down", flush=True)
+
+
 if __name__ == "__main__":
-    try:
-        anyio.run(elect, backend_from_url(sys.argv[1] if len(sys.argv) > 1 else "memory://"))
-    except KeyboardInterrupt:  # Ctrl-C: the lease was released on the way out
-        print("stepped down", flush=True)
+    anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else "memory://")
