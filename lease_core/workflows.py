@@ -58,12 +58,12 @@ Handler = Callable[["RunContext"], Any]
 H = TypeVar("H", bound=Handler)
 
 #: Names of workflows and steps: like job names, without "/" (which separates them).
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,99}$")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,99}")
 
 
 def check_name(what: str, name: object) -> str:
     """Return ``name`` if it is a valid workflow or step name, else raise ConfigurationError."""
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ConfigurationError(
             f"{what} name {name!r} is invalid; use 1-100 characters: letters, digits and "
             "_ - . : @ (no '/'), starting with a letter or digit"

@@ -155,6 +155,9 @@ def test_backend_must_be_a_backend(make: object) -> None:
         (lambda s: s.every("has space", "1m", noop), "job name 'has space'"),
         (lambda s: s.every("quote'd", "1m", noop), "job name"),
         (lambda s: s.every("x" * 201, "1m", noop), "job name"),
+        # A trailing newline: "$" matches before it (a log line or key split by the name).
+        (lambda s: s.every("j\n", "1m", noop), "job name 'j\\n'"),
+        (lambda s: s.workflow("w\n", every="1m"), "workflow name 'w\\n'"),
         (lambda s: s.every("j", "1m", 42), "not callable"),
         (lambda s: s.cron("j", "61 * * * *", noop), "'61 * * * *'"),
         (lambda s: s.cron("j", "every day", noop), "'every day'"),

@@ -305,7 +305,8 @@ async def test_schema_qualified_table_and_missing_schema(pg16_server: PgServer) 
 
 
 @pytest.mark.parametrize(
-    "name", ['runs"; DROP TABLE x; --', "bad name", "a.b.c", "x" * 60, "", "1runs", "s.", 42]
+    "name", ['runs"; DROP TABLE x; --', "bad name", "a.b.c", "x" * 60, "", "1runs", "s.", 42,
+             "runs\n", "s\n.runs"]
 )
 def test_bad_table_names_are_refused(name: Any) -> None:
     with pytest.raises(ConfigurationError) as info:

@@ -77,7 +77,7 @@ TRIM_BATCH = 100
 LOCK_NOT_AVAILABLE = "55P03"
 
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Suffixes of the names derived from ``table``, by kind: tables, indexes, functions.
 _KIND_SUFFIXES = {
     "table": ("", "_attempts", "_jobs", "_meta"),
@@ -215,7 +215,7 @@ def split_table(table: object) -> tuple[str | None, str]:
     if not isinstance(table, str):
         raise ConfigurationError(f"table must be a string such as 'anarchon_runs', not {table!r}")
     parts = table.split(".")
-    if len(parts) > 2 or not all(_IDENT.match(part) for part in parts):
+    if len(parts) > 2 or not all(_IDENT.fullmatch(part) for part in parts):
         raise ConfigurationError(
             f"invalid table name {table!r}: use letters, digits and underscores, optionally "
             "prefixed by a schema ('jobs.cron_runs'); no quotes, spaces or extra dots"

@@ -22,7 +22,7 @@ __all__ = ["Handler", "Job", "JobRegistry"]
 Handler = Callable[[RunContext], Any]
 H = TypeVar("H", bound=Handler)
 
-_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,199}$")
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,199}")
 _OVERLAP = ("skip", "allow")
 _CATCH_UP = ("latest", "all", "none")
 
@@ -138,7 +138,7 @@ class JobRegistry:
         retry: object = None,
     ) -> Any:
         """Declare a job; without ``handler``, return a decorator that declares it."""
-        if not isinstance(name, str) or not _JOB_NAME.match(name):
+        if not isinstance(name, str) or not _JOB_NAME.fullmatch(name):
             raise ConfigurationError(
                 f"job name {name!r} is invalid; use 1-200 characters: letters, digits and "
                 "_ - . : / @, starting with a letter or digit"
