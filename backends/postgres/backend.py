@@ -66,8 +66,8 @@ from .statements import (
 
 __all__ = ["PostgresBackend", "driver_dsn"]
 
-#: OFFSET for "keep every attempt" (a NULL offset would keep none), and the cap of the
-#: limits trimming and maintenance are given: beyond any history, within a bigint.
+#: OFFSET for "keep every attempt" (a NULL offset would keep none), and the cap of every
+#: limit (trims, history, runs): beyond any history, within a bigint (2**63 was refused).
 _NO_LIMIT = 2**62
 _CLAIM_RETRIES = 5
 
@@ -489,9 +489,9 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         """Return at most ``limit`` attempts, newest claim first."""
         check_limit(limit)  # a negative LIMIT is the server's error, not a ConfigurationError
         if job is None:
-            rows = await self._adapter.all(self._sql.history_all, (limit,))
+            rows = await self._adapter.all(self._sql.history_all, (min(limit, _NO_LIMIT),))
         else:
-            rows = await self._adapter.all(self._sql.history_of_job, (job, limit))
+            rows = await self._adapter.all(self._sql.history_of_job, (job, min(limit, _NO_LIMIT)))
         return [
             Attempt(str(j), int(slot), int(attempt), str(instance), Reason(reason),
                     ms_to_datetime(int(claimed)),
@@ -550,7 +550,7 @@ class PostgresBackend(StoreRetries, PostgresNamedLeases, StoreOperations):
         """Return runs, newest slot first, with one plain ``SELECT``."""
         check_limit(limit)
         rows = await self._adapter.all(self._sql.list_runs, {
-            "job": job, "open_only": open_only, "limit": limit})
+            "job": job, "open_only": open_only, "limit": min(limit, _NO_LIMIT)})
         return [
             RunInfo(str(j), int(slot), RunStatus(status), int(attempt),
                     None if instance is None else str(instance),

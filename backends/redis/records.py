@@ -25,7 +25,7 @@ __all__ = ["RedisRecords"]
 
 #: Field prefix of a workflow's steps in the ``{P}:meta`` hash.
 _WORKFLOW_FIELD = "workflow:"
-#: The cap of the limits trimming and maintenance are given (a count, ms): beyond any
+#: The cap of the limits trimming, maintenance and history are given (a count, ms): beyond any
 #: history, and a whole number to Lua's doubles and to Redis (a larger batch or period
 #: was refused: 'value is not an integer or out of range').
 _FOREVER = 2**53
@@ -63,7 +63,7 @@ class RedisRecords(RedisStore):
         for name in jobs:
             keys = self._job_keys(name)
             commands.append(self._eval("history", [keys["hist"], keys["att"]],
-                                       [int(limit), f"{self._tag(name)}:run:"]))
+                                       [min(limit, _FOREVER), f"{self._tag(name)}:run:"]))
         items = []
         for name, records in zip(jobs, await self._run(commands), strict=True):
             items += [attempt_record(name, as_text(raw)) for raw in records]

@@ -825,7 +825,8 @@ async def test_prune_many_trims_each_job_as_prune_does(store: Store) -> None:
 
 
 async def test_prune_and_maintenance_take_limits_beyond_any_history(store: Store) -> None:
-    """Any whole number is a limit (``keep``, ``older_than_ms``, ``batch``, ``every_ms``):
+    """Any whole number is a limit (``keep``, ``older_than_ms``, ``batch``, ``every_ms``,
+    and ``limit`` of ``history`` and ``runs``):
     one far beyond any history (a ttl of a million years, 2**64) keeps everything, or
     wins the period for good, instead of failing in the store (a bigint out of range on
     PostgreSQL, a date before year 1 in memory), which made every trimming of a
@@ -835,6 +836,10 @@ async def test_prune_and_maintenance_take_limits_beyond_any_history(store: Store
         r = req("far", overlap_skip=False)
         await a.claim(r)
         assert await a.finish(lease_of(r), Outcome.COMPLETED)
+        # So are history's and runs' (a bigint out of range, the driver's own error).
+        for limit in (2**63, 2**64):
+            assert len(await a.history("far", limit)) == len(await a.history(None, limit)) == 1
+            assert len(await a.runs("far", limit=limit)) == len(await a.runs(limit=limit)) == 1
         million_years = 1_000_000 * 365 * 86_400_000
         for kwargs in ({"older_than_ms": million_years}, {"older_than_ms": 2**64},
                        {"keep": 2**64}, {"keep": 2**64, "older_than_ms": 2**64},
