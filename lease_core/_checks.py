@@ -72,19 +72,29 @@ def check_members(instance_id: str, ttl_ms: int) -> None:
         raise ConfigurationError(f"ttl_ms={ttl_ms!r} must be a whole number, 1 or more")
 
 
+#: The longest name (UTF-8 bytes) :func:`check_storable` lets through: PostgreSQL keeps
+#: lease names and instance ids in a btree index, whose entries hold at most 2704 bytes
+#: (a longer one failed as "cannot reach PostgreSQL", retried as an outage).
+MAX_NAME_BYTES = 1000
+
+
 def check_storable(what: str, text: str) -> None:
-    """Refuse a name no store can hold: a NUL character (PostgreSQL's text refuses it) or
-    a lone surrogate (``os.fsdecode`` of bytes that are not UTF-8; no store encodes it).
-    Raises a :class:`ConfigurationError` naming ``what`` and the value."""
+    """Refuse a name no store can hold: a NUL character (PostgreSQL's text refuses it), a
+    lone surrogate (``os.fsdecode`` of bytes that are not UTF-8; no store encodes it), or
+    more than :data:`MAX_NAME_BYTES` bytes. Raises a :class:`ConfigurationError` naming
+    ``what`` and the value (its start only, for a long one)."""
     if "\x00" in text:
-        raise ConfigurationError(f"{what}={text!r} holds a NUL character, which no store "
-                                 "can keep; remove it")
+        raise ConfigurationError(f"{what}={text[:200]!r} holds a NUL character, which no "
+                                 "store can keep; remove it")
     try:
-        text.encode("utf-8")
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
-        raise ConfigurationError(f"{what}={text!r} is not valid Unicode text (a lone "
+        raise ConfigurationError(f"{what}={text[:200]!r} is not valid Unicode text (a lone "
                                  "surrogate, as os.fsdecode() makes of bytes that are not "
                                  "UTF-8); no store can keep it") from None
+    if size > MAX_NAME_BYTES:
+        raise ConfigurationError(f"{what}={text[:40]!r}... is {size} bytes long (UTF-8); "
+                                 f"no store keeps one of more than {MAX_NAME_BYTES}")
 
 
 def check_lookup_name(name: str) -> str:

@@ -210,6 +210,19 @@ def test_names_no_store_can_keep_are_refused_by_admin_and_lease(name: str) -> No
             Lease(MemoryBackend(), "leader-\udcff")
 
 
+@pytest.mark.parametrize("name", ["by", "lease", "holder", "instance_id"])
+def test_names_too_long_for_a_store_s_index_are_refused_at_construction(name: str) -> None:
+    """A lease name or instance id beyond 2704 bytes failed on PostgreSQL (its btree
+    index's limit) as "cannot reach PostgreSQL", retried as an outage; 1000 bytes is the most."""
+    make = {"by": lambda text: Admin(MemoryBackend(), by=text),
+            "lease": lambda text: Lease(MemoryBackend(), text),
+            "holder": lambda text: Lease(MemoryBackend(), "leader", holder=text),
+            "instance_id": lambda text: sched(instance_id=text)}[name]
+    make("é" * 500)  # 1000 bytes
+    with pytest.raises(ConfigurationError, match=r"'ééé.*\.\.\. is 1002 bytes long .*1000$"):
+        make("é" * 501)
+
+
 def test_a_backend_refuses_an_unusable_connection_or_clock_at_construction() -> None:
     """RedisBackend(123) and MemoryBackend(clock="x") were taken, and failed at start()
     or at the first read of the clock; PostgresBackend(123) already raised at once."""
