@@ -11,7 +11,9 @@ from abc import ABC, abstractmethod
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
-from croniter import CroniterBadCronError, CroniterBadDateError, CroniterError, croniter
+# croniter's errors are ValueErrors, caught as such: its base class CroniterError is
+# importable from the package only since croniter 6 (the bound is 2.0).
+from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 from ._durations import Duration, parse_duration
 from ._structures import ms_to_datetime
@@ -189,7 +191,7 @@ def _bad_field(expression: str) -> str:
         alone[i] = field
         try:
             croniter(" ".join(alone))
-        except (CroniterBadCronError, CroniterError, ValueError, KeyError):
+        except (CroniterBadCronError, ValueError, KeyError):
             return (f": {field!r} in the {name} field is not accepted; the {name} field "
                     f"takes {_FIELD_VALUES[name]}, as single values, lists (1,15), ranges "
                     "(1-5) and steps (*/15)") + _seconds_first(fields)
@@ -204,7 +206,7 @@ def _seconds_first(fields: list[str]) -> str:
     meant = " ".join(fields[1:] + ([] if fields[0] == "0" else [fields[0]]))
     try:
         croniter(meant)
-    except (CroniterBadCronError, CroniterError, ValueError, KeyError):
+    except (CroniterBadCronError, ValueError, KeyError):
         return ""
     return (f". Six fields put the seconds last, here; with the seconds first (Quartz's "
             f"and Spring's form), write {meant!r}"
@@ -295,7 +297,7 @@ class CronSchedule(Schedule):
                 f"cron expression {expression!r} never fires: no date matches its day, "
                 "month and weekday fields (e.g. '0 0 30 2 *', February 30); check them"
             ) from None
-        except (CroniterBadCronError, CroniterError, ValueError, KeyError) as exc:
+        except (CroniterBadCronError, ValueError, KeyError) as exc:
             raise ConfigurationError(
                 f"cron expression {expression!r} is invalid" + (_bad_field(stripped) or (
                     f" ({exc}); use five fields 'minute hour day month weekday', "
