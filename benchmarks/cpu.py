@@ -171,6 +171,7 @@ class _Memory(_Store):
 
     async def open(self, servers: Servers) -> None:
         self.store = MemoryBackend()
+        await self.store.start()  # as the other stores' raw sides are opened
 
     def backend(self) -> Backend:
         return MemoryBackend()
