@@ -236,6 +236,39 @@ def run_job_once(url: str, job: str, **options: str) -> None:
     anyio.run(main_)
 
 
+class FailsOnce:
+    """What :func:`fail_once` did: ``failed`` is set once the call failed."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+
+def fail_once(backend: Any, call: str, *, applied: bool = False,
+              when: Callable[[Any], bool] | None = None,
+              message: str = "the connection dropped (test)") -> FailsOnce:
+    """Make the first ``call`` of ``backend`` (an instance's method replaced) raise
+    ``BackendUnavailable(message)``: before the store applied it, as a store out of reach;
+    or, with ``applied``, after (its answer lost with the connection), and then only for a
+    call whose answer ``when`` accepts. The calls after it go through."""
+    inner = getattr(backend, call)
+    state = FailsOnce()
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        if state.failed:
+            return await inner(*args, **kwargs)
+        if not applied:
+            state.failed = True
+            raise BackendUnavailable(message)
+        answer = await inner(*args, **kwargs)
+        if when is not None and not when(answer):
+            return answer
+        state.failed = True
+        raise BackendUnavailable(message)
+
+    setattr(backend, call, failing)
+    return state
+
+
 class Unplugged(MemoryBackend):
     """A memory backend whose calls named in ``fails`` raise while ``down`` is set, as a
     store out of reach (or one that refuses some of them) does.

@@ -35,6 +35,7 @@ from tests.helpers import (
     Instance,
     Suspend,
     Unplugged,
+    fail_once,
     quiet_offset,
     quiet_offset_now,
     wait_for,
@@ -464,24 +465,6 @@ async def test_slots_whose_claims_failed_while_the_store_answered_are_all_claime
     assert all(slot in recorded for slot in failed), (failed, sorted(recorded))
 
 
-class FinishLostOnce(MemoryBackend):
-    """A memory backend whose first finish fails: before the store applied it, or after
-    (its answer lost with the connection)."""
-
-    def __init__(self, applied: bool) -> None:
-        super().__init__()
-        self.applied = applied
-        self.failed = False
-
-    async def finish_many(self, items: Sequence[tuple[Lease, Outcome, str | None]]) -> list[bool]:
-        if self.failed:
-            return await super().finish_many(items)
-        self.failed = True
-        if self.applied:
-            await super().finish_many(items)
-        raise BackendUnavailable("the connection dropped (test)")
-
-
 @pytest.mark.parametrize("applied", [False, True])
 async def test_a_finish_the_store_did_not_answer_is_sent_again_within_the_lease(
     applied: bool,
@@ -490,7 +473,8 @@ async def test_a_finish_the_store_did_not_answer_is_sent_again_within_the_lease(
     over when its lease ran out, and its handler ran again (with max_attempts=1, the run
     was escalated). The finish is sent again a check interval later: one attempt, one
     handler call, reported Completed."""
-    backend = FinishLostOnce(applied)
+    backend = MemoryBackend()
+    lost = fail_once(backend, "finish_many", applied=applied)
     s = Scheduler(backend, instance_id="a", lease="0.9s", heartbeat="0.2s")
     calls: list[int] = []
     ended: list[str] = []
@@ -506,7 +490,7 @@ async def test_a_finish_the_store_did_not_answer_is_sent_again_within_the_lease(
         history = await wait_history(s, lambda h: any(x.outcome for x in h), job="export")
         await wait_for(lambda: ended, timeout=5, what="the attempt's end reported")
         await i.stop()
-    assert backend.failed
+    assert lost.failed
     assert [(x.attempt, x.outcome) for x in history] == [(1, Outcome.COMPLETED)]
     assert calls == [1]
     assert ended == ["Completed"]
@@ -687,32 +671,14 @@ async def test_a_stop_does_not_wait_for_a_finish_the_store_does_not_answer() -> 
     assert done == [1]
 
 
-class RetryLaterLostOnce(MemoryBackend):
-    """A memory backend whose first ``retry_later`` fails: before the store applied it,
-    or after (its answer lost with the connection)."""
-
-    def __init__(self, applied: bool) -> None:
-        super().__init__()
-        self.applied = applied
-        self.failed = False
-
-    async def retry_later(self, items: Sequence[tuple[Lease, Outcome, str | None,
-                                                        Sequence[int]]]) -> list[int]:
-        if self.failed:
-            return await super().retry_later(items)
-        self.failed = True
-        if self.applied:
-            await super().retry_later(items)
-        raise BackendUnavailable("the connection dropped (test)")
-
-
 @pytest.mark.parametrize("applied", [False, True])
 async def test_a_retry_the_store_did_not_answer_is_sent_again_within_the_lease(
     applied: bool,
 ) -> None:
     """As a finish: a failed attempt whose retry_later met a blip was backed up at once,
     and taken over (not retried) once its lease ran out."""
-    backend = RetryLaterLostOnce(applied)
+    backend = MemoryBackend()
+    lost = fail_once(backend, "retry_later", applied=applied)
     s = Scheduler(backend, instance_id="a", lease="0.9s", heartbeat="0.2s")
     calls: list[int] = []
 
@@ -731,27 +697,10 @@ async def test_a_retry_the_store_did_not_answer_is_sent_again_within_the_lease(
         history = await wait_history(
             s, lambda h: any(x.outcome == Outcome.COMPLETED for x in h), job="export")
         await i.stop()
-    assert backend.failed
+    assert lost.failed
     assert sorted((x.attempt, x.reason, x.outcome) for x in history) == [
         (1, Reason.SCHEDULED, Outcome.FAILED), (2, Reason.RETRY, Outcome.COMPLETED)]
     assert calls == [1, 2]
-
-
-class LastRetryLaterAnswerLost(MemoryBackend):
-    """A memory backend that applies the ``retry_later`` ending a run (no retry left),
-    then loses its answer with the connection, once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lost = False
-
-    async def retry_later(self, items: Sequence[tuple[Lease, Outcome, str | None,
-                                                        Sequence[int]]]) -> list[int]:
-        answers = await super().retry_later(items)
-        if answers == [0] and not self.lost:
-            self.lost = True
-            raise BackendUnavailable("the connection dropped (test)")
-        return answers
 
 
 async def test_a_last_failure_whose_answer_was_lost_is_logged_as_the_run_s_end(
@@ -760,7 +709,9 @@ async def test_a_last_failure_whose_answer_was_lost_is_logged_as_the_run_s_end(
     ended by that attempt: logged as the run failed after its retries (it was logged
     "retry recorded", for a run with no retry left)."""
     caplog.set_level("INFO", logger="anarchon")
-    backend = LastRetryLaterAnswerLost()
+    backend = MemoryBackend()
+    # the retry_later ending the run (no retry left) is applied, its answer lost
+    lost = fail_once(backend, "retry_later", applied=True, when=lambda answers: answers == [0])
     s = Scheduler(backend, instance_id="a", lease="0.9s", heartbeat="0.2s")
 
     def doomed(ctx: RunContext) -> None:
@@ -773,7 +724,7 @@ async def test_a_last_failure_whose_answer_was_lost_is_logged_as_the_run_s_end(
         slot = s.jobs["export"].schedule.previous_at_or_before(s.store_now_ms())
         assert slot is not None
         await claim_now(s, "export", slot)
-        await wait_for(lambda: backend.lost and any(
+        await wait_for(lambda: lost.failed and any(
             "failed after" in r.getMessage() or "retry recorded" in r.getMessage()
             for r in caplog.records), timeout=10, what="the run's end logged")
         await i.stop()

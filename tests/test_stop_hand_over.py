@@ -12,10 +12,9 @@ import pytest
 
 from lease_core import Admin, MemoryBackend, Outcome, Reason, RunContext, Scheduler
 from lease_core import events as ev
-from lease_core.errors import BackendUnavailable
 from lease_core.recovery import step_job
 from lease_core.testing import claim_now
-from tests.helpers import Instance, quiet_offset_now, wait_for, wait_history
+from tests.helpers import FailsOnce, Instance, fail_once, quiet_offset_now, wait_for, wait_history
 from tests.helpers import started as started_backend
 from tests.stores.memory import MemoryStore
 from tests.test_workflows import begin, current_slot, make, wait_workflow
@@ -302,33 +301,15 @@ async def test_a_cancel_that_lands_before_the_hand_over_is_reported_cancelled() 
     assert history == [(slot, "cancelled")], history
 
 
-class HandOverAnswerLost:
-    """The store makes the hand-over, then its answer is lost with the connection (the
-    first call's: the hand-over sent again finds nothing to hand over)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.lost = inner, False
-
-    def __getattr__(self, attr: str) -> Any:
-        value = getattr(self.inner, attr)
-        if attr != "hand_over":
-            return value
-
-        async def hand_over(leases: Any) -> Any:
-            done = await value(leases)
-            if self.lost:  # sent again: the store has it handed over already
-                return done
-            self.lost = True
-            raise BackendUnavailable("the connection dropped (test)")
-        return hand_over
-
-
 async def test_a_hand_over_whose_answer_was_lost_is_reported_handed_over() -> None:
     """The store handed the run over and its answer was lost: the store says so when
     asked, and the attempt is reported ``HandedOver`` as the history has it (it was
     reported ``Lost``, "not handed over")."""
+    faults: list[FailsOnce] = []
     ended, history, slot = await _stop_during_a_run(
-        lambda backend, slot: HandOverAnswerLost(backend))
+        lambda backend, slot:
+        faults.append(fail_once(backend, "hand_over", applied=True)) or backend)
+    assert faults[0].failed
     assert [type(e).__name__ for e in ended] == ["HandedOver"], ended
     assert history == [(slot, "handed_over")], history
 
@@ -385,31 +366,14 @@ async def test_a_run_its_handler_hands_over_in_the_grace_goes_at_once() -> None:
         (1, "a", Reason.SCHEDULED, Outcome.HANDED_OVER)], history
 
 
-class HandOverFailsOnce:
-    """The store is out of reach for the stop's first hand-over call, back for the next."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.failed = inner, False
-
-    def __getattr__(self, attr: str) -> Any:
-        value = getattr(self.inner, attr)
-        if attr != "hand_over":
-            return value
-
-        async def hand_over(leases: Any) -> Any:
-            if not self.failed:
-                self.failed = True
-                raise BackendUnavailable("the store is out of reach (test)")
-            return await value(leases)
-        return hand_over
-
-
 async def test_a_hand_over_the_store_missed_is_sent_again() -> None:
     """The store did not answer the hand-over (a failover, a connection dropped) and
     answers again a moment later: the run is handed over then, not left for its lease to
     lapse (reported ``Lost``, "not handed over")."""
+    faults: list[FailsOnce] = []
     ended, history, slot = await _stop_during_a_run(
-        lambda backend, slot: HandOverFailsOnce(backend))
+        lambda backend, slot: faults.append(fail_once(backend, "hand_over")) or backend)
+    assert faults[0].failed
     assert [type(e).__name__ for e in ended] == ["HandedOver"], ended
     assert history == [(slot, "handed_over")], history
 
