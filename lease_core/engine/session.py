@@ -30,7 +30,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from .. import events as ev
 from .._outcome import Interruption
-from .._structures import JobInfo, Lease, RunStatus
+from .._structures import JobInfo, Lease, RunStatus, format_slot
 from ..operations import Operation, OperationKind
 from ..recovery import STEP_SEPARATOR, step_job
 from .base import (
@@ -372,12 +372,15 @@ class Session:
         with anyio.move_on_after(longest):
             await self.claims.claim_many(self.runs.successors_waiting(), after_step=True)
         await self._hand_over(self.runs.awaiting_hand_over())
-        # A handler still running (it ignored the cancellation) is not handed over: a
-        # backup would run the run beside it. Its lease lapses, as after a crash.
+        # A handler still running (an async one that ignores its cancellation) is not
+        # handed over: a backup would run the run beside it. The stop waits for it, its
+        # lease no longer renewed; its ending is reported then, as the history records
+        # it (it was reported Lost here, and its real ending never).
         for run in self.runs.held():
             if run.lease is not None:
-                self.execution.ended(ev.Lost, run.lease,
-                                     why="handler still running at the end of the stop")
+                logger.warning("%s slot %s: the handler ignores its cancellation; the stop "
+                               "waits for it, its lease no longer renewed", run.job.name,
+                               format_slot(run.lease.slot))
 
     def hand_over_soon(self, lease: Lease) -> None:
         """A run to hand over while the scheduler stops: hand it over now, with the others
