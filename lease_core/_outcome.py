@@ -10,7 +10,16 @@ from ._redact import redact
 from ._structures import Outcome
 from .errors import LeaseLost, StopRequested
 
-__all__ = ["Ending", "Interruption", "classify", "decide_outcome", "storable"]
+__all__ = ["MAX_ERROR_BYTES", "Ending", "Interruption", "capped", "classify",
+           "decide_outcome", "error_text", "storable"]
+
+#: The most an attempt's error text takes in the store, in bytes of UTF-8 (8 KiB), marker
+#: included. Bytes, not characters: it bounds what each failed attempt costs in every
+#: store, on the wire and in a page of history (100 attempts: 800 KiB at most), whatever
+#: the script (4,000 characters could be 16 KB). An exception's type and message
+#: (``format_exception_only``) rarely reach 1 KiB; one that embeds a whole response body
+#: or a large ``repr`` is cut, keeping its start and its end.
+MAX_ERROR_BYTES = 8192
 
 
 class Interruption(StrEnum):
@@ -73,6 +82,31 @@ def storable(text: str) -> str:
     return text
 
 
+def capped(text: str) -> str:
+    """``text`` if its UTF-8 takes at most :data:`MAX_ERROR_BYTES` bytes; else its first
+    three quarters and its last quarter with ``… [N characters cut] …`` between them,
+    :data:`MAX_ERROR_BYTES` bytes at most in all. ``text`` must encode (:func:`storable`);
+    a cut falls between characters (one cut in two is dropped whole): valid text."""
+    data = text.encode("utf-8")
+    if len(data) <= MAX_ERROR_BYTES:
+        return text
+    # The marker with as many digits as the text has characters: never shorter than the
+    # one written, so the whole fits.
+    room = MAX_ERROR_BYTES - len(f" … [{len(text)} characters cut] … ".encode())
+    head_bytes = room * 3 // 4
+    head = data[:head_bytes].decode("utf-8", "ignore")
+    tail = data[len(data) - (room - head_bytes):].decode("utf-8", "ignore")
+    return f"{head} … [{len(text) - len(head) - len(tail)} characters cut] … {tail}"
+
+
+def error_text(text: str) -> str:
+    """An error text as the engine stores it (history, recovery log, status API), the same
+    for every backend: passwords masked (:func:`~lease_core._redact.redact`), then made
+    storable (:func:`storable`), then cut to :data:`MAX_ERROR_BYTES` (:func:`capped`).
+    Masked before the cut, so a cut never leaves part of a password unmasked."""
+    return capped(storable(redact(text)))
+
+
 def decide_outcome(
     *,
     raised: BaseException | None = None,
@@ -109,9 +143,10 @@ def decide_outcome(
         return Ending(Outcome.HANDED_OVER)
     if raised is not None:
         # Kept in the store and shown by history, the status API and the recovery log: a
-        # password in a driver's message (a DSN) is masked before it is written.
-        return Ending(Outcome.FAILED, storable(
-            redact("".join(traceback.format_exception_only(raised)).strip())))
+        # password in a driver's message (a DSN) is masked, and a huge text cut, before
+        # it is written.
+        return Ending(Outcome.FAILED, error_text(
+            "".join(traceback.format_exception_only(raised)).strip()))
     if timed_out:
         return Ending(Outcome.TIMED_OUT, f"timed out after {timeout or 0:g}s")
     return Ending(Outcome.COMPLETED)

@@ -286,6 +286,9 @@ class Attempt:
     finished_at: datetime | None = None
     outcome: Outcome | None = None
     error: str | None = None
+    """The error text, when there is one: for a failed attempt the exception's type and
+    message, passwords masked, at most 8 KiB of UTF-8 (a longer one is stored as its
+    start and its end with ``… [N characters cut] …`` between them)."""
     requested_by: str | None = None
     """Who asked for this attempt through an operation (``trigger`` or ``retry``): an
     instance id, ``cli`` or ``http``; ``None`` for an attempt the schedule made."""

@@ -20,7 +20,7 @@ from lease_core import (
     SchedulerState,
     StopRequested,
 )
-from lease_core._outcome import Ending, Interruption, decide_outcome
+from lease_core._outcome import MAX_ERROR_BYTES, Ending, Interruption, decide_outcome
 from lease_core.testing import backend_users, claim_now
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 from tests.stores import Store
@@ -333,3 +333,24 @@ BOOM = ValueError("boom")
 )
 def test_decide_outcome(given: dict[str, Any], expected: Ending) -> None:
     assert decide_outcome(**given) == expected
+
+
+@pytest.mark.parametrize("fill", ["x", "é", "😀", "a€😀"])
+def test_a_huge_error_is_cut_after_its_password_is_masked(fill: str) -> None:
+    """Stored as its start and end, at most MAX_ERROR_BYTES of UTF-8 cut between whole
+    characters, with a password across the cut masked (masked first, then cut)."""
+    secret = "s3cr3t-" * 40
+    # About 6,000 bytes: the cut (at about 6,100) falls in the password.
+    start = "disk full: " + fill * (6000 // len(fill.encode()))
+    message = f"{start} postgresql://app:{secret}@db/x " + fill * 50_000 + " the end"
+    error = decide_outcome(raised=ValueError(message)).error or ""
+    assert len(error.encode()) <= MAX_ERROR_BYTES
+    assert "s3cr3t" not in error and "postgresql://app" in error
+    head, marker, tail = error.partition(" … [")
+    count, _, tail = tail.partition(" characters cut] … ")
+    masked = f"ValueError: {message.replace(secret, '***')}"
+    assert marker and masked.startswith(head) and masked.endswith(tail), error
+    assert len(head) + int(count) + len(tail) == len(masked)
+    assert head.startswith("ValueError: disk full") and tail.endswith(" the end")
+    small = decide_outcome(raised=ValueError(fill * 100)).error
+    assert small == f"ValueError: {fill * 100}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -20,7 +21,8 @@ from typing import Any
 import anyio
 import pytest
 
-from lease_core import Outcome, Reason, RunContext, Scheduler, StopRequested
+from lease_core import Attempt, Outcome, Reason, Retry, RunContext, Scheduler, StopRequested
+from lease_core._outcome import MAX_ERROR_BYTES
 from lease_core.abc import HeartbeatResult, Lease
 from lease_core.testing import claim_now
 from tests.helpers import (
@@ -290,18 +292,37 @@ async def test_raise_if_stopping_at_the_timeout_records_timed_out(store: Store) 
 
 async def test_failed_handler_records_the_error(store: Store) -> None:
     a = make(store, "a")
+    # A huge error text is stored cut to MAX_ERROR_BYTES, its start and end kept, by a
+    # finish and by a retry_later alike; a small one as it is.
+    huge = "disk full: " + "x" * 200_000 + " at the end"
 
     @a.every("bad", "1s")
     async def bad(ctx: RunContext) -> None:
         raise RuntimeError("disk full")
 
+    @a.every("huge", "1s", retry=Retry(retries=1, backoff=0))
+    async def huge_error(ctx: RunContext) -> None:
+        raise RuntimeError(huge)
+
+    def retried(h: list[Attempt]) -> bool:
+        return any(x.reason == Reason.RETRY and x.outcome == Outcome.FAILED for x in h)
+
     async with anyio.create_task_group() as tg:
         ia = await Instance(a).start(tg)
         history = await wait_history(a, lambda h: h and h[-1].outcome, job="bad")
+        cut = await wait_history(a, retried, job="huge", what="a failed retry of huge")
         await ia.stop()
     failed = [h for h in history if h.outcome][-1]
     assert failed.outcome == Outcome.FAILED
-    assert failed.error is not None and "RuntimeError: disk full" in failed.error
+    assert failed.error == "RuntimeError: disk full"
+    cut = [x for x in cut if x.outcome == Outcome.FAILED]
+    assert len(cut) >= 2, cut
+    for attempt in cut:
+        error = attempt.error or ""
+        assert len(error.encode()) <= MAX_ERROR_BYTES, len(error)
+        assert error.startswith("RuntimeError: disk full: xxx"), error[:40]
+        assert error.endswith("xxx at the end"), error[-40:]
+        assert re.search(r"xxx … \[\d+ characters cut\] … xxx", error), error
 
 
 async def test_an_error_text_no_store_can_encode_still_fails_the_run_once(

@@ -22,7 +22,7 @@ import anyio
 import anyio.to_thread
 
 from .. import events as ev
-from .._outcome import Interruption, classify, decide_outcome
+from .._outcome import Interruption, classify, decide_outcome, error_text
 from .._structures import (
     ClaimResult,
     Lease,
@@ -328,7 +328,7 @@ class Executor:
             stored = await s.steps.store_result(run, ran.value)
             if isinstance(stored, ConfigurationError):
                 ran.raised, unstorable = stored, True
-                outcome, error = Outcome.FAILED, f"the step's result: {stored}"
+                outcome, error = Outcome.FAILED, error_text(f"the step's result: {stored}")
             elif not stored:
                 return
         if outcome is Outcome.TIMED_OUT:
