@@ -27,11 +27,13 @@ from lease_core.errors import (
 from .base import (
     CONFIG_STATES,
     GAVE_UP_STATES,
+    LIMIT_CLASS,
     Params,
     Row,
     TransientError,
     gave_up,
     in_users_transaction,
+    over_limit,
     pooler_hint,
     read_only,
     redact,
@@ -86,8 +88,9 @@ def translate_error(
 
     Connection failures, authentication failures and server shutdowns become
     :class:`BackendUnavailable`; deadlocks and serialization failures
-    :class:`~adapters.sql.TransientError`; missing privileges or objects
-    :class:`ConfigurationError`. Other errors (bugs in SQL) are returned unchanged.
+    :class:`~adapters.sql.TransientError`; missing privileges or objects, and statements
+    over one of the server's limits (class 54), :class:`ConfigurationError`. Other errors
+    (bugs in SQL) are returned unchanged.
     """
     state = exc.sqlstate or ""
     text = redact(str(exc).strip(), secret)
@@ -100,6 +103,8 @@ def translate_error(
         return BackendUnavailable(read_only(at, text))
     if state in GAVE_UP_STATES:
         return BackendUnavailable(gave_up(at, text))
+    if state[:2] == LIMIT_CLASS:  # an OperationalError to psycopg, but no outage
+        return over_limit(at, text, state)
     if isinstance(exc, PoolTimeout):
         return BackendUnavailable(
             f"no pooled connection to PostgreSQL{at} became free in time ({text}): every "

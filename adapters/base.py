@@ -34,6 +34,7 @@ __all__ = [
     "CANCEL_GRACE_S",
     "CONFIG_STATES",
     "GAVE_UP_STATES",
+    "LIMIT_CLASS",
     "READ_ONLY_STATE",
     "ConnectionLock",
     "Executor",
@@ -48,6 +49,7 @@ __all__ = [
     "dsn_query",
     "gave_up",
     "in_users_transaction",
+    "over_limit",
     "pooler_hint",
     "read_only",
     "redact",
@@ -141,6 +143,24 @@ def refused(at: str, text: str, state: str) -> str:
                 "next client of its server connection; give the table with its schema "
                 "(table=public.anarchon_runs)")
     return f"PostgreSQL refused the statement{at}: {text}{hint}"
+
+
+#: SQLSTATE class 54, program_limit_exceeded: a statement over one of the server's fixed
+#: limits (54000 an index row or a value too large, 54001 too complex or nested too
+#: deeply, 54011 too many columns, 54023 too many arguments). Sent again it fails again:
+#: both drivers raise :class:`~lease_core.errors.ConfigurationError` (:func:`over_limit`),
+#: never :class:`~lease_core.errors.BackendUnavailable` (psycopg files the class under
+#: ``OperationalError``, which read as "cannot reach PostgreSQL", retried as an outage).
+LIMIT_CLASS = "54"
+
+
+def over_limit(at: str, text: str, state: str) -> ConfigurationError:
+    """The error of a statement refused with a SQLSTATE of :data:`LIMIT_CLASS`."""
+    return ConfigurationError(
+        f"PostgreSQL refused the statement{at} as over one of its limits (SQLSTATE "
+        f"{state}, program_limit_exceeded): {text}; sent again it would fail again, so it "
+        "is not retried: make the value smaller or flatter (a checkpoint, a step's result), "
+        "or the statement simpler (a fenced transaction's own SQL)")
 
 
 def in_users_transaction(driver: str) -> ConfigurationError:

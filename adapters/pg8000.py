@@ -63,6 +63,7 @@ from ._placeholders import inline_parameters, numbered, sql_literal
 from .base import (
     CONFIG_STATES,
     GAVE_UP_STATES,
+    LIMIT_CLASS,
     ConnectionLock,
     Executor,
     Params,
@@ -73,6 +74,7 @@ from .base import (
     WorkerThreads,
     gave_up,
     in_users_transaction,
+    over_limit,
     pooler_hint,
     read_only,
     redact,
@@ -112,6 +114,8 @@ def translate_error(exc: Exception, *, where: str = "", secret: str | None = Non
             )
         if state in GAVE_UP_STATES:
             return BackendUnavailable(gave_up(at, text))
+        if state[:2] == LIMIT_CLASS:
+            return over_limit(at, text, state)
         if state[:2] in ("08", "53", "57", "58"):
             return BackendUnavailable(f"cannot reach PostgreSQL{at}: {text}{pooler_hint(text)}")
         return exc  # type: ignore[no-any-return]

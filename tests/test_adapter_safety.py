@@ -579,6 +579,34 @@ async def test_a_missing_function_or_table_names_the_search_path(
         await adapter.close()
 
 
+@pytest.mark.parametrize(("anyio_backend", "driver"),  # psycopg's async pool: asyncio
+                         [("asyncio", "psycopg"), ("trio", "pg8000")])
+async def test_a_statement_over_a_server_limit_is_a_configuration_error(
+    pg16_server: PgServer, driver: str
+) -> None:
+    """SQLSTATE class 54 (program_limit_exceeded: 54023 more than 100 arguments, 54000 an
+    index row too large) fails again whenever it is sent: psycopg said "cannot reach
+    PostgreSQL" (BackendUnavailable, retried as an outage), pg8000 raised its own error.
+    Both raise a ConfigurationError naming the SQLSTATE and the server's message."""
+    adapter: SqlAdapter = (PsycopgDsnAdapter(pg16_server.dsn, max_size=1) if driver == "psycopg"
+                           else Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1))
+    await adapter.open()
+    try:
+        with pytest.raises(ConfigurationError, match="SQLSTATE 54023") as raised:
+            await adapter.all("SELECT concat(" + ", ".join(["1"] * 101) + ")")
+        assert "more than 100 arguments" in str(raised.value)
+        with pytest.raises(ConfigurationError, match="SQLSTATE 54000") as raised:
+            async with adapter.transaction() as tx:
+                await tx.all("CREATE TEMP TABLE anarchon_limit (t text PRIMARY KEY)")
+                await tx.all("INSERT INTO anarchon_limit SELECT string_agg(md5(i::text), '') "
+                              "FROM generate_series(1, 400) i")
+        assert "index row" in str(raised.value)
+        assert type(raised.value) is ConfigurationError  # not StoreRefused, not unavailable
+        assert await adapter.all("SELECT 1") == [(1,)]  # the connection is kept
+    finally:
+        await adapter.close()
+
+
 @asynccontextmanager
 async def _default_threads_all_busy() -> AsyncIterator[None]:
     """Every token of anyio's default thread limiter held by a blocked worker thread, as
