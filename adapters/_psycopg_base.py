@@ -90,7 +90,8 @@ def translate_error(
     :class:`BackendUnavailable`; deadlocks and serialization failures
     :class:`~adapters.sql.TransientError`; missing privileges or objects, and statements
     over one of the server's limits (class 54), :class:`ConfigurationError`. Other errors
-    (bugs in SQL) are returned unchanged.
+    (bugs in SQL, and a server's error of no outage class though psycopg files it under
+    ``OperationalError``) are returned unchanged.
     """
     state = exc.sqlstate or ""
     text = redact(str(exc).strip(), secret)
@@ -111,6 +112,12 @@ def translate_error(
             "connection of the pool was busy; raise max_size (?max_size= in the URL, "
             "default 4) or timeout (?timeout=, default 10s), or pass a larger pool"
         )
+    if state and state[:2] not in _UNAVAILABLE_CLASSES:
+        # A server's error of no outage class (3B001 a bad savepoint in a fenced
+        # transaction's own SQL, 2F005, 55006, 40003, F0000...): psycopg files some of them
+        # under OperationalError, which read as "cannot reach PostgreSQL". Returned as
+        # they are, as pg8000's.
+        return exc
     if (
         isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
         or state[:2] in _UNAVAILABLE_CLASSES

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from ._redact import redact
 from ._structures import Attempt, Outcome, RunStatus
 from .errors import ConfigurationError
 
@@ -129,8 +130,13 @@ def encode_checkpoint(value: object) -> str:
             "checkpoint value nests too deeply to be stored as JSON (lists or dicts "
             "thousands of levels deep); store a flatter value") from None
     except (TypeError, ValueError) as exc:
+        # A short repr is shown whole, its passwords masked; a long one by its type: cut
+        # before the masking, a URL's password could show in part.
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = f"of type {type(value).__name__}"
         raise ConfigurationError(
-            f"checkpoint value {value!r:.80} is not JSON-serialisable ({exc}); "
+            f"checkpoint value {redact(shown)} is not JSON-serialisable ({redact(str(exc))}); "
             "store dicts, lists, strings, numbers, booleans or None"
         ) from None
 

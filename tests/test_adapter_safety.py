@@ -33,6 +33,7 @@ from adapters.psycopg import (
     PsycopgSyncPoolAdapter,
 )
 from adapters.sql import SqlAdapter
+from backends.postgres.statements import sqlstate
 from backends.redis import RedisBackend
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreRefused
 from lease_core.testing import wait_for
@@ -587,7 +588,8 @@ async def test_a_statement_over_a_server_limit_is_a_configuration_error(
     """SQLSTATE class 54 (program_limit_exceeded: 54023 more than 100 arguments, 54000 an
     index row too large) fails again whenever it is sent: psycopg said "cannot reach
     PostgreSQL" (BackendUnavailable, retried as an outage), pg8000 raised its own error.
-    Both raise a ConfigurationError naming the SQLSTATE and the server's message."""
+    Both raise a ConfigurationError naming the SQLSTATE and the server's message. Other
+    server errors of no outage class are the drivers' own."""
     adapter: SqlAdapter = (PsycopgDsnAdapter(pg16_server.dsn, max_size=1) if driver == "psycopg"
                            else Pg8000PoolAdapter(pg8000_params(pg16_server.dsn), max_size=1))
     await adapter.open()
@@ -603,6 +605,14 @@ async def test_a_statement_over_a_server_limit_is_a_configuration_error(
         assert "index row" in str(raised.value)
         assert type(raised.value) is ConfigurationError  # not StoreRefused, not unavailable
         assert await adapter.all("SELECT 1") == [(1,)]  # the connection is kept
+        # A server's error of no outage class (3B001; psycopg files class 3B under
+        # OperationalError) is the driver's own, as pg8000's: it said "cannot reach".
+        with pytest.raises(Exception) as other:
+            async with adapter.transaction() as tx:
+                await tx.all("ROLLBACK TO SAVEPOINT anarchon_none")
+        assert sqlstate(other.value) == "3B001", other.value
+        assert not isinstance(other.value, BackendUnavailable | ConfigurationError), other.value
+        assert await adapter.all("SELECT 1") == [(1,)]
     finally:
         await adapter.close()
 

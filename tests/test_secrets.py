@@ -237,3 +237,18 @@ async def test_a_failure_naming_a_dsn_is_stored_and_shown_without_its_password()
     finally:
         await backend.close()
     assert shown is not None and SECRET not in repr(shown) and "redis://:***@" in repr(shown)
+
+
+@pytest.mark.parametrize("value", [
+    {"dsn": f"postgresql://app:{SECRET * 4}@db.example.com:5432/app", "o": object()},
+    {"dsn": f"postgresql://app:{SECRET}@db/x", "o": set()},
+])
+def test_a_checkpoint_refused_as_not_json_never_shows_a_password(value: object) -> None:
+    """The error showed the value's repr cut at 80 characters, then unmasked: a long URL's
+    password showed in part (its ``@`` cut off). A short repr is shown masked, a long one
+    by its type."""
+    from lease_core._checks import encode_checkpoint
+    with pytest.raises(ConfigurationError, match="not JSON-serialisable") as raised:
+        encode_checkpoint(value)
+    assert_hidden(raised.value)
+    assert SECRET[:8] not in str(raised.value), raised.value
