@@ -280,6 +280,16 @@ def check_url(
     if "://" in url:
         parts = urlsplit(url)
         pairs = parse_qsl(parts.query, keep_blank_values=True)
+        if "@" in parts.netloc and ("@" in parts.path or "@" in parts.fragment
+                                    or any("@" in key for key, _ in pairs)):
+            # user:pa@ss#wd@host: the URL parser ended the host at '#' ('/', '?') after
+            # the password's own '@': the host read is a piece of the password, and the
+            # rest shows the others. Not shown, not even masked.
+            raise ConfigurationError(
+                f"the {kind} URL {parts.scheme}://... cannot be read: it has an '@' after "
+                "the host, so a password (or user name) with '@' and '/', '?' or '#' in "
+                "it was not percent-encoded: write '@' as %40, '#' as %23, '/' as %2F, "
+                "'?' as %3F")
         _check_ports(kind, url, (value for key, value in pairs if key == "port"))
         port = parts.netloc.rpartition("@")[2]
         for host in port.split(","):  # a multi-host URL: host1:5432,host2:5433
