@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import ipaddress
 import json
 import os
 import signal
@@ -47,6 +46,7 @@ from ._cli_operations import COMMANDS as OPERATIONS
 from ._cli_operations import MEMORY_NOTE, run_operation
 from ._cli_operations import add_parsers as add_operation_parsers
 from ._redact import redact
+from ._serve import Limits, add_limit_options, check_port, limits_from, loopback
 from ._status import iso as _iso
 from ._status import one_line
 from .errors import AnarchonError, ConfigurationError, OperationRefused, StoreNotFound
@@ -190,6 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--token", default=None,
                        help=f"bearer token every request must send (default: ${TOKEN_ENV}, "
                             "which unlike this flag does not show in ps)")
+    add_limit_options(serve)
     _namespace_options(serve)
     add_operation_parsers(sub, url_help, _namespace_options)
     for command in sub.choices.values():  # also after it, where an error's hint leads
@@ -395,49 +396,20 @@ def _serve(args: argparse.Namespace) -> int:
             f"${TOKEN_ENV} is set but empty: give it the token clients must send, or unset "
             "it to serve without one on 127.0.0.1")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
-    if token is None and not _loopback(args.host):
+    if token is None and not loopback(args.host):
         raise ConfigurationError(
             f"--host {args.host!r} is not a loopback address: give a bearer token "
             f"(${TOKEN_ENV} or --token), or listen on 127.0.0.1")
     if any(importlib.util.find_spec(name) is None for name in ("starlette", "uvicorn")):
         raise ConfigurationError("anarchon serve needs the extra 'http': "
                                  "pip install 'anarchon[http]'")
-    _check_port(args.host, args.port)
-    result: int = anyio.run(_serve_app, args, token)
+    limits = limits_from(args)
+    check_port(args.host, args.port)
+    result: int = anyio.run(_serve_app, args, token, limits)
     return result
 
 
-def _check_port(host: str, port: int) -> None:
-    """Fail in one line when ``host:port`` cannot be listened on (uvicorn would exit 3)."""
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise ConfigurationError(f"--host {host!r} is not an address to listen on ({exc})"
-                                 ) from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise AnarchonError(
-                f"cannot listen on {host}:{port}: {exc.strerror or exc}; is another server "
-                "there? choose another --port"
-            ) from None
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
+async def _serve_app(args: argparse.Namespace, token: str | None, limits: Limits) -> int:
     import uvicorn
 
     from .http import LoopbackHostOnly, create_app
@@ -461,8 +433,8 @@ async def _serve_app(args: argparse.Namespace, token: str | None) -> int:
             super().handle_exit(sig, frame)
 
     try:
-        server = Server(uvicorn.Config(
-            app, host=args.host, port=args.port, access_log=False, lifespan="on"))
+        server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
+                                       lifespan="on", **limits.uvicorn_options()))
         try:
             await server.serve()
         except SystemExit:  # uvicorn's own exit when it could not start after all

@@ -408,21 +408,88 @@ def test_serve_with_an_empty_token_says_what_to_do(capsys: pytest.CaptureFixture
     assert "--token" in err and "None" not in err
 
 
-def serving(preexec: Callable[[], None] | None = None) -> subprocess.Popen[str]:
-    """`anarchon serve` on a memory store and a free port, once uvicorn says it serves."""
+def serving(*options: str,
+            preexec: Callable[[], None] | None = None) -> subprocess.Popen[str]:
+    """`anarchon serve` on a memory store and a free port, once uvicorn says it listens."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([ANARCHON, "serve", "--url", "memory://", "--port", str(port)],
-                              stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+    server = subprocess.Popen([ANARCHON, "serve", "--url", "memory://", "--port", str(port),
+                               *options], stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     assert server.stderr is not None
     lines: list[str] = []
-    for line in server.stderr:  # until uvicorn says it serves; bounded by the caller's wait
+    for line in server.stderr:  # until uvicorn says it listens; bounded by the caller's wait
         lines.append(line)
-        if "startup complete" in line:
+        if "running on" in line:
             break
-    assert lines and "startup complete" in lines[-1], lines
+    assert lines and "running on" in lines[-1], lines
     return server
+
+
+def _closed_by_server(conn: socket.socket) -> bytes:
+    """What the server sent on ``conn`` until it closed it (failing after 10 s)."""
+    received, deadline = b"", time.monotonic() + 10
+    while time.monotonic() < deadline:
+        conn.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            chunk = conn.recv(65536)
+        except TimeoutError:
+            break
+        if not chunk:
+            return received
+        received += chunk
+    pytest.fail(f"the server left the connection open; it sent {received!r}")
+
+
+def test_serve_closes_slow_and_idle_connections() -> None:
+    """uvicorn kept a connection that sent nothing, or a request a byte at a time (once
+    a first response was sent), open for ever: a few slow clients held the process."""
+    server = serving("--read-timeout", "0.3s", "--keep-alive", "0.3s")
+    port = int(server.args[server.args.index("--port") + 1])
+    request = b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    try:
+        partial, silent, slow_next, idle = (
+            socket.create_connection(("127.0.0.1", port)) for _ in range(4))
+        partial.sendall(request[:-2])  # a head without its end
+        for kept_alive in (slow_next, idle):
+            kept_alive.sendall(request)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += kept_alive.recv(65536)
+            head, body = answer.split(b"\r\n\r\n", 1)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(body) < length:  # the whole response: the server is done with it
+                body += kept_alive.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200 ") and len(body) == length
+        slow_next.sendall(b"G")  # a next request's first byte, and no more
+        assert _closed_by_server(partial).startswith(b"HTTP/1.1 408 ")
+        assert _closed_by_server(silent) == b""
+        assert _closed_by_server(slow_next).startswith(b"HTTP/1.1 408 ")
+        assert _closed_by_server(idle) == b""
+        for conn in (partial, silent, slow_next, idle):
+            conn.close()
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def test_serve_answers_503_beyond_its_connections_then_serves_again() -> None:
+    """A connection beyond --max-connections is answered 503 at once, unread; once the
+    slow clients are gone (closed by the read timeout), requests are served again."""
+    server = serving("--max-connections", "2", "--read-timeout", "0.3s")
+    port = int(server.args[server.args.index("--port") + 1])
+    try:
+        slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        with socket.create_connection(("127.0.0.1", port)) as beyond:
+            answer = _closed_by_server(beyond)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"at most 2 at a time" in answer
+        for conn in slow:
+            assert _closed_by_server(conn) == b""
+            conn.close()
+        assert httpx2.get(f"http://127.0.0.1:{port}/jobs").status_code == 200
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def test_serve_stops_gracefully_on_sigterm_and_dies_of_it() -> None:
@@ -441,7 +508,7 @@ def test_serve_stops_gracefully_on_sigint_and_exits_130(background: bool) -> Non
     def ignore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    server = serving(ignore_sigint if background else None)
+    server = serving(preexec=ignore_sigint if background else None)
     server.send_signal(signal.SIGINT)
     rest = server.communicate(timeout=30)[1]
     assert server.returncode == 130, (server.returncode, rest)

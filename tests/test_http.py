@@ -405,6 +405,10 @@ def test_the_app_starts_an_unstarted_backend_and_closes_only_that() -> None:
     (["--token", ""], "token is empty"),
     (["--token", "s\u00e9cret"], "cannot send in a header"),
     (["--port", "70000"], "not a port number"),
+    (["--read-timeout", "soon"], "--read-timeout='soon' is not a duration"),
+    (["--read-timeout", "0s"], "--read-timeout='0s' must be greater than zero"),
+    (["--keep-alive", "2h"], "--keep-alive='2h' is longer than an hour"),
+    (["--max-connections", "0"], "--max-connections='0' is not a whole number"),
 ])
 def test_serve_refuses_bad_options(argv: list[str], says: str,
                                    capsys: pytest.CaptureFixture[str],
