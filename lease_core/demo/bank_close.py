@@ -387,14 +387,15 @@ def _checks(url: str, t: dict[str, str],
 async def _serve(backend: Backend, out: Any, servers: list[Any], *, task_status: Any) -> None:
     import uvicorn
 
+    from lease_core._serve import Limits
     from lease_core.http import LoopbackHostOnly, create_app
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     app = LoopbackHostOnly(create_app(backend))  # no token: this machine only
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           access_log=False, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, access_log=False,
+                                           log_level="warning", **Limits().uvicorn_options()))
     servers.append(server)
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve)
