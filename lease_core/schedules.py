@@ -174,7 +174,34 @@ def _check_expression(expression: object) -> str:
                 f"{kind}; write a fixed value (e.g. '17'), a list or a range with a step "
                 "(e.g. '*/15' or '0-30/10') instead"
             )
+    _check_every_second(expression.split())
     return expression.strip()
+
+
+def _check_every_second(fields: list[str]) -> None:
+    """Refuse six fields whose seconds (the last) are ``*`` and whose others are not all
+    ``*``: Spring's ``0 0 2 * * *`` (02:00 daily, seconds first) reads here as every
+    second of 00:00 on each month's 2nd, sixty runs. ``* * * * * *`` (every second), and
+    ``*/1`` as the seconds (every second of the minutes matched, written out), pass; an
+    expression croniter refuses is left to the error naming its bad field."""
+    if len(fields) != 6 or fields[5] != "*" or all(field == "*" for field in fields[:5]):
+        return
+    minutes = " ".join(fields[:5])
+    meant = " ".join(fields[1:] if fields[0] == "0" else [*fields[1:], fields[0]])
+    try:
+        croniter(" ".join(fields))
+    except (CroniterBadCronError, ValueError, KeyError):
+        return
+    try:
+        croniter(meant)
+        seconds_first = f"with the seconds first (Quartz's and Spring's form), write {meant!r}; "
+    except (CroniterBadCronError, ValueError, KeyError):
+        seconds_first = ""
+    raise ConfigurationError(
+        f"cron expression {' '.join(fields)!r} runs every second of the minutes {minutes!r} "
+        f"matches (six fields put the seconds last, here): {seconds_first}for once in "
+        f"each of those minutes, write the five fields {minutes!r}; for every second, "
+        f"'{minutes} */1'")
 
 
 #: What each field takes, for an error naming the field refused.
@@ -276,9 +303,12 @@ class CronSchedule(Schedule):
     starts with ``*``: ``30 1 * * *``, ``0 1-3 * * *``), as in Vixie cron and cronie; when
     either starts with ``*`` (``*/30 * * * *``, ``0 * * * *``, ``*/10 1 * * *``) the job
     runs by the clock, in both passes. ``R`` (random) and ``H`` (hashed) values, the
-    ``@daily``-style aliases, an expression no date matches (``0 0 30 2 *``), and a ``tz``
-    that is no IANA name (a ``ZoneInfo`` object: pass its name) or is ``"localtime"`` (each
-    machine's own zone) are refused with :class:`~lease_core.errors.ConfigurationError`.
+    ``@daily``-style aliases, six fields whose seconds (the last) are ``*`` and whose
+    other fields are not all ``*`` (Spring's ``0 0 2 * * *``, seconds first, would run
+    every second of a minute; ``*/1`` as the seconds says so), an expression no date
+    matches (``0 0 30 2 *``), and a ``tz`` that is no IANA name (a ``ZoneInfo`` object:
+    pass its name) or is ``"localtime"`` (each machine's own zone) are refused with
+    :class:`~lease_core.errors.ConfigurationError`.
     """
 
     def __init__(self, expression: str, tz: str = "UTC") -> None:

@@ -264,6 +264,25 @@ def test_a_bad_six_field_expression_that_reads_with_the_seconds_first_says_so(
     assert "Six fields put the seconds last" in message and f"write {meant}" in message, message
 
 
+@pytest.mark.parametrize(("expression", "meant"), [
+    ("0 0 2 * * *", "'0 2 * * *'"), ("0 */5 * * * *", "'*/5 * * * *'"),
+    ("*/10 * * * * *", "'* * * * * */10'"),
+])
+def test_six_fields_with_every_second_last_are_refused_naming_the_readings(
+        expression: str, meant: str) -> None:
+    """Spring's '0 0 2 * * *' (02:00 daily, seconds first, no '?') was accepted and read
+    with the seconds last: every second of 00:00 on each month's 2nd, sixty runs. It is
+    refused, naming the seconds-first reading and the five fields; every second of the
+    minutes matched is written out with '*/1', and '* * * * * *' means every second."""
+    with pytest.raises(ConfigurationError, match="runs every second of the minutes") as info:
+        CronSchedule(expression)
+    five = " ".join(expression.split()[:5])
+    message = str(info.value)
+    assert f"write {meant}" in message and f"five fields {five!r}" in message, message
+    for accepted in (five, f"{five} */1", "* * * * * *", meant.strip("'")):
+        CronSchedule(accepted)
+
+
 @pytest.mark.parametrize("expression", ["0 25 * * *", "0 0 * * * 61", "0 0 1 * * 61"])
 def test_no_seconds_first_reading_is_offered_where_none_reads(expression: str) -> None:
     with pytest.raises(ConfigurationError) as info:
