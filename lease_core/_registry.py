@@ -35,6 +35,11 @@ _SCHEME_HINTS = {
     "pg": " (for PostgreSQL, write postgresql://)",
     "postgresql+asyncpg": " (asyncpg is not supported: write postgresql:// for psycopg, or "
                           "postgresql+pg8000://)",
+    # SQLAlchemy's default PostgreSQL URL, copied from an application's settings.
+    "postgresql+psycopg2": " (psycopg2 is not supported: write postgresql:// for psycopg 3, "
+                           "or postgresql+pg8000://)",
+    "redis+tls": " (for Redis over TLS, write rediss://)",
+    "redis+ssl": " (for Redis over TLS, write rediss://)",
 }
 
 _BUILTIN: dict[str, tuple[str, str, str]] = {

@@ -31,6 +31,9 @@ def test_unknown_scheme_lists_known_ones() -> None:
     ("valkeys://localhost:6379/0", "write rediss://"),
     ("pg://db/app", "write postgresql://"),
     ("postgresql+asyncpg://db/app", "asyncpg is not supported"),
+    ("postgresql+psycopg2://db/app", "psycopg2 is not supported: write postgresql://"),
+    ("redis+tls://localhost:6379/0", "for Redis over TLS, write rediss://"),
+    ("redis+ssl://localhost:6379/0", "for Redis over TLS, write rediss://"),
 ])
 def test_another_tool_s_scheme_says_what_to_write(url: str, hint: str) -> None:
     with pytest.raises(ConfigurationError, match="is unknown") as refused:
