@@ -173,6 +173,18 @@ def test_bad_job_declarations(call: object, needle: str) -> None:
     assert not s.jobs
 
 
+def test_a_handler_s_coroutine_instead_of_the_handler_says_to_pass_the_function() -> None:
+    """every("j", "1m", job(ctx)) said only "is not callable" (and Python warned that the
+    coroutine was never awaited): the message names the function to pass."""
+
+    async def export(ctx: object) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match=r"of job 'j' is not callable; pass the "
+                       r"function itself \(.*export\), not the coroutine a call of it made"):
+        sched().every("j", "1m", export(None))  # type: ignore[arg-type]
+
+
 def test_duplicate_job_name() -> None:
     s = sched()
     s.every("dup", "1m", noop)

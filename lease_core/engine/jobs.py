@@ -71,7 +71,13 @@ def check_handler(handler: object, what: str) -> None:
     """Refuse a handler that cannot be called with the run's context, its one argument
     (``def job(): ...`` was declared, and then failed every run with a TypeError)."""
     if not callable(handler):
-        raise ConfigurationError(f"handler {handler!r} of {what} is not callable")
+        hint = ""
+        if inspect.iscoroutine(handler):
+            # every("j", "5m", job(ctx)) or job(): the call's coroutine, not the function.
+            handler.close()  # never awaited, on purpose: no RuntimeWarning
+            hint = (f"; pass the function itself ({handler.__qualname__}), "
+                    "not the coroutine a call of it made")
+        raise ConfigurationError(f"handler {handler!r} of {what} is not callable{hint}")
     call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects too
     for kind, test in (("an async generator", inspect.isasyncgenfunction),
                        ("a generator", inspect.isgeneratorfunction)):
