@@ -15,6 +15,7 @@ import argparse
 import json
 from typing import Any
 
+from ._cli_help import add_command
 from ._status import parse_run_id
 from ._structures import format_slot
 from .errors import OperationRefused
@@ -37,7 +38,7 @@ _HELP = {
 def add_parsers(sub: Any, url_help: str, namespace_options: Any) -> None:
     """Add the operation subcommands to the ``anarchon`` parser's subparsers ``sub``."""
     for name in COMMANDS:
-        command = sub.add_parser(name, help=_HELP[name])
+        command = add_command(sub, name, _HELP[name])
         if name == "lease":
             command.add_argument("name", metavar="NAME", help="the lease's name")
             command.add_argument("--json", action="store_true", help="print a JSON object")

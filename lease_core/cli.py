@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 import anyio
 
 from . import __version__
+from ._cli_help import EXIT_CODES, add_command
 from ._cli_operations import COMMANDS as OPERATIONS
 from ._cli_operations import MEMORY_NOTE, run_operation
 from ._cli_operations import add_parsers as add_operation_parsers
@@ -102,18 +103,6 @@ def _positive(text: str) -> int:
     return value
 
 
-#: The exit codes, as ``anarchon --help`` lists them (the module's docstring explains them).
-EXIT_CODES = """exit codes (the same for every subcommand):
-  0    success (also when the reader of the output went away: anarchon history | head)
-  1    failed at run time: store unreachable, login refused, unexpected error, a failed
-       demo verdict, serve's port already in use
-  2    usage or configuration error, or an operation that does not apply (nothing changed)
-  3    no anarchon store at the URL (status, history, prune, serve and the operations
-       never create one)
-  130  interrupted (Ctrl-C)
-  143  serve or the demo stopped by SIGTERM, after a graceful shutdown"""
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="anarchon", description="Lease coordination for scheduled jobs.",
                      epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     url_help = ("the store: a URL (postgresql://, redis://, memory://, ...) or a PostgreSQL "
                 f"key/value DSN ('host=db dbname=app'); default: ${URL_ENV}")
-    demo = sub.add_parser("demo", help="run the fleet demo (embedded PostgreSQL by default)")
+    demo = add_command(sub, "demo", "run the fleet demo (embedded PostgreSQL by default)")
     demo.add_argument("--backend", choices=("postgres", "redis", "memory"), default=None,
                       help="which embedded store to start (default: postgres); with --url, "
                            "the kind of store it names")
@@ -145,15 +134,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--remove", default=None, metavar="NAME",
                       help="remove a namespace a demo kept (with --url), and nothing else: "
                            "refused unless it carries a demo's marker")
-    migrate = sub.add_parser(
-        "migrate", help="create or upgrade the PostgreSQL store (privileged user)")
+    migrate = add_command(
+        sub, "migrate", "create or upgrade the PostgreSQL store (privileged user)")
     migrate.add_argument("--url", "--dsn", dest="url", default=None,
                          help=f"PostgreSQL URL or key/value DSN (default: ${URL_ENV}); "
                               "--url postgresql:// takes the rest from the PG* variables")
     migrate.add_argument("--table", "--namespace", dest="table", default=None,
                          help="table name, may be schema.name (default anarchon_runs); "
                               "--namespace, as the other commands take it, is the same")
-    history = sub.add_parser("history", help="print the recorded attempts, newest first")
+    history = add_command(sub, "history", "print the recorded attempts, newest first")
     history.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     history.add_argument("--job", default=None,
                      help="only this job, or a workflow's steps (default: every job)")
@@ -161,15 +150,15 @@ def _parser() -> argparse.ArgumentParser:
                          help="at most this many attempts (default 20)")
     _namespace_options(history)
     history.add_argument("--json", action="store_true", help="print a JSON array")
-    status = sub.add_parser(
-        "status", help="the jobs the store knows, runs in progress, each job's last outcome")
+    status = add_command(
+        sub, "status", "the jobs the store knows, runs in progress, each job's last outcome")
     status.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     status.add_argument("--job", default=None,
                      help="only this job, or a workflow's steps (default: every job)")
     _namespace_options(status)
     status.add_argument("--json", action="store_true", help="print a JSON object")
-    prune = sub.add_parser(
-        "prune", help="delete old history (finished attempts, and the finished runs left "
+    prune = add_command(
+        sub, "prune", "delete old history (finished attempts, and the finished runs left "
                       "without any): by age, --older-than, and by count, --keep")
     prune.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     prune.add_argument("--older-than", default=None,
@@ -180,8 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--job", default=None,
                      help="only this job, or a workflow's steps (default: every job)")
     _namespace_options(prune)
-    serve = sub.add_parser(
-        "serve", help="serve the status API and page over HTTP (extra 'http'); operations "
+    serve = add_command(
+        sub, "serve", "serve the status API and page over HTTP (extra 'http'); operations "
                       "(POST) need the token")
     serve.add_argument("--url", "--dsn", dest="url", default=None, help=url_help)
     serve.add_argument("--host", default="127.0.0.1",
@@ -401,7 +390,7 @@ def _serve(args: argparse.Namespace) -> int:
             f"--host {args.host!r} is not a loopback address: give a bearer token "
             f"(${TOKEN_ENV} or --token), or listen on 127.0.0.1")
     if any(importlib.util.find_spec(name) is None for name in ("starlette", "uvicorn")):
-        raise ConfigurationError("anarchon serve needs the extra 'http': "
+        raise ConfigurationError("the status API and page need the extra 'http': "
                                  "pip install 'anarchon[http]'")
     limits = limits_from(args)
     check_port(args.host, args.port)

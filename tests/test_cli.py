@@ -212,6 +212,38 @@ def test_prune_needs_a_count_or_a_duration(capsys: pytest.CaptureFixture[str]) -
     assert "--older-than DURATION" in err and "--keep N" in err, err
 
 
+@pytest.mark.parametrize("command", ["demo", "migrate", "history", "status", "prune",
+                                     "serve", "trigger", "pause", "resume", "retry",
+                                     "cancel", "lease"])
+def test_each_subcommand_s_help_says_what_it_does_and_shows_examples(
+        capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """``anarchon status --help`` showed its usage and options only: what the command
+    does was in ``anarchon --help``'s list alone, and no subcommand showed an example."""
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1]
+    assert description[:1].isupper() and description.rstrip().endswith("."), text
+    examples = text.split("\nexamples:\n", 1)[1]
+    assert re.search(rf"^  (\S+=\S+ )?anarchon {command}( |$)", examples, re.MULTILINE), text
+
+
+def test_serve_without_the_http_extra_names_it() -> None:
+    """The message said "anarchon serve: anarchon serve needs the extra 'http'"."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["starlette"] = sys.modules["uvicorn"] = None
+        from lease_core.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code, "serve", "--url", "memory://"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == ("anarchon serve: the status API and page need the extra 'http': "
+                          "pip install 'anarchon[http]'\n"), out.stderr
+
+
 def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["nosuch"])
