@@ -49,6 +49,10 @@ _UNAVAILABLE_CLASSES = ("08", "53", "57", "58", "28")
 #: "keepalives"``, ``invalid port number: "x"``): the URL is wrong, no server is at fault.
 _BAD_PARAMETER = re.compile(r'\binvalid (?:[a-z_]+ value: "|integer value "[^"]*" for '
                             r'connection option "|port number: ")')
+#: The server's refusal of a connection to a database it has not (SQLSTATE 3D000, which
+#: libpq does not give at connect time: only the text). pg8000 gets the SQLSTATE, and
+#: files it as a setup error; psycopg said "cannot reach PostgreSQL".
+_NO_DATABASE = re.compile(r'\bFATAL:\s+database "[^"]*" does not exist')
 
 
 def _query(sql: str) -> LiteralString:
@@ -126,6 +130,9 @@ def translate_error(
         if not state and _BAD_PARAMETER.search(text):
             return ConfigurationError(f"PostgreSQL connection parameters{at} refused by "
                                       f"libpq: {text}; correct the value in the URL or DSN")
+        if not state and _NO_DATABASE.search(text):
+            return StoreRefused(f"PostgreSQL{at} refused the connection: {text} (check the "
+                                "database name in the URL or DSN)")
         if state in ("28P01", "28000") or "authentication failed" in text or (
             "no password supplied" in text
         ):

@@ -430,6 +430,19 @@ def test_wrong_postgres_password_is_a_refused_login(
         assert "refused the login" in err and "cannot reach" not in err
 
 
+def test_a_database_the_server_has_not_is_a_setup_error_on_either_driver(
+    capsys: pytest.CaptureFixture[str], pg16_server: PgServer
+) -> None:
+    """psycopg gives no SQLSTATE at connect time: a database the server has not (3D000)
+    said "cannot reach PostgreSQL" and exited 1, where pg8000, given the SQLSTATE,
+    exited 2 (a setup error)."""
+    dsn = pg16_server.server.dsn_for("postgres", pg16_server.server.password, "no_such_db")
+    for url in (dsn, dsn.replace("postgresql://", "postgresql+pg8000://")):
+        assert main(["history", "--url", url]) == 2
+        err = one_line_error(capsys)
+        assert 'database "no_such_db" does not exist' in err and "cannot reach" not in err
+
+
 @pytest.fixture(scope="module")
 def password_redis() -> Iterator[EmbeddedRedis]:
     """A Valkey server that wants a password other than the test's secret."""
