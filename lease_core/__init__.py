@@ -9,7 +9,6 @@ when its backend is used, with a message naming the extra to install.
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import TYPE_CHECKING, Any
 
 from ._structures import Attempt, Outcome, Reason, RunInfo, RunStatus, fence_of
@@ -119,8 +118,9 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-# The library logs to "anarchon"; the application decides where that goes.
-logging.getLogger("anarchon").addHandler(logging.NullHandler())
+# The library logs to "anarchon"; the application decides where that goes. No handler of
+# its own (not even a NullHandler): with no logging configured, Python's last-resort
+# handler prints the warnings and errors (a failed handler's traceback) on stderr.
 
 _LAZY: dict[str, tuple[str, str]] = {
     "Admin": ("lease_core.operations", ""),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,10 +20,38 @@ from lease_core.testing import claim_now
 from tests.helpers import quiet_offset_now, wait_for, wait_history
 
 
-def test_the_library_logger_has_a_null_handler() -> None:
-    assert lease_core.Scheduler  # importing the library sets it up
-    handlers = logging.getLogger("anarchon").handlers
-    assert any(isinstance(h, logging.NullHandler) for h in handlers)
+def test_with_no_logging_configured_a_failed_handler_prints_on_stderr() -> None:
+    """The library's logger had a NullHandler, so with no logging configured a failing
+    handler said nothing at all; Python's last-resort handler prints warnings and errors
+    on stderr now, as for any module that logs; the INFO records stay silent."""
+    code = textwrap.dedent("""
+        import anyio
+        from lease_core import MemoryBackend, Scheduler
+        from lease_core.testing import claim_now
+
+        def export(ctx):
+            raise RuntimeError("the export broke (test)")
+
+        async def main():
+            s = Scheduler(MemoryBackend(), instance_id="a")
+            s.every("export", "1h", export, offset="0s")
+            async with s:
+                slot = s.jobs["export"].schedule.previous_at_or_before(s.store_now_ms())
+                await claim_now(s, "export", slot)
+                with anyio.fail_after(10):
+                    while not [a for a in await s.history("export") if a.outcome]:
+                        await anyio.sleep(0.02)
+
+        anyio.run(main)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "the export broke (test)" in done.stderr, done.stderr
+    assert "Traceback" in done.stderr, done.stderr
+    assert "started with" not in done.stderr, done.stderr  # INFO: not shown
+    assert lease_core.Scheduler
+    assert not logging.getLogger("anarchon").handlers
 
 
 def test_slots_format_as_iso_8601_utc() -> None:
