@@ -16,8 +16,9 @@ import pytest
 import lease_core
 from lease_core import MemoryBackend, Outcome, Retry, RunContext, Scheduler
 from lease_core._structures import ClaimRequest, ClaimResult, format_slot
+from lease_core.engine import outages
 from lease_core.testing import claim_now
-from tests.helpers import quiet_offset_now, wait_for, wait_history
+from tests.helpers import Unplugged, quiet_offset_now, wait_for, wait_history
 
 
 def test_with_no_logging_configured_a_failed_handler_prints_on_stderr() -> None:
@@ -126,6 +127,54 @@ async def test_a_timed_out_handler_is_logged_with_its_iso_slot(
     message = line.getMessage()
     assert message.startswith(f"slow slot {format_slot(slot)} ({slot}) attempt 1 timed out")
     assert "0.3s" in message
+
+
+@pytest.mark.anyio
+async def test_an_outage_logs_a_few_lines_not_one_per_failed_call(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """20 jobs due every 100 ms on a store out of reach: every failed claim logged a
+    warning, and so did every slot of every job missed meanwhile (with 100 jobs due every
+    second, about 6,000 lines for an outage of 30 s). An outage logs its start, a
+    reminder every OUTAGE_REMINDER seconds, its end (with the calls failed and the slots
+    missed), and the slots missed after it in one line; an unexpected error, once with
+    its traceback."""
+    monkeypatch.setattr(outages, "OUTAGE_REMINDER", 0.3)
+    caplog.set_level("INFO", logger="anarchon")
+    backend = Unplugged()
+    s = Scheduler(backend, instance_id="a", lease="1.2s", heartbeat="0.2s")
+    for n in range(20):
+        s.every(f"j{n}", "100ms", lambda ctx: None)
+
+    def said(text: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if text in r.getMessage()]
+
+    async with s:
+        await wait_for(lambda: said("won attempt"), what="a run")
+        backend.down = True
+        began = time.monotonic()
+        await wait_for(lambda: len(backend.failed_claims) >= 100 and said("still unreachable"),
+                       what="failed claims and a reminder")
+        backend.down = False
+        await wait_for(lambda: said("answers again"), what="the outage's end")
+        lasted = time.monotonic() - began
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        [start] = said("cannot reach the store")
+        assert "claim of" in start.getMessage() and "store unreachable (test)" in start.getMessage()
+        reminders = said("still unreachable")
+        assert 1 <= len(reminders) <= lasted / 0.3 + 1
+        [end] = said("answers again")
+        assert end.levelno == logging.WARNING and "calls failed" in end.getMessage()
+        assert len(warnings) <= len(reminders) + 4, [r.getMessage() for r in warnings]
+        caplog.clear()
+        failed = len(backend.failed_claims)
+        backend.down = ZeroDivisionError
+        await wait_for(lambda: len(backend.failed_claims) >= failed + 40, what="failed claims")
+        backend.down = False
+        await wait_for(lambda: said("answers again"), what="the outage's end")
+    [error] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert error.exc_info is not None and error.exc_info[0] is ZeroDivisionError
+    assert "failed unexpectedly" in error.getMessage()
 
 
 @pytest.mark.anyio

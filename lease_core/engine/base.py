@@ -14,7 +14,7 @@ from .._backend_check import check_backend
 from .._checks import check_storable
 from .._durations import parse_duration, to_ms
 from ..abc import Backend
-from ..errors import AnarchonError, ConfigurationError
+from ..errors import ConfigurationError
 
 __all__ = [
     "CATCH_UP_LIMIT",
@@ -32,7 +32,6 @@ __all__ = [
     "check_clock",
     "check_options",
     "is_async",
-    "log_failure",
     "logger",
     "timer_slack_ms",
     "unrun",
@@ -163,16 +162,6 @@ def timer_slack_ms(value: object, *, heartbeat: tuple[float, object]) -> int:
             f"timer_slack={value!r} must be shorter than the heartbeat ({heartbeat[1]!r}); "
             "the default is 50ms, and 0 claims every slot at its own instant")
     return to_ms(seconds)
-
-
-def log_failure(what: str, exc: Exception) -> None:
-    """Log a failed store call: briefly for a store error, with a traceback for a bug."""
-    # Store errors are expected (outages); anything else is a bug worth a traceback.
-    # Neither may end the scheduler's tasks.
-    if isinstance(exc, AnarchonError):
-        logger.warning("%s failed: %s", what, exc)
-    else:
-        logger.error("%s failed unexpectedly", what, exc_info=exc)
 
 
 def is_async(handler: Callable[..., Any]) -> bool:

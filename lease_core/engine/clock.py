@@ -7,7 +7,8 @@ from collections import deque
 from collections.abc import Callable
 
 from .. import events as ev
-from .base import Settings, log_failure, logger
+from .base import Settings, logger
+from .outages import OutageLog
 
 __all__ = ["StoreClock"]
 
@@ -61,6 +62,13 @@ class StoreClock:
         self.awaits_write = False
         """True from a failed write until the store accepts one (with
         :attr:`writes_probed`): until then no answer ends the outage."""
+        self.log = OutageLog(settings.instance_id)
+        """What the instance logs of the store's outages."""
+
+    @property
+    def down(self) -> bool:
+        """True from a failed call until the store answers (or accepts a write)."""
+        return self._down_since is not None
 
     def now_ms(self) -> int:
         """The store's clock as this instance estimates it, in epoch milliseconds."""
@@ -97,7 +105,8 @@ class StoreClock:
         self.last_answer = received
         if self._down_since is not None:
             downtime, self._down_since = received - self._down_since, None
-            logger.info("the store answers again after %.1fs", downtime)
+            before = self.answered_before_outage
+            self.log.ended(downtime, None if before is None else received - before)
             self._emit(ev.StoreBack(instance_id=self._instance_id, downtime=downtime))
 
     async def sample(self) -> None:
@@ -106,13 +115,11 @@ class StoreClock:
         now = await self._settings.backend.now_ms()
         self.note(now, sent, self._clock())
 
-    def failed(self, what: str, exc: Exception, *, log: bool = True,
-               write: bool = False) -> None:
-        """A call to the store failed: log it, and report the outage when it begins;
-        ``write``: the call would have written to the store."""
-        if log:
-            log_failure(what, exc)
+    def failed(self, what: str, exc: Exception, *, write: bool = False) -> None:
+        """A call to the store failed: log it (see :class:`OutageLog`), and report the
+        outage when it begins; ``write``: the call would have written to the store."""
         self.last_failure = self._clock()
+        self.log.failed(what, exc, self.last_failure, starting=self._down_since is None)
         if write and self.writes_probed:
             self.awaits_write = True
         if self._down_since is None:

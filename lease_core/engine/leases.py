@@ -17,6 +17,7 @@ from .._durations import to_ms
 from .._lease_clock import RESUME_CHECK, lease_clock
 from .._outcome import Interruption
 from .._structures import CheckResult, Reason, RunStatus, format_slot
+from ..errors import BackendUnavailable
 from .base import logger
 from .runs import Phase
 
@@ -71,9 +72,9 @@ class LeaseKeeper:
                 except Exception as exc:
                     s.clock.failed("heartbeat and backup check", exc)
             if scope.cancelled_caught:
-                logger.warning("tick took longer than %gs; the store is slow", limit)
-                s.clock.failed("tick", TimeoutError(
-                    f"the store did not answer within {limit:g}s"), log=False)
+                s.clock.failed("tick", BackendUnavailable(
+                    f"the store did not answer within {limit:g}s (the tick was cut "
+                    "short)"))
 
     async def _nap(self, seconds: float) -> None:
         """Sleep ``seconds`` on the event loop's clock; while handlers run, in naps of
@@ -176,6 +177,7 @@ class LeaseKeeper:
         retries = [run for run in watched if run.phase is Phase.RECLAIM]
         newest: dict[str, int] = {}
         again: list[tuple[Job, int, Reason]] = []
+        missed: list[tuple[str, int]] = []
         for run in retries:
             newest[run.job.name] = max(run.slot, newest.get(run.job.name, run.slot))
         for run in retries:
@@ -188,12 +190,11 @@ class LeaseKeeper:
                 # in case an unanswered claim won it. A kept run was due while the store
                 # answered (a quarantine, a ranked member's turn): it is claimed.
                 s.runs.watch(run.job, run.slot)
-                logger.warning("%s slot %s not claimed while the store was unreachable; "
-                               "claiming the newer slot instead", run.job.name,
-                               format_slot(run.slot))
+                missed.append(run.key)
                 continue
             assert run.reclaim_reason is not None
             again.append((run.job, run.slot, run.reclaim_reason))
+        s.clock.log.missed(missed, down=s.clock.down)
         await s.claims.claim_many(again)
         # A run ranked to another member is read only once its own turn comes before the
         # next tick: until then its state does not matter here (the members ranked before
@@ -260,6 +261,7 @@ class LeaseKeeper:
             newest[job.name] = max(slot, newest.get(job.name, slot),
                                    slot if current is None else current)
         kept: list[tuple[Job, int, Reason]] = []
+        skipped: list[tuple[str, int]] = []
         for job, slot, reason in due:
             record = s.runs.get((job.name, slot))
             missed = (record is not None and record.claim_after <= failed_ms
@@ -268,10 +270,10 @@ class LeaseKeeper:
                     and job.scheduled
                     and (job.catch_up != "all" or job.overlap == "skip")):
                 s.runs.watch(job, slot)  # forgotten at the next check unless claimed
-                logger.warning("%s slot %s not claimed while the store was unreachable; "
-                               "claiming the newer slot instead", job.name, format_slot(slot))
+                skipped.append((job.name, slot))
                 continue
             kept.append((job, slot, reason))
+        clock.log.missed(skipped, down=clock.down)
         return kept
 
     def _ended_run(self, run: Run, state: RunState | None, now_ms: int) -> None:

@@ -1,0 +1,108 @@
+"""What one instance logs of the store's outages: a few lines each, not one per call."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .._structures import format_slot
+from ..errors import AnarchonError
+from .base import logger
+
+__all__ = ["OUTAGE_ERRORS", "OUTAGE_REMINDER", "OutageLog"]
+
+#: Seconds between the reminders of an outage that goes on.
+OUTAGE_REMINDER = 60.0
+#: The most distinct errors an outage logs, each once (later ones count in its reminders).
+OUTAGE_ERRORS = 5
+
+
+class OutageLog:
+    """Logs one instance's outages of the store in a bounded number of lines.
+
+    An outage logs its first failure (a warning saying the store cannot be reached), each
+    other error it meets once (up to :data:`OUTAGE_ERRORS`: an outage that changes, as a
+    pooler refusing queries once a failed-over server is up), a reminder every
+    :data:`OUTAGE_REMINDER` seconds while it lasts, and its end, with how many calls
+    failed and how many slots were missed meanwhile. Every other failure goes to DEBUG:
+    with 100 jobs due every second, each failed claim, retry and missed slot logged a
+    warning, about 6,000 lines for an outage of 30 s. An error that is not the store's
+    (a bug) is logged at ERROR with its traceback, once per kind and outage.
+    """
+
+    def __init__(self, instance_id: str) -> None:
+        self._instance_id = instance_id
+        self._failures = 0
+        self._kinds: set[tuple[type[BaseException], str]] = set()
+        self._logged_at = -math.inf
+        self._missed: dict[str, int] = {}
+
+    def failed(self, what: str, exc: Exception, now: float, *, starting: bool) -> None:
+        """Log (or count) a failed call: ``what`` failed with ``exc`` at ``now`` (local
+        clock); ``starting``: the first failure of an outage."""
+        if starting:
+            self._failures, self._kinds, self._missed = 0, set(), {}
+        self._failures += 1
+        kind = (type(exc), str(exc))
+        instance = self._instance_id
+        if kind not in self._kinds and len(self._kinds) < OUTAGE_ERRORS:
+            self._kinds.add(kind)
+            self._logged_at = now
+            if not isinstance(exc, AnarchonError):
+                # Store errors are translated to AnarchonError: anything else is a bug.
+                logger.error("instance %s: %s failed unexpectedly (a bug: please report "
+                             "it with this traceback); the call is retried", instance,
+                             what, exc_info=exc)
+            elif starting:
+                logger.warning("instance %s cannot reach the store: %s failed: %s; its "
+                               "calls are retried, and until it answers further failures "
+                               "are summed up every %gs", instance, what, exc,
+                               OUTAGE_REMINDER)
+            else:
+                logger.warning("instance %s: %s failed: %s (the store is still "
+                               "unreachable)", instance, what, exc)
+        elif now - self._logged_at >= OUTAGE_REMINDER:
+            self._logged_at = now
+            logger.warning("instance %s: the store is still unreachable; %d calls failed "
+                           "so far%s, the latest: %s failed: %s", instance, self._failures,
+                           self._missed_text(), what, exc)
+        else:
+            logger.debug("instance %s: %s failed: %s", instance, what, exc)
+
+    def missed(self, slots: Sequence[tuple[str, int]], *, down: bool) -> None:
+        """Slots (job, slot) missed while the store was unreachable, not claimed since a
+        newer slot of their job is: counted in the outage's lines while ``down``, else
+        logged in one line."""
+        for job, slot in slots:
+            logger.debug("%s slot %s not claimed while the store was unreachable; "
+                         "claiming the newer slot instead", job, format_slot(slot))
+        if not slots:
+            return
+        if down:
+            for job, _ in slots:
+                self._missed[job] = self._missed.get(job, 0) + 1
+            return
+        jobs = sorted({job for job, _ in slots})
+        logger.warning("instance %s: %d slot%s of %d job%s (%s%s) missed while the store "
+                       "was unreachable %s not claimed: only the newest slot of each job "
+                       "is (catch_up)", self._instance_id, len(slots),
+                       "" if len(slots) == 1 else "s", len(jobs), "" if len(jobs) == 1 else "s",
+                       ", ".join(jobs[:3]), ", ..." if len(jobs) > 3 else "",
+                       "is" if len(slots) == 1 else "are")
+
+    def ended(self, downtime: float, silent: float | None) -> None:
+        """The outage ended: it began ``downtime`` seconds ago (its first failure), and
+        the store last answered ``silent`` seconds ago (None: never)."""
+        logger.warning("instance %s: the store answers again after %.1fs (%d call%s "
+                       "failed%s%s)", self._instance_id, downtime, self._failures,
+                       "" if self._failures == 1 else "s",
+                       "" if silent is None else f"; its previous answer was {silent:.1f}s ago",
+                       self._missed_text())
+
+    def _missed_text(self) -> str:
+        if not self._missed:
+            return ""
+        slots = sum(self._missed.values())
+        return (f"; {slots} slot{'' if slots == 1 else 's'} of {len(self._missed)} "
+                f"job{'' if len(self._missed) == 1 else 's'} missed meanwhile, only the "
+                "newest of each job is claimed (catch_up)")
