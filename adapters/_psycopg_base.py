@@ -113,8 +113,10 @@ def translate_error(
     if isinstance(exc, PoolTimeout):
         return BackendUnavailable(
             f"no pooled connection to PostgreSQL{at} became free in time ({text}): every "
-            "connection of the pool was busy; raise max_size (?max_size= in the URL, "
-            "default 4) or timeout (?timeout=, default 10s), or pass a larger pool"
+            "connection of the pool was busy, or the pool could not open one (the server "
+            "down or out of reach: the psycopg.pool logger says why); if the server "
+            "answers, raise max_size (?max_size= in the URL, default 4) or timeout "
+            "(?timeout=, default 10s), or pass a larger pool"
         )
     if state and state[:2] not in _UNAVAILABLE_CLASSES:
         # A server's error of no outage class (3B001 a bad savepoint in a fenced

@@ -37,6 +37,7 @@ from backends.postgres.statements import sqlstate
 from backends.redis import RedisBackend
 from lease_core.errors import BackendUnavailable, ConfigurationError, StoreRefused
 from lease_core.testing import wait_for
+from tests.chaos.proxy import Proxy, with_port
 from tests.stores.postgres import PgServer
 
 pytestmark = pytest.mark.anyio
@@ -981,5 +982,32 @@ async def test_pg8000_pool_open_keeps_its_first_connection(pg16_server: PgServer
         rows = await adapter.all("SELECT pg_backend_pid()")
         assert await _query(pg16_server.dsn, sessions, (app,)) == 1, "logged in again"
         assert await adapter.all("SELECT pg_backend_pid()") == rows
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # psycopg's async pool
+async def test_a_pool_that_cannot_reconnect_does_not_blame_its_size(pg16_server: PgServer) -> None:
+    """A server gone after the pool opened: the pool timed out while trying to open a
+    connection, and the error said every connection was busy and to raise max_size,
+    which an operator reading an outage's log line could only get wrong."""
+    proxy = Proxy(int(pg16_server.dsn.rsplit(":", 1)[1].split("/")[0]))
+    await anyio.to_thread.run_sync(proxy.start)
+    adapter = PsycopgDsnAdapter(with_port(pg16_server.dsn, proxy.port), max_size=1,
+                                timeout=0.5)
+    try:
+        await adapter.open()
+        assert await adapter.all("SELECT 1") == [(1,)]
+    finally:
+        await anyio.to_thread.run_sync(proxy.close)  # nothing listens any more
+    try:
+        errors: list[str] = []
+        with anyio.fail_after(10):
+            while not any("became free in time" in e for e in errors):
+                with pytest.raises(BackendUnavailable) as raised:
+                    await adapter.all("SELECT 1")
+                errors.append(str(raised.value))
+        timed_out = next(e for e in errors if "became free in time" in e)
+        assert "or the pool could not open one" in timed_out, timed_out
     finally:
         await adapter.close()
