@@ -319,8 +319,11 @@ class LeaseKeeper:
                     self._s.fleet.renew_soon()
                 if result is not None and _newer_running(run, result):
                     self._s.runs.watch(run.job, run.slot)  # forgotten unless claimed
-                    logger.info("%s slot %s not claimed: a newer slot of the job runs "
-                                "(overlap=\"skip\")", run.job.name, format_slot(run.slot))
+                    # DEBUG: every member ranked after the first says so of every slot,
+                    # thousands of lines after an outage (and the first-ranked member's
+                    # claim, skipped, is logged and in the history).
+                    logger.debug("%s slot %s not claimed: a newer slot of the job runs "
+                                 "(overlap=\"skip\")", run.job.name, format_slot(run.slot))
                     return False
                 if self._s.steps.continue_later(run):
                     return False
