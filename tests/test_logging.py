@@ -138,7 +138,8 @@ async def test_an_outage_logs_a_few_lines_not_one_per_failed_call(
     second, about 6,000 lines for an outage of 30 s). An outage logs its start, a
     reminder every OUTAGE_REMINDER seconds, its end (with the calls failed and the slots
     missed), and the slots missed after it in one line; an unexpected error, once with
-    its traceback."""
+    its traceback; outages that follow each other (a store refusing one kind of call),
+    their reminders."""
     monkeypatch.setattr(outages, "OUTAGE_REMINDER", 0.3)
     caplog.set_level("INFO", logger="anarchon")
     backend = Unplugged()
@@ -165,6 +166,7 @@ async def test_an_outage_logs_a_few_lines_not_one_per_failed_call(
         assert 1 <= len(reminders) <= lasted / 0.3 + 1
         [end] = said("answers again")
         assert end.levelno == logging.WARNING and "calls failed" in end.getMessage()
+        assert int(end.getMessage().split(" (")[1].split()[0]) >= 100  # the whole outage's
         assert len(warnings) <= len(reminders) + 4, [r.getMessage() for r in warnings]
         caplog.clear()
         failed = len(backend.failed_claims)
@@ -172,9 +174,19 @@ async def test_an_outage_logs_a_few_lines_not_one_per_failed_call(
         await wait_for(lambda: len(backend.failed_claims) >= failed + 40, what="failed claims")
         backend.down = False
         await wait_for(lambda: said("answers again"), what="the outage's end")
-    [error] = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert error.exc_info is not None and error.exc_info[0] is ZeroDivisionError
-    assert "failed unexpectedly" in error.getMessage()
+        [error] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert error.exc_info is not None and error.exc_info[0] is ZeroDivisionError
+        assert "failed unexpectedly" in error.getMessage()
+        # Membership renewals refused, claims accepted: an outage at every tick, each
+        # ended by the next claim. Each logged its start and its end.
+        caplog.clear()
+        backend.fails = frozenset({"members"})
+        backend.down = True
+        await wait_for(lambda: said("outages over the last"), what="a reminder")
+        backend.down = False
+    [reminder] = said("outages over the last")
+    assert int(reminder.getMessage().split(" failed in ")[1].split()[0]) >= 2
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) <= 3
 
 
 @pytest.mark.anyio

@@ -106,7 +106,7 @@ class StoreClock:
         if self._down_since is not None:
             downtime, self._down_since = received - self._down_since, None
             before = self.answered_before_outage
-            self.log.ended(downtime, None if before is None else received - before)
+            self.log.ended(received, None if before is None else received - before)
             self._emit(ev.StoreBack(instance_id=self._instance_id, downtime=downtime))
 
     async def sample(self) -> None:

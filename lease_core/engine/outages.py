@@ -28,44 +28,70 @@ class OutageLog:
     with 100 jobs due every second, each failed claim, retry and missed slot logged a
     warning, about 6,000 lines for an outage of 30 s. An error that is not the store's
     (a bug) is logged at ERROR with its traceback, once per kind and outage.
+
+    An outage that begins less than :data:`OUTAGE_REMINDER` after the end of the last one
+    logged, or after relapses no line counted yet (a store that fails some calls and
+    answers others, as one refusing heartbeats only), is a relapse: it logs no start or
+    end of its own, only the reminders, which count the outages since the last line; a
+    relapse that lasts past a reminder logs its end.
     """
 
     def __init__(self, instance_id: str) -> None:
         self._instance_id = instance_id
-        self._failures = 0
+        self._failures = 0  # calls failed since the last line that counted them
+        self._outage_failures = 0  # calls failed in the current (or last) outage
+        self._outages = 0  # outages begun since the last line that counted them
         self._kinds: set[tuple[type[BaseException], str]] = set()
-        self._logged_at = -math.inf
+        self._logged_at = -math.inf  # when the last warning of outages was logged
+        self._began = -math.inf  # when the current (or last) outage began
+        self._ended_at = -math.inf  # when the end of the last outage was logged
+        self._quiet = False  # the current outage is a relapse
         self._missed: dict[str, int] = {}
 
     def failed(self, what: str, exc: Exception, now: float, *, starting: bool) -> None:
         """Log (or count) a failed call: ``what`` failed with ``exc`` at ``now`` (local
         clock); ``starting``: the first failure of an outage."""
         if starting:
-            self._failures, self._kinds, self._missed = 0, set(), {}
+            self._began = now
+            # Quiet too after relapses no line has counted yet: its reminder does.
+            self._quiet = self._outages > 0 or now - self._ended_at < OUTAGE_REMINDER
+            if not self._quiet:
+                self._failures, self._outages, self._kinds, self._missed = 0, 0, set(), {}
+            self._outages += 1
+            self._outage_failures = 0
         self._failures += 1
+        self._outage_failures += 1
         kind = (type(exc), str(exc))
         instance = self._instance_id
         if kind not in self._kinds and len(self._kinds) < OUTAGE_ERRORS:
             self._kinds.add(kind)
-            self._logged_at = now
             if not isinstance(exc, AnarchonError):
                 # Store errors are translated to AnarchonError: anything else is a bug.
                 logger.error("instance %s: %s failed unexpectedly (a bug: please report "
                              "it with this traceback); the call is retried", instance,
                              what, exc_info=exc)
-            elif starting:
+            elif starting and not self._quiet:
                 logger.warning("instance %s cannot reach the store: %s failed: %s; its "
                                "calls are retried, and until it answers further failures "
                                "are summed up every %gs", instance, what, exc,
                                OUTAGE_REMINDER)
             else:
-                logger.warning("instance %s: %s failed: %s (the store is still "
-                               "unreachable)", instance, what, exc)
-        elif now - self._logged_at >= OUTAGE_REMINDER:
+                logger.warning("instance %s: %s failed: %s (the store is unreachable)",
+                               instance, what, exc)
             self._logged_at = now
-            logger.warning("instance %s: the store is still unreachable; %d calls failed "
-                           "so far%s, the latest: %s failed: %s", instance, self._failures,
-                           self._missed_text(), what, exc)
+        elif now - self._logged_at >= OUTAGE_REMINDER:
+            if self._outages > 1:
+                logger.warning("instance %s: the store keeps failing calls: %d failed in %d "
+                               "outages over the last %.0fs%s, the latest: %s failed: %s",
+                               instance, self._failures, self._outages,
+                               now - self._logged_at, self._missed_text(), what, exc)
+                self._failures, self._outages, self._missed = 0, 1, {}
+            else:
+                logger.warning("instance %s: the store is still unreachable, for %.0fs; %d "
+                               "calls failed%s, the latest: %s failed: %s", instance,
+                               now - self._began, self._outage_failures,
+                               self._missed_text(), what, exc)
+            self._logged_at = now
         else:
             logger.debug("instance %s: %s failed: %s", instance, what, exc)
 
@@ -90,14 +116,20 @@ class OutageLog:
                        ", ".join(jobs[:3]), ", ..." if len(jobs) > 3 else "",
                        "is" if len(slots) == 1 else "are")
 
-    def ended(self, downtime: float, silent: float | None) -> None:
-        """The outage ended: it began ``downtime`` seconds ago (its first failure), and
-        the store last answered ``silent`` seconds ago (None: never)."""
+    def ended(self, now: float, silent: float | None) -> None:
+        """The outage ended at ``now``; the store last answered ``silent`` seconds
+        before (None: never)."""
+        if self._quiet and self._logged_at < self._began:
+            logger.debug("instance %s: the store answers again after %.1fs (a relapse)",
+                         self._instance_id, now - self._began)
+            return
         logger.warning("instance %s: the store answers again after %.1fs (%d call%s "
-                       "failed%s%s)", self._instance_id, downtime, self._failures,
-                       "" if self._failures == 1 else "s",
+                       "failed%s%s)", self._instance_id, now - self._began,
+                       self._outage_failures, "" if self._outage_failures == 1 else "s",
                        "" if silent is None else f"; its previous answer was {silent:.1f}s ago",
                        self._missed_text())
+        self._ended_at = self._logged_at = now
+        self._failures, self._outages, self._missed = 0, 0, {}
 
     def _missed_text(self) -> str:
         if not self._missed:
