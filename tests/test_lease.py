@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -567,6 +567,35 @@ async def test_a_body_that_stalled_past_the_ttl_ends_with_lease_lost() -> None:
         async with lease:
             time.sleep(0.5)  # noqa: ASYNC251 - the stall itself: the event loop blocked
     assert lease.lost.is_set() and backend_users(backend) == 0
+
+
+#: ``clock_gettime`` and the clock ids each platform's :mod:`time` has (their values are
+#: the platform's own: macOS's CLOCK_MONOTONIC is 6).
+_CLOCKS = {"linux": {"clock_gettime": True, "CLOCK_MONOTONIC": 1, "CLOCK_BOOTTIME": 7},
+           "darwin": {"clock_gettime": True, "CLOCK_MONOTONIC": 6, "CLOCK_UPTIME_RAW": 8},
+           "darwin-10.11": {"CLOCK_MONOTONIC": 6},  # built for 10.12, run on an older one
+           "win32": {},
+           "freebsd14": {"clock_gettime": True, "CLOCK_MONOTONIC": 4}}
+
+
+@pytest.mark.parametrize(("platform", "expected"), [
+    ("linux", 7), ("darwin", 6), ("darwin-10.11", None), ("win32", None), ("freebsd14", None)])
+def test_the_lease_clock_is_one_that_counts_a_suspend_on_each_platform(
+        monkeypatch: pytest.MonkeyPatch, platform: str, expected: int | None) -> None:
+    """Linux: CLOCK_BOOTTIME; macOS: CLOCK_MONOTONIC, which counts a suspend there (not
+    CLOCK_UPTIME_RAW, which does not); where ``clock_gettime`` is missing (Windows, whose
+    monotonic counter counts a suspend; a macOS too old for it) or no clock counts a
+    suspend, ``time.monotonic()``: the module imports and the lease clock runs on every
+    platform."""
+    from lease_core import _lease_clock
+
+    clocks = SimpleNamespace(**_CLOCKS[platform])
+    chosen = _lease_clock.clock_id(clocks, platform.split("-")[0])
+    assert chosen == expected
+    monkeypatch.setattr(_lease_clock, "_ID", chosen)
+    monkeypatch.setattr(time, "monotonic", lambda: -1.0)
+    monkeypatch.setattr(time, "clock_gettime", lambda clock: float(clock))
+    assert _lease_clock.lease_clock() == (-1.0 if expected is None else expected)
 
 
 async def test_a_lease_is_lost_soon_after_the_machine_resumes_from_a_suspend(
