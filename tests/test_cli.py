@@ -393,6 +393,24 @@ def test_demo_on_a_cluster_url_says_it_runs_on_one_redis_server(
             assert says in one_line_error(capsys)
 
 
+def test_on_windows_the_process_demos_say_why_they_cannot_run(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demos on PostgreSQL and Redis kill their worker processes with SIGKILL and stop
+    them with SIGTERM, which Windows lacks (SIGTERM is TerminateProcess there, no graceful
+    stop; anyio's signal receiver raises NotImplementedError): they started an embedded
+    server and ended in a traceback or a timeout. Refused in one line, before any server
+    starts, naming the memory demo (and the bank-close one, PostgreSQL only, WSL)."""
+    monkeypatch.delenv("ANARCHON_URL", raising=False)
+    monkeypatch.setattr(sys, "platform", "win32")
+    for args, alternative in ((["--backend", "postgres"], True), (["--backend", "redis"], True),
+                              (["--workflow", "bank-close"], False)):
+        assert main(["demo", *args]) == 2, args
+        captured = capsys.readouterr()
+        assert "Windows has neither signal: run it under WSL" in captured.err, captured.err
+        assert ("--backend memory" in captured.err) is alternative, captured.err
+        assert captured.err.count("\n") == 1 and "Starting embedded" not in captured.out
+
+
 def test_a_bad_demo_namespace_is_refused_before_a_server_starts(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """It was refused once the embedded PostgreSQL had started (and was stopped again)."""

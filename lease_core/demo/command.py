@@ -2,13 +2,15 @@
 
 ``--remove NAME`` removes a namespace a demo kept; otherwise the fleet demo runs, or the
 workflow demo ``--workflow bank-close``, on an embedded server or the store ``--url``
-names, once the extra and the driver it needs are found.
+names, once the extra and the driver it needs are found. On Windows only the memory demo
+runs: the others kill and stop OS processes with POSIX signals.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 
 from lease_core._redact import redact
 from lease_core.errors import ConfigurationError
@@ -30,6 +32,13 @@ def run_command(args: argparse.Namespace) -> int:
 
         validate_name(args.namespace)
     args.backend = _demo_backend(args.backend, args.url, args.url_source)
+    if sys.platform == "win32" and (args.backend != "memory" or args.workflow is not None):
+        raise ConfigurationError(
+            f"the demo on {args.backend} runs its instances as OS processes, which it kills "
+            "(SIGKILL) and stops (SIGTERM) to show a takeover and a hand-over, and Windows "
+            "has neither signal: run it under WSL"
+            + ("" if args.workflow is not None else ", or run anarchon demo --backend "
+               "memory (the same scenario, its instances tasks of one process)"))
     _check_demo_extra(args.backend, args.url)
     if args.workflow is not None:
         return _workflow_demo(args)
