@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.from_thread
 
+from ._platform import asyncio_options
 from .errors import BackendUnavailable
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class _Loop:
                     or (cls.thread is not None and not cls.thread.is_alive())):
                 # none yet, a fork's (see forked), or one that ended (a bug in a task)
                 cls.manager = anyio.from_thread.start_blocking_portal(
-                    "asyncio", name="anarchon-sync")
+                    "asyncio", asyncio_options(), name="anarchon-sync")
                 cls.portal = cls.manager.__enter__()
                 cls.pid = os.getpid()
                 cls.thread = cls.portal.call(threading.current_thread)

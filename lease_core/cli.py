@@ -46,6 +46,7 @@ from ._cli_help import EXIT_CODES, add_command
 from ._cli_operations import COMMANDS as OPERATIONS
 from ._cli_operations import MEMORY_NOTE, run_operation
 from ._cli_operations import add_parsers as add_operation_parsers
+from ._platform import asyncio_options
 from ._redact import redact
 from ._serve import Limits, add_limit_options, check_port, limits_from, loopback
 from ._status import iso as _iso
@@ -318,7 +319,8 @@ def _run(args: argparse.Namespace) -> int:
         from backends.postgres import CODE_VERSION
         from backends.postgres.upgrade import migrate_to
 
-        table, code = anyio.run(lambda: migrate_to(args.url, table=args.table))
+        table, code = anyio.run(lambda: migrate_to(args.url, table=args.table),
+                                backend_options=asyncio_options())
         newer = (f"; v{code} is a newer release's, used as it is (this release's is "
                  f"v{CODE_VERSION})") if code > CODE_VERSION else ""
         print(f"anarchon migrate: the tables for {table!r} are ready "
@@ -327,9 +329,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command in OPERATIONS:
-        return int(anyio.run(run_operation, args, _backend(args)))
+        return int(anyio.run(run_operation, args, _backend(args),
+                              backend_options=asyncio_options()))
     command = {"status": _status, "prune": _prune}.get(args.command, _history)
-    result: int = anyio.run(command, args)
+    result: int = anyio.run(command, args, backend_options=asyncio_options())
     return result
 
 
@@ -394,7 +397,8 @@ def _serve(args: argparse.Namespace) -> int:
                                  "pip install 'anarchon[http]'")
     limits = limits_from(args)
     check_port(args.host, args.port)
-    result: int = anyio.run(_serve_app, args, token, limits)
+    result: int = anyio.run(_serve_app, args, token, limits,
+                            backend_options=asyncio_options())
     return result
 
 

@@ -14,6 +14,7 @@ import logging
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -596,6 +597,36 @@ def test_the_lease_clock_is_one_that_counts_a_suspend_on_each_platform(
     monkeypatch.setattr(time, "monotonic", lambda: -1.0)
     monkeypatch.setattr(time, "clock_gettime", lambda clock: float(clock))
     assert _lease_clock.lease_clock() == (-1.0 if expected is None else expected)
+
+
+_RECORDING_LOOPS = textwrap.dedent("""
+    import asyncio, sys
+    made = []
+    class Recording(asyncio.SelectorEventLoop):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+    asyncio.SelectorEventLoop = Recording
+    from lease_core import MemoryBackend, SyncLease
+    from lease_core.cli import main
+    sys.platform = "win32"
+    assert main(["status", "--url", "memory://"]) == 0
+    assert len(made) == 1, made
+    with SyncLease(MemoryBackend(), "x", ttl="5s"):
+        assert len(made) == 2, made
+""")
+
+
+def test_on_windows_the_loops_the_library_starts_are_selector_loops() -> None:
+    """Windows' default asyncio loop, the ``ProactorEventLoop``, is one psycopg's async
+    connections refuse ("Psycopg cannot use the 'ProactorEventLoop'"): every command of
+    ``anarchon`` on PostgreSQL through psycopg (``postgresql://``) failed there as "cannot
+    reach PostgreSQL", and so did the sync API (SyncScheduler, SyncLease), whose loop the
+    library starts. Both start a selector loop on Windows (simulated: ``sys.platform``,
+    a recording loop class)."""
+    out = subprocess.run([sys.executable, "-c", _RECORDING_LOOPS], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
 
 
 async def test_a_lease_is_lost_soon_after_the_machine_resumes_from_a_suspend(
