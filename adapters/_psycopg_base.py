@@ -124,6 +124,13 @@ def translate_error(
         # under OperationalError, which read as "cannot reach PostgreSQL". Returned as
         # they are, as pg8000's.
         return exc
+    if isinstance(exc, psycopg.InterfaceError) and "ProactorEventLoop" in text:
+        # Windows' default asyncio loop: no outage, and no attempt will ever connect.
+        return ConfigurationError(
+            f"psycopg cannot connect to PostgreSQL{at} on Windows' default asyncio loop "
+            "(ProactorEventLoop): run the application on a selector loop (loop_factory="
+            "asyncio.SelectorEventLoop, given to asyncio.run on Python 3.12 or later, or in "
+            "anyio.run's backend_options), or use pg8000 (postgresql+pg8000://)")
     if (
         isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
         or state[:2] in _UNAVAILABLE_CLASSES

@@ -7,6 +7,7 @@ idle in a transaction, the server process a pooled connection runs on).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
@@ -1011,3 +1012,22 @@ async def test_a_pool_that_cannot_reconnect_does_not_blame_its_size(pg16_server:
         assert "or the pool could not open one" in timed_out, timed_out
     finally:
         await adapter.close()
+
+
+@pytest.mark.asyncio_only
+async def test_psycopg_on_windows_default_loop_is_a_configuration_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Windows' default asyncio loop (ProactorEventLoop) psycopg refuses to connect
+    at all; that was "cannot reach PostgreSQL" (an outage, retried for ever). Now one
+    error says to run on a selector loop or use pg8000 (Windows simulated: psycopg checks
+    ``sys.platform`` and the loop's class, before it connects anywhere)."""
+    import asyncio
+
+    from backends.postgres import PostgresBackend
+
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setattr(asyncio, "ProactorEventLoop", asyncio.AbstractEventLoop, raising=False)
+    backend = PostgresBackend("postgresql://app@127.0.0.1:1/app")
+    with pytest.raises(ConfigurationError, match=r"ProactorEventLoop.*selector loop.*pg8000"):
+        await backend.start()
+    await backend.close()
