@@ -24,6 +24,7 @@ import asyncio
 import ipaddress
 import json
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,7 +155,8 @@ def check_port(host: str, port: int) -> None:
                                  ) from None
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if sys.platform != "win32":  # as uvicorn's; on Windows it binds over a listener
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(address)
         except OSError as exc:
