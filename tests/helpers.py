@@ -16,6 +16,7 @@ import pytest
 from anyio.abc import TaskGroup, TaskStatus
 
 from lease_core import Attempt, BackendUnavailable, MemoryBackend, Scheduler
+from lease_core._lease_clock import clock_id
 from lease_core._structures import (
     CheckResult,
     ClaimRequest,
@@ -31,14 +32,14 @@ HOUR_MS = 3_600_000
 
 class Suspend:
     """A machine suspend stood in for: ``slept`` seconds added to ``time.clock_gettime``
-    (which :func:`~lease_core._lease_clock.lease_clock` reads, ``CLOCK_BOOTTIME``) and to
-    :meth:`store_clock`, a memory store's clock; the event loop's clock
-    (``time.monotonic``) does not count them, as it does not count a real suspend.
-    Skips the test where ``CLOCK_BOOTTIME`` is missing (it is Linux's)."""
+    (which :func:`~lease_core._lease_clock.lease_clock` reads: ``CLOCK_BOOTTIME`` on Linux,
+    ``CLOCK_MONOTONIC`` on macOS) and to :meth:`store_clock`, a memory store's clock; the
+    event loop's clock (``time.monotonic``) does not count them, as it does not count a
+    real suspend. Skips the test where the lease clock is ``time.monotonic`` (Windows)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        if not hasattr(time, "CLOCK_BOOTTIME"):
-            pytest.skip("CLOCK_BOOTTIME is Linux's")
+        if clock_id() is None:
+            pytest.skip("the lease clock is time.monotonic here, as the event loop's")
         self.slept = 0.0
         """Seconds the machine has been suspended so far (set it to suspend)."""
         real = time.clock_gettime
