@@ -118,3 +118,15 @@ def test_on_windows_the_embedded_postgres_needs_no_pwd_nor_root(
     (tmp_path / "postgres.exe").touch()
     server = EmbeddedPostgres(tmp_path)
     assert server.os_user is None and server.bindir == tmp_path
+
+
+def test_a_server_that_does_not_start_says_why() -> None:
+    """pg_ctl says only "could not start server"; the reason is in the server's log (a
+    setting refused; on macOS, too few semaphores for max_connections): it was a
+    CalledProcessError naming pg_ctl's command line, the demo's "unexpected error"."""
+    server = EmbeddedPostgres(settings={"max_connections": "0"})
+    try:
+        with pytest.raises(EmbeddedServerError, match=r"did not start: .*FATAL.*max_connections"):
+            server.start()
+    finally:
+        server.stop()

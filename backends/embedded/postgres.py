@@ -281,9 +281,13 @@ class EmbeddedPostgres:
 
                 entry = pwd.getpwnam(self.os_user)
                 os.chown(pwfile, entry.pw_uid, entry.pw_gid)
-            self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--pwfile", str(pwfile),
-                      "--auth-local=trust", "--auth-host=scram-sha-256", "--encoding=UTF8",
-                      "--no-sync")
+            try:
+                self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "--pwfile",
+                          str(pwfile), "--auth-local=trust", "--auth-host=scram-sha-256",
+                          "--encoding=UTF8", "--no-sync")
+            except subprocess.CalledProcessError as exc:
+                raise EmbeddedServerError(
+                    f"the embedded PostgreSQL's initdb failed: {_why(exc.stderr)}") from None
             pwfile.unlink()
             self.port = find_free_port(self.host)
         self._pg_ctl_start()
@@ -301,8 +305,16 @@ class EmbeddedPostgres:
         quote = subprocess.list2cmdline if sys.platform == "win32" else shlex.join
         options = " ".join(f"-c {quote([f'{name}={value}'])}"
                            for name, value in settings.items())
-        self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-o", options,
-                  "-l", str(self.root / "server.log"), "start", timeout=90)
+        log = self.root / "server.log"
+        try:
+            self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-o", options,
+                      "-l", str(log), "start", timeout=90)
+        except subprocess.CalledProcessError as exc:
+            # The reason is in the server's log (a setting refused, too few semaphores on
+            # macOS for max_connections...), not in pg_ctl's "could not start server".
+            text = log.read_bytes() if log.exists() else exc.stderr
+            raise EmbeddedServerError(
+                f"the embedded PostgreSQL did not start: {_why(text)}") from None
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 30) -> None:
@@ -360,6 +372,14 @@ class EmbeddedPostgres:
 
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute(sql)
+
+
+def _why(output: bytes | None) -> str:
+    """The lines of a server's or tool's output that say why it failed, on one line."""
+    lines = (output or b"").decode(errors="replace").splitlines()
+    said = [line.strip() for line in lines
+            if any(word in line for word in ("FATAL", "ERROR", "DETAIL", "HINT", "error:"))]
+    return " ".join(said[-4:] or [line.strip() for line in lines[-3:]]) or "no reason given"
 
 
 @contextlib.contextmanager
