@@ -25,7 +25,7 @@ __all__ = ["RECONNECT_MAX_DELAY_S", "CappedReconnectPool", "RecentFirstPool", "c
 #: The longest wait (seconds) between two reconnection attempts of a pool opened from a DSN.
 RECONNECT_MAX_DELAY_S = 2.0
 
-try:  # psycopg_pool >= 3.2; 3.1 calls it ConnectionAttempt
+try:  # psycopg_pool >= 3.2.1 (the declared minimum); 3.1 and 3.2.0 call it ConnectionAttempt
     from psycopg_pool.base import AttemptWithBackoff as _Attempt
 except ImportError:  # pragma: no cover - depends on the install
     try:
