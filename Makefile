@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-pythons docs screenshots lint system-deps bench bench-quick bench-ci chaos clean
+.PHONY: demo test test-minimums test-pythons docs screenshots lint system-deps bench bench-quick bench-ci chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,32 @@ demo: $(STAMP)
 ## The 20 slowest tests are listed at the end: the suite must stay under 15 minutes.
 test: $(STAMP) system-deps
 	$(PY) -m pytest -n 6 --dist loadgroup --durations=20
+
+## A fast part of the suite with every dependency at the lowest version pyproject.toml
+## accepts (tests/minimums.txt, kept equal to the declared bounds by tests/test_packaging.py),
+## on the lowest Python the project supports, in .venv-minimums (made anew when either file
+## changes). Not part of `make test` or CI: run it after raising or adding a dependency.
+MIN_PYTHON ?= python3.11
+MIN_VENV := .venv-minimums
+MIN_STAMP := $(MIN_VENV)/.installed-stamp
+
+$(MIN_STAMP): pyproject.toml tests/minimums.txt
+	rm -rf $(MIN_VENV)
+	$(MIN_PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MIN_VENV)/bin/python -m pip install --quiet -c tests/minimums.txt -e ".[test]"
+	touch $(MIN_STAMP)
+
+## Each file here is one that failed on a dependency below its bound, or exercises one:
+## the psycopg pools (reconnection, sizes), cancellation on trio, partitions (psycopg's
+## cancel), redis-py's lean path, otel, the testing kit (hypothesis), the HTTP API, page
+## and `anarchon serve` (starlette, uvicorn, fastapi, httpx), schedules (croniter).
+MINIMUMS_TESTS ?= tests/test_pool_bounds.py tests/test_health.py tests/test_adapter_safety.py \
+	tests/test_redis_lean.py tests/test_otel.py tests/test_testing_kit.py tests/test_http.py \
+	tests/test_cli_safety.py tests/test_schedules.py "tests/test_lease.py::test_lost_through_a_network_partition"
+
+test-minimums: $(MIN_STAMP) system-deps
+	$(MIN_VENV)/bin/python -m pytest -q -n 2 --durations=5 $(MINIMUMS_TESTS)
 
 ## The documentation site (docs/mkdocs.yml, pages in docs/pages/) into build/docs; --strict
 ## fails on a broken link or a missing API page.
@@ -82,4 +108,4 @@ system-deps:
 	@sh .ci/system-deps.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(MIN_VENV) build *.egg-info

@@ -100,3 +100,40 @@ def test_license_file_matches_the_declared_licence() -> None:
     text = (ROOT / "LICENSE").read_text()
     assert text.startswith("MIT License")
     assert 'license = "MIT"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_minimums_file_pins_every_declared_lower_bound() -> None:
+    """tests/minimums.txt (`make test-minimums`) pins each dependency at the lower bound
+    pyproject.toml declares: the project's own, those of the extras the test extra names,
+    the test extra's, and the build backend's. A bound raised in one and not the other, a
+    dependency added to one only, or one without a lower bound fails here."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project, extras = pyproject["project"], pyproject["project"]["optional-dependencies"]
+    declared = [*project["dependencies"], *pyproject["build-system"]["requires"]]
+    (self_ref,) = [r for r in extras["test"] if r.startswith("anarchon[")]
+    for extra in [*Requirement(self_ref).extras, "test"]:
+        declared += [r for r in extras[extra] if not r.startswith("anarchon[")]
+    bounds: dict[str, set[Version]] = {}
+    for text in declared:
+        req = Requirement(text)
+        floors = {Version(s.version) for s in req.specifier if s.operator == ">="}
+        assert len(floors) == 1, f"{text!r} declares no single lower bound (>=)"
+        bounds.setdefault(canonicalize_name(req.name), set()).update(floors)
+    pins: dict[str, Version] = {}
+    for line in (ROOT / "tests" / "minimums.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert name and version, f"tests/minimums.txt: {line!r} is not name==version"
+            pins[canonicalize_name(name.strip())] = Version(version.strip())
+    assert pins.keys() == bounds.keys(), (
+        f"only in tests/minimums.txt: {sorted(pins.keys() - bounds.keys())}, "
+        f"only in pyproject.toml: {sorted(bounds.keys() - pins.keys())}")
+    drifted = {name: (sorted(map(str, floors)), str(pins[name]))
+               for name, floors in bounds.items() if floors != {pins[name]}}
+    assert not drifted, f"pyproject.toml's bounds against tests/minimums.txt: {drifted}"
