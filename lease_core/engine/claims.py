@@ -27,7 +27,7 @@ from .._structures import (
 )
 from ..errors import BackendUnavailable
 from .base import logger
-from .runs import AttemptInfo, Run
+from .runs import AttemptInfo, Phase, Run
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -222,6 +222,29 @@ class Claimer:
 
         s.tg.start_soon(rescan)
 
+    def _drop_missed(self) -> None:
+        """Keep what an outage leaves bounded (past :attr:`_unanswered_cap` unanswered
+        claims): forget the unanswered claims of runs no longer tracked, and stop backing
+        up the older slots whose claims went unanswered and that a newer slot superseded
+        (``WATCHING``: kept only in case such a claim won, they added a record per job
+        and slot for as long as the outage lasted, all read by the first check after it).
+        Whether one of them was won is read once the store answers instead: this
+        instance is listed as departed, and the lease keeper backs up the open runs held
+        under its id that it does not track (``LeaseKeeper._adopt``)."""
+        s = self._s
+        dropped = False
+        for key in list(self._unanswered):
+            run = s.runs.get(key)
+            if (run is not None and run.phase is Phase.WATCHING
+                    and run.completed_attempt is None):
+                s.runs.forget(key)
+                run, dropped = None, True
+            if run is None:
+                self._unanswered.discard(key)
+        if dropped:
+            s.fleet.departed.add(s.settings.instance_id)
+        self._unanswered_cap = max(256, 2 * len(self._unanswered))
+
     def _shared_id(self, job: Job, slot: int) -> None:
         """Warn, once, of a run held under this instance's id by another attempt (claims
         are idempotent by token, so not one of ours; nor one whose claim went unanswered
@@ -254,8 +277,7 @@ class Claimer:
             s.runs.watch(job, slot, reclaim=reason, kept=kept)
             self._unanswered.add((job.name, slot))
             if len(self._unanswered) > self._unanswered_cap:  # an outage: slots dropped
-                self._unanswered = {k for k in self._unanswered if s.runs.get(k) is not None}
-                self._unanswered_cap = max(256, 2 * len(self._unanswered))
+                self._drop_missed()
             return None
         if self._unanswered and result.status is not ClaimStatus.RUNNING:
             self._unanswered.discard((job.name, slot))  # settled: whoever held it, no more
