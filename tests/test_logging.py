@@ -189,6 +189,25 @@ async def test_an_outage_logs_a_few_lines_not_one_per_failed_call(
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) <= 3
 
 
+def test_a_bug_in_an_outage_keeps_its_traceback_after_many_store_errors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An outage logs each of the store's errors once, up to OUTAGE_ERRORS kinds; a bug
+    met after that many (claims' timeouts of jobs with different leases differ in their
+    text) was only counted, its traceback never logged."""
+    caplog.set_level("WARNING", logger="anarchon")
+    log = outages.OutageLog("a")
+    for n in range(outages.OUTAGE_ERRORS):
+        log.failed("claim", lease_core.BackendUnavailable(f"no answer within {n}s"), n,
+                   starting=n == 0)
+    try:
+        raise ZeroDivisionError("a bug (test)")
+    except ZeroDivisionError as exc:
+        log.failed("check", exc, 10, starting=False)
+    [error] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert error.exc_info is not None and error.exc_info[0] is ZeroDivisionError
+
+
 @pytest.mark.anyio
 async def test_a_scheduler_started_without_jobs_warns_that_it_runs_nothing(
     caplog: pytest.LogCaptureFixture,

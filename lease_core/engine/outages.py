@@ -27,7 +27,8 @@ class OutageLog:
     failed and how many slots were missed meanwhile. Every other failure goes to DEBUG:
     with 100 jobs due every second, each failed claim, retry and missed slot logged a
     warning, about 6,000 lines for an outage of 30 s. An error that is not the store's
-    (a bug) is logged at ERROR with its traceback, once per kind and outage.
+    (a bug) is logged at ERROR with its traceback, once per kind and outage (up to
+    :data:`OUTAGE_ERRORS` kinds of bugs, however many of the store's errors came first).
 
     An outage that begins less than :data:`OUTAGE_REMINDER` after the end of the last one
     logged, or after relapses no line counted yet (a store that fails some calls and
@@ -41,7 +42,8 @@ class OutageLog:
         self._failures = 0  # calls failed since the last line that counted them
         self._outage_failures = 0  # calls failed in the current (or last) outage
         self._outages = 0  # outages begun since the last line that counted them
-        self._kinds: set[tuple[type[BaseException], str]] = set()
+        self._kinds: set[tuple[type[BaseException], str]] = set()  # the store's errors
+        self._bugs: set[tuple[type[BaseException], str]] = set()  # and the others, apart
         self._logged_at = -math.inf  # when the last warning of outages was logged
         self._began = -math.inf  # when the current (or last) outage began
         self._ended_at = -math.inf  # when the end of the last outage was logged
@@ -56,16 +58,20 @@ class OutageLog:
             # Quiet too after relapses no line has counted yet: its reminder does.
             self._quiet = self._outages > 0 or now - self._ended_at < OUTAGE_REMINDER
             if not self._quiet:
-                self._failures, self._outages, self._kinds, self._missed = 0, 0, set(), {}
+                self._failures, self._outages, self._missed = 0, 0, {}
+                self._kinds, self._bugs = set(), set()
             self._outages += 1
             self._outage_failures = 0
         self._failures += 1
         self._outage_failures += 1
         kind = (type(exc), str(exc))
         instance = self._instance_id
-        if kind not in self._kinds and len(self._kinds) < OUTAGE_ERRORS:
-            self._kinds.add(kind)
-            if not isinstance(exc, AnarchonError):
+        # A bug's kinds are counted apart: the store's errors seen first must not leave
+        # it without its traceback.
+        seen = self._kinds if isinstance(exc, AnarchonError) else self._bugs
+        if kind not in seen and len(seen) < OUTAGE_ERRORS:
+            seen.add(kind)
+            if seen is self._bugs:
                 # Store errors are translated to AnarchonError: anything else is a bug.
                 logger.error("instance %s: %s failed unexpectedly (a bug: please report "
                              "it with this traceback); the call is retried", instance,
