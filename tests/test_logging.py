@@ -180,6 +180,9 @@ async def test_an_outage_logs_a_few_lines_not_one_per_failed_call(
         # Membership renewals refused, claims accepted: an outage at every tick, each
         # ended by the next claim. Each logged its start and its end.
         caplog.clear()
+        # A reminder's time longer than a tick even on a loaded machine: a tick later
+        # than it starts an outage of its own (its start and end logged).
+        monkeypatch.setattr(outages, "OUTAGE_REMINDER", 1.5)
         backend.fails = frozenset({"members"})
         backend.down = True
         await wait_for(lambda: said("outages over the last"), what="a reminder")
@@ -439,3 +442,21 @@ async def test_an_instance_id_shared_on_a_server_store_is_warned_about(
             delete_prefix(found.url, prefix)
     shared = [r.getMessage() for r in caplog.records if "by another process" in r.getMessage()]
     assert len(shared) == 1 and "'worker'" in shared[0], shared
+
+
+def test_an_outage_long_after_quiet_relapses_logs_its_start(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Relapses (outages following a logged one within a reminder's time) log nothing of
+    their own; an outage a day later is an outage of its own, with its start line: it
+    began "the store keeps failing calls: 2 failed in 2 outages over the last 86395s"."""
+    caplog.set_level("WARNING", logger="anarchon")
+    log = outages.OutageLog("a")
+    down = lease_core.BackendUnavailable("store unreachable (test)")
+    log.failed("claim", down, 0.0, starting=True)
+    log.ended(1.0, None)
+    log.failed("heartbeat", down, 2.0, starting=True)  # a relapse: quiet
+    log.ended(2.5, None)
+    assert len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
+    log.failed("claim", down, 86_400.0, starting=True)
+    assert len(caplog.records) == 3
+    assert "cannot reach the store" in caplog.records[-1].getMessage(), caplog.records[-1]

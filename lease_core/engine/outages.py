@@ -47,6 +47,7 @@ class OutageLog:
         self._logged_at = -math.inf  # when the last warning of outages was logged
         self._began = -math.inf  # when the current (or last) outage began
         self._ended_at = -math.inf  # when the end of the last outage was logged
+        self._failed_at = -math.inf  # when the last call failed
         self._quiet = False  # the current outage is a relapse
         self._missed: dict[str, int] = {}
 
@@ -56,12 +57,18 @@ class OutageLog:
         if starting:
             self._began = now
             # Quiet too after relapses no line has counted yet: its reminder does.
-            self._quiet = self._outages > 0 or now - self._ended_at < OUTAGE_REMINDER
+            # A relapse: within a reminder's time of the last end logged, or of the last
+            # failure (relapses that follow each other). Later, an outage of its own: the
+            # relapses before it left _outages above 0, and the next outage, a day later,
+            # began "the store keeps failing calls: 2 failed in 2 outages over the last
+            # 86395s".
+            self._quiet = now - max(self._ended_at, self._failed_at) < OUTAGE_REMINDER
             if not self._quiet:
                 self._failures, self._outages, self._missed = 0, 0, {}
                 self._kinds, self._bugs = set(), set()
             self._outages += 1
             self._outage_failures = 0
+        self._failed_at = now
         self._failures += 1
         self._outage_failures += 1
         kind = (type(exc), str(exc))
