@@ -279,8 +279,11 @@ class Claimer:
             if len(self._unanswered) > self._unanswered_cap:  # an outage: slots dropped
                 self._drop_missed()
             return None
-        if self._unanswered and result.status is not ClaimStatus.RUNNING:
-            self._unanswered.discard((job.name, slot))  # settled: whoever held it, no more
+        if self._unanswered and (result.status is not ClaimStatus.RUNNING
+                                 or result.instance_id != s.settings.instance_id):
+            # Settled: whoever held it, no more; or held by another instance, so the
+            # unanswered claim did not win (kept, _drop_missed would forget its backup).
+            self._unanswered.discard((job.name, slot))
         if result.epoch != self._epochs.setdefault(job.name, result.epoch):
             self._new_epoch(job, result.epoch)
         lease = Lease(job.name, slot, token, job.lease_ms)
