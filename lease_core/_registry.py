@@ -265,6 +265,11 @@ def check_options(owner: str, options: Collection[str], accepted: Collection[str
         )
 
 
+#: A URL path with a host in it after an ``@`` (``/wd@db/x``, ``/wd@cache:6379/0``): the
+#: rest of a password whose ``/`` ended the host; a database named ``team@prod`` passes.
+_HOST_IN_PATH = re.compile(r"@[^/]*[/:]")
+
+
 def check_url(
     kind: str,
     url: str,
@@ -285,7 +290,7 @@ def check_url(
     if "://" in url:
         parts = urlsplit(url)
         pairs = parse_qsl(parts.query, keep_blank_values=True)
-        if "@" in parts.netloc and ("@" in parts.path or "@" in parts.fragment
+        if "@" in parts.netloc and (_HOST_IN_PATH.search(parts.path) or "@" in parts.fragment
                                     or any("@" in key for key, _ in pairs)):
             # user:pa@ss#wd@host: the URL parser ended the host at '#' ('/', '?') after
             # the password's own '@': the host read is a piece of the password, and the

@@ -184,6 +184,8 @@ def test_an_unescaped_password_is_named_as_the_problem_and_never_shown(url: str)
     piece of the password, which the message used to quote."""
     with pytest.raises(ConfigurationError, match="percent-encoded") as info:
         backend_from_url(url)
+    # ... while a database named with an '@' (libpq takes it) is not refused
+    assert backend_from_url("postgresql://app:pw@db.example/team@prod") is not None
     shown = "".join(traceback.format_exception(info.value))
     assert "Pw" not in shown and "SeCrEt" not in shown, shown
 
