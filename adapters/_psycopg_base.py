@@ -28,6 +28,7 @@ from .base import (
     CONFIG_STATES,
     GAVE_UP_STATES,
     LIMIT_CLASS,
+    UNKNOWN_COMPLETION_STATE,
     Params,
     Row,
     TransientError,
@@ -39,6 +40,7 @@ from .base import (
     redact,
     refused,
     refuses_writes,
+    unknown_completion,
 )
 
 __all__ = ["translate_error"]
@@ -108,6 +110,8 @@ def translate_error(
         return BackendUnavailable(read_only(at, text))
     if state in GAVE_UP_STATES:
         return BackendUnavailable(gave_up(at, text))
+    if state == UNKNOWN_COMPLETION_STATE:
+        return BackendUnavailable(unknown_completion(at, text))
     if state[:2] == LIMIT_CLASS:  # an OperationalError to psycopg, but no outage
         return over_limit(at, text, state)
     if isinstance(exc, PoolTimeout):

@@ -187,6 +187,19 @@ def read_only(at: str, text: str) -> str:
             "target_session_attrs=read-write)")
 
 
+#: SQLSTATE statement_completion_unknown: the server cannot say whether the statement
+#: (a commit) took effect, as some PostgreSQL-compatible servers answer an ambiguous
+#: commit. A lost answer, as a dropped connection's: :class:`BackendUnavailable`, so the
+#: engine reads back what the store has.
+UNKNOWN_COMPLETION_STATE = "40003"
+
+
+def unknown_completion(at: str, text: str) -> str:
+    """The message of an error of :data:`UNKNOWN_COMPLETION_STATE`."""
+    return (f"PostgreSQL{at} could not say whether the statement completed: {text}; "
+            "treated as a lost answer")
+
+
 def gave_up(at: str, text: str) -> str:
     """The message of an error of :data:`GAVE_UP_STATES` (``at``: `` at host:port``)."""
     return (f"PostgreSQL{at} gave the statement up: {text} (a statement_timeout or "

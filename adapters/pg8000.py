@@ -64,6 +64,7 @@ from .base import (
     CONFIG_STATES,
     GAVE_UP_STATES,
     LIMIT_CLASS,
+    UNKNOWN_COMPLETION_STATE,
     ConnectionLock,
     Executor,
     Params,
@@ -80,6 +81,7 @@ from .base import (
     redact,
     refused,
     refuses_writes,
+    unknown_completion,
 )
 
 __all__ = [
@@ -114,6 +116,8 @@ def translate_error(exc: Exception, *, where: str = "", secret: str | None = Non
             )
         if state in GAVE_UP_STATES:
             return BackendUnavailable(gave_up(at, text))
+        if state == UNKNOWN_COMPLETION_STATE:
+            return BackendUnavailable(unknown_completion(at, text))
         if state[:2] == LIMIT_CLASS:
             return over_limit(at, text, state)
         if state[:2] in ("08", "53", "57", "58"):

@@ -615,6 +615,12 @@ async def test_a_statement_over_a_server_limit_is_a_configuration_error(
         assert sqlstate(other.value) == "3B001", other.value
         assert not isinstance(other.value, BackendUnavailable | ConfigurationError), other.value
         assert await adapter.all("SELECT 1") == [(1,)]
+        # 40003 statement_completion_unknown (a commit's fate unknown, as some compatible
+        # servers answer): a lost answer, not the driver's raw error
+        with pytest.raises(BackendUnavailable, match="could not say whether"):
+            await adapter.all("DO $$ BEGIN RAISE EXCEPTION 'fate unknown (test)' "
+                              "USING ERRCODE = '40003'; END $$")
+        assert await adapter.all("SELECT 1") == [(1,)]
     finally:
         await adapter.close()
 
